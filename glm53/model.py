@@ -1,0 +1,178 @@
+"""The GLM-5.3 causal LM (flax.nnx) and its forward pass over a KV-cache view.
+
+One forward covers prefill chunks and decode steps alike: a batch of B requests, each with T new tokens
+at request-relative positions [B, T] (-1 = padding), attends to its cached rows plus the new ones. The
+layers write the new rows into the cache first, then read what they attend to through the cache
+interface (kvcache.base.KVCache).
+
+For speed, `compiled(model)` splits the module into (graphdef, state) once and jits pure functions of
+(state, tokens, positions, cache) with the cache donated; calling an nnx module eagerly or through
+nnx.jit per step costs milliseconds of Python per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from glm53.config import ModelConfig
+from glm53.layers import DecoderLayer, MTPLayer, RMSNorm
+from kvcache.base import KVCache
+
+Array = jax.Array
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def as_dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        try:
+            return DTYPES[dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
+    return jnp.dtype(dtype).type
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, rngs: nnx.Rngs, dtype):
+        self.weight = nnx.Param((0.02 * jax.random.normal(rngs.params(), (vocab, dim))).astype(dtype))
+
+    def __call__(self, ids: Array) -> Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class LMHead(nnx.Module):
+    """lm_head.weight stored [D, vocab]."""
+
+    def __init__(self, dim: int, vocab: int, *, rngs: nnx.Rngs, dtype):
+        self.weight = nnx.Param((0.02 * jax.random.normal(rngs.params(), (dim, vocab))).astype(dtype))
+
+
+class GLM53(nnx.Module):
+    """GlmMoeDsaForCausalLM. Parameter paths mirror HF names (see weights.py): `embed_tokens`, `layers.i`,
+    `norm`, `lm_head`, and `mtp.j` for HF's `model.layers.{num_hidden_layers + j}`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        dtype = as_dtype(dtype)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, cfg.vocab_size, rngs=rngs, dtype=dtype)
+        self.mtp = nnx.List([MTPLayer(cfg, cfg.num_hidden_layers + j, rngs=rngs, dtype=dtype)
+                             for j in range(cfg.num_nextn_predict_layers)])
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def __call__(self, tokens_BT: Array, pos_BT: Array, cache: KVCache, *, window: int, form: str = "auto"):
+        """tokens [B,T] int32, positions [B,T] int32 (-1 = padding) -> (hidden [B,T,D] after the final norm,
+        cache, {full layer: top-k positions [B,T,K] int32, -1 = none}).
+
+        window (static): all positions in this call are < window; attention reads cache positions
+        [0, window) only. form: "mqa" (sparse absorbed), "mha" (dense un-absorbed with the top-k mask) or
+        "auto" (see `attention_form`); all give the same result.
+        """
+        form = attention_form(form, window, self.cfg.index_topk)
+        x = self.embed_tokens(tokens_BT)
+        topk, selections = None, {}
+        for layer in self.layers:
+            x, cache, topk = layer(x, pos_BT, cache, topk, window=window, form=form)
+            if layer.self_attn.indexer is not None:
+                selections[layer.self_attn.layer] = topk
+        return self.norm(x), cache, selections
+
+    def logits(self, hidden_BTD: Array) -> Array:
+        """Final hidden states -> float32 logits [..., vocab]."""
+        w = self.embed_tokens.weight[...].T if self.lm_head is None else self.lm_head.weight[...]
+        return (hidden_BTD @ w).astype(jnp.float32)
+
+    def mtp_forward(self, j: int, h_prev_BTD: Array, next_tokens_BT: Array, pos_BT: Array, cache: KVCache,
+                    *, window: int, form: str = "auto"):
+        """MTP layer j: main hidden state at t and token t+1 -> (hidden [B,T,D] for predicting t+2, cache)."""
+        return self.mtp[j].mtp(self.embed_tokens(next_tokens_BT), h_prev_BTD, pos_BT, cache, window=window,
+                               form=attention_form(form, window, self.cfg.index_topk))
+
+
+def attention_form(form: str, window: int, index_topk: int) -> str:
+    """Resolve "auto": the dense MHA form while every visible position is selected anyway (window <=
+    top-k: DSA is dense attention there, and expanding a short window beats gathering rows), the sparse
+    MQA form beyond."""
+    if form == "auto":
+        return "mha" if window <= index_topk else "mqa"
+    if form not in ("mqa", "mha"):
+        raise ValueError(f"attention form must be 'auto', 'mqa' or 'mha', got {form!r}")
+    return form
+
+
+def init(cfg_or_preset: ModelConfig | str, seed: int = 0, dtype="float32", *, std: float | None = None) -> GLM53:
+    """A GLM53 with random weights. Norm weights start at 1, the router bias at 0, matrices ~ N(0, 0.02^2)
+    unless `std` rescales them (the tiny model uses larger weights so its outputs are not near-uniform)."""
+    from glm53.config import get_preset
+
+    cfg = get_preset(cfg_or_preset) if isinstance(cfg_or_preset, str) else cfg_or_preset
+    model = GLM53(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
+    if std is not None:
+        state = nnx.state(model, nnx.Param)
+        scaled = jax.tree.map(lambda a: a * (std / 0.02) if a.ndim >= 2 else a, state)
+        nnx.update(model, scaled)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ compiled steps
+@dataclasses.dataclass
+class Compiled:
+    """Jitted pure functions over (state, tokens, positions, cache). The cache argument is donated:
+    never reuse a cache you passed in."""
+
+    graphdef: Any
+    state: Any
+    forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form) -> (hidden_BTD, cache, selections)
+    logits: Any  # (state, hidden) -> logits f32
+    mtp_forward: Any  # (state, h_prev, next_tokens, pos, cache, *, j, window, form) -> (hidden, cache)
+
+
+def _make_compiled(model: GLM53) -> Compiled:
+    graphdef, state = nnx.split(model)
+
+    def fwd(state, tokens, pos, cache, *, window, form="auto"):
+        return nnx.merge(graphdef, state)(tokens, pos, cache, window=window, form=form)
+
+    def logits(state, hidden):
+        return nnx.merge(graphdef, state).logits(hidden)
+
+    def mtp_fwd(state, h_prev, next_tokens, pos, cache, *, j, window, form="auto"):
+        return nnx.merge(graphdef, state).mtp_forward(j, h_prev, next_tokens, pos, cache, window=window, form=form)
+
+    return Compiled(
+        graphdef=graphdef,
+        state=state,
+        forward=jax.jit(fwd, static_argnames=("window", "form"), donate_argnums=(3,)),
+        logits=jax.jit(logits),
+        mtp_forward=jax.jit(mtp_fwd, static_argnames=("j", "window", "form"), donate_argnums=(4,)),
+    )
+
+
+_COMPILED: "weakref.WeakKeyDictionary[GLM53, Compiled]" = weakref.WeakKeyDictionary()
+
+
+def compiled(model: GLM53) -> Compiled:
+    """The model's jitted step functions, built once per model object (rebuilt if its params change)."""
+    c = _COMPILED.get(model)
+    if c is None or any(a is not b for a, b in zip(jax.tree.leaves(c.state), jax.tree.leaves(nnx.state(model)))):
+        c = _COMPILED[model] = _make_compiled(model)
+    return c
+
+
+def as_token_array(token_ids) -> np.ndarray:
+    ids = np.asarray(token_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+    return ids.astype(np.int32)

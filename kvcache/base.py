@@ -1,0 +1,42 @@
+"""The KV-cache interface the model layers use.
+
+A cache is an immutable pytree: writes return a new cache (under jit with the cache donated, XLA updates
+the buffers in place). Layers address rows by *request-relative position*; how positions map to storage
+(one dense array per request, or pages through a block table) is the cache's business, so a paged cache
+with fp8 rows slots in without touching the layers.
+
+Per token the cache holds, for every attention layer (main and MTP), the kv_lora-wide normalised latent
+and the rope-wide roped key (MLA rows), and for every full indexer layer one index key.
+
+Invariant the layers rely on: when a query at position p runs, every position < p of its request has
+been written (chunked prefill and decode fill a request's positions in order).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+
+
+class KVCache(Protocol):
+    def write_mla(self, layer: int, latent_BTR: jax.Array, rope_BTP: jax.Array, pos_BT: jax.Array) -> "KVCache":
+        """Store the MLA rows of new tokens at their positions; pos -1 = padding token, not written."""
+
+    def write_index_keys(self, layer: int, keys_BTI: jax.Array, pos_BT: jax.Array) -> "KVCache":
+        """Store the indexer keys of new tokens (full indexer layers only); pos -1 = skip."""
+
+    def index_keys(self, layer: int, num_positions: int) -> jax.Array:
+        """Indexer keys of positions 0..W-1 (W = num_positions, static): [B, W, index_head_dim]; rows past
+        a request's length are junk that the causal mask removes."""
+
+    def mla_rows(self, layer: int, num_positions: int) -> tuple[jax.Array, jax.Array]:
+        """MLA rows of positions 0..W-1: (latent [B, W, R], rope [B, W, P])."""
+
+    def mla_slots(self, layer: int, pos_BTK: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Slot addressing for sparse kernels: (row table [N, R + P] (latent then rope), slots [B, T, K]
+        int32) such that row table[slots[b, t, k]] holds position pos[b, t, k] of request b; -1 -> -1."""
+
+    def gather_mla(self, layer: int, pos_BTK: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """MLA rows at selected positions [B, T, K] (-1 = none, returned as zeros):
+        (latent [B, T, K, R], rope [B, T, K, P])."""

@@ -1,0 +1,63 @@
+"""Byte accounting of the KV cache per token and cache group.
+
+Formats (BRIEF §2):
+- MLA rows, per token per attention layer: "fp8_ds_mla" = kv_lora x e4m3 + one fp32 scale per 128 latent
+  values + rope x bf16 (656 B for GLM-5.3); "bfloat16" / "float32" = (kv_lora + rope) values.
+- Indexer keys, per token per full indexer layer: "fp8" = index_head_dim x e4m3 + one fp32 scale
+  (132 B for GLM-5.3); "bfloat16" / "float32".
+MTP layers cache both their MLA rows and their own indexer keys (the published accounting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MLA_FORMATS = ("fp8_ds_mla", "bfloat16", "float32")
+INDEX_FORMATS = ("fp8", "bfloat16", "float32")
+_WIDTH = {"bfloat16": 2, "float32": 4}
+FP8_SCALE_GROUP = 128  # values sharing one fp32 scale
+
+
+def mla_row_bytes(kv_lora_rank: int, rope_dim: int, fmt: str = "fp8_ds_mla") -> int:
+    if fmt == "fp8_ds_mla":
+        return kv_lora_rank + 4 * math.ceil(kv_lora_rank / FP8_SCALE_GROUP) + 2 * rope_dim
+    if fmt in _WIDTH:
+        return (kv_lora_rank + rope_dim) * _WIDTH[fmt]
+    raise ValueError(f"MLA cache format must be one of {MLA_FORMATS}, got {fmt!r}")
+
+
+def index_key_bytes(index_head_dim: int, fmt: str = "fp8") -> int:
+    if fmt == "fp8":
+        return index_head_dim + 4 * math.ceil(index_head_dim / FP8_SCALE_GROUP)
+    if fmt in _WIDTH:
+        return index_head_dim * _WIDTH[fmt]
+    raise ValueError(f"indexer cache format must be one of {INDEX_FORMATS}, got {fmt!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGroup:
+    """One cache group: `layers` each store `bytes_per_token` bytes per token."""
+
+    name: str
+    layers: tuple[int, ...]
+    bytes_per_token: int
+
+    @property
+    def total_bytes_per_token(self) -> int:
+        return len(self.layers) * self.bytes_per_token
+
+
+def cache_groups(cfg, mla_format: str = "fp8_ds_mla", index_format: str = "fp8", *, include_mtp: bool = True):
+    """The model's cache groups: MLA rows of every attention layer, indexer keys of every full layer."""
+    n = cfg.num_layers_with_mtp if include_mtp else cfg.num_hidden_layers
+    return (
+        CacheGroup("mla", tuple(range(n)), mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, mla_format)),
+        CacheGroup("indexer", tuple(i for i in cfg.full_indexer_layers if i < n),
+                   index_key_bytes(cfg.index_head_dim, index_format)),
+    )
+
+
+def kv_bytes_per_token(cfg, mla_format: str = "fp8_ds_mla", index_format: str = "fp8", *, include_mtp: bool = True) -> int:
+    """Bytes of KV cache one token occupies across all layers (54,728 for GLM-5.3 with fp8 formats)."""
+    return sum(g.total_bytes_per_token for g in cache_groups(cfg, mla_format, index_format, include_mtp=include_mtp))

@@ -1,0 +1,31 @@
+"""GLM-5.3 long-context serving in JAX / Pallas: one distribution, packages glm53, attention, kvcache,
+parallel. experiments/ and configs/ are run from the repository root and are not installed."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="glm53-jax",
+    version="0.1.0",
+    description="GLM-5.3 (MLA + DSA lightning indexer + MoE + MTP) and its long-context serving stack in JAX",
+    python_requires=">=3.12",
+    packages=find_packages(include=["glm53", "glm53.*", "attention", "attention.*", "kvcache", "kvcache.*",
+                                    "parallel", "parallel.*"]),
+    install_requires=[
+        "jax==0.11.2",  # the lent H200 image runs 0.11.2: CPU and GPU run the same JAX
+        "flax>=0.12.12,<0.13",
+        "numpy",
+        "einops",
+        "absl-py",
+        "orbax-checkpoint>=0.12.8",
+        "safetensors",
+        "ml_collections",
+        "matplotlib",
+        "tqdm",
+        "prometheus_client",
+    ],
+    extras_require={
+        "test": ["pytest", "hypothesis", "pytest-xdist"],
+        "cuda12": ["jax[cuda12]==0.11.2"],
+        "cuda13": ["jax[cuda13]==0.11.2"],
+    },
+)

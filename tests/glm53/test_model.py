@@ -1,0 +1,185 @@
+"""The model's own invariants on the tiny preset: decode path == score, MHA == MQA form, chunking and
+batching do not change results, MoE dispatch is exact, MTP's cached decode equals its prefill."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm53
+from glm53.layers import grouped_experts
+from glm53.model import compiled
+from kvcache.contiguous import ContiguousKVCache
+
+T = 48  # > tiny's index_topk (16): sparse selection matters
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(1).integers(0, 512, T).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def ref_logits(tiny_model, ids):
+    return glm53.score(tiny_model, ids)
+
+
+def _close(a, b, ref):
+    return np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_logits_are_informative(ref_logits):
+    # Guard against a degenerate model making every comparison below trivially true.
+    assert ref_logits.std(axis=-1).min() > 0.1
+    assert len(set(ref_logits.argmax(-1).tolist())) > 3
+
+
+def test_decode_path_equals_score_at_every_position(tiny_model, ids, ref_logits):
+    dec = glm53.decode_logits(tiny_model, ids, prefill_len=1)
+    assert _close(dec, ref_logits, ref_logits)
+    dec = glm53.decode_logits(tiny_model, ids, prefill_len=20)
+    assert _close(dec, ref_logits, ref_logits)
+
+
+@pytest.mark.parametrize("form", ["mha", "mqa"])
+def test_mha_and_mqa_forms_agree(tiny_model, ids, ref_logits, form):
+    assert _close(glm53.score(tiny_model, ids, form=form), ref_logits, ref_logits)
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 32])
+def test_chunked_prefill_is_exact(tiny_model, ids, ref_logits, chunk):
+    assert _close(glm53.score(tiny_model, ids, prefill_chunk=chunk), ref_logits, ref_logits)
+
+
+def test_sparsity_changes_the_result(ids, ref_logits):
+    # Same weights (same seed and shapes) with top-k >= T is dense attention: the logits must differ.
+    dense = glm53.init(glm53.get_preset("tiny").replace(index_topk=T), seed=0, std=0.1)
+    assert np.abs(glm53.score(dense, ids) - ref_logits).max() > 1e-2
+
+
+def test_topk_total_order_and_causality(tiny_model, ids):
+    picked = glm53.topk_indices(tiny_model, ids)
+    cfg = tiny_model.cfg
+    assert sorted(picked) == [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
+    for layer, idx in picked.items():
+        assert idx.shape == (T, cfg.index_topk) and idx.dtype == np.int32
+        for t in range(T):
+            row = idx[t]
+            valid = row[row >= 0]
+            assert len(valid) == min(t + 1, cfg.index_topk)
+            assert len(set(valid)) == len(valid) and valid.max() <= t
+            assert np.all(row[len(valid):] == -1)  # padding comes last
+
+
+def test_batched_ragged_forward_matches_single_requests(tiny_model):
+    """Three requests of different lengths share one batched prefill (padding pos -1) and batched decode
+    steps in which some requests are idle; each request's logits equal its own score()."""
+    rng = np.random.default_rng(2)
+    lens = [40, 23, 9]
+    seqs = [rng.integers(0, 512, n).astype(np.int32) for n in lens]
+    c = compiled(tiny_model)
+    cache = ContiguousKVCache.create(tiny_model.cfg, 3, 64, tiny_model.dtype, include_mtp=False)
+    prefill = [30, 23, 5]  # prompt part of each request
+    tok = np.zeros((3, 32), np.int32)
+    pos = np.full((3, 32), -1, np.int32)
+    for b, (s, p) in enumerate(zip(seqs, prefill)):
+        tok[b, :p], pos[b, :p] = s[:p], np.arange(p)
+    hidden, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=64, form="mqa")
+    got = [[row] for row in np.asarray(c.logits(c.state, hidden))]
+    got = [[g[0][: p]] for g, p in zip(got, prefill)]
+    nxt = list(prefill)
+    while any(n < L for n, L in zip(nxt, lens)):
+        tok = np.zeros((3, 1), np.int32)
+        pos = np.full((3, 1), -1, np.int32)
+        for b in range(3):
+            if nxt[b] < lens[b]:
+                tok[b, 0], pos[b, 0] = seqs[b][nxt[b]], nxt[b]
+        hidden, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=64, form="mqa")
+        lg = np.asarray(c.logits(c.state, hidden))
+        for b in range(3):
+            if nxt[b] < lens[b]:
+                got[b].append(lg[b])
+                nxt[b] += 1
+    for b in range(3):
+        ref = glm53.score(tiny_model, seqs[b])
+        assert _close(np.concatenate(got[b], 0), ref, ref), b
+
+
+def test_generate_is_deterministic_and_validates(tiny_model, ids):
+    a = glm53.generate(tiny_model, ids[:10], 8)
+    b = glm53.generate(tiny_model, ids[:10], 8)
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    s1 = glm53.generate(tiny_model, ids[:10], 8, greedy=False, temperature=1.0, seed=3)
+    s2 = glm53.generate(tiny_model, ids[:10], 8, greedy=False, temperature=1.0, seed=3)
+    np.testing.assert_array_equal(s1.token_ids, s2.token_ids)
+    with pytest.raises(ValueError, match="token ids"):
+        glm53.score(tiny_model, [0, 512])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        glm53.generate(tiny_model, ids[:10], tiny_model.cfg.max_position_embeddings)
+    with pytest.raises(ValueError, match="non-empty"):
+        glm53.score(tiny_model, [])
+
+
+def _dense_moe(x, idx, w, wgu, wd):
+    """Reference: every expert on every token, weighted by a dense routing matrix."""
+    n, e = x.shape[0], wgu.shape[0]
+    r = np.zeros((n, e), np.float32)
+    np.add.at(r, (np.arange(n)[:, None], idx), w)
+    h = np.einsum("nd,edf->enf", x, wgu)
+    g, u = np.split(h, 2, -1)
+    y = np.einsum("enf,efd->end", g / (1 + np.exp(-g)) * u, wd)
+    return np.einsum("end,ne->nd", y, r)
+
+
+@pytest.mark.parametrize("n, k, e, block", [(3, 2, 8, 64), (50, 2, 8, 4), (40, 4, 16, 8), (7, 8, 8, 2)])
+def test_grouped_experts_exact(n, k, e, block):
+    rng = np.random.default_rng(n)
+    d, f = 16, 8
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    idx = np.stack([rng.permutation(e)[:k] for _ in range(n)]).astype(np.int32)
+    w = rng.random((n, k)).astype(np.float32)
+    wgu = rng.normal(size=(e, d, 2 * f)).astype(np.float32)
+    wd = rng.normal(size=(e, f, d)).astype(np.float32)
+    got = grouped_experts(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), jnp.asarray(wgu), jnp.asarray(wd), block=block)
+    np.testing.assert_allclose(np.asarray(got), _dense_moe(x, idx, w, wgu, wd), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_routing_restricts_groups():
+    from flax import nnx
+
+    from glm53.layers import Router
+
+    cfg = glm53.get_preset("tiny").replace(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+    router = Router(cfg, rngs=nnx.Rngs(0))
+    router.e_score_correction_bias[...] = jax.random.normal(jax.random.key(1), (16,)) * 0.1
+    x = jax.random.normal(jax.random.key(2), (64, cfg.hidden_size))
+    idx, w = router(x)
+    groups = np.asarray(idx) // 4
+    assert all(len(set(g)) <= 2 for g in groups)
+    np.testing.assert_allclose(np.asarray(w).sum(-1), cfg.routed_scaling_factor, rtol=1e-5)
+    # choice uses the biased scores, weights the unbiased ones
+    scores = jax.nn.sigmoid(x @ router.weight[...])
+    np.testing.assert_allclose(np.asarray(w), np.asarray(jnp.take_along_axis(scores, idx, 1)
+                               / jnp.take_along_axis(scores, idx, 1).sum(-1, keepdims=True) * 2.5), rtol=1e-5)
+
+
+def test_mtp_decode_equals_prefill(tiny_model, ids):
+    """The MTP layer with its own cache: one token per step gives the same hidden states as one prefill."""
+    c = compiled(tiny_model)
+    cfg = tiny_model.cfg
+
+    def run(step):
+        cache = ContiguousKVCache.create(cfg, 1, 64, tiny_model.dtype)
+        pos = np.arange(T - 1, dtype=np.int32)[None]
+        h, cache, _ = c.forward(c.state, jnp.asarray(ids[None, :-1]), jnp.asarray(pos), cache, window=64)
+        outs = []
+        for s in range(0, T - 1, step):
+            sl = slice(s, min(s + step, T - 1))
+            hm, cache = c.mtp_forward(c.state, h[:, sl], jnp.asarray(ids[None, 1:][:, sl]), jnp.asarray(pos[:, sl]),
+                                      cache, j=0, window=64)
+            outs.append(np.asarray(c.logits(c.state, hm))[0])
+        return np.concatenate(outs, 0)
+
+    full = run(T)
+    assert full.shape == (T - 1, cfg.vocab_size) and np.isfinite(full).all()
+    assert _close(run(1), full, full)
