@@ -14,6 +14,7 @@ setup(
         "jax==0.11.2",  # the lent H200 image runs 0.11.2: CPU and GPU run the same JAX
         "flax>=0.12.12,<0.13",
         "numpy",
+        "ml_dtypes",  # bfloat16 / float8 numpy types for checkpoint I/O (also a jax dependency)
         "einops",
         "absl-py",
         "orbax-checkpoint>=0.12.8",

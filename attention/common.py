@@ -20,3 +20,14 @@ def masked_softmax_weights(scores: jax.Array, mask: jax.Array) -> tuple[jax.Arra
     p = e / jnp.where(denom > 0, denom, 1.0)
     lse = jnp.where(denom[..., 0] > 0, jnp.log(jnp.maximum(denom[..., 0], 1e-30)) + m[..., 0], -jnp.inf)
     return p, lse
+
+
+IMPLS = ("auto", "reference")
+
+
+def resolve_impl(impl: str) -> str:
+    """Which implementation of an op to run. "auto" is the reference until the Pallas kernels land (the
+    kernels issue adds "pallas", chosen by "auto" on GPU)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return "reference"

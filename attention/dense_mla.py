@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from attention.common import masked_softmax_weights
+from attention.common import masked_softmax_weights, resolve_impl
 
 
 def topk_mask(topk_BTK, num_positions: int):
@@ -31,3 +31,9 @@ def mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BT
     p_BHTS, lse_BHT = masked_softmax_weights(s_BHTS, mask_BTS[:, None, :, :])
     o_BHTV = jnp.einsum("bhts,bshv->bhtv", p_BHTS, v_BSHV.astype(f32))
     return jnp.swapaxes(o_BHTV, 1, 2), jnp.swapaxes(lse_BHT, 1, 2)
+
+
+def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: float, *, impl: str = "auto"):
+    """The dense MHA op: (out [B,T,H,V] f32, lse [B,T,H]) (see `mha_reference`)."""
+    resolve_impl(impl)
+    return mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attention.common import resolve_impl
+
 
 def index_scores_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT):
     """q [B,T,HI,DI] f32, w [B,T,HI] f32 (all scales folded in), keys [B,S,DI], q_pos [B,T] int32
@@ -39,3 +41,9 @@ def select_topk(scores_BTS, topk: int):
 def topk_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk: int):
     """Index scores then top-k: [B,T,min(topk,S)] int32 request-relative positions, -1 padded."""
     return select_topk(index_scores_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT), topk)
+
+
+def topk(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk: int, *, impl: str = "auto"):
+    """The indexer op: selected positions [B,T,min(topk,S)] int32 (see `topk_reference`)."""
+    resolve_impl(impl)
+    return topk_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk)

@@ -6,18 +6,37 @@ half) and o_proj are applied by the caller.
 
 Two entry points:
 - `sparse_mqa_reference`: the specification, over rows already gathered per query.
-- `sparse_mqa`: the op the model calls. Rows are addressed by *slot* in a flat row table (a paged cache's
-  global slot `block_table[req, pos // B] * B + pos % B`, or `req * S + pos` for a contiguous cache),
-  -1 = none. The jnp implementation gathers and attends a few queries at a time, so the [T, K, 576]
-  gathered rows never exist at once (on CPU this is ~4x faster than gathering everything first).
+- `sparse_mqa`: the op the model calls. Rows are addressed by *slot* in a flat row table (`SlotRows`: a
+  paged cache's global slot `block_table[req, pos // B] * B + pos % B`, or `req * S + pos` for a
+  contiguous cache), -1 = none, stored in whatever format the cache uses (the cache supplies the unpack
+  of a gathered row). The jnp implementation gathers and attends a few queries at a time, so the
+  [T, K, 576] gathered rows never exist at once (on CPU ~4x faster than gathering everything first).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from attention.common import masked_softmax_weights
+from attention.common import masked_softmax_weights, resolve_impl
+
+
+def _to_float32(rows):
+    return rows.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRows:
+    """MLA rows addressed by slot. table [N, X]: rows in the cache's storage format (X = R + P values for
+    plain float caches, 656 bytes for fp8_ds_mla); slots [B, T, K] int32, -1 = none; unpack: gathered
+    raw rows [..., X] -> float32 [..., R + P] (latent then rope)."""
+
+    table: jax.Array
+    slots: jax.Array
+    unpack: Callable[[jax.Array], jax.Array] = _to_float32
 
 QUERY_BLOCK = 4  # queries per step of the blocked jnp path (measured best on XLA:CPU)
 
@@ -33,9 +52,12 @@ def sparse_mqa_reference(q_lat_BTHR, q_pe_BTHP, lat_BTKR, pe_BTKP, valid_BTK, sc
     return jnp.einsum("bthk,btkr->bthr", p_BTHK, lat_BTKR.astype(f32)), lse_BTH
 
 
-def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows_NX, slots_BTK, scale: float, *, query_block: int = QUERY_BLOCK):
-    """Sparse MQA reading rows by slot. rows [N, R+P] (latent then rope), slots [B,T,K] int32 (-1 = none)
-    -> (out [B,T,H,R] f32, lse [B,T,H] f32). Equals `sparse_mqa_reference` on the gathered rows."""
+def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str = "auto",
+               query_block: int = QUERY_BLOCK):
+    """Sparse MQA reading rows by slot -> (out [B,T,H,R] f32, lse [B,T,H] f32). Equals
+    `sparse_mqa_reference` on the gathered, unpacked rows."""
+    resolve_impl(impl)
+    rows_NX, slots_BTK = rows.table, rows.slots
     b, t, h, r = q_lat_BTHR.shape
     k = slots_BTK.shape[-1]
     n = b * t
@@ -50,7 +72,7 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows_NX, slots_BTK, scale: float, *, query
     def block(args):
         q_QHX, s_QK = args
         valid_QK = s_QK >= 0
-        rows_QKX = jnp.take(rows_NX, jnp.where(valid_QK, s_QK, 0), axis=0).astype(jnp.float32)
+        rows_QKX = rows.unpack(jnp.take(rows_NX, jnp.where(valid_QK, s_QK, 0), axis=0))
         rows_QKX = jnp.where(valid_QK[..., None], rows_QKX, 0.0)
         s_QHK = jnp.einsum("qhx,qkx->qhk", q_QHX.astype(jnp.float32), rows_QKX) * scale
         p_QHK, lse_QH = masked_softmax_weights(s_QHK, valid_QK[:, None, :])

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 import glm53
 
@@ -87,10 +88,10 @@ def bench_config(name: str, args, tmp: Path) -> dict:
     lengths = args.lengths or DEFAULT_LENGTHS.get(name, [256, 1024])
     print(f"[{name}] score at {lengths} tokens", flush=True)
     rows = []
-    for n in lengths:
+    for n in tqdm(lengths, desc=f"{name}: glm53.score", unit="length", leave=False):
         rows.append(time_score(model, n, args.repeats))
-        print(f"  ours {n:6d} tokens: {rows[-1]['ours_s']:.3f} s ({rows[-1]['ours_tokens_per_s']:.0f} tokens/s; "
-              f"first call {rows[-1]['ours_first_call_incl_compile_s']:.1f} s)", flush=True)
+        tqdm.write(f"  ours {n:6d} tokens: {rows[-1]['ours_s']:.3f} s ({rows[-1]['ours_tokens_per_s']:.0f} tokens/s; "
+                   f"first call {rows[-1]['ours_first_call_incl_compile_s']:.1f} s)")
     decode_ms = time_decode(model, args.decode_context, args.decode_steps)
     print(f"  ours decode: {decode_ms:.2f} ms/step at {args.decode_context} tokens of context", flush=True)
     result = {"config": glm53.config.to_hf_config(model.cfg), "prefill": rows,

@@ -48,9 +48,12 @@ def _check_tokens(model: GLM53, ids: np.ndarray, extra: int = 0) -> None:
 def _prefill(c: Compiled, cache, ids: np.ndarray, chunk: int, *, collect_logits: bool, collect_topk: bool,
              form: str = "auto", start_pos: int = 0):
     """Prefill `ids` (one request) at positions start_pos.. in chunks. -> (cache, logits [T,V] or last
-    hidden [1,D], {layer: topk [T,K]})."""
+    hidden [1,D], {layer: topk [T, min(index_topk, start_pos + T)]}, -1 padded)."""
     t = ids.size
-    logits, topk, hidden = [], {}, None
+    # A chunk's selection has min(index_topk, window) columns and the window grows chunk by chunk:
+    # pad every chunk to the widest selection any position of this prompt can make.
+    k = min(c.cfg.index_topk, start_pos + t)
+    logits, topk = [], {}
     for s in range(0, t, chunk):
         n = min(chunk, t - s)
         tok = np.zeros((1, chunk), np.int32)
@@ -63,7 +66,9 @@ def _prefill(c: Compiled, cache, ids: np.ndarray, chunk: int, *, collect_logits:
             logits.append(np.asarray(c.logits(c.state, hidden))[0, :n])
         if collect_topk:
             for layer, idx in sel.items():
-                topk.setdefault(layer, []).append(np.asarray(idx)[0, :n])
+                idx = np.asarray(idx)[0, :n, :k]
+                idx = np.pad(idx, ((0, 0), (0, k - idx.shape[1])), constant_values=-1)
+                topk.setdefault(layer, []).append(idx)
         last_hidden = hidden[:, n - 1]
     out_logits = np.concatenate(logits, 0) if collect_logits else last_hidden
     return cache, out_logits, {k: np.concatenate(v, 0) for k, v in topk.items()}
@@ -76,6 +81,8 @@ def _decode_step(c: Compiled, cache, token: int, pos: int):
 
 
 def _chunk_and_capacity(num_positions: int, prefill_chunk: int | None):
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     capacity = cache_capacity(num_positions)
     chunk = min(capacity, prefill_chunk or DEFAULT_PREFILL_CHUNK)
     return chunk, capacity
@@ -99,8 +106,7 @@ def topk_indices(model: GLM53, token_ids: Sequence[int], *, prefill_chunk: int |
     chunk, capacity = _chunk_and_capacity(ids.size, prefill_chunk)
     cache = ContiguousKVCache.create(model.cfg, 1, capacity, model.dtype, include_mtp=False)
     _, _, topk = _prefill(compiled(model), cache, ids, chunk, collect_logits=False, collect_topk=True)
-    k = min(model.cfg.index_topk, ids.size)
-    return {layer: idx[:, :k].astype(np.int32) for layer, idx in sorted(topk.items())}
+    return {layer: idx.astype(np.int32) for layer, idx in sorted(topk.items())}
 
 
 def decode_logits(model: GLM53, token_ids: Sequence[int], prefill_len: int, *, prefill_chunk: int | None = None) -> np.ndarray:

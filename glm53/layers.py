@@ -172,7 +172,7 @@ class MLAttention(nnx.Module):
             q_idx, w_idx, k_idx = self.indexer.queries_and_key(x_BTD, qr_BTQ, cos, sin)
             cache = cache.write_index_keys(self.layer, k_idx, pos_BT)
             keys_BWI = cache.index_keys(self.layer, window)
-            topk_BTK = indexer_ops.topk_reference(q_idx, w_idx, keys_BWI, pos_BT, cfg.index_topk)
+            topk_BTK = indexer_ops.topk(q_idx, w_idx, keys_BWI, pos_BT, cfg.index_topk)
         elif topk_BTK is None:
             raise ValueError(f"layer {self.layer} shares top-k indices but no earlier full layer provided them")
 
@@ -180,15 +180,14 @@ class MLAttention(nnx.Module):
         scale = cfg.softmax_scale
         if form == "mqa":
             q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk_RHN)
-            rows_NX, slots_BTK = cache.mla_slots(self.layer, topk_BTK)
-            o_lat_BTHR, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows_NX, slots_BTK, scale)
+            o_lat_BTHR, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, cache.mla_slots(self.layer, topk_BTK), scale)
             o_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR.astype(x_BTD.dtype), w_uv_RHV)
         elif form == "mha":
             lat_BWR, pe_BWP = cache.mla_rows(self.layer, window)
             k_nope_BWHN = jnp.einsum("bwr,rhn->bwhn", lat_BWR, w_uk_RHN)
             v_BWHV = jnp.einsum("bwr,rhv->bwhv", lat_BWR, w_uv_RHV)
             mask_BTW = dense_mla.topk_mask(topk_BTK, window)
-            o_BTHV, _ = dense_mla.mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BWHN, pe_BWP, v_BWHV, mask_BTW, scale)
+            o_BTHV, _ = dense_mla.mha(q_nope_BTHN, q_pe_BTHP, k_nope_BWHN, pe_BWP, v_BWHV, mask_BTW, scale)
             o_BTHV = o_BTHV.astype(x_BTD.dtype)
         else:
             raise ValueError(f"form must be 'mqa' or 'mha', got {form!r}")

@@ -130,6 +130,7 @@ class Compiled:
     """Jitted pure functions over (state, tokens, positions, cache). The cache argument is donated:
     never reuse a cache you passed in."""
 
+    cfg: ModelConfig
     graphdef: Any
     state: Any
     forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form) -> (hidden_BTD, cache, selections)
@@ -150,6 +151,7 @@ def _make_compiled(model: GLM53) -> Compiled:
         return nnx.merge(graphdef, state).mtp_forward(j, h_prev, next_tokens, pos, cache, window=window, form=form)
 
     return Compiled(
+        cfg=model.cfg,
         graphdef=graphdef,
         state=state,
         forward=jax.jit(fwd, static_argnames=("window", "form"), donate_argnums=(3,)),

@@ -176,54 +176,90 @@ class _CheckpointReader:
         return self.files[name].shape(name)
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as float32 (fp8 block-quantised weights dequantised with their scale_inv)."""
+        """The tensor as float32. float8 weights must come with `<name>_scale_inv` (one fp32 scale per
+        128 x 128 block of the last two axes) and are dequantised."""
         x = self.files[name].get(name)
+        if x.dtype not in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+            return x.astype(np.float32)
         scale_name = name + "_scale_inv"
-        if x.dtype == ml_dtypes.float8_e4m3fn and scale_name in self.files:
-            return _dequantize_fp8_blocks(x, self.files[scale_name].get(scale_name))
-        return x.astype(np.float32)
+        if scale_name not in self.files:
+            raise ValueError(f"tensor {name} is {x.dtype} but the checkpoint has no {scale_name} to dequantise it")
+        scale = self.files[scale_name].get(scale_name)
+        want = x.shape[:-2] + tuple(-(-n // FP8_BLOCK) for n in x.shape[-2:])
+        if scale.shape != want:
+            raise ValueError(f"tensor {scale_name} has shape {list(scale.shape)}, expected {list(want)} "
+                             f"(one scale per {FP8_BLOCK}x{FP8_BLOCK} block of {name} {list(x.shape)})")
+        return _dequantize_fp8_blocks(x, scale)
 
 
 def _dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
-    """w [out, in] float8_e4m3fn, scale_inv [ceil(out/128), ceil(in/128)] -> float32 w * scale per block."""
-    rows, cols = w.shape
-    s = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, 0), FP8_BLOCK, 1)[:rows, :cols]
+    """w [..., rows, cols] float8, scale_inv [..., ceil(rows/128), ceil(cols/128)] -> float32 w * scale
+    of its 128 x 128 block."""
+    rows, cols = w.shape[-2:]
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), FP8_BLOCK, -2), FP8_BLOCK, -1)[..., :rows, :cols]
     return w.astype(np.float32) * s
 
 
-def _load_experts(reader: _CheckpointReader, t: HFTensor, want_shape: tuple, problems: list) -> np.ndarray | None:
-    """Fused tensor if present, else stack the per-expert tensors. `want_shape` is the fused HF shape."""
-    if t.name in reader:
-        return _checked(reader, t.name, want_shape, problems)
-    prefix = t.name.rsplit(".", 1)[0]  # model.layers.i.mlp.experts
-    e, a, b = want_shape
-    if t.kind == "experts_gate_up":
-        f = a // 2
-        parts = []
-        for i in range(e):
-            g = _checked(reader, f"{prefix}.{i}.gate_proj.weight", (f, b), problems)
-            u = _checked(reader, f"{prefix}.{i}.up_proj.weight", (f, b), problems)
-            parts.append(None if g is None or u is None else np.concatenate([g, u], 0))
-    else:
-        parts = [_checked(reader, f"{prefix}.{i}.down_proj.weight", (a, b), problems) for i in range(e)]
-    return None if any(p is None for p in parts) else np.stack(parts)
+class _Loader:
+    """Reads the tensors of one checkpoint against expected shapes, collecting every problem and the set
+    of tensor names it consumed (so leftovers can be reported)."""
+
+    def __init__(self, reader: _CheckpointReader):
+        self.reader = reader
+        self.problems: list[str] = []
+        self.used: set[str] = set()
+
+    def tensor(self, name: str, want_shape: tuple) -> np.ndarray | None:
+        self.used.add(name)
+        if name not in self.reader:
+            self.problems.append(f"missing tensor {name} (expected shape {list(want_shape)})")
+            return None
+        got = self.reader.shape(name)
+        if got != tuple(want_shape):
+            self.problems.append(f"tensor {name} has shape {list(got)}, expected {list(want_shape)}")
+            return None
+        self.used.add(name + "_scale_inv")
+        try:
+            return self.reader.get(name)
+        except ValueError as e:
+            self.problems.append(str(e))
+            return None
+
+    def experts(self, t: HFTensor, want_shape: tuple) -> np.ndarray | None:
+        """Fused tensor if present, else stack the per-expert tensors. `want_shape` is the fused HF shape."""
+        if t.name in self.reader:
+            return self.tensor(t.name, want_shape)
+        prefix = t.name.rsplit(".", 1)[0]  # model.layers.i.mlp.experts
+        e, a, b = want_shape
+        if t.kind == "experts_gate_up":
+            parts = []
+            for i in range(e):
+                g = self.tensor(f"{prefix}.{i}.gate_proj.weight", (a // 2, b))
+                u = self.tensor(f"{prefix}.{i}.up_proj.weight", (a // 2, b))
+                parts.append(None if g is None or u is None else np.concatenate([g, u], 0))
+        else:
+            parts = [self.tensor(f"{prefix}.{i}.down_proj.weight", (a, b)) for i in range(e)]
+        return None if any(p is None for p in parts) else np.stack(parts)
 
 
-def _checked(reader: _CheckpointReader, name: str, want_shape: tuple, problems: list) -> np.ndarray | None:
-    if name not in reader:
-        problems.append(f"missing tensor {name} (expected shape {list(want_shape)})")
-        return None
-    got = reader.shape(name)
-    if got != tuple(want_shape):
-        problems.append(f"tensor {name} has shape {list(got)}, expected {list(want_shape)}")
-        return None
-    return reader.get(name)
+def _drop_absent_mtp(config: ModelConfig, reader: _CheckpointReader, directory: Path) -> ModelConfig:
+    """transformers' save_pretrained keeps `num_nextn_predict_layers` in config.json but writes no MTP
+    tensors: load such a checkpoint without its MTP layers (with a warning) rather than failing."""
+    n = config.num_nextn_predict_layers
+    if n == 0:
+        return config
+    prefixes = tuple(f"model.layers.{config.num_hidden_layers + j}." for j in range(n))
+    if any(name.startswith(prefixes) for name in reader.names()):
+        return config
+    log.warning("%s: config.json declares %d MTP layer(s) but the checkpoint has no model.layers.%d.* tensors; "
+                "loading without MTP", directory, n, config.num_hidden_layers)
+    return config.replace(num_nextn_predict_layers=0)
 
 
 def from_pretrained(directory: str | os.PathLike, dtype="float32", *, config: ModelConfig | None = None) -> GLM53:
     """Load an HF GlmMoeDsaForCausalLM checkpoint directory (config.json + safetensors, single file or
     sharded with model.safetensors.index.json). The MTP layers (at layer index num_hidden_layers + j) are
-    loaded when config.json declares `num_nextn_predict_layers`.
+    loaded when config.json declares `num_nextn_predict_layers` and the checkpoint holds them.
 
     Raises ValueError naming every missing or mis-shaped tensor.
     """
@@ -234,56 +270,43 @@ def from_pretrained(directory: str | os.PathLike, dtype="float32", *, config: Mo
             raise FileNotFoundError(f"{cfg_file} not found")
         config = from_hf_config(json.loads(cfg_file.read_text()))
     reader = _CheckpointReader(directory)
-    model = abstract_model(config, dtype)
-    graphdef, state = nnx.split(model)
+    config = _drop_absent_mtp(config, reader, directory)
+    graphdef, state = nnx.split(abstract_model(config, dtype))
     flat = nnx.to_flat_state(state)
-    problems: list[str] = []
-    used: set[str] = set()
-    leaves = []
+    loader = _Loader(reader)
+    values = []
     for path, var in flat:
         t = hf_tensor(config, path)
         want = hf_shape(t, var.shape)
-        if t.kind.startswith("experts"):
-            x = _load_experts(reader, t, want, problems)
-        else:
-            x = _checked(reader, t.name, want, problems)
-        used.add(t.name)
-        if x is not None:
-            x = jnp.asarray(_from_hf_layout(t, x), dtype=var.dtype)
-        leaves.append((path, var, x))
-    if problems:
-        raise ValueError(f"checkpoint {directory} does not match its config ({len(problems)} problems):\n  "
-                         + "\n  ".join(problems))
-    unexpected = [n for n in reader.names() if n not in used and not _is_known_extra(config, n, used)]
+        x = loader.experts(t, want) if t.kind.startswith("experts") else loader.tensor(t.name, want)
+        values.append(None if x is None else jnp.asarray(to_hf_layout(t, x), dtype=var.dtype))  # involution
+    if loader.problems:
+        raise ValueError(f"checkpoint {directory} does not match its config ({len(loader.problems)} problems):\n  "
+                         + "\n  ".join(loader.problems))
+    unexpected = [n for n in reader.names() if n not in loader.used and not _is_mtp_copy(config, n)]
     if unexpected:
         log.warning("ignoring %d tensors of %s that the model does not use, e.g. %s",
                     len(unexpected), directory, unexpected[:5])
-    for path, var, x in leaves:
+    for (_, var), x in zip(flat, values):
         var.set_value(x)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _from_hf_layout(t: HFTensor, x: np.ndarray) -> np.ndarray:
-    return to_hf_layout(t, x)  # both transposes are involutions
-
-
-def _is_known_extra(cfg: ModelConfig, name: str, used: set) -> bool:
-    """Tensors a checkpoint may carry that we read another way: per-expert weights (read into the fused
-    form), fp8 scales, and the MTP layers' own copies of the embedding / lm_head."""
-    if name.endswith("_scale_inv") or ".mlp.experts." in name:
-        return True
-    for j in range(cfg.num_nextn_predict_layers):
-        prefix = f"model.layers.{cfg.num_hidden_layers + j}."
-        if name in (prefix + "embed_tokens.weight", prefix + "shared_head.head.weight"):
-            return True
-    return False
+def _is_mtp_copy(cfg: ModelConfig, name: str) -> bool:
+    """MTP layers may carry their own copies of the embedding and lm_head; they equal the main model's."""
+    return any(name in (f"model.layers.{cfg.num_hidden_layers + j}.embed_tokens.weight",
+                        f"model.layers.{cfg.num_hidden_layers + j}.shared_head.head.weight")
+               for j in range(cfg.num_nextn_predict_layers))
 
 
 def save_pretrained(model: GLM53, directory: str | os.PathLike, *, max_shard_bytes: int | None = None,
                     experts: str = "per_expert") -> None:
     """Write `model` as an HF checkpoint (config.json + safetensors, sharded when it exceeds
     `max_shard_bytes`). `experts`: "per_expert" (released-checkpoint layout) or "fused" (transformers 5).
-    Written to a temporary directory and renamed into place, so a failure leaves nothing half-written."""
+
+    Files are written to a temporary directory first and each is then renamed into `directory`, so a
+    failure leaves no half-written file. Other files already in `directory` (a tokenizer, a generation
+    config) are kept; old weight files (`model*.safetensors`, the index) are replaced."""
     from safetensors.numpy import save_file
 
     if experts not in ("per_expert", "fused"):
@@ -330,12 +353,13 @@ def save_pretrained(model: GLM53, directory: str | os.PathLike, *, max_shard_byt
         hf_cfg = to_hf_config(cfg)
         hf_cfg["torch_dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=1))
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    except BaseException:
+        directory.mkdir(exist_ok=True)
+        for old in [*directory.glob("model*.safetensors"), directory / SAFETENSORS_INDEX]:
+            old.unlink(missing_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, directory / f.name)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ------------------------------------------------------------------------------------------------- orbax
@@ -343,17 +367,25 @@ CONFIG_FILE = "glm53_config.json"
 
 
 def save(model: GLM53, directory: str | os.PathLike) -> None:
-    """Save parameters with orbax plus the ModelConfig (JSON) under `directory` (must not exist)."""
+    """Save parameters with orbax plus the ModelConfig (JSON) under `directory` (must not exist). Written
+    beside it and renamed into place, so an interrupted save leaves no partial checkpoint."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
     if directory.exists():
         raise FileExistsError(f"{directory} exists; choose a new directory")
-    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(directory / "params", state)
-    meta = {"config": dataclasses.asdict(model.cfg), "dtype": jnp.dtype(model.dtype).name}
-    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp / "params", state)
+        meta = {"config": dataclasses.asdict(model.cfg), "dtype": jnp.dtype(model.dtype).name}
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=1))
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def restore(directory: str | os.PathLike) -> GLM53:

@@ -18,8 +18,14 @@ from typing import Protocol
 
 import jax
 
+from attention.sparse_mla import SlotRows
+
 
 class KVCache(Protocol):
+    @property
+    def capacity(self) -> int:
+        """Positions per request the cache can hold (static)."""
+
     def write_mla(self, layer: int, latent_BTR: jax.Array, rope_BTP: jax.Array, pos_BT: jax.Array) -> "KVCache":
         """Store the MLA rows of new tokens at their positions; pos -1 = padding token, not written."""
 
@@ -33,10 +39,6 @@ class KVCache(Protocol):
     def mla_rows(self, layer: int, num_positions: int) -> tuple[jax.Array, jax.Array]:
         """MLA rows of positions 0..W-1: (latent [B, W, R], rope [B, W, P])."""
 
-    def mla_slots(self, layer: int, pos_BTK: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Slot addressing for sparse kernels: (row table [N, R + P] (latent then rope), slots [B, T, K]
-        int32) such that row table[slots[b, t, k]] holds position pos[b, t, k] of request b; -1 -> -1."""
-
-    def gather_mla(self, layer: int, pos_BTK: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """MLA rows at selected positions [B, T, K] (-1 = none, returned as zeros):
-        (latent [B, T, K, R], rope [B, T, K, P])."""
+    def mla_slots(self, layer: int, pos_BTK: jax.Array) -> SlotRows:
+        """Slot addressing for sparse kernels: table row slots[b, t, k] holds position pos[b, t, k] of
+        request b (-1 -> -1), in the cache's storage format with the unpack that reads it."""

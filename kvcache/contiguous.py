@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from attention.sparse_mla import SlotRows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +77,4 @@ class ContiguousKVCache:
         buf = self.mla[self.mla_layers.index(layer)]
         b, s, width = buf.shape
         slots = jnp.where(pos_BTK >= 0, pos_BTK + s * jnp.arange(b, dtype=pos_BTK.dtype)[:, None, None], -1)
-        return buf.reshape(b * s, width), slots
-
-    def gather_mla(self, layer, pos_BTK):
-        buf = self.mla[self.mla_layers.index(layer)]
-        b, t, k = pos_BTK.shape
-        valid = pos_BTK >= 0
-        flat = jnp.where(valid, pos_BTK, 0).reshape(b, t * k)
-        rows = jnp.take_along_axis(buf, flat[..., None], axis=1).reshape(b, t, k, -1)
-        rows = jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype))
-        return rows[..., : self.kv_lora_rank], rows[..., self.kv_lora_rank :]
+        return SlotRows(buf.reshape(b * s, width), slots)

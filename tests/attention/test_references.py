@@ -84,9 +84,16 @@ def test_sparse_mqa_by_slot_equals_reference(t, block):
     slots[0, 0] = -1  # a query with no valid row at all
     q_lat = rng.normal(size=(b, t, h, r)).astype(np.float32)
     q_pe = rng.normal(size=(b, t, h, p)).astype(np.float32)
-    out, lse = sparse_mla.sparse_mqa(q_lat, q_pe, jnp.asarray(table), jnp.asarray(slots), 0.2, query_block=block)
+    rows_by_slot = sparse_mla.SlotRows(jnp.asarray(table), jnp.asarray(slots))
+    out, lse = sparse_mla.sparse_mqa(q_lat, q_pe, rows_by_slot, 0.2, query_block=block)
     rows = np.where((slots >= 0)[..., None], table[np.maximum(slots, 0)], 0)
     ref_out, ref_lse = sparse_mla.sparse_mqa_reference(q_lat, q_pe, rows[..., :r], rows[..., r:], slots >= 0, 0.2)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5, atol=1e-5)
     assert np.all(np.asarray(lse)[0, 0] == -np.inf) and np.all(np.asarray(out)[0, 0] == 0)
+
+
+def test_unknown_impl_is_rejected():
+    with pytest.raises(ValueError, match="impl"):
+        indexer.topk(jnp.zeros((1, 1, 1, 2)), jnp.zeros((1, 1, 1)), jnp.zeros((1, 3, 2)), jnp.zeros((1, 1), jnp.int32),
+                     2, impl="triton")

@@ -32,13 +32,15 @@ def test_padding_slot_is_skipped_not_written_to_the_last_row():
     assert np.all(np.asarray(cache.mla_rows(1, 8)[0]) == 0)
 
 
-def test_gather_by_position_with_padding():
+def test_slots_address_rows_by_position_with_padding():
     cfg, cache = _cache()
     keys = jnp.arange(2 * 8, dtype=jnp.float32).reshape(2, 8, 1) * jnp.ones((1, 1, cfg.kv_lora_rank))
     cache = cache.write_mla(2, keys, jnp.zeros((2, 8, cfg.qk_rope_head_dim)), jnp.tile(jnp.arange(8), (2, 1)))
-    lat, rope = cache.gather_mla(2, jnp.asarray([[[3, -1]], [[0, 7]]]))
-    assert lat.shape == (2, 1, 2, cfg.kv_lora_rank) and rope.shape == (2, 1, 2, cfg.qk_rope_head_dim)
-    np.testing.assert_array_equal(np.asarray(lat[..., 0]), [[[3, 0]], [[8, 15]]])
+    rows = cache.mla_slots(2, jnp.asarray([[[3, -1]], [[0, 7]]]))
+    assert rows.table.shape == (2 * 8, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    np.testing.assert_array_equal(np.asarray(rows.slots), [[[3, -1]], [[8, 15]]])
+    got = np.asarray(rows.unpack(rows.table[jnp.maximum(rows.slots, 0)]))[..., 0]
+    np.testing.assert_array_equal(np.where(np.asarray(rows.slots) >= 0, got, -1), [[[3, -1]], [[8, 15]]])
 
 
 def test_index_keys_only_for_full_layers():
@@ -49,13 +51,17 @@ def test_index_keys_only_for_full_layers():
     assert k[0, 5].sum() == cfg.index_head_dim and k.sum() == cfg.index_head_dim
 
 
-def test_slots_address_the_same_rows_as_gather():
+def test_slots_match_the_dense_view():
     cfg, cache = _cache()
     rows = jnp.arange(2 * 8 * cache.mla[0].shape[-1], dtype=jnp.float32).reshape(2, 8, -1)
     cache = cache.write_mla(1, rows[..., : cfg.kv_lora_rank], rows[..., cfg.kv_lora_rank:], jnp.tile(jnp.arange(8), (2, 1)))
     pos = jnp.asarray([[[3, -1, 7]], [[0, 5, -1]]])
-    table, slots = cache.mla_slots(1, pos)
-    lat, rope = cache.gather_mla(1, pos)
-    got = jnp.where((slots >= 0)[..., None], table[jnp.maximum(slots, 0)], 0)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.concatenate([lat, rope], -1)))
-    np.testing.assert_array_equal(np.asarray(slots < 0), np.asarray(pos < 0))
+    sr = cache.mla_slots(1, pos)
+    lat, rope = cache.mla_rows(1, 8)
+    dense = np.concatenate([np.asarray(lat), np.asarray(rope)], -1)  # [B, S, R+P]
+    for b in range(2):
+        for k in range(3):
+            p = int(pos[b, 0, k])
+            if p >= 0:
+                np.testing.assert_array_equal(np.asarray(sr.table[sr.slots[b, 0, k]]), dense[b, p])
+    np.testing.assert_array_equal(np.asarray(sr.slots < 0), np.asarray(pos < 0))
