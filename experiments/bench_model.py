@@ -51,6 +51,17 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def git_revision() -> str:
+    """HEAD of the repository the benchmark ran from, with "+dirty" when tracked files differ from it."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def time_score(model, length: int, repeats: int) -> dict:
     ids = np.random.default_rng(length).integers(0, model.cfg.vocab_size, length)
     t0 = time.perf_counter()
@@ -166,6 +177,7 @@ def main(argv=None):
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "jax_device": str(jax.devices()[0])},
         "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
+        "git_commit": git_revision(),
         "what": "prefill = glm53.score (all logits, chunked prefill over a contiguous cache), steady state after "
                 "one compiling call; decode = glm53.generate ms per new token; HF = GlmMoeDsaForCausalLM eager "
                 "float32 forward without cache, torch threads as listed",
