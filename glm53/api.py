@@ -71,7 +71,7 @@ def _prefill(c: Compiled, cache, ids: np.ndarray, chunk: int, *, collect_logits:
                 topk.setdefault(layer, []).append(idx)
         last_hidden = hidden[:, n - 1]
     out_logits = np.concatenate(logits, 0) if collect_logits else last_hidden
-    return cache, out_logits, {k: np.concatenate(v, 0) for k, v in topk.items()}
+    return cache, out_logits, {layer: np.concatenate(rows, 0) for layer, rows in topk.items()}
 
 
 def _decode_step(c: Compiled, cache, token: int, pos: int):

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from glm53.config import ModelConfig, from_hf_config, to_hf_config
-from glm53.model import GLM53, as_dtype
+from glm53.model import GLM53
 
 log = logging.getLogger(__name__)
 
