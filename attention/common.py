@@ -22,12 +22,57 @@ def masked_softmax_weights(scores: jax.Array, mask: jax.Array) -> tuple[jax.Arra
     return p, lse
 
 
-IMPLS = ("auto", "reference")
+IMPLS = ("auto", "reference", "pallas")
+
+# "auto" picks the Pallas kernels on a GPU only once they have been compiled and checked there (the
+# device check in experiments/bench_attention.py); until then it runs the references everywhere, so a
+# GPU user never gets an unverified lowering by default. Pass impl="pallas" to run them anyway.
+PALLAS_VERIFIED_ON_GPU = False
 
 
 def resolve_impl(impl: str) -> str:
-    """Which implementation of an op to run. "auto" is the reference until the Pallas kernels land (the
-    kernels issue adds "pallas", chosen by "auto" on GPU)."""
+    """Which implementation of an op to run: "reference" or "pallas"."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return "reference"
+    if impl == "auto":
+        return "pallas" if PALLAS_VERIFIED_ON_GPU and on_gpu() else "reference"
+    return impl
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def pallas_interpret() -> bool:
+    """Pallas kernels run in interpret mode everywhere but on a GPU (semantics only, see JAX notes)."""
+    return not on_gpu()
+
+
+def pad_to(x, axis: int, size: int, value=0):
+    """Pad `x` along `axis` up to `size` with `value` (no-op when already that long)."""
+    extra = size - x.shape[axis]
+    if extra <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides n and is <= cap (block sizes must be powers of two for Triton)."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def slot_mapping(block_table_BM, pos, block_size: int):
+    """Request-relative positions [B, ...] -> global slots [B, ...] int32 of a paged cache:
+    block_table[b, p // block_size] * block_size + p % block_size; -1 where p < 0, past the block table,
+    or on an unallocated (-1) page."""
+    m = block_table_BM.shape[1]
+    page_idx = pos // block_size
+    inside = (pos >= 0) & (page_idx < m)
+    flat = jnp.where(inside, page_idx, 0).reshape(pos.shape[0], -1)
+    page = jnp.take_along_axis(block_table_BM, flat, axis=1).reshape(pos.shape)
+    return jnp.where(inside & (page >= 0), page * block_size + pos % block_size, -1).astype(jnp.int32)

@@ -1,6 +1,10 @@
 """Dense MLA in un-absorbed (MHA) form: every cached latent row expanded to per-head keys and values.
 
-Cheap for short contexts; with a top-k mask it computes exactly what sparse MLA computes.
+Cheap for short contexts; with a top-k mask it computes exactly what sparse MLA computes. While a
+request's whole visible context is no longer than top-k, DSA selects every position anyway, so this
+dense path replaces the sparse one (`use_dense_mha`); `force_mqa=True` disables it so that every
+prefill takes the sparse path (DeployConfig.sparse_mla_force_mqa, vLLM's option of the same purpose).
+The dense path has no Pallas kernel: it is two large batched matmuls, which XLA already does well.
 """
 
 from __future__ import annotations
@@ -8,6 +12,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from attention.common import masked_softmax_weights, resolve_impl
+
+
+def use_dense_mha(window: int, index_topk: int, *, force_mqa: bool = False) -> bool:
+    """Whether a step whose attention window is `window` positions takes the dense MHA path."""
+    return not force_mqa and window <= index_topk
 
 
 def topk_mask(topk_BTK, num_positions: int):
@@ -34,6 +43,7 @@ def mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BT
 
 
 def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: float, *, impl: str = "auto"):
-    """The dense MHA op: (out [B,T,H,V] f32, lse [B,T,H]) (see `mha_reference`)."""
+    """The dense MHA op: (out [B,T,H,V] f32, lse [B,T,H]) (see `mha_reference`). Every impl runs the
+    reference (no kernel: see the module docstring)."""
     resolve_impl(impl)
     return mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale)

@@ -20,7 +20,11 @@ the clip); x ~= q * scale. Relative error per value is at most 2^-4 of the group
 half an ulp at the top binade is 2^-4 of the value).
 
 Multi-byte fields are little-endian (the byte order of every platform JAX runs on); tests assert the
-offsets on raw bytes. The plain formats ("bfloat16", "float32") store [latent | rope] values as is.
+offsets on raw bytes. In a cache (`MLARowFormat`, `IndexKeyFormat`) the fp8 rows are held as the same
+bytes viewed as uint32 words (164 words per MLA row, 33 per indexer key): a GPU kernel can then load
+power-of-two blocks of whole words and decode bytes with shifts (Triton bitcasts only between types of
+one width), and no per-step byte <-> word conversion of the whole cache is needed. The plain formats
+("bfloat16", "float32", "float16") store [latent | rope] values as is.
 """
 
 from __future__ import annotations
@@ -36,9 +40,9 @@ FP8_MAX = 448.0
 SCALE_FLOOR = 1e-4
 GROUP = 128  # values per fp32 scale
 
-MLA_FORMATS = ("fp8_ds_mla", "bfloat16", "float32")
-INDEX_FORMATS = ("fp8", "bfloat16", "float32")
-_PLAIN = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+MLA_FORMATS = ("fp8_ds_mla", "bfloat16", "float32", "float16")
+INDEX_FORMATS = ("fp8", "bfloat16", "float32", "float16")
+_PLAIN = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 
 
 def num_groups(dim: int) -> int:
@@ -80,6 +84,16 @@ def _from_bytes(b, dtype):
     if w == 1:
         return jax.lax.bitcast_convert_type(b, dtype)
     return jax.lax.bitcast_convert_type(b.reshape(b.shape[:-1] + (-1, w)), dtype)
+
+
+def bytes_to_words(b):
+    """uint8 [..., 4n] -> uint32 [..., n] (little-endian words)."""
+    return _from_bytes(b, jnp.uint32)
+
+
+def words_to_bytes(w):
+    """uint32 [..., n] -> uint8 [..., 4n]."""
+    return _to_bytes(w)
 
 
 def fp8_ds_mla_bytes(kv_lora_rank: int, rope_dim: int) -> int:
@@ -136,31 +150,39 @@ class MLARowFormat:
     def __post_init__(self):
         if self.name not in MLA_FORMATS:
             raise ValueError(f"kv_cache_dtype must be one of {MLA_FORMATS}, got {self.name!r}")
+        if self.name == "fp8_ds_mla" and (self.kv_lora_rank % 4 or self.rope_dim % 2):
+            raise ValueError("fp8_ds_mla rows need kv_lora_rank % 4 == 0 and an even rope_dim (uint32 words), "
+                             f"got {self.kv_lora_rank} and {self.rope_dim}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.name == "fp8_ds_mla"
 
     @property
     def storage_dtype(self):
-        return jnp.uint8 if self.name == "fp8_ds_mla" else _PLAIN[self.name]
-
-    @property
-    def width(self) -> int:
-        r, p = self.kv_lora_rank, self.rope_dim
-        return fp8_ds_mla_bytes(r, p) if self.name == "fp8_ds_mla" else r + p
+        return jnp.uint32 if self.fp8 else _PLAIN[self.name]
 
     @property
     def row_bytes(self) -> int:
-        return self.width * jnp.dtype(self.storage_dtype).itemsize
+        r, p = self.kv_lora_rank, self.rope_dim
+        return fp8_ds_mla_bytes(r, p) if self.fp8 else (r + p) * jnp.dtype(self.storage_dtype).itemsize
+
+    @property
+    def width(self) -> int:
+        """Stored elements per row."""
+        return self.row_bytes // jnp.dtype(self.storage_dtype).itemsize
 
     def pack(self, latent, rope):
         """latent [..., R], rope [..., P] -> stored rows [..., width]."""
-        if self.name == "fp8_ds_mla":
-            return pack_fp8_ds_mla(latent, rope)
+        if self.fp8:
+            return bytes_to_words(pack_fp8_ds_mla(latent, rope))
         dt = self.storage_dtype
         return jnp.concatenate([latent.astype(dt), rope.astype(dt)], axis=-1)
 
     def unpack(self, rows):
         """stored rows [..., width] -> float32 [..., R + P] (latent then rope)."""
-        if self.name == "fp8_ds_mla":
-            return jnp.concatenate(unpack_fp8_ds_mla(rows, self.rope_dim), axis=-1)
+        if self.fp8:
+            return jnp.concatenate(unpack_fp8_ds_mla(words_to_bytes(rows), self.rope_dim), axis=-1)
         return rows.astype(jnp.float32)
 
 
@@ -175,25 +197,34 @@ class IndexKeyFormat:
     def __post_init__(self):
         if self.name not in INDEX_FORMATS:
             raise ValueError(f"index cache format must be one of {INDEX_FORMATS}, got {self.name!r}")
+        if self.name == "fp8" and self.dim % 4:
+            raise ValueError(f"fp8 indexer keys need index_head_dim % 4 == 0 (uint32 words), got {self.dim}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.name == "fp8"
 
     @property
     def storage_dtype(self):
-        return jnp.uint8 if self.name == "fp8" else _PLAIN[self.name]
-
-    @property
-    def width(self) -> int:
-        return fp8_index_key_bytes(self.dim) if self.name == "fp8" else self.dim
+        return jnp.uint32 if self.fp8 else _PLAIN[self.name]
 
     @property
     def row_bytes(self) -> int:
-        return self.width * jnp.dtype(self.storage_dtype).itemsize
+        return fp8_index_key_bytes(self.dim) if self.fp8 else self.dim * jnp.dtype(self.storage_dtype).itemsize
+
+    @property
+    def width(self) -> int:
+        """Stored elements per key."""
+        return self.row_bytes // jnp.dtype(self.storage_dtype).itemsize
 
     def pack(self, keys):
-        if self.name == "fp8":
-            return pack_fp8_index_keys(keys, pow2_scale=self.pow2_scale)
+        """keys [..., D] -> stored keys [..., width]."""
+        if self.fp8:
+            return bytes_to_words(pack_fp8_index_keys(keys, pow2_scale=self.pow2_scale))
         return keys.astype(self.storage_dtype)
 
     def unpack(self, rows):
-        if self.name == "fp8":
-            return unpack_fp8_index_keys(rows, self.dim)
+        """stored keys [..., width] -> float32 [..., D]."""
+        if self.fp8:
+            return unpack_fp8_index_keys(words_to_bytes(rows), self.dim)
         return rows.astype(jnp.float32)

@@ -1,19 +1,55 @@
-"""DSA lightning indexer: index scores and top-k selection (reference implementation).
+"""DSA lightning indexer: index scores and top-k selection, over dense or paged keys.
 
 I[t, s] = sum_h w[t, h] * ReLU(q[t, h] . k[s]) for cached positions s <= pos[t], -inf elsewhere, in
 float32; the selection is the top-k of I[t, :] in the total order (score descending, then position
 ascending), which is exactly what `lax.top_k` does on a position-indexed row. Selected positions that
 are not valid come back as -1.
 
-Positions are request-relative: row s of `keys_BSI` holds the key of the request's token at position s.
+Positions are request-relative. Keys live in a cache (`PagedKeys`): request b's key at position s is
+row `block_table[b, s // block_size] * block_size + s % block_size` of a flat table, stored in an
+`IndexKeyFormat` (fp8 with a per-128 scale, or plain floats). A contiguous cache is the special case of
+one block per request.
+
+Implementations behind `topk(..., impl=)`: the reference gathers the window's keys and scores them with
+plain jnp; the Pallas kernel reads key blocks straight from the pages. Both hand the scores to XLA's
+top-k (`select_topk`); a fused top-k is future work.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-from attention.common import resolve_impl
+from attention.common import pad_to, pallas_interpret, pow2_divisor, resolve_impl, slot_mapping
+from attention.formats import FP8, IndexKeyFormat
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table", "block_table"],
+                   meta_fields=["block_size", "fmt"])
+@dataclasses.dataclass(frozen=True)
+class PagedKeys:
+    """Indexer keys of a batch of requests. table [N, fmt.width] (fmt.storage_dtype), block_table [B, M]
+    int32 page ids (-1 = not allocated), block_size (static): positions per page."""
+
+    table: jax.Array
+    block_table: jax.Array
+    block_size: int
+    fmt: IndexKeyFormat
+
+    def slots(self, pos):
+        """Request-relative positions [B, ...] -> table rows [B, ...] (-1 = none; see `slot_mapping`)."""
+        return slot_mapping(self.block_table, pos, self.block_size)
+
+    def gather(self, num_positions: int):
+        """Keys of positions 0..W-1 of every request: float32 [B, W, D]. Positions without a page read
+        row 0 (junk that the causal mask removes: a request's pages cover every position it has)."""
+        pos = jnp.broadcast_to(jnp.arange(num_positions, dtype=jnp.int32), (self.block_table.shape[0], num_positions))
+        slots = self.slots(pos)
+        return self.fmt.unpack(jnp.take(self.table, jnp.maximum(slots, 0), axis=0))
 
 
 def index_scores_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT):
@@ -26,9 +62,12 @@ def index_scores_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT):
     for h in range(q_BTHI.shape[2]):
         logits_BTS = jnp.einsum("bti,bsi->bts", q_BTHI[:, :, h], keys_BSI)
         scores_BTS = scores_BTS + jax.nn.relu(logits_BTS) * w_BTH[:, :, h, None]
-    s_pos = jnp.arange(keys_BSI.shape[1], dtype=jnp.int32)
-    causal_BTS = s_pos[None, None, :] <= q_pos_BT[:, :, None]
-    return jnp.where(causal_BTS, scores_BTS, -jnp.inf)
+    return causal_mask(scores_BTS, q_pos_BT)
+
+
+def causal_mask(scores_BTS, q_pos_BT):
+    s_pos = jnp.arange(scores_BTS.shape[-1], dtype=jnp.int32)
+    return jnp.where(s_pos[None, None, :] <= q_pos_BT[:, :, None], scores_BTS, -jnp.inf)
 
 
 def select_topk(scores_BTS, topk: int):
@@ -39,11 +78,91 @@ def select_topk(scores_BTS, topk: int):
 
 
 def topk_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk: int):
-    """Index scores then top-k: [B,T,min(topk,S)] int32 request-relative positions, -1 padded."""
+    """Index scores then top-k over dense keys: [B,T,min(topk,S)] int32 request-relative positions."""
     return select_topk(index_scores_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT), topk)
 
 
-def topk(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk: int, *, impl: str = "auto"):
-    """The indexer op: selected positions [B,T,min(topk,S)] int32 (see `topk_reference`)."""
-    resolve_impl(impl)
-    return topk_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk)
+def index_scores(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, impl: str = "auto"):
+    """Scores over positions [0, window) of each request's paged keys: float32 [B, T, window]."""
+    if resolve_impl(impl) == "pallas":
+        return index_scores_pallas(q_BTHI, w_BTH, keys, q_pos_BT, window=window)
+    return index_scores_reference(q_BTHI, w_BTH, keys.gather(window), q_pos_BT)
+
+
+def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str = "auto"):
+    """The indexer op: selected positions [B,T,min(topk, window)] int32 (-1 = none), every position
+    < window (static; all query positions must be < window)."""
+    return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl), topk)
+
+
+# ------------------------------------------------------------------------------------------ Pallas kernel
+HEAD_PAD = 16  # tl.dot needs every matmul dimension >= 16: pad the indexer heads (with weight 0)
+MAX_KEY_BLOCK = 64
+
+
+def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, key_block: int | None = None):
+    """Pallas (Triton-style) kernel for `index_scores`: same result as the reference.
+
+    Grid (query token, key block): one program scores one query against `key_block` consecutive
+    positions of its request, which lie on one page (key_block divides block_size), so the program loads
+    one contiguous run of rows. Per head, logits [HI, KB] = q_h . keys over DI, then ReLU, weight, sum.
+
+    Backend: written for the Triton lowering (the default GPU backend of jax 0.11's pallas_call): every
+    loaded block has power-of-two sides (key_block and DI/4 word columns), heads padded to 16 for
+    tl.dot. fp8 keys (uint32 words: 4 e4m3 values each, then the fp32 scale word) are decoded in the
+    kernel with shifts and same-width bitcasts, which is what Triton supports; the query is split into
+    the matching 4 byte-planes outside the kernel, so no in-kernel reshape is needed. Tested in
+    interpret mode only; GPU lowering not yet verified (no GPU in the sessions so far).
+    """
+    b, t, hi, di = q_BTHI.shape
+    fmt, bs = keys.fmt, keys.block_size
+    if fmt.fp8 and di > 128:
+        raise ValueError(f"the fp8 indexer kernel supports index_head_dim <= 128 (one scale), got {di}")
+    kb = key_block or pow2_divisor(window, min(bs, MAX_KEY_BLOCK))
+    if bs % kb or window % kb:
+        raise ValueError(f"key_block={kb} must divide block_size={bs} and window={window}")
+    hp = max(HEAD_PAD, -(-hi // HEAD_PAD) * HEAD_PAD)
+    nq = b * t
+    planes = 4 if fmt.fp8 else 1
+    # q [NQ, planes, HP, DI/planes]: plane j holds dims j, j+planes, ... (byte j of each key word).
+    q = pad_to(q_BTHI.astype(jnp.float32).reshape(nq, hi, di), 1, hp)
+    q = q.reshape(nq, hp, di // planes, planes).transpose(0, 3, 1, 2)
+    w = pad_to(w_BTH.astype(jnp.float32).reshape(nq, hi), 1, hp)
+    qpos = q_pos_BT.astype(jnp.int32).reshape(nq)
+    qreq = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    words = di // planes
+
+    def kernel(q_ref, w_ref, qpos_ref, qreq_ref, bt_ref, tab_ref, o_ref):
+        i, j = pl.program_id(0), pl.program_id(1)
+        s0 = j * kb
+        page = jnp.maximum(bt_ref[qreq_ref[i], s0 // bs], 0)
+        rows = pl.ds(page * bs + s0 % bs, kb)
+        logits = jnp.zeros((hp, kb), jnp.float32)
+        if fmt.fp8:
+            w_KD = tab_ref[rows, pl.ds(0, words)]  # [KB, DI/4] uint32
+            scale_K1 = jax.lax.bitcast_convert_type(tab_ref[rows, pl.ds(words, 1)], jnp.float32)
+            for p in range(planes):
+                byte = ((w_KD >> (8 * p)) & 0xFF).astype(jnp.uint8)
+                k_KD = jax.lax.bitcast_convert_type(byte, FP8).astype(jnp.float32) * scale_K1
+                logits += jax.lax.dot_general(q_ref[0, p], k_KD, (((1,), (1,)), ((), ())),
+                                              preferred_element_type=jnp.float32)
+        else:
+            k_KD = tab_ref[rows, pl.ds(0, di)].astype(jnp.float32)
+            logits += jax.lax.dot_general(q_ref[0, 0], k_KD, (((1,), (1,)), ((), ())),
+                                          preferred_element_type=jnp.float32)
+        score_K = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[0][:, None], axis=0)
+        pos_K = s0 + jax.lax.broadcasted_iota(jnp.int32, (kb,), 0)
+        qp = qpos_ref[i]
+        o_ref[0, :] = jnp.where(pos_K <= qp, score_K, -jnp.inf)
+
+    whole = pl.BlockSpec()
+    scores = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((nq, window), jnp.float32),
+        grid=(nq, window // kb),
+        in_specs=[pl.BlockSpec((1, planes, hp, words), lambda i, j: (i, 0, 0, 0)),
+                  pl.BlockSpec((1, hp), lambda i, j: (i, 0)), whole, whole, whole, whole],
+        out_specs=pl.BlockSpec((1, kb), lambda i, j: (i, j)),
+        interpret=pallas_interpret(),
+    )(q, w, qpos, qreq, keys.block_table.astype(jnp.int32), keys.table)
+    return scores.reshape(b, t, window)

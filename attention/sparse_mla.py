@@ -8,35 +8,39 @@ Two entry points:
 - `sparse_mqa_reference`: the specification, over rows already gathered per query.
 - `sparse_mqa`: the op the model calls. Rows are addressed by *slot* in a flat row table (`SlotRows`: a
   paged cache's global slot `block_table[req, pos // B] * B + pos % B`, or `req * S + pos` for a
-  contiguous cache), -1 = none, stored in whatever format the cache uses (the cache supplies the unpack
-  of a gathered row). The jnp implementation gathers and attends a few queries at a time, so the
-  [T, K, 576] gathered rows never exist at once (on CPU ~4x faster than gathering everything first).
+  contiguous cache), -1 = none, stored in the cache's `MLARowFormat` (fp8_ds_mla words or plain floats).
+  impl="reference": jnp that gathers, unpacks and attends a few queries at a time, so the [T, K, 576]
+  gathered rows never exist at once (on CPU ~4x faster than gathering everything first).
+  impl="pallas": `sparse_mqa_pallas`, one kernel that gathers, decodes and attends with an online
+  softmax. Decode (T = 1 per request) and prefill (many query tokens) are the same call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-from attention.common import masked_softmax_weights, resolve_impl
-
-
-def _to_float32(rows):
-    return rows.astype(jnp.float32)
+from attention.common import masked_softmax_weights, pad_to, pallas_interpret, resolve_impl
+from attention.formats import FP8, MLARowFormat
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table", "slots"], meta_fields=["fmt"])
 @dataclasses.dataclass(frozen=True)
 class SlotRows:
-    """MLA rows addressed by slot. table [N, X]: rows in the cache's storage format (X = R + P values for
-    plain float caches, 656 bytes for fp8_ds_mla); slots [B, T, K] int32, -1 = none; unpack: gathered
-    raw rows [..., X] -> float32 [..., R + P] (latent then rope)."""
+    """MLA rows addressed by slot. table [N, fmt.width] in the cache's storage format (R + P floats, or
+    164 uint32 words = 656 bytes of fp8_ds_mla for GLM-5.3); slots [B, T, K] int32, -1 = none."""
 
     table: jax.Array
     slots: jax.Array
-    unpack: Callable[[jax.Array], jax.Array] = _to_float32
+    fmt: MLARowFormat
+
+    def unpack(self, rows):
+        """Gathered stored rows [..., width] -> float32 [..., R + P] (latent then rope)."""
+        return self.fmt.unpack(rows)
 
 QUERY_BLOCK = 4  # queries per step of the blocked jnp path (measured best on XLA:CPU)
 
@@ -56,7 +60,8 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
                query_block: int = QUERY_BLOCK):
     """Sparse MQA reading rows by slot -> (out [B,T,H,R] f32, lse [B,T,H] f32). Equals
     `sparse_mqa_reference` on the gathered, unpacked rows."""
-    resolve_impl(impl)
+    if resolve_impl(impl) == "pallas":
+        return sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows, scale)
     rows_NX, slots_BTK = rows.table, rows.slots
     b, t, h, r = q_lat_BTHR.shape
     k = slots_BTK.shape[-1]
@@ -81,3 +86,118 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
     out, lse = jax.lax.map(block, (q.reshape(nb, query_block, h, -1), slots.reshape(nb, query_block, k)))
     out = out.reshape(nb * query_block, h, r)[:n].reshape(b, t, h, r)
     return out, lse.reshape(nb * query_block, h)[:n].reshape(b, t, h)
+
+
+# ------------------------------------------------------------------------------------------ Pallas kernel
+HEAD_BLOCK = 16  # heads per program; tl.dot needs M >= 16, so fewer heads are padded to 16
+MAX_ROW_BLOCK = 64  # selected rows per inner step
+
+
+def _planes(fmt: MLARowFormat):
+    """How a row is split into power-of-two blocks: (latent planes, rope planes). fp8_ds_mla: the 4
+    byte-planes of the R/4 latent words and the 2 half-word planes of the P/2 rope words; plain: one
+    latent block of R and one rope block of P values."""
+    return (4, 2) if fmt.fp8 else (1, 1)
+
+
+def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, row_block: int | None = None):
+    """Pallas (Triton-style) sparse MQA: gather the selected rows by slot, decode them, and attend with an
+    online softmax. -> (out [B,T,H,R] f32, lse [B,T,H] f32), equal to the reference.
+
+    Grid (query token, head block): each program keeps its [16, R] output accumulator and walks the
+    query's K slots `row_block` at a time (slots padded with -1 to a multiple of it).
+
+    Backend: written for the Triton lowering (jax 0.11's default GPU backend for pallas_call). Every
+    loaded block is power-of-two sized, which a 576-value or 656-byte row is not, so the row is read as
+    separate blocks: plain caches as the 512 latent and the 64 rope values; fp8_ds_mla rows (uint32
+    words) as the latent words [KB, R/4], the scale word of each word's group (a gather with a column
+    index, so no in-kernel reshape) and the rope words [KB, P/2]. Bytes and half-words come out with
+    shifts and same-width bitcasts (Triton cannot bitcast between widths). The query is split into the
+    matching planes outside the kernel (dims j, j+4, ... for latent plane j; even/odd rope dims), and
+    the output planes are interleaved back afterwards. Heads are padded to 16 for tl.dot. A slot of -1
+    reads row 0 and is masked to -inf; a query with no valid slot gets lse -inf and a zero output.
+    Tested in interpret mode only; GPU lowering not yet verified (no GPU in the sessions so far).
+    """
+    fmt = rows.fmt
+    b, t, h, r = q_lat_BTHR.shape
+    p = q_pe_BTHP.shape[-1]
+    if (r, p) != (fmt.kv_lora_rank, fmt.rope_dim):
+        raise ValueError(f"query widths (R={r}, P={p}) do not match the cache rows {fmt}")
+    k = rows.slots.shape[-1]
+    kb = row_block or min(MAX_ROW_BLOCK, max(16, 1 << max(k - 1, 0).bit_length()))
+    kp = -(-k // kb) * kb
+    hb = HEAD_BLOCK
+    hp = -(-h // hb) * hb
+    nq = b * t
+    nl, np_ = _planes(fmt)
+    rl, pl_ = r // nl, p // np_
+    # q planes [NQ, planes, HP, width]: plane j holds dims j, j + planes, ...
+    q_lat = pad_to(q_lat_BTHR.astype(jnp.float32).reshape(nq, h, r), 1, hp)
+    q_lat = q_lat.reshape(nq, hp, rl, nl).transpose(0, 3, 1, 2)
+    q_pe = pad_to(q_pe_BTHP.astype(jnp.float32).reshape(nq, h, p), 1, hp)
+    q_pe = q_pe.reshape(nq, hp, pl_, np_).transpose(0, 3, 1, 2)
+    slots = pad_to(rows.slots.astype(jnp.int32).reshape(nq, k), 1, kp, value=-1)
+    rope_col = r // 4 + -(-r // 128) if fmt.fp8 else r  # first rope word / value of a row
+
+    def load_planes(tab_ref, s_K):
+        """Rows at slots s_K -> ([latent planes [KB, RL]], [rope planes [KB, PL]]) float32."""
+        if not fmt.fp8:
+            lat = tab_ref[s_K, pl.ds(0, r)].astype(jnp.float32)
+            pe = tab_ref[s_K, pl.ds(r, p)].astype(jnp.float32)
+            return [lat], [pe]
+        words_KW = tab_ref[s_K, pl.ds(0, rl)]  # [KB, R/4]: value 4w + j is byte j of word w
+        # value 4w + j lies in scale group (4w + j) // 128 = w // 32
+        group_W = r // 4 + jax.lax.broadcasted_iota(jnp.int32, (rl,), 0) // 32
+        scale_KW = jax.lax.bitcast_convert_type(tab_ref[s_K[:, None], group_W[None, :]], jnp.float32)
+        lat = [jax.lax.bitcast_convert_type(((words_KW >> (8 * j)) & 0xFF).astype(jnp.uint8), FP8)
+               .astype(jnp.float32) * scale_KW for j in range(4)]
+        rope_KW = tab_ref[s_K, pl.ds(rope_col, pl_)]  # [KB, P/2]: rope 2i low half, 2i + 1 high half
+        pe = [jax.lax.bitcast_convert_type(((rope_KW >> (16 * j)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
+              .astype(jnp.float32) for j in range(2)]
+        return lat, pe
+
+    def dot_t(a, b_):  # a [M, D] . b [N, D]^T -> [M, N]
+        return jax.lax.dot_general(a, b_, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+    def kernel(q_lat_ref, q_pe_ref, slots_ref, tab_ref, o_ref, lse_ref):
+        i = pl.program_id(0)
+        q_l = [q_lat_ref[0, j] for j in range(nl)]
+        q_p = [q_pe_ref[0, j] for j in range(np_)]
+
+        def step(c, carry):
+            m, l, acc = carry
+            s_K = slots_ref[i, pl.ds(c * kb, kb)]
+            valid_K = s_K >= 0
+            lat, pe = load_planes(tab_ref, jnp.maximum(s_K, 0))
+            s_HK = sum(dot_t(qj, xj) for qj, xj in zip(q_l + q_p, lat + pe)) * scale
+            s_HK = jnp.where(valid_K[None, :], s_HK, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s_HK, axis=1))  # m starts finite, so never -inf - -inf
+            alpha = jnp.exp(m - m_new)
+            p_HK = jnp.where(valid_K[None, :], jnp.exp(s_HK - m_new[:, None]), 0.0)
+            l = l * alpha + jnp.sum(p_HK, axis=1)
+            acc = tuple(a * alpha[:, None] + jax.lax.dot_general(p_HK, x, (((1,), (0,)), ((), ())),
+                                                                 preferred_element_type=jnp.float32)
+                        for a, x in zip(acc, lat))
+            return m_new, l, acc
+
+        init = (jnp.full((hb,), -1e30, jnp.float32), jnp.zeros((hb,), jnp.float32),
+                tuple(jnp.zeros((hb, rl), jnp.float32) for _ in range(nl)))
+        m, l, acc = jax.lax.fori_loop(0, kp // kb, step, init)
+        has_rows = l > 0
+        inv = jnp.where(has_rows, 1.0 / jnp.where(has_rows, l, 1.0), 0.0)
+        for j in range(nl):
+            o_ref[0, j] = acc[j] * inv[:, None]
+        lse_ref[0, :] = jnp.where(has_rows, m + jnp.log(jnp.where(has_rows, l, 1.0)), -jnp.inf)
+
+    out, lse = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((nq, nl, hp, rl), jnp.float32), jax.ShapeDtypeStruct((nq, hp), jnp.float32)),
+        grid=(nq, hp // hb),
+        in_specs=[pl.BlockSpec((1, nl, hb, rl), lambda i, g: (i, 0, g, 0)),
+                  pl.BlockSpec((1, np_, hb, pl_), lambda i, g: (i, 0, g, 0)),
+                  pl.BlockSpec(), pl.BlockSpec()],
+        out_specs=(pl.BlockSpec((1, nl, hb, rl), lambda i, g: (i, 0, g, 0)), pl.BlockSpec((1, hb), lambda i, g: (i, g))),
+        interpret=pallas_interpret(),
+    )(q_lat, q_pe, slots, rows.table)
+    out = out.transpose(0, 2, 3, 1).reshape(nq, hp, r)[:, :h]  # interleave the planes back
+    return out.reshape(b, t, h, r), lse[:, :h].reshape(b, t, h)

@@ -146,12 +146,13 @@ class MLAttention(nnx.Module):
         return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
 
     def __call__(self, x_BTD: Array, pos_BT: Array, cache: KVCache, topk_BTK: Array | None, *, window: int,
-                 form: str = "mqa"):
+                 form: str = "mqa", impl: str = "auto"):
         """x [B,T,D] (already input-normed) -> (out [B,T,D], cache, topk_BTK [B,T,K] int32 positions, -1 = none).
 
         `window` (static): every query position in this call is < window <= cache capacity, so only cache
         positions [0, window) are read. `topk_BTK` is the selection of the nearest earlier full layer;
-        required for shared layers and ignored by full layers, which compute their own.
+        required for shared layers and ignored by full layers, which compute their own. `impl` picks the
+        attention ops' implementation ("auto", "reference", "pallas"; see attention.common).
         """
         cfg = self.cfg
         b, t, _ = x_BTD.shape
@@ -171,8 +172,8 @@ class MLAttention(nnx.Module):
         if self.indexer is not None:
             q_idx, w_idx, k_idx = self.indexer.queries_and_key(x_BTD, qr_BTQ, cos, sin)
             cache = cache.write_index_keys(self.layer, k_idx, pos_BT)
-            keys_BWI = cache.index_keys(self.layer, window)
-            topk_BTK = indexer_ops.topk(q_idx, w_idx, keys_BWI, pos_BT, cfg.index_topk)
+            topk_BTK = indexer_ops.topk(q_idx, w_idx, cache.index_key_pages(self.layer), pos_BT, cfg.index_topk,
+                                        window=window, impl=impl)
         elif topk_BTK is None:
             raise ValueError(f"layer {self.layer} shares top-k indices but no earlier full layer provided them")
 
@@ -180,7 +181,8 @@ class MLAttention(nnx.Module):
         scale = cfg.softmax_scale
         if form == "mqa":
             q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk_RHN)
-            o_lat_BTHR, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, cache.mla_slots(self.layer, topk_BTK), scale)
+            o_lat_BTHR, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, cache.mla_slots(self.layer, topk_BTK), scale,
+                                                  impl=impl)
             o_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR.astype(x_BTD.dtype), w_uv_RHV)
         elif form == "mha":
             lat_BWR, pe_BWP = cache.mla_rows(self.layer, window)
@@ -324,9 +326,9 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, x_BTD, pos_BT, cache, topk_BTK, *, window, form="mqa"):
+    def __call__(self, x_BTD, pos_BT, cache, topk_BTK, *, window, form="mqa", impl="auto"):
         a, cache, topk_BTK = self.self_attn(self.input_layernorm(x_BTD), pos_BT, cache, topk_BTK, window=window,
-                                            form=form)
+                                            form=form, impl=impl)
         x_BTD = x_BTD + a
         x_BTD = x_BTD + self.mlp(self.post_attention_layernorm(x_BTD))
         return x_BTD, cache, topk_BTK
@@ -353,10 +355,10 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, rngs=rngs, dtype=dtype)
         self.shared_head = SharedHead(cfg, dtype=dtype)
 
-    def mtp(self, emb_next_BTD, h_prev_BTD, pos_BT, cache, *, window, form="mqa"):
+    def mtp(self, emb_next_BTD, h_prev_BTD, pos_BT, cache, *, window, form="mqa", impl="auto"):
         """-> (hidden [B,T,D] after shared_head.norm, cache)."""
         # vLLM zeroes the embedding at position 0 (no previous token pairs with it); keep that convention.
         emb_next_BTD = jnp.where((pos_BT == 0)[..., None], 0, emb_next_BTD)
         x = self.eh_proj(jnp.concatenate([self.enorm(emb_next_BTD), self.hnorm(h_prev_BTD)], axis=-1))
-        x, cache, _ = self(x, pos_BT, cache, None, window=window, form=form)
+        x, cache, _ = self(x, pos_BT, cache, None, window=window, form=form, impl=impl)
         return self.shared_head.norm(x), cache

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from attention import dense_mla
 from glm53.config import ModelConfig
 from glm53.layers import DecoderLayer, MTPLayer, RMSNorm
 from kvcache.base import KVCache
@@ -70,19 +71,21 @@ class GLM53(nnx.Module):
                              for j in range(cfg.num_nextn_predict_layers)])
 
     # ---------------------------------------------------------------------------------------------- forward
-    def __call__(self, tokens_BT: Array, pos_BT: Array, cache: KVCache, *, window: int, form: str = "auto"):
+    def __call__(self, tokens_BT: Array, pos_BT: Array, cache: KVCache, *, window: int, form: str = "auto",
+                 impl: str = "auto"):
         """tokens [B,T] int32, positions [B,T] int32 (-1 = padding) -> (hidden [B,T,D] after the final norm,
         cache, {full layer: top-k positions [B,T,K] int32, -1 = none}).
 
         window (static): all positions in this call are < window; attention reads cache positions
         [0, window) only. form: "mqa" (sparse absorbed), "mha" (dense un-absorbed with the top-k mask) or
-        "auto" (see `attention_form`); all give the same result.
+        "auto" (see `attention_form`); all give the same result. impl: the attention ops' implementation
+        ("auto", "reference" or "pallas"; attention.common.resolve_impl).
         """
         form = attention_form(form, window, self.cfg.index_topk)
         x = self.embed_tokens(tokens_BT)
         topk, selections = None, {}
         for layer in self.layers:
-            x, cache, topk = layer(x, pos_BT, cache, topk, window=window, form=form)
+            x, cache, topk = layer(x, pos_BT, cache, topk, window=window, form=form, impl=impl)
             if layer.self_attn.indexer is not None:
                 selections[layer.self_attn.layer] = topk
         return self.norm(x), cache, selections
@@ -93,18 +96,19 @@ class GLM53(nnx.Module):
         return (hidden_BTD @ w).astype(jnp.float32)
 
     def mtp_forward(self, j: int, h_prev_BTD: Array, next_tokens_BT: Array, pos_BT: Array, cache: KVCache,
-                    *, window: int, form: str = "auto"):
+                    *, window: int, form: str = "auto", impl: str = "auto"):
         """MTP layer j: main hidden state at t and token t+1 -> (hidden [B,T,D] for predicting t+2, cache)."""
         return self.mtp[j].mtp(self.embed_tokens(next_tokens_BT), h_prev_BTD, pos_BT, cache, window=window,
-                               form=attention_form(form, window, self.cfg.index_topk))
+                               form=attention_form(form, window, self.cfg.index_topk), impl=impl)
 
 
 def attention_form(form: str, window: int, index_topk: int) -> str:
     """Resolve "auto": the dense MHA form while every visible position is selected anyway (window <=
     top-k: DSA is dense attention there, and expanding a short window beats gathering rows), the sparse
-    MQA form beyond."""
+    MQA form beyond (attention.dense_mla.use_dense_mha). form="mqa" forces the sparse path everywhere
+    (force_mqa)."""
     if form == "auto":
-        return "mha" if window <= index_topk else "mqa"
+        return "mha" if dense_mla.use_dense_mha(window, index_topk) else "mqa"
     if form not in ("mqa", "mha"):
         raise ValueError(f"attention form must be 'auto', 'mqa' or 'mha', got {form!r}")
     return form
@@ -133,30 +137,31 @@ class Compiled:
     cfg: ModelConfig
     graphdef: Any
     state: Any
-    forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form) -> (hidden_BTD, cache, selections)
+    forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form, impl) -> (hidden_BTD, cache, selections)
     logits: Any  # (state, hidden) -> logits f32
-    mtp_forward: Any  # (state, h_prev, next_tokens, pos, cache, *, j, window, form) -> (hidden, cache)
+    mtp_forward: Any  # (state, h_prev, next_tokens, pos, cache, *, j, window, form, impl) -> (hidden, cache)
 
 
 def _make_compiled(model: GLM53) -> Compiled:
     graphdef, state = nnx.split(model)
 
-    def fwd(state, tokens, pos, cache, *, window, form="auto"):
-        return nnx.merge(graphdef, state)(tokens, pos, cache, window=window, form=form)
+    def fwd(state, tokens, pos, cache, *, window, form="auto", impl="auto"):
+        return nnx.merge(graphdef, state)(tokens, pos, cache, window=window, form=form, impl=impl)
 
     def logits(state, hidden):
         return nnx.merge(graphdef, state).logits(hidden)
 
-    def mtp_fwd(state, h_prev, next_tokens, pos, cache, *, j, window, form="auto"):
-        return nnx.merge(graphdef, state).mtp_forward(j, h_prev, next_tokens, pos, cache, window=window, form=form)
+    def mtp_fwd(state, h_prev, next_tokens, pos, cache, *, j, window, form="auto", impl="auto"):
+        return nnx.merge(graphdef, state).mtp_forward(j, h_prev, next_tokens, pos, cache, window=window, form=form,
+                                                      impl=impl)
 
     return Compiled(
         cfg=model.cfg,
         graphdef=graphdef,
         state=state,
-        forward=jax.jit(fwd, static_argnames=("window", "form"), donate_argnums=(3,)),
+        forward=jax.jit(fwd, static_argnames=("window", "form", "impl"), donate_argnums=(3,)),
         logits=jax.jit(logits),
-        mtp_forward=jax.jit(mtp_fwd, static_argnames=("j", "window", "form"), donate_argnums=(4,)),
+        mtp_forward=jax.jit(mtp_fwd, static_argnames=("j", "window", "form", "impl"), donate_argnums=(4,)),
     )
 
 

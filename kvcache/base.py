@@ -18,6 +18,7 @@ from typing import Protocol
 
 import jax
 
+from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 
 
@@ -32,9 +33,10 @@ class KVCache(Protocol):
     def write_index_keys(self, layer: int, keys_BTI: jax.Array, pos_BT: jax.Array) -> "KVCache":
         """Store the indexer keys of new tokens (full indexer layers only); pos -1 = skip."""
 
-    def index_keys(self, layer: int, num_positions: int) -> jax.Array:
-        """Indexer keys of positions 0..W-1 (W = num_positions, static): [B, W, index_head_dim]; rows past
-        a request's length are junk that the causal mask removes."""
+    def index_key_pages(self, layer: int) -> PagedKeys:
+        """The layer's indexer keys as pages (table, block table, format): what the indexer op reads.
+        `.gather(W)` gives the dense float32 view [B, W, index_head_dim] of positions 0..W-1; rows past a
+        request's length are junk that the causal mask removes."""
 
     def mla_rows(self, layer: int, num_positions: int) -> tuple[jax.Array, jax.Array]:
         """MLA rows of positions 0..W-1: (latent [B, W, R], rope [B, W, P])."""

@@ -11,7 +11,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from attention.formats import IndexKeyFormat, MLARowFormat
+from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
+from kvcache.paged import write_slots
 
 
 @jax.tree_util.register_dataclass
@@ -45,11 +48,9 @@ class ContiguousKVCache:
 
     @staticmethod
     def _scatter(buf_BSX, rows_BTX, pos_BT):
-        s = buf_BSX.shape[1]
-        # -1 (and anything out of range) must map past the end: .at[-1] would write the last slot.
-        pos = jnp.where((pos_BT >= 0) & (pos_BT < s), pos_BT, s)
-        b_idx = jnp.arange(buf_BSX.shape[0])[:, None]
-        return buf_BSX.at[b_idx, pos].set(rows_BTX.astype(buf_BSX.dtype), mode="drop")
+        b, s, x = buf_BSX.shape
+        slots = jnp.where((pos_BT >= 0) & (pos_BT < s), pos_BT + s * jnp.arange(b, dtype=pos_BT.dtype)[:, None], -1)
+        return write_slots(buf_BSX.reshape(b * s, x), rows_BTX, slots).reshape(b, s, x)
 
     def _replace(self, group: str, layer: int, value):
         layers = self.mla_layers if group == "mla" else self.index_layers
@@ -66,8 +67,12 @@ class ContiguousKVCache:
         buf = self.index[self.index_layers.index(layer)]
         return self._replace("index", layer, self._scatter(buf, keys_BTI, pos_BT))
 
-    def index_keys(self, layer, num_positions):
-        return self.index[self.index_layers.index(layer)][:, :num_positions]
+    def index_key_pages(self, layer):
+        # One page per request, of the whole capacity: the paged view of a contiguous cache.
+        buf = self.index[self.index_layers.index(layer)]
+        b, s, d = buf.shape
+        return PagedKeys(buf.reshape(b * s, d), jnp.arange(b, dtype=jnp.int32)[:, None], s,
+                         IndexKeyFormat(jnp.dtype(buf.dtype).name, d))
 
     def mla_rows(self, layer, num_positions):
         buf = self.mla[self.mla_layers.index(layer)][:, :num_positions]
@@ -77,4 +82,5 @@ class ContiguousKVCache:
         buf = self.mla[self.mla_layers.index(layer)]
         b, s, width = buf.shape
         slots = jnp.where(pos_BTK >= 0, pos_BTK + s * jnp.arange(b, dtype=pos_BTK.dtype)[:, None, None], -1)
-        return SlotRows(buf.reshape(b * s, width), slots)
+        fmt = MLARowFormat(jnp.dtype(buf.dtype).name, self.kv_lora_rank, width - self.kv_lora_rank)
+        return SlotRows(buf.reshape(b * s, width), slots, fmt)

@@ -1,6 +1,6 @@
 """Byte accounting of the KV cache per token and cache group.
 
-Formats (BRIEF §2):
+Formats (BRIEF §2; the byte layouts are in attention/formats.py):
 - MLA rows, per token per attention layer: "fp8_ds_mla" = kv_lora x e4m3 + one fp32 scale per 128 latent
   values + rope x bf16 (656 B for GLM-5.3); "bfloat16" / "float32" = (kv_lora + rope) values.
 - Indexer keys, per token per full indexer layer: "fp8" = index_head_dim x e4m3 + one fp32 scale
@@ -11,28 +11,16 @@ MTP layers cache both their MLA rows and their own indexer keys (the published a
 from __future__ import annotations
 
 import dataclasses
-import math
 
-MLA_FORMATS = ("fp8_ds_mla", "bfloat16", "float32")
-INDEX_FORMATS = ("fp8", "bfloat16", "float32")
-_WIDTH = {"bfloat16": 2, "float32": 4}
-FP8_SCALE_GROUP = 128  # values sharing one fp32 scale
+from attention.formats import INDEX_FORMATS, MLA_FORMATS, IndexKeyFormat, MLARowFormat  # noqa: F401
 
 
 def mla_row_bytes(kv_lora_rank: int, rope_dim: int, fmt: str = "fp8_ds_mla") -> int:
-    if fmt == "fp8_ds_mla":
-        return kv_lora_rank + 4 * math.ceil(kv_lora_rank / FP8_SCALE_GROUP) + 2 * rope_dim
-    if fmt in _WIDTH:
-        return (kv_lora_rank + rope_dim) * _WIDTH[fmt]
-    raise ValueError(f"MLA cache format must be one of {MLA_FORMATS}, got {fmt!r}")
+    return MLARowFormat(fmt, kv_lora_rank, rope_dim).row_bytes
 
 
 def index_key_bytes(index_head_dim: int, fmt: str = "fp8") -> int:
-    if fmt == "fp8":
-        return index_head_dim + 4 * math.ceil(index_head_dim / FP8_SCALE_GROUP)
-    if fmt in _WIDTH:
-        return index_head_dim * _WIDTH[fmt]
-    raise ValueError(f"indexer cache format must be one of {INDEX_FORMATS}, got {fmt!r}")
+    return IndexKeyFormat(fmt, index_head_dim).row_bytes
 
 
 @dataclasses.dataclass(frozen=True)

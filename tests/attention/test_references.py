@@ -6,6 +6,7 @@ import pytest
 
 from attention import dense_mla, indexer, sparse_mla
 from attention.common import masked_softmax_weights
+from attention.formats import MLARowFormat
 
 
 def test_index_scores_match_brute_force():
@@ -84,7 +85,7 @@ def test_sparse_mqa_by_slot_equals_reference(t, block):
     slots[0, 0] = -1  # a query with no valid row at all
     q_lat = rng.normal(size=(b, t, h, r)).astype(np.float32)
     q_pe = rng.normal(size=(b, t, h, p)).astype(np.float32)
-    rows_by_slot = sparse_mla.SlotRows(jnp.asarray(table), jnp.asarray(slots))
+    rows_by_slot = sparse_mla.SlotRows(jnp.asarray(table), jnp.asarray(slots), MLARowFormat("float32", r, p))
     out, lse = sparse_mla.sparse_mqa(q_lat, q_pe, rows_by_slot, 0.2, query_block=block)
     rows = np.where((slots >= 0)[..., None], table[np.maximum(slots, 0)], 0)
     ref_out, ref_lse = sparse_mla.sparse_mqa_reference(q_lat, q_pe, rows[..., :r], rows[..., r:], slots >= 0, 0.2)
@@ -95,5 +96,5 @@ def test_sparse_mqa_by_slot_equals_reference(t, block):
 
 def test_unknown_impl_is_rejected():
     with pytest.raises(ValueError, match="impl"):
-        indexer.topk(jnp.zeros((1, 1, 1, 2)), jnp.zeros((1, 1, 1)), jnp.zeros((1, 3, 2)), jnp.zeros((1, 1), jnp.int32),
-                     2, impl="triton")
+        indexer.index_scores(jnp.zeros((1, 1, 1, 4)), jnp.zeros((1, 1, 1)), None, jnp.zeros((1, 1), jnp.int32),
+                             window=4, impl="triton")

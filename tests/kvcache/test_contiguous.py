@@ -47,7 +47,7 @@ def test_index_keys_only_for_full_layers():
     cfg, cache = _cache()
     assert cache.index_layers == cfg.full_indexer_layers
     cache = cache.write_index_keys(6, jnp.ones((2, 1, cfg.index_head_dim)), jnp.asarray([[5], [-1]]))
-    k = np.asarray(cache.index_keys(6, 8))
+    k = np.asarray(cache.index_key_pages(6).gather(8))
     assert k[0, 5].sum() == cfg.index_head_dim and k.sum() == cfg.index_head_dim
 
 

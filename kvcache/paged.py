@@ -1,0 +1,131 @@
+"""The paged KV cache: fixed-size blocks of slots in one flat device array per layer and cache group.
+
+Request b's token at position p lives in slot `block_table[b, p // B] * B + p % B` (B = block_size) of
+every layer's array: the MLA rows of each attention layer in an `MLARowFormat` (fp8_ds_mla: 656 bytes
+held as 164 uint32 words; or bf16/fp32 values), the keys of each full indexer layer in an
+`IndexKeyFormat` (fp8: 132 bytes as 33 words; or floats). Blocks are allocated by the caller (the
+engine's block pool); this module only stores, writes and gathers. Block-table entries past a request's
+allocation are -1: reads there return junk rows that the causal mask removes, writes there are dropped.
+
+Implements `kvcache.base.KVCache`, so the model's chunked prefill and decode run on it unchanged, for a
+batch of requests of different lengths (each row of the block table is one request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention.common import slot_mapping
+from attention.formats import IndexKeyFormat, MLARowFormat
+from attention.indexer import PagedKeys
+from attention.sparse_mla import SlotRows
+
+# The index-key format that goes with each MLA row format by default (vLLM pairs fp8_ds_mla with fp8 keys).
+DEFAULT_INDEX_FORMAT = {"fp8_ds_mla": "fp8", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+
+
+def write_slots(buf_NX, rows_X, slots):
+    """Scatter rows [..., X] into buf [N, X] at slots [...] (-1 = skip). -1 must not reach `.at[]`: it
+    would write the last slot (JAX notes), so it is mapped past the end and dropped."""
+    n = buf_NX.shape[0]
+    s = jnp.where((slots >= 0) & (slots < n), slots, n).reshape(-1)
+    return buf_NX.at[s].set(rows_X.reshape(-1, rows_X.shape[-1]).astype(buf_NX.dtype), mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """mla[i]: [num_blocks * B, mla_format.width] rows of attention layer `mla_layers[i]`; index[j]:
+    [num_blocks * B, index_format.width] keys of full layer `index_layers[j]`; block_table [batch, M]
+    int32 page ids (-1 = none). capacity = M * B positions per request."""
+
+    mla: tuple[jax.Array, ...]
+    index: tuple[jax.Array, ...]
+    block_table: jax.Array
+    mla_layers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    index_layers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    block_size: int = dataclasses.field(metadata=dict(static=True))
+    mla_format: MLARowFormat = dataclasses.field(metadata=dict(static=True))
+    index_format: IndexKeyFormat = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, cfg, num_blocks: int, block_size: int, block_table, *, kv_cache_dtype: str = "fp8_ds_mla",
+               index_cache_dtype: str | None = None, include_mtp: bool = True) -> "PagedKVCache":
+        """Zero-filled pool of `num_blocks` blocks of `block_size` slots for every layer of `cfg`, with the
+        given block table [batch, max_blocks_per_request] (page ids < num_blocks, -1 = none)."""
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        mla_format = MLARowFormat(kv_cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        index_name = index_cache_dtype or DEFAULT_INDEX_FORMAT[kv_cache_dtype]
+        index_format = IndexKeyFormat(index_name, cfg.index_head_dim)
+        n_layers = cfg.num_layers_with_mtp if include_mtp else cfg.num_hidden_layers
+        mla_layers = tuple(range(n_layers))
+        index_layers = tuple(i for i in cfg.full_indexer_layers if i < n_layers)
+        n = num_blocks * block_size
+        return cls(
+            mla=tuple(jnp.zeros((n, mla_format.width), mla_format.storage_dtype) for _ in mla_layers),
+            index=tuple(jnp.zeros((n, index_format.width), index_format.storage_dtype) for _ in index_layers),
+            block_table=cls._checked_table(block_table, num_blocks),
+            mla_layers=mla_layers, index_layers=index_layers, block_size=block_size,
+            mla_format=mla_format, index_format=index_format,
+        )
+
+    @staticmethod
+    def _checked_table(block_table, num_blocks: int):
+        bt = np.asarray(block_table)
+        if bt.ndim != 2 or not np.issubdtype(bt.dtype, np.integer):
+            raise ValueError(f"block_table must be a 2-D integer array [batch, max_blocks], got {bt.dtype} {bt.shape}")
+        if bt.size and (bt.min() < -1 or bt.max() >= num_blocks):
+            raise ValueError(f"block_table entries must be page ids in [0, {num_blocks}) or -1, "
+                             f"got range [{bt.min()}, {bt.max()}]")
+        return jnp.asarray(bt, jnp.int32)
+
+    def with_block_table(self, block_table) -> "PagedKVCache":
+        """The same pool under a new block table (e.g. the next step's batch)."""
+        return dataclasses.replace(self, block_table=self._checked_table(block_table, self.num_blocks))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.mla[0].shape[0] // self.block_size
+
+    @property
+    def capacity(self) -> int:
+        return self.block_table.shape[1] * self.block_size
+
+    def slots(self, pos):
+        return slot_mapping(self.block_table, pos, self.block_size)
+
+    def _replace(self, group: str, layer: int, value):
+        layers = self.mla_layers if group == "mla" else self.index_layers
+        arrays = list(getattr(self, group))
+        arrays[layers.index(layer)] = value
+        return dataclasses.replace(self, **{group: tuple(arrays)})
+
+    def write_mla(self, layer, latent_BTR, rope_BTP, pos_BT):
+        buf = self.mla[self.mla_layers.index(layer)]
+        rows = self.mla_format.pack(latent_BTR, rope_BTP)
+        return self._replace("mla", layer, write_slots(buf, rows, self.slots(pos_BT)))
+
+    def write_index_keys(self, layer, keys_BTI, pos_BT):
+        buf = self.index[self.index_layers.index(layer)]
+        return self._replace("index", layer, write_slots(buf, self.index_format.pack(keys_BTI), self.slots(pos_BT)))
+
+    def index_key_pages(self, layer):
+        return PagedKeys(self.index[self.index_layers.index(layer)], self.block_table, self.block_size,
+                         self.index_format)
+
+    def mla_rows(self, layer, num_positions):
+        buf = self.mla[self.mla_layers.index(layer)]
+        pos = jnp.broadcast_to(jnp.arange(num_positions, dtype=jnp.int32), (self.block_table.shape[0], num_positions))
+        rows = self.mla_format.unpack(jnp.take(buf, jnp.maximum(self.slots(pos), 0), axis=0))
+        r = self.mla_format.kv_lora_rank
+        return rows[..., :r], rows[..., r:]
+
+    def mla_slots(self, layer, pos_BTK):
+        return SlotRows(self.mla[self.mla_layers.index(layer)], self.slots(pos_BTK), self.mla_format)
