@@ -5,14 +5,15 @@ Public API (see ../shared/DESIGN.md):
     model = glm53.init("tiny", seed=0)
     logits = glm53.score(model, token_ids)          # np.float32 [T, vocab]
     picked = glm53.topk_indices(model, token_ids)   # {full layer: np.int32 [T, k]}, -1 = none
+    batch = glm53.score_batch(model, prompts, kv_cache_dtype="fp8_ds_mla")  # paged cache, ragged batch
 """
 
-from glm53.api import decode_logits, generate, score, topk_indices
+from glm53.api import decode_logits, generate, score, score_batch, topk_indices
 from glm53.config import ModelConfig, from_hf_config, get_preset, make_config
 from glm53.model import GLM53, init
 from glm53.weights import from_pretrained, restore, save, save_pretrained
 
 __all__ = [
     "GLM53", "ModelConfig", "decode_logits", "from_hf_config", "from_pretrained", "generate", "get_preset",
-    "init", "make_config", "restore", "save", "save_pretrained", "score", "topk_indices",
+    "init", "make_config", "restore", "save", "save_pretrained", "score", "score_batch", "topk_indices",
 ]

@@ -1,0 +1,134 @@
+"""The Pallas kernels (interpret mode on CPU) against the references, on edge shapes: ragged lengths,
+-1 padding, top-k larger than the context, block boundaries, fp8 and plain caches. Tolerances: float32
+kernels within 1e-4 relative of the reference (measured ~1e-6)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention import formats, indexer, sparse_mla
+
+RTOL = 1e-4
+
+
+def _rel(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    fin = np.isfinite(b)
+    np.testing.assert_array_equal(np.isfinite(a), fin)  # same -inf pattern (empty rows, masked positions)
+    np.testing.assert_array_equal(a[~fin], b[~fin])
+    return float(np.abs(a[fin] - b[fin]).max() / max(np.abs(b[fin]).max(), 1e-30)) if fin.any() else 0.0
+
+
+def _rows(fmt, n, seed):
+    rng = np.random.default_rng(seed)
+    lat = jnp.asarray(rng.normal(size=(n, fmt.kv_lora_rank)) * 2, jnp.float32)
+    pe = jnp.asarray(rng.normal(size=(n, fmt.rope_dim)), jnp.float32)
+    return lat, pe, fmt.pack(lat, pe)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("k,h,r,p", [(1, 4, 128, 16), (37, 4, 128, 16), (64, 16, 128, 16), (65, 20, 512, 64)])
+def test_sparse_mqa_kernel_matches_reference(name, k, h, r, p):
+    """k=37, 65: slots not a multiple of the row block; h=20: heads padded to a multiple of 16; k=64:
+    exactly one block; slot rows include -1 padding, a query with no row at all and the last table row."""
+    fmt = formats.MLARowFormat(name, r, p)
+    n = 90
+    _, _, table = _rows(fmt, n, k)
+    rng = np.random.default_rng(k + h)
+    b, t = 2, 3
+    slots = rng.integers(-1, n, size=(b, t, k)).astype(np.int32)
+    slots[0, 0] = -1
+    slots[1, 2, 0] = n - 1
+    q_lat = jnp.asarray(rng.normal(size=(b, t, h, r)), jnp.float32)
+    q_pe = jnp.asarray(rng.normal(size=(b, t, h, p)), jnp.float32)
+    rows = sparse_mla.SlotRows(table, jnp.asarray(slots), fmt)
+    out, lse = sparse_mla.sparse_mqa(q_lat, q_pe, rows, r ** -0.5, impl="pallas")
+    ref_out, ref_lse = sparse_mla.sparse_mqa(q_lat, q_pe, rows, r ** -0.5, impl="reference")
+    assert _rel(out, ref_out) <= RTOL and _rel(lse, ref_lse) <= RTOL
+    assert np.all(np.asarray(out)[0, 0] == 0) and np.all(np.asarray(lse)[0, 0] == -np.inf)
+
+
+def test_fp8_sparse_mla_output_within_5_percent_of_fp32_cache():
+    """The same selected rows from an fp8_ds_mla cache and from a float32 cache (GLM-5.3 widths)."""
+    r, p, h, k = 512, 64, 16, 128
+    lat, pe, table8 = _rows(formats.MLARowFormat("fp8_ds_mla", r, p), 300, 0)
+    table32 = formats.MLARowFormat("float32", r, p).pack(lat, pe)
+    rng = np.random.default_rng(1)
+    slots = jnp.asarray(rng.integers(0, 300, size=(1, 4, k)), jnp.int32)
+    # Queries along the rows' directions, so the softmax is peaked and fp8 score errors matter.
+    q_lat = jnp.asarray(np.asarray(lat)[rng.integers(0, 300, size=(1, 4, h))] * 0.3, jnp.float32)
+    q_pe = jnp.asarray(rng.normal(size=(1, 4, h, p)), jnp.float32)
+    for impl in ("reference", "pallas"):
+        o8, _ = sparse_mla.sparse_mqa(q_lat, q_pe, sparse_mla.SlotRows(table8, slots, formats.MLARowFormat("fp8_ds_mla", r, p)),
+                                      r ** -0.5, impl=impl)
+        o32, _ = sparse_mla.sparse_mqa(q_lat, q_pe, sparse_mla.SlotRows(table32, slots, formats.MLARowFormat("float32", r, p)),
+                                       r ** -0.5, impl="reference")
+        rel = np.linalg.norm(np.asarray(o8 - o32)) / np.linalg.norm(np.asarray(o32))
+        assert rel <= 0.05, rel
+
+
+def _paged_keys(fmt, lens, block_size, seed):
+    """Keys of requests with `lens` positions on shuffled pages (one spare page), plus the dense keys."""
+    rng = np.random.default_rng(seed)
+    need = [-(-n // block_size) for n in lens]
+    perm = rng.permutation(sum(need) + 1)
+    bt = np.full((len(lens), max(need) + 1), -1, np.int32)  # one extra unallocated column per request
+    dense = rng.normal(size=(len(lens), bt.shape[1] * block_size, fmt.dim)).astype(np.float32)
+    table = np.zeros(((sum(need) + 1) * block_size, fmt.dim), np.float32)
+    start = 0
+    for b, k in enumerate(need):
+        bt[b, :k] = perm[start : start + k]
+        start += k
+        for j in range(k):
+            table[bt[b, j] * block_size : (bt[b, j] + 1) * block_size] = dense[b, j * block_size : (j + 1) * block_size]
+    keys = indexer.PagedKeys(fmt.pack(jnp.asarray(table)), jnp.asarray(bt), block_size, fmt)
+    return keys, dense, bt
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("block_size,window", [(16, 64), (8, 40), (64, 128)])
+def test_index_score_kernel_matches_reference(name, block_size, window):
+    """Ragged requests, queries at page boundaries, padding queries (-1), positions on unallocated pages."""
+    fmt = formats.IndexKeyFormat(name, 32)
+    lens = [window - 3, 5, block_size + 1]
+    keys, _, _ = _paged_keys(fmt, lens, block_size, block_size)
+    rng = np.random.default_rng(window)
+    t = 4
+    q_pos = np.array([[0, block_size - 1, block_size, lens[0] - 1], [4, -1, 2, 3], [block_size, 0, -1, 1]], np.int32)
+    q = jnp.asarray(rng.normal(size=(3, t, 8, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, t, 8)), jnp.float32)
+    got = indexer.index_scores(q, w, keys, jnp.asarray(q_pos), window=window, impl="pallas")
+    want = indexer.index_scores(q, w, keys, jnp.asarray(q_pos), window=window, impl="reference")
+    assert got.shape == (3, t, window)
+    assert _rel(got, want) <= RTOL
+    # top-k larger than the visible context: -1 padding beyond each query's position + 1 candidates
+    sel = np.asarray(indexer.topk(q, w, keys, jnp.asarray(q_pos), window, window=window, impl="pallas"))
+    np.testing.assert_array_equal(sel, np.asarray(indexer.topk(q, w, keys, jnp.asarray(q_pos), window, window=window,
+                                                                impl="reference")))
+    for b in range(3):
+        for i in range(t):
+            assert np.sum(sel[b, i] >= 0) == q_pos[b, i] + 1
+
+
+def test_paged_keys_gather_follows_the_block_table():
+    fmt = formats.IndexKeyFormat("float32", 8)
+    keys, dense, bt = _paged_keys(fmt, [20, 3], 4, 0)
+    got = np.asarray(keys.gather(24))
+    for b, n in enumerate([20, 3]):
+        np.testing.assert_array_equal(got[b, :n], dense[b, :n])
+    slots = np.asarray(keys.slots(jnp.asarray([[0, 5, 23, -1], [2, 3, 4, 100]])))
+    assert slots[0, 0] == bt[0, 0] * 4 and slots[0, 1] == bt[0, 1] * 4 + 1
+    assert slots[0, 2] == -1 and slots[0, 3] == -1  # unallocated page; padding position
+    assert slots[1, 2] == -1 and slots[1, 3] == -1  # past the request's pages; past the table
+
+
+def test_kernel_rejects_bad_blocks():
+    fmt = formats.IndexKeyFormat("float32", 32)
+    keys, _, _ = _paged_keys(fmt, [10], 8, 0)
+    with pytest.raises(ValueError, match="key_block"):
+        indexer.index_scores_pallas(jnp.zeros((1, 1, 8, 32)), jnp.zeros((1, 1, 8)), keys, jnp.zeros((1, 1), jnp.int32),
+                                    window=16, key_block=16)
+    with pytest.raises(ValueError, match="query widths"):
+        sparse_mla.sparse_mqa_pallas(jnp.zeros((1, 1, 4, 64)), jnp.zeros((1, 1, 4, 16)),
+                                     sparse_mla.SlotRows(jnp.zeros((4, 144)), jnp.zeros((1, 1, 2), jnp.int32),
+                                                         formats.MLARowFormat("float32", 128, 16)), 1.0)
