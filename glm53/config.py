@@ -177,7 +177,7 @@ class ModelConfig:
             layer -= 1
         return layer
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 

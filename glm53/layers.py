@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attention import dense_mla, indexer as indexer_ops, sparse_mla
+from attention import dense_mla, sparse_mla
+from attention import indexer as indexer_ops
 from glm53.config import ModelConfig
 from kvcache.base import KVCache
 

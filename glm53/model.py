@@ -165,7 +165,7 @@ def _make_compiled(model: GLM53) -> Compiled:
     )
 
 
-_COMPILED: "weakref.WeakKeyDictionary[GLM53, Compiled]" = weakref.WeakKeyDictionary()
+_COMPILED: weakref.WeakKeyDictionary[GLM53, Compiled] = weakref.WeakKeyDictionary()
 
 
 def compiled(model: GLM53) -> Compiled:

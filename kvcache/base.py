@@ -27,10 +27,10 @@ class KVCache(Protocol):
     def capacity(self) -> int:
         """Positions per request the cache can hold (static)."""
 
-    def write_mla(self, layer: int, latent_BTR: jax.Array, rope_BTP: jax.Array, pos_BT: jax.Array) -> "KVCache":
+    def write_mla(self, layer: int, latent_BTR: jax.Array, rope_BTP: jax.Array, pos_BT: jax.Array) -> KVCache:
         """Store the MLA rows of new tokens at their positions; pos -1 = padding token, not written."""
 
-    def write_index_keys(self, layer: int, keys_BTI: jax.Array, pos_BT: jax.Array) -> "KVCache":
+    def write_index_keys(self, layer: int, keys_BTI: jax.Array, pos_BT: jax.Array) -> KVCache:
         """Store the indexer keys of new tokens (full indexer layers only); pos -1 = skip."""
 
     def index_key_pages(self, layer: int) -> PagedKeys:

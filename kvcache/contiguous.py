@@ -30,7 +30,7 @@ class ContiguousKVCache:
     kv_lora_rank: int = dataclasses.field(metadata=dict(static=True))
 
     @classmethod
-    def create(cls, cfg, batch: int, capacity: int, dtype, *, include_mtp: bool = True) -> "ContiguousKVCache":
+    def create(cls, cfg, batch: int, capacity: int, dtype, *, include_mtp: bool = True) -> ContiguousKVCache:
         """Zero-filled cache for `batch` requests of up to `capacity` positions (layers of `cfg`)."""
         n_layers = cfg.num_layers_with_mtp if include_mtp else cfg.num_hidden_layers
         mla_layers = tuple(range(n_layers))

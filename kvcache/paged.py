@@ -54,7 +54,7 @@ class PagedKVCache:
 
     @classmethod
     def create(cls, cfg, num_blocks: int, block_size: int, block_table, *, kv_cache_dtype: str = "fp8_ds_mla",
-               index_cache_dtype: str | None = None, include_mtp: bool = True) -> "PagedKVCache":
+               index_cache_dtype: str | None = None, include_mtp: bool = True) -> PagedKVCache:
         """Zero-filled pool of `num_blocks` blocks of `block_size` slots for every layer of `cfg`, with the
         given block table [batch, max_blocks_per_request] (page ids < num_blocks, -1 = none)."""
         if not isinstance(block_size, int) or block_size < 1:
@@ -86,7 +86,7 @@ class PagedKVCache:
                              f"got range [{bt.min()}, {bt.max()}]")
         return jnp.asarray(bt, jnp.int32)
 
-    def with_block_table(self, block_table) -> "PagedKVCache":
+    def with_block_table(self, block_table) -> PagedKVCache:
         """The same pool under a new block table (e.g. the next step's batch)."""
         return dataclasses.replace(self, block_table=self._checked_table(block_table, self.num_blocks))
 

@@ -41,7 +41,7 @@ def test_merge_along_other_axis_and_pairwise():
     out = jnp.asarray(rng.normal(size=(3, 4, 5, 7)), jnp.float32)  # [B, N, H, D]
     lse = jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.float32)
     o_ax, l_ax = merge(out, lse, axis=1)
-    o0, l0 = merge(jnp.moveaxis(out, 1, 0), jnp.moveaxis(lse, 1, 0))
+    o0, _ = merge(jnp.moveaxis(out, 1, 0), jnp.moveaxis(lse, 1, 0))
     np.testing.assert_allclose(o_ax, o0, rtol=1e-6)
     acc_o, acc_l = out[:, 0], lse[:, 0]
     for i in range(1, 4):

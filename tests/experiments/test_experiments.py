@@ -21,3 +21,24 @@ def test_bench_model_writes_results_without_hf(tmp_path):
     assert saved["configs"]["tiny"]["ours_decode_ms_per_step"] > 0
     assert (tmp_path / "bench_model.png").stat().st_size > 0
     assert res["configs"]["tiny"]["hf_decode_ms_per_step"] is None
+
+
+def test_bench_attention_writes_results(tmp_path):
+    from experiments import bench_attention
+
+    res = bench_attention.main(["--out", str(tmp_path), "--contexts", "2048", "4096", "--batch", "1", "--repeats", "1",
+                                "--dense-max-context", "2048"])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["context"] for r in saved["contexts"]] == [2048, 4096] and saved["impl"] == "reference"
+    assert all(r["sparse_attn_s"] > 0 and r["indexer_s"] > 0 for r in saved["contexts"])
+    assert "dense_attn_s" in saved["contexts"][0] and "dense_attn_s" not in saved["contexts"][1]
+    assert saved["contexts"][0]["sparse_bytes"] == 2048 * 656 + 64 * (512 + 64 + 512) * 2
+    assert (tmp_path / "bench_attention.png").stat().st_size > 0 and res["batch"] == 1
+
+
+def test_kv_cache_error_measures_formats(tmp_path):
+    from experiments import kv_cache_error
+
+    rows = kv_cache_error.measure(["tiny"], formats=[("float32", None), ("fp8_ds_mla", None)])
+    assert rows[0]["max_abs_err_rel"] <= 1e-4 and rows[0]["top1_agreement"] == 1.0
+    assert 0 < rows[1]["max_abs_err_rel"] and rows[1]["top1_agreement"] > 0.5
