@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 
@@ -32,7 +29,7 @@ from tqdm import tqdm
 from attention import indexer, sparse_mla
 from attention.common import on_gpu, slot_mapping
 from attention.formats import IndexKeyFormat, MLARowFormat
-from experiments.bench_model import cpu_name, git_revision
+from experiments.bench_model import run_metadata
 
 H, R, P, TOPK, HI, DI = 64, 512, 64, 2048, 32, 128
 H200 = {"hbm_bytes_per_s": 4.8e12, "bf16_flop_per_s": 989e12}
@@ -149,12 +146,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "benchmark": "bench_attention",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "jax_device": str(jax.devices()[0])},
-        "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
-        "git_commit": git_revision(),
+        **run_metadata("bench_attention"),
         "impl": impl, "batch": args.batch, "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
         "dims": {"heads": H, "kv_lora_rank": R, "rope_dim": P, "index_topk": TOPK, "index_heads": HI,
                  "index_head_dim": DI},

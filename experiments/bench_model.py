@@ -62,6 +62,18 @@ def git_revision() -> str:
         return "unknown"
 
 
+def run_metadata(benchmark: str) -> dict:
+    """The header every results.json starts with: what ran, when, where, with which code."""
+    return {
+        "benchmark": benchmark,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
+                    "jax_device": str(jax.devices()[0])},
+        "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
+        "git_commit": git_revision(),
+    }
+
+
 def time_score(model, length: int, repeats: int) -> dict:
     ids = np.random.default_rng(length).integers(0, model.cfg.vocab_size, length)
     t0 = time.perf_counter()
@@ -172,12 +184,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "benchmark": "bench_model",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "jax_device": str(jax.devices()[0])},
-        "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
-        "git_commit": git_revision(),
+        **run_metadata("bench_model"),
         "what": "prefill = glm53.score (all logits, chunked prefill over a contiguous cache), steady state after "
                 "one compiling call; decode = glm53.generate ms per new token; HF = GlmMoeDsaForCausalLM eager "
                 "float32 forward without cache, torch threads as listed",

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
 import glm53
-from experiments.bench_model import REPO, cpu_name, git_revision
+from experiments.bench_model import REPO, run_metadata
 
 FORMATS = [("float32", None), ("bfloat16", None), ("fp8_ds_mla", None), ("fp8_ds_mla", "float32")]
 
@@ -66,12 +62,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "benchmark": "kv_cache_error",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-                    "jax_device": str(jax.devices()[0])},
-        "versions": {"jax": jax.__version__, "python": sys.version.split()[0]},
-        "git_commit": git_revision(),
+        **run_metadata("kv_cache_error"),
         "what": __doc__.split("\n\n")[0].strip(),
         "rows": measure(args.models),
     }

@@ -44,3 +44,14 @@ class KVCache(Protocol):
     def mla_slots(self, layer: int, pos_BTK: jax.Array) -> SlotRows:
         """Slot addressing for sparse kernels: table row slots[b, t, k] holds position pos[b, t, k] of
         request b (-1 -> -1), in the cache's storage format with the unpack that reads it."""
+
+
+def replace_layer_array(cache, group: str, layer: int, value):
+    """A copy of a dataclass cache whose `group` ("mla" or "index") array of `layer` is `value` (the
+    cache lists the layers of each group in `mla_layers` / `index_layers`)."""
+    import dataclasses
+
+    layers = cache.mla_layers if group == "mla" else cache.index_layers
+    arrays = list(getattr(cache, group))
+    arrays[layers.index(layer)] = value
+    return dataclasses.replace(cache, **{group: tuple(arrays)})

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from attention.formats import IndexKeyFormat, MLARowFormat
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
+from kvcache.base import replace_layer_array
 from kvcache.paged import write_slots
 
 
@@ -53,10 +54,7 @@ class ContiguousKVCache:
         return write_slots(buf_BSX.reshape(b * s, x), rows_BTX, slots).reshape(b, s, x)
 
     def _replace(self, group: str, layer: int, value):
-        layers = self.mla_layers if group == "mla" else self.index_layers
-        arrays = list(getattr(self, group))
-        arrays[layers.index(layer)] = value
-        return dataclasses.replace(self, **{group: tuple(arrays)})
+        return replace_layer_array(self, group, layer, value)
 
     def write_mla(self, layer, latent_BTR, rope_BTP, pos_BT):
         buf = self.mla[self.mla_layers.index(layer)]

@@ -23,6 +23,7 @@ from attention.common import slot_mapping
 from attention.formats import IndexKeyFormat, MLARowFormat
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
+from kvcache.base import replace_layer_array
 
 # The index-key format that goes with each MLA row format by default (vLLM pairs fp8_ds_mla with fp8 keys).
 DEFAULT_INDEX_FORMAT = {"fp8_ds_mla": "fp8", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
@@ -102,10 +103,7 @@ class PagedKVCache:
         return slot_mapping(self.block_table, pos, self.block_size)
 
     def _replace(self, group: str, layer: int, value):
-        layers = self.mla_layers if group == "mla" else self.index_layers
-        arrays = list(getattr(self, group))
-        arrays[layers.index(layer)] = value
-        return dataclasses.replace(self, **{group: tuple(arrays)})
+        return replace_layer_array(self, group, layer, value)
 
     def write_mla(self, layer, latent_BTR, rope_BTP, pos_BT):
         buf = self.mla[self.mla_layers.index(layer)]
