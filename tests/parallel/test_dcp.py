@@ -187,7 +187,6 @@ def test_decode_with_given_selection_indexshare(inputs):
 @pytest.mark.parametrize("n,interleave,block_size,backend,mode", [
     (4, 2, 4, "ag_rs", "sparse_ties"),
     (4, 2, 4, "a2a", "dense"),
-    (2, 4, 8, "ag_rs", "sparse"),
     (16, 1, 4, "a2a", "sparse_ties"),
 ])
 def test_decode_other_sizes_and_interleaves(n, interleave, block_size, backend, mode, inputs):

@@ -1,5 +1,6 @@
 """Meshes, the multi-process launcher, and a real 2-process run over jax.distributed (gloo on loopback)."""
 
+import concurrent.futures
 import os
 import sys
 import time
@@ -146,8 +147,11 @@ def _check_worker_output(results, processes, devices):
 def test_two_processes_of_4_devices_match_one_process_of_8(tmp_path):
     """jax.distributed over loopback (gloo): DCP decode (ag_rs, a2a) and PCP prefill on 2 x 4 CPU devices
     give the results of one process with 8 devices (which the other tests check against one device)."""
-    _check_worker_output(_run_worker(tmp_path / "multi", 2, 4), 2, 8)
-    _check_worker_output(_run_worker(tmp_path / "single", 1, 8), 1, 8)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both runs at once: they overlap their waits
+        multi = pool.submit(_run_worker, tmp_path / "multi", 2, 4)
+        single = pool.submit(_run_worker, tmp_path / "single", 1, 8)
+        _check_worker_output(multi.result(), 2, 8)
+        _check_worker_output(single.result(), 1, 8)
     multi = np.load(tmp_path / "multi" / "results.npz")
     single = np.load(tmp_path / "single" / "results.npz")
     assert sorted(multi.files) == sorted(single.files) and len(multi.files) == 6

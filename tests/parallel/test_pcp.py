@@ -124,9 +124,9 @@ def test_prefill_short_prompt_and_topk_beyond_context(inputs):
 
 
 @pytest.mark.multidevice
-@pytest.mark.parametrize("n,length", [(2, 19), (16, 37)])
-def test_prefill_on_2_and_16_devices(n, length, inputs):
-    _check_prefill(n, length, 3, 3 + 2 * n * (-(-length // (2 * n))), ties=True, inputs=inputs)
+def test_prefill_on_16_devices(inputs):
+    """37 tokens (padded to 64) after a 3-token prefix, tie-heavy scores."""
+    _check_prefill(16, 37, 3, 3 + 64, ties=True, inputs=inputs)
 
 
 @pytest.mark.multidevice
