@@ -204,25 +204,31 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for run_n in sorted({r["n"] for r in result["load_balance"]}):
+    for i, run_n in enumerate(sorted({r["n"] for r in result["load_balance"]})):
         for kind, style in (("naive", "--"), ("balanced", "-")):
             rs = sorted((r for r in result["load_balance"] if r["n"] == run_n and r["split"] == kind),
                         key=lambda r: r["length"])
             ax1.plot([r["length"] for r in rs],
                      [r["load_balance_max_over_mean"]["indexer_pairs_computed"] for r in rs], style, marker="o",
-                     label=f"N={run_n} {kind}")
+                     color=f"C{i}", label=f"N={run_n} {kind}")
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("prompt tokens")
     ax1.set_ylabel("indexer work: max / mean over ranks")
     ax1.set_title("PCP load balance (measured counters)")
     ax1.legend(fontsize=7)
-    for n in sorted({r["n"] for r in result["comm"]}):
+    for i, n in enumerate(sorted({r["n"] for r in result["comm"]})):
         rs = [r for r in result["comm"] if r["n"] == n]
         ctx = [r["context_tokens"] for r in rs]
         ax2.plot(ctx, [r["prefill_full_copy_allgather_bytes_per_full_layer"] for r in rs], "-", marker="o",
-                 label=f"DCP{n} prefill full-copy all-gather")
-        ax2.plot(ctx, [r["decode_ag_rs_bytes_per_layer"] for r in rs], ":", label=f"DCP{n} decode ag_rs (per token)")
-        ax2.plot(ctx, [r["decode_a2a_bytes_per_layer"] for r in rs], "--", label=f"DCP{n} decode a2a (per token)")
+                 color=f"C{i}", label=f"DCP{n} prefill: full-copy all-gather")
+        ax2.plot(ctx, [r["prefill_new_rows_allgather_bytes_per_full_layer"] for r in rs], "-.", color=f"C{i}",
+                 label=f"DCP{n} prefill: new-rows all-gather ({rs[0]['prefill_chunk_tokens']} tokens)")
+        ax2.plot(ctx, [r["decode_topk_merge_bytes_per_full_layer"] for r in rs], ":", marker="x", color=f"C{i}",
+                 label=f"DCP{n} decode: top-k merge (per token)")
+        ax2.plot(ctx, [r["decode_ag_rs_bytes_per_layer"] for r in rs], ":", color=f"C{i}",
+                 label=f"DCP{n} decode: ag_rs (per token)")
+        ax2.plot(ctx, [r["decode_a2a_bytes_per_layer"] for r in rs], "--", color=f"C{i}",
+                 label=f"DCP{n} decode: a2a (per token)")
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("context tokens")
