@@ -1,11 +1,11 @@
 """Prefill context parallelism (PCP): a prompt's tokens split over the ranks of a mesh axis.
 
-Split (`PcpSplit`): pad the prompt of T tokens to T_pad = 2N * C (C = ceil(T / 2N), or a larger
-bucket `min_chunk`), cut it into 2N
-chunks of C tokens, and give rank g chunks g and 2N-1-g ("balanced", arXiv 2411.01783). Under causal
-attention the queries of chunk c score c C^2 + C (C + 1) / 2 (query, key) pairs, so every rank scores
-exactly 2N C^2 + C pairs (before padding is dropped), whatever g. The "naive" split (rank g takes tokens
-[2gC, 2(g+1)C)) is kept for comparison: its last rank does about 2N / (N + 1) times the mean.
+Split (`PcpSplit`): pad the prompt of T tokens to T_pad = 2N * C (C = ceil(T / 2N), or a larger bucket
+`min_chunk`), cut it into 2N chunks of C tokens, and give rank g chunks g and 2N-1-g ("balanced",
+arXiv 2411.01783). Under causal attention the queries of chunk c score c C^2 + C (C + 1) / 2 (query, key)
+pairs, so every rank scores exactly 2N C^2 + C pairs (before padding is dropped), whatever g. The
+"naive" split (rank g takes tokens [2gC, 2(g+1)C)) is kept for comparison: its last rank does
+(4NC - 2C + 1) / (2NC + 1), about 2 - 1/N, times the mean.
 Each rank's tokens sit in one [2C] row of a [N, 2C] layout (`positions`); `shard` permutes a
 per-token array into that layout (rank-major, padded with zeros), `unshard` restores the original order.
 
@@ -36,7 +36,7 @@ from attention import indexer as indexer_ops
 from attention import sparse_mla
 
 SPLITS = ("balanced", "naive")
-COUNTERS = ("indexer_pairs_causal", "indexer_pairs_computed", "mla_rows_attended")
+COUNTERS = ("indexer_pairs_causal", "indexer_pairs_computed", "mla_rows_attended")  # per-rank work counters
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,6 +135,7 @@ def test_work_counters_balanced_vs_naive(inputs):
     attention work (64 tokens, 8 ranks, chunks of 4 = one key block); the naive split does not."""
     res, _ = _check_prefill(8, 64, 0, 80, inputs=inputs, min_chunk=4)
     per_rank = pcp.counters_per_rank(res.counters, 8)
+    assert set(per_rank) == set(pcp.COUNTERS)
     assert np.all(per_rank["indexer_pairs_causal"] == 2 * 8 * 4 * 4 + 4)
     assert per_rank["indexer_pairs_causal"].sum() == 64 * 65 // 2
     assert np.ptp(per_rank["indexer_pairs_computed"]) == 0
