@@ -1,1 +1,7 @@
-"""How work spreads over devices (meshes, PCP, DCP, EP). Built by the context-parallelism issue."""
+"""How work spreads over devices: meshes and multi-host start-up (`mesh`, `launch`), prefill context
+parallelism (`pcp`), decode context parallelism (`dcp`), expert parallelism (`ep`), communication
+accounting (`comm`) and the single-device references they must match (`reference`). See docs/parallel.md.
+
+Importing this package does not import JAX state-changing code: `parallel.mesh.set_cpu_device_count` and
+`init_distributed` must run before any JAX computation.
+"""

@@ -1,0 +1,110 @@
+"""Expert parallelism (EP): the routed experts of a MoE layer split over mesh axes, tokens moved by
+all-to-all.
+
+With E experts over N ranks, rank r holds experts [r E/N, (r+1) E/N). Every rank routes its own tokens
+with the (replicated) router of `glm53.layers.MoE`, then (`moe_local`, inside `jax.shard_map`):
+1. dispatch: each (token, chosen expert) assignment goes to the expert's rank. The send buffer is dense
+   and padded, [N, cap, D] with cap = tokens * min(top_k, E/N): a token's top-k experts are distinct, so
+   at most min(top_k, E/N) of its assignments land on one rank and nothing is ever dropped. One
+   `lax.all_to_all` moves the rows (and one the local expert ids; -1 = empty slot). This padded form runs
+   everywhere; `lax.ragged_all_to_all` (exact-size messages) does not run on XLA:CPU.
+2. each rank runs its experts on what it received (`glm53.layers.grouped_experts`, empty slots weigh 0);
+3. combine: a second all-to-all returns the expert outputs to the token's rank, which weighs them by
+   the router weights and sums over the top-k; the shared expert runs locally on the rank's tokens.
+The result equals the single-device `MoE` up to float summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from glm53.layers import MoE, grouped_experts
+from parallel.mesh import axis_size
+
+
+def _axes(axis: str | Sequence[str]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def dispatch_capacity(tokens: int, top_k: int, experts_per_rank: int) -> int:
+    """Slots per destination rank that can never overflow: tokens * min(top_k, experts_per_rank)."""
+    return tokens * min(top_k, experts_per_rank)
+
+
+def moe_local(moe: MoE, x_ND, *, axis):
+    """Expert-parallel MoE on one rank (inside `jax.shard_map` over `axis`, a name or tuple of names).
+
+    `moe`: the layer with this rank's slice of the routed experts (gate_up_proj [E/N, D, 2F], down_proj
+    [E/N, F, D]) and replicated router / shared expert; x [n, D]: this rank's tokens -> y [n, D].
+    """
+    axes = _axes(axis)
+    n_ranks = math.prod(jax.lax.axis_size(a) for a in axes)
+    w_gate_up = moe.experts.gate_up_proj[...]
+    w_down = moe.experts.down_proj[...]
+    e_local = w_gate_up.shape[0]
+    n, d = x_ND.shape
+    idx_NK, w_NK = moe.gate(x_ND)
+    k = idx_NK.shape[1]
+    cap = dispatch_capacity(n, k, e_local)
+
+    # Slot of each assignment in its destination's buffer: how many earlier assignments go to that rank.
+    dest_A = (idx_NK // e_local).reshape(-1)
+    onehot_AN = (dest_A[:, None] == jnp.arange(n_ranks)[None, :]).astype(jnp.int32)
+    slot_A = jnp.take_along_axis(jnp.cumsum(onehot_AN, axis=0), dest_A[:, None], axis=1)[:, 0] - 1
+    tok_A = jnp.repeat(jnp.arange(n), k)
+    send_x = jnp.zeros((n_ranks, cap, d), x_ND.dtype).at[dest_A, slot_A].set(x_ND[tok_A])
+    send_e = jnp.full((n_ranks, cap), -1, jnp.int32).at[dest_A, slot_A].set((idx_NK % e_local).reshape(-1))
+
+    recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True)  # [N (source), cap, D]
+    recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True).reshape(-1, 1)
+    filled = (recv_e >= 0).astype(jnp.float32)
+    y_rows = grouped_experts(recv_x.reshape(-1, d), jnp.maximum(recv_e, 0), filled, w_gate_up, w_down)
+    back = jax.lax.all_to_all(y_rows.reshape(n_ranks, cap, d), axes, 0, 0, tiled=True)  # [N (expert rank), cap, D]
+
+    y_AD = back[dest_A, slot_A] * w_NK.reshape(-1)[:, None].astype(back.dtype)
+    y_ND = jnp.sum(y_AD.reshape(n, k, d), axis=1).astype(x_ND.dtype)
+    if moe.shared_experts is not None:
+        y_ND = y_ND + moe.shared_experts(x_ND)
+    return y_ND
+
+
+def state_specs(state, axis: str | Sequence[str]):
+    """PartitionSpecs for an `nnx.split(moe)` state: routed experts split on their expert axis over `axis`,
+    everything else replicated."""
+    axes = _axes(axis)
+
+    def spec(path, _):
+        keys = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+        return P(axes) if keys and keys[0] == "experts" else P()
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "axes"))
+def _moe_jit(state, x, *, graphdef, mesh, axes):
+    def body(state, x):
+        return moe_local(nnx.merge(graphdef, state), x, axis=axes)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axes), P(axes)), out_specs=P(axes))(state, x)
+
+
+def moe(mesh, layer: MoE, x_ND, *, axis: str | Sequence[str] = "cp"):
+    """Expert-parallel forward of `layer` on tokens x [n, D] split over `axis` (n divisible by the axis
+    size, E divisible too) -> y [n, D], equal to `layer(x)`."""
+    axes = _axes(axis)
+    size = axis_size(mesh, axes)
+    e = layer.experts.gate_up_proj.shape[0]
+    if e % size:
+        raise ValueError(f"n_routed_experts ({e}) must be divisible by the expert-parallel size ({size}, axes {axes})")
+    if x_ND.shape[0] % size:
+        raise ValueError(f"the number of tokens ({x_ND.shape[0]}) must be divisible by the expert-parallel size "
+                         f"({size}); pad the batch")
+    graphdef, state = nnx.split(layer)
+    return _moe_jit(state, jnp.asarray(x_ND), graphdef=graphdef, mesh=mesh, axes=axes)

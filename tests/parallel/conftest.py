@@ -1,0 +1,147 @@
+"""Multi-device tests on simulated CPU devices, robust to a test process that already has one device.
+
+The number of CPU devices is fixed when JAX initialises, and the main suite initialises it with one. Tests
+marked `@pytest.mark.multidevice` therefore run in one pytest subprocess started with
+XLA_FLAGS=--xla_force_host_platform_device_count=16 (meshes of 1, 2, 4, 8 and 16 devices are cut from
+those 16): the first such test in a session starts the subprocess for every multidevice test selected in
+this session, and each test then reports the outcome (and failure text) its twin had there. Where this
+process already has >= 16 devices, the tests run here directly:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=16 python -m pytest -q tests/parallel
+
+Multidevice tests must build their meshes inside the test body (fixtures run in this process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+DEVICES = 16
+CHILD_TIMEOUT_S = 900
+ENV_CHILD = "PARALLEL_TESTS_SUBPROCESS"
+ENV_REPORT = "PARALLEL_TESTS_REPORT"
+REPO = Path(__file__).resolve().parents[2]
+
+_selected: list[str] = []
+_child_results: dict | None = None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"multidevice: needs {DEVICES} simulated CPU devices (run in a subprocess "
+                                       "when this process has fewer; see tests/parallel/conftest.py)")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    _selected[:] = [item.nodeid for item in items if item.get_closest_marker("multidevice")]
+
+
+def _in_child() -> bool:
+    return os.environ.get(ENV_CHILD) == "1"
+
+
+def pytest_runtest_logreport(report):
+    """In the subprocess: record each phase's outcome for the parent."""
+    path = os.environ.get(ENV_REPORT)
+    if not (_in_child() and path):
+        return
+    if report.when == "call" or report.outcome != "passed":
+        with open(path, "a") as f:
+            f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                                "text": report.longreprtext}) + "\n")
+
+
+def _run_child() -> dict:
+    """Run every selected multidevice test in one subprocess -> {nodeid: (outcome, text)}."""
+    with tempfile.TemporaryDirectory(prefix="parallel_tests_") as tmp:
+        report = Path(tmp) / "report.jsonl"
+        env = dict(os.environ)
+        env[ENV_CHILD] = "1"
+        env[ENV_REPORT] = str(report)
+        # The programs are tiny: compile time dominates, and LLVM's optimisation level 0 halves it.
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+                            " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_selected]
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            output += f"\n[killed after {CHILD_TIMEOUT_S} s]"
+        results: dict = {}
+        if report.exists():
+            for line in report.read_text().splitlines():
+                r = json.loads(line)
+                prev = results.get(r["nodeid"])
+                if prev is None or prev[0] == "passed":  # a failure or skip in any phase wins
+                    results[r["nodeid"]] = (r["outcome"], r["text"])
+        results["__output__"] = ("", output)
+        return results
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    global _child_results
+    if not pyfuncitem.get_closest_marker("multidevice") or _in_child():
+        return None
+    import jax
+
+    if jax.device_count() >= DEVICES:
+        return None  # enough devices here: run the test in this process
+    if _child_results is None:
+        _child_results = _run_child()
+    outcome, text = _child_results.get(pyfuncitem.nodeid, (None, ""))
+    if outcome == "passed":
+        return True
+    if outcome == "skipped":
+        pytest.skip(f"skipped in the {DEVICES}-device subprocess: {text}")
+    if outcome is None:
+        pytest.fail(f"no result from the {DEVICES}-device subprocess; its output:\n"
+                    f"{_child_results['__output__'][1][-6000:]}", pytrace=False)
+    pytest.fail(f"failed in the {DEVICES}-device subprocess:\n{text}", pytrace=False)
+
+
+# ------------------------------------------------------------------------------------------- test data
+DIMS = {"H": 4, "R": 16, "P": 8, "HI": 2, "DI": 8}  # tiny attention dims: 4 heads (fewer than 8 ranks), latent 16, rope 8
+
+
+def random_inputs(seed: int, q_lead: tuple, s_lead: tuple, *, ties: bool = False, **dims):
+    """Random float32 attention inputs. Queries [*q_lead, ...]: q_lat [H,R], q_pe [H,P], indexer qi [HI,DI]
+    and w [HI]; cache rows [*s_lead, R+P] and indexer keys [*s_lead, DI].
+
+    ties=True draws qi and keys from {-1, 0, 1} and w from {-1, -1/2, 1/2, 1, 2}: every index score is then
+    an exact small binary fraction, whatever the summation order, with many exact ties (zeros from the
+    ReLU among them)."""
+    import numpy as np
+
+    d = {**DIMS, **dims}
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    out = {"q_lat": normal(*q_lead, d["H"], d["R"]), "q_pe": normal(*q_lead, d["H"], d["P"]),
+           "rows": normal(*s_lead, d["R"] + d["P"])}
+    if ties:
+        out["qi"] = rng.integers(-1, 2, (*q_lead, d["HI"], d["DI"])).astype(np.float32)
+        out["w"] = rng.choice(np.array([-1, -0.5, 0.5, 1, 2], np.float32), (*q_lead, d["HI"]))
+        out["keys"] = rng.integers(-1, 2, (*s_lead, d["DI"])).astype(np.float32)
+    else:
+        out["qi"], out["w"], out["keys"] = normal(*q_lead, d["HI"], d["DI"]), normal(*q_lead, d["HI"]), normal(*s_lead, d["DI"])
+    return out
+
+
+@pytest.fixture
+def inputs():
+    """`random_inputs` (a plain function: safe for multidevice tests, whose fixtures run in this process)."""
+    return random_inputs
