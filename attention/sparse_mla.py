@@ -42,6 +42,12 @@ class SlotRows:
         """Gathered stored rows [..., width] -> float32 [..., R + P] (latent then rope)."""
         return self.fmt.unpack(rows)
 
+    @classmethod
+    def plain(cls, table, slots, kv_lora_rank: int) -> "SlotRows":
+        """Rows stored as plain floats [N, R + P] (the format named by the table's dtype)."""
+        fmt = MLARowFormat(jnp.dtype(table.dtype).name, kv_lora_rank, table.shape[-1] - kv_lora_rank)
+        return cls(table, slots, fmt)
+
 QUERY_BLOCK = 4  # queries per step of the blocked jnp path (measured best on XLA:CPU)
 
 

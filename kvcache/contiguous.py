@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from attention.formats import IndexKeyFormat, MLARowFormat
+from attention.formats import IndexKeyFormat
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 from kvcache.base import replace_layer_array
@@ -80,5 +80,4 @@ class ContiguousKVCache:
         buf = self.mla[self.mla_layers.index(layer)]
         b, s, width = buf.shape
         slots = jnp.where(pos_BTK >= 0, pos_BTK + s * jnp.arange(b, dtype=pos_BTK.dtype)[:, None, None], -1)
-        fmt = MLARowFormat(jnp.dtype(buf.dtype).name, self.kv_lora_rank, width - self.kv_lora_rank)
-        return SlotRows(buf.reshape(b * s, width), slots, fmt)
+        return SlotRows.plain(buf.reshape(b * s, width), slots, self.kv_lora_rank)

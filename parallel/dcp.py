@@ -272,7 +272,7 @@ def decode_local(q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_LX, *, la
         owner, slot = layout.slot_mapping(topk_BTK, block_table_BM[:, None, :])
         slots = jnp.where((owner == rank) & (slot >= 0) & (q_pos_BT[..., None] >= 0), slot, -1)
     counters["mla_rows_attended"] = jnp.sum(slots >= 0, dtype=jnp.int32)[None]
-    out, lse = sparse_mla.sparse_mqa(q_lat, q_pe, sparse_mla.SlotRows(rows_LX, slots), scale)
+    out, lse = sparse_mla.sparse_mqa(q_lat, q_pe, sparse_mla.SlotRows.plain(rows_LX, slots, q_lat.shape[-1]), scale)
     out, lse = combine(out, lse, axis=axis, backend=backend)
     return out, lse, topk_BTK, counters
 

@@ -178,7 +178,8 @@ def attend_own_queries(q_lat_THR, q_pe_THP, qi_THI, w_TH, pos_T, rows_SX, keys_S
     counters {name: int32 [tiles]}).
     """
     sel_TK, counters = causal_topk_blocked(qi_THI, w_TH, keys_SI, pos_T, topk, block=block)
-    out, lse = sparse_mla.sparse_mqa(q_lat_THR[None], q_pe_THP[None], sparse_mla.SlotRows(rows_SX, sel_TK[None]), scale)
+    rows = sparse_mla.SlotRows.plain(rows_SX, sel_TK[None], q_lat_THR.shape[-1])
+    out, lse = sparse_mla.sparse_mqa(q_lat_THR[None], q_pe_THP[None], rows, scale)
     counters = dict(counters, mla_rows_attended=jnp.sum(sel_TK >= 0, dtype=jnp.int32)[None])
     return out[0], lse[0], sel_TK, counters
 
