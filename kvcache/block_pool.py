@@ -1,0 +1,266 @@
+"""One pool of KV blocks shared by every cache group, with reference counts and prefix caching.
+
+Terms
+- A *block* is one page of `block_size` slots in the device arrays of one cache group (kvcache.paged).
+  Under DCP with N ranks a block id names one page on each rank, so it covers `block_size * N` tokens
+  of a request (`tokens_per_block`).
+- *Cache groups*: the MLA rows of every attention layer form one group, the indexer keys of the full
+  layers another. A request holds one block table per group, all drawn from this one pool, so a later
+  policy can treat the groups differently (HiSparse offloads MLA blocks, never indexer keys).
+- *Prefix caching*: a full block is identified by a chained hash: hash(parent block's hash, the block's
+  token ids, extra keys such as a per-user salt). Equal hashes mean equal prefixes, so a new request
+  whose leading blocks' hashes are cached reuses those blocks instead of recomputing them. Hashes are
+  SHA-256 over a fixed byte encoding: stable across processes and runs (Python's hash() is not).
+
+Pool invariants (checked by `BlockPool.check`, exercised by hypothesis tests):
+- every block is either referenced (ref_count > 0) or in the free queue, never both, never neither;
+- a free block may keep its hash (it is "cached"): a later lookup revives it; allocation takes free
+  blocks least-recently-freed first and drops the hash of a block it hands out, so a cached block is
+  never handed out while anyone references it, and never served from the cache after reuse;
+- freeing a block more often than it was referenced raises (no double free).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockHash = bytes
+_EMPTY = b""
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str | int] = ()) -> BlockHash:
+    """Chained hash of one full block: SHA-256 over (parent hash, token ids as int64, extra keys)."""
+    h = hashlib.sha256()
+    h.update(parent or _EMPTY)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    for key in extra_keys:
+        data = str(key).encode()
+        h.update(struct.pack("<q", len(data)) + data)
+    return h.digest()
+
+
+def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Sequence[str | int] = ()) -> list[BlockHash]:
+    """Hashes of every full block of a token sequence (a trailing partial block has none)."""
+    out, parent = [], None
+    for start in range(0, len(token_ids) - tokens_per_block + 1, tokens_per_block):
+        parent = hash_block(parent, token_ids[start : start + tokens_per_block], extra_keys)
+        out.append(parent)
+    return out
+
+
+class NoFreeBlocks(RuntimeError):
+    """The pool cannot satisfy an allocation; nothing was allocated."""
+
+
+@dataclasses.dataclass
+class PoolStats:
+    allocated: int = 0  # blocks handed out by `allocate`
+    evicted: int = 0  # cached blocks whose hash was dropped to reuse them
+    hits: int = 0  # blocks served from the prefix cache
+    queries: int = 0  # blocks looked up in the prefix cache
+
+
+class BlockPool:
+    """`num_blocks` blocks (ids 0..num_blocks-1) with ref counts, an LRU free queue and a hash index.
+
+    A block's key in the hash index is (group, hash): equal prefixes in different cache groups are
+    different blocks.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True):
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_key: list[tuple[str, BlockHash] | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # front = next out
+        self.cached: dict[tuple[str, BlockHash], int] = {}
+        self.stats = PoolStats()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks (ref count 1, no hash), least recently freed first; all or nothing."""
+        if n > len(self.free_queue):
+            raise NoFreeBlocks(f"need {n} blocks, {len(self.free_queue)} free of {self.num_blocks}")
+        out = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            key = self.block_key[b]
+            if key is not None:  # a cached block is reused: it no longer holds that prefix
+                del self.cached[key]
+                self.block_key[b] = None
+                self.stats.evicted += 1
+            self.ref_count[b] = 1
+            out.append(b)
+        self.stats.allocated += n
+        return out
+
+    def free(self, blocks: Sequence[int]) -> None:
+        """Drop one reference to each block. Blocks reaching 0 join the free queue in the given order
+        (callers pass a request's blocks last first, so its tail, the least shared part, goes first)."""
+        for b in blocks:
+            if self.ref_count[b] <= 0:
+                raise RuntimeError(f"block {b} freed more often than it was referenced (double free)")
+        for b in blocks:
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.free_queue[b] = None
+
+    def lookup(self, group: str, h: BlockHash) -> int | None:
+        """The cached block holding prefix hash `h` in `group`, or None. Does not take a reference."""
+        if not self.enable_prefix_caching:
+            return None
+        return self.cached.get((group, h))
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Take a reference to cached blocks (a prefix hit); a free one leaves the free queue."""
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self.free_queue[b]
+            self.ref_count[b] += 1
+
+    def cache(self, group: str, block: int, h: BlockHash) -> None:
+        """Record that referenced `block` now holds the full block with prefix hash `h` in `group`.
+        If another block already holds that prefix, the index keeps the first (this one stays private)."""
+        if not self.enable_prefix_caching or self.block_key[block] is not None:
+            return
+        if self.ref_count[block] <= 0:
+            raise RuntimeError(f"block {block} is not referenced: cannot cache it")
+        key = (group, h)
+        if key not in self.cached:
+            self.cached[key] = block
+            self.block_key[block] = key
+
+    def reset_prefix_cache(self) -> None:
+        for key, b in list(self.cached.items()):
+            self.block_key[b] = None
+            del self.cached[key]
+
+    def check(self) -> None:
+        """Assert the pool invariants (see the module docstring)."""
+        free = set(self.free_queue)
+        assert len(free) == len(self.free_queue)
+        for b in range(self.num_blocks):
+            assert self.ref_count[b] >= 0, f"block {b}: negative ref count"
+            assert (self.ref_count[b] == 0) == (b in free), f"block {b}: ref {self.ref_count[b]}, free={b in free}"
+        for key, b in self.cached.items():
+            assert self.block_key[b] == key, f"hash index and block {b} disagree"
+        assert sum(k is not None for k in self.block_key) == len(self.cached)
+
+
+@dataclasses.dataclass
+class RequestBlocks:
+    """One request's blocks: per cache group, its block table (block ids in position order)."""
+
+    tables: dict[str, list[int]]
+    hashes: list[BlockHash]  # hashes of the request's full blocks (of the tokens known so far)
+    num_cached_blocks: int = 0  # leading blocks registered in (or served from) the prefix cache
+    num_computed_tokens_hit: int = 0  # tokens whose KV came from the prefix cache at admission
+
+
+class KVCacheManager:
+    """Per-request block tables over one `BlockPool`, for the cache groups `groups`.
+
+    `tokens_per_block` = block_size x DCP size: a block id names one page of `block_size` slots on each
+    DCP rank. All groups of a request advance together: a request with n tokens holds
+    ceil(n / tokens_per_block) blocks in every group.
+    """
+
+    def __init__(self, num_blocks: int, tokens_per_block: int, groups: Sequence[str] = ("mla", "indexer"), *,
+                 enable_prefix_caching: bool = True):
+        if not isinstance(tokens_per_block, int) or tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
+        if not groups or len(set(groups)) != len(groups):
+            raise ValueError(f"groups must be distinct names, got {groups!r}")
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.tokens_per_block = tokens_per_block
+        self.groups = tuple(groups)
+        self.requests: dict[str, RequestBlocks] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    def admit(self, req_id: str, token_ids: Sequence[int], extra_keys: Sequence[str | int] = ()) -> int:
+        """Start tracking a request and take its longest cached prefix (every group must hold a block for
+        the hit to count). -> number of prompt tokens whose KV is already cached (a multiple of
+        tokens_per_block, and < len(token_ids) so at least one token is computed to produce logits)."""
+        if req_id in self.requests:
+            raise ValueError(f"request {req_id!r} is already admitted")
+        hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys)
+        hit: list[list[int]] = []
+        max_hit = (len(token_ids) - 1) // self.tokens_per_block  # keep >= 1 token to compute
+        for h in hashes[:max_hit]:
+            self.pool.stats.queries += 1
+            blocks = [self.pool.lookup(g, h) for g in self.groups]
+            if any(b is None for b in blocks):
+                break
+            hit.append(blocks)
+        for blocks in hit:
+            self.pool.touch(blocks)
+        self.pool.stats.hits += len(hit)
+        tables = {g: [blocks[i] for blocks in hit] for i, g in enumerate(self.groups)}
+        n = len(hit) * self.tokens_per_block
+        self.requests[req_id] = RequestBlocks(tables, hashes, num_cached_blocks=len(hit), num_computed_tokens_hit=n)
+        return n
+
+    def can_allocate(self, req_id: str, num_tokens: int) -> bool:
+        return self._missing(req_id, num_tokens) * len(self.groups) <= self.pool.num_free
+
+    def _missing(self, req_id: str, num_tokens: int) -> int:
+        return max(0, self.blocks_needed(num_tokens) - len(self.requests[req_id].tables[self.groups[0]]))
+
+    def allocate(self, req_id: str, num_tokens: int) -> None:
+        """Grow the request's tables to cover `num_tokens` tokens in every group; all or nothing
+        (raises NoFreeBlocks, leaving the pool unchanged)."""
+        missing = self._missing(req_id, num_tokens)
+        if missing == 0:
+            return
+        fresh = self.pool.allocate(missing * len(self.groups))
+        for i, g in enumerate(self.groups):
+            self.requests[req_id].tables[g].extend(fresh[i * missing : (i + 1) * missing])
+
+    def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          extra_keys: Sequence[str | int] = ()) -> None:
+        """Register the request's blocks that are now full of computed KV in the prefix cache.
+        `token_ids`: all tokens known for the request (prompt + generated)."""
+        rb = self.requests[req_id]
+        n_full = num_computed_tokens // self.tokens_per_block
+        if len(rb.hashes) < n_full:
+            rb.hashes = block_hashes(token_ids[: n_full * self.tokens_per_block], self.tokens_per_block, extra_keys)
+        for i in range(rb.num_cached_blocks, n_full):
+            for g in self.groups:
+                self.pool.cache(g, rb.tables[g][i], rb.hashes[i])
+        rb.num_cached_blocks = max(rb.num_cached_blocks, n_full)
+
+    def free(self, req_id: str) -> None:
+        """Release every block of the request (tail blocks first into the free queue)."""
+        rb = self.requests.pop(req_id)
+        for g in self.groups:
+            self.pool.free(list(reversed(rb.tables[g])))
+
+    def block_table(self, req_id: str, group: str) -> list[int]:
+        return self.requests[req_id].tables[group]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def check(self) -> None:
+        """Pool invariants, plus: every referenced block is held by exactly ref_count request tables."""
+        self.pool.check()
+        holders = [0] * self.pool.num_blocks
+        for rb in self.requests.values():
+            lens = {len(t) for t in rb.tables.values()}
+            assert len(lens) == 1, "groups of one request hold different numbers of blocks"
+            for t in rb.tables.values():
+                for b in t:
+                    holders[b] += 1
+        assert holders == self.pool.ref_count, "ref counts differ from the request tables (leak or double count)"

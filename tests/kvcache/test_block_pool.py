@@ -1,0 +1,151 @@
+"""Block pool and KV-cache manager: invariants under random operation sequences (hypothesis), prefix
+reuse, salts, LRU eviction order and all-or-nothing allocation."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks, block_hashes, hash_block
+
+
+def test_hashes_chain_over_parents_tokens_and_salt():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7], 2)
+    assert len(a) == 3  # the partial last block has no hash
+    assert a == block_hashes([1, 2, 3, 4, 5, 6, 8], 2)
+    assert block_hashes([9, 2, 3, 4], 2)[1] != a[1]  # a different earlier block changes every later hash
+    assert block_hashes([1, 2, 3, 4], 2, ["user-a"]) != block_hashes([1, 2, 3, 4], 2, ["user-b"])
+    assert hash_block(None, [1, 2]) == a[0] and len(a[0]) == 32
+
+
+def test_lru_reuse_and_eviction_order():
+    pool = BlockPool(4)
+    b = pool.allocate(3)
+    assert b == [0, 1, 2]
+    for i, blk in enumerate(b):
+        pool.cache("mla", blk, bytes([i]))
+    pool.free([2, 1, 0])  # freed tail first: block 2 is evicted first
+    assert pool.lookup("mla", bytes([0])) == 0  # still cached while free
+    assert pool.allocate(2) == [3, 2]  # never-used block 3, then the least recently freed cached block
+    assert pool.lookup("mla", bytes([2])) is None and pool.stats.evicted == 1
+    pool.touch([0])  # a hit revives a free cached block: it leaves the free queue
+    assert pool.allocate(1) == [1]
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1)
+    pool.check()
+
+
+def test_double_free_and_caching_unreferenced_block_raise():
+    pool = BlockPool(2)
+    (b,) = pool.allocate(1)
+    pool.free([b])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([b])
+    with pytest.raises(RuntimeError, match="not referenced"):
+        pool.cache("mla", b, b"x")
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0)
+
+
+def test_second_turn_reuses_the_first_turns_blocks_and_salts_isolate_users():
+    bs = 4
+    m = KVCacheManager(64, bs)
+    turn1 = list(range(10))
+    assert m.admit("u1-t1", turn1, ["alice"]) == 0
+    m.allocate("u1-t1", len(turn1) + 3)  # prompt + 3 generated tokens
+    out = turn1 + [100, 101, 102]
+    m.cache_full_blocks("u1-t1", out, len(out), ["alice"])
+    m.free("u1-t1")
+    turn2 = out + [7, 8, 9, 10, 11]
+    hit = m.admit("u1-t2", turn2, ["alice"])
+    assert hit == 12 and len(turn2) - hit <= 5 + bs - 1  # only the new tokens (+ < one block) remain
+    assert m.admit("u2-t2", turn2, ["bob"]) == 0  # another user's salt shares nothing
+    m.check()
+
+
+def test_hit_needs_every_group_and_leaves_one_token_to_compute():
+    m = KVCacheManager(16, 2, groups=("mla", "indexer"))
+    m.admit("a", [1, 2, 3, 4])
+    m.allocate("a", 4)
+    m.cache_full_blocks("a", [1, 2, 3, 4], 4)
+    assert m.admit("b", [1, 2, 3, 4]) == 2  # the last block is recomputed to produce logits
+    assert m.admit("c", [1, 2, 3, 4, 5]) == 4
+    m.pool.reset_prefix_cache()
+    assert m.admit("d", [1, 2, 3, 4, 5]) == 0
+    m.check()
+
+
+def test_allocation_is_all_or_nothing():
+    m = KVCacheManager(5, 2, groups=("mla", "indexer"))
+    m.admit("a", [1])
+    m.allocate("a", 4)  # 2 blocks x 2 groups
+    m.admit("b", [1])
+    assert not m.can_allocate("b", 3)
+    with pytest.raises(NoFreeBlocks):
+        m.allocate("b", 3)
+    assert m.num_free_blocks == 1 and m.block_table("b", "mla") == []
+    m.check()
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random admits (with shared prefixes and salts), growth, caching and frees; invariants after each."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = KVCacheManager(12, 2, groups=("mla", "indexer"))
+        self.tokens: dict[str, list[int]] = {}
+        self.n = 0
+
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 7), salt=st.sampled_from(["a", "b"]))
+    def admit(self, prefix, length, salt):
+        rid = f"r{self.n}"
+        self.n += 1
+        toks = [prefix] * 3 + list(range(length))
+        hit = self.m.admit(rid, toks, [salt])
+        assert hit % 2 == 0 and hit < len(toks)
+        self.tokens[rid] = (toks, salt, hit)
+        try:
+            self.m.allocate(rid, len(toks))
+        except NoFreeBlocks:
+            self.m.free(rid)
+            del self.tokens[rid]
+            return
+        self.m.cache_full_blocks(rid, toks, len(toks), [salt])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.integers(1, 4))
+    def grow(self, data, extra):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        toks, salt, hit = self.tokens[rid]
+        new = toks + [99] * extra
+        if self.m.can_allocate(rid, len(new)):
+            self.m.allocate(rid, len(new))
+            self.m.cache_full_blocks(rid, new, len(new), [salt])
+            self.tokens[rid] = (new, salt, hit)
+        else:
+            with pytest.raises(NoFreeBlocks):
+                self.m.allocate(rid, len(new))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.m.free(rid)
+        del self.tokens[rid]
+
+    @invariant()
+    def pool_is_consistent(self):
+        self.m.check()
+        # a block referenced by a running request is never in the free queue, so never handed out
+        held = {b for rid in self.tokens for g in self.m.groups for b in self.m.block_table(rid, g)}
+        assert not held & set(self.m.pool.free_queue)
+        assert len(held) + self.m.num_free_blocks == self.m.pool.num_blocks  # no leak
+
+    def teardown(self):
+        for rid in list(self.tokens):
+            self.m.free(rid)
+        assert self.m.num_free_blocks == self.m.pool.num_blocks
+
+
+TestManagerMachine = ManagerMachine.TestCase
+TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
