@@ -42,11 +42,14 @@ def write_slots(buf_NX, rows_X, slots):
 class PagedKVCache:
     """mla[i]: [num_blocks * B, mla_format.width] rows of attention layer `mla_layers[i]`; index[j]:
     [num_blocks * B, index_format.width] keys of full layer `index_layers[j]`; block_table [batch, M]
-    int32 page ids (-1 = none). capacity = M * B positions per request."""
+    int32 page ids (-1 = none) of the MLA group; index_block_table [batch, M]: the indexer group's (the
+    block pool allocates the two groups separately), or None when both groups share one table.
+    capacity = M * B positions per request."""
 
     mla: tuple[jax.Array, ...]
     index: tuple[jax.Array, ...]
     block_table: jax.Array
+    index_block_table: jax.Array | None  # the indexer group's own table; None = the same as block_table
     mla_layers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     index_layers: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     block_size: int = dataclasses.field(metadata=dict(static=True))
@@ -72,7 +75,7 @@ class PagedKVCache:
         return cls(
             mla=tuple(jnp.zeros((n, mla_format.width), mla_format.storage_dtype) for _ in mla_layers),
             index=tuple(jnp.zeros((n, index_format.width), index_format.storage_dtype) for _ in index_layers),
-            block_table=cls._checked_table(block_table, num_blocks),
+            block_table=cls._checked_table(block_table, num_blocks), index_block_table=None,
             mla_layers=mla_layers, index_layers=index_layers, block_size=block_size,
             mla_format=mla_format, index_format=index_format,
         )
@@ -87,9 +90,14 @@ class PagedKVCache:
                              f"got range [{bt.min()}, {bt.max()}]")
         return jnp.asarray(bt, jnp.int32)
 
-    def with_block_table(self, block_table) -> PagedKVCache:
-        """The same pool under a new block table (e.g. the next step's batch)."""
-        return dataclasses.replace(self, block_table=self._checked_table(block_table, self.num_blocks))
+    def with_block_table(self, block_table, index_block_table=None) -> PagedKVCache:
+        """The same pool under new block tables (e.g. the next step's batch); the indexer group uses
+        `index_block_table` if given, else `block_table`."""
+        bt = self._checked_table(block_table, self.num_blocks)
+        ibt = None if index_block_table is None else self._checked_table(index_block_table, self.num_blocks)
+        if ibt is not None and ibt.shape != bt.shape:
+            raise ValueError(f"index_block_table shape {ibt.shape} differs from block_table shape {bt.shape}")
+        return dataclasses.replace(self, block_table=bt, index_block_table=ibt)
 
     @property
     def num_blocks(self) -> int:
@@ -110,12 +118,17 @@ class PagedKVCache:
         rows = self.mla_format.pack(latent_BTR, rope_BTP)
         return self._replace("mla", layer, write_slots(buf, rows, self.slots(pos_BT)))
 
+    @property
+    def _index_table(self):
+        return self.block_table if self.index_block_table is None else self.index_block_table
+
     def write_index_keys(self, layer, keys_BTI, pos_BT):
         buf = self.index[self.index_layers.index(layer)]
-        return self._replace("index", layer, write_slots(buf, self.index_format.pack(keys_BTI), self.slots(pos_BT)))
+        slots = slot_mapping(self._index_table, pos_BT, self.block_size)
+        return self._replace("index", layer, write_slots(buf, self.index_format.pack(keys_BTI), slots))
 
     def index_key_pages(self, layer):
-        return PagedKeys(self.index[self.index_layers.index(layer)], self.block_table, self.block_size,
+        return PagedKeys(self.index[self.index_layers.index(layer)], self._index_table, self.block_size,
                          self.index_format)
 
     def mla_rows(self, layer, num_positions):

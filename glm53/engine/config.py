@@ -1,0 +1,88 @@
+"""DeployConfig: how the engine runs a model. Field names follow vLLM's flags where one exists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from attention.formats import MLA_FORMATS
+
+KV_POLICIES = ("preempt", "offload", "hisparse")
+IMPLS = ("auto", "reference", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployConfig:
+    """Engine deployment. Sizes are in tokens, blocks or bytes as the names say.
+
+    kv_cache_dtype: "auto" (the model's dtype) or one of attention.formats.MLA_FORMATS.
+    num_gpu_blocks: blocks in the device pool shared by all cache groups (None: enough for
+        max_num_seqs requests of max_model_len tokens, i.e. a pool that never runs out).
+    kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
+        later), "offload" (move it to the host pool, bring it back), "hisparse" (not built yet).
+    """
+
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_comm_backend: str = "ag_rs"
+    cp_kv_cache_interleave_size: int = 1
+    enable_expert_parallel: bool = False
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 8
+    kv_policy: str = "preempt"
+    num_gpu_blocks: int | None = None
+    cpu_offload_bytes: int = 0
+    hisparse_host_pool_bytes: int = 0
+    hisparse_device_buffer_size: int | None = None
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = True
+    sparse_mla_force_mqa: bool = False
+    attention_impl: str = "auto"
+    host_link_bytes_per_s: float = 50e9
+
+    def __post_init__(self):
+        def positive(name):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"DeployConfig.{name} must be a positive int, got {v!r}")
+
+        for name in ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
+                     "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size", "max_model_len",
+                     "max_num_batched_tokens", "max_num_seqs"):
+            positive(name)
+        if self.num_gpu_blocks is not None:
+            positive("num_gpu_blocks")
+        if self.dcp_comm_backend not in ("ag_rs", "a2a"):
+            raise ValueError(f"DeployConfig.dcp_comm_backend must be 'ag_rs' or 'a2a', got {self.dcp_comm_backend!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in MLA_FORMATS:
+            raise ValueError(f"DeployConfig.kv_cache_dtype must be 'auto' or one of {MLA_FORMATS}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"DeployConfig.kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"DeployConfig.attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
+        if self.cpu_offload_bytes < 0 or self.host_link_bytes_per_s <= 0:
+            raise ValueError("DeployConfig.cpu_offload_bytes must be >= 0 and host_link_bytes_per_s > 0")
+        # What the engine does not run yet: say so instead of silently running something else.
+        for name in ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
+                     "decode_context_parallel_size"):
+            if getattr(self, name) != 1:
+                raise NotImplementedError(f"DeployConfig.{name}={getattr(self, name)}: the engine runs on one device "
+                                          "so far (parallel/ has the primitives; engine integration is issue 5)")
+        if self.kv_policy != "preempt":
+            raise NotImplementedError(f"DeployConfig.kv_policy={self.kv_policy!r} is not built yet; use 'preempt'")
+        if self.num_speculative_tokens:
+            raise NotImplementedError("DeployConfig.num_speculative_tokens: MTP speculative decoding is not built yet")
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens one block id covers: block_size slots on each DCP rank."""
+        return self.block_size * self.decode_context_parallel_size
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.tokens_per_block)

@@ -1,0 +1,95 @@
+"""The engine: requests in, tokens out. Scheduler (what runs) + runner (how it runs) + clock."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from glm53.engine.config import DeployConfig
+from glm53.engine.request import Request, RequestOutput, SamplingParams
+from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
+from glm53.engine.scheduler import Scheduler
+from glm53.model import GLM53, as_token_array
+
+GROUPS = ("mla", "indexer")
+
+
+class Engine:
+    """Serve `model` under `deploy`. `add_request` queues a prompt; each `step` schedules and runs one
+    batch and returns the tokens it produced; `generate` runs prompts to completion.
+
+    runner / clock: injectable (a simulator passes its own); by default the model runs on the paged
+    cache of this process's default device and time is wall time.
+    """
+
+    def __init__(self, model: GLM53, deploy: DeployConfig | None = None, *, runner: Runner | None = None,
+                 clock: Clock | None = None):
+        self.model = model
+        self.deploy = deploy or DeployConfig()
+        num_blocks = self.deploy.num_gpu_blocks or default_num_blocks(self.deploy, len(GROUPS))
+        self.scheduler = Scheduler(self.deploy, num_blocks, GROUPS)
+        self.runner = runner or ModelRunner(model, self.deploy, num_blocks)
+        self.clock = clock or WallClock()
+        self.requests: dict[str, Request] = {}
+        self.finished: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
+                    salt: str = "") -> str:
+        """Queue a prompt. Rejects (ValueError) a prompt whose tokens plus max_new_tokens exceed
+        max_model_len, rather than truncating it."""
+        params = params or SamplingParams()
+        ids = as_token_array(prompt_ids)
+        cfg = self.model.cfg
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
+        total = ids.size + params.max_new_tokens
+        if total > self.deploy.max_model_len:
+            raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
+                             f"max_model_len={self.deploy.max_model_len}")
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        if req_id in self.requests or req_id in self.finished:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now())
+        self.scheduler.add(req)
+        self.requests[req_id] = req
+        return req_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        """One scheduling step. -> [(req_id, new token, finished)] for the tokens produced."""
+        chunks = self.scheduler.schedule()
+        tables = {g: [self.scheduler.kv.block_table(ch.request.req_id, g) for ch in chunks] for g in GROUPS}
+        sampled = self.runner.execute(chunks, tables)
+        finished = self.scheduler.update(chunks, sampled, self.clock.now())
+        for req in finished:
+            self.finished[req.req_id] = self.requests.pop(req.req_id)
+        done = {r.req_id for r in finished}
+        return [(rid, tok, rid in done) for rid, tok in sampled.items()]
+
+    def output(self, req_id: str) -> RequestOutput:
+        r = self.finished[req_id]
+        return RequestOutput(r.req_id, r.prompt_ids, np.asarray(r.output_ids, np.int32), r.arrival_s, r.first_token_s,
+                             r.finish_s, tuple(r.token_times_s), r.num_preemptions)
+
+    def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None
+                 ) -> list[RequestOutput]:
+        """Run `prompts` to completion (request i samples with seed + i); `on_token(req_id, token)` streams
+        tokens as they come. -> outputs in prompt order, each with `.token_ids`."""
+        ids = [self.add_request(p, SamplingParams(max_new_tokens, greedy, temperature, top_p, seed + i))
+               for i, p in enumerate(prompts)]
+        pending = set(ids)
+        while pending:
+            if not self.has_unfinished():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for rid, tok, fin in self.step():
+                if on_token is not None and rid in pending:
+                    on_token(rid, tok)
+                if fin:
+                    pending.discard(rid)
+        return [self.output(rid) for rid in ids]

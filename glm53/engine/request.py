@@ -1,0 +1,87 @@
+"""Requests, sampling parameters and outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """max_new_tokens >= 1; greedy (argmax, lowest id on ties) or temperature / top-p sampling driven by a
+    per-request PRNG key derived from `seed` (same seed, same tokens, whatever the batch)."""
+
+    max_new_tokens: int = 16
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's state. `num_computed_tokens`: leading tokens of `all_token_ids` whose KV is in the
+    cache (from the prefix cache or computed). Times are the engine clock's seconds."""
+
+    req_id: str
+    prompt_ids: np.ndarray
+    params: SamplingParams
+    salt: str = ""
+    arrival_s: float = 0.0
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids.tolist() + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_ids.size + len(self.output_ids)
+
+    @property
+    def extra_keys(self) -> tuple[str, ...]:
+        return (self.salt,) if self.salt else ()
+
+    @property
+    def done(self) -> bool:
+        return len(self.output_ids) >= self.params.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A finished request: generated token ids and timestamps (engine clock, seconds)."""
+
+    req_id: str
+    prompt_ids: np.ndarray
+    token_ids: np.ndarray
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    token_times_s: tuple[float, ...]
+    num_preemptions: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s

@@ -1,0 +1,140 @@
+"""Runners turn a scheduled step into device work, and clocks tell the engine the time.
+
+`ModelRunner` keeps the paged KV pool on the device and, per step, builds a padded batch from a small
+set of bucket shapes (rows: powers of two up to max_num_seqs; tokens per row: 1 for decode-only steps,
+else max_num_batched_tokens rounded up to a power of two; attention window: powers of two up to the
+cache capacity), so a serving run
+compiles a bounded number of programs (`compiled_shapes` counts them). A decoding request uses one
+token of its row; a prefilling one a chunk. Sampling is a jitted function of per-request PRNG keys
+(seed, number of tokens generated so far), so a request samples the same tokens whatever it is batched
+with.
+
+The `Runner` and `Clock` protocols let a simulator drive the same scheduler in virtual time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from glm53.api import window_bucket
+from glm53.engine.config import DeployConfig
+from glm53.engine.scheduler import ScheduledChunk
+from glm53.model import GLM53, compiled
+from kvcache.paged import PagedKVCache
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since an arbitrary origin."""
+
+
+class WallClock:
+    def __init__(self):
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+
+class Runner(Protocol):
+    def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[list[int]]]) -> dict[str, int]:
+        """Run one step: write the chunks' KV, and return {req_id: sampled token} for every request whose
+        known tokens are all computed after the step."""
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def default_num_blocks(deploy: DeployConfig, num_groups: int) -> int:
+    """A pool that never runs out: every sequence slot at max_model_len in every group."""
+    return deploy.max_num_seqs * deploy.max_blocks_per_seq * num_groups
+
+
+@jax.jit
+def _sample(logits_RV, seeds_R, counters_R, temps_R, top_ps_R):
+    """Temperature / top-p sampling, one PRNG key per row: fold_in(key(seed), counter)."""
+
+    def one(logits, seed, counter, temp, top_p):
+        key = jax.random.fold_in(jax.random.key(seed), counter)
+        z = logits / temp
+        order = jnp.argsort(-z)
+        probs = jax.nn.softmax(z[order])
+        keep = jnp.cumsum(probs) - probs < top_p  # the smallest prefix whose mass reaches top_p
+        z_sorted = jnp.where(keep, z[order], -jnp.inf)
+        return order[jax.random.categorical(key, z_sorted)]
+
+    return jax.vmap(one)(logits_RV, seeds_R, counters_R, temps_R, top_ps_R)
+
+
+class ModelRunner:
+    def __init__(self, model: GLM53, deploy: DeployConfig, num_blocks: int):
+        self.model = model
+        self.deploy = deploy
+        self.c = compiled(model)
+        kv_dtype = jnp.dtype(model.dtype).name if deploy.kv_cache_dtype == "auto" else deploy.kv_cache_dtype
+        self.max_rows = _pow2_at_least(deploy.max_num_seqs)
+        self.max_tokens = _pow2_at_least(deploy.max_num_batched_tokens)
+        empty = np.full((self.max_rows, deploy.max_blocks_per_seq), -1, np.int32)
+        self.cache = PagedKVCache.create(model.cfg, num_blocks, deploy.block_size, empty, kv_cache_dtype=kv_dtype,
+                                         include_mtp=False)
+        self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
+        self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
+
+    def _table(self, rows: int, tables: list[list[int]]) -> np.ndarray:
+        out = np.full((rows, self.deploy.max_blocks_per_seq), -1, np.int32)
+        for i, t in enumerate(tables):
+            out[i, : len(t)] = t
+        return out
+
+    def execute(self, chunks, block_tables):
+        if not chunks:
+            return {}
+        rows = _pow2_at_least(len(chunks))
+        # Two token widths only: 1 for pure decode steps, the full budget for any step with a prefill chunk
+        # (fewer programs; padding a chunk costs less than compiling another shape).
+        width = 1 if all(ch.num_tokens == 1 for ch in chunks) else self.max_tokens
+        tok = np.zeros((rows, width), np.int32)
+        pos = np.full((rows, width), -1, np.int32)
+        last = np.zeros(rows, np.int32)
+        for i, ch in enumerate(chunks):
+            ids = ch.request.all_token_ids[ch.start : ch.start + ch.num_tokens]
+            tok[i, : ch.num_tokens] = ids
+            pos[i, : ch.num_tokens] = np.arange(ch.start, ch.start + ch.num_tokens)
+            last[i] = ch.num_tokens - 1
+        window = window_bucket(int(pos.max()) + 1, self.cache.capacity)
+        self.compiled_shapes.add((rows, width, window))
+        cache = self.cache.with_block_table(self._table(rows, block_tables["mla"]),
+                                            self._table(rows, block_tables["indexer"]))
+        hidden, cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
+                                          form=self.form, impl=self.deploy.attention_impl)
+        self.cache = cache
+        need = [i for i, ch in enumerate(chunks) if ch.start + ch.num_tokens == ch.request.num_tokens]
+        if not need:
+            return {}
+        h_last = hidden[jnp.arange(rows), jnp.asarray(last)]
+        logits = np.asarray(self.c.logits(self.c.state, h_last))
+        return self._pick(logits, [chunks[i].request for i in need], need)
+
+    def _pick(self, logits_RV, reqs, rows) -> dict[str, int]:
+        out = {}
+        sample_rows = [(i, r) for i, r in zip(rows, reqs) if not r.params.greedy]
+        for i, r in zip(rows, reqs):
+            if r.params.greedy:
+                out[r.req_id] = int(np.argmax(logits_RV[i]))
+        if sample_rows:
+            n = len(logits_RV)
+            seeds, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
+            temps, top_ps = np.ones(n, np.float32), np.ones(n, np.float32)
+            for i, r in sample_rows:
+                seeds[i], counters[i] = r.params.seed, len(r.output_ids)
+                temps[i], top_ps[i] = r.params.temperature, r.params.top_p
+            toks = np.asarray(_sample(jnp.asarray(logits_RV), seeds, counters, temps, top_ps))
+            for i, r in sample_rows:
+                out[r.req_id] = int(toks[i])
+        return out

@@ -1,0 +1,168 @@
+"""The scheduler: continuous batching with chunked prefill under a token budget, and the policy that
+decides what happens when the block pool runs out.
+
+Each step (`schedule`):
+1. Running requests, oldest first, get their next tokens: 1 for a decoding request, a chunk of the
+   remaining prompt for one still prefilling, within `max_num_batched_tokens`. If the pool cannot hold
+   a request's new blocks, the policy evicts the newest running request (possibly the request itself)
+   until it can (vLLM's recompute-preemption order).
+2. If nothing was evicted this step, waiting requests are admitted first come first served while there
+   is budget, a free sequence slot (`max_num_seqs`) and room in the pool. Admission takes the longest
+   cached prefix (kvcache.block_pool), so only the rest is prefilled.
+
+After the runner has computed the step (`update`), each request's computed-token count advances; a
+request whose known tokens are all computed gets one new token sampled, its full blocks join the prefix
+cache, and it finishes at `max_new_tokens`.
+
+Policies (`KVPolicy`): `PreemptPolicy` drops the victim's KV (its blocks go back to the pool, still
+prefix-cached until reused) and re-queues it to be recomputed. The offload and HiSparse policies plug in
+here with the same interface.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Protocol
+
+from glm53.engine.config import DeployConfig
+from glm53.engine.request import Request, Status
+from kvcache.block_pool import KVCacheManager
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens whose KV was computed again after a preemption
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    prompt_tokens: int = 0  # prompt tokens admitted (hit or computed)
+    steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `request` starting at position `start` run this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+
+class KVPolicy(Protocol):
+    def evict(self, scheduler: Scheduler, victim: Request) -> None:
+        """Make `victim` give up its device blocks; it must be runnable again later."""
+
+
+class PreemptPolicy:
+    """Drop the victim's KV and recompute it when it runs again (vLLM's recompute preemption)."""
+
+    def evict(self, scheduler: Scheduler, victim: Request) -> None:
+        scheduler.kv.free(victim.req_id)
+        scheduler.stats.preemptions += 1
+        scheduler.lost_tokens[victim.req_id] = scheduler.lost_tokens.get(victim.req_id, 0) + victim.num_computed_tokens
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+
+
+POLICIES = {"preempt": PreemptPolicy}
+
+
+class Scheduler:
+    def __init__(self, deploy: DeployConfig, num_blocks: int, groups=("mla", "indexer")):
+        self.deploy = deploy
+        self.kv = KVCacheManager(num_blocks, deploy.tokens_per_block, groups,
+                                 enable_prefix_caching=deploy.enable_prefix_caching)
+        self.policy: KVPolicy = POLICIES[deploy.kv_policy]()
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+        self.lost_tokens: dict[str, int] = {}  # per request: computed tokens dropped by preemption, not yet redone
+
+    def add(self, req: Request) -> None:
+        need = self.kv.blocks_needed(req.prompt_ids.size + req.params.max_new_tokens) * len(self.kv.groups)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"request {req.req_id!r} needs {need} blocks but the pool has {self.kv.pool.num_blocks}: "
+                             "raise DeployConfig.num_gpu_blocks")
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _evict(self, victim: Request) -> None:
+        self.policy.evict(self, victim)
+        self.running.remove(victim)
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.deploy.max_num_batched_tokens
+        out: list[ScheduledChunk] = []
+        evicted = False
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not Status.RUNNING:  # evicted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._evict(victim)
+                evicted = True
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                continue
+            self.kv.allocate(req.req_id, req.num_computed_tokens + n)
+            out.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        while not evicted and budget > 0 and self.waiting and len(self.running) < self.deploy.max_num_seqs:
+            req = self.waiting[0]
+            fresh = req.num_computed_tokens == 0 and req.req_id not in self.kv.requests
+            if fresh:
+                hit = self.kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
+                req.num_computed_tokens = hit
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+                self.kv.free(req.req_id)  # give back the prefix hit; admit again when there is room
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if fresh:
+                self._count_admission(req)
+            self.kv.allocate(req.req_id, req.num_computed_tokens + n)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        self.stats.steps += 1
+        return out
+
+    def _count_admission(self, req: Request) -> None:
+        lost = self.lost_tokens.pop(req.req_id, None)
+        if lost is None:  # first admission: prompt accounting
+            self.stats.prompt_tokens += req.prompt_ids.size
+            self.stats.prefix_hit_tokens += req.num_computed_tokens
+        else:  # re-admission after preemption: what the prefix cache did not save is recomputed
+            self.stats.recomputed_tokens += max(0, lost - req.num_computed_tokens)
+
+    def update(self, chunks: list[ScheduledChunk], sampled: dict[str, int], now_s: float) -> list[Request]:
+        """Advance after a step. `sampled`: the new token of every request whose known tokens are now all
+        computed. -> the requests that finished."""
+        finished = []
+        for ch in chunks:
+            req = ch.request
+            req.num_computed_tokens = ch.start + ch.num_tokens
+            if req.req_id in sampled:
+                req.output_ids.append(sampled[req.req_id])
+                req.token_times_s.append(now_s)
+                if req.first_token_s is None:
+                    req.first_token_s = now_s
+            self.kv.cache_full_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens, req.extra_keys)
+            if req.done:
+                req.status = Status.FINISHED
+                req.finish_s = now_s
+                self.kv.free(req.req_id)
+                self.running.remove(req)
+                finished.append(req)
+        return finished
