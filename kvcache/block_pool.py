@@ -188,15 +188,17 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
 
-    def admit(self, req_id: str, token_ids: Sequence[int], extra_keys: Sequence[str | int] = ()) -> int:
+    def admit(self, req_id: str, token_ids: Sequence[int], extra_keys: Sequence[str | int] = (), *,
+              use_prefix_cache: bool = True) -> int:
         """Start tracking a request and take its longest cached prefix (every group must hold a block for
         the hit to count). -> number of prompt tokens whose KV is already cached (a multiple of
-        tokens_per_block, and < len(token_ids) so at least one token is computed to produce logits)."""
+        tokens_per_block, and < len(token_ids) so at least one token is computed to produce logits).
+        use_prefix_cache=False: take nothing (the caller restores the KV itself, e.g. from host memory)."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already admitted")
         hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys)
         hit: list[list[int]] = []
-        max_hit = (len(token_ids) - 1) // self.tokens_per_block  # keep >= 1 token to compute
+        max_hit = (len(token_ids) - 1) // self.tokens_per_block if use_prefix_cache else 0
         for h in hashes[:max_hit]:
             self.pool.stats.queries += 1
             blocks = [self.pool.lookup(g, h) for g in self.groups]

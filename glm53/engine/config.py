@@ -73,8 +73,10 @@ class DeployConfig:
             if getattr(self, name) != 1:
                 raise NotImplementedError(f"DeployConfig.{name}={getattr(self, name)}: the engine runs on one device "
                                           "so far (parallel/ has the primitives; engine integration is issue 5)")
-        if self.kv_policy != "preempt":
-            raise NotImplementedError(f"DeployConfig.kv_policy={self.kv_policy!r} is not built yet; use 'preempt'")
+        if self.kv_policy == "hisparse":
+            raise NotImplementedError("DeployConfig.kv_policy='hisparse' is not built yet; use 'preempt' or 'offload'")
+        if self.kv_policy == "offload" and self.cpu_offload_bytes <= 0:
+            raise ValueError("DeployConfig.kv_policy='offload' needs cpu_offload_bytes > 0 (the host pool size)")
         if self.num_speculative_tokens:
             raise NotImplementedError("DeployConfig.num_speculative_tokens: MTP speculative decoding is not built yet")
 

@@ -10,7 +10,7 @@ import numpy as np
 from glm53.engine.config import DeployConfig
 from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
-from glm53.engine.scheduler import Scheduler
+from glm53.engine.scheduler import OffloadPolicy, Scheduler
 from glm53.model import GLM53, as_token_array
 
 GROUPS = ("mla", "indexer")
@@ -29,8 +29,11 @@ class Engine:
         self.model = model
         self.deploy = deploy or DeployConfig()
         num_blocks = self.deploy.num_gpu_blocks or default_num_blocks(self.deploy, len(GROUPS))
-        self.scheduler = Scheduler(self.deploy, num_blocks, GROUPS)
         self.runner = runner or ModelRunner(model, self.deploy, num_blocks)
+        policy = None
+        if self.deploy.kv_policy == "offload":
+            policy = OffloadPolicy(self.runner, self.deploy.cpu_offload_bytes, self.runner.bytes_per_block)
+        self.scheduler = Scheduler(self.deploy, num_blocks, GROUPS, policy=policy)
         self.clock = clock or WallClock()
         self.requests: dict[str, Request] = {}
         self.finished: dict[str, Request] = {}

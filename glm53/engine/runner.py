@@ -14,6 +14,8 @@ The `Runner` and `Clock` protocols let a simulator drive the same scheduler in v
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from typing import Protocol
 
@@ -72,6 +74,38 @@ def _sample(logits_RV, seeds_R, counters_R, temps_R, top_ps_R):
     return jax.vmap(one)(logits_RV, seeds_R, counters_R, temps_R, top_ps_R)
 
 
+@dataclasses.dataclass
+class TransferStats:
+    """Device<->host traffic. On CPU both memories are the same RAM, so the bytes are counted and their
+    time is modelled at the configured link bandwidth rather than measured."""
+
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    link_bytes_per_s: float = 50e9
+
+    @property
+    def modelled_link_s(self) -> float:
+        return (self.d2h_bytes + self.h2d_bytes) / self.link_bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKV:
+    """A request's KV blocks in host memory (pinned_host): per group, per layer, rows [blocks * B, width]."""
+
+    arrays: dict[str, tuple[jax.Array, ...]]
+    nbytes: int
+
+
+@jax.jit
+def _gather_rows(arr, slots):
+    return arr[slots]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_rows(arr, slots, rows):
+    return arr.at[slots].set(rows)
+
+
 class ModelRunner:
     def __init__(self, model: GLM53, deploy: DeployConfig, num_blocks: int):
         self.model = model
@@ -85,6 +119,45 @@ class ModelRunner:
                                          include_mtp=False)
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
+        self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
+        dev = jax.devices()[0]
+        self._host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+        self._device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block id holds across every layer of both cache groups."""
+        rows = sum(a.shape[1] * a.dtype.itemsize for a in self.cache.mla + self.cache.index)
+        return rows * self.deploy.block_size
+
+    def _group_arrays(self, group: str):
+        return self.cache.mla if group == "mla" else self.cache.index
+
+    def _slots(self, blocks: list[int]) -> jax.Array:
+        b = self.deploy.block_size
+        return jnp.asarray((np.asarray(blocks, np.int32)[:, None] * b + np.arange(b, dtype=np.int32)).reshape(-1))
+
+    def offload(self, tables: dict[str, list[int]]) -> HostKV:
+        """Copy the blocks `tables` names (per group) to host memory. The only device->host path."""
+        arrays, nbytes = {}, 0
+        for g, blocks in tables.items():
+            slots = self._slots(blocks)
+            arrays[g] = tuple(jax.device_put(_gather_rows(a, slots), self._host) for a in self._group_arrays(g))
+            nbytes += sum(x.nbytes for x in arrays[g])
+        self.transfers.d2h_bytes += nbytes
+        return HostKV(arrays, nbytes)
+
+    def restore(self, saved: HostKV, tables: dict[str, list[int]]) -> None:
+        """Copy a host copy back into the blocks `tables` names (same block counts). The only
+        host->device path."""
+        groups = {}
+        for g, blocks in tables.items():
+            slots = self._slots(blocks)
+            groups[g] = tuple(_scatter_rows(a, slots, jax.device_put(h, self._device))
+                              for a, h in zip(self._group_arrays(g), saved.arrays[g]))
+        self.transfers.h2d_bytes += saved.nbytes
+        self.cache = dataclasses.replace(self.cache, mla=groups.get("mla", self.cache.mla),
+                                         index=groups.get("indexer", self.cache.index))
 
     def _table(self, rows: int, tables: list[list[int]]) -> np.ndarray:
         out = np.full((rows, self.deploy.max_blocks_per_seq), -1, np.int32)

@@ -15,8 +15,9 @@ request whose known tokens are all computed gets one new token sampled, its full
 cache, and it finishes at `max_new_tokens`.
 
 Policies (`KVPolicy`): `PreemptPolicy` drops the victim's KV (its blocks go back to the pool, still
-prefix-cached until reused) and re-queues it to be recomputed. The offload and HiSparse policies plug in
-here with the same interface.
+prefix-cached until reused) and re-queues it to be recomputed. `OffloadPolicy` copies the victim's
+computed KV to a host pool first and copies all of it back before the request runs again (falling back
+to preemption when the host pool is full). HiSparse will plug in here with the same interface.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from kvcache.block_pool import KVCacheManager
 
 @dataclasses.dataclass
 class SchedulerStats:
-    preemptions: int = 0
+    preemptions: int = 0  # evictions of a running request, whatever the policy did with its KV
+    offloads: int = 0  # evictions whose KV went to the host pool
     recomputed_tokens: int = 0  # tokens whose KV was computed again after a preemption
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     prompt_tokens: int = 0  # prompt tokens admitted (hit or computed)
@@ -50,7 +52,22 @@ class ScheduledChunk:
 
 class KVPolicy(Protocol):
     def evict(self, scheduler: Scheduler, victim: Request) -> None:
-        """Make `victim` give up its device blocks; it must be runnable again later."""
+        """Make `victim` give up its device blocks (and set its num_computed_tokens to what survives); it
+        must be runnable again later."""
+
+    def saved_tokens(self, req: Request) -> int:
+        """Tokens of KV the policy holds for `req` outside the device pool (0: none)."""
+
+    def restore(self, scheduler: Scheduler, req: Request) -> None:
+        """Copy the saved KV into the request's newly allocated blocks."""
+
+
+class KVMover(Protocol):
+    """Moves a request's KV blocks between the device pool and host memory (the runner)."""
+
+    def offload(self, tables: dict[str, list[int]]): ...
+
+    def restore(self, saved, tables: dict[str, list[int]]) -> None: ...
 
 
 class PreemptPolicy:
@@ -63,16 +80,55 @@ class PreemptPolicy:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
 
+    def saved_tokens(self, req: Request) -> int:
+        return 0
 
-POLICIES = {"preempt": PreemptPolicy}
+    def restore(self, scheduler: Scheduler, req: Request) -> None:
+        raise RuntimeError("the preempt policy saves no KV")
+
+
+class OffloadPolicy(PreemptPolicy):
+    """Move the victim's computed KV (every cache group, whole blocks) to a host pool of `capacity_bytes`;
+    bring all of it back before the request runs again. A victim that does not fit the host pool is
+    preempted instead (its KV dropped)."""
+
+    def __init__(self, mover: KVMover, capacity_bytes: int, bytes_per_block: int):
+        self.mover = mover
+        self.capacity_bytes = capacity_bytes
+        self.bytes_per_block = bytes_per_block  # all groups of one block id
+        self.used_bytes = 0
+        self.saved: dict[str, tuple[object, int, int]] = {}  # req_id -> (host copy, tokens, bytes)
+
+    def evict(self, scheduler: Scheduler, victim: Request) -> None:
+        n_blocks = scheduler.kv.blocks_needed(victim.num_computed_tokens)
+        nbytes = n_blocks * self.bytes_per_block
+        if n_blocks == 0 or self.used_bytes + nbytes > self.capacity_bytes:
+            return super().evict(scheduler, victim)
+        tables = {g: scheduler.kv.block_table(victim.req_id, g)[:n_blocks] for g in scheduler.kv.groups}
+        self.saved[victim.req_id] = (self.mover.offload(tables), victim.num_computed_tokens, nbytes)
+        self.used_bytes += nbytes
+        scheduler.kv.free(victim.req_id)
+        scheduler.stats.preemptions += 1
+        scheduler.stats.offloads += 1
+        victim.num_preemptions += 1
+
+    def saved_tokens(self, req: Request) -> int:
+        return self.saved[req.req_id][1] if req.req_id in self.saved else 0
+
+    def restore(self, scheduler: Scheduler, req: Request) -> None:
+        host, tokens, nbytes = self.saved.pop(req.req_id)
+        n_blocks = scheduler.kv.blocks_needed(tokens)
+        self.mover.restore(host, {g: scheduler.kv.block_table(req.req_id, g)[:n_blocks] for g in scheduler.kv.groups})
+        self.used_bytes -= nbytes
 
 
 class Scheduler:
-    def __init__(self, deploy: DeployConfig, num_blocks: int, groups=("mla", "indexer")):
+    def __init__(self, deploy: DeployConfig, num_blocks: int, groups=("mla", "indexer"), *,
+                 policy: KVPolicy | None = None):
         self.deploy = deploy
         self.kv = KVCacheManager(num_blocks, deploy.tokens_per_block, groups,
                                  enable_prefix_caching=deploy.enable_prefix_caching)
-        self.policy: KVPolicy = POLICIES[deploy.kv_policy]()
+        self.policy: KVPolicy = policy or PreemptPolicy()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -118,19 +174,23 @@ class Scheduler:
             budget -= n
         while not evicted and budget > 0 and self.waiting and len(self.running) < self.deploy.max_num_seqs:
             req = self.waiting[0]
-            fresh = req.num_computed_tokens == 0 and req.req_id not in self.kv.requests
-            if fresh:
-                hit = self.kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
-                req.num_computed_tokens = hit
+            saved = self.policy.saved_tokens(req)
+            if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
+                self.kv.admit(req.req_id, req.all_token_ids, req.extra_keys, use_prefix_cache=False)
+                req.num_computed_tokens = saved
+            else:
+                req.num_computed_tokens = self.kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
                 self.kv.free(req.req_id)  # give back the prefix hit; admit again when there is room
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            if fresh:
-                self._count_admission(req)
             self.kv.allocate(req.req_id, req.num_computed_tokens + n)
+            if saved:
+                self.policy.restore(self, req)
+            else:
+                self._count_admission(req)
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(ScheduledChunk(req, req.num_computed_tokens, n))

@@ -43,6 +43,20 @@ def test_small_pool_preempts_and_still_matches(tiny_model, reference):
     assert sum(o.num_preemptions for o in outs) == st.preemptions
 
 
+def test_small_pool_offload_moves_kv_and_still_matches(tiny_model, reference):
+    prompts, want = reference
+    eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="offload",
+                                          cpu_offload_bytes=1 << 30))
+    outs = eng.generate(prompts, max_new_tokens=5)
+    assert [o.token_ids.tolist() for o in outs] == want
+    st, tr = eng.scheduler.stats, eng.runner.transfers
+    assert st.offloads >= 1 and st.offloads == st.preemptions and st.recomputed_tokens == 0
+    # every offloaded byte came back, and each offload moved whole blocks of every layer
+    assert tr.d2h_bytes == tr.h2d_bytes > 0 and tr.d2h_bytes % eng.runner.bytes_per_block == 0
+    assert tr.modelled_link_s == pytest.approx(2 * tr.d2h_bytes / 50e9)
+    assert eng.scheduler.policy.used_bytes == 0 and not eng.scheduler.policy.saved
+
+
 def test_second_turn_prefills_only_new_tokens_and_salts_share_nothing(tiny_model):
     bs = BASE["block_size"]
     eng = Engine(tiny_model, DeployConfig(**BASE))
@@ -85,6 +99,8 @@ def test_bad_input_is_rejected(tiny_model):
         DeployConfig(block_size=0)
     with pytest.raises(ValueError, match="kv_policy"):
         DeployConfig(kv_policy="lru")
+    with pytest.raises(ValueError, match="cpu_offload_bytes"):
+        DeployConfig(kv_policy="offload")
     with pytest.raises(NotImplementedError, match="decode_context_parallel_size"):
         DeployConfig(decode_context_parallel_size=8)
     with pytest.raises(ValueError, match="num_gpu_blocks"):
