@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from glm53.engine.config import DeployConfig
+from glm53.engine.metrics import summarize
 from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
 from glm53.engine.scheduler import OffloadPolicy, Scheduler
@@ -36,6 +37,7 @@ class Engine:
         self.scheduler = Scheduler(self.deploy, num_blocks, GROUPS, policy=policy)
         self.clock = clock or WallClock()
         self.requests: dict[str, Request] = {}
+        self.running_per_step: list[int] = []  # running requests after each step's scheduling
         self.finished: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -66,6 +68,7 @@ class Engine:
     def step(self) -> list[tuple[str, int, bool]]:
         """One scheduling step. -> [(req_id, new token, finished)] for the tokens produced."""
         chunks = self.scheduler.schedule()
+        self.running_per_step.append(len(self.scheduler.running))
         tables = {g: [self.scheduler.kv.block_table(ch.request.req_id, g) for ch in chunks] for g in GROUPS}
         sampled = self.runner.execute(chunks, tables)
         finished = self.scheduler.update(chunks, sampled, self.clock.now())
@@ -78,6 +81,13 @@ class Engine:
         r = self.finished[req_id]
         return RequestOutput(r.req_id, r.prompt_ids, np.asarray(r.output_ids, np.int32), r.arrival_s, r.first_token_s,
                              r.finish_s, tuple(r.token_times_s), r.num_preemptions)
+
+    def metrics(self, req_ids: Sequence[str] | None = None) -> dict:
+        """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all)."""
+        outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
+        duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
+        return summarize(outs, duration_s=duration, scheduler_stats=self.scheduler.stats,
+                         transfers=getattr(self.runner, "transfers", None), running_per_step=self.running_per_step)
 
     def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None

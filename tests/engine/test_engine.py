@@ -55,6 +55,9 @@ def test_small_pool_offload_moves_kv_and_still_matches(tiny_model, reference):
     assert tr.d2h_bytes == tr.h2d_bytes > 0 and tr.d2h_bytes % eng.runner.bytes_per_block == 0
     assert tr.modelled_link_s == pytest.approx(2 * tr.d2h_bytes / 50e9)
     assert eng.scheduler.policy.used_bytes == 0 and not eng.scheduler.policy.saved
+    m = eng.metrics()
+    assert (m["preemptions"], m["recomputed_tokens"], m["d2h_bytes"]) == (st.preemptions, 0, tr.d2h_bytes)
+    assert m["requests"] == 4 and m["ttft_median_s"] > 0 and 0 < m["running_requests_mean"] <= 4
 
 
 def test_second_turn_prefills_only_new_tokens_and_salts_share_nothing(tiny_model):

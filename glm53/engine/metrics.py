@@ -1,0 +1,85 @@
+"""Serving metrics from an engine run: latency, interactivity, throughput, memory traffic, cache reuse.
+
+Definitions (times in seconds on the engine's clock):
+- TTFT: first token time - arrival time, per request.
+- TPOT: (finish - first token) / (output tokens - 1), per request with >= 2 output tokens.
+- interactivity_tok_s_user: 1000 / mean TPOT in ms (tokens per second one user sees while decoding).
+- interactivity_p90_e2e_tok_s_user: the 90th percentile over requests of output tokens / (finish -
+  arrival), the end-to-end definition.
+- throughput_tok_s_per_device: every token the requests hold (prompt tokens, prefix-cached ones
+  included, plus output tokens) / wall time of the run / devices.
+- prefix_hit_rate: prompt tokens served from the prefix cache / prompt tokens admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from glm53.engine.request import RequestOutput
+
+
+def summarize(outputs: Sequence[RequestOutput], *, duration_s: float, num_devices: int = 1, scheduler_stats=None,
+              transfers=None, running_per_step: Sequence[int] = ()) -> dict:
+    """Metrics of a finished run -> dict whose keys carry their units."""
+    if not outputs:
+        raise ValueError("no finished requests to summarize")
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    ttft = np.asarray([o.first_token_s - o.arrival_s for o in outputs])
+    tpot = np.asarray([(o.finish_s - o.first_token_s) / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1])
+    e2e_rate = np.asarray([len(o.token_ids) / (o.finish_s - o.arrival_s) for o in outputs if o.finish_s > o.arrival_s])
+    tokens = sum(o.prompt_ids.size + len(o.token_ids) for o in outputs)
+    out = {
+        "requests": len(outputs),
+        "output_tokens": int(sum(len(o.token_ids) for o in outputs)),
+        "duration_s": float(duration_s),
+        "ttft_median_s": float(np.median(ttft)),
+        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "tpot_mean_s": float(tpot.mean()) if tpot.size else float("nan"),
+        "interactivity_tok_s_user": float(1000.0 / (tpot.mean() * 1000.0)) if tpot.size and tpot.mean() > 0
+        else float("nan"),
+        "interactivity_p90_e2e_tok_s_user": float(np.percentile(e2e_rate, 90)) if e2e_rate.size else float("nan"),
+        "throughput_tok_s_per_device": float(tokens / duration_s / num_devices),
+        "running_requests_mean": float(np.mean(running_per_step)) if len(running_per_step) else float("nan"),
+    }
+    if scheduler_stats is not None:
+        st = scheduler_stats
+        out.update(preemptions=st.preemptions, offloads=st.offloads, recomputed_tokens=st.recomputed_tokens,
+                   prefix_hit_rate=st.prefix_hit_tokens / st.prompt_tokens if st.prompt_tokens else 0.0)
+    if transfers is not None:
+        out.update(d2h_bytes=transfers.d2h_bytes, h2d_bytes=transfers.h2d_bytes,
+                   host_link_modelled_s=transfers.modelled_link_s)
+    return out
+
+
+class PrometheusExporter:
+    """The same figures as Prometheus gauges in a private registry; `serve(port)` starts the HTTP endpoint."""
+
+    def __init__(self, prefix: str = "glm53_engine"):
+        from prometheus_client import CollectorRegistry, Gauge
+
+        self.registry = CollectorRegistry()
+        self._gauge = Gauge
+        self.prefix = prefix
+        self.gauges: dict = {}
+
+    def update(self, metrics: dict) -> None:
+        for key, value in metrics.items():
+            if not isinstance(value, (int, float)):
+                continue
+            g = self.gauges.get(key)
+            if g is None:
+                g = self.gauges[key] = self._gauge(f"{self.prefix}_{key}", key.replace("_", " "), registry=self.registry)
+            g.set(value)
+
+    def serve(self, port: int):
+        from prometheus_client import start_http_server
+
+        return start_http_server(port, registry=self.registry)
+
+    def text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
