@@ -35,31 +35,10 @@ import numpy as np
 from tqdm import tqdm
 
 import glm53
+from experiments.common import REPO, cpu_name, git_revision  # noqa: F401 (re-exported)
 
-REPO = Path(__file__).resolve().parents[1]
 DEFAULT_LENGTHS = {"tiny": [256, 1024], "mid": [1024, 4096, 8192]}
 SPEED_TARGETS = {"mid": {1024: 2.0, 8192: 5.0}}  # issue 2: >= 2x HF at 1K tokens, >= 5x at 8K
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def git_revision() -> str:
-    """HEAD of the repository the benchmark ran from, with "+dirty" when tracked files differ from it."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                               text=True, check=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_metadata(benchmark: str) -> dict:

@@ -27,12 +27,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from experiments.common import cpu_name, git_revision
+
 DIMS = {"heads": 2, "kv_lora": 16, "rope": 8, "index_heads": 1, "index_dim": 16}  # load-balance runs only
 
 
@@ -56,27 +56,6 @@ def parse_args(argv):
     p.add_argument("--prefill-chunk", type=int, default=8192, help="new tokens per PCP x DCP prefill step")
     p.add_argument("--decode-tokens", type=int, default=1, help="query tokens per decode step (batch x (1 + MTP))")
     return p.parse_args(argv)
-
-
-def git_revision() -> str:
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ----------------------------------------------------------------------------------------- load balance
