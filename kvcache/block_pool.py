@@ -235,8 +235,11 @@ class KVCacheManager:
         `token_ids`: all tokens known for the request (prompt + generated)."""
         rb = self.requests[req_id]
         n_full = num_computed_tokens // self.tokens_per_block
-        if len(rb.hashes) < n_full:
-            rb.hashes = block_hashes(token_ids[: n_full * self.tokens_per_block], self.tokens_per_block, extra_keys)
+        tpb = self.tokens_per_block
+        while len(rb.hashes) < n_full:  # extend the chain by the blocks filled since (no rehash of the rest)
+            i = len(rb.hashes)
+            rb.hashes.append(hash_block(rb.hashes[-1] if rb.hashes else None, token_ids[i * tpb : (i + 1) * tpb],
+                                        extra_keys))
         for i in range(rb.num_cached_blocks, n_full):
             for g in self.groups:
                 self.pool.cache(g, rb.tables[g][i], rb.hashes[i])
