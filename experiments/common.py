@@ -3,6 +3,8 @@ before JAX initialises)."""
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -29,3 +31,57 @@ def git_revision() -> str:
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def load_config(path: str | None, overrides=(), *, default=None):
+    """An experiment config: `get_config()` of the Python file at `path` (or `default()` when path is None),
+    then `--config.KEY.SUB=VALUE` overrides applied in order. VALUE is read as a Python literal, else kept
+    as a string; KEY must already exist (a typo fails instead of being ignored), and a value of the wrong
+    type fails as ml_collections does."""
+    import ast
+    import importlib.util
+
+    if path is None:
+        if default is None:
+            raise ValueError("no config path and no default")
+        cfg = default()
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        spec = importlib.util.spec_from_file_location(f"_config_{file.stem}", file)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ValueError(f"config file {path} defines no get_config()")
+        cfg = module.get_config()
+    for item in overrides:
+        key, sep, raw = item.removeprefix("--config.").partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} must look like --config.KEY=VALUE")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        *parents, leaf = key.split(".")
+        node = cfg
+        for p in parents:
+            node = getattr(node, p, None)
+            if node is None:
+                raise ValueError(f"override {item!r}: the config has no {key!r}")
+        if leaf not in node:
+            raise ValueError(f"override {item!r}: the config has no {key!r} (known: {sorted(node.keys())})")
+        if isinstance(node[leaf], tuple) and not isinstance(value, tuple):
+            value = tuple(value) if isinstance(value, list) else (value,)
+        setattr(node, leaf, value)
+    return cfg
+
+
+def run_json_subprocess(cmd: list[str], *, threads: int, timeout: float = 3600) -> dict:
+    """Run `cmd` from the repository root (e.g. an HF-transformers script under another Python) with
+    `threads` CPU threads and -> the JSON object on the last line of its stdout."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

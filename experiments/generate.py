@@ -1,4 +1,5 @@
-"""The main job (until the serving engine lands): generate text with a GLM-5.3 model and report speed.
+"""Generate text for one prompt with a GLM-5.3 model and report prefill and decode speed (the main job is
+now experiments.serve: the engine on a workload).
 
     python -m experiments.generate                      # built-in tiny model, random weights
     python -m experiments.generate --checkpoint DIR     # an HF glm_moe_dsa checkpoint (token-id prompt)

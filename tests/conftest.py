@@ -4,7 +4,10 @@ Test directories mirror the packages (tests/glm53, tests/attention, ...); pytest
 they do not shadow the packages they test. Shared helpers are fixtures here.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -12,6 +15,14 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One persistent compilation cache per test session. Tests build their own model objects, each with its
+# own jitted functions, so the same programs would compile again and again (seconds each on CPU); with
+# the on-disk cache a repeat is a load. It is fresh per session: nothing stale crosses runs.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="glm53-test-jax-cache-")
+atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -37,7 +37,8 @@ class Engine:
         self.scheduler = Scheduler(self.deploy, num_blocks, GROUPS, policy=policy)
         self.clock = clock or WallClock()
         self.requests: dict[str, Request] = {}
-        self.running_per_step: list[int] = []  # running requests after each step's scheduling
+        # one row per step, after its scheduling: (clock s, running, waiting, free device blocks)
+        self.timeline: list[tuple[float, int, int, int]] = []
         self.finished: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -68,7 +69,8 @@ class Engine:
     def step(self) -> list[tuple[str, int, bool]]:
         """One scheduling step. -> [(req_id, new token, finished)] for the tokens produced."""
         chunks = self.scheduler.schedule()
-        self.running_per_step.append(len(self.scheduler.running))
+        sch = self.scheduler
+        self.timeline.append((self.clock.now(), len(sch.running), len(sch.waiting), sch.kv.num_free_blocks))
         tables = {g: [self.scheduler.kv.block_table(ch.request.req_id, g) for ch in chunks] for g in GROUPS}
         sampled = self.runner.execute(chunks, tables)
         finished = self.scheduler.update(chunks, sampled, self.clock.now())
@@ -86,8 +88,29 @@ class Engine:
         """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all)."""
         outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
         duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
-        return summarize(outs, duration_s=duration, scheduler_stats=self.scheduler.stats,
-                         transfers=getattr(self.runner, "transfers", None), running_per_step=self.running_per_step)
+        out = summarize(outs, duration_s=duration, scheduler_stats=self.scheduler.stats,
+                        transfers=getattr(self.runner, "transfers", None), running_per_step=self.running_per_step)
+        rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
+        out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
+                           "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
+        return out
+
+    @property
+    def running_per_step(self) -> list[int]:
+        return [row[1] for row in self.timeline]
+
+    def live_metrics(self) -> dict:
+        """Counters of the run so far (for a live Prometheus endpoint; units in the key names)."""
+        sch, st = self.scheduler, self.scheduler.stats
+        out = {"running_requests": len(sch.running), "waiting_requests": len(sch.waiting),
+               "finished_requests": len(self.finished), "free_gpu_blocks": sch.kv.num_free_blocks,
+               "steps": st.steps, "preemptions": st.preemptions, "recomputed_tokens": st.recomputed_tokens,
+               "prefix_hit_rate": st.prefix_hit_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+               "output_tokens": sum(len(r.output_ids) for r in self.finished.values())}
+        tr = getattr(self.runner, "transfers", None)
+        if tr is not None:
+            out.update(d2h_bytes=tr.d2h_bytes, h2d_bytes=tr.h2d_bytes)
+        return out
 
     def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None

@@ -34,6 +34,9 @@ class Clock(Protocol):
     def now(self) -> float:
         """Seconds since an arbitrary origin."""
 
+    def sleep(self, seconds: float) -> None:
+        """Let `seconds` pass (a client waiting for its next arrival; a virtual clock just advances)."""
+
 
 class WallClock:
     def __init__(self):
@@ -41,6 +44,9 @@ class WallClock:
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
 
 
 class Runner(Protocol):
@@ -72,6 +78,13 @@ def _sample(logits_RV, seeds_R, counters_R, temps_R, top_ps_R):
         return order[jax.random.categorical(key, z_sorted)]
 
     return jax.vmap(one)(logits_RV, seeds_R, counters_R, temps_R, top_ps_R)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_logits(logits_fn, state, hidden_RTD, last_R):
+    """Logits of each row's last real token: one program per (model, rows, width), shared by every
+    engine on the model (no eager gathers that would compile per shape)."""
+    return logits_fn(state, hidden_RTD[jnp.arange(hidden_RTD.shape[0]), last_R])
 
 
 @dataclasses.dataclass
@@ -165,6 +178,38 @@ class ModelRunner:
             out[i, : len(t)] = t
         return out
 
+    def bucket_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens per row, window) program a serving run can use."""
+        rows = [1 << i for i in range(self.max_rows.bit_length())]
+        windows = sorted({window_bucket(n, self.cache.capacity) for n in
+                          (1 << i for i in range(self.cache.capacity.bit_length() + 1))})
+        return [(r, w, win) for r in rows for w in sorted({1, self.max_tokens}) for win in windows]
+
+    def warmup(self, shapes=None) -> int:
+        """Compile the programs of `shapes` (default: every bucket) by running padding-only steps, which
+        write nothing (every slot is -1). -> number of shapes run. After this a serving run compiles
+        nothing new on the decode / prefill path (tests/engine asserts it by counting compilations)."""
+        shapes = self.bucket_shapes() if shapes is None else shapes
+        for rows, width, window in shapes:
+            tok = np.zeros((rows, width), np.int32)
+            pos = np.full((rows, width), -1, np.int32)
+            empty = np.full((rows, self.deploy.max_blocks_per_seq), -1, np.int32)
+            hidden = self._forward(tok, pos, empty, empty, window)
+            logits = self._last_logits(self.c.state, hidden, np.zeros(rows, np.int32))
+            ones = np.ones(rows, np.float32)
+            _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
+        return len(shapes)
+
+    def _forward(self, tok, pos, table_mla, table_index, window) -> jax.Array:
+        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
+        cache = self.cache.with_block_table(table_mla, table_index)
+        hidden, self.cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
+                                               form=self.form, impl=self.deploy.attention_impl)
+        return hidden
+
+    def _last_logits(self, state, hidden_RTD, last_R):
+        return _last_logits(self.c.logits, state, hidden_RTD, last_R)
+
     def execute(self, chunks, block_tables):
         if not chunks:
             return {}
@@ -181,25 +226,22 @@ class ModelRunner:
             pos[i, : ch.num_tokens] = np.arange(ch.start, ch.start + ch.num_tokens)
             last[i] = ch.num_tokens - 1
         window = window_bucket(int(pos.max()) + 1, self.cache.capacity)
-        self.compiled_shapes.add((rows, width, window))
-        cache = self.cache.with_block_table(self._table(rows, block_tables["mla"]),
-                                            self._table(rows, block_tables["indexer"]))
-        hidden, cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                          form=self.form, impl=self.deploy.attention_impl)
-        self.cache = cache
+        hidden = self._forward(tok, pos, self._table(rows, block_tables["mla"]),
+                               self._table(rows, block_tables["indexer"]), window)
         need = [i for i, ch in enumerate(chunks) if ch.start + ch.num_tokens == ch.request.num_tokens]
         if not need:
             return {}
-        h_last = hidden[jnp.arange(rows), jnp.asarray(last)]
-        logits = np.asarray(self.c.logits(self.c.state, h_last))
+        logits = self._last_logits(self.c.state, hidden, last)
         return self._pick(logits, [chunks[i].request for i in need], need)
 
     def _pick(self, logits_RV, reqs, rows) -> dict[str, int]:
         out = {}
         sample_rows = [(i, r) for i, r in zip(rows, reqs) if not r.params.greedy]
-        for i, r in zip(rows, reqs):
-            if r.params.greedy:
-                out[r.req_id] = int(np.argmax(logits_RV[i]))
+        greedy = [(i, r) for i, r in zip(rows, reqs) if r.params.greedy]
+        if greedy:
+            host = np.asarray(logits_RV)
+            for i, r in greedy:
+                out[r.req_id] = int(np.argmax(host[i]))
         if sample_rows:
             n = len(logits_RV)
             seeds, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
@@ -207,7 +249,7 @@ class ModelRunner:
             for i, r in sample_rows:
                 seeds[i], counters[i] = r.params.seed, len(r.output_ids)
                 temps[i], top_ps[i] = r.params.temperature, r.params.top_p
-            toks = np.asarray(_sample(jnp.asarray(logits_RV), seeds, counters, temps, top_ps))
+            toks = np.asarray(_sample(logits_RV, seeds, counters, temps, top_ps))
             for i, r in sample_rows:
                 out[r.req_id] = int(toks[i])
         return out

@@ -1,0 +1,22 @@
+"""Agentic-coding trace replay at CPU scale: synthetic sessions shaped like the published traces
+(median ~43 turns, prompts growing to ~142K tokens with > 95% prefix reuse, ~444 output tokens, subagent
+branches), every length times 1/128, each user isolated by a per-user salt.
+
+    python -m experiments.serve --config configs/agentic_trace.py --out out/agentic_trace
+
+Replay a trace file of your own (experiments/workloads.py documents the JSON format) with
+`--config.workload.kind=trace --config.workload.trace_path=PATH`.
+"""
+
+from experiments.serve import default_config
+
+
+def get_config():
+    c = default_config()
+    c.name = "agentic_trace"
+    c.workload.kind = "synthetic"
+    c.workload.sessions = 4
+    c.workload.scale = 1 / 128
+    c.deploy.max_model_len = 2048
+    c.sweep.concurrency = (2, 4)
+    return c

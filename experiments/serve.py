@@ -1,0 +1,274 @@
+"""Serve a workload on the engine and measure it: the project's main job.
+
+    python -m experiments.serve                                   # built-in default: tiny model, OpenHands sessions
+    python -m experiments.serve --config configs/smoke.py --out out/smoke
+    python -m experiments.serve --config configs/ablations/preempt_vs_offload.py --config.sweep.concurrency='(2, 4)'
+    python -m experiments.serve --metrics-port 9400               # live Prometheus gauges while it runs
+
+A config file defines `get_config() -> ml_collections.ConfigDict` (start from `default_config()` here):
+`model` (preset + seed, or an HF checkpoint), `deploy` (DeployConfig fields), `workload` (kind
+"openhands" | "synthetic" | "trace"), and `sweep` (lists of `kv_policy` and `concurrency`: one run per
+pair, each on a fresh engine). `--config.KEY=VALUE` overrides a field (VALUE is a Python literal, else a
+string).
+
+Writes DIR/results.json: `runs: [{kv_policy, concurrency, ...metrics}]` with the keys of
+glm53.engine.metrics (units in their names) plus running requests over time; with one run its metrics
+also sit at the top level. With more than one concurrency it draws throughput vs interactivity to
+DIR/throughput_vs_interactivity.png.
+
+Before the runs, the runner compiles every bucket shape (`warmup="buckets"`; seconds per shape on CPU),
+so measured runs compile nothing (`compilations_during_run` counts XLA compilations to show it).
+Compiled programs are also cached on disk (JAX's persistent compilation cache, `--compile-cache`), so
+only the first run of a config pays for compiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+from ml_collections import ConfigDict
+from tqdm import tqdm
+
+from experiments import workloads
+from experiments.common import REPO, cpu_name, git_revision, load_config
+
+
+def default_config() -> ConfigDict:
+    """The built-in default: a few-minute run on 2 CPU cores (README's main command)."""
+    c = ConfigDict()
+    c.name = "default"
+    # layers > 0 keeps only the preset's first `layers` layers (quick runs; 0: all of them)
+    c.model = ConfigDict(dict(preset="tiny", checkpoint="", seed=0, dtype="float32", init_std=0.1, layers=0))
+    c.deploy = ConfigDict(dict(block_size=16, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4,
+                               kv_cache_dtype="auto", num_gpu_blocks=0, cpu_offload_bytes=0,
+                               enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9))
+    c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
+                                 median_turns=43.0, think_time_scale=0.0, seed=0))
+    c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4)))
+    c.warmup = "buckets"  # "buckets": compile every bucket shape before the runs; "none": compile as they go
+    return c
+
+
+def build_sessions(w: ConfigDict) -> list[workloads.Session]:
+    if w.kind == "openhands":
+        return workloads.openhands_sessions(w.sessions, scale=w.scale, turns=w.turns)
+    if w.kind == "synthetic":
+        return workloads.synthetic_trace(w.sessions, seed=w.seed, scale=w.scale, median_turns=w.median_turns)
+    if w.kind == "trace":
+        if not w.trace_path:
+            raise ValueError("workload.kind='trace' needs workload.trace_path")
+        return workloads.load_trace(w.trace_path)
+    raise ValueError(f"workload.kind must be 'openhands', 'synthetic' or 'trace', got {w.kind!r}")
+
+
+def _model(m: ConfigDict):
+    import glm53
+
+    if m.checkpoint:
+        return glm53.from_pretrained(m.checkpoint, dtype=m.dtype), f"checkpoint {m.checkpoint}"
+    cfg = glm53.get_preset(m.preset)
+    if m.layers:
+        if not 0 < m.layers <= cfg.num_hidden_layers:
+            raise ValueError(f"model.layers must be in [1, {cfg.num_hidden_layers}], got {m.layers}")
+        cfg = cfg.replace(num_hidden_layers=m.layers, indexer_types=cfg.indexer_types[: m.layers],
+                          mlp_layer_types=cfg.mlp_layer_types[: m.layers])
+    desc = f"preset {m.preset}" + (f", first {m.layers} layers" if m.layers else "") + " (random weights)"
+    return glm53.init(cfg, seed=m.seed, dtype=m.dtype, std=m.init_std), desc
+
+
+def _deploy(cfg: ConfigDict, kv_policy: str):
+    import glm53
+
+    d = dict(cfg.deploy.to_dict())
+    d["num_gpu_blocks"] = d["num_gpu_blocks"] or None  # 0: a pool that never runs out
+    return glm53.DeployConfig(**d, kv_policy=kv_policy)
+
+
+def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporter=None, progress=True) -> dict:
+    """One sweep point on a fresh engine: the workload at `concurrency` -> metrics dict."""
+    import glm53
+
+    sessions = build_sessions(cfg.workload)
+    eng = glm53.Engine(model, _deploy(cfg, kv_policy))
+    client = workloads.ClosedLoopClient(
+        eng, sessions, concurrency, vocab_size=model.cfg.vocab_size, seed=cfg.workload.seed,
+        make_params=lambda n: glm53.SamplingParams(max_new_tokens=n), think_time_scale=cfg.workload.think_time_scale,
+        salt_prefix="user:", max_model_len=eng.deploy.max_model_len)
+    total = sum(len(s.turns) for s in sessions)
+    bar = tqdm(total=total, desc=f"{kv_policy} c={concurrency}", unit="req", disable=not progress, leave=False)
+
+    def on_step(e):
+        bar.update(len(e.finished) - bar.n)
+        if exporter is not None and e.scheduler.stats.steps % 8 == 0:
+            exporter.update(e.live_metrics())
+
+    t0 = time.perf_counter()
+    with _CompileCounter() as compiles:
+        res = client.run(on_step=on_step)
+    wall = time.perf_counter() - t0
+    bar.close()
+    m = eng.metrics(res.request_ids)
+    m.update(kv_policy=kv_policy, concurrency=concurrency, sessions=len(sessions), engine_steps=res.steps,
+             wall_s=wall, num_gpu_blocks=eng.scheduler.kv.pool.num_blocks,
+             compilations_during_run=compiles.count, bucket_shapes_used=len(eng.runner.compiled_shapes))
+    if exporter is not None:
+        exporter.update({k: v for k, v in m.items() if isinstance(v, (int, float))})
+    return m
+
+
+def warm_up(model, cfg: ConfigDict) -> float:
+    """Compile every bucket shape the engine can use (padding-only steps) -> seconds. Shapes do not
+    depend on the policy or the concurrency, and compiled programs are shared by every engine on the
+    model, so the measured runs compile nothing."""
+    import glm53
+
+    t0 = time.perf_counter()
+    glm53.Engine(model, _deploy(cfg, cfg.sweep.kv_policy[0])).runner.warmup()
+    return time.perf_counter() - t0
+
+
+class _CompileCounter:
+    """Counts XLA compilations (JAX's backend-compile events) while active."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __enter__(self):
+        import jax.monitoring
+
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def _on_event(self, event, duration_s, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __exit__(self, *exc):
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for policy in dict.fromkeys(r["kv_policy"] for r in runs):
+        rs = sorted((r for r in runs if r["kv_policy"] == policy), key=lambda r: r["concurrency"])
+        ax.plot([r["interactivity_tok_s_user"] for r in rs], [r["throughput_tok_s_per_device"] for r in rs], "o-",
+                label=policy)
+        for r in rs:
+            ax.annotate(f"c{r['concurrency']}", (r["interactivity_tok_s_user"], r["throughput_tok_s_per_device"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("interactivity (output tok/s per user = 1000 / mean TPOT ms)")
+    ax.set_ylabel("throughput (tok/s per device, cached input included)")
+    ax.grid(alpha=0.3)
+    ax.legend(title="kv_policy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _enable_compile_cache(path: str) -> None:
+    import jax
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m experiments.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="configs/PATH.py defining get_config() (default: the built-in default)")
+    ap.add_argument("--out", default="out/serve", help="directory for results.json and plots")
+    ap.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    ap.add_argument("--compile-cache", default=os.environ.get("GLM53_COMPILE_CACHE", str(REPO / ".cache" / "jax")),
+                    help="JAX persistent compilation cache directory ('' to disable)")
+    ap.add_argument("--no-progress", action="store_true")
+    args, overrides = ap.parse_known_args(argv)
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        ap.error(f"unrecognised arguments: {' '.join(bad)}")
+    cfg = load_config(args.config, overrides, default=default_config)
+    if args.compile_cache:
+        _enable_compile_cache(args.compile_cache)
+
+    import jax
+
+    from glm53.engine.metrics import PrometheusExporter
+
+    exporter = None
+    if args.metrics_port:
+        exporter = PrometheusExporter()
+        exporter.serve(args.metrics_port)
+        print(f"Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics")
+    model, source = _model(cfg.model)
+    sessions = build_sessions(cfg.workload)
+    print(f"{cfg.name}: {source}; {len(sessions)} sessions ({cfg.workload.kind}), "
+          f"policies {tuple(cfg.sweep.kv_policy)}, concurrency {tuple(cfg.sweep.concurrency)}")
+    if cfg.warmup not in ("buckets", "none"):
+        raise ValueError(f"warmup must be 'buckets' or 'none', got {cfg.warmup!r}")
+    warmup_s = warm_up(model, cfg) if cfg.warmup == "buckets" else 0.0
+    runs = []
+    for policy in cfg.sweep.kv_policy:
+        for conc in cfg.sweep.concurrency:
+            m = run_one(model, cfg, policy, conc, exporter=exporter, progress=not args.no_progress)
+            runs.append(m)
+            print(f"  {policy:8s} c={conc:<3d} throughput {m['throughput_tok_s_per_device']:8.1f} tok/s/dev   "
+                  f"interactivity {m['interactivity_tok_s_user']:7.1f} tok/s/user   TTFT p50 {m['ttft_median_s']:.3f} s"
+                  f"   preemptions {m['preemptions']}   prefix hit {m['prefix_hit_rate']:.1%}")
+    results = {
+        "config_name": cfg.name,
+        "config": cfg.to_dict(),
+        "model": source,
+        "workload": dataclasses.asdict(_workload_summary(sessions)),
+        "runs": runs,
+        "warmup_s": warmup_s,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "device": str(jax.devices()[0])},
+        "git_revision": git_revision(),
+    }
+    if len(runs) == 1:
+        results.update({k: v for k, v in runs[0].items() if k not in results})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=_jsonable))
+    if len({r["concurrency"] for r in runs}) > 1:
+        plot(runs, out / "throughput_vs_interactivity.png")
+    print(f"wrote {out / 'results.json'}")
+    return results
+
+
+@dataclasses.dataclass(frozen=True)
+class _WorkloadSummary:
+    sessions: int
+    requests: int
+    prompt_tokens_first_turn_mean: float
+    output_tokens_mean: float
+    max_context_tokens: int
+
+
+def _workload_summary(sessions) -> _WorkloadSummary:
+    turns = [t for s in sessions for t in s.turns]
+    return _WorkloadSummary(len(sessions), len(turns), sum(s.turns[0].input_tokens for s in sessions) / len(sessions),
+                            sum(t.output_tokens for t in turns) / len(turns),
+                            max(s.max_context_tokens() for s in sessions))
+
+
+def _jsonable(x):
+    if isinstance(x, tuple):
+        return list(x)
+    return float(x) if hasattr(x, "__float__") else str(x)
+
+
+if __name__ == "__main__":
+    main()

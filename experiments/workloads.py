@@ -1,0 +1,337 @@
+"""Workloads for the serving engine: OpenHands-style agent sessions, agentic trace replay, and a
+closed-loop client that keeps a fixed number of sessions in flight.
+
+Two kinds of session (`Session.mode`):
+
+- "append" (a live conversation): turn k's prompt is everything the session has seen so far (earlier
+  prompts and the tokens the engine actually generated) followed by `Turn.input_tokens` new tokens.
+  `openhands_sessions` builds these: 13 turns, first turn 74,160 tokens, later turns 753 new tokens,
+  220 output tokens per turn (BRIEF §8), every length times `scale` (at least 1 token).
+- "trace" (replay): turn k's prompt is exactly `Turn.input_tokens` tokens made from `Turn.hash_ids`,
+  one id per 64-token block (the last block may be partial). Equal ids mean equal tokens, so prefix
+  reuse in the trace becomes prefix reuse in the engine; generated tokens are not fed back (the trace
+  says what the next prompt is). `synthetic_trace` generates such sessions shaped like the published
+  agentic-coding traces; `load_trace` / `save_trace` read and write the JSON format below.
+
+Trace JSON (format "glm53-agentic-trace/1"):
+
+    {"format": "glm53-agentic-trace/1", "block_tokens": 64,
+     "sessions": [{"id": "s0", "user": "u0", "parent": null, "branch_after_turn": null,
+                   "turns": [{"input_tokens": 9000, "output_tokens": 400, "think_s": 2.5,
+                              "hash_ids": [0, 1, ..., 140]}, ...]}, ...]}
+
+`parent` / `branch_after_turn` make a subagent branch: the session may start once its parent has
+finished that turn (its prompts normally begin with the parent's blocks, so it hits the parent's prefix).
+Users are isolated by a per-user salt (`ClosedLoopClient(salt_prefix=...)` -> salt `prefix + user`):
+two users with the same hash ids share nothing in the prefix cache.
+
+`ClosedLoopClient` drives anything with the Engine's add_request / step / has_unfinished / clock
+interface, so a simulator can replay the same workload in virtual time. This module does not import JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+TRACE_FORMAT = "glm53-agentic-trace/1"
+TRACE_BLOCK_TOKENS = 64
+MODES = ("append", "trace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One request of a session. input_tokens: new tokens ("append") or the whole prompt ("trace");
+    think_s: the user's delay after the previous turn finished before sending this one (seconds)."""
+
+    input_tokens: int
+    output_tokens: int
+    think_s: float = 0.0
+    hash_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.input_tokens < 1 or self.output_tokens < 1 or self.think_s < 0:
+            raise ValueError(f"a turn needs input_tokens >= 1, output_tokens >= 1, think_s >= 0; got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Session:
+    session_id: str
+    user: str
+    turns: tuple[Turn, ...]
+    mode: str = "append"
+    parent: str | None = None
+    branch_after_turn: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"Session.mode must be one of {MODES}, got {self.mode!r}")
+        if not self.turns:
+            raise ValueError(f"session {self.session_id!r} has no turns")
+        if (self.parent is None) != (self.branch_after_turn is None):
+            raise ValueError(f"session {self.session_id!r}: parent and branch_after_turn go together")
+        if self.parent is not None and self.mode != "trace":
+            raise ValueError(f"session {self.session_id!r}: subagent branches are trace sessions (their prompts "
+                             "name the parent's blocks)")
+        if self.mode == "trace":
+            for k, t in enumerate(self.turns):
+                if len(t.hash_ids) != math.ceil(t.input_tokens / TRACE_BLOCK_TOKENS):
+                    raise ValueError(f"session {self.session_id!r} turn {k}: {t.input_tokens} input tokens need "
+                                     f"{math.ceil(t.input_tokens / TRACE_BLOCK_TOKENS)} hash ids, got {len(t.hash_ids)}")
+
+    def max_context_tokens(self) -> int:
+        """The most tokens one of its requests holds (prompt + output): what max_model_len must admit."""
+        if self.mode == "trace":
+            return max(t.input_tokens + t.output_tokens for t in self.turns)
+        return sum(t.input_tokens + t.output_tokens for t in self.turns)
+
+
+def _scaled(n: float, scale: float) -> int:
+    return max(1, round(n * scale))
+
+
+def openhands_sessions(num_sessions: int, *, scale: float = 1.0, turns: int = 13, first_input: int = 74_160,
+                       later_input: int = 753, output: int = 220, think_s: float = 0.0) -> list[Session]:
+    """OpenHands-style multi-turn agent sessions (BRIEF §8), every length times `scale`; one user each."""
+    if num_sessions < 1 or turns < 1 or scale <= 0:
+        raise ValueError("num_sessions and turns must be >= 1 and scale > 0")
+    ts = tuple(Turn(_scaled(first_input if k == 0 else later_input, scale), _scaled(output, scale),
+                    0.0 if k == 0 else think_s) for k in range(turns))
+    return [Session(f"oh{i}", f"user{i}", ts) for i in range(num_sessions)]
+
+
+def synthetic_trace(num_sessions: int, *, seed: int = 0, scale: float = 1.0, median_turns: float = 43,
+                    mean_input: float = 142_000, mean_output: float = 444, first_input_frac: float = 0.2,
+                    think_mean_s: float = 3.0, subagent_prob: float = 0.02, max_turns: int = 200) -> list[Session]:
+    """Agentic-coding sessions shaped like the published traces: turns per session lognormal with median
+    `median_turns`; prompts that grow linearly from `first_input_frac * 2 * mean_input / (1 + frac)` so
+    their mean over a session is about `mean_input`; outputs lognormal with mean `mean_output`; each turn
+    re-sends the previous prompt's full blocks (so prefix reuse is 1 - growth / prompt, > 95% at the
+    defaults) plus new blocks for the previous output and the new input. With probability
+    `subagent_prob` per turn a subagent branch (a short session of the same user that starts from the
+    parent's current prompt) is spawned. Lengths are multiplied by `scale` (at least 1 token)."""
+    rng = np.random.default_rng(seed)
+    next_id = iter(range(1 << 62))
+    sessions: list[Session] = []
+
+    def blocks_for(prev_ids: tuple[int, ...], prev_len: int, new_len: int) -> tuple[int, ...]:
+        keep = prev_ids[: min(prev_len, new_len) // TRACE_BLOCK_TOKENS]  # a partial block's content changes
+        return keep + tuple(next(next_id) for _ in range(math.ceil(new_len / TRACE_BLOCK_TOKENS) - len(keep)))
+
+    first = 2 * mean_input * first_input_frac / (1 + first_input_frac)
+
+    def make(sid: str, user: str, n_turns: int, growth: float, start_ids: tuple[int, ...] = (), start_len: int = 0,
+             parent: str | None = None, branch: int | None = None) -> None:
+        turns, children, ids, length = [], [], start_ids, start_len
+        for k in range(n_turns):
+            target = _scaled(first + k * growth if parent is None else start_len / scale + (k + 1) * growth, scale)
+            target = max(target, length + 1)
+            ids = blocks_for(ids, length, target)
+            out = _scaled(rng.lognormal(math.log(mean_output) - 0.5 * 0.6**2, 0.6), scale)
+            think = 0.0 if k == 0 else float(rng.exponential(think_mean_s))
+            turns.append(Turn(target, out, think, ids))
+            length = target
+            if parent is None and rng.random() < subagent_prob:
+                children.append((f"{sid}.sub{k}", int(rng.integers(2, 8)), ids, length, k))
+        sessions.append(Session(sid, user, tuple(turns), "trace", parent, branch))
+        for cid, n, cids, clen, k in children:  # after the parent, so a trace lists parents first
+            make(cid, user, n, growth, cids, clen, parent=sid, branch=k)
+
+    for i in range(num_sessions):
+        n = int(np.clip(round(rng.lognormal(math.log(median_turns), 0.5)), 1, max_turns))
+        make(f"s{i}", f"user{i}", n, 2 * (mean_input - first) / max(n - 1, 1))
+    return sessions
+
+
+def trace_stats(sessions: Sequence[Session]) -> dict:
+    """Shape of a trace: turns per session, input / output tokens per request, and prefix reuse (the
+    share of prompt blocks an earlier request of the same user already sent)."""
+    seen: dict[str, set[int]] = {}
+    reused = total = 0
+    for s in sessions:  # parents come before their branches (synthetic_trace's order)
+        user_seen = seen.setdefault(s.user, set())
+        for t in s.turns:
+            reused += sum(h in user_seen for h in t.hash_ids[: t.input_tokens // TRACE_BLOCK_TOKENS])
+            total += math.ceil(t.input_tokens / TRACE_BLOCK_TOKENS)
+            user_seen.update(t.hash_ids)
+    top = [s for s in sessions if s.parent is None]
+    turns = [t for s in sessions for t in s.turns]
+    return {
+        "sessions": len(top),
+        "subagent_sessions": len(sessions) - len(top),
+        "turns_median": float(np.median([len(s.turns) for s in top])),
+        "input_tokens_mean": float(np.mean([t.input_tokens for t in turns])),
+        "output_tokens_mean": float(np.mean([t.output_tokens for t in turns])),
+        "prefix_reuse": reused / total if total else 0.0,
+    }
+
+
+def save_trace(sessions: Sequence[Session], path: str | Path) -> None:
+    if any(s.mode != "trace" for s in sessions):
+        raise ValueError("only trace-mode sessions (prompts given by hash ids) can be saved as a trace")
+    doc = {"format": TRACE_FORMAT, "block_tokens": TRACE_BLOCK_TOKENS, "sessions": [
+        {"id": s.session_id, "user": s.user, "parent": s.parent, "branch_after_turn": s.branch_after_turn,
+         "turns": [{"input_tokens": t.input_tokens, "output_tokens": t.output_tokens, "think_s": t.think_s,
+                    "hash_ids": list(t.hash_ids)} for t in s.turns]} for s in sessions]}
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)  # never leave half a trace behind
+
+
+def load_trace(path: str | Path) -> list[Session]:
+    """Read a trace file; malformed files fail with the field and session named."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != TRACE_FORMAT:
+        raise ValueError(f"{path}: expected format {TRACE_FORMAT!r}, got {doc.get('format') if isinstance(doc, dict) else doc!r}")
+    if doc.get("block_tokens") != TRACE_BLOCK_TOKENS:
+        raise ValueError(f"{path}: block_tokens must be {TRACE_BLOCK_TOKENS}, got {doc.get('block_tokens')!r}")
+    out, ids = [], set()
+    for i, s in enumerate(doc.get("sessions", [])):
+        try:
+            turns = tuple(Turn(int(t["input_tokens"]), int(t["output_tokens"]), float(t.get("think_s", 0.0)),
+                               tuple(int(h) for h in t["hash_ids"])) for t in s["turns"])
+            sess = Session(str(s["id"]), str(s["user"]), turns, "trace", s.get("parent"), s.get("branch_after_turn"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: session #{i}: {e!r}") from None
+        if sess.parent is not None and sess.parent not in ids:
+            raise ValueError(f"{path}: session {sess.session_id!r} branches from {sess.parent!r}, which does not "
+                             "come before it")
+        ids.add(sess.session_id)
+        out.append(sess)
+    return out
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def block_tokens(hash_id: int, vocab_size: int) -> np.ndarray:
+    """The 64 tokens a trace block id stands for (the same for every user: salts separate users).
+    Cached and shared: do not modify the returned array."""
+    return np.random.default_rng([hash_id, 0x9E3779B9]).integers(0, vocab_size, TRACE_BLOCK_TOKENS, dtype=np.int32)
+
+
+@dataclasses.dataclass
+class _Live:
+    session: Session
+    turn: int = 0
+    context: np.ndarray | None = None  # append mode: every token so far
+    ready_s: float = 0.0
+    in_flight: str | None = None
+
+
+@dataclasses.dataclass
+class ClientResult:
+    request_ids: list[str]  # every request the client sent, in order
+    sessions_done: int
+    steps: int
+
+
+class ClosedLoopClient:
+    """Keep `concurrency` sessions in flight: when one finishes its last turn the next waiting session
+    (subagent branches once their parent reached the branch point) takes its place. A session sends a
+    turn `think_s * think_time_scale` seconds after its previous turn finished, on the engine's clock.
+
+    engine: add_request(prompt, SamplingParams, salt=) -> req_id; step() -> [(req_id, token, finished)];
+    has_unfinished(); clock.now() and clock.sleep(s).
+    make_params(max_new_tokens) -> the SamplingParams of a turn (greedy by default, supplied by the caller
+    so this module stays free of the engine's imports).
+    """
+
+    def __init__(self, engine, sessions: Sequence[Session], concurrency: int, *, vocab_size: int,
+                 make_params: Callable[[int], object], seed: int = 0, think_time_scale: float = 1.0,
+                 salt_prefix: str = "", max_model_len: int | None = None):
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        ids = [s.session_id for s in sessions]
+        if len(set(ids)) != len(ids):
+            raise ValueError("session ids must be unique")
+        if max_model_len is not None:
+            for s in sessions:
+                if s.max_context_tokens() > max_model_len:
+                    raise ValueError(f"session {s.session_id!r} reaches {s.max_context_tokens()} tokens > "
+                                     f"max_model_len={max_model_len}: raise max_model_len or shrink the workload")
+        self.engine = engine
+        self.sessions = list(sessions)
+        self.concurrency = concurrency
+        self.vocab_size = vocab_size
+        self.make_params = make_params
+        self.rng = np.random.default_rng(seed)
+        self.think_time_scale = think_time_scale
+        self.salt_prefix = salt_prefix
+        self.done_turns: dict[str, int] = {}  # session -> turns finished
+
+    def _eligible(self, s: Session) -> bool:
+        return s.parent is None or self.done_turns.get(s.parent, 0) > s.branch_after_turn
+
+    def _prompt(self, live: _Live) -> np.ndarray:
+        t = live.session.turns[live.turn]
+        if live.session.mode == "trace":
+            toks = np.concatenate([block_tokens(h, self.vocab_size) for h in t.hash_ids])
+            return toks[: t.input_tokens]
+        new = self.rng.integers(0, self.vocab_size, t.input_tokens, dtype=np.int32)
+        return new if live.context is None else np.concatenate([live.context, new])
+
+    def run(self, on_step: Callable[[object], None] | None = None) -> ClientResult:
+        """Run every session to its end. on_step(engine) is called after each engine step."""
+        eng, clock = self.engine, self.engine.clock
+        pending = list(self.sessions)
+        active: list[_Live] = []
+        by_req: dict[str, _Live] = {}
+        sent: list[str] = []
+        steps = done = 0
+        while pending or active:
+            while len(active) < self.concurrency:
+                nxt = next((s for s in pending if self._eligible(s)), None)
+                if nxt is None:
+                    break
+                pending.remove(nxt)
+                active.append(_Live(nxt, ready_s=clock.now()))
+            now = clock.now()
+            for live in active:
+                if live.in_flight is None and live.ready_s <= now:
+                    t = live.session.turns[live.turn]
+                    prompt = self._prompt(live)
+                    rid = eng.add_request(prompt, self.make_params(t.output_tokens),
+                                          salt=self.salt_prefix + live.session.user if self.salt_prefix else "")
+                    if live.session.mode == "append":
+                        live.context = prompt
+                    live.in_flight = rid
+                    by_req[rid] = live
+                    sent.append(rid)
+            if not eng.has_unfinished():
+                waits = [lv.ready_s for lv in active if lv.in_flight is None]
+                if not waits:
+                    if pending and not active:
+                        raise RuntimeError(f"sessions {[s.session_id for s in pending]} wait for parents that never "
+                                           "reach their branch point")
+                    continue
+                clock.sleep(max(0.0, min(waits) - clock.now()))
+                continue
+            for rid, tok, fin in eng.step():
+                live = by_req.get(rid)
+                if live is None:
+                    continue
+                if live.session.mode == "append":
+                    live.context = np.append(live.context, np.int32(tok))
+                if fin:
+                    del by_req[rid]
+                    live.in_flight = None
+                    live.turn += 1
+                    self.done_turns[live.session.session_id] = live.turn
+                    if live.turn == len(live.session.turns):
+                        active.remove(live)
+                        done += 1
+                    else:
+                        live.ready_s = clock.now() + live.session.turns[live.turn].think_s * self.think_time_scale
+            steps += 1
+            if on_step is not None:
+                on_step(eng)
+        return ClientResult(sent, done, steps)

@@ -1,0 +1,54 @@
+"""After the runner's warm-up has compiled every bucket shape, a serving run compiles nothing: counted
+with JAX's own compilation events over a fixed 200-step run with arrivals, finishes, sampling and a
+preemption."""
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import DeployConfig, Engine, SamplingParams
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    # The tiny preset cut to 2 layers (one full and one shared indexer layer, dense then MoE): the same
+    # code paths with a quarter of the compile time, which this test pays once per bucket shape.
+    cfg = glm53.get_preset("tiny").replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                           mlp_layer_types=("dense", "sparse"))
+    return glm53.init(cfg, seed=0, std=0.1)
+
+
+@pytest.mark.slow
+def test_no_compilation_after_warmup(small_model):
+    deploy = DeployConfig(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8,
+                          num_gpu_blocks=36)
+    eng = Engine(small_model, deploy)
+    assert eng.runner.warmup() == len(eng.runner.bucket_shapes()) == 3 * 2 * 2  # rows 1,2,4; width 1,32; window 64,128
+    assert eng.runner.compiled_shapes == set(eng.runner.bucket_shapes())
+
+    compiles = []
+
+    def listener(event, duration_s, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            compiles.append(duration_s)
+
+    rng = np.random.default_rng(0)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for step in range(200):
+            if len(eng.scheduler.waiting) < 2 and rng.random() < 0.5:
+                n, new = int(rng.integers(1, 90)), int(rng.integers(1, 12))
+                greedy = bool(rng.random() < 0.5)
+                eng.add_request(rng.integers(0, 512, n), SamplingParams(new, greedy, 0.9, 0.95, seed=step))
+            assert eng.has_unfinished() or step == 0
+            eng.step()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    st = eng.scheduler.stats
+    assert len(eng.finished) >= 10 and st.preemptions >= 1, (len(eng.finished), st.preemptions)
+    assert eng.runner.compiled_shapes == set(eng.runner.bucket_shapes())
+    assert compiles == [], f"{len(compiles)} compilations during the run"

@@ -1,0 +1,165 @@
+"""Workloads: OpenHands session shapes, the synthetic agentic trace's statistics, the trace file format,
+and the closed-loop client (against a fake engine on a virtual clock: no model needed)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from experiments import workloads as wl
+from experiments.common import REPO, load_config
+
+
+def test_openhands_lengths_scale():
+    full = wl.openhands_sessions(1)[0]
+    assert [t.input_tokens for t in full.turns] == [74_160] + [753] * 12
+    assert {t.output_tokens for t in full.turns} == {220}
+    s16 = wl.openhands_sessions(3, scale=1 / 16)
+    assert (s16[0].turns[0].input_tokens, s16[0].turns[1].input_tokens, s16[0].turns[0].output_tokens) == (4635, 47, 14)
+    assert len({s.user for s in s16}) == 3
+    assert s16[0].max_context_tokens() == 4635 + 12 * 47 + 13 * 14
+
+
+def test_synthetic_trace_matches_published_shape():
+    sessions = wl.synthetic_trace(200, seed=3)
+    st = wl.trace_stats(sessions)
+    assert 38 <= st["turns_median"] <= 48
+    assert st["input_tokens_mean"] == pytest.approx(142_000, rel=0.15)
+    assert st["output_tokens_mean"] == pytest.approx(444, rel=0.15)
+    assert st["prefix_reuse"] > 0.95
+    assert st["subagent_sessions"] > 0
+    seen = set()
+    for s in sessions:  # parents first, and a branch starts from its parent's blocks at the branch turn
+        if s.parent is not None:
+            assert s.parent in seen
+            parent = next(p for p in sessions if p.session_id == s.parent)
+            base = parent.turns[s.branch_after_turn]
+            full = base.input_tokens // wl.TRACE_BLOCK_TOKENS
+            assert s.turns[0].hash_ids[:full] == base.hash_ids[:full]
+        seen.add(s.session_id)
+    # every later turn re-sends the earlier turn's full blocks
+    s = sessions[0]
+    for a, b in zip(s.turns, s.turns[1:]):
+        k = a.input_tokens // wl.TRACE_BLOCK_TOKENS
+        assert b.hash_ids[:k] == a.hash_ids[:k] and b.input_tokens > a.input_tokens
+
+
+def test_trace_file_round_trip_and_bad_files(tmp_path):
+    sessions = wl.synthetic_trace(3, seed=1, scale=1 / 64)
+    path = tmp_path / "trace.json"
+    wl.save_trace(sessions, path)
+    assert wl.load_trace(path) == sessions
+    assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
+    doc = json.loads(path.read_text())
+    doc["sessions"][0]["turns"][0]["hash_ids"].pop()
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="hash ids"):
+        wl.load_trace(path)
+    path.write_text('{"format": "glm53-agentic-trace/1", "block_tokens": 64, "sessions": [{"id": 1}]}')
+    with pytest.raises(ValueError, match="session #0"):
+        wl.load_trace(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        wl.load_trace(path)
+    with pytest.raises(ValueError, match="trace-mode"):
+        wl.save_trace(wl.openhands_sessions(1), path)
+
+
+class VirtualClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+class FakeEngine:
+    """One token per running request per step (token = step number); at most `max_running` at once."""
+
+    def __init__(self, max_running=8):
+        self.clock = VirtualClock()
+        self.max_running = max_running
+        self.reqs = {}  # rid -> [prompt, max_new, produced, salt, arrival]
+        self.log = []
+        self.steps = 0
+
+    def add_request(self, prompt, params, salt=""):
+        rid = f"r{len(self.log)}"
+        self.reqs[rid] = [np.asarray(prompt), params, 0, salt, self.clock.now()]
+        self.log.append((rid, np.asarray(prompt).copy(), salt, self.clock.now()))
+        return rid
+
+    def has_unfinished(self):
+        return bool(self.reqs)
+
+    def step(self):
+        self.steps += 1
+        self.clock.t += 1.0
+        out = []
+        for rid in list(self.reqs)[: self.max_running]:
+            r = self.reqs[rid]
+            r[2] += 1
+            fin = r[2] == r[1]
+            out.append((rid, self.steps, fin))
+            if fin:
+                del self.reqs[rid]
+        return out
+
+
+def test_closed_loop_client_append_sessions_carry_outputs_and_respect_concurrency():
+    sessions = wl.openhands_sessions(5, scale=1 / 1000, turns=3, think_s=2.0)
+    eng = FakeEngine()
+    in_flight = []
+    client = wl.ClosedLoopClient(eng, sessions, concurrency=2, vocab_size=100, make_params=lambda n: n,
+                                 salt_prefix="u:")
+    res = client.run(on_step=lambda e: in_flight.append(len(e.reqs)))
+    assert res.sessions_done == 5 and len(res.request_ids) == 15
+    assert max(in_flight) <= 2
+    by_salt = {}
+    for rid, prompt, salt, t in eng.log:
+        by_salt.setdefault(salt, []).append((prompt, t))
+    assert sorted(by_salt) == [f"u:user{i}" for i in range(5)]
+    for turns in by_salt.values():
+        assert len(turns) == 3
+        for (p0, _), (p1, _) in zip(turns, turns[1:]):
+            # next prompt = previous prompt + the tokens generated for it + new input
+            assert np.array_equal(p1[: p0.size], p0) and p1.size == p0.size + 1 + 1
+
+
+def test_closed_loop_client_think_time_and_subagent_order():
+    t = wl.Turn
+    parent = wl.Session("p", "alice", (t(64, 2, 0.0, (1,)), t(128, 2, 5.0, (1, 2)), t(192, 2, 5.0, (1, 2, 3))), "trace")
+    child = wl.Session("p.sub1", "alice", (t(128, 1, 0.0, (1, 2)),), "trace", "p", 1)
+    bob = wl.Session("q", "bob", (t(64, 1, 0.0, (1,)),), "trace")
+    eng = FakeEngine()
+    wl.ClosedLoopClient(eng, [parent, child, bob], concurrency=3, vocab_size=50, make_params=lambda n: n,
+                        think_time_scale=0.5, salt_prefix="s-").run()
+    times = {i: ts for i, (_, _, _, ts) in enumerate(eng.log)}
+    prompts = [p for _, p, _, _ in eng.log]
+    salts = [s for _, _, s, _ in eng.log]
+    # p turn 0 and q at t=0; p turn 1 sent 2.5 s after turn 0 finished (2 steps); the branch after it finished
+    assert times[0] == 0.0 and times[1] == 0.0 and times[2] == pytest.approx(2.0 + 2.5)
+    child_idx = next(i for i, (_, p, s, _) in enumerate(eng.log) if i > 2 and p.size == 128)
+    assert times[child_idx] >= times[2] + 2
+    # trace prompts are the hash blocks' tokens: the same ids give the same tokens, users get their own salt
+    assert np.array_equal(prompts[0], prompts[1]) and salts[0] != salts[1]
+    assert np.array_equal(prompts[2][:64], prompts[0]) and np.array_equal(prompts[child_idx], prompts[2])
+
+
+def test_client_rejects_sessions_over_the_admission_limit():
+    with pytest.raises(ValueError, match="max_model_len"):
+        wl.ClosedLoopClient(FakeEngine(), wl.openhands_sessions(1, scale=1 / 100), 1, vocab_size=10,
+                            make_params=lambda n: n, max_model_len=500)
+
+
+def test_config_loader_overrides(tmp_path):
+    cfg = load_config(REPO / "configs/smoke.py", ["--config.sweep.concurrency=3", "--config.workload.scale=0.5",
+                                           "--config.name=x"])
+    assert cfg.sweep.concurrency == (3,) and cfg.workload.scale == 0.5 and cfg.name == "x"
+    with pytest.raises(ValueError, match="no 'sweep.concurency'"):
+        load_config(REPO / "configs/smoke.py", ["--config.sweep.concurency=3"])
+    with pytest.raises(FileNotFoundError):
+        load_config(str(tmp_path / "nope.py"))
