@@ -13,8 +13,40 @@ decode = greedy steps with HF's cache after a prompt of the first length, after 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+
+
+@contextlib.contextmanager
+def stable_indexer_topk():
+    """Inside this block HF's lightning indexer picks its top-k in our total order (score descending,
+    then position ascending) instead of `torch.topk`'s unspecified order among ties. Ties are common
+    with random weights: a key scores exactly 0 whenever ReLU zeroes every indexer head, and the k-th
+    cut often falls inside that block of zeros, so the two libraries would attend different rows
+    (docs/model.md). Only the indexer's call of `Tensor.topk` is changed; costs a full sort per row."""
+    import torch
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_mod
+
+    orig_topk, orig_forward = torch.Tensor.topk, hf_mod.GlmMoeDsaIndexer.forward
+
+    def stable_topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002 (torch's signature)
+        assert largest, "the indexer only asks for the largest scores"
+        s = torch.sort(self, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((s.values.narrow(dim, 0, k), s.indices.narrow(dim, 0, k)))
+
+    def forward(self, *args, **kwargs):
+        torch.Tensor.topk = stable_topk
+        try:
+            return orig_forward(self, *args, **kwargs)
+        finally:
+            torch.Tensor.topk = orig_topk
+
+    hf_mod.GlmMoeDsaIndexer.forward = forward
+    try:
+        yield
+    finally:
+        hf_mod.GlmMoeDsaIndexer.forward = orig_forward
 
 
 def main():

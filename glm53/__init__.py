@@ -9,8 +9,8 @@ Public API (see ../shared/DESIGN.md):
 """
 
 from glm53.api import decode_logits, generate, score, score_batch, topk_indices
-from glm53.engine import DeployConfig, Engine, SamplingParams
 from glm53.config import ModelConfig, from_hf_config, get_preset, make_config
+from glm53.engine import DeployConfig, Engine, SamplingParams
 from glm53.model import GLM53, init
 from glm53.weights import from_pretrained, restore, save, save_pretrained
 

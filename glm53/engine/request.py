@@ -56,6 +56,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids.tolist() + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> np.ndarray:
+        """all_token_ids[start:end] without building the whole list (O(end - start), not O(context))."""
+        p = self.prompt_ids.size
+        head = self.prompt_ids[start:min(end, p)]
+        if end <= p:
+            return head
+        return np.concatenate([head, np.asarray(self.output_ids[max(start - p, 0) : end - p], np.int32)])
+
     @property
     def num_tokens(self) -> int:
         return self.prompt_ids.size + len(self.output_ids)

@@ -1,11 +1,11 @@
 """Runners turn a scheduled step into device work, and clocks tell the engine the time.
 
-`ModelRunner` keeps the paged KV pool on the device and, per step, builds a padded batch from a small
-set of bucket shapes (rows: powers of two up to max_num_seqs; tokens per row: 1 for decode-only steps,
-else max_num_batched_tokens rounded up to a power of two; attention window: powers of two up to the
-cache capacity), so a serving run
-compiles a bounded number of programs (`compiled_shapes` counts them). A decoding request uses one
-token of its row; a prefilling one a chunk. Sampling is a jitted function of per-request PRNG keys
+`ModelRunner` keeps the paged KV pool on the device and, per step, groups the scheduled chunks by
+width bucket (1 token for decoding requests; powers of two from 16 up to max_num_batched_tokens for
+prefill chunks) and runs one padded forward per group (rows: powers of two up to max_num_seqs;
+attention window: powers of two up to the cache capacity). A serving run therefore compiles a bounded
+set of programs (`bucket_shapes`; `warmup` compiles them all, `compiled_shapes` lists those used), and
+padding stays under 2x per row: a decoding row never pads to a prefill chunk's width. Sampling is a jitted function of per-request PRNG keys
 (seed, number of tokens generated so far), so a request samples the same tokens whatever it is batched
 with.
 
@@ -53,6 +53,10 @@ class Runner(Protocol):
     def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[list[int]]]) -> dict[str, int]:
         """Run one step: write the chunks' KV, and return {req_id: sampled token} for every request whose
         known tokens are all computed after the step."""
+
+
+PREFILL_DENSE_TOPK_RATIO = 4  # CPU only: prefill chunks with window <= 4 x top-k take the dense form
+MIN_PREFILL_WIDTH = 16  # narrowest prefill bucket: shorter chunks pad to it (fewer programs)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -131,6 +135,12 @@ class ModelRunner:
         self.cache = PagedKVCache.create(model.cfg, num_blocks, deploy.block_size, empty, kv_cache_dtype=kv_dtype,
                                          include_mtp=False)
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
+        # On CPU, a prefill chunk attends faster through the dense (un-absorbed) form with the top-k mask
+        # than by gathering the selected latent rows, while the window is at most a few times top-k
+        # (mid config, [8, 1024] chunk, window 1024 = 4 x top-k: 8.1 s vs 10.3 s). Both forms compute
+        # the same attention (tests/glm53 checks MHA = MQA). Decode rows keep the absorbed form.
+        self.prefill_dense_max_window = (PREFILL_DENSE_TOPK_RATIO * model.cfg.index_topk
+                                         if jax.default_backend() == "cpu" and not deploy.sparse_mla_force_mqa else 0)
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
         self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
         dev = jax.devices()[0]
@@ -178,12 +188,20 @@ class ModelRunner:
             out[i, : len(t)] = t
         return out
 
+    def width_buckets(self) -> list[int]:
+        """Tokens per row: 1 (decode) and powers of two from MIN_PREFILL_WIDTH up to the budget."""
+        w = min(MIN_PREFILL_WIDTH, self.max_tokens)
+        return [1] + [w << i for i in range((self.max_tokens // w).bit_length())]
+
+    def _width(self, num_tokens: int) -> int:
+        return next(w for w in self.width_buckets() if w >= num_tokens)
+
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, window) program a serving run can use."""
         rows = [1 << i for i in range(self.max_rows.bit_length())]
         windows = sorted({window_bucket(n, self.cache.capacity) for n in
                           (1 << i for i in range(self.cache.capacity.bit_length() + 1))})
-        return [(r, w, win) for r in rows for w in sorted({1, self.max_tokens}) for win in windows]
+        return [(r, w, win) for r in rows for w in self.width_buckets() for win in windows]
 
     def warmup(self, shapes=None) -> int:
         """Compile the programs of `shapes` (default: every bucket) by running padding-only steps, which
@@ -203,31 +221,38 @@ class ModelRunner:
     def _forward(self, tok, pos, table_mla, table_index, window) -> jax.Array:
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = self.cache.with_block_table(table_mla, table_index)
+        form = "mha" if tok.shape[1] > 1 and window <= self.prefill_dense_max_window else self.form
         hidden, self.cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                               form=self.form, impl=self.deploy.attention_impl)
+                                               form=form, impl=self.deploy.attention_impl)
         return hidden
 
     def _last_logits(self, state, hidden_RTD, last_R):
         return _last_logits(self.c.logits, state, hidden_RTD, last_R)
 
     def execute(self, chunks, block_tables):
-        if not chunks:
-            return {}
+        # One forward per width bucket: decode rows never pad to a prefill chunk's width, and a chunk
+        # pads to less than twice its length. The groups are independent requests, so running them one
+        # after the other on the same cache computes exactly what one batch would.
+        groups: dict[int, list[int]] = {}
+        for i, ch in enumerate(chunks):
+            groups.setdefault(self._width(ch.num_tokens), []).append(i)
+        out = {}
+        for width, idx in groups.items():
+            out.update(self._run_group([chunks[i] for i in idx], [block_tables["mla"][i] for i in idx],
+                                       [block_tables["indexer"][i] for i in idx], width))
+        return out
+
+    def _run_group(self, chunks, tables_mla, tables_index, width) -> dict[str, int]:
         rows = _pow2_at_least(len(chunks))
-        # Two token widths only: 1 for pure decode steps, the full budget for any step with a prefill chunk
-        # (fewer programs; padding a chunk costs less than compiling another shape).
-        width = 1 if all(ch.num_tokens == 1 for ch in chunks) else self.max_tokens
         tok = np.zeros((rows, width), np.int32)
         pos = np.full((rows, width), -1, np.int32)
         last = np.zeros(rows, np.int32)
         for i, ch in enumerate(chunks):
-            ids = ch.request.all_token_ids[ch.start : ch.start + ch.num_tokens]
-            tok[i, : ch.num_tokens] = ids
+            tok[i, : ch.num_tokens] = ch.request.token_slice(ch.start, ch.start + ch.num_tokens)
             pos[i, : ch.num_tokens] = np.arange(ch.start, ch.start + ch.num_tokens)
             last[i] = ch.num_tokens - 1
         window = window_bucket(int(pos.max()) + 1, self.cache.capacity)
-        hidden = self._forward(tok, pos, self._table(rows, block_tables["mla"]),
-                               self._table(rows, block_tables["indexer"]), window)
+        hidden = self._forward(tok, pos, self._table(rows, tables_mla), self._table(rows, tables_index), window)
         need = [i for i, ch in enumerate(chunks) if ch.start + ch.num_tokens == ch.request.num_tokens]
         if not need:
             return {}

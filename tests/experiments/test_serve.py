@@ -32,7 +32,7 @@ def test_serve_sweep_writes_results_plot_and_metrics(tmp_path):
     args = ["--config", str(serve.REPO / "configs/smoke.py"), "--out", str(tmp_path / "out"), "--no-progress",
             "--metrics-port", str(port), "--compile-cache", "", "--config.model.layers=2",
             "--config.workload.kind=trace", f"--config.workload.trace_path={tmp_path / 'trace.json'}",
-            "--config.deploy.max_model_len=256", "--config.deploy.max_num_batched_tokens=128",
+            "--config.deploy.max_model_len=256", "--config.deploy.max_num_batched_tokens=32",
             "--config.deploy.num_gpu_blocks=44", "--config.deploy.cpu_offload_bytes=67108864",
             "--config.sweep.kv_policy=('preempt', 'offload')", "--config.sweep.concurrency=(1, 3)",
             "--config.deploy.max_num_seqs=4"]
