@@ -24,18 +24,19 @@ def _free_port():
 @pytest.mark.slow
 def test_serve_sweep_writes_results_plot_and_metrics(tmp_path):
     t = wl.Turn
-    sessions = [wl.Session(f"s{i}", f"user{i}", (t(100, 4, 0.0, (10 * i, 10 * i + 1)),
-                                                 t(150, 4, 0.0, (10 * i, 10 * i + 1, 10 * i + 2))), "trace")
-                for i in range(3)]
+    sessions = [wl.Session(f"s{i}", f"user{i}", (t(40, 4, 0.0, (10 * i,)), t(80, 4, 0.0, (10 * i, 10 * i + 1))),
+                           "trace") for i in range(3)]
     wl.save_trace(sessions, tmp_path / "trace.json")
     port = _free_port()
     args = ["--config", str(serve.REPO / "configs/smoke.py"), "--out", str(tmp_path / "out"), "--no-progress",
             "--metrics-port", str(port), "--compile-cache", "", "--config.model.layers=2",
             "--config.workload.kind=trace", f"--config.workload.trace_path={tmp_path / 'trace.json'}",
-            "--config.deploy.max_model_len=256", "--config.deploy.max_num_batched_tokens=32",
-            "--config.deploy.num_gpu_blocks=44", "--config.deploy.cpu_offload_bytes=67108864",
-            "--config.sweep.kv_policy=('preempt', 'offload')", "--config.sweep.concurrency=(1, 3)",
-            "--config.deploy.max_num_seqs=4"]
+            # the deployment of tests/engine/test_recompilation.py: same programs, loaded from the session's
+            # compilation cache instead of compiled again
+            "--config.deploy.max_model_len=128", "--config.deploy.max_num_batched_tokens=16",
+            "--config.deploy.block_size=8", "--config.deploy.num_gpu_blocks=36", "--config.deploy.max_num_seqs=4",
+            "--config.deploy.cpu_offload_bytes=67108864", "--config.sweep.kv_policy=('preempt', 'offload')",
+            "--config.sweep.concurrency=(1, 3)"]
     res = serve.main(args)
     on_disk = json.loads((tmp_path / "out" / "results.json").read_text())
     assert on_disk["runs"] == json.loads(json.dumps(res["runs"]))
@@ -46,13 +47,13 @@ def test_serve_sweep_writes_results_plot_and_metrics(tmp_path):
         assert all(k in r for k in KEYS), [k for k in KEYS if k not in r]
         assert r["requests"] == 6 and r["output_tokens"] == 24
         assert len(r["timeline"]["t_s"]) == len(r["timeline"]["running_requests"]) > 0
-    # 3 users x 150 tokens need 60 blocks of the 44: at concurrency 3 the pool runs out
+    # 3 users x 84 tokens need 3 x 2 x 11 = 66 blocks of the 36: at concurrency 3 the pool runs out
     assert runs[1]["preemptions"] >= 1 and runs[1]["recomputed_tokens"] > 0
     assert runs[3]["preemptions"] >= 1 and runs[3]["d2h_bytes"] == runs[3]["h2d_bytes"] > 0
     assert runs[0]["preemptions"] == 0 and runs[0]["running_requests_mean"] == 1.0
-    # turn 2 re-sends turn 1's 100 prompt tokens (its generated tokens are not in the trace): the 6 full
-    # 16-token blocks of them hit; users are salted apart, so nothing else does
-    assert runs[0]["prefix_hit_rate"] == pytest.approx(3 * 96 / (3 * 250))
+    # turn 2 re-sends turn 1's 40 prompt tokens (its generated tokens are not in the trace): the 5 full
+    # 8-token blocks of them hit; users are salted apart, so nothing else does
+    assert runs[0]["prefix_hit_rate"] == pytest.approx(3 * 40 / (3 * 120))
     assert (tmp_path / "out" / "throughput_vs_interactivity.png").stat().st_size > 10_000
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "glm53_engine_throughput_tok_s_per_device" in text and "glm53_engine_running_requests" in text
