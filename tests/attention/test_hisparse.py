@@ -1,0 +1,115 @@
+"""The HiSparse resolver against a loop-by-loop LRU model, and end to end: after the plan's copies, the
+rows sparse MLA would read hold exactly the selected positions' KV, whatever the residency."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention.hisparse import HotBuffer, copy_host_rows, resolve_reference
+
+BS, M, K, H = 4, 8, 6, 12  # block size, pages per request, top-k, hot slots (2 x top-k)
+
+
+class LRUModel:
+    """One request's hot buffer as plain Python: what the resolver must do, written as loops."""
+
+    def __init__(self, h):
+        self.pos = [-1] * h
+        self.last = [None] * h
+
+    def step(self, sel, resident, t):
+        hits, misses, slot_of = 0, 0, {}
+        for p in sel:
+            if p >= 0 and not resident(p) and p in self.pos:
+                s = self.pos.index(p)
+                slot_of[p] = s
+                hits += 1
+        hit_slots = set(slot_of.values())
+        free = sorted((s for s in range(len(self.pos)) if s not in hit_slots),
+                      key=lambda s: (-1 if self.last[s] is None else 0, self.last[s] or 0, s))
+        for p in sel:
+            if p >= 0 and not resident(p) and p not in slot_of:
+                s = free.pop(0)
+                slot_of[p] = s
+                self.pos[s] = p
+                misses += 1
+        for s in slot_of.values():
+            self.last[s] = t
+        return hits, misses, slot_of
+
+
+def test_resolver_matches_lru_model_and_serves_exact_rows():
+    rng = np.random.default_rng(0)
+    b = 2
+    # device pool: rows [0, 64) hold resident pages, rows [64, 64 + b * H) are the hot slots
+    hot_rows = (64 + np.arange(b * H)).reshape(b, H).astype(np.int32)
+    hot = HotBuffer.create(hot_rows)
+    truth = rng.normal(size=(b, M * BS, 3)).astype(np.float32)  # KV row of each (request, position)
+    host_pages = np.arange(b * M, dtype=np.int32).reshape(b, M)  # every page has a host copy
+    host = jax.device_put(truth.reshape(b * M * BS, 3),
+                          jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    device = jnp.zeros((64 + b * H, 3), jnp.float32)
+    models = [LRUModel(H) for _ in range(b)]
+    resolve = jax.jit(resolve_reference, static_argnums=3)
+    total_copied = total_hits = 0
+    for t in range(40):
+        # residency changes step to step; the last page is always resident (the tail is never released)
+        dev_pages = np.full((b, M), -1, np.int32)
+        free_blocks = list(rng.permutation(16))
+        for r in range(b):
+            res = rng.random(M) < (0.9 if t < 3 else 0.3)
+            res[-1] = True
+            for p in np.flatnonzero(res):
+                blk = free_blocks.pop()
+                dev_pages[r, p] = blk
+                device = device.at[blk * BS : (blk + 1) * BS].set(truth[r, p * BS : (p + 1) * BS])
+        sel = np.stack([np.where(rng.random(K) < 0.15, -1, rng.choice(M * BS, K, replace=False)) for _ in range(b)])
+        sel = sel.astype(np.int32)
+        plan, hot = resolve(jnp.asarray(sel), jnp.asarray(dev_pages), jnp.asarray(host_pages), BS, hot, t)
+        device, n = copy_host_rows(device, host, plan.copy_src, plan.copy_dst)
+        assert n == int(plan.copied_rows) == int(plan.misses.sum())
+        total_copied += n
+        total_hits += int(plan.hits.sum())
+        rows = np.asarray(plan.rows)
+        for r in range(b):
+            hits, misses, _ = models[r].step(sel[r].tolist(), lambda p, r=r: dev_pages[r, p // BS] >= 0, t)
+            assert (int(plan.hits[r]), int(plan.misses[r])) == (hits, misses), t
+            assert int(plan.lost[r]) == 0 and int(plan.misses[r]) <= K
+            assert np.asarray(hot.pos[r]).tolist() == models[r].pos
+            for k in range(K):
+                if sel[r, k] < 0:
+                    assert rows[r, k] == -1
+                else:  # the row read holds exactly the selected position's KV
+                    np.testing.assert_array_equal(np.asarray(device[rows[r, k]]), truth[r, sel[r, k]])
+    assert total_copied > 0 and total_hits > 0  # both paths ran
+
+
+def test_nothing_is_copied_while_everything_is_resident():
+    sel = jnp.asarray([[0, 5, 9, 13, -1, 30]], jnp.int32)
+    dev = jnp.arange(M, dtype=jnp.int32)[None]
+    plan, hot = resolve_reference(sel, dev, dev, BS, HotBuffer.create(jnp.arange(H)[None] + 100), 0)
+    assert int(plan.copied_rows) == 0 and int(plan.resident[0]) == 5 and int(plan.hits[0]) == 0
+    np.testing.assert_array_equal(plan.rows[0], [0, 5, 9, 13, -1, 30])
+    assert (np.asarray(hot.pos) == -1).all()
+
+
+def test_lost_rows_are_flagged_never_stale_and_small_buffers_are_rejected():
+    sel = jnp.asarray([[3, 7]], jnp.int32)
+    none = jnp.full((1, M), -1, jnp.int32)
+    plan, _ = resolve_reference(sel, none, none, BS, HotBuffer.create(jnp.arange(4)[None]), 0)
+    assert int(plan.lost[0]) == 2 and (np.asarray(plan.rows) == -1).all() and int(plan.copied_rows) == 0
+    with pytest.raises(ValueError, match="top-k"):
+        resolve_reference(jnp.zeros((1, 4), jnp.int32), none, none, BS, HotBuffer.create(jnp.arange(3)[None]), 0)
+
+
+def test_copy_moves_only_the_planned_rows_from_pinned_host():
+    dev = jax.devices()[0]
+    host = jax.device_put(jnp.arange(40, dtype=jnp.float32).reshape(20, 2),
+                          jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    device = jnp.full((10, 2), -1.0)
+    out, n = copy_host_rows(device, host, jnp.asarray([[4, -1, 7]]), jnp.asarray([[1, -1, 8]]))
+    assert n == 2
+    want = np.full((10, 2), -1.0)
+    want[1], want[8] = [8, 9], [14, 15]
+    np.testing.assert_array_equal(np.asarray(out), want)
