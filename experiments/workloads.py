@@ -282,6 +282,7 @@ class ClosedLoopClient:
     def run(self, on_step: Callable[[object], None] | None = None) -> ClientResult:
         """Run every session to its end. on_step(engine) is called after each engine step."""
         eng, clock = self.engine, self.engine.clock
+        self.done_turns = {}
         pending = list(self.sessions)
         active: list[_Live] = []
         by_req: dict[str, _Live] = {}
@@ -309,6 +310,9 @@ class ClosedLoopClient:
             if not eng.has_unfinished():
                 waits = [lv.ready_s for lv in active if lv.in_flight is None]
                 if not waits:
+                    if any(lv.in_flight is not None for lv in active):
+                        raise RuntimeError("the engine went idle with requests in flight: "
+                                           f"{[lv.in_flight for lv in active if lv.in_flight is not None]}")
                     if pending and not active:
                         raise RuntimeError(f"sessions {[s.session_id for s in pending]} wait for parents that never "
                                            "reach their branch point")

@@ -9,6 +9,8 @@ Definitions (times in seconds on the engine's clock):
 - throughput_tok_s_per_device: every token the requests hold (prompt tokens, prefix-cached ones
   included, plus output tokens) / wall time of the run / devices.
 - prefix_hit_rate: prompt tokens served from the prefix cache / prompt tokens admitted.
+- running_requests_mean: mean over engine steps (not time-weighted) of the requests running after
+  each step's scheduling; the engine's `timeline` has the time axis.
 """
 
 from __future__ import annotations

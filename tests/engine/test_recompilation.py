@@ -38,6 +38,7 @@ def test_no_compilation_after_warmup(small_model):
             compiles.append(duration_s)
 
     rng = np.random.default_rng(0)
+    eng.runner.compiled_shapes.clear()  # from here on: the shapes the run itself uses
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         for step in range(200):
@@ -51,5 +52,8 @@ def test_no_compilation_after_warmup(small_model):
         jax.monitoring.unregister_event_duration_listener(listener)
     st = eng.scheduler.stats
     assert len(eng.finished) >= 10 and st.preemptions >= 1, (len(eng.finished), st.preemptions)
-    assert eng.runner.compiled_shapes == set(eng.runner.bucket_shapes())
+    used = eng.runner.compiled_shapes
+    assert used <= set(eng.runner.bucket_shapes())
+    # the run moved between buckets: decode and prefill widths, several row counts, both windows
+    assert {w for _, w, _ in used} == {1, 16} and len({r for r, _, _ in used}) >= 2 and len({w for *_, w in used}) == 2
     assert compiles == [], f"{len(compiles)} compilations during the run"

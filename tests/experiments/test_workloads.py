@@ -163,3 +163,13 @@ def test_config_loader_overrides(tmp_path):
         load_config(REPO / "configs/smoke.py", ["--config.sweep.concurency=3"])
     with pytest.raises(FileNotFoundError):
         load_config(str(tmp_path / "nope.py"))
+
+
+def test_client_fails_loudly_when_the_engine_drops_a_request():
+    class Forgetful(FakeEngine):
+        def has_unfinished(self):
+            return False  # never reports the request it was given
+
+    with pytest.raises(RuntimeError, match="idle with requests in flight"):
+        wl.ClosedLoopClient(Forgetful(), wl.openhands_sessions(1, scale=1 / 1000, turns=2), 1, vocab_size=10,
+                            make_params=lambda n: n).run()
