@@ -56,6 +56,11 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids.tolist() + self.output_ids
 
+    @property
+    def tokens(self) -> TokenView:
+        """Sliceable view of all_token_ids that builds only the slice asked for."""
+        return TokenView(self)
+
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """all_token_ids[start:end] without building the whole list (O(end - start), not O(context))."""
         p = self.prompt_ids.size
@@ -75,6 +80,24 @@ class Request:
     @property
     def done(self) -> bool:
         return len(self.output_ids) >= self.params.max_new_tokens
+
+
+class TokenView:
+    """`request.tokens[a:b]` == `request.all_token_ids[a:b]` (as int32 array), in O(b - a)."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: Request):
+        self.req = req
+
+    def __len__(self) -> int:
+        return self.req.num_tokens
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise TypeError("TokenView supports contiguous slices only")
+        start, stop, _ = s.indices(self.req.num_tokens)
+        return self.req.token_slice(start, max(start, stop))
 
 
 @dataclasses.dataclass(frozen=True)

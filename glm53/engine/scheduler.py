@@ -219,8 +219,9 @@ class Scheduler:
                 if req.first_token_s is None:
                     req.first_token_s = now_s
             if req.num_computed_tokens // self.kv.tokens_per_block > self.kv.requests[req.req_id].num_cached_blocks:
-                # only when a block filled up: building the token list is O(context) per request
-                self.kv.cache_full_blocks(req.req_id, req.all_token_ids, req.num_computed_tokens, req.extra_keys)
+                # only when a block filled up; the view hands over just the new blocks' tokens (hashing
+                # packs them as int64, so array and list slices hash alike)
+                self.kv.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.extra_keys)
             if req.done:
                 req.status = Status.FINISHED
                 req.finish_s = now_s
