@@ -96,6 +96,7 @@ def _deploy(cfg: ConfigDict, kv_policy: str):
 def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporter=None, progress=True) -> dict:
     """One sweep point on a fresh engine: the workload at `concurrency` -> metrics dict."""
     import glm53
+    from glm53.engine.runner import CompileCounter
 
     sessions = build_sessions(cfg.workload)
     eng = glm53.Engine(model, _deploy(cfg, kv_policy))
@@ -112,7 +113,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
             exporter.update(e.live_metrics())
 
     t0 = time.perf_counter()
-    with _CompileCounter() as compiles:
+    with CompileCounter() as compiles:
         res = client.run(on_step=on_step)
     wall = time.perf_counter() - t0
     bar.close()
@@ -134,28 +135,6 @@ def warm_up(model, cfg: ConfigDict) -> float:
     t0 = time.perf_counter()
     glm53.Engine(model, _deploy(cfg, cfg.sweep.kv_policy[0])).runner.warmup()
     return time.perf_counter() - t0
-
-
-class _CompileCounter:
-    """Counts XLA compilations (JAX's backend-compile events) while active."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __enter__(self):
-        import jax.monitoring
-
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-        return self
-
-    def _on_event(self, event, duration_s, **kwargs):
-        if event == self.EVENT:
-            self.count += 1
-
-    def __exit__(self, *exc):
-        import jax.monitoring
-
-        jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
 def plot(runs: list[dict], path: Path) -> None:

@@ -20,6 +20,7 @@ import time
 from typing import Protocol
 
 import jax
+import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 
@@ -89,6 +90,24 @@ def _last_logits(logits_fn, state, hidden_RTD, last_R):
     """Logits of each row's last real token: one program per (model, rows, width), shared by every
     engine on the model (no eager gathers that would compile per shape)."""
     return logits_fn(state, hidden_RTD[jnp.arange(hidden_RTD.shape[0]), last_R])
+
+
+class CompileCounter:
+    """Context manager counting XLA compilations (JAX's backend-compile events) while active: `.count`."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __enter__(self):
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def _on_event(self, event, duration_s, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
 @dataclasses.dataclass
