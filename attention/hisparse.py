@@ -144,18 +144,118 @@ def copy_host_rows(device_table, host_table, copy_src, copy_dst):
     if src.max() >= host_table.shape[0] or dst.max() >= device_table.shape[0]:
         raise IndexError(f"copy plan out of range: host rows < {host_table.shape[0]}, device rows < "
                          f"{device_table.shape[0]}, got {src.max()} / {dst.max()}")
-    host_idx = jax.device_put(src.astype(np.int32), host_table.sharding)
-    rows = _take_host_rows(host_table, host_idx)
+    rows = _take_host_rows(host_table, jnp.asarray(src.astype(np.int32)))
     return _put_rows(device_table, jnp.asarray(dst), rows), int(src.size)
-
-
-@jax.jit
-@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
-def _take_host_rows(table, idx):
-    """Rows `idx` of a pinned_host table, gathered on the host, delivered to device memory."""
-    return table.at[idx].get(mode="promise_in_bounds")
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _put_rows(table, idx, rows):
     return table.at[idx].set(rows)
+
+
+# ------------------------------------------------------------------------------ the decode step's view
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["host_mla", "host_table", "lease", "hot_pos", "hot_last", "hot_rows", "step",
+                                "plan_rows", "plan_src", "plan_dst", "hits", "misses", "copied"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class HiSparseView:
+    """What a decode step needs to resolve sparse-MLA reads under HiSparse (a field of the paged cache).
+
+    host_mla: per MLA layer, the host pool table [N_host * block_size, width] (pinned_host memory kind).
+    host_table [R, M] int32: host-pool block of each page of the batch's requests (-1: no host copy).
+    lease [R] int32: the row's hot-buffer lease (-1: none; such a row must have every selected page on
+        the device, which the host side guarantees).
+    hot_pos / hot_last [L, G, H] int32: per lease and IndexShare group, the hot slots' positions and
+        last-use steps; hot_rows [L, H] int32: the device rows (global slots) of each lease, one set of
+        rows shared by all layers (each layer's table holds its own data in them).
+    step: int32 scalar LRU clock.
+    plan_rows / plan_src / plan_dst [R, K]: the plan the current group's full layer made; its shared
+        layers replay it on their own tables.
+    hits / misses [R, G] int32: per row and group, counted by the full layer's resolve.
+    copied [R] int32: host->device rows copied for the row over all layers (checked against
+        sum over groups of misses x layers in the group).
+    """
+
+    host_mla: tuple
+    host_table: jax.Array
+    lease: jax.Array
+    hot_pos: jax.Array
+    hot_last: jax.Array
+    hot_rows: jax.Array
+    step: jax.Array
+    plan_rows: jax.Array
+    plan_src: jax.Array
+    plan_dst: jax.Array
+    hits: jax.Array
+    misses: jax.Array
+    copied: jax.Array
+
+    @staticmethod
+    def create(host_mla, host_table, lease, hot_pos, hot_last, hot_rows, step, topk: int) -> HiSparseView:
+        r = host_table.shape[0]
+        g = hot_pos.shape[1]
+        # distinct buffers: the step donates the whole view, and one buffer may not be donated twice
+        none = [jnp.full((r, topk), -1, jnp.int32) for _ in range(3)]
+        return HiSparseView(tuple(host_mla), jnp.asarray(host_table, jnp.int32), jnp.asarray(lease, jnp.int32),
+                            hot_pos, hot_last, hot_rows, jnp.asarray(step, jnp.int32), *none,
+                            jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g), jnp.int32), jnp.zeros((r,), jnp.int32))
+
+    def resolve(self, group: int, sel_RK, device_table_RM, block_size: int) -> HiSparseView:
+        """The full layer of `group`: resolve its selection [R, K] against residency and the leases' hot
+        buffers; keep the plan for the group's shared layers."""
+        n_lease = self.hot_pos.shape[0]
+        has = self.lease >= 0
+        lease = jnp.maximum(self.lease, 0)
+        hot = HotBuffer(jnp.where(has[:, None], self.hot_pos[lease, group], -1),
+                        jnp.where(has[:, None], self.hot_last[lease, group], _NEVER),
+                        jnp.where(has[:, None], self.hot_rows[lease], -1))
+        plan, hot = resolve_reference(sel_RK, device_table_RM, self.host_table, block_size, hot, self.step)
+        # a row without a lease must never need one: its misses would have no slot to land in
+        rows = jnp.where(has[:, None] | (plan.copy_src < 0), plan.rows, -1)
+        back = jnp.where(has, lease, n_lease)  # rows without a lease write nothing back
+        return dataclasses.replace(
+            self,
+            hot_pos=self.hot_pos.at[back, group].set(hot.pos, mode="drop"),
+            hot_last=self.hot_last.at[back, group].set(hot.last_use, mode="drop"),
+            plan_rows=rows, plan_src=jnp.where(has[:, None], plan.copy_src, -1),
+            plan_dst=jnp.where(has[:, None], plan.copy_dst, -1),
+            hits=self.hits.at[:, group].set(plan.hits), misses=self.misses.at[:, group].set(plan.misses))
+
+    def copy_rows(self, layer_index: int, device_table):
+        """Apply the current plan's host->device copies to one layer's table (the one host->device path
+        of the decode step). -> (view with `copied` counted, new device table)."""
+        src, dst = self.plan_src.reshape(-1), self.plan_dst.reshape(-1)
+        host = self.host_mla[layer_index]
+        rows = take_host_rows(host, jnp.maximum(src, 0))
+        dst = jnp.where(src >= 0, dst, device_table.shape[0])  # no copy: dropped
+        table = device_table.at[dst].set(rows, mode="drop")
+        return dataclasses.replace(self, copied=self.copied + jnp.sum(self.plan_src >= 0, axis=1)), table
+
+
+@jax.jit
+def _take_host_rows(host_table, idx):
+    return take_host_rows(host_table, idx)
+
+
+def take_host_rows(host_table, idx):
+    """Rows `idx` (device int32 [N], in range) of a pinned_host table, gathered on the host and
+    delivered to device memory; usable inside jit. Only these N rows cross (the GPU check confirms)."""
+    return _gather_on_host(host_table, jax.device_put(idx, jax.memory.Space.Host))
+
+
+@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
+def _gather_on_host(table, idx):
+    return table.at[idx].get(mode="promise_in_bounds")
+
+
+@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+def _scatter_on_host(table, idx, rows):
+    return table.at[idx].set(rows, mode="drop")
+
+
+def put_host_rows(host_table, idx, rows):
+    """host_table[idx] = rows for a pinned_host table, rows from device memory (device->host path);
+    idx out of range (e.g. host_table.shape[0]) drops the row. Usable inside jit."""
+    return _scatter_on_host(host_table, jax.device_put(idx, jax.memory.Space.Host),
+                            jax.device_put(rows, jax.memory.Space.Host))

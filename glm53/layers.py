@@ -182,8 +182,8 @@ class MLAttention(nnx.Module):
         scale = cfg.softmax_scale
         if form == "mqa":
             q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk_RHN)
-            o_lat_BTHR, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, cache.mla_slots(self.layer, topk_BTK), scale,
-                                                  impl=impl)
+            rows, cache = cache.sparse_slots(self.layer, topk_BTK, full=self.indexer is not None)
+            o_lat_BTHR, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
             o_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR.astype(x_BTD.dtype), w_uv_RHV)
         elif form == "mha":
             lat_BWR, pe_BWP = cache.mla_rows(self.layer, window)

@@ -45,6 +45,11 @@ class KVCache(Protocol):
         """Slot addressing for sparse kernels: table row slots[b, t, k] holds position pos[b, t, k] of
         request b (-1 -> -1), in the cache's storage format with the unpack that reads it."""
 
+    def sparse_slots(self, layer: int, pos_BTK: jax.Array, full: bool) -> tuple[SlotRows, KVCache]:
+        """What sparse MLA reads for `layer` -> (rows, cache). A cache whose rows may live elsewhere
+        (HiSparse: the host pool) brings the selected ones in first; `full`: the layer computed the
+        selection itself (IndexShare's shared layers replay its plan). Plain caches: (mla_slots, self)."""
+
 
 def replace_layer_array(cache, group: str, layer: int, value):
     """A copy of a dataclass cache whose `group` ("mla" or "index") array of `layer` is `value` (the

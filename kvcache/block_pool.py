@@ -80,6 +80,9 @@ class BlockPool:
         self.block_key: list[tuple[str, BlockHash] | None] = [None] * num_blocks
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # front = next out
         self.cached: dict[tuple[str, BlockHash], int] = {}
+        # times each block was handed out by `allocate`: a holder that let a block go (HiSparse's unpinned
+        # pages) knows its rows are still there iff the count has not moved since
+        self.generation = [0] * num_blocks
         self.stats = PoolStats()
 
     @property
@@ -99,6 +102,7 @@ class BlockPool:
                 self.block_key[b] = None
                 self.stats.evicted += 1
             self.ref_count[b] = 1
+            self.generation[b] += 1
             out.append(b)
         self.stats.allocated += n
         return out
@@ -169,6 +173,9 @@ class RequestBlocks:
 class KVCacheManager:
     """Per-request block tables over one `BlockPool`, for the cache groups `groups`.
 
+    A table entry of -1 is a page the request holds no device block for (HiSparse released it, or it
+    lives only in the host pool); `free` and `check` skip such entries.
+
     `tokens_per_block` = block_size x DCP size: a block id names one page of `block_size` slots on each
     DCP rank. All groups of a request advance together: a request with n tokens holds
     ceil(n / tokens_per_block) blocks in every group.
@@ -184,6 +191,7 @@ class KVCacheManager:
         self.tokens_per_block = tokens_per_block
         self.groups = tuple(groups)
         self.requests: dict[str, RequestBlocks] = {}
+        self.leases: dict[str, list[int]] = {}  # per request: blocks held outside its tables (HiSparse hot buffer)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_block)
@@ -214,15 +222,16 @@ class KVCacheManager:
         return n
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
-        return self._missing(req_id, num_tokens) * len(self.groups) <= self.pool.num_free
+        return self.missing_blocks(req_id, num_tokens) * len(self.groups) <= self.pool.num_free
 
-    def _missing(self, req_id: str, num_tokens: int) -> int:
+    def missing_blocks(self, req_id: str, num_tokens: int) -> int:
+        """Blocks per group the request lacks to hold `num_tokens` tokens."""
         return max(0, self.blocks_needed(num_tokens) - len(self.requests[req_id].tables[self.groups[0]]))
 
     def allocate(self, req_id: str, num_tokens: int) -> None:
         """Grow the request's tables to cover `num_tokens` tokens in every group; all or nothing
         (raises NoFreeBlocks, leaving the pool unchanged)."""
-        missing = self._missing(req_id, num_tokens)
+        missing = self.missing_blocks(req_id, num_tokens)
         if missing == 0:
             return
         fresh = self.pool.allocate(missing * len(self.groups))
@@ -242,14 +251,38 @@ class KVCacheManager:
                                         extra_keys))
         for i in range(rb.num_cached_blocks, n_full):
             for g in self.groups:
-                self.pool.cache(g, rb.tables[g][i], rb.hashes[i])
+                if rb.tables[g][i] >= 0:  # a page held only on the host has no device block to index
+                    self.pool.cache(g, rb.tables[g][i], rb.hashes[i])
         rb.num_cached_blocks = max(rb.num_cached_blocks, n_full)
 
     def free(self, req_id: str) -> None:
         """Release every block of the request (tail blocks first into the free queue)."""
         rb = self.requests.pop(req_id)
         for g in self.groups:
-            self.pool.free(list(reversed(rb.tables[g])))
+            self.pool.free([b for b in reversed(rb.tables[g]) if b >= 0])
+        self.end_lease(req_id)
+
+    def lease(self, req_id: str, n: int) -> list[int]:
+        """n blocks for the request outside its tables (a hot buffer), held until `end_lease` / `free`."""
+        if req_id in self.leases:
+            raise ValueError(f"request {req_id!r} already holds a lease")
+        self.leases[req_id] = self.pool.allocate(n)
+        return self.leases[req_id]
+
+    def end_lease(self, req_id: str) -> None:
+        self.pool.free(self.leases.pop(req_id, []))
+
+    def release(self, req_id: str, group: str, page: int) -> int:
+        """Give one page's block back to the pool while the request keeps running (its table entry
+        becomes -1). -> the block id, whose rows stay readable until the pool hands it out again
+        (`pool.generation` tells)."""
+        table = self.requests[req_id].tables[group]
+        b = table[page]
+        if b < 0:
+            raise ValueError(f"request {req_id!r} holds no block for page {page} of group {group!r}")
+        table[page] = -1
+        self.pool.free([b])
+        return b
 
     def block_table(self, req_id: str, group: str) -> list[int]:
         return self.requests[req_id].tables[group]
@@ -267,5 +300,9 @@ class KVCacheManager:
             assert len(lens) == 1, "groups of one request hold different numbers of blocks"
             for t in rb.tables.values():
                 for b in t:
-                    holders[b] += 1
+                    if b >= 0:
+                        holders[b] += 1
+        for blocks in self.leases.values():
+            for b in blocks:
+                holders[b] += 1
         assert holders == self.pool.ref_count, "ref counts differ from the request tables (leak or double count)"

@@ -21,6 +21,7 @@ import numpy as np
 
 from attention.common import slot_mapping
 from attention.formats import IndexKeyFormat, MLARowFormat
+from attention.hisparse import HiSparseView
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 from kvcache.base import replace_layer_array
@@ -55,6 +56,8 @@ class PagedKVCache:
     block_size: int = dataclasses.field(metadata=dict(static=True))
     mla_format: MLARowFormat = dataclasses.field(metadata=dict(static=True))
     index_format: IndexKeyFormat = dataclasses.field(metadata=dict(static=True))
+    # HiSparse decode steps only: host pool, host page table and hot buffers (attention.hisparse)
+    hisparse: HiSparseView | None = None
 
     @classmethod
     def create(cls, cfg, num_blocks: int, block_size: int, block_table, *, kv_cache_dtype: str = "fp8_ds_mla",
@@ -140,3 +143,22 @@ class PagedKVCache:
 
     def mla_slots(self, layer, pos_BTK):
         return SlotRows(self.mla[self.mla_layers.index(layer)], self.slots(pos_BTK), self.mla_format)
+
+    def sparse_slots(self, layer, pos_BTK, full: bool):
+        """Where sparse MLA reads the selected positions [B, T, K] of `layer` -> (SlotRows, cache).
+
+        Without HiSparse (or for prefill chunks, whose pages the host side keeps on the device) this is
+        `mla_slots`. In a HiSparse decode step (T = 1) the block table holds -1 for host-only pages: a
+        full indexer layer (`full`) resolves its selection against residency and the hot buffers, and it
+        and the shared layers after it copy the plan's missing rows from their host tables into their
+        own device tables before reading (one row copy per miss per layer of the group)."""
+        hs = self.hisparse
+        if hs is None or pos_BTK.shape[1] != 1:
+            return self.mla_slots(layer, pos_BTK), self
+        i = self.mla_layers.index(layer)
+        if full:
+            group = sum(1 for f in self.index_layers if f <= layer) - 1
+            hs = hs.resolve(group, pos_BTK[:, 0], self.block_table, self.block_size)
+        hs, table = hs.copy_rows(i, self.mla[i])
+        cache = dataclasses.replace(self._replace("mla", layer, table), hisparse=hs)
+        return SlotRows(table, hs.plan_rows[:, None, :], self.mla_format), cache

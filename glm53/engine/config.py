@@ -18,7 +18,9 @@ class DeployConfig:
     num_gpu_blocks: blocks in the device pool shared by all cache groups (None: enough for
         max_num_seqs requests of max_model_len tokens, i.e. a pool that never runs out).
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
-        later), "offload" (move it to the host pool, bring it back), "hisparse" (not built yet).
+        later), "offload" (move it to the host pool, bring it back), "hisparse" (keep decoding with most
+        MLA KV in a host pool of hisparse_host_pool_bytes; rows the indexer selects come through a hot
+        buffer of hisparse_device_buffer_size rows per request, default 2 x top-k; kvcache.hisparse).
     """
 
     data_parallel_size: int = 1
@@ -73,8 +75,11 @@ class DeployConfig:
             if getattr(self, name) != 1:
                 raise NotImplementedError(f"DeployConfig.{name}={getattr(self, name)}: the engine runs on one device "
                                           "so far (parallel/ has the primitives; engine integration is issue 5)")
-        if self.kv_policy == "hisparse":
-            raise NotImplementedError("DeployConfig.kv_policy='hisparse' is not built yet; use 'preempt' or 'offload'")
+        if self.kv_policy == "hisparse" and self.hisparse_host_pool_bytes <= 0:
+            raise ValueError("DeployConfig.kv_policy='hisparse' needs hisparse_host_pool_bytes > 0 (the host pool "
+                             "for MLA pages; cpu_offload_bytes sizes the separate pool for idle indexer keys)")
+        if self.hisparse_device_buffer_size is not None:
+            positive("hisparse_device_buffer_size")
         if self.kv_policy == "offload" and self.cpu_offload_bytes <= 0:
             raise ValueError("DeployConfig.kv_policy='offload' needs cpu_offload_bytes > 0 (the host pool size)")
         if self.num_speculative_tokens:

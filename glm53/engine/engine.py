@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
@@ -13,6 +14,7 @@ from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
 from glm53.engine.scheduler import OffloadPolicy, Scheduler
 from glm53.model import GLM53, as_token_array
+from kvcache.hisparse import HiSparsePolicy
 
 GROUPS = ("mla", "indexer")
 
@@ -34,6 +36,13 @@ class Engine:
         policy = None
         if self.deploy.kv_policy == "offload":
             policy = OffloadPolicy(self.runner, self.deploy.cpu_offload_bytes, self.runner.bytes_per_block)
+        elif self.deploy.kv_policy == "hisparse":
+            r = self.runner
+            policy = HiSparsePolicy(r, host_mla_blocks=r.host_blocks["mla"], host_index_blocks=r.host_blocks["indexer"],
+                                    block_size=self.deploy.block_size, hot_rows=r.hot_rows,
+                                    max_leases=r.max_rows, num_device_blocks=num_blocks,
+                                    enable_prefix_caching=self.deploy.enable_prefix_caching,
+                                    page_bytes={g: r.page_bytes(g) for g in GROUPS})
         self.scheduler = Scheduler(self.deploy, num_blocks, GROUPS, policy=policy)
         self.clock = clock or WallClock()
         self.requests: dict[str, Request] = {}
@@ -71,7 +80,7 @@ class Engine:
         chunks = self.scheduler.schedule()
         sch = self.scheduler
         self.timeline.append((self.clock.now(), len(sch.running), len(sch.waiting), sch.kv.num_free_blocks))
-        tables = {g: [self.scheduler.kv.block_table(ch.request.req_id, g) for ch in chunks] for g in GROUPS}
+        tables = sch.policy.block_tables(sch, chunks)
         sampled = self.runner.execute(chunks, tables)
         finished = self.scheduler.update(chunks, sampled, self.clock.now())
         for req in finished:
@@ -90,6 +99,7 @@ class Engine:
         duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
         out = summarize(outs, duration_s=duration, scheduler_stats=self.scheduler.stats,
                         transfers=getattr(self.runner, "transfers", None), running_per_step=self.running_per_step)
+        out.update(self._policy_metrics())
         rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
         out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
                            "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
@@ -110,6 +120,24 @@ class Engine:
         tr = getattr(self.runner, "transfers", None)
         if tr is not None:
             out.update(d2h_bytes=tr.d2h_bytes, h2d_bytes=tr.h2d_bytes)
+        out.update(self._policy_metrics())
+        return out
+
+    def _policy_metrics(self) -> dict:
+        """HiSparse figures (empty for other policies): hot-buffer hits and misses (summed over IndexShare
+        groups), rows copied host->device by decode steps (all layers), host pool bytes in use now and at
+        peak, mean requests per step in each residency state, and the page counters."""
+        pol = self.scheduler.policy
+        if not isinstance(pol, HiSparsePolicy):
+            return {}
+        rs, st = self.runner.resolve_stats, pol.stats
+        steps = max(1, self.scheduler.stats.steps)
+        looked_up = rs.hot_hits + rs.hot_misses
+        out = {"hot_hits": rs.hot_hits, "hot_misses": rs.hot_misses,
+               "hot_hit_rate": rs.hot_hits / looked_up if looked_up else float("nan"), "hisparse_h2d_rows": rs.h2d_rows,
+               "host_pool_bytes_used": pol.host_bytes_used(), "host_pool_bytes_peak": pol.host_bytes_peak}
+        out.update({f"residency_{k}_requests_mean": v / steps for k, v in st.residency_steps.items()})
+        out.update({k: v for k, v in dataclasses.asdict(st).items() if k != "residency_steps"})
         return out
 
     def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,

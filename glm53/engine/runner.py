@@ -24,6 +24,7 @@ import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 
+from attention.hisparse import HiSparseView, put_host_rows, take_host_rows
 from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig
 from glm53.engine.scheduler import ScheduledChunk
@@ -124,6 +125,18 @@ class TransferStats:
         return (self.d2h_bytes + self.h2d_bytes) / self.link_bytes_per_s
 
 
+@dataclasses.dataclass
+class ResolveStats:
+    """What HiSparse decode steps' resolvers did. hot_hits / hot_misses: selected rows found in / copied
+    into a hot buffer, summed over IndexShare groups; h2d_rows: rows copied host -> device, all layers.
+    log: None, or per decode group step (req_ids, hits [n, G], misses [n, G], copied [n]) for tests."""
+
+    hot_hits: int = 0
+    hot_misses: int = 0
+    h2d_rows: int = 0
+    log: list | None = None
+
+
 @dataclasses.dataclass(frozen=True)
 class HostKV:
     """A request's KV blocks in host memory (pinned_host): per group, per layer, rows [blocks * B, width]."""
@@ -135,6 +148,32 @@ class HostKV:
 @jax.jit
 def _gather_rows(arr, slots):
     return arr[slots]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _pages_d2h(host_tables, dev_tables, src_slots, dst_slots):
+    """host[dst] = device[src] for each layer's table pair (slots -1: padding, dropped)."""
+    out = []
+    for host, dev in zip(host_tables, dev_tables):
+        rows = dev.at[jnp.maximum(src_slots, 0)].get(mode="promise_in_bounds")
+        out.append(put_host_rows(host, jnp.where(src_slots >= 0, dst_slots, host.shape[0]), rows))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _pages_h2d(dev_tables, host_tables, src_slots, dst_slots):
+    """device[dst] = host[src] for each layer's table pair (slots -1: padding, dropped)."""
+    out = []
+    for dev, host in zip(dev_tables, host_tables):
+        rows = take_host_rows(host, jnp.maximum(src_slots, 0))
+        out.append(dev.at[jnp.where(src_slots >= 0, dst_slots, dev.shape[0])].set(rows, mode="drop"))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
+    return (hot_pos.at[lease].set(-1), hot_last.at[lease].set(jnp.iinfo(jnp.int32).min),
+            hot_rows.at[lease].set(rows_H))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -165,6 +204,88 @@ class ModelRunner:
         dev = jax.devices()[0]
         self._host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+        self.hisparse = deploy.kv_policy == "hisparse"
+        if self.hisparse:
+            self._init_hisparse()
+
+    # ------------------------------------------------------------------------------ HiSparse support
+    def page_bytes(self, group: str) -> int:
+        """Bytes of one page (block_size rows) of a cache group over all its layers."""
+        return sum(a.shape[1] * a.dtype.itemsize for a in self._group_arrays(group)) * self.deploy.block_size
+
+    def _init_hisparse(self):
+        d, cfg = self.deploy, self.model.cfg
+        self.hot_rows = d.hisparse_device_buffer_size or 2 * cfg.index_topk
+        if self.hot_rows < cfg.index_topk:
+            raise ValueError(f"DeployConfig.hisparse_device_buffer_size={self.hot_rows} is below the model's top-k "
+                             f"({cfg.index_topk}): a step's misses would not fit the hot buffer")
+        self.host_blocks = {"mla": d.hisparse_host_pool_bytes // self.page_bytes("mla"),
+                            "indexer": d.cpu_offload_bytes // self.page_bytes("indexer")}
+        if self.host_blocks["mla"] < 1:
+            raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={d.hisparse_host_pool_bytes} holds no MLA page "
+                             f"({self.page_bytes('mla')} bytes)")
+        b = d.block_size
+        self.host_tables = {g: tuple(jax.device_put(jnp.zeros((max(n, 1) * b, a.shape[1]), a.dtype), self._host)
+                                     for a in self._group_arrays(g)) for g, n in self.host_blocks.items()}
+        groups = len(self.cache.index)
+        self.hot_state = (jnp.full((self.max_rows, groups, self.hot_rows), -1, jnp.int32),
+                          jnp.full((self.max_rows, groups, self.hot_rows), jnp.iinfo(jnp.int32).min, jnp.int32),
+                          jnp.full((self.max_rows, self.hot_rows), -1, jnp.int32))
+        self.lru_step = 0
+        self.resolve_stats = ResolveStats()
+
+    def _set_group_arrays(self, group: str, arrays) -> None:
+        self.cache = dataclasses.replace(self.cache, **{"mla" if group == "mla" else "index": tuple(arrays)})
+
+    def copy_pages(self, group: str, direction: str, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        """Whole pages between the device pool and the HiSparse host pools, every layer of `group` in one
+        call ("d2h": device src -> host dst; "h2d": host src -> device dst). Pads to a power-of-two page
+        count (fewer programs); counts the real bytes."""
+        n = len(src_blocks)
+        if n == 0:
+            return
+        width = _pow2_at_least(n)
+        src = np.full(width, -1, np.int32)
+        dst = np.full(width, -1, np.int32)
+        src[:n], dst[:n] = src_blocks, dst_blocks
+        b = self.deploy.block_size
+        rows = lambda blk: np.where(blk[:, None] >= 0, blk[:, None] * b + np.arange(b), -1).reshape(-1)  # noqa: E731
+        src_s, dst_s = jnp.asarray(rows(src), jnp.int32), jnp.asarray(rows(dst), jnp.int32)
+        nbytes = n * self.page_bytes(group)
+        if direction == "d2h":
+            self.host_tables[group] = _pages_d2h(self.host_tables[group], self._group_arrays(group), src_s, dst_s)
+            self.transfers.d2h_bytes += nbytes
+        elif direction == "h2d":
+            self._set_group_arrays(group, _pages_h2d(self._group_arrays(group), self.host_tables[group], src_s, dst_s))
+            self.transfers.h2d_bytes += nbytes
+        else:
+            raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
+
+    def reset_lease(self, lease: int, blocks: list[int]) -> None:
+        b = self.deploy.block_size
+        rows = (np.asarray(blocks, np.int32)[:, None] * b + np.arange(b, dtype=np.int32)).reshape(-1)[: self.hot_rows]
+        self.hot_state = _reset_lease(*self.hot_state, lease, jnp.asarray(rows))
+
+    def _count_resolve(self, req_ids: list[str]) -> None:
+        hs, n = self._last_resolve, len(req_ids)
+        hits, misses, copied = (np.asarray(x)[:n] for x in (hs.hits, hs.misses, hs.copied))
+        st = self.resolve_stats
+        st.hot_hits += int(hits.sum())
+        st.hot_misses += int(misses.sum())
+        st.h2d_rows += int(copied.sum())
+        self.transfers.h2d_bytes += int(copied.sum()) * self.cache.mla[0].shape[1] * self.cache.mla[0].dtype.itemsize
+        if st.log is not None:
+            st.log.append((req_ids, hits, misses, copied))
+
+    def _hisparse_view(self, rows: int, info: dict) -> HiSparseView:
+        host = np.full((rows, self.deploy.max_blocks_per_seq), -1, np.int32)
+        for i, t in enumerate(info["host"]):
+            host[i, : len(t)] = t
+        lease = np.full(rows, -1, np.int32)
+        lease[: len(info["lease"])] = info["lease"]
+        self.lru_step += 1
+        return HiSparseView.create(self.host_tables["mla"], host, lease, *self.hot_state, self.lru_step,
+                                   self.model.cfg.index_topk)
 
     @property
     def bytes_per_block(self) -> int:
@@ -237,12 +358,21 @@ class ModelRunner:
             _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
         return len(shapes)
 
-    def _forward(self, tok, pos, table_mla, table_index, window) -> jax.Array:
+    def _forward(self, tok, pos, table_mla, table_index, window, hisparse: HiSparseView | None = None) -> jax.Array:
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
-        cache = self.cache.with_block_table(table_mla, table_index)
+        cache = dataclasses.replace(self.cache.with_block_table(table_mla, table_index), hisparse=hisparse)
         form = "mha" if tok.shape[1] > 1 and window <= self.prefill_dense_max_window else self.form
-        hidden, self.cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                               form=form, impl=self.deploy.attention_impl)
+        if hisparse is not None:
+            form = "mqa"  # host-only pages are reachable only through the resolver's selected rows
+        hidden, cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
+                                          form=form, impl=self.deploy.attention_impl)
+        if cache.hisparse is not None:
+            hs = cache.hisparse
+            self.host_tables["mla"] = hs.host_mla
+            self.hot_state = (hs.hot_pos, hs.hot_last, hs.hot_rows)
+            self._last_resolve = hs
+            cache = dataclasses.replace(cache, hisparse=None)
+        self.cache = cache
         return hidden
 
     def _last_logits(self, state, hidden_RTD, last_R):
@@ -256,12 +386,14 @@ class ModelRunner:
         for i, ch in enumerate(chunks):
             groups.setdefault(self._width(ch.num_tokens), []).append(i)
         out = {}
+        hs = block_tables.get("hisparse")
         for width, idx in groups.items():
+            info = None if hs is None or width > 1 else {k: [v[i] for i in idx] for k, v in hs.items()}
             out.update(self._run_group([chunks[i] for i in idx], [block_tables["mla"][i] for i in idx],
-                                       [block_tables["indexer"][i] for i in idx], width))
+                                       [block_tables["indexer"][i] for i in idx], width, info))
         return out
 
-    def _run_group(self, chunks, tables_mla, tables_index, width) -> dict[str, int]:
+    def _run_group(self, chunks, tables_mla, tables_index, width, hisparse=None) -> dict[str, int]:
         rows = _pow2_at_least(len(chunks))
         tok = np.zeros((rows, width), np.int32)
         pos = np.full((rows, width), -1, np.int32)
@@ -271,7 +403,10 @@ class ModelRunner:
             pos[i, : ch.num_tokens] = np.arange(ch.start, ch.start + ch.num_tokens)
             last[i] = ch.num_tokens - 1
         window = window_bucket(int(pos.max()) + 1, self.cache.capacity)
-        hidden = self._forward(tok, pos, self._table(rows, tables_mla), self._table(rows, tables_index), window)
+        view = None if hisparse is None else self._hisparse_view(rows, hisparse)
+        hidden = self._forward(tok, pos, self._table(rows, tables_mla), self._table(rows, tables_index), window, view)
+        if view is not None:
+            self._count_resolve([ch.request.req_id for ch in chunks])
         need = [i for i, ch in enumerate(chunks) if ch.start + ch.num_tokens == ch.request.num_tokens]
         if not need:
             return {}

@@ -17,7 +17,8 @@ cache, and it finishes at `max_new_tokens`.
 Policies (`KVPolicy`): `PreemptPolicy` drops the victim's KV (its blocks go back to the pool, still
 prefix-cached until reused) and re-queues it to be recomputed. `OffloadPolicy` copies the victim's
 computed KV to a host pool first and copies all of it back before the request runs again (falling back
-to preemption when the host pool is full). HiSparse will plug in here with the same interface.
+to preemption when the host pool is full). `kvcache.hisparse.HiSparsePolicy` keeps running requests
+decoding with most of their MLA KV in a host pool.
 """
 
 from __future__ import annotations
@@ -51,6 +52,27 @@ class ScheduledChunk:
 
 
 class KVPolicy(Protocol):
+    """What happens to KV when the pool runs out. The scheduler calls, per request: `admit` (take a
+    cached prefix), `extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and
+    what to do with them once allocated), `make_room` (free blocks without evicting anyone), `evict`,
+    `on_finish`; per step: `block_tables` (what the runner reads) and `after_step`. `PreemptPolicy`
+    gives the plain behaviour of each; kvcache.hisparse overrides most."""
+
+    def admit(self, scheduler: Scheduler, req: Request) -> int:
+        """Start tracking a newly admitted request; -> prompt tokens whose KV is already available."""
+
+    def forget(self, scheduler: Scheduler, req: Request) -> None:
+        """Undo `admit` (the request did not fit after all)."""
+
+    def extra_blocks(self, scheduler: Scheduler, req: Request, num_tokens: int) -> int:
+        """Device blocks a chunk of `num_tokens` needs beyond the pages of its new tokens."""
+
+    def prepare(self, scheduler: Scheduler, req: Request, num_tokens: int) -> None:
+        """Called once the chunk's blocks are allocated (and `extra_blocks` are free)."""
+
+    def make_room(self, scheduler: Scheduler, free_blocks: int) -> bool:
+        """Try to reach `free_blocks` free blocks without evicting a request; -> whether anything was freed."""
+
     def evict(self, scheduler: Scheduler, victim: Request) -> None:
         """Make `victim` give up its device blocks (and set its num_computed_tokens to what survives); it
         must be runnable again later."""
@@ -60,6 +82,16 @@ class KVPolicy(Protocol):
 
     def restore(self, scheduler: Scheduler, req: Request) -> None:
         """Copy the saved KV into the request's newly allocated blocks."""
+
+    def on_finish(self, scheduler: Scheduler, req: Request) -> None:
+        """The request finished; its device blocks are freed right after."""
+
+    def block_tables(self, scheduler: Scheduler, chunks: list[ScheduledChunk]) -> dict:
+        """What the runner reads this step: per cache group, the chunks' block tables (and anything else
+        the policy's runner support needs)."""
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        """After the step's KV is written and the scheduler has advanced."""
 
 
 class KVMover(Protocol):
@@ -72,6 +104,30 @@ class KVMover(Protocol):
 
 class PreemptPolicy:
     """Drop the victim's KV and recompute it when it runs again (vLLM's recompute preemption)."""
+
+    def admit(self, scheduler: Scheduler, req: Request) -> int:
+        return scheduler.kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
+
+    def forget(self, scheduler: Scheduler, req: Request) -> None:
+        pass
+
+    def extra_blocks(self, scheduler: Scheduler, req: Request, num_tokens: int) -> int:
+        return 0
+
+    def prepare(self, scheduler: Scheduler, req: Request, num_tokens: int) -> None:
+        pass
+
+    def make_room(self, scheduler: Scheduler, free_blocks: int) -> bool:
+        return False
+
+    def on_finish(self, scheduler: Scheduler, req: Request) -> None:
+        pass
+
+    def block_tables(self, scheduler: Scheduler, chunks: list[ScheduledChunk]) -> dict:
+        return {g: [scheduler.kv.block_table(ch.request.req_id, g) for ch in chunks] for g in scheduler.kv.groups}
+
+    def after_step(self, scheduler: Scheduler) -> None:
+        pass
 
     def evict(self, scheduler: Scheduler, victim: Request) -> None:
         scheduler.kv.free(victim.req_id)
@@ -161,7 +217,9 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # evicted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+            while not self._fits(req, n):
+                if self.policy.make_room(self, self._need(req, n)):
+                    continue
                 victim = self.running[-1]
                 self._evict(victim)
                 evicted = True
@@ -170,6 +228,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             self.kv.allocate(req.req_id, req.num_computed_tokens + n)
+            self.policy.prepare(self, req, n)
             out.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         while not evicted and budget > 0 and self.waiting and len(self.running) < self.deploy.max_num_seqs:
@@ -179,9 +238,12 @@ class Scheduler:
                 self.kv.admit(req.req_id, req.all_token_ids, req.extra_keys, use_prefix_cache=False)
                 req.num_computed_tokens = saved
             else:
-                req.num_computed_tokens = self.kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
+                req.num_computed_tokens = self.policy.admit(self, req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.can_allocate(req.req_id, req.num_computed_tokens + n):
+            while not self._fits(req, n) and self.policy.make_room(self, self._need(req, n)):
+                pass
+            if not self._fits(req, n):
+                self.policy.forget(self, req)
                 self.kv.free(req.req_id)  # give back the prefix hit; admit again when there is room
                 req.num_computed_tokens = 0
                 break
@@ -191,12 +253,21 @@ class Scheduler:
                 self.policy.restore(self, req)
             else:
                 self._count_admission(req)
+            self.policy.prepare(self, req, n)
             req.status = Status.RUNNING
             self.running.append(req)
             out.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         self.stats.steps += 1
         return out
+
+    def _need(self, req: Request, n: int) -> int:
+        """Free blocks a chunk of n tokens of `req` needs."""
+        missing = self.kv.missing_blocks(req.req_id, req.num_computed_tokens + n)
+        return missing * len(self.kv.groups) + self.policy.extra_blocks(self, req, n)
+
+    def _fits(self, req: Request, n: int) -> bool:
+        return self._need(req, n) <= self.kv.num_free_blocks
 
     def _count_admission(self, req: Request) -> None:
         lost = self.lost_tokens.pop(req.req_id, None)
@@ -225,7 +296,9 @@ class Scheduler:
             if req.done:
                 req.status = Status.FINISHED
                 req.finish_s = now_s
+                self.policy.on_finish(self, req)
                 self.kv.free(req.req_id)
                 self.running.remove(req)
                 finished.append(req)
+        self.policy.after_step(self)
         return finished

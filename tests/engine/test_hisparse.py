@@ -1,0 +1,146 @@
+"""HiSparse end to end on the tiny model (full and shared indexer layers): a pool so small that requests
+decode in mixed residency, and second turns that start on prefixes held only by the host pool (no
+residency, staging), must give the greedy tokens of full residency; the resolver's copies are counted.
+Plus the residency policy's page rules, driven without a model."""
+
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import DeployConfig, Engine
+from glm53.engine.request import Request, SamplingParams
+from glm53.engine.scheduler import ScheduledChunk, Scheduler
+from kvcache.hisparse import TAIL_PAGES, HiSparsePolicy
+
+BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
+HISPARSE = dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24)
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def two_turns(tiny_model):
+    """Turn 1: four prompts; turn 2: each conversation so far, continued. Conversations 0 and 2 end on
+    a page boundary (prompt + outputs - 1 = 80 / 88 computed tokens), and their second turn continues
+    generating with no new tokens: the one token left to compute decodes straight on the host-only
+    prefix (no residency). 1 and 3 append five new tokens: a multi-token chunk over the host-only
+    prefix (staged prefill)."""
+    rng = np.random.default_rng(1)
+    first = [rng.integers(0, 512, n) for n in (71, 55, 79, 45)]
+    ref1 = [glm53.generate(tiny_model, p, NEW).token_ids for p in first]
+    second = [np.concatenate([p, out] + ([] if i % 2 == 0 else [rng.integers(0, 512, 5)]))
+              for i, (p, out) in enumerate(zip(first, ref1))]
+    ref2 = [glm53.generate(tiny_model, p, NEW).token_ids.tolist() for p in second]
+    return first, [r.tolist() for r in ref1], second, ref2
+
+
+def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns):
+    first, ref1, second, ref2 = two_turns
+    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=48))
+    eng.runner.resolve_stats.log = []
+    assert [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=NEW)] == ref1
+    # between turns other sessions reuse the device pool; dropping its prefix cache does the same here,
+    # so turn 2 finds its prefixes only in the host pools
+    eng.scheduler.kv.pool.reset_prefix_cache()
+    assert [o.token_ids.tolist() for o in eng.generate(second, max_new_tokens=NEW)] == ref2
+    pol, res = eng.scheduler.policy, eng.runner.resolve_stats
+    st = pol.stats
+    assert st.residency_steps["mixed"] > 0 and st.residency_steps["none"] > 0
+    assert st.released_pages > 0 and st.lost_pages > 0  # released pages whose blocks were reused
+    assert st.host_prefix_pages > 0 and st.staged_pages > 0 and st.restored_index_pages > 0
+    assert res.hot_hits > 0 and res.hot_misses > 0
+    # rows copied per request per step = sum over IndexShare groups of misses x layers of the group
+    cfg = tiny_model.cfg
+    full = [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
+    layers_per_group = np.diff(full + [cfg.num_hidden_layers])
+    assert layers_per_group.tolist() == [1, 1, 4, 2]  # shared layers are exercised
+    for _, hits, misses, copied in res.log:
+        assert (misses <= cfg.index_topk).all() and (hits + misses <= cfg.index_topk).all()
+        np.testing.assert_array_equal(copied, misses @ layers_per_group)
+    assert res.h2d_rows == sum(int(c.sum()) for *_, c in res.log)
+    # everything returns: no request state, no lease, device pool and host pool consistent
+    eng.scheduler.kv.check()
+    pol.host_mla.check()
+    assert not pol.state and not eng.scheduler.kv.leases and len(pol.free_leases) == eng.runner.max_rows
+    m = eng.metrics()
+    assert m["hot_hits"] == res.hot_hits and m["hot_misses"] == res.hot_misses and m["h2d_bytes"] > 0
+
+
+def test_room_in_the_pool_means_no_host_to_device_copies(tiny_model, two_turns):
+    first, ref1, _, _ = two_turns
+    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE))
+    assert [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=NEW)] == ref1
+    st = eng.scheduler.policy.stats
+    assert st.precopied_pages > 0  # sealed pages still go to the host (pre-copy)
+    assert st.released_pages == 0 and st.leases == 0 and eng.runner.transfers.h2d_bytes == 0
+    assert eng.runner.resolve_stats.hot_misses == 0 and st.residency_steps["mixed"] == 0
+
+
+# --------------------------------------------------------------------------- the policy without a model
+class FakeMover:
+    def __init__(self):
+        self.copies = []
+        self.leases = {}
+
+    def copy_pages(self, group, direction, src, dst):
+        self.copies.append((group, direction, list(src), list(dst)))
+
+    def reset_lease(self, lease, blocks):
+        self.leases[lease] = list(blocks)
+
+
+def _scheduler(num_blocks=40, seqs=2):
+    deploy = DeployConfig(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=seqs, block_size=4,
+                          num_gpu_blocks=num_blocks, kv_policy="hisparse", hisparse_host_pool_bytes=1)
+    mover = FakeMover()
+    pol = HiSparsePolicy(mover, host_mla_blocks=64, host_index_blocks=64, block_size=4, hot_rows=8,
+                         max_leases=seqs, num_device_blocks=num_blocks)
+    return Scheduler(deploy, num_blocks, policy=pol), pol, mover
+
+
+def _run(sch, steps, token=7):
+    for _ in range(steps):
+        chunks = sch.schedule()
+        sch.policy.block_tables(sch, chunks)
+        sch.update(chunks, {ch.request.req_id: token for ch in chunks
+                            if ch.start + ch.num_tokens == ch.request.num_tokens}, 0.0)
+
+
+def test_pages_are_precopied_once_and_released_only_under_pressure():
+    sch, pol, mover = _scheduler()
+    a = Request("a", np.arange(30, dtype=np.int32), SamplingParams(max_new_tokens=20))
+    sch.add(a)
+    _run(sch, 3)
+    # prefill of 30 tokens sealed 7 pages of 4: one batched d2h copy of exactly those
+    d2h = [c for c in mover.copies if c[1] == "d2h"]
+    assert d2h[0][0] == "mla" and d2h[0][2] == sch.kv.block_table("a", "mla")[:7]
+    assert pol.stats.precopied_pages == (a.num_computed_tokens // 4) and pol.stats.released_pages == 0
+    # pressure: a second request needs most of the pool; a's clean pages go, oldest first, not its tail
+    b = Request("b", np.arange(100, 140, dtype=np.int32), SamplingParams(max_new_tokens=2))
+    sch.add(b)
+    _run(sch, 1)
+    table = sch.kv.block_table("a", "mla")
+    released = [p for p, blk in enumerate(table) if blk < 0]
+    assert released and released == list(range(len(released)))  # oldest pages
+    assert all(blk >= 0 for blk in table[-TAIL_PAGES:])
+    assert pol.state["a"].lease >= 0 and len(sch.kv.leases["a"]) == pol.lease_blocks  # hot buffer leased
+    assert sch.stats.preemptions == 0
+    sch.kv.check()
+
+
+def test_reused_block_makes_the_page_host_only():
+    sch, pol, _ = _scheduler()
+    a = Request("a", np.arange(30, dtype=np.int32), SamplingParams(max_new_tokens=20))
+    sch.add(a)
+    _run(sch, 2)
+    st = pol.state["a"]
+    assert pol.make_room(sch, sch.kv.num_free_blocks + 1)
+    (page, (blk, _)), *_ = st.unpinned.items()
+    decode = [ScheduledChunk(a, a.num_computed_tokens, 1)]
+    assert pol.block_tables(sch, decode)["mla"][0][page] == blk  # unpinned but intact: still read in place
+    # hand every free block out once: the released page's block is reused by someone else
+    sch.kv.pool.free(sch.kv.pool.allocate(sch.kv.num_free_blocks))
+    lost = pol.stats.lost_pages
+    tables = pol.block_tables(sch, decode)
+    assert tables["mla"][0][page] == -1 and page not in st.unpinned and pol.stats.lost_pages > lost
+    assert tables["hisparse"]["host"][0][page] >= 0  # served from the host copy from now on
+    assert tables["hisparse"]["lease"][0] == st.lease >= 0  # through the hot buffer
