@@ -13,7 +13,8 @@ step and per IndexShare group (the full layer resolves, its shared layers replay
 Everything is jnp over fixed shapes, so the resolver runs inside the jitted decode step with no host
 decision. Because H >= K (top-k) and the K selected positions are distinct, a step's misses always find
 free slots, and a miss never evicts a row hit or filled in the same step. BRIEF §6 recommends H = 2K
-(with exactly K slots the LRU has no slack and thrashes).
+(with exactly K slots the LRU has no slack and thrashes). `resolve_reference` is the specification;
+`resolve_pallas` computes the same plan in a Pallas kernel without a sort; `resolve(..., impl=)` picks.
 
 The copy itself (`copy_host_rows`) is the one host->device path of HiSparse: it takes the plan's
 (source host row, destination device row) pairs and moves only those rows; `ResolvePlan.copied_rows`
@@ -28,9 +29,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.compute_on import compute_on
 
+from attention.common import pad_to, pallas_interpret, resolve_impl
+
 _NEVER = jnp.iinfo(jnp.int32).min  # last_use of an empty slot: older than any step
+_LAST = jnp.iinfo(jnp.int32).max  # LRU key of a slot a miss may not take (hit this step, or padding)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["pos", "last_use", "rows"], meta_fields=[])
@@ -121,6 +126,179 @@ def resolve_reference(sel_BK, device_pages_BM, host_pages_BM, block_size: int, h
     return ResolvePlan(rows, src, dst, hits, misses, resident, lost), HotBuffer(hpos, hlast, hot.rows)
 
 
+def resolve(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuffer, step, *, impl: str = "auto"):
+    """The resolver op: `resolve_reference` or `resolve_pallas` (same result) per
+    `attention.common.resolve_impl`; "auto" runs the reference until the Pallas kernels are verified on
+    a GPU."""
+    if resolve_impl(impl) == "pallas":
+        return resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size, hot, step)
+    return resolve_reference(sel_BK, device_pages_BM, host_pages_BM, block_size, hot, step)
+
+
+# ------------------------------------------------------------------------------------------ Pallas kernel
+TILE_ELEMS = 1 << 16  # largest pairwise tile a program builds ([chunk, H] values)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuffer, step, *,
+                   interpret: bool | None = None, chunk: int | None = None):
+    """Pallas kernel for `resolve_reference`: same inputs, same (ResolvePlan, HotBuffer), bit for bit.
+
+    Grid (request,): one program resolves one request's K selections against its H hot slots. There is
+    no sort in a kernel, so the LRU order is computed by counting:
+    - hit: a needed selection k hits the first slot whose position equals it ([K, H] comparison);
+    - miss number: n_k = misses at k' < k (a [K, K] strictly-lower-triangular count);
+    - LRU rank of a slot: the number of slots with a smaller (key, slot index), key = last_use, or
+      int32 max for a slot hit this step ([H, H] comparison). Ranks are a permutation of 0..H-1 in the
+      stable-argsort order of the reference, so "the miss numbered n takes the slot of rank n" (clipped
+      to H - 1 as the reference does) is a one-hot [K, H] comparison, and reads, copies and the new
+      positions / last uses are sums and maxima over that one-hot.
+    The pairwise comparisons are built `chunk` rows or columns at a time (fori_loops over slot chunks
+    and selection chunks), so no tile exceeds chunk x max(K, H) elements; each pass only reads the input
+    refs and writes disjoint output blocks, never reading back what it wrote. The residency of each
+    selection is a gather from the page tables by page index (page clamped to M - 1 like the reference's
+    jnp gather; selections must lie below M x block_size).
+
+    Backend: written for the Triton lowering (jax's default GPU backend for pallas_call), which needs
+    every block and every in-kernel array to have power-of-two sides and at most 2^20 elements. So K and
+    H are padded here to powers of two and the tiles are chunk x max(K, H) with chunk a power of two
+    (default: the largest with at most TILE_ELEMS elements; GLM-5.3's K = 2048, H = 4096 gives 16).
+    The padding changes nothing: padded selections are -1 (not valid: never counted, matched or
+    copied; their outputs are sliced off); padded slots hold position -1 (a valid selection is >= 0, so
+    never a hit) and get the key int32 max with an index above every real slot, so each real slot's
+    rank is unchanged and the largest rank a miss can take (H - 1) is a real slot's. The page tables
+    are read whole (gathers, no block), so M needs no padding. Tested in interpret mode only; GPU
+    lowering not yet verified (no GPU in the sessions so far).
+    """
+    sel = jnp.asarray(sel_BK, jnp.int32)
+    dev = jnp.asarray(device_pages_BM, jnp.int32)
+    host = jnp.asarray(host_pages_BM, jnp.int32)
+    if sel.ndim != 2 or sel.shape[1] < 1:
+        raise ValueError(f"sel must be [B, K] with K >= 1, got shape {sel.shape}")
+    b, k = sel.shape
+    if dev.ndim != 2 or dev.shape != host.shape or dev.shape[0] != b or dev.shape[1] < 1:
+        raise ValueError(f"device/host page tables must both be [B={b}, M >= 1], got {dev.shape} / {host.shape}")
+    m = dev.shape[1]
+    h = hot.pos.shape[-1]
+    if any(x.shape != (b, h) for x in (hot.pos, hot.last_use, hot.rows)):
+        raise ValueError(f"hot buffer fields must be [B={b}, H], got {hot.pos.shape}, {hot.last_use.shape}, "
+                         f"{hot.rows.shape}")
+    if h < k:
+        raise ValueError(f"the hot buffer needs at least top-k = {k} slots per request, got {h}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    kp, hp = _pow2_at_least(k), _pow2_at_least(h)
+    ch = chunk or min(kp, max(1, TILE_ELEMS // hp))
+    if ch & (ch - 1) or ch > kp:
+        raise ValueError(f"chunk must be a power of two <= {kp} (K padded), got {ch}")
+    sel = pad_to(sel, 1, kp, value=-1)
+    pos = pad_to(jnp.asarray(hot.pos, jnp.int32), 1, hp, value=-1)
+    last = pad_to(jnp.asarray(hot.last_use, jnp.int32), 1, hp, value=_LAST)
+    hrows = pad_to(jnp.asarray(hot.rows, jnp.int32), 1, hp, value=-1)
+    step = jnp.asarray(step, jnp.int32).reshape(1)
+    i32 = jnp.int32
+
+    def iota(n, start=0):
+        return start + jax.lax.broadcasted_iota(i32, (n,), 0)
+
+    def kernel(sel_ref, dev_ref, host_ref, pos_ref, last_ref, hrows_ref, step_ref,
+               rows_ref, src_ref, dst_ref, cnt_ref, npos_ref, nlast_ref):
+        i = pl.program_id(0)
+
+        def lookup(s):
+            """Selections -> (offset in page, device block, host block, resident, needs a hot slot)."""
+            valid = s >= 0
+            s0 = jnp.where(valid, s, 0)
+            page = jnp.minimum(s0 // block_size, m - 1)
+            dev_blk, host_blk = dev_ref[i, page], host_ref[i, page]
+            resident = valid & (dev_blk >= 0)
+            return s0 % block_size, dev_blk, host_blk, resident, valid & ~resident
+
+        sel_K = sel_ref[0, :]
+        kidx_K = iota(kp)
+        off_K, dev_K, host_K, res_K, need_K = lookup(sel_K)
+
+        def match(s_X, need_X, pos_Y):  # [X, Y]: needed selection x is held by slot y
+            return (pos_Y[None, :] == s_X[:, None]) & need_X[:, None]
+
+        # pass 1, slot chunks: the first slot holding each needed selection (hp: none)
+        def first_slot(c, first_K):
+            idx_C = iota(ch, c * ch)
+            m_KC = match(sel_K, need_K, pos_ref[0, pl.ds(c * ch, ch)])
+            return jnp.minimum(first_K, jnp.min(jnp.where(m_KC, idx_C[None, :], hp), axis=1))
+
+        first_K = jax.lax.fori_loop(0, hp // ch, first_slot, jnp.full((kp,), hp, i32))
+        hit_K = first_K < hp
+        lost_K = need_K & ~hit_K & (host_K < 0)
+        miss_K = need_K & ~hit_K & ~lost_K
+
+        # pass 2, selection chunks: the slots hit this step, and how many misses precede each selection
+        pos_H = pos_ref[0, :]
+
+        def hits_and_counts(j, carry):
+            hit_H, missno_K = carry
+            s_C = sel_ref[0, pl.ds(j * ch, ch)]
+            _, _, host_C, _, need_C = lookup(s_C)
+            m_CH = match(s_C, need_C, pos_H).astype(i32)
+            hit_H = jnp.maximum(hit_H, jnp.max(m_CH, axis=0))
+            miss_C = need_C & (jnp.max(m_CH, axis=1) == 0) & (host_C >= 0)
+            before_KC = (iota(ch, j * ch)[None, :] < kidx_K[:, None]) & miss_C[None, :]
+            return hit_H, missno_K + jnp.sum(before_KC.astype(i32), axis=1)
+
+        hit_H, missno_K = jax.lax.fori_loop(0, kp // ch, hits_and_counts,
+                                            (jnp.zeros((hp,), i32), jnp.zeros((kp,), i32)))
+        hidx_H = iota(hp)
+        key_H = jnp.where((hit_H > 0) | (hidx_H >= h), _LAST, last_ref[0, :])
+        target_K = jnp.minimum(missno_K, h - 1)
+        now = step_ref[0]
+
+        # pass 3, slot chunks: LRU rank of each slot, the miss that takes it, the slot updates
+        def fill(c, hot_row_K):
+            cs = pl.ds(c * ch, ch)
+            idx_C, pos_C, last_C, hrows_C = iota(ch, c * ch), pos_ref[0, cs], last_ref[0, cs], hrows_ref[0, cs]
+            hit_C = jnp.max(match(sel_K, need_K, pos_C).astype(i32), axis=0) > 0
+            key_C = jnp.where(hit_C | (idx_C >= h), _LAST, last_C)
+            before_CH = (key_H[None, :] < key_C[:, None]) | (
+                (key_H[None, :] == key_C[:, None]) & (hidx_H[None, :] < idx_C[:, None]))
+            rank_C = jnp.sum(before_CH.astype(i32), axis=1)
+            fill_KC = (rank_C[None, :] == target_K[:, None]) & miss_K[:, None]
+            take_KC = fill_KC | ((first_K[:, None] == idx_C[None, :]) & hit_K[:, None])
+            filled_C = jnp.max(fill_KC.astype(i32), axis=0) > 0
+            taken_C = jnp.max(take_KC.astype(i32), axis=0) > 0
+            npos_ref[0, cs] = jnp.where(filled_C, jnp.sum(jnp.where(fill_KC, sel_K[:, None], 0), axis=0), pos_C)
+            nlast_ref[0, cs] = jnp.where(taken_C, now, last_C)
+            return hot_row_K + jnp.sum(jnp.where(take_KC, hrows_C[None, :], 0), axis=1)
+
+        hot_row_K = jax.lax.fori_loop(0, hp // ch, fill, jnp.zeros((kp,), i32))
+        served_K = hit_K | miss_K
+        rows_ref[0, :] = jnp.where(res_K, dev_K * block_size + off_K, jnp.where(served_K, hot_row_K, -1))
+        src_ref[0, :] = jnp.where(miss_K, host_K * block_size + off_K, -1)
+        dst_ref[0, :] = jnp.where(miss_K, hot_row_K, -1)
+        counts = [jnp.sum(x.astype(i32)) for x in (hit_K, miss_K, res_K, lost_K)]
+        lane = iota(4)
+        cnt_ref[0, :] = jnp.where(lane == 0, counts[0], jnp.where(lane == 1, counts[1],
+                                                                   jnp.where(lane == 2, counts[2], counts[3])))
+
+    whole = pl.BlockSpec()
+    per_k = pl.BlockSpec((1, kp), lambda r: (r, 0))
+    per_h = pl.BlockSpec((1, hp), lambda r: (r, 0))
+    sds = jax.ShapeDtypeStruct
+    rows, src, dst, cnt, npos, nlast = pl.pallas_call(
+        kernel,
+        out_shape=(sds((b, kp), i32), sds((b, kp), i32), sds((b, kp), i32), sds((b, 4), i32),
+                   sds((b, hp), i32), sds((b, hp), i32)),
+        grid=(b,),
+        in_specs=[per_k, whole, whole, per_h, per_h, per_h, whole],
+        out_specs=(per_k, per_k, per_k, pl.BlockSpec((1, 4), lambda r: (r, 0)), per_h, per_h),
+        interpret=pallas_interpret() if interpret is None else interpret,
+    )(sel, dev, host, pos, last, hrows, step)
+    plan = ResolvePlan(rows[:, :k], src[:, :k], dst[:, :k], cnt[:, 0], cnt[:, 1], cnt[:, 2], cnt[:, 3])
+    return plan, HotBuffer(npos[:, :h], nlast[:, :h], hot.rows)
+
+
 def copy_host_rows(device_table, host_table, copy_src, copy_dst):
     """Copy the plan's rows host -> device: device_table[dst] = host_table[src] for every pair with
     src >= 0. device_table [N, W] (device memory), host_table [N_host, W] (pinned_host memory kind).
@@ -141,7 +319,7 @@ def copy_host_rows(device_table, host_table, copy_src, copy_dst):
     if not keep.any():
         return device_table, 0
     src, dst = src[keep], dst[keep]
-    if src.max() >= host_table.shape[0] or dst.max() >= device_table.shape[0]:
+    if src.max() >= host_table.shape[0] or dst.max() >= device_table.shape[0] or dst.min() < 0:
         raise IndexError(f"copy plan out of range: host rows < {host_table.shape[0]}, device rows < "
                          f"{device_table.shape[0]}, got {src.max()} / {dst.max()}")
     rows = _take_host_rows(host_table, jnp.asarray(src.astype(np.int32)))
@@ -201,16 +379,16 @@ class HiSparseView:
                             hot_pos, hot_last, hot_rows, jnp.asarray(step, jnp.int32), *none,
                             jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g), jnp.int32), jnp.zeros((r,), jnp.int32))
 
-    def resolve(self, group: int, sel_RK, device_table_RM, block_size: int) -> HiSparseView:
+    def resolve(self, group: int, sel_RK, device_table_RM, block_size: int, *, impl: str = "auto") -> HiSparseView:
         """The full layer of `group`: resolve its selection [R, K] against residency and the leases' hot
-        buffers; keep the plan for the group's shared layers."""
+        buffers (`resolve(..., impl=)`); keep the plan for the group's shared layers."""
         n_lease = self.hot_pos.shape[0]
         has = self.lease >= 0
         lease = jnp.maximum(self.lease, 0)
         hot = HotBuffer(jnp.where(has[:, None], self.hot_pos[lease, group], -1),
                         jnp.where(has[:, None], self.hot_last[lease, group], _NEVER),
                         jnp.where(has[:, None], self.hot_rows[lease], -1))
-        plan, hot = resolve_reference(sel_RK, device_table_RM, self.host_table, block_size, hot, self.step)
+        plan, hot = resolve(sel_RK, device_table_RM, self.host_table, block_size, hot, self.step, impl=impl)
         # a row without a lease must never need one: its misses would have no slot to land in
         rows = jnp.where(has[:, None] | (plan.copy_src < 0), plan.rows, -1)
         back = jnp.where(has, lease, n_lease)  # rows without a lease write nothing back

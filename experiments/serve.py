@@ -44,9 +44,12 @@ def default_config() -> ConfigDict:
     c = ConfigDict()
     c.name = "default"
     # layers > 0 keeps only the preset's first `layers` layers (quick runs; 0: all of them)
-    c.model = ConfigDict(dict(preset="tiny", checkpoint="", seed=0, dtype="float32", init_std=0.1, layers=0))
+    # overrides: ModelConfig fields replaced on the preset (e.g. index_topk, indexer_types)
+    c.model = ConfigDict(dict(preset="tiny", checkpoint="", seed=0, dtype="float32", init_std=0.1, layers=0,
+                              overrides={}))
     c.deploy = ConfigDict(dict(block_size=16, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4,
                                kv_cache_dtype="auto", num_gpu_blocks=0, cpu_offload_bytes=0,
+                               hisparse_host_pool_bytes=0, hisparse_device_buffer_size=0,
                                enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9))
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
                                  median_turns=43.0, think_time_scale=0.0, seed=0))
@@ -81,7 +84,11 @@ def _model(m: ConfigDict):
             raise ValueError(f"model.layers must be in [1, {cfg.num_hidden_layers}], got {m.layers}")
         cfg = cfg.replace(num_hidden_layers=m.layers, indexer_types=cfg.indexer_types[: m.layers],
                           mlp_layer_types=cfg.mlp_layer_types[: m.layers])
-    desc = f"preset {m.preset}" + (f", first {m.layers} layers" if m.layers else "") + " (random weights)"
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in m.get("overrides", {}).items()}
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    desc = (f"preset {m.preset}" + (f", first {m.layers} layers" if m.layers else "")
+            + (f", with {overrides}" if overrides else "") + " (random weights)")
     return glm53.init(cfg, seed=m.seed, dtype=m.dtype, std=m.init_std), desc
 
 
@@ -90,6 +97,8 @@ def _deploy(cfg: ConfigDict, kv_policy: str):
 
     d = dict(cfg.deploy.to_dict())
     d["num_gpu_blocks"] = d["num_gpu_blocks"] or None  # 0: a pool that never runs out
+    d["hisparse_device_buffer_size"] = d.get("hisparse_device_buffer_size") or None  # 0: 2 x top-k
+    d.update(cfg.get("policy_deploy", {}).get(kv_policy, {}))  # this policy's own fields, e.g. its host pools
     return glm53.DeployConfig(**d, kv_policy=kv_policy)
 
 
@@ -99,6 +108,9 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     from glm53.engine.runner import CompileCounter
 
     sessions = build_sessions(cfg.workload)
+    per_user = cfg.sweep.get("sessions_per_user", 0)
+    if per_user:  # as many sessions as users: each point serves concurrency x per_user sessions
+        sessions = sessions[: concurrency * per_user]
     eng = glm53.Engine(model, _deploy(cfg, kv_policy))
     client = workloads.ClosedLoopClient(
         eng, sessions, concurrency, vocab_size=model.cfg.vocab_size, seed=cfg.workload.seed,

@@ -1,0 +1,49 @@
+"""Ablation: HiSparse vs offload-only when agent sessions outgrow the device KV pool (issue 4).
+
+Fixed so that it measures the mechanism, not a sizing knob:
+- workload: OpenHands-style sessions at 1/16 scale (first turn 4,635 tokens, then 12 turns of 47 new
+  tokens, 14 output tokens per turn; 5,381 tokens at the end), one session per concurrent user;
+- model: the tiny preset reshaped to GLM-5.3's proportions: top-k 128 (2.8% of the first turn, like
+  2,048 of 74,160) and 2 full indexer layers out of 8, so indexer keys are 5.3% of a token's KV bytes
+  (8 x 576 B of float32 MLA rows, 2 x 128 B of keys; GLM-5.3 with fp8: 22 x 132 of 54,728 = 5.3%);
+- device pool: 4 full-length sessions (4 x 337 blocks of 16 tokens in each of the 2 cache groups);
+- hot buffer 2 x top-k = 256 rows per request (16 blocks leased from the same pool);
+- equal host bytes for both policies (enough for every session's KV): offload gets all of it as its
+  pool; HiSparse splits it into its MLA pool and an ordinary offload pool for idle indexer keys;
+- concurrency 4, 8, 16, 32 (max_num_seqs 32).
+
+    python -m experiments.serve --config configs/ablations/hisparse_vs_offload.py --out results/hisparse_vs_offload
+"""
+
+from experiments.serve import default_config
+
+SESSIONS_MAX = 32
+SESSION_TOKENS = 4635 + 12 * 47 + 13 * 14  # 5,381
+BLOCK = 16
+SESSION_BLOCKS = -(-SESSION_TOKENS // BLOCK)  # 337
+MLA_BYTES_PER_TOKEN = 8 * 144 * 4  # 8 layers x (128 latent + 16 rope) float32
+INDEX_BYTES_PER_TOKEN = 2 * 32 * 4  # 2 full layers x 32-wide float32 keys
+HOST_BYTES = SESSIONS_MAX * SESSION_BLOCKS * BLOCK * (MLA_BYTES_PER_TOKEN + INDEX_BYTES_PER_TOKEN)
+HISPARSE_INDEX_BYTES = SESSIONS_MAX * SESSION_BLOCKS * BLOCK * INDEX_BYTES_PER_TOKEN
+
+
+def get_config():
+    c = default_config()
+    c.name = "hisparse_vs_offload"
+    c.model.overrides = dict(index_topk=128, indexer_types=("full", "shared", "shared", "shared",
+                                                            "full", "shared", "shared", "shared"))
+    c.workload.sessions = SESSIONS_MAX  # trimmed to the concurrency by the sweep (see below)
+    c.workload.scale = 1 / 16
+    c.workload.turns = 13
+    c.deploy.max_model_len = (SESSION_BLOCKS + 1) * BLOCK
+    c.deploy.max_num_seqs = SESSIONS_MAX
+    c.deploy.max_num_batched_tokens = 1024
+    c.deploy.num_gpu_blocks = 4 * SESSION_BLOCKS * 2
+    c.policy_deploy = dict(offload=dict(cpu_offload_bytes=HOST_BYTES),
+                           hisparse=dict(cpu_offload_bytes=HISPARSE_INDEX_BYTES,
+                                         hisparse_host_pool_bytes=HOST_BYTES - HISPARSE_INDEX_BYTES))
+    c.sweep.kv_policy = ("offload", "hisparse")
+    c.sweep.concurrency = (4, 8, 16, 32)
+    c.sweep.sessions_per_user = 1  # sessions = concurrency: every user runs one 13-turn session
+    c.warmup = "none"
+    return c
