@@ -67,8 +67,9 @@ def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns):
 
 def test_room_in_the_pool_means_no_host_to_device_copies(tiny_model, two_turns):
     first, ref1, _, _ = two_turns
-    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE))
-    assert [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=NEW)] == ref1
+    # the same pool (so the same compiled programs), two requests: 40 of its 48 blocks, above the watermark
+    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=48))
+    assert [o.token_ids.tolist() for o in eng.generate(first[:2], max_new_tokens=NEW)] == ref1[:2]
     st = eng.scheduler.policy.stats
     assert st.precopied_pages > 0  # sealed pages still go to the host (pre-copy)
     assert st.released_pages == 0 and st.leases == 0 and eng.runner.transfers.h2d_bytes == 0

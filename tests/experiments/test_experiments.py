@@ -42,3 +42,13 @@ def test_kv_cache_error_measures_formats(tmp_path):
     rows = kv_cache_error.measure(["tiny"], formats=[("float32", None), ("fp8_ds_mla", None)])
     assert rows[0]["max_abs_err_rel"] <= 1e-4 and rows[0]["top1_agreement"] == 1.0
     assert 0 < rows[1]["max_abs_err_rel"] and rows[1]["top1_agreement"] > 0.5
+
+
+def test_hisparse_copy_check_is_exact_on_cpu(tmp_path):
+    from experiments import check_hisparse_copy
+
+    res = check_hisparse_copy.main(["--host-pool-mb", "2", "--out", str(tmp_path)])
+    assert res["times_meaningful"] is False and res["copy"]["host_pool_bytes"] >= (2 << 20) - 656
+    assert [r["exact"] for r in res["copy"]["rows"]] == [True] * len(res["copy"]["rows"])
+    assert res["resolver"]["mismatched_ints"] == 0
+    assert json.loads((tmp_path / "results.json").read_text())["copy"]["rows"][0]["rows"] == 128
