@@ -334,7 +334,8 @@ def _put_rows(table, idx, rows):
 # ------------------------------------------------------------------------------ the decode step's view
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["host_mla", "host_table", "lease", "hot_pos", "hot_last", "hot_rows", "step",
-                                "plan_rows", "plan_src", "plan_dst", "hits", "misses", "copied"],
+                                "plan_rows", "plan_src", "plan_dst", "copy_src", "copy_dst", "copy_branch", "hits",
+                                "misses", "copied", "unserved"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class HiSparseView:
@@ -350,9 +351,14 @@ class HiSparseView:
     step: int32 scalar LRU clock.
     plan_rows / plan_src / plan_dst [R, K]: the plan the current group's full layer made; its shared
         layers replay it on their own tables.
+    copy_src / copy_dst [R * K]: the plan's copies compacted to the front; copy_branch: which static
+        copy size (`copy_sizes`) covers them, 0 = nothing to copy. Each layer copies that many rows, so
+        a step moves at most 8x its misses (rounded up to R * K / 64), and nothing when none miss.
     hits / misses [R, G] int32: per row and group, counted by the full layer's resolve.
     copied [R] int32: host->device rows copied for the row over all layers (checked against
         sum over groups of misses x layers in the group).
+    unserved [R] int32: selected positions with no row to read (no device page, no host copy, or no
+        lease for a miss): a bookkeeping bug upstream; the runner raises if any.
     """
 
     host_mla: tuple
@@ -365,9 +371,13 @@ class HiSparseView:
     plan_rows: jax.Array
     plan_src: jax.Array
     plan_dst: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
+    copy_branch: jax.Array
     hits: jax.Array
     misses: jax.Array
     copied: jax.Array
+    unserved: jax.Array
 
     @staticmethod
     def create(host_mla, host_table, lease, hot_pos, hot_last, hot_rows, step, topk: int) -> HiSparseView:
@@ -375,9 +385,17 @@ class HiSparseView:
         g = hot_pos.shape[1]
         # distinct buffers: the step donates the whole view, and one buffer may not be donated twice
         none = [jnp.full((r, topk), -1, jnp.int32) for _ in range(3)]
+        flat = [jnp.full((r * topk,), -1, jnp.int32) for _ in range(2)]
         return HiSparseView(tuple(host_mla), jnp.asarray(host_table, jnp.int32), jnp.asarray(lease, jnp.int32),
-                            hot_pos, hot_last, hot_rows, jnp.asarray(step, jnp.int32), *none,
-                            jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g), jnp.int32), jnp.zeros((r,), jnp.int32))
+                            hot_pos, hot_last, hot_rows, jnp.asarray(step, jnp.int32), *none, *flat,
+                            jnp.zeros((), jnp.int32), jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g), jnp.int32),
+                            jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32))
+
+    @property
+    def copy_sizes(self) -> list[int]:
+        """Static copy sizes (rows per layer) the decode step chooses among: R*K/64, /8, /1."""
+        n = self.plan_src.size
+        return sorted({max(1, n >> k) for k in (6, 3, 0)})
 
     def resolve(self, group: int, sel_RK, device_table_RM, block_size: int, *, impl: str = "auto") -> HiSparseView:
         """The full layer of `group`: resolve its selection [R, K] against residency and the leases' hot
@@ -392,22 +410,33 @@ class HiSparseView:
         # a row without a lease must never need one: its misses would have no slot to land in
         rows = jnp.where(has[:, None] | (plan.copy_src < 0), plan.rows, -1)
         back = jnp.where(has, lease, n_lease)  # rows without a lease write nothing back
+        src = jnp.where(has[:, None], plan.copy_src, -1)
+        dst = jnp.where(has[:, None], plan.copy_dst, -1)
+        order = jnp.argsort(src.reshape(-1) < 0, stable=True)  # the copies first
+        count = jnp.sum(src >= 0)
+        branch = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.asarray(self.copy_sizes), count))
         return dataclasses.replace(
             self,
             hot_pos=self.hot_pos.at[back, group].set(hot.pos, mode="drop"),
             hot_last=self.hot_last.at[back, group].set(hot.last_use, mode="drop"),
-            plan_rows=rows, plan_src=jnp.where(has[:, None], plan.copy_src, -1),
-            plan_dst=jnp.where(has[:, None], plan.copy_dst, -1),
-            hits=self.hits.at[:, group].set(plan.hits), misses=self.misses.at[:, group].set(plan.misses))
+            plan_rows=rows, plan_src=src, plan_dst=dst, copy_src=src.reshape(-1)[order],
+            copy_dst=dst.reshape(-1)[order], copy_branch=branch.astype(jnp.int32),
+            hits=self.hits.at[:, group].set(plan.hits),
+            misses=self.misses.at[:, group].set(jnp.where(has, plan.misses, 0)),
+            unserved=self.unserved + plan.lost + jnp.where(has, 0, plan.misses))
 
     def copy_rows(self, layer_index: int, device_table):
         """Apply the current plan's host->device copies to one layer's table (the one host->device path
         of the decode step). -> (view with `copied` counted, new device table)."""
-        src, dst = self.plan_src.reshape(-1), self.plan_dst.reshape(-1)
         host = self.host_mla[layer_index]
-        rows = take_host_rows(host, jnp.maximum(src, 0))
-        dst = jnp.where(src >= 0, dst, device_table.shape[0])  # no copy: dropped
-        table = device_table.at[dst].set(rows, mode="drop")
+
+        def copy(k, table):
+            src, dst = self.copy_src[:k], self.copy_dst[:k]
+            rows = take_host_rows(host, jnp.maximum(src, 0))
+            return table.at[jnp.where(src >= 0, dst, table.shape[0])].set(rows, mode="drop")  # -1: dropped
+
+        branches = [lambda t: t] + [functools.partial(copy, k) for k in self.copy_sizes]
+        table = jax.lax.switch(self.copy_branch, branches, device_table)
         return dataclasses.replace(self, copied=self.copied + jnp.sum(self.plan_src >= 0, axis=1)), table
 
 

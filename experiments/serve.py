@@ -49,7 +49,7 @@ def default_config() -> ConfigDict:
                               overrides={}))
     c.deploy = ConfigDict(dict(block_size=16, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4,
                                kv_cache_dtype="auto", num_gpu_blocks=0, cpu_offload_bytes=0,
-                               hisparse_host_pool_bytes=0, hisparse_device_buffer_size=0,
+                               hisparse_host_pool_bytes=0, hisparse_device_buffer_size=0, index_block_size=0,
                                enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9))
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
                                  median_turns=43.0, think_time_scale=0.0, seed=0))
@@ -98,6 +98,7 @@ def _deploy(cfg: ConfigDict, kv_policy: str):
     d = dict(cfg.deploy.to_dict())
     d["num_gpu_blocks"] = d["num_gpu_blocks"] or None  # 0: a pool that never runs out
     d["hisparse_device_buffer_size"] = d.get("hisparse_device_buffer_size") or None  # 0: 2 x top-k
+    d["index_block_size"] = d.get("index_block_size") or None  # 0: block_size
     d.update(cfg.get("policy_deploy", {}).get(kv_policy, {}))  # this policy's own fields, e.g. its host pools
     return glm53.DeployConfig(**d, kv_policy=kv_policy)
 

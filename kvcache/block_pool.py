@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -166,7 +167,7 @@ class RequestBlocks:
 
     tables: dict[str, list[int]]
     hashes: list[BlockHash]  # hashes of the request's full blocks (of the tokens known so far)
-    num_cached_blocks: int = 0  # leading blocks registered in (or served from) the prefix cache
+    num_cached_blocks: int = 0  # leading hash chunks (tokens_per_block each) registered in / served from the cache
     num_computed_tokens_hit: int = 0  # tokens whose KV came from the prefix cache at admission
 
 
@@ -177,66 +178,103 @@ class KVCacheManager:
     lives only in the host pool); `free` and `check` skip such entries.
 
     `tokens_per_block` = block_size x DCP size: a block id names one page of `block_size` slots on each
-    DCP rank. All groups of a request advance together: a request with n tokens holds
-    ceil(n / tokens_per_block) blocks in every group.
+    DCP rank. A group may use larger pages (`group_tokens_per_block`, a multiple of tokens_per_block):
+    the indexer keys are ~5% of a token's KV bytes, so an indexer page of r x tokens_per_block tokens
+    costs one block like an MLA page of tokens_per_block, which keeps the pool's block count close to
+    bytes (vLLM's hybrid allocator equalises page bytes the same way). All groups of a request cover
+    the same tokens: with n tokens it holds ceil(n / group tokens per block) blocks in each group.
+    Prefix hashes are per `tokens_per_block` chunk; a group page is identified by the hash of its last
+    chunk, and a prefix hit ends on a page boundary of every group.
     """
 
     def __init__(self, num_blocks: int, tokens_per_block: int, groups: Sequence[str] = ("mla", "indexer"), *,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, group_tokens_per_block: dict[str, int] | None = None):
         if not isinstance(tokens_per_block, int) or tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
         if not groups or len(set(groups)) != len(groups):
             raise ValueError(f"groups must be distinct names, got {groups!r}")
+        tpb = {g: tokens_per_block for g in groups}
+        for g, n in (group_tokens_per_block or {}).items():
+            if g not in tpb:
+                raise ValueError(f"group_tokens_per_block names unknown group {g!r}")
+            if not isinstance(n, int) or n < tokens_per_block or n % tokens_per_block:
+                raise ValueError(f"group_tokens_per_block[{g!r}] must be a multiple of {tokens_per_block}, got {n!r}")
+            tpb[g] = n
         self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching)
         self.tokens_per_block = tokens_per_block
+        self.group_tokens_per_block = tpb
+        self.ratio = {g: n // tokens_per_block for g, n in tpb.items()}  # hash chunks per page
+        self.hit_multiple = math.lcm(*self.ratio.values())  # a prefix hit covers a multiple of this many chunks
         self.groups = tuple(groups)
         self.requests: dict[str, RequestBlocks] = {}
         self.leases: dict[str, list[int]] = {}  # per request: blocks held outside its tables (HiSparse hot buffer)
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.tokens_per_block)
+    def blocks_needed(self, num_tokens: int, group: str | None = None) -> int:
+        """Pages of `group` (default: a tokens_per_block group) that hold num_tokens tokens."""
+        tpb = self.tokens_per_block if group is None else self.group_tokens_per_block[group]
+        return -(-num_tokens // tpb)
+
+    def blocks_needed_all(self, num_tokens: int) -> int:
+        """Blocks over all groups that hold num_tokens tokens of one request."""
+        return sum(self.blocks_needed(num_tokens, g) for g in self.groups)
+
+    def page_hash_index(self, group: str, page: int) -> int:
+        """Index in a request's chunk hashes of the hash that names `page` of `group` (its last chunk)."""
+        return (page + 1) * self.ratio[group] - 1
 
     def admit(self, req_id: str, token_ids: Sequence[int], extra_keys: Sequence[str | int] = (), *,
               use_prefix_cache: bool = True) -> int:
-        """Start tracking a request and take its longest cached prefix (every group must hold a block for
-        the hit to count). -> number of prompt tokens whose KV is already cached (a multiple of
-        tokens_per_block, and < len(token_ids) so at least one token is computed to produce logits).
-        use_prefix_cache=False: take nothing (the caller restores the KV itself, e.g. from host memory)."""
+        """Start tracking a request and take its longest cached prefix (every group must hold its pages
+        for the hit to count). -> number of prompt tokens whose KV is already cached (a multiple of
+        tokens_per_block x hit_multiple, and < len(token_ids) so at least one token is computed to
+        produce logits). use_prefix_cache=False: take nothing (the caller restores the KV itself)."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already admitted")
         hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys)
-        hit: list[list[int]] = []
         max_hit = (len(token_ids) - 1) // self.tokens_per_block if use_prefix_cache else 0
-        for h in hashes[:max_hit]:
+        found: dict[str, list[int]] = {g: [] for g in self.groups}
+        n_chunks = 0  # chunks [0, n_chunks) are covered by found pages of every group
+        for i, h in enumerate(hashes[:max_hit]):
             self.pool.stats.queries += 1
-            blocks = [self.pool.lookup(g, h) for g in self.groups]
-            if any(b is None for b in blocks):
+            ok = True
+            for g in self.groups:
+                if (i + 1) % self.ratio[g] == 0:
+                    b = self.pool.lookup(g, h)
+                    if b is None:
+                        ok = False
+                        break
+                    found[g].append(b)
+            if not ok:
                 break
-            hit.append(blocks)
-        for blocks in hit:
-            self.pool.touch(blocks)
-        self.pool.stats.hits += len(hit)
-        tables = {g: [blocks[i] for blocks in hit] for i, g in enumerate(self.groups)}
-        n = len(hit) * self.tokens_per_block
-        self.requests[req_id] = RequestBlocks(tables, hashes, num_cached_blocks=len(hit), num_computed_tokens_hit=n)
+            n_chunks = i + 1
+        n_chunks -= n_chunks % self.hit_multiple
+        tables = {g: found[g][: n_chunks // self.ratio[g]] for g in self.groups}
+        for g in self.groups:
+            self.pool.touch(tables[g])
+        self.pool.stats.hits += n_chunks
+        n = n_chunks * self.tokens_per_block
+        self.requests[req_id] = RequestBlocks(tables, hashes, num_cached_blocks=n_chunks, num_computed_tokens_hit=n)
         return n
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
-        return self.missing_blocks(req_id, num_tokens) * len(self.groups) <= self.pool.num_free
+        return self.missing_blocks(req_id, num_tokens) <= self.pool.num_free
+
+    def _missing(self, req_id: str, num_tokens: int) -> dict[str, int]:
+        tables = self.requests[req_id].tables
+        return {g: max(0, self.blocks_needed(num_tokens, g) - len(tables[g])) for g in self.groups}
 
     def missing_blocks(self, req_id: str, num_tokens: int) -> int:
-        """Blocks per group the request lacks to hold `num_tokens` tokens."""
-        return max(0, self.blocks_needed(num_tokens) - len(self.requests[req_id].tables[self.groups[0]]))
+        """Blocks over all groups the request lacks to hold `num_tokens` tokens."""
+        return sum(self._missing(req_id, num_tokens).values())
 
     def allocate(self, req_id: str, num_tokens: int) -> None:
         """Grow the request's tables to cover `num_tokens` tokens in every group; all or nothing
         (raises NoFreeBlocks, leaving the pool unchanged)."""
-        missing = self.missing_blocks(req_id, num_tokens)
-        if missing == 0:
-            return
-        fresh = self.pool.allocate(missing * len(self.groups))
-        for i, g in enumerate(self.groups):
-            self.requests[req_id].tables[g].extend(fresh[i * missing : (i + 1) * missing])
+        missing = self._missing(req_id, num_tokens)
+        fresh = self.pool.allocate(sum(missing.values()))
+        for g in self.groups:
+            self.requests[req_id].tables[g].extend(fresh[: missing[g]])
+            fresh = fresh[missing[g]:]
 
     def cache_full_blocks(self, req_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                           extra_keys: Sequence[str | int] = ()) -> None:
@@ -249,10 +287,11 @@ class KVCacheManager:
             i = len(rb.hashes)
             rb.hashes.append(hash_block(rb.hashes[-1] if rb.hashes else None, token_ids[i * tpb : (i + 1) * tpb],
                                         extra_keys))
-        for i in range(rb.num_cached_blocks, n_full):
-            for g in self.groups:
-                if rb.tables[g][i] >= 0:  # a page held only on the host has no device block to index
-                    self.pool.cache(g, rb.tables[g][i], rb.hashes[i])
+        for g in self.groups:
+            r = self.ratio[g]
+            for j in range(rb.num_cached_blocks // r, n_full // r):
+                if rb.tables[g][j] >= 0:  # a page held only on the host has no device block to index
+                    self.pool.cache(g, rb.tables[g][j], rb.hashes[self.page_hash_index(g, j)])
         rb.num_cached_blocks = max(rb.num_cached_blocks, n_full)
 
     def free(self, req_id: str) -> None:
@@ -296,8 +335,10 @@ class KVCacheManager:
         self.pool.check()
         holders = [0] * self.pool.num_blocks
         for rb in self.requests.values():
-            lens = {len(t) for t in rb.tables.values()}
-            assert len(lens) == 1, "groups of one request hold different numbers of blocks"
+            # every group covers the same number of hash chunks: ceil(C / ratio) pages for one C
+            low = max((len(t) - 1) * self.ratio[g] for g, t in rb.tables.items())
+            high = min(len(t) * self.ratio[g] for g, t in rb.tables.items())
+            assert low < high, "groups of one request cover different numbers of tokens"
             for t in rb.tables.values():
                 for b in t:
                     if b >= 0:

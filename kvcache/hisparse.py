@@ -114,23 +114,39 @@ class HiSparsePolicy(PreemptPolicy):
         st = self.state[req.req_id] = Residency()
         i = n // kv.tokens_per_block
         st.host = [self._host_ref(self.host_mla, "mla", h) for h in rb.hashes[:i]]
-        # extend the device hit with pages the host pools hold (the request's prefix parked earlier)
+        # extend the device hit with pages the host pools hold (the request's prefix parked earlier); MLA
+        # pages are one hash chunk, indexer pages `r` chunks; a hit ends on a page boundary of both
+        r, step = kv.ratio["indexer"], kv.hit_multiple
         max_hit = (req.num_tokens - 1) // kv.tokens_per_block
-        while i < max_hit and i < len(rb.hashes):
-            h = rb.hashes[i]
-            dev_m, dev_i = kv.pool.lookup("mla", h), kv.pool.lookup("indexer", h)
-            host_m = self.host_mla.lookup("mla", h)
-            host_i = self.host_index.lookup("indexer", h) if self.host_index and dev_i is None else None
-            if (dev_m is None and host_m is None) or (dev_i is None and host_i is None):
+        mla, index = [], []  # per chunk (device block, host block); per indexer page likewise
+        while i + len(mla) < min(max_hit, len(rb.hashes)):
+            c = i + len(mla)
+            h = rb.hashes[c]
+            dev_m, host_m = kv.pool.lookup("mla", h), self.host_mla.lookup("mla", h)
+            if dev_m is None and host_m is None:
                 break
-            kv.pool.touch([b for b in (dev_m, dev_i) if b is not None])
+            mla.append((dev_m, host_m))
+            if (c + 1) % r == 0:
+                dev_i = kv.pool.lookup("indexer", h)
+                host_i = self.host_index.lookup("indexer", h) if self.host_index and dev_i is None else None
+                if dev_i is None and host_i is None:
+                    mla.pop()
+                    break
+                index.append((dev_i, host_i))
+        keep = len(mla) - len(mla) % step  # whole hit units only
+        for dev_m, host_m in mla[:keep]:
             rb.tables["mla"].append(-1 if dev_m is None else dev_m)
+            st.host.append(-1 if host_m is None else host_m)
+            kv.pool.touch([dev_m] if dev_m is not None else [])
+            self.host_mla.touch([host_m] if host_m is not None else [])
+        for dev_i, host_i in index[: keep // r]:
             rb.tables["indexer"].append(-1 if dev_i is None else dev_i)
-            st.host.append(self._host_ref(self.host_mla, "mla", h))
             if dev_i is None:
                 self.host_index.touch([host_i])
-                st.pending_index[i] = host_i
-            i += 1
+                st.pending_index[len(rb.tables["indexer"]) - 1] = host_i
+            else:
+                kv.pool.touch([dev_i])
+        i += keep
         rb.num_cached_blocks = i
         st.host_prefix = i - n // kv.tokens_per_block  # counted once the request is in (prepare)
         return i * kv.tokens_per_block
@@ -279,32 +295,42 @@ class HiSparsePolicy(PreemptPolicy):
             self.mover.copy_pages("mla", "d2h", src, dst)
             self.stats.precopied_pages += len(src)
 
+    def reserve_blocks(self) -> int:
+        return self.lease_blocks  # a request decoding over host-only pages holds a hot buffer
+
     def make_room(self, sch: Scheduler, free_blocks: int) -> bool:
-        """Release clean pages of decoding requests, oldest pages first, until `free_blocks` are free."""
+        """Release clean pages of decoding requests until `free_blocks` are free: request by request, the
+        one with the most releasable pages first, its oldest pages first. A request without a hot buffer
+        leases one first and then releases at least one page more than the lease took, so every lease
+        pays for itself. -> whether any page was released."""
         kv = sch.kv
         cands = []
-        for order, req in enumerate(sch.running):
+        for req in sch.running:
             if req.num_tokens - req.num_computed_tokens > 1:  # still prefilling: it reads its whole prefix
                 continue
             st = self.state[req.req_id]
             table = kv.block_table(req.req_id, "mla")
             pages = [p for p in range(min(len(st.host), len(table) - TAIL_PAGES)) if table[p] >= 0 and st.host[p] >= 0
                      and kv.pool.ref_count[table[p]] == 1]  # a shared block frees nothing
-            if st.lease < 0 and len(pages) <= self.lease_blocks:
-                continue  # leasing a hot buffer would cost more than releasing gains
-            cands.extend((p, order, req, st) for p in pages)
+            if pages and (st.lease >= 0 or len(pages) > self.lease_blocks):
+                cands.append((req, st, pages))
         released = False
-        for p, _, req, st in sorted(cands, key=lambda c: (c[0], c[1])):
+        for req, st, pages in sorted(cands, key=lambda c: -len(c[2])):
             if kv.num_free_blocks >= free_blocks:
                 break
+            must = 0
             if st.lease < 0:
                 if kv.num_free_blocks < self.lease_blocks or not self.free_leases:
                     continue
                 self._lease(sch, req.req_id, st)
-            b = kv.release(req.req_id, "mla", p)
-            st.unpinned[p] = (b, kv.pool.generation[b])
-            self.stats.released_pages += 1
-            released = True
+                must = self.lease_blocks + 1
+            for i, p in enumerate(pages):
+                if i >= must and kv.num_free_blocks >= free_blocks:
+                    break
+                b = kv.release(req.req_id, "mla", p)
+                st.unpinned[p] = (b, kv.pool.generation[b])
+                self.stats.released_pages += 1
+                released = True
         return released
 
     # ------------------------------------------------------------------------------ leaving the device
@@ -323,7 +349,9 @@ class HiSparsePolicy(PreemptPolicy):
         rb = sch.kv.requests[req.req_id]
         if self.host_index is not None:  # idle sessions' indexer keys: the ordinary offload path
             src, dst = [], []
-            for p, h in enumerate(rb.hashes[: req.num_computed_tokens // sch.kv.tokens_per_block]):
+            kv = sch.kv
+            for p in range(req.num_computed_tokens // kv.group_tokens_per_block["indexer"]):
+                h = rb.hashes[kv.page_hash_index("indexer", p)]
                 b = rb.tables["indexer"][p]
                 if b < 0 or self.host_index.lookup("indexer", h) is not None:
                     continue
@@ -347,8 +375,12 @@ class HiSparsePolicy(PreemptPolicy):
 
     # ------------------------------------------------------------------------------------- reporting
     def host_bytes_used(self) -> int:
-        """Host bytes held by live or parked pages of both host pools."""
-        used = (self.host_mla.num_blocks - self.host_mla.num_free) * self.page_bytes["mla"]
+        """Host bytes held by live pages and by parked ones (cached under a prefix hash, reclaimable)."""
+        def used(pool):
+            parked = sum(pool.block_key[b] is not None for b in pool.free_queue)
+            return pool.num_blocks - pool.num_free + parked
+
+        out = used(self.host_mla) * self.page_bytes["mla"]
         if self.host_index is not None:
-            used += (self.host_index.num_blocks - self.host_index.num_free) * self.page_bytes["indexer"]
-        return used
+            out += used(self.host_index) * self.page_bytes["indexer"]
+        return out

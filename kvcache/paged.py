@@ -42,10 +42,12 @@ def write_slots(buf_NX, rows_X, slots):
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """mla[i]: [num_blocks * B, mla_format.width] rows of attention layer `mla_layers[i]`; index[j]:
-    [num_blocks * B, index_format.width] keys of full layer `index_layers[j]`; block_table [batch, M]
-    int32 page ids (-1 = none) of the MLA group; index_block_table [batch, M]: the indexer group's (the
-    block pool allocates the two groups separately), or None when both groups share one table.
-    capacity = M * B positions per request."""
+    [num_blocks * B', index_format.width] keys of full layer `index_layers[j]` (B' = index_block_size or
+    B); block_table [batch, M] int32 page ids (-1 = none) of the MLA group; index_block_table
+    [batch, M' >= M * B / B']: the indexer group's (the block pool allocates the two groups separately),
+    or None when both groups share one table (B' = B). capacity = M * B positions per request.
+    A block id names a page in both groups' arrays; each group uses only its own pages, so with B' > B
+    the arrays over-provision (the pool's block count is the budget; docs/engine.md)."""
 
     mla: tuple[jax.Array, ...]
     index: tuple[jax.Array, ...]
@@ -58,10 +60,13 @@ class PagedKVCache:
     index_format: IndexKeyFormat = dataclasses.field(metadata=dict(static=True))
     # HiSparse decode steps only: host pool, host page table and hot buffers (attention.hisparse)
     hisparse: HiSparseView | None = None
+    # slots per indexer-key page (0: block_size); index arrays hold num_blocks pages of this size
+    index_block_size: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @classmethod
     def create(cls, cfg, num_blocks: int, block_size: int, block_table, *, kv_cache_dtype: str = "fp8_ds_mla",
-               index_cache_dtype: str | None = None, include_mtp: bool = True) -> PagedKVCache:
+               index_cache_dtype: str | None = None, include_mtp: bool = True,
+               index_block_size: int | None = None, index_block_table=None) -> PagedKVCache:
         """Zero-filled pool of `num_blocks` blocks of `block_size` slots for every layer of `cfg`, with the
         given block table [batch, max_blocks_per_request] (page ids < num_blocks, -1 = none)."""
         if not isinstance(block_size, int) or block_size < 1:
@@ -74,14 +79,21 @@ class PagedKVCache:
         n_layers = cfg.num_layers_with_mtp if include_mtp else cfg.num_hidden_layers
         mla_layers = tuple(range(n_layers))
         index_layers = tuple(i for i in cfg.full_indexer_layers if i < n_layers)
+        ibs = index_block_size or block_size
+        if ibs % block_size:
+            raise ValueError(f"index_block_size={ibs} must be a multiple of block_size={block_size}")
         n = num_blocks * block_size
-        return cls(
+        cache = cls(
             mla=tuple(jnp.zeros((n, mla_format.width), mla_format.storage_dtype) for _ in mla_layers),
-            index=tuple(jnp.zeros((n, index_format.width), index_format.storage_dtype) for _ in index_layers),
+            index=tuple(jnp.zeros((num_blocks * ibs, index_format.width), index_format.storage_dtype)
+                        for _ in index_layers),
             block_table=cls._checked_table(block_table, num_blocks), index_block_table=None,
             mla_layers=mla_layers, index_layers=index_layers, block_size=block_size,
-            mla_format=mla_format, index_format=index_format,
+            mla_format=mla_format, index_format=index_format, index_block_size=0 if ibs == block_size else ibs,
         )
+        if index_block_table is not None or ibs != block_size:
+            cache = cache.with_block_table(block_table, index_block_table)
+        return cache
 
     @staticmethod
     def _checked_table(block_table, num_blocks: int):
@@ -97,9 +109,12 @@ class PagedKVCache:
         """The same pool under new block tables (e.g. the next step's batch); the indexer group uses
         `index_block_table` if given, else `block_table`."""
         bt = self._checked_table(block_table, self.num_blocks)
+        if index_block_table is None and self.index_block_size:
+            raise ValueError("indexer pages differ in size from MLA pages: give index_block_table")
         ibt = None if index_block_table is None else self._checked_table(index_block_table, self.num_blocks)
-        if ibt is not None and ibt.shape != bt.shape:
-            raise ValueError(f"index_block_table shape {ibt.shape} differs from block_table shape {bt.shape}")
+        if ibt is not None and (ibt.shape[0] != bt.shape[0] or ibt.shape[1] * self._ibs < self.capacity):
+            raise ValueError(f"index_block_table shape {ibt.shape} does not cover block_table {bt.shape}'s "
+                             f"{bt.shape[1] * self.block_size} positions in pages of {self._ibs}")
         return dataclasses.replace(self, block_table=bt, index_block_table=ibt)
 
     @property
@@ -125,13 +140,17 @@ class PagedKVCache:
     def _index_table(self):
         return self.block_table if self.index_block_table is None else self.index_block_table
 
+    @property
+    def _ibs(self) -> int:
+        return self.index_block_size or self.block_size
+
     def write_index_keys(self, layer, keys_BTI, pos_BT):
         buf = self.index[self.index_layers.index(layer)]
-        slots = slot_mapping(self._index_table, pos_BT, self.block_size)
+        slots = slot_mapping(self._index_table, pos_BT, self._ibs)
         return self._replace("index", layer, write_slots(buf, self.index_format.pack(keys_BTI), slots))
 
     def index_key_pages(self, layer):
-        return PagedKeys(self.index[self.index_layers.index(layer)], self._index_table, self.block_size,
+        return PagedKeys(self.index[self.index_layers.index(layer)], self._index_table, self._ibs,
                          self.index_format)
 
     def mla_rows(self, layer, num_positions):

@@ -6,7 +6,9 @@ Fixed so that it measures the mechanism, not a sizing knob:
 - model: the tiny preset reshaped to GLM-5.3's proportions: top-k 128 (2.8% of the first turn, like
   2,048 of 74,160) and 2 full indexer layers out of 8, so indexer keys are 5.3% of a token's KV bytes
   (8 x 576 B of float32 MLA rows, 2 x 128 B of keys; GLM-5.3 with fp8: 22 x 132 of 54,728 = 5.3%);
-- device pool: 4 full-length sessions (4 x 337 blocks of 16 tokens in each of the 2 cache groups);
+- device pool: 4 full-length sessions (4 x (337 MLA pages of 16 tokens + 85 indexer-key pages of 64
+  tokens)); indexer pages of 4 blocks keep the block count close to bytes (an indexer page is 16 KB
+  here, an MLA page 72 KB) while prefix hits still end on the 64-token boundaries agentic traces hash;
 - hot buffer 2 x top-k = 256 rows per request (16 blocks leased from the same pool);
 - equal host bytes for both policies (enough for every session's KV): offload gets all of it as its
   pool; HiSparse splits it into its MLA pool and an ordinary offload pool for idle indexer keys;
@@ -21,10 +23,12 @@ SESSIONS_MAX = 32
 SESSION_TOKENS = 4635 + 12 * 47 + 13 * 14  # 5,381
 BLOCK = 16
 SESSION_BLOCKS = -(-SESSION_TOKENS // BLOCK)  # 337
+INDEX_BLOCK = 64
+SESSION_INDEX_BLOCKS = -(-SESSION_TOKENS // INDEX_BLOCK)  # 85
 MLA_BYTES_PER_TOKEN = 8 * 144 * 4  # 8 layers x (128 latent + 16 rope) float32
 INDEX_BYTES_PER_TOKEN = 2 * 32 * 4  # 2 full layers x 32-wide float32 keys
-HOST_BYTES = SESSIONS_MAX * SESSION_BLOCKS * BLOCK * (MLA_BYTES_PER_TOKEN + INDEX_BYTES_PER_TOKEN)
-HISPARSE_INDEX_BYTES = SESSIONS_MAX * SESSION_BLOCKS * BLOCK * INDEX_BYTES_PER_TOKEN
+HISPARSE_INDEX_BYTES = SESSIONS_MAX * SESSION_INDEX_BLOCKS * INDEX_BLOCK * INDEX_BYTES_PER_TOKEN
+HOST_BYTES = SESSIONS_MAX * SESSION_BLOCKS * BLOCK * MLA_BYTES_PER_TOKEN + HISPARSE_INDEX_BYTES
 
 
 def get_config():
@@ -38,7 +42,8 @@ def get_config():
     c.deploy.max_model_len = (SESSION_BLOCKS + 1) * BLOCK
     c.deploy.max_num_seqs = SESSIONS_MAX
     c.deploy.max_num_batched_tokens = 1024
-    c.deploy.num_gpu_blocks = 4 * SESSION_BLOCKS * 2
+    c.deploy.index_block_size = INDEX_BLOCK
+    c.deploy.num_gpu_blocks = 4 * (SESSION_BLOCKS + SESSION_INDEX_BLOCKS)
     c.policy_deploy = dict(offload=dict(cpu_offload_bytes=HOST_BYTES),
                            hisparse=dict(cpu_offload_bytes=HISPARSE_INDEX_BYTES,
                                          hisparse_host_pool_bytes=HOST_BYTES - HISPARSE_INDEX_BYTES))

@@ -15,6 +15,10 @@ class DeployConfig:
     """Engine deployment. Sizes are in tokens, blocks or bytes as the names say.
 
     kv_cache_dtype: "auto" (the model's dtype) or one of attention.formats.MLA_FORMATS.
+    index_block_size: slots per indexer-key page. Indexer keys take ~5% of a token's KV bytes, so with
+        pages of block_size tokens an indexer page costs a whole block for a twentieth of its bytes; a
+        larger index_block_size (e.g. 4 x block_size) keeps the pool's block count near bytes. Prefix
+        hits then end on multiples of index_block_size tokens.
     num_gpu_blocks: blocks in the device pool shared by all cache groups (None: enough for
         max_num_seqs requests of max_model_len tokens, i.e. a pool that never runs out).
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
@@ -32,6 +36,7 @@ class DeployConfig:
     enable_expert_parallel: bool = False
     kv_cache_dtype: str = "auto"
     block_size: int = 16
+    index_block_size: int | None = None  # tokens per indexer-key page (a multiple of block_size; None: block_size)
     max_model_len: int = 4096
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 8
@@ -58,6 +63,11 @@ class DeployConfig:
             positive(name)
         if self.num_gpu_blocks is not None:
             positive("num_gpu_blocks")
+        if self.index_block_size is not None:
+            positive("index_block_size")
+            if self.index_block_size % self.block_size:
+                raise ValueError(f"DeployConfig.index_block_size={self.index_block_size} must be a multiple of "
+                                 f"block_size={self.block_size}")
         if self.dcp_comm_backend not in ("ag_rs", "a2a"):
             raise ValueError(f"DeployConfig.dcp_comm_backend must be 'ag_rs' or 'a2a', got {self.dcp_comm_backend!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in MLA_FORMATS:
@@ -93,3 +103,16 @@ class DeployConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.tokens_per_block)
+
+    @property
+    def index_tokens_per_block(self) -> int:
+        """Tokens one indexer-key block covers (index_block_size slots on each DCP rank)."""
+        return (self.index_block_size or self.block_size) * self.decode_context_parallel_size
+
+    @property
+    def max_index_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.index_tokens_per_block)
+
+    def group_tokens_per_block(self, groups) -> dict[str, int]:
+        """Per cache group, the tokens one block covers (kvcache.block_pool.KVCacheManager)."""
+        return {g: self.index_tokens_per_block if g == "indexer" else self.tokens_per_block for g in groups}

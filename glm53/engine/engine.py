@@ -30,11 +30,12 @@ class Engine:
                  clock: Clock | None = None):
         self.model = model
         self.deploy = deploy or DeployConfig()
-        num_blocks = self.deploy.num_gpu_blocks or default_num_blocks(self.deploy, len(GROUPS))
+        num_blocks = self.deploy.num_gpu_blocks or default_num_blocks(self.deploy, GROUPS)
         self.runner = runner or ModelRunner(model, self.deploy, num_blocks)
         policy = None
         if self.deploy.kv_policy == "offload":
-            policy = OffloadPolicy(self.runner, self.deploy.cpu_offload_bytes, self.runner.bytes_per_block)
+            policy = OffloadPolicy(self.runner, self.deploy.cpu_offload_bytes,
+                                   {g: self.runner.page_bytes(g) for g in GROUPS})
         elif self.deploy.kv_policy == "hisparse":
             from kvcache.hisparse import HiSparsePolicy  # here: kvcache.hisparse builds on glm53.engine
 

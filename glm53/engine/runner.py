@@ -65,9 +65,9 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def default_num_blocks(deploy: DeployConfig, num_groups: int) -> int:
+def default_num_blocks(deploy: DeployConfig, groups) -> int:
     """A pool that never runs out: every sequence slot at max_model_len in every group."""
-    return deploy.max_num_seqs * deploy.max_blocks_per_seq * num_groups
+    return deploy.max_num_seqs * sum(-(-deploy.max_model_len // n) for n in deploy.group_tokens_per_block(groups).values())
 
 
 @jax.jit
@@ -189,8 +189,10 @@ class ModelRunner:
         kv_dtype = jnp.dtype(model.dtype).name if deploy.kv_cache_dtype == "auto" else deploy.kv_cache_dtype
         self.max_rows = _pow2_at_least(deploy.max_num_seqs)
         self.max_tokens = _pow2_at_least(deploy.max_num_batched_tokens)
-        empty = np.full((self.max_rows, deploy.max_blocks_per_seq), -1, np.int32)
-        self.cache = PagedKVCache.create(model.cfg, num_blocks, deploy.block_size, empty, kv_cache_dtype=kv_dtype,
+        self.cache = PagedKVCache.create(model.cfg, num_blocks, deploy.block_size, self._table("mla", self.max_rows, []),
+                                         index_block_size=deploy.index_block_size,
+                                         index_block_table=self._table("indexer", self.max_rows, []),
+                                         kv_cache_dtype=kv_dtype,
                                          include_mtp=False)
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
         # On CPU, a prefill chunk attends faster through the dense (un-absorbed) form with the top-k mask
@@ -210,8 +212,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ HiSparse support
     def page_bytes(self, group: str) -> int:
-        """Bytes of one page (block_size rows) of a cache group over all its layers."""
-        return sum(a.shape[1] * a.dtype.itemsize for a in self._group_arrays(group)) * self.deploy.block_size
+        """Bytes of one page (block_size rows; index_block_size for the indexer) of a group, all its layers."""
+        return sum(a.shape[1] * a.dtype.itemsize for a in self._group_arrays(group)) * self._page_rows(group)
+
+    def _page_rows(self, group: str) -> int:
+        return (self.deploy.index_block_size or self.deploy.block_size) if group == "indexer" else self.deploy.block_size
 
     def _init_hisparse(self):
         d, cfg = self.deploy, self.model.cfg
@@ -224,8 +229,8 @@ class ModelRunner:
         if self.host_blocks["mla"] < 1:
             raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={d.hisparse_host_pool_bytes} holds no MLA page "
                              f"({self.page_bytes('mla')} bytes)")
-        b = d.block_size
-        self.host_tables = {g: tuple(jax.device_put(jnp.zeros((max(n, 1) * b, a.shape[1]), a.dtype), self._host)
+        self.host_tables = {g: tuple(jax.device_put(jnp.zeros((max(n, 1) * self._page_rows(g), a.shape[1]), a.dtype),
+                                                    self._host)
                                      for a in self._group_arrays(g)) for g, n in self.host_blocks.items()}
         groups = len(self.cache.index)
         self.hot_state = (jnp.full((self.max_rows, groups, self.hot_rows), -1, jnp.int32),
@@ -248,9 +253,7 @@ class ModelRunner:
         src = np.full(width, -1, np.int32)
         dst = np.full(width, -1, np.int32)
         src[:n], dst[:n] = src_blocks, dst_blocks
-        b = self.deploy.block_size
-        rows = lambda blk: np.where(blk[:, None] >= 0, blk[:, None] * b + np.arange(b), -1).reshape(-1)  # noqa: E731
-        src_s, dst_s = jnp.asarray(rows(src), jnp.int32), jnp.asarray(rows(dst), jnp.int32)
+        src_s, dst_s = jnp.asarray(self._page_slots(group, src)), jnp.asarray(self._page_slots(group, dst))
         nbytes = n * self.page_bytes(group)
         if direction == "d2h":
             self.host_tables[group] = _pages_d2h(self.host_tables[group], self._group_arrays(group), src_s, dst_s)
@@ -262,13 +265,15 @@ class ModelRunner:
             raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
 
     def reset_lease(self, lease: int, blocks: list[int]) -> None:
-        b = self.deploy.block_size
-        rows = (np.asarray(blocks, np.int32)[:, None] * b + np.arange(b, dtype=np.int32)).reshape(-1)[: self.hot_rows]
+        rows = self._page_slots("mla", blocks)[: self.hot_rows]
         self.hot_state = _reset_lease(*self.hot_state, lease, jnp.asarray(rows))
 
     def _count_resolve(self, req_ids: list[str]) -> None:
         hs, n = self._last_resolve, len(req_ids)
-        hits, misses, copied = (np.asarray(x)[:n] for x in (hs.hits, hs.misses, hs.copied))
+        hits, misses, copied, unserved = (np.asarray(x)[:n] for x in (hs.hits, hs.misses, hs.copied, hs.unserved))
+        if unserved.any():  # never read fewer rows than selected without saying so
+            bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
+            raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: {bad}")
         st = self.resolve_stats
         st.hot_hits += int(hits.sum())
         st.hot_misses += int(misses.sum())
@@ -278,33 +283,27 @@ class ModelRunner:
             st.log.append((req_ids, hits, misses, copied))
 
     def _hisparse_view(self, rows: int, info: dict) -> HiSparseView:
-        host = np.full((rows, self.deploy.max_blocks_per_seq), -1, np.int32)
-        for i, t in enumerate(info["host"]):
-            host[i, : len(t)] = t
+        host = self._table("mla", rows, info["host"])
         lease = np.full(rows, -1, np.int32)
         lease[: len(info["lease"])] = info["lease"]
         self.lru_step += 1
         return HiSparseView.create(self.host_tables["mla"], host, lease, *self.hot_state, self.lru_step,
                                    self.model.cfg.index_topk)
 
-    @property
-    def bytes_per_block(self) -> int:
-        """Device bytes one block id holds across every layer of both cache groups."""
-        rows = sum(a.shape[1] * a.dtype.itemsize for a in self.cache.mla + self.cache.index)
-        return rows * self.deploy.block_size
+    def _page_slots(self, group: str, blocks) -> np.ndarray:
+        """Slots of the whole pages `blocks` of `group`: int32 [len(blocks) x page rows], -1 for block -1."""
+        b = self._page_rows(group)
+        blk = np.asarray(blocks, np.int32).reshape(-1, 1)
+        return np.where(blk >= 0, blk * b + np.arange(b, dtype=np.int32), -1).reshape(-1)
 
     def _group_arrays(self, group: str):
         return self.cache.mla if group == "mla" else self.cache.index
-
-    def _slots(self, blocks: list[int]) -> jax.Array:
-        b = self.deploy.block_size
-        return jnp.asarray((np.asarray(blocks, np.int32)[:, None] * b + np.arange(b, dtype=np.int32)).reshape(-1))
 
     def offload(self, tables: dict[str, list[int]]) -> HostKV:
         """Copy the blocks `tables` names (per group) to host memory. The only device->host path."""
         arrays, nbytes = {}, 0
         for g, blocks in tables.items():
-            slots = self._slots(blocks)
+            slots = jnp.asarray(self._page_slots(g, blocks))
             arrays[g] = tuple(jax.device_put(_gather_rows(a, slots), self._host) for a in self._group_arrays(g))
             nbytes += sum(x.nbytes for x in arrays[g])
         self.transfers.d2h_bytes += nbytes
@@ -315,15 +314,16 @@ class ModelRunner:
         host->device path."""
         groups = {}
         for g, blocks in tables.items():
-            slots = self._slots(blocks)
+            slots = jnp.asarray(self._page_slots(g, blocks))
             groups[g] = tuple(_scatter_rows(a, slots, jax.device_put(h, self._device))
                               for a, h in zip(self._group_arrays(g), saved.arrays[g]))
         self.transfers.h2d_bytes += saved.nbytes
         self.cache = dataclasses.replace(self.cache, mla=groups.get("mla", self.cache.mla),
                                          index=groups.get("indexer", self.cache.index))
 
-    def _table(self, rows: int, tables: list[list[int]]) -> np.ndarray:
-        out = np.full((rows, self.deploy.max_blocks_per_seq), -1, np.int32)
+    def _table(self, group: str, rows: int, tables: list[list[int]]) -> np.ndarray:
+        width = self.deploy.max_index_blocks_per_seq if group == "indexer" else self.deploy.max_blocks_per_seq
+        out = np.full((rows, width), -1, np.int32)
         for i, t in enumerate(tables):
             out[i, : len(t)] = t
         return out
@@ -351,8 +351,7 @@ class ModelRunner:
         for rows, width, window in shapes:
             tok = np.zeros((rows, width), np.int32)
             pos = np.full((rows, width), -1, np.int32)
-            empty = np.full((rows, self.deploy.max_blocks_per_seq), -1, np.int32)
-            hidden = self._forward(tok, pos, empty, empty, window)
+            hidden = self._forward(tok, pos, self._table("mla", rows, []), self._table("indexer", rows, []), window)
             logits = self._last_logits(self.c.state, hidden, np.zeros(rows, np.int32))
             ones = np.ones(rows, np.float32)
             _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
@@ -388,7 +387,10 @@ class ModelRunner:
         out = {}
         hs = block_tables.get("hisparse")
         for width, idx in groups.items():
-            info = None if hs is None or width > 1 else {k: [v[i] for i in idx] for k, v in hs.items()}
+            # the resolver runs only for decode rows of which some hold a hot buffer; without one every
+            # selected page is on the device and the plain step reads it
+            leased = hs is not None and width == 1 and any(hs["lease"][i] >= 0 for i in idx)
+            info = {k: [v[i] for i in idx] for k, v in hs.items()} if leased else None
             out.update(self._run_group([chunks[i] for i in idx], [block_tables["mla"][i] for i in idx],
                                        [block_tables["indexer"][i] for i in idx], width, info))
         return out
@@ -404,7 +406,8 @@ class ModelRunner:
             last[i] = ch.num_tokens - 1
         window = window_bucket(int(pos.max()) + 1, self.cache.capacity)
         view = None if hisparse is None else self._hisparse_view(rows, hisparse)
-        hidden = self._forward(tok, pos, self._table(rows, tables_mla), self._table(rows, tables_index), window, view)
+        hidden = self._forward(tok, pos, self._table("mla", rows, tables_mla), self._table("indexer", rows, tables_index),
+                               window, view)
         if view is not None:
             self._count_resolve([ch.request.req_id for ch in chunks])
         need = [i for i, ch in enumerate(chunks) if ch.start + ch.num_tokens == ch.request.num_tokens]

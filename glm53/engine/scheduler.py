@@ -64,6 +64,9 @@ class KVPolicy(Protocol):
     def forget(self, scheduler: Scheduler, req: Request) -> None:
         """Undo `admit` (the request did not fit after all)."""
 
+    def reserve_blocks(self) -> int:
+        """Blocks a request may need beyond its pages (checked against the pool size at `add`)."""
+
     def extra_blocks(self, scheduler: Scheduler, req: Request, num_tokens: int) -> int:
         """Device blocks a chunk of `num_tokens` needs beyond the pages of its new tokens."""
 
@@ -111,6 +114,9 @@ class PreemptPolicy:
     def forget(self, scheduler: Scheduler, req: Request) -> None:
         pass
 
+    def reserve_blocks(self) -> int:
+        return 0
+
     def extra_blocks(self, scheduler: Scheduler, req: Request, num_tokens: int) -> int:
         return 0
 
@@ -148,19 +154,22 @@ class OffloadPolicy(PreemptPolicy):
     bring all of it back before the request runs again. A victim that does not fit the host pool is
     preempted instead (its KV dropped)."""
 
-    def __init__(self, mover: KVMover, capacity_bytes: int, bytes_per_block: int):
+    def __init__(self, mover: KVMover, capacity_bytes: int, page_bytes: dict[str, int]):
         self.mover = mover
         self.capacity_bytes = capacity_bytes
-        self.bytes_per_block = bytes_per_block  # all groups of one block id
+        self.page_bytes = page_bytes  # per cache group: bytes of one page, every layer
         self.used_bytes = 0
         self.saved: dict[str, tuple[object, int, int]] = {}  # req_id -> (host copy, tokens, bytes)
 
+    def _tables(self, scheduler: Scheduler, req: Request, tokens: int) -> dict[str, list[int]]:
+        kv = scheduler.kv
+        return {g: kv.block_table(req.req_id, g)[: kv.blocks_needed(tokens, g)] for g in kv.groups}
+
     def evict(self, scheduler: Scheduler, victim: Request) -> None:
-        n_blocks = scheduler.kv.blocks_needed(victim.num_computed_tokens)
-        nbytes = n_blocks * self.bytes_per_block
-        if n_blocks == 0 or self.used_bytes + nbytes > self.capacity_bytes:
+        tables = self._tables(scheduler, victim, victim.num_computed_tokens)
+        nbytes = sum(len(t) * self.page_bytes[g] for g, t in tables.items())
+        if nbytes == 0 or self.used_bytes + nbytes > self.capacity_bytes:
             return super().evict(scheduler, victim)
-        tables = {g: scheduler.kv.block_table(victim.req_id, g)[:n_blocks] for g in scheduler.kv.groups}
         self.saved[victim.req_id] = (self.mover.offload(tables), victim.num_computed_tokens, nbytes)
         self.used_bytes += nbytes
         scheduler.kv.free(victim.req_id)
@@ -173,8 +182,7 @@ class OffloadPolicy(PreemptPolicy):
 
     def restore(self, scheduler: Scheduler, req: Request) -> None:
         host, tokens, nbytes = self.saved.pop(req.req_id)
-        n_blocks = scheduler.kv.blocks_needed(tokens)
-        self.mover.restore(host, {g: scheduler.kv.block_table(req.req_id, g)[:n_blocks] for g in scheduler.kv.groups})
+        self.mover.restore(host, self._tables(scheduler, req, tokens))
         self.used_bytes -= nbytes
 
 
@@ -183,7 +191,8 @@ class Scheduler:
                  policy: KVPolicy | None = None):
         self.deploy = deploy
         self.kv = KVCacheManager(num_blocks, deploy.tokens_per_block, groups,
-                                 enable_prefix_caching=deploy.enable_prefix_caching)
+                                 enable_prefix_caching=deploy.enable_prefix_caching,
+                                 group_tokens_per_block=deploy.group_tokens_per_block(groups))
         self.policy: KVPolicy = policy or PreemptPolicy()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -191,7 +200,7 @@ class Scheduler:
         self.lost_tokens: dict[str, int] = {}  # per request: computed tokens dropped by preemption, not yet redone
 
     def add(self, req: Request) -> None:
-        need = self.kv.blocks_needed(req.prompt_ids.size + req.params.max_new_tokens) * len(self.kv.groups)
+        need = self.kv.blocks_needed_all(req.prompt_ids.size + req.params.max_new_tokens) + self.policy.reserve_blocks()
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"request {req.req_id!r} needs {need} blocks but the pool has {self.kv.pool.num_blocks}: "
                              "raise DeployConfig.num_gpu_blocks")
@@ -263,8 +272,7 @@ class Scheduler:
 
     def _need(self, req: Request, n: int) -> int:
         """Free blocks a chunk of n tokens of `req` needs."""
-        missing = self.kv.missing_blocks(req.req_id, req.num_computed_tokens + n)
-        return missing * len(self.kv.groups) + self.policy.extra_blocks(self, req, n)
+        return self.kv.missing_blocks(req.req_id, req.num_computed_tokens + n) + self.policy.extra_blocks(self, req, n)
 
     def _fits(self, req: Request, n: int) -> bool:
         return self._need(req, n) <= self.kv.num_free_blocks

@@ -6,14 +6,14 @@ Plus the residency policy's page rules, driven without a model."""
 import numpy as np
 import pytest
 
-import glm53
 from glm53 import DeployConfig, Engine
 from glm53.engine.request import Request, SamplingParams
 from glm53.engine.scheduler import ScheduledChunk, Scheduler
 from kvcache.hisparse import TAIL_PAGES, HiSparsePolicy
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
-HISPARSE = dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24)
+# indexer-key pages of 2 blocks: larger pages than the MLA group exercise the per-group page sizes
+HISPARSE = dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24, index_block_size=16)
 NEW = 10
 
 
@@ -26,10 +26,14 @@ def two_turns(tiny_model):
     prefix (staged prefill)."""
     rng = np.random.default_rng(1)
     first = [rng.integers(0, 512, n) for n in (71, 55, 79, 45)]
-    ref1 = [glm53.generate(tiny_model, p, NEW).token_ids for p in first]
+    # full residency: the default policy with a pool that never runs out (tests/engine/test_engine.py
+    # checks this engine against one-request-at-a-time glm53.generate, and it reuses that test's programs)
+    full = Engine(tiny_model, DeployConfig(**BASE))
+    ref1 = [o.token_ids for o in full.generate(first, max_new_tokens=NEW)]
     second = [np.concatenate([p, out] + ([] if i % 2 == 0 else [rng.integers(0, 512, 5)]))
               for i, (p, out) in enumerate(zip(first, ref1))]
-    ref2 = [glm53.generate(tiny_model, p, NEW).token_ids.tolist() for p in second]
+    ref2 = [o.token_ids.tolist() for o in full.generate(second, max_new_tokens=NEW)]
+    assert full.scheduler.stats.preemptions == 0
     return first, [r.tolist() for r in ref1], second, ref2
 
 
@@ -60,6 +64,8 @@ def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns):
     # everything returns: no request state, no lease, device pool and host pool consistent
     eng.scheduler.kv.check()
     pol.host_mla.check()
+    pol.host_index.check()
+    print("preemptions", eng.scheduler.stats, pol.stats)
     assert not pol.state and not eng.scheduler.kv.leases and len(pol.free_leases) == eng.runner.max_rows
     m = eng.metrics()
     assert m["hot_hits"] == res.hot_hits and m["hot_misses"] == res.hot_misses and m["h2d_bytes"] > 0
@@ -69,7 +75,9 @@ def test_room_in_the_pool_means_no_host_to_device_copies(tiny_model, two_turns):
     first, ref1, _, _ = two_turns
     # the same pool (so the same compiled programs), two requests: 40 of its 48 blocks, above the watermark
     eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=48))
+    eng.runner.resolve_stats.log = []
     assert [o.token_ids.tolist() for o in eng.generate(first[:2], max_new_tokens=NEW)] == ref1[:2]
+    assert eng.runner.resolve_stats.log == [] and eng.runner.lru_step == 0  # no decode step ran the resolver
     st = eng.scheduler.policy.stats
     assert st.precopied_pages > 0  # sealed pages still go to the host (pre-copy)
     assert st.released_pages == 0 and st.leases == 0 and eng.runner.transfers.h2d_bytes == 0
@@ -115,15 +123,19 @@ def test_pages_are_precopied_once_and_released_only_under_pressure():
     d2h = [c for c in mover.copies if c[1] == "d2h"]
     assert d2h[0][0] == "mla" and d2h[0][2] == sch.kv.block_table("a", "mla")[:7]
     assert pol.stats.precopied_pages == (a.num_computed_tokens // 4) and pol.stats.released_pages == 0
-    # pressure: a second request needs most of the pool; a's clean pages go, oldest first, not its tail
+    # pressure: a second request takes most of the pool; below the watermark clean pages go: those of
+    # the request with the most of them (b, 40 tokens, decoding after one step), oldest first, never
+    # its tail, and at least one more than the hot buffer it leases first
     b = Request("b", np.arange(100, 140, dtype=np.int32), SamplingParams(max_new_tokens=2))
     sch.add(b)
     _run(sch, 1)
-    table = sch.kv.block_table("a", "mla")
+    assert sch.kv.num_free_blocks >= pol.watermark
+    table = sch.kv.block_table("b", "mla")
     released = [p for p, blk in enumerate(table) if blk < 0]
-    assert released and released == list(range(len(released)))  # oldest pages
+    assert len(released) > pol.lease_blocks and released == list(range(len(released)))  # oldest pages
     assert all(blk >= 0 for blk in table[-TAIL_PAGES:])
-    assert pol.state["a"].lease >= 0 and len(sch.kv.leases["a"]) == pol.lease_blocks  # hot buffer leased
+    assert pol.state["b"].lease >= 0 and len(sch.kv.leases["b"]) == pol.lease_blocks  # hot buffer leased
+    assert -1 not in sch.kv.block_table("a", "mla") and pol.state["a"].lease < 0  # a was not needed
     assert sch.stats.preemptions == 0
     sch.kv.check()
 

@@ -149,3 +149,32 @@ class ManagerMachine(RuleBasedStateMachine):
 
 TestManagerMachine = ManagerMachine.TestCase
 TestManagerMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+
+
+class LargeIndexPagesMachine(ManagerMachine):
+    """The same operations with indexer pages of 2 hash chunks (index_block_size = 2 x block_size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.m = KVCacheManager(12, 2, groups=("mla", "indexer"), group_tokens_per_block={"indexer": 4})
+
+
+TestLargeIndexPagesMachine = LargeIndexPagesMachine.TestCase
+TestLargeIndexPagesMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_larger_indexer_pages_cost_fewer_blocks_and_align_prefix_hits():
+    m = KVCacheManager(64, 2, groups=("mla", "indexer"), group_tokens_per_block={"indexer": 6})
+    assert m.blocks_needed_all(13) == 7 + 3 and m.hit_multiple == 3
+    toks = list(range(13))
+    m.admit("a", toks)
+    m.allocate("a", 13)
+    assert [len(m.block_table("a", g)) for g in m.groups] == [7, 3]
+    m.cache_full_blocks("a", toks, 13)
+    # 6 full chunks of 2 tokens = 2 full indexer pages; a hit ends on an indexer page boundary
+    assert m.admit("b", toks + [50]) == 12
+    assert m.admit("c", toks[:11]) == 6  # 5 chunks are cached but only 3 make a whole indexer page
+    assert m.block_table("c", "indexer") == m.block_table("a", "indexer")[:1]
+    m.check()
+    with pytest.raises(ValueError, match="multiple of 2"):
+        KVCacheManager(8, 2, group_tokens_per_block={"indexer": 3})
