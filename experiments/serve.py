@@ -214,36 +214,48 @@ def main(argv=None) -> dict:
     if cfg.warmup not in ("replay", "buckets", "none"):
         raise ValueError(f"warmup must be 'replay', 'buckets' or 'none', got {cfg.warmup!r}")
     warmup_s = warm_up(model, cfg) if cfg.warmup == "buckets" else 0.0
-    runs = []
-    for policy in cfg.sweep.kv_policy:
-        for conc in cfg.sweep.concurrency:
-            if cfg.warmup == "replay":
-                t0 = time.perf_counter()
-                run_one(model, cfg, policy, conc, progress=False)
-                warmup_s += time.perf_counter() - t0
-            m = run_one(model, cfg, policy, conc, exporter=exporter, progress=not args.no_progress)
-            runs.append(m)
-            print(f"  {policy:8s} c={conc:<3d} throughput {m['throughput_tok_s_per_device']:8.1f} tok/s/dev   "
-                  f"interactivity {m['interactivity_tok_s_user']:7.1f} tok/s/user   TTFT p50 {m['ttft_median_s']:.3f} s"
-                  f"   preemptions {m['preemptions']}   prefix hit {m['prefix_hit_rate']:.1%}")
-    results = {
-        "config_name": cfg.name,
-        "config": cfg.to_dict(),
-        "model": source,
-        "workload": dataclasses.asdict(_workload_summary(sessions)),
-        "runs": runs,
-        "warmup_s": warmup_s,
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "device": str(jax.devices()[0])},
-        "git_revision": git_revision(),
-    }
-    if len(runs) == 1:
-        results.update({k: v for k, v in runs[0].items() if k not in results})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=_jsonable))
-    if len({r["concurrency"] for r in runs}) > 1:
-        plot(runs, out / "throughput_vs_interactivity.png")
+    planned = [(p, c) for p in cfg.sweep.kv_policy for c in cfg.sweep.concurrency]
+
+    def save(runs: list[dict]) -> dict:
+        """results.json after every sweep point (atomically), so a long sweep that stops keeps what it
+        measured; `complete` says whether every planned point ran."""
+        results = {
+            "config_name": cfg.name,
+            "config": cfg.to_dict(),
+            "model": source,
+            "workload": dataclasses.asdict(_workload_summary(sessions)),
+            "runs": runs,
+            "complete": len(runs) == len(planned),
+            "planned": [{"kv_policy": p, "concurrency": c} for p, c in planned],
+            "warmup_s": warmup_s,
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "device": str(jax.devices()[0])},
+            "git_revision": git_revision(),
+        }
+        if len(runs) == 1:
+            results.update({k: v for k, v in runs[0].items() if k not in results})
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1, default=_jsonable))
+        os.replace(tmp, out / "results.json")
+        if len({r["concurrency"] for r in runs}) > 1:
+            plot(runs, out / "throughput_vs_interactivity.png")
+        return results
+
+    runs = []
+    for policy, conc in planned:
+        if cfg.warmup == "replay":
+            t0 = time.perf_counter()
+            run_one(model, cfg, policy, conc, progress=False)
+            warmup_s += time.perf_counter() - t0
+        m = run_one(model, cfg, policy, conc, exporter=exporter, progress=not args.no_progress)
+        runs.append(m)
+        print(f"  {policy:8s} c={conc:<3d} throughput {m['throughput_tok_s_per_device']:8.1f} tok/s/dev   "
+              f"interactivity {m['interactivity_tok_s_user']:7.1f} tok/s/user   TTFT p50 {m['ttft_median_s']:.3f} s"
+              f"   running {m['running_requests_mean']:.1f}   preemptions {m['preemptions']}"
+              f"   prefix hit {m['prefix_hit_rate']:.1%}", flush=True)
+        results = save(runs)
     print(f"wrote {out / 'results.json'}")
     return results
 
