@@ -60,6 +60,7 @@ def check_copy(host_pool_mb: int, row_counts=(128, 2048, 16384), seed: int = 0) 
     against moving the whole pool; each copy is checked bit-exact."""
     dev = jax.devices()[0]
     host_s = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    dev_s = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
     n_host = host_pool_mb * (1 << 20) // (WORDS * 4)
     rng = np.random.default_rng(seed)
     host_np = rng.integers(0, 2**32, (n_host, WORDS), dtype=np.uint32)
@@ -74,7 +75,7 @@ def check_copy(host_pool_mb: int, row_counts=(128, 2048, 16384), seed: int = 0) 
         got = np.asarray(_copy_selected(table, host, src, dst))
         exact = bool(np.array_equal(got[np.asarray(dst)], host_np[np.asarray(src)]))
         t_sel = _median_s(lambda: _copy_selected(table, host, src, dst).block_until_ready())
-        t_all = _median_s(lambda: _copy_whole_pool(table, jax.device_put(host, dev), src, dst).block_until_ready())
+        t_all = _median_s(lambda: _copy_whole_pool(table, jax.device_put(host, dev_s), src, dst).block_until_ready())
         out["rows"].append({"rows": n, "bytes_selected": n * WORDS * 4, "exact": exact, "selected_copy_s": t_sel,
                             "whole_pool_copy_s": t_all,
                             "selected_GB_s": n * WORDS * 4 / t_sel / 1e9})
