@@ -157,3 +157,43 @@ def test_reused_block_makes_the_page_host_only():
     assert tables["mla"][0][page] == -1 and page not in st.unpinned and pol.stats.lost_pages > lost
     assert tables["hisparse"]["host"][0][page] >= 0  # served from the host copy from now on
     assert tables["hisparse"]["lease"][0] == st.lease >= 0  # through the hot buffer
+
+
+def test_evicted_request_comes_back_from_the_host_and_recomputes_only_its_tail():
+    sch, pol, mover = _scheduler(num_blocks=40)
+    a = Request("a", np.arange(30, dtype=np.int32), SamplingParams(max_new_tokens=20))
+    sch.add(a)
+    _run(sch, 3)  # prefill 30 tokens, decode 2: 32 tokens, 7 full pages pre-copied
+    sch._evict(a)
+    assert sch.stats.preemptions == 1 and "a" not in pol.state and not sch.kv.requests
+    # parked: the indexer-key pages went to the host offload pool, the MLA pages were already there
+    assert pol.stats.parked_index_pages == 8 and pol.host_index.check() is None and pol.host_mla.check() is None
+    sch.kv.pool.reset_prefix_cache()  # the device copies are gone: only the host pools can serve it
+    _run(sch, 1)
+    st = pol.state["a"]
+    assert a.status.name == "RUNNING" and pol.stats.host_prefix_pages == 8 and pol.stats.restored_index_pages == 8
+    # all 32 computed tokens (8 full pages) came back: nothing recomputed, one new token computed; a
+    # one-token chunk decodes on the host-only prefix through a hot buffer (no residency)
+    assert sch.stats.recomputed_tokens == 0 and a.num_computed_tokens == 33
+    assert sch.kv.block_table("a", "mla")[:8] == [-1] * 8 and st.lease >= 0 and pol.stats.staged_pages == 0
+    assert not st.pending_index
+    sch.kv.check()
+
+
+def test_admission_that_does_not_fit_gives_back_its_host_references():
+    sch, pol, _ = _scheduler(num_blocks=40)
+    a = Request("a", np.arange(30, dtype=np.int32), SamplingParams(max_new_tokens=3))
+    sch.add(a)
+    _run(sch, 5)  # finished and parked
+    assert not sch.running and not pol.state
+    refs = (list(pol.host_mla.ref_count), list(pol.host_index.ref_count))
+    sch.kv.pool.reset_prefix_cache()
+    b = Request("b", np.concatenate([np.arange(30), [7, 7, 7]]).astype(np.int32), SamplingParams(max_new_tokens=2))
+    hog = sch.kv.pool.allocate(sch.kv.num_free_blocks - 1)  # no room for b's restored pages
+    sch.add(b)
+    _run(sch, 1)
+    assert b.status.name == "WAITING" and "b" not in pol.state and "b" not in sch.kv.requests
+    assert (list(pol.host_mla.ref_count), list(pol.host_index.ref_count)) == refs  # nothing leaked
+    sch.kv.pool.free(hog)
+    _run(sch, 1)
+    assert b.status.name == "RUNNING" and pol.stats.host_prefix_pages > 0
