@@ -39,11 +39,13 @@ Mechanics
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from glm53.engine.request import Request
-from glm53.engine.scheduler import PreemptPolicy, ScheduledChunk, Scheduler
 from kvcache.block_pool import BlockPool, NoFreeBlocks
+
+if TYPE_CHECKING:  # the scheduler drives this policy; the policy needs only its duck-typed surface
+    from glm53.engine.request import Request
+    from glm53.engine.scheduler import ScheduledChunk, Scheduler
 
 TAIL_PAGES = 2  # newest pages of a request that are never released
 
@@ -84,8 +86,8 @@ class Residency:
     host_prefix: int = 0  # prompt pages admitted from the host pools, not yet counted
 
 
-class HiSparsePolicy(PreemptPolicy):
-    """kv_policy="hisparse". `mover`: the runner; host pools of `host_mla_blocks` MLA pages and
+class HiSparsePolicy:
+    """kv_policy="hisparse": implements glm53.engine.scheduler.KVPolicy. `mover`: the runner; host pools of `host_mla_blocks` MLA pages and
     `host_index_blocks` indexer-key pages; `hot_rows`: H; `max_leases`: hot-buffer slots on the device."""
 
     def __init__(self, mover: HostMover, *, host_mla_blocks: int, host_index_blocks: int, block_size: int,
@@ -338,7 +340,13 @@ class HiSparsePolicy(PreemptPolicy):
         """Park the victim's pages in the host pools, then drop its device KV; re-admission takes the
         parked prefix back (only the unsealed tail is recomputed)."""
         self._park(sch, victim)
-        super().evict(sch, victim)
+        sch.drop_kv(victim)
+
+    def saved_tokens(self, req: Request) -> int:
+        return 0  # parked KV comes back through `admit`, like a prefix hit
+
+    def restore(self, sch: Scheduler, req: Request) -> None:
+        raise RuntimeError("HiSparse restores parked KV at admission, not through restore()")
 
     def on_finish(self, sch: Scheduler, req: Request) -> None:
         self._park(sch, req)

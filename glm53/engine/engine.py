@@ -14,6 +14,7 @@ from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
 from glm53.engine.scheduler import OffloadPolicy, Scheduler
 from glm53.model import GLM53, as_token_array
+from kvcache.hisparse import HiSparsePolicy
 
 GROUPS = ("mla", "indexer")
 
@@ -37,8 +38,6 @@ class Engine:
             policy = OffloadPolicy(self.runner, self.deploy.cpu_offload_bytes,
                                    {g: self.runner.page_bytes(g) for g in GROUPS})
         elif self.deploy.kv_policy == "hisparse":
-            from kvcache.hisparse import HiSparsePolicy  # here: kvcache.hisparse builds on glm53.engine
-
             r = self.runner
             policy = HiSparsePolicy(r, host_mla_blocks=r.host_blocks["mla"], host_index_blocks=r.host_blocks["indexer"],
                                     block_size=self.deploy.block_size, hot_rows=r.hot_rows,
@@ -130,7 +129,7 @@ class Engine:
         groups), rows copied host->device by decode steps (all layers), host pool bytes in use now and at
         peak, mean requests per step in each residency state, and the page counters."""
         pol = self.scheduler.policy
-        if self.deploy.kv_policy != "hisparse":
+        if not isinstance(pol, HiSparsePolicy):
             return {}
         rs, st = self.runner.resolve_stats, pol.stats
         steps = max(1, self.scheduler.stats.steps)

@@ -136,11 +136,7 @@ class PreemptPolicy:
         pass
 
     def evict(self, scheduler: Scheduler, victim: Request) -> None:
-        scheduler.kv.free(victim.req_id)
-        scheduler.stats.preemptions += 1
-        scheduler.lost_tokens[victim.req_id] = scheduler.lost_tokens.get(victim.req_id, 0) + victim.num_computed_tokens
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
+        scheduler.drop_kv(victim)
 
     def saved_tokens(self, req: Request) -> int:
         return 0
@@ -209,6 +205,15 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def drop_kv(self, victim: Request) -> None:
+        """Preempt `victim` by dropping its device KV: what it had computed is recomputed later, less
+        whatever a cache (device prefix cache, a policy's host pool) gives back at re-admission."""
+        self.kv.free(victim.req_id)
+        self.stats.preemptions += 1
+        self.lost_tokens[victim.req_id] = self.lost_tokens.get(victim.req_id, 0) + victim.num_computed_tokens
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
 
     def _evict(self, victim: Request) -> None:
         self.policy.evict(self, victim)
