@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attention import dense_mla, sparse_mla
-from attention import indexer as indexer_ops
+from attention import dense_mla
 from glm53.config import ModelConfig
 from kvcache.base import KVCache
 
@@ -173,8 +172,7 @@ class MLAttention(nnx.Module):
         if self.indexer is not None:
             q_idx, w_idx, k_idx = self.indexer.queries_and_key(x_BTD, qr_BTQ, cos, sin)
             cache = cache.write_index_keys(self.layer, k_idx, pos_BT)
-            topk_BTK = indexer_ops.topk(q_idx, w_idx, cache.index_key_pages(self.layer), pos_BT, cfg.index_topk,
-                                        window=window, impl=impl)
+            topk_BTK = cache.select(self.layer, q_idx, w_idx, pos_BT, cfg.index_topk, window=window, impl=impl)
         elif topk_BTK is None:
             raise ValueError(f"layer {self.layer} shares top-k indices but no earlier full layer provided them")
 
@@ -182,8 +180,8 @@ class MLAttention(nnx.Module):
         scale = cfg.softmax_scale
         if form == "mqa":
             q_lat_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk_RHN)
-            rows, cache = cache.sparse_slots(self.layer, topk_BTK, full=self.indexer is not None)
-            o_lat_BTHR, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
+            o_lat_BTHR, cache = cache.attend(self.layer, q_lat_BTHR, q_pe_BTHP, topk_BTK, scale, window=window,
+                                             full=self.indexer is not None, impl=impl)
             o_BTHV = jnp.einsum("bthr,rhv->bthv", o_lat_BTHR.astype(x_BTD.dtype), w_uv_RHV)
         elif form == "mha":
             lat_BWR, pe_BWP = cache.mla_rows(self.layer, window)

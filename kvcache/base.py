@@ -18,6 +18,8 @@ from typing import Protocol
 
 import jax
 
+from attention import indexer as indexer_ops
+from attention import sparse_mla
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 
@@ -49,6 +51,29 @@ class KVCache(Protocol):
         """What sparse MLA reads for `layer` -> (rows, cache). A cache whose rows may live elsewhere
         (HiSparse: the host pool) brings the selected ones in first; `full`: the layer computed the
         selection itself (IndexShare's shared layers replay its plan). Plain caches: (mla_slots, self)."""
+
+    def select(self, layer: int, q_BTHI, w_BTH, pos_BT, topk: int, *, window: int, impl: str) -> jax.Array:
+        """The indexer's selection for full layer `layer`: positions [B,T,min(topk, window)] int32 (-1 =
+        none) in the total order. Plain caches: `default_select` on their key pages; a cache sharded over
+        devices (parallel.cp_cache) merges per-rank candidates."""
+
+    def attend(self, layer: int, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale: float, *, window: int, full: bool,
+               impl: str) -> tuple[jax.Array, KVCache]:
+        """Sparse MQA of the queries over the selected positions (all < window) -> (out [B,T,H,R] f32,
+        cache). Plain caches: `default_attend` (sparse_slots, then attention.sparse_mla.sparse_mqa)."""
+
+
+def default_select(cache: KVCache, layer: int, q_BTHI, w_BTH, pos_BT, topk: int, *, window: int, impl: str):
+    """`KVCache.select` of a cache whose key pages hold every position (the single-device case)."""
+    return indexer_ops.topk(q_BTHI, w_BTH, cache.index_key_pages(layer), pos_BT, topk, window=window, impl=impl)
+
+
+def default_attend(cache: KVCache, layer: int, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale: float, *, window: int,
+                   full: bool, impl: str):
+    """`KVCache.attend` of a cache whose `sparse_slots` reach every selected row (the single-device case)."""
+    rows, cache = cache.sparse_slots(layer, pos_BTK, full=full)
+    out, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
+    return out, cache
 
 
 def replace_layer_array(cache, group: str, layer: int, value):

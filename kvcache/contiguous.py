@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from attention.formats import IndexKeyFormat
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
-from kvcache.base import replace_layer_array
+from kvcache.base import default_attend, default_select, replace_layer_array
 from kvcache.paged import write_slots
 
 
@@ -84,3 +84,6 @@ class ContiguousKVCache:
 
     def sparse_slots(self, layer, pos_BTK, full):
         return self.mla_slots(layer, pos_BTK), self
+
+    select = default_select
+    attend = default_attend

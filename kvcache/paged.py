@@ -24,7 +24,7 @@ from attention.formats import IndexKeyFormat, MLARowFormat
 from attention.hisparse import HiSparseView
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
-from kvcache.base import replace_layer_array
+from kvcache.base import default_attend, default_select, replace_layer_array
 
 # The index-key format that goes with each MLA row format by default (vLLM pairs fp8_ds_mla with fp8 keys).
 DEFAULT_INDEX_FORMAT = {"fp8_ds_mla": "fp8", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
@@ -132,9 +132,17 @@ class PagedKVCache:
         return replace_layer_array(self, group, layer, value)
 
     def write_mla(self, layer, latent_BTR, rope_BTP, pos_BT):
-        buf = self.mla[self.mla_layers.index(layer)]
-        rows = self.mla_format.pack(latent_BTR, rope_BTP)
-        return self._replace("mla", layer, write_slots(buf, rows, self.slots(pos_BT)))
+        return self.write_packed("mla", layer, self.mla_format.pack(latent_BTR, rope_BTP), pos_BT)
+
+    def write_packed(self, group: str, layer: int, rows_BTX, pos_BT) -> PagedKVCache:
+        """Store rows [B,T,width] already in the group's storage format ("mla": mla_format, "index":
+        index_format) at positions pos [B,T] (-1 = skip)."""
+        if group == "mla":
+            buf, slots = self.mla[self.mla_layers.index(layer)], self.slots(pos_BT)
+        else:
+            buf = self.index[self.index_layers.index(layer)]
+            slots = slot_mapping(self._index_table, pos_BT, self._ibs)
+        return self._replace(group, layer, write_slots(buf, rows_BTX, slots))
 
     @property
     def _index_table(self):
@@ -145,9 +153,7 @@ class PagedKVCache:
         return self.index_block_size or self.block_size
 
     def write_index_keys(self, layer, keys_BTI, pos_BT):
-        buf = self.index[self.index_layers.index(layer)]
-        slots = slot_mapping(self._index_table, pos_BT, self._ibs)
-        return self._replace("index", layer, write_slots(buf, self.index_format.pack(keys_BTI), slots))
+        return self.write_packed("index", layer, self.index_format.pack(keys_BTI), pos_BT)
 
     def index_key_pages(self, layer):
         return PagedKeys(self.index[self.index_layers.index(layer)], self._index_table, self._ibs,
@@ -181,3 +187,6 @@ class PagedKVCache:
         hs, table = hs.copy_rows(i, self.mla[i])
         cache = dataclasses.replace(self._replace("mla", layer, table), hisparse=hs)
         return SlotRows(table, hs.plan_rows[:, None, :], self.mla_format), cache
+
+    select = default_select
+    attend = default_attend

@@ -129,5 +129,5 @@ def pcp_prefill_bytes(*, n: int, new_tokens: int, row_bytes: float, key_bytes: f
 
 def dcp_full_copy_bytes(*, n: int, local_slots: int, row_bytes: float, key_bytes: float = 0) -> float:
     """Bytes one rank sends per layer to build the temporary full-context copy in PCP x DCP prefill: an
-    all-gather of its whole shard (local_slots = blocks per rank x block size, about context / N)."""
+    all-gather of its share of the request (local_slots = the request's blocks x block size, about context / N)."""
     return (n - 1) * local_slots * (row_bytes + key_bytes)

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from attention import indexer as indexer_ops
 from attention import sparse_mla
+from attention.common import slot_mapping
 from attention.merge import merge
 from parallel import pcp
 
@@ -195,6 +196,20 @@ def combine(out_BTHR, lse_BTH, *, axis, backend: str):
     return (combine_ag_rs if backend == "ag_rs" else combine_a2a)(out_BTHR, lse_BTH, axis=axis)
 
 
+def combine_all_heads(out_BTHR, lse_BTH, *, axis, backend: str):
+    """Exact merge when every rank holds all H heads (the engine runs attention projections replicated,
+    not head-split): heads are zero-padded to a multiple of N, merged with `combine` (each rank gets its
+    H/N heads), then all-gathered back -> (out [B,T,H,R], lse [B,T,H]), the same on every rank. The last
+    all-gather is what replicated projections cost over vLLM's head-split (TP) layout, where each rank
+    keeps its heads for a row-parallel o_proj."""
+    n = jax.lax.axis_size(axis)
+    h = lse_BTH.shape[-1]
+    out, lse = combine(pad_heads(out_BTHR, n), pad_heads(lse_BTH, n), axis=axis, backend=backend)
+    out = jax.lax.all_gather(out, axis, axis=2, tiled=True, to="invarying")
+    lse = jax.lax.all_gather(lse, axis, axis=2, tiled=True, to="invarying")
+    return out[:, :, :h], lse[:, :, :h]
+
+
 # ------------------------------------------------------------------------------------------------- top-k
 def merge_topk(scores_BTC, pos_BTC, topk: int):
     """Exact global top-k from per-rank candidates: scores [B,T,C] f32 (-inf = none), global positions
@@ -225,18 +240,60 @@ def _local_view(q_pos_BT, block_table_BM, layout: DcpLayout, rank):
     return g_L, slot_BL, valid_BTL
 
 
+def local_causal_limit(q_pos, layout: DcpLayout, rank):
+    """The last local position of `rank` a query at global position q_pos may see: local position l holds
+    global position g(l), increasing in l, so g(l) <= q_pos iff l < local_length(q_pos + 1). -> int32 like
+    q_pos; -1 for a padding query (q_pos < 0) or when the rank owns no position <= q_pos. Passing this as
+    the query position to a single-device indexer op applies the global causal mask on a local shard."""
+    return jnp.where(q_pos >= 0, layout.local_length(q_pos + 1, rank) - 1, -1).astype(jnp.int32)
+
+
+def local_window(window: int, layout: DcpLayout) -> int:
+    """Local positions a rank must read to cover global positions [0, window): whole virtual blocks."""
+    return layout.blocks_per_rank(window) * layout.block_size
+
+
+def local_candidates(scores_BTL, layout: DcpLayout, rank, topk: int):
+    """A rank's local top-k over its local positions 0..L-1: scores [B,T,L] f32 (-inf = not visible) ->
+    (scores [B,T,k_l], global positions [B,T,k_l] int32; -inf / -1 = none; k_l = min(topk, L)). Local order
+    is global order on one rank, so `lax.top_k`'s lowest-index tie break is the total order."""
+    vals, idx = jax.lax.top_k(scores_BTL, min(topk, scores_BTL.shape[-1]))
+    return vals, jnp.where(vals == -jnp.inf, -1, layout.global_position(idx, rank)).astype(jnp.int32)
+
+
+def global_topk(cand_s_BTC, cand_p_BTC, topk: int, *, axis):
+    """All-gather every rank's local candidates (scores, global positions [B,T,k_l]) and merge them into the
+    exact global top-k [B,T,min(topk, N k_l)] (`merge_topk`); the result is the same on every rank."""
+    all_s = jax.lax.all_gather(cand_s_BTC, axis, axis=2, tiled=True, to="invarying")
+    all_p = jax.lax.all_gather(cand_p_BTC, axis, axis=2, tiled=True, to="invarying")
+    return merge_topk(all_s, all_p, topk)
+
+
 def local_topk(qi_BTHI, w_BTH, keys_LI, q_pos_BT, block_table_BM, layout: DcpLayout, rank, topk: int):
     """One rank's indexer over its own keys: -> (scores [B,T,k_l] f32, global positions [B,T,k_l] int32,
     -1 / -inf = none; k_l = min(topk, L)) and the number of (query, key) pairs scored."""
-    g_L, slot_BL, valid_BTL = _local_view(q_pos_BT, block_table_BM, layout, rank)
+    _, slot_BL, valid_BTL = _local_view(q_pos_BT, block_table_BM, layout, rank)
     keys_BLI = jnp.take(keys_LI, jnp.maximum(slot_BL, 0), axis=0)
-    l = slot_BL.shape[-1]
-    all_pos = jnp.full(q_pos_BT.shape, l - 1, jnp.int32)  # causality is applied below, on global positions
-    s_BTL = indexer_ops.index_scores_reference(qi_BTHI, w_BTH, keys_BLI, all_pos)
-    s_BTL = jnp.where(valid_BTL, s_BTL, -jnp.inf)
-    vals, idx = jax.lax.top_k(s_BTL, min(topk, l))
-    pos = jnp.where(vals == -jnp.inf, -1, g_L[idx])
-    return vals, pos.astype(jnp.int32), jnp.sum(valid_BTL, dtype=jnp.int32)
+    limit_BT = local_causal_limit(q_pos_BT, layout, rank)
+    s_BTL = indexer_ops.index_scores_reference(qi_BTHI, w_BTH, keys_BLI, limit_BT)
+    s_BTL = jnp.where((slot_BL >= 0)[:, None, :], s_BTL, -jnp.inf)
+    vals, pos = local_candidates(s_BTL, layout, rank, topk)
+    return vals, pos, jnp.sum(valid_BTL, dtype=jnp.int32)
+
+
+def full_copy(table_LX, block_table_BM, layout: DcpLayout, *, axis, num_positions: int):
+    """The temporary full-context copy of PCP x DCP prefill: every rank gathers its rows of positions
+    [0, num_positions) of each request (through the shared block table [B,M]), all ranks all-gather them,
+    and each lays them out by global position -> [B, num_positions, X] in the table's storage format
+    (zeros where no block is allocated). Only the requests' own rows move: (N - 1) x their local share."""
+    bs = layout.block_size
+    nl = local_window(num_positions, layout)
+    lp = jnp.broadcast_to(jnp.arange(nl, dtype=jnp.int32), (block_table_BM.shape[0], nl))
+    slots_BL = slot_mapping(block_table_BM, lp, bs)
+    rows_BLX = jnp.where((slots_BL >= 0)[..., None], jnp.take(table_LX, jnp.maximum(slots_BL, 0), axis=0), 0)
+    all_NBLX = jax.lax.all_gather(rows_BLX.astype(table_LX.dtype), axis, to="invarying")
+    g = jnp.arange(num_positions, dtype=jnp.int32)
+    return jnp.moveaxis(all_NBLX[layout.owner(g), :, layout.local_position(g)], 0, 1)  # [B, S, X]
 
 
 def decode_local(q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_LX, *, layout: DcpLayout, axis,
@@ -260,10 +317,8 @@ def decode_local(q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_LX, *, la
     if index is not None:
         qi, w, keys_LI, topk = index
         cand_s, cand_p, pairs = local_topk(qi, w, keys_LI, q_pos_BT, block_table_BM, layout, rank, topk)
-        all_s = jax.lax.all_gather(cand_s, axis, axis=2, tiled=True, to="invarying")  # [B,T,N*k_l]
-        all_p = jax.lax.all_gather(cand_p, axis, axis=2, tiled=True, to="invarying")
         cap = block_table_BM.shape[-1] * layout.virtual_block
-        topk_BTK = merge_topk(all_s, all_p, min(topk, cap))
+        topk_BTK = global_topk(cand_s, cand_p, min(topk, cap), axis=axis)
         counters["indexer_pairs"] = pairs[None]
     if topk_BTK is None:
         _, slot_BL, valid_BTL = _local_view(q_pos_BT, block_table_BM, layout, rank)
@@ -353,14 +408,9 @@ def decode(mesh, q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_NLX, *, l
 
 # -------------------------------------------------------------------------------------- PCP x DCP prefill
 def gather_full_copy(table_LX, block_table_M, layout: DcpLayout, *, axis):
-    """All-gather every rank's table [L,X] and lay it out by global position: -> [M * B * N, X] (zeros at
-    positions without a block). The temporary full-context copy of PCP x DCP prefill."""
-    all_NLX = jax.lax.all_gather(table_LX, axis)
+    """`full_copy` of one request's whole block table [M] -> [M * B * N, X]."""
     cap = block_table_M.shape[-1] * layout.virtual_block
-    g = jnp.arange(cap, dtype=jnp.int32)
-    owner, slot = layout.slot_mapping(g, block_table_M)
-    rows = all_NLX[owner, jnp.maximum(slot, 0)]
-    return jnp.where((slot >= 0)[:, None], rows, 0).astype(table_LX.dtype)
+    return full_copy(table_LX, block_table_M[None], layout, axis=axis, num_positions=cap)[0]
 
 
 def pcp_dcp_prefill_local(q_lat_CHR, q_pe_CHP, qi_CHI, w_CH, rows_new_CX, keys_new_CI, pos_all_L, block_table_M,

@@ -75,14 +75,33 @@ def moe_local(moe: MoE, x_ND, *, axis):
     return y_ND
 
 
+def moe_local_replicated(moe: MoE, x_ND, *, axis):
+    """Expert-parallel MoE when every rank holds the same tokens (decode steps, whose few tokens are not
+    split): each rank applies its own experts to the assignments that chose them and one all-reduce (psum)
+    sums the ranks' parts -> y [n, D] on every rank. Assignments to other ranks' experts are routed to
+    local expert 0 with weight 0 (computed, never counted)."""
+    axes = _axes(axis)
+    w_gate_up = moe.experts.gate_up_proj[...]
+    e_local = w_gate_up.shape[0]
+    idx_NK, w_NK = moe.gate(x_ND)
+    mine = idx_NK // e_local == jax.lax.axis_index(axes)
+    y_ND = grouped_experts(x_ND, jnp.where(mine, idx_NK % e_local, 0), jnp.where(mine, w_NK, 0.0), w_gate_up,
+                           moe.experts.down_proj[...])
+    y_ND = jax.lax.psum(y_ND, axes)
+    if moe.shared_experts is not None:
+        y_ND = y_ND + moe.shared_experts(x_ND)
+    return y_ND
+
+
 def state_specs(state, axis: str | Sequence[str]):
-    """PartitionSpecs for an `nnx.split(moe)` state: routed experts split on their expert axis over `axis`,
-    everything else replicated."""
+    """PartitionSpecs for an `nnx.split` state of a MoE layer or a whole model: the routed experts (any
+    parameter under an `experts` module) split on their expert axis over `axis`, everything else
+    replicated."""
     axes = _axes(axis)
 
     def spec(path, _):
         keys = [getattr(p, "key", getattr(p, "name", None)) for p in path]
-        return P(axes) if keys and keys[0] == "experts" else P()
+        return P(axes) if "experts" in keys else P()
 
     return jax.tree_util.tree_map_with_path(spec, state)
 

@@ -21,6 +21,10 @@ class DeployConfig:
         hits then end on multiples of index_block_size tokens.
     num_gpu_blocks: blocks in the device pool shared by all cache groups (None: enough for
         max_num_seqs requests of max_model_len tokens, i.e. a pool that never runs out).
+    prefill_context_parallel_size / decode_context_parallel_size: PCP (a prefill chunk's tokens split
+        over the ranks) and DCP (the KV cache split round-robin over them) on one context mesh axis of
+        max(PCP, DCP) devices (parallel.model); with enable_expert_parallel the routed experts are split
+        over the same devices. Each is 1 or that axis size.
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (move it to the host pool, bring it back), "hisparse" (keep decoding with most
         MLA KV in a host pool of hisparse_host_pool_bytes; rows the indexer selects come through a hot
@@ -79,12 +83,23 @@ class DeployConfig:
             raise ValueError(f"DeployConfig.attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
         if self.cpu_offload_bytes < 0 or self.host_link_bytes_per_s <= 0:
             raise ValueError("DeployConfig.cpu_offload_bytes must be >= 0 and host_link_bytes_per_s > 0")
+        pcp, dcp = self.prefill_context_parallel_size, self.decode_context_parallel_size
+        if pcp > 1 and dcp > 1 and pcp != dcp:
+            raise ValueError(f"DeployConfig.prefill_context_parallel_size={pcp} and decode_context_parallel_size={dcp} "
+                             "must be equal when both exceed 1: they share one context mesh axis")
+        for name in ("block_size", "index_block_size"):
+            size = getattr(self, name)
+            if dcp > 1 and size is not None and size % self.cp_kv_cache_interleave_size:
+                raise ValueError(f"DeployConfig.cp_kv_cache_interleave_size={self.cp_kv_cache_interleave_size} must "
+                                 f"divide {name}={size}: a rank's run of interleaved tokens must not cross a block")
         # What the engine does not run yet: say so instead of silently running something else.
-        for name in ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
-                     "decode_context_parallel_size"):
+        for name in ("data_parallel_size", "tensor_parallel_size"):
             if getattr(self, name) != 1:
-                raise NotImplementedError(f"DeployConfig.{name}={getattr(self, name)}: the engine runs on one device "
-                                          "so far (parallel/ has the primitives; engine integration is issue 5)")
+                raise NotImplementedError(f"DeployConfig.{name}={getattr(self, name)}: the engine runs one replica "
+                                          "with replicated weights so far (only the context axis is built)")
+        if self.kv_policy == "hisparse" and self.context_parallel_size > 1:
+            raise NotImplementedError("DeployConfig.kv_policy='hisparse' with context parallelism: HiSparse "
+                                      "residency runs on one device so far")
         if self.kv_policy == "hisparse" and self.hisparse_host_pool_bytes <= 0:
             raise ValueError("DeployConfig.kv_policy='hisparse' needs hisparse_host_pool_bytes > 0 (the host pool "
                              "for MLA pages; cpu_offload_bytes sizes the separate pool for idle indexer keys)")
@@ -94,6 +109,12 @@ class DeployConfig:
             raise ValueError("DeployConfig.kv_policy='offload' needs cpu_offload_bytes > 0 (the host pool size)")
         if self.num_speculative_tokens:
             raise NotImplementedError("DeployConfig.num_speculative_tokens: MTP speculative decoding is not built yet")
+
+    @property
+    def context_parallel_size(self) -> int:
+        """Devices on the context mesh axis: max(PCP, DCP) (1 = one device). Under expert parallelism the
+        same devices hold the experts (EP size = this)."""
+        return max(self.prefill_context_parallel_size, self.decode_context_parallel_size)
 
     @property
     def tokens_per_block(self) -> int:

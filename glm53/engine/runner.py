@@ -30,6 +30,10 @@ from glm53.engine.config import DeployConfig
 from glm53.engine.scheduler import ScheduledChunk
 from glm53.model import GLM53, compiled
 from kvcache.paged import PagedKVCache
+from parallel import model as parallel_model
+from parallel.cp_cache import CpKVCache
+from parallel.mesh import make_mesh
+from parallel.pcp import PcpSplit
 
 
 class Clock(Protocol):
@@ -146,6 +150,11 @@ class HostKV:
 
 
 @jax.jit
+def _take_tokens(hidden_RTD, order_T):
+    return hidden_RTD[:, order_T]
+
+
+@jax.jit
 def _gather_rows(arr, slots):
     return arr[slots]
 
@@ -189,11 +198,20 @@ class ModelRunner:
         kv_dtype = jnp.dtype(model.dtype).name if deploy.kv_cache_dtype == "auto" else deploy.kv_cache_dtype
         self.max_rows = _pow2_at_least(deploy.max_num_seqs)
         self.max_tokens = _pow2_at_least(deploy.max_num_batched_tokens)
-        self.cache = PagedKVCache.create(model.cfg, num_blocks, deploy.block_size, self._table("mla", self.max_rows, []),
+        self.num_blocks = num_blocks
+        # Context parallelism (parallel.model): a mesh with one context axis of max(PCP, DCP) devices.
+        # Under DCP a block id is a page of block_size slots on every rank, so the arrays hold
+        # kv_ranks x num_blocks pages, split over the axis (rank r's table is the r-th slice).
+        self.mesh = make_mesh(cp=deploy.context_parallel_size) if deploy.context_parallel_size > 1 else None
+        self.kv_ranks = deploy.decode_context_parallel_size
+        self.cache = PagedKVCache.create(model.cfg, num_blocks * self.kv_ranks, deploy.block_size,
+                                         self._table("mla", self.max_rows, []),
                                          index_block_size=deploy.index_block_size,
                                          index_block_table=self._table("indexer", self.max_rows, []),
                                          kv_cache_dtype=kv_dtype,
                                          include_mtp=False)
+        if self.mesh is not None:
+            self.cache = parallel_model.place(self._cp_cache(self.cache, False), self.mesh).local
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
         # On CPU, a prefill chunk attends faster through the dense (un-absorbed) form with the top-k mask
         # than by gathering the selected latent rows, while the window is at most a few times top-k
@@ -211,9 +229,16 @@ class ModelRunner:
             self._init_hisparse()
 
     # ------------------------------------------------------------------------------ HiSparse support
+    @property
+    def capacity(self) -> int:
+        """Positions per request the block tables address (all DCP ranks together)."""
+        return self.cache.capacity * self.kv_ranks
+
     def page_bytes(self, group: str) -> int:
-        """Bytes of one page (block_size rows; index_block_size for the indexer) of a group, all its layers."""
-        return sum(a.shape[1] * a.dtype.itemsize for a in self._group_arrays(group)) * self._page_rows(group)
+        """Bytes of one page (block_size rows; index_block_size for the indexer; on every DCP rank) of a
+        group, all its layers."""
+        row = sum(a.shape[1] * a.dtype.itemsize for a in self._group_arrays(group))
+        return row * self._page_rows(group) * self.kv_ranks
 
     def _page_rows(self, group: str) -> int:
         return (self.deploy.index_block_size or self.deploy.block_size) if group == "indexer" else self.deploy.block_size
@@ -294,7 +319,11 @@ class ModelRunner:
         """Slots of the whole pages `blocks` of `group`: int32 [len(blocks) x page rows], -1 for block -1."""
         b = self._page_rows(group)
         blk = np.asarray(blocks, np.int32).reshape(-1, 1)
-        return np.where(blk >= 0, blk * b + np.arange(b, dtype=np.int32), -1).reshape(-1)
+        slots = np.where(blk >= 0, blk * b + np.arange(b, dtype=np.int32), -1).reshape(-1)
+        if self.kv_ranks > 1:  # DCP: the page on every rank; rank r's table starts at r * num_blocks * b
+            ranks = np.arange(self.kv_ranks, dtype=np.int32)[:, None] * (self.num_blocks * b)
+            slots = np.where(slots >= 0, slots[None, :] + ranks, -1).reshape(-1)
+        return slots
 
     def _group_arrays(self, group: str):
         return self.cache.mla if group == "mla" else self.cache.index
@@ -339,8 +368,8 @@ class ModelRunner:
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, window) program a serving run can use."""
         rows = [1 << i for i in range(self.max_rows.bit_length())]
-        windows = sorted({window_bucket(n, self.cache.capacity) for n in
-                          (1 << i for i in range(self.cache.capacity.bit_length() + 1))})
+        windows = sorted({window_bucket(n, self.capacity) for n in
+                          (1 << i for i in range(self.capacity.bit_length() + 1))})
         return [(r, w, win) for r in rows for w in self.width_buckets() for win in windows]
 
     def warmup(self, shapes=None) -> int:
@@ -357,12 +386,22 @@ class ModelRunner:
             _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
         return len(shapes)
 
+    def _cp_cache(self, cache: PagedKVCache, tokens_split: bool) -> CpKVCache:
+        d = self.deploy
+        return CpKVCache(cache, "cp", d.context_parallel_size, tokens_split=tokens_split, dcp=self.kv_ranks > 1,
+                         interleave=d.cp_kv_cache_interleave_size, backend=d.dcp_comm_backend)
+
     def _forward(self, tok, pos, table_mla, table_index, window, hisparse: HiSparseView | None = None) -> jax.Array:
+        """Run one padded batch [rows, width] -> hidden [rows, width, D] in token order (cache updated)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = dataclasses.replace(self.cache.with_block_table(table_mla, table_index), hisparse=hisparse)
         form = "mha" if tok.shape[1] > 1 and window <= self.prefill_dense_max_window else self.form
         if hisparse is not None:
             form = "mqa"  # host-only pages are reachable only through the resolver's selected rows
+        if self.mesh is not None:
+            hidden, cache = self._forward_cp(tok, pos, cache, window, form)
+            self.cache = cache
+            return hidden
         hidden, cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
                                           form=form, impl=self.deploy.attention_impl)
         if cache.hisparse is not None:
@@ -373,6 +412,28 @@ class ModelRunner:
             cache = dataclasses.replace(cache, hisparse=None)
         self.cache = cache
         return hidden
+
+    def _forward_cp(self, tok, pos, cache: PagedKVCache, window: int, form: str):
+        """`_forward` on the context mesh. Prefill rows (width > 1) under PCP are split into the balanced
+        2N-chunk layout (`parallel.pcp.PcpSplit` over the row width: rank g holds chunks g and 2N-1-g of
+        every row) and their hidden states restored to token order; decode rows run replicated."""
+        split = self.deploy.prefill_context_parallel_size > 1 and tok.shape[1] > 1
+        if self.kv_ranks > 1 and not split:
+            form = "mqa"  # queries go to the KV shards; the dense form would need the whole context here
+        order = None
+        if split:
+            layout = PcpSplit(tok.shape[1], self.deploy.context_parallel_size)
+            src = layout.positions().reshape(-1)  # the row-relative token each slot holds (-1 = padding)
+            tok = np.where(src >= 0, tok[:, np.maximum(src, 0)], 0)
+            pos = np.where(src >= 0, pos[:, np.maximum(src, 0)], -1)
+            order = np.argsort(np.where(src >= 0, src, src.size))[: layout.length].astype(np.int32)
+        hidden, cp = parallel_model.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos),
+                                            self._cp_cache(cache, split), graphdef=self.c.graphdef, mesh=self.mesh,
+                                            window=window, form=form, impl=self.deploy.attention_impl,
+                                            expert_parallel=self.deploy.enable_expert_parallel)
+        if order is not None:
+            hidden = _take_tokens(hidden, jnp.asarray(order))
+        return hidden, cp.local
 
     def _last_logits(self, state, hidden_RTD, last_R):
         return _last_logits(self.c.logits, state, hidden_RTD, last_R)
@@ -404,7 +465,7 @@ class ModelRunner:
             tok[i, : ch.num_tokens] = ch.request.token_slice(ch.start, ch.start + ch.num_tokens)
             pos[i, : ch.num_tokens] = np.arange(ch.start, ch.start + ch.num_tokens)
             last[i] = ch.num_tokens - 1
-        window = window_bucket(int(pos.max()) + 1, self.cache.capacity)
+        window = window_bucket(int(pos.max()) + 1, self.capacity)
         view = None if hisparse is None else self._hisparse_view(rows, hisparse)
         hidden = self._forward(tok, pos, self._table("mla", rows, tables_mla), self._table("indexer", rows, tables_index),
                                window, view)

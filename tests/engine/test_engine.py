@@ -104,8 +104,16 @@ def test_bad_input_is_rejected(tiny_model):
         DeployConfig(kv_policy="lru")
     with pytest.raises(ValueError, match="cpu_offload_bytes"):
         DeployConfig(kv_policy="offload")
-    with pytest.raises(NotImplementedError, match="decode_context_parallel_size"):
-        DeployConfig(decode_context_parallel_size=8)
+    with pytest.raises(ValueError, match="decode_context_parallel_size=4 must be equal"):
+        DeployConfig(prefill_context_parallel_size=8, decode_context_parallel_size=4)
+    with pytest.raises(ValueError, match="cp_kv_cache_interleave_size=3 must divide block_size"):
+        DeployConfig(decode_context_parallel_size=2, cp_kv_cache_interleave_size=3)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        DeployConfig(tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="hisparse"):
+        DeployConfig(decode_context_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1)
+    with pytest.raises(ValueError, match="needs 64 devices"):  # this process has fewer
+        Engine(tiny_model, DeployConfig(**BASE, decode_context_parallel_size=64))
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=2)).add_request(np.zeros(40, np.int32))
     with pytest.raises(ValueError, match="max_new_tokens"):

@@ -67,7 +67,8 @@ def test_prefill_bytes_match_the_formula(n):
     measured = comm.collective_bytes(
         lambda *a: dcp.pcp_dcp_prefill(mesh, split, *a, layout=layout, start=10, topk=4, scale=1.0, block=4),
         *dargs, axis_sizes=mesh.shape)
-    want += comm.dcp_full_copy_bytes(n=n, local_slots=local, row_bytes=(R + P) * F32, key_bytes=DI * F32)
+    # the copy gathers the request's own blocks (blocks x 4 local slots), not the whole table of `local`
+    want += comm.dcp_full_copy_bytes(n=n, local_slots=blocks * 4, row_bytes=(R + P) * F32, key_bytes=DI * F32)
     assert measured["total"] == pytest.approx(want) and measured["count"] == 4
 
 

@@ -1,0 +1,86 @@
+"""The GLM-5.3 forward on a device mesh: one `jax.shard_map` over the context axis around the unchanged model.
+
+Inside the map every rank runs `GLM53.__call__` on its tokens against a `parallel.cp_cache.CpKVCache`,
+which does the attention-side communication (PCP all-gathers of new KV, DCP top-k and LSE merges,
+PCP x DCP full copies). Weights are replicated, except the routed experts under expert parallelism
+(`ep=True`): split over the context axis, which then serves as the expert axis ("PCP8 x DCP8 x EP8" is 8
+devices). The MoE layers of the merged model are swapped for their EP forms: all-to-all dispatch when the
+ranks hold different tokens (PCP prefill, `parallel.ep.moe_local`), one all-reduce when they hold the same
+ones (decode, `parallel.ep.moe_local_replicated`).
+
+Token layouts (`CpKVCache.tokens_split`): split, tokens [B, N * Tl] in the `parallel.pcp.PcpSplit`
+order (rank-major; each rank's Tl = 2C tokens of every row), sharded on axis 1; or replicated, [B, T] on
+every rank. The hidden states come back in the same layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from glm53.layers import MoE
+from parallel import ep
+from parallel.cp_cache import CpKVCache
+
+
+class _ExpertParallel:
+    """A MoE layer's forward under expert parallelism (see the module docstring)."""
+
+    def __init__(self, moe: MoE, axis: str, tokens_split: bool):
+        self.moe, self.axis, self.tokens_split = moe, axis, tokens_split
+
+    def __call__(self, x_BTD):
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        fn = ep.moe_local if self.tokens_split else ep.moe_local_replicated
+        return fn(self.moe, x_ND, axis=self.axis).reshape(x_BTD.shape)
+
+
+def cache_specs(cache: CpKVCache):
+    """PartitionSpecs for a CpKVCache pytree: KV arrays split over the axis under DCP (replicated
+    otherwise), block tables replicated."""
+    kv = P(cache.axis) if cache.dcp else P()
+    loc = cache.local
+    local = dataclasses.replace(loc, mla=tuple(kv for _ in loc.mla), index=tuple(kv for _ in loc.index),
+                                block_table=P(), index_block_table=None if loc.index_block_table is None else P())
+    return dataclasses.replace(cache, local=local)
+
+
+def place(cache: CpKVCache, mesh) -> CpKVCache:
+    """The cache's arrays put on `mesh` with `cache_specs` (global arrays: under DCP, rank r's table is
+    the r-th slice of each KV array's first axis)."""
+    shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    return jax.tree.map(shard, cache, cache_specs(cache))
+
+
+def state_specs(state, axis: str, expert_parallel: bool):
+    if expert_parallel:
+        return ep.state_specs(state, axis)
+    return jax.tree.map(lambda _: P(), state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel"),
+                   donate_argnames=("cache",))
+def forward(state, tokens, positions, cache: CpKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
+            expert_parallel: bool = False):
+    """`GLM53.__call__` on `mesh` -> (hidden [B, T', D] in the tokens' layout, cache). tokens / positions
+    [B, T'] int32 (-1 = padding) in the layout `cache.tokens_split` says; the cache is donated."""
+    axis = cache.axis
+    tok = P(None, axis) if cache.tokens_split else P()
+    specs = cache_specs(cache)
+
+    def body(state, tokens, positions, cache):
+        model = nnx.merge(graphdef, state)
+        if expert_parallel:
+            for layer in model.layers:
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp = _ExpertParallel(layer.mlp, axis, cache.tokens_split)
+        hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl)
+        return hidden, cache
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axis, expert_parallel), tok, tok, specs),
+                         out_specs=(tok, specs), check_vma=False)(state, tokens, positions, cache)

@@ -1,0 +1,136 @@
+"""The tiny model under PCP, DCP, PCP x DCP and EP on 8 and 16 simulated devices against one device.
+
+Model level (`parallel.model.forward` on a `CpKVCache`): a batch of two prompts (37 tokens: not a
+multiple of 2N, longer than top-k 16, and top-k larger than a rank's share of the context; 10 tokens:
+shorter than top-k) is prefilled in one padded row each, then one decode step runs; every real token's
+logits must match one device's within 1e-5 of the largest logit (float32). Engine level: the same
+prompts give the same greedy tokens on one device and under PCP8 x DCP8 x EP8.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+TOL = 1e-5  # of the largest |logit|
+BS = 4  # block size (slots per rank)
+WIDTH = 48  # prefill row width (padded)
+WINDOW = 64
+LENGTHS = (37, 10)
+
+
+def _prompts(vocab):
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, vocab, n).astype(np.int32) for n in LENGTHS]
+
+
+def _batch(prompts):
+    tok = np.zeros((len(prompts), WIDTH), np.int32)
+    pos = np.full((len(prompts), WIDTH), -1, np.int32)
+    for i, p in enumerate(prompts):
+        tok[i, : p.size], pos[i, : p.size] = p, np.arange(p.size)
+    nxt = np.array([[p[-1]] for p in prompts], np.int32)  # any token will do: compare the logits
+    return tok, pos, nxt, np.array([[p.size] for p in prompts], np.int32)
+
+
+def _single_device(model, prompts):
+    import jax.numpy as jnp
+
+    from glm53.model import compiled
+    from kvcache.paged import PagedKVCache
+
+    c = compiled(model)
+    b, m = len(prompts), WINDOW // BS
+    cache = PagedKVCache.create(model.cfg, b * m, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
+                                include_mtp=False)
+    tok, pos, nxt, pos1 = _batch(prompts)
+    h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=WINDOW, form="mqa")
+    prefill = np.asarray(c.logits(c.state, h))
+    h, cache, _ = c.forward(c.state, jnp.asarray(nxt), jnp.asarray(pos1), cache, window=WINDOW, form="mqa")
+    return prefill, np.asarray(c.logits(c.state, h))[:, 0]
+
+
+def _context_parallel(model, prompts, n, *, pcp, dcp, backend="ag_rs", interleave=1, ep=False, form="mqa"):
+    """-> (prefill logits [B, WIDTH, V] in token order, decode logits [B, V], bytes of MLA layer 0 per device)."""
+    import jax.numpy as jnp
+
+    from glm53.model import compiled
+    from kvcache.paged import PagedKVCache
+    from parallel import model as pmodel
+    from parallel.cp_cache import CpKVCache
+    from parallel.mesh import make_mesh
+    from parallel.pcp import PcpSplit
+
+    c = compiled(model)
+    mesh = make_mesh(cp=n)
+    ranks = n if dcp else 1
+    b, m = len(prompts), -(-WINDOW // (BS * ranks))
+    local = PagedKVCache.create(model.cfg, b * m * ranks, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
+                                include_mtp=False)
+    cache = pmodel.place(CpKVCache(local, "cp", n, tokens_split=pcp, dcp=dcp, interleave=interleave, backend=backend),
+                         mesh)
+    tok, pos, nxt, pos1 = _batch(prompts)
+    if pcp:
+        split = PcpSplit(WIDTH, n)
+        tok, pos = split.shard(tok.T).T, np.where(split.shard(pos.T + 1).T > 0, split.shard(pos.T).T, -1)
+    run = dict(graphdef=c.graphdef, mesh=mesh, window=WINDOW, impl="auto", expert_parallel=ep)
+    h, cache = pmodel.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, form=form, **run)
+    prefill = np.asarray(c.logits(c.state, h))
+    if pcp:
+        prefill = split.unshard(prefill.transpose(1, 0, 2)).transpose(1, 0, 2)
+    cache = dataclasses.replace(cache, tokens_split=False)
+    h, cache = pmodel.forward(c.state, jnp.asarray(nxt), jnp.asarray(pos1), cache, form="mqa", **run)
+    per_device = {s.data.nbytes for s in cache.local.mla[0].addressable_shards}
+    assert len(per_device) == 1
+    return prefill, np.asarray(c.logits(c.state, h))[:, 0], per_device.pop()
+
+
+def _check(model, cases, n):
+    prompts = _prompts(model.cfg.vocab_size)
+    want_prefill, want_decode = _single_device(model, prompts)
+    single_bytes = len(prompts) * WINDOW * (model.cfg.kv_lora_rank + model.cfg.qk_rope_head_dim) * 4
+    for kw in cases:
+        prefill, decode, per_device = _context_parallel(model, prompts, n, **kw)
+        for i, p in enumerate(prompts):
+            scale = np.abs(want_prefill[i, : p.size]).max()
+            err = np.abs(prefill[i, : p.size] - want_prefill[i, : p.size]).max() / scale
+            assert err <= TOL, (kw, "prefill", p.size, err)
+        err = np.abs(decode - want_decode).max() / np.abs(want_decode).max()
+        assert err <= TOL, (kw, "decode", err)
+        # DCP: each device stores 1/N of the context (the pool is the batch's whole-window tables here)
+        assert per_device == (single_bytes // n if kw["dcp"] else single_bytes), kw
+
+
+@pytest.mark.multidevice
+def test_tiny_model_on_8_devices_matches_one_device(tiny_model):
+    _check(tiny_model, [
+        dict(pcp=True, dcp=False),  # PCP alone: a replicated cache
+        dict(pcp=False, dcp=True, backend="a2a", interleave=2),  # DCP prefill without PCP, then decode
+        dict(pcp=True, dcp=True, backend="ag_rs", ep=True),  # PCP x DCP prefill (full copies), DCP decode, EP
+    ], 8)
+
+
+@pytest.mark.multidevice
+def test_tiny_model_on_16_devices_matches_one_device(tiny_model):
+    _check(tiny_model, [dict(pcp=True, dcp=True, backend="a2a", form="mha")], 16)
+
+
+@pytest.mark.multidevice
+def test_engine_pcp8_dcp8_ep8_greedy_tokens_equal_one_device(tiny_model):
+    """The engine with DeployConfig(prefill_context_parallel_size=8, decode_context_parallel_size=8,
+    enable_expert_parallel=True) on 8 devices: the same greedy tokens as on one device, with the KV pool
+    split over the 8 devices and the experts too."""
+    from glm53 import DeployConfig, Engine
+
+    prompts = _prompts(tiny_model.cfg.vocab_size)  # the 37-token prompt prefills in two chunks
+    base = dict(block_size=BS, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=2, kv_cache_dtype="float32")
+    want = Engine(tiny_model, DeployConfig(**base)).generate(prompts, max_new_tokens=4, greedy=True)
+    eng = Engine(tiny_model, DeployConfig(**base, prefill_context_parallel_size=8, decode_context_parallel_size=8,
+                                          enable_expert_parallel=True))
+    got = eng.generate(prompts, max_new_tokens=4, greedy=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    kv = eng.runner.cache.mla[0]
+    assert len(kv.sharding.device_set) == 8 and kv.sharding.spec == jax.sharding.PartitionSpec("cp")
+    assert eng.deploy.max_blocks_per_seq == -(-96 // (BS * 8))  # a block id covers B x N tokens
