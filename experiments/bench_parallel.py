@@ -132,7 +132,8 @@ def formula_check() -> list[dict]:
         lambda *a: dcp.pcp_dcp_prefill(mesh, split, *a, layout=layout, start=0, topk=4, scale=1.0, block=4),
         z((37, h, r)), z((37, h, p)), z((37, hi, di)), z((37, hi)), z((37, r + p)), z((37, di)),
         np.arange(blocks, dtype=np.int32), z((n * local, r + p)), z((n * local, di)), axis_sizes=mesh.shape)["total"]
-    formula += comm.dcp_full_copy_bytes(n=n, local_slots=local, row_bytes=(r + p) * 4, key_bytes=di * 4)
+    # the full copy gathers the request's own blocks (blocks x bs local slots), not the whole table
+    formula += comm.dcp_full_copy_bytes(n=n, local_slots=blocks * bs, row_bytes=(r + p) * 4, key_bytes=di * 4)
     rows.append({"what": "PCP x DCP prefill all-gathers", "measured_bytes": measured, "formula_bytes": formula})
     return rows
 

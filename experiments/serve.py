@@ -50,7 +50,10 @@ def default_config() -> ConfigDict:
     c.deploy = ConfigDict(dict(block_size=16, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4,
                                kv_cache_dtype="auto", num_gpu_blocks=0, cpu_offload_bytes=0,
                                hisparse_host_pool_bytes=0, hisparse_device_buffer_size=0, index_block_size=0,
-                               enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9))
+                               enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9,
+                               prefill_context_parallel_size=1, decode_context_parallel_size=1,
+                               dcp_comm_backend="ag_rs", cp_kv_cache_interleave_size=1,
+                               enable_expert_parallel=False))
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
                                  median_turns=43.0, think_time_scale=0.0, seed=0))
     c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4)))
@@ -195,6 +198,11 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"unrecognised arguments: {' '.join(bad)}")
     cfg = load_config(args.config, overrides, default=default_config)
+    cp = max(cfg.deploy.get("prefill_context_parallel_size", 1), cfg.deploy.get("decode_context_parallel_size", 1))
+    if cp > 1:  # a context-parallel deployment: on CPU, simulate its devices (before JAX starts its backend)
+        from parallel.mesh import set_cpu_device_count
+
+        set_cpu_device_count(cp)
     if args.compile_cache:
         _enable_compile_cache(args.compile_cache)
 
@@ -231,7 +239,8 @@ def main(argv=None) -> dict:
             "planned": [{"kv_policy": p, "concurrency": c} for p, c in planned],
             "warmup_s": warmup_s,
             "date": time.strftime("%Y-%m-%d"),
-            "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "device": str(jax.devices()[0])},
+            "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "device": str(jax.devices()[0]),
+                        "device_count": jax.device_count()},
             "git_revision": git_revision(),
         }
         if len(runs) == 1:

@@ -98,8 +98,9 @@ class Engine:
         """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all)."""
         outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
         duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
-        out = summarize(outs, duration_s=duration, scheduler_stats=self.scheduler.stats,
-                        transfers=getattr(self.runner, "transfers", None), running_per_step=self.running_per_step)
+        out = summarize(outs, duration_s=duration, num_devices=self.deploy.context_parallel_size,
+                        scheduler_stats=self.scheduler.stats, transfers=getattr(self.runner, "transfers", None),
+                        running_per_step=self.running_per_step)
         out.update(self._policy_metrics())
         rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
         out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],

@@ -34,7 +34,7 @@ def _batch(prompts):
     return tok, pos, nxt, np.array([[p.size] for p in prompts], np.int32)
 
 
-def _single_device(model, prompts):
+def _single_device(model, prompts, kv):
     import jax.numpy as jnp
 
     from glm53.model import compiled
@@ -42,16 +42,17 @@ def _single_device(model, prompts):
 
     c = compiled(model)
     b, m = len(prompts), WINDOW // BS
-    cache = PagedKVCache.create(model.cfg, b * m, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
+    cache = PagedKVCache.create(model.cfg, b * m, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype=kv,
                                 include_mtp=False)
+    nbytes = cache.mla[0].nbytes
     tok, pos, nxt, pos1 = _batch(prompts)
     h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=WINDOW, form="mqa")
     prefill = np.asarray(c.logits(c.state, h))
     h, cache, _ = c.forward(c.state, jnp.asarray(nxt), jnp.asarray(pos1), cache, window=WINDOW, form="mqa")
-    return prefill, np.asarray(c.logits(c.state, h))[:, 0]
+    return prefill, np.asarray(c.logits(c.state, h))[:, 0], nbytes
 
 
-def _context_parallel(model, prompts, n, *, pcp, dcp, backend="ag_rs", interleave=1, ep=False, form="mqa"):
+def _context_parallel(model, prompts, n, *, pcp, dcp, kv, backend="ag_rs", interleave=1, ep=False, form="mqa"):
     """-> (prefill logits [B, WIDTH, V] in token order, decode logits [B, V], bytes of MLA layer 0 per device)."""
     import jax.numpy as jnp
 
@@ -66,7 +67,7 @@ def _context_parallel(model, prompts, n, *, pcp, dcp, backend="ag_rs", interleav
     mesh = make_mesh(cp=n)
     ranks = n if dcp else 1
     b, m = len(prompts), -(-WINDOW // (BS * ranks))
-    local = PagedKVCache.create(model.cfg, b * m * ranks, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
+    local = PagedKVCache.create(model.cfg, b * m * ranks, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype=kv,
                                 include_mtp=False)
     cache = pmodel.place(CpKVCache(local, "cp", n, tokens_split=pcp, dcp=dcp, interleave=interleave, backend=backend),
                          mesh)
@@ -86,12 +87,11 @@ def _context_parallel(model, prompts, n, *, pcp, dcp, backend="ag_rs", interleav
     return prefill, np.asarray(c.logits(c.state, h))[:, 0], per_device.pop()
 
 
-def _check(model, cases, n):
+def _check(model, cases, n, kv="float32"):
     prompts = _prompts(model.cfg.vocab_size)
-    want_prefill, want_decode = _single_device(model, prompts)
-    single_bytes = len(prompts) * WINDOW * (model.cfg.kv_lora_rank + model.cfg.qk_rope_head_dim) * 4
+    want_prefill, want_decode, single_bytes = _single_device(model, prompts, kv)
     for kw in cases:
-        prefill, decode, per_device = _context_parallel(model, prompts, n, **kw)
+        prefill, decode, per_device = _context_parallel(model, prompts, n, kv=kv, **kw)
         for i, p in enumerate(prompts):
             scale = np.abs(want_prefill[i, : p.size]).max()
             err = np.abs(prefill[i, : p.size] - want_prefill[i, : p.size]).max() / scale
@@ -113,7 +113,8 @@ def test_tiny_model_on_8_devices_matches_one_device(tiny_model):
 
 @pytest.mark.multidevice
 def test_tiny_model_on_16_devices_matches_one_device(tiny_model):
-    _check(tiny_model, [dict(pcp=True, dcp=True, backend="a2a", form="mha")], 16)
+    # fp8_ds_mla rows and fp8 indexer keys: the shards and the full copies move packed rows
+    _check(tiny_model, [dict(pcp=True, dcp=True, backend="a2a", form="mha")], 16, kv="fp8_ds_mla")
 
 
 @pytest.mark.multidevice
