@@ -51,7 +51,7 @@ def default_config() -> ConfigDict:
                                kv_cache_dtype="auto", num_gpu_blocks=0, cpu_offload_bytes=0,
                                hisparse_host_pool_bytes=0, hisparse_device_buffer_size=0, index_block_size=0,
                                enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9,
-                               prefill_context_parallel_size=1, decode_context_parallel_size=1,
+                               data_parallel_size=1, prefill_context_parallel_size=1, decode_context_parallel_size=1,
                                dcp_comm_backend="ag_rs", cp_kv_cache_interleave_size=1,
                                enable_expert_parallel=False))
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
@@ -125,7 +125,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
 
     def on_step(e):
         bar.update(len(e.finished) - bar.n)
-        if exporter is not None and e.scheduler.stats.steps % 8 == 0:
+        if exporter is not None and len(e.timeline) % 8 == 0:
             exporter.update(e.live_metrics())
 
     t0 = time.perf_counter()
@@ -135,8 +135,9 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     bar.close()
     m = eng.metrics(res.request_ids)
     m.update(kv_policy=kv_policy, concurrency=concurrency, sessions=len(sessions), engine_steps=res.steps,
-             wall_s=wall, num_gpu_blocks=eng.scheduler.kv.pool.num_blocks,
-             compilations_during_run=compiles.count, bucket_shapes_used=len(eng.runner.compiled_shapes))
+             wall_s=wall, num_gpu_blocks=sum(r.scheduler.kv.pool.num_blocks for r in eng.replicas),
+             compilations_during_run=compiles.count,
+             bucket_shapes_used=len(set().union(*(r.runner.compiled_shapes for r in eng.replicas))))
     if exporter is not None:
         exporter.update({k: v for k, v in m.items() if isinstance(v, (int, float))})
     return m
@@ -198,11 +199,12 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"unrecognised arguments: {' '.join(bad)}")
     cfg = load_config(args.config, overrides, default=default_config)
-    cp = max(cfg.deploy.get("prefill_context_parallel_size", 1), cfg.deploy.get("decode_context_parallel_size", 1))
-    if cp > 1:  # a context-parallel deployment: on CPU, simulate its devices (before JAX starts its backend)
+    devices = cfg.deploy.get("data_parallel_size", 1) * max(cfg.deploy.get("prefill_context_parallel_size", 1),
+                                                            cfg.deploy.get("decode_context_parallel_size", 1))
+    if devices > 1:  # a parallel deployment: on CPU, simulate its devices (before JAX starts its backend)
         from parallel.mesh import set_cpu_device_count
 
-        set_cpu_device_count(cp)
+        set_cpu_device_count(devices)
     if args.compile_cache:
         _enable_compile_cache(args.compile_cache)
 

@@ -57,6 +57,13 @@ def place(cache: CpKVCache, mesh) -> CpKVCache:
     return jax.tree.map(shard, cache, cache_specs(cache))
 
 
+def place_state(state, mesh, expert_parallel: bool, axis: str = "cp"):
+    """Model weights put on `mesh` once (replicated; the routed experts split under EP), so steps do not
+    move them."""
+    specs = state_specs(state, axis, expert_parallel)
+    return jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), state, specs)
+
+
 def state_specs(state, axis: str, expert_parallel: bool):
     if expert_parallel:
         return ep.state_specs(state, axis)

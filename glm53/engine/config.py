@@ -25,6 +25,8 @@ class DeployConfig:
         over the ranks) and DCP (the KV cache split round-robin over them) on one context mesh axis of
         max(PCP, DCP) devices (parallel.model); with enable_expert_parallel the routed experts are split
         over the same devices. Each is 1 or that axis size.
+    data_parallel_size: independent replicas (glm53.engine.dp), each on its own max(PCP, DCP) devices
+        with its own scheduler and block pool; pool sizes (num_gpu_blocks, host bytes) are per replica.
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (move it to the host pool, bring it back), "hisparse" (keep decoding with most
         MLA KV in a host pool of hisparse_host_pool_bytes; rows the indexer selects come through a hot
@@ -93,10 +95,10 @@ class DeployConfig:
                 raise ValueError(f"DeployConfig.cp_kv_cache_interleave_size={self.cp_kv_cache_interleave_size} must "
                                  f"divide {name}={size}: a rank's run of interleaved tokens must not cross a block")
         # What the engine does not run yet: say so instead of silently running something else.
-        for name in ("data_parallel_size", "tensor_parallel_size"):
-            if getattr(self, name) != 1:
-                raise NotImplementedError(f"DeployConfig.{name}={getattr(self, name)}: the engine runs one replica "
-                                          "with replicated weights so far (only the context axis is built)")
+        if self.tensor_parallel_size != 1:
+            raise NotImplementedError(f"DeployConfig.tensor_parallel_size={self.tensor_parallel_size}: attention "
+                                      "and MLP weights are replicated so far (the context axis and data-parallel "
+                                      "replicas are built; tensor parallelism is not)")
         if self.kv_policy == "hisparse" and self.context_parallel_size > 1:
             raise NotImplementedError("DeployConfig.kv_policy='hisparse' with context parallelism: HiSparse "
                                       "residency runs on one device so far")

@@ -12,27 +12,99 @@ from glm53.engine.config import DeployConfig
 from glm53.engine.metrics import summarize
 from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
-from glm53.engine.scheduler import OffloadPolicy, Scheduler
+from glm53.engine.scheduler import OffloadPolicy, Scheduler, SchedulerStats
 from glm53.model import GLM53, as_token_array
 from kvcache.hisparse import HiSparsePolicy
 
 GROUPS = ("mla", "indexer")
 
 
-class Engine:
+class ServingMetrics:
+    """What every engine front end shares (Engine, and the data-parallel one over its replicas):
+    `generate`, `metrics` and `live_metrics`, over a few hooks: `output`, `finished`, `timeline`,
+    `deploy`, `_stats` (scheduler counters), `_transfers` (device<->host bytes), `_counts` (running,
+    waiting, free blocks now) and `_policy_metrics`."""
+
+    @property
+    def num_devices(self) -> int:
+        d = self.deploy
+        return d.data_parallel_size * d.context_parallel_size
+
+    def metrics(self, req_ids: Sequence[str] | None = None) -> dict:
+        """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all)."""
+        outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
+        duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
+        out = summarize(outs, duration_s=duration, num_devices=self.num_devices, scheduler_stats=self._stats(),
+                        transfers=self._transfers(), running_per_step=self.running_per_step)
+        out.update(self._policy_metrics())
+        rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
+        out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
+                           "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
+        return out
+
+    @property
+    def running_per_step(self) -> list[int]:
+        return [row[1] for row in self.timeline]
+
+    def live_metrics(self) -> dict:
+        """Counters of the run so far (for a live Prometheus endpoint; units in the key names)."""
+        st = self._stats()
+        running, waiting, free = self._counts()
+        out = {"running_requests": running, "waiting_requests": waiting,
+               "finished_requests": len(self.finished), "free_gpu_blocks": free,
+               "steps": st.steps, "preemptions": st.preemptions, "recomputed_tokens": st.recomputed_tokens,
+               "prefix_hit_rate": st.prefix_hit_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
+               "output_tokens": sum(len(r.output_ids) for r in self.finished.values())}
+        tr = self._transfers()
+        if tr is not None:
+            out.update(d2h_bytes=tr.d2h_bytes, h2d_bytes=tr.h2d_bytes)
+        out.update(self._policy_metrics())
+        return out
+
+    def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None
+                 ) -> list[RequestOutput]:
+        """Run `prompts` to completion (request i samples with seed + i); `on_token(req_id, token)` streams
+        tokens as they come. -> outputs in prompt order, each with `.token_ids`."""
+        ids = [self.add_request(p, SamplingParams(max_new_tokens, greedy, temperature, top_p, seed + i))
+               for i, p in enumerate(prompts)]
+        pending = set(ids)
+        while pending:
+            if not self.has_unfinished():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for rid, tok, fin in self.step():
+                if on_token is not None and rid in pending:
+                    on_token(rid, tok)
+                if fin:
+                    pending.discard(rid)
+        return [self.output(rid) for rid in ids]
+
+
+class Engine(ServingMetrics):
     """Serve `model` under `deploy`. `add_request` queues a prompt; each `step` schedules and runs one
     batch and returns the tokens it produced; `generate` runs prompts to completion.
 
     runner / clock: injectable (a simulator passes its own); by default the model runs on the paged
-    cache of this process's default device and time is wall time.
+    cache of `devices` (default: the first max(PCP, DCP) devices JAX sees) and time is wall time.
+    With deploy.data_parallel_size > 1, `Engine(...)` builds a `glm53.engine.dp.DataParallelEngine`
+    (independent replicas on disjoint device groups, the same API).
     """
 
+    def __new__(cls, model=None, deploy: DeployConfig | None = None, **kwargs):
+        if cls is Engine and deploy is not None and deploy.data_parallel_size > 1:
+            from glm53.engine.dp import DataParallelEngine
+
+            return DataParallelEngine(model, deploy, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model: GLM53, deploy: DeployConfig | None = None, *, runner: Runner | None = None,
-                 clock: Clock | None = None):
+                 clock: Clock | None = None, devices=None):
         self.model = model
         self.deploy = deploy or DeployConfig()
+        if self.deploy.data_parallel_size > 1:
+            raise ValueError("one Engine is one replica: data_parallel_size > 1 builds a DataParallelEngine")
         num_blocks = self.deploy.num_gpu_blocks or default_num_blocks(self.deploy, GROUPS)
-        self.runner = runner or ModelRunner(model, self.deploy, num_blocks)
+        self.runner = runner or ModelRunner(model, self.deploy, num_blocks, devices)
         policy = None
         if self.deploy.kv_policy == "offload":
             policy = OffloadPolicy(self.runner, self.deploy.cpu_offload_bytes,
@@ -94,36 +166,20 @@ class Engine:
         return RequestOutput(r.req_id, r.prompt_ids, np.asarray(r.output_ids, np.int32), r.arrival_s, r.first_token_s,
                              r.finish_s, tuple(r.token_times_s), r.num_preemptions)
 
-    def metrics(self, req_ids: Sequence[str] | None = None) -> dict:
-        """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all)."""
-        outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
-        duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
-        out = summarize(outs, duration_s=duration, num_devices=self.deploy.context_parallel_size,
-                        scheduler_stats=self.scheduler.stats, transfers=getattr(self.runner, "transfers", None),
-                        running_per_step=self.running_per_step)
-        out.update(self._policy_metrics())
-        rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
-        out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
-                           "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
-        return out
-
     @property
-    def running_per_step(self) -> list[int]:
-        return [row[1] for row in self.timeline]
+    def replicas(self) -> list[Engine]:
+        """The engines that hold requests: [self] (a data-parallel engine has one per replica)."""
+        return [self]
 
-    def live_metrics(self) -> dict:
-        """Counters of the run so far (for a live Prometheus endpoint; units in the key names)."""
-        sch, st = self.scheduler, self.scheduler.stats
-        out = {"running_requests": len(sch.running), "waiting_requests": len(sch.waiting),
-               "finished_requests": len(self.finished), "free_gpu_blocks": sch.kv.num_free_blocks,
-               "steps": st.steps, "preemptions": st.preemptions, "recomputed_tokens": st.recomputed_tokens,
-               "prefix_hit_rate": st.prefix_hit_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
-               "output_tokens": sum(len(r.output_ids) for r in self.finished.values())}
-        tr = getattr(self.runner, "transfers", None)
-        if tr is not None:
-            out.update(d2h_bytes=tr.d2h_bytes, h2d_bytes=tr.h2d_bytes)
-        out.update(self._policy_metrics())
-        return out
+    def _stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    def _transfers(self):
+        return getattr(self.runner, "transfers", None)
+
+    def _counts(self) -> tuple[int, int, int]:
+        sch = self.scheduler
+        return len(sch.running), len(sch.waiting), sch.kv.num_free_blocks
 
     def _policy_metrics(self) -> dict:
         """HiSparse figures (empty for other policies): hot-buffer hits and misses (summed over IndexShare
@@ -142,20 +198,3 @@ class Engine:
         out.update({k: v for k, v in dataclasses.asdict(st).items() if k != "residency_steps"})
         return out
 
-    def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None
-                 ) -> list[RequestOutput]:
-        """Run `prompts` to completion (request i samples with seed + i); `on_token(req_id, token)` streams
-        tokens as they come. -> outputs in prompt order, each with `.token_ids`."""
-        ids = [self.add_request(p, SamplingParams(max_new_tokens, greedy, temperature, top_p, seed + i))
-               for i, p in enumerate(prompts)]
-        pending = set(ids)
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("the engine stopped with requests unfinished")
-            for rid, tok, fin in self.step():
-                if on_token is not None and rid in pending:
-                    on_token(rid, tok)
-                if fin:
-                    pending.discard(rid)
-        return [self.output(rid) for rid in ids]

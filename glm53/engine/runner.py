@@ -191,10 +191,24 @@ def _scatter_rows(arr, slots, rows):
 
 
 class ModelRunner:
-    def __init__(self, model: GLM53, deploy: DeployConfig, num_blocks: int):
+    """Runs scheduled steps on `devices` (default: the first max(PCP, DCP) of `jax.devices()`; a data-
+    parallel replica passes its own group). One device: weights and KV pool live there. Several: a
+    context mesh over them (parallel.model)."""
+
+    def __init__(self, model: GLM53, deploy: DeployConfig, num_blocks: int, devices=None):
         self.model = model
         self.deploy = deploy
         self.c = compiled(model)
+        n = deploy.context_parallel_size
+        devices = list(jax.devices()[:n] if devices is None else devices)
+        if len(devices) != n:
+            raise ValueError(f"a runner with context_parallel_size={n} needs {n} devices, got {len(devices)}")
+        self.devices = devices
+        with jax.default_device(devices[0]):  # every array this runner creates starts on its devices
+            self._init(num_blocks)
+
+    def _init(self, num_blocks: int):
+        model, deploy = self.model, self.deploy
         kv_dtype = jnp.dtype(model.dtype).name if deploy.kv_cache_dtype == "auto" else deploy.kv_cache_dtype
         self.max_rows = _pow2_at_least(deploy.max_num_seqs)
         self.max_tokens = _pow2_at_least(deploy.max_num_batched_tokens)
@@ -202,7 +216,8 @@ class ModelRunner:
         # Context parallelism (parallel.model): a mesh with one context axis of max(PCP, DCP) devices.
         # Under DCP a block id is a page of block_size slots on every rank, so the arrays hold
         # kv_ranks x num_blocks pages, split over the axis (rank r's table is the r-th slice).
-        self.mesh = make_mesh(cp=deploy.context_parallel_size) if deploy.context_parallel_size > 1 else None
+        n = deploy.context_parallel_size
+        self.mesh = make_mesh(cp=n, devices=self.devices) if n > 1 else None
         self.kv_ranks = deploy.decode_context_parallel_size
         self.cache = PagedKVCache.create(model.cfg, num_blocks * self.kv_ranks, deploy.block_size,
                                          self._table("mla", self.max_rows, []),
@@ -212,6 +227,10 @@ class ModelRunner:
                                          include_mtp=False)
         if self.mesh is not None:
             self.cache = parallel_model.place(self._cp_cache(self.cache, False), self.mesh).local
+            self.state = parallel_model.place_state(self.c.state, self.mesh, deploy.enable_expert_parallel)
+        else:  # weights and pool committed to this runner's device (a data-parallel replica's own copy)
+            self.cache = jax.device_put(self.cache, self.devices[0])
+            self.state = jax.device_put(self.c.state, self.devices[0])
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
         # On CPU, a prefill chunk attends faster through the dense (un-absorbed) form with the top-k mask
         # than by gathering the selected latent rows, while the window is at most a few times top-k
@@ -221,7 +240,7 @@ class ModelRunner:
                                          if jax.default_backend() == "cpu" and not deploy.sparse_mla_force_mqa else 0)
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
         self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
-        dev = jax.devices()[0]
+        dev = self.devices[0]
         self._host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
         self.hisparse = deploy.kv_policy == "hisparse"
@@ -381,7 +400,7 @@ class ModelRunner:
             tok = np.zeros((rows, width), np.int32)
             pos = np.full((rows, width), -1, np.int32)
             hidden = self._forward(tok, pos, self._table("mla", rows, []), self._table("indexer", rows, []), window)
-            logits = self._last_logits(self.c.state, hidden, np.zeros(rows, np.int32))
+            logits = self._last_logits(self.state, hidden, np.zeros(rows, np.int32))
             ones = np.ones(rows, np.float32)
             _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
         return len(shapes)
@@ -402,7 +421,7 @@ class ModelRunner:
             hidden, cache = self._forward_cp(tok, pos, cache, window, form)
             self.cache = cache
             return hidden
-        hidden, cache, _ = self.c.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
+        hidden, cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
                                           form=form, impl=self.deploy.attention_impl)
         if cache.hisparse is not None:
             hs = cache.hisparse
@@ -427,7 +446,7 @@ class ModelRunner:
             tok = np.where(src >= 0, tok[:, np.maximum(src, 0)], 0)
             pos = np.where(src >= 0, pos[:, np.maximum(src, 0)], -1)
             order = np.argsort(np.where(src >= 0, src, src.size))[: layout.length].astype(np.int32)
-        hidden, cp = parallel_model.forward(self.c.state, jnp.asarray(tok), jnp.asarray(pos),
+        hidden, cp = parallel_model.forward(self.state, jnp.asarray(tok), jnp.asarray(pos),
                                             self._cp_cache(cache, split), graphdef=self.c.graphdef, mesh=self.mesh,
                                             window=window, form=form, impl=self.deploy.attention_impl,
                                             expert_parallel=self.deploy.enable_expert_parallel)
@@ -474,7 +493,7 @@ class ModelRunner:
         need = [i for i, ch in enumerate(chunks) if ch.start + ch.num_tokens == ch.request.num_tokens]
         if not need:
             return {}
-        logits = self._last_logits(self.c.state, hidden, last)
+        logits = self._last_logits(self.state, hidden, last)
         return self._pick(logits, [chunks[i].request for i in need], need)
 
     def _pick(self, logits_RV, reqs, rows) -> dict[str, int]:

@@ -4,7 +4,8 @@ Model level (`parallel.model.forward` on a `CpKVCache`): a batch of two prompts 
 multiple of 2N, longer than top-k 16, and top-k larger than a rank's share of the context; 10 tokens:
 shorter than top-k) is prefilled in one padded row each, then one decode step runs; every real token's
 logits must match one device's within 1e-5 of the largest logit (float32). Engine level: the same
-prompts give the same greedy tokens on one device and under PCP8 x DCP8 x EP8.
+prompts give the same greedy tokens on one device, under PCP8 x DCP8 x EP8 and with two data-parallel
+replicas.
 """
 
 import dataclasses
@@ -118,10 +119,10 @@ def test_tiny_model_on_16_devices_matches_one_device(tiny_model):
 
 
 @pytest.mark.multidevice
-def test_engine_pcp8_dcp8_ep8_greedy_tokens_equal_one_device(tiny_model):
+def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model):
     """The engine with DeployConfig(prefill_context_parallel_size=8, decode_context_parallel_size=8,
     enable_expert_parallel=True) on 8 devices: the same greedy tokens as on one device, with the KV pool
-    split over the 8 devices and the experts too."""
+    split over the 8 devices and the experts too; and with data_parallel_size=2."""
     from glm53 import DeployConfig, Engine
 
     prompts = _prompts(tiny_model.cfg.vocab_size)  # the 37-token prompt prefills in two chunks
@@ -135,3 +136,17 @@ def test_engine_pcp8_dcp8_ep8_greedy_tokens_equal_one_device(tiny_model):
     kv = eng.runner.cache.mla[0]
     assert len(kv.sharding.device_set) == 8 and kv.sharding.spec == jax.sharding.PartitionSpec("cp")
     assert eng.deploy.max_blocks_per_seq == -(-96 // (BS * 8))  # a block id covers B x N tokens
+
+    # Data parallelism: two independent replicas on devices 0 and 1, the same tokens
+    dp = Engine(tiny_model, DeployConfig(**base, data_parallel_size=2))
+    got = dp.generate(prompts + prompts[:1], max_new_tokens=4, greedy=True)
+    for g, w in zip(got, want + want[:1]):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    assert [dp.replica_of(o.req_id) for o in got] == [0, 1, 0]  # least loaded first
+    assert [next(iter(r.runner.cache.mla[0].devices())).id for r in dp.replicas] == [0, 1]
+    m = dp.metrics()  # the repeated prompt landed where its first copy is cached: a prefix hit
+    assert m["requests"] == 3 and m["prefix_hit_rate"] > 0
+    # a salt sticks to its replica (its prefix cache), whatever the load
+    a = dp.add_request(prompts[1], req_id="s1", salt="user:a")
+    b = dp.add_request(prompts[1], req_id="s2", salt="user:a")
+    assert dp.replica_of(a) == dp.replica_of(b)
