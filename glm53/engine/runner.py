@@ -23,6 +23,8 @@ import jax
 import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from attention.hisparse import HiSparseView, put_host_rows, take_host_rows
 from glm53.api import window_bucket
@@ -240,9 +242,13 @@ class ModelRunner:
                                          if jax.default_backend() == "cpu" and not deploy.sparse_mla_force_mqa else 0)
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
         self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
-        dev = self.devices[0]
-        self._host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-        self._device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+        if self.mesh is None:
+            self._host = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="pinned_host")
+            self._device = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="device")
+        else:  # host copies of KV live with the rank that holds it (a DCP shard, or every replica's copy)
+            spec = P("cp") if self.kv_ranks > 1 else P()
+            self._host = NamedSharding(self.mesh, spec, memory_kind="pinned_host")
+            self._device = NamedSharding(self.mesh, spec, memory_kind="device")
         self.hisparse = deploy.kv_policy == "hisparse"
         if self.hisparse:
             self._init_hisparse()
@@ -352,7 +358,10 @@ class ModelRunner:
         arrays, nbytes = {}, 0
         for g, blocks in tables.items():
             slots = jnp.asarray(self._page_slots(g, blocks))
-            arrays[g] = tuple(jax.device_put(_gather_rows(a, slots), self._host) for a in self._group_arrays(g))
+            # on a mesh, first lay the rows out like the pool (rank r's pages on rank r; `_page_slots` is
+            # rank-major): device_put cannot change the layout and the memory kind in one go
+            arrays[g] = tuple(jax.device_put(jax.device_put(_gather_rows(a, slots), self._device), self._host)
+                              for a in self._group_arrays(g))
             nbytes += sum(x.nbytes for x in arrays[g])
         self.transfers.d2h_bytes += nbytes
         return HostKV(arrays, nbytes)
