@@ -150,7 +150,8 @@ def warm_up(model, cfg: ConfigDict) -> float:
     import glm53
 
     t0 = time.perf_counter()
-    glm53.Engine(model, _deploy(cfg, cfg.sweep.kv_policy[0])).runner.warmup()
+    for replica in glm53.Engine(model, _deploy(cfg, cfg.sweep.kv_policy[0])).replicas:
+        replica.runner.warmup()  # each data-parallel replica compiles for its own devices
     return time.perf_counter() - t0
 
 
@@ -227,6 +228,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     planned = [(p, c) for p in cfg.sweep.kv_policy for c in cfg.sweep.concurrency]
+    revision = git_revision()  # the code this process runs (commits made during a long sweep do not count)
 
     def save(runs: list[dict]) -> dict:
         """results.json after every sweep point (atomically), so a long sweep that stops keeps what it
@@ -243,7 +245,7 @@ def main(argv=None) -> dict:
             "date": time.strftime("%Y-%m-%d"),
             "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "device": str(jax.devices()[0]),
                         "device_count": jax.device_count()},
-            "git_revision": git_revision(),
+            "git_revision": revision,
         }
         if len(runs) == 1:
             results.update({k: v for k, v in runs[0].items() if k not in results})

@@ -36,7 +36,8 @@ class KVCache(Protocol):
         """Store the indexer keys of new tokens (full indexer layers only); pos -1 = skip."""
 
     def index_key_pages(self, layer: int) -> PagedKeys:
-        """The layer's indexer keys as pages (table, block table, format): what the indexer op reads.
+        """The layer's indexer keys as pages (table, block table, format): what the single-device indexer
+        op reads (`default_select`; the layers go through `select`).
         `.gather(W)` gives the dense float32 view [B, W, index_head_dim] of positions 0..W-1; rows past a
         request's length are junk that the causal mask removes."""
 

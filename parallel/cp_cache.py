@@ -109,8 +109,10 @@ class CpKVCache:
 
     # -------------------------------------------------------------------------------------------- reads
     def index_key_pages(self, layer):
-        """Replicated: the rank's pages. DCP: a full-context copy (the whole capacity; the layers read
-        keys through `select`, which copies only the window)."""
+        """Replicated: the rank's pages. DCP: a full-context copy of the whole capacity, an all-gather of
+        every request's entire context (the layers never call this: they read keys through `select`,
+        which scores the shards in place or copies only the window). The same holds for `mla_slots` and
+        `sparse_slots` under DCP; they exist so the cache honours the whole KVCache protocol."""
         if not self.dcp:
             return self.local.index_key_pages(layer)
         return self._full_pages(layer, self.capacity)

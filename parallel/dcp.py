@@ -283,9 +283,12 @@ def local_topk(qi_BTHI, w_BTH, keys_LI, q_pos_BT, block_table_BM, layout: DcpLay
 
 def full_copy(table_LX, block_table_BM, layout: DcpLayout, *, axis, num_positions: int):
     """The temporary full-context copy of PCP x DCP prefill: every rank gathers its rows of positions
-    [0, num_positions) of each request (through the shared block table [B,M]), all ranks all-gather them,
-    and each lays them out by global position -> [B, num_positions, X] in the table's storage format
-    (zeros where no block is allocated). Only the requests' own rows move: (N - 1) x their local share."""
+    [0, num_positions) of each row of the batch (through the shared block table [B,M]), all ranks
+    all-gather them, and each lays them out by global position -> [B, num_positions, X] in the table's
+    storage format (zeros where no block is allocated). Each rank sends local_window(num_positions) rows
+    per batch row: the batch's window, not the pool, but padding rows and rows shorter than the window
+    are sent too (zeros / junk), so a padded engine batch moves B_pad x window, not the sum of the
+    requests' contexts (`parallel.comm.dcp_full_copy_bytes` counts one request's blocks)."""
     bs = layout.block_size
     nl = local_window(num_positions, layout)
     lp = jnp.broadcast_to(jnp.arange(nl, dtype=jnp.int32), (block_table_BM.shape[0], nl))

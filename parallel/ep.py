@@ -76,10 +76,10 @@ def moe_local(moe: MoE, x_ND, *, axis):
 
 
 def moe_local_replicated(moe: MoE, x_ND, *, axis):
-    """Expert-parallel MoE when every rank holds the same tokens (decode steps, whose few tokens are not
-    split): each rank applies its own experts to the assignments that chose them and one all-reduce (psum)
-    sums the ranks' parts -> y [n, D] on every rank. Assignments to other ranks' experts are routed to
-    local expert 0 with weight 0 (computed, never counted)."""
+    """Expert-parallel MoE when every rank holds the same tokens (decode steps, and prefill without PCP):
+    each rank applies its own experts to the assignments that chose them and one all-reduce (psum) sums the
+    ranks' parts -> y [n, D] on every rank. Assignments to other ranks' experts are routed to local expert
+    0 with weight 0 (computed, never counted)."""
     axes = _axes(axis)
     w_gate_up = moe.experts.gate_up_proj[...]
     e_local = w_gate_up.shape[0]

@@ -115,15 +115,17 @@ class DataParallelEngine(ServingMetrics):
         trs = [r._transfers() for r in self._replicas]
         if any(t is None for t in trs):
             return None
-        return TransferStats(sum(t.d2h_bytes for t in trs), sum(t.h2d_bytes for t in trs), trs[0].link_bytes_per_s)
+        # every replica has its own host link: D links in parallel, so the modelled time is one link's
+        return TransferStats(sum(t.d2h_bytes for t in trs), sum(t.h2d_bytes for t in trs),
+                             sum(t.link_bytes_per_s for t in trs))
 
     def _counts(self) -> tuple[int, int, int]:
         counts = [r._counts() for r in self._replicas]
         return tuple(sum(c[i] for c in counts) for i in range(3))
 
     def _policy_metrics(self) -> dict:
-        """The replicas' policy figures summed (means of per-step counts add up too); the hot-buffer hit
-        rate is recomputed from the summed hits and misses."""
+        """The replicas' policy figures summed (means of per-step counts add up too; a peak is the sum of
+        the replicas' peaks, an upper bound); the hot-buffer hit rate is recomputed from the sums."""
         parts = [r._policy_metrics() for r in self._replicas]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
         if "hot_hit_rate" in out:

@@ -94,6 +94,10 @@ class Engine(ServingMetrics):
         if cls is Engine and deploy is not None and deploy.data_parallel_size > 1:
             from glm53.engine.dp import DataParallelEngine
 
+            if kwargs.get("runner") is not None:
+                raise ValueError("a data-parallel engine builds one runner per replica: runner= is for "
+                                 "data_parallel_size=1")
+            kwargs.pop("runner", None)
             return DataParallelEngine(model, deploy, **kwargs)
         return super().__new__(cls)
 

@@ -202,9 +202,17 @@ class ModelRunner:
         self.deploy = deploy
         self.c = compiled(model)
         n = deploy.context_parallel_size
-        devices = list(jax.devices()[:n] if devices is None else devices)
+        if devices is None:  # this process's devices, in the order make_mesh uses
+            devices = sorted(jax.local_devices(), key=lambda d: d.id)[:n]
+            if len(devices) < n:
+                make_mesh(cp=n)  # raises with how to simulate more devices on CPU
+        devices = list(devices)
         if len(devices) != n:
             raise ValueError(f"a runner with context_parallel_size={n} needs {n} devices, got {len(devices)}")
+        experts = model.cfg.n_routed_experts
+        if deploy.enable_expert_parallel and n > 1 and experts % n:
+            raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts do not split over the "
+                             f"{n} devices of the context axis")
         self.devices = devices
         with jax.default_device(devices[0]):  # every array this runner creates starts on its devices
             self._init(num_blocks)
@@ -427,6 +435,10 @@ class ModelRunner:
         if hisparse is not None:
             form = "mqa"  # host-only pages are reachable only through the resolver's selected rows
         if self.mesh is not None:
+            if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.num_blocks:
+                # the pool's arrays hold kv_ranks x num_blocks pages: a larger id would address another
+                # rank's slice on the host but fall off the end of this rank's shard
+                raise ValueError(f"block id beyond the pool's {self.num_blocks} blocks")
             hidden, cache = self._forward_cp(tok, pos, cache, window, form)
             self.cache = cache
             return hidden

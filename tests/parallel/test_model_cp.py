@@ -126,16 +126,18 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     from glm53 import DeployConfig, Engine
 
     # Two prompts of 30 and 29 tokens under a budget of 32: the second prefills in two chunks, the second
-    # chunk after a cached prefix. A block id covers 4 x 8 = 32 tokens: with 4 blocks both prompts fit
-    # (a page of MLA rows and one of indexer keys each), then both grow past 32 tokens while decoding and
-    # one request is offloaded to the host pool (its shards from every rank) and brought back.
+    # chunk after a cached prefix. An MLA block id covers 4 x 8 = 32 tokens (an indexer-key one 64;
+    # interleave 2): with 4 blocks both prompts fit (a page of MLA rows and one of indexer keys each),
+    # then both grow past 32 tokens while decoding and one request is offloaded to the host pool (its
+    # shards from every rank) and brought back.
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, tiny_model.cfg.vocab_size, n).astype(np.int32) for n in (30, 29)]
-    base = dict(block_size=BS, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=2, kv_cache_dtype="float32")
+    base = dict(block_size=BS, index_block_size=2 * BS, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=2,
+                kv_cache_dtype="float32")
     want = Engine(tiny_model, DeployConfig(**base)).generate(prompts, max_new_tokens=4, greedy=True)
     eng = Engine(tiny_model, DeployConfig(**base, prefill_context_parallel_size=8, decode_context_parallel_size=8,
-                                          enable_expert_parallel=True, num_gpu_blocks=4, kv_policy="offload",
-                                          cpu_offload_bytes=1 << 24))
+                                          cp_kv_cache_interleave_size=2, enable_expert_parallel=True,
+                                          num_gpu_blocks=4, kv_policy="offload", cpu_offload_bytes=1 << 24))
     got = eng.generate(prompts, max_new_tokens=4, greedy=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
@@ -152,8 +154,10 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
     assert [dp.replica_of(o.req_id) for o in got] == [0, 1, 0]  # least loaded first
     assert [next(iter(r.runner.cache.mla[0].devices())).id for r in dp.replicas] == [0, 1]
-    m = dp.metrics()
-    assert m["requests"] == 3 and dp.num_devices == 2
+    again = dp.generate(prompts[:1], max_new_tokens=4, greedy=True)[0]  # to the least loaded: replica 0
+    np.testing.assert_array_equal(again.token_ids, want[0].token_ids)
+    m = dp.metrics()  # ... which has the prompt cached: a prefix hit
+    assert m["requests"] == 4 and m["prefix_hit_rate"] > 0 and dp.num_devices == 2
     # a salt sticks to its replica (its prefix cache), whatever the load
     a = dp.add_request(prompts[1], req_id="s1", salt="user:a")
     b = dp.add_request(prompts[1], req_id="s2", salt="user:a")
