@@ -30,7 +30,8 @@ class DeployConfig:
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (move it to the host pool, bring it back), "hisparse" (keep decoding with most
         MLA KV in a host pool of hisparse_host_pool_bytes; rows the indexer selects come through a hot
-        buffer of hisparse_device_buffer_size rows per request, default 2 x top-k; kvcache.hisparse).
+        buffer of hisparse_device_buffer_size rows per request, default (num_speculative_tokens + 2) x top-k,
+        i.e. 2 x top-k without MTP; kvcache.hisparse).
     """
 
     data_parallel_size: int = 1

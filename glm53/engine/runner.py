@@ -278,7 +278,9 @@ class ModelRunner:
 
     def _init_hisparse(self):
         d, cfg = self.deploy, self.model.cfg
-        self.hot_rows = d.hisparse_device_buffer_size or 2 * cfg.index_topk
+        # a decode step selects top-k rows per token; with MTP a step verifies num_speculative_tokens + 1
+        # tokens, and one more top-k of slack keeps the previous step's rows: (spec + 2) x top-k
+        self.hot_rows = d.hisparse_device_buffer_size or (d.num_speculative_tokens + 2) * cfg.index_topk
         if self.hot_rows < cfg.index_topk:
             raise ValueError(f"DeployConfig.hisparse_device_buffer_size={self.hot_rows} is below the model's top-k "
                              f"({cfg.index_topk}): a step's misses would not fit the hot buffer")
