@@ -457,18 +457,27 @@ class ModelRunner:
 
     def _forward_cp(self, tok, pos, cache: PagedKVCache, window: int, form: str):
         """`_forward` on the context mesh. Prefill rows (width > 1) under PCP are split into the balanced
-        2N-chunk layout (`parallel.pcp.PcpSplit` over the row width: rank g holds chunks g and 2N-1-g of
-        every row) and their hidden states restored to token order; decode rows run replicated."""
+        2N-chunk layout and their hidden states restored to token order; decode rows run replicated.
+
+        The split is over the group's longest chunk L (`parallel.pcp.PcpSplit(L, N)`: rank g holds chunks
+        g and 2N-1-g of every row), not over the padded bucket width W, so a chunk much shorter than its
+        bucket stays balanced; each rank's slots are padded to those of a W-token split, so the shapes
+        (and compiled programs) depend on the bucket only."""
         split = self.deploy.prefill_context_parallel_size > 1 and tok.shape[1] > 1
         if self.kv_ranks > 1 and not split:
             form = "mqa"  # queries go to the KV shards; the dense form would need the whole context here
         order = None
         if split:
-            layout = PcpSplit(tok.shape[1], self.deploy.context_parallel_size)
-            src = layout.positions().reshape(-1)  # the row-relative token each slot holds (-1 = padding)
+            n, width = self.deploy.context_parallel_size, tok.shape[1]
+            slots = PcpSplit(width, n).tokens_per_rank
+            real = PcpSplit(max(int((pos >= 0).sum(axis=1).max()), 1), n).positions()  # [n, <= slots]
+            src = np.full((n, slots), -1, np.int32)
+            src[:, : real.shape[1]] = real
+            src = src.reshape(-1)  # the row-relative token each slot holds (-1 = padding)
             tok = np.where(src >= 0, tok[:, np.maximum(src, 0)], 0)
             pos = np.where(src >= 0, pos[:, np.maximum(src, 0)], -1)
-            order = np.argsort(np.where(src >= 0, src, src.size))[: layout.length].astype(np.int32)
+            order = np.zeros(width, np.int32)  # token j's slot; tokens past the longest chunk read slot 0
+            order[src[src >= 0]] = np.nonzero(src >= 0)[0]
         hidden, cp = parallel_model.forward(self.state, jnp.asarray(tok), jnp.asarray(pos),
                                             self._cp_cache(cache, split), graphdef=self.c.graphdef, mesh=self.mesh,
                                             window=window, form=form, impl=self.deploy.attention_impl,
