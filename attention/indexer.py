@@ -95,6 +95,63 @@ def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, im
     return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl), topk)
 
 
+COUNTERS = ("indexer_pairs_causal", "indexer_pairs_computed")  # work counters of `topk_causal_blocked`
+
+
+def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, block: int):
+    """`topk` as a causal tiled loop: the same selection, with work that follows causality.
+
+    -> (positions [B,T,min(topk, window)] int32 (-1 = none), counters {name: int32 []}: the (query, key)
+    pairs scored that the causal mask kept ("indexer_pairs_causal", padding queries excluded) and all
+    pairs of the key blocks visited ("indexer_pairs_computed": the padded work of a tiled kernel)).
+
+    Each request row's queries run in tiles of `block` tokens; a tile visits key blocks 0 .. max(pos in
+    tile) // block only (a dynamic trip count) and keeps a running top-k. Candidates are ordered
+    [running, new block], and every new block's positions exceed every running position, so
+    `lax.top_k`'s lowest-index tie break keeps the total order (score desc, position asc): the result
+    equals `topk` (scores from `index_scores_reference` on each block). This is what makes context
+    parallelism's load-balanced split pay off: a rank's indexer work is its queries' causal work, not
+    queries x window (`parallel.pcp`). A jnp loop; a Pallas kernel with the same block skipping is future
+    work. Counters are int32: at most 2^31 pairs per call.
+    """
+    b, t = q_pos_BT.shape
+    k = min(topk, window)
+    nq, nk = -(-t // block), -(-window // block)
+    pad = ((0, 0), (0, nq * block - t))
+    q = jnp.pad(q_BTHI.astype(jnp.float32), pad + ((0, 0), (0, 0))).reshape(b * nq, block, *q_BTHI.shape[2:])
+    w = jnp.pad(w_BTH.astype(jnp.float32), pad + ((0, 0),)).reshape(b * nq, block, -1)
+    pos = jnp.pad(q_pos_BT.astype(jnp.int32), pad, constant_values=-1).reshape(b * nq, block)
+    req = jnp.repeat(jnp.arange(b, dtype=jnp.int32), nq)
+    block_pos = jnp.arange(block, dtype=jnp.int32)
+
+    def tile(args):
+        q_KHI, w_KH, pos_K, r = args
+        last = jnp.max(pos_K)
+        trips = jnp.where(last >= 0, jnp.minimum(last // block + 1, nk), 0)
+        table_1M = jax.lax.dynamic_slice_in_dim(keys.block_table, r, 1)
+
+        def visit(j, carry):
+            run_s, run_p, computed, causal = carry
+            kpos = j * block + block_pos
+            slots = slot_mapping(table_1M, kpos[None], keys.block_size)[0]
+            keys_KI = keys.fmt.unpack(jnp.take(keys.table, jnp.maximum(slots, 0), axis=0))
+            sc_KK = index_scores_reference(q_KHI[None], w_KH[None], keys_KI[None], (pos_K - j * block)[None])[0]
+            cand_s = jnp.concatenate([run_s, sc_KK], axis=1)
+            cand_p = jnp.concatenate([run_p, jnp.broadcast_to(kpos, sc_KK.shape)], axis=1)
+            vals, idx = jax.lax.top_k(cand_s, k)
+            return (vals, jnp.take_along_axis(cand_p, idx, axis=1), computed + block * block,
+                    causal + jnp.sum(jnp.isfinite(sc_KK), dtype=jnp.int32))
+
+        init = (jnp.full((block, k), -jnp.inf, jnp.float32), jnp.full((block, k), -1, jnp.int32), jnp.int32(0),
+                jnp.int32(0))
+        run_s, run_p, computed, causal = jax.lax.fori_loop(0, trips, visit, init)
+        return jnp.where(run_s == -jnp.inf, -1, run_p), computed, causal
+
+    sel, computed, causal = jax.lax.map(tile, (q, w, pos, req))
+    sel_BTK = sel.reshape(b, nq * block, k)[:, :t]
+    return sel_BTK, {"indexer_pairs_causal": jnp.sum(causal), "indexer_pairs_computed": jnp.sum(computed)}
+
+
 # ------------------------------------------------------------------------------------------ Pallas kernel
 HEAD_PAD = 16  # tl.dot needs every matmul dimension >= 16: pad the indexer heads (with weight 0)
 MAX_KEY_BLOCK = 64

@@ -16,6 +16,11 @@
    sparse top-k candidate merge, and PCP x DCP prefill (the all-gather of the new tokens' rows and the
    all-gather of the shards into the temporary full copy). The formulas are first checked against the
    collectives of the traced implementation at small widths ("formula_check").
+3. The engine ("engine_load_balance"): the serving engine on the tiny model with
+   prefill_context_parallel_size=N prefills one prompt of --engine-length tokens in one chunk (and
+   decodes a token); the per-rank counters come from `Engine.metrics()` (`cp_*_per_rank`), counted by
+   the same cache code (`parallel.cp_cache.CpKVCache`) that item 1 runs on one layer, here over every
+   layer of a real model step, with the engine's own padding to its bucket shapes.
 Writes OUT/bench_parallel.json (units in key names; date, machine, git commit) and OUT/bench_parallel.png.
 This is a benchmark: it asserts nothing.
 """
@@ -55,6 +60,8 @@ def parse_args(argv):
                    help="context lengths (tokens) of the communication table")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="new tokens per PCP x DCP prefill step")
     p.add_argument("--decode-tokens", type=int, default=1, help="query tokens per decode step (batch x (1 + MTP))")
+    p.add_argument("--engine-n", type=int, default=8, help="PCP size of the engine run (0: skip it)")
+    p.add_argument("--engine-length", type=int, default=8192, help="prompt tokens of the engine run")
     return p.parse_args(argv)
 
 
@@ -90,6 +97,29 @@ def load_balance_run(n: int, length: int, kind: str, *, block: int, topk: int, s
                                        for k, v in per_rank.items()},
         "wall_s_incl_compile": wall,
     }
+
+
+def engine_load_balance(n: int, length: int) -> dict:
+    """The engine's own per-rank work for one prompt under PCP n (tiny model, one prefill chunk)."""
+    import numpy as np
+
+    import glm53
+    from glm53 import DeployConfig, Engine
+
+    model = glm53.init("tiny", seed=0)
+    prompt = np.random.default_rng(0).integers(0, model.cfg.vocab_size, length).astype(np.int32)
+    deploy = DeployConfig(prefill_context_parallel_size=n, max_model_len=length + 16, max_num_seqs=1,
+                          max_num_batched_tokens=length, kv_cache_dtype="float32")
+    eng = Engine(model, deploy)
+    t0 = time.perf_counter()
+    eng.generate([prompt], max_new_tokens=2)
+    m = eng.metrics()
+    keys = [k for k in m if k.startswith("cp_")]
+    return {"n": n, "length": length, "split": "balanced (engine)", "model": "tiny",
+            "max_num_batched_tokens": length, "wall_s_incl_compile": time.perf_counter() - t0,
+            "per_rank": {k[3:-len("_per_rank")]: m[k] for k in keys if k.endswith("_per_rank")},
+            "load_balance_max_over_mean": {k[3:-len("_max_over_mean")]: m[k] for k in keys
+                                           if k.endswith("_max_over_mean")}}
 
 
 # -------------------------------------------------------------------------------------------- comm bytes
@@ -225,7 +255,7 @@ def main(argv=None) -> dict:
     from parallel.mesh import set_cpu_device_count
 
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-        set_cpu_device_count(max(args.ns))  # before any JAX computation
+        set_cpu_device_count(max(args.ns + [args.engine_n]))  # before any JAX computation
     import jax
     from tqdm import tqdm
 
@@ -241,6 +271,7 @@ def main(argv=None) -> dict:
         "command": "python -m experiments.bench_parallel " + " ".join(sys.argv[1:] if argv is None else argv),
         "load_balance_dims": DIMS,
         "load_balance": load_balance,
+        "engine_load_balance": engine_load_balance(args.engine_n, args.engine_length) if args.engine_n > 1 else None,
         "formula_check": formula_check(),
         "comm": comm_table(args.dcp_ns, args.contexts, args.prefill_chunk, args.decode_tokens),
         "comm_units": "bytes one rank sends per layer (all-gather (N-1)s, reduce-scatter and all-to-all (N-1)/N s)",
@@ -254,6 +285,9 @@ def main(argv=None) -> dict:
         print(f"N={r['n']:2d} T={r['length']:6d} {r['split']:8s} max/mean: indexer computed "
               f"{lb['indexer_pairs_computed']:.3f} causal {lb['indexer_pairs_causal']:.3f} "
               f"mla rows {lb['mla_rows_attended']:.3f}")
+    if result["engine_load_balance"]:
+        e = result["engine_load_balance"]
+        print(f"engine PCP{e['n']} T={e['length']}: max/mean {e['load_balance_max_over_mean']}")
     return result
 
 

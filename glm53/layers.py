@@ -172,7 +172,8 @@ class MLAttention(nnx.Module):
         if self.indexer is not None:
             q_idx, w_idx, k_idx = self.indexer.queries_and_key(x_BTD, qr_BTQ, cos, sin)
             cache = cache.write_index_keys(self.layer, k_idx, pos_BT)
-            topk_BTK = cache.select(self.layer, q_idx, w_idx, pos_BT, cfg.index_topk, window=window, impl=impl)
+            topk_BTK, cache = cache.select(self.layer, q_idx, w_idx, pos_BT, cfg.index_topk, window=window,
+                                           impl=impl)
         elif topk_BTK is None:
             raise ValueError(f"layer {self.layer} shares top-k indices but no earlier full layer provided them")
 

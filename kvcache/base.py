@@ -53,10 +53,12 @@ class KVCache(Protocol):
         (HiSparse: the host pool) brings the selected ones in first; `full`: the layer computed the
         selection itself (IndexShare's shared layers replay its plan). Plain caches: (mla_slots, self)."""
 
-    def select(self, layer: int, q_BTHI, w_BTH, pos_BT, topk: int, *, window: int, impl: str) -> jax.Array:
-        """The indexer's selection for full layer `layer`: positions [B,T,min(topk, window)] int32 (-1 =
-        none) in the total order. Plain caches: `default_select` on their key pages; a cache sharded over
-        devices (parallel.cp_cache) merges per-rank candidates."""
+    def select(self, layer: int, q_BTHI, w_BTH, pos_BT, topk: int, *, window: int,
+               impl: str) -> tuple[jax.Array, KVCache]:
+        """The indexer's selection for full layer `layer` -> (positions [B,T,min(topk, window)] int32 (-1 =
+        none) in the total order, cache). Plain caches: `default_select` on their key pages; a cache
+        sharded over devices (parallel.cp_cache) merges per-rank candidates and may count its work (hence
+        the returned cache)."""
 
     def attend(self, layer: int, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale: float, *, window: int, full: bool,
                impl: str) -> tuple[jax.Array, KVCache]:
@@ -66,14 +68,22 @@ class KVCache(Protocol):
 
 def default_select(cache: KVCache, layer: int, q_BTHI, w_BTH, pos_BT, topk: int, *, window: int, impl: str):
     """`KVCache.select` of a cache whose key pages hold every position (the single-device case)."""
-    return indexer_ops.topk(q_BTHI, w_BTH, cache.index_key_pages(layer), pos_BT, topk, window=window, impl=impl)
+    return indexer_ops.topk(q_BTHI, w_BTH, cache.index_key_pages(layer), pos_BT, topk, window=window,
+                            impl=impl), cache
+
+
+def sparse_attend(cache: KVCache, layer: int, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale: float, *, full: bool,
+                  impl: str):
+    """Sparse MQA over the rows `sparse_slots` reaches -> (out [B,T,H,R] f32, lse [B,T,H] f32, cache)."""
+    rows, cache = cache.sparse_slots(layer, pos_BTK, full=full)
+    out, lse = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
+    return out, lse, cache
 
 
 def default_attend(cache: KVCache, layer: int, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale: float, *, window: int,
                    full: bool, impl: str):
     """`KVCache.attend` of a cache whose `sparse_slots` reach every selected row (the single-device case)."""
-    rows, cache = cache.sparse_slots(layer, pos_BTK, full=full)
-    out, _ = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
+    out, _, cache = sparse_attend(cache, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, full=full, impl=impl)
     return out, cache
 
 

@@ -121,10 +121,13 @@ def dcp_topk_merge_bytes(*, n: int, tokens: int, local_k: int, score_bytes: floa
     return (n - 1) * tokens * local_k * (score_bytes + pos_bytes)
 
 
-def pcp_prefill_bytes(*, n: int, new_tokens: int, row_bytes: float, key_bytes: float = 0) -> float:
+def pcp_prefill_bytes(*, n: int, new_tokens: int, row_bytes: float, key_bytes: float = 0,
+                      pos_bytes: float = 4) -> float:
     """Bytes one rank sends per layer to all-gather the new tokens' cache rows (and indexer keys) under
-    PCP N; new_tokens is the padded prompt length (a multiple of 2N)."""
-    return (n - 1) * (new_tokens // n) * (row_bytes + key_bytes)
+    PCP N, each write with the tokens' positions (int32; `parallel.cp_cache.CpKVCache.write_packed`);
+    new_tokens is the padded prompt length (a multiple of 2N)."""
+    groups = 2 if key_bytes else 1
+    return (n - 1) * (new_tokens // n) * (row_bytes + key_bytes + groups * pos_bytes)
 
 
 def dcp_full_copy_bytes(*, n: int, local_slots: int, row_bytes: float, key_bytes: float = 0) -> float:

@@ -6,7 +6,9 @@ switches (BRIEF §4-5):
 
 - `tokens_split` (PCP: a prefill chunk's tokens are split over the ranks by `parallel.pcp.PcpSplit`, each
   rank holding its own queries): every write first all-gathers the new tokens' packed rows (and their
-  positions), so each rank can store what it needs.
+  positions), so each rank can store what it needs. The indexer of a rank's own queries is the causal
+  tiled loop (`attention.indexer.topk_causal_blocked`): its work is those queries' causal work, which
+  is what the balanced split evens out.
 - `dcp` (DCP: the KV is sharded round-robin, `parallel.dcp.DcpLayout`; block tables are shared and a
   block id is `block_size` slots on every rank): a rank stores only the positions it owns, at their local
   positions, which makes its shard an ordinary paged cache over local positions. Reads:
@@ -21,6 +23,14 @@ switches (BRIEF §4-5):
 Without DCP every rank holds the whole cache (replicated): PCP alone needs no other change, and decode
 runs the same computation on every rank.
 
+`heads_split`: the attention output stays split by head (each rank its H/N heads, as under tensor
+parallelism, where o_proj is row-parallel); otherwise it is all-gathered so every rank holds all heads
+(the engine's replicated projections). `counters` (optional, {name: int32 [1]} per rank): each rank's
+work, accumulated over the layers, measured where it is done: (query, key) pairs its indexer scored
+(causal ones, and all pairs of the key range computed) and selected MLA rows its attention read
+(`COUNTERS`). The layer-level entry points of `parallel.pcp` and `parallel.dcp` are this class run on
+one layer, so what the benchmarks count is what the engine runs.
+
 Positions are global (request-relative) everywhere outside this class; `capacity` is in global positions.
 """
 
@@ -33,11 +43,14 @@ import jax.numpy as jnp
 
 from attention import indexer as indexer_ops
 from attention import sparse_mla
+from attention.formats import IndexKeyFormat, MLARowFormat
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
-from kvcache.base import default_attend, default_select
+from kvcache.base import default_select, sparse_attend
 from kvcache.paged import PagedKVCache
 from parallel import dcp as dcp_ops
+
+COUNTERS = indexer_ops.COUNTERS + ("mla_rows_attended",)
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +59,9 @@ class CpKVCache:
     """local: this rank's PagedKVCache (inside shard_map; block tables are the same on every rank).
     axis: the context mesh axis; size: its number of ranks; tokens_split: PCP layout of this call's tokens;
     dcp: the KV is sharded round-robin with `interleave` consecutive tokens per rank (False: replicated);
-    backend: DCP's LSE-merge communication ("ag_rs" or "a2a")."""
+    backend: DCP's LSE-merge communication ("ag_rs" or "a2a"); heads_split: attention outputs keep
+    this rank's heads only (H/N); index_block: query and key tile of the PCP indexer; counters: None, or
+    this rank's work counters {name in COUNTERS: int32 [1]} (see the module docstring)."""
 
     local: PagedKVCache
     axis: str = dataclasses.field(metadata=dict(static=True))
@@ -55,6 +70,9 @@ class CpKVCache:
     dcp: bool = dataclasses.field(default=False, metadata=dict(static=True))
     interleave: int = dataclasses.field(default=1, metadata=dict(static=True))
     backend: str = dataclasses.field(default="ag_rs", metadata=dict(static=True))
+    heads_split: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    index_block: int = dataclasses.field(default=64, metadata=dict(static=True))
+    counters: dict | None = None
 
     def __post_init__(self):
         if self.local.hisparse is not None:
@@ -77,6 +95,17 @@ class CpKVCache:
     def _with(self, local: PagedKVCache) -> CpKVCache:
         return dataclasses.replace(self, local=local)
 
+    def with_counters(self) -> CpKVCache:
+        """The cache with zeroed work counters: global int32 [size] arrays (one entry per rank; place them
+        with `parallel.model.place`, or pass them sharded over the axis)."""
+        return dataclasses.replace(self, counters={k: jnp.zeros((self.size,), jnp.int32) for k in COUNTERS})
+
+    def _count(self, **work) -> CpKVCache:
+        if self.counters is None:
+            return self
+        return dataclasses.replace(self, counters={k: v + work.get(k, 0).astype(jnp.int32) if k in work else v
+                                                   for k, v in self.counters.items()})
+
     def _owned(self, group: str, pos):
         """Global positions -> this rank's local positions (-1 where another rank owns it, or padding)."""
         if not self.dcp:
@@ -84,7 +113,9 @@ class CpKVCache:
         lay = self.layout(group)
         return jnp.where((pos >= 0) & (lay.owner(pos) == self._rank()), lay.local_position(pos), -1)
 
-    def _write(self, group: str, layer: int, rows_BTX, pos_BT) -> CpKVCache:
+    def write_packed(self, group: str, layer: int, rows_BTX, pos_BT) -> CpKVCache:
+        """Store rows [B,T,width] already in the group's storage format ("mla" or "index") at global
+        positions pos [B,T] (-1 = skip); under PCP they are this rank's tokens."""
         if self.tokens_split:  # PCP: every rank receives every new token's (packed) rows
             rows_BTX = jax.lax.all_gather(rows_BTX, self.axis, axis=1, tiled=True)
             pos_BT = jax.lax.all_gather(pos_BT, self.axis, axis=1, tiled=True)
@@ -102,10 +133,10 @@ class CpKVCache:
 
     # ------------------------------------------------------------------------------------------- writes
     def write_mla(self, layer, latent_BTR, rope_BTP, pos_BT):
-        return self._write("mla", layer, self.local.mla_format.pack(latent_BTR, rope_BTP), pos_BT)
+        return self.write_packed("mla", layer, self.local.mla_format.pack(latent_BTR, rope_BTP), pos_BT)
 
     def write_index_keys(self, layer, keys_BTI, pos_BT):
-        return self._write("index", layer, self.local.index_format.pack(keys_BTI), pos_BT)
+        return self.write_packed("index", layer, self.local.index_format.pack(keys_BTI), pos_BT)
 
     # -------------------------------------------------------------------------------------------- reads
     def index_key_pages(self, layer):
@@ -123,30 +154,58 @@ class CpKVCache:
                          self.local.index_format)
 
     def select(self, layer, q_BTHI, w_BTH, pos_BT, topk, *, window, impl):
+        if self.tokens_split:  # PCP: this rank's queries, causal tiles over the whole context (or its copy)
+            keys = self._full_pages(layer, window) if self.dcp else self.local.index_key_pages(layer)
+            sel, work = indexer_ops.topk_causal_blocked(q_BTHI, w_BTH, keys, pos_BT, topk, window=window,
+                                                        block=self.index_block)
+            return sel, self._count(**work)
         if not self.dcp:
-            return default_select(self.local, layer, q_BTHI, w_BTH, pos_BT, topk, window=window, impl=impl)
-        if self.tokens_split:
-            return indexer_ops.topk(q_BTHI, w_BTH, self._full_pages(layer, window), pos_BT, topk, window=window,
-                                    impl=impl)
+            sel, _ = default_select(self.local, layer, q_BTHI, w_BTH, pos_BT, topk, window=window, impl=impl)
+            return sel, self._count(indexer_pairs_computed=_size(pos_BT) * window,
+                                    indexer_pairs_causal=jnp.sum(jnp.clip(pos_BT + 1, 0, window)))
         lay, rank = self.layout("index"), self._rank()
         limit_BT = dcp_ops.local_causal_limit(pos_BT, lay, rank)
         scores = indexer_ops.index_scores(q_BTHI, w_BTH, self.local.index_key_pages(layer), limit_BT,
                                           window=dcp_ops.local_window(window, lay), impl=impl)
         cand_s, cand_p = dcp_ops.local_candidates(scores, lay, rank, topk)
-        return dcp_ops.global_topk(cand_s, cand_p, min(topk, window), axis=self.axis)
+        sel = dcp_ops.global_topk(cand_s, cand_p, min(topk, window), axis=self.axis)
+        return sel, self._count(indexer_pairs_computed=_size(scores),
+                                indexer_pairs_causal=jnp.sum(jnp.isfinite(scores)))
 
     def attend(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, *, window, full, impl):
-        if not self.dcp:
-            out, local = default_attend(self.local, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, window=window,
-                                        full=full, impl=impl)
-            return out, self._with(local)
-        if self.tokens_split:
+        out, _, cache = self.attend_lse(layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, window=window, full=full,
+                                        impl=impl)
+        return out, cache
+
+    def attend_lse(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, *, window, full, impl):
+        """`attend` with the log-sum-exp -> (out [B,T,H',R] f32, lse [B,T,H'] f32, cache); H' = H, or
+        this rank's padded H/N heads when `heads_split`."""
+        if self.dcp and not self.tokens_split:  # the selected rows this rank owns, merged over the ranks
+            owned = self._owned("mla", pos_BTK)
+            out, lse = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, self.local.mla_slots(layer, owned), scale,
+                                             impl=impl)
+            merge = dcp_ops.combine if self.heads_split else dcp_ops.combine_all_heads
+            if self.heads_split:
+                out, lse = dcp_ops.pad_heads(out, self.size), dcp_ops.pad_heads(lse, self.size)
+            out, lse = merge(out, lse, axis=self.axis, backend=self.backend)
+            return out, lse, self._count(mla_rows_attended=jnp.sum(owned >= 0))
+        if self.dcp:  # PCP x DCP: this rank's queries over the temporary full copy
             rows = self._full_rows(layer, pos_BTK, window)
-            return sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)[0], self
-        rows = self.local.mla_slots(layer, self._owned("mla", pos_BTK))  # the selected rows this rank owns
-        out, lse = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
-        out, _ = dcp_ops.combine_all_heads(out, lse, axis=self.axis, backend=self.backend)
-        return out, self
+            out, lse = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
+            cache = self
+        else:
+            out, lse, local = sparse_attend(self.local, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, full=full,
+                                            impl=impl)
+            cache = self._with(local)
+        if self.heads_split:
+            out, lse = self._own_heads(out), self._own_heads(lse)
+        return out, lse, cache._count(mla_rows_attended=jnp.sum(pos_BTK >= 0))
+
+    def _own_heads(self, x_BTH_):
+        """This rank's slice of the (zero-padded) heads, axis 2."""
+        x = dcp_ops.pad_heads(x_BTH_, self.size)
+        hl = x.shape[2] // self.size
+        return jax.lax.dynamic_slice_in_dim(x, self._rank() * hl, hl, axis=2)
 
     def _full_rows(self, layer: int, pos_BTK, window: int) -> SlotRows:
         """Slot addressing of the selected positions (all < window) into a full copy of [0, window)."""
@@ -172,3 +231,18 @@ class CpKVCache:
             rows, local = self.local.sparse_slots(layer, pos_BTK, full)
             return rows, self._with(local)
         return self._full_rows(layer, pos_BTK, self.capacity), self
+
+
+def _size(x) -> jax.Array:
+    return jnp.int32(x.size)
+
+
+def plain_cache(rows_LX, keys_LI, block_table_BM, block_size: int, kv_lora_rank: int) -> PagedKVCache:
+    """A one-layer PagedKVCache over plain float32 tables (rows [L, R+P] latent then rope, keys [L, DI] or
+    None) under block_table [B, M]: what the layer-level entry points of `parallel.pcp` and `parallel.dcp`
+    wrap in a CpKVCache (layer 0 is both its MLA layer and its full indexer layer)."""
+    fmt = MLARowFormat("float32", kv_lora_rank, rows_LX.shape[-1] - kv_lora_rank)
+    index = () if keys_LI is None else (keys_LI,)
+    return PagedKVCache(mla=(rows_LX,), index=index, block_table=block_table_BM, index_block_table=None,
+                        mla_layers=(0,), index_layers=(0,) if index else (), block_size=block_size, mla_format=fmt,
+                        index_format=IndexKeyFormat("float32", 1 if keys_LI is None else keys_LI.shape[-1]))

@@ -8,7 +8,11 @@ block of B slots on every rank, so all ranks share one block table: the local sl
 `block_table[req, t // (B N)] * B + local(t) % B`. Each rank stores ceil(S / (B N)) blocks of a context
 of S tokens: 1/N of one device's ceil(S / B), plus at most one block.
 
-Decode (`decode_local`, one rank inside `jax.shard_map`): the query (heads split over the axis, as under
+The layer-level entry points (`decode`, `pcp_dcp_prefill`) run `parallel.cp_cache.CpKVCache`, the cache
+the engine's DCP steps use, on one layer inside `jax.shard_map`; this module holds the layout and the
+communication parts it is built from.
+
+Decode (`decode`): the query (heads split over the axis, as under
 tensor parallelism) is all-gathered so the rank holds all heads; the rank attends its own rows and gets a
 partial (out, lse) per head; the partials are combined exactly with the log-sum-exp merge, by one of two
 communication backends (`BACKENDS`):
@@ -20,15 +24,15 @@ communication backends (`BACKENDS`):
 Heads are padded with zero queries to a multiple of N (a tiny model may have fewer heads than ranks).
 A rank owning none of a query's rows has lse = -inf and weight 0 in both backends, never NaN.
 
-Sparse decode: each rank scores its own indexer keys (`attention.indexer.index_scores_reference`), takes
-a local top-k with `lax.top_k` (position order = local order on a rank, so its ties follow the total
+Sparse decode: each rank scores its own indexer keys with the single-device op (the global causal mask
+becomes a local one, `local_causal_limit`), takes a local top-k with `lax.top_k` (position order = local order on a rank, so its ties follow the total
 order), all-gathers (score, global position) candidates and merges them exactly (`merge_topk`): a token in
 the global top-k is always in its owner's local top-k under the same total order. Each rank then attends
 only the selected rows it owns.
 
-Prefill inside PCP x DCP (`pcp_dcp_prefill_local`): each layer, the new tokens' rows are all-gathered
+Prefill inside PCP x DCP (`pcp_dcp_prefill`): each layer, the new tokens' rows are all-gathered
 (PCP) and each rank persists those it owns; then every rank all-gathers all shards into a temporary
-full-context copy, runs the PCP attention for its own queries, and drops the copy (it is a temporary
+full-context copy (`full_copy`), runs the PCP indexer and attention for its own queries, and drops the copy (it is a temporary
 inside the jitted step, so XLA frees it after the layer): only the persistent cache is divided by N.
 """
 
@@ -42,8 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from attention import indexer as indexer_ops
-from attention import sparse_mla
 from attention.common import slot_mapping
 from attention.merge import merge
 from parallel import pcp
@@ -145,15 +147,6 @@ def shard_cache(rows_BSX, seq_lens_B, block_table_BM, layout: DcpLayout, num_blo
     return out
 
 
-def write_local(table_LX, rows_BTX, pos_BT, block_table_BM, layout: DcpLayout, rank):
-    """Write the rows this rank owns into its table [L, X]; other ranks' positions and padding are
-    skipped (mapped out of range, never onto the last slot)."""
-    owner, slot = layout.slot_mapping(pos_BT, block_table_BM)
-    mine = (owner == rank) & (slot >= 0)
-    idx = jnp.where(mine, slot, table_LX.shape[0]).reshape(-1)
-    return table_LX.at[idx].set(rows_BTX.reshape(idx.shape[0], -1).astype(table_LX.dtype), mode="drop")
-
-
 # ------------------------------------------------------------------------------------------------ combine
 def combine_ag_rs(out_BTHR, lse_BTH, *, axis):
     """ag_rs: all-gather LSEs, scale own output by its merge weight, reduce-scatter over heads.
@@ -226,20 +219,7 @@ def merge_topk(scores_BTC, pos_BTC, topk: int):
     return jnp.where(vals == -jnp.inf, -1, jnp.take_along_axis(pos_sorted, idx, axis=-1)).astype(jnp.int32)
 
 
-# ------------------------------------------------------------------------------------------------- decode
-def _local_view(q_pos_BT, block_table_BM, layout: DcpLayout, rank):
-    """This rank's local positions 0..L-1 (L = M * block_size): global positions [L], slots [B,L] (-1 =
-    unallocated) and the causal validity mask [B,T,L]."""
-    m = block_table_BM.shape[-1]
-    bs = layout.block_size
-    lp = jnp.arange(m * bs, dtype=jnp.int32)
-    g_L = layout.global_position(lp, rank)
-    phys_BL = jnp.take(block_table_BM, lp // bs, axis=1)
-    slot_BL = jnp.where(phys_BL >= 0, phys_BL * bs + lp % bs, -1)
-    valid_BTL = (g_L[None, None, :] <= q_pos_BT[:, :, None]) & (slot_BL >= 0)[:, None, :]
-    return g_L, slot_BL, valid_BTL
-
-
+# ------------------------------------------------------------------------------------------ local parts
 def local_causal_limit(q_pos, layout: DcpLayout, rank):
     """The last local position of `rank` a query at global position q_pos may see: local position l holds
     global position g(l), increasing in l, so g(l) <= q_pos iff l < local_length(q_pos + 1). -> int32 like
@@ -269,18 +249,6 @@ def global_topk(cand_s_BTC, cand_p_BTC, topk: int, *, axis):
     return merge_topk(all_s, all_p, topk)
 
 
-def local_topk(qi_BTHI, w_BTH, keys_LI, q_pos_BT, block_table_BM, layout: DcpLayout, rank, topk: int):
-    """One rank's indexer over its own keys: -> (scores [B,T,k_l] f32, global positions [B,T,k_l] int32,
-    -1 / -inf = none; k_l = min(topk, L)) and the number of (query, key) pairs scored."""
-    _, slot_BL, valid_BTL = _local_view(q_pos_BT, block_table_BM, layout, rank)
-    keys_BLI = jnp.take(keys_LI, jnp.maximum(slot_BL, 0), axis=0)
-    limit_BT = local_causal_limit(q_pos_BT, layout, rank)
-    s_BTL = indexer_ops.index_scores_reference(qi_BTHI, w_BTH, keys_BLI, limit_BT)
-    s_BTL = jnp.where((slot_BL >= 0)[:, None, :], s_BTL, -jnp.inf)
-    vals, pos = local_candidates(s_BTL, layout, rank, topk)
-    return vals, pos, jnp.sum(valid_BTL, dtype=jnp.int32)
-
-
 def full_copy(table_LX, block_table_BM, layout: DcpLayout, *, axis, num_positions: int):
     """The temporary full-context copy of PCP x DCP prefill: every rank gathers its rows of positions
     [0, num_positions) of each row of the batch (through the shared block table [B,M]), all ranks
@@ -297,42 +265,6 @@ def full_copy(table_LX, block_table_BM, layout: DcpLayout, *, axis, num_position
     all_NBLX = jax.lax.all_gather(rows_BLX.astype(table_LX.dtype), axis, to="invarying")
     g = jnp.arange(num_positions, dtype=jnp.int32)
     return jnp.moveaxis(all_NBLX[layout.owner(g), :, layout.local_position(g)], 0, 1)  # [B, S, X]
-
-
-def decode_local(q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_LX, *, layout: DcpLayout, axis,
-                 scale: float, backend: str, index=None, topk_BTK=None):
-    """DCP attention for a decode batch on one rank (call inside `jax.shard_map` over `axis`).
-
-    q_lat [B,T,Hl,R] and q_pe [B,T,Hl,P]: this rank's Hl = H/N heads; q_pos [B,T] (-1 = padding query);
-    block_table [B,M] (same on every rank); rows [L,R+P]: this rank's table. Rows attended:
-    - dense (index=None, topk_BTK=None): every cached position <= q_pos;
-    - sparse with the indexer: index = (qi [B,T,HI,DI], w [B,T,HI], keys [L,DI], topk): local top-k,
-      exact global merge, attend the selected rows this rank owns;
-    - sparse with given selections topk_BTK [B,T,K] (global positions, -1 = none; IndexShare layers).
-    -> (out [B,T,Hl,R] f32, lse [B,T,Hl] f32, topk [B,T,K] int32 or None, counters {name: int32 [1]}).
-    """
-    rank = jax.lax.axis_index(axis)
-    r = q_lat_BTHR.shape[-1]
-    q = jnp.concatenate([q_lat_BTHR, q_pe_BTHP.astype(q_lat_BTHR.dtype)], axis=-1)  # one message, not two
-    q = jax.lax.all_gather(q, axis, axis=2, tiled=True)
-    q_lat, q_pe = q[..., :r], q[..., r:]
-    counters = {}
-    if index is not None:
-        qi, w, keys_LI, topk = index
-        cand_s, cand_p, pairs = local_topk(qi, w, keys_LI, q_pos_BT, block_table_BM, layout, rank, topk)
-        cap = block_table_BM.shape[-1] * layout.virtual_block
-        topk_BTK = global_topk(cand_s, cand_p, min(topk, cap), axis=axis)
-        counters["indexer_pairs"] = pairs[None]
-    if topk_BTK is None:
-        _, slot_BL, valid_BTL = _local_view(q_pos_BT, block_table_BM, layout, rank)
-        slots = jnp.where(valid_BTL, slot_BL[:, None, :], -1)
-    else:
-        owner, slot = layout.slot_mapping(topk_BTK, block_table_BM[:, None, :])
-        slots = jnp.where((owner == rank) & (slot >= 0) & (q_pos_BT[..., None] >= 0), slot, -1)
-    counters["mla_rows_attended"] = jnp.sum(slots >= 0, dtype=jnp.int32)[None]
-    out, lse = sparse_mla.sparse_mqa(q_lat, q_pe, sparse_mla.SlotRows.plain(rows_LX, slots, q_lat.shape[-1]), scale)
-    out, lse = combine(out, lse, axis=axis, backend=backend)
-    return out, lse, topk_BTK, counters
 
 
 @jax.tree_util.register_dataclass
@@ -364,20 +296,35 @@ def pad_heads(x_BTH_, n: int):
 @functools.partial(jax.jit, static_argnames=("mesh", "axis", "layout", "scale", "backend", "topk"))
 def _decode_jit(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, *, mesh, axis, layout, scale, backend,
                 topk):
+    from parallel.cp_cache import COUNTERS, CpKVCache, plain_cache
+
     heads = P(None, None, axis, None)
-    h, n = q_lat.shape[2], mesh.shape[axis]
+    h, n, r = q_lat.shape[2], mesh.shape[axis], q_lat.shape[-1]
     q_lat, q_pe = pad_heads(q_lat, n), pad_heads(q_pe, n)
+    window = block_table.shape[-1] * layout.virtual_block
 
-    def body(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel):
-        idx = (qi, w, keys, topk) if keys is not None else None
-        return decode_local(q_lat, q_pe, q_pos, block_table, rows, layout=layout, axis=axis, scale=scale,
-                            backend=backend, index=idx, topk_BTK=topk_sel)
+    def body(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, counters):
+        q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # one message, not two
+        q = jax.lax.all_gather(q, axis, axis=2, tiled=True)  # heads split (as under TP) -> all heads
+        cache = CpKVCache(plain_cache(rows, keys, block_table, layout.block_size, r), axis, n, dcp=True,
+                          interleave=layout.interleave, backend=backend, heads_split=True, counters=counters)
+        if keys is not None:
+            sel, cache = cache.select(0, qi, w, q_pos, topk, window=window, impl="auto")
+        elif topk_sel is None:  # dense: every cached position <= the query's
+            g = jnp.arange(window, dtype=jnp.int32)
+            sel = jnp.where(g <= q_pos[..., None], g, -1)
+        else:
+            sel = jnp.where(q_pos[..., None] >= 0, topk_sel, -1)
+        out, lse, cache = cache.attend_lse(0, q[..., :r], q[..., r:], sel, scale, window=window, full=True,
+                                           impl="auto")
+        return out, lse, sel if keys is not None else None, cache.counters
 
-    out, lse, sel, counters = jax.shard_map(body, mesh=mesh,
-                                            in_specs=(heads, heads, P(), P(), P(axis), P(), P(), P(axis), P()),
-                                            out_specs=(heads, P(None, None, axis), P(), P(axis)))(
-        q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel)
-    return out[:, :, :h], lse[:, :, :h], sel, counters
+    counters = {k: jnp.zeros((n,), jnp.int32) for k in COUNTERS}
+    out, lse, sel, counters = jax.shard_map(
+        body, mesh=mesh, in_specs=(heads, heads, P(), P(), P(axis), P(), P(), P(axis), P(), P(axis)),
+        out_specs=(heads, P(None, None, axis), P(), P(axis)), check_vma=False)(
+        q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, counters)
+    return out[:, :, :h], lse[:, :, :h], sel if sel is not None else topk_sel, counters
 
 
 def decode(mesh, q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_NLX, *, layout: DcpLayout, scale: float,
@@ -387,7 +334,10 @@ def decode(mesh, q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_NLX, *, l
     q_lat [B,T,H,R], q_pe [B,T,H,P] (all heads; sharded by head inside, zero-padded to a multiple of N),
     q_pos [B,T], block_table [B,M], rows [N*L, R+P] (rank r's table = rows r*L..(r+1)*L-1, e.g.
     `shard_cache(...).reshape(-1, X)`); index = (qi [B,T,HI,DI], w [B,T,HI], keys [N*L,DI], topk) for
-    sparse decode, or topk_BTK [B,T,K] given. See `decode_local`.
+    sparse decode, or topk_BTK [B,T,K] given (global positions, -1 = none; IndexShare layers); neither:
+    dense decode over every cached position <= q_pos (-1 = padding query). Every rank all-gathers the
+    query heads, attends the selected rows it owns and the partials merge by LSE (`backend`); the result
+    stays split by head. See the module docstring.
     """
     check_backend(backend)
     n = mesh.shape[axis]
@@ -410,45 +360,6 @@ def decode(mesh, q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_NLX, *, l
 
 
 # -------------------------------------------------------------------------------------- PCP x DCP prefill
-def gather_full_copy(table_LX, block_table_M, layout: DcpLayout, *, axis):
-    """`full_copy` of one request's whole block table [M] -> [M * B * N, X]."""
-    cap = block_table_M.shape[-1] * layout.virtual_block
-    return full_copy(table_LX, block_table_M[None], layout, axis=axis, num_positions=cap)[0]
-
-
-def pcp_dcp_prefill_local(q_lat_CHR, q_pe_CHP, qi_CHI, w_CH, rows_new_CX, keys_new_CI, pos_all_L, block_table_M,
-                          rows_LX, keys_LI, *, layout: DcpLayout, axis, topk: int, scale: float, block: int):
-    """One prefill layer of one request under PCP x DCP on one rank (inside `jax.shard_map` over `axis`).
-
-    Own PCP tokens (C slots): q_lat [C,H,R], q_pe [C,H,P], qi [C,HI,DI], w [C,HI], new rows [C,R+P], new
-    keys [C,DI]; pos_all [N*C] positions of every rank's slots (-1 = padding); block_table [M]; this rank's
-    DCP tables rows [L,R+P], keys [L,DI] -> (out [C,H,R], lse [C,H], topk [C,K], rows, keys updated,
-    counters).
-    """
-    c = q_lat_CHR.shape[0]
-    rank = jax.lax.axis_index(axis)
-    pos_C = jax.lax.dynamic_slice_in_dim(pos_all_L, rank * c, c)
-    new_rows = jax.lax.all_gather(rows_new_CX, axis, tiled=True)  # PCP: every rank sees every new row
-    new_keys = jax.lax.all_gather(keys_new_CI, axis, tiled=True)
-    rows_LX = write_local(rows_LX, new_rows[None], pos_all_L[None], block_table_M[None], layout, rank)
-    keys_LI = write_local(keys_LI, new_keys[None], pos_all_L[None], block_table_M[None], layout, rank)
-    full_rows = gather_full_copy(rows_LX, block_table_M, layout, axis=axis)
-    full_keys = gather_full_copy(keys_LI, block_table_M, layout, axis=axis)
-    out, lse, sel, counters = pcp.attend_own_queries(q_lat_CHR, q_pe_CHP, qi_CHI, w_CH, pos_C, full_rows, full_keys,
-                                                     topk=topk, scale=scale, block=block)
-    return out, lse, sel, rows_LX, keys_LI, counters
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "axis", "layout", "topk", "scale", "block"))
-def _pcp_dcp_jit(q_lat, q_pe, qi, w, rows_new, keys_new, pos_all, block_table, rows, keys, *, mesh, axis, layout,
-                 topk, scale, block):
-    body = functools.partial(pcp_dcp_prefill_local, layout=layout, axis=axis, topk=topk, scale=scale, block=block)
-    tok = P(axis)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 6 + (P(), P(), tok, tok),
-                         out_specs=(tok, tok, tok, tok, tok, tok))(
-        q_lat, q_pe, qi, w, rows_new, keys_new, pos_all, block_table, rows, keys)
-
-
 def pcp_dcp_prefill(mesh, split: pcp.PcpSplit, q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI,
                     block_table_M, rows_NLX, keys_NLI, *, layout: DcpLayout, start: int, topk: int, scale: float,
                     block: int = 64, axis: str = "cp"):
@@ -458,18 +369,12 @@ def pcp_dcp_prefill(mesh, split: pcp.PcpSplit, q_lat_THR, q_pe_THP, qi_THI, w_TH
     start + split.padded_length positions; DCP tables rows [N*L,R+P], keys [N*L,DI] (rank-major) ->
     pcp.PrefillResult whose cache_rows / cache_keys are the updated DCP tables.
     """
-    n = mesh.shape[axis]
-    for name, v in (("split.n", split.n), ("layout.size", layout.size)):
-        if v != n:
-            raise ValueError(f"{name} ({v}) must equal the size of mesh axis {axis!r} ({n})")
-    if split.length != q_lat_THR.shape[0]:
-        raise ValueError(f"split.length ({split.length}) must equal the number of tokens ({q_lat_THR.shape[0]})")
+    pcp.check_prefill_args(mesh, axis, split, q_lat_THR, block)
+    if layout.size != split.n:
+        raise ValueError(f"layout.size ({layout.size}) must equal the size of mesh axis {axis!r} ({split.n})")
     cap = jnp.shape(block_table_M)[-1] * layout.virtual_block
     if cap < start + split.padded_length:
         raise ValueError(f"block_table covers {cap} positions < start + padded prompt = {start + split.padded_length}")
-    pos_all = jnp.asarray(split.positions(start).reshape(-1))
-    args = [split.shard(a) for a in (q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI)]
-    out, lse, sel, rows, keys, counters = _pcp_dcp_jit(*args, pos_all, _int32(block_table_M), rows_NLX,
-                                                       keys_NLI, mesh=mesh, axis=axis, layout=layout, topk=topk,
-                                                       scale=scale, block=block)
-    return pcp.PrefillResult(split.unshard(out), split.unshard(lse), split.unshard(sel), rows, keys, counters)
+    return pcp.run_split(split, start, (q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI),
+                         _int32(block_table_M)[None], rows_NLX, keys_NLI, mesh=mesh, axis=axis, topk=topk, scale=scale,
+                         block=block, layout=layout)

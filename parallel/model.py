@@ -47,7 +47,8 @@ def cache_specs(cache: CpKVCache):
     loc = cache.local
     local = dataclasses.replace(loc, mla=tuple(kv for _ in loc.mla), index=tuple(kv for _ in loc.index),
                                 block_table=P(), index_block_table=None if loc.index_block_table is None else P())
-    return dataclasses.replace(cache, local=local)
+    counters = None if cache.counters is None else {k: P(cache.axis) for k in cache.counters}
+    return dataclasses.replace(cache, local=local, counters=counters)
 
 
 def place(cache: CpKVCache, mesh) -> CpKVCache:
@@ -72,15 +73,23 @@ def state_specs(state, axis: str, expert_parallel: bool):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel"),
                    donate_argnames=("cache",))
-def forward(state, tokens, positions, cache: CpKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
-            expert_parallel: bool = False):
+def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphdef, mesh, window: int, form: str,
+            impl: str, expert_parallel: bool = False):
     """`GLM53.__call__` on `mesh` -> (hidden [B, T', D] in the tokens' layout, cache). tokens / positions
-    [B, T'] int32 (-1 = padding) in the layout `cache.tokens_split` says; the cache is donated."""
+    [B, T'] int32 (-1 = padding) in the layout `cache.tokens_split` says; the cache is donated.
+    counters: None, or {name: int32 [N]} split over the axis (`CpKVCache.with_counters().counters`; not
+    donated, so one zero set serves every step): the returned cache's `counters` add this forward's
+    work per rank."""
     axis = cache.axis
     tok = P(None, axis) if cache.tokens_split else P()
+    if cache.counters is not None:
+        raise ValueError("pass the counters as forward's `counters` argument, not inside the (donated) cache")
     specs = cache_specs(cache)
+    counter_specs = None if counters is None else {k: P(axis) for k in counters}
+    out_specs = dataclasses.replace(specs, counters=counter_specs)
 
-    def body(state, tokens, positions, cache):
+    def body(state, tokens, positions, cache, counters):
+        cache = dataclasses.replace(cache, counters=counters)
         model = nnx.merge(graphdef, state)
         if expert_parallel:
             for layer in model.layers:
@@ -89,5 +98,6 @@ def forward(state, tokens, positions, cache: CpKVCache, *, graphdef, mesh, windo
         hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl)
         return hidden, cache
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axis, expert_parallel), tok, tok, specs),
-                         out_specs=(tok, specs), check_vma=False)(state, tokens, positions, cache)
+    return jax.shard_map(body, mesh=mesh,
+                         in_specs=(state_specs(state, axis, expert_parallel), tok, tok, specs, counter_specs),
+                         out_specs=(tok, out_specs), check_vma=False)(state, tokens, positions, cache, counters)

@@ -9,17 +9,20 @@ pairs, so every rank scores exactly 2N C^2 + C pairs (before padding is dropped)
 Each rank's tokens sit in one [2C] row of a [N, 2C] layout (`positions`); `shard` permutes a
 per-token array into that layout (rank-major, padded with zeros), `unshard` restores the original order.
 
-Per layer, on every rank (`prefill_layer_local`, inside `jax.shard_map`):
-1. the new latent KV rows and indexer keys of the rank's own tokens are all-gathered over the axis and
-   written into the rank's copy of the cache (positions come from the split, known to every rank);
-2. the rank runs the lightning indexer for its own queries only (`causal_topk_blocked`), over the whole
-   context, with an exact top-k in the total order (score descending, position ascending);
-3. the rank's queries attend their selected rows with all heads (`attention.sparse_mla.sparse_mqa`).
-Attention outputs stay in the split layout until the caller restores the order (`PcpSplit.unshard`).
+One layer (`prefill_layer`): the tokens run on the ranks of the axis inside `jax.shard_map`, through
+`parallel.cp_cache.CpKVCache` (tokens_split), the cache the engine's PCP steps use, so this entry point
+runs the engine's code on one layer:
+1. the new latent KV rows and indexer keys of each rank's tokens (and their positions) are all-gathered
+   over the axis and written into every rank's copy of the cache;
+2. each rank runs the lightning indexer for its own queries only, causal tiles over the whole context
+   (`attention.indexer.topk_causal_blocked`), with an exact top-k in the total order (score
+   descending, position ascending);
+3. each rank's queries attend their selected rows with all heads (`attention.sparse_mla.sparse_mqa`).
+Outputs come back in the split layout and are restored to prompt order (`PcpSplit.unshard`).
 
-Work counters: every rank returns how many (query, key) pairs its indexer scored (causal pairs, and the
-pairs of the key blocks its loop visited, the padded work a tiled kernel does) and how many selected rows
-its sparse attention attended. The benchmark's load balance is measured from these counters.
+Work counters (`CpKVCache.counters`): the (query, key) pairs each rank's indexer scored (causal pairs,
+and the pairs of the key blocks its loop visited, the padded work of a tiled kernel) and the selected
+rows its sparse attention read. The benchmark's load balance is measured from these counters.
 """
 
 from __future__ import annotations
@@ -33,10 +36,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from attention import indexer as indexer_ops
-from attention import sparse_mla
 
 SPLITS = ("balanced", "naive")
-COUNTERS = ("indexer_pairs_causal", "indexer_pairs_computed", "mla_rows_attended")  # per-rank work counters
+COUNTERS = indexer_ops.COUNTERS + ("mla_rows_attended",)  # per-rank work counters (parallel.cp_cache.COUNTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,124 +106,13 @@ class PcpSplit:
         return y_L[slot_of]
 
 
-# ------------------------------------------------------------------------------------------- per-rank parts
-def _varying_like(tree, *refs):
-    """`tree` typed to vary over every mesh axis any of `refs` varies over, values unchanged.
-
-    Inside `jax.shard_map` a loop carry must keep its type, and a constant initial carry is invariant while
-    the loop body's result varies with the inputs. Adding a zero computed from the refs gives the constant
-    the refs' type (values are unchanged: x + 0 for finite or infinite x; the zero is `isnan(ref) & False`); outside shard_map it is a no-op.
-    """
-    zero = jnp.zeros((), jnp.int32)
-    for r in refs:
-        if r.size:
-            zero = zero + (jnp.isnan(jnp.ravel(r)[0]) & False).astype(jnp.int32)
-    return jax.tree.map(lambda x: x + zero.astype(x.dtype), tree)
-
-
-def causal_topk_blocked(q_THI, w_TH, keys_SI, pos_T, topk: int, *, block: int):
-    """The lightning indexer for a rank's own queries, tiled and causal: exact top-k in the total order.
-
-    q [T,HI,DI] f32, w [T,HI] f32, keys [S,DI] (key row s = position s), pos [T] int32 (-1 = padding)
-    -> (topk [T, min(topk, S)] int32 positions, -1 = none; counters: dict of int32 [tiles] per query tile).
-
-    Queries are processed in tiles of `block`; a tile visits key blocks 0 .. max(pos in tile) // block
-    only (a dynamic trip count: the causal work of this rank, not of the whole prompt) and keeps a running
-    top-k. Candidates are ordered [running, new block], and every new block's positions exceed every
-    running position, so `lax.top_k`'s lowest-index tie break keeps the total order (score desc, position
-    asc): the result equals `attention.indexer.topk_reference` on the whole row. Block scores come from
-    `attention.indexer.index_scores_reference` (positions shifted by the block start).
-    """
-    t, s = q_THI.shape[0], keys_SI.shape[0]
-    k = min(topk, s)
-    nq, nk = -(-t // block), -(-s // block)
-    pad_q = nq * block - t
-    q = jnp.pad(q_THI.astype(jnp.float32), ((0, pad_q), (0, 0), (0, 0)))
-    w = jnp.pad(w_TH.astype(jnp.float32), ((0, pad_q), (0, 0)))
-    pos = jnp.pad(pos_T.astype(jnp.int32), (0, pad_q), constant_values=-1)
-    keys = jnp.pad(keys_SI, ((0, nk * block - s), (0, 0)))
-    block_pos = jnp.arange(block, dtype=jnp.int32)
-
-    def tile(args):
-        q_BHI, w_BH, pos_B = args
-        last = jnp.max(pos_B)
-        trips = jnp.where(last >= 0, jnp.minimum(last // block + 1, nk), 0)
-
-        def visit(j, carry):
-            run_s, run_p, computed, causal = carry
-            s0 = j * block
-            keys_blk = jax.lax.dynamic_slice_in_dim(keys, s0, block)
-            sc_BK = indexer_ops.index_scores_reference(q_BHI[None], w_BH[None], keys_blk[None], (pos_B - s0)[None])[0]
-            cand_s = jnp.concatenate([run_s, sc_BK], axis=1)
-            cand_p = jnp.concatenate([run_p, jnp.broadcast_to(s0 + block_pos, sc_BK.shape)], axis=1)
-            vals, idx = jax.lax.top_k(cand_s, k)
-            return (vals, jnp.take_along_axis(cand_p, idx, axis=1), computed + block * block,
-                    causal + jnp.sum(jnp.isfinite(sc_BK), dtype=jnp.int32))
-
-        init = _varying_like((jnp.full((block, k), -jnp.inf, jnp.float32), jnp.full((block, k), -1, jnp.int32),
-                              jnp.int32(0), jnp.int32(0)), q_BHI, w_BH, pos_B, keys)
-        run_s, run_p, computed, causal = jax.lax.fori_loop(0, trips, visit, init)
-        return jnp.where(run_s == -jnp.inf, -1, run_p), computed, causal
-
-    sel, computed, causal = jax.lax.map(tile, (q.reshape(nq, block, *q.shape[1:]), w.reshape(nq, block, -1),
-                                               pos.reshape(nq, block)))
-    sel_TK = sel.reshape(nq * block, k)[:t]
-    return sel_TK, {"indexer_pairs_causal": causal, "indexer_pairs_computed": computed}
-
-
-def attend_own_queries(q_lat_THR, q_pe_THP, qi_THI, w_TH, pos_T, rows_SX, keys_SI, *, topk: int, scale: float,
-                       block: int):
-    """One rank's sparse MLA for its own queries against a full-context copy of the cache.
-
-    q_lat [T,H,R], q_pe [T,H,P], indexer qi [T,HI,DI], w [T,HI], pos [T] (-1 = padding), rows [S, R+P]
-    and keys [S,DI] in position order -> (out [T,H,R] f32, lse [T,H] f32, topk [T, min(topk,S)] int32,
-    counters {name: int32 [tiles]}).
-    """
-    sel_TK, counters = causal_topk_blocked(qi_THI, w_TH, keys_SI, pos_T, topk, block=block)
-    rows = sparse_mla.SlotRows.plain(rows_SX, sel_TK[None], q_lat_THR.shape[-1])
-    out, lse = sparse_mla.sparse_mqa(q_lat_THR[None], q_pe_THP[None], rows, scale)
-    counters = dict(counters, mla_rows_attended=jnp.sum(sel_TK >= 0, dtype=jnp.int32)[None])
-    return out[0], lse[0], sel_TK, counters
-
-
-def write_rows(cache_SX, rows_TX, pos_T):
-    """cache [S, X] with rows [T, X] written at positions pos [T] (-1 = skip: mapped out of range, never to
-    the last row)."""
-    s = cache_SX.shape[0]
-    return cache_SX.at[jnp.where(pos_T >= 0, pos_T, s)].set(rows_TX.astype(cache_SX.dtype), mode="drop")
-
-
-def prefill_layer_local(q_lat_CHR, q_pe_CHP, qi_CHI, w_CH, rows_new_CX, keys_new_CI, pos_all_L, cache_rows_SX,
-                        cache_keys_SI, *, axis, topk: int, scale: float, block: int):
-    """One PCP layer on one rank (call inside `jax.shard_map` over `axis`).
-
-    Own tokens (C = 2 * chunk slots): q_lat [C,H,R], q_pe [C,H,P], indexer qi [C,HI,DI], w [C,HI], new cache
-    rows [C,R+P] and new indexer keys [C,DI]; pos_all [N*C] int32: the positions of every rank's slots
-    (the split is known to all ranks; -1 = padding); the rank's full cache copy rows [S,R+P], keys [S,DI]
-    (identical on all ranks) -> (out [C,H,R], lse [C,H], topk [C,K], cache_rows, cache_keys, counters).
-
-    The two all-gathers (new rows, new keys) are the only communication; the updated cache is identical on
-    every rank (it is typed invariant over `axis`).
-    """
-    c = q_lat_CHR.shape[0]
-    rank = jax.lax.axis_index(axis)
-    pos_C = jax.lax.dynamic_slice_in_dim(pos_all_L, rank * c, c)
-    rows_all = jax.lax.all_gather(rows_new_CX, axis, tiled=True, to="invarying")
-    keys_all = jax.lax.all_gather(keys_new_CI, axis, tiled=True, to="invarying")
-    cache_rows_SX = write_rows(cache_rows_SX, rows_all, pos_all_L)
-    cache_keys_SI = write_rows(cache_keys_SI, keys_all, pos_all_L)
-    out, lse, sel, counters = attend_own_queries(q_lat_CHR, q_pe_CHP, qi_CHI, w_CH, pos_C, cache_rows_SX,
-                                                 cache_keys_SI, topk=topk, scale=scale, block=block)
-    return out, lse, sel, cache_rows_SX, cache_keys_SI, counters
-
-
 # ------------------------------------------------------------------------------------------- global wrapper
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PrefillResult:
     """Outputs of `prefill_layer`, in prompt order: out [T,H,R], lse [T,H], topk [T,K] (global positions),
-    the updated (replicated) cache rows [S,R+P] and keys [S,DI], and the raw work counters {name: int32
-    [N * parts]} (`counters_per_rank` sums them per rank)."""
+    the updated cache tables (PCP: replicated rows [S,R+P] and keys [S,DI]; PCP x DCP: the rank-major DCP
+    tables), and the work counters {name: int32 [N]} (`counters_per_rank`)."""
 
     out: jax.Array
     lse: jax.Array
@@ -232,19 +123,42 @@ class PrefillResult:
 
 
 def counters_per_rank(counters: dict, n: int) -> dict:
-    """Raw counters {name: int [N * parts]} (rank-major, as a shard_map over N ranks returns them) ->
-    {name: np.int64 [N]}: each rank's total (summed in int64, so long prompts do not overflow)."""
+    """Counters {name: int [N * parts]} (rank-major, as a shard_map over N ranks returns them) ->
+    {name: np.int64 [N]}: each rank's total. The counters themselves are int32 (JAX's default): at most
+    2^31 pairs per rank per call (a 64K prompt on 2 ranks scores about 1.3e9)."""
     return {k: np.asarray(v).reshape(n, -1).astype(np.int64).sum(axis=1) for k, v in counters.items()}
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "axis", "topk", "scale", "block"))
-def _prefill_jit(q_lat, q_pe, qi, w, rows_new, keys_new, pos_all, cache_rows, cache_keys, *, mesh, axis, topk,
-                 scale, block):
-    body = functools.partial(prefill_layer_local, axis=axis, topk=topk, scale=scale, block=block)
-    tok = P(axis)
-    return jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, tok, tok, P(), P(), P()),
-                         out_specs=(tok, tok, tok, P(), P(), P(axis)))(
-        q_lat, q_pe, qi, w, rows_new, keys_new, pos_all, cache_rows, cache_keys)
+@functools.partial(jax.jit, static_argnames=("mesh", "axis", "topk", "scale", "block", "layout"))
+def prefill_jit(q_lat, q_pe, qi, w, rows_new, keys_new, pos, block_table, cache_rows, cache_keys, *, mesh, axis, topk,
+                scale, block, layout=None):
+    """One prefill layer through `CpKVCache` on `mesh` (inputs in split layout, rank-major on axis 0; pos
+    [N * 2C] the slots' positions). layout None: PCP over a replicated cache of one request (rows [S, R+P]
+    and keys [S, DI] in position order, block_table [1, 1] = one page); a `parallel.dcp.DcpLayout`: PCP x
+    DCP over the rank-major DCP tables [N * L, ...] under block_table [1, M]. -> (out, lse, topk in split
+    layout; the updated tables; counters {name: int32 [N]})."""
+    from parallel.cp_cache import CpKVCache, plain_cache
+
+    n, r = mesh.shape[axis], q_lat.shape[-1]
+    dcp = layout is not None
+    block_size = layout.block_size if dcp else cache_rows.shape[0]
+    window = block_table.shape[1] * block_size * (n if dcp else 1)
+
+    def body(q_lat, q_pe, qi, w, rows_new, keys_new, pos, block_table, rows, keys, counters):
+        cache = CpKVCache(plain_cache(rows, keys, block_table, block_size, r), axis, n, tokens_split=True, dcp=dcp,
+                          interleave=layout.interleave if dcp else 1, index_block=block, counters=counters)
+        pos = pos[None]
+        cache = cache.write_packed("mla", 0, rows_new[None], pos).write_packed("index", 0, keys_new[None], pos)
+        sel, cache = cache.select(0, qi[None], w[None], pos, topk, window=window, impl="auto")
+        out, lse, cache = cache.attend_lse(0, q_lat[None], q_pe[None], sel, scale, window=window, full=True,
+                                           impl="auto")
+        return out[0], lse[0], sel[0], cache.local.mla[0], cache.local.index[0], cache.counters
+
+    tok, kv = P(axis), (P(axis) if dcp else P())
+    counters = {k: jnp.zeros((n,), jnp.int32) for k in COUNTERS}
+    return jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 7 + (P(), kv, kv, tok),
+                         out_specs=(tok, tok, tok, kv, kv, tok), check_vma=False)(
+        q_lat, q_pe, qi, w, rows_new, keys_new, pos, block_table, cache_rows, cache_keys, counters)
 
 
 def prefill_layer(mesh, split: PcpSplit, q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI, cache_rows_SX,
@@ -253,24 +167,35 @@ def prefill_layer(mesh, split: PcpSplit, q_lat_THR, q_pe_THP, qi_THI, w_TH, rows
     """PCP for one attention layer of a prompt whose T tokens occupy positions [start, start + T).
 
     Inputs in prompt order (per token: q_lat [T,H,R], q_pe [T,H,P], indexer qi [T,HI,DI] and w [T,HI], new
-    cache rows [T,R+P] and keys [T,DI]); cache rows [S,R+P] and keys [S,DI] hold positions < start (S >=
-    start + split.padded_length). Splits the tokens with `split` over mesh axis `axis`, runs
-    `prefill_layer_local` on every rank and restores the prompt order.
+    cache rows [T,R+P] and keys [T,DI]); cache rows [S,R+P] and keys [S,DI] (float32, position order)
+    hold positions < start (S >= start + split.padded_length). Splits the tokens with `split` over mesh
+    axis `axis`, runs the layer on every rank (`prefill_jit`) and restores the prompt order.
     """
+    check_prefill_args(mesh, axis, split, q_lat_THR, block)
+    if cache_rows_SX.shape[0] < start + split.padded_length:
+        raise ValueError(f"cache capacity {cache_rows_SX.shape[0]} < start + padded prompt = "
+                         f"{start + split.padded_length}")
+    return run_split(split, start, (q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI),
+                     np.zeros((1, 1), np.int32), cache_rows_SX, cache_keys_SI, mesh=mesh, axis=axis, topk=topk,
+                     scale=scale, block=block)
+
+
+def check_prefill_args(mesh, axis: str, split: PcpSplit, q_lat_THR, block) -> None:
     n = mesh.shape[axis]
     if split.n != n:
         raise ValueError(f"split.n ({split.n}) must equal the size of mesh axis {axis!r} ({n})")
     if split.length != q_lat_THR.shape[0]:
         raise ValueError(f"split.length ({split.length}) must equal the number of tokens ({q_lat_THR.shape[0]})")
-    if cache_rows_SX.shape[0] < start + split.padded_length:
-        raise ValueError(f"cache capacity {cache_rows_SX.shape[0]} < start + padded prompt = "
-                         f"{start + split.padded_length}")
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    pos_all = jnp.asarray(split.positions(start).reshape(-1))
+
+
+def run_split(split: PcpSplit, start: int, per_token, block_table, rows, keys, **kw) -> PrefillResult:
+    """Permute the per-token inputs into the split layout, run `prefill_jit`, restore the prompt order."""
+    pos = jnp.asarray(split.positions(start).reshape(-1))
     # Host-side permutation for numpy inputs; the jitted step sees only split-layout shapes, so prompts of
     # one chunk bucket share its compiled program.
-    args = [split.shard(a) for a in (q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI)]
-    out, lse, sel, rows, keys, counters = _prefill_jit(*args, pos_all, cache_rows_SX, cache_keys_SI, mesh=mesh,
-                                                       axis=axis, topk=topk, scale=scale, block=block)
+    args = [split.shard(a) for a in per_token]
+    out, lse, sel, rows, keys, counters = prefill_jit(*args, pos, jnp.asarray(block_table, jnp.int32), rows, keys,
+                                                      **kw)
     return PrefillResult(split.unshard(out), split.unshard(lse), split.unshard(sel), rows, keys, counters)

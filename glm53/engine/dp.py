@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 
 import jax
+import numpy as np
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.engine import Engine, ServingMetrics
@@ -122,6 +123,11 @@ class DataParallelEngine(ServingMetrics):
     def _counts(self) -> tuple[int, int, int]:
         counts = [r._counts() for r in self._replicas]
         return tuple(sum(c[i] for c in counts) for i in range(3))
+
+    def _cp_work(self) -> dict:
+        """Every replica's ranks side by side (each a device of its own)."""
+        parts = [r._cp_work() for r in self._replicas]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts[0] else {}
 
     def _policy_metrics(self) -> dict:
         """The replicas' policy figures summed (means of per-step counts add up too; a peak is the sum of

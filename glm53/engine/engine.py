@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from glm53.engine.config import DeployConfig
-from glm53.engine.metrics import summarize
+from glm53.engine.metrics import cp_work_metrics, summarize
 from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
 from glm53.engine.scheduler import OffloadPolicy, Scheduler, SchedulerStats
@@ -23,7 +23,7 @@ class ServingMetrics:
     """What every engine front end shares (Engine, and the data-parallel one over its replicas):
     `generate`, `metrics` and `live_metrics`, over a few hooks: `output`, `finished`, `timeline`,
     `deploy`, `_stats` (scheduler counters), `_transfers` (device<->host bytes), `_counts` (running,
-    waiting, free blocks now) and `_policy_metrics`."""
+    waiting, free blocks now), `_policy_metrics` and `_cp_work` (per-rank work under context parallelism)."""
 
     @property
     def num_devices(self) -> int:
@@ -37,6 +37,7 @@ class ServingMetrics:
         out = summarize(outs, duration_s=duration, num_devices=self.num_devices, scheduler_stats=self._stats(),
                         transfers=self._transfers(), running_per_step=self.running_per_step)
         out.update(self._policy_metrics())
+        out.update(cp_work_metrics(self._cp_work()))
         rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
         out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
                            "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
@@ -184,6 +185,9 @@ class Engine(ServingMetrics):
     def _counts(self) -> tuple[int, int, int]:
         sch = self.scheduler
         return len(sch.running), len(sch.waiting), sch.kv.num_free_blocks
+
+    def _cp_work(self) -> dict:
+        return self.runner.cp_work_per_rank() if isinstance(self.runner, ModelRunner) else {}
 
     def _policy_metrics(self) -> dict:
         """HiSparse figures (empty for other policies): hot-buffer hits and misses (summed over IndexShare

@@ -56,6 +56,18 @@ def summarize(outputs: Sequence[RequestOutput], *, duration_s: float, num_device
     return out
 
 
+def cp_work_metrics(per_rank: dict) -> dict:
+    """Context parallelism's per-rank work counters ({name: int [N]}, the runner's `cp_work_per_rank`)
+    -> {"cp_<name>_per_rank": [N ints], "cp_<name>_max_over_mean": float (1.0 = balanced; the slowest
+    rank sets the step time)}; {} without context parallelism."""
+    out = {}
+    for name, v in per_rank.items():
+        v = np.asarray(v, np.int64)
+        out[f"cp_{name}_per_rank"] = v.tolist()
+        out[f"cp_{name}_max_over_mean"] = float(v.max() / v.mean()) if v.mean() > 0 else 1.0
+    return out
+
+
 class PrometheusExporter:
     """The same figures as Prometheus gauges in a private registry; `serve(port)` starts the HTTP endpoint."""
 

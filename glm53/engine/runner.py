@@ -33,6 +33,7 @@ from glm53.engine.scheduler import ScheduledChunk
 from glm53.model import GLM53, compiled
 from kvcache.paged import PagedKVCache
 from parallel import model as parallel_model
+from parallel.cp_cache import COUNTERS as CP_COUNTERS
 from parallel.cp_cache import CpKVCache
 from parallel.mesh import make_mesh
 from parallel.pcp import PcpSplit
@@ -238,6 +239,12 @@ class ModelRunner:
         if self.mesh is not None:
             self.cache = parallel_model.place(self._cp_cache(self.cache, False), self.mesh).local
             self.state = parallel_model.place_state(self.c.state, self.mesh, deploy.enable_expert_parallel)
+            # each rank's work (parallel.cp_cache.COUNTERS): zeros in, this step's counts out; the step's
+            # device arrays are folded into int64 host totals lazily (no sync on the serving path)
+            self._cp_zero = jax.device_put({k: np.zeros(n, np.int32) for k in CP_COUNTERS},
+                                           NamedSharding(self.mesh, P("cp")))
+            self._cp_pending: list[dict] = []
+            self._cp_totals = {k: np.zeros(n, np.int64) for k in self._cp_zero}
         else:  # weights and pool committed to this runner's device (a data-parallel replica's own copy)
             self.cache = jax.device_put(self.cache, self.devices[0])
             self.state = jax.device_put(self.c.state, self.devices[0])
@@ -422,12 +429,29 @@ class ModelRunner:
             logits = self._last_logits(self.state, hidden, np.zeros(rows, np.int32))
             ones = np.ones(rows, np.float32)
             _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
+        self.cp_work_per_rank(reset=True)  # warm-up steps are not serving work
         return len(shapes)
 
     def _cp_cache(self, cache: PagedKVCache, tokens_split: bool) -> CpKVCache:
         d = self.deploy
         return CpKVCache(cache, "cp", d.context_parallel_size, tokens_split=tokens_split, dcp=self.kv_ranks > 1,
                          interleave=d.cp_kv_cache_interleave_size, backend=d.dcp_comm_backend)
+
+    def cp_work_per_rank(self, reset: bool = False) -> dict[str, np.ndarray]:
+        """Context parallelism: each rank's work since the start (or the last reset) -> {name: int64 [N]}
+        (parallel.cp_cache.COUNTERS: indexer pairs scored, causal and computed, and MLA rows read);
+        {} without a mesh."""
+        if self.mesh is None:
+            return {}
+        for step in self._cp_pending:
+            for k, v in step.items():
+                self._cp_totals[k] += np.asarray(v, np.int64)
+        self._cp_pending.clear()
+        out = {k: v.copy() for k, v in self._cp_totals.items()}
+        if reset:
+            for v in self._cp_totals.values():
+                v[:] = 0
+        return out
 
     def _forward(self, tok, pos, table_mla, table_index, window, hisparse: HiSparseView | None = None) -> jax.Array:
         """Run one padded batch [rows, width] -> hidden [rows, width, D] in token order (cache updated)."""
@@ -479,9 +503,13 @@ class ModelRunner:
             order = np.zeros(width, np.int32)  # token j's slot; tokens past the longest chunk read slot 0
             order[src[src >= 0]] = np.nonzero(src >= 0)[0]
         hidden, cp = parallel_model.forward(self.state, jnp.asarray(tok), jnp.asarray(pos),
-                                            self._cp_cache(cache, split), graphdef=self.c.graphdef, mesh=self.mesh,
-                                            window=window, form=form, impl=self.deploy.attention_impl,
+                                            self._cp_cache(cache, split), self._cp_zero, graphdef=self.c.graphdef,
+                                            mesh=self.mesh, window=window, form=form,
+                                            impl=self.deploy.attention_impl,
                                             expert_parallel=self.deploy.enable_expert_parallel)
+        self._cp_pending.append(cp.counters)
+        if len(self._cp_pending) >= 256:
+            self.cp_work_per_rank()
         if order is not None:
             hidden = _take_tokens(hidden, jnp.asarray(order))
         return hidden, cp.local

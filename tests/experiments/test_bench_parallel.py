@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from glm53.config import get_preset
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -15,7 +17,7 @@ def test_bench_parallel_small(tmp_path):
                XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
     cmd = [sys.executable, "-m", "experiments.bench_parallel", "--out", str(tmp_path), "--ns", "4", "--lengths",
            "64", "--block", "8", "--topk", "8", "--dcp-ns", "8", "--contexts", "4096,65536",
-           "--prefill-chunk", "256"]
+           "--prefill-chunk", "256", "--engine-n", "4", "--engine-length", "64"]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = json.loads((tmp_path / "bench_parallel.json").read_text())
@@ -30,6 +32,15 @@ def test_bench_parallel_small(tmp_path):
     assert sum(bal["per_rank"]["indexer_pairs_causal"]) == 64 * 65 // 2
     assert naive["load_balance_max_over_mean"]["indexer_pairs_causal"] > 1.5
     assert len(bal["per_rank"]["mla_rows_attended"]) == 4
+
+    # the engine's counters (tiny model, 4 full indexer layers): the 64-token prompt splits evenly (each
+    # rank 2080 / 4 causal pairs per layer), then the decode token (position 64) runs replicated under
+    # PCP alone: every rank scores its 65 pairs
+    eng = res["engine_load_balance"]
+    full_layers = sum(1 for i in get_preset("tiny").full_indexer_layers if i < get_preset("tiny").num_hidden_layers)
+    assert full_layers == 4
+    assert eng["per_rank"]["indexer_pairs_causal"] == [full_layers * (64 * 65 // 2 // 4 + 65)] * 4
+    assert eng["load_balance_max_over_mean"]["indexer_pairs_computed"] == 1.0
 
     for row in res["formula_check"]:
         assert row["measured_bytes"] == row["formula_bytes"], row

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 _selected: list[str] = []
 _child_results: dict | None = None
+_child: tuple | None = None  # (Popen, temporary directory) of the running subprocess
 
 
 def pytest_configure(config):
@@ -42,6 +44,14 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     _selected[:] = [item.nodeid for item in items if item.get_closest_marker("multidevice")]
+    if _selected and not _in_child() and not _enough_devices_here():
+        _start_child()
+
+
+def _enough_devices_here() -> bool:
+    import jax
+
+    return jax.device_count() >= DEVICES
 
 
 def _in_child() -> bool:
@@ -59,34 +69,50 @@ def pytest_runtest_logreport(report):
                                 "text": report.longreprtext}) + "\n")
 
 
-def _run_child() -> dict:
-    """Run every selected multidevice test in one subprocess -> {nodeid: (outcome, text)}."""
-    with tempfile.TemporaryDirectory(prefix="parallel_tests_") as tmp:
-        report = Path(tmp) / "report.jsonl"
-        env = dict(os.environ)
-        env[ENV_CHILD] = "1"
-        env[ENV_REPORT] = str(report)
-        # The programs are tiny: compile time dominates, and LLVM's optimisation level 0 halves it.
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-                            " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_selected]
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=CHILD_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            output += f"\n[killed after {CHILD_TIMEOUT_S} s]"
-        results: dict = {}
-        if report.exists():
-            for line in report.read_text().splitlines():
-                r = json.loads(line)
-                prev = results.get(r["nodeid"])
-                if prev is None or prev[0] == "passed":  # a failure or skip in any phase wins
-                    results[r["nodeid"]] = (r["outcome"], r["text"])
-        results["__output__"] = ("", output)
-        return results
+def _start_child() -> None:
+    """Start the subprocess that runs every selected multidevice test (its report goes to a temp file)."""
+    global _child
+    tmp = tempfile.TemporaryDirectory(prefix="parallel_tests_")
+    env = dict(os.environ)
+    env[ENV_CHILD] = "1"
+    env[ENV_REPORT] = str(Path(tmp.name) / "report.jsonl")
+    # The programs are tiny: compile time dominates, and LLVM's optimisation level 0 halves it.
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+                        " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_selected]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    _child = (proc, tmp, time.monotonic())
+
+
+def _collect_child() -> dict:
+    """Wait for the subprocess (killed, with its process group, CHILD_TIMEOUT_S after it started)
+    -> {nodeid: (outcome, text)}."""
+    proc, tmp, started = _child
+    try:
+        output, _ = proc.communicate(timeout=max(CHILD_TIMEOUT_S - (time.monotonic() - started), 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\n[killed after {CHILD_TIMEOUT_S} s]"
+    report = Path(tmp.name) / "report.jsonl"
+    results: dict = {}
+    if report.exists():
+        for line in report.read_text().splitlines():
+            r = json.loads(line)
+            prev = results.get(r["nodeid"])
+            if prev is None or prev[0] == "passed":  # a failure or skip in any phase wins
+                results[r["nodeid"]] = (r["outcome"], r["text"])
+    tmp.cleanup()
+    results["__output__"] = ("", output)
+    return results
+
+
+def pytest_unconfigure(config):
+    """A session that ends before collecting the subprocess (interrupted, -x) kills it."""
+    if _child is not None and _child[0].poll() is None:
+        os.killpg(_child[0].pid, signal.SIGKILL)
+        _child[0].communicate()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -94,12 +120,10 @@ def pytest_pyfunc_call(pyfuncitem):
     global _child_results
     if not pyfuncitem.get_closest_marker("multidevice") or _in_child():
         return None
-    import jax
-
-    if jax.device_count() >= DEVICES:
-        return None  # enough devices here: run the test in this process
+    if _child is None:
+        return None  # enough devices here (no subprocess was started): run the test in this process
     if _child_results is None:
-        _child_results = _run_child()
+        _child_results = _collect_child()
     outcome, text = _child_results.get(pyfuncitem.nodeid, (None, ""))
     if outcome == "passed":
         return True

@@ -146,6 +146,15 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     kv = eng.runner.cache.mla[0]
     assert len(kv.sharding.device_set) == 8 and kv.sharding.spec == jax.sharding.PartitionSpec("cp")
     assert eng.deploy.max_blocks_per_seq == -(-96 // (BS * 8))  # a block id covers B x N tokens
+    # Per-rank work counted where it is done: every computed token (prompt, then 3 fed-back outputs) at
+    # position p scored p + 1 causal (query, key) pairs in each full indexer layer, whichever rank scored
+    # them (PCP prefill: the query's rank; DCP decode: each rank its own keys)
+    m = eng.metrics()
+    causal = m["cp_indexer_pairs_causal_per_rank"]
+    full_layers = sum(1 for i in tiny_model.cfg.full_indexer_layers if i < tiny_model.cfg.num_hidden_layers)
+    assert len(causal) == 8 and min(causal) > 0
+    assert sum(causal) == full_layers * sum((n + 3) * (n + 4) // 2 for n in (30, 29))
+    assert min(m["cp_mla_rows_attended_per_rank"]) > 0 and m["cp_indexer_pairs_computed_max_over_mean"] >= 1.0
 
     # Data parallelism: two independent replicas on devices 0 and 1, the same tokens
     dp = Engine(tiny_model, DeployConfig(**base, data_parallel_size=2))

@@ -61,18 +61,29 @@ def test_split_rejects_bad_fields():
 
 
 def test_blocked_indexer_equals_reference_on_one_device(inputs):
-    """The tiled causal indexer alone (no mesh): exact top-k, including ties, padding queries and a top-k
-    larger than the context."""
-    blocked = jax.jit(pcp.causal_topk_blocked, static_argnames=("topk", "block"))
+    """The tiled causal indexer alone (no mesh), over paged keys of a batch of two requests: exact top-k,
+    including ties, padding queries, a top-k larger than the context and tiles that straddle pages."""
+    from attention.formats import IndexKeyFormat
+    from attention.indexer import PagedKeys, topk_causal_blocked
+
+    blocked = jax.jit(topk_causal_blocked, static_argnames=("topk", "window", "block"))
     for ties in (False, True):
-        d = inputs(3, (23,), (29,), ties=ties)
-        pos = np.concatenate([np.arange(20), [-1, 3, 28]]).astype(np.int32)
+        d = inputs(3, (2, 23), (2, 32), ties=ties)
+        pos = np.stack([np.concatenate([np.arange(20), [-1, 3, 28]]), np.arange(9, 32)]).astype(np.int32)
+        # request 1's pages in reverse order, 8 positions each: block table [[0..3], [7..4]]
+        table = np.concatenate([d["keys"][0], d["keys"][1].reshape(4, 8, -1)[::-1].reshape(32, -1)])
+        keys = PagedKeys(jnp.asarray(table), jnp.asarray([[0, 1, 2, 3], [7, 6, 5, 4]], jnp.int32), 8,
+                         IndexKeyFormat("float32", table.shape[-1]))
         for topk in (5, 40):
-            got, counters = blocked(d["qi"], d["w"], d["keys"], pos, topk=topk, block=4)
-            want = reference.prefill(d["q_lat"], d["q_pe"], d["qi"], d["w"], d["rows"], d["keys"], pos, topk=topk,
-                                     scale=SCALE)[2]
-            np.testing.assert_array_equal(np.asarray(got), want)
-            assert int(np.sum(counters["indexer_pairs_causal"])) == int(np.sum(pos[pos >= 0] + 1))
+            got, counters = blocked(d["qi"], d["w"], keys, pos, topk=topk, window=32, block=4)
+            for b in range(2):
+                want = reference.prefill(d["q_lat"][b], d["q_pe"][b], d["qi"][b], d["w"][b], d["rows"][b],
+                                         d["keys"][b], pos[b], topk=topk, scale=SCALE)[2]
+                np.testing.assert_array_equal(np.asarray(got[b]), want)
+            assert int(counters["indexer_pairs_causal"]) == int(np.sum(pos[pos >= 0] + 1))
+            # tiles of 4 queries visit key blocks up to their last position: 4 x 4 pairs per visit
+            tiles = np.pad(pos, ((0, 0), (0, 1)), constant_values=-1).reshape(2, 6, 4).max(axis=2)
+            assert int(counters["indexer_pairs_computed"]) == 16 * int(np.sum(np.where(tiles >= 0, tiles // 4 + 1, 0)))
 
 
 # ------------------------------------------------------------------------------------ PCP on a device mesh
