@@ -1,6 +1,6 @@
 """Context-parallelism benchmark: PCP load balance measured on the implementation, and bytes moved per layer.
 
-    python -m experiments.bench_parallel --out results            # the committed run (about 6.5 min on 2 cores)
+    python -m experiments.bench_parallel --out results            # the committed run (about 4-7 min on 2 cores)
     python -m experiments.bench_parallel --out /tmp/b --ns 2 --lengths 256 --block 32 --contexts 4096
 
 1. Load balance. For each rank count N (--ns), prompt length (--lengths) and split ("naive": rank g
