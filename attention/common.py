@@ -22,6 +22,24 @@ def masked_softmax_weights(scores: jax.Array, mask: jax.Array) -> tuple[jax.Arra
     return p, lse
 
 
+def _ordered_int32(x_f32):
+    """float32 -> int32 with the same order as `lax.top_k`'s comparison of the floats (IEEE total order:
+    -inf < ... < -0.0 < +0.0 < ... < +inf). An involution: applied to the result it gives the bits back."""
+    b = jax.lax.bitcast_convert_type(x_f32, jnp.int32)
+    return jnp.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+def top_k(x_f32, k: int):
+    """`jax.lax.top_k` over the last axis of a float32 array -> (values, indices int32), identical results
+    (order, ties to the lowest index, +0.0 above -0.0). On XLA:CPU it runs on order-preserving int32 keys:
+    the float comparator of XLA:CPU's sort costs about 2x (1024 rows, top 256 of 1024: 19 ms vs 39 ms),
+    and the indexer takes a top-k per query token of every full layer."""
+    if x_f32.dtype != jnp.float32 or jax.default_backend() != "cpu":
+        return jax.lax.top_k(x_f32, k)
+    keys, idx = jax.lax.top_k(_ordered_int32(x_f32), k)
+    return jax.lax.bitcast_convert_type(_ordered_int32(keys), jnp.float32), idx
+
+
 IMPLS = ("auto", "reference", "pallas")
 
 # "auto" picks the Pallas kernels on a GPU only once they have been compiled and checked there (the

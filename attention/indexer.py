@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from attention.common import pad_to, pallas_interpret, pow2_divisor, resolve_impl, slot_mapping
+from attention.common import pad_to, pallas_interpret, pow2_divisor, resolve_impl, slot_mapping, top_k
 from attention.formats import FP8, IndexKeyFormat
 
 
@@ -73,7 +73,7 @@ def causal_mask(scores_BTS, q_pos_BT):
 def select_topk(scores_BTS, topk: int):
     """-> positions [B,T,min(topk, S)] int32 in the total order (score desc, position asc), -1 = none."""
     k = min(topk, scores_BTS.shape[-1])
-    vals, idx = jax.lax.top_k(scores_BTS, k)
+    vals, idx = top_k(scores_BTS, k)
     return jnp.where(vals == -jnp.inf, -1, idx).astype(jnp.int32)
 
 
@@ -101,9 +101,11 @@ COUNTERS = ("indexer_pairs_causal", "indexer_pairs_computed")  # work counters o
 def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, block: int):
     """`topk` as a causal tiled loop: the same selection, with work that follows causality.
 
-    -> (positions [B,T,min(topk, window)] int32 (-1 = none), counters {name: int32 []}: the (query, key)
-    pairs scored that the causal mask kept ("indexer_pairs_causal", padding queries excluded) and all
-    pairs of the key blocks visited ("indexer_pairs_computed": the padded work of a tiled kernel)).
+    -> (positions [B,T,min(topk, window)] int32 (-1 = none), counters {name: int32 [tiles]} per query
+    tile: the (query, key) pairs scored that the causal mask kept ("indexer_pairs_causal", padding
+    queries excluded) and all pairs of the key blocks visited ("indexer_pairs_computed": the padded work
+    of a tiled kernel)). A tile's counts are below window x block, so they fit int32 while that does;
+    sum them in int64 (or as `parallel.cp_cache` does).
 
     Each request row's queries run in tiles of `block` tokens; a tile visits key blocks 0 .. max(pos in
     tile) // block only (a dynamic trip count) and keeps a running top-k. Candidates are ordered
@@ -112,7 +114,7 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
     equals `topk` (scores from `index_scores_reference` on each block). This is what makes context
     parallelism's load-balanced split pay off: a rank's indexer work is its queries' causal work, not
     queries x window (`parallel.pcp`). A jnp loop; a Pallas kernel with the same block skipping is future
-    work. Counters are int32: at most 2^31 pairs per call.
+    work.
     """
     b, t = q_pos_BT.shape
     k = min(topk, window)
@@ -138,7 +140,7 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
             sc_KK = index_scores_reference(q_KHI[None], w_KH[None], keys_KI[None], (pos_K - j * block)[None])[0]
             cand_s = jnp.concatenate([run_s, sc_KK], axis=1)
             cand_p = jnp.concatenate([run_p, jnp.broadcast_to(kpos, sc_KK.shape)], axis=1)
-            vals, idx = jax.lax.top_k(cand_s, k)
+            vals, idx = top_k(cand_s, k)
             return (vals, jnp.take_along_axis(cand_p, idx, axis=1), computed + block * block,
                     causal + jnp.sum(jnp.isfinite(sc_KK), dtype=jnp.int32))
 
@@ -149,7 +151,7 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
 
     sel, computed, causal = jax.lax.map(tile, (q, w, pos, req))
     sel_BTK = sel.reshape(b, nq * block, k)[:, :t]
-    return sel_BTK, {"indexer_pairs_causal": jnp.sum(causal), "indexer_pairs_computed": jnp.sum(computed)}
+    return sel_BTK, {"indexer_pairs_causal": causal, "indexer_pairs_computed": computed}
 
 
 # ------------------------------------------------------------------------------------------ Pallas kernel

@@ -17,8 +17,8 @@
    all-gather of the shards into the temporary full copy). The formulas are first checked against the
    collectives of the traced implementation at small widths ("formula_check").
 3. The engine ("engine_load_balance"): the serving engine on the tiny model with
-   prefill_context_parallel_size=N prefills one prompt of --engine-length tokens in one chunk (and
-   decodes a token); the per-rank counters come from `Engine.metrics()` (`cp_*_per_rank`), counted by
+   prefill_context_parallel_size=N prefills one prompt of --engine-length tokens in one chunk (the
+   prefill step only: decode runs replicated under PCP alone); the per-rank counters come from `Engine.metrics()` (`cp_*_per_rank`), counted by
    the same cache code (`parallel.cp_cache.CpKVCache`) that item 1 runs on one layer, here over every
    layer of a real model step, with the engine's own padding to its bucket shapes.
 Writes OUT/bench_parallel.json (units in key names; date, machine, git commit) and OUT/bench_parallel.png.
@@ -71,6 +71,7 @@ def load_balance_run(n: int, length: int, kind: str, *, block: int, topk: int, s
     import numpy as np
 
     from parallel import pcp
+    from parallel.cp_cache import counter_totals
     from parallel.mesh import make_mesh
 
     rng = np.random.default_rng(seed)
@@ -88,7 +89,7 @@ def load_balance_run(n: int, length: int, kind: str, *, block: int, topk: int, s
                             normal(length, d["index_heads"]), normal(length, d["kv_lora"] + d["rope"]),
                             normal(length, d["index_dim"]), jnp.zeros((s, d["kv_lora"] + d["rope"])),
                             jnp.zeros((s, d["index_dim"])), topk=topk, scale=0.1, block=block)
-    per_rank = pcp.counters_per_rank(res.counters, n)
+    per_rank = counter_totals(res.counters)
     wall = time.perf_counter() - t0
     return {
         "n": n, "length": length, "split": kind, "padded_length": split.padded_length, "block": block,
@@ -112,7 +113,7 @@ def engine_load_balance(n: int, length: int) -> dict:
                           max_num_batched_tokens=length, kv_cache_dtype="float32")
     eng = Engine(model, deploy)
     t0 = time.perf_counter()
-    eng.generate([prompt], max_new_tokens=2)
+    eng.generate([prompt], max_new_tokens=1)  # the prefill step only (decode runs replicated under PCP)
     m = eng.metrics()
     keys = [k for k in m if k.startswith("cp_")]
     return {"n": n, "length": length, "split": "balanced (engine)", "model": "tiny",

@@ -28,7 +28,7 @@ parallelism, where o_proj is row-parallel); otherwise it is all-gathered so ever
 (the engine's replicated projections). `counters` (optional, {name: int32 [1]} per rank): each rank's
 work, accumulated over the layers, measured where it is done: (query, key) pairs its indexer scored
 (causal ones, and all pairs of the key range computed) and selected MLA rows its attention read
-(`COUNTERS`). The layer-level entry points of `parallel.pcp` and `parallel.dcp` are this class run on
+(`COUNTERS`; exact (hi, lo) int32 pairs, `counter_totals`). The layer-level entry points of `parallel.pcp` and `parallel.dcp` are this class run on
 one layer, so what the benchmarks count is what the engine runs.
 
 Positions are global (request-relative) everywhere outside this class; `capacity` is in global positions.
@@ -61,7 +61,7 @@ class CpKVCache:
     dcp: the KV is sharded round-robin with `interleave` consecutive tokens per rank (False: replicated);
     backend: DCP's LSE-merge communication ("ag_rs" or "a2a"); heads_split: attention outputs keep
     this rank's heads only (H/N); index_block: query and key tile of the PCP indexer; counters: None, or
-    this rank's work counters {name in COUNTERS: int32 [1]} (see the module docstring)."""
+    this rank's work counters {name in COUNTERS: int32 [1, 2]} (see the module docstring)."""
 
     local: PagedKVCache
     axis: str = dataclasses.field(metadata=dict(static=True))
@@ -78,6 +78,9 @@ class CpKVCache:
         if self.local.hisparse is not None:
             raise NotImplementedError("HiSparse residency under context parallelism is not built")
         dcp_ops.check_backend(self.backend)
+        if self.heads_split and self.tokens_split:
+            raise NotImplementedError("heads_split with tokens_split: a rank holds only its own tokens, so "
+                                      "the other heads of those tokens would be lost")
 
     # ------------------------------------------------------------------------------------------- layout
     def layout(self, group: str) -> dcp_ops.DcpLayout:
@@ -96,14 +99,15 @@ class CpKVCache:
         return dataclasses.replace(self, local=local)
 
     def with_counters(self) -> CpKVCache:
-        """The cache with zeroed work counters: global int32 [size] arrays (one entry per rank; place them
-        with `parallel.model.place`, or pass them sharded over the axis)."""
-        return dataclasses.replace(self, counters={k: jnp.zeros((self.size,), jnp.int32) for k in COUNTERS})
+        """The cache with zeroed work counters (`zero_counters`; place them with `parallel.model.place`,
+        or pass them split over the axis)."""
+        return dataclasses.replace(self, counters=zero_counters(self.size))
 
     def _count(self, **work) -> CpKVCache:
+        """Add work: each value a Python int or an int32 array of non-negative parts (summed exactly)."""
         if self.counters is None:
             return self
-        return dataclasses.replace(self, counters={k: v + work.get(k, 0).astype(jnp.int32) if k in work else v
+        return dataclasses.replace(self, counters={k: _add(v, _pair(work[k])) if k in work else v
                                                    for k, v in self.counters.items()})
 
     def _owned(self, group: str, pos):
@@ -161,16 +165,16 @@ class CpKVCache:
             return sel, self._count(**work)
         if not self.dcp:
             sel, _ = default_select(self.local, layer, q_BTHI, w_BTH, pos_BT, topk, window=window, impl=impl)
-            return sel, self._count(indexer_pairs_computed=_size(pos_BT) * window,
-                                    indexer_pairs_causal=jnp.sum(jnp.clip(pos_BT + 1, 0, window)))
+            return sel, self._count(indexer_pairs_computed=pos_BT.size * window,
+                                    indexer_pairs_causal=jnp.clip(pos_BT + 1, 0, window))
         lay, rank = self.layout("index"), self._rank()
         limit_BT = dcp_ops.local_causal_limit(pos_BT, lay, rank)
         scores = indexer_ops.index_scores(q_BTHI, w_BTH, self.local.index_key_pages(layer), limit_BT,
                                           window=dcp_ops.local_window(window, lay), impl=impl)
         cand_s, cand_p = dcp_ops.local_candidates(scores, lay, rank, topk)
         sel = dcp_ops.global_topk(cand_s, cand_p, min(topk, window), axis=self.axis)
-        return sel, self._count(indexer_pairs_computed=_size(scores),
-                                indexer_pairs_causal=jnp.sum(jnp.isfinite(scores)))
+        return sel, self._count(indexer_pairs_computed=scores.size,
+                                indexer_pairs_causal=jnp.sum(jnp.isfinite(scores), axis=-1, dtype=jnp.int32))
 
     def attend(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, *, window, full, impl):
         out, _, cache = self.attend_lse(layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, window=window, full=full,
@@ -188,7 +192,7 @@ class CpKVCache:
             if self.heads_split:
                 out, lse = dcp_ops.pad_heads(out, self.size), dcp_ops.pad_heads(lse, self.size)
             out, lse = merge(out, lse, axis=self.axis, backend=self.backend)
-            return out, lse, self._count(mla_rows_attended=jnp.sum(owned >= 0))
+            return out, lse, self._count(mla_rows_attended=jnp.sum(owned >= 0, axis=-1, dtype=jnp.int32))
         if self.dcp:  # PCP x DCP: this rank's queries over the temporary full copy
             rows = self._full_rows(layer, pos_BTK, window)
             out, lse = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
@@ -199,7 +203,7 @@ class CpKVCache:
             cache = self._with(local)
         if self.heads_split:
             out, lse = self._own_heads(out), self._own_heads(lse)
-        return out, lse, cache._count(mla_rows_attended=jnp.sum(pos_BTK >= 0))
+        return out, lse, cache._count(mla_rows_attended=jnp.sum(pos_BTK >= 0, axis=-1, dtype=jnp.int32))
 
     def _own_heads(self, x_BTH_):
         """This rank's slice of the (zero-padded) heads, axis 2."""
@@ -233,8 +237,41 @@ class CpKVCache:
         return self._full_rows(layer, pos_BTK, self.capacity), self
 
 
-def _size(x) -> jax.Array:
-    return jnp.int32(x.size)
+# ------------------------------------------------------------------------------------------ work counters
+# A count is an int32 pair (hi, lo) = hi * 2^16 + lo with 0 <= lo < 2^16: exact up to 2^47 (JAX runs
+# without int64 by default, and one layer of a 16K-token PCP rank over a 1M context scores 1.6e10 pairs).
+_LO = 16
+
+
+def zero_counters(n: int) -> dict:
+    """{name in COUNTERS: int32 [n, 2]}: each rank's (hi, lo) pair (split the first axis over the ranks)."""
+    return {k: jnp.zeros((n, 2), jnp.int32) for k in COUNTERS}
+
+
+def counter_totals(counters: dict) -> dict:
+    """Counters {name: int [N, 2] (hi, lo)} -> {name: np.int64 [N]}."""
+    import numpy as np
+
+    return {k: np.asarray(v, np.int64)[:, 0] * (1 << _LO) + np.asarray(v, np.int64)[:, 1]
+            for k, v in counters.items()}
+
+
+def _pair(v) -> jax.Array:
+    """The exact sum of a Python int or of an int32 array of non-negative parts (each < 2^31, at most
+    2^25 of them) as a (hi, lo) pair int32 [2]."""
+    if isinstance(v, int):
+        return jnp.asarray([v >> _LO, v & ((1 << _LO) - 1)], jnp.int32)
+    v = v.astype(jnp.int32).reshape(-1)
+    v = jnp.pad(v, (0, -v.size % 1024)).reshape(-1, 1024)
+    lo = jnp.sum(v & ((1 << _LO) - 1), axis=1)  # < 2^26 per row of 1024 parts
+    hi = jnp.sum(v >> _LO) + jnp.sum(lo >> _LO)
+    return jnp.stack([hi, jnp.sum(lo & ((1 << _LO) - 1))])
+
+
+def _add(acc, pair) -> jax.Array:
+    """acc [..., 2] + pair [2], carried so that lo stays < 2^16."""
+    lo = acc[..., 1] + pair[1]
+    return jnp.stack([acc[..., 0] + pair[0] + (lo >> _LO), lo & ((1 << _LO) - 1)], axis=-1)
 
 
 def plain_cache(rows_LX, keys_LI, block_table_BM, block_size: int, kv_lora_rank: int) -> PagedKVCache:

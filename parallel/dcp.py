@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from attention.common import slot_mapping
+from attention.common import slot_mapping, top_k
 from attention.merge import merge
 from parallel import pcp
 
@@ -215,7 +215,7 @@ def merge_topk(scores_BTC, pos_BTC, topk: int):
     """
     pos_sorted, scores_sorted = jax.lax.sort((pos_BTC, scores_BTC), dimension=-1, num_keys=1)
     k = min(topk, scores_BTC.shape[-1])
-    vals, idx = jax.lax.top_k(scores_sorted, k)
+    vals, idx = top_k(scores_sorted, k)
     return jnp.where(vals == -jnp.inf, -1, jnp.take_along_axis(pos_sorted, idx, axis=-1)).astype(jnp.int32)
 
 
@@ -237,7 +237,7 @@ def local_candidates(scores_BTL, layout: DcpLayout, rank, topk: int):
     """A rank's local top-k over its local positions 0..L-1: scores [B,T,L] f32 (-inf = not visible) ->
     (scores [B,T,k_l], global positions [B,T,k_l] int32; -inf / -1 = none; k_l = min(topk, L)). Local order
     is global order on one rank, so `lax.top_k`'s lowest-index tie break is the total order."""
-    vals, idx = jax.lax.top_k(scores_BTL, min(topk, scores_BTL.shape[-1]))
+    vals, idx = top_k(scores_BTL, min(topk, scores_BTL.shape[-1]))
     return vals, jnp.where(vals == -jnp.inf, -1, layout.global_position(idx, rank)).astype(jnp.int32)
 
 
@@ -296,7 +296,7 @@ def pad_heads(x_BTH_, n: int):
 @functools.partial(jax.jit, static_argnames=("mesh", "axis", "layout", "scale", "backend", "topk"))
 def _decode_jit(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, *, mesh, axis, layout, scale, backend,
                 topk):
-    from parallel.cp_cache import COUNTERS, CpKVCache, plain_cache
+    from parallel.cp_cache import CpKVCache, plain_cache, zero_counters
 
     heads = P(None, None, axis, None)
     h, n, r = q_lat.shape[2], mesh.shape[axis], q_lat.shape[-1]
@@ -310,8 +310,9 @@ def _decode_jit(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, *,
                           interleave=layout.interleave, backend=backend, heads_split=True, counters=counters)
         if keys is not None:
             sel, cache = cache.select(0, qi, w, q_pos, topk, window=window, impl="auto")
-        elif topk_sel is None:  # dense: every cached position <= the query's
-            g = jnp.arange(window, dtype=jnp.int32)
+        elif topk_sel is None:  # dense: every position <= the query's, each rank over its own ones only
+            lay = cache.layout("mla")
+            g = lay.global_position(jnp.arange(local_window(window, lay), dtype=jnp.int32), cache._rank())
             sel = jnp.where(g <= q_pos[..., None], g, -1)
         else:
             sel = jnp.where(q_pos[..., None] >= 0, topk_sel, -1)
@@ -319,7 +320,7 @@ def _decode_jit(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, *,
                                            impl="auto")
         return out, lse, sel if keys is not None else None, cache.counters
 
-    counters = {k: jnp.zeros((n,), jnp.int32) for k in COUNTERS}
+    counters = zero_counters(n)
     out, lse, sel, counters = jax.shard_map(
         body, mesh=mesh, in_specs=(heads, heads, P(), P(), P(axis), P(), P(), P(axis), P(), P(axis)),
         out_specs=(heads, P(None, None, axis), P(), P(axis)), check_vma=False)(

@@ -35,10 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from attention import indexer as indexer_ops
-
 SPLITS = ("balanced", "naive")
-COUNTERS = indexer_ops.COUNTERS + ("mla_rows_attended",)  # per-rank work counters (parallel.cp_cache.COUNTERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +109,7 @@ class PcpSplit:
 class PrefillResult:
     """Outputs of `prefill_layer`, in prompt order: out [T,H,R], lse [T,H], topk [T,K] (global positions),
     the updated cache tables (PCP: replicated rows [S,R+P] and keys [S,DI]; PCP x DCP: the rank-major DCP
-    tables), and the work counters {name: int32 [N]} (`counters_per_rank`)."""
+    tables), and the work counters {name: int32 [N, 2]} (`parallel.cp_cache.counter_totals` -> int64 [N])."""
 
     out: jax.Array
     lse: jax.Array
@@ -120,13 +117,6 @@ class PrefillResult:
     cache_rows: jax.Array
     cache_keys: jax.Array
     counters: dict
-
-
-def counters_per_rank(counters: dict, n: int) -> dict:
-    """Counters {name: int [N * parts]} (rank-major, as a shard_map over N ranks returns them) ->
-    {name: np.int64 [N]}: each rank's total. The counters themselves are int32 (JAX's default): at most
-    2^31 pairs per rank per call (a 64K prompt on 2 ranks scores about 1.3e9)."""
-    return {k: np.asarray(v).reshape(n, -1).astype(np.int64).sum(axis=1) for k, v in counters.items()}
 
 
 @functools.partial(jax.jit, static_argnames=("mesh", "axis", "topk", "scale", "block", "layout"))
@@ -137,7 +127,7 @@ def prefill_jit(q_lat, q_pe, qi, w, rows_new, keys_new, pos, block_table, cache_
     and keys [S, DI] in position order, block_table [1, 1] = one page); a `parallel.dcp.DcpLayout`: PCP x
     DCP over the rank-major DCP tables [N * L, ...] under block_table [1, M]. -> (out, lse, topk in split
     layout; the updated tables; counters {name: int32 [N]})."""
-    from parallel.cp_cache import CpKVCache, plain_cache
+    from parallel.cp_cache import CpKVCache, plain_cache, zero_counters
 
     n, r = mesh.shape[axis], q_lat.shape[-1]
     dcp = layout is not None
@@ -155,7 +145,7 @@ def prefill_jit(q_lat, q_pe, qi, w, rows_new, keys_new, pos, block_table, cache_
         return out[0], lse[0], sel[0], cache.local.mla[0], cache.local.index[0], cache.counters
 
     tok, kv = P(axis), (P(axis) if dcp else P())
-    counters = {k: jnp.zeros((n,), jnp.int32) for k in COUNTERS}
+    counters = zero_counters(n)
     return jax.shard_map(body, mesh=mesh, in_specs=(tok,) * 7 + (P(), kv, kv, tok),
                          out_specs=(tok, tok, tok, kv, kv, tok), check_vma=False)(
         q_lat, q_pe, qi, w, rows_new, keys_new, pos, block_table, cache_rows, cache_keys, counters)

@@ -22,7 +22,6 @@ import dataclasses
 import itertools
 
 import jax
-import numpy as np
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.engine import Engine, ServingMetrics
@@ -124,10 +123,12 @@ class DataParallelEngine(ServingMetrics):
         counts = [r._counts() for r in self._replicas]
         return tuple(sum(c[i] for c in counts) for i in range(3))
 
-    def _cp_work(self) -> dict:
-        """Every replica's ranks side by side (each a device of its own)."""
-        parts = [r._cp_work() for r in self._replicas]
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]} if parts[0] else {}
+    def _cp_metrics(self) -> dict:
+        """Every replica's ranks side by side in the per-rank lists; a max/mean is the worst replica's
+        (the balance of context parallelism inside a replica, not the load across replicas)."""
+        parts = [r._cp_metrics() for r in self._replicas]
+        return {k: (sum((p[k] for p in parts), []) if k.endswith("_per_rank") else max(p[k] for p in parts))
+                for k in parts[0]}
 
     def _policy_metrics(self) -> dict:
         """The replicas' policy figures summed (means of per-step counts add up too; a peak is the sum of

@@ -23,7 +23,7 @@ class ServingMetrics:
     """What every engine front end shares (Engine, and the data-parallel one over its replicas):
     `generate`, `metrics` and `live_metrics`, over a few hooks: `output`, `finished`, `timeline`,
     `deploy`, `_stats` (scheduler counters), `_transfers` (device<->host bytes), `_counts` (running,
-    waiting, free blocks now), `_policy_metrics` and `_cp_work` (per-rank work under context parallelism)."""
+    waiting, free blocks now), `_policy_metrics` and `_cp_metrics` (per-rank work under context parallelism)."""
 
     @property
     def num_devices(self) -> int:
@@ -37,7 +37,7 @@ class ServingMetrics:
         out = summarize(outs, duration_s=duration, num_devices=self.num_devices, scheduler_stats=self._stats(),
                         transfers=self._transfers(), running_per_step=self.running_per_step)
         out.update(self._policy_metrics())
-        out.update(cp_work_metrics(self._cp_work()))
+        out.update(self._cp_metrics())
         rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
         out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
                            "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
@@ -186,8 +186,8 @@ class Engine(ServingMetrics):
         sch = self.scheduler
         return len(sch.running), len(sch.waiting), sch.kv.num_free_blocks
 
-    def _cp_work(self) -> dict:
-        return self.runner.cp_work_per_rank() if isinstance(self.runner, ModelRunner) else {}
+    def _cp_metrics(self) -> dict:
+        return cp_work_metrics(self.runner.cp_work_per_rank() if isinstance(self.runner, ModelRunner) else {})
 
     def _policy_metrics(self) -> dict:
         """HiSparse figures (empty for other policies): hot-buffer hits and misses (summed over IndexShare

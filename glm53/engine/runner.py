@@ -33,8 +33,7 @@ from glm53.engine.scheduler import ScheduledChunk
 from glm53.model import GLM53, compiled
 from kvcache.paged import PagedKVCache
 from parallel import model as parallel_model
-from parallel.cp_cache import COUNTERS as CP_COUNTERS
-from parallel.cp_cache import CpKVCache
+from parallel.cp_cache import CpKVCache, counter_totals, zero_counters
 from parallel.mesh import make_mesh
 from parallel.pcp import PcpSplit
 
@@ -241,8 +240,7 @@ class ModelRunner:
             self.state = parallel_model.place_state(self.c.state, self.mesh, deploy.enable_expert_parallel)
             # each rank's work (parallel.cp_cache.COUNTERS): zeros in, this step's counts out; the step's
             # device arrays are folded into int64 host totals lazily (no sync on the serving path)
-            self._cp_zero = jax.device_put({k: np.zeros(n, np.int32) for k in CP_COUNTERS},
-                                           NamedSharding(self.mesh, P("cp")))
+            self._cp_zero = jax.device_put(zero_counters(n), NamedSharding(self.mesh, P("cp")))
             self._cp_pending: list[dict] = []
             self._cp_totals = {k: np.zeros(n, np.int64) for k in self._cp_zero}
         else:  # weights and pool committed to this runner's device (a data-parallel replica's own copy)
@@ -437,16 +435,20 @@ class ModelRunner:
         return CpKVCache(cache, "cp", d.context_parallel_size, tokens_split=tokens_split, dcp=self.kv_ranks > 1,
                          interleave=d.cp_kv_cache_interleave_size, backend=d.dcp_comm_backend)
 
+    def _fold_cp_work(self, steps: int) -> None:
+        """Add the oldest `steps` pending steps' device counters to the int64 host totals."""
+        for step in self._cp_pending[:steps]:
+            for k, v in counter_totals(step).items():
+                self._cp_totals[k] += v
+        del self._cp_pending[:steps]
+
     def cp_work_per_rank(self, reset: bool = False) -> dict[str, np.ndarray]:
         """Context parallelism: each rank's work since the start (or the last reset) -> {name: int64 [N]}
         (parallel.cp_cache.COUNTERS: indexer pairs scored, causal and computed, and MLA rows read);
         {} without a mesh."""
         if self.mesh is None:
             return {}
-        for step in self._cp_pending:
-            for k, v in step.items():
-                self._cp_totals[k] += np.asarray(v, np.int64)
-        self._cp_pending.clear()
+        self._fold_cp_work(len(self._cp_pending))
         out = {k: v.copy() for k, v in self._cp_totals.items()}
         if reset:
             for v in self._cp_totals.values():
@@ -508,8 +510,8 @@ class ModelRunner:
                                             impl=self.deploy.attention_impl,
                                             expert_parallel=self.deploy.enable_expert_parallel)
         self._cp_pending.append(cp.counters)
-        if len(self._cp_pending) >= 256:
-            self.cp_work_per_rank()
+        if len(self._cp_pending) > 256:
+            self._fold_cp_work(len(self._cp_pending) - 1)  # all but this step's, which may still run
         if order is not None:
             hidden = _take_tokens(hidden, jnp.asarray(order))
         return hidden, cp.local

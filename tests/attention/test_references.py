@@ -35,6 +35,24 @@ def test_topk_total_order_on_ties():
     assert indexer.select_topk(scores, 100).shape == (1, 1, 7)  # k is capped at the row length
 
 
+def test_top_k_on_int_keys_equals_lax_top_k():
+    """attention.common.top_k (int32 keys on CPU) against lax.top_k on floats: ties, signed zeros, -inf,
+    +inf, subnormals, jitted and not."""
+    import jax
+
+    from attention.common import top_k
+
+    rng = np.random.default_rng(0)
+    pool = np.array([0.0, -0.0, 1.0, -1.0, 2.5, -np.inf, np.inf, 1e-42, -1e-42, 3.0e38], np.float32)
+    x = jnp.asarray(np.concatenate([rng.choice(pool, (6, 40)), rng.standard_normal((6, 40)).astype(np.float32)]))
+    for k in (1, 7, 40):
+        want_v, want_i = jax.lax.top_k(x, k)
+        for fn in (top_k, jax.jit(top_k, static_argnums=1)):
+            got_v, got_i = fn(x, k)
+            np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+            np.testing.assert_array_equal(np.asarray(got_v).view(np.int32), np.asarray(want_v).view(np.int32))
+
+
 def test_masked_softmax_empty_row_is_zero_not_nan():
     p, lse = masked_softmax_weights(jnp.ones((2, 3)), jnp.asarray([[True, False, True], [False, False, False]]))
     np.testing.assert_allclose(np.asarray(p), [[0.5, 0, 0.5], [0, 0, 0]])

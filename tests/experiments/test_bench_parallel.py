@@ -33,13 +33,12 @@ def test_bench_parallel_small(tmp_path):
     assert naive["load_balance_max_over_mean"]["indexer_pairs_causal"] > 1.5
     assert len(bal["per_rank"]["mla_rows_attended"]) == 4
 
-    # the engine's counters (tiny model, 4 full indexer layers): the 64-token prompt splits evenly (each
-    # rank 2080 / 4 causal pairs per layer), then the decode token (position 64) runs replicated under
-    # PCP alone: every rank scores its 65 pairs
+    # the engine's counters (tiny model, 4 full indexer layers): the 64-token prompt splits evenly, each
+    # rank 2080 / 4 causal pairs per layer
     eng = res["engine_load_balance"]
     full_layers = sum(1 for i in get_preset("tiny").full_indexer_layers if i < get_preset("tiny").num_hidden_layers)
     assert full_layers == 4
-    assert eng["per_rank"]["indexer_pairs_causal"] == [full_layers * (64 * 65 // 2 // 4 + 65)] * 4
+    assert eng["per_rank"]["indexer_pairs_causal"] == [full_layers * 64 * 65 // 2 // 4] * 4
     assert eng["load_balance_max_over_mean"]["indexer_pairs_computed"] == 1.0
 
     for row in res["formula_check"]:

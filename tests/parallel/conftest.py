@@ -29,6 +29,7 @@ DEVICES = 16
 CHILD_TIMEOUT_S = 900
 ENV_CHILD = "PARALLEL_TESTS_SUBPROCESS"
 ENV_REPORT = "PARALLEL_TESTS_REPORT"
+ENV_PARENT = "PARALLEL_TESTS_PARENT_PID"
 REPO = Path(__file__).resolve().parents[2]
 
 _selected: list[str] = []
@@ -39,13 +40,39 @@ _child: tuple | None = None  # (Popen, temporary directory) of the running subpr
 def pytest_configure(config):
     config.addinivalue_line("markers", f"multidevice: needs {DEVICES} simulated CPU devices (run in a subprocess "
                                        "when this process has fewer; see tests/parallel/conftest.py)")
+    if _in_child():
+        _watch_parent()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     _selected[:] = [item.nodeid for item in items if item.get_closest_marker("multidevice")]
+    # early start, beside the suite; not for --collect-only, nor in an xdist worker (each would start a
+    # whole subprocess: there the first multidevice test starts it)
+    if config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if _selected and not _in_child() and not _enough_devices_here():
         _start_child()
+
+
+def _watch_parent() -> None:
+    """In the subprocess: exit when the parent pytest is gone (killed without running its cleanup) or
+    the deadline passes, so a killed CI job never leaves it running."""
+    import threading
+
+    parent, deadline = int(os.environ[ENV_PARENT]), time.monotonic() + CHILD_TIMEOUT_S
+
+    def watch():
+        while True:
+            time.sleep(2)
+            try:
+                os.kill(parent, 0)
+            except OSError:
+                os._exit(3)
+            if time.monotonic() > deadline:
+                os._exit(4)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def _enough_devices_here() -> bool:
@@ -76,12 +103,14 @@ def _start_child() -> None:
     env = dict(os.environ)
     env[ENV_CHILD] = "1"
     env[ENV_REPORT] = str(Path(tmp.name) / "report.jsonl")
+    env[ENV_PARENT] = str(os.getpid())
     # The programs are tiny: compile time dominates, and LLVM's optimisation level 0 halves it.
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
                         " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_selected]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    # output to a file: a pipe nobody reads until the first multidevice test could fill and stall it
+    with open(Path(tmp.name) / "output.txt", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     _child = (proc, tmp, time.monotonic())
 
 
@@ -89,12 +118,14 @@ def _collect_child() -> dict:
     """Wait for the subprocess (killed, with its process group, CHILD_TIMEOUT_S after it started)
     -> {nodeid: (outcome, text)}."""
     proc, tmp, started = _child
+    killed = ""
     try:
-        output, _ = proc.communicate(timeout=max(CHILD_TIMEOUT_S - (time.monotonic() - started), 1))
+        proc.wait(timeout=max(CHILD_TIMEOUT_S - (time.monotonic() - started), 1))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        output += f"\n[killed after {CHILD_TIMEOUT_S} s]"
+        proc.wait()
+        killed = f"\n[killed after {CHILD_TIMEOUT_S} s]"
+    output = (Path(tmp.name) / "output.txt").read_text(errors="replace") + killed
     report = Path(tmp.name) / "report.jsonl"
     results: dict = {}
     if report.exists():
@@ -112,7 +143,7 @@ def pytest_unconfigure(config):
     """A session that ends before collecting the subprocess (interrupted, -x) kills it."""
     if _child is not None and _child[0].poll() is None:
         os.killpg(_child[0].pid, signal.SIGKILL)
-        _child[0].communicate()
+        _child[0].wait()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -121,7 +152,9 @@ def pytest_pyfunc_call(pyfuncitem):
     if not pyfuncitem.get_closest_marker("multidevice") or _in_child():
         return None
     if _child is None:
-        return None  # enough devices here (no subprocess was started): run the test in this process
+        if _enough_devices_here():
+            return None  # enough devices here: run the test in this process
+        _start_child()  # not started at collection (xdist worker)
     if _child_results is None:
         _child_results = _collect_child()
     outcome, text = _child_results.get(pyfuncitem.nodeid, (None, ""))

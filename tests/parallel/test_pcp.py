@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parallel import pcp, reference
+from parallel.cp_cache import COUNTERS, counter_totals
 from parallel.mesh import make_mesh
 
 TOL = 1e-5
@@ -80,10 +81,23 @@ def test_blocked_indexer_equals_reference_on_one_device(inputs):
                 want = reference.prefill(d["q_lat"][b], d["q_pe"][b], d["qi"][b], d["w"][b], d["rows"][b],
                                          d["keys"][b], pos[b], topk=topk, scale=SCALE)[2]
                 np.testing.assert_array_equal(np.asarray(got[b]), want)
-            assert int(counters["indexer_pairs_causal"]) == int(np.sum(pos[pos >= 0] + 1))
+            assert int(np.sum(counters["indexer_pairs_causal"])) == int(np.sum(pos[pos >= 0] + 1))
             # tiles of 4 queries visit key blocks up to their last position: 4 x 4 pairs per visit
             tiles = np.pad(pos, ((0, 0), (0, 1)), constant_values=-1).reshape(2, 6, 4).max(axis=2)
-            assert int(counters["indexer_pairs_computed"]) == 16 * int(np.sum(np.where(tiles >= 0, tiles // 4 + 1, 0)))
+            assert int(np.sum(counters["indexer_pairs_computed"])) == 16 * int(np.sum(np.where(tiles >= 0, tiles // 4 + 1, 0)))
+
+
+def test_work_counters_are_exact_past_int32():
+    """The (hi, lo) int32 counters add Python ints and arrays of parts exactly, far past 2^31."""
+    from parallel.cp_cache import _add, _pair, zero_counters
+
+    acc = zero_counters(1)["mla_rows_attended"]
+    parts = np.full((3, 700), 2**31 - 1, np.int32)  # 2100 parts: more than one row of 1024
+    want = 0
+    for v in (jnp.asarray(parts), 5 * 2**40 + 12345, jnp.asarray(np.arange(70000, dtype=np.int32)), 65535):
+        acc = jax.jit(_add)(acc, _pair(v))
+        want += int(np.sum(np.asarray(v, np.int64))) if not isinstance(v, int) else v
+        assert int(counter_totals({"x": acc})["x"][0]) == want and 0 <= int(acc[0, 1]) < 2**16
 
 
 # ------------------------------------------------------------------------------------ PCP on a device mesh
@@ -145,13 +159,13 @@ def test_work_counters_balanced_vs_naive(inputs):
     """Counters measured on the implementation: the balanced split gives every rank the same indexer and
     attention work (64 tokens, 8 ranks, chunks of 4 = one key block); the naive split does not."""
     res, _ = _check_prefill(8, 64, 0, 80, inputs=inputs, min_chunk=4)
-    per_rank = pcp.counters_per_rank(res.counters, 8)
-    assert set(per_rank) == set(pcp.COUNTERS)
+    per_rank = counter_totals(res.counters)
+    assert set(per_rank) == set(COUNTERS)
     assert np.all(per_rank["indexer_pairs_causal"] == 2 * 8 * 4 * 4 + 4)
     assert per_rank["indexer_pairs_causal"].sum() == 64 * 65 // 2
     assert np.ptp(per_rank["indexer_pairs_computed"]) == 0
     res, _ = _check_prefill(8, 64, 0, 80, kind="naive", inputs=inputs, min_chunk=4)
-    naive = pcp.counters_per_rank(res.counters, 8)["indexer_pairs_causal"]
+    naive = counter_totals(res.counters)["indexer_pairs_causal"]
     assert naive.max() / naive.mean() > 1.7
 
 
