@@ -25,11 +25,12 @@ runs the same computation on every rank.
 
 `heads_split`: the attention output stays split by head (each rank its H/N heads, as under tensor
 parallelism, where o_proj is row-parallel); otherwise it is all-gathered so every rank holds all heads
-(the engine's replicated projections). `counters` (optional, {name: int32 [1]} per rank): each rank's
-work, accumulated over the layers, measured where it is done: (query, key) pairs its indexer scored
-(causal ones, and all pairs of the key range computed) and selected MLA rows its attention read
-(`COUNTERS`; exact (hi, lo) int32 pairs, `counter_totals`). The layer-level entry points of `parallel.pcp` and `parallel.dcp` are this class run on
-one layer, so what the benchmarks count is what the engine runs.
+(the engine's replicated projections). `counters` (optional, {name: int32 [1, 2]} per rank): each
+rank's work, accumulated over the layers, measured where it is done: (query, key) pairs its indexer
+scored (causal ones, and all pairs of the key range computed) and selected MLA rows its attention read
+(`COUNTERS`; exact (hi, lo) int32 pairs, `counter_totals`). The layer-level entry points of
+`parallel.pcp` and `parallel.dcp` are this class run on one layer, so what the benchmarks count is what
+the engine runs.
 
 Positions are global (request-relative) everywhere outside this class; `capacity` is in global positions.
 """
