@@ -4,14 +4,16 @@ Cheap for short contexts; with a top-k mask it computes exactly what sparse MLA 
 request's whole visible context is no longer than top-k, DSA selects every position anyway, so this
 dense path replaces the sparse one (`use_dense_mha`); `force_mqa=True` disables it so that every
 prefill takes the sparse path (DeployConfig.sparse_mla_force_mqa, vLLM's option of the same purpose).
-The dense path has no Pallas kernel: it is two large batched matmuls, which XLA already does well.
+The dense path has no Pallas kernel: it is large batched matmuls, which XLA already does well; `mha`
+tiles them so that causally masked tiles are skipped.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from attention.common import masked_softmax_weights, resolve_impl
+from attention.common import masked_softmax_weights, pad_to, resolve_impl
 
 
 def use_dense_mha(window: int, index_topk: int, *, force_mqa: bool = False) -> bool:
@@ -42,8 +44,65 @@ def mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BT
     return jnp.swapaxes(o_BHTV, 1, 2), jnp.swapaxes(lse_BHT, 1, 2)
 
 
-def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: float, *, impl: str = "auto"):
-    """The dense MHA op: (out [B,T,H,V] f32, lse [B,T,H]) (see `mha_reference`). Every impl runs the
-    reference (no kernel: see the module docstring)."""
+MHA_BLOCK = 256  # query and key tile of `mha` (XLA:CPU, [8, 1024] prefill: 256 beats 128 and the untiled form)
+
+
+def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: float, *, impl: str = "auto",
+        block: int = MHA_BLOCK):
+    """The dense MHA op: (out [B,T,H,V] f32, lse [B,T,H]), `mha_reference`'s result up to float rounding.
+
+    Tiled with an online softmax: query tile i visits key tiles 0 .. the last one any of its queries may
+    see (a dynamic trip count read off the mask), so the causally masked upper triangle of a prefill
+    chunk is skipped: about 45% less time for an [8, 1024] chunk over a 1024 window on 2 CPU cores
+    (0.31 s vs 0.57 s per layer), and no [B,H,T,S] score array. No Pallas kernel (module docstring).
+    A single tile (T and S <= block) runs `mha_reference` itself: the tiled form divides by the softmax
+    sum after the value product, which rounds differently, and exact top-k comparisons between forms
+    downstream (tests/glm53) would see near-ties flip."""
     resolve_impl(impl)
-    return mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale)
+    f32 = jnp.float32
+    b, t, h, _ = q_nope_BTHN.shape
+    s_len = k_nope_BSHN.shape[1]
+    if t <= block and s_len <= block:  # one tile: nothing to skip, and the reference's exact rounding
+        return mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale)
+    q = jnp.concatenate([q_nope_BTHN, q_pe_BTHP.astype(q_nope_BTHN.dtype)], -1).astype(f32)
+    k_pe_BSHP = jnp.broadcast_to(k_pe_BSP[:, :, None, :], k_nope_BSHN.shape[:3] + k_pe_BSP.shape[-1:])
+    k = jnp.concatenate([k_nope_BSHN, k_pe_BSHP.astype(k_nope_BSHN.dtype)], -1).astype(f32)
+    bq, bk = min(block, t), min(block, s_len)
+    nq, nk = -(-t // bq), -(-s_len // bk)
+    q = pad_to(q, 1, nq * bq)
+    mask = pad_to(pad_to(mask_BTS, 1, nq * bq), 2, nk * bk)
+    k, v = pad_to(k, 1, nk * bk), pad_to(v_BSHV.astype(f32), 1, nk * bk)
+    mask_QBTS = jnp.swapaxes(mask.reshape(b, nq, bq, nk * bk), 0, 1)
+    seen_QS = jnp.any(mask_QBTS, axis=(1, 2))
+    last_Q = jnp.max(jnp.where(seen_QS, jnp.arange(nk * bk)[None], -1), axis=1)
+    trips_Q = jnp.where(last_Q >= 0, last_Q // bk + 1, 0)
+
+    def query_tile(args):
+        q_BQHD, m_BQS, trips = args
+
+        def visit(j, carry):  # online softmax over key tile j
+            mx_BHQ, l_BHQ, acc_BHQV = carry
+            k_BKHD = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, 1)
+            v_BKHV = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, 1)
+            m_BQK = jax.lax.dynamic_slice_in_dim(m_BQS, j * bk, bk, 2)
+            s_BHQK = jnp.where(m_BQK[:, None], jnp.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKHD) * scale, -jnp.inf)
+            mx_new = jnp.maximum(mx_BHQ, jnp.max(s_BHQK, -1))
+            base = jnp.where(jnp.isfinite(mx_new), mx_new, 0.0)
+            rescale = jnp.exp(jnp.where(jnp.isfinite(mx_BHQ), mx_BHQ - base, -jnp.inf))
+            e_BHQK = jnp.exp(s_BHQK - base[..., None])  # masked entries: exp(-inf) = 0
+            return (mx_new, l_BHQ * rescale + jnp.sum(e_BHQK, -1),
+                    acc_BHQV * rescale[..., None] + jnp.einsum("bhqk,bkhv->bhqv", e_BHQK, v_BKHV))
+
+        init = (jnp.full((b, h, bq), -jnp.inf, f32), jnp.zeros((b, h, bq), f32),
+                jnp.zeros((b, h, bq, v.shape[-1]), f32))
+        mx, l_BHQ, acc = jax.lax.fori_loop(0, trips, visit, init)
+        out = acc / jnp.where(l_BHQ > 0, l_BHQ, 1.0)[..., None]
+        lse = jnp.where(l_BHQ > 0, jnp.log(jnp.maximum(l_BHQ, 1e-30)) + jnp.where(jnp.isfinite(mx), mx, 0.0),
+                        -jnp.inf)
+        return out, lse
+
+    q_QBTHD = jnp.swapaxes(q.reshape(b, nq, bq, h, -1), 0, 1)
+    out_QBHTV, lse_QBHT = jax.lax.map(query_tile, (q_QBTHD, mask_QBTS, trips_Q))
+    out = jnp.moveaxis(out_QBHTV, 0, 2).reshape(b, h, nq * bq, -1)[:, :, :t]  # -> [B, H, nq, bq, V]
+    lse = jnp.moveaxis(lse_QBHT, 0, 2).reshape(b, h, nq * bq)[:, :, :t]
+    return jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)

@@ -89,6 +89,25 @@ def test_sparse_mqa_equals_dense_mha_with_absorbed_weights(k):
         assert np.all(np.asarray(lse_s)[0, 0] == -np.inf) and np.all(o_sparse[0, 0] == 0)
 
 
+@pytest.mark.parametrize("t,s,block", [(37, 45, 16), (64, 64, 16), (5, 70, 32), (20, 20, 256), (300, 300, 256)])
+def test_tiled_mha_equals_reference(t, s, block):
+    """dense_mla.mha (tiles, online softmax, masked tiles skipped) against mha_reference: ragged tiles,
+    padding queries (no valid key: output 0, lse -inf), a causal top-k mask, queries after a prefix."""
+    rng = np.random.default_rng(t + s)
+    b, h = 2, 3
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape).astype(np.float32))  # noqa: E731
+    q_nope, q_pe, k_nope, pe, vv = f(b, t, h, 8), f(b, t, h, 4), f(b, s, h, 8), f(b, s, 4), f(b, s, h, 6)
+    pos = np.broadcast_to(np.arange(s - t, s), (b, t)).copy()
+    pos[1, -3:] = -1  # padding queries
+    scores = np.where(np.arange(s)[None, None] <= pos[:, :, None], rng.normal(size=(b, t, s)), -np.inf)
+    mask = dense_mla.topk_mask(indexer.select_topk(jnp.asarray(scores, jnp.float32), 9), s)
+    want_o, want_l = dense_mla.mha_reference(q_nope, q_pe, k_nope, pe, vv, mask, 0.3)
+    got_o, got_l = dense_mla.mha(q_nope, q_pe, k_nope, pe, vv, mask, 0.3, block=block)
+    np.testing.assert_allclose(np.asarray(got_o), np.asarray(want_o), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got_l), np.asarray(want_l), atol=1e-5, rtol=0)
+    assert np.all(np.asarray(got_o)[1, -3:] == 0) and np.all(np.asarray(got_l)[1, -3:] == -np.inf)
+
+
 def test_topk_mask_ignores_padding():
     m = np.asarray(dense_mla.topk_mask(jnp.asarray([[[2, -1, 0]]]), 4))
     np.testing.assert_array_equal(m, [[[True, False, True, False]]])
