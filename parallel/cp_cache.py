@@ -99,11 +99,6 @@ class CpKVCache:
     def _with(self, local: PagedKVCache) -> CpKVCache:
         return dataclasses.replace(self, local=local)
 
-    def with_counters(self) -> CpKVCache:
-        """The cache with zeroed work counters (`zero_counters`; place them with `parallel.model.place`,
-        or pass them split over the axis)."""
-        return dataclasses.replace(self, counters=zero_counters(self.size))
-
     def _count(self, **work) -> CpKVCache:
         """Add work: each value a Python int or an int32 array of non-negative parts (summed exactly)."""
         if self.counters is None:

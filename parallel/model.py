@@ -77,7 +77,7 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
             impl: str, expert_parallel: bool = False):
     """`GLM53.__call__` on `mesh` -> (hidden [B, T', D] in the tokens' layout, cache). tokens / positions
     [B, T'] int32 (-1 = padding) in the layout `cache.tokens_split` says; the cache is donated.
-    counters: None, or {name: int32 [N]} split over the axis (`CpKVCache.with_counters().counters`; not
+    counters: None, or {name: int32 [N, 2]} split over the axis (`parallel.cp_cache.zero_counters(N)`; not
     donated, so one zero set serves every step): the returned cache's `counters` add this forward's
     work per rank."""
     axis = cache.axis
