@@ -18,7 +18,7 @@ B. Engine vs HF. The --config preset (mid) with random float32 weights (seed 0),
      are cached per model object): engine_s. The second run records every forward's shape and time
      (each forward is synced, which on CPU costs next to nothing) to show where the time goes.
    - HF: `GlmMoeDsaForCausalLM.generate(input_ids [requests, prompt], max_new_tokens, do_sample=False)`,
-     eager float32 with --threads torch threads, under --hf-python (this same file with --hf-worker, so
+     float32, --hf-attn attention (sdpa, HF's default, or eager), --threads torch threads, under --hf-python (this same file with --hf-worker, so
      the module imports JAX and our packages only inside functions); a warm-up call, then the timed one.
    - greedy agreement: per prompt, the leading tokens both produce alike and the positions that agree,
      against HF as shipped and against HF with its indexer's top-k ties broken in our total order
@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common import run_json_subprocess
+from experiments.hf_reference import HF_ATTN_CHOICES
 
 TARGET_SPEEDUP = 5.0  # issue 3: the engine >= 5x HF generate on the mid config, 8 x 1,024 + 32 tokens
 DEFAULT_HF_PYTHON = os.environ.get("HF_PYTHON", "/work/venvs/hf311/bin/python")
@@ -208,11 +209,11 @@ def bench_vs_hf(args, tmp: Path) -> dict:
     print(f"[B] HF generate under {args.hf_python}", flush=True)
     hf = run_json_subprocess([args.hf_python, "-m", "experiments.bench_engine", "--hf-worker", "--checkpoint",
                               str(ckpt), "--prompts", str(tmp / "prompts.npy"), "--new-tokens", str(args.new_tokens),
-                              "--threads", str(args.threads)], threads=args.threads)
+                              "--threads", str(args.threads), "--attn", args.hf_attn], threads=args.threads)
     theirs = np.asarray(hf.pop("tokens"))
     theirs_stable = np.asarray(hf.pop("stable_topk_tokens"))
     out.update(hf_ran=True, hf_generate_s=hf["seconds"], hf_generate_warmup_s=hf["warmup_s"],
-               hf_versions={k: hf[k] for k in ("torch", "transformers", "threads")},
+               hf_versions={k: hf[k] for k in ("torch", "transformers", "threads", "attn_implementation")},
                speedup_vs_hf=hf["seconds"] / eng["engine_s"], hf_tokens=theirs.tolist(),
                greedy_agreement=agreement(ours, theirs),
                greedy_agreement_stable_topk=agreement(ours, theirs_stable), hf_stable_topk_tokens=theirs_stable.tolist())
@@ -232,6 +233,7 @@ def hf_worker(argv) -> None:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--new-tokens", type=int, required=True)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attn", default="sdpa", choices=HF_ATTN_CHOICES)
     args = ap.parse_args(argv)
 
     import torch
@@ -241,7 +243,7 @@ def hf_worker(argv) -> None:
     from experiments.hf_reference import stable_indexer_topk
 
     torch.set_num_threads(args.threads)
-    model = GlmMoeDsaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation="eager")
+    model = GlmMoeDsaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation=args.attn)
     model.eval()
     model.generation_config.eos_token_id = None  # the engine has no stop token: both produce exactly new_tokens
     ids = torch.from_numpy(np.load(args.prompts)).long()
@@ -259,7 +261,8 @@ def hf_worker(argv) -> None:
     stable_tokens = stable[:, ids.shape[1]:].tolist()
     assert all(len(t) == args.new_tokens for t in tokens)
     print(json.dumps({"warmup_s": times[0], "seconds": times[1], "tokens": tokens, "stable_topk_tokens": stable_tokens,
-                      "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads}))
+                      "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
+                      "attn_implementation": args.attn}))
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -282,6 +285,8 @@ def main(argv=None):
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-python", default=DEFAULT_HF_PYTHON, help="Python with torch and transformers")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for HF")
+    ap.add_argument("--hf-attn", default="sdpa", choices=HF_ATTN_CHOICES,
+                    help="HF attention implementation (sdpa: HF's default for this model)")
     args = ap.parse_args(argv)
 
     from experiments.bench_model import run_metadata

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 import glm53
-from experiments.common import REPO, cpu_name, git_revision  # noqa: F401 (re-exported)
+from experiments.common import REPO, cpu_name, git_revision, run_json_subprocess  # noqa: F401 (re-exported)
+from experiments.hf_reference import HF_ATTN_CHOICES
 
 DEFAULT_LENGTHS = {"tiny": [256, 1024], "mid": [1024, 4096, 8192]}
 SPEED_TARGETS = {"mid": {1024: 2.0, 8192: 5.0}}  # issue 2: >= 2x HF at 1K tokens, >= 5x at 8K
@@ -74,15 +74,13 @@ def time_decode(model, context: int, steps: int) -> float:
     return out.decode_s / steps * 1e3
 
 
-def run_hf(hf_python: str, ckpt: Path, lengths, threads: int, decode_context: int, steps: int, repeats: int) -> dict:
-    cmd = [hf_python, str(REPO / "experiments" / "hf_reference.py"), "--checkpoint", str(ckpt),
-           "--lengths", *map(str, [decode_context] + [n for n in lengths if n != decode_context]),
-           "--threads", str(threads), "--decode-steps", str(steps), "--repeats", str(repeats)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"HF reference failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_hf(hf_python: str, ckpt: Path, lengths, threads: int, decode_context: int, steps: int, repeats: int,
+           attn: str) -> dict:
+    return run_json_subprocess(
+        [hf_python, str(REPO / "experiments" / "hf_reference.py"), "--checkpoint", str(ckpt),
+         "--lengths", *map(str, [decode_context] + [n for n in lengths if n != decode_context]),
+         "--threads", str(threads), "--decode-steps", str(steps), "--repeats", str(repeats), "--attn", attn],
+        threads=threads)
 
 
 def bench_config(name: str, args, tmp: Path) -> dict:
@@ -103,7 +101,8 @@ def bench_config(name: str, args, tmp: Path) -> dict:
         ckpt = tmp / name
         glm53.save_pretrained(model, ckpt)
         print(f"  running HF transformers ({args.hf_python})", flush=True)
-        hf = run_hf(args.hf_python, ckpt, lengths, args.threads, args.decode_context, args.decode_steps, args.repeats)
+        hf = run_hf(args.hf_python, ckpt, lengths, args.threads, args.decode_context, args.decode_steps, args.repeats,
+                    args.hf_attn)
         hf_s = {p["tokens"]: p["seconds"] for p in hf["prefill"]}
         for r in rows:
             r["hf_s"] = hf_s[r["tokens"]]
@@ -115,7 +114,7 @@ def bench_config(name: str, args, tmp: Path) -> dict:
                 r["target_met"] = r["speedup_vs_hf"] >= target
             print(f"  HF   {r['tokens']:6d} tokens: {r['hf_s']:.3f} s -> ours is {r['speedup_vs_hf']:.2f}x", flush=True)
         result["hf_decode_ms_per_step"] = hf["decode_ms_per_step"]
-        result["hf_versions"] = {"torch": hf["torch"], "transformers": hf["transformers"], "threads": hf["threads"]}
+        result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers", "threads", "attn_implementation")}
         print(f"  HF decode: {hf['decode_ms_per_step']:.2f} ms/step", flush=True)
     return result
 
@@ -158,6 +157,8 @@ def main(argv=None):
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--hf-python", help="Python with torch and transformers for the HF columns")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for HF")
+    ap.add_argument("--hf-attn", default="sdpa", choices=HF_ATTN_CHOICES,
+                    help="HF attention implementation (sdpa: HF's default for this model)")
     args = ap.parse_args(argv)
 
     out = Path(args.out)
@@ -165,8 +166,8 @@ def main(argv=None):
     results = {
         **run_metadata("bench_model"),
         "what": "prefill = glm53.score (all logits, chunked prefill over a contiguous cache), steady state after "
-                "one compiling call; decode = glm53.generate ms per new token; HF = GlmMoeDsaForCausalLM eager "
-                "float32 forward without cache, torch threads as listed",
+                "one compiling call; decode = glm53.generate ms per new token; HF = GlmMoeDsaForCausalLM float32 "
+                "forward without cache, attention implementation and torch threads as in hf_versions",
         "hf_ran": bool(args.hf_python),
         "configs": {},
     }

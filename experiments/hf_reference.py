@@ -5,7 +5,7 @@
 Prints progress lines, then one JSON object on the last line: {"prefill": [{"tokens", "seconds"}],
 "decode_ms_per_step", "torch", "transformers", "threads"}. Used by experiments/bench_model.py, which runs it
 in a subprocess, so this file imports no JAX and none of our packages. Prefill = one forward of the whole
-prompt without cache (eager attention, float32, no grad), best of --repeats, after one warm-up forward of
+prompt without cache (--attn attention: "sdpa", HF's default for this model, or "eager"; float32, no grad), best of --repeats, after one warm-up forward of
 the shortest length (eager PyTorch compiles nothing; the warm-up only settles allocator and threads);
 decode = greedy steps with HF's cache after a prompt of the first length, after one warm-up step.
 """
@@ -16,6 +16,10 @@ import argparse
 import contextlib
 import json
 import time
+
+# HF's attention implementations that run this model on CPU: "sdpa" (torch's scaled_dot_product_attention
+# with the DSA mask; HF's default for GlmMoeDsa) and "eager" (explicit softmax; what the parity fixtures use)
+HF_ATTN_CHOICES = ("sdpa", "eager")
 
 
 @contextlib.contextmanager
@@ -56,6 +60,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--attn", default="sdpa", choices=HF_ATTN_CHOICES)
     args = ap.parse_args()
 
     import torch
@@ -63,11 +68,12 @@ def main():
     from transformers import GlmMoeDsaForCausalLM
 
     torch.set_num_threads(args.threads)
-    model = GlmMoeDsaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation="eager")
+    model = GlmMoeDsaForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32, attn_implementation=args.attn)
     model.eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    out = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads, "prefill": []}
+    out = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
+           "attn_implementation": args.attn, "prefill": []}
     with torch.no_grad():
         model(torch.randint(0, vocab, (1, min(args.lengths)), generator=gen), use_cache=False)  # warm-up
         for n in args.lengths:

@@ -68,8 +68,10 @@ def _prefill(c: Compiled, cache, seqs: list[np.ndarray], chunk: int, *, collect_
             tok[b, :n] = ids[s : s + n]
             pos[b, :n] = np.arange(start_pos + s, start_pos + s + n)
         window = window_bucket(start_pos + s + max(ns), cache.capacity)
+        # only the last hidden state is wanted: the model skips the last layer's query side for the rest
+        last_only = not (collect_logits or collect_topk)
         hidden, cache, sel = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window, form=form,
-                                       impl=impl)
+                                       impl=impl, last_only=last_only)
         step_logits = np.asarray(c.logits(c.state, hidden)) if collect_logits else None
         sel = {layer: np.asarray(idx) for layer, idx in sel.items()} if collect_topk else {}
         for b, n in enumerate(ns):
@@ -80,7 +82,7 @@ def _prefill(c: Compiled, cache, seqs: list[np.ndarray], chunk: int, *, collect_
             for layer, idx in sel.items():
                 idx = idx[b, :n, : ks[b]]
                 topk[b].setdefault(layer, []).append(np.pad(idx, ((0, 0), (0, ks[b] - idx.shape[1])), constant_values=-1))
-            last[b] = hidden[b, n - 1]
+            last[b] = hidden[b, 0 if last_only else n - 1]
     out = [np.concatenate(rows, 0) for rows in logits] if collect_logits else last
     return cache, out, [{layer: np.concatenate(rows, 0) for layer, rows in t.items()} for t in topk]
 
@@ -109,14 +111,19 @@ def score(model: GLM53, token_ids: Sequence[int], *, prefill_chunk: int | None =
     return logits[0]
 
 
-def topk_indices(model: GLM53, token_ids: Sequence[int], *, prefill_chunk: int | None = None) -> dict[int, np.ndarray]:
+def topk_indices(model: GLM53, token_ids: Sequence[int], *, prefill_chunk: int | None = None,
+                 form: str = "auto") -> dict[int, np.ndarray]:
     """{full indexer layer: int32 [T, min(index_topk, T)]}: the positions each query token selects, in the
-    total order (score descending, then position ascending); -1 where fewer positions exist."""
+    total order (score descending, then position ascending); -1 where fewer positions exist.
+
+    `form` is the attention form of the layers in between (as in `score`). The forms agree up to float
+    rounding, and so may the indexer scores of later layers: two positions whose scores are within
+    rounding of each other can swap places. Compare selections across chunkings with one fixed form."""
     ids = as_token_array(token_ids)
     _check_tokens(model, ids)
     chunk, capacity = _chunk_and_capacity(ids.size, prefill_chunk)
     cache = ContiguousKVCache.create(model.cfg, 1, capacity, model.dtype, include_mtp=False)
-    _, _, topk = _prefill(compiled(model), cache, [ids], chunk, collect_logits=False, collect_topk=True)
+    _, _, topk = _prefill(compiled(model), cache, [ids], chunk, collect_logits=False, collect_topk=True, form=form)
     return {layer: idx.astype(np.int32) for layer, idx in sorted(topk[0].items())}
 
 

@@ -72,7 +72,7 @@ class GLM53(nnx.Module):
 
     # ---------------------------------------------------------------------------------------------- forward
     def __call__(self, tokens_BT: Array, pos_BT: Array, cache: KVCache, *, window: int, form: str = "auto",
-                 impl: str = "auto"):
+                 impl: str = "auto", last_only: bool = False):
         """tokens [B,T] int32, positions [B,T] int32 (-1 = padding) -> (hidden [B,T,D] after the final norm,
         cache, {full layer: top-k positions [B,T,K] int32, -1 = none}).
 
@@ -80,12 +80,21 @@ class GLM53(nnx.Module):
         [0, window) only. form: "mqa" (sparse absorbed), "mha" (dense un-absorbed with the top-k mask) or
         "auto" (see `attention_form`); all give the same result. impl: the attention ops' implementation
         ("auto", "reference" or "pallas"; attention.common.resolve_impl).
+        last_only (static): return hidden [B,1,D] of each row's last real token (its rightmost position >=
+        0; a row without one returns garbage) and skip the rest of the last layer's query side: every
+        token still writes its KV, but attention, o_proj and the MLP of the last layer run for one token
+        per row (a serving prefill samples from the last token only: about 1/L of the work saved).
         """
-        form = attention_form(form, window, self.cfg.index_topk)
+        topk_k = self.cfg.index_topk
+        layer_form = attention_form(form, window, topk_k, tokens_BT.shape[1])
         x = self.embed_tokens(tokens_BT)
         topk, selections = None, {}
-        for layer in self.layers:
-            x, cache, topk = layer(x, pos_BT, cache, topk, window=window, form=form, impl=impl)
+        last_rows = jnp.argmax(jnp.where(pos_BT >= 0, jnp.arange(pos_BT.shape[1]), -1), axis=1)[:, None]
+        for i, layer in enumerate(self.layers):
+            rows = None
+            if last_only and i == len(self.layers) - 1:  # one query per row: the form for one query
+                rows, layer_form = last_rows, attention_form(form, window, topk_k, 1)
+            x, cache, topk = layer(x, pos_BT, cache, topk, window=window, form=layer_form, impl=impl, rows_BR=rows)
             if layer.self_attn.indexer is not None:
                 selections[layer.self_attn.layer] = topk
         return self.norm(x), cache, selections
@@ -99,16 +108,18 @@ class GLM53(nnx.Module):
                     *, window: int, form: str = "auto", impl: str = "auto"):
         """MTP layer j: main hidden state at t and token t+1 -> (hidden [B,T,D] for predicting t+2, cache)."""
         return self.mtp[j].mtp(self.embed_tokens(next_tokens_BT), h_prev_BTD, pos_BT, cache, window=window,
-                               form=attention_form(form, window, self.cfg.index_topk), impl=impl)
+                               form=attention_form(form, window, self.cfg.index_topk, next_tokens_BT.shape[1]),
+                               impl=impl)
 
 
-def attention_form(form: str, window: int, index_topk: int) -> str:
-    """Resolve "auto": the dense MHA form while every visible position is selected anyway (window <=
-    top-k: DSA is dense attention there, and expanding a short window beats gathering rows), the sparse
-    MQA form beyond (attention.dense_mla.use_dense_mha). form="mqa" forces the sparse path everywhere
-    (force_mqa)."""
+def attention_form(form: str, window: int, index_topk: int, num_queries: int = 1) -> str:
+    """Resolve "auto" for a step of `num_queries` tokens per request: the dense MHA form while every
+    visible position is selected anyway (window <= top-k: DSA is dense attention there, and expanding a
+    short window beats gathering rows), and on CPU for prefill chunks whose window is a few times top-k;
+    the sparse MQA form beyond (attention.dense_mla.use_dense_mha). form="mqa" forces the sparse path
+    everywhere (force_mqa)."""
     if form == "auto":
-        return "mha" if dense_mla.use_dense_mha(window, index_topk) else "mqa"
+        return "mha" if dense_mla.use_dense_mha(window, index_topk, num_queries=num_queries) else "mqa"
     if form not in ("mqa", "mha"):
         raise ValueError(f"attention form must be 'auto', 'mqa' or 'mha', got {form!r}")
     return form
@@ -137,7 +148,7 @@ class Compiled:
     cfg: ModelConfig
     graphdef: Any
     state: Any
-    forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form, impl) -> (hidden_BTD, cache, selections)
+    forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form, impl, last_only) -> (hidden, cache, selections)
     logits: Any  # (state, hidden) -> logits f32
     mtp_forward: Any  # (state, h_prev, next_tokens, pos, cache, *, j, window, form, impl) -> (hidden, cache)
 
@@ -145,8 +156,8 @@ class Compiled:
 def _make_compiled(model: GLM53) -> Compiled:
     graphdef, state = nnx.split(model)
 
-    def fwd(state, tokens, pos, cache, *, window, form="auto", impl="auto"):
-        return nnx.merge(graphdef, state)(tokens, pos, cache, window=window, form=form, impl=impl)
+    def fwd(state, tokens, pos, cache, *, window, form="auto", impl="auto", last_only=False):
+        return nnx.merge(graphdef, state)(tokens, pos, cache, window=window, form=form, impl=impl, last_only=last_only)
 
     def logits(state, hidden):
         return nnx.merge(graphdef, state).logits(hidden)
@@ -159,7 +170,7 @@ def _make_compiled(model: GLM53) -> Compiled:
         cfg=model.cfg,
         graphdef=graphdef,
         state=state,
-        forward=jax.jit(fwd, static_argnames=("window", "form", "impl"), donate_argnums=(3,)),
+        forward=jax.jit(fwd, static_argnames=("window", "form", "impl", "last_only"), donate_argnums=(3,)),
         logits=jax.jit(logits),
         mtp_forward=jax.jit(mtp_fwd, static_argnames=("j", "window", "form", "impl"), donate_argnums=(4,)),
     )

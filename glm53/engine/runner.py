@@ -63,7 +63,6 @@ class Runner(Protocol):
         known tokens are all computed after the step."""
 
 
-PREFILL_DENSE_TOPK_RATIO = 4  # CPU only: prefill chunks with window <= 4 x top-k take the dense form
 MIN_PREFILL_WIDTH = 16  # narrowest prefill bucket: shorter chunks pad to it (fewer programs)
 
 
@@ -246,13 +245,9 @@ class ModelRunner:
         else:  # weights and pool committed to this runner's device (a data-parallel replica's own copy)
             self.cache = jax.device_put(self.cache, self.devices[0])
             self.state = jax.device_put(self.c.state, self.devices[0])
+        # "auto": the model picks the dense form for short windows and, on CPU, for prefill chunks over a
+        # few times top-k (attention.dense_mla.use_dense_mha); force_mqa sends everything sparse
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
-        # On CPU, a prefill chunk attends faster through the dense (un-absorbed) form with the top-k mask
-        # than by gathering the selected latent rows, while the window is at most a few times top-k
-        # (mid config, [8, 1024] chunk, window 1024 = 4 x top-k: 8.1 s vs 10.3 s). Both forms compute
-        # the same attention (tests/glm53 checks MHA = MQA). Decode rows keep the absorbed form.
-        self.prefill_dense_max_window = (PREFILL_DENSE_TOPK_RATIO * model.cfg.index_topk
-                                         if jax.default_backend() == "cpu" and not deploy.sparse_mla_force_mqa else 0)
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
         self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
         if self.mesh is None:
@@ -456,10 +451,13 @@ class ModelRunner:
         return out
 
     def _forward(self, tok, pos, table_mla, table_index, window, hisparse: HiSparseView | None = None) -> jax.Array:
-        """Run one padded batch [rows, width] -> hidden [rows, width, D] in token order (cache updated)."""
+        """Run one padded batch [rows, width] -> hidden [rows, width, D] in token order (cache updated), or,
+        without a context mesh, hidden [rows, 1, D] of each row's last real token: a row samples from its
+        last token only, so the model skips the last layer's query side for the others (GLM53.__call__
+        last_only; without MTP nothing reads their hidden states)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = dataclasses.replace(self.cache.with_block_table(table_mla, table_index), hisparse=hisparse)
-        form = "mha" if tok.shape[1] > 1 and window <= self.prefill_dense_max_window else self.form
+        form = self.form
         if hisparse is not None:
             form = "mqa"  # host-only pages are reachable only through the resolver's selected rows
         if self.mesh is not None:
@@ -471,7 +469,7 @@ class ModelRunner:
             self.cache = cache
             return hidden
         hidden, cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                          form=form, impl=self.deploy.attention_impl)
+                                          form=form, impl=self.deploy.attention_impl, last_only=tok.shape[1] > 1)
         if cache.hisparse is not None:
             hs = cache.hisparse
             self.host_tables["mla"] = hs.host_mla
@@ -517,6 +515,9 @@ class ModelRunner:
         return hidden, cp.local
 
     def _last_logits(self, state, hidden_RTD, last_R):
+        """Logits of token last_R[r] of each row; a [rows, 1, D] hidden (`_forward`) holds only that token."""
+        if hidden_RTD.shape[1] == 1:
+            last_R = np.zeros_like(last_R)
         return _last_logits(self.c.logits, state, hidden_RTD, last_R)
 
     def execute(self, chunks, block_tables):
