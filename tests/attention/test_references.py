@@ -92,13 +92,14 @@ def test_sparse_mqa_equals_dense_mha_with_absorbed_weights(k):
 @pytest.mark.parametrize("t,s,block", [(37, 45, 16), (64, 64, 16), (5, 70, 32), (20, 20, 256), (300, 300, 256)])
 def test_tiled_mha_equals_reference(t, s, block):
     """dense_mla.mha (tiles, online softmax, masked tiles skipped) against mha_reference: ragged tiles,
-    padding queries (no valid key: output 0, lse -inf), a causal top-k mask, queries after a prefix."""
+    padding queries (no valid key: output 0, lse -inf), a causal top-k mask, queries after a prefix,
+    rows of different lengths (each (row, query tile) has its own trip count)."""
     rng = np.random.default_rng(t + s)
     b, h = 2, 3
     f = lambda *shape: jnp.asarray(rng.normal(size=shape).astype(np.float32))  # noqa: E731
     q_nope, q_pe, k_nope, pe, vv = f(b, t, h, 8), f(b, t, h, 4), f(b, s, h, 8), f(b, s, 4), f(b, s, h, 6)
     pos = np.broadcast_to(np.arange(s - t, s), (b, t)).copy()
-    pos[1, -3:] = -1  # padding queries
+    pos[1, -max(3, t // 3):] = -1  # padding queries (for t=300 a whole query tile of row 1: no key tile visited)
     scores = np.where(np.arange(s)[None, None] <= pos[:, :, None], rng.normal(size=(b, t, s)), -np.inf)
     mask = dense_mla.topk_mask(indexer.select_topk(jnp.asarray(scores, jnp.float32), 9), s)
     want_o, want_l = dense_mla.mha_reference(q_nope, q_pe, k_nope, pe, vv, mask, 0.3)
