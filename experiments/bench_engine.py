@@ -15,11 +15,14 @@ B. Engine vs HF. The --config preset (mid) with random float32 weights (seed 0),
    - ours: `Engine(model, DeployConfig(max_model_len=prompt+new, max_num_seqs=requests,
      max_num_batched_tokens=--batched-tokens)).generate(...)`, once on a fresh engine (compiles; reported
      as engine_incl_compile_s), then again on a second fresh engine over the same model (compiled programs
-     are cached per model object): engine_s. The second run records every forward's shape and time
-     (each forward is synced, which on CPU costs next to nothing) to show where the time goes.
+     are cached per model object), --repeats (2) times, each on a fresh engine: engine_s is the fastest,
+     engine_runs_s all of them. The timed runs record every forward's shape and time (each forward is
+     synced, which on CPU costs next to nothing) to show where the time goes.
    - HF: `GlmMoeDsaForCausalLM.generate(input_ids [requests, prompt], max_new_tokens, do_sample=False)`,
-     float32, --hf-attn attention (sdpa, HF's default, or eager), --threads torch threads, under --hf-python (this same file with --hf-worker, so
-     the module imports JAX and our packages only inside functions); a warm-up call, then the timed one.
+     float32, --hf-attn attention (sdpa, HF's default, or eager), --threads torch threads, under
+     --hf-python (this same file with --hf-worker, so the module imports JAX and our packages only inside
+     functions); a warm-up call, then --repeats timed ones: hf_generate_s is the fastest. The machine is
+     shared and its speed drifts by tens of percent over minutes, so both sides take the best of as many runs.
    - greedy agreement: per prompt, the leading tokens both produce alike and the positions that agree,
      against HF as shipped and against HF with its indexer's top-k ties broken in our total order
      (experiments.hf_reference.stable_indexer_topk; untimed). With random weights many index scores are
@@ -142,7 +145,7 @@ def _profile(records: list[tuple[int, int, int, int, int, float]], step_s: list[
     return out
 
 
-def run_engine(model, prompts: np.ndarray, new_tokens: int, batched_tokens: int) -> dict:
+def run_engine(model, prompts: np.ndarray, new_tokens: int, batched_tokens: int, repeats: int = 1) -> dict:
     import jax
 
     import glm53
@@ -153,27 +156,34 @@ def run_engine(model, prompts: np.ndarray, new_tokens: int, batched_tokens: int)
     first = glm53.Engine(model, deploy).generate(list(prompts), max_new_tokens=new_tokens)
     incl_compile = time.perf_counter() - t0
 
-    engine = glm53.Engine(model, deploy)
-    records, step_s = [], []
-    forward = engine.runner.c.forward
+    best, all_s = None, []
+    for _ in range(repeats):  # each on a fresh engine; the fastest run (and its profile) is reported
+        engine = glm53.Engine(model, deploy)
+        records, step_s = [], []
+        forward = engine.runner.c.forward
 
-    def timed_forward(state, tok, pos, cache, **kw):
-        t = time.perf_counter()
-        out = jax.block_until_ready(forward(state, tok, pos, cache, **kw))
-        records.append((len(step_s), tok.shape[0], tok.shape[1], kw["window"], int((np.asarray(pos) >= 0).sum()),
-                        time.perf_counter() - t))
-        return out
+        def timed_forward(state, tok, pos, cache, forward=forward, records=records, step_s=step_s, **kw):
+            t = time.perf_counter()
+            out = jax.block_until_ready(forward(state, tok, pos, cache, **kw))
+            records.append((len(step_s), tok.shape[0], tok.shape[1], kw["window"], int((np.asarray(pos) >= 0).sum()),
+                            time.perf_counter() - t))
+            return out
 
-    engine.runner.c = dataclasses.replace(engine.runner.c, forward=timed_forward)  # this runner only
-    engine.step = _timed(engine.step, step_s)
-    t0 = time.perf_counter()
-    outs = engine.generate(list(prompts), max_new_tokens=new_tokens)
-    seconds = time.perf_counter() - t0
-    tokens = np.stack([o.token_ids for o in outs])
-    assert np.array_equal(tokens, np.stack([o.token_ids for o in first])), "the two engine runs disagree"
-    return {"deploy": dataclasses.asdict(deploy), "engine_s": seconds, "engine_incl_compile_s": incl_compile,
-            "tokens": tokens, "compiled_shapes": sorted(engine.runner.compiled_shapes),
-            "profile": _profile(records, step_s)}
+        engine.runner.c = dataclasses.replace(engine.runner.c, forward=timed_forward)  # this runner only
+        engine.step = _timed(engine.step, step_s)
+        t0 = time.perf_counter()
+        outs = engine.generate(list(prompts), max_new_tokens=new_tokens)
+        seconds = time.perf_counter() - t0
+        tokens = np.stack([o.token_ids for o in outs])
+        assert np.array_equal(tokens, np.stack([o.token_ids for o in first])), "the two engine runs disagree"
+        run = {"seconds": seconds, "tokens": tokens, "shapes": sorted(engine.runner.compiled_shapes),
+               "profile": _profile(records, step_s)}
+        all_s.append(seconds)
+        if best is None or seconds < best["seconds"]:
+            best = run
+    return {"deploy": dataclasses.asdict(deploy), "engine_s": best["seconds"], "engine_runs_s": all_s,
+            "engine_incl_compile_s": incl_compile, "tokens": best["tokens"], "compiled_shapes": best["shapes"],
+            "profile": best["profile"]}
 
 
 def agreement(ours: np.ndarray, theirs: np.ndarray) -> dict:
@@ -190,7 +200,7 @@ def bench_vs_hf(args, tmp: Path) -> dict:
     prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (args.requests, args.prompt_len))
     print(f"[B] engine: {args.requests} x {args.prompt_len} tokens + {args.new_tokens} greedy, {args.config}, "
           f"max_num_batched_tokens={args.batched_tokens}", flush=True)
-    eng = run_engine(model, prompts, args.new_tokens, args.batched_tokens)
+    eng = run_engine(model, prompts, args.new_tokens, args.batched_tokens, args.repeats)
     ours = eng.pop("tokens")
     prof = eng["profile"]
     out = {"config": args.config, "model_config": glm53.config.to_hf_config(model.cfg), "requests": args.requests,
@@ -209,10 +219,12 @@ def bench_vs_hf(args, tmp: Path) -> dict:
     print(f"[B] HF generate under {args.hf_python}", flush=True)
     hf = run_json_subprocess([args.hf_python, "-m", "experiments.bench_engine", "--hf-worker", "--checkpoint",
                               str(ckpt), "--prompts", str(tmp / "prompts.npy"), "--new-tokens", str(args.new_tokens),
-                              "--threads", str(args.threads), "--attn", args.hf_attn], threads=args.threads)
+                              "--threads", str(args.threads), "--attn", args.hf_attn, "--repeats", str(args.repeats)],
+                             threads=args.threads)
     theirs = np.asarray(hf.pop("tokens"))
     theirs_stable = np.asarray(hf.pop("stable_topk_tokens"))
-    out.update(hf_ran=True, hf_generate_s=hf["seconds"], hf_generate_warmup_s=hf["warmup_s"],
+    out.update(hf_ran=True, hf_generate_s=hf["seconds"], hf_generate_runs_s=hf["runs_s"],
+               hf_generate_warmup_s=hf["warmup_s"],
                hf_versions={k: hf[k] for k in ("torch", "transformers", "threads", "attn_implementation")},
                speedup_vs_hf=hf["seconds"] / eng["engine_s"], hf_tokens=theirs.tolist(),
                greedy_agreement=agreement(ours, theirs),
@@ -234,6 +246,7 @@ def hf_worker(argv) -> None:
     ap.add_argument("--new-tokens", type=int, required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attn", default="sdpa", choices=HF_ATTN_CHOICES)
+    ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args(argv)
 
     import torch
@@ -251,7 +264,7 @@ def hf_worker(argv) -> None:
               pad_token_id=0)
     times = []
     with torch.no_grad():
-        for _ in range(2):  # warm-up, timed: HF exactly as shipped
+        for _ in range(1 + args.repeats):  # warm-up, then the timed runs: HF exactly as shipped
             t0 = time.perf_counter()
             seq = model.generate(ids, **kw)
             times.append(time.perf_counter() - t0)
@@ -260,7 +273,8 @@ def hf_worker(argv) -> None:
     tokens = seq[:, ids.shape[1]:].tolist()
     stable_tokens = stable[:, ids.shape[1]:].tolist()
     assert all(len(t) == args.new_tokens for t in tokens)
-    print(json.dumps({"warmup_s": times[0], "seconds": times[1], "tokens": tokens, "stable_topk_tokens": stable_tokens,
+    print(json.dumps({"warmup_s": times[0], "seconds": min(times[1:]), "runs_s": times[1:], "tokens": tokens,
+                      "stable_topk_tokens": stable_tokens,
                       "torch": torch.__version__, "transformers": transformers.__version__, "threads": args.threads,
                       "attn_implementation": args.attn}))
 
@@ -282,6 +296,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batched-tokens", type=int, default=8192,
                     help="max_num_batched_tokens for part B (8,192: the whole batch's prompts in one step)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="timed runs per side (after one warm-up / compiling run); the fastest is reported")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--hf-python", default=DEFAULT_HF_PYTHON, help="Python with torch and transformers")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for HF")
