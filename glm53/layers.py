@@ -283,7 +283,7 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     e = w_gate_up_EDF2.shape[0]
     k = idx_NK.shape[1]
     a = n * k
-    block = min(block, n)
+    block = max(1, min(block, n))
     flat_e = idx_NK.reshape(a)
     order = jnp.argsort(flat_e, stable=True)
     se = flat_e[order]
@@ -311,7 +311,7 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
 
         return jax.lax.fori_loop(first_E[ex], first_E[ex] + blocks_E[ex], one_block, yb)
 
-    yb = jax.lax.fori_loop(0, jnp.sum(counts > 0), one_expert, jnp.zeros((num_blocks, block, d), x_ND.dtype))
+    yb = jax.lax.fori_loop(0, jnp.sum(counts > 0), one_expert, jnp.zeros_like(xb))
     yb = yb * rows_w.reshape(num_blocks, block, 1).astype(yb.dtype)
     out = jnp.zeros((n + 1, d), yb.dtype).at[rows_tok].add(yb.reshape(-1, d))
     return out[:n].astype(x_ND.dtype)

@@ -30,7 +30,7 @@ from attention.hisparse import HiSparseView, put_host_rows, take_host_rows
 from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig
 from glm53.engine.scheduler import ScheduledChunk
-from glm53.model import GLM53, compiled
+from glm53.model import GLM53, attention_form, compiled
 from kvcache.paged import PagedKVCache
 from parallel import model as parallel_model
 from parallel.cp_cache import CpKVCache, counter_totals, zero_counters
@@ -465,11 +465,15 @@ class ModelRunner:
                 # the pool's arrays hold kv_ranks x num_blocks pages: a larger id would address another
                 # rank's slice on the host but fall off the end of this rank's shard
                 raise ValueError(f"block id beyond the pool's {self.num_blocks} blocks")
+            # the form for the step's whole width, as without a mesh: inside shard_map a PCP rank sees
+            # only its share of the tokens and "auto" would decide on that
+            form = attention_form(form, window, self.model.cfg.index_topk, tok.shape[1])
             hidden, cache = self._forward_cp(tok, pos, cache, window, form)
             self.cache = cache
             return hidden
         hidden, cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                          form=form, impl=self.deploy.attention_impl, last_only=tok.shape[1] > 1)
+                                          form=form, impl=self.deploy.attention_impl,
+                                          last_only=tok.shape[1] > 1 and hisparse is None)
         if cache.hisparse is not None:
             hs = cache.hisparse
             self.host_tables["mla"] = hs.host_mla

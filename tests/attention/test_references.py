@@ -89,6 +89,17 @@ def test_sparse_mqa_equals_dense_mha_with_absorbed_weights(k):
         assert np.all(np.asarray(lse_s)[0, 0] == -np.inf) and np.all(o_sparse[0, 0] == 0)
 
 
+def test_use_dense_mha_rule():
+    """The form rule: dense while window <= top-k (any backend, any step); on CPU also for steps of >= 128
+    queries per row over windows <= 4 x top-k; never with force_mqa."""
+    assert dense_mla.use_dense_mha(256, 256) and dense_mla.use_dense_mha(64, 256, backend="gpu")
+    assert not dense_mla.use_dense_mha(256, 256, force_mqa=True)
+    assert dense_mla.use_dense_mha(1024, 256, num_queries=128, backend="cpu")
+    assert not dense_mla.use_dense_mha(1024, 256, num_queries=127, backend="cpu")
+    assert not dense_mla.use_dense_mha(2048, 256, num_queries=1024, backend="cpu")
+    assert not dense_mla.use_dense_mha(1024, 256, num_queries=1024, backend="gpu")
+
+
 @pytest.mark.parametrize("t,s,block", [(37, 45, 16), (64, 64, 16), (5, 70, 32), (20, 20, 256), (300, 300, 256)])
 def test_tiled_mha_equals_reference(t, s, block):
     """dense_mla.mha (tiles, online softmax, masked tiles skipped) against mha_reference: ragged tiles,
