@@ -40,6 +40,29 @@ def top_k(x_f32, k: int):
     return jax.lax.bitcast_convert_type(_ordered_int32(keys), jnp.float32), idx
 
 
+def kernel_compute_dtype(storage_dtype, fp8: bool, compute_dtype=None):
+    """The operand dtype of a Pallas kernel's matmuls for a cache stored as `storage_dtype` (or fp8).
+
+    Default: the storage dtype for plain float caches, bfloat16 for fp8 ones (e4m3 values are exact in
+    bfloat16). Why: at GLM-5.3's 64 heads a selected 656-byte row feeds ~140K FLOPs, so on an H200 the
+    matmul rate decides the step time (bf16 tensor cores: 989 TFLOP/s; TF32: 494; IEEE fp32: ~67), and
+    a float32 cache is a request for float32 accuracy. Pass float32 to get the reference's numerics
+    (~1e-6 relative) from any format; that is how the tests check a kernel's logic exactly."""
+    dt = jnp.dtype(compute_dtype or (jnp.bfloat16 if fp8 else storage_dtype))
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {dt}")
+    return dt
+
+
+def kernel_dot(a, b, contract: tuple[int, int], compute_dtype):
+    """2-D `dot_general` of a and b over axes `contract` = (a's, b's), operands cast to `compute_dtype`,
+    float32 accumulation. float32 operands run at Precision.HIGHEST: Pallas' Triton lowering otherwise
+    emits TF32 (inputPrecision = tf32), ~1e-3 relative error, not the reference's float32."""
+    prec = jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
+    return jax.lax.dot_general(a.astype(compute_dtype), b.astype(compute_dtype), (((contract[0],), (contract[1],)), ((), ())),
+                               precision=prec, preferred_element_type=jnp.float32)
+
+
 IMPLS = ("auto", "reference", "pallas")
 
 # "auto" picks the Pallas kernels on a GPU only once they have been compiled and checked there (the
@@ -61,9 +84,15 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+# Set only by attention.gpu_aot.triton_target(): trace the kernels for a GPU lowering on a machine
+# without one (ahead-of-time lowering; nothing runs).
+_LOWER_FOR_GPU = False
+
+
 def pallas_interpret() -> bool:
-    """Pallas kernels run in interpret mode everywhere but on a GPU (semantics only, see JAX notes)."""
-    return not on_gpu()
+    """Pallas kernels run in interpret mode everywhere but on a GPU (semantics only, see JAX notes),
+    or while `attention.gpu_aot` lowers them for one."""
+    return not (on_gpu() or _LOWER_FOR_GPU)
 
 
 def pad_to(x, axis: int, size: int, value=0):

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.compute_on import compute_on
+from jax.experimental.pallas import triton as pltriton
 
 from attention.common import pad_to, pallas_interpret, resolve_impl
 
@@ -136,7 +137,11 @@ def resolve(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuf
 
 
 # ------------------------------------------------------------------------------------------ Pallas kernel
-TILE_ELEMS = 1 << 16  # largest pairwise tile a program builds ([chunk, H] values)
+# Largest pairwise tile a program builds ([chunk, H] values) and the warps it runs on. At GLM-5.3's
+# K = 2048, H = 4096 on sm_90 (ptxas, experiments/check_gpu_lowering.py): 64K-value tiles on 4 warps
+# spill 8.2 KB of registers; 16K-value tiles (chunk 4) on 8 warps spill 24 B.
+TILE_ELEMS = 1 << 14
+NUM_WARPS = 8
 
 
 def _pow2_at_least(n: int) -> int:
@@ -165,13 +170,17 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
     Backend: written for the Triton lowering (jax's default GPU backend for pallas_call), which needs
     every block and every in-kernel array to have power-of-two sides and at most 2^20 elements. So K and
     H are padded here to powers of two and the tiles are chunk x max(K, H) with chunk a power of two
-    (default: the largest with at most TILE_ELEMS elements; GLM-5.3's K = 2048, H = 4096 gives 16).
+    (default: the largest with at most TILE_ELEMS elements; GLM-5.3's K = 2048, H = 4096 gives 4).
     The padding changes nothing: padded selections are -1 (not valid: never counted, matched or
     copied; their outputs are sliced off); padded slots hold position -1 (a valid selection is >= 0, so
     never a hit) and get the key int32 max with an index above every real slot, so each real slot's
     rank is unchanged and the largest rank a miss can take (H - 1) is a real slot's. The page tables
-    are read whole (gathers, no block), so M needs no padding. Tested in interpret mode only; GPU
-    lowering not yet verified (no GPU in the sessions so far).
+    are read whole (gathers, no block), so M needs no padding. Tested in interpret mode; lowered and
+    compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py); not yet run on one.
+
+    GPU speed, not measured: the grid has one program per request, so a decode batch of 4 keeps 4 SMs
+    busy with ~3 K x H comparisons each (25M at GLM-5.3's sizes); splitting H across programs needs a
+    cross-program reduction of the ranks and is the first thing to try once it can be timed.
     """
     sel = jnp.asarray(sel_BK, jnp.int32)
     dev = jnp.asarray(device_pages_BM, jnp.int32)
@@ -294,6 +303,7 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
         in_specs=[per_k, whole, whole, per_h, per_h, per_h, whole],
         out_specs=(per_k, per_k, per_k, pl.BlockSpec((1, 4), lambda r: (r, 0)), per_h, per_h),
         interpret=pallas_interpret() if interpret is None else interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
     )(sel, dev, host, pos, last, hrows, step)
     plan = ResolvePlan(rows[:, :k], src[:, :k], dst[:, :k], cnt[:, 0], cnt[:, 1], cnt[:, 2], cnt[:, 3])
     return plan, HotBuffer(npos[:, :h], nlast[:, :h], hot.rows)

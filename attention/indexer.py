@@ -24,7 +24,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from attention.common import pad_to, pallas_interpret, pow2_divisor, resolve_impl, slot_mapping, top_k
+from attention.common import (
+    kernel_compute_dtype,
+    kernel_dot,
+    pad_to,
+    pallas_interpret,
+    pow2_divisor,
+    resolve_impl,
+    slot_mapping,
+    top_k,
+)
 from attention.formats import FP8, IndexKeyFormat
 
 
@@ -164,9 +173,13 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
 # ------------------------------------------------------------------------------------------ Pallas kernel
 HEAD_PAD = 16  # tl.dot needs every matmul dimension >= 16: pad the indexer heads (with weight 0)
 MAX_KEY_BLOCK = 64
+# float32 operands (IEEE dots): 32-key blocks spill registers at 32 heads x 128 dims on sm_90, 16 do not
+# (experiments/check_gpu_lowering.py).
+MAX_KEY_BLOCK_F32 = 16
 
 
-def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, key_block: int | None = None):
+def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, key_block: int | None = None,
+                        compute_dtype=None):
     """Pallas (Triton-style) kernel for `index_scores`: same result as the reference.
 
     Grid (query token, key block): one program scores one query against `key_block` consecutive
@@ -177,21 +190,30 @@ def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int
     loaded block has power-of-two sides (key_block and DI/4 word columns), heads padded to 16 for
     tl.dot. fp8 keys (uint32 words: 4 e4m3 values each, then the fp32 scale word) are decoded in the
     kernel with shifts and same-width bitcasts, which is what Triton supports; the query is split into
-    the matching 4 byte-planes outside the kernel, so no in-kernel reshape is needed. Tested in
-    interpret mode only; GPU lowering not yet verified (no GPU in the sessions so far).
+    the matching 4 byte-planes outside the kernel, so no in-kernel reshape is needed.
+
+    Numerics: q . k runs on `compute_dtype` operands (`attention.common.kernel_compute_dtype`: the keys'
+    float dtype, bfloat16 for fp8 keys) with float32 accumulation. An fp8 key's scale is one per key, so
+    it multiplies the [heads, keys] logits after the dot and the e4m3 values enter the dot exactly
+    (they are exact in bfloat16); only q is rounded. compute_dtype=float32 reproduces the reference.
+
+    Lowered and compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py); not yet run on
+    one (no GPU in the sessions so far).
     """
     b, t, hi, di = q_BTHI.shape
     fmt, bs = keys.fmt, keys.block_size
     if fmt.fp8 and di > 128:
         raise ValueError(f"the fp8 indexer kernel supports index_head_dim <= 128 (one scale), got {di}")
-    kb = key_block or pow2_divisor(window, min(bs, MAX_KEY_BLOCK))
+    cdt = kernel_compute_dtype(fmt.storage_dtype, fmt.fp8, compute_dtype)
+    cap = MAX_KEY_BLOCK_F32 if cdt == jnp.float32 else MAX_KEY_BLOCK
+    kb = key_block or pow2_divisor(window, min(bs, cap))
     if bs % kb or window % kb:
         raise ValueError(f"key_block={kb} must divide block_size={bs} and window={window}")
     hp = max(HEAD_PAD, -(-hi // HEAD_PAD) * HEAD_PAD)
     nq = b * t
     planes = 4 if fmt.fp8 else 1
     # q [NQ, planes, HP, DI/planes]: plane j holds dims j, j+planes, ... (byte j of each key word).
-    q = pad_to(q_BTHI.astype(jnp.float32).reshape(nq, hi, di), 1, hp)
+    q = pad_to(q_BTHI.astype(cdt).reshape(nq, hi, di), 1, hp)
     q = q.reshape(nq, hp, di // planes, planes).transpose(0, 3, 1, 2)
     w = pad_to(w_BTH.astype(jnp.float32).reshape(nq, hi), 1, hp)
     qpos = q_pos_BT.astype(jnp.int32).reshape(nq)
@@ -203,19 +225,14 @@ def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int
         s0 = j * kb
         page = jnp.maximum(bt_ref[qreq_ref[i], s0 // bs], 0)
         rows = pl.ds(page * bs + s0 % bs, kb)
-        logits = jnp.zeros((hp, kb), jnp.float32)
         if fmt.fp8:
             w_KD = tab_ref[rows, pl.ds(0, words)]  # [KB, DI/4] uint32
-            scale_K1 = jax.lax.bitcast_convert_type(tab_ref[rows, pl.ds(words, 1)], jnp.float32)
-            for p in range(planes):
-                byte = ((w_KD >> (8 * p)) & 0xFF).astype(jnp.uint8)
-                k_KD = jax.lax.bitcast_convert_type(byte, FP8).astype(jnp.float32) * scale_K1
-                logits += jax.lax.dot_general(q_ref[0, p], k_KD, (((1,), (1,)), ((), ())),
-                                              preferred_element_type=jnp.float32)
+            logits = sum(kernel_dot(q_ref[0, p], jax.lax.bitcast_convert_type(
+                ((w_KD >> (8 * p)) & 0xFF).astype(jnp.uint8), FP8), (1, 1), cdt) for p in range(planes))
+            scale_1K = jax.lax.bitcast_convert_type(tab_ref[rows, pl.ds(words, 1)], jnp.float32).T
+            logits = logits * scale_1K  # [HP, KB] x [1, KB]: the per-key scale, after the dot
         else:
-            k_KD = tab_ref[rows, pl.ds(0, di)].astype(jnp.float32)
-            logits += jax.lax.dot_general(q_ref[0, 0], k_KD, (((1,), (1,)), ((), ())),
-                                          preferred_element_type=jnp.float32)
+            logits = kernel_dot(q_ref[0, 0], tab_ref[rows, pl.ds(0, di)], (1, 1), cdt)
         score_K = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[0][:, None], axis=0)
         pos_K = s0 + jax.lax.broadcasted_iota(jnp.int32, (kb,), 0)
         qp = qpos_ref[i]

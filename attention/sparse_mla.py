@@ -24,7 +24,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from attention.common import masked_softmax_weights, pad_to, pallas_interpret, resolve_impl
+from attention.common import (
+    kernel_compute_dtype,
+    kernel_dot,
+    masked_softmax_weights,
+    pad_to,
+    pallas_interpret,
+    resolve_impl,
+)
 from attention.formats import FP8, MLARowFormat
 
 
@@ -96,7 +103,10 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
 
 # ------------------------------------------------------------------------------------------ Pallas kernel
 HEAD_BLOCK = 16  # heads per program; tl.dot needs M >= 16, so fewer heads are padded to 16
-MAX_ROW_BLOCK = 64  # selected rows per inner step
+MAX_ROW_BLOCK = 64  # selected rows per inner step (16-bit matmul operands)
+# With float32 operands (IEEE dots) 32- and 64-row steps spill registers at 64 heads on sm_90 (ptxas,
+# experiments/check_gpu_lowering.py: 36 KB of spill stores at 64 rows, 1.7 KB at 32, none at 16).
+MAX_ROW_BLOCK_F32 = 16
 
 
 def _planes(fmt: MLARowFormat):
@@ -106,7 +116,8 @@ def _planes(fmt: MLARowFormat):
     return (4, 2) if fmt.fp8 else (1, 1)
 
 
-def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, row_block: int | None = None):
+def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, row_block: int | None = None,
+                      compute_dtype=None):
     """Pallas (Triton-style) sparse MQA: gather the selected rows by slot, decode them, and attend with an
     online softmax. -> (out [B,T,H,R] f32, lse [B,T,H] f32), equal to the reference.
 
@@ -122,7 +133,14 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     matching planes outside the kernel (dims j, j+4, ... for latent plane j; even/odd rope dims), and
     the output planes are interleaved back afterwards. Heads are padded to 16 for tl.dot. A slot of -1
     reads row 0 and is masked to -inf; a query with no valid slot gets lse -inf and a zero output.
-    Tested in interpret mode only; GPU lowering not yet verified (no GPU in the sessions so far).
+
+    Numerics: the matmul operands are `compute_dtype` (`attention.common.kernel_compute_dtype`: the
+    cache's float dtype, bfloat16 for fp8_ds_mla; rows are decoded and scaled in float32, then cast),
+    with float32 accumulation and a float32 softmax; the probabilities are cast to it for P.V.
+    compute_dtype=float32 reproduces the reference (~1e-6); bfloat16 adds ~2^-9 relative rounding.
+
+    Lowered and compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py); not yet run on
+    one (no GPU in the sessions so far).
     """
     fmt = rows.fmt
     b, t, h, r = q_lat_BTHR.shape
@@ -130,7 +148,9 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     if (r, p) != (fmt.kv_lora_rank, fmt.rope_dim):
         raise ValueError(f"query widths (R={r}, P={p}) do not match the cache rows {fmt}")
     k = rows.slots.shape[-1]
-    kb = row_block or min(MAX_ROW_BLOCK, max(16, 1 << max(k - 1, 0).bit_length()))
+    cdt = kernel_compute_dtype(fmt.storage_dtype, fmt.fp8, compute_dtype)
+    cap = MAX_ROW_BLOCK_F32 if cdt == jnp.float32 else MAX_ROW_BLOCK
+    kb = row_block or min(cap, max(16, 1 << max(k - 1, 0).bit_length()))
     kp = -(-k // kb) * kb
     hb = HEAD_BLOCK
     hp = -(-h // hb) * hb
@@ -138,32 +158,29 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     nl, np_ = _planes(fmt)
     rl, pl_ = r // nl, p // np_
     # q planes [NQ, planes, HP, width]: plane j holds dims j, j + planes, ...
-    q_lat = pad_to(q_lat_BTHR.astype(jnp.float32).reshape(nq, h, r), 1, hp)
+    q_lat = pad_to(q_lat_BTHR.astype(cdt).reshape(nq, h, r), 1, hp)
     q_lat = q_lat.reshape(nq, hp, rl, nl).transpose(0, 3, 1, 2)
-    q_pe = pad_to(q_pe_BTHP.astype(jnp.float32).reshape(nq, h, p), 1, hp)
+    q_pe = pad_to(q_pe_BTHP.astype(cdt).reshape(nq, h, p), 1, hp)
     q_pe = q_pe.reshape(nq, hp, pl_, np_).transpose(0, 3, 1, 2)
     slots = pad_to(rows.slots.astype(jnp.int32).reshape(nq, k), 1, kp, value=-1)
     rope_col = r // 4 + -(-r // 128) if fmt.fp8 else r  # first rope word / value of a row
 
     def load_planes(tab_ref, s_K):
-        """Rows at slots s_K -> ([latent planes [KB, RL]], [rope planes [KB, PL]]) float32."""
+        """Rows at slots s_K -> ([latent planes [KB, RL]], [rope planes [KB, PL]]) in the compute dtype."""
         if not fmt.fp8:
-            lat = tab_ref[s_K, pl.ds(0, r)].astype(jnp.float32)
-            pe = tab_ref[s_K, pl.ds(r, p)].astype(jnp.float32)
+            lat = tab_ref[s_K, pl.ds(0, r)].astype(cdt)
+            pe = tab_ref[s_K, pl.ds(r, p)].astype(cdt)
             return [lat], [pe]
         words_KW = tab_ref[s_K, pl.ds(0, rl)]  # [KB, R/4]: value 4w + j is byte j of word w
         # value 4w + j lies in scale group (4w + j) // 128 = w // 32
         group_W = r // 4 + jax.lax.broadcasted_iota(jnp.int32, (rl,), 0) // 32
         scale_KW = jax.lax.bitcast_convert_type(tab_ref[s_K[:, None], group_W[None, :]], jnp.float32)
-        lat = [jax.lax.bitcast_convert_type(((words_KW >> (8 * j)) & 0xFF).astype(jnp.uint8), FP8)
-               .astype(jnp.float32) * scale_KW for j in range(4)]
+        lat = [(jax.lax.bitcast_convert_type(((words_KW >> (8 * j)) & 0xFF).astype(jnp.uint8), FP8)
+                .astype(jnp.float32) * scale_KW).astype(cdt) for j in range(4)]
         rope_KW = tab_ref[s_K, pl.ds(rope_col, pl_)]  # [KB, P/2]: rope 2i low half, 2i + 1 high half
         pe = [jax.lax.bitcast_convert_type(((rope_KW >> (16 * j)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16)
-              .astype(jnp.float32) for j in range(2)]
+              .astype(cdt) for j in range(2)]
         return lat, pe
-
-    def dot_t(a, b_):  # a [M, D] . b [N, D]^T -> [M, N]
-        return jax.lax.dot_general(a, b_, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     def kernel(q_lat_ref, q_pe_ref, slots_ref, tab_ref, o_ref, lse_ref):
         i = pl.program_id(0)
@@ -175,15 +192,13 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
             s_K = slots_ref[i, pl.ds(c * kb, kb)]
             valid_K = s_K >= 0
             lat, pe = load_planes(tab_ref, jnp.maximum(s_K, 0))
-            s_HK = sum(dot_t(qj, xj) for qj, xj in zip(q_l + q_p, lat + pe)) * scale
+            s_HK = sum(kernel_dot(qj, xj, (1, 1), cdt) for qj, xj in zip(q_l + q_p, lat + pe)) * scale
             s_HK = jnp.where(valid_K[None, :], s_HK, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s_HK, axis=1))  # m starts finite, so never -inf - -inf
             alpha = jnp.exp(m - m_new)
             p_HK = jnp.where(valid_K[None, :], jnp.exp(s_HK - m_new[:, None]), 0.0)
             l = l * alpha + jnp.sum(p_HK, axis=1)
-            acc = tuple(a * alpha[:, None] + jax.lax.dot_general(p_HK, x, (((1,), (0,)), ((), ())),
-                                                                 preferred_element_type=jnp.float32)
-                        for a, x in zip(acc, lat))
+            acc = tuple(a * alpha[:, None] + kernel_dot(p_HK, x, (1, 0), cdt) for a, x in zip(acc, lat))
             return m_new, l, acc
 
         init = (jnp.full((hb,), -1e30, jnp.float32), jnp.zeros((hb,), jnp.float32),

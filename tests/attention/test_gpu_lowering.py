@@ -1,0 +1,60 @@
+"""The Pallas kernels lower for an H200 through the Triton backend, on this CPU-only machine.
+
+Interpret mode (test_kernels.py) accepts blocks and ops the GPU lowering rejects; this runs the real
+lowering (`attention.gpu_aot`) on every kernel at GLM-5.3's, the tiny preset's and the kernel tests'
+shapes, and checks the matmul operand types the numerics rely on. The cubin compile (registers, spills,
+shared memory) needs the 1 GB `triton` package and is experiments/check_gpu_lowering.py's job."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from attention import formats, gpu_aot, sparse_mla
+from experiments import check_gpu_lowering
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    return check_gpu_lowering.lower_all(check_gpu_lowering.kernel_cases())
+
+
+def test_every_kernel_lowers_to_one_triton_kernel(lowered):
+    assert len(lowered) == 8 * len(check_gpu_lowering.DIMS)  # (4 sparse + 3 index + 1 resolver) x dims
+    for name, entry in lowered.items():
+        assert entry["ok"], f"{name}: {entry.get('error')}"
+        [kern] = entry["kernels"]
+        assert "tt.func" in kern.ttir and kern.num_warps >= 4 and min(kern.grid) >= 1, name
+
+
+def test_matmul_operands_follow_the_cache_format(lowered):
+    """float32 caches: IEEE float32 products (the reference's numerics; Pallas' Triton default would
+    be TF32). bf16 and fp8 caches: bf16 tensor-core operands. The resolver has no matmul."""
+    for name, entry in lowered.items():
+        dots = set(entry["kernels"][0].dots())
+        if name.startswith("hisparse_resolve"):
+            assert dots == set(), name
+        elif "/float32/" in name:
+            assert dots == {"f32 x f32 -> f32 ieee"}, (name, dots)
+        else:
+            assert dots == {"bf16 x bf16 -> f32"}, (name, dots)
+
+
+def test_compute_dtype_float32_on_a_bf16_cache_is_ieee():
+    fmt = formats.MLARowFormat("bfloat16", 128, 16)
+    sds = jax.ShapeDtypeStruct
+
+    def fn(q_lat, q_pe, table, slots):
+        return sparse_mla.sparse_mqa_pallas(q_lat, q_pe, sparse_mla.SlotRows(table, slots, fmt), 1.0,
+                                            compute_dtype=jnp.float32)
+
+    [kern] = gpu_aot.lower_triton(fn, sds((1, 1, 16, 128), jnp.float32), sds((1, 1, 16, 16), jnp.float32),
+                                  sds((64, 144), jnp.bfloat16), sds((1, 1, 32), jnp.int32))
+    assert set(kern.dots()) == {"f32 x f32 -> f32 ieee"}
+
+
+def test_lowering_leaves_interpret_mode_on_cpu():
+    from attention import common
+
+    with gpu_aot.gpu_lowering():
+        assert not common.pallas_interpret()
+    assert common.pallas_interpret()  # restored: the CPU kernels still run interpreted
