@@ -302,6 +302,7 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
         grid=(b,),
         in_specs=[per_k, whole, whole, per_h, per_h, per_h, whole],
         out_specs=(per_k, per_k, per_k, pl.BlockSpec((1, 4), lambda r: (r, 0)), per_h, per_h),
+        name="hisparse_resolve",  # the kernel's name in GPU profiles
         interpret=pallas_interpret() if interpret is None else interpret,
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
     )(sel, dev, host, pos, last, hrows, step)

@@ -218,6 +218,7 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
                   pl.BlockSpec((1, np_, hb, pl_), lambda i, g: (i, 0, g, 0)),
                   pl.BlockSpec(), pl.BlockSpec()],
         out_specs=(pl.BlockSpec((1, nl, hb, rl), lambda i, g: (i, 0, g, 0)), pl.BlockSpec((1, hb), lambda i, g: (i, g))),
+        name="sparse_mqa",  # the kernel's name in GPU profiles
         interpret=pallas_interpret(),
     )(q_lat, q_pe, slots, rows.table)
     out = out.transpose(0, 2, 3, 1).reshape(nq, hp, r)[:, :h]  # interleave the planes back
