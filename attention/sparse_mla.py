@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from attention.common import (
     kernel_compute_dtype,
@@ -33,6 +34,7 @@ from attention.common import (
     resolve_impl,
 )
 from attention.formats import FP8, MLARowFormat
+from attention.merge import merge
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["table", "slots"], meta_fields=["fmt"])
@@ -107,6 +109,10 @@ MAX_ROW_BLOCK = 64  # selected rows per inner step (16-bit matmul operands)
 # With float32 operands (IEEE dots) 32- and 64-row steps spill registers at 64 heads on sm_90 (ptxas,
 # experiments/check_gpu_lowering.py: 36 KB of spill stores at 64 rows, 1.7 KB at 32, none at 16).
 MAX_ROW_BLOCK_F32 = 16
+# 4 warps sit at ptxas' 255-register cap at GLM-5.3's widths and spill once the split index is added
+# (164 B, fp8_ds_mla rows); 8 warps: 178 registers, no spill (experiments/check_gpu_lowering.py).
+NUM_WARPS = 8
+TARGET_PROGRAMS = 132  # an H200's SMs: split a query's slots until the grid has at least this many programs
 
 
 def _planes(fmt: MLARowFormat):
@@ -117,12 +123,18 @@ def _planes(fmt: MLARowFormat):
 
 
 def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, row_block: int | None = None,
-                      compute_dtype=None):
+                      compute_dtype=None, splits: int | None = None):
     """Pallas (Triton-style) sparse MQA: gather the selected rows by slot, decode them, and attend with an
     online softmax. -> (out [B,T,H,R] f32, lse [B,T,H] f32), equal to the reference.
 
-    Grid (query token, head block): each program keeps its [16, R] output accumulator and walks the
-    query's K slots `row_block` at a time (slots padded with -1 to a multiple of it).
+    Grid (query token, head block, split): each program keeps its [16, R] output accumulator and walks
+    its split's share of the query's K slots `row_block` at a time (slots padded with -1). With more
+    than one split, the partial (out, lse) of the splits are combined by the exact LSE merge
+    (`attention.merge`), as flash-decoding does. Why split: a decode batch of 4 at 64 heads is only 16
+    (query, head block) programs for an H200's 132 SMs; by default (`splits=None`) the slots are split
+    until there are >= TARGET_PROGRAMS programs (11 splits of <= 192 rows there; prefill chunks get 1);
+    an explicit `splits` is an upper bound (row blocks are dealt ceil(blocks / splits) per split). The
+    merge costs a write and a read of [splits, H, R] float32 partials per query.
 
     Backend: written for the Triton lowering (jax 0.11's default GPU backend for pallas_call). Every
     loaded block is power-of-two sized, which a 576-value or 656-byte row is not, so the row is read as
@@ -151,10 +163,18 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     cdt = kernel_compute_dtype(fmt.storage_dtype, fmt.fp8, compute_dtype)
     cap = MAX_ROW_BLOCK_F32 if cdt == jnp.float32 else MAX_ROW_BLOCK
     kb = row_block or min(cap, max(16, 1 << max(k - 1, 0).bit_length()))
-    kp = -(-k // kb) * kb
     hb = HEAD_BLOCK
     hp = -(-h // hb) * hb
     nq = b * t
+    chunks = -(-k // kb)
+    if splits is None:  # the fewest splits that give >= TARGET_PROGRAMS programs (or one block each)
+        per_split = max(1, chunks // -(-TARGET_PROGRAMS // (nq * (hp // hb))))
+    elif isinstance(splits, int) and splits >= 1:  # at most `splits`, none without rows
+        per_split = -(-chunks // splits)
+    else:
+        raise ValueError(f"splits must be a positive int, got {splits!r}")
+    splits = -(-chunks // per_split)
+    kp = splits * per_split * kb
     nl, np_ = _planes(fmt)
     rl, pl_ = r // nl, p // np_
     # q planes [NQ, planes, HP, width]: plane j holds dims j, j + planes, ...
@@ -183,13 +203,13 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
         return lat, pe
 
     def kernel(q_lat_ref, q_pe_ref, slots_ref, tab_ref, o_ref, lse_ref):
-        i = pl.program_id(0)
+        i, first = pl.program_id(0), pl.program_id(2) * per_split
         q_l = [q_lat_ref[0, j] for j in range(nl)]
         q_p = [q_pe_ref[0, j] for j in range(np_)]
 
         def step(c, carry):
             m, l, acc = carry
-            s_K = slots_ref[i, pl.ds(c * kb, kb)]
+            s_K = slots_ref[i, pl.ds((first + c) * kb, kb)]
             valid_K = s_K >= 0
             lat, pe = load_planes(tab_ref, jnp.maximum(s_K, 0))
             s_HK = sum(kernel_dot(qj, xj, (1, 1), cdt) for qj, xj in zip(q_l + q_p, lat + pe)) * scale
@@ -203,23 +223,30 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
 
         init = (jnp.full((hb,), -1e30, jnp.float32), jnp.zeros((hb,), jnp.float32),
                 tuple(jnp.zeros((hb, rl), jnp.float32) for _ in range(nl)))
-        m, l, acc = jax.lax.fori_loop(0, kp // kb, step, init)
+        m, l, acc = jax.lax.fori_loop(0, per_split, step, init)
         has_rows = l > 0
         inv = jnp.where(has_rows, 1.0 / jnp.where(has_rows, l, 1.0), 0.0)
         for j in range(nl):
-            o_ref[0, j] = acc[j] * inv[:, None]
-        lse_ref[0, :] = jnp.where(has_rows, m + jnp.log(jnp.where(has_rows, l, 1.0)), -jnp.inf)
+            o_ref[0, 0, j] = acc[j] * inv[:, None]
+        lse_ref[0, 0, :] = jnp.where(has_rows, m + jnp.log(jnp.where(has_rows, l, 1.0)), -jnp.inf)
 
     out, lse = pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((nq, nl, hp, rl), jnp.float32), jax.ShapeDtypeStruct((nq, hp), jnp.float32)),
-        grid=(nq, hp // hb),
-        in_specs=[pl.BlockSpec((1, nl, hb, rl), lambda i, g: (i, 0, g, 0)),
-                  pl.BlockSpec((1, np_, hb, pl_), lambda i, g: (i, 0, g, 0)),
+        out_shape=(jax.ShapeDtypeStruct((nq, splits, nl, hp, rl), jnp.float32),
+                   jax.ShapeDtypeStruct((nq, splits, hp), jnp.float32)),
+        grid=(nq, hp // hb, splits),
+        in_specs=[pl.BlockSpec((1, nl, hb, rl), lambda i, g, sp: (i, 0, g, 0)),
+                  pl.BlockSpec((1, np_, hb, pl_), lambda i, g, sp: (i, 0, g, 0)),
                   pl.BlockSpec(), pl.BlockSpec()],
-        out_specs=(pl.BlockSpec((1, nl, hb, rl), lambda i, g: (i, 0, g, 0)), pl.BlockSpec((1, hb), lambda i, g: (i, g))),
-        name="sparse_mqa",  # the kernel's name in GPU profiles
+        out_specs=(pl.BlockSpec((1, 1, nl, hb, rl), lambda i, g, sp: (i, sp, 0, g, 0)),
+                   pl.BlockSpec((1, 1, hb), lambda i, g, sp: (i, sp, g))),
+        name="sparse_mqa",
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),  # the kernel's name in GPU profiles
         interpret=pallas_interpret(),
     )(q_lat, q_pe, slots, rows.table)
-    out = out.transpose(0, 2, 3, 1).reshape(nq, hp, r)[:, :h]  # interleave the planes back
-    return out.reshape(b, t, h, r), lse[:, :h].reshape(b, t, h)
+    out = out.transpose(0, 1, 3, 4, 2).reshape(nq, splits, hp, r)  # interleave the planes back
+    if splits > 1:
+        out, lse = merge(out, lse, axis=1)
+    else:
+        out, lse = out[:, 0], lse[:, 0]
+    return out[:, :h].reshape(b, t, h, r), lse[:, :h].reshape(b, t, h)

@@ -24,6 +24,11 @@ def test_every_kernel_lowers_to_one_triton_kernel(lowered):
         assert entry["ok"], f"{name}: {entry.get('error')}"
         [kern] = entry["kernels"]
         assert "tt.func" in kern.ttir and kern.num_warps >= 4 and min(kern.grid) >= 1, name
+    # a GLM-5.3 decode batch of 4 fills an H200: its slots are split until there are enough programs
+    for fmt in ("fp8_ds_mla", "bfloat16", "float32"):
+        grid = lowered[f"sparse_mqa/glm-5.3/{fmt}/decode"]["kernels"][0].grid
+        assert grid[0] * grid[1] * grid[2] >= sparse_mla.TARGET_PROGRAMS and grid[2] > 1, (fmt, grid)
+    assert lowered["sparse_mqa/glm-5.3/fp8_ds_mla/prefill"]["kernels"][0].grid[2] == 1  # 64 queries: no split
 
 
 def test_matmul_operands_follow_the_cache_format(lowered):

@@ -58,6 +58,28 @@ def test_sparse_mqa_kernel_matches_reference(name, k, h, r, p):
     assert np.all(np.asarray(out)[0, 0] == 0) and np.all(np.asarray(lse)[0, 0] == -np.inf)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 4, 50])
+def test_sparse_mqa_kernel_split_slots_merge_exactly(splits):
+    """The slots split across programs (flash-decoding) and merged by LSE: equal to the reference for any
+    split count, including a split whose slots are all -1 (weight 0) and a query with no slot at all.
+    200 slots in 16-row blocks: 13 blocks; splits=3 -> 3 splits of 5, 5 and 3 blocks; 4 -> 4 of 4, 4, 4
+    and 1 (partly full); 50 -> 13 splits of one block."""
+    fmt = formats.MLARowFormat("fp8_ds_mla", 128, 16)
+    _, _, table = _rows(fmt, 300, 3)
+    rng = np.random.default_rng(splits)
+    slots = rng.integers(0, 300, size=(2, 2, 200)).astype(np.int32)
+    slots[0, 1, 64:128] = -1  # split 2 of 4 (rows 64-127) empty for this query
+    slots[1, 0] = -1  # no row at all
+    q_lat = jnp.asarray(rng.normal(size=(2, 2, 16, 128)), jnp.float32)
+    q_pe = jnp.asarray(rng.normal(size=(2, 2, 16, 16)), jnp.float32)
+    rows = sparse_mla.SlotRows(table, jnp.asarray(slots), fmt)
+    ref_out, ref_lse = sparse_mla.sparse_mqa(q_lat, q_pe, rows, 128 ** -0.5, impl="reference")
+    out, lse = sparse_mla.sparse_mqa_pallas(q_lat, q_pe, rows, 128 ** -0.5, row_block=16, splits=splits,
+                                            compute_dtype=jnp.float32)
+    assert _rel(out, ref_out) <= RTOL and _rel(lse, ref_lse) <= RTOL
+    assert np.all(np.asarray(out)[1, 0] == 0) and np.all(np.asarray(lse)[1, 0] == -np.inf)
+
+
 def test_fp8_sparse_mla_output_within_5_percent_of_fp32_cache():
     """The same selected rows from an fp8_ds_mla cache and from a float32 cache (GLM-5.3 widths)."""
     r, p, h, k = 512, 64, 16, 128
