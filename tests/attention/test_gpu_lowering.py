@@ -8,14 +8,33 @@ shared memory) needs the 1 GB `triton` package and is experiments/check_gpu_lowe
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental import pallas as pl
 
-from attention import formats, gpu_aot, sparse_mla
+from attention import common, formats, gpu_aot, sparse_mla
 from experiments import check_gpu_lowering
 
 
 @pytest.fixture(scope="module")
 def lowered():
-    return check_gpu_lowering.lower_all(check_gpu_lowering.kernel_cases())
+    # conftest sets float32 matmuls to "highest" for every test; a user's program need not, and the
+    # kernels must not depend on it, so they are lowered here under JAX's default precision.
+    with jax.default_matmul_precision("default"):
+        return check_gpu_lowering.lower_all(check_gpu_lowering.kernel_cases())
+
+
+def test_a_plain_float32_dot_lowers_to_tf32():
+    """The trap the kernels' explicit precision avoids (and proof that the fixture's context takes)."""
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = jax.lax.dot_general(a_ref[...], b_ref[...], (((1,), (0,)), ((), ())))
+
+    def fn(a, b):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                              interpret=common.pallas_interpret())(a, b)
+
+    sds = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    with jax.default_matmul_precision("default"):
+        [kern] = gpu_aot.lower_triton(fn, sds, sds)
+    assert kern.dots() == ["f32 x f32 -> f32 tf32"]
 
 
 def test_every_kernel_lowers_to_one_triton_kernel(lowered):
@@ -52,14 +71,13 @@ def test_compute_dtype_float32_on_a_bf16_cache_is_ieee():
         return sparse_mla.sparse_mqa_pallas(q_lat, q_pe, sparse_mla.SlotRows(table, slots, fmt), 1.0,
                                             compute_dtype=jnp.float32)
 
-    [kern] = gpu_aot.lower_triton(fn, sds((1, 1, 16, 128), jnp.float32), sds((1, 1, 16, 16), jnp.float32),
-                                  sds((64, 144), jnp.bfloat16), sds((1, 1, 32), jnp.int32))
+    with jax.default_matmul_precision("default"):
+        [kern] = gpu_aot.lower_triton(fn, sds((1, 1, 16, 128), jnp.float32), sds((1, 1, 16, 16), jnp.float32),
+                                      sds((64, 144), jnp.bfloat16), sds((1, 1, 32), jnp.int32))
     assert set(kern.dots()) == {"f32 x f32 -> f32 ieee"}
 
 
 def test_lowering_leaves_interpret_mode_on_cpu():
-    from attention import common
-
     with gpu_aot.gpu_lowering():
         assert not common.pallas_interpret()
     assert common.pallas_interpret()  # restored: the CPU kernels still run interpreted
