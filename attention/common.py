@@ -65,9 +65,10 @@ def kernel_dot(a, b, contract: tuple[int, int], compute_dtype):
 
 IMPLS = ("auto", "reference", "pallas")
 
-# "auto" picks the Pallas kernels on a GPU only once they have been compiled and checked there (the
-# device check in experiments/bench_attention.py); until then it runs the references everywhere, so a
-# GPU user never gets an unverified lowering by default. Pass impl="pallas" to run them anyway.
+# "auto" picks the Pallas kernels on a GPU only once they have been run and checked there
+# (experiments/device_check.sh); until then it runs the references everywhere, so a GPU user never gets
+# unverified kernels by default. Pass impl="pallas" to run them anyway. (They are lowered and compiled
+# for sm_90 without a GPU: experiments/check_gpu_lowering.py.)
 PALLAS_VERIFIED_ON_GPU = False
 
 

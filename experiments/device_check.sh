@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The H200 device check of the Pallas kernels, in one command, for the first session that is lent a GPU
+# (docs/kernels.md). Each step runs even if an earlier one failed; the exit status is the first failure.
+#
+#   bash experiments/device_check.sh OUT_DIR        # e.g. the device tool's $OUT; ~5-8 minutes on an H200
+#
+# 1. the kernel tests, now compiled by XLA's Triton and run on the GPU (not interpret mode), against the
+#    references (tests/conftest.py sets float32 matmuls to "highest", so the references are not TF32);
+# 2. bench_attention with the Pallas kernels and with the XLA references, 4K-128K contexts: per-step
+#    times, achieved bytes/s and FLOP/s against the H200's 4.8 TB/s and 989 TFLOP/s;
+# 3. check_hisparse_copy: only the selected rows cross from pinned host memory, and the resolver kernel
+#    agrees with its reference on the device.
+# If step 1 passes, set attention.common.PALLAS_VERIFIED_ON_GPU = True and commit OUT_DIR under
+# results/ with the date.
+set -u
+OUT=${1:?usage: device_check.sh OUT_DIR}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+status=0
+step() {  # step NAME CMD...: run, log to OUT/NAME.log, remember the first failure
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 5 "$OUT/$name.log"
+    echo "== $name: exit $rc"
+    [ "$status" -eq 0 ] && [ "$rc" -ne 0 ] && status=$rc
+    return 0
+}
+step environment "$PY" -c "import jax, sys; print(sys.version); print(jax.__version__, jax.devices())"
+step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_kernels.py \
+    tests/attention/test_hisparse.py tests/attention/test_merge.py
+step bench_attention_pallas "$PY" -m experiments.bench_attention --impl pallas --repeats 20 \
+    --out "$OUT/bench_attention_pallas"
+step bench_attention_reference "$PY" -m experiments.bench_attention --impl reference --repeats 20 \
+    --out "$OUT/bench_attention_reference"
+step check_hisparse_copy "$PY" -m experiments.check_hisparse_copy --out "$OUT/check_hisparse_copy"
+exit $status
