@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -85,15 +87,16 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-# Set only by attention.gpu_aot.triton_target(): trace the kernels for a GPU lowering on a machine
-# without one (ahead-of-time lowering; nothing runs).
-_LOWER_FOR_GPU = False
+# Set only inside attention.gpu_aot.gpu_lowering(): trace the kernels for a GPU lowering on a machine
+# without one (ahead-of-time lowering; nothing runs). A context variable, so it never leaks into other
+# threads' tracing.
+_LOWER_FOR_GPU = contextvars.ContextVar("lower_for_gpu", default=False)
 
 
 def pallas_interpret() -> bool:
     """Pallas kernels run in interpret mode everywhere but on a GPU (semantics only, see JAX notes),
     or while `attention.gpu_aot` lowers them for one."""
-    return not (on_gpu() or _LOWER_FOR_GPU)
+    return not (on_gpu() or _LOWER_FOR_GPU.get())
 
 
 def pad_to(x, axis: int, size: int, value=0):

@@ -60,13 +60,12 @@ def gpu_lowering(device_kind: str = H200, num_cores: int = 132):
     that names that device, so the Triton lowering can read its compute capability."""
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("aot",), abstract_device=device)
-    saved = common._LOWER_FOR_GPU
-    common._LOWER_FOR_GPU = True
+    token = common._LOWER_FOR_GPU.set(True)
     try:
         with jax.sharding.use_abstract_mesh(mesh):
             yield
     finally:
-        common._LOWER_FOR_GPU = saved
+        common._LOWER_FOR_GPU.reset(token)
 
 
 def lower_triton(fn, *args, device_kind: str = H200) -> list[TritonKernel]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -106,13 +107,29 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
 # ------------------------------------------------------------------------------------------ Pallas kernel
 HEAD_BLOCK = 16  # heads per program; tl.dot needs M >= 16, so fewer heads are padded to 16
 MAX_ROW_BLOCK = 64  # selected rows per inner step (16-bit matmul operands)
-# With float32 operands (IEEE dots) 32- and 64-row steps spill registers at 64 heads on sm_90 (ptxas,
-# experiments/check_gpu_lowering.py: 36 KB of spill stores at 64 rows, 1.7 KB at 32, none at 16).
-MAX_ROW_BLOCK_F32 = 16
-# 4 warps sit at ptxas' 255-register cap at GLM-5.3's widths and spill once the split index is added
-# (164 B, fp8_ds_mla rows); 8 warps: 178 registers, no spill (experiments/check_gpu_lowering.py).
+# ptxas on sm_90 at GLM-5.3's widths (experiments/check_gpu_lowering.py): on 4 warps the kernel sits at
+# the 255-register cap and spills (fp8_ds_mla rows: ~150 B once the split index is added; float32
+# operands: 35 KB at 64-row steps, 1.7 KB at 32). On 8 warps: fp8_ds_mla 178 registers, no spill;
+# float32 operands spill 3.3 KB at 64-row steps and none at 32.
 NUM_WARPS = 8
-TARGET_PROGRAMS = 132  # an H200's SMs: split a query's slots until the grid has at least this many programs
+MAX_ROW_BLOCK_F32 = 32
+H200_SMS = 132
+
+
+def default_splits(programs: int, blocks: int, sms: int = H200_SMS, max_splits: int = 64) -> int:
+    """How many splits of a query's `blocks` row blocks to run, given `programs` (query, head block)
+    pairs: the count that minimises waves x (blocks per program + 1), i.e. the step time if every
+    program takes an SM to itself (8 warps x 178 registers with fp8_ds_mla rows at GLM-5.3's widths:
+    two do not fit in 64K registers; bf16 rows take 97, so two might) and costs one block's worth
+    besides (writing its [16, R] float32 partial, 32 KB, is about a 64-row block of fp8 rows, 41 KB);
+    ties go to fewer splits (less merging). A model to re-tune once a GPU can time it. Only counts with no empty split are considered,
+    and a grid that fills a wave unsplit is not split (the merge would only add traffic). GLM-5.3
+    decode, batch 4: 16 programs, 32 blocks -> 8 (128 programs, one wave of 4 blocks each); a 64-query
+    prefill chunk: 256 programs -> 1."""
+    if programs >= sms:
+        return 1
+    counts = {-(-blocks // -(-blocks // s)) for s in range(1, min(blocks, max_splits) + 1)}
+    return min(counts, key=lambda s: (-(-programs * s // sms) * (-(-blocks // s) + 1), s))
 
 
 def _planes(fmt: MLARowFormat):
@@ -131,10 +148,12 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     its split's share of the query's K slots `row_block` at a time (slots padded with -1). With more
     than one split, the partial (out, lse) of the splits are combined by the exact LSE merge
     (`attention.merge`), as flash-decoding does. Why split: a decode batch of 4 at 64 heads is only 16
-    (query, head block) programs for an H200's 132 SMs; by default (`splits=None`) the slots are split
-    until there are >= TARGET_PROGRAMS programs (11 splits of <= 192 rows there; prefill chunks get 1);
-    an explicit `splits` is an upper bound (row blocks are dealt ceil(blocks / splits) per split). The
-    merge costs a write and a read of [splits, H, R] float32 partials per query.
+    (query, head block) programs for an H200's 132 SMs. By default (`splits=None`, `default_splits`) the
+    split count is the smallest whose last wave of programs is well filled (8 splits of 256 rows there:
+    128 programs, one wave; prefill chunks get 1). An explicit `splits` is an upper bound (row blocks
+    are dealt ceil(blocks / splits) per split, so no split is empty). The merge costs a write and a
+    read of [splits, H, R] float32 partials per query (1 MB at 8 splits and 64 heads, against the
+    1.3 MB of fp8 rows the query reads).
 
     Backend: written for the Triton lowering (jax 0.11's default GPU backend for pallas_call). Every
     loaded block is power-of-two sized, which a 576-value or 656-byte row is not, so the row is read as
@@ -167,13 +186,12 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     hp = -(-h // hb) * hb
     nq = b * t
     chunks = -(-k // kb)
-    if splits is None:  # the fewest splits that give >= TARGET_PROGRAMS programs (or one block each)
-        per_split = max(1, chunks // -(-TARGET_PROGRAMS // (nq * (hp // hb))))
-    elif isinstance(splits, int) and splits >= 1:  # at most `splits`, none without rows
-        per_split = -(-chunks // splits)
-    else:
+    if splits is None:
+        splits = default_splits(nq * (hp // hb), chunks)
+    if not isinstance(splits, numbers.Integral) or isinstance(splits, bool) or splits < 1:
         raise ValueError(f"splits must be a positive int, got {splits!r}")
-    splits = -(-chunks // per_split)
+    per_split = -(-chunks // int(splits))  # row blocks per split
+    splits = -(-chunks // per_split)  # at most the requested count, none without rows
     kp = splits * per_split * kb
     nl, np_ = _planes(fmt)
     rl, pl_ = r // nl, p // np_
@@ -240,8 +258,8 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
                   pl.BlockSpec(), pl.BlockSpec()],
         out_specs=(pl.BlockSpec((1, 1, nl, hb, rl), lambda i, g, sp: (i, sp, 0, g, 0)),
                    pl.BlockSpec((1, 1, hb), lambda i, g, sp: (i, sp, g))),
-        name="sparse_mqa",
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),  # the kernel's name in GPU profiles
+        name="sparse_mqa",  # the kernel's name in GPU profiles
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
         interpret=pallas_interpret(),
     )(q_lat, q_pe, slots, rows.table)
     out = out.transpose(0, 1, 3, 4, 2).reshape(nq, splits, hp, r)  # interleave the planes back

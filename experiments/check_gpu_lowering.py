@@ -94,10 +94,10 @@ def kernel_cases() -> dict:
     chunk (64 queries)."""
     cases = {}
     for dims in DIMS:
-        for fmt in ("fp8_ds_mla", "bfloat16", "float32"):
+        for fmt in ("fp8_ds_mla", "bfloat16", "float16", "float32"):
             cases[f"sparse_mqa/{dims}/{fmt}/decode"] = sparse_case(dims, fmt, 4, 1)
         cases[f"sparse_mqa/{dims}/fp8_ds_mla/prefill"] = sparse_case(dims, "fp8_ds_mla", 1, 64)
-        for fmt in ("fp8", "bfloat16", "float32"):
+        for fmt in ("fp8", "bfloat16", "float16", "float32"):
             cases[f"index_scores/{dims}/{fmt}/decode"] = index_case(dims, fmt, 4, 1)
         cases[f"hisparse_resolve/{dims}"] = resolve_case(dims, 4)
     return cases
@@ -166,7 +166,10 @@ def main(argv=None):
             rec["kernels"] = [{"name": k.name, "grid": list(k.grid), "num_warps": k.num_warps,
                                "num_stages": k.num_stages, "ttir_lines": k.ttir.count("\n"),
                                "dots": sorted(set(k.dots()))} for k in entry["kernels"]]
-            for kern, rep in zip(rec["kernels"], compiled.get(name, [])):
+            reports = compiled.get(name, [])
+            if triton_python and len(reports) != len(rec["kernels"]):
+                failures.append(f"{name}: {len(rec['kernels'])} kernels but {len(reports)} compile reports")
+            for kern, rep in zip(rec["kernels"], reports):
                 kern["compile"] = rep
                 if not rep["ok"]:
                     failures.append(f"{name}: compile failed")

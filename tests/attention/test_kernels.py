@@ -3,10 +3,11 @@
 
 Tolerances (relative to the largest reference value): every kernel with float32 matmul operands
 (compute_dtype=float32, the default for float32 caches) within 1e-4 of the reference, measured ~1e-6;
-this checks the kernel's logic exactly for every format. With their default bfloat16 operands (bf16 and
-fp8 caches; `attention.common.kernel_compute_dtype`) within BF16_RTOL: the query (and, for fp8 rows, the
-scaled latent and the softmax weights) rounded to bfloat16; measured: sparse MLA 3.4e-3 (bf16 rows) and
-9.4e-3 (fp8_ds_mla rows), index scores 2.1e-3."""
+this checks the kernel's logic exactly for every format. With their default 16-bit operands
+(`attention.common.kernel_compute_dtype`: bfloat16 for bf16 and fp8 caches, float16 for float16 ones)
+within BF16_RTOL: the query, the (scaled) rows and the softmax weights are rounded to 16 bits.
+Measured: sparse MLA 3.4e-3 (bf16 rows), 9.4e-3 (fp8_ds_mla rows), 4.2e-4 (float16 rows); index
+scores 2.1e-3 (bf16 and fp8 keys), 1.7e-4 (float16 keys)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,7 +34,7 @@ def _rows(fmt, n, seed):
     return lat, pe, fmt.pack(lat, pe)
 
 
-@pytest.mark.parametrize("name", ["float32", "bfloat16", "fp8_ds_mla"])
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16", "fp8_ds_mla"])
 @pytest.mark.parametrize("k,h,r,p", [(1, 4, 128, 16), (37, 4, 128, 16), (64, 16, 128, 16), (65, 20, 512, 64)])
 def test_sparse_mqa_kernel_matches_reference(name, k, h, r, p):
     """k=37, 65: slots not a multiple of the row block; h=20: heads padded to a multiple of 16; k=64:
@@ -56,6 +57,22 @@ def test_sparse_mqa_kernel_matches_reference(name, k, h, r, p):
     tol = RTOL if name == "float32" else BF16_RTOL
     assert _rel(out, ref_out) <= tol and _rel(lse, ref_lse) <= tol
     assert np.all(np.asarray(out)[0, 0] == 0) and np.all(np.asarray(lse)[0, 0] == -np.inf)
+
+
+def test_default_splits():
+    """Split a decode grid into one well-filled wave; never split a grid that fills a wave; no empty split."""
+    assert sparse_mla.default_splits(16, 32) == 8  # GLM-5.3, 4 requests x 4 head blocks, 2048 slots / 64
+    assert sparse_mla.default_splits(256, 32) == 1  # a 64-query prefill chunk
+    assert sparse_mla.default_splits(6, 1) == 1
+    for programs in (1, 3, 16, 40, 131):
+        for blocks in (1, 2, 7, 32, 100):
+            s = sparse_mla.default_splits(programs, blocks)
+            per = -(-blocks // s)
+            assert 1 <= s <= blocks and -(-blocks // per) == s  # every split holds rows
+    with pytest.raises(ValueError, match="splits"):
+        sparse_mla.sparse_mqa_pallas(jnp.zeros((1, 1, 4, 128)), jnp.zeros((1, 1, 4, 16)),
+                                     sparse_mla.SlotRows(jnp.zeros((4, 144)), jnp.zeros((1, 1, 2), jnp.int32),
+                                                         formats.MLARowFormat("float32", 128, 16)), 1.0, splits=0)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 4, 50])
@@ -117,7 +134,7 @@ def _paged_keys(fmt, lens, block_size, seed):
     return keys, dense, bt
 
 
-@pytest.mark.parametrize("name", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16", "fp8"])
 @pytest.mark.parametrize("block_size,window", [(16, 64), (8, 40), (64, 128)])
 def test_index_score_kernel_matches_reference(name, block_size, window):
     """Ragged requests, queries at page boundaries, padding queries (-1), positions on unallocated pages."""
@@ -140,6 +157,8 @@ def test_index_score_kernel_matches_reference(name, block_size, window):
                                   np.asarray(indexer.topk(q, w, keys, jnp.asarray(q_pos), window, window=window,
                                                           impl="reference")))
     sel = np.asarray(indexer.topk(q, w, keys, jnp.asarray(q_pos), window, window=window, impl="pallas"))
+    if name == "float32":  # float32 operands by default: the selection itself is the reference's
+        np.testing.assert_array_equal(sel, np.asarray(indexer.select_topk(exact, window)))
     for b in range(3):
         for i in range(t):
             assert np.sum(sel[b, i] >= 0) == q_pos[b, i] + 1
