@@ -88,3 +88,21 @@ def test_gpu_lowering_turns_interpret_mode_off_and_restores_it():
             assert not common.pallas_interpret()
             raise RuntimeError("inside")
     assert common.pallas_interpret() == before
+
+
+def test_tiny_model_decode_step_with_the_kernels_lowers(tiny_model):
+    """The whole jitted decode step of the tiny model on an fp8 paged cache with impl="pallas": one
+    sparse-MLA kernel per layer and one index-score kernel per full indexer layer, in layer order."""
+    from glm53.api import _shuffled_paged_cache, compiled
+
+    c = compiled(tiny_model)
+    cache = _shuffled_paged_cache(tiny_model.cfg, [40, 20], 16, 0, kv_cache_dtype="fp8_ds_mla")
+    tok, pos = jnp.zeros((2, 1), jnp.int32), jnp.asarray([[39], [19]], jnp.int32)
+
+    def step(state, tok, pos, cache):
+        return c.forward(state, tok, pos, cache, window=64, impl="pallas")
+
+    kernels = gpu_aot.lower_triton(step, c.state, tok, pos, cache)
+    want = [name for kind in tiny_model.cfg.indexer_types
+            for name in (["index_scores"] if kind == "full" else []) + ["sparse_mqa"]]
+    assert [k.name for k in kernels] == want
