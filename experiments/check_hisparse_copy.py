@@ -10,7 +10,9 @@ What it does, per run:
 2. times the jitted `take_host_rows` + scatter of `rows` random rows for several row counts, and the
    same step that instead moves the whole pool (`device_put(pool)[idx]`, the legal but wrong way);
 3. checks that every copied row equals the host row (bit-exact);
-4. runs the resolver's Pallas kernel against the reference on one shape (interpret mode off a GPU).
+4. runs the resolver's Pallas kernel against the reference on one shape (interpret mode off a GPU);
+5. on a GPU only, times the resolver (reference vs kernel) at GLM-5.3's sizes (`resolver_glm53`): the
+   kernel runs one program per request, and this says whether that is fast enough.
 
 If only the selected rows cross the link, the copy's time is flat in the pool size and tiny next to the
 whole-pool variant (a 1 GB pool at ~50 GB/s is ~20 ms); on CPU both memories are the same RAM, so the
@@ -100,6 +102,25 @@ def check_resolver(seed: int = 0, b: int = 4, k: int = 64, h: int = 128, m: int 
             "pallas_mode": "compiled" if on_gpu() else "interpret"}
 
 
+def time_resolver(b: int = 4, k: int = 2048, h: int = 4096, m: int = 2048, block: int = 64, seed: int = 0) -> dict:
+    """Seconds per call of the jitted resolver at GLM-5.3's sizes (top-k 2048, 2x hot slots, 128K context in
+    64-token pages), reference vs Pallas kernel, on a half-resident context with a warm hot buffer. GPU
+    only: in interpret mode on CPU the kernel at this size takes minutes and the time means nothing."""
+    rng = np.random.default_rng(seed)
+    dev = np.where(rng.random((b, m)) < 0.5, rng.integers(0, b * m, (b, m)), -1).astype(np.int32)
+    host = rng.integers(0, b * m, (b, m)).astype(np.int32)
+    sel = jnp.asarray(np.stack([rng.choice(m * block, k, replace=False) for _ in range(b)]).astype(np.int32))
+    hot = HotBuffer(jnp.asarray(np.stack([rng.choice(m * block, h, replace=False) for _ in range(b)]).astype(np.int32)),
+                    jnp.asarray(rng.integers(0, 100, (b, h)).astype(np.int32)),
+                    jnp.asarray((np.arange(b * h) + 10_000).reshape(b, h).astype(np.int32)))
+    out = {"shape": {"b": b, "k": k, "h": h, "m": m, "block": block}}
+    for name, fn in (("reference", resolve_reference), ("pallas", resolve_pallas)):
+        run = jax.jit(lambda s, d, hs, hb, fn=fn: fn(s, d, hs, block, hb, 100))
+        args = (sel, jnp.asarray(dev), jnp.asarray(host), hot)
+        out[f"{name}_s"] = _median_s(lambda: jax.block_until_ready(run(*args)), repeats=20)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m experiments.check_hisparse_copy", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -110,6 +131,8 @@ def main(argv=None) -> dict:
            "machine": {"cpu": cpu_name(), "device": str(jax.devices()[0]), "backend": jax.default_backend()},
            "times_meaningful": on_gpu(),
            "copy": check_copy(args.host_pool_mb), "resolver": check_resolver()}
+    if on_gpu():
+        res["resolver_glm53"] = time_resolver()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=1))
@@ -117,6 +140,9 @@ def main(argv=None) -> dict:
     for r in res["copy"]["rows"]:
         print(f"rows {r['rows']:6d}: selected {r['selected_copy_s'] * 1e3:8.3f} ms  whole pool "
               f"{r['whole_pool_copy_s'] * 1e3:8.3f} ms  exact {r['exact']}")
+    if "resolver_glm53" in res:
+        t = res["resolver_glm53"]
+        print(f"resolver at GLM-5.3 sizes: reference {t['reference_s'] * 1e3:.3f} ms, pallas {t['pallas_s'] * 1e3:.3f} ms")
     print(f"resolver pallas vs reference: {res['resolver']['mismatched_ints']} mismatched ints "
           f"({res['resolver']['pallas_mode']}); {'OK' if ok else 'FAILED'}")
     if not ok:

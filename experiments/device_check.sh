@@ -8,8 +8,10 @@
 #    references (tests/conftest.py sets float32 matmuls to "highest", so the references are not TF32);
 # 2. bench_attention with the Pallas kernels and with the XLA references, 4K-128K contexts: per-step
 #    times, achieved bytes/s and FLOP/s against the H200's 4.8 TB/s and 989 TFLOP/s;
-# 3. check_hisparse_copy: only the selected rows cross from pinned host memory, and the resolver kernel
-#    agrees with its reference on the device.
+# 3. check_hisparse_copy: only the selected rows cross from pinned host memory, the resolver kernel
+#    agrees with its reference on the device, and both are timed at GLM-5.3's sizes.
+# The lent image (/work/.library/device/KINDS.md) has jax 0.11.2 with the CUDA 13 plugin, flax, pytest,
+# tqdm and matplotlib in its python3: nothing needs to be carried but the working tree.
 # If step 1 passes, set attention.common.PALLAS_VERIFIED_ON_GPU = True and commit OUT_DIR under
 # results/ with the date.
 set -u
