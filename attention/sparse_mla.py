@@ -122,10 +122,10 @@ def default_splits(programs: int, blocks: int, sms: int = H200_SMS, max_splits: 
     program takes an SM to itself (8 warps x 178 registers with fp8_ds_mla rows at GLM-5.3's widths:
     two do not fit in 64K registers; bf16 rows take 97, so two might) and costs one block's worth
     besides (writing its [16, R] float32 partial, 32 KB, is about a 64-row block of fp8 rows, 41 KB);
-    ties go to fewer splits (less merging). A model to re-tune once a GPU can time it. Only counts with no empty split are considered,
-    and a grid that fills a wave unsplit is not split (the merge would only add traffic). GLM-5.3
-    decode, batch 4: 16 programs, 32 blocks -> 8 (128 programs, one wave of 4 blocks each); a 64-query
-    prefill chunk: 256 programs -> 1."""
+    ties go to fewer splits (less merging). Only counts with no empty split are considered, and a grid
+    that fills a wave unsplit is not split (the merge would only add traffic). GLM-5.3 decode, batch 4:
+    16 programs, 32 blocks -> 8 (128 programs, one wave of 4 blocks each); a 64-query prefill chunk:
+    256 programs -> 1. A model to re-tune once a GPU can time it."""
     if programs >= sms:
         return 1
     counts = {-(-blocks // -(-blocks // s)) for s in range(1, min(blocks, max_splits) + 1)}
@@ -262,9 +262,7 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
         interpret=pallas_interpret(),
     )(q_lat, q_pe, slots, rows.table)
-    out = out.transpose(0, 1, 3, 4, 2).reshape(nq, splits, hp, r)  # interleave the planes back
-    if splits > 1:
-        out, lse = merge(out, lse, axis=1)
-    else:
-        out, lse = out[:, 0], lse[:, 0]
-    return out[:, :h].reshape(b, t, h, r), lse[:, :h].reshape(b, t, h)
+    out = out.transpose(0, 1, 3, 4, 2).reshape(nq, splits, hp, r)[:, :, :h]  # interleave the planes back
+    lse = lse[:, :, :h]
+    out, lse = merge(out, lse, axis=1) if splits > 1 else (out[:, 0], lse[:, 0])
+    return out.reshape(b, t, h, r), lse.reshape(b, t, h)
