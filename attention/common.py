@@ -65,6 +65,8 @@ def kernel_dot(a, b, contract: tuple[int, int], compute_dtype):
                                precision=prec, preferred_element_type=jnp.float32)
 
 
+H200_SMS = 132  # streaming multiprocessors of the GPU the kernels are tuned and lowered for
+
 IMPLS = ("auto", "reference", "pallas")
 
 # "auto" picks the Pallas kernels on a GPU only once they have been run and checked there

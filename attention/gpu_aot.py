@@ -55,7 +55,7 @@ class TritonKernel:
 
 
 @contextlib.contextmanager
-def gpu_lowering(device_kind: str = H200, num_cores: int = 132):
+def gpu_lowering(device_kind: str = H200, num_cores: int = common.H200_SMS):
     """Trace the Pallas kernels for a GPU of `device_kind` (no interpret mode) under an abstract mesh
     that names that device, so the Triton lowering can read its compute capability."""
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from attention.common import (
+    H200_SMS,
     kernel_compute_dtype,
     kernel_dot,
     masked_softmax_weights,
@@ -113,7 +114,6 @@ MAX_ROW_BLOCK = 64  # selected rows per inner step (16-bit matmul operands)
 # float32 operands spill 3.3 KB at 64-row steps and none at 32.
 NUM_WARPS = 8
 MAX_ROW_BLOCK_F32 = 32
-H200_SMS = 132
 
 
 def default_splits(programs: int, blocks: int, sms: int = H200_SMS, max_splits: int = 64) -> int:

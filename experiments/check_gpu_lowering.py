@@ -34,13 +34,21 @@ from attention import gpu_aot, indexer, sparse_mla
 from attention.formats import IndexKeyFormat, MLARowFormat
 from attention.hisparse import HotBuffer, resolve_pallas
 from experiments.bench_model import run_metadata
+from glm53.config import get_preset
 
 H200_SHARED_MEMORY_BYTES = 227 * 1024  # the most one thread block may opt into on sm_90
 H200_CAPABILITY = 90
 
-# name -> (heads, latent R, rope P, top-k, indexer heads, indexer dim, block size, context). "edge": the
-# kernel tests' odd shapes (heads padded 20 -> 32, 37 slots in 64-row steps, 8-key blocks, a 40 window).
-DIMS = {"glm-5.3": (64, 512, 64, 2048, 32, 128, 64, 131072), "tiny": (4, 128, 16, 16, 8, 32, 16, 256),
+def _preset_dims(name: str, block_size: int, context: int) -> tuple:
+    c = get_preset(name)
+    return (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.index_topk, c.index_n_heads,
+            c.index_head_dim, block_size, context)
+
+
+# name -> (heads, latent R, rope P, top-k, indexer heads, indexer dim, block size, context): the model
+# presets, and "edge", the kernel tests' odd shapes (heads padded 20 -> 32, 37 slots in 64-row steps,
+# 8-key blocks, a 40-position window).
+DIMS = {"glm-5.3": _preset_dims("glm-5.3", 64, 131072), "tiny": _preset_dims("tiny", 16, 256),
         "edge": (20, 128, 16, 37, 8, 32, 8, 40)}
 
 

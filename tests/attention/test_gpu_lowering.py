@@ -48,7 +48,7 @@ def test_every_kernel_lowers_to_one_triton_kernel(lowered):
     # a GLM-5.3 decode batch of 4 (16 programs unsplit) is split into one well-filled wave of programs
     for fmt in ("fp8_ds_mla", "bfloat16", "float16", "float32"):
         x, y, z = lowered[f"sparse_mqa/glm-5.3/{fmt}/decode"]["kernels"][0].grid
-        assert (x, y) == (4, 4) and z > 1 and sparse_mla.H200_SMS / 2 < x * y * z <= sparse_mla.H200_SMS, (fmt, z)
+        assert (x, y) == (4, 4) and z > 1 and common.H200_SMS / 2 < x * y * z <= common.H200_SMS, (fmt, z)
     assert lowered["sparse_mqa/glm-5.3/fp8_ds_mla/prefill"]["kernels"][0].grid[2] == 1  # 64 queries: no split
 
 
