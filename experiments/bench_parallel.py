@@ -5,7 +5,7 @@
 
 1. Load balance. For each rank count N (--ns), prompt length (--lengths) and split ("naive": rank g
    takes tokens [2gC, 2(g+1)C); "balanced": chunks g and 2N-1-g), one PCP prefill layer
-   (`parallel.pcp.prefill_layer`) runs on N simulated CPU devices with small attention widths (the
+   (`parallel.layers.prefill_layer`) runs on N simulated CPU devices with small attention widths (the
    work counts do not depend on widths). Each rank's counters come from the implementation itself: the
    (query, key) pairs its indexer scored (causal pairs, and the pairs of the key blocks its tiled loop
    visited) and the selected rows its sparse MLA attended. Reported per rank and as
@@ -70,7 +70,7 @@ def load_balance_run(n: int, length: int, kind: str, *, block: int, topk: int, s
     import jax.numpy as jnp
     import numpy as np
 
-    from parallel import pcp
+    from parallel import layers, pcp
     from parallel.cp_cache import counter_totals
     from parallel.mesh import make_mesh
 
@@ -84,11 +84,11 @@ def load_balance_run(n: int, length: int, kind: str, *, block: int, topk: int, s
     s = split.padded_length
     block = min(block, split.chunk)  # a tile inside one chunk: the computed-pairs counter then balances too
     t0 = time.perf_counter()
-    res = pcp.prefill_layer(make_mesh(cp=n), split, normal(length, d["heads"], d["kv_lora"]),
-                            normal(length, d["heads"], d["rope"]), normal(length, d["index_heads"], d["index_dim"]),
-                            normal(length, d["index_heads"]), normal(length, d["kv_lora"] + d["rope"]),
-                            normal(length, d["index_dim"]), jnp.zeros((s, d["kv_lora"] + d["rope"])),
-                            jnp.zeros((s, d["index_dim"])), topk=topk, scale=0.1, block=block)
+    res = layers.prefill_layer(make_mesh(cp=n), split, normal(length, d["heads"], d["kv_lora"]),
+                               normal(length, d["heads"], d["rope"]), normal(length, d["index_heads"], d["index_dim"]),
+                               normal(length, d["index_heads"]), normal(length, d["kv_lora"] + d["rope"]),
+                               normal(length, d["index_dim"]), jnp.zeros((s, d["kv_lora"] + d["rope"])),
+                               jnp.zeros((s, d["index_dim"])), topk=topk, scale=0.1, block=block)
     per_rank = counter_totals(res.counters)
     wall = time.perf_counter() - t0
     return {
@@ -130,7 +130,7 @@ def formula_check() -> list[dict]:
     import numpy as np
     from jax.sharding import AbstractMesh, AxisType
 
-    from parallel import comm, dcp, pcp
+    from parallel import comm, dcp, layers, pcp
     from parallel.mesh import AXES
 
     n, h, r, p, hi, di, b, t, blocks, bs, topk = 8, 4, 16, 8, 2, 8, 3, 2, 3, 4, 16
@@ -141,8 +141,8 @@ def formula_check() -> list[dict]:
     rows = []
     for backend in dcp.BACKENDS:
         measured = comm.collective_bytes(
-            lambda *a, backend=backend: dcp.decode(mesh, *a[:5], layout=layout, scale=1.0, backend=backend,
-                                                   index=(*a[5:], topk)),
+            lambda *a, backend=backend: layers.decode(mesh, *a[:5], layout=layout, scale=1.0, backend=backend,
+                                                      index=(*a[5:], topk)),
             z((b, t, h, r)), z((b, t, h, p)), z((b, t), jnp.int32), z((b, blocks), jnp.int32), z((n * local, r + p)),
             z((b, t, hi, di)), z((b, t, hi)), z((n * local, di)), axis_sizes=mesh.shape)["total"]
         formula = (comm.dcp_decode_bytes(backend, n=n, tokens=b * t, heads=h, kv_lora=r, rope=p, q_bytes=4,
@@ -152,7 +152,7 @@ def formula_check() -> list[dict]:
     split = pcp.PcpSplit(37, n)
     s = split.padded_length
     measured = comm.collective_bytes(
-        lambda *a: pcp.prefill_layer(mesh, split, *a, topk=4, scale=1.0, block=4),
+        lambda *a: layers.prefill_layer(mesh, split, *a, topk=4, scale=1.0, block=4),
         z((37, h, r)), z((37, h, p)), z((37, hi, di)), z((37, hi)), z((37, r + p)), z((37, di)), z((s, r + p)),
         z((s, di)), axis_sizes=mesh.shape)["total"]
     formula = comm.pcp_prefill_bytes(n=n, new_tokens=s, row_bytes=(r + p) * 4, key_bytes=di * 4)
@@ -160,7 +160,7 @@ def formula_check() -> list[dict]:
     blocks = -(-s // layout.virtual_block)
     local = (blocks + 1) * bs
     measured = comm.collective_bytes(
-        lambda *a: dcp.pcp_dcp_prefill(mesh, split, *a, layout=layout, start=0, topk=4, scale=1.0, block=4),
+        lambda *a: layers.pcp_dcp_prefill(mesh, split, *a, layout=layout, start=0, topk=4, scale=1.0, block=4),
         z((37, h, r)), z((37, h, p)), z((37, hi, di)), z((37, hi)), z((37, r + p)), z((37, di)),
         np.arange(blocks, dtype=np.int32), z((n * local, r + p)), z((n * local, di)), axis_sizes=mesh.shape)["total"]
     # the full copy gathers the request's own blocks (blocks x bs local slots), not the whole table

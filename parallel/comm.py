@@ -9,10 +9,10 @@ algorithms over an axis of N ranks with per-rank operand size s bytes:
 
 `collective_bytes(fn, *args)` traces `fn` (no compilation) and sums these over every collective in the
 jaxpr, including inside `shard_map`, `jit` and control flow (a collective inside a loop counts once per
-appearance, not per iteration). The formulas below describe `parallel.dcp` and `parallel.pcp` exactly at
-their float32 test shapes (tests/parallel/test_comm.py checks that) and predict GLM-5.3's traffic when
-given its dimensions and storage formats (bf16 queries and outputs, fp32 LSE, 656 B fp8_ds_mla rows,
-132 B fp8 indexer keys).
+appearance, not per iteration). The formulas below describe the layer-level drivers of `parallel.layers`
+(DCP decode, PCP and PCP x DCP prefill) exactly at their float32 test shapes (tests/parallel/test_comm.py
+checks that) and predict GLM-5.3's traffic when given its dimensions and storage formats (bf16 queries
+and outputs, fp32 LSE, 656 B fp8_ds_mla rows, 132 B fp8 indexer keys).
 """
 
 from __future__ import annotations

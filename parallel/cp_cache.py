@@ -29,8 +29,7 @@ parallelism, where o_proj is row-parallel); otherwise it is all-gathered so ever
 rank's work, accumulated over the layers, measured where it is done: (query, key) pairs its indexer
 scored (causal ones, and all pairs of the key range computed) and selected MLA rows its attention read
 (`COUNTERS`; exact (hi, lo) int32 pairs, `counter_totals`). The layer-level entry points of
-`parallel.pcp` and `parallel.dcp` are this class run on one layer, so what the benchmarks count is what
-the engine runs.
+`parallel.layers` are this class run on one layer, so what the benchmarks count is what the engine runs.
 
 Positions are global (request-relative) everywhere outside this class; `capacity` is in global positions.
 """
@@ -272,8 +271,8 @@ def _add(acc, pair) -> jax.Array:
 
 def plain_cache(rows_LX, keys_LI, block_table_BM, block_size: int, kv_lora_rank: int) -> PagedKVCache:
     """A one-layer PagedKVCache over plain float32 tables (rows [L, R+P] latent then rope, keys [L, DI] or
-    None) under block_table [B, M]: what the layer-level entry points of `parallel.pcp` and `parallel.dcp`
-    wrap in a CpKVCache (layer 0 is both its MLA layer and its full indexer layer)."""
+    None) under block_table [B, M]: what the layer-level entry points of `parallel.layers` wrap in a
+    CpKVCache (layer 0 is both its MLA layer and its full indexer layer)."""
     fmt = MLARowFormat("float32", kv_lora_rank, rows_LX.shape[-1] - kv_lora_rank)
     index = () if keys_LI is None else (keys_LI,)
     return PagedKVCache(mla=(rows_LX,), index=index, block_table=block_table_BM, index_block_table=None,

@@ -8,11 +8,12 @@ block of B slots on every rank, so all ranks share one block table: the local sl
 `block_table[req, t // (B N)] * B + local(t) % B`. Each rank stores ceil(S / (B N)) blocks of a context
 of S tokens: 1/N of one device's ceil(S / B), plus at most one block.
 
-The layer-level entry points (`decode`, `pcp_dcp_prefill`) run `parallel.cp_cache.CpKVCache`, the cache
-the engine's DCP steps use, on one layer inside `jax.shard_map`; this module holds the layout and the
-communication parts it is built from.
+This module holds the layout and the communication parts `parallel.cp_cache.CpKVCache` (the cache the
+engine's DCP steps use) is built from, and imports nothing from `parallel.cp_cache`; the layer-level
+entry points that run that class on one layer inside `jax.shard_map` (`decode`, `pcp_dcp_prefill`) are
+in `parallel.layers`.
 
-Decode (`decode`): the query (heads split over the axis, as under
+Decode (`parallel.layers.decode`): the query (heads split over the axis, as under
 tensor parallelism) is all-gathered so the rank holds all heads; the rank attends its own rows and gets a
 partial (out, lse) per head; the partials are combined exactly with the log-sum-exp merge, by one of two
 communication backends (`BACKENDS`):
@@ -30,25 +31,23 @@ order), all-gathers (score, global position) candidates and merges them exactly 
 the global top-k is always in its owner's local top-k under the same total order. Each rank then attends
 only the selected rows it owns.
 
-Prefill inside PCP x DCP (`pcp_dcp_prefill`): each layer, the new tokens' rows are all-gathered
-(PCP) and each rank persists those it owns; then every rank all-gathers all shards into a temporary
-full-context copy (`full_copy`), runs the PCP indexer and attention for its own queries, and drops the copy (it is a temporary
-inside the jitted step, so XLA frees it after the layer): only the persistent cache is divided by N.
+Prefill inside PCP x DCP (`parallel.layers.pcp_dcp_prefill`): each layer, the new tokens' rows are
+all-gathered (PCP) and each rank persists those it owns; then every rank all-gathers all shards into a
+temporary full-context copy (`full_copy`), runs the PCP indexer and attention for its own queries, and
+drops the copy (it is a temporary inside the jitted step, so XLA frees it after the layer): only the
+persistent cache is divided by N.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from attention.common import slot_mapping, top_k
 from attention.merge import merge
-from parallel import pcp
 
 BACKENDS = ("ag_rs", "a2a")
 
@@ -267,23 +266,6 @@ def full_copy(table_LX, block_table_BM, layout: DcpLayout, *, axis, num_position
     return jnp.moveaxis(all_NBLX[layout.owner(g), :, layout.local_position(g)], 0, 1)  # [B, S, X]
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeResult:
-    """out [B,T,H,R] f32, lse [B,T,H] f32 (merged over ranks), topk [B,T,K] global positions (sparse
-    decode) or None, counters {name: int32 [N]}: each rank's work."""
-
-    out: jax.Array
-    lse: jax.Array
-    topk: jax.Array | None
-    counters: dict
-
-
-def _int32(x):
-    """Index arrays as int32 whatever their source (numpy int64, lists), so every call hits one program."""
-    return x.astype(jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32)
-
-
 def pad_heads(x_BTH_, n: int):
     """Pad axis 2 (heads) with zeros to a multiple of n."""
     h = x_BTH_.shape[2]
@@ -291,91 +273,3 @@ def pad_heads(x_BTH_, n: int):
     if hp == h:
         return x_BTH_
     return jnp.pad(x_BTH_, [(0, 0), (0, 0), (0, hp - h)] + [(0, 0)] * (x_BTH_.ndim - 3))
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "axis", "layout", "scale", "backend", "topk"))
-def _decode_jit(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, *, mesh, axis, layout, scale, backend,
-                topk):
-    from parallel.cp_cache import CpKVCache, plain_cache, zero_counters
-
-    heads = P(None, None, axis, None)
-    h, n, r = q_lat.shape[2], mesh.shape[axis], q_lat.shape[-1]
-    q_lat, q_pe = pad_heads(q_lat, n), pad_heads(q_pe, n)
-    window = block_table.shape[-1] * layout.virtual_block
-
-    def body(q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, counters):
-        q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)  # one message, not two
-        q = jax.lax.all_gather(q, axis, axis=2, tiled=True)  # heads split (as under TP) -> all heads
-        cache = CpKVCache(plain_cache(rows, keys, block_table, layout.block_size, r), axis, n, dcp=True,
-                          interleave=layout.interleave, backend=backend, heads_split=True, counters=counters)
-        if keys is not None:
-            sel, cache = cache.select(0, qi, w, q_pos, topk, window=window, impl="auto")
-        elif topk_sel is None:  # dense: every position <= the query's, each rank over its own ones only
-            lay = cache.layout("mla")
-            g = lay.global_position(jnp.arange(local_window(window, lay), dtype=jnp.int32), cache._rank())
-            sel = jnp.where(g <= q_pos[..., None], g, -1)
-        else:
-            sel = jnp.where(q_pos[..., None] >= 0, topk_sel, -1)
-        out, lse, cache = cache.attend_lse(0, q[..., :r], q[..., r:], sel, scale, window=window, full=True,
-                                           impl="auto")
-        return out, lse, sel if keys is not None else None, cache.counters
-
-    counters = zero_counters(n)
-    out, lse, sel, counters = jax.shard_map(
-        body, mesh=mesh, in_specs=(heads, heads, P(), P(), P(axis), P(), P(), P(axis), P(), P(axis)),
-        out_specs=(heads, P(None, None, axis), P(), P(axis)), check_vma=False)(
-        q_lat, q_pe, q_pos, block_table, rows, qi, w, keys, topk_sel, counters)
-    return out[:, :, :h], lse[:, :, :h], sel if sel is not None else topk_sel, counters
-
-
-def decode(mesh, q_lat_BTHR, q_pe_BTHP, q_pos_BT, block_table_BM, rows_NLX, *, layout: DcpLayout, scale: float,
-           backend: str = "ag_rs", index=None, topk_BTK=None, axis: str = "cp") -> DecodeResult:
-    """DCP decode attention over mesh axis `axis` (global arrays in, global arrays out).
-
-    q_lat [B,T,H,R], q_pe [B,T,H,P] (all heads; sharded by head inside, zero-padded to a multiple of N),
-    q_pos [B,T], block_table [B,M], rows [N*L, R+P] (rank r's table = rows r*L..(r+1)*L-1, e.g.
-    `shard_cache(...).reshape(-1, X)`); index = (qi [B,T,HI,DI], w [B,T,HI], keys [N*L,DI], topk) for
-    sparse decode, or topk_BTK [B,T,K] given (global positions, -1 = none; IndexShare layers); neither:
-    dense decode over every cached position <= q_pos (-1 = padding query). Every rank all-gathers the
-    query heads, attends the selected rows it owns and the partials merge by LSE (`backend`); the result
-    stays split by head. See the module docstring.
-    """
-    check_backend(backend)
-    n = mesh.shape[axis]
-    if layout.size != n:
-        raise ValueError(f"layout.size ({layout.size}) must equal the size of mesh axis {axis!r} ({n})")
-    if rows_NLX.shape[0] % n:
-        raise ValueError(f"rows has {rows_NLX.shape[0]} slots, not a multiple of the {n} ranks")
-    if index is not None and topk_BTK is not None:
-        raise ValueError("give either index (run the indexer) or topk_BTK (reuse selections), not both")
-    qi = w = keys = None
-    topk = 0
-    if index is not None:
-        qi, w, keys, topk = index
-        _check_positive("topk", topk)
-    out, lse, sel, counters = _decode_jit(
-        q_lat_BTHR, q_pe_BTHP, _int32(q_pos_BT), _int32(block_table_BM), rows_NLX, qi, w, keys,
-        None if topk_BTK is None else _int32(topk_BTK),
-        mesh=mesh, axis=axis, layout=layout, scale=scale, backend=backend, topk=topk)
-    return DecodeResult(out, lse, sel, counters)
-
-
-# -------------------------------------------------------------------------------------- PCP x DCP prefill
-def pcp_dcp_prefill(mesh, split: pcp.PcpSplit, q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI,
-                    block_table_M, rows_NLX, keys_NLI, *, layout: DcpLayout, start: int, topk: int, scale: float,
-                    block: int = 64, axis: str = "cp"):
-    """Prefill of T new tokens at positions [start, start + T) of one request under PCP x DCP on `axis`.
-
-    Per-token inputs in prompt order ([T, ...] as in `pcp.prefill_layer`); block_table [M] with room for
-    start + split.padded_length positions; DCP tables rows [N*L,R+P], keys [N*L,DI] (rank-major) ->
-    pcp.PrefillResult whose cache_rows / cache_keys are the updated DCP tables.
-    """
-    pcp.check_prefill_args(mesh, axis, split, q_lat_THR, block)
-    if layout.size != split.n:
-        raise ValueError(f"layout.size ({layout.size}) must equal the size of mesh axis {axis!r} ({split.n})")
-    cap = jnp.shape(block_table_M)[-1] * layout.virtual_block
-    if cap < start + split.padded_length:
-        raise ValueError(f"block_table covers {cap} positions < start + padded prompt = {start + split.padded_length}")
-    return pcp.run_split(split, start, (q_lat_THR, q_pe_THP, qi_THI, w_TH, rows_new_TX, keys_new_TI),
-                         _int32(block_table_M)[None], rows_NLX, keys_NLI, mesh=mesh, axis=axis, topk=topk, scale=scale,
-                         block=block, layout=layout)

@@ -29,7 +29,7 @@ def main(out_dir: str, check_reference: bool = False) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from parallel import dcp, pcp, reference
+    from parallel import dcp, layers, pcp, reference
     from parallel.mesh import describe, make_mesh
 
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -58,8 +58,8 @@ def main(out_dir: str, check_reference: bool = False) -> None:
 
     results, errors = {}, []
     for backend in dcp.BACKENDS:
-        res = dcp.decode(mesh, q_lat, q_pe, q_pos, table, global_rows(rows), layout=layout, scale=scale,
-                         backend=backend, index=(qi, w, global_rows(keys), topk))
+        res = layers.decode(mesh, q_lat, q_pe, q_pos, table, global_rows(rows), layout=layout, scale=scale,
+                            backend=backend, index=(qi, w, global_rows(keys), topk))
         results[f"decode_{backend}_out"], results[f"decode_{backend}_topk"] = fetch(res.out), fetch(res.topk)
     if check_reference:
         want = reference.decode(q_lat, q_pe, q_pos, rows, scale=scale, index=(qi, w, keys, topk))
@@ -72,9 +72,9 @@ def main(out_dir: str, check_reference: bool = False) -> None:
     s = split.padded_length
     d = {"q_lat": normal(length, h, r), "q_pe": normal(length, h, p), "qi": normal(length, hi, di),
          "w": normal(length, hi), "rows": normal(s, r + p), "keys": normal(s, di)}
-    res = pcp.prefill_layer(mesh, split, d["q_lat"], d["q_pe"], d["qi"], d["w"], d["rows"][:length],
-                            d["keys"][:length], jnp.zeros((s, r + p)), jnp.zeros((s, di)), topk=topk, scale=scale,
-                            block=4)
+    res = layers.prefill_layer(mesh, split, d["q_lat"], d["q_pe"], d["qi"], d["w"], d["rows"][:length],
+                               d["keys"][:length], jnp.zeros((s, r + p)), jnp.zeros((s, di)), topk=topk, scale=scale,
+                               block=4)
     results["prefill_out"], results["prefill_topk"] = fetch(res.out), fetch(res.topk)
     if check_reference:
         full_rows, full_keys = d["rows"].copy(), d["keys"].copy()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
-from parallel import comm, dcp, pcp
+from parallel import comm, dcp, layers, pcp
 from parallel.mesh import AXES
 
 H, R, P, HI, DI = 4, 16, 8, 2, 8
@@ -31,7 +31,7 @@ def test_decode_bytes_match_the_formula(n, backend):
     local = (b * blocks + 1) * bs
     args = (_zeros(b, t, H, R), _zeros(b, t, H, P), _zeros(b, t, dtype=jnp.int32),
             _zeros(b, blocks, dtype=jnp.int32), _zeros(n * local, R + P))
-    measured = comm.collective_bytes(lambda *a: dcp.decode(mesh, *a, layout=layout, scale=1.0, backend=backend),
+    measured = comm.collective_bytes(lambda *a: layers.decode(mesh, *a, layout=layout, scale=1.0, backend=backend),
                                      *args, axis_sizes=mesh.shape)
     want = comm.dcp_decode_bytes(backend, n=n, tokens=b * t, heads=H, kv_lora=R, rope=P, q_bytes=F32, out_bytes=F32,
                                  lse_bytes=F32)
@@ -39,7 +39,7 @@ def test_decode_bytes_match_the_formula(n, backend):
 
     index_args = (_zeros(b, t, HI, DI), _zeros(b, t, HI), _zeros(n * local, DI))
     sparse = comm.collective_bytes(
-        lambda *a: dcp.decode(mesh, *a[:5], layout=layout, scale=1.0, backend=backend, index=(*a[5:], topk)),
+        lambda *a: layers.decode(mesh, *a[:5], layout=layout, scale=1.0, backend=backend, index=(*a[5:], topk)),
         *args, *index_args, axis_sizes=mesh.shape)
     local_k = min(topk, blocks * bs)
     extra = comm.dcp_topk_merge_bytes(n=n, tokens=b * t, local_k=local_k)
@@ -54,7 +54,7 @@ def test_prefill_bytes_match_the_formula(n):
     s = split.padded_length + 10
     args = (_zeros(length, H, R), _zeros(length, H, P), _zeros(length, HI, DI), _zeros(length, HI),
             _zeros(length, R + P), _zeros(length, DI), _zeros(s, R + P), _zeros(s, DI))
-    measured = comm.collective_bytes(lambda *a: pcp.prefill_layer(mesh, split, *a, topk=4, scale=1.0, block=4),
+    measured = comm.collective_bytes(lambda *a: layers.prefill_layer(mesh, split, *a, topk=4, scale=1.0, block=4),
                                      *args, axis_sizes=mesh.shape)
     want = comm.pcp_prefill_bytes(n=n, new_tokens=split.padded_length, row_bytes=(R + P) * F32, key_bytes=DI * F32)
     assert measured["total"] == pytest.approx(want) and measured["count"] == 4  # rows, keys and their positions
@@ -65,7 +65,7 @@ def test_prefill_bytes_match_the_formula(n):
     local = (blocks + 1) * 4
     dargs = args[:6] + (np.arange(blocks, dtype=np.int32), _zeros(n * local, R + P), _zeros(n * local, DI))
     measured = comm.collective_bytes(
-        lambda *a: dcp.pcp_dcp_prefill(mesh, split, *a, layout=layout, start=10, topk=4, scale=1.0, block=4),
+        lambda *a: layers.pcp_dcp_prefill(mesh, split, *a, layout=layout, start=10, topk=4, scale=1.0, block=4),
         *dargs, axis_sizes=mesh.shape)
     # the copy gathers the request's own blocks (blocks x 4 local slots), not the whole table of `local`
     want += comm.dcp_full_copy_bytes(n=n, local_slots=blocks * 4, row_bytes=(R + P) * F32, key_bytes=DI * F32)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from parallel import dcp, pcp, reference
+from parallel import dcp, layers, pcp, reference
 from parallel.cp_cache import counter_totals
 from parallel.mesh import make_mesh
 
@@ -70,11 +70,11 @@ def test_layout_and_backend_errors_name_the_field():
         dcp.check_backend("allreduce")
     q = np.zeros((1, 1, 2, 4), np.float32)
     with pytest.raises(ValueError, match="layout.size"):
-        dcp.decode(make_mesh(cp=1), q, q, np.zeros((1, 1)), np.zeros((1, 1)), jnp.zeros((8, 8)),
-                   layout=dcp.DcpLayout(2, 4), scale=1.0)
+        layers.decode(make_mesh(cp=1), q, q, np.zeros((1, 1)), np.zeros((1, 1)), jnp.zeros((8, 8)),
+                      layout=dcp.DcpLayout(2, 4), scale=1.0)
     with pytest.raises(ValueError, match="dcp_comm_backend"):
-        dcp.decode(make_mesh(cp=1), q, q, np.zeros((1, 1)), np.zeros((1, 1)), jnp.zeros((8, 8)),
-                   layout=dcp.DcpLayout(1, 4), scale=1.0, backend="ring")
+        layers.decode(make_mesh(cp=1), q, q, np.zeros((1, 1)), np.zeros((1, 1)), jnp.zeros((8, 8)),
+                      layout=dcp.DcpLayout(1, 4), scale=1.0, backend="ring")
 
 
 def test_shard_cache_rejects_shared_blocks():
@@ -139,8 +139,8 @@ def _check_decode(res, want_out, want_lse, want_sel, q_pos):
 def test_decode_on_8_devices_equals_one_device(backend, mode, inputs):
     layout, d, table, rows, keys, q_pos = _decode_case(inputs, ties=mode == "sparse_ties", **CASE8)
     index = (d["qi"], d["w"], keys, 16) if mode != "dense" else None
-    res = dcp.decode(make_mesh(cp=8), d["q_lat"], d["q_pe"], q_pos, table, rows, layout=layout, scale=SCALE,
-                     backend=backend, index=index)
+    res = layers.decode(make_mesh(cp=8), d["q_lat"], d["q_pe"], q_pos, table, rows, layout=layout, scale=SCALE,
+                        backend=backend, index=index)
     ref_index = (d["qi"], d["w"], d["keys"], 16) if mode != "dense" else None
     want = reference.decode(d["q_lat"], d["q_pe"], q_pos, d["rows"], scale=SCALE, index=ref_index)
     _check_decode(res, *want, q_pos)
@@ -161,11 +161,11 @@ def test_sparse_decode_ties_straddling_ranks(backend, inputs):
     mesh = make_mesh(cp=8)
     for keys_BSI, qi in ((np.ones_like(d["keys"]), np.abs(d["qi"])), (np.ones_like(d["keys"]), -np.abs(d["qi"]))):
         keys = dcp.shard_cache(keys_BSI, CASE8["seq_lens"], table, layout, B * 3 + 1)
-        res = dcp.decode(mesh, d["q_lat"], d["q_pe"], q_pos, table,
-                         jnp.asarray(dcp.shard_cache(d["rows"], CASE8["seq_lens"], table, layout, B * 3 + 1)
-                                     .reshape(-1, d["rows"].shape[-1])),
-                         layout=layout, scale=SCALE, backend=backend,
-                         index=(qi, d["w"], jnp.asarray(keys.reshape(-1, keys.shape[-1])), 16))
+        res = layers.decode(mesh, d["q_lat"], d["q_pe"], q_pos, table,
+                            jnp.asarray(dcp.shard_cache(d["rows"], CASE8["seq_lens"], table, layout, B * 3 + 1)
+                                        .reshape(-1, d["rows"].shape[-1])),
+                            layout=layout, scale=SCALE, backend=backend,
+                            index=(qi, d["w"], jnp.asarray(keys.reshape(-1, keys.shape[-1])), 16))
         want = reference.decode(d["q_lat"], d["q_pe"], q_pos, d["rows"], scale=SCALE,
                                 index=(qi, d["w"], keys_BSI, 16))
         _check_decode(res, *want, q_pos)
@@ -178,8 +178,8 @@ def test_decode_with_given_selection_indexshare(inputs):
     """Shared (IndexShare) layers reuse a full layer's selection: attend exactly those rows."""
     layout, d, table, rows, _, q_pos = _decode_case(inputs, **CASE8)
     sel = reference.decode(d["q_lat"], d["q_pe"], q_pos, d["rows"], scale=SCALE, index=(d["qi"], d["w"], d["keys"], 16))[2]
-    res = dcp.decode(make_mesh(cp=8), d["q_lat"], d["q_pe"], q_pos, table, rows, layout=layout, scale=SCALE,
-                     backend="a2a", topk_BTK=sel)
+    res = layers.decode(make_mesh(cp=8), d["q_lat"], d["q_pe"], q_pos, table, rows, layout=layout, scale=SCALE,
+                        backend="a2a", topk_BTK=sel)
     want = reference.decode(d["q_lat"], d["q_pe"], q_pos, d["rows"], scale=SCALE, topk_BTK=sel)
     _check_decode(res, *want, q_pos)
 
@@ -197,8 +197,8 @@ def test_decode_other_sizes_and_interleaves(n, interleave, block_size, backend, 
     layout, d, table, rows, keys, q_pos = _decode_case(inputs, n, interleave, block_size, 3, seq, q_pos,
                                                        ties=mode == "sparse_ties")
     index = (d["qi"], d["w"], keys, 16) if mode != "dense" else None
-    res = dcp.decode(make_mesh(cp=n), d["q_lat"], d["q_pe"], q_pos, table, rows, layout=layout, scale=SCALE,
-                     backend=backend, index=index)
+    res = layers.decode(make_mesh(cp=n), d["q_lat"], d["q_pe"], q_pos, table, rows, layout=layout, scale=SCALE,
+                        backend=backend, index=index)
     want = reference.decode(d["q_lat"], d["q_pe"], q_pos, d["rows"], scale=SCALE,
                             index=(d["qi"], d["w"], d["keys"], 16) if mode != "dense" else None)
     _check_decode(res, *want, q_pos)
@@ -239,10 +239,10 @@ def test_pcp_dcp_prefill_equals_one_device(n, interleave, start, length, inputs)
     prefix_rows = dcp.shard_cache(d["rows"][None], [start], table[None], layout, num_blocks)
     prefix_keys = dcp.shard_cache(d["keys"][None], [start], table[None], layout, num_blocks)
     x = prefix_rows.shape[-1]
-    res = dcp.pcp_dcp_prefill(make_mesh(cp=n), split, d["q_lat"], d["q_pe"], d["qi"], d["w"],
-                              d["rows"][start:start + length], d["keys"][start:start + length], table,
-                              jnp.asarray(prefix_rows.reshape(-1, x)), jnp.asarray(prefix_keys.reshape(-1, 8)),
-                              layout=layout, start=start, topk=8, scale=SCALE, block=4)
+    res = layers.pcp_dcp_prefill(make_mesh(cp=n), split, d["q_lat"], d["q_pe"], d["qi"], d["w"],
+                                 d["rows"][start:start + length], d["keys"][start:start + length], table,
+                                 jnp.asarray(prefix_rows.reshape(-1, x)), jnp.asarray(prefix_keys.reshape(-1, 8)),
+                                 layout=layout, start=start, topk=8, scale=SCALE, block=4)
     end = start + length
     full_rows, full_keys = d["rows"].copy(), d["keys"].copy()
     full_rows[end:], full_keys[end:] = 0, 0

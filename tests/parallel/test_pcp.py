@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel import pcp, reference
+from parallel import layers, pcp, reference
 from parallel.cp_cache import COUNTERS, counter_totals
 from parallel.mesh import make_mesh
 
@@ -108,9 +108,9 @@ def _check_prefill(n, length, start, capacity, *, kind="balanced", ties=False, t
     cache_rows, cache_keys = d["rows"].copy(), d["keys"].copy()
     cache_rows[start:], cache_keys[start:] = 0, 0  # positions >= start are not cached yet
     new_rows, new_keys = d["rows"][start:start + length], d["keys"][start:start + length]
-    res = pcp.prefill_layer(make_mesh(cp=n), split, d["q_lat"], d["q_pe"], d["qi"], d["w"], new_rows, new_keys,
-                            jnp.asarray(cache_rows), jnp.asarray(cache_keys), start=start, topk=topk, scale=SCALE,
-                            block=4)
+    res = layers.prefill_layer(make_mesh(cp=n), split, d["q_lat"], d["q_pe"], d["qi"], d["w"], new_rows, new_keys,
+                               jnp.asarray(cache_rows), jnp.asarray(cache_keys), start=start, topk=topk, scale=SCALE,
+                               block=4)
     full_rows, full_keys = cache_rows.copy(), cache_keys.copy()
     full_rows[start:start + length], full_keys[start:start + length] = new_rows, new_keys
     # The reference sees queries padded to the split's bucket (padding queries have position -1), so the
@@ -173,9 +173,9 @@ def test_work_counters_balanced_vs_naive(inputs):
 def test_prefill_checks_its_arguments(inputs):
     d = inputs(0, (10,), (20,))
     with pytest.raises(ValueError, match="split.n"):
-        pcp.prefill_layer(make_mesh(cp=4), pcp.PcpSplit(10, 2), d["q_lat"], d["q_pe"], d["qi"], d["w"],
-                          d["rows"][:10], d["keys"][:10], d["rows"], d["keys"], topk=4, scale=1.0)
+        layers.prefill_layer(make_mesh(cp=4), pcp.PcpSplit(10, 2), d["q_lat"], d["q_pe"], d["qi"], d["w"],
+                             d["rows"][:10], d["keys"][:10], d["rows"], d["keys"], topk=4, scale=1.0)
     with pytest.raises(ValueError, match="capacity"):
-        pcp.prefill_layer(make_mesh(cp=2), pcp.PcpSplit(10, 2), d["q_lat"], d["q_pe"], d["qi"], d["w"],
-                          d["rows"][:10], d["keys"][:10], d["rows"][:11], d["keys"][:11], start=3, topk=4, scale=1.0)
+        layers.prefill_layer(make_mesh(cp=2), pcp.PcpSplit(10, 2), d["q_lat"], d["q_pe"], d["qi"], d["w"],
+                             d["rows"][:10], d["keys"][:10], d["rows"][:11], d["keys"][:11], start=3, topk=4, scale=1.0)
     assert jax.device_count() >= 16
