@@ -73,12 +73,37 @@ def test_prefill_bytes_match_the_formula(n):
 
 
 def test_glm53_decode_volumes():
-    """GLM-5.3 under DCP8 (8 of 64 heads per rank, bf16 queries and outputs, fp32 LSE): per decode token and
-    layer, ag_rs sends 7*8*576*2 + 7*64*4 + 7/8*64*512*2 bytes and a2a 7*8*576*2 + 7/8*64*(1024+4)."""
+    """GLM-5.3 under DCP8 (64 heads, latent 512, rope 64; 8 heads per rank), one decode token per layer.
+
+    Two independent references for `comm.dcp_decode_bytes`: the collectives of the real `layers.decode`
+    traced at GLM-5.3's widths (bf16 queries; this implementation merges float32 outputs and LSEs), part
+    by part, and the published bf16-output volumes of docs/parallel.md, derived by hand below."""
+    n, h, r, p = 8, 64, 512, 64
+    mesh, layout = _mesh(n), dcp.DcpLayout(n, 64)
+    args = (_zeros(1, 1, h, r, dtype=jnp.bfloat16), _zeros(1, 1, h, p, dtype=jnp.bfloat16),
+            _zeros(1, 1, dtype=jnp.int32), _zeros(1, 1, dtype=jnp.int32), _zeros(n * 64, r + p))
+    for backend, parts in (("ag_rs", {"query_all_gather": "all_gather", "lse_all_gather": "all_gather",
+                                      "output_reduce_scatter": "reduce_scatter"}),
+                           ("a2a", {"query_all_gather": "all_gather", "output_all_to_all": "all_to_all"})):
+        measured = comm.collective_bytes(
+            lambda *a, backend=backend: layers.decode(mesh, *a, layout=layout, scale=1.0, backend=backend),
+            *args, axis_sizes=mesh.shape)
+        want = comm.dcp_decode_bytes(backend, n=n, tokens=1, heads=h, kv_lora=r, rope=p, q_bytes=2, out_bytes=4,
+                                     lse_bytes=4)
+        by_kind = {}
+        for part, kind in parts.items():
+            by_kind[kind] = by_kind.get(kind, 0) + want[part]
+        assert {k: measured[k] for k in by_kind} == pytest.approx(by_kind), backend
+        assert measured["total"] == pytest.approx(want["total"]) and measured["count"] == want["collectives"]
+
+    # Published (docs/parallel.md, bf16 queries and outputs, fp32 LSE). Each rank sends:
+    # ag_rs: its 8 heads x (512 + 64) bf16 query values to 7 ranks: 7 * 8 * 576 * 2 = 64,512 B; its 64 fp32
+    #        LSEs to 7 ranks: 1,792 B; all but its own 1/8 of the 64 x 512 bf16 outputs: 57,344 B -> 123,648 B.
+    # a2a:   the same query all-gather, then 7/8 of 64 x (512 bf16 + one fp32 LSE) = 7/8 * 64 * 1,028 =
+    #        57,568 B -> 122,080 B.
     ag = comm.dcp_decode_bytes("ag_rs", n=8, tokens=1, heads=64, kv_lora=512, rope=64)
     a2a = comm.dcp_decode_bytes("a2a", n=8, tokens=1, heads=64, kv_lora=512, rope=64)
-    assert ag["total"] == 7 * 8 * 576 * 2 + 7 * 64 * 4 + 7 / 8 * 64 * 512 * 2
-    assert a2a["total"] == 7 * 8 * 576 * 2 + 7 / 8 * 64 * (1024 + 4)
+    assert (ag["total"], a2a["total"]) == (123_648, 122_080)
     assert (ag["collectives"], a2a["collectives"]) == (3, 2)
     with pytest.raises(ValueError, match="backend"):
         comm.dcp_decode_bytes("ring", n=8, tokens=1, heads=64, kv_lora=512, rope=64)
