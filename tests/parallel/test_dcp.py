@@ -206,20 +206,33 @@ def test_decode_other_sizes_and_interleaves(n, interleave, block_size, backend, 
 
 @pytest.mark.multidevice
 def test_per_device_kv_is_one_nth_plus_at_most_one_block():
-    """Asserted from the sizes of the arrays each device holds."""
+    """Each device's shard (the real arrays on the mesh) holds exactly the rows of the positions its rank
+    owns (counted by brute force from `DcpLayout.owner`), in position order, and is the fewest whole blocks
+    that hold the busiest rank's rows: so per device 1/N of the context plus at most one block."""
     rng = np.random.default_rng(0)
-    for n, seq, bs in ((8, 1000, 16), (8, 1, 16), (16, 4096, 64), (4, 777, 8)):
-        layout = dcp.DcpLayout(n, bs)
-        single_blocks = -(-seq // bs)
-        rows = rng.standard_normal((1, seq, 24)).astype(np.float32)
+    for n, seq, bs, interleave in ((8, 1000, 16, 1), (8, 1, 16, 1), (16, 4096, 64, 1), (4, 777, 8, 1),
+                                   (8, 1000, 16, 4), (4, 777, 8, 8)):
+        layout = dcp.DcpLayout(n, bs, interleave)
+        rows = rng.standard_normal((1, seq, 24)).astype(np.float32) + 10  # no row is all zeros
         nb = layout.blocks_per_rank(seq)
         tables = dcp.shard_cache(rows, [seq], np.arange(nb)[None], layout, nb).reshape(-1, 24)
         mesh = make_mesh(cp=n)
         sharded = jax.device_put(tables, NamedSharding(mesh, P("cp")))
-        single = single_blocks * bs * 24 * 4
-        for shard in sharded.addressable_shards:
-            assert shard.data.nbytes <= single / n + bs * 24 * 4
+        owner = layout.owner(np.arange(seq))
+        mine = [np.nonzero(owner == r)[0] for r in range(n)]  # positions each rank owns, ascending
+        counts = np.array([len(m) for m in mine])
+        assert counts.sum() == seq and counts.max() - counts.min() <= interleave  # round-robin turns
         assert len(sharded.addressable_shards) == n
+        for shard in sharded.addressable_shards:
+            slots = shard.data.shape[0]
+            rank = shard.index[0].start // slots
+            held = np.asarray(shard.data)
+            np.testing.assert_array_equal(held[:counts[rank]], rows[0, mine[rank]])
+            assert not held[counts[rank]:].any()
+            # the fewest whole blocks for the busiest rank (block tables are shared: every rank has as many)
+            assert slots == -(-counts.max() // bs) * bs, (n, seq, bs, interleave)
+            # hence at most 1/N of a one-device cache (whole blocks of the context) plus one block
+            assert shard.data.nbytes == slots * 24 * 4 <= -(-seq // bs) * bs * 24 * 4 / n + bs * 24 * 4
 
 
 # ------------------------------------------------------------------------------------ PCP x DCP prefill
