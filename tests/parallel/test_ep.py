@@ -43,10 +43,75 @@ def test_expert_parallel_moe_equals_one_device(dp, cp):
     np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max(), rtol=0)
 
 
+@functools.lru_cache(maxsize=1)
+def _top4_layer():
+    """16 experts, top-4, random expert weights (std 0.3) and 48 tokens; the routing is set per case through
+    the router's weights and correction bias (arrays of the state: every case reuses one compiled program)."""
+    cfg = get_preset("tiny").replace(n_routed_experts=16, num_experts_per_tok=4)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, rngs=nnx.Rngs(0), dtype=jnp.float32)))
+    rng = np.random.default_rng(1)
+    leaves, treedef = jax.tree.flatten(state)
+    state = jax.tree.unflatten(treedef, [(0.3 * rng.standard_normal(a.shape)).astype(np.float32) for a in leaves])
+    x = rng.standard_normal((48, cfg.hidden_size)).astype(np.float32)
+    return cfg, graphdef, state, x
+
+
+def _adversarial_routings(cfg):
+    """{name: (router weight [D, E], correction bias [E])} that pile the assignments onto few ranks."""
+    d, e, k = cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    zero_w = np.zeros((d, e), np.float32)
+    first, last = np.zeros(e, np.float32), np.zeros(e, np.float32)
+    first[:k], last[-k:] = 1, 1
+    # x[:, 0] > 0: experts 0..k-1 score above 1/2 (sigmoid), experts E-k..E-1 below, the rest 1/2; x[:, 0] < 0:
+    # the reverse. Unequal scores, so the combine weights differ per token and per expert.
+    by_sign = zero_w.copy()
+    by_sign[0, :k], by_sign[0, -k:] = np.arange(1, k + 1), -np.arange(1, k + 1)
+    return {"all tokens to experts 0..k-1": (zero_w, first), "all tokens to experts E-k..E-1": (zero_w, last),
+            "half to the first experts, half to the last": (by_sign, np.zeros(e, np.float32))}
+
+
+def _with_router(state, weight, bias):
+    """The state with the router's weight [D, E] and correction bias [E] replaced."""
+    def put(path, a):
+        keys = [getattr(p, "key", getattr(p, "name", None)) for p in path]
+        if keys[0] == "gate":
+            return {"weight": weight, "e_score_correction_bias": bias}[keys[1]]
+        return a
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+@pytest.mark.multidevice
 def test_dispatch_capacity_never_overflows():
-    # a token's top-k experts are distinct, so one rank receives at most min(k, E/N) of its assignments
-    assert ep.dispatch_capacity(10, 8, 32) == 80
-    assert ep.dispatch_capacity(10, 8, 1) == 10
+    """Routings that fill a destination's dispatch buffer as far as any routing can (every token sends
+    min(k, E/N) assignments to one rank) run through the real padded all-to-all dispatch: nothing is dropped
+    or overwritten, so the output equals one device's. 16 experts, top-4, over 2 ranks (8 experts each: all
+    4 of a token's experts on one rank), 8 (2 each) and dp x cp = 16 (1 each)."""
+    cfg, graphdef, state, x = _top4_layer()
+    reference = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x[None])[0])
+    route = jax.jit(lambda st, x: nnx.merge(graphdef, st).gate(x)[0])
+    k, e = cfg.num_experts_per_tok, cfg.n_routed_experts
+    for dp, cp in ((1, 2), (1, 8), (2, 8)):
+        mesh, axis, ranks = make_mesh(dp=dp, cp=cp), ("dp", "cp") if dp > 1 else "cp", dp * cp
+        e_local, n_local = e // ranks, x.shape[0] // ranks
+        fullest = 0
+        for name, (w, bias) in _adversarial_routings(cfg).items():
+            st = _with_router(state, w, bias)
+            layer = nnx.merge(graphdef, st)
+            idx = np.asarray(route(st, x))
+            # brute force: assignments each source rank sends to each destination rank
+            sent = np.zeros((ranks, ranks), int)
+            for t, experts in enumerate(idx):
+                for ex in experts:
+                    sent[t // n_local, ex // e_local] += 1
+            assert sent.max() <= ep.dispatch_capacity(n_local, k, e_local), (name, ranks)
+            fullest = max(fullest, sent.max())
+            want = np.asarray(reference(st, x))
+            got = np.asarray(ep.moe(mesh, layer, x, axis=axis))
+            np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max(), rtol=0,
+                                       err_msg=f"{name}, {ranks} ranks")
+        # some routing sent a destination as many assignments as any routing can: min(k, E/N) per token
+        assert fullest == n_local * min(k, e_local), ranks
 
 
 def _abstract(cfg):
