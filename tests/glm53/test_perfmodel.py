@@ -94,10 +94,37 @@ def test_dcp8_prefill_overhead_grows_with_context():
     assert prefetched[0] < 0.01  # a short context's gather hides behind the previous layer's kernels
 
 
+def _traced_full_copy_bytes(context: int, n: int, row_bytes: int) -> float:
+    """Bytes one rank sends building PCP x DCP's temporary full copy (`parallel.dcp.full_copy`, the code the
+    engine runs) of a `context`-token request over DCP n, rows packed as `row_bytes` bytes, from the traced
+    program's collectives (nothing runs)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from parallel import comm, dcp
+    from parallel.mesh import AXES
+
+    mesh = AbstractMesh((1, 1, n), AXES, axis_types=(AxisType.Auto,) * 3)
+    layout = dcp.DcpLayout(n, 64)
+    blocks = layout.blocks_per_rank(context)
+    copy = jax.shard_map(lambda t, bt: dcp.full_copy(t, bt, layout, axis="cp", num_positions=context), mesh=mesh,
+                         in_specs=(P("cp"), P()), out_specs=P(), check_vma=False)
+    return comm.collective_bytes(copy, jnp.zeros((n * blocks * 64, row_bytes), jnp.uint8),
+                                 jnp.arange(blocks, dtype=jnp.int32)[None], axis_sizes=mesh.shape)["total"]
+
+
 def test_dcp_gather_bytes():
+    """The model's per-layer context all-gather against the traced implementation, with GLM-5.3's packed
+    656 B rows and 132 B indexer keys (BRIEF §2): 8192 cached tokens over DCP8 is 1,024 tokens per rank,
+    gathered from the 7 others: 7 x 1,024 x 656 = 4,702,208 B on a shared layer, 7 x 1,024 x 788 =
+    5,648,384 B on a full layer (docs/parallel.md: 5.6 MB)."""
+    rows, keys = _traced_full_copy_bytes(8192, 8, 656), _traced_full_copy_bytes(8192, 8, 132)
+    assert (rows, rows + keys) == (4_702_208, 5_648_384)
     c = pm.dcp_context_allgather(CFG, HW, 8192, 8, layer=3)  # layer 3: shared indexer, MLA rows only
-    assert c.nvlink_bytes == 7 * 1024 * 656
-    assert pm.dcp_context_allgather(CFG, HW, 8192, 8, layer=0).nvlink_bytes == 7 * 1024 * (656 + 132)
+    assert c.nvlink_bytes == rows
+    assert pm.dcp_context_allgather(CFG, HW, 8192, 8, layer=0).nvlink_bytes == rows + keys
     assert pm.dcp_context_allgather(CFG, HW, 8192, 1, layer=0).time_s == 0
 
 
@@ -144,13 +171,15 @@ def test_sparse_decode_kernel_model_against_flashmla_published_numbers():
 
 def test_collectives_and_host_copies():
     ag = pm.all_gather(HW, 1e6, 8)
-    assert ag.nvlink_bytes == 7e6 and ag.time_s == pytest.approx(
-        7e6 / (450e9 * HW.nvlink_efficiency) + HW.collective_latency_s)
+    # 7 MB over one direction of NVLink (900 GB/s both ways) at the assumed 80% NCCL bus efficiency, 360 GB/s:
+    # 19.44 us, plus the assumed 15 us collective latency (docs/perfmodel.md's spec table)
+    assert ag.nvlink_bytes == 7e6 and ag.time_s == pytest.approx(19.444e-6 + 15e-6, rel=1e-4)
     assert pm.all_gather(HW, 1e6, 1).time_s == 0
     assert pm.reduce_scatter(HW, 8e6, 8).nvlink_bytes == pytest.approx(7e6)
     assert pm.all_reduce(HW, 8e6, 8).nvlink_bytes == pytest.approx(14e6)
     copy = pm.host_copy(HW, 1e9)
-    assert copy.host_bytes == 1e9 and copy.time_s == pytest.approx(1e9 / 50e9 + HW.host_copy_latency_s)
+    # 1 GB at the 50 GB/s pinned-memory PCIe rate (BRIEF §3) = 20 ms, plus the assumed 10 us per transfer
+    assert copy.host_bytes == 1e9 and copy.time_s == pytest.approx(0.02001)
     assert pm.hisparse_row_copy(CFG, HW, 100, layers=4).host_bytes == 100 * 4 * 656
     # a2a: one collective fewer than ag_rs and no separate LSE gather.
     ag_rs = pm.dcp_decode_merge(CFG, HW, 32, 8, 64, backend="ag_rs")
@@ -216,13 +245,19 @@ def test_expected_remote_ranks_by_enumeration():
 
 
 def test_dense_mha_form_is_cheaper_than_mqa_for_a_short_prompt():
-    # Within top-k, DSA is dense causal attention: the un-absorbed form does 2 (qk_head + v) = 1,024 FLOPs
-    # per pair per head against the absorbed form's 2,176, and its K/V expansion costs what the absorption
-    # of the queries costs when queries and keys are the same tokens.
+    # Within top-k, DSA is dense causal attention. Per (query, key) pair and head the un-absorbed form does
+    # QK over qk_head_dim 256 (nope 192 + rope 64) and PV over v_head_dim 256: 2 x 256 + 2 x 256 = 1,024
+    # FLOPs, against the absorbed form's 2,176 (BRIEF §3). Measured as the change with the keys per query,
+    # so the expansion drops out.
     n = 1024
     mean_keys = (n + 1) / 2
     mha = pm.dense_mha_prefill(CFG, HW, n, mean_keys, n, 64)
     mqa = pm.sparse_mla(CFG, HW, n, mean_keys, 64)
-    expansion = 2 * n * CFG.kv_lora_rank * 64 * (CFG.qk_nope_head_dim + CFG.v_head_dim)
-    assert (mha.flops - expansion) / mqa.flops == pytest.approx(1024 / 2176)
+    per_pair_head = (pm.dense_mha_prefill(CFG, HW, n, mean_keys + 1, n, 64).flops - mha.flops) / (n * 64)
+    assert per_pair_head == pytest.approx(1024)
+    assert (pm.sparse_mla(CFG, HW, n, mean_keys + 1, 64).flops - mqa.flops) / (n * 64) == pytest.approx(2176)
+    # The K/V expansion, per cached key: its 512-dim latent times W_kv_b [512, 64 heads x (k_nope 192 + v 256)],
+    # 2 x 512 x 64 x 448 = 29,360,128 FLOPs, whatever the number of queries.
+    assert pm.dense_mha_prefill(CFG, HW, n, mean_keys, n + 1, 64).flops - mha.flops == pytest.approx(29_360_128)
+    assert mha.flops == pytest.approx(n * 29_360_128 + n * mean_keys * 64 * 1024)
     assert mha.time_s < mqa.time_s
