@@ -3,10 +3,10 @@
 import itertools
 import json
 
+import numpy as np
 import pytest
 
 from experiments import roofline
-from glm53 import perfmodel as pm
 from glm53.config import get_preset
 
 
@@ -29,15 +29,37 @@ def test_writes_required_keys_and_pngs(run):
         assert (out / f"{png}.png").stat().st_size > 0
 
 
+def _crossover_by_brute_force(heads_per_gpu: int, query_share: int) -> int:
+    """First prompt length L at which the whole prompt's per-GPU indexer FLOPs reach its per-GPU sparse-MLA
+    FLOPs, summed query by query (query t scores t keys, attends min(2048, t) rows), from BRIEF §1's
+    shapes: 22 indexer layers (21 full layers + the MTP layer's own indexer) at 32 heads x 128 dims, 2 x 32
+    x 128 + 2 x 32 (head-weighted sum) = 8,256 FLOPs per score; 79 attention layers (78 + MTP) at 2,176
+    FLOPs per row per head (BRIEF §3). `query_share`: 1 (TP8: every GPU runs every query's indexer) or 8
+    (PCP8: each GPU 1/8 of the queries)."""
+    t = np.arange(1, 400_001, dtype=np.float64)
+    indexer = np.cumsum(22 * 8256 * t) / query_share
+    mla = np.cumsum(79 * heads_per_gpu * 2176 * np.minimum(2048, t)) / query_share
+    return int(t[np.argmax(indexer >= mla)])
+
+
 def test_values_come_from_the_model(run):
     _, res = run
     cfg = get_preset("glm-5.3")
     assert res["kv_bytes_per_token"] == 54_728
-    assert res["crossover_prompt_len_tp8"] == pytest.approx(pm.crossover_prompt_len(cfg, "tp", 8))
+    # the closed-form root lies within one token of the brute-force crossing
+    for key, heads, share in (("tp8", 8, 1), ("pcp8", 64, 8)):
+        first = _crossover_by_brute_force(heads, share)
+        assert first - 1 < res[f"crossover_prompt_len_{key}"] <= first, key
     assert res["crossover_prompt_len_pcp8"] > res["crossover_prompt_len_tp8"] > cfg.index_topk
     rows = res["dcp8_prefill_overhead"]
     assert rows[0]["cached_context"] == 8192 and rows[-1]["cached_context"] == 1_048_576
     assert set(rows[0]) >= {"cached_context", "overhead_frac"}
     assert all(a["overhead_frac"] < b["overhead_frac"] for a, b in itertools.pairwise(rows))
-    assert res["max_context_tokens"]["dcp8"] == 8 * res["max_context_tokens"]["dcp1"]
+    # the longest context whose busiest rank (ceil(T / N) tokens of a round-robin shard) fits the budget:
+    # 15 GiB / 54,728 B = 294,294.1 tokens per GPU
+    budget = res["kv_budget_gib_per_gpu"] * 2**30
+    assert res["max_context_tokens"]["dcp1"] == 294_294
+    for name, tokens in res["max_context_tokens"].items():
+        n = int(name.removeprefix("dcp"))
+        assert -(-tokens // n) * 54_728 <= budget < -(-(tokens + 1) // n) * 54_728, name
     assert {c["heads"] for c in res["sparse_mla_intensity"]["curve"]} >= {8, 64}
