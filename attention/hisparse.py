@@ -16,9 +16,8 @@ free slots, and a miss never evicts a row hit or filled in the same step. BRIEF 
 (with exactly K slots the LRU has no slack and thrashes). `resolve_reference` is the specification;
 `resolve_pallas` computes the same plan in a Pallas kernel without a sort; `resolve(..., impl=)` picks.
 
-The copy itself (`copy_host_rows`) is the one host->device path of HiSparse: it takes the plan's
-(source host row, destination device row) pairs and moves only those rows; `ResolvePlan.copied_rows`
-counts them (bytes = rows x row bytes x layers of the group).
+The rows a plan copies move through kvcache.host (the one room where KV crosses the device/host link);
+the decode step's view that carries hot buffers and plans between layers is kvcache.host.HiSparseView.
 """
 
 from __future__ import annotations
@@ -28,14 +27,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.compute_on import compute_on
 from jax.experimental.pallas import triton as pltriton
 
 from attention.common import pad_to, pallas_interpret, resolve_impl
 
-_NEVER = jnp.iinfo(jnp.int32).min  # last_use of an empty slot: older than any step
+NEVER_USED = jnp.iinfo(jnp.int32).min  # last_use of an empty slot: older than any step
 _LAST = jnp.iinfo(jnp.int32).max  # LRU key of a slot a miss may not take (hit this step, or padding)
 
 
@@ -53,7 +50,7 @@ class HotBuffer:
     @staticmethod
     def create(rows_BH) -> HotBuffer:
         rows_BH = jnp.asarray(rows_BH, jnp.int32)
-        return HotBuffer(jnp.full(rows_BH.shape, -1, jnp.int32), jnp.full(rows_BH.shape, _NEVER, jnp.int32), rows_BH)
+        return HotBuffer(jnp.full(rows_BH.shape, -1, jnp.int32), jnp.full(rows_BH.shape, NEVER_USED, jnp.int32), rows_BH)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -308,172 +305,3 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
     )(sel, dev, host, pos, last, hrows, step)
     plan = ResolvePlan(rows[:, :k], src[:, :k], dst[:, :k], cnt[:, 0], cnt[:, 1], cnt[:, 2], cnt[:, 3])
     return plan, HotBuffer(npos[:, :h], nlast[:, :h], hot.rows)
-
-
-def copy_host_rows(device_table, host_table, copy_src, copy_dst):
-    """Copy the plan's rows host -> device: device_table[dst] = host_table[src] for every pair with
-    src >= 0. device_table [N, W] (device memory), host_table [N_host, W] (pinned_host memory kind).
-    -> (new device_table, rows copied).
-
-    How only those rows move: the source indices go to pinned_host memory (a few KB) and the gather runs
-    on the host (`compute_on("device_host")`), producing its result in device memory, so the pool itself
-    never crosses. Two JAX traps on the way (docs/kernels.md): a gather whose operand is in pinned_host
-    and whose indices are on the device is rejected ("memory_space of all inputs ... must be the same"),
-    and `jnp.take` / `x[i]` fail even with host indices because their bounds checks add device-side
-    constants; `x.at[i].get(mode="promise_in_bounds")` does not (the indices are checked here instead).
-    `device_put(pool)[idx]` would work but copies the whole pool. On CPU both memories are the same RAM:
-    this proves semantics; that only these rows cross a PCIe link is for the GPU device check.
-    """
-    src = np.asarray(copy_src).reshape(-1)
-    dst = np.asarray(copy_dst).reshape(-1)
-    keep = src >= 0
-    if not keep.any():
-        return device_table, 0
-    src, dst = src[keep], dst[keep]
-    if src.max() >= host_table.shape[0] or dst.max() >= device_table.shape[0] or dst.min() < 0:
-        raise IndexError(f"copy plan out of range: host rows < {host_table.shape[0]}, device rows < "
-                         f"{device_table.shape[0]}, got {src.max()} / {dst.max()}")
-    rows = _take_host_rows(host_table, jnp.asarray(src.astype(np.int32)))
-    return _put_rows(device_table, jnp.asarray(dst), rows), int(src.size)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_rows(table, idx, rows):
-    return table.at[idx].set(rows)
-
-
-# ------------------------------------------------------------------------------ the decode step's view
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["host_mla", "host_table", "lease", "hot_pos", "hot_last", "hot_rows", "step",
-                                "plan_rows", "plan_src", "plan_dst", "copy_src", "copy_dst", "copy_branch", "hits",
-                                "misses", "copied", "unserved"],
-                   meta_fields=[])
-@dataclasses.dataclass(frozen=True)
-class HiSparseView:
-    """What a decode step needs to resolve sparse-MLA reads under HiSparse (a field of the paged cache).
-
-    host_mla: per MLA layer, the host pool table [N_host * block_size, width] (pinned_host memory kind).
-    host_table [R, M] int32: host-pool block of each page of the batch's requests (-1: no host copy).
-    lease [R] int32: the row's hot-buffer lease (-1: none; such a row must have every selected page on
-        the device, which the host side guarantees).
-    hot_pos / hot_last [L, G, H] int32: per lease and IndexShare group, the hot slots' positions and
-        last-use steps; hot_rows [L, H] int32: the device rows (global slots) of each lease, one set of
-        rows shared by all layers (each layer's table holds its own data in them).
-    step: int32 scalar LRU clock.
-    plan_rows / plan_src / plan_dst [R, K]: the plan the current group's full layer made; its shared
-        layers replay it on their own tables.
-    copy_src / copy_dst [R * K]: the plan's copies compacted to the front; copy_branch: which static
-        copy size (`copy_sizes`) covers them, 0 = nothing to copy. Each layer copies that many rows, so
-        a step moves at most 8x its misses (rounded up to R * K / 64), and nothing when none miss.
-    hits / misses [R, G] int32: per row and group, counted by the full layer's resolve.
-    copied [R] int32: host->device rows copied for the row over all layers (checked against
-        sum over groups of misses x layers in the group).
-    unserved [R] int32: selected positions with no row to read (no device page, no host copy, or no
-        lease for a miss): a bookkeeping bug upstream; the runner raises if any.
-    """
-
-    host_mla: tuple
-    host_table: jax.Array
-    lease: jax.Array
-    hot_pos: jax.Array
-    hot_last: jax.Array
-    hot_rows: jax.Array
-    step: jax.Array
-    plan_rows: jax.Array
-    plan_src: jax.Array
-    plan_dst: jax.Array
-    copy_src: jax.Array
-    copy_dst: jax.Array
-    copy_branch: jax.Array
-    hits: jax.Array
-    misses: jax.Array
-    copied: jax.Array
-    unserved: jax.Array
-
-    @staticmethod
-    def create(host_mla, host_table, lease, hot_pos, hot_last, hot_rows, step, topk: int) -> HiSparseView:
-        r = host_table.shape[0]
-        g = hot_pos.shape[1]
-        # distinct buffers: the step donates the whole view, and one buffer may not be donated twice
-        none = [jnp.full((r, topk), -1, jnp.int32) for _ in range(3)]
-        flat = [jnp.full((r * topk,), -1, jnp.int32) for _ in range(2)]
-        return HiSparseView(tuple(host_mla), jnp.asarray(host_table, jnp.int32), jnp.asarray(lease, jnp.int32),
-                            hot_pos, hot_last, hot_rows, jnp.asarray(step, jnp.int32), *none, *flat,
-                            jnp.zeros((), jnp.int32), jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g), jnp.int32),
-                            jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32))
-
-    @property
-    def copy_sizes(self) -> list[int]:
-        """Static copy sizes (rows per layer) the decode step chooses among: R*K/64, /8, /1."""
-        n = self.plan_src.size
-        return sorted({max(1, n >> k) for k in (6, 3, 0)})
-
-    def resolve(self, group: int, sel_RK, device_table_RM, block_size: int, *, impl: str = "auto") -> HiSparseView:
-        """The full layer of `group`: resolve its selection [R, K] against residency and the leases' hot
-        buffers (`resolve(..., impl=)`); keep the plan for the group's shared layers."""
-        n_lease = self.hot_pos.shape[0]
-        has = self.lease >= 0
-        lease = jnp.maximum(self.lease, 0)
-        hot = HotBuffer(jnp.where(has[:, None], self.hot_pos[lease, group], -1),
-                        jnp.where(has[:, None], self.hot_last[lease, group], _NEVER),
-                        jnp.where(has[:, None], self.hot_rows[lease], -1))
-        plan, hot = resolve(sel_RK, device_table_RM, self.host_table, block_size, hot, self.step, impl=impl)
-        # a row without a lease must never need one: its misses would have no slot to land in
-        rows = jnp.where(has[:, None] | (plan.copy_src < 0), plan.rows, -1)
-        back = jnp.where(has, lease, n_lease)  # rows without a lease write nothing back
-        src = jnp.where(has[:, None], plan.copy_src, -1)
-        dst = jnp.where(has[:, None], plan.copy_dst, -1)
-        order = jnp.argsort(src.reshape(-1) < 0, stable=True)  # the copies first
-        count = jnp.sum(src >= 0)
-        branch = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.asarray(self.copy_sizes), count))
-        return dataclasses.replace(
-            self,
-            hot_pos=self.hot_pos.at[back, group].set(hot.pos, mode="drop"),
-            hot_last=self.hot_last.at[back, group].set(hot.last_use, mode="drop"),
-            plan_rows=rows, plan_src=src, plan_dst=dst, copy_src=src.reshape(-1)[order],
-            copy_dst=dst.reshape(-1)[order], copy_branch=branch.astype(jnp.int32),
-            hits=self.hits.at[:, group].set(plan.hits),
-            misses=self.misses.at[:, group].set(jnp.where(has, plan.misses, 0)),
-            unserved=self.unserved + plan.lost + jnp.where(has, 0, plan.misses))
-
-    def copy_rows(self, layer_index: int, device_table):
-        """Apply the current plan's host->device copies to one layer's table (the one host->device path
-        of the decode step). -> (view with `copied` counted, new device table)."""
-        host = self.host_mla[layer_index]
-
-        def copy(k, table):
-            src, dst = self.copy_src[:k], self.copy_dst[:k]
-            rows = take_host_rows(host, jnp.maximum(src, 0))
-            return table.at[jnp.where(src >= 0, dst, table.shape[0])].set(rows, mode="drop")  # -1: dropped
-
-        branches = [lambda t: t] + [functools.partial(copy, k) for k in self.copy_sizes]
-        table = jax.lax.switch(self.copy_branch, branches, device_table)
-        return dataclasses.replace(self, copied=self.copied + jnp.sum(self.plan_src >= 0, axis=1)), table
-
-
-@jax.jit
-def _take_host_rows(host_table, idx):
-    return take_host_rows(host_table, idx)
-
-
-def take_host_rows(host_table, idx):
-    """Rows `idx` (device int32 [N], in range) of a pinned_host table, gathered on the host and
-    delivered to device memory; usable inside jit. Only these N rows cross (the GPU check confirms)."""
-    return _gather_on_host(host_table, jax.device_put(idx, jax.memory.Space.Host))
-
-
-@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
-def _gather_on_host(table, idx):
-    return table.at[idx].get(mode="promise_in_bounds")
-
-
-@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
-def _scatter_on_host(table, idx, rows):
-    return table.at[idx].set(rows, mode="drop")
-
-
-def put_host_rows(host_table, idx, rows):
-    """host_table[idx] = rows for a pinned_host table, rows from device memory (device->host path);
-    idx out of range (e.g. host_table.shape[0]) drops the row. Usable inside jit."""
-    return _scatter_on_host(host_table, jax.device_put(idx, jax.memory.Space.Host),
-                            jax.device_put(rows, jax.memory.Space.Host))

@@ -2,12 +2,12 @@
 
     python -m experiments.bench_engine --out results/bench_engine [--skip-hf] [--hf-python PY]
 
-A. Scheduler host time. `glm53.Engine` drives its real `Scheduler` with a `NullRunner` that computes
-   nothing (it returns a token for every request whose known tokens are all computed): --sched-requests
+A. Scheduler host time. `glm53.Engine` drives its real `Scheduler` with a runner that computes nothing
+   (`glm53.engine.synthetic.SyntheticRunner`: token 0 for every row that samples): --sched-requests
    (64) prompts of --sched-prompt-len (4,096) tokens, chunked prefill under --sched-batched-tokens, then
    --sched-decode-steps decode steps, in a pool that never preempts. Per step it times
-   `schedule()` + `update()` (the scheduler) and the whole `Engine.step` (scheduler, block tables, the
-   null runner), in microseconds: median and p90 over the steps where all requests are running, and
+   `schedule()` + `update()` (the scheduler, the step plan included) and the whole `Engine.step`
+   (scheduler and the synthetic runner), in microseconds: median and p90 over the steps where all requests are running, and
    apart for the prefill phase and the decode phase.
 B. Engine vs HF. The --config preset (mid) with random float32 weights (seed 0), saved as an HF checkpoint
    so both sides run the same weights. --requests (8) random prompts of --prompt-len (1,024) tokens,
@@ -73,16 +73,21 @@ def _us_stats(seconds) -> dict:
             "max_us": float(us.max())}
 
 
-class NullRunner:
-    """A `Runner` that computes nothing: token 0 for every request whose known tokens are all computed.
-    Records per step (chunks, tokens, decode only?)."""
+def _null_runner():
+    """A runner that computes nothing (token 0), recording per step (rows, tokens, decode only?)."""
+    from glm53.engine.synthetic import SyntheticRunner
 
-    def __init__(self):
-        self.steps: list[tuple[int, int, bool]] = []
+    class Recording(SyntheticRunner):
+        def __init__(self):
+            super().__init__()
+            self.shapes: list[tuple[int, int, bool]] = []
 
-    def execute(self, chunks, block_tables):
-        self.steps.append((len(chunks), sum(ch.num_tokens for ch in chunks), all(ch.num_tokens == 1 for ch in chunks)))
-        return {ch.request.req_id: 0 for ch in chunks if ch.start + ch.num_tokens == ch.request.num_tokens}
+        def execute(self, plan):
+            rows = plan.rows
+            self.shapes.append((len(rows), sum(r.num_tokens for r in rows), all(r.num_tokens == 1 for r in rows)))
+            return super().execute(plan)
+
+    return Recording()
 
 
 # ----------------------------------------------------------------------------------------- A. scheduler
@@ -93,7 +98,7 @@ def bench_scheduler(num_requests: int, prompt_len: int, decode_steps: int, batch
     deploy = glm53.DeployConfig(max_model_len=prompt_len + decode_steps, max_num_seqs=num_requests,
                                 max_num_batched_tokens=batched_tokens)
     stand_in = types.SimpleNamespace(cfg=glm53.get_preset(config))  # the engine reads only cfg.vocab_size
-    runner = NullRunner()
+    runner = _null_runner()
     engine = glm53.Engine(stand_in, deploy, runner=runner)
     sched_s, update_s, step_s = [], [], []
     engine.scheduler.schedule = _timed(engine.scheduler.schedule, sched_s)
@@ -110,18 +115,18 @@ def bench_scheduler(num_requests: int, prompt_len: int, decode_steps: int, batch
     sched = np.add(sched_s, update_s)
     step = np.asarray(step_s)
     full = np.asarray(engine.running_per_step) == num_requests
-    decode = np.asarray([d for _, _, d in runner.steps])
+    decode = np.asarray([d for _, _, d in runner.shapes])
     phases = {"all_running": full, "prefill_phase": ~decode, "decode_phase": decode & full}
     out = {
         "running_requests": num_requests, "prompt_tokens": prompt_len, "new_tokens": decode_steps,
         "deploy": dataclasses.asdict(deploy), "steps": len(step_s), "total_s": total,
         "preemptions": engine.scheduler.stats.preemptions,
-        "what": "scheduler = schedule() + update(); engine_step = Engine.step with a runner that computes nothing "
-                "(scheduler + block tables + bookkeeping); microseconds per step",
+        "what": "scheduler = schedule() + update() (step plan included); engine_step = Engine.step with a runner "
+                "that computes nothing (scheduler + bookkeeping); microseconds per step",
     }
     for name, mask in phases.items():
         out[name] = {"scheduler": _us_stats(sched[mask]), "engine_step": _us_stats(step[mask]),
-                     "tokens_per_step_mean": float(np.mean([n for (_, n, _), m in zip(runner.steps, mask) if m]))
+                     "tokens_per_step_mean": float(np.mean([n for (_, n, _), m in zip(runner.shapes, mask) if m]))
                      if mask.any() else None}
     return out
 

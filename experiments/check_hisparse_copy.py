@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention.common import on_gpu
-from attention.hisparse import HotBuffer, resolve_pallas, resolve_reference, take_host_rows
+from attention.hisparse import HotBuffer, resolve_pallas, resolve_reference
+from kvcache.host import take_host_rows
 from experiments.common import cpu_name, git_revision
 
 WORDS = 164  # one fp8_ds_mla row: 656 bytes

@@ -1,5 +1,10 @@
-"""HiSparse residency policy (host side): keep requests decoding while most of their MLA KV lives in a
-host pool, with the rows the indexer selects served from a per-request hot buffer (BRIEF §6).
+"""HiSparse residency policy: keep requests decoding while most of their MLA KV lives in a host pool,
+with the rows the indexer selects served from a per-request hot buffer (BRIEF §6).
+
+A planner like every kvcache.policy: it decides on the block pools and records page copies and hot
+buffer resets (kvcache.transfer) that the step's runner executes in order before the forward. The
+device side (the decode step's view and the row copies) is kvcache.host; the resolver op is
+attention.hisparse.
 
 Pages of the MLA cache group, per request:
 - **dirty**: device copy only (the tail being written, or sealed but not yet copied);
@@ -13,7 +18,8 @@ Per request: *full* residency (every page on the device), *mixed* (some pages ho
 
 Mechanics
 - Pre-copy: after every step, the newly sealed pages of every running request go to the host pool in one
-  batched copy covering all MLA layers (`after_step`), so releasing a page later copies nothing.
+  batched copy covering all MLA layers (`after_step`; it runs before the next step's forward), so
+  releasing a page later copies nothing.
 - Release under pressure only: when free blocks fall below the watermark (max(one hot buffer, 10% of the
   pool)) or a chunk does not fit (`make_room`), clean pages of decoding requests are released, oldest
   pages first; the last two pages of a request never are, nor pages of a request still prefilling.
@@ -32,33 +38,42 @@ Mechanics
   indexer pages are copied back.
 - Why hot slots are never stale: a hot slot holds a copy of one position's row, keyed by position, and
   a position's KV never changes; hot rows are leased (no other request writes them). What can go stale
-  is a device mapping of an unpinned page whose block was reused: `block_tables` checks the generation
+  is a device mapping of an unpinned page whose block was reused: `row_tables` checks the generation
   before each step and drops such pages to host-only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
 
-from kvcache.block_pool import BlockPool, NoFreeBlocks
-
-if TYPE_CHECKING:  # the scheduler drives this policy; the policy needs only its duck-typed surface
-    from glm53.engine.request import Request
-    from glm53.engine.scheduler import ScheduledChunk, Scheduler
+from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks
+from kvcache.policy import PreemptPolicy, RequestView, RowTables
+from kvcache.transfer import PageCopy, ResetLease
 
 TAIL_PAGES = 2  # newest pages of a request that are never released
 
 
-class HostMover(Protocol):
-    """Device <-> host page copies and hot-buffer setup (the model runner)."""
+def hot_buffer_rows(device_buffer_size: int | None, num_speculative_tokens: int, topk: int) -> int:
+    """Hot-buffer rows per request: `device_buffer_size` if given, else (num_speculative_tokens + 2) x
+    top-k (a decode step selects top-k rows per token it verifies, and one more top-k of slack keeps the
+    previous step's rows; with exactly top-k slots the LRU would thrash). At least top-k, or a step's
+    misses would not fit."""
+    rows = device_buffer_size or (num_speculative_tokens + 2) * topk
+    if rows < topk:
+        raise ValueError(f"DeployConfig.hisparse_device_buffer_size={rows} is below the model's top-k ({topk}): a "
+                         "step's misses would not fit the hot buffer")
+    return rows
 
-    def copy_pages(self, group: str, direction: str, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """direction "d2h": device block src[i] -> host block dst[i] (every layer of the group); "h2d" the
-        reverse."""
 
-    def reset_lease(self, lease: int, blocks: list[int]) -> None:
-        """Lease slot `lease` now uses device `blocks` as its hot rows; empty every group's hot buffer."""
+@dataclasses.dataclass(frozen=True)
+class HiSparseRow:
+    """What a HiSparse decode row needs beyond its block tables: the host-pool block of each MLA page
+    (-1: no host copy) and its hot-buffer lease slot (-1: none; then every page it selects is on the
+    device)."""
+
+    host_blocks: tuple[int, ...]
+    lease: int
 
 
 @dataclasses.dataclass
@@ -86,16 +101,17 @@ class Residency:
     host_prefix: int = 0  # prompt pages admitted from the host pools, not yet counted
 
 
-class HiSparsePolicy:
-    """kv_policy="hisparse": implements glm53.engine.scheduler.KVPolicy. `mover`: the runner; host pools of `host_mla_blocks` MLA pages and
-    `host_index_blocks` indexer-key pages; `hot_rows`: H; `max_leases`: hot-buffer slots on the device."""
+class HiSparsePolicy(PreemptPolicy):
+    """kv_policy="hisparse" (a kvcache.policy.KVPolicy): host pools of `host_mla_blocks` MLA pages and
+    `host_index_blocks` indexer-key pages; `hot_rows`: H; `max_leases`: hot-buffer slots on the device;
+    page_bytes: per cache group, the bytes of one page (kvcache.layout.page_bytes)."""
 
-    def __init__(self, mover: HostMover, *, host_mla_blocks: int, host_index_blocks: int, block_size: int,
-                 hot_rows: int, max_leases: int, num_device_blocks: int, enable_prefix_caching: bool = True,
+    def __init__(self, *, host_mla_blocks: int, host_index_blocks: int, block_size: int, hot_rows: int,
+                 max_leases: int, num_device_blocks: int, enable_prefix_caching: bool = True,
                  page_bytes: dict[str, int] | None = None):
+        super().__init__()
         if host_mla_blocks < 1:
             raise ValueError("HiSparse needs a host pool of at least one MLA page (hisparse_host_pool_bytes)")
-        self.mover = mover
         self.block_size = block_size
         self.host_mla = BlockPool(host_mla_blocks, enable_prefix_caching=enable_prefix_caching)
         self.host_index = (BlockPool(host_index_blocks, enable_prefix_caching=enable_prefix_caching)
@@ -109,8 +125,7 @@ class HiSparsePolicy:
         self.host_bytes_peak = 0
 
     # ------------------------------------------------------------------------------------- admission
-    def admit(self, sch: Scheduler, req: Request) -> int:
-        kv = sch.kv
+    def admit(self, kv: KVCacheManager, req: RequestView) -> int:
         n = kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
         rb = kv.requests[req.req_id]
         st = self.state[req.req_id] = Residency()
@@ -161,46 +176,46 @@ class HiSparsePolicy:
         pool.touch([b])
         return b
 
-    def forget(self, sch: Scheduler, req: Request) -> None:
+    def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         st = self.state.pop(req.req_id)
         self.host_mla.free([b for b in st.host if b >= 0])
         if st.pending_index:
             self.host_index.free(list(st.pending_index.values()))
-        self._end_lease(sch, req.req_id, st)
+        self._end_lease(kv, req.req_id, st)
 
     # ------------------------------------------------------------------------------------------ chunks
-    def _host_only(self, sch: Scheduler, req: Request) -> list[int]:
+    def _host_only(self, kv: KVCacheManager, req: RequestView) -> list[int]:
         """Pages with no device block (unpinned ones whose block survives excluded)."""
-        table = sch.kv.block_table(req.req_id, "mla")
+        table = kv.block_table(req.req_id, "mla")
         st = self.state[req.req_id]
-        return [p for p, b in enumerate(table) if b < 0 and not self._intact(sch, st, p)]
+        return [p for p, b in enumerate(table) if b < 0 and not self._intact(kv, st, p)]
 
     @staticmethod
-    def _intact(sch: Scheduler, st: Residency, page: int) -> bool:
+    def _intact(kv: KVCacheManager, st: Residency, page: int) -> bool:
         if page not in st.unpinned:
             return False
         b, gen = st.unpinned[page]
-        return sch.kv.pool.generation[b] == gen
+        return kv.pool.generation[b] == gen
 
-    def extra_blocks(self, sch: Scheduler, req: Request, num_tokens: int) -> int:
+    def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         st = self.state[req.req_id]
         extra = len(st.pending_index)
         if num_tokens > 1:  # a prefill chunk reads its whole prefix through the block table
-            extra += len(self._host_only(sch, req)) + sum(sch.kv.pool.ref_count[b] == 0 for b, _ in
-                                                          (st.unpinned[p] for p in st.unpinned
-                                                           if self._intact(sch, st, p)))
-        elif st.lease < 0 and (st.unpinned or -1 in sch.kv.block_table(req.req_id, "mla")):
+            extra += len(self._host_only(kv, req)) + sum(kv.pool.ref_count[b] == 0 for b, _ in
+                                                         (st.unpinned[p] for p in st.unpinned
+                                                          if self._intact(kv, st, p)))
+        elif st.lease < 0 and (st.unpinned or -1 in kv.block_table(req.req_id, "mla")):
             extra += self.lease_blocks
         return extra
 
-    def prepare(self, sch: Scheduler, req: Request, num_tokens: int) -> None:
-        kv, st = sch.kv, self.state[req.req_id]
+    def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:
+        st = self.state[req.req_id]
         self.stats.host_prefix_pages += st.host_prefix
         st.host_prefix = 0
         if st.pending_index:
             pages = sorted(st.pending_index)
             blocks = kv.pool.allocate(len(pages))
-            self.mover.copy_pages("indexer", "h2d", [st.pending_index[p] for p in pages], blocks)
+            self.outbox.append(PageCopy("indexer", "h2d", [st.pending_index[p] for p in pages], blocks))
             for p, b in zip(pages, blocks):
                 kv.requests[req.req_id].tables["indexer"][p] = b
             self.host_index.free([st.pending_index[p] for p in pages])
@@ -208,7 +223,7 @@ class HiSparsePolicy:
             st.pending_index.clear()
         table = kv.block_table(req.req_id, "mla")
         if num_tokens > 1:
-            for p in [p for p in st.unpinned if self._intact(sch, st, p)]:  # take intact pages back: no copy
+            for p in [p for p in st.unpinned if self._intact(kv, st, p)]:  # take intact pages back: no copy
                 b, _ = st.unpinned.pop(p)
                 kv.pool.touch([b])
                 table[p] = b
@@ -217,44 +232,39 @@ class HiSparsePolicy:
             pages = [p for p, b in enumerate(table) if b < 0]
             if pages:
                 blocks = kv.pool.allocate(len(pages))
-                self.mover.copy_pages("mla", "h2d", [st.host[p] for p in pages], blocks)
+                self.outbox.append(PageCopy("mla", "h2d", [st.host[p] for p in pages], blocks))
                 for p, b in zip(pages, blocks):
                     table[p] = b
                 self.stats.staged_pages += len(pages)
         elif st.lease < 0 and (st.unpinned or -1 in table):
-            self._lease(sch, req.req_id, st)
+            self._lease(kv, req.req_id, st)
 
-    def _lease(self, sch: Scheduler, req_id: str, st: Residency) -> None:
+    def _lease(self, kv: KVCacheManager, req_id: str, st: Residency) -> None:
         st.lease = self.free_leases.pop()
-        self.mover.reset_lease(st.lease, sch.kv.lease(req_id, self.lease_blocks))
+        self.outbox.append(ResetLease(st.lease, kv.lease(req_id, self.lease_blocks)))
         self.stats.leases += 1
 
-    def _end_lease(self, sch: Scheduler, req_id: str, st: Residency) -> None:
+    def _end_lease(self, kv: KVCacheManager, req_id: str, st: Residency) -> None:
         if st.lease >= 0:
-            sch.kv.end_lease(req_id)
+            kv.end_lease(req_id)
             self.free_leases.append(st.lease)
             st.lease = -1
 
-    def block_tables(self, sch: Scheduler, chunks: list[ScheduledChunk]) -> dict:
-        """MLA tables with intact unpinned pages mapped to their old blocks (a reused one becomes
-        host-only here, before the step reads it); plus each row's host pages and lease."""
-        mla, host, lease = [], [], []
-        for ch in chunks:
-            rid = ch.request.req_id
-            st = self.state[rid]
-            table = list(sch.kv.block_table(rid, "mla"))
-            for p in list(st.unpinned):
-                if self._intact(sch, st, p):
-                    table[p] = st.unpinned[p][0]
-                else:
-                    del st.unpinned[p]
-                    self.stats.lost_pages += 1
-            mla.append(table)
-            host.append(st.host)
-            lease.append(st.lease)
-            self._count_residency(table, st)
-        return {"mla": mla, "indexer": [sch.kv.block_table(ch.request.req_id, "indexer") for ch in chunks],
-                "hisparse": {"host": host, "lease": lease}}
+    def row_tables(self, kv: KVCacheManager, req: RequestView) -> RowTables:
+        """The MLA table with intact unpinned pages mapped to their old blocks (a reused one becomes
+        host-only here, before the step reads it), the indexer table, and the row's host pages and lease.
+        Counts the request's residency state for this step."""
+        st = self.state[req.req_id]
+        table = list(kv.block_table(req.req_id, "mla"))
+        for p in list(st.unpinned):
+            if self._intact(kv, st, p):
+                table[p] = st.unpinned[p][0]
+            else:
+                del st.unpinned[p]
+                self.stats.lost_pages += 1
+        self._count_residency(table, st)
+        tables = {"mla": tuple(table), "indexer": tuple(kv.block_table(req.req_id, "indexer"))}
+        return tables, HiSparseRow(tuple(st.host), st.lease)
 
     def _count_residency(self, table: list[int], st: Residency) -> None:
         """table: this step's MLA table (intact unpinned pages mapped). full: no sealed page released or
@@ -266,19 +276,19 @@ class HiSparsePolicy:
         self.stats.residency_steps[state] += 1
 
     # ------------------------------------------------------------------------------- after each step
-    def after_step(self, sch: Scheduler) -> None:
-        self._precopy(sch, sch.running)
+    def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:
+        self._precopy(kv, running)
         self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes_used())
-        if sch.kv.num_free_blocks < self.watermark:
-            self.make_room(sch, self.watermark)
+        if kv.num_free_blocks < self.watermark:
+            self.make_room(kv, running, self.watermark)
 
-    def _precopy(self, sch: Scheduler, reqs) -> None:
+    def _precopy(self, kv: KVCacheManager, reqs: Sequence[RequestView]) -> None:
         """Copy every newly sealed, device-only MLA page of `reqs` to the host pool: one batched copy."""
         src, dst = [], []
         for req in reqs:
             st = self.state[req.req_id]
-            rb = sch.kv.requests[req.req_id]
-            n_full = req.num_computed_tokens // sch.kv.tokens_per_block
+            rb = kv.requests[req.req_id]
+            n_full = req.num_computed_tokens // kv.tokens_per_block
             st.host.extend([-1] * (n_full - len(st.host)))
             for p in range(st.sealed, n_full):
                 if st.host[p] < 0 and rb.tables["mla"][p] >= 0:
@@ -294,20 +304,19 @@ class HiSparsePolicy:
                     dst.append(hb)
             st.sealed = n_full
         if src:
-            self.mover.copy_pages("mla", "d2h", src, dst)
+            self.outbox.append(PageCopy("mla", "d2h", src, dst))
             self.stats.precopied_pages += len(src)
 
     def reserve_blocks(self) -> int:
         return self.lease_blocks  # a request decoding over host-only pages holds a hot buffer
 
-    def make_room(self, sch: Scheduler, free_blocks: int) -> bool:
+    def make_room(self, kv: KVCacheManager, running: Sequence[RequestView], free_blocks: int) -> bool:
         """Release clean pages of decoding requests until `free_blocks` are free: request by request, the
         one with the most releasable pages first, its oldest pages first. A request without a hot buffer
         leases one first and then releases at least one page more than the lease took, so every lease
         pays for itself. -> whether any page was released."""
-        kv = sch.kv
         cands = []
-        for req in sch.running:
+        for req in running:
             if req.num_tokens - req.num_computed_tokens > 1:  # still prefilling: it reads its whole prefix
                 continue
             st = self.state[req.req_id]
@@ -324,7 +333,7 @@ class HiSparsePolicy:
             if st.lease < 0:
                 if kv.num_free_blocks < self.lease_blocks or not self.free_leases:
                     continue
-                self._lease(sch, req.req_id, st)
+                self._lease(kv, req.req_id, st)
                 must = self.lease_blocks + 1
             for i, p in enumerate(pages):
                 if i >= must and kv.num_free_blocks >= free_blocks:
@@ -336,28 +345,27 @@ class HiSparsePolicy:
         return released
 
     # ------------------------------------------------------------------------------ leaving the device
-    def evict(self, sch: Scheduler, victim: Request) -> None:
-        """Park the victim's pages in the host pools, then drop its device KV; re-admission takes the
-        parked prefix back (only the unsealed tail is recomputed)."""
-        self._park(sch, victim)
-        sch.drop_kv(victim)
+    def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
+        """Park the victim's pages in the host pools; the scheduler then drops its device KV, and
+        re-admission takes the parked prefix back like a prefix hit (only the unsealed tail is recomputed)."""
+        self._park(kv, victim)
+        return False
 
-    def saved_tokens(self, req: Request) -> int:
+    def saved_tokens(self, req: RequestView) -> int:
         return 0  # parked KV comes back through `admit`, like a prefix hit
 
-    def restore(self, sch: Scheduler, req: Request) -> None:
+    def restore(self, kv: KVCacheManager, req: RequestView) -> None:
         raise RuntimeError("HiSparse restores parked KV at admission, not through restore()")
 
-    def on_finish(self, sch: Scheduler, req: Request) -> None:
-        self._park(sch, req)
+    def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
+        self._park(kv, req)
 
-    def _park(self, sch: Scheduler, req: Request) -> None:
-        self._precopy(sch, [req])
+    def _park(self, kv: KVCacheManager, req: RequestView) -> None:
+        self._precopy(kv, [req])
         st = self.state.pop(req.req_id)
-        rb = sch.kv.requests[req.req_id]
+        rb = kv.requests[req.req_id]
         if self.host_index is not None:  # idle sessions' indexer keys: the ordinary offload path
             src, dst = [], []
-            kv = sch.kv
             for p in range(req.num_computed_tokens // kv.group_tokens_per_block["indexer"]):
                 h = rb.hashes[kv.page_hash_index("indexer", p)]
                 b = rb.tables["indexer"][p]
@@ -371,7 +379,7 @@ class HiSparsePolicy:
                 src.append(b)
                 dst.append(hb)
             if src:
-                self.mover.copy_pages("indexer", "d2h", src, dst)
+                self.outbox.append(PageCopy("indexer", "d2h", src, dst))
                 self.host_index.free(dst)  # parked: cached, reclaimable least recently used first
                 self.stats.parked_index_pages += len(src)
         # MLA host pages stay cached under their hashes (registered at pre-copy); pages without one
@@ -379,7 +387,7 @@ class HiSparsePolicy:
         self.host_mla.free([b for b in st.host if b >= 0])
         if st.pending_index:
             self.host_index.free(list(st.pending_index.values()))
-        self._end_lease(sch, req.req_id, st)
+        self._end_lease(kv, req.req_id, st)
 
     # ------------------------------------------------------------------------------------- reporting
     def host_bytes_used(self) -> int:

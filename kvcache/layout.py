@@ -15,6 +15,10 @@ import dataclasses
 from attention.formats import INDEX_FORMATS, MLA_FORMATS, IndexKeyFormat, MLARowFormat  # noqa: F401
 
 
+# The index-key format that goes with each MLA row format by default (vLLM pairs fp8_ds_mla with fp8 keys).
+DEFAULT_INDEX_FORMAT = {"fp8_ds_mla": "fp8", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+
+
 def mla_row_bytes(kv_lora_rank: int, rope_dim: int, fmt: str = "fp8_ds_mla") -> int:
     return MLARowFormat(fmt, kv_lora_rank, rope_dim).row_bytes
 
@@ -49,3 +53,14 @@ def cache_groups(cfg, mla_format: str = "fp8_ds_mla", index_format: str = "fp8",
 def kv_bytes_per_token(cfg, mla_format: str = "fp8_ds_mla", index_format: str = "fp8", *, include_mtp: bool = True) -> int:
     """Bytes of KV cache one token occupies across all layers (54,728 for GLM-5.3 with fp8 formats)."""
     return sum(g.total_bytes_per_token for g in cache_groups(cfg, mla_format, index_format, include_mtp=include_mtp))
+
+
+def page_bytes(cfg, kv_cache_dtype: str, block_size: int, index_block_size: int | None = None, *, dcp: int = 1,
+               include_mtp: bool = False) -> dict[str, int]:
+    """Bytes one block id holds in each cache group: a page of `block_size` rows (`index_block_size` for
+    the indexer keys) in every layer of the group, on each of the `dcp` ranks. kv_cache_dtype is an MLA
+    format (attention.formats.MLA_FORMATS); the keys take its DEFAULT_INDEX_FORMAT. What the host pools
+    and the offload policy count their capacity in (the serving engine's caches hold no MTP layer)."""
+    mla, index = cache_groups(cfg, kv_cache_dtype, DEFAULT_INDEX_FORMAT[kv_cache_dtype], include_mtp=include_mtp)
+    return {"mla": mla.total_bytes_per_token * block_size * dcp,
+            "indexer": index.total_bytes_per_token * (index_block_size or block_size) * dcp}

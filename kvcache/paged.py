@@ -21,13 +21,12 @@ import numpy as np
 
 from attention.common import slot_mapping
 from attention.formats import IndexKeyFormat, MLARowFormat
-from attention.hisparse import HiSparseView
+from kvcache.host import HiSparseView
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 from kvcache.base import default_attend, default_select, replace_layer_array
+from kvcache.layout import DEFAULT_INDEX_FORMAT
 
-# The index-key format that goes with each MLA row format by default (vLLM pairs fp8_ds_mla with fp8 keys).
-DEFAULT_INDEX_FORMAT = {"fp8_ds_mla": "fp8", "bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 
 
 def write_slots(buf_NX, rows_X, slots):
@@ -58,7 +57,7 @@ class PagedKVCache:
     block_size: int = dataclasses.field(metadata=dict(static=True))
     mla_format: MLARowFormat = dataclasses.field(metadata=dict(static=True))
     index_format: IndexKeyFormat = dataclasses.field(metadata=dict(static=True))
-    # HiSparse decode steps only: host pool, host page table and hot buffers (attention.hisparse)
+    # HiSparse decode steps only: host pool, host page table and hot buffers (kvcache.host)
     hisparse: HiSparseView | None = None
     # slots per indexer-key page (0: block_size); index arrays hold num_blocks pages of this size
     index_block_size: int = dataclasses.field(default=0, metadata=dict(static=True))

@@ -5,9 +5,32 @@ from __future__ import annotations
 import dataclasses
 
 from attention.formats import MLA_FORMATS
+from kvcache.hisparse import hot_buffer_rows
+from kvcache.layout import page_bytes
 
 KV_POLICIES = ("preempt", "offload", "hisparse")
 IMPLS = ("auto", "reference", "pallas")
+GROUPS = ("mla", "indexer")  # the engine's cache groups: MLA rows of every layer, keys of the full layers
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSizes:
+    """The sizes one replica's policy and runner both use, from `DeployConfig` and kvcache.layout (so a
+    runner that holds no arrays plans and counts with the same numbers).
+
+    kv_cache_dtype: the MLA row format ("auto" resolved to the model's dtype).
+    num_blocks: device pool blocks (each a page in every cache group).
+    page_bytes: per cache group, the bytes one block holds (every layer, every DCP rank).
+    host_blocks: HiSparse's host pools in pages per group ({} under other policies).
+    hot_rows / max_leases: HiSparse's hot-buffer rows per request and lease slots (0 without).
+    """
+
+    kv_cache_dtype: str
+    num_blocks: int
+    page_bytes: dict
+    host_blocks: dict
+    hot_rows: int = 0
+    max_leases: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,12 +43,12 @@ class DeployConfig:
         larger index_block_size (e.g. 4 x block_size) keeps the pool's block count near bytes. Prefix
         hits then end on multiples of index_block_size tokens.
     num_gpu_blocks: blocks in the device pool shared by all cache groups (None: enough for
-        max_num_seqs requests of max_model_len tokens, i.e. a pool that never runs out).
+        max_num_seqs requests of max_model_len tokens, i.e. a pool that never runs out; `kv_sizes`).
     prefill_context_parallel_size / decode_context_parallel_size: PCP (a prefill chunk's tokens split
         over the ranks) and DCP (the KV cache split round-robin over them) on one context mesh axis of
         max(PCP, DCP) devices (parallel.model); with enable_expert_parallel the routed experts are split
         over the same devices. Each is 1 or that axis size.
-    data_parallel_size: independent replicas (glm53.engine.dp), each on its own max(PCP, DCP) devices
+    data_parallel_size: independent replicas (glm53.engine.engine), each on its own max(PCP, DCP) devices
         with its own scheduler and block pool; pool sizes (num_gpu_blocks, host bytes) are per replica.
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (move it to the host pool, bring it back), "hisparse" (keep decoding with most
@@ -136,6 +159,23 @@ class DeployConfig:
     @property
     def max_index_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.index_tokens_per_block)
+
+    def kv_sizes(self, cfg, model_dtype: str = "float32") -> KVSizes:
+        """This deployment's pool and page sizes for a model of `cfg` (kvcache.layout)."""
+        kv_dtype = str(model_dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        num_blocks = self.num_gpu_blocks or self.max_num_seqs * sum(
+            -(-self.max_model_len // n) for n in self.group_tokens_per_block(GROUPS).values())
+        pages = page_bytes(cfg, kv_dtype, self.block_size, self.index_block_size,
+                           dcp=self.decode_context_parallel_size)
+        if self.kv_policy != "hisparse":
+            return KVSizes(kv_dtype, num_blocks, pages, {})
+        host = {"mla": self.hisparse_host_pool_bytes // pages["mla"],
+                "indexer": self.cpu_offload_bytes // pages["indexer"]}
+        if host["mla"] < 1:
+            raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={self.hisparse_host_pool_bytes} holds no MLA "
+                             f"page ({pages['mla']} bytes)")
+        hot = hot_buffer_rows(self.hisparse_device_buffer_size, self.num_speculative_tokens, cfg.index_topk)
+        return KVSizes(kv_dtype, num_blocks, pages, host, hot, self.max_num_seqs)
 
     def group_tokens_per_block(self, groups) -> dict[str, int]:
         """Per cache group, the tokens one block covers (kvcache.block_pool.KVCacheManager)."""

@@ -1,4 +1,25 @@
-"""The engine: requests in, tokens out. Scheduler (what runs) + runner (how it runs) + clock."""
+"""The engine: requests in, tokens out, over `data_parallel_size` replicas (1 = one replica).
+
+A replica is a scheduler (what runs; kvcache block pool and KV policy) and a runner (how it runs). One
+engine step steps every replica that has work, each with the same three calls:
+
+    plan = replica.scheduler.schedule()
+    result = replica.runner.execute(plan)
+    replica.scheduler.update(plan, result, now)
+
+Replica i runs on devices [i * N, (i + 1) * N) of the process's devices (N = max(PCP, DCP), its context
+axis), with its own copy of the weights, block pool and host pools; replicas share nothing, so a
+request's tokens do not depend on which replica serves it (vLLM's data parallelism). Routing happens at
+admission: a request with a salt (a user or session key; experiments.workloads salts every turn of a
+user's sessions) goes to the replica that served that salt before, so later turns find their prefix in
+that replica's cache; a new salt, or none, goes to the replica with the fewest unfinished requests
+(ties: the lowest index). On one host the replicas run one after the other (on real hardware each runs
+on its own GPUs).
+
+Metrics (`metrics`, `live_metrics`) cover all replicas: scheduler counters and transfer bytes are summed,
+throughput is divided by data_parallel_size x N devices, and the timeline has one row per engine step
+with the replicas' running / waiting requests and free blocks (after scheduling) summed.
+"""
 
 from __future__ import annotations
 
@@ -6,30 +27,205 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from glm53.engine.config import DeployConfig
+from glm53.engine.config import GROUPS, DeployConfig, KVSizes
 from glm53.engine.metrics import cp_work_metrics, summarize
+from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestOutput, SamplingParams
-from glm53.engine.runner import Clock, ModelRunner, Runner, WallClock, default_num_blocks
-from glm53.engine.scheduler import OffloadPolicy, Scheduler, SchedulerStats
-from glm53.model import GLM53, as_token_array
+from glm53.engine.runner import ModelRunner
+from glm53.engine.scheduler import Scheduler, SchedulerStats
+from glm53.model import as_token_array
 from kvcache.hisparse import HiSparsePolicy
+from kvcache.policy import KVPolicy, OffloadPolicy, PreemptPolicy
+from kvcache.transfer import TransferStats
 
-GROUPS = ("mla", "indexer")
+
+def make_policy(deploy: DeployConfig, sizes: KVSizes) -> KVPolicy:
+    """The KV policy `deploy.kv_policy` names, sized by `sizes`."""
+    if deploy.kv_policy == "offload":
+        return OffloadPolicy(deploy.cpu_offload_bytes, sizes.page_bytes)
+    if deploy.kv_policy == "hisparse":
+        return HiSparsePolicy(host_mla_blocks=sizes.host_blocks["mla"], host_index_blocks=sizes.host_blocks["indexer"],
+                              block_size=deploy.block_size, hot_rows=sizes.hot_rows, max_leases=sizes.max_leases,
+                              num_device_blocks=sizes.num_blocks, enable_prefix_caching=deploy.enable_prefix_caching,
+                              page_bytes=sizes.page_bytes)
+    return PreemptPolicy()
 
 
-class ServingMetrics:
-    """What every engine front end shares (Engine, and the data-parallel one over its replicas):
-    `generate`, `metrics` and `live_metrics`, over a few hooks: `output`, `finished`, `timeline`,
-    `deploy`, `_stats` (scheduler counters), `_transfers` (device<->host bytes), `_counts` (running,
-    waiting, free blocks now), `_policy_metrics` and `_cp_metrics` (per-rank work under context parallelism)."""
+@dataclasses.dataclass
+class Replica:
+    """One data-parallel replica: its scheduler (block pool, policy) and its runner."""
+
+    scheduler: Scheduler
+    runner: Runner
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.requests)
+
+
+class Engine:
+    """Serve `model` under `deploy`. `add_request` queues a prompt; each `step` schedules and runs one
+    batch per replica and returns the tokens produced; `generate` runs prompts to completion.
+
+    runner / clock: injectable (a simulator or a test passes its own runner; with data parallelism, one
+    runner per replica as a sequence); by default the model runs on the paged cache of `devices`
+    (default: the devices JAX sees) and time is wall time.
+    """
+
+    def __init__(self, model, deploy: DeployConfig | None = None, *, runner: Runner | Sequence[Runner] | None = None,
+                 clock: Clock | None = None, devices=None):
+        self.model = model
+        self.deploy = d = deploy or DeployConfig()
+        self.clock = clock or WallClock()
+        dp, n = d.data_parallel_size, d.context_parallel_size
+        runners = list(runner) if isinstance(runner, (list, tuple)) else None if runner is None else [runner]
+        if runners is not None and len(runners) != dp:
+            raise ValueError(f"runner: {len(runners)} runner(s) given for data_parallel_size={dp} (one per replica)")
+        # sizes first: a bad size raises before any array is allocated
+        self.sizes = d.kv_sizes(model.cfg, jnp.dtype(getattr(model, "dtype", jnp.float32)).name)
+        groups = [None] * dp
+        if runners is None and (dp > 1 or devices is not None):
+            devices = sorted(jax.devices(), key=lambda x: (x.process_index, x.id)) if devices is None else list(devices)
+            if len(devices) < dp * n:
+                raise ValueError(f"data_parallel_size={dp} x {n} devices per replica needs {dp * n} devices, but only "
+                                 f"{len(devices)} are available (on CPU, simulate more with "
+                                 f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * n})")
+            groups = [devices[i * n:(i + 1) * n] for i in range(dp)]
+        self.replicas: list[Replica] = []
+        for i in range(dp):
+            policy = make_policy(d, self.sizes)
+            run = ModelRunner(model, d, self.sizes, groups[i]) if runners is None else runners[i]
+            self.replicas.append(Replica(Scheduler(d, self.sizes.num_blocks, GROUPS, policy=policy), run))
+        self.requests: dict[str, Request] = {}  # unfinished, by id
+        self.finished: dict[str, Request] = {}
+        self._owner: dict[str, int] = {}  # request id -> replica index
+        self._by_salt: dict[str, int] = {}  # salt -> replica that served it last
+        # one row per engine step that scheduled requests, after scheduling: (clock s, running, waiting,
+        # free device blocks), summed over replicas
+        self.timeline: list[tuple[float, int, int, int]] = []
+        self._steps = 0
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------ one replica
+    def _only(self) -> Replica:
+        if len(self.replicas) != 1:
+            raise AttributeError(f"this engine has {len(self.replicas)} data-parallel replicas: use "
+                                 "engine.replicas[i].scheduler / .runner")
+        return self.replicas[0]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of a one-replica engine."""
+        return self._only().scheduler
+
+    @property
+    def runner(self) -> Runner:
+        """The runner of a one-replica engine."""
+        return self._only().runner
 
     @property
     def num_devices(self) -> int:
-        d = self.deploy
-        return d.data_parallel_size * d.context_parallel_size
+        return self.deploy.data_parallel_size * self.deploy.context_parallel_size
 
+    # -------------------------------------------------------------------------------------- requests
+    def route(self, salt: str) -> int:
+        """The replica a new request with `salt` goes to."""
+        if salt and salt in self._by_salt:
+            return self._by_salt[salt]
+        load = [r.num_unfinished for r in self.replicas]
+        return load.index(min(load))
+
+    def replica_of(self, req_id: str) -> int:
+        return self._owner[req_id]
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
+                    salt: str = "") -> str:
+        """Queue a prompt on the replica `route(salt)` picks. Rejects (ValueError) token ids outside the
+        vocabulary and a prompt whose tokens plus max_new_tokens exceed max_model_len, rather than
+        truncating it."""
+        params = params or SamplingParams()
+        ids = as_token_array(prompt_ids)
+        cfg = self.model.cfg
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
+        total = ids.size + params.max_new_tokens
+        if total > self.deploy.max_model_len:
+            raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
+                             f"max_model_len={self.deploy.max_model_len}")
+        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
+        if req_id in self.requests or req_id in self.finished:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        i = self.route(salt)
+        req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now())
+        self.replicas[i].scheduler.add(req)
+        self.requests[req_id] = req
+        self._owner[req_id] = i
+        if salt:
+            self._by_salt[salt] = i
+        return req_id
+
+    def has_unfinished(self) -> bool:
+        """Requests to run, or KV transfers still to be executed (a finished request's parking)."""
+        return any(r.scheduler.has_work for r in self.replicas)
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced."""
+        out, t, counted = [], None, False
+        counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
+        for rep in self.replicas:
+            sch = rep.scheduler
+            plan = None
+            if sch.has_work:
+                counted |= sch.has_requests
+                plan = sch.schedule()
+                t = self.clock.now() if t is None else t
+            for i, c in enumerate((len(sch.running), len(sch.waiting), sch.kv.num_free_blocks)):
+                counts[i] += c
+            if plan is None:
+                continue
+            result = rep.runner.execute(plan)
+            finished = sch.update(plan, result, self.clock.now())
+            for req in finished:
+                self.finished[req.req_id] = self.requests.pop(req.req_id)
+            done = {r.req_id for r in finished}
+            out += [(rid, tok, rid in done and k == len(toks) - 1)
+                    for rid, toks in result.tokens.items() for k, tok in enumerate(toks)]
+        if counted:
+            self._steps += 1
+            self.timeline.append((t, *counts))
+        return out
+
+    def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None
+                 ) -> list[RequestOutput]:
+        """Run `prompts` to completion (request i samples with seed + i); `on_token(req_id, token)` streams
+        tokens as they come. -> outputs in prompt order, each with `.token_ids`. When the engine has no
+        other requests it also finishes the KV transfers the last ones left (parking their KV)."""
+        ids = [self.add_request(p, SamplingParams(max_new_tokens, greedy, temperature, top_p, seed + i))
+               for i, p in enumerate(prompts)]
+        pending = set(ids)
+        while pending:
+            if not self.has_unfinished():
+                raise RuntimeError("the engine stopped with requests unfinished")
+            for rid, tok, fin in self.step():
+                if on_token is not None and rid in pending:
+                    on_token(rid, tok)
+                if fin:
+                    pending.discard(rid)
+        while not self.requests and self.has_unfinished():
+            self.step()
+        return [self.output(rid) for rid in ids]
+
+    def output(self, req_id: str) -> RequestOutput:
+        r = self.finished[req_id]
+        return RequestOutput(r.req_id, r.prompt_ids, np.asarray(r.output_ids, np.int32), r.arrival_s, r.first_token_s,
+                             r.finish_s, tuple(r.token_times_s), r.num_preemptions)
+
+    # --------------------------------------------------------------------------------------- metrics
     def metrics(self, req_ids: Sequence[str] | None = None) -> dict:
         """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all)."""
         outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
@@ -57,152 +253,58 @@ class ServingMetrics:
                "prefix_hit_rate": st.prefix_hit_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
                "output_tokens": sum(len(r.output_ids) for r in self.finished.values())}
         tr = self._transfers()
-        if tr is not None:
-            out.update(d2h_bytes=tr.d2h_bytes, h2d_bytes=tr.h2d_bytes)
+        out.update(d2h_bytes=tr.d2h_bytes, h2d_bytes=tr.h2d_bytes)
         out.update(self._policy_metrics())
         return out
 
-    def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None
-                 ) -> list[RequestOutput]:
-        """Run `prompts` to completion (request i samples with seed + i); `on_token(req_id, token)` streams
-        tokens as they come. -> outputs in prompt order, each with `.token_ids`."""
-        ids = [self.add_request(p, SamplingParams(max_new_tokens, greedy, temperature, top_p, seed + i))
-               for i, p in enumerate(prompts)]
-        pending = set(ids)
-        while pending:
-            if not self.has_unfinished():
-                raise RuntimeError("the engine stopped with requests unfinished")
-            for rid, tok, fin in self.step():
-                if on_token is not None and rid in pending:
-                    on_token(rid, tok)
-                if fin:
-                    pending.discard(rid)
-        return [self.output(rid) for rid in ids]
-
-
-class Engine(ServingMetrics):
-    """Serve `model` under `deploy`. `add_request` queues a prompt; each `step` schedules and runs one
-    batch and returns the tokens it produced; `generate` runs prompts to completion.
-
-    runner / clock: injectable (a simulator passes its own); by default the model runs on the paged
-    cache of `devices` (default: the first max(PCP, DCP) devices JAX sees) and time is wall time.
-    With deploy.data_parallel_size > 1, `Engine(...)` builds a `glm53.engine.dp.DataParallelEngine`
-    (independent replicas on disjoint device groups, the same API).
-    """
-
-    def __new__(cls, model=None, deploy: DeployConfig | None = None, **kwargs):
-        if cls is Engine and deploy is not None and deploy.data_parallel_size > 1:
-            from glm53.engine.dp import DataParallelEngine
-
-            if kwargs.get("runner") is not None:
-                raise ValueError("a data-parallel engine builds one runner per replica: runner= is for "
-                                 "data_parallel_size=1")
-            kwargs.pop("runner", None)
-            return DataParallelEngine(model, deploy, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(self, model: GLM53, deploy: DeployConfig | None = None, *, runner: Runner | None = None,
-                 clock: Clock | None = None, devices=None):
-        self.model = model
-        self.deploy = deploy or DeployConfig()
-        if self.deploy.data_parallel_size > 1:
-            raise ValueError("one Engine is one replica: data_parallel_size > 1 builds a DataParallelEngine")
-        num_blocks = self.deploy.num_gpu_blocks or default_num_blocks(self.deploy, GROUPS)
-        self.runner = runner or ModelRunner(model, self.deploy, num_blocks, devices)
-        policy = None
-        if self.deploy.kv_policy == "offload":
-            policy = OffloadPolicy(self.runner, self.deploy.cpu_offload_bytes,
-                                   {g: self.runner.page_bytes(g) for g in GROUPS})
-        elif self.deploy.kv_policy == "hisparse":
-            r = self.runner
-            policy = HiSparsePolicy(r, host_mla_blocks=r.host_blocks["mla"], host_index_blocks=r.host_blocks["indexer"],
-                                    block_size=self.deploy.block_size, hot_rows=r.hot_rows,
-                                    max_leases=r.max_rows, num_device_blocks=num_blocks,
-                                    enable_prefix_caching=self.deploy.enable_prefix_caching,
-                                    page_bytes={g: r.page_bytes(g) for g in GROUPS})
-        self.scheduler = Scheduler(self.deploy, num_blocks, GROUPS, policy=policy)
-        self.clock = clock or WallClock()
-        self.requests: dict[str, Request] = {}
-        # one row per step, after its scheduling: (clock s, running, waiting, free device blocks)
-        self.timeline: list[tuple[float, int, int, int]] = []
-        self.finished: dict[str, Request] = {}
-        self._ids = itertools.count()
-
-    def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
-                    salt: str = "") -> str:
-        """Queue a prompt. Rejects (ValueError) a prompt whose tokens plus max_new_tokens exceed
-        max_model_len, rather than truncating it."""
-        params = params or SamplingParams()
-        ids = as_token_array(prompt_ids)
-        cfg = self.model.cfg
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
-        total = ids.size + params.max_new_tokens
-        if total > self.deploy.max_model_len:
-            raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
-                             f"max_model_len={self.deploy.max_model_len}")
-        req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
-        if req_id in self.requests or req_id in self.finished:
-            raise ValueError(f"request id {req_id!r} is already in use")
-        req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now())
-        self.scheduler.add(req)
-        self.requests[req_id] = req
-        return req_id
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
-
-    def step(self) -> list[tuple[str, int, bool]]:
-        """One scheduling step. -> [(req_id, new token, finished)] for the tokens produced."""
-        chunks = self.scheduler.schedule()
-        sch = self.scheduler
-        self.timeline.append((self.clock.now(), len(sch.running), len(sch.waiting), sch.kv.num_free_blocks))
-        tables = sch.policy.block_tables(sch, chunks)
-        sampled = self.runner.execute(chunks, tables)
-        finished = self.scheduler.update(chunks, sampled, self.clock.now())
-        for req in finished:
-            self.finished[req.req_id] = self.requests.pop(req.req_id)
-        done = {r.req_id for r in finished}
-        return [(rid, tok, rid in done) for rid, tok in sampled.items()]
-
-    def output(self, req_id: str) -> RequestOutput:
-        r = self.finished[req_id]
-        return RequestOutput(r.req_id, r.prompt_ids, np.asarray(r.output_ids, np.int32), r.arrival_s, r.first_token_s,
-                             r.finish_s, tuple(r.token_times_s), r.num_preemptions)
-
-    @property
-    def replicas(self) -> list[Engine]:
-        """The engines that hold requests: [self] (a data-parallel engine has one per replica)."""
-        return [self]
-
     def _stats(self) -> SchedulerStats:
-        return self.scheduler.stats
+        """The replicas' scheduler counters summed; `steps` counts engine steps."""
+        stats = [r.scheduler.stats for r in self.replicas]
+        total = SchedulerStats(**{f.name: sum(getattr(s, f.name) for s in stats)
+                                  for f in dataclasses.fields(SchedulerStats)})
+        return dataclasses.replace(total, steps=self._steps)
 
-    def _transfers(self):
-        return getattr(self.runner, "transfers", None)
+    def _transfers(self) -> TransferStats:
+        trs = [r.scheduler.transfers for r in self.replicas]
+        # every replica has its own host link: D links in parallel, so the modelled time is one link's
+        return TransferStats(sum(t.d2h_bytes for t in trs), sum(t.h2d_bytes for t in trs),
+                             sum(t.link_bytes_per_s for t in trs))
 
     def _counts(self) -> tuple[int, int, int]:
-        sch = self.scheduler
-        return len(sch.running), len(sch.waiting), sch.kv.num_free_blocks
+        counts = [(len(r.scheduler.running), len(r.scheduler.waiting), r.scheduler.kv.num_free_blocks)
+                  for r in self.replicas]
+        return tuple(sum(c[i] for c in counts) for i in range(3))
 
     def _cp_metrics(self) -> dict:
-        return cp_work_metrics(self.runner.cp_work_per_rank() if isinstance(self.runner, ModelRunner) else {})
+        """Context parallelism's per-rank work: every replica's ranks side by side in the per-rank lists;
+        a max/mean is the worst replica's (the balance inside a replica, not the load across replicas)."""
+        parts = [cp_work_metrics(getattr(r.runner, "cp_work_per_rank", dict)()) for r in self.replicas]
+        return {k: (sum((p[k] for p in parts), []) if k.endswith("_per_rank") else max(p[k] for p in parts))
+                for k in parts[0]}
 
     def _policy_metrics(self) -> dict:
-        """HiSparse figures (empty for other policies): hot-buffer hits and misses (summed over IndexShare
-        groups), rows copied host->device by decode steps (all layers), host pool bytes in use now and at
-        peak, mean requests per step in each residency state, and the page counters."""
-        pol = self.scheduler.policy
-        if not isinstance(pol, HiSparsePolicy):
-            return {}
-        rs, st = self.runner.resolve_stats, pol.stats
-        steps = max(1, self.scheduler.stats.steps)
-        looked_up = rs.hot_hits + rs.hot_misses
-        out = {"hot_hits": rs.hot_hits, "hot_misses": rs.hot_misses,
-               "hot_hit_rate": rs.hot_hits / looked_up if looked_up else float("nan"), "hisparse_h2d_rows": rs.h2d_rows,
-               "host_pool_bytes_used": pol.host_bytes_used(), "host_pool_bytes_peak": pol.host_bytes_peak}
-        out.update({f"residency_{k}_requests_mean": v / steps for k, v in st.residency_steps.items()})
-        out.update({k: v for k, v in dataclasses.asdict(st).items() if k != "residency_steps"})
+        """HiSparse figures (empty for other policies), summed over replicas (means of per-step counts add
+        up too; a peak is the sum of the replicas' peaks, an upper bound): hot-buffer hits and misses
+        (summed over IndexShare groups), rows copied host->device by decode steps (all layers), host pool
+        bytes in use now and at peak, mean requests per step in each residency state, the page counters."""
+        parts = [_hisparse_metrics(r.scheduler) for r in self.replicas]
+        out = {k: sum(p[k] for p in parts) for k in parts[0]}
+        if "hot_hit_rate" in out:
+            looked_up = out["hot_hits"] + out["hot_misses"]
+            out["hot_hit_rate"] = out["hot_hits"] / looked_up if looked_up else float("nan")
         return out
 
+
+def _hisparse_metrics(sch: Scheduler) -> dict:
+    pol = sch.policy
+    if not isinstance(pol, HiSparsePolicy):
+        return {}
+    rs, st = sch.resolve, pol.stats
+    steps = max(1, sch.stats.steps)
+    looked_up = rs.hot_hits + rs.hot_misses
+    out = {"hot_hits": rs.hot_hits, "hot_misses": rs.hot_misses,
+           "hot_hit_rate": rs.hot_hits / looked_up if looked_up else float("nan"), "hisparse_h2d_rows": rs.h2d_rows,
+           "host_pool_bytes_used": pol.host_bytes_used(), "host_pool_bytes_peak": pol.host_bytes_peak}
+    out.update({f"residency_{k}_requests_mean": v / steps for k, v in st.residency_steps.items()})
+    out.update({k: v for k, v in dataclasses.asdict(st).items() if k != "residency_steps"})
+    return out

@@ -1,23 +1,21 @@
-"""Runners turn a scheduled step into device work, and clocks tell the engine the time.
+"""The model runner: executes a `glm53.engine.plan.StepPlan` on the paged KV pool of one device or a
+context mesh, and samples.
 
-`ModelRunner` keeps the paged KV pool on the device and, per step, groups the scheduled chunks by
-width bucket (1 token for decoding requests; powers of two from 16 up to max_num_batched_tokens for
-prefill chunks) and runs one padded forward per group (rows: powers of two up to max_num_seqs;
-attention window: powers of two up to the cache capacity). A serving run therefore compiles a bounded
-set of programs (`bucket_shapes`; `warmup` compiles them all, `compiled_shapes` lists those used), and
-padding stays under 2x per row: a decoding row never pads to a prefill chunk's width. Sampling is a jitted function of per-request PRNG keys
+Per step it runs the plan's KV transfers (kvcache.host.HostMemory), then groups the rows by width
+bucket (1 token for decoding requests; powers of two from 16 up to max_num_batched_tokens for prefill
+chunks) and runs one padded forward per group (rows: powers of two up to max_num_seqs; attention
+window: powers of two up to the cache capacity), then samples. A serving run therefore compiles a
+bounded set of programs (`bucket_shapes`; `warmup` compiles them all, the copy programs of the KV
+policy included; `compiled_shapes` lists those used), and padding stays under 2x per row: a decoding
+row never pads to a prefill chunk's width. Sampling is a jitted function of per-request PRNG keys
 (seed, number of tokens generated so far), so a request samples the same tokens whatever it is batched
 with.
-
-The `Runner` and `Clock` protocols let a simulator drive the same scheduler in virtual time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import time
-from typing import Protocol
 
 import jax
 import jax.monitoring
@@ -26,11 +24,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attention.hisparse import HiSparseView, put_host_rows, take_host_rows
 from glm53.api import window_bucket
-from glm53.engine.config import DeployConfig
-from glm53.engine.scheduler import ScheduledChunk
+from glm53.engine.config import DeployConfig, KVSizes
+from glm53.engine.plan import PlanRow, ResolveRecord, StepPlan, StepResult
 from glm53.model import GLM53, attention_form, compiled
+from kvcache.host import HiSparseView, HostMemory
 from kvcache.paged import PagedKVCache
 from parallel import model as parallel_model
 from parallel.cp_cache import CpKVCache, counter_totals, zero_counters
@@ -38,41 +36,11 @@ from parallel.mesh import make_mesh
 from parallel.pcp import PcpSplit
 
 
-class Clock(Protocol):
-    def now(self) -> float:
-        """Seconds since an arbitrary origin."""
-
-    def sleep(self, seconds: float) -> None:
-        """Let `seconds` pass (a client waiting for its next arrival; a virtual clock just advances)."""
-
-
-class WallClock:
-    def __init__(self):
-        self._t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(max(0.0, seconds))
-
-
-class Runner(Protocol):
-    def execute(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[list[int]]]) -> dict[str, int]:
-        """Run one step: write the chunks' KV, and return {req_id: sampled token} for every request whose
-        known tokens are all computed after the step."""
-
-
 MIN_PREFILL_WIDTH = 16  # narrowest prefill bucket: shorter chunks pad to it (fewer programs)
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
-
-
-def default_num_blocks(deploy: DeployConfig, groups) -> int:
-    """A pool that never runs out: every sequence slot at max_model_len in every group."""
-    return deploy.max_num_seqs * sum(-(-deploy.max_model_len // n) for n in deploy.group_tokens_per_block(groups).values())
 
 
 @jax.jit
@@ -116,89 +84,21 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
-@dataclasses.dataclass
-class TransferStats:
-    """Device<->host traffic. On CPU both memories are the same RAM, so the bytes are counted and their
-    time is modelled at the configured link bandwidth rather than measured."""
-
-    d2h_bytes: int = 0
-    h2d_bytes: int = 0
-    link_bytes_per_s: float = 50e9
-
-    @property
-    def modelled_link_s(self) -> float:
-        return (self.d2h_bytes + self.h2d_bytes) / self.link_bytes_per_s
-
-
-@dataclasses.dataclass
-class ResolveStats:
-    """What HiSparse decode steps' resolvers did. hot_hits / hot_misses: selected rows found in / copied
-    into a hot buffer, summed over IndexShare groups; h2d_rows: rows copied host -> device, all layers.
-    log: None, or per decode group step (req_ids, hits [n, G], misses [n, G], copied [n]) for tests."""
-
-    hot_hits: int = 0
-    hot_misses: int = 0
-    h2d_rows: int = 0
-    log: list | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class HostKV:
-    """A request's KV blocks in host memory (pinned_host): per group, per layer, rows [blocks * B, width]."""
-
-    arrays: dict[str, tuple[jax.Array, ...]]
-    nbytes: int
-
-
 @jax.jit
 def _take_tokens(hidden_RTD, order_T):
     return hidden_RTD[:, order_T]
 
 
-@jax.jit
-def _gather_rows(arr, slots):
-    return arr[slots]
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _pages_d2h(host_tables, dev_tables, src_slots, dst_slots):
-    """host[dst] = device[src] for each layer's table pair (slots -1: padding, dropped)."""
-    out = []
-    for host, dev in zip(host_tables, dev_tables):
-        rows = dev.at[jnp.maximum(src_slots, 0)].get(mode="promise_in_bounds")
-        out.append(put_host_rows(host, jnp.where(src_slots >= 0, dst_slots, host.shape[0]), rows))
-    return tuple(out)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _pages_h2d(dev_tables, host_tables, src_slots, dst_slots):
-    """device[dst] = host[src] for each layer's table pair (slots -1: padding, dropped)."""
-    out = []
-    for dev, host in zip(dev_tables, host_tables):
-        rows = take_host_rows(host, jnp.maximum(src_slots, 0))
-        out.append(dev.at[jnp.where(src_slots >= 0, dst_slots, dev.shape[0])].set(rows, mode="drop"))
-    return tuple(out)
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
-    return (hot_pos.at[lease].set(-1), hot_last.at[lease].set(jnp.iinfo(jnp.int32).min),
-            hot_rows.at[lease].set(rows_H))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter_rows(arr, slots, rows):
-    return arr.at[slots].set(rows)
-
-
 class ModelRunner:
-    """Runs scheduled steps on `devices` (default: the first max(PCP, DCP) of `jax.devices()`; a data-
+    """Executes step plans on `devices` (default: the first max(PCP, DCP) of `jax.devices()`; a data-
     parallel replica passes its own group). One device: weights and KV pool live there. Several: a
-    context mesh over them (parallel.model)."""
+    context mesh over them (parallel.model). `sizes`: the replica's pool, page and host-pool sizes
+    (glm53.engine.config.KVSizes), the same numbers its policy plans with."""
 
-    def __init__(self, model: GLM53, deploy: DeployConfig, num_blocks: int, devices=None):
+    def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None):
         self.model = model
         self.deploy = deploy
+        self.sizes = sizes
         self.c = compiled(model)
         n = deploy.context_parallel_size
         if devices is None:  # this process's devices, in the order make_mesh uses
@@ -214,11 +114,10 @@ class ModelRunner:
                              f"{n} devices of the context axis")
         self.devices = devices
         with jax.default_device(devices[0]):  # every array this runner creates starts on its devices
-            self._init(num_blocks)
+            self._init(sizes.num_blocks)
 
     def _init(self, num_blocks: int):
         model, deploy = self.model, self.deploy
-        kv_dtype = jnp.dtype(model.dtype).name if deploy.kv_cache_dtype == "auto" else deploy.kv_cache_dtype
         self.max_rows = _pow2_at_least(deploy.max_num_seqs)
         self.max_tokens = _pow2_at_least(deploy.max_num_batched_tokens)
         self.num_blocks = num_blocks
@@ -232,7 +131,7 @@ class ModelRunner:
                                          self._table("mla", self.max_rows, []),
                                          index_block_size=deploy.index_block_size,
                                          index_block_table=self._table("indexer", self.max_rows, []),
-                                         kv_cache_dtype=kv_dtype,
+                                         kv_cache_dtype=self.sizes.kv_cache_dtype,
                                          include_mtp=False)
         if self.mesh is not None:
             self.cache = parallel_model.place(self._cp_cache(self.cache, False), self.mesh).local
@@ -242,151 +141,44 @@ class ModelRunner:
             self._cp_zero = jax.device_put(zero_counters(n), NamedSharding(self.mesh, P("cp")))
             self._cp_pending: list[dict] = []
             self._cp_totals = {k: np.zeros(n, np.int64) for k in self._cp_zero}
+            # host copies of KV live with the rank that holds it (a DCP shard, or every replica's copy)
+            spec = P("cp") if self.kv_ranks > 1 else P()
+            host = NamedSharding(self.mesh, spec, memory_kind="pinned_host")
+            device = NamedSharding(self.mesh, spec, memory_kind="device")
         else:  # weights and pool committed to this runner's device (a data-parallel replica's own copy)
             self.cache = jax.device_put(self.cache, self.devices[0])
             self.state = jax.device_put(self.c.state, self.devices[0])
+            host = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="pinned_host")
+            device = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="device")
         # "auto": the model picks the dense form for short windows and, on CPU, for prefill chunks over a
         # few times top-k (attention.dense_mla.use_dense_mha); force_mqa sends everything sparse
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
-        self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
-        if self.mesh is None:
-            self._host = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="pinned_host")
-            self._device = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="device")
-        else:  # host copies of KV live with the rank that holds it (a DCP shard, or every replica's copy)
-            spec = P("cp") if self.kv_ranks > 1 else P()
-            self._host = NamedSharding(self.mesh, spec, memory_kind="pinned_host")
-            self._device = NamedSharding(self.mesh, spec, memory_kind="device")
+        sz = self.sizes
         self.hisparse = deploy.kv_policy == "hisparse"
-        if self.hisparse:
-            self._init_hisparse()
+        self.host = HostMemory(self.cache, page_rows={"mla": deploy.block_size,
+                                                      "indexer": deploy.index_block_size or deploy.block_size},
+                               kv_ranks=self.kv_ranks, num_blocks=num_blocks, host=host, device=device,
+                               host_blocks=sz.host_blocks or None,
+                               hot=(sz.max_leases, len(self.cache.index), sz.hot_rows) if self.hisparse else None)
+        if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
+            raise RuntimeError(f"page bytes of the device arrays {self.host.page_bytes} differ from "
+                               f"kvcache.layout's {sz.page_bytes}")
 
-    # ------------------------------------------------------------------------------ HiSparse support
     @property
     def capacity(self) -> int:
         """Positions per request the block tables address (all DCP ranks together)."""
         return self.cache.capacity * self.kv_ranks
 
-    def page_bytes(self, group: str) -> int:
-        """Bytes of one page (block_size rows; index_block_size for the indexer; on every DCP rank) of a
-        group, all its layers."""
-        row = sum(a.shape[1] * a.dtype.itemsize for a in self._group_arrays(group))
-        return row * self._page_rows(group) * self.kv_ranks
-
-    def _page_rows(self, group: str) -> int:
-        return (self.deploy.index_block_size or self.deploy.block_size) if group == "indexer" else self.deploy.block_size
-
-    def _init_hisparse(self):
-        d, cfg = self.deploy, self.model.cfg
-        # a decode step selects top-k rows per token; with MTP a step verifies num_speculative_tokens + 1
-        # tokens, and one more top-k of slack keeps the previous step's rows: (spec + 2) x top-k
-        self.hot_rows = d.hisparse_device_buffer_size or (d.num_speculative_tokens + 2) * cfg.index_topk
-        if self.hot_rows < cfg.index_topk:
-            raise ValueError(f"DeployConfig.hisparse_device_buffer_size={self.hot_rows} is below the model's top-k "
-                             f"({cfg.index_topk}): a step's misses would not fit the hot buffer")
-        self.host_blocks = {"mla": d.hisparse_host_pool_bytes // self.page_bytes("mla"),
-                            "indexer": d.cpu_offload_bytes // self.page_bytes("indexer")}
-        if self.host_blocks["mla"] < 1:
-            raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={d.hisparse_host_pool_bytes} holds no MLA page "
-                             f"({self.page_bytes('mla')} bytes)")
-        self.host_tables = {g: tuple(jax.device_put(jnp.zeros((max(n, 1) * self._page_rows(g), a.shape[1]), a.dtype),
-                                                    self._host)
-                                     for a in self._group_arrays(g)) for g, n in self.host_blocks.items()}
-        groups = len(self.cache.index)
-        self.hot_state = (jnp.full((self.max_rows, groups, self.hot_rows), -1, jnp.int32),
-                          jnp.full((self.max_rows, groups, self.hot_rows), jnp.iinfo(jnp.int32).min, jnp.int32),
-                          jnp.full((self.max_rows, self.hot_rows), -1, jnp.int32))
-        self.lru_step = 0
-        self.resolve_stats = ResolveStats()
-
-    def _set_group_arrays(self, group: str, arrays) -> None:
-        self.cache = dataclasses.replace(self.cache, **{"mla" if group == "mla" else "index": tuple(arrays)})
-
-    def copy_pages(self, group: str, direction: str, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Whole pages between the device pool and the HiSparse host pools, every layer of `group` in one
-        call ("d2h": device src -> host dst; "h2d": host src -> device dst). Pads to a power-of-two page
-        count (fewer programs); counts the real bytes."""
-        n = len(src_blocks)
-        if n == 0:
-            return
-        width = _pow2_at_least(n)
-        src = np.full(width, -1, np.int32)
-        dst = np.full(width, -1, np.int32)
-        src[:n], dst[:n] = src_blocks, dst_blocks
-        src_s, dst_s = jnp.asarray(self._page_slots(group, src)), jnp.asarray(self._page_slots(group, dst))
-        nbytes = n * self.page_bytes(group)
-        if direction == "d2h":
-            self.host_tables[group] = _pages_d2h(self.host_tables[group], self._group_arrays(group), src_s, dst_s)
-            self.transfers.d2h_bytes += nbytes
-        elif direction == "h2d":
-            self._set_group_arrays(group, _pages_h2d(self._group_arrays(group), self.host_tables[group], src_s, dst_s))
-            self.transfers.h2d_bytes += nbytes
-        else:
-            raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
-
-    def reset_lease(self, lease: int, blocks: list[int]) -> None:
-        rows = self._page_slots("mla", blocks)[: self.hot_rows]
-        self.hot_state = _reset_lease(*self.hot_state, lease, jnp.asarray(rows))
-
-    def _count_resolve(self, req_ids: list[str]) -> None:
-        hs, n = self._last_resolve, len(req_ids)
-        hits, misses, copied, unserved = (np.asarray(x)[:n] for x in (hs.hits, hs.misses, hs.copied, hs.unserved))
+    def _resolve_record(self, req_ids: tuple[str, ...], view: HiSparseView) -> tuple[ResolveRecord, int]:
+        """The counts a HiSparse decode forward's resolvers left in its view -> (record, bytes copied)."""
+        n = len(req_ids)
+        hits, misses, copied, unserved = (np.asarray(x)[:n] for x in (view.hits, view.misses, view.copied,
+                                                                       view.unserved))
         if unserved.any():  # never read fewer rows than selected without saying so
             bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
             raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: {bad}")
-        st = self.resolve_stats
-        st.hot_hits += int(hits.sum())
-        st.hot_misses += int(misses.sum())
-        st.h2d_rows += int(copied.sum())
-        self.transfers.h2d_bytes += int(copied.sum()) * self.cache.mla[0].shape[1] * self.cache.mla[0].dtype.itemsize
-        if st.log is not None:
-            st.log.append((req_ids, hits, misses, copied))
-
-    def _hisparse_view(self, rows: int, info: dict) -> HiSparseView:
-        host = self._table("mla", rows, info["host"])
-        lease = np.full(rows, -1, np.int32)
-        lease[: len(info["lease"])] = info["lease"]
-        self.lru_step += 1
-        return HiSparseView.create(self.host_tables["mla"], host, lease, *self.hot_state, self.lru_step,
-                                   self.model.cfg.index_topk)
-
-    def _page_slots(self, group: str, blocks) -> np.ndarray:
-        """Slots of the whole pages `blocks` of `group`: int32 [len(blocks) x page rows], -1 for block -1."""
-        b = self._page_rows(group)
-        blk = np.asarray(blocks, np.int32).reshape(-1, 1)
-        slots = np.where(blk >= 0, blk * b + np.arange(b, dtype=np.int32), -1).reshape(-1)
-        if self.kv_ranks > 1:  # DCP: the page on every rank; rank r's table starts at r * num_blocks * b
-            ranks = np.arange(self.kv_ranks, dtype=np.int32)[:, None] * (self.num_blocks * b)
-            slots = np.where(slots >= 0, slots[None, :] + ranks, -1).reshape(-1)
-        return slots
-
-    def _group_arrays(self, group: str):
-        return self.cache.mla if group == "mla" else self.cache.index
-
-    def offload(self, tables: dict[str, list[int]]) -> HostKV:
-        """Copy the blocks `tables` names (per group) to host memory. The only device->host path."""
-        arrays, nbytes = {}, 0
-        for g, blocks in tables.items():
-            slots = jnp.asarray(self._page_slots(g, blocks))
-            # on a mesh, first lay the rows out like the pool (rank r's pages on rank r; `_page_slots` is
-            # rank-major): device_put cannot change the layout and the memory kind in one go
-            arrays[g] = tuple(jax.device_put(jax.device_put(_gather_rows(a, slots), self._device), self._host)
-                              for a in self._group_arrays(g))
-            nbytes += sum(x.nbytes for x in arrays[g])
-        self.transfers.d2h_bytes += nbytes
-        return HostKV(arrays, nbytes)
-
-    def restore(self, saved: HostKV, tables: dict[str, list[int]]) -> None:
-        """Copy a host copy back into the blocks `tables` names (same block counts). The only
-        host->device path."""
-        groups = {}
-        for g, blocks in tables.items():
-            slots = jnp.asarray(self._page_slots(g, blocks))
-            groups[g] = tuple(_scatter_rows(a, slots, jax.device_put(h, self._device))
-                              for a, h in zip(self._group_arrays(g), saved.arrays[g]))
-        self.transfers.h2d_bytes += saved.nbytes
-        self.cache = dataclasses.replace(self.cache, mla=groups.get("mla", self.cache.mla),
-                                         index=groups.get("indexer", self.cache.index))
+        return ResolveRecord(req_ids, hits, misses, copied), int(copied.sum()) * self.host.row_bytes_mla
 
     def _table(self, group: str, rows: int, tables: list[list[int]]) -> np.ndarray:
         width = self.deploy.max_index_blocks_per_seq if group == "indexer" else self.deploy.max_blocks_per_seq
@@ -412,16 +204,29 @@ class ModelRunner:
 
     def warmup(self, shapes=None) -> int:
         """Compile the programs of `shapes` (default: every bucket) by running padding-only steps, which
-        write nothing (every slot is -1). -> number of shapes run. After this a serving run compiles
-        nothing new on the decode / prefill path (tests/engine asserts it by counting compilations)."""
+        write nothing (every slot is -1), and every copy program of the KV policy (kvcache.host); under
+        HiSparse each decode shape also runs with a hot-buffer view. -> number of shapes run. After this
+        a serving run compiles nothing (tests/engine counts compilations under every policy)."""
         shapes = self.bucket_shapes() if shapes is None else shapes
         for rows, width, window in shapes:
             tok = np.zeros((rows, width), np.int32)
             pos = np.full((rows, width), -1, np.int32)
-            hidden = self._forward(tok, pos, self._table("mla", rows, []), self._table("indexer", rows, []), window)
-            logits = self._last_logits(self.state, hidden, np.zeros(rows, np.int32))
-            ones = np.ones(rows, np.float32)
-            _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
+            views = [None]
+            if self.hisparse and width == 1:
+                views.append(self.host.view(self._table("mla", rows, []), np.full(rows, -1, np.int32),
+                                            self.model.cfg.index_topk))
+            for view in views:
+                hidden = self._forward(tok, pos, self._table("mla", rows, []), self._table("indexer", rows, []),
+                                       window, view)
+                logits = self._last_logits(self.state, hidden, np.zeros(rows, np.int32))
+                ones = np.ones(rows, np.float32)
+                _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
+        if shapes:
+            d = self.deploy
+            blocks = {"mla": d.max_blocks_per_seq, "indexer": d.max_index_blocks_per_seq} \
+                if d.kv_policy == "offload" else {}
+            self.cache = self.host.warmup(self.cache, blocks)
+        self.host.lru_step = 0
         self.cp_work_per_rank(reset=True)  # warm-up steps are not serving work
         return len(shapes)
 
@@ -475,10 +280,8 @@ class ModelRunner:
                                           form=form, impl=self.deploy.attention_impl,
                                           last_only=tok.shape[1] > 1 and hisparse is None)
         if cache.hisparse is not None:
-            hs = cache.hisparse
-            self.host_tables["mla"] = hs.host_mla
-            self.hot_state = (hs.hot_pos, hs.hot_last, hs.hot_rows)
-            self._last_resolve = hs
+            self.host.absorb(cache.hisparse)
+            self._last_view = cache.hisparse
             cache = dataclasses.replace(cache, hisparse=None)
         self.cache = cache
         return hidden
@@ -524,61 +327,71 @@ class ModelRunner:
             last_R = np.zeros_like(last_R)
         return _last_logits(self.c.logits, state, hidden_RTD, last_R)
 
-    def execute(self, chunks, block_tables):
-        # One forward per width bucket: decode rows never pad to a prefill chunk's width, and a chunk
-        # pads to less than twice its length. The groups are independent requests, so running them one
-        # after the other on the same cache computes exactly what one batch would.
+    def execute(self, plan: StepPlan) -> StepResult:
+        """The plan's transfers in order, then one forward per width bucket (decode rows never pad to a
+        prefill chunk's width, and a chunk pads to less than twice its length; the groups are independent
+        requests, so running them one after the other on the same cache computes exactly what one batch
+        would), then sampling."""
+        self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
         groups: dict[int, list[int]] = {}
-        for i, ch in enumerate(chunks):
-            groups.setdefault(self._width(ch.num_tokens), []).append(i)
-        out = {}
-        hs = block_tables.get("hisparse")
+        for i, row in enumerate(plan.rows):
+            groups.setdefault(self._width(row.num_tokens), []).append(i)
+        tokens, resolves = {}, []
+        hs = plan.hisparse
         for width, idx in groups.items():
             # the resolver runs only for decode rows of which some hold a hot buffer; without one every
             # selected page is on the device and the plain step reads it
-            leased = hs is not None and width == 1 and any(hs["lease"][i] >= 0 for i in idx)
-            info = {k: [v[i] for i in idx] for k, v in hs.items()} if leased else None
-            out.update(self._run_group([chunks[i] for i in idx], [block_tables["mla"][i] for i in idx],
-                                       [block_tables["indexer"][i] for i in idx], width, info))
-        return out
+            leased = hs is not None and width == 1 and any(hs[i].lease >= 0 for i in idx)
+            rows = [plan.rows[i] for i in idx]
+            view = None
+            if leased:
+                r = _pow2_at_least(len(idx))
+                lease = np.full(r, -1, np.int32)
+                lease[: len(idx)] = [hs[i].lease for i in idx]
+                view = self.host.view(self._table("mla", r, [hs[i].host_blocks for i in idx]), lease,
+                                      self.model.cfg.index_topk)
+            tokens.update(self._run_group(rows, [plan.block_tables["mla"][i] for i in idx],
+                                          [plan.block_tables["indexer"][i] for i in idx], width, view))
+            if view is not None:
+                rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), self._last_view)
+                resolves.append(rec)
+                h2d += nbytes
+        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves))
 
-    def _run_group(self, chunks, tables_mla, tables_index, width, hisparse=None) -> dict[str, int]:
-        rows = _pow2_at_least(len(chunks))
-        tok = np.zeros((rows, width), np.int32)
-        pos = np.full((rows, width), -1, np.int32)
-        last = np.zeros(rows, np.int32)
-        for i, ch in enumerate(chunks):
-            tok[i, : ch.num_tokens] = ch.request.token_slice(ch.start, ch.start + ch.num_tokens)
-            pos[i, : ch.num_tokens] = np.arange(ch.start, ch.start + ch.num_tokens)
-            last[i] = ch.num_tokens - 1
+    def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width, view=None) -> dict[str, tuple[int]]:
+        r = _pow2_at_least(len(rows))
+        tok = np.zeros((r, width), np.int32)
+        pos = np.full((r, width), -1, np.int32)
+        last = np.zeros(r, np.int32)
+        for i, row in enumerate(rows):
+            tok[i, : row.num_tokens] = row.token_ids
+            pos[i, : row.num_tokens] = np.arange(row.start, row.start + row.num_tokens)
+            last[i] = row.num_tokens - 1
         window = window_bucket(int(pos.max()) + 1, self.capacity)
-        view = None if hisparse is None else self._hisparse_view(rows, hisparse)
-        hidden = self._forward(tok, pos, self._table("mla", rows, tables_mla), self._table("indexer", rows, tables_index),
+        hidden = self._forward(tok, pos, self._table("mla", r, tables_mla), self._table("indexer", r, tables_index),
                                window, view)
-        if view is not None:
-            self._count_resolve([ch.request.req_id for ch in chunks])
-        need = [i for i, ch in enumerate(chunks) if ch.start + ch.num_tokens == ch.request.num_tokens]
+        need = [i for i, row in enumerate(rows) if row.sample]
         if not need:
             return {}
         logits = self._last_logits(self.state, hidden, last)
-        return self._pick(logits, [chunks[i].request for i in need], need)
+        return self._pick(logits, [rows[i] for i in need], need)
 
-    def _pick(self, logits_RV, reqs, rows) -> dict[str, int]:
+    def _pick(self, logits_RV, rows: list[PlanRow], idx: list[int]) -> dict[str, tuple[int]]:
         out = {}
-        sample_rows = [(i, r) for i, r in zip(rows, reqs) if not r.params.greedy]
-        greedy = [(i, r) for i, r in zip(rows, reqs) if r.params.greedy]
+        sample_rows = [(i, r) for i, r in zip(idx, rows) if not r.params.greedy]
+        greedy = [(i, r) for i, r in zip(idx, rows) if r.params.greedy]
         if greedy:
             host = np.asarray(logits_RV)
             for i, r in greedy:
-                out[r.req_id] = int(np.argmax(host[i]))
+                out[r.req_id] = (int(np.argmax(host[i])),)
         if sample_rows:
             n = len(logits_RV)
             seeds, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
             temps, top_ps = np.ones(n, np.float32), np.ones(n, np.float32)
             for i, r in sample_rows:
-                seeds[i], counters[i] = r.params.seed, len(r.output_ids)
+                seeds[i], counters[i] = r.params.seed, r.num_generated
                 temps[i], top_ps[i] = r.params.temperature, r.params.top_p
             toks = np.asarray(_sample(logits_RV, seeds, counters, temps, top_ps))
             for i, r in sample_rows:
-                out[r.req_id] = int(toks[i])
+                out[r.req_id] = (int(toks[i]),)
         return out

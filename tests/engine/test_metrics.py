@@ -6,7 +6,7 @@ import pytest
 
 from glm53.engine.metrics import PrometheusExporter, summarize
 from glm53.engine.request import RequestOutput
-from glm53.engine.runner import TransferStats
+from kvcache.transfer import TransferStats
 from glm53.engine.scheduler import SchedulerStats
 
 

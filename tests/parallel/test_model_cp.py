@@ -142,7 +142,7 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
     assert eng.scheduler.stats.offloads >= 1 and eng.scheduler.stats.recomputed_tokens == 0
-    assert eng.runner.transfers.h2d_bytes == eng.runner.transfers.d2h_bytes > 0
+    assert eng.scheduler.transfers.h2d_bytes == eng.scheduler.transfers.d2h_bytes > 0
     kv = eng.runner.cache.mla[0]
     assert len(kv.sharding.device_set) == 8 and kv.sharding.spec == jax.sharding.PartitionSpec("cp")
     assert eng.deploy.max_blocks_per_seq == -(-96 // (BS * 8))  # a block id covers B x N tokens

@@ -1,0 +1,120 @@
+"""One engine step as data: the scheduler's `StepPlan`, a runner's `StepResult`, and the `Runner` and
+`Clock` protocols that connect them.
+
+    plan = scheduler.schedule()        # decides: rows, block tables, KV transfers (touches no arrays)
+    result = runner.execute(plan)      # computes: transfers in order, the forward, sampling
+    scheduler.update(plan, result)     # advances requests; policies decide what moves next
+
+A plan is complete and frozen: a runner reads nothing else (not the scheduler, not a request), so any
+runner can execute it: the model on one device or a mesh (glm53.engine.runner.ModelRunner), a runner
+that returns synthetic tokens (glm53.engine.synthetic), a simulator that prices it. Field comments give
+shape and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+
+from glm53.engine.request import SamplingParams
+from kvcache.hisparse import HiSparseRow
+from kvcache.transfer import Transfer
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One request's share of a step: the tokens whose KV it computes and whether it samples."""
+
+    req_id: str
+    # position of token_ids[0]; the row computes positions [start, start + num_tokens)
+    start: int
+    # int32 [num_tokens]: a prefill chunk, or the one token a decoding request feeds back
+    token_ids: np.ndarray
+    # whether the row samples after its last token (a prefill chunk short of the prompt's end does not)
+    sample: bool
+    # how to sample, and the PRNG counter: tokens the request generated before this step (a request
+    # samples the same tokens whatever it is batched with)
+    params: SamplingParams
+    num_generated: int
+    # the last num_draft_tokens of token_ids are draft tokens to verify (room for MTP speculative
+    # decoding; 0 until it is built, so a row returns one token)
+    num_draft_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything one step runs, in the order a runner must do it: `transfers`, then the forward of
+    `rows` over `block_tables`, then sampling."""
+
+    # the scheduler's step index (0-based; steps that only move KV have no rows and no index of their own)
+    step: int
+    rows: tuple[PlanRow, ...]
+    # per cache group ("mla", "indexer"), per row: the request's block ids in position order (-1: a page
+    # with no device block, HiSparse only); one entry covers kvcache.block_pool tokens_per_block tokens
+    # (the group's own page size)
+    block_tables: Mapping[str, tuple[tuple[int, ...], ...]]
+    # HiSparse only (else None), per row: its MLA pages' host-pool blocks and its hot-buffer lease
+    hisparse: tuple[HiSparseRow, ...] | None
+    # KV movement the step needs, executed in order before the forward (kvcache.transfer's contract):
+    # page copies to and from the host pools, offload saves and loads, hot-buffer resets
+    transfers: tuple[Transfer, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolveRecord:
+    """What one HiSparse decode forward's resolvers did: per row of `req_ids`, hits and misses [n, G]
+    (G IndexShare groups) and rows copied host->device over all layers [n]."""
+
+    req_ids: tuple[str, ...]
+    hits: np.ndarray
+    misses: np.ndarray
+    copied: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What a runner reports for a plan."""
+
+    # per request that sampled: its new tokens in order (one per step today; several once MTP verifies
+    # drafts), in the runner's row order
+    tokens: Mapping[str, tuple[int, ...]]
+    # indices into plan.transfers of the operations that completed (all of them for the runners here;
+    # an asynchronous runner may report some later)
+    completed: frozenset[int]
+    # bytes moved by the transfers and by the decode step's row copies
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    resolves: tuple[ResolveRecord, ...] = ()
+
+
+class Runner(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: the plan's transfers in order, the forward of its rows (their KV written), and
+        sampling for the rows with `sample`."""
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds since an arbitrary origin."""
+
+    def sleep(self, seconds: float) -> None:
+        """Let `seconds` pass (a client waiting for its next arrival; a virtual clock just advances)."""
+
+
+class WallClock:
+    def __init__(self):
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))

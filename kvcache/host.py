@@ -1,0 +1,424 @@
+"""Device <-> host movement of KV: host pools in `pinned_host` memory, page copies, the host-row gather
+HiSparse's decode step uses, and the counts of what moved. The one room where KV crosses the link.
+
+- `take_host_rows` / `put_host_rows`: rows of a pinned_host table to device memory and back, usable
+  inside jit (the gather / scatter runs on the host, so only the selected rows cross).
+- `copy_host_rows`: a resolver plan's (host row -> device row) copies, outside jit (tests, checks).
+- `HiSparseView`: what a HiSparse decode step carries in the paged cache (host pool tables, hot
+  buffers, the resolver's plan) and the per-layer row copy (`copy_rows`).
+- `HostMemory`: one replica's host side: executes a plan's transfer operations (kvcache.transfer) in
+  order against the device cache and counts the bytes each moves.
+
+On CPU both memory kinds are the same RAM: everything here runs, and its bytes are counted exactly,
+but their time is modelled (kvcache.transfer.TransferStats); that only the counted bytes cross a PCIe
+link is for the GPU device check (experiments/check_hisparse_copy.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.compute_on import compute_on
+
+from attention.hisparse import NEVER_USED, HotBuffer, resolve
+from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, Transfer
+
+
+# ------------------------------------------------------------------------------------ row primitives
+@jax.jit
+def _take_host_rows(host_table, idx):
+    return take_host_rows(host_table, idx)
+
+
+def take_host_rows(host_table, idx):
+    """Rows `idx` (device int32 [N], in range) of a pinned_host table, gathered on the host and
+    delivered to device memory; usable inside jit. Only these N rows cross (the GPU check confirms)."""
+    return _gather_on_host(host_table, jax.device_put(idx, jax.memory.Space.Host))
+
+
+@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
+def _gather_on_host(table, idx):
+    return table.at[idx].get(mode="promise_in_bounds")
+
+
+@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+def _scatter_on_host(table, idx, rows):
+    return table.at[idx].set(rows, mode="drop")
+
+
+def put_host_rows(host_table, idx, rows):
+    """host_table[idx] = rows for a pinned_host table, rows from device memory (device->host path);
+    idx out of range (e.g. host_table.shape[0]) drops the row. Usable inside jit."""
+    return _scatter_on_host(host_table, jax.device_put(idx, jax.memory.Space.Host),
+                            jax.device_put(rows, jax.memory.Space.Host))
+
+
+def copy_host_rows(device_table, host_table, copy_src, copy_dst):
+    """Copy the plan's rows host -> device: device_table[dst] = host_table[src] for every pair with
+    src >= 0. device_table [N, W] (device memory), host_table [N_host, W] (pinned_host memory kind).
+    -> (new device_table, rows copied).
+
+    How only those rows move: the source indices go to pinned_host memory (a few KB) and the gather runs
+    on the host (`compute_on("device_host")`), producing its result in device memory, so the pool itself
+    never crosses. Two JAX traps on the way (docs/kernels.md): a gather whose operand is in pinned_host
+    and whose indices are on the device is rejected ("memory_space of all inputs ... must be the same"),
+    and `jnp.take` / `x[i]` fail even with host indices because their bounds checks add device-side
+    constants; `x.at[i].get(mode="promise_in_bounds")` does not (the indices are checked here instead).
+    `device_put(pool)[idx]` would work but copies the whole pool. On CPU both memories are the same RAM:
+    this proves semantics; that only these rows cross a PCIe link is for the GPU device check.
+    """
+    src = np.asarray(copy_src).reshape(-1)
+    dst = np.asarray(copy_dst).reshape(-1)
+    keep = src >= 0
+    if not keep.any():
+        return device_table, 0
+    src, dst = src[keep], dst[keep]
+    if src.max() >= host_table.shape[0] or dst.max() >= device_table.shape[0] or dst.min() < 0:
+        raise IndexError(f"copy plan out of range: host rows < {host_table.shape[0]}, device rows < "
+                         f"{device_table.shape[0]}, got {src.max()} / {dst.max()}")
+    rows = _take_host_rows(host_table, jnp.asarray(src.astype(np.int32)))
+    return _put_rows(device_table, jnp.asarray(dst), rows), int(src.size)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_rows(table, idx, rows):
+    return table.at[idx].set(rows)
+
+
+# ------------------------------------------------------------------------------ the decode step's view
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["host_mla", "host_table", "lease", "hot_pos", "hot_last", "hot_rows", "step",
+                                "plan_rows", "plan_src", "plan_dst", "copy_src", "copy_dst", "copy_branch", "hits",
+                                "misses", "copied", "unserved"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class HiSparseView:
+    """What a decode step needs to resolve sparse-MLA reads under HiSparse (a field of the paged cache).
+
+    host_mla: per MLA layer, the host pool table [N_host * block_size, width] (pinned_host memory kind).
+    host_table [R, M] int32: host-pool block of each page of the batch's requests (-1: no host copy).
+    lease [R] int32: the row's hot-buffer lease (-1: none; such a row must have every selected page on
+        the device, which the host side guarantees).
+    hot_pos / hot_last [L, G, H] int32: per lease and IndexShare group, the hot slots' positions and
+        last-use steps; hot_rows [L, H] int32: the device rows (global slots) of each lease, one set of
+        rows shared by all layers (each layer's table holds its own data in them).
+    step: int32 scalar LRU clock.
+    plan_rows / plan_src / plan_dst [R, K]: the plan the current group's full layer made; its shared
+        layers replay it on their own tables.
+    copy_src / copy_dst [R * K]: the plan's copies compacted to the front; copy_branch: which static
+        copy size (`copy_sizes`) covers them, 0 = nothing to copy. Each layer copies that many rows, so
+        a step moves at most 8x its misses (rounded up to R * K / 64), and nothing when none miss.
+    hits / misses [R, G] int32: per row and group, counted by the full layer's resolve.
+    copied [R] int32: host->device rows copied for the row over all layers (checked against
+        sum over groups of misses x layers in the group).
+    unserved [R] int32: selected positions with no row to read (no device page, no host copy, or no
+        lease for a miss): a bookkeeping bug upstream; the runner raises if any.
+    """
+
+    host_mla: tuple
+    host_table: jax.Array
+    lease: jax.Array
+    hot_pos: jax.Array
+    hot_last: jax.Array
+    hot_rows: jax.Array
+    step: jax.Array
+    plan_rows: jax.Array
+    plan_src: jax.Array
+    plan_dst: jax.Array
+    copy_src: jax.Array
+    copy_dst: jax.Array
+    copy_branch: jax.Array
+    hits: jax.Array
+    misses: jax.Array
+    copied: jax.Array
+    unserved: jax.Array
+
+    @staticmethod
+    def create(host_mla, host_table, lease, hot_pos, hot_last, hot_rows, step, topk: int) -> HiSparseView:
+        r = host_table.shape[0]
+        g = hot_pos.shape[1]
+        # distinct buffers: the step donates the whole view, and one buffer may not be donated twice
+        none = [jnp.full((r, topk), -1, jnp.int32) for _ in range(3)]
+        flat = [jnp.full((r * topk,), -1, jnp.int32) for _ in range(2)]
+        return HiSparseView(tuple(host_mla), jnp.asarray(host_table, jnp.int32), jnp.asarray(lease, jnp.int32),
+                            hot_pos, hot_last, hot_rows, jnp.asarray(step, jnp.int32), *none, *flat,
+                            jnp.zeros((), jnp.int32), jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g), jnp.int32),
+                            jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32))
+
+    @property
+    def copy_sizes(self) -> list[int]:
+        """Static copy sizes (rows per layer) the decode step chooses among: R*K/64, /8, /1."""
+        n = self.plan_src.size
+        return sorted({max(1, n >> k) for k in (6, 3, 0)})
+
+    def resolve(self, group: int, sel_RK, device_table_RM, block_size: int, *, impl: str = "auto") -> HiSparseView:
+        """The full layer of `group`: resolve its selection [R, K] against residency and the leases' hot
+        buffers (`resolve(..., impl=)`); keep the plan for the group's shared layers."""
+        n_lease = self.hot_pos.shape[0]
+        has = self.lease >= 0
+        lease = jnp.maximum(self.lease, 0)
+        hot = HotBuffer(jnp.where(has[:, None], self.hot_pos[lease, group], -1),
+                        jnp.where(has[:, None], self.hot_last[lease, group], NEVER_USED),
+                        jnp.where(has[:, None], self.hot_rows[lease], -1))
+        plan, hot = resolve(sel_RK, device_table_RM, self.host_table, block_size, hot, self.step, impl=impl)
+        # a row without a lease must never need one: its misses would have no slot to land in
+        rows = jnp.where(has[:, None] | (plan.copy_src < 0), plan.rows, -1)
+        back = jnp.where(has, lease, n_lease)  # rows without a lease write nothing back
+        src = jnp.where(has[:, None], plan.copy_src, -1)
+        dst = jnp.where(has[:, None], plan.copy_dst, -1)
+        order = jnp.argsort(src.reshape(-1) < 0, stable=True)  # the copies first
+        count = jnp.sum(src >= 0)
+        branch = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.asarray(self.copy_sizes), count))
+        return dataclasses.replace(
+            self,
+            hot_pos=self.hot_pos.at[back, group].set(hot.pos, mode="drop"),
+            hot_last=self.hot_last.at[back, group].set(hot.last_use, mode="drop"),
+            plan_rows=rows, plan_src=src, plan_dst=dst, copy_src=src.reshape(-1)[order],
+            copy_dst=dst.reshape(-1)[order], copy_branch=branch.astype(jnp.int32),
+            hits=self.hits.at[:, group].set(plan.hits),
+            misses=self.misses.at[:, group].set(jnp.where(has, plan.misses, 0)),
+            unserved=self.unserved + plan.lost + jnp.where(has, 0, plan.misses))
+
+    def copy_rows(self, layer_index: int, device_table):
+        """Apply the current plan's host->device copies to one layer's table (the one host->device path
+        of the decode step). -> (view with `copied` counted, new device table)."""
+        host = self.host_mla[layer_index]
+
+        def copy(k, table):
+            src, dst = self.copy_src[:k], self.copy_dst[:k]
+            rows = take_host_rows(host, jnp.maximum(src, 0))
+            return table.at[jnp.where(src >= 0, dst, table.shape[0])].set(rows, mode="drop")  # -1: dropped
+
+        branches = [lambda t: t] + [functools.partial(copy, k) for k in self.copy_sizes]
+        table = jax.lax.switch(self.copy_branch, branches, device_table)
+        return dataclasses.replace(self, copied=self.copied + jnp.sum(self.plan_src >= 0, axis=1)), table
+
+
+# ---------------------------------------------------------------------------------------- page copies
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _pages_d2h(host_tables, dev_tables, src_slots, dst_slots):
+    """host[dst] = device[src] for each layer's table pair (slots -1: padding, dropped)."""
+    out = []
+    for host, dev in zip(host_tables, dev_tables):
+        rows = dev.at[jnp.maximum(src_slots, 0)].get(mode="promise_in_bounds")
+        out.append(put_host_rows(host, jnp.where(src_slots >= 0, dst_slots, host.shape[0]), rows))
+    return tuple(out)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _pages_h2d(dev_tables, host_tables, src_slots, dst_slots):
+    """device[dst] = host[src] for each layer's table pair (slots -1: padding, dropped)."""
+    out = []
+    for dev, host in zip(dev_tables, host_tables):
+        rows = take_host_rows(host, jnp.maximum(src_slots, 0))
+        out.append(dev.at[jnp.where(src_slots >= 0, dst_slots, dev.shape[0])].set(rows, mode="drop"))
+    return tuple(out)
+
+
+@jax.jit
+def _gather_rows(arr, slots):
+    return arr[jnp.maximum(slots, 0)]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_rows(arr, slots, rows):
+    return arr.at[jnp.where(slots >= 0, slots, arr.shape[0])].set(rows, mode="drop")  # -1: padding, dropped
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
+    return (hot_pos.at[lease].set(-1), hot_last.at[lease].set(NEVER_USED), hot_rows.at[lease].set(rows_H))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostKV:
+    """A request's KV pages saved by the offload policy: per group, per layer, rows [padded pages x page
+    rows, width] in pinned_host memory; `nbytes`: the bytes of its real pages."""
+
+    arrays: dict[str, tuple[jax.Array, ...]]
+    nbytes: int
+
+
+GROUP_FIELDS = {"mla": "mla", "indexer": "index"}  # cache group -> the PagedKVCache field of its arrays
+
+
+class HostMemory:
+    """The host side of one replica's KV cache, and every copy between it and the device pool.
+
+    cache: the replica's paged cache (kvcache.paged.PagedKVCache, or its rank-local arrays on a mesh),
+        for array shapes, dtypes and page sizes. A block id names one page of `page_rows[group]` slots in
+        every layer of the group on each of `kv_ranks` DCP ranks; rank r's pages start at r x num_blocks.
+    host / device: shardings of host-resident and device-resident copies (memory kinds pinned_host and
+        device, laid out like the pool).
+    host_blocks: HiSparse's host pools, pages per group ({"mla": N, "indexer": M}; None: no HiSparse).
+    hot: HiSparse's hot buffers (leases, IndexShare groups, rows per lease), device int32 state.
+    max_copy_pages: pages per page-copy program; a larger copy runs in several (a bounded set of
+        programs, all compiled by `warmup`).
+
+    `apply(ops, cache)` runs a plan's operations in order and returns the new cache with the bytes moved
+    each way (real pages only; padding to a program's width moves nothing that is counted)."""
+
+    def __init__(self, cache, *, page_rows: dict[str, int], kv_ranks: int, num_blocks: int, host, device,
+                 host_blocks: dict[str, int] | None = None, hot: tuple[int, int, int] | None = None,
+                 max_copy_pages: int = 64):
+        self.page_rows = dict(page_rows)
+        self.kv_ranks = kv_ranks
+        self.num_blocks = num_blocks
+        self._host, self._device = host, device
+        self.max_copy_pages = max_copy_pages
+        self.page_bytes = {g: sum(a.shape[1] * a.dtype.itemsize for a in self._arrays(cache, g)) * rows * kv_ranks
+                           for g, rows in self.page_rows.items()}
+        self.row_bytes_mla = cache.mla[0].shape[1] * cache.mla[0].dtype.itemsize
+        self.saved: dict[str, HostKV] = {}
+        self.host_tables: dict[str, tuple[jax.Array, ...]] = {}
+        for g, n in (host_blocks or {}).items():
+            self.host_tables[g] = tuple(jax.device_put(jnp.zeros((max(n, 1) * self.page_rows[g], a.shape[1]), a.dtype),
+                                                       host) for a in self._arrays(cache, g))
+        self.hot_state = None
+        if hot is not None:
+            leases, groups, rows = hot
+            # committed to the device from the start, like every later version (a step's outputs): an
+            # uncommitted first version would compile the decode step once more
+            self.hot_state = tuple(jax.device_put(x, device) for x in (
+                jnp.full((leases, groups, rows), -1, jnp.int32), jnp.full((leases, groups, rows), NEVER_USED, jnp.int32),
+                jnp.full((leases, rows), -1, jnp.int32)))
+        self.lru_step = 0  # the resolver's LRU clock, one tick per decode group that resolves
+
+    @staticmethod
+    def _arrays(cache, group: str) -> tuple:
+        return getattr(cache, GROUP_FIELDS[group])
+
+    def page_slots(self, group: str, blocks) -> np.ndarray:
+        """Slots of the whole pages `blocks` of `group`: int32 [len(blocks) x page rows (x DCP ranks)],
+        -1 for block -1 (padding)."""
+        b = self.page_rows[group]
+        blk = np.asarray(blocks, np.int32).reshape(-1, 1)
+        slots = np.where(blk >= 0, blk * b + np.arange(b, dtype=np.int32), -1).reshape(-1)
+        if self.kv_ranks > 1:  # DCP: the page on every rank; rank r's table starts at r * num_blocks * b
+            ranks = np.arange(self.kv_ranks, dtype=np.int32)[:, None] * (self.num_blocks * b)
+            slots = np.where(slots >= 0, slots[None, :] + ranks, -1).reshape(-1)
+        return slots
+
+    # ------------------------------------------------------------------------------------- operations
+    def apply(self, ops: tuple[Transfer, ...], cache):
+        """Execute `ops` in order -> (new cache, device->host bytes, host->device bytes)."""
+        d2h = h2d = 0
+        for op in ops:
+            if isinstance(op, PageCopy):
+                cache, n = self._copy_pages(cache, op)
+                d2h, h2d = (d2h + n, h2d) if op.direction == "d2h" else (d2h, h2d + n)
+            elif isinstance(op, SaveKV):
+                n = self._save(cache, op)
+                d2h += n
+            elif isinstance(op, LoadKV):
+                cache, n = self._load(cache, op)
+                h2d += n
+            elif isinstance(op, ResetLease):
+                self._reset(op)
+            else:
+                raise TypeError(f"not a transfer operation: {op!r}")
+        return cache, d2h, h2d
+
+    def _copy_pages(self, cache, op: PageCopy, *, pad_to: int | None = None):
+        """Whole pages between the device pool and the group's host pool, every layer of the group; at
+        most max_copy_pages per program, each padded to a power of two. -> (cache, bytes)."""
+        if op.group not in self.host_tables:
+            raise ValueError(f"no host pool for cache group {op.group!r} (HiSparse is off)")
+        field = GROUP_FIELDS[op.group]
+        for lo in range(0, max(len(op.src), 1 if pad_to else 0), self.max_copy_pages):
+            src, dst = op.src[lo:lo + self.max_copy_pages], op.dst[lo:lo + self.max_copy_pages]
+            width = pad_to or _pow2_at_least(len(src))
+            src_s = jnp.asarray(self.page_slots(op.group, list(src) + [-1] * (width - len(src))))
+            dst_s = jnp.asarray(self.page_slots(op.group, list(dst) + [-1] * (width - len(dst))))
+            if op.direction == "d2h":
+                self.host_tables[op.group] = _pages_d2h(self.host_tables[op.group], getattr(cache, field), src_s, dst_s)
+            else:
+                cache = dataclasses.replace(cache, **{field: _pages_h2d(getattr(cache, field),
+                                                                        self.host_tables[op.group], src_s, dst_s)})
+        return cache, len(op.src) * self.page_bytes[op.group]
+
+    def _padded_slots(self, group: str, blocks) -> jax.Array:
+        blocks = list(blocks)
+        return jnp.asarray(self.page_slots(group, blocks + [-1] * (_pow2_at_least(len(blocks)) - len(blocks))))
+
+    def _save(self, cache, op: SaveKV) -> int:
+        """A request's pages to host memory (pages padded to a power of two per group). The only
+        device->host path of the offload policy."""
+        if op.key in self.saved:
+            raise ValueError(f"a host copy named {op.key!r} already exists")
+        arrays, nbytes = {}, 0
+        for g, blocks in op.blocks:
+            slots = self._padded_slots(g, blocks)
+            # on a mesh, first lay the rows out like the pool (rank r's pages on rank r; `page_slots` is
+            # rank-major): device_put cannot change the layout and the memory kind in one go
+            arrays[g] = tuple(jax.device_put(jax.device_put(_gather_rows(a, slots), self._device), self._host)
+                              for a in self._arrays(cache, g))
+            nbytes += len(blocks) * self.page_bytes[g]
+        self.saved[op.key] = HostKV(arrays, nbytes)
+        return nbytes
+
+    def _load(self, cache, op: LoadKV):
+        """A saved copy back into the blocks `op` names (same page counts) -> (cache, bytes); the copy is
+        dropped. The only host->device path of the offload policy."""
+        saved = self.saved.pop(op.key)
+        fields = {}
+        for g, blocks in op.blocks:
+            slots = self._padded_slots(g, blocks)
+            fields[GROUP_FIELDS[g]] = tuple(_scatter_rows(a, slots, jax.device_put(h, self._device))
+                                            for a, h in zip(self._arrays(cache, g), saved.arrays[g]))
+        return dataclasses.replace(cache, **fields), saved.nbytes
+
+    def _reset(self, op: ResetLease) -> None:
+        if self.hot_state is None:
+            raise ValueError("ResetLease without HiSparse hot buffers")
+        rows = self.page_slots("mla", op.blocks)[: self.hot_state[2].shape[1]]
+        self.hot_state = _reset_lease(*self.hot_state, op.lease, jnp.asarray(rows))
+
+    # ------------------------------------------------------------------------------ HiSparse decode view
+    def view(self, host_table_RM: np.ndarray, lease_R: np.ndarray, topk: int) -> HiSparseView:
+        """The HiSparse view of one decode group: rows' host pages [R, M] and leases [R] (-1: none). Takes
+        the host MLA tables and hot state (the step donates them); `absorb` takes them back."""
+        self.lru_step += 1
+        return HiSparseView.create(self.host_tables["mla"], host_table_RM, lease_R, *self.hot_state, self.lru_step,
+                                   topk)
+
+    def absorb(self, view: HiSparseView) -> None:
+        """Take back the host tables and hot state a decode step returned in its view."""
+        self.host_tables["mla"] = view.host_mla
+        self.hot_state = (view.hot_pos, view.hot_last, view.hot_rows)
+
+    # ------------------------------------------------------------------------------------------ warm-up
+    def warmup(self, cache, max_blocks_per_seq: dict[str, int]):
+        """Compile every copy program a serving run can use, with copies that move nothing (all slots
+        -1): page copies of every width up to max_copy_pages per host pool and direction, saves and loads
+        of every padded page count up to a request's pages (max_blocks_per_seq per group), the lease
+        reset. -> cache (unchanged values)."""
+        for g in self.host_tables:
+            for width in _widths(min(self.max_copy_pages, _pow2_at_least(self.num_blocks))):
+                for direction in ("d2h", "h2d"):
+                    cache, _ = self._copy_pages(cache, PageCopy(g, direction, (), ()), pad_to=width)
+        for g, n in max_blocks_per_seq.items():
+            for width in _widths(_pow2_at_least(n)):
+                slots = jnp.asarray(np.full(width * self.page_rows[g] * self.kv_ranks, -1, np.int32))
+                for a in self._arrays(cache, g)[:1]:  # one program per group: its layers share a shape
+                    rows = jax.device_put(jax.device_put(_gather_rows(a, slots), self._device), self._host)
+                    fields = list(self._arrays(cache, g))
+                    fields[0] = _scatter_rows(fields[0], slots, jax.device_put(rows, self._device))
+                    cache = dataclasses.replace(cache, **{GROUP_FIELDS[g]: tuple(fields)})
+        if self.hot_state is not None:
+            empty = np.full(self.hot_state[2].shape[1], -1, np.int32)
+            self.hot_state = _reset_lease(*self.hot_state, 0, jnp.asarray(empty))
+        return cache
+
+
+def _widths(largest: int) -> list[int]:
+    """Powers of two from 1 to `largest` (a power of two)."""
+    return [1 << i for i in range(largest.bit_length())]

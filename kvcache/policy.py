@@ -1,0 +1,185 @@
+"""KV policies: what happens to a request's KV when the device block pool runs out.
+
+A policy is a planner. It decides on the block pool (`kvcache.block_pool.KVCacheManager`) and on a
+narrow view of requests (`RequestView`), and it records the KV movement its decisions need as transfer
+operations (kvcache.transfer) in its outbox; the scheduler puts them into the step's plan and a runner
+executes them. A policy never holds device arrays, never calls a runner and never reaches into the
+scheduler, so the same decisions run against the model, a simulator or a test.
+
+The scheduler calls, per request: `admit` (take a cached prefix), `forget` (undo it: the request did not
+fit), `extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and what to do with
+them once allocated), `make_room` (free blocks without evicting anyone), `evict` (the request gives up
+its device blocks), `saved_tokens` / `restore` (KV held outside the pool and its return), `row_tables`
+(what the runner reads for the request's row this step), `on_finish`; per step: `after_step`. It takes
+the outbox with `take_transfers` at the end of each `schedule` and `update`.
+
+`PreemptPolicy` drops the victim's KV (vLLM's recompute preemption); `OffloadPolicy` swaps it to a host
+pool and back; `kvcache.hisparse.HiSparsePolicy` keeps requests decoding with most of their MLA KV on
+the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvcache.block_pool import KVCacheManager
+from kvcache.transfer import LoadKV, SaveKV, Transfer
+
+
+class RequestView(Protocol):
+    """What a policy may read of a request (the scheduler's `Request` is one)."""
+
+    req_id: str
+    num_computed_tokens: int  # leading tokens whose KV is cached or computed
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known so far: prompt + generated."""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """The prompt and the generated tokens (hashed for prefix caching)."""
+
+    @property
+    def extra_keys(self) -> tuple:
+        """Extra prefix-hash keys (the request's salt)."""
+
+
+RowTables = tuple[dict[str, tuple[int, ...]], object]  # (per cache group, the row's block table; HiSparse row or None)
+
+
+class KVPolicy(Protocol):
+    def take_transfers(self) -> list[Transfer]:
+        """The operations recorded since the last call, in decision order (the outbox is emptied)."""
+
+    def has_transfers(self) -> bool:
+        """Whether the outbox holds operations not yet taken."""
+
+    def admit(self, kv: KVCacheManager, req: RequestView) -> int:
+        """Start tracking a newly admitted request; -> prompt tokens whose KV is already available."""
+
+    def forget(self, kv: KVCacheManager, req: RequestView) -> None:
+        """Undo `admit` (the request did not fit after all)."""
+
+    def reserve_blocks(self) -> int:
+        """Blocks a request may need beyond its pages (checked against the pool size when it is added)."""
+
+    def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
+        """Device blocks a chunk of `num_tokens` needs beyond the pages of its new tokens."""
+
+    def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:
+        """Called once the chunk's blocks are allocated (and `extra_blocks` are free)."""
+
+    def make_room(self, kv: KVCacheManager, running: Sequence[RequestView], free_blocks: int) -> bool:
+        """Try to reach `free_blocks` free blocks without evicting a request; -> whether anything was freed."""
+
+    def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
+        """`victim` is about to give up its device blocks (the scheduler frees them right after). -> True if
+        the policy saved all of its computed KV outside the pool (nothing is recomputed; it comes back
+        through `restore`), False if what the device pool does not keep cached is recomputed."""
+
+    def saved_tokens(self, req: RequestView) -> int:
+        """Tokens of KV the policy holds for `req` outside the device pool (0: none)."""
+
+    def restore(self, kv: KVCacheManager, req: RequestView) -> None:
+        """Bring the saved KV into the request's newly allocated blocks."""
+
+    def row_tables(self, kv: KVCacheManager, req: RequestView) -> RowTables:
+        """What the runner reads for `req`'s row this step: its block table per cache group, and the
+        policy's per-row data (kvcache.hisparse.HiSparseRow, or None)."""
+
+    def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
+        """The request finished; the scheduler frees its device blocks right after."""
+
+    def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:
+        """After a step's results are in and the scheduler has advanced its requests."""
+
+
+class PreemptPolicy:
+    """Drop the victim's KV and recompute it when it runs again (vLLM's recompute preemption). The base
+    of the other policies: each hook does the plain thing."""
+
+    def __init__(self):
+        self.outbox: list[Transfer] = []
+
+    def take_transfers(self) -> list[Transfer]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def has_transfers(self) -> bool:
+        return bool(self.outbox)
+
+    def admit(self, kv: KVCacheManager, req: RequestView) -> int:
+        return kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
+
+    def forget(self, kv: KVCacheManager, req: RequestView) -> None:
+        pass
+
+    def reserve_blocks(self) -> int:
+        return 0
+
+    def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
+        return 0
+
+    def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:
+        pass
+
+    def make_room(self, kv: KVCacheManager, running: Sequence[RequestView], free_blocks: int) -> bool:
+        return False
+
+    def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
+        return False
+
+    def saved_tokens(self, req: RequestView) -> int:
+        return 0
+
+    def restore(self, kv: KVCacheManager, req: RequestView) -> None:
+        raise RuntimeError("the preempt policy saves no KV")
+
+    def row_tables(self, kv: KVCacheManager, req: RequestView) -> RowTables:
+        return {g: tuple(kv.block_table(req.req_id, g)) for g in kv.groups}, None
+
+    def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
+        pass
+
+    def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:
+        pass
+
+
+class OffloadPolicy(PreemptPolicy):
+    """Swap the victim's computed KV (every cache group, whole pages) to a host pool of `capacity_bytes`
+    and all of it back before the request runs again (`SaveKV` / `LoadKV`). A victim that does not fit
+    what is left of the host pool is preempted instead (its KV dropped). page_bytes: per cache group,
+    the bytes of one page (kvcache.layout.page_bytes)."""
+
+    def __init__(self, capacity_bytes: int, page_bytes: dict[str, int]):
+        super().__init__()
+        if capacity_bytes <= 0:
+            raise ValueError(f"the offload policy needs a host pool of > 0 bytes, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.page_bytes = dict(page_bytes)
+        self.used_bytes = 0
+        self.saved: dict[str, tuple[int, int]] = {}  # req_id -> (tokens, bytes) held on the host
+
+    @staticmethod
+    def _tables(kv: KVCacheManager, req: RequestView, tokens: int) -> dict[str, tuple[int, ...]]:
+        return {g: tuple(kv.block_table(req.req_id, g)[: kv.blocks_needed(tokens, g)]) for g in kv.groups}
+
+    def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
+        tables = self._tables(kv, victim, victim.num_computed_tokens)
+        nbytes = sum(len(t) * self.page_bytes[g] for g, t in tables.items())
+        if nbytes == 0 or self.used_bytes + nbytes > self.capacity_bytes:
+            return False
+        self.outbox.append(SaveKV(victim.req_id, tables))
+        self.saved[victim.req_id] = (victim.num_computed_tokens, nbytes)
+        self.used_bytes += nbytes
+        return True
+
+    def saved_tokens(self, req: RequestView) -> int:
+        return self.saved[req.req_id][0] if req.req_id in self.saved else 0
+
+    def restore(self, kv: KVCacheManager, req: RequestView) -> None:
+        tokens, nbytes = self.saved.pop(req.req_id)
+        self.outbox.append(LoadKV(req.req_id, self._tables(kv, req, tokens)))
+        self.used_bytes -= nbytes

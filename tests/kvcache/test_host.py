@@ -1,0 +1,142 @@
+"""The host room (kvcache.host): row copies move exactly the planned rows through the one function that
+copies them, and `HostMemory` executes transfer operations exactly (values, untouched neighbours,
+bytes as kvcache.layout counts them)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glm53
+from kvcache import host as host_mod
+from kvcache.host import HostMemory, copy_host_rows
+from kvcache.layout import page_bytes
+from kvcache.paged import PagedKVCache
+from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, bytes_moved
+
+DEV = jax.devices()[0]
+HOST = jax.sharding.SingleDeviceSharding(DEV, memory_kind="pinned_host")
+DEVICE = jax.sharding.SingleDeviceSharding(DEV, memory_kind="device")
+
+
+def test_copy_moves_only_the_planned_rows_from_pinned_host(monkeypatch):
+    crossed = []
+    take = host_mod._take_host_rows
+
+    def counting(table, idx):  # the one function that moves rows host -> device
+        crossed.append(np.asarray(idx).tolist())
+        return take(table, idx)
+
+    monkeypatch.setattr(host_mod, "_take_host_rows", counting)
+    host = jax.device_put(jnp.arange(40, dtype=jnp.float32).reshape(20, 2), HOST)
+    device = jnp.full((10, 2), -1.0)
+    out, n = copy_host_rows(device, host, jnp.asarray([[4, -1, 7]]), jnp.asarray([[1, -1, 8]]))
+    assert n == 2 and crossed == [[4, 7]]  # only the two planned rows crossed, nothing for the -1 slot
+    want = np.full((10, 2), -1.0)
+    want[1], want[8] = [8, 9], [14, 15]
+    np.testing.assert_array_equal(np.asarray(out), want)
+    assert copy_host_rows(device, host, jnp.asarray([[-1, -1]]), jnp.asarray([[-1, -1]]))[1] == 0
+    assert len(crossed) == 1  # a plan without copies moves nothing
+    with pytest.raises(IndexError, match="out of range"):
+        copy_host_rows(device, host, jnp.asarray([[25]]), jnp.asarray([[0]]))
+
+
+CFG = glm53.get_preset("tiny")
+BS, IBS, NUM_BLOCKS = 4, 8, 12
+
+
+def _cache(fmt="float32"):
+    cache = PagedKVCache.create(CFG, NUM_BLOCKS, BS, np.full((1, 4), -1, np.int32), kv_cache_dtype=fmt,
+                                include_mtp=False, index_block_size=IBS, index_block_table=np.full((1, 2), -1, np.int32))
+    rng = np.random.default_rng(0)
+
+    def fill(a):  # distinct values everywhere, so a row in the wrong place shows
+        if a.dtype == jnp.uint32:
+            return jnp.asarray(rng.integers(0, 2**32, a.shape, dtype=np.uint32))
+        return jnp.asarray(rng.standard_normal(a.shape).astype(a.dtype))
+
+    return PagedKVCache(tuple(fill(a) for a in cache.mla), tuple(fill(a) for a in cache.index), cache.block_table,
+                        cache.index_block_table, cache.mla_layers, cache.index_layers, cache.block_size,
+                        cache.mla_format, cache.index_format, index_block_size=cache.index_block_size)
+
+
+def _memory(cache, max_copy_pages=64, host_blocks=None):
+    return HostMemory(cache, page_rows={"mla": BS, "indexer": IBS}, kv_ranks=1, num_blocks=NUM_BLOCKS, host=HOST,
+                      device=DEVICE, host_blocks=host_blocks, hot=(2, len(cache.index), 8), max_copy_pages=max_copy_pages)
+
+
+def _pages(arrays, blocks, rows):
+    return [np.concatenate([np.asarray(a[b * rows:(b + 1) * rows]) for b in blocks]) for a in arrays]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "fp8_ds_mla"])
+def test_page_bytes_of_the_arrays_equal_the_layout(fmt):
+    """What the policies plan with (kvcache.layout) is what the device arrays hold per block, and both are
+    BRIEF §2's row sizes (fp8: e4m3 latent + one fp32 scale per 128 values + bf16 rope = 656 B for
+    GLM-5.3; keys: e4m3 + one fp32 scale = 132 B)."""
+    mem = _memory(_cache(fmt))
+    r, p, d = CFG.kv_lora_rank, CFG.qk_rope_head_dim, CFG.index_head_dim
+    mla_row, key = ((r + 4 * -(-r // 128) + 2 * p), d + 4) if fmt == "fp8_ds_mla" else ((r + p) * 4, d * 4)
+    full = [i for i in CFG.full_indexer_layers if i < CFG.num_hidden_layers]
+    want = {"mla": CFG.num_hidden_layers * mla_row * BS, "indexer": len(full) * key * IBS}
+    assert mem.page_bytes == page_bytes(CFG, fmt, BS, IBS) == want
+    glm = glm53.get_preset("glm-5.3")
+    assert page_bytes(glm, "fp8_ds_mla", 1)["mla"] == glm.num_hidden_layers * 656
+    assert page_bytes(glm, "fp8_ds_mla", 1)["indexer"] == 21 * 132
+    assert page_bytes(glm, "fp8_ds_mla", 64, 256, dcp=8)["indexer"] == 21 * 132 * 256 * 8
+
+
+def test_page_copies_round_trip_in_chunks_and_touch_nothing_else():
+    cache = _cache()
+    mem = _memory(cache, max_copy_pages=2, host_blocks={"mla": 6, "indexer": 3})
+    src, dst = (7, 2, 9), (5, 0, 3)
+    before = _pages(cache.mla, range(NUM_BLOCKS), BS)
+    cache, d2h, h2d = mem.apply((PageCopy("mla", "d2h", src, dst),), cache)  # 3 pages in chunks of 2
+    assert (d2h, h2d) == (3 * mem.page_bytes["mla"], 0) == bytes_moved(PageCopy("mla", "d2h", src, dst), mem.page_bytes)
+    for got, want in zip(_pages(mem.host_tables["mla"], dst, BS), _pages(cache.mla, src, BS)):
+        np.testing.assert_array_equal(got, want)
+    # back into other device blocks: exactly those pages change
+    cache, d2h, h2d = mem.apply((PageCopy("mla", "h2d", (5, 0), (1, 11)),), cache)
+    assert (d2h, h2d) == (0, 2 * mem.page_bytes["mla"])
+    after = _pages(cache.mla, range(NUM_BLOCKS), BS)
+    for layer in range(len(before)):
+        b, a = before[layer].reshape(NUM_BLOCKS, BS, -1), after[layer].reshape(NUM_BLOCKS, BS, -1)
+        np.testing.assert_array_equal(a[1], b[7])
+        np.testing.assert_array_equal(a[11], b[2])
+        keep = [i for i in range(NUM_BLOCKS) if i not in (1, 11)]
+        np.testing.assert_array_equal(a[keep], b[keep])
+    with pytest.raises(ValueError, match="no host pool"):
+        _memory(cache).apply((PageCopy("mla", "d2h", (1,), (0,)),), cache)
+
+
+def test_offload_save_and_load_restore_the_pages_into_new_blocks():
+    cache = _cache()
+    mem = _memory(cache)
+    before = {g: _pages(getattr(cache, f), range(NUM_BLOCKS), r)
+              for g, f, r in (("mla", "mla", BS), ("indexer", "index", IBS))}
+    save = SaveKV("r1", {"mla": (3, 4, 6), "indexer": (2,)})
+    cache, d2h, _ = mem.apply((save,), cache)
+    assert d2h == 3 * mem.page_bytes["mla"] + mem.page_bytes["indexer"] == bytes_moved(save, mem.page_bytes)[0]
+    with pytest.raises(ValueError, match="already exists"):
+        mem.apply((save,), cache)
+    load = LoadKV("r1", {"mla": (0, 10, 1), "indexer": (5,)})
+    cache, _, h2d = mem.apply((load,), cache)
+    assert h2d == d2h and "r1" not in mem.saved
+    for g, f, r, src, dst in (("mla", "mla", BS, (3, 4, 6), (0, 10, 1)), ("indexer", "index", IBS, (2,), (5,))):
+        after = _pages(getattr(cache, f), range(NUM_BLOCKS), r)
+        for layer in range(len(after)):
+            b = before[g][layer].reshape(NUM_BLOCKS, r, -1)
+            a = after[layer].reshape(NUM_BLOCKS, r, -1)
+            np.testing.assert_array_equal(a[list(dst)], b[list(src)])
+            keep = [i for i in range(NUM_BLOCKS) if i not in dst]
+            np.testing.assert_array_equal(a[keep], b[keep])
+
+
+def test_reset_lease_points_the_slot_at_its_blocks_and_empties_it():
+    cache = _cache()
+    mem = _memory(cache, host_blocks={"mla": 2, "indexer": 1})
+    cache, d2h, h2d = mem.apply((ResetLease(1, (6, 2)),), cache)
+    pos, last, rows = (np.asarray(x) for x in mem.hot_state)
+    assert (d2h, h2d) == (0, 0)
+    assert rows[1].tolist() == [24, 25, 26, 27, 8, 9, 10, 11] and (rows[0] == -1).all()
+    assert (pos == -1).all() and (last == np.iinfo(np.int32).min).all()
