@@ -1,6 +1,7 @@
-"""After the runner's warm-up has compiled every bucket shape, a serving run compiles nothing: counted
-with JAX's own compilation events over a fixed 200-step run with arrivals, finishes, sampling and a
-preemption."""
+"""After the runner's warm-up has compiled every bucket shape and every copy program of the KV policy, a
+serving run compiles nothing: counted with JAX's own compilation events over a fixed 200-step run with
+arrivals, finishes, sampling and pool pressure, under each policy (preemptions; offloads and their
+restores; HiSparse pre-copies, releases, hot-buffer decode steps, staging and parking)."""
 
 import jax
 import jax.monitoring
@@ -21,10 +22,23 @@ def small_model():
     return glm53.init(cfg, seed=0, std=0.1)
 
 
+# per policy: deploy fields, prompt lengths [lo, hi), and the finished requests the run must reach
+POLICIES = {
+    "preempt": ({}, (1, 90), 10),
+    "offload": (dict(kv_policy="offload", cpu_offload_bytes=1 << 26), (1, 90), 10),
+    # long requests that keep decoding under pressure, and a hot buffer of top-k rows (2 blocks, below the
+    # watermark of 3 free blocks), so pages are released and decode steps read rows from the host
+    "hisparse": (dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24,
+                      index_block_size=16, hisparse_device_buffer_size=16, num_gpu_blocks=32), (40, 100), 8),
+}
+
+
 @pytest.mark.slow
-def test_no_compilation_after_warmup(small_model):
-    deploy = DeployConfig(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=8,
-                          num_gpu_blocks=28)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_no_compilation_after_warmup(small_model, policy):
+    fields, (lo, hi), min_finished = POLICIES[policy]
+    deploy = DeployConfig(**{**dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=8,
+                                    num_gpu_blocks=28), **fields})
     eng = Engine(small_model, deploy)
     # rows 1, 2; tokens per row 1, 16; windows 64, 128
     assert eng.runner.warmup() == len(eng.runner.bucket_shapes()) == 2 * 2 * 2
@@ -32,16 +46,25 @@ def test_no_compilation_after_warmup(small_model):
 
     rng = np.random.default_rng(0)
     eng.runner.compiled_shapes.clear()  # from here on: the shapes the run itself uses
+    eng.scheduler.resolve.log = []
     with CompileCounter() as compiles:
         for step in range(200):
             if len(eng.scheduler.waiting) < 2 and rng.random() < 0.5:
-                n, new = int(rng.integers(1, 90)), int(rng.integers(1, 12))
+                n = int(rng.integers(lo, hi))
+                new = int(rng.integers(1, 12)) if policy != "hisparse" else int(rng.integers(8, 128 - n))
                 greedy = bool(rng.random() < 0.5)
                 eng.add_request(rng.integers(0, 512, n), SamplingParams(new, greedy, 0.9, 0.95, seed=step))
             assert eng.has_unfinished() or step == 0
             eng.step()
     st = eng.scheduler.stats
-    assert len(eng.finished) >= 10 and st.preemptions >= 1, (len(eng.finished), st.preemptions)
+    assert len(eng.finished) >= min_finished and st.preemptions >= 1, (len(eng.finished), st.preemptions)
+    if policy == "offload":  # saves and loads ran, not only the fallback to preemption
+        assert st.offloads >= 1 and eng.scheduler.transfers.h2d_bytes > 0
+    if policy == "hisparse":  # decode steps resolved rows from the host, pages moved both ways
+        hs = eng.scheduler.policy.stats
+        assert eng.scheduler.resolve.log and eng.scheduler.resolve.hot_misses > 0
+        assert hs.precopied_pages > 0 and hs.released_pages > 0 and hs.leases > 0
+        assert eng.scheduler.transfers.d2h_bytes > 0 and eng.scheduler.transfers.h2d_bytes > 0
     used = eng.runner.compiled_shapes
     assert used <= set(eng.runner.bucket_shapes())
     # the run moved between buckets: decode and prefill widths, several row counts, both windows

@@ -1,0 +1,76 @@
+"""The step plan is the whole seam between scheduler and runner: a runner that is not the model runner
+(glm53.engine.synthetic, replaying the model's tokens and completing the transfers it is given) drives
+the real scheduler, block pool and policy to the same block-pool history, counters and bytes moved."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from glm53 import DeployConfig, Engine
+from glm53.engine.plan import StepResult
+from glm53.engine.synthetic import SyntheticRunner
+from kvcache.transfer import SaveKV
+
+BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)  # as tests/engine/test_engine.py
+POLICIES = {"preempt": dict(num_gpu_blocks=24, enable_prefix_caching=False),
+            "offload": dict(num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="offload",
+                            cpu_offload_bytes=1 << 30)}
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
+
+
+def replay(outputs):
+    """A synthetic runner's token function that returns, for each request, the tokens another run gave."""
+    return lambda row: outputs[row.req_id][row.num_generated]
+
+
+def counters(eng) -> dict:
+    m = eng.metrics()
+    return {k: m[k] for k in ("preemptions", "offloads", "recomputed_tokens", "d2h_bytes", "h2d_bytes",
+                              "prefix_hit_rate", "running_requests_mean")}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_synthetic_runner_gives_the_model_runners_block_history(tiny_model, pool_history, policy):
+    deploy = DeployConfig(**BASE, **POLICIES[policy])
+    model_eng = Engine(tiny_model, deploy)
+    outs = model_eng.generate(_prompts(), max_new_tokens=5)
+    model_history = pool_history.take()
+    runner = SyntheticRunner(replay({o.req_id: o.token_ids.tolist() for o in outs}),
+                             page_bytes=model_eng.sizes.page_bytes, record=True)
+    syn_eng = Engine(tiny_model, deploy, runner=runner)
+    syn_outs = syn_eng.generate(_prompts(), max_new_tokens=5)
+    assert [o.token_ids.tolist() for o in syn_outs] == [o.token_ids.tolist() for o in outs]
+    assert pool_history.take() == model_history and len(model_history) > 50
+    want = counters(model_eng)
+    assert want["preemptions"] >= 1 and (policy != "offload" or want["offloads"] >= 1)
+    got = counters(syn_eng)
+    assert {k: got[k] for k in want if k != "running_requests_mean"} == \
+           {k: want[k] for k in want if k != "running_requests_mean"}
+    assert got["running_requests_mean"] == pytest.approx(want["running_requests_mean"])
+    assert (policy == "offload") == any(isinstance(op, SaveKV) for op in runner.executed)
+
+
+def test_the_plan_is_frozen_and_carries_what_the_runner_reads(tiny_model):
+    eng = Engine(tiny_model, DeployConfig(**BASE), runner=SyntheticRunner())
+    ids = [eng.add_request(p) for p in _prompts()]
+    plan = eng.scheduler.schedule()
+    reqs = eng.scheduler.requests
+    # the 32-token budget: the 37-token prompt's first chunk, nothing else
+    assert [(r.req_id, r.start, r.num_tokens, r.sample) for r in plan.rows] == [(ids[0], 0, 32, False)]
+    np.testing.assert_array_equal(plan.rows[0].token_ids, _prompts()[0][:32])
+    assert plan.block_tables["mla"][0] == tuple(eng.scheduler.kv.block_table(ids[0], "mla"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.rows = ()
+    tables = plan.block_tables["mla"][0]
+    eng.scheduler.update(plan, StepResult({}, frozenset()), 0.0)
+    plan2 = eng.scheduler.schedule()  # the next plan grows the tables; the first one is unchanged
+    assert plan.block_tables["mla"][0] == tables and len(plan2.block_tables["mla"][0]) > len(tables)
+    assert plan2.rows[0].start == 32 and plan2.rows[0].sample and reqs[ids[0]].num_computed_tokens == 32
+    # a result that leaves out a sampled token or a transfer is an error, never silently dropped
+    with pytest.raises(RuntimeError, match="sampled no token"):
+        eng.scheduler.update(plan2, StepResult({}, frozenset()), 0.0)

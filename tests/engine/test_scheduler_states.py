@@ -1,0 +1,132 @@
+"""The scheduler under every KV policy as a hypothesis state machine, through a runner that returns
+synthetic tokens (glm53.engine.synthetic): random arrivals, prompt and output lengths, shared prefixes
+and follow-up turns, and device pools down to a tenth of the offered load. After every step the block
+pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
+them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
+and host byte is returned."""
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import glm53
+from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine.synthetic import SyntheticRunner
+from kvcache.hisparse import HiSparsePolicy
+from kvcache.layout import page_bytes
+from kvcache.policy import OffloadPolicy
+
+CFG = glm53.get_preset("tiny")  # only its sizes matter: no weights, no arrays
+MAX_LEN, BLOCK = 64, 4
+
+
+class _Model:
+    cfg, dtype = CFG, "float32"
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["preempt", "offload", "hisparse", "hisparse"]), seqs=st.integers(1, 4),
+                budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0), host_scale=st.floats(0.05, 2.0),
+                caching=st.booleans(), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]))
+    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows):
+        fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
+                      index_block_size=BLOCK * index_ratio, enable_prefix_caching=caching, kv_policy=policy)
+        probe = DeployConfig(**{**fields, "kv_policy": "preempt"})
+        pages = page_bytes(CFG, "float32", BLOCK, BLOCK * index_ratio)
+        # the smallest pool that admits a request of max_model_len (and its hot buffer), scaled up to 3x:
+        # with up to 24 requests of up to 64 tokens the offered load is ~10x the smallest pool
+        tpb = probe.group_tokens_per_block(("mla", "indexer"))
+        request_blocks = sum(-(-MAX_LEN // n) for n in tpb.values())
+        lease = -(-(hot_rows or 2 * CFG.index_topk) // BLOCK) if policy == "hisparse" else 0
+        fields["num_gpu_blocks"] = int((request_blocks + lease) * pool_scale)
+        request_bytes = sum(pages[g] * -(-MAX_LEN // n) for g, n in tpb.items())
+        host = max(1, int(request_bytes * host_scale * seqs))
+        if policy == "offload":
+            fields["cpu_offload_bytes"] = host
+        if policy == "hisparse":  # at least one page: smaller host pools than that are rejected
+            fields["hisparse_host_pool_bytes"] = max(host, pages["mla"])
+            fields["cpu_offload_bytes"] = host // 4
+            fields["hisparse_device_buffer_size"] = hot_rows  # None: 2 x top-k; top-k leaves the watermark slack
+        self.deploy = DeployConfig(**fields)
+        sizes = self.deploy.kv_sizes(CFG)
+        self.engine = Engine(_Model(), self.deploy, runner=SyntheticRunner(
+            lambda row: (row.start + row.num_tokens) % 97, page_bytes=sizes.page_bytes))
+        self.rng = np.random.default_rng(0)
+        self.prefixes = [self.rng.integers(0, 512, 40) for _ in range(3)]
+        self.sent: dict[str, int] = {}  # request id -> engine step at which it was added
+        self.steps = 0
+
+    @precondition(lambda self: len(self.sent) < 24)
+    @rule(prompt=st.integers(1, 48), new=st.integers(1, 40), prefix=st.integers(-1, 2))
+    def arrive(self, prompt, new, prefix):
+        """A new request, sharing one of three prefixes or none."""
+        new = min(new, MAX_LEN - prompt)
+        ids = self.rng.integers(0, 512, prompt) if prefix < 0 else \
+            np.concatenate([self.prefixes[prefix], self.rng.integers(0, 512, 48)])[:prompt]
+        self.sent[self.engine.add_request(ids, SamplingParams(max(new, 1)))] = self.steps
+
+    @precondition(lambda self: len(self.sent) < 24 and self.engine.finished)
+    @rule(pick=st.integers(0, 10 ** 6), extra=st.integers(0, 12), new=st.integers(1, 8))
+    def follow_up(self, pick, extra, new):
+        """The next turn of a finished request: its prompt, its output and `extra` new tokens."""
+        done = list(self.engine.finished.values())
+        r = done[pick % len(done)]
+        ids = np.concatenate([r.prompt_ids, np.asarray(r.output_ids, np.int32),
+                              self.rng.integers(0, 512, extra)]).astype(np.int32)
+        if ids.size + new <= MAX_LEN:
+            self.sent[self.engine.add_request(ids, SamplingParams(new), salt=r.salt)] = self.steps
+
+    @rule(n=st.integers(1, 6))
+    def step(self, n):
+        for _ in range(n):
+            if self.engine.has_unfinished():
+                self.engine.step()
+                self.steps += 1
+
+    @invariant()
+    def pools_are_consistent(self):
+        if not hasattr(self, "engine"):
+            return
+        sch = self.engine.scheduler
+        sch.kv.check()  # ref counts == holders (tables + leases): no leak, no double count
+        pol = sch.policy
+        if isinstance(pol, HiSparsePolicy):
+            pol.host_mla.check()
+            if pol.host_index is not None:
+                pol.host_index.check()
+            assert set(pol.state) == set(sch.kv.requests)
+            assert len(pol.free_leases) + sum(s.lease >= 0 for s in pol.state.values()) == self.deploy.max_num_seqs
+        if isinstance(pol, OffloadPolicy):
+            assert pol.used_bytes == sum(b for _, b in pol.saved.values()) <= pol.capacity_bytes
+        for req in sch.running:
+            held = min(len(t) * sch.kv.group_tokens_per_block[g] for g, t in sch.kv.requests[req.req_id].tables.items())
+            assert held >= req.num_computed_tokens
+
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        eng = self.engine
+        tokens = sum(r.num_tokens + r.params.max_new_tokens for r in eng.requests.values())
+        bound = 200 + 20 * tokens  # generous; a starving request would exceed any bound
+        start = self.steps
+        while eng.has_unfinished():
+            eng.step()
+            self.steps += 1
+            assert self.steps - start <= bound, f"requests starve: {sorted(eng.requests)}"
+        assert set(eng.finished) == set(self.sent)  # every request finished
+        for rid, r in eng.finished.items():
+            assert len(r.output_ids) == r.params.max_new_tokens
+        sch = eng.scheduler
+        assert sch.kv.num_free_blocks == sch.kv.pool.num_blocks and not sch.kv.requests and not sch.kv.leases
+        pol = sch.policy
+        if isinstance(pol, HiSparsePolicy):
+            assert not pol.state and len(pol.free_leases) == self.deploy.max_num_seqs
+            assert pol.host_mla.num_free == pol.host_mla.num_blocks  # parked pages stay cached, but free
+        if isinstance(pol, OffloadPolicy):
+            assert pol.used_bytes == 0 and not pol.saved
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
+test_scheduler_state_machine = SchedulerMachine.TestCase
