@@ -231,7 +231,7 @@ class _Live:
 class ClientResult:
     request_ids: list[str]  # every request the client sent, in order
     sessions_done: int
-    steps: int
+    steps: int  # engine steps that ran requests (the final steps that only move KV are not counted)
 
 
 class ClosedLoopClient:
@@ -338,4 +338,6 @@ class ClosedLoopClient:
             steps += 1
             if on_step is not None:
                 on_step(eng)
+        while eng.has_unfinished():  # no request left: the last KV transfers (parking the last turns) run
+            eng.step()
         return ClientResult(sent, done, steps)
