@@ -34,8 +34,8 @@ def _ordered_int32(x_f32):
 def top_k(x_f32, k: int):
     """`jax.lax.top_k` over the last axis of a float32 array -> (values, indices int32), identical results
     (order, ties to the lowest index, +0.0 above -0.0). On XLA:CPU it runs on order-preserving int32 keys:
-    the float comparator of XLA:CPU's sort costs about 2x (1024 rows, top 256 of 1024: 19 ms vs 39 ms),
-    and the indexer takes a top-k per query token of every full layer."""
+    XLA:CPU's sort compares int32 keys faster than floats (docs/model.md), and the indexer takes a top-k
+    per query token of every full layer."""
     if x_f32.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return jax.lax.top_k(x_f32, k)
     keys, idx = jax.lax.top_k(_ordered_int32(x_f32), k)
@@ -47,9 +47,9 @@ def kernel_compute_dtype(storage_dtype, fp8: bool, compute_dtype=None):
 
     Default: the storage dtype for plain float caches, bfloat16 for fp8 ones (e4m3 values are exact in
     bfloat16). Why: at GLM-5.3's 64 heads a selected 656-byte row feeds ~140K FLOPs, so on an H200 the
-    matmul rate decides the step time (bf16 tensor cores: 989 TFLOP/s; TF32: 494; IEEE fp32: ~67), and
-    a float32 cache is a request for float32 accuracy. Pass float32 to get the reference's numerics
-    (~1e-6 relative) from any format; that is how the tests check a kernel's logic exactly."""
+    matmul rate decides the step time and 16-bit tensor-core operands run far faster than IEEE fp32
+    (rates in docs/kernels.md), while a float32 cache is a request for float32 accuracy. Pass float32 to
+    get the reference's numerics from any format; that is how the tests check a kernel's logic exactly."""
     dt = jnp.dtype(compute_dtype or (jnp.bfloat16 if fp8 else storage_dtype))
     if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, got {dt}")

@@ -18,11 +18,11 @@ import jax.numpy as jnp
 from attention.common import masked_softmax_weights, pad_to, resolve_impl
 
 # XLA:CPU only: a step of at least DENSE_PREFILL_MIN_QUERIES query tokens per request takes the dense form
-# while its window is at most DENSE_PREFILL_TOPK_RATIO x top-k. Measured on 2 cores, mid config (top-k
-# 256), 1,024-token chunks: window 1024: dense 0.76 s vs sparse 0.96 s for a whole 1K `score`; window
-# 2048: dense slower by about 0.27 s per chunk. Fewer queries do not pay for expanding every row of the
-# window through kv_b (a decode or MTP-verify step keeps the absorbed form). On GPU the sparse kernels
-# are the point, so the dense form is kept to windows <= top-k there (vLLM's rule).
+# while its window is at most DENSE_PREFILL_TOPK_RATIO x top-k: up to there the dense products beat
+# gathering each query's selected rows, beyond it they cost more (timings: docs/model.md). Fewer queries
+# do not pay for expanding every row of the window through kv_b (a decode or MTP-verify step keeps the
+# absorbed form). On GPU the sparse kernels are the point, so the dense form is kept to windows <= top-k
+# there (vLLM's rule).
 DENSE_PREFILL_TOPK_RATIO = 4
 DENSE_PREFILL_MIN_QUERIES = 128
 
@@ -52,8 +52,8 @@ def topk_mask(topk_BTK, num_positions: int):
 def mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: float):
     """Masked attention -> (out [B,T,H,V] f32, lse [B,T,H] f32). The rope key part is shared by all heads."""
     f32 = jnp.float32
-    # One product over [nope | rope] and heads-major [B,H,T,S] scores / [B,H,T,V] outputs: on XLA:CPU
-    # this runs 3-4x faster than two products into [B,T,H,S].
+    # One product over [nope | rope] and heads-major [B,H,T,S] scores / [B,H,T,V] outputs: the layout
+    # XLA:CPU's einsum runs fastest (docs/model.md, XLA:CPU notes).
     q_BTHD = jnp.concatenate([q_nope_BTHN, q_pe_BTHP.astype(q_nope_BTHN.dtype)], -1).astype(f32)
     k_pe_BSHP = jnp.broadcast_to(k_pe_BSP[:, :, None, :], k_nope_BSHN.shape[:3] + k_pe_BSP.shape[-1:])
     k_BSHD = jnp.concatenate([k_nope_BSHN, k_pe_BSHP.astype(k_nope_BSHN.dtype)], -1).astype(f32)
@@ -63,7 +63,7 @@ def mha_reference(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BT
     return jnp.swapaxes(o_BHTV, 1, 2), jnp.swapaxes(lse_BHT, 1, 2)
 
 
-MHA_BLOCK = 256  # query and key tile of `mha` (XLA:CPU, [8, 1024] prefill: 256 beats 128 and 512)
+MHA_BLOCK = 256  # query and key tile of `mha`, the fastest on XLA:CPU for an [8, 1024] prefill (docs/model.md)
 
 
 def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: float, *, impl: str = "auto",
@@ -72,8 +72,8 @@ def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: 
 
     Tiled with an online softmax: query tile i visits key tiles 0 .. the last one any of its queries may
     see (a dynamic trip count read off the mask), so the causally masked upper triangle of a prefill
-    chunk is skipped, and no [B,H,T,S] score array exists: an [8, 1024] chunk over a 1024 window takes
-    0.21 s per layer on 2 CPU cores, against 0.57 s untiled. No Pallas kernel (module docstring).
+    chunk is skipped, and no [B,H,T,S] score array exists (timings: docs/model.md). No Pallas kernel
+    (module docstring).
     A single tile (T and S <= block) runs `mha_reference` itself: the tiled form divides by the softmax
     sum after the value product, which rounds differently, and exact top-k comparisons between forms
     downstream (tests/glm53) would see near-ties flip."""
@@ -89,8 +89,8 @@ def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: 
     bq, bk = min(block, t), min(block, s_len)
     nq, nk = -(-t // bq), -(-s_len // bk)
     # One loop item per (batch row, query tile), row-major so that consecutive items read the same
-    # row's keys: a [H, bq, bk] score tile of one row stays in cache, where a tile of all B rows did
-    # not (B = 8, T = S = 1024: 0.20 s vs 0.36 s). Heads-major keys and values are laid out once
+    # row's keys: a [H, bq, bk] score tile of one row stays in cache, where a tile of all B rows does
+    # not (docs/model.md, cache locality). Heads-major keys and values are laid out once
     # outside the loop, so a key tile is a contiguous slice and the products need no transpose.
     q_IQHD = pad_to(q, 1, nq * bq).reshape(b * nq, bq, h, -1)
     mask_IQS = pad_to(pad_to(mask_BTS, 1, nq * bq), 2, nk * bk).reshape(b * nq, bq, nk * bk)

@@ -134,9 +134,10 @@ def resolve(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuf
 
 
 # ------------------------------------------------------------------------------------------ Pallas kernel
-# Largest pairwise tile a program builds ([chunk, H] values) and the warps it runs on. At GLM-5.3's
-# K = 2048, H = 4096 on sm_90 (ptxas, experiments/check_gpu_lowering.py): 64K-value tiles on 4 warps
-# spill 8.2 KB of registers; 16K-value tiles (chunk 4) on 8 warps spill 24 B.
+# Largest pairwise tile a program builds ([chunk, H] values) and the warps it runs on: at GLM-5.3's
+# K = 2048, H = 4096, 16K-value tiles (chunk 4) on 8 warps keep sm_90's register spills to a few bytes,
+# where larger tiles on 4 warps spill kilobytes (ptxas via experiments/check_gpu_lowering.py; figures in
+# docs/kernels.md).
 TILE_ELEMS = 1 << 14
 NUM_WARPS = 8
 

@@ -66,7 +66,7 @@ def index_scores_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT):
     -> scores [B,T,S] float32, -inf where s > q_pos[t] or q_pos[t] < 0 (padding query)."""
     q_BTHI, w_BTH, keys_BSI = (a.astype(jnp.float32) for a in (q_BTHI, w_BTH, keys_BSI))
     # One head at a time, accumulating: XLA:CPU fuses ReLU, weight and sum into each head's product and
-    # never materialises [B,T,H,S] (2x faster than one einsum over all heads).
+    # never materialises [B,T,H,S], which one einsum over all heads does (docs/model.md).
     scores_BTS = jnp.zeros(q_BTHI.shape[:2] + keys_BSI.shape[1:2], jnp.float32)
     for h in range(q_BTHI.shape[2]):
         logits_BTS = jnp.einsum("bti,bsi->bts", q_BTHI[:, :, h], keys_BSI)
@@ -105,8 +105,8 @@ def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, im
     if resolve_impl(impl) == "pallas" or b == 1 or t == 1:
         return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl), topk)
     # Several prefill rows: score and select one request row at a time, so that a row's [T, window]
-    # scores stay in cache through the top-k (B = 8, T = window = 1024 on 2 cores: 0.19 s vs 0.28 s).
-    # The same values and selection as the batched form.
+    # scores stay in cache through the top-k (docs/model.md, cache locality). The same values and
+    # selection as the batched form.
     return jax.lax.map(lambda a: topk_reference(*(x[None] for x in a), topk)[0],
                        (q_BTHI, w_BTH, keys.gather(window), q_pos_BT))
 
@@ -173,8 +173,8 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
 # ------------------------------------------------------------------------------------------ Pallas kernel
 HEAD_PAD = 16  # tl.dot needs every matmul dimension >= 16: pad the indexer heads (with weight 0)
 MAX_KEY_BLOCK = 64
-# float32 operands (IEEE dots): 32-key blocks spill registers at 32 heads x 128 dims on sm_90, 16 do not
-# (experiments/check_gpu_lowering.py).
+# float32 operands (IEEE dots): 16-key blocks keep the kernel within sm_90's registers at 32 heads x 128
+# dims, larger ones spill (experiments/check_gpu_lowering.py; docs/kernels.md).
 MAX_KEY_BLOCK_F32 = 16
 
 
@@ -198,7 +198,7 @@ def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int
     (they are exact in bfloat16); only q is rounded. compute_dtype=float32 reproduces the reference.
 
     Lowered and compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py); not yet run on
-    one (no GPU in the sessions so far).
+    one (`attention.common.PALLAS_VERIFIED_ON_GPU`; status in docs/kernels.md).
     """
     b, t, hi, di = q_BTHI.shape
     fmt, bs = keys.fmt, keys.block_size

@@ -10,7 +10,7 @@ Two entry points:
   paged cache's global slot `block_table[req, pos // B] * B + pos % B`, or `req * S + pos` for a
   contiguous cache), -1 = none, stored in the cache's `MLARowFormat` (fp8_ds_mla words or plain floats).
   impl="reference": jnp that gathers, unpacks and attends a few queries at a time, so the [T, K, 576]
-  gathered rows never exist at once (on CPU ~4x faster than gathering everything first).
+  gathered rows never exist at once (the faster form on XLA:CPU, whose gathers are slow: docs/model.md).
   impl="pallas": `sparse_mqa_pallas`, one kernel that gathers, decodes and attends with an online
   softmax. Decode (T = 1 per request) and prefill (many query tokens) are the same call.
 """
@@ -59,7 +59,7 @@ class SlotRows:
         fmt = MLARowFormat(jnp.dtype(table.dtype).name, kv_lora_rank, table.shape[-1] - kv_lora_rank)
         return cls(table, slots, fmt)
 
-QUERY_BLOCK = 4  # queries per step of the blocked jnp path (measured best on XLA:CPU)
+QUERY_BLOCK = 4  # queries per step of the blocked jnp path (tuned on XLA:CPU: docs/model.md)
 
 
 def sparse_mqa_reference(q_lat_BTHR, q_pe_BTHP, lat_BTKR, pe_BTKP, valid_BTK, scale: float):
@@ -108,10 +108,9 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
 # ------------------------------------------------------------------------------------------ Pallas kernel
 HEAD_BLOCK = 16  # heads per program; tl.dot needs M >= 16, so fewer heads are padded to 16
 MAX_ROW_BLOCK = 64  # selected rows per inner step (16-bit matmul operands)
-# ptxas on sm_90 at GLM-5.3's widths (experiments/check_gpu_lowering.py): on 4 warps the kernel sits at
-# the 255-register cap and spills (fp8_ds_mla rows: ~150 B once the split index is added; float32
-# operands: 35 KB at 64-row steps, 1.7 KB at 32). On 8 warps: fp8_ds_mla 178 registers, no spill;
-# float32 operands spill 3.3 KB at 64-row steps and none at 32.
+# 8 warps, and 32-row steps with float32 operands, keep the kernel from spilling on sm_90 at GLM-5.3's
+# widths: on 4 warps it sits at the 255-register cap and spills, and float32 64-row steps spill on 8
+# warps too (ptxas via experiments/check_gpu_lowering.py; figures in docs/kernels.md).
 NUM_WARPS = 8
 MAX_ROW_BLOCK_F32 = 32
 
@@ -119,8 +118,8 @@ MAX_ROW_BLOCK_F32 = 32
 def default_splits(programs: int, blocks: int, sms: int = H200_SMS, max_splits: int = 64) -> int:
     """How many splits of a query's `blocks` row blocks to run, given `programs` (query, head block)
     pairs: the count that minimises waves x (blocks per program + 1), i.e. the step time if every
-    program takes an SM to itself (8 warps x 178 registers with fp8_ds_mla rows at GLM-5.3's widths:
-    two do not fit in 64K registers; bf16 rows take 97, so two might) and costs one block's worth
+    program takes an SM to itself (with fp8_ds_mla rows at GLM-5.3's widths two programs' registers do
+    not fit in one SM's 64K; bf16 rows need fewer: docs/kernels.md) and costs one block's worth
     besides (writing its [16, R] float32 partial, 32 KB, is about a 64-row block of fp8 rows, 41 KB);
     ties go to fewer splits (less merging). Only counts with no empty split are considered, and a grid
     that fills a wave unsplit is not split (the merge would only add traffic). GLM-5.3 decode, batch 4:
@@ -168,10 +167,11 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     Numerics: the matmul operands are `compute_dtype` (`attention.common.kernel_compute_dtype`: the
     cache's float dtype, bfloat16 for fp8_ds_mla; rows are decoded and scaled in float32, then cast),
     with float32 accumulation and a float32 softmax; the probabilities are cast to it for P.V.
-    compute_dtype=float32 reproduces the reference (~1e-6); bfloat16 adds ~2^-9 relative rounding.
+    compute_dtype=float32 reproduces the reference up to float32 rounding; bfloat16 adds ~2^-9 relative
+    rounding (measured errors: docs/kernels.md).
 
     Lowered and compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py); not yet run on
-    one (no GPU in the sessions so far).
+    one (`attention.common.PALLAS_VERIFIED_ON_GPU`; status in docs/kernels.md).
     """
     fmt = rows.fmt
     b, t, h, r = q_lat_BTHR.shape

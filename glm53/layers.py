@@ -273,9 +273,9 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     out in blocks of b = min(block, N) rows, each block owned by one expert (an expert's segment is padded
     to a block multiple, so at most ceil(N*k/b) + E blocks). An outer loop visits the experts that have
     assignments (a dynamic trip count) and an inner loop that expert's blocks, so each used expert's
-    weights are sliced once per call and unused experts and the all-padding tail cost nothing. On XLA:CPU
-    a dynamic slice of the weights is a copy (1.5 MB per expert on the mid config): slicing per block
-    instead cost 20% more at 1,024 tokens and 15% more at 8,192. With b = N (decode) a used expert is
+    weights are sliced once per call and unused experts and the all-padding tail cost nothing. Why once:
+    on XLA:CPU a dynamic slice of the weights is a copy (1.5 MB per expert on the mid config), so slicing
+    per block costs more (timings: docs/model.md). With b = N (decode) a used expert is
     one block holding all its tokens, unless it appears more than once per token (expert parallelism
     routes other ranks' assignments to local expert 0 with weight 0), which only adds blocks.
     """
