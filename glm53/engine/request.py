@@ -64,6 +64,8 @@ class Request:
     def token_slice(self, start: int, end: int) -> np.ndarray:
         """all_token_ids[start:end] without building the whole list (O(end - start), not O(context))."""
         p = self.prompt_ids.size
+        if start >= p:  # a decoding row: generated tokens only
+            return np.asarray(self.output_ids[start - p : end - p], np.int32)
         head = self.prompt_ids[start:min(end, p)]
         if end <= p:
             return head
