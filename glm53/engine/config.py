@@ -11,6 +11,12 @@ from kvcache.layout import page_bytes
 KV_POLICIES = ("preempt", "offload", "hisparse")
 IMPLS = ("auto", "reference", "pallas")
 GROUPS = ("mla", "indexer")  # the engine's cache groups: MLA rows of every layer, keys of the full layers
+_POSITIVE = ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
+             "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size")
+_POSITIVE_OR_NONE = ("index_block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks",
+                     "kv_cache_memory_bytes", "hisparse_device_buffer_size")
+_NON_NEGATIVE = ("cpu_offload_bytes", "hisparse_host_pool_bytes", "num_speculative_tokens")
+_BOOLS = ("enable_expert_parallel", "enable_prefix_caching", "sparse_mla_force_mqa")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,17 +39,45 @@ class KVSizes:
     max_leases: int = 0
 
 
+_CHOICES = {"dcp_comm_backend": ("ag_rs", "a2a"), "kv_cache_dtype": ("auto", *MLA_FORMATS), "kv_policy": KV_POLICIES,
+            "attention_impl": IMPLS}
+
+
+GiB = 1 << 30
+CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU backend's KV space when VLLM_CPU_KVCACHE_SPACE is unset
+
+
+def batch_defaults(device) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) vLLM picks for offline use (its LLM class, which `Engine` is)
+    on `device`'s platform (vLLM's EngineArgs.get_batch_defaults): 4,096 / 256 on CPU; 16,384 / 1,024 on
+    a GPU with at least 70 GiB that is not an A100 (H100, H200); 8,192 / 256 on other GPUs."""
+    if device is None or device.platform == "cpu":
+        return 4096, 256
+    memory = (device.memory_stats() or {}).get("bytes_limit", 0)
+    if memory >= 70 * GiB and "a100" not in device.device_kind.lower():
+        return 16384, 1024
+    return 8192, 256
+
+
 @dataclasses.dataclass(frozen=True)
 class DeployConfig:
-    """Engine deployment. Sizes are in tokens, blocks or bytes as the names say.
+    """Engine deployment. Sizes are in tokens, blocks or bytes as the names say. A field left None is
+    filled in by `resolved` (the engine does this): from the model or the machine, as vLLM does.
 
     kv_cache_dtype: "auto" (the model's dtype) or one of attention.formats.MLA_FORMATS.
     index_block_size: slots per indexer-key page. Indexer keys take ~5% of a token's KV bytes, so with
         pages of block_size tokens an indexer page costs a whole block for a twentieth of its bytes; a
         larger index_block_size (e.g. 4 x block_size) keeps the pool's block count near bytes. Prefix
         hits then end on multiples of index_block_size tokens.
-    num_gpu_blocks: blocks in the device pool shared by all cache groups (None: enough for
-        max_num_seqs requests of max_model_len tokens, i.e. a pool that never runs out; `kv_sizes`).
+    max_model_len: tokens a request may reach (prompt + output). None: the model's
+        max_position_embeddings.
+    max_num_batched_tokens / max_num_seqs: the scheduler's token budget per step and its limit on
+        running requests. None: vLLM's defaults for offline use on this platform (`batch_defaults`).
+    num_gpu_blocks: blocks in the device pool shared by all cache groups. None: what the KV memory
+        budget holds (kv_cache_memory_bytes; else 4 GiB on CPU, as vLLM's CPU backend; on a GPU
+        gpu_memory_utilization of its memory less the weights, as vLLM sizes it), but no more than
+        max_num_seqs requests of max_model_len need. A block costs the bytes of one page of every cache
+        group (kvcache.layout.page_bytes; its 1/DCP share on each device).
     prefill_context_parallel_size / decode_context_parallel_size: PCP (a prefill chunk's tokens split
         over the ranks) and DCP (the KV cache split round-robin over them) on one context mesh axis of
         max(PCP, DCP) devices (parallel.model); with enable_expert_parallel the routed experts are split
@@ -52,9 +86,9 @@ class DeployConfig:
         with its own scheduler and block pool; pool sizes (num_gpu_blocks, host bytes) are per replica.
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (move it to the host pool, bring it back), "hisparse" (keep decoding with most
-        MLA KV in a host pool of hisparse_host_pool_bytes; rows the indexer selects come through a hot
-        buffer of hisparse_device_buffer_size rows per request, default (num_speculative_tokens + 2) x top-k,
-        i.e. 2 x top-k without MTP; kvcache.hisparse).
+        MLA KV in a host pool of hisparse_host_pool_bytes, at least one request of max_model_len; rows
+        the indexer selects come through a hot buffer of hisparse_device_buffer_size rows per request,
+        default (num_speculative_tokens + 2) x top-k, i.e. 2 x top-k without MTP; kvcache.hisparse).
     """
 
     data_parallel_size: int = 1
@@ -67,11 +101,13 @@ class DeployConfig:
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     index_block_size: int | None = None  # tokens per indexer-key page (a multiple of block_size; None: block_size)
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 256
-    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     kv_policy: str = "preempt"
     num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     cpu_offload_bytes: int = 0
     hisparse_host_pool_bytes: int = 0
     hisparse_device_buffer_size: int | None = None
@@ -82,33 +118,37 @@ class DeployConfig:
     host_link_bytes_per_s: float = 50e9
 
     def __post_init__(self):
-        def positive(name):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"DeployConfig.{name} must be a positive int, got {v!r}")
+        def bad(name, allowed):
+            raise ValueError(f"DeployConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        for name in ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
-                     "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size", "max_model_len",
-                     "max_num_batched_tokens", "max_num_seqs"):
-            positive(name)
-        if self.num_gpu_blocks is not None:
-            positive("num_gpu_blocks")
-        if self.index_block_size is not None:
-            positive("index_block_size")
-            if self.index_block_size % self.block_size:
-                raise ValueError(f"DeployConfig.index_block_size={self.index_block_size} must be a multiple of "
-                                 f"block_size={self.block_size}")
-        if self.dcp_comm_backend not in ("ag_rs", "a2a"):
-            raise ValueError(f"DeployConfig.dcp_comm_backend must be 'ag_rs' or 'a2a', got {self.dcp_comm_backend!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in MLA_FORMATS:
-            raise ValueError(f"DeployConfig.kv_cache_dtype must be 'auto' or one of {MLA_FORMATS}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.kv_policy not in KV_POLICIES:
-            raise ValueError(f"DeployConfig.kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
-        if self.attention_impl not in IMPLS:
-            raise ValueError(f"DeployConfig.attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
-        if self.cpu_offload_bytes < 0 or self.host_link_bytes_per_s <= 0:
-            raise ValueError("DeployConfig.cpu_offload_bytes must be >= 0 and host_link_bytes_per_s > 0")
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in _POSITIVE:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                bad(name, "a positive int")
+        for name in _POSITIVE_OR_NONE:
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < 1):
+                bad(name, "a positive int or None")
+        for name in _NON_NEGATIVE:
+            if not is_int(getattr(self, name)) or getattr(self, name) < 0:
+                bad(name, "an int >= 0")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                bad(name, f"one of {choices}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            bad("gpu_memory_utilization", "a number in (0, 1]")
+        v = self.host_link_bytes_per_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            bad("host_link_bytes_per_s", "a number > 0")
+        if self.index_block_size is not None and self.index_block_size % self.block_size:
+            raise ValueError(f"DeployConfig.index_block_size={self.index_block_size} must be a multiple of "
+                             f"block_size={self.block_size}")
         pcp, dcp = self.prefill_context_parallel_size, self.decode_context_parallel_size
         if pcp > 1 and dcp > 1 and pcp != dcp:
             raise ValueError(f"DeployConfig.prefill_context_parallel_size={pcp} and decode_context_parallel_size={dcp} "
@@ -129,12 +169,55 @@ class DeployConfig:
         if self.kv_policy == "hisparse" and self.hisparse_host_pool_bytes <= 0:
             raise ValueError("DeployConfig.kv_policy='hisparse' needs hisparse_host_pool_bytes > 0 (the host pool "
                              "for MLA pages; cpu_offload_bytes sizes the separate pool for idle indexer keys)")
-        if self.hisparse_device_buffer_size is not None:
-            positive("hisparse_device_buffer_size")
         if self.kv_policy == "offload" and self.cpu_offload_bytes <= 0:
             raise ValueError("DeployConfig.kv_policy='offload' needs cpu_offload_bytes > 0 (the host pool size)")
         if self.num_speculative_tokens:
             raise NotImplementedError("DeployConfig.num_speculative_tokens: MTP speculative decoding is not built yet")
+
+    @property
+    def is_resolved(self) -> bool:
+        return None not in (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs, self.num_gpu_blocks)
+
+    def resolved(self, cfg, model_dtype: str = "float32", *, device=None, weights_bytes: int = 0) -> DeployConfig:
+        """A copy with every None field filled in for a model of `cfg` on `device` (a jax.Device; None:
+        CPU): max_model_len from the model, the batch limits from `batch_defaults`, num_gpu_blocks from
+        the KV memory budget (see the class docstring; weights_bytes: the weights one device holds, which
+        a GPU's budget leaves out). Raises ValueError when max_model_len exceeds the model's positions
+        or the budget cannot hold one request of max_model_len."""
+        if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"DeployConfig.max_model_len={self.max_model_len} must be <= the model's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        tokens, seqs = batch_defaults(device)
+        d = dataclasses.replace(self, max_model_len=self.max_model_len or cfg.max_position_embeddings,
+                                max_num_batched_tokens=self.max_num_batched_tokens or tokens,
+                                max_num_seqs=self.max_num_seqs or seqs)
+        if d.num_gpu_blocks is not None:
+            return d
+        request = sum(-(-d.max_model_len // n) for n in d.group_tokens_per_block(GROUPS).values())
+        if d.kv_policy == "hisparse":  # a decoding request may also hold a hot buffer
+            request += -(-hot_buffer_rows(d.hisparse_device_buffer_size, d.num_speculative_tokens,
+                                          cfg.index_topk) // d.block_size)
+        kv_dtype = str(model_dtype) if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
+        pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size)
+        per_device = -(-sum(pages.values()) // d.decode_context_parallel_size)  # a block's share of one device
+        budget = d.kv_budget_bytes(device, weights_bytes)
+        fit = budget // per_device
+        if fit < request:
+            raise ValueError(f"the KV memory budget of {budget} bytes holds {fit} blocks of {per_device} bytes, fewer "
+                             f"than one request of max_model_len={d.max_model_len} needs ({request}): lower "
+                             "DeployConfig.max_model_len or raise kv_cache_memory_bytes / num_gpu_blocks")
+        return dataclasses.replace(d, num_gpu_blocks=min(fit, d.max_num_seqs * request))
+
+    def kv_budget_bytes(self, device=None, weights_bytes: int = 0) -> int:
+        """Bytes of device memory the KV pool may take: kv_cache_memory_bytes if set; else 4 GiB on CPU
+        (vLLM's CPU default); on a GPU, gpu_memory_utilization of its memory less `weights_bytes` (no
+        activation profiling: the remaining tenth is the margin)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if device is None or device.platform == "cpu":
+            return CPU_KV_CACHE_BYTES
+        limit = (device.memory_stats() or {}).get("bytes_limit", 0)
+        return max(0, int(self.gpu_memory_utilization * limit) - weights_bytes)
 
     @property
     def context_parallel_size(self) -> int:
@@ -161,21 +244,25 @@ class DeployConfig:
         return -(-self.max_model_len // self.index_tokens_per_block)
 
     def kv_sizes(self, cfg, model_dtype: str = "float32") -> KVSizes:
-        """This deployment's pool and page sizes for a model of `cfg` (kvcache.layout)."""
+        """This deployment's pool and page sizes for a model of `cfg` (kvcache.layout); None fields are
+        resolved first (`resolved`, on CPU). Raises ValueError for a HiSparse host pool that cannot hold
+        one request of max_model_len."""
+        if not self.is_resolved:
+            return self.resolved(cfg, model_dtype).kv_sizes(cfg, model_dtype)
         kv_dtype = str(model_dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        num_blocks = self.num_gpu_blocks or self.max_num_seqs * sum(
-            -(-self.max_model_len // n) for n in self.group_tokens_per_block(GROUPS).values())
         pages = page_bytes(cfg, kv_dtype, self.block_size, self.index_block_size,
                            dcp=self.decode_context_parallel_size)
         if self.kv_policy != "hisparse":
-            return KVSizes(kv_dtype, num_blocks, pages, {})
+            return KVSizes(kv_dtype, self.num_gpu_blocks, pages, {})
         host = {"mla": self.hisparse_host_pool_bytes // pages["mla"],
                 "indexer": self.cpu_offload_bytes // pages["indexer"]}
-        if host["mla"] < 1:
-            raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={self.hisparse_host_pool_bytes} holds no MLA "
-                             f"page ({pages['mla']} bytes)")
+        need = self.max_blocks_per_seq * pages["mla"]
+        if host["mla"] < self.max_blocks_per_seq:
+            raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={self.hisparse_host_pool_bytes} must hold at least "
+                             f"one request of max_model_len={self.max_model_len}: >= {need} bytes "
+                             f"({self.max_blocks_per_seq} MLA pages of {pages['mla']} bytes)")
         hot = hot_buffer_rows(self.hisparse_device_buffer_size, self.num_speculative_tokens, cfg.index_topk)
-        return KVSizes(kv_dtype, num_blocks, pages, host, hot, self.max_num_seqs)
+        return KVSizes(kv_dtype, self.num_gpu_blocks, pages, host, hot, self.max_num_seqs)
 
     def group_tokens_per_block(self, groups) -> dict[str, int]:
         """Per cache group, the tokens one block covers (kvcache.block_pool.KVCacheManager)."""

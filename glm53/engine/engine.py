@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from glm53.engine.config import GROUPS, DeployConfig, KVSizes
 from glm53.engine.metrics import cp_work_metrics, summarize
@@ -79,14 +80,19 @@ class Engine:
     def __init__(self, model, deploy: DeployConfig | None = None, *, runner: Runner | Sequence[Runner] | None = None,
                  clock: Clock | None = None, devices=None):
         self.model = model
-        self.deploy = d = deploy or DeployConfig()
+        d = deploy or DeployConfig()
         self.clock = clock or WallClock()
         dp, n = d.data_parallel_size, d.context_parallel_size
         runners = list(runner) if isinstance(runner, (list, tuple)) else None if runner is None else [runner]
         if runners is not None and len(runners) != dp:
             raise ValueError(f"runner: {len(runners)} runner(s) given for data_parallel_size={dp} (one per replica)")
-        # sizes first: a bad size raises before any array is allocated
-        self.sizes = d.kv_sizes(model.cfg, jnp.dtype(getattr(model, "dtype", jnp.float32)).name)
+        # every default filled in and every size checked before any array is allocated
+        dtype = jnp.dtype(getattr(model, "dtype", jnp.float32)).name
+        device = None
+        if runners is None:
+            device = list(devices)[0] if devices is not None else jax.devices()[0]
+        self.deploy = d = d.resolved(model.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device))
+        self.sizes = d.kv_sizes(model.cfg, dtype)
         groups = [None] * dp
         if runners is None and (dp > 1 or devices is not None):
             devices = sorted(jax.devices(), key=lambda x: (x.process_index, x.id)) if devices is None else list(devices)
@@ -293,6 +299,14 @@ class Engine:
             looked_up = out["hot_hits"] + out["hot_misses"]
             out["hot_hit_rate"] = out["hot_hits"] / looked_up if looked_up else float("nan")
         return out
+
+
+def _weights_bytes(model, device) -> int:
+    """Bytes of the model's weights (what one replica's device holds without expert parallelism); 0 on
+    CPU, where the KV budget does not depend on them."""
+    if device is None or device.platform == "cpu" or not isinstance(model, nnx.Module):
+        return 0
+    return sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes"))
 
 
 def _hisparse_metrics(sch: Scheduler) -> dict:

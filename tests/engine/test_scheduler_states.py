@@ -44,8 +44,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         host = max(1, int(request_bytes * host_scale * seqs))
         if policy == "offload":
             fields["cpu_offload_bytes"] = host
-        if policy == "hisparse":  # at least one page: smaller host pools than that are rejected
-            fields["hisparse_host_pool_bytes"] = max(host, pages["mla"])
+        if policy == "hisparse":  # at least one request's MLA pages: smaller host pools are rejected
+            fields["hisparse_host_pool_bytes"] = max(host, pages["mla"] * -(-MAX_LEN // BLOCK))  # >= one request
             fields["cpu_offload_bytes"] = host // 4
             fields["hisparse_device_buffer_size"] = hot_rows  # None: 2 x top-k; top-k leaves the watermark slack
         self.deploy = DeployConfig(**fields)

@@ -1,0 +1,152 @@
+"""DeployConfig: the defaults a user who does not tune gets (vLLM's, for the machine), the KV pool sized
+from a memory budget, and bad input: every invalid field, and the engine-level checks, each a clear
+error naming the field and what is allowed, raised before anything is allocated or queued."""
+
+import types
+
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine import engine as engine_mod
+from glm53.engine.config import CPU_KV_CACHE_BYTES, GiB, batch_defaults
+from glm53.engine.synthetic import SyntheticRunner
+
+TINY = glm53.get_preset("tiny")
+
+
+def _block_bytes(cfg, block=16, index_block=16):
+    """Bytes one block id costs on CPU in float32, from the model's sizes (BRIEF §2's layout): every
+    layer's MLA row (latent + rope) and every full layer's indexer key, a page of each."""
+    full = [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
+    return (cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * block
+            + len(full) * cfg.index_head_dim * 4 * index_block)
+
+
+def _gpu(kind, gib):
+    return types.SimpleNamespace(platform="gpu", device_kind=kind, memory_stats=lambda: {"bytes_limit": gib * GiB})
+
+
+def test_defaults_follow_the_model_and_vllm_on_this_machine():
+    d = DeployConfig().resolved(TINY)
+    assert d.max_model_len == TINY.max_position_embeddings == 65_536
+    assert (d.max_num_batched_tokens, d.max_num_seqs) == (4096, 256)  # vLLM's CPU defaults for offline use
+    # the pool: what vLLM's 4 GiB CPU KV space holds, not 256 requests of 65,536 tokens (~170 GB here)
+    assert d.num_gpu_blocks == CPU_KV_CACHE_BYTES // _block_bytes(TINY) == 52_428
+    assert d.is_resolved and DeployConfig(max_model_len=128).resolved(TINY).max_model_len == 128
+
+
+def test_the_pool_is_capped_at_what_the_limits_need_and_sized_from_the_budget():
+    # a pool never needs more than max_num_seqs requests of max_model_len: 4 x (8 MLA + 8 indexer pages)
+    assert DeployConfig(max_model_len=128, max_num_seqs=4).resolved(TINY).num_gpu_blocks == 64
+    budget = 10 * _block_bytes(TINY, 8, 16) + 7  # ten blocks and change
+    d = DeployConfig(max_model_len=32, block_size=8, index_block_size=16, kv_cache_memory_bytes=budget).resolved(TINY)
+    assert d.num_gpu_blocks == 10
+    with pytest.raises(ValueError, match="max_model_len=128.*kv_cache_memory_bytes"):
+        DeployConfig(max_model_len=128, block_size=8, kv_cache_memory_bytes=budget).resolved(TINY)
+    assert DeployConfig(num_gpu_blocks=5).resolved(TINY).num_gpu_blocks == 5  # given: taken as is
+
+
+def test_gpu_defaults_and_budget():
+    assert batch_defaults(_gpu("NVIDIA H200", 141)) == (16384, 1024)
+    assert batch_defaults(_gpu("NVIDIA A100-SXM4-80GB", 80)) == (8192, 256)  # vLLM keeps A100 at the small ones
+    assert batch_defaults(_gpu("NVIDIA L4", 24)) == (8192, 256)
+    h200 = _gpu("NVIDIA H200", 100)
+    assert DeployConfig().kv_budget_bytes(h200, weights_bytes=30 * GiB) == 60 * GiB  # 0.9 x 100 GiB - weights
+    assert DeployConfig(gpu_memory_utilization=0.5).kv_budget_bytes(h200) == 50 * GiB
+
+
+def test_default_engine_runs_and_its_config_is_concrete():
+    eng = Engine(types.SimpleNamespace(cfg=TINY, dtype="float32"), runner=SyntheticRunner(lambda row: 3))
+    assert eng.deploy.is_resolved and eng.deploy.num_gpu_blocks == eng.scheduler.kv.pool.num_blocks == 52_428
+    assert eng.generate([[1, 2, 3]], max_new_tokens=2)[0].token_ids.tolist() == [3, 3]
+
+
+BAD_FIELDS = [  # (field, value, what the message must say is allowed)
+    ("data_parallel_size", 0, "a positive int"), ("prefill_context_parallel_size", -1, "a positive int"),
+    ("decode_context_parallel_size", 2.0, "a positive int"), ("cp_kv_cache_interleave_size", None, "a positive int"),
+    ("block_size", 0, "a positive int"), ("block_size", True, "a positive int"),
+    ("tensor_parallel_size", "2", "a positive int"),
+    ("index_block_size", 0, "a positive int or None"), ("index_block_size", 24, "a multiple of block_size=16"),
+    ("max_model_len", 0, "a positive int or None"), ("max_num_batched_tokens", -5, "a positive int or None"),
+    ("max_num_seqs", 1.5, "a positive int or None"), ("num_gpu_blocks", 0, "a positive int or None"),
+    ("kv_cache_memory_bytes", -1, "a positive int or None"), ("hisparse_device_buffer_size", 0, "a positive int or None"),
+    ("cpu_offload_bytes", -1, "an int >= 0"), ("hisparse_host_pool_bytes", 0.5, "an int >= 0"),
+    ("num_speculative_tokens", -1, "an int >= 0"),
+    ("enable_expert_parallel", 1, "True or False"), ("enable_prefix_caching", "yes", "True or False"),
+    ("sparse_mla_force_mqa", None, "True or False"),
+    ("dcp_comm_backend", "ring", "one of \\('ag_rs', 'a2a'\\)"), ("kv_cache_dtype", "fp8", "one of \\('auto', "),
+    ("kv_policy", "lru", "one of \\('preempt', 'offload', 'hisparse'\\)"),
+    ("attention_impl", "triton", "one of \\('auto', 'reference', 'pallas'\\)"),
+    ("gpu_memory_utilization", 0.0, "a number in \\(0, 1\\]"), ("gpu_memory_utilization", 1.5, "a number in \\(0, 1\\]"),
+    ("host_link_bytes_per_s", 0, "a number > 0"),
+]
+
+
+@pytest.mark.parametrize("field,value,allowed", BAD_FIELDS)
+def test_every_invalid_field_is_named_with_what_is_allowed(field, value, allowed):
+    with pytest.raises(ValueError, match=f"DeployConfig.{field}.*{allowed}"):
+        DeployConfig(**{field: value})
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(kv_policy="offload"), "kv_policy='offload' needs cpu_offload_bytes > 0"),
+    (dict(kv_policy="hisparse"), "kv_policy='hisparse' needs hisparse_host_pool_bytes > 0"),
+    (dict(prefill_context_parallel_size=8, decode_context_parallel_size=4), "decode_context_parallel_size=4 must be equal"),
+    (dict(decode_context_parallel_size=2, cp_kv_cache_interleave_size=3), "interleave_size=3 must divide block_size"),
+])
+def test_fields_that_contradict_each_other(fields, match):
+    with pytest.raises(ValueError, match=match):
+        DeployConfig(**fields)
+
+
+def test_what_is_not_built_says_so():
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        DeployConfig(tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="hisparse"):
+        DeployConfig(decode_context_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1)
+    with pytest.raises(NotImplementedError, match="num_speculative_tokens"):
+        DeployConfig(num_speculative_tokens=3)
+
+
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Engine construction that would allocate a model runner fails the test."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the engine allocated a runner before rejecting its configuration")
+
+    monkeypatch.setattr(engine_mod, "ModelRunner", forbidden)
+
+
+@pytest.mark.parametrize("fields,match", [
+    # one request's MLA pages: 128 tokens x 8 layers x (128 latent + 16 rope) float32 = 589,824 bytes
+    (dict(max_model_len=128, block_size=8, kv_policy="hisparse", hisparse_host_pool_bytes=100_000),
+     "hisparse_host_pool_bytes=100000 must hold at least one request of max_model_len=128: >= 589824 bytes"),
+    (dict(max_model_len=TINY.max_position_embeddings + 1), "max_model_len=65537 must be <= the model's"),
+    (dict(max_model_len=4096, kv_cache_memory_bytes=1 << 20), "max_model_len=4096"),
+])
+def test_engine_rejects_a_configuration_before_allocating(tiny_model, no_allocation, fields, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(tiny_model, DeployConfig(**fields))
+
+
+def test_engine_rejects_bad_requests_before_queueing_them():
+    eng = Engine(types.SimpleNamespace(cfg=TINY, dtype="float32"),
+                 DeployConfig(max_model_len=128, max_num_seqs=2, block_size=8, num_gpu_blocks=10),
+                 runner=SyntheticRunner())
+    cases = [([], "non-empty"), (np.zeros((2, 3), np.int32), "1-D"), ([1.5, 2.0], "integers"),
+             ([0, TINY.vocab_size], f"token ids must lie in \\[0, {TINY.vocab_size}\\)"), ([-1, 4], "token ids must lie"),
+             (np.zeros(126, np.int32), "max_model_len=128"),
+             (np.zeros(60, np.int32), "needs 16 blocks but the pool has 10")]  # 8 MLA + 8 indexer pages
+    for prompt, match in cases:
+        params = SamplingParams(3)
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(prompt, params)
+    assert not eng.requests and not eng.scheduler.waiting and not eng.has_unfinished()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingParams(0)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request([1, 2], req_id="a")
+        eng.add_request([1, 2], req_id="a")
+    assert list(eng.requests) == ["a"] and len(eng.scheduler.waiting) == 1
