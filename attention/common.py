@@ -111,6 +111,11 @@ def pad_to(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): bucket and padding sizes."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two that divides n and is <= cap (block sizes must be powers of two for Triton)."""
     b = 1

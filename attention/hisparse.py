@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from attention.common import pad_to, pallas_interpret, resolve_impl
+from attention.common import pad_to, pallas_interpret, pow2_at_least, resolve_impl
 
 NEVER_USED = jnp.iinfo(jnp.int32).min  # last_use of an empty slot: older than any step
 _LAST = jnp.iinfo(jnp.int32).max  # LRU key of a slot a miss may not take (hit this step, or padding)
@@ -142,10 +142,6 @@ TILE_ELEMS = 1 << 14
 NUM_WARPS = 8
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuffer, step, *,
                    interpret: bool | None = None, chunk: int | None = None):
     """Pallas kernel for `resolve_reference`: same inputs, same (ResolvePlan, HotBuffer), bit for bit.
@@ -197,7 +193,7 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
         raise ValueError(f"the hot buffer needs at least top-k = {k} slots per request, got {h}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    kp, hp = _pow2_at_least(k), _pow2_at_least(h)
+    kp, hp = pow2_at_least(k), pow2_at_least(h)
     ch = chunk or min(kp, max(1, TILE_ELEMS // hp))
     if ch & (ch - 1) or ch > kp:
         raise ValueError(f"chunk must be a power of two <= {kp} (K padded), got {ch}")

@@ -99,7 +99,7 @@ def _deploy(cfg: ConfigDict, kv_policy: str):
     import glm53
 
     d = dict(cfg.deploy.to_dict())
-    d["num_gpu_blocks"] = d["num_gpu_blocks"] or None  # 0: a pool that never runs out
+    d["num_gpu_blocks"] = d["num_gpu_blocks"] or None  # 0: what the KV memory budget holds (DeployConfig)
     d["hisparse_device_buffer_size"] = d.get("hisparse_device_buffer_size") or None  # 0: 2 x top-k
     d["index_block_size"] = d.get("index_block_size") or None  # 0: block_size
     d.update(cfg.get("policy_deploy", {}).get(kv_policy, {}))  # this policy's own fields, e.g. its host pools

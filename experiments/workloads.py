@@ -319,6 +319,7 @@ class ClosedLoopClient:
                     continue
                 clock.sleep(max(0.0, min(waits) - clock.now()))
                 continue
+            ran = bool(eng.requests)  # False: a step that only moves KV (a finished turn's parking)
             for rid, tok, fin in eng.step():
                 live = by_req.get(rid)
                 if live is None:
@@ -335,7 +336,7 @@ class ClosedLoopClient:
                         done += 1
                     else:
                         live.ready_s = clock.now() + live.session.turns[live.turn].think_s * self.think_time_scale
-            steps += 1
+            steps += ran
             if on_step is not None:
                 on_step(eng)
         while eng.has_unfinished():  # no request left: the last KV transfers (parking the last turns) run

@@ -193,4 +193,6 @@ def as_token_array(token_ids) -> np.ndarray:
         raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"token_ids must be integers, got dtype {ids.dtype}")
+    if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:  # before the cast, which would wrap them
+        raise ValueError(f"token ids must lie in [0, {np.iinfo(np.int32).max}], got [{ids.min()}, {ids.max()}]")
     return ids.astype(np.int32)

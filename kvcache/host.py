@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
+from attention.common import pow2_at_least
 from attention.hisparse import NEVER_USED, HotBuffer, resolve
 from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, Transfer
 
@@ -199,10 +200,6 @@ class HiSparseView:
 
 
 # ---------------------------------------------------------------------------------------- page copies
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 @functools.partial(jax.jit, donate_argnums=0)
 def _pages_d2h(host_tables, dev_tables, src_slots, dst_slots):
     """host[dst] = device[src] for each layer's table pair (slots -1: padding, dropped)."""
@@ -335,7 +332,7 @@ class HostMemory:
         field = GROUP_FIELDS[op.group]
         for lo in range(0, max(len(op.src), 1 if pad_to else 0), self.max_copy_pages):
             src, dst = op.src[lo:lo + self.max_copy_pages], op.dst[lo:lo + self.max_copy_pages]
-            width = pad_to or _pow2_at_least(len(src))
+            width = pad_to or pow2_at_least(len(src))
             src_s = jnp.asarray(self.page_slots(op.group, list(src) + [-1] * (width - len(src))))
             dst_s = jnp.asarray(self.page_slots(op.group, list(dst) + [-1] * (width - len(dst))))
             if op.direction == "d2h":
@@ -347,7 +344,7 @@ class HostMemory:
 
     def _padded_slots(self, group: str, blocks) -> jax.Array:
         blocks = list(blocks)
-        return jnp.asarray(self.page_slots(group, blocks + [-1] * (_pow2_at_least(len(blocks)) - len(blocks))))
+        return jnp.asarray(self.page_slots(group, blocks + [-1] * (pow2_at_least(len(blocks)) - len(blocks))))
 
     def _save(self, cache, op: SaveKV) -> int:
         """A request's pages to host memory (pages padded to a power of two per group). The only
@@ -402,11 +399,11 @@ class HostMemory:
         of every padded page count up to a request's pages (max_blocks_per_seq per group), the lease
         reset. -> cache (unchanged values)."""
         for g in self.host_tables:
-            for width in _widths(min(self.max_copy_pages, _pow2_at_least(self.num_blocks))):
+            for width in _widths(min(self.max_copy_pages, pow2_at_least(self.num_blocks))):
                 for direction in ("d2h", "h2d"):
                     cache, _ = self._copy_pages(cache, PageCopy(g, direction, (), ()), pad_to=width)
         for g, n in max_blocks_per_seq.items():
-            for width in _widths(_pow2_at_least(n)):
+            for width in _widths(pow2_at_least(n)):
                 slots = jnp.asarray(np.full(width * self.page_rows[g] * self.kv_ranks, -1, np.int32))
                 for a in self._arrays(cache, g)[:1]:  # one program per group: its layers share a shape
                     rows = jax.device_put(jax.device_put(_gather_rows(a, slots), self._device), self._host)

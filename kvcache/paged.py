@@ -111,7 +111,7 @@ class PagedKVCache:
         if index_block_table is None and self.index_block_size:
             raise ValueError("indexer pages differ in size from MLA pages: give index_block_table")
         ibt = None if index_block_table is None else self._checked_table(index_block_table, self.num_blocks)
-        if ibt is not None and (ibt.shape[0] != bt.shape[0] or ibt.shape[1] * self._ibs < self.capacity):
+        if ibt is not None and (ibt.shape[0] != bt.shape[0] or ibt.shape[1] * self._ibs < bt.shape[1] * self.block_size):
             raise ValueError(f"index_block_table shape {ibt.shape} does not cover block_table {bt.shape}'s "
                              f"{bt.shape[1] * self.block_size} positions in pages of {self._ibs}")
         return dataclasses.replace(self, block_table=bt, index_block_table=ibt)

@@ -48,11 +48,13 @@ CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU backend's KV space when VLLM_CPU_KVCA
 
 
 def batch_defaults(device) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) vLLM picks for offline use (its LLM class, which `Engine` is)
-    on `device`'s platform (vLLM's EngineArgs.get_batch_defaults): 4,096 / 256 on CPU; 16,384 / 1,024 on
-    a GPU with at least 70 GiB that is not an A100 (H100, H200); 8,192 / 256 on other GPUs."""
+    """(max_num_batched_tokens, max_num_seqs) for offline use (vLLM's LLM class, which `Engine` is) on
+    `device`'s platform, after vLLM's EngineArgs.get_batch_defaults: 16,384 / 1,024 on a GPU with at least
+    70 GiB that is not an A100 (H100, H200); 8,192 / 256 on other GPUs. On CPU 8,192 / 256 too, not vLLM's
+    CPU 4,096: under XLA:CPU every forward copies the slices of the experts it uses, so a prefill split
+    into more steps pays that again (docs/engine.md, Defaults)."""
     if device is None or device.platform == "cpu":
-        return 4096, 256
+        return 8192, 256
     memory = (device.memory_stats() or {}).get("bytes_limit", 0)
     if memory >= 70 * GiB and "a100" not in device.device_kind.lower():
         return 16384, 1024

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attention.common import pow2_at_least
 from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.plan import PlanRow, ResolveRecord, StepPlan, StepResult
@@ -37,10 +38,6 @@ from parallel.pcp import PcpSplit
 
 
 MIN_PREFILL_WIDTH = 16  # narrowest prefill bucket: shorter chunks pad to it (fewer programs)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @jax.jit
@@ -118,8 +115,9 @@ class ModelRunner:
 
     def _init(self, num_blocks: int):
         model, deploy = self.model, self.deploy
-        self.max_rows = _pow2_at_least(deploy.max_num_seqs)
-        self.max_tokens = _pow2_at_least(deploy.max_num_batched_tokens)
+        self.max_rows = pow2_at_least(deploy.max_num_seqs)
+        # no chunk is wider than the budget or than a whole request
+        self.max_tokens = pow2_at_least(min(deploy.max_num_batched_tokens, deploy.max_model_len))
         self.num_blocks = num_blocks
         # Context parallelism (parallel.model): a mesh with one context axis of max(PCP, DCP) devices.
         # Under DCP a block id is a page of block_size slots on every rank, so the arrays hold
@@ -167,8 +165,8 @@ class ModelRunner:
 
     @property
     def capacity(self) -> int:
-        """Positions per request the block tables address (all DCP ranks together)."""
-        return self.cache.capacity * self.kv_ranks
+        """Positions per request a block table can address (max_model_len rounded up to whole pages)."""
+        return self.deploy.max_blocks_per_seq * self.deploy.tokens_per_block
 
     def _resolve_record(self, req_ids: tuple[str, ...], view: HiSparseView) -> tuple[ResolveRecord, int]:
         """The counts a HiSparse decode forward's resolvers left in its view -> (record, bytes copied)."""
@@ -180,9 +178,15 @@ class ModelRunner:
             raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: {bad}")
         return ResolveRecord(req_ids, hits, misses, copied), int(copied.sum()) * self.host.row_bytes_mla
 
-    def _table(self, group: str, rows: int, tables: list[list[int]]) -> np.ndarray:
-        width = self.deploy.max_index_blocks_per_seq if group == "indexer" else self.deploy.max_blocks_per_seq
-        out = np.full((rows, width), -1, np.int32)
+    def _table(self, group: str, rows: int, tables, window: int | None = None) -> np.ndarray:
+        """Block tables [rows, pages] int32 (-1 padded) covering positions < `window` (None: the whole
+        max_model_len): a step reads no page past its window, so its tables cost O(window) per step, not
+        O(max_model_len), and their width follows the window bucket (no extra programs)."""
+        d = self.deploy
+        pages = d.max_blocks_per_seq if window is None else -(-window // d.tokens_per_block)
+        if group == "indexer":
+            pages = -(-pages * d.tokens_per_block // d.index_tokens_per_block)
+        out = np.full((rows, pages), -1, np.int32)
         for i, t in enumerate(tables):
             out[i, : len(t)] = t
         return out
@@ -213,11 +217,11 @@ class ModelRunner:
             pos = np.full((rows, width), -1, np.int32)
             views = [None]
             if self.hisparse and width == 1:
-                views.append(self.host.view(self._table("mla", rows, []), np.full(rows, -1, np.int32),
+                views.append(self.host.view(self._table("mla", rows, [], window), np.full(rows, -1, np.int32),
                                             self.model.cfg.index_topk))
             for view in views:
-                hidden = self._forward(tok, pos, self._table("mla", rows, []), self._table("indexer", rows, []),
-                                       window, view)
+                hidden = self._forward(tok, pos, self._table("mla", rows, [], window),
+                                       self._table("indexer", rows, [], window), window, view)
                 logits = self._last_logits(self.state, hidden, np.zeros(rows, np.int32))
                 ones = np.ones(rows, np.float32)
                 _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
@@ -332,6 +336,8 @@ class ModelRunner:
         prefill chunk's width, and a chunk pads to less than twice its length; the groups are independent
         requests, so running them one after the other on the same cache computes exactly what one batch
         would), then sampling."""
+        if any(row.num_draft_tokens for row in plan.rows):
+            raise NotImplementedError("draft tokens (MTP speculative decoding) are not built in the model runner")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
         groups: dict[int, list[int]] = {}
         for i, row in enumerate(plan.rows):
@@ -343,23 +349,19 @@ class ModelRunner:
             # selected page is on the device and the plain step reads it
             leased = hs is not None and width == 1 and any(hs[i].lease >= 0 for i in idx)
             rows = [plan.rows[i] for i in idx]
-            view = None
-            if leased:
-                r = _pow2_at_least(len(idx))
-                lease = np.full(r, -1, np.int32)
-                lease[: len(idx)] = [hs[i].lease for i in idx]
-                view = self.host.view(self._table("mla", r, [hs[i].host_blocks for i in idx]), lease,
-                                      self.model.cfg.index_topk)
             tokens.update(self._run_group(rows, [plan.block_tables["mla"][i] for i in idx],
-                                          [plan.block_tables["indexer"][i] for i in idx], width, view))
-            if view is not None:
+                                          [plan.block_tables["indexer"][i] for i in idx], width,
+                                          [hs[i] for i in idx] if leased else None))
+            if leased:
                 rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), self._last_view)
                 resolves.append(rec)
                 h2d += nbytes
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves))
 
-    def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width, view=None) -> dict[str, tuple[int]]:
-        r = _pow2_at_least(len(rows))
+    def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width, hisparse=None) -> dict[str, tuple[int]]:
+        """One width group as one padded forward; `hisparse`: the rows' HiSparseRows when the resolver
+        runs (some row holds a hot buffer)."""
+        r = pow2_at_least(len(rows))
         tok = np.zeros((r, width), np.int32)
         pos = np.full((r, width), -1, np.int32)
         last = np.zeros(r, np.int32)
@@ -368,8 +370,14 @@ class ModelRunner:
             pos[i, : row.num_tokens] = np.arange(row.start, row.start + row.num_tokens)
             last[i] = row.num_tokens - 1
         window = window_bucket(int(pos.max()) + 1, self.capacity)
-        hidden = self._forward(tok, pos, self._table("mla", r, tables_mla), self._table("indexer", r, tables_index),
-                               window, view)
+        view = None
+        if hisparse is not None:
+            lease = np.full(r, -1, np.int32)
+            lease[: len(rows)] = [h.lease for h in hisparse]
+            view = self.host.view(self._table("mla", r, [h.host_blocks for h in hisparse], window), lease,
+                                  self.model.cfg.index_topk)
+        hidden = self._forward(tok, pos, self._table("mla", r, tables_mla, window),
+                               self._table("indexer", r, tables_index, window), window, view)
         need = [i for i, row in enumerate(rows) if row.sample]
         if not need:
             return {}

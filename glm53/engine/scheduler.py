@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from types import MappingProxyType
+
+import numpy as np
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.plan import PlanRow, ResolveRecord, StepPlan, StepResult
@@ -177,15 +180,16 @@ class Scheduler:
         every transfer the policy recorded since the last plan."""
         rows, tables, extra = [], {g: [] for g in self.kv.groups}, []
         for req, start, n in scheduled:
-            rows.append(PlanRow(req.req_id, start, req.token_slice(start, start + n), start + n == req.num_tokens,
-                                req.params, len(req.output_ids)))
+            ids = np.array(req.token_slice(start, start + n), np.int32)  # its own read-only copy
+            ids.setflags(write=False)
+            rows.append(PlanRow(req.req_id, start, ids, start + n == req.num_tokens, req.params, len(req.output_ids)))
             row_tables, row_extra = self.policy.row_tables(self.kv, req)
             for g in self.kv.groups:
                 tables[g].append(row_tables[g])
             extra.append(row_extra)
         hisparse = tuple(extra) if extra and extra[0] is not None else None
-        return StepPlan(self.stats.steps, tuple(rows), {g: tuple(t) for g, t in tables.items()}, hisparse,
-                        tuple(self.policy.take_transfers()))
+        return StepPlan(self.stats.steps, tuple(rows), MappingProxyType({g: tuple(t) for g, t in tables.items()}),
+                        hisparse, tuple(self.policy.take_transfers()))
 
     def _need(self, req: Request, n: int) -> int:
         """Free blocks a chunk of n tokens of `req` needs."""

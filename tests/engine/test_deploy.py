@@ -31,7 +31,7 @@ def _gpu(kind, gib):
 def test_defaults_follow_the_model_and_vllm_on_this_machine():
     d = DeployConfig().resolved(TINY)
     assert d.max_model_len == TINY.max_position_embeddings == 65_536
-    assert (d.max_num_batched_tokens, d.max_num_seqs) == (4096, 256)  # vLLM's CPU defaults for offline use
+    assert (d.max_num_batched_tokens, d.max_num_seqs) == (8192, 256)  # vLLM's offline GPU defaults (docs/engine.md)
     # the pool: what vLLM's 4 GiB CPU KV space holds, not 256 requests of 65,536 tokens (~170 GB here)
     assert d.num_gpu_blocks == CPU_KV_CACHE_BYTES // _block_bytes(TINY) == 52_428
     assert d.is_resolved and DeployConfig(max_model_len=128).resolved(TINY).max_model_len == 128
@@ -137,6 +137,7 @@ def test_engine_rejects_bad_requests_before_queueing_them():
                  runner=SyntheticRunner())
     cases = [([], "non-empty"), (np.zeros((2, 3), np.int32), "1-D"), ([1.5, 2.0], "integers"),
              ([0, TINY.vocab_size], f"token ids must lie in \\[0, {TINY.vocab_size}\\)"), ([-1, 4], "token ids must lie"),
+             (np.array([2**32 + 5, 7], np.int64), "token ids must lie"),  # not wrapped to 5 by an int32 cast
              (np.zeros(126, np.int32), "max_model_len=128"),
              (np.zeros(60, np.int32), "needs 16 blocks but the pool has 10")]  # 8 MLA + 8 indexer pages
     for prompt, match in cases:

@@ -66,6 +66,11 @@ def test_the_plan_is_frozen_and_carries_what_the_runner_reads(tiny_model):
     assert plan.block_tables["mla"][0] == tuple(eng.scheduler.kv.block_table(ids[0], "mla"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.rows = ()
+    # nothing in it aliases the scheduler's state: token ids are a read-only copy, the tables immutable
+    assert not plan.rows[0].token_ids.flags.writeable
+    assert not np.shares_memory(plan.rows[0].token_ids, reqs[ids[0]].prompt_ids)
+    with pytest.raises(TypeError):
+        plan.block_tables["mla"] = ()
     tables = plan.block_tables["mla"][0]
     eng.scheduler.update(plan, StepResult({}, frozenset()), 0.0)
     plan2 = eng.scheduler.schedule()  # the next plan grows the tables; the first one is unchanged

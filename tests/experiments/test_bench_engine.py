@@ -46,9 +46,9 @@ def test_bench_engine_tiny(tmp_path):
     assert len(prof["per_forward"]) == prof["prefill_steps"]["forwards"] + prof["decode_steps"]["forwards"] == 5
     assert eng["deploy"]["max_model_len"] == 45 and eng["deploy"]["max_num_batched_tokens"] == 128
 
-    # the same run with the defaults (DeployConfig()): the model's length, vLLM's CPU limits, the same tokens
+    # the same run with the defaults (DeployConfig()): the model's length, the CPU limits, the same tokens
     default = eng["default"]
-    assert default["deploy"]["max_model_len"] == 65_536 and default["deploy"]["max_num_batched_tokens"] == 4096
+    assert default["deploy"]["max_model_len"] == 65_536 and default["deploy"]["max_num_batched_tokens"] == 8192
     assert default["deploy"]["max_num_seqs"] == 256 and default["tokens_equal_tuned"]
     assert res["engine_default_s"] == min(default["engine_runs_s"]) > 0 and res["speedup_default_vs_hf"] is None
     assert default["profile"]["prefill_steps"]["real_tokens"] == 80
