@@ -231,7 +231,7 @@ class _Live:
 class ClientResult:
     request_ids: list[str]  # every request the client sent, in order
     sessions_done: int
-    steps: int  # engine steps that ran requests (the final steps that only move KV are not counted)
+    steps: int  # engine steps the client ran (a step may only move KV; the final drain is not counted)
 
 
 class ClosedLoopClient:
@@ -319,7 +319,6 @@ class ClosedLoopClient:
                     continue
                 clock.sleep(max(0.0, min(waits) - clock.now()))
                 continue
-            ran = bool(eng.requests)  # False: a step that only moves KV (a finished turn's parking)
             for rid, tok, fin in eng.step():
                 live = by_req.get(rid)
                 if live is None:
@@ -336,7 +335,7 @@ class ClosedLoopClient:
                         done += 1
                     else:
                         live.ready_s = clock.now() + live.session.turns[live.turn].think_s * self.think_time_scale
-            steps += ran
+            steps += 1
             if on_step is not None:
                 on_step(eng)
         while eng.has_unfinished():  # no request left: the last KV transfers (parking the last turns) run
