@@ -29,25 +29,30 @@ import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 BlockHash = bytes
 _EMPTY = b""
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str | int] = ()) -> BlockHash:
-    """Chained hash of one full block: SHA-256 over (parent hash, token ids as int64, extra keys)."""
+    """Chained hash of one full block: SHA-256 over (parent hash, token ids as little-endian int64, extra
+    keys). A list and an array of the same ids hash alike."""
     h = hashlib.sha256()
     h.update(parent or _EMPTY)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
     for key in extra_keys:
         data = str(key).encode()
         h.update(struct.pack("<q", len(data)) + data)
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Sequence[str | int] = ()) -> list[BlockHash]:
-    """Hashes of every full block of a token sequence (a trailing partial block has none)."""
-    out, parent = [], None
-    for start in range(0, len(token_ids) - tokens_per_block + 1, tokens_per_block):
+def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Sequence[str | int] = (), *,
+                 known: Sequence[BlockHash] = ()) -> list[BlockHash]:
+    """Hashes of every full block of a token sequence (a trailing partial block has none). `known`: the
+    hashes of its first blocks, computed before (the chain is extended from them, not rehashed)."""
+    out, parent = list(known), (known[-1] if known else None)
+    for start in range(len(known) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block):
         parent = hash_block(parent, token_ids[start : start + tokens_per_block], extra_keys)
         out.append(parent)
     return out
@@ -169,6 +174,7 @@ class RequestBlocks:
     hashes: list[BlockHash]  # hashes of the request's full blocks (of the tokens known so far)
     num_cached_blocks: int = 0  # leading hash chunks (tokens_per_block each) registered in / served from the cache
     num_computed_tokens_hit: int = 0  # tokens whose KV came from the prefix cache at admission
+    extra_keys: tuple = ()  # the prefix-hash keys the hashes were made with
 
 
 class KVCacheManager:
@@ -208,6 +214,8 @@ class KVCacheManager:
         self.groups = tuple(groups)
         self.requests: dict[str, RequestBlocks] = {}
         self.leases: dict[str, list[int]] = {}  # per request: blocks held outside its tables (HiSparse hot buffer)
+        # per request freed with keep_hashes: (extra keys, hashes of its full blocks) until it is admitted again
+        self._kept_hashes: dict[str, tuple[tuple, list[BlockHash]]] = {}
 
     def blocks_needed(self, num_tokens: int, group: str | None = None) -> int:
         """Pages of `group` (default: a tokens_per_block group) that hold num_tokens tokens."""
@@ -230,7 +238,9 @@ class KVCacheManager:
         produce logits). use_prefix_cache=False: take nothing (the caller restores the KV itself)."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already admitted")
-        hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys)
+        kept = self._kept_hashes.pop(req_id, None)  # a request admitted before: its tokens only grew
+        known = kept[1] if kept is not None and kept[0] == tuple(extra_keys) else ()
+        hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=known[:len(token_ids) // self.tokens_per_block])
         max_hit = (len(token_ids) - 1) // self.tokens_per_block if use_prefix_cache else 0
         found: dict[str, list[int]] = {g: [] for g in self.groups}
         n_chunks = 0  # chunks [0, n_chunks) are covered by found pages of every group
@@ -253,7 +263,8 @@ class KVCacheManager:
             self.pool.touch(tables[g])
         self.pool.stats.hits += n_chunks
         n = n_chunks * self.tokens_per_block
-        self.requests[req_id] = RequestBlocks(tables, hashes, num_cached_blocks=n_chunks, num_computed_tokens_hit=n)
+        self.requests[req_id] = RequestBlocks(tables, hashes, num_cached_blocks=n_chunks, num_computed_tokens_hit=n,
+                                              extra_keys=tuple(extra_keys))
         return n
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
@@ -294,9 +305,13 @@ class KVCacheManager:
                     self.pool.cache(g, rb.tables[g][j], rb.hashes[self.page_hash_index(g, j)])
         rb.num_cached_blocks = max(rb.num_cached_blocks, n_full)
 
-    def free(self, req_id: str) -> None:
-        """Release every block of the request (tail blocks first into the free queue)."""
+    def free(self, req_id: str, *, keep_hashes: bool = False) -> None:
+        """Release every block of the request (tail blocks first into the free queue). keep_hashes: the
+        request will be admitted again (preempted, or not admitted this step): keep its block hashes so
+        that admission extends them instead of rehashing its whole context."""
         rb = self.requests.pop(req_id)
+        if keep_hashes:
+            self._kept_hashes[req_id] = (tuple(rb.extra_keys), rb.hashes)
         for g in self.groups:
             self.pool.free([b for b in reversed(rb.tables[g]) if b >= 0])
         self.end_lease(req_id)

@@ -126,7 +126,7 @@ class HiSparsePolicy(PreemptPolicy):
 
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
-        n = kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
+        n = kv.admit(req.req_id, req.tokens, req.extra_keys)
         rb = kv.requests[req.req_id]
         st = self.state[req.req_id] = Residency()
         i = n // kv.tokens_per_block

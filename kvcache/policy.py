@@ -38,8 +38,9 @@ class RequestView(Protocol):
         """Tokens known so far: prompt + generated."""
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """The prompt and the generated tokens (hashed for prefix caching)."""
+    def tokens(self) -> Sequence[int]:
+        """The prompt and the generated tokens (hashed for prefix caching): len() and contiguous slices,
+        each slice built only when asked for (a long context is not copied per admission)."""
 
     @property
     def extra_keys(self) -> tuple:
@@ -111,7 +112,7 @@ class PreemptPolicy:
         return bool(self.outbox)
 
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
-        return kv.admit(req.req_id, req.all_token_ids, req.extra_keys)
+        return kv.admit(req.req_id, req.tokens, req.extra_keys)
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         pass

@@ -80,6 +80,8 @@ class DeployConfig:
         gpu_memory_utilization of its memory less the weights, as vLLM sizes it), but no more than
         max_num_seqs requests of max_model_len need. A block costs the bytes of one page of every cache
         group (kvcache.layout.page_bytes; its 1/DCP share on each device).
+    tensor_parallel_size: heads and dense weights split over TP ranks (vLLM's TP; DCP reuses them). Priced
+        by the simulator (glm53.engine.sim); the model runner does not run it yet.
     prefill_context_parallel_size / decode_context_parallel_size: PCP (a prefill chunk's tokens split
         over the ranks) and DCP (the KV cache split round-robin over them) on one context mesh axis of
         max(PCP, DCP) devices (parallel.model); with enable_expert_parallel the routed experts are split
@@ -161,10 +163,10 @@ class DeployConfig:
                 raise ValueError(f"DeployConfig.cp_kv_cache_interleave_size={self.cp_kv_cache_interleave_size} must "
                                  f"divide {name}={size}: a rank's run of interleaved tokens must not cross a block")
         # What the engine does not run yet: say so instead of silently running something else.
-        if self.tensor_parallel_size != 1:
-            raise NotImplementedError(f"DeployConfig.tensor_parallel_size={self.tensor_parallel_size}: attention "
-                                      "and MLP weights are replicated so far (the context axis and data-parallel "
-                                      "replicas are built; tensor parallelism is not)")
+        tp = self.tensor_parallel_size
+        if tp > 1 and (pcp > 1 or (dcp > 1 and tp % dcp)):
+            raise ValueError(f"DeployConfig.tensor_parallel_size={tp} with PCP {pcp} / DCP {dcp}: DCP must divide "
+                             "the TP ranks it reuses (vLLM's rule), and TP x PCP is not modelled")
         if self.kv_policy == "hisparse" and self.context_parallel_size > 1:
             raise NotImplementedError("DeployConfig.kv_policy='hisparse' with context parallelism: HiSparse "
                                       "residency runs on one device so far")
@@ -220,6 +222,12 @@ class DeployConfig:
             return CPU_KV_CACHE_BYTES
         limit = (device.memory_stats() or {}).get("bytes_limit", 0)
         return max(0, int(self.gpu_memory_utilization * limit) - weights_bytes)
+
+    @property
+    def devices_per_replica(self) -> int:
+        """GPUs one replica runs on: max(TP x PCP, DCP) (DCP reuses TP ranks; on its own it is the context
+        axis)."""
+        return max(self.tensor_parallel_size * self.prefill_context_parallel_size, self.decode_context_parallel_size)
 
     @property
     def context_parallel_size(self) -> int:

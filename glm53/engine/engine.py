@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from glm53.config import ModelConfig
 from glm53.engine.config import GROUPS, DeployConfig, KVSizes
 from glm53.engine.metrics import cp_work_metrics, summarize
 from glm53.engine.plan import Clock, Runner, WallClock
@@ -72,14 +73,20 @@ class Engine:
     """Serve `model` under `deploy`. `add_request` queues a prompt; each `step` schedules and runs one
     batch per replica and returns the tokens produced; `generate` runs prompts to completion.
 
+    model: a GLM53 (weights), or a bare ModelConfig for a runner that needs no weights (the simulator,
+        glm53.engine.sim; its "auto" KV dtype is bfloat16, the checkpoints' dtype).
     runner / clock: injectable (a simulator or a test passes its own runner; with data parallelism, one
     runner per replica as a sequence); by default the model runs on the paged cache of `devices`
-    (default: the devices JAX sees) and time is wall time.
+    (default: the devices JAX sees) and time is wall time. A runner whose results carry `duration_s`
+    (a priced step) needs a clock with `advance` (glm53.engine.plan.VirtualClock): each replica's
+    tokens arrive at the step's start plus its own duration, and the clock moves by the slowest
+    replica's (replicas run in parallel on their own GPUs).
     """
 
     def __init__(self, model, deploy: DeployConfig | None = None, *, runner: Runner | Sequence[Runner] | None = None,
                  clock: Clock | None = None, devices=None):
         self.model = model
+        self.cfg: ModelConfig = model if isinstance(model, ModelConfig) else model.cfg
         d = deploy or DeployConfig()
         self.clock = clock or WallClock()
         dp, n = d.data_parallel_size, d.context_parallel_size
@@ -87,12 +94,15 @@ class Engine:
         if runners is not None and len(runners) != dp:
             raise ValueError(f"runner: {len(runners)} runner(s) given for data_parallel_size={dp} (one per replica)")
         # every default filled in and every size checked before any array is allocated
-        dtype = jnp.dtype(getattr(model, "dtype", jnp.float32)).name
+        if isinstance(model, ModelConfig) and runners is None:
+            raise ValueError("Engine(ModelConfig): a model without weights needs a runner that runs without "
+                             "them (e.g. glm53.engine.sim.SimRunner); pass runner=")
+        dtype = "bfloat16" if isinstance(model, ModelConfig) else jnp.dtype(getattr(model, "dtype", jnp.float32)).name
         device = None
         if runners is None:
             device = list(devices)[0] if devices is not None else jax.devices()[0]
-        self.deploy = d = d.resolved(model.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device))
-        self.sizes = d.kv_sizes(model.cfg, dtype)
+        self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device))
+        self.sizes = d.kv_sizes(self.cfg, dtype)
         groups = [None] * dp
         if runners is None and (dp > 1 or devices is not None):
             devices = sorted(jax.devices(), key=lambda x: (x.process_index, x.id)) if devices is None else list(devices)
@@ -135,7 +145,7 @@ class Engine:
 
     @property
     def num_devices(self) -> int:
-        return self.deploy.data_parallel_size * self.deploy.context_parallel_size
+        return self.deploy.data_parallel_size * self.deploy.devices_per_replica
 
     # -------------------------------------------------------------------------------------- requests
     def route(self, salt: str) -> int:
@@ -155,7 +165,7 @@ class Engine:
         truncating it."""
         params = params or SamplingParams()
         ids = as_token_array(prompt_ids)
-        cfg = self.model.cfg
+        cfg = self.cfg
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
         total = ids.size + params.max_new_tokens
@@ -182,6 +192,7 @@ class Engine:
         """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced."""
         out, t, counted = [], None, False
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
+        start, priced = self.clock.now(), []  # priced: the durations of simulated steps
         for rep in self.replicas:
             sch = rep.scheduler
             plan = None
@@ -194,12 +205,23 @@ class Engine:
             if plan is None:
                 continue
             result = rep.runner.execute(plan)
-            finished = sch.update(plan, result, self.clock.now())
+            if result.duration_s is not None:
+                priced.append(result.duration_s)
+                now = start + result.duration_s
+            else:
+                now = self.clock.now()
+            finished = sch.update(plan, result, now)
             for req in finished:
                 self.finished[req.req_id] = self.requests.pop(req.req_id)
             done = {r.req_id for r in finished}
             out += [(rid, tok, rid in done and k == len(toks) - 1)
                     for rid, toks in result.tokens.items() for k, tok in enumerate(toks)]
+        if priced:
+            advance = getattr(self.clock, "advance", None)
+            if advance is None:
+                raise TypeError(f"the runner priced its step ({max(priced)} s) but the engine's clock "
+                                f"{type(self.clock).__name__} cannot advance: use glm53.engine.plan.VirtualClock")
+            advance(max(priced))
         if counted:
             self._steps += 1
             self.timeline.append((t, *counts))

@@ -93,6 +93,9 @@ class StepResult:
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     resolves: tuple[ResolveRecord, ...] = ()
+    # seconds the step takes when a runner prices it instead of running it (the simulator); None: it
+    # ran, and the engine reads the time off its clock
+    duration_s: float | None = None
 
 
 class Runner(Protocol):
@@ -107,6 +110,25 @@ class Clock(Protocol):
 
     def sleep(self, seconds: float) -> None:
         """Let `seconds` pass (a client waiting for its next arrival; a virtual clock just advances)."""
+
+
+class VirtualClock:
+    """Simulated time: it moves only when told (`advance` by a priced step, `sleep` by a client waiting
+    for its next arrival), so a simulated run's timings do not depend on the machine it runs on."""
+
+    def __init__(self, t0: float = 0.0):
+        self.t = float(t0)
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(max(0.0, seconds))
+
+    def advance(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"VirtualClock.advance: seconds must be >= 0, got {seconds!r}")
+        self.t += seconds
 
 
 class WallClock:

@@ -93,6 +93,11 @@ class ModelRunner:
     (glm53.engine.config.KVSizes), the same numbers its policy plans with."""
 
     def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None):
+        if deploy.tensor_parallel_size != 1:
+            raise NotImplementedError(f"DeployConfig.tensor_parallel_size={deploy.tensor_parallel_size}: the model "
+                                      "runner replicates attention and MLP weights so far (the context axis and "
+                                      "data-parallel replicas are built; tensor parallelism runs only in the "
+                                      "simulator, glm53.engine.sim)")
         self.model = model
         self.deploy = deploy
         self.sizes = sizes

@@ -106,7 +106,7 @@ class Scheduler:
         pool (still prefix-cached until reused), and it waits at the front of the queue. What the policy
         did not save is recomputed later, less whatever a cache gives back at re-admission."""
         saved = self.policy.evict(self.kv, victim)
-        self.kv.free(victim.req_id)
+        self.kv.free(victim.req_id, keep_hashes=True)
         self.stats.preemptions += 1
         victim.num_preemptions += 1
         if saved:
@@ -147,7 +147,7 @@ class Scheduler:
             req = self.waiting[0]
             saved = self.policy.saved_tokens(req)
             if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
-                self.kv.admit(req.req_id, req.all_token_ids, req.extra_keys, use_prefix_cache=False)
+                self.kv.admit(req.req_id, req.tokens, req.extra_keys, use_prefix_cache=False)
                 req.num_computed_tokens = saved
             else:
                 req.num_computed_tokens = self.policy.admit(self.kv, req)
@@ -156,7 +156,7 @@ class Scheduler:
                 pass
             if not self._fits(req, n):
                 self.policy.forget(self.kv, req)
-                self.kv.free(req.req_id)  # give back the prefix hit; admit again when there is room
+                self.kv.free(req.req_id, keep_hashes=True)  # give back the prefix hit; admit again when there is room
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()

@@ -101,9 +101,9 @@ def test_fields_that_contradict_each_other(fields, match):
         DeployConfig(**fields)
 
 
-def test_what_is_not_built_says_so():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        DeployConfig(tensor_parallel_size=2)
+def test_what_is_not_built_says_so(tiny_model):
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):  # before the pool is allocated
+        Engine(tiny_model, DeployConfig(tensor_parallel_size=2, max_model_len=64, num_gpu_blocks=8))
     with pytest.raises(NotImplementedError, match="hisparse"):
         DeployConfig(decode_context_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1)
     with pytest.raises(NotImplementedError, match="num_speculative_tokens"):

@@ -3,11 +3,13 @@ properties the physics implies (docs/perfmodel.md lists the formulas)."""
 
 import dataclasses
 import itertools
+import types
 
 import pytest
 
 from glm53 import perfmodel as pm
 from glm53.config import get_preset
+from glm53.perfmodel.step import Deployment, _mean_rows, step_cost
 from kvcache.layout import kv_bytes_per_token
 
 CFG = get_preset("glm-5.3")
@@ -215,7 +217,7 @@ def test_step_validation_and_overlap_names():
 def test_mean_rows_matches_brute_force():
     for k, first, count in ((16, 1, 40), (16, 20, 5), (16, 10, 10), (2048, 8193, 2048), (5, 1, 1)):
         brute = sum(min(k, first + i) for i in range(count)) / count
-        assert pm._mean_rows(k, first, count) == pytest.approx(brute)
+        assert _mean_rows(k, first, count) == pytest.approx(brute)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "mid"])
@@ -261,3 +263,61 @@ def test_dense_mha_form_is_cheaper_than_mqa_for_a_short_prompt():
     assert pm.dense_mha_prefill(CFG, HW, n, mean_keys, n + 1, 64).flops - mha.flops == pytest.approx(29_360_128)
     assert mha.flops == pytest.approx(n * 29_360_128 + n * mean_keys * 64 * 1024)
     assert mha.time_s < mqa.time_s
+
+
+# --------------------------------------------------------------------------- step_cost: a mixed plan
+def _row(start, n, drafts=0, sample=True):
+    return types.SimpleNamespace(start=start, num_tokens=n, num_draft_tokens=drafts, sample=sample)
+
+
+def _plan(*rows):
+    return types.SimpleNamespace(rows=rows)
+
+
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (8, 1), (8, 8)])
+def test_step_cost_of_a_uniform_decode_batch_is_decode_step(tp, dcp):
+    """decode_step prices a batch at one context; a plan of 32 rows at that context is the same work (a
+    decode row at position c sees c + 1 keys: decode_step's context)."""
+    got = step_cost(CFG, pm.H200, Deployment(tp=tp, dcp=dcp), _plan(*[_row(9_999, 1)] * 32)).time_s()
+    assert got == pytest.approx(pm.decode_step(CFG, pm.H200, 32, 10_000, tp=tp, dcp=dcp).time_s(), rel=1e-12)
+
+
+@pytest.mark.parametrize("pcp,dcp,cached", [(1, 1, 5_000), (8, 1, 0), (8, 8, 100_000)])
+def test_step_cost_of_one_chunk_is_prefill_step(pcp, dcp, cached):
+    dep = Deployment(pcp=pcp, dcp=dcp, expert_parallel=True, include_mtp=True)
+    got = step_cost(CFG, pm.H200, dep, _plan(_row(cached, 2048))).time_s()
+    assert got == pytest.approx(pm.prefill_step(CFG, pm.H200, 2048, cached, pcp=pcp, dcp=dcp).time_s(), rel=1e-12)
+
+
+def test_step_cost_counts_every_query_of_a_mixed_batch():
+    """Sparse-MLA useful FLOPs of a mixed batch, against a loop over every query token: a token at
+    position p attends min(top-k, p + 1) rows with every head."""
+    rows = [_row(0, 3000), _row(1500, 700, sample=False), _row(40_000, 1), _row(7, 1), _row(2047, 2)]
+    c = step_cost(CFG, pm.H200, Deployment(tp=8), _plan(*rows))
+    per_row_head = 2 * (CFG.kv_lora_rank + CFG.qk_rope_head_dim) + 2 * CFG.kv_lora_rank
+    brute = sum(min(CFG.index_topk, p + 1) for r in rows for p in range(r.start, r.start + r.num_tokens))
+    mla = sum(v.useful_flops for k, v in c.by_name().items() if k.startswith("sparse_mla"))
+    assert mla == pytest.approx(brute * (CFG.num_attention_heads // 8) * per_row_head * CFG.num_hidden_layers)
+    # indexer pairs: every query scores every key up to itself, on every full layer (TP repeats it)
+    pairs = sum(p + 1 for r in rows for p in range(r.start, r.start + r.num_tokens))
+    n_full = sum(CFG.layer_indexer_type(i) == "full" for i in range(CFG.num_hidden_layers))
+    assert c.by_name()["indexer_scores"].flops == pytest.approx(pairs * n_full * pm.indexer_pair_flops(CFG))
+    # one lm_head row per sampling row: 4 of the 5
+    assert c.by_name()["lm_head"].flops == pytest.approx(4 * 2 * CFG.hidden_size * CFG.vocab_size / 8)
+
+
+def test_step_cost_per_layer_and_per_kind_agree_and_transfers_add_link_time():
+    rows = [_row(50_000, 1)] * 8 + [_row(0, 4096)]
+    dep = Deployment(pcp=8, dcp=8, expert_parallel=True)
+    fast = step_cost(CFG, pm.H200, dep, _plan(*rows))
+    slow = step_cost(CFG, pm.H200, dep, _plan(*rows), per_layer=True)
+    assert fast.time_s() == pytest.approx(slow.time_s(), rel=1e-12)
+    assert slow.time_s("dcp_prefetch") <= slow.time_s()
+    with pytest.raises(ValueError, match="per-layer"):
+        fast.time_s("dcp_prefetch")
+    moved = step_cost(CFG, pm.H200, dep, _plan(*rows), h2d_bytes=5e9, d2h_bytes=1e9, host_transfers=3)
+    extra = moved.time_s() - fast.time_s()
+    assert extra == pytest.approx(6e9 / pm.H200.host_link_bandwidth + 2 * 3 * pm.H200.host_copy_latency_s)
+    assert step_cost(CFG, pm.H200, dep, _plan()).time_s() == 0.0
+    with pytest.raises(ValueError, match="dcp=3"):
+        Deployment(tp=8, dcp=3)

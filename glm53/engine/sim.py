@@ -1,0 +1,119 @@
+"""The simulator: a runner that prices a `StepPlan` with the performance model instead of running it.
+
+    eng = glm53.engine.sim.build_engine(glm53.get_preset("glm-5.3"), DeployConfig(...), hw=perfmodel.H200)
+    client = ClosedLoopClient(eng, sessions, 32, ...)   # as on a real engine; think time is virtual
+
+The real scheduler, block pool, KV policies, prefix caching, chunked prefill and admission run
+unchanged; only the runner differs. `SimRunner.execute` completes the plan's transfers (counting their
+bytes as the model runner does), returns deterministic tokens, and reports the step's price
+(`StepResult.duration_s`, from `glm53.perfmodel.step_cost` on the plan's rows and bytes). The engine
+advances a `VirtualClock` by it, so a simulated hour takes the scheduler's time, not an hour, and no
+array is ever allocated: the full GLM-5.3 preset runs on a laptop.
+
+What the simulator does not know (it has no arrays), and assumes instead:
+- the tokens: a hash of (request, tokens generated), never a stop token (requests run to max_new_tokens,
+  as the published benchmarks do with ignore_eos);
+- HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
+  top-k rows it selects from them (selections spread over the context in proportion to its pages);
+  an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+from glm53.config import ModelConfig
+from glm53.engine.config import DeployConfig, KVSizes
+from glm53.engine.engine import Engine
+from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock
+from glm53.engine.synthetic import SyntheticRunner
+from glm53.perfmodel import H200, HardwareSpec
+from glm53.perfmodel.step import Deployment, step_cost
+from kvcache.layout import DEFAULT_INDEX_FORMAT
+from kvcache.transfer import ResetLease
+
+SIM_DTYPE = "bfloat16"  # what "auto" KV means for a model without weights (the checkpoints' dtype)
+
+
+def deployment(deploy: DeployConfig, kv_cache_dtype: str) -> Deployment:
+    """The performance model's view of one replica of `deploy` (kv_cache_dtype resolved, KVSizes')."""
+    return Deployment(tp=deploy.tensor_parallel_size, pcp=deploy.prefill_context_parallel_size,
+                      dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
+                      dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
+                      index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
+                      include_mtp=deploy.num_speculative_tokens > 0)
+
+
+def hash_token(vocab_size: int):
+    """Deterministic synthetic tokens: crc32 of (request id, tokens generated before) mod the vocabulary,
+    so a request's outputs do not depend on what it is batched with or on the process."""
+    def token(row: PlanRow) -> int:
+        return zlib.crc32(f"{row.req_id}:{row.num_generated}".encode()) % vocab_size
+    return token
+
+
+class SimRunner(SyntheticRunner):
+    """`glm53.engine.plan.Runner` that prices each plan on `hw` (one GPU of a replica of `deploy`).
+
+    deploy / sizes: the replica's resolved DeployConfig and KVSizes (what the engine's policy plans with).
+    step_overhead_s: fixed time per step beyond the kernels (launch, scheduling, sampling; default 0: an
+        *assumption* until calibrated).
+    hisparse_miss_fraction: see the module docstring (*assumed*).
+    After each step: `busy_s` (priced seconds so far), `time_by_op` (seconds per cost name, summed),
+    `steps`.
+    """
+
+    def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200, *,
+                 step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, token=None, record: bool = False):
+        if not deploy.is_resolved:
+            raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
+        if not step_overhead_s >= 0 or not 0 <= hisparse_miss_fraction <= 1:
+            raise ValueError(f"SimRunner: step_overhead_s must be >= 0 and hisparse_miss_fraction in [0, 1], got "
+                             f"{step_overhead_s!r}, {hisparse_miss_fraction!r}")
+        super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record)
+        self.cfg, self.hw, self.deploy = cfg, hw, deploy
+        self.dep = deployment(deploy, sizes.kv_cache_dtype)
+        self.step_overhead_s = step_overhead_s
+        self.hisparse_miss_fraction = hisparse_miss_fraction
+        self.busy_s = 0.0
+        self.time_by_op: dict[str, float] = {}
+        self.hot_miss_rows = 0.0
+
+    def _miss_rows(self, plan: StepPlan) -> float:
+        """Assumed HiSparse misses of a decode step: per decode row with a lease, the share of its top-k
+        that falls in host-only pages (-1 in its MLA table) times the miss fraction."""
+        if plan.hisparse is None or not self.hisparse_miss_fraction:
+            return 0.0
+        k, total = self.cfg.index_topk, 0.0
+        for row, table, hs in zip(plan.rows, plan.block_tables["mla"], plan.hisparse):
+            if hs.lease < 0 or row.num_tokens != 1 + row.num_draft_tokens or not table:
+                continue
+            host_only = sum(1 for b in table if b < 0) / len(table)
+            total += self.hisparse_miss_fraction * min(k, row.start + 1) * host_only * row.num_tokens
+        return total
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        res = super().execute(plan)
+        misses = self._miss_rows(plan)
+        moves = sum(1 for op in plan.transfers if not isinstance(op, ResetLease))
+        # a page holds every DCP rank's share; each GPU moves its own over its own link
+        n = self.dep.dcp
+        cost = step_cost(self.cfg, self.hw, self.dep, plan, d2h_bytes=res.d2h_bytes / n, h2d_bytes=res.h2d_bytes / n,
+                         host_transfers=moves, hot_miss_rows=misses)
+        for c in cost.parts:
+            self.time_by_op[c.name] = self.time_by_op.get(c.name, 0.0) + c.time_s
+        seconds = cost.time_s() + self.step_overhead_s
+        self.busy_s += seconds
+        self.hot_miss_rows += misses
+        return dataclasses.replace(res, duration_s=seconds)
+
+
+def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: HardwareSpec = H200, **runner_kw) -> Engine:
+    """An Engine over `cfg` (no weights) whose replicas each run a SimRunner on `hw`, on a VirtualClock.
+    None fields of `deploy` resolve as on CPU (vLLM's CPU batch limits, a 4 GiB KV budget): set
+    max_num_batched_tokens, max_num_seqs and kv_cache_memory_bytes (per GPU) for an H200 deployment."""
+    d = (deploy or DeployConfig()).resolved(cfg, SIM_DTYPE)
+    sizes = d.kv_sizes(cfg, SIM_DTYPE)
+    runners = [SimRunner(cfg, d, sizes, hw, **runner_kw) for _ in range(d.data_parallel_size)]
+    return Engine(cfg, d, runner=runners, clock=VirtualClock())

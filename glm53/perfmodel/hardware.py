@@ -1,0 +1,125 @@
+"""The hardware a step runs on: `HardwareSpec` (datasheet peaks, achievable efficiencies, latencies)
+and the byte sizes every cost shares."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+GiB = 2**30
+BF16 = 2  # bytes
+FP32 = 4
+INDEX_BYTES = 4  # one int32 row index per selected row, read by the sparse kernel
+FP8_WEIGHT_BYTES = 1 + 4 / (128 * 128)  # e4m3 weight + one fp32 scale per 128 x 128 block
+# BRIEF §2: "An H200 has about 15 GiB left for KV after GLM-5.3's FP8 weights (TP8)". A published input
+# (it depends on vLLM's memory profiling, not on shapes), used as the default budget of the figures.
+PUBLISHED_KV_BUDGET_BYTES_TP8 = 15 * GiB
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU and its links. Peaks are datasheet values; efficiencies are achievable fractions.
+
+    Peaks (H200 SXM defaults):
+      bf16_flops, fp8_flops: dense tensor-core FLOP/s (989e12, 1979e12; the datasheet's larger numbers
+        assume 2:4 sparsity). hbm_bandwidth: B/s (4.8e12). hbm_capacity_bytes: 141e9 B.
+      nvlink_bandwidth_bidir: B/s per GPU, both directions together (900e9); one direction is half.
+      host_link_bandwidth: B/s one way for pinned host <-> device copies (50e9; already an *achieved*
+        figure: vLLM's offloading measurements over PCIe, BRIEF §3).
+      sm_count, tensor_flops_per_sm_clock: 132 SMs x 4096 bf16 tensor FLOPs per clock; with bf16_flops
+        they fix the clock (989e12 / 132 / 4096 = 1.83 GHz, FlashMLA's H800 arithmetic; H200 = same die).
+
+    Achievable efficiencies (fractions of peak, the same for every figure, never fitted to one):
+      matmul_efficiency = 790/989: bf16 matmul measured on one H200 (BRIEF §3). DeepGEMM's published fp8
+        GEMM peak, 1550 of 1979 TFLOP/s on H800 (0.78), agrees, so it is used for fp8 GEMMs too, and for
+        the indexer's fp8 MQA-logits GEMM.
+      hbm_efficiency = 4.3/4.8: device-to-device copy measured on one H200 (BRIEF §3). FlashMLA's dense
+        decode, 3000 GB/s of H800's 3.35 TB/s (0.90), agrees.
+      sparse_attention_efficiency = 640/989: FlashMLA's token-level sparse prefill kernel (bf16 KV, no
+        dequantisation), 640 TFLOP/s on H800 SXM5. Used for the tensor-core work of sparse MLA, decode and
+        prefill; fp8 dequantisation is added as its own term (below), not folded into this number.
+      dense_attention_efficiency = 0.63: the context-parallelism paper's FLOPS utilisation for a 1M-token
+        prefill of Llama3 405B on H100 (arXiv 2411.01783), for dense (MHA-form) attention.
+      nvlink_efficiency = 0.8: *assumption*: NCCL all-gather / all-to-all bus bandwidth of about 360 GB/s
+        of the 450 GB/s per direction on an 8-GPU NVSwitch node (typical nccl-tests results; not measured
+        here).
+      host_link_efficiency = 1.0: host_link_bandwidth is already an achieved figure.
+
+    fp8 KV dequantisation (FlashMLA's fp8 sparse decode deep dive): Hopper cannot convert e4m3 to bf16
+    directly; one value costs fp8->half (1/64 cycle per SM), half->float (1/64), float->bf16 (1/16) and a
+    scale multiply (1/256) on CUDA cores: `dequant_cycles_per_value`. Each CTA serves
+    `heads_per_dequant` = 64 query heads and dequantises every row it reads, so a row read for h heads is
+    dequantised ceil(h / 64) times. `dequant_overlap` = False: dequantisation and MMA do not overlap
+    (time adds), the conservative reading of the published kernel numbers (docs/perfmodel.md compares).
+    head_granularity = 64: FlashMLA's fp8 sparse kernels take 64 or 128 query heads, so fewer heads are
+    padded up to a multiple of 64 when `pad_heads=True` (the hardware does the padded work).
+
+    Latencies (*assumptions*, order of magnitude): collective_latency_s = 15 us per NCCL collective
+    inside one NVSwitch node; host_copy_latency_s = 10 us per host<->device transfer call.
+    """
+
+    name: str = "H200 SXM"
+    bf16_flops: float = 989e12
+    fp8_flops: float = 1979e12
+    hbm_bandwidth: float = 4.8e12
+    hbm_capacity_bytes: float = 141e9
+    nvlink_bandwidth_bidir: float = 900e9
+    host_link_bandwidth: float = 50e9
+    sm_count: int = 132
+    tensor_flops_per_sm_clock: int = 4096
+    matmul_efficiency: float = 790 / 989
+    hbm_efficiency: float = 4.3 / 4.8
+    sparse_attention_efficiency: float = 640 / 989
+    dense_attention_efficiency: float = 0.63
+    nvlink_efficiency: float = 0.8
+    host_link_efficiency: float = 1.0
+    dequant_cycles_per_value: float = 1 / 64 + 1 / 64 + 1 / 16 + 1 / 256
+    heads_per_dequant: int = 64
+    dequant_overlap: bool = False
+    head_granularity: int = 64
+    collective_latency_s: float = 15e-6
+    host_copy_latency_s: float = 10e-6
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("name", "dequant_overlap"):
+                continue
+            if f.name.endswith("latency_s"):
+                if not v >= 0:
+                    raise ValueError(f"HardwareSpec.{f.name} must be >= 0, got {v!r}")
+            elif not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"HardwareSpec.{f.name} must be positive, got {v!r}")
+            if f.name.endswith("efficiency") and v > 1:
+                raise ValueError(f"HardwareSpec.{f.name} is a fraction of peak, must be <= 1, got {v!r}")
+
+    @property
+    def nvlink_bandwidth(self) -> float:
+        """One direction, B/s (half the bidirectional datasheet figure)."""
+        return self.nvlink_bandwidth_bidir / 2
+
+    @property
+    def clock_hz(self) -> float:
+        """Tensor clock implied by the bf16 peak: bf16_flops / (sm_count * tensor_flops_per_sm_clock)."""
+        return self.bf16_flops / (self.sm_count * self.tensor_flops_per_sm_clock)
+
+    @property
+    def dequant_values_per_s(self) -> float:
+        """fp8 -> bf16 values dequantised per second by the whole GPU (CUDA cores)."""
+        return self.sm_count * self.clock_hz / self.dequant_cycles_per_value
+
+    def peak_flops(self, dtype: str = "bf16") -> float:
+        if dtype == "bf16":
+            return self.bf16_flops
+        if dtype == "fp8":
+            return self.fp8_flops
+        raise ValueError(f"dtype must be 'bf16' or 'fp8', got {dtype!r}")
+
+    def ridge_point(self, dtype: str = "bf16", achievable: bool = False) -> float:
+        """FLOP/byte above which a kernel is compute bound: peak FLOP/s / HBM B/s (optionally both derated)."""
+        if achievable:
+            return self.peak_flops(dtype) * self.matmul_efficiency / (self.hbm_bandwidth * self.hbm_efficiency)
+        return self.peak_flops(dtype) / self.hbm_bandwidth
+
+
+H200 = HardwareSpec()

@@ -1,0 +1,288 @@
+"""Step costs: one prefill chunk (`prefill_step`) or one decode batch at one context (`decode_step`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from glm53.config import ModelConfig
+from glm53.perfmodel.cost import Cost, StepCost, _kernel, all_reduce, host_copy
+from glm53.perfmodel.hardware import BF16, FP8_WEIGHT_BYTES, FP32, INDEX_BYTES, HardwareSpec
+from glm53.perfmodel.ops import (_layers, dcp_context_allgather, dcp_decode_merge, dcp_topk_merge, dense_mlp,
+                                 hisparse_row_copy, indexer_scores,
+                                 indexer_topk, lm_head, mla_projections, moe, pcp_kv_allgather, sparse_mla)
+
+
+def _mean_rows(k: int, first_visible: float, count: float) -> float:
+    """Mean of min(k, first_visible + i) over i = 0..count-1 (rows a query at each of `count` consecutive
+    positions attends, the first seeing `first_visible` keys)."""
+    n = int(count)
+    if n <= 0:
+        return 0.0
+    a = int(first_visible)
+    last = a + n - 1
+    if last <= k:
+        return (a + last) / 2
+    if a >= k:
+        return float(k)
+    below = k - a  # positions with fewer than k visible keys: a .. k-1
+    return ((a + k - 1) * below / 2 + k * (n - below)) / n
+
+
+
+def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_context: int, *, pcp: int = 1,
+                 tp: int = 1, dcp: int = 1, ep: int | None = None, include_mtp: bool = True, pad_heads: bool = False,
+                 dequant: bool = True, weight_bytes: float = FP8_WEIGHT_BYTES) -> StepCost:
+    """One prefill step of one request: `chunk_tokens` new tokens against `cached_context` cached tokens,
+    on an engine of pcp * tp GPUs (one GPU's costs). Layers: the main model and (include_mtp) the MTP
+    layer, which prefills the prompt too so its KV exists for drafting.
+
+    - PCP (pcp > 1): each rank takes chunk_tokens / pcp query tokens (2N-chunk load balance, so each rank's
+      mean causal key count equals the chunk's), all heads; attention weights replicated; the new KV of
+      every layer is all-gathered. MoE: EP over all pcp * tp GPUs with all-to-all dispatch.
+    - TP (tp > 1): every rank has all chunk tokens and heads / tp heads; the indexer is replicated (not
+      split); o_proj, dense MLP and MoE outputs are all-reduced.
+    - DCP (dcp > 1; dcp <= pcp * tp): the persistent cache is sharded, so each layer first all-gathers the
+      cached context (`dcp_context_allgather`); the new chunk's KV arrives with the PCP gather.
+    Per layer: projections, [TP all-reduce], [PCP KV gather], [DCP context gather], indexer scores and
+    top-k on full layers, sparse MLA, dense MLP or MoE (+ its collectives); then the lm_head for the
+    request's last token.
+    """
+    n_gpus = pcp * tp
+    ep = n_gpus if ep is None else ep
+    if min(pcp, tp, dcp, ep) < 1 or n_gpus % dcp or cfg.num_attention_heads % tp or (pcp > 1 and tp > 1):
+        raise ValueError(f"need pcp, tp, dcp, ep >= 1, not both pcp and tp > 1, dcp dividing pcp*tp and tp "
+                         f"dividing the heads; got pcp={pcp} tp={tp} dcp={dcp} ep={ep}")
+    q = chunk_tokens / pcp
+    heads = cfg.num_attention_heads // tp
+    keys_per_query = cached_context + (chunk_tokens + 1) / 2
+    rows = _mean_rows(cfg.index_topk, cached_context + 1, chunk_tokens)
+    parts: list[Cost] = []
+    for layer in _layers(cfg, include_mtp):
+        parts.append(mla_projections(cfg, hw, q, layer, tp=tp, weight_bytes=weight_bytes))
+        if tp > 1:
+            parts.append(all_reduce(hw, q * cfg.hidden_size * BF16, tp, name="tp_all_reduce").at_layer(layer))
+        if pcp > 1:
+            parts.append(pcp_kv_allgather(cfg, hw, chunk_tokens, pcp, layer))
+        if dcp > 1 and cached_context > 0:
+            parts.append(dcp_context_allgather(cfg, hw, cached_context, dcp, layer))
+        if cfg.layer_indexer_type(layer) == "full":
+            parts.append(indexer_scores(cfg, hw, q, keys_per_query, keys_read=cached_context + chunk_tokens).at_layer(layer))
+            parts.append(indexer_topk(cfg, hw, q, keys_per_query).at_layer(layer))
+        parts.append(sparse_mla(cfg, hw, q, rows, heads, pad_heads=pad_heads, dequant=dequant).at_layer(layer))
+        if cfg.layer_mlp_type(layer) == "dense":
+            parts.append(dense_mlp(cfg, hw, q, tp=tp, weight_bytes=weight_bytes).at_layer(layer))
+            if tp > 1:
+                parts.append(all_reduce(hw, q * cfg.hidden_size * BF16, tp, name="tp_all_reduce").at_layer(layer))
+        else:
+            parts.extend(moe(cfg, hw, q, ep, replicated_tokens=tp > 1, weight_bytes=weight_bytes,
+                             layer=layer))
+    parts.append(lm_head(cfg, hw, 1, shards=n_gpus))
+    return StepCost(tuple(p for p in parts if p.time_s > 0))
+
+
+def decode_step(cfg: ModelConfig, hw: HardwareSpec, batch: int, context: int, *, tp: int = 1, dp: int = 1,
+                dcp: int = 1, spec_tokens: int = 0, dcp_backend: str = "ag_rs", pad_heads: bool = True,
+                dequant: bool = True, include_mtp: bool = False, weight_bytes: float = FP8_WEIGHT_BYTES) -> StepCost:
+    """One decode (or MTP verification) step of the target model on one GPU: `batch` requests on this
+    rank group, each with `context` cached tokens and 1 + spec_tokens query tokens.
+
+    - TP (tp > 1): heads / tp per GPU (padded to 64 for the fp8 kernel when `pad_heads`), replicated
+      indexer, all-reduces; MoE EP over the tp GPUs with replicated tokens.
+    - DP (dp > 1, tp = 1): `batch` is per rank; attention is local; MoE EP over the dp ranks (all-to-all).
+    - DCP (dcp > 1, dcp dividing tp): KV sharded by token; each rank scores its context/dcp local keys,
+      local top-k, global top-k merge; attention runs (heads/tp) * dcp heads over about index_topk/dcp
+      selected local rows per query; outputs merge with LSE (`dcp_backend`).
+    `include_mtp` adds the MTP layer (a draft pass over the same query tokens; default off: the draft
+    steps are separate).
+    """
+    if tp > 1 and dp > 1:
+        raise ValueError("decode_step models TP or DP attention, not both (tp > 1 and dp > 1)")
+    if tp % dcp or cfg.num_attention_heads % tp:
+        raise ValueError(f"dcp ({dcp}) must divide tp ({tp}) and tp must divide the heads")
+    q = batch * (1 + spec_tokens)
+    heads = cfg.num_attention_heads // tp * dcp
+    local_keys = math.ceil(context / dcp)
+    rows = min(cfg.index_topk, context) / dcp
+    ep = tp * dp
+    parts: list[Cost] = []
+    for layer in _layers(cfg, include_mtp):
+        parts.append(mla_projections(cfg, hw, q, layer, tp=tp, weight_bytes=weight_bytes))
+        if tp > 1:
+            parts.append(all_reduce(hw, q * cfg.hidden_size * BF16, tp, name="tp_all_reduce").at_layer(layer))
+        if cfg.layer_indexer_type(layer) == "full":
+            parts.append(indexer_scores(cfg, hw, q, local_keys, keys_read=batch * local_keys).at_layer(layer))
+            parts.append(indexer_topk(cfg, hw, q, local_keys).at_layer(layer))
+            if dcp > 1:
+                parts.extend(dcp_topk_merge(cfg, hw, q, dcp, layer))
+        parts.append(sparse_mla(cfg, hw, q, rows, heads, pad_heads=pad_heads, dequant=dequant).at_layer(layer))
+        if dcp > 1:
+            parts.extend(dcp_decode_merge(cfg, hw, q, dcp, heads, backend=dcp_backend, layer=layer))
+        if cfg.layer_mlp_type(layer) == "dense":
+            parts.append(dense_mlp(cfg, hw, q, tp=tp, weight_bytes=weight_bytes).at_layer(layer))
+            if tp > 1:
+                parts.append(all_reduce(hw, q * cfg.hidden_size * BF16, tp, name="tp_all_reduce").at_layer(layer))
+        else:
+            parts.extend(moe(cfg, hw, q, ep, replicated_tokens=tp > 1, weight_bytes=weight_bytes, layer=layer))
+    parts.append(lm_head(cfg, hw, q, shards=tp))
+    return StepCost(tuple(p for p in parts if p.time_s > 0))
+
+
+
+# ------------------------------------------------------------------------------------ a scheduler's plan
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """How one replica's GPUs share a step: the performance model's view of a DeployConfig.
+
+    tp: tensor parallel (heads and dense weights split; tokens replicated). pcp: prefill context
+    parallel (a step's tokens split over the ranks; attention weights replicated). dcp: decode context
+    parallel (KV sharded round-robin by token; dcp must divide tp * pcp, or tp = pcp = 1: DCP on its own
+    axis, as this project's engine runs it). expert_parallel: routed experts split over the replica's
+    GPUs (TP alone splits them too: vLLM shards each expert's width, the same weight bytes per GPU).
+    dcp_backend: "ag_rs" | "a2a". mla_format / index_format: KV formats (kvcache.layout).
+    weight_bytes: bytes per matmul weight parameter. include_mtp: the MTP layer runs in every step (it
+    does when speculative decoding is on: it prefills with the prompt and drafts after each decode).
+    """
+
+    tp: int = 1
+    pcp: int = 1
+    dcp: int = 1
+    expert_parallel: bool = False
+    dcp_backend: str = "ag_rs"
+    mla_format: str = "fp8_ds_mla"
+    index_format: str = "fp8"
+    weight_bytes: float = FP8_WEIGHT_BYTES
+    include_mtp: bool = False
+
+    def __post_init__(self):
+        if min(self.tp, self.pcp, self.dcp) < 1:
+            raise ValueError(f"Deployment: tp, pcp, dcp must be >= 1, got {self.tp}, {self.pcp}, {self.dcp}")
+        if self.tp > 1 and self.pcp > 1:
+            raise ValueError("Deployment: TP and PCP together are not modelled (tp > 1 and pcp > 1)")
+        if self.dcp > 1 and (self.tp * self.pcp) % self.dcp and self.tp * self.pcp != 1:
+            raise ValueError(f"Deployment: dcp={self.dcp} must divide tp x pcp = {self.tp * self.pcp} (or run alone)")
+        if self.dcp_backend not in ("ag_rs", "a2a"):
+            raise ValueError(f"Deployment.dcp_backend must be 'ag_rs' or 'a2a', got {self.dcp_backend!r}")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one replica."""
+        return max(self.tp * self.pcp, self.dcp)
+
+    @property
+    def ep(self) -> int:
+        """Ranks the routed experts are split over."""
+        return self.gpus if (self.expert_parallel or self.tp > 1) else 1
+
+
+def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_bytes: float = 0,
+              h2d_bytes: float = 0, host_transfers: int = 0, hot_miss_rows: float = 0,
+              per_layer: bool = False) -> StepCost:
+    """One GPU's costs for a scheduler's mixed step: `plan.rows` (anything with `start`, `num_tokens`,
+    `num_draft_tokens` and `sample`, e.g. a glm53.engine.plan.StepPlan), each row at its own cached
+    context; the plan's KV transfers (d2h_bytes / h2d_bytes over `host_transfers` copy calls, serial
+    before the forward as the runners execute them); HiSparse misses (`hot_miss_rows` latent rows per
+    layer copied host -> device inside the decode forward).
+
+    A row of 1 + num_draft_tokens tokens is a decode row (the decode kernel, heads padded for the fp8
+    format), a longer one a prefill chunk. Per layer: the projections over every token of the step
+    (one GEMM per weight: M = the step's tokens on this GPU), TP all-reduces, the PCP KV gather of the
+    chunks' new tokens, the PCP x DCP context gather of each chunk's cached context, the indexer and
+    top-k on full layers (each row against its own keys), sparse MLA as two batched kernels (decode
+    rows, prefill rows), the DCP top-k merge and output merge, the MLP or MoE over every token; then the
+    lm_head for the sampled rows. Tokens split over PCP ranks evenly (2N-chunk balance). Layer costs
+    are computed once per layer kind (indexer full / shared x dense / MoE x MTP); per_layer=True repeats
+    them per layer (for `StepCost.time_s`'s overlap options), else each is scaled by its layer count
+    (what a simulator needs, ~20x cheaper).
+    """
+    # (start, tokens, drafts, samples, prefill) per row: plain tuples, cheap to loop over per layer kind
+    rows = [(r.start, r.num_tokens, r.num_draft_tokens, bool(r.sample), r.num_tokens != 1 + r.num_draft_tokens)
+            for r in plan.rows if r.num_tokens > 0]
+    pcp, tp, dcp = dep.pcp, dep.tp, dep.dcp
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tp={tp} must divide the {cfg.num_attention_heads} heads")
+    heads = cfg.num_attention_heads // tp
+    k = cfg.index_topk
+    dec = [r for r in rows if not r[4]]
+    pre = [r for r in rows if r[4]]
+    tokens = sum(r[1] for r in rows) / pcp  # this GPU's query tokens
+    pre_tokens = sum(r[1] for r in pre)
+    replicated = tp > 1 or (pcp == 1 and dep.gpus > 1)  # every GPU runs every token through the MoE
+    # DCP decode attends the heads of a DCP group over the rank's shard (vLLM: H/tp x dcp heads; DCP alone:
+    # every head); a PCP x DCP prefill attends over a gathered full copy, a DCP-alone prefill like decode
+    dcp_heads = min(cfg.num_attention_heads, heads * dcp) if dcp > 1 else heads
+    sharded_pre = dcp > 1 and pcp == 1  # prefill over the rank's shard, merged like decode
+
+    def indexer(group: list, shard: int) -> list[Cost]:
+        # one batched kernel per op; its counts are linear in each row's q and q x keys, so one call with
+        # the batch's q and its q-weighted mean key count gives the sum over rows exactly
+        if not group:
+            return []
+        q = sum(n for _, n, *_ in group) / pcp
+        qk = sum(n * (start + (n + 1) / 2) for start, n, *_ in group) / (pcp * shard)
+        read = sum(start + n for start, n, *_ in group) / shard
+        q_sel = sum(n * min(k, (start + (n + 1) / 2) / shard) for start, n, *_ in group) / pcp
+        scores = indexer_scores(cfg, hw, q, qk / q, keys_read=read, index_format=dep.index_format)
+        topk = _kernel("indexer_topk", hw, flops=0.0, hbm_bytes=qk * FP32 + q_sel * INDEX_BYTES)
+        return [scores, topk]
+
+    def mla(group: list, name: str, pad: bool, shard: int, h: int) -> list[Cost]:
+        if not group:
+            return []
+        q = sum(n for _, n, *_ in group) / pcp
+        pairs = sum(n * _mean_rows(k, start + 1, n) for start, n, *_ in group) / (pcp * shard)
+        return [sparse_mla(cfg, hw, q, pairs / q, h, mla_format=dep.mla_format, pad_heads=pad, name=name)]
+
+    def layer_parts(layer: int) -> list[Cost]:
+        full = cfg.layer_indexer_type(layer) == "full"
+        parts = [mla_projections(cfg, hw, tokens, layer, tp=tp, weight_bytes=dep.weight_bytes)]
+        if tp > 1:
+            parts.append(all_reduce(hw, tokens * cfg.hidden_size * BF16, tp, name="tp_all_reduce"))
+        if pcp > 1 and pre_tokens:
+            parts.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer))
+        if dcp > 1 and pcp > 1:
+            parts += [dcp_context_allgather(cfg, hw, r[0], dcp, layer) for r in pre if r[0] > 0]
+        if full:
+            parts += indexer(dec + (pre if sharded_pre else []), dcp)
+            if not sharded_pre:
+                parts += indexer(pre, 1)
+        merged = dec + (pre if sharded_pre else [])
+        parts += mla(dec, "sparse_mla_decode", True, dcp, dcp_heads)
+        parts += mla(pre, "sparse_mla_prefill", False, dcp if sharded_pre else 1, dcp_heads if sharded_pre else heads)
+        if dcp > 1 and merged:
+            q = sum(r[1] for r in merged)
+            if full:
+                parts.extend(dcp_topk_merge(cfg, hw, q, dcp))
+            parts.extend(dcp_decode_merge(cfg, hw, q, dcp, dcp_heads, backend=dep.dcp_backend))
+        if cfg.layer_mlp_type(layer) == "dense":
+            parts.append(dense_mlp(cfg, hw, tokens, tp=tp, weight_bytes=dep.weight_bytes))
+            if tp > 1:
+                parts.append(all_reduce(hw, tokens * cfg.hidden_size * BF16, tp, name="tp_all_reduce"))
+        else:
+            parts.extend(moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes))
+        return parts
+
+    out: list[Cost] = []
+    if h2d_bytes:
+        out.append(host_copy(hw, h2d_bytes, transfers=max(1, host_transfers), name="kv_load"))
+    if d2h_bytes:
+        out.append(host_copy(hw, d2h_bytes, transfers=max(1, host_transfers), name="kv_store"))
+    if rows:
+        by_kind: dict[tuple, list[Cost]] = {}
+        count: dict[tuple, int] = {}
+        for layer in _layers(cfg, dep.include_mtp):
+            kind = (cfg.layer_indexer_type(layer), cfg.layer_mlp_type(layer), layer >= cfg.num_hidden_layers)
+            if kind not in by_kind:
+                by_kind[kind] = [c for c in layer_parts(layer) if c.time_s > 0]
+            count[kind] = count.get(kind, 0) + 1
+            if per_layer:
+                out += [c.at_layer(layer) for c in by_kind[kind]]
+        if not per_layer:
+            out += [c.scaled(count[kind]) for kind, parts in by_kind.items() for c in parts]
+        if hot_miss_rows:
+            out.append(hisparse_row_copy(cfg, hw, hot_miss_rows, layers=len(_layers(cfg, dep.include_mtp)),
+                                         mla_format=dep.mla_format))
+        sampled = sum(1 + r[2] for r in rows if r[3])
+        if sampled:
+            out.append(lm_head(cfg, hw, sampled, shards=tp * pcp))
+    return StepCost(tuple(out), per_layer=per_layer)

@@ -1,0 +1,131 @@
+"""The simulator (glm53.engine.sim): the real scheduler and policies, priced steps on a virtual clock,
+no arrays; the full GLM-5.3 preset on a laptop."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import glm53
+from experiments import workloads
+from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine import engine as engine_mod
+from glm53.engine import sim
+from glm53.engine.plan import StepResult, VirtualClock, WallClock
+from glm53.engine.synthetic import SyntheticRunner
+from glm53.perfmodel import H200
+from glm53.perfmodel.step import step_cost
+
+TINY = glm53.get_preset("tiny")
+BASE = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, block_size=8)
+POLICIES = {"preempt": dict(num_gpu_blocks=40, enable_prefix_caching=False),
+            "offload": dict(num_gpu_blocks=40, kv_policy="offload", cpu_offload_bytes=1 << 30),
+            "hisparse": dict(num_gpu_blocks=56, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26,
+                             cpu_offload_bytes=1 << 24, index_block_size=16)}
+GLM53_TP8 = DeployConfig(tensor_parallel_size=8, kv_cache_dtype="fp8_ds_mla", block_size=64, max_model_len=32_768,
+                         max_num_batched_tokens=8192, max_num_seqs=64, kv_cache_memory_bytes=15 << 30)
+
+
+def _prompts(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY.vocab_size, int(k)) for k in rng.integers(20, 120, n)]
+
+
+@pytest.fixture
+def no_model_runner(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the simulator built a ModelRunner")
+    monkeypatch.setattr(engine_mod, "ModelRunner", refuse)
+
+
+def test_full_preset_runs_with_no_arrays(no_model_runner):
+    cfg = glm53.get_preset("glm-5.3")
+    before = len(jax.live_arrays())
+    eng = sim.build_engine(cfg, GLM53_TP8)
+    outs = eng.generate([np.arange(3000) % cfg.vocab_size, np.arange(9000) % 1000], max_new_tokens=20)
+    assert len(jax.live_arrays()) == before
+    assert [len(o.token_ids) for o in outs] == [20, 20]
+    assert eng.num_devices == 8 and eng.deploy.num_gpu_blocks > 0
+    # the clock moved by exactly the priced steps (nothing waited), and the first tokens came after a
+    # prefill that costs more than one decode step
+    runner = eng.runner
+    assert eng.clock.now() == pytest.approx(runner.busy_s) and runner.busy_s > 0
+    o = outs[1]
+    gaps = np.diff(o.token_times_s)
+    assert o.first_token_s - o.arrival_s > gaps.max() > 0
+    assert {"sparse_mla_decode", "sparse_mla_prefill", "moe_experts", "tp_all_reduce"} <= set(runner.time_by_op)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_the_schedule_does_not_depend_on_pricing(pool_history, policy):
+    """Without think time a run's decisions are the same whether steps are priced or not: the simulator
+    and a plain synthetic runner with the same tokens give the same block-pool history and counters."""
+    deploy = DeployConfig(**BASE, **POLICIES[policy])
+    eng = sim.build_engine(TINY, deploy)
+    outs = eng.generate(_prompts(), max_new_tokens=24)
+    hist = pool_history.take()
+    plain = Engine(TINY, eng.deploy, runner=SyntheticRunner(sim.hash_token(TINY.vocab_size), eng.sizes.page_bytes))
+    plain_outs = plain.generate(_prompts(), max_new_tokens=24)
+    assert [o.token_ids.tolist() for o in outs] == [o.token_ids.tolist() for o in plain_outs]
+    assert pool_history.take() == hist and len(hist) > 50
+    a, b = eng.metrics(), plain.metrics()
+    for k in ("preemptions", "offloads", "recomputed_tokens", "d2h_bytes", "h2d_bytes", "prefix_hit_rate"):
+        assert a[k] == b[k], k
+    assert a["preemptions"] + a["offloads"] + a.get("released_pages", 0) >= 1  # the pool was under pressure
+    if policy != "preempt":
+        assert a["d2h_bytes"] > 0 and eng.runner.time_by_op["kv_store"] > 0
+
+
+def test_think_time_advances_the_virtual_clock():
+    """One session at concurrency 1: the clock ends at the priced steps plus every think time."""
+    turns = [workloads.Turn(input_tokens=n, output_tokens=8, think_s=t) for n, t in ((60, 0.0), (10, 2.5), (12, 4.0))]
+    sessions = [workloads.Session("s0", "u0", turns)]
+    eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64))
+    client = workloads.ClosedLoopClient(eng, sessions, 1, vocab_size=TINY.vocab_size,
+                                        make_params=lambda n: SamplingParams(max_new_tokens=n), think_time_scale=1.0)
+    res = client.run()
+    assert eng.clock.now() == pytest.approx(eng.runner.busy_s + 6.5)
+    outs = [eng.output(r) for r in res.request_ids]
+    assert outs[1].arrival_s == pytest.approx(outs[0].finish_s + 2.5)
+    assert outs[2].arrival_s == pytest.approx(outs[1].finish_s + 4.0)
+
+
+def test_replicas_run_in_parallel_on_the_virtual_clock():
+    eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64, data_parallel_size=2))
+    eng.generate(_prompts(8), max_new_tokens=16)
+    busy = [r.runner.busy_s for r in eng.replicas]
+    assert min(busy) > 0
+    assert max(busy) <= eng.clock.now() < sum(busy)
+
+
+def test_a_priced_step_is_the_perf_models_price_of_its_plan():
+    """The runner's duration for a plan is step_cost's time of that plan plus the fixed overhead."""
+    eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64), step_overhead_s=1e-3)
+    for p in _prompts(3):
+        eng.add_request(p, SamplingParams(max_new_tokens=4))
+    sch, runner = eng.scheduler, eng.runner
+    while sch.has_work:
+        plan = sch.schedule()
+        res = runner.execute(plan)
+        assert res.duration_s == pytest.approx(step_cost(TINY, H200, runner.dep, plan).time_s() + 1e-3)
+        sch.update(plan, res, eng.clock.now())
+
+
+def test_a_priced_runner_needs_a_virtual_clock():
+    class Priced(SyntheticRunner):
+        def execute(self, plan) -> StepResult:
+            return dataclasses.replace(super().execute(plan), duration_s=0.01)
+
+    eng = Engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64), runner=Priced(), clock=WallClock())
+    eng.add_request(_prompts(1)[0])
+    with pytest.raises(TypeError, match="VirtualClock"):
+        eng.step()
+    clock = VirtualClock()
+    with pytest.raises(ValueError, match=">= 0"):
+        clock.advance(-1.0)
+
+
+def test_a_model_config_needs_a_runner():
+    with pytest.raises(ValueError, match="needs a runner"):
+        Engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64))
