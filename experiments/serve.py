@@ -7,8 +7,9 @@
 
 A config file defines `get_config() -> ml_collections.ConfigDict` (start from `default_config()` here):
 `model` (preset + seed, or an HF checkpoint), `deploy` (DeployConfig fields), `workload` (kind
-"openhands" | "synthetic" | "trace"), and `sweep` (lists of `kv_policy` and `concurrency`: one run per
-pair, each on a fresh engine). `--config.KEY=VALUE` overrides a field (VALUE is a Python literal, else a
+"openhands" | "synthetic" | "trace"), `sweep` (lists of `kv_policy` and `concurrency`: one run per
+pair, each on a fresh engine), and `runner` (kind "model": the model runs; "sim": the simulator prices
+every step on `runner.hardware` with no weights and a virtual clock, docs/simulator.md). `--config.KEY=VALUE` overrides a field (VALUE is a Python literal, else a
 string).
 
 Writes DIR/results.json: `runs: [{kv_policy, concurrency, ...metrics}]` with the keys of
@@ -53,10 +54,14 @@ def default_config() -> ConfigDict:
                                enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9,
                                data_parallel_size=1, prefill_context_parallel_size=1, decode_context_parallel_size=1,
                                dcp_comm_backend="ag_rs", cp_kv_cache_interleave_size=1,
-                               enable_expert_parallel=False))
+                               enable_expert_parallel=False, tensor_parallel_size=1, kv_cache_memory_bytes=0))
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
                                  median_turns=43.0, think_time_scale=0.0, seed=0))
     c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4)))
+    # "model": run the model; "sim": price each step with the performance model on `hardware` (a name in
+    # glm53.perfmodel.HARDWARE) on a virtual clock; step_overhead_s and hisparse_miss_fraction are the
+    # simulator's assumptions (glm53.engine.sim)
+    c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1))
     # "replay": serve each sweep point once untimed first (the schedule is deterministic without think
     # time, so the measured run reuses its programs); "buckets": compile every bucket shape up front
     # (exact, slower: rows x widths x windows programs); "none": compile as they go
@@ -76,9 +81,15 @@ def build_sessions(w: ConfigDict) -> list[workloads.Session]:
     raise ValueError(f"workload.kind must be 'openhands', 'synthetic' or 'trace', got {w.kind!r}")
 
 
-def _model(m: ConfigDict):
+def _model(m: ConfigDict, weights: bool = True):
+    """(model, description): a GLM53 with weights, or with weights=False (the simulator) its ModelConfig."""
     import glm53
 
+    if m.checkpoint and not weights:
+        from glm53.config import from_hf_config
+
+        cfg = from_hf_config(json.loads((Path(m.checkpoint) / "config.json").read_text()))
+        return cfg, f"checkpoint {m.checkpoint} (its config only: simulated)"
     if m.checkpoint:
         return glm53.from_pretrained(m.checkpoint, dtype=m.dtype), f"checkpoint {m.checkpoint}"
     cfg = glm53.get_preset(m.preset)
@@ -91,8 +102,32 @@ def _model(m: ConfigDict):
     if overrides:
         cfg = cfg.replace(**overrides)
     desc = (f"preset {m.preset}" + (f", first {m.layers} layers" if m.layers else "")
-            + (f", with {overrides}" if overrides else "") + " (random weights)")
-    return glm53.init(cfg, seed=m.seed, dtype=m.dtype, std=m.init_std), desc
+            + (f", with {overrides}" if overrides else ""))
+    if not weights:
+        return cfg, desc + " (no weights: simulated)"
+    return glm53.init(cfg, seed=m.seed, dtype=m.dtype, std=m.init_std), desc + " (random weights)"
+
+
+def simulated(cfg: ConfigDict) -> bool:
+    kind = cfg.get("runner", {}).get("kind", "model")
+    if kind not in ("model", "sim"):
+        raise ValueError(f"runner.kind must be 'model' or 'sim', got {kind!r}")
+    return kind == "sim"
+
+
+def _engine(model, cfg: ConfigDict, kv_policy: str):
+    import glm53
+
+    if not simulated(cfg):
+        return glm53.Engine(model, _deploy(cfg, kv_policy))
+    from glm53.engine import sim
+    from glm53.perfmodel import HARDWARE
+
+    r = cfg.runner
+    if r.hardware not in HARDWARE:
+        raise ValueError(f"runner.hardware must be one of {sorted(HARDWARE)}, got {r.hardware!r}")
+    return sim.build_engine(model, _deploy(cfg, kv_policy), HARDWARE[r.hardware], step_overhead_s=r.step_overhead_s,
+                            hisparse_miss_fraction=r.hisparse_miss_fraction)
 
 
 def _deploy(cfg: ConfigDict, kv_policy: str):
@@ -102,6 +137,7 @@ def _deploy(cfg: ConfigDict, kv_policy: str):
     d["num_gpu_blocks"] = d["num_gpu_blocks"] or None  # 0: what the KV memory budget holds (DeployConfig)
     d["hisparse_device_buffer_size"] = d.get("hisparse_device_buffer_size") or None  # 0: 2 x top-k
     d["index_block_size"] = d.get("index_block_size") or None  # 0: block_size
+    d["kv_cache_memory_bytes"] = d.get("kv_cache_memory_bytes") or None  # 0: the machine's budget
     d.update(cfg.get("policy_deploy", {}).get(kv_policy, {}))  # this policy's own fields, e.g. its host pools
     return glm53.DeployConfig(**d, kv_policy=kv_policy)
 
@@ -115,9 +151,9 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     per_user = cfg.sweep.get("sessions_per_user", 0)
     if per_user:  # as many sessions as users: each point serves concurrency x per_user sessions
         sessions = sessions[: concurrency * per_user]
-    eng = glm53.Engine(model, _deploy(cfg, kv_policy))
+    eng = _engine(model, cfg, kv_policy)
     client = workloads.ClosedLoopClient(
-        eng, sessions, concurrency, vocab_size=model.cfg.vocab_size, seed=cfg.workload.seed,
+        eng, sessions, concurrency, vocab_size=eng.cfg.vocab_size, seed=cfg.workload.seed,
         make_params=lambda n: glm53.SamplingParams(max_new_tokens=n), think_time_scale=cfg.workload.think_time_scale,
         salt_prefix="user:", max_model_len=eng.deploy.max_model_len)
     total = sum(len(s.turns) for s in sessions)
@@ -134,10 +170,30 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     wall = time.perf_counter() - t0
     bar.close()
     m = eng.metrics(res.request_ids)
+    d = eng.deploy
     m.update(kv_policy=kv_policy, concurrency=concurrency, sessions=len(sessions), engine_steps=res.steps,
              wall_s=wall, num_gpu_blocks=sum(r.scheduler.kv.pool.num_blocks for r in eng.replicas),
              compilations_during_run=compiles.count,
-             bucket_shapes_used=len(set().union(*(r.runner.compiled_shapes for r in eng.replicas))))
+             bucket_shapes_used=len(set().union(*(getattr(r.runner, "compiled_shapes", ()) for r in eng.replicas))),
+             runner="sim" if simulated(cfg) else "model", max_model_len=d.max_model_len,
+             num_speculative_tokens=d.num_speculative_tokens,
+             deployment=(f"DP{d.data_parallel_size} TP{d.tensor_parallel_size} PCP{d.prefill_context_parallel_size} "
+                         f"DCP{d.decode_context_parallel_size}" + (" EP" if d.enable_expert_parallel else "")),
+             throughput_tok_s_per_gpu=m["throughput_tok_s_per_device"],
+             device_kv_budget_bytes_per_gpu=int(d.num_gpu_blocks * sum(eng.sizes.page_bytes.values())
+                                                // d.decode_context_parallel_size))
+    if simulated(cfg):
+        busy = [r.runner.busy_s for r in eng.replicas]
+        ops: dict[str, float] = {}
+        for r in eng.replicas:
+            for k, v in r.runner.time_by_op.items():
+                ops[k] = ops.get(k, 0.0) + v
+        m.update(simulated_s=eng.clock.now(), busy_frac=max(busy) / max(eng.clock.now(), 1e-12),
+                 hardware=cfg.runner.hardware, sim_steps_per_wall_s=res.steps / max(wall, 1e-9),
+                 sim_time_by_op_s=dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+                 assumed_hisparse_miss_fraction=cfg.runner.hisparse_miss_fraction,
+                 assumed_step_overhead_s=cfg.runner.step_overhead_s,
+                 sim_hot_miss_rows=sum(r.runner.hot_miss_rows for r in eng.replicas))
     if exporter is not None:
         exporter.update({k: v for k, v in m.items() if isinstance(v, (int, float))})
     return m
@@ -150,6 +206,8 @@ def warm_up(model, cfg: ConfigDict) -> float:
     import glm53
 
     t0 = time.perf_counter()
+    if simulated(cfg):
+        return 0.0
     for replica in glm53.Engine(model, _deploy(cfg, cfg.sweep.kv_policy[0])).replicas:
         replica.runner.warmup()  # each data-parallel replica compiles for its own devices
     return time.perf_counter() - t0
@@ -202,7 +260,7 @@ def main(argv=None) -> dict:
     cfg = load_config(args.config, overrides, default=default_config)
     devices = cfg.deploy.get("data_parallel_size", 1) * max(cfg.deploy.get("prefill_context_parallel_size", 1),
                                                             cfg.deploy.get("decode_context_parallel_size", 1))
-    if devices > 1:  # a parallel deployment: on CPU, simulate its devices (before JAX starts its backend)
+    if devices > 1 and not simulated(cfg):  # a parallel deployment: on CPU, simulate its devices (before JAX starts)
         from parallel.mesh import set_cpu_device_count
 
         set_cpu_device_count(devices)
@@ -218,7 +276,7 @@ def main(argv=None) -> dict:
         exporter = PrometheusExporter()
         exporter.serve(args.metrics_port)
         print(f"Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics")
-    model, source = _model(cfg.model)
+    model, source = _model(cfg.model, weights=not simulated(cfg))
     sessions = build_sessions(cfg.workload)
     print(f"{cfg.name}: {source}; {len(sessions)} sessions ({cfg.workload.kind}), "
           f"policies {tuple(cfg.sweep.kv_policy)}, concurrency {tuple(cfg.sweep.concurrency)}")
@@ -258,7 +316,7 @@ def main(argv=None) -> dict:
 
     runs = []
     for policy, conc in planned:
-        if cfg.warmup == "replay":
+        if cfg.warmup == "replay" and not simulated(cfg):  # a simulated run compiles nothing
             t0 = time.perf_counter()
             run_one(model, cfg, policy, conc, progress=False)
             warmup_s += time.perf_counter() - t0

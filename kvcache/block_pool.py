@@ -90,10 +90,16 @@ class BlockPool:
         # pages) knows its rows are still there iff the count has not moved since
         self.generation = [0] * num_blocks
         self.stats = PoolStats()
+        self._cached_free = 0  # free blocks that still hold a cached prefix (counted as they come and go)
 
     @property
     def num_free(self) -> int:
         return len(self.free_queue)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a cached prefix (reclaimable, reused least recently freed first)."""
+        return self._cached_free
 
     def allocate(self, n: int) -> list[int]:
         """n fresh blocks (ref count 1, no hash), least recently freed first; all or nothing."""
@@ -104,6 +110,7 @@ class BlockPool:
             b, _ = self.free_queue.popitem(last=False)
             key = self.block_key[b]
             if key is not None:  # a cached block is reused: it no longer holds that prefix
+                self._cached_free -= 1
                 del self.cached[key]
                 self.block_key[b] = None
                 self.stats.evicted += 1
@@ -123,6 +130,7 @@ class BlockPool:
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 self.free_queue[b] = None
+                self._cached_free += self.block_key[b] is not None
 
     def lookup(self, group: str, h: BlockHash) -> int | None:
         """The cached block holding prefix hash `h` in `group`, or None. Does not take a reference."""
@@ -135,6 +143,7 @@ class BlockPool:
         for b in blocks:
             if self.ref_count[b] == 0:
                 del self.free_queue[b]
+                self._cached_free -= self.block_key[b] is not None
             self.ref_count[b] += 1
 
     def cache(self, group: str, block: int, h: BlockHash) -> None:
@@ -153,6 +162,7 @@ class BlockPool:
         for key, b in list(self.cached.items()):
             self.block_key[b] = None
             del self.cached[key]
+        self._cached_free = 0
 
     def check(self) -> None:
         """Assert the pool invariants (see the module docstring)."""
@@ -163,6 +173,7 @@ class BlockPool:
             assert (self.ref_count[b] == 0) == (b in free), f"block {b}: ref {self.ref_count[b]}, free={b in free}"
         for key, b in self.cached.items():
             assert self.block_key[b] == key, f"hash index and block {b} disagree"
+        assert self._cached_free == sum(self.block_key[b] is not None for b in free), "cached-free count drifted"
         assert sum(k is not None for k in self.block_key) == len(self.cached)
 
 

@@ -393,8 +393,7 @@ class HiSparsePolicy(PreemptPolicy):
     def host_bytes_used(self) -> int:
         """Host bytes held by live pages and by parked ones (cached under a prefix hash, reclaimable)."""
         def used(pool):
-            parked = sum(pool.block_key[b] is not None for b in pool.free_queue)
-            return pool.num_blocks - pool.num_free + parked
+            return pool.num_blocks - pool.num_free + pool.num_cached_free
 
         out = used(self.host_mla) * self.page_bytes["mla"]
         if self.host_index is not None:

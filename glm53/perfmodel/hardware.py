@@ -123,3 +123,6 @@ class HardwareSpec:
 
 
 H200 = HardwareSpec()
+
+# the hardware specs configs name (experiments.serve's runner.hardware)
+HARDWARE = {"h200": H200}

@@ -58,3 +58,29 @@ def test_serve_sweep_writes_results_plot_and_metrics(tmp_path):
     assert (tmp_path / "out" / "throughput_vs_interactivity.png").stat().st_size > 10_000
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "glm53_engine_throughput_tok_s_per_device" in text and "glm53_engine_running_requests" in text
+
+
+PART1_KEYS = ("deployment", "kv_policy", "concurrency", "max_model_len", "running_requests_mean",
+              "throughput_tok_s_per_gpu", "interactivity_tok_s_user", "interactivity_p90_e2e_tok_s_user",
+              "ttft_median_s", "num_speculative_tokens", "device_kv_budget_bytes_per_gpu")
+
+
+def test_the_paper_config_runs_in_the_simulator_and_repeats_exactly(tmp_path):
+    """configs/paper/part1.py at 1/64 scale: full GLM-5.3 shapes, no weights, a virtual clock; a
+    simulated run does not depend on the machine, so two runs agree in everything but wall time."""
+    args = ["--config", str(serve.REPO / "configs/paper/part1.py"), "--no-progress", "--compile-cache", "",
+            "--config.workload.sessions=3", "--config.workload.scale=0.015625", "--config.workload.turns=3",
+            "--config.sweep.concurrency=(1, 3)"]
+    a = serve.main(args + ["--out", str(tmp_path / "a")])["runs"]
+    b = serve.main(args + ["--out", str(tmp_path / "b")])["runs"]
+    assert [(r["kv_policy"], r["concurrency"]) for r in a] == [("hisparse", 1), ("hisparse", 3), ("offload", 1),
+                                                               ("offload", 3)]
+    for r in a:
+        assert all(k in r for k in PART1_KEYS), [k for k in PART1_KEYS if k not in r]
+        assert r["runner"] == "sim" and r["deployment"] == "DP1 TP8 PCP1 DCP1" and r["max_model_len"] == 142_000
+        assert r["simulated_s"] > 0 and r["requests"] == 9 and r["num_speculative_tokens"] == 0
+        # the pool is the configured 15 GiB per GPU, in whole blocks
+        assert 15 * 2**30 - r["device_kv_budget_bytes_per_gpu"] < 64 * 54_728
+    wall = ("wall_s", "sim_steps_per_wall_s")
+    same = [json.dumps({k: v for k, v in r.items() if k not in wall}, sort_keys=True) for r in a]  # NaN == NaN
+    assert same == [json.dumps({k: v for k, v in r.items() if k not in wall}, sort_keys=True) for r in b]

@@ -1,0 +1,47 @@
+"""Part 1 of the published results at H200 scale, in the simulator (../shared/BRIEF.md §8; issue 19).
+
+GLM-5.3 on one 8 x H200 node, TP8, fp8 KV cache (fp8_ds_mla rows, fp8 indexer keys, 64-token blocks),
+max_num_batched_tokens 32,768, max_num_seqs 256, prefix caching on; OpenHands sessions (13 turns;
+74,160 first-turn tokens, 753 new tokens per later turn, 220 output tokens), 128 conversations;
+concurrency 1, 8, 16, 24, 32; HiSparse (384 GiB HiSparse host pool + 128 GiB offload pool for idle
+indexer keys) against offload (512 GiB). Context limit 142K (142,000 tokens, vLLM's "142k"); the 1M
+point is the same config with --config.deploy.max_model_len=1048576.
+
+Device KV budget: BRIEF §2's ~15 GiB per GPU under TP8 (glm53.perfmodel.PUBLISHED_KV_BUDGET_BYTES_TP8),
+until the full-size issue's memory plan derives it. MTP3 is not built: one token per decode step
+(num_speculative_tokens 0 in every run). Today's `offload` policy is swap-on-preemption, not vLLM's CPU
+prefix cache: its figures change when the tiered-offload issue lands. Every step is priced by the
+performance model on the H200 spec (docs/simulator.md lists what is assumed).
+
+    python -m experiments.serve --config configs/paper/part1.py --out results/paper/part1
+"""
+
+from experiments.serve import default_config
+from glm53.perfmodel import PUBLISHED_KV_BUDGET_BYTES_TP8, GiB
+
+
+def get_config():
+    c = default_config()
+    c.name = "paper_part1"
+    c.runner.kind = "sim"
+    c.runner.hardware = "h200"
+    c.model.preset = "glm-5.3"
+    d = c.deploy
+    d.tensor_parallel_size = 8
+    d.kv_cache_dtype = "fp8_ds_mla"
+    d.block_size = 64
+    d.max_model_len = 142_000
+    d.max_num_batched_tokens = 32_768
+    d.max_num_seqs = 256
+    d.kv_cache_memory_bytes = PUBLISHED_KV_BUDGET_BYTES_TP8
+    d.enable_prefix_caching = True
+    c.policy_deploy = dict(offload=dict(cpu_offload_bytes=512 * GiB),
+                           hisparse=dict(hisparse_host_pool_bytes=384 * GiB, cpu_offload_bytes=128 * GiB))
+    c.workload.kind = "openhands"
+    c.workload.sessions = 128
+    c.workload.scale = 1.0
+    c.workload.turns = 13
+    c.sweep.kv_policy = ("hisparse", "offload")
+    c.sweep.concurrency = (1, 8, 16, 24, 32)
+    c.warmup = "none"
+    return c
