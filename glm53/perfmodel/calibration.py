@@ -15,10 +15,11 @@ cores as an H800 / H100, more HBM bandwidth); `launch_s` is per kernel.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 from pathlib import Path
+
+import numpy as np
 
 PUBLISHED = Path(__file__).with_name("published.json")
 H800_FP8_FLOPS = 1979e12  # dense FP8 tensor-core peak (H800 SXM5 = H100 SXM compute)
@@ -76,11 +77,18 @@ def _log_err(fit: GemmFit, rows) -> float:
 
 def fit_gemm(rows: list[GemmRow]) -> GemmFit:
     """Least mean |log(predicted / measured)| over a grid (efficiencies in steps of 0.01, launch time in
-    steps of 0.5 us): deterministic, no optimiser to tune."""
-    effs = [i / 100 for i in range(30, 101)]
-    launches = [i * 0.5e-6 for i in range(0, 21)]
-    return min((GemmFit(c, m, t) for c, m, t in itertools.product(effs, effs, launches)),
-               key=lambda f: (_log_err(f, rows), f.compute_eff, f.memory_eff, f.launch_s))
+    steps of 0.5 us): deterministic, no optimiser to tune; ties go to the smallest values."""
+    effs = np.arange(30, 101) / 100
+    launches = np.arange(0, 21) * 0.5e-6
+    flops = np.array([r.flops for r in rows])
+    nbytes = np.array([r.bytes for r in rows])
+    measured = np.array([r.measured_s for r in rows])
+    c, m, t = np.meshgrid(effs, effs, launches, indexing="ij")  # [C, M, T], lexicographic order
+    pred = (np.maximum(flops / (H800_FP8_FLOPS * c[..., None]), nbytes / (H800_HBM_BYTES_PER_S * m[..., None]))
+            + t[..., None])
+    err = np.abs(np.log(pred / measured)).mean(-1)
+    i, j, k = np.unravel_index(int(np.argmin(err)), err.shape)  # the first minimum in (c, m, t) order
+    return GemmFit(float(effs[i]), float(effs[j]), float(launches[k]))
 
 
 def calibrate_gemm(published: dict | None = None) -> dict:
