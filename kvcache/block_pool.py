@@ -48,11 +48,13 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: S
 
 
 def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Sequence[str | int] = (), *,
-                 known: Sequence[BlockHash] = ()) -> list[BlockHash]:
-    """Hashes of every full block of a token sequence (a trailing partial block has none). `known`: the
-    hashes of its first blocks, computed before (the chain is extended from them, not rehashed)."""
+                 known: Sequence[BlockHash] = (), upto: int | None = None) -> list[BlockHash]:
+    """Hashes of every full block of a token sequence (a trailing partial block has none), or of its
+    first `upto` tokens. `known`: the hashes of its first blocks, computed before (the chain is extended
+    from them, not rehashed; only the new blocks' tokens are sliced)."""
     out, parent = list(known), (known[-1] if known else None)
-    for start in range(len(known) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block):
+    end = len(token_ids) if upto is None else min(upto, len(token_ids))
+    for start in range(len(known) * tokens_per_block, end - tokens_per_block + 1, tokens_per_block):
         parent = hash_block(parent, token_ids[start : start + tokens_per_block], extra_keys)
         out.append(parent)
     return out
@@ -304,11 +306,9 @@ class KVCacheManager:
         `token_ids`: all tokens known for the request (prompt + generated)."""
         rb = self.requests[req_id]
         n_full = num_computed_tokens // self.tokens_per_block
-        tpb = self.tokens_per_block
-        while len(rb.hashes) < n_full:  # extend the chain by the blocks filled since (no rehash of the rest)
-            i = len(rb.hashes)
-            rb.hashes.append(hash_block(rb.hashes[-1] if rb.hashes else None, token_ids[i * tpb : (i + 1) * tpb],
-                                        extra_keys))
+        if len(rb.hashes) < n_full:  # extend the chain by the blocks filled since (no rehash of the rest)
+            rb.hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=rb.hashes,
+                                     upto=n_full * self.tokens_per_block)
         for g in self.groups:
             r = self.ratio[g]
             for j in range(rb.num_cached_blocks // r, n_full // r):
