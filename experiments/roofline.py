@@ -1,4 +1,5 @@
-"""Analytic figures of GLM-5.3 serving on H200, from the performance model (glm53/perfmodel.py).
+"""Analytic figures of GLM-5.3 serving on H200, from the performance model (glm53/perfmodel/) on the calibrated
+H200 spec (`H200_CALIBRATED`; the datasheet spec's time-dependent values are repeated under `datasheet_spec`).
 
     python -m experiments.roofline --out results/roofline
 
@@ -30,6 +31,10 @@ from glm53.config import get_preset
 from kvcache.layout import index_key_bytes, kv_bytes_per_token, mla_row_bytes
 
 DCP_SIZES = (1, 2, 4, 8, 16)
+# keys whose values depend on the spec's efficiencies (repeated under "datasheet_spec")
+DATASHEET_KEYS = ("dcp8_prefill_overhead", "dcp8_prefill_step_breakdown_s", "crossover_prompt_len_tp8_time",
+                  "crossover_prompt_len_tp8_padded_time", "crossover_prompt_len_pcp8_time",
+                  "flashmla_sparse_decode_prediction_tflops", "ridge_point_achievable_flop_per_byte")
 N_GPUS = 8  # one H200 node: TP8 or PCP8
 OVERLAP_NOTE = (
     "overhead_frac: no overlap (every kernel and collective of the step runs after the previous one, as a "
@@ -47,6 +52,30 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
         out.append(x)
         x *= 2
     return out
+
+
+def _indexer_and_mla_s(cfg, hw: pm.HardwareSpec, prompt_len: float, layout: str, pad: bool) -> tuple[float, float]:
+    par = {"tp": dict(tp=N_GPUS), "pcp": dict(pcp=N_GPUS)}[layout]
+    by = pm.prefill_step(cfg, hw, int(prompt_len), 0, pad_heads=pad, **par).by_name()
+    idx = sum(by[n].time_s for n in ("indexer_scores", "indexer_topk") if n in by)
+    return idx, by["sparse_mla"].time_s
+
+
+def time_crossover(cfg, hw: pm.HardwareSpec, layout: str, pad: bool = False, lo: float = 2048,
+                   hi: float = 2**26) -> float | None:
+    """Prompt length (tokens, to 0.1%) where the indexer's time equals sparse MLA's in a whole-prompt
+    prefill (`pm.prefill_step`, one chunk); None if the indexer is not yet slower at `hi` tokens."""
+    def gap(n):
+        i, m = _indexer_and_mla_s(cfg, hw, n, layout, pad)
+        return i - m
+    if gap(lo) >= 0:
+        return lo
+    if gap(hi) < 0:
+        return None
+    while hi / lo > 1.001:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+    return (lo * hi) ** 0.5
 
 
 def compute(cfg, hw: pm.HardwareSpec, *, kv_budget_bytes: float, chunk_tokens: int, block_size: int) -> dict:
@@ -108,6 +137,11 @@ def compute(cfg, hw: pm.HardwareSpec, *, kv_budget_bytes: float, chunk_tokens: i
                         f"{key}_sparse_mla_flops_padded": mla_pad})
         rows.append(row)
     res["prefill_flops_per_gpu_vs_prompt_len"] = rows
+
+    # The same crossover in time: the prompt length at which a whole-prompt prefill spends as long in
+    # the indexer (scores + top-k) as in sparse MLA, per GPU, on this spec (one chunk, no cached context).
+    for layout, key, pad in (("tp", "tp8", False), ("tp", "tp8_padded", True), ("pcp", "pcp8", False)):
+        res[f"crossover_prompt_len_{key}_time"] = time_crossover(cfg, hw, layout, pad)
 
     # Per-step overhead of DCP8's per-layer all-gather in a PCP8 prefill step.
     fits = pm.max_context_tokens(cfg, kv_budget_bytes, 1)
@@ -280,7 +314,9 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = get_preset(args.preset)
-    hw = pm.H200
+    hw = pm.H200_CALIBRATED
+    budget = args.kv_budget_gib * pm.GiB
+    old = compute(cfg, pm.H200, kv_budget_bytes=budget, chunk_tokens=args.chunk_tokens, block_size=args.block_size)
     results = {
         "figure": "roofline",
         "date": time.strftime("%Y-%m-%d"),
@@ -291,8 +327,9 @@ def main(argv=None):
         "hardware": {**dataclasses.asdict(hw), "nvlink_bandwidth_one_direction": hw.nvlink_bandwidth,
                      "clock_hz": hw.clock_hz, "dequant_values_per_s": hw.dequant_values_per_s},
         "formulas": "docs/perfmodel.md",
-        **compute(cfg, hw, kv_budget_bytes=args.kv_budget_gib * pm.GiB, chunk_tokens=args.chunk_tokens,
-                  block_size=args.block_size),
+        **compute(cfg, hw, kv_budget_bytes=budget, chunk_tokens=args.chunk_tokens, block_size=args.block_size),
+        # the time-dependent figures on the datasheet spec (the numbers before calibration), for comparison
+        "datasheet_spec": {"hardware": pm.H200.name, **{k: old[k] for k in DATASHEET_KEYS}},
     }
     (out / "roofline.json").write_text(json.dumps(results, indent=1))
     paths = plot(results, out)
@@ -303,6 +340,8 @@ def main(argv=None):
           f"FLOP/byte at 8 / 64 heads; ridge {results['ridge_point_flop_per_byte']:.0f}")
     print(f"crossover TP8 {results['crossover_prompt_len_tp8']:,.0f} tokens (padded "
           f"{results['crossover_prompt_len_tp8_padded']:,.0f}), PCP8 {results['crossover_prompt_len_pcp8']:,.0f}")
+    print(f"time crossover TP8 {results['crossover_prompt_len_tp8_time'] or 0:,.0f} (padded "
+          f"{results['crossover_prompt_len_tp8_padded_time'] or 0:,.0f}), PCP8 {results['crossover_prompt_len_pcp8_time'] or 0:,.0f} tokens")
     ov = results["dcp8_prefill_overhead"]
     print(f"DCP8 prefill overhead {100 * ov[0]['overhead_frac']:.1f}% at {ov[0]['cached_context']:,} cached tokens "
           f"-> {100 * ov[-1]['overhead_frac']:.0f}% at {ov[-1]['cached_context']:,} (no overlap)")

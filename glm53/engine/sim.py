@@ -1,6 +1,6 @@
 """The simulator: a runner that prices a `StepPlan` with the performance model instead of running it.
 
-    eng = glm53.engine.sim.build_engine(glm53.get_preset("glm-5.3"), DeployConfig(...), hw=perfmodel.H200)
+    eng = glm53.engine.sim.build_engine(glm53.get_preset("glm-5.3"), DeployConfig(...))  # hw: H200_CALIBRATED
     client = ClosedLoopClient(eng, sessions, 32, ...)   # as on a real engine; think time is virtual
 
 The real scheduler, block pool, KV policies, prefix caching, chunked prefill and admission run
@@ -28,7 +28,7 @@ from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.engine import Engine
 from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock
 from glm53.engine.synthetic import SyntheticRunner
-from glm53.perfmodel import H200, HardwareSpec
+from glm53.perfmodel import H200_CALIBRATED, HardwareSpec
 from glm53.perfmodel.step import Deployment, step_cost
 from kvcache.layout import DEFAULT_INDEX_FORMAT
 from kvcache.transfer import ResetLease
@@ -64,7 +64,7 @@ class SimRunner(SyntheticRunner):
     `steps`.
     """
 
-    def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200, *,
+    def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200_CALIBRATED, *,
                  step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, token=None, record: bool = False):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
@@ -109,7 +109,7 @@ class SimRunner(SyntheticRunner):
         return dataclasses.replace(res, duration_s=seconds)
 
 
-def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: HardwareSpec = H200, **runner_kw) -> Engine:
+def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: HardwareSpec = H200_CALIBRATED, **runner_kw) -> Engine:
     """An Engine over `cfg` (no weights) whose replicas each run a SimRunner on `hw`, on a VirtualClock.
     None fields of `deploy` resolve as on CPU (vLLM's CPU batch limits, a 4 GiB KV budget): set
     max_num_batched_tokens, max_num_seqs and kv_cache_memory_bytes (per GPU) for an H200 deployment."""

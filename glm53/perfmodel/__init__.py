@@ -7,8 +7,9 @@ crossovers, parameter and weight counts). Everything public is re-exported here.
 
 Everything is derived from a `ModelConfig` (the model's shapes), a `HardwareSpec` (datasheet peaks plus
 named, documented achievable efficiencies that are the same for every figure) and a step's shapes.
-Nothing is fitted to a published figure. docs/perfmodel.md lists the published values the model
-reproduces or predicts and the formula behind each.
+`H200` is the datasheet spec; `H200_CALIBRATED` (`HARDWARE["h200"]`) has GEMM and collective
+efficiencies fitted on published kernel tables (`calibration`), never on an end-to-end serving figure.
+docs/perfmodel.md lists the published values the model reproduces or predicts and the formula behind each.
 
 Conventions
 - Every quantity is **per GPU** and per call (one kernel, one collective, one copy, one step) unless a
@@ -34,7 +35,7 @@ Conventions
 
 from glm53.perfmodel.cost import (DCP_GATHER, OVERLAPS, Cost, StepCost, all_gather, all_reduce, all_to_all,
                                   host_copy, reduce_scatter, total)
-from glm53.perfmodel.hardware import (BF16, FP8_WEIGHT_BYTES, FP32, H200, INDEX_BYTES,
+from glm53.perfmodel.hardware import (BF16, FP8_WEIGHT_BYTES, FP32, H200, H200_CALIBRATED, INDEX_BYTES,
                                       PUBLISHED_KV_BUDGET_BYTES_TP8, HARDWARE, GiB, HardwareSpec)
 from glm53.perfmodel.ops import (dcp_context_allgather, dcp_decode_merge, dcp_topk_merge, dense_mha_prefill,
                                  dense_mlp, expected_remote_ranks, expected_touched_experts, hisparse_row_copy,
@@ -49,7 +50,7 @@ from glm53.perfmodel.studies import (causal_pairs, crossover_prompt_len, param_c
 __all__ = [
     "DCP_GATHER", "OVERLAPS", "Cost", "StepCost", "all_gather", "all_reduce", "all_to_all", "host_copy",
     "reduce_scatter", "total", "BF16", "FP8_WEIGHT_BYTES", "FP32", "H200", "INDEX_BYTES",
-    "PUBLISHED_KV_BUDGET_BYTES_TP8", "HARDWARE", "GiB", "HardwareSpec", "dcp_context_allgather", "dcp_decode_merge",
+    "H200_CALIBRATED", "PUBLISHED_KV_BUDGET_BYTES_TP8", "HARDWARE", "GiB", "HardwareSpec", "dcp_context_allgather", "dcp_decode_merge",
     "dcp_topk_merge", "dense_mha_prefill", "dense_mlp", "expected_remote_ranks", "expected_touched_experts",
     "hisparse_row_copy", "indexer_pair_flops", "indexer_scores", "indexer_topk", "kv_bytes_by_component",
     "kv_bytes_per_gpu", "lm_head", "max_context_tokens", "mla_projections", "moe", "padded_heads",

@@ -4,6 +4,11 @@ Each op family gets a small physical model whose few parameters are fitted on so
 table and checked on the others (never on an end-to-end serving figure). So far: FP8 GEMMs (DeepGEMM's
 H800 table: dense, grouped-contiguous and grouped-masked shapes of DeepSeek-V3 inference).
 
+Every comparison reports rel_error = predicted time / measured time - 1 (for a bandwidth or FLOP rate:
+measured rate / predicted rate - 1). `calibrated_fields()` collects the fitted values that
+`hardware.H200_CALIBRATED` holds. Collectives: link efficiency per family from intranode NVLink4 bus
+bandwidths. Checks without a fit: FlashMLA's sparse decode rows, published host-link bandwidths.
+
 GEMM model, for `groups` GEMMs of [m, k] x [k, n] with fp8 operands and bf16 output:
     time = max(flops / (fp8_peak x compute_eff), bytes / (hbm_bandwidth x memory_eff)) + launch_s
     flops = 2 groups m n k,  bytes = groups (n k + m k + 2 m n)
@@ -107,3 +112,103 @@ def calibrate_gemm(published: dict | None = None) -> dict:
             "fit": dataclasses.asdict(fit), "train_rows": report(train), "holdout_rows": held,
             "holdout_mean_abs_rel_error": sum(abs(r["rel_error"]) for r in held) / len(held),
             "holdout_max_abs_rel_error": max(abs(r["rel_error"]) for r in held)}
+
+
+# ------------------------------------------------------------------------------------------ collectives
+NVLINK4_ONE_WAY = 450e9  # B/s per GPU per direction on an NVLink4 / NVSwitch node (H100, H200, H20)
+_COLLECTIVE_FAMILY = {"ep_dispatch": "all_to_all", "ep_combine": "all_to_all", "all_gather": "all_gather",
+                      "all_reduce": "all_reduce"}
+
+
+def collective_rows(published: dict | None = None) -> list[dict]:
+    """Intranode rows on full-bandwidth NVLink4 / NVSwitch nodes of 8 GPUs (H800's reduced NVLink and the
+    RDMA rows are left out: another interconnect), each with its bus bandwidth (B/s) and model family.
+    A row that reports only algbw is converted with nccl-tests' factor for its op (all-reduce 2(n-1)/n)."""
+    out = []
+    for r in (published or load_published())["collectives"]:
+        fam = _COLLECTIVE_FAMILY.get(r["op"])
+        if fam is None or r["ranks"] != 8 or not r["interconnect"].startswith("NVLink4/NVSwitch"):
+            continue
+        n = r["ranks"]
+        bus = r["busbw_gbps"]
+        if bus is None and r.get("algbw_gbps") and fam == "all_reduce":
+            bus = r["algbw_gbps"] * 2 * (n - 1) / n
+        if bus:
+            out.append({"source": r["source"], "op": r["op"], "family": fam, "interconnect": r["interconnect"],
+                        "busbw_gbps": bus, "measured": r.get("measured", True), "excerpt": r["excerpt"]})
+    return out
+
+
+def calibrate_collectives(published: dict | None = None) -> dict:
+    """Per family, link efficiency = median bus bandwidth of its even rows / 450 GB/s (rounded to 0.01,
+    capped at 1: the model's link bound), checked on its odd rows (time error = measured bandwidth /
+    predicted - 1, since the model's link bytes follow nccl-tests' bus-bandwidth convention)."""
+    rows = collective_rows(published)
+    fams = {}
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        rs = [r for r in rows if r["family"] == fam]
+        train, test = rs[0::2], rs[1::2]
+        raw = float(np.median([r["busbw_gbps"] for r in train])) * 1e9 / NVLINK4_ONE_WAY
+        eff = min(1.0, round(raw, 2))
+        pred = eff * NVLINK4_ONE_WAY / 1e9
+        held = [{**{k: r[k] for k in ("source", "op", "busbw_gbps", "measured")}, "predicted_busbw_gbps": pred,
+                 "rel_error": r["busbw_gbps"] / pred - 1} for r in test]
+        fams[fam] = {"efficiency": eff, "efficiency_uncapped": raw, "train_rows": [
+            {k: r[k] for k in ("source", "op", "busbw_gbps", "measured")} for r in train], "holdout_rows": held,
+            "holdout_max_abs_rel_error": max((abs(h["rel_error"]) for h in held), default=None)}
+    return {"model": "link time = bus bytes / (450 GB/s x efficiency) + latency (latency not calibrated)",
+            "families": fams}
+
+
+# ------------------------------------------------------------------------------------ checks, no fit
+def check_sparse_mla(published: dict | None = None) -> dict:
+    """FlashMLA's sparse decode rows against the model (not fitted: sparse_attention_efficiency is the
+    sparse *prefill* kernel's 640 TFLOPS and the dequantisation cost is FlashMLA's published cycle
+    arithmetic; the decode rows are held out). Shapes: DeepSeek-V3.2's 128 heads, batch 128 x s_q 2,
+    top-k 2048, fp8 rows, on H800 (3.35 TB/s). A row without its configuration is skipped."""
+    from glm53.config import get_preset
+    from glm53.perfmodel.hardware import H200
+    from glm53.perfmodel.ops import sparse_mla
+
+    pub = published or load_published()
+    h800 = dataclasses.replace(H200, name="H800 SXM5", hbm_bandwidth=H800_HBM_BYTES_PER_S)
+    cfg = get_preset("glm-5.3").replace(num_attention_heads=128)  # same MLA dims as DeepSeek-V3.2
+    out = []
+    for r in pub["sparse_mla"]:
+        if r["phase"] != "decode" or r["dense_or_sparse"] != "sparse" or not r.get("tflops"):
+            continue
+        crossover = "without crossover" not in r.get("note", "")
+        if r.get("heads") is None and crossover:
+            continue  # a peak claim without its shapes
+        c = sparse_mla(cfg, h800, 128 * 2, 2048, 128, heads_per_dequant=128 if crossover else 64)
+        pred = c.useful_flops / c.time_s / 1e12
+        out.append({"source": r["source"], "kernel": "crossover (128 heads per dequant)" if crossover else
+                    "no crossover (64 heads per dequant)", "measured_tflops": r["tflops"], "predicted_tflops": pred,
+                    "rel_error": r["tflops"] / pred - 1, "excerpt": r["excerpt"]})
+    return {"model": "glm53.perfmodel.sparse_mla: MMA at 640/989 of bf16 peak + fp8 dequantisation (added)",
+            "train": "FlashMLA sparse prefill 640 TFLOPS (bf16 KV) -> sparse_attention_efficiency",
+            "holdout_rows": out, "holdout_max_abs_rel_error": max(abs(r["rel_error"]) for r in out)}
+
+
+def check_host_copy(published: dict | None = None, link_bytes_per_s: float = 50e9) -> dict:
+    """Published host <-> device bandwidths against the model's host link (50 GB/s one way, itself vLLM's
+    measured figure). The model runs a step's loads and stores one after the other (as the runners
+    do), so a concurrent read + write row is compared with 50 GB/s in total: the model leaves the
+    duplex overlap on the table."""
+    out = []
+    for r in (published or load_published())["host_copy"]:
+        model = link_bytes_per_s / 1e9
+        out.append({"source": r["source"], "direction": r["direction"], "method": r["method"],
+                    "measured_gbps": r["gbps"], "model_gbps": model, "rel_error": r["gbps"] / model - 1})
+    return {"model": "time = bytes / (50 GB/s) + 10 us per call", "rows": out,
+            "max_abs_rel_error": max(abs(r["rel_error"]) for r in out)}
+
+
+def calibrated_fields(published: dict | None = None) -> dict:
+    """The HardwareSpec fields the fits give (what `hardware.H200_CALIBRATED` must hold)."""
+    g = calibrate_gemm(published)["fit"]
+    fams = calibrate_collectives(published)["families"]
+    return {"gemm_efficiency": g["compute_eff"], "gemm_memory_efficiency": g["memory_eff"],
+            "gemm_latency_s": g["launch_s"], "all_to_all_efficiency": fams["all_to_all"]["efficiency"],
+            "nvlink_efficiency": fams["all_gather"]["efficiency"],
+            "all_reduce_efficiency": fams["all_reduce"]["efficiency"]}

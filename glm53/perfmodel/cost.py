@@ -79,10 +79,21 @@ def _kernel(name: str, hw: HardwareSpec, *, flops: float, hbm_bytes: float, dtyp
                 hbm_bytes=hbm_bytes, compute_s=compute_s, memory_s=memory_s, time_s=max(compute_s, memory_s))
 
 
-def _collective(name: str, hw: HardwareSpec, *, recv_bytes: float, hbm_bytes: float, n: int) -> Cost:
+def _gemm(name: str, hw: HardwareSpec, *, flops: float, hbm_bytes: float, dtype: str = "bf16") -> Cost:
+    """One GEMM kernel: the roofline at hw's GEMM efficiencies plus its fixed time (hw.gemm_latency_s)."""
+    ce, me = hw.gemm_eff()
+    compute_s = flops / (hw.peak_flops(dtype) * ce)
+    memory_s = hbm_bytes / (hw.hbm_bandwidth * me)
+    lat = hw.gemm_latency_s
+    return Cost(name=name, kind="kernel", flops=flops, useful_flops=flops, hbm_bytes=hbm_bytes, compute_s=compute_s,
+                memory_s=memory_s, latency_s=lat, time_s=max(compute_s, memory_s) + lat)
+
+
+def _collective(name: str, hw: HardwareSpec, *, recv_bytes: float, hbm_bytes: float, n: int,
+                op: str = "all_gather") -> Cost:
     if n <= 1 or recv_bytes <= 0:
         return Cost(name=name, kind="collective")
-    link_s = recv_bytes / (hw.nvlink_bandwidth * hw.nvlink_efficiency)
+    link_s = recv_bytes / (hw.nvlink_bandwidth * hw.link_eff(op))
     memory_s = hbm_bytes / (hw.hbm_bandwidth * hw.hbm_efficiency)
     lat = hw.collective_latency_s
     return Cost(name=name, kind="collective", hbm_bytes=hbm_bytes, nvlink_bytes=recv_bytes, link_s=link_s,
@@ -107,12 +118,12 @@ def reduce_scatter(hw: HardwareSpec, total_bytes: float, n: int, name: str = "re
 def all_reduce(hw: HardwareSpec, total_bytes: float, n: int, name: str = "all_reduce") -> Cost:
     """Ring all-reduce (reduce-scatter + all-gather): receives 2 (n-1)/n * total_bytes per GPU."""
     recv = 2 * (n - 1) / n * total_bytes
-    return _collective(name, hw, recv_bytes=recv, hbm_bytes=total_bytes + recv, n=n)
+    return _collective(name, hw, recv_bytes=recv, hbm_bytes=total_bytes + recv, n=n, op="all_reduce")
 
 
 def all_to_all(hw: HardwareSpec, send_bytes: float, n: int, name: str = "all_to_all") -> Cost:
     """Each rank sends `send_bytes` in total to the other ranks and receives as many (balanced)."""
-    return _collective(name, hw, recv_bytes=send_bytes, hbm_bytes=2 * send_bytes, n=n)
+    return _collective(name, hw, recv_bytes=send_bytes, hbm_bytes=2 * send_bytes, n=n, op="all_to_all")
 
 
 def host_copy(hw: HardwareSpec, nbytes: float, *, transfers: int = 1, name: str = "host_copy") -> Cost:

@@ -56,6 +56,14 @@ class HardwareSpec:
 
     Latencies (*assumptions*, order of magnitude): collective_latency_s = 15 us per NCCL collective
     inside one NVSwitch node; host_copy_latency_s = 10 us per host<->device transfer call.
+
+    Calibrated terms (None: fall back to the general efficiency above, as this datasheet spec does;
+    `H200_CALIBRATED` sets them from glm53.perfmodel.calibration's fits on published tables):
+      gemm_efficiency / gemm_memory_efficiency: compute and HBM fractions of the projection, MLP and
+        expert GEMMs (default matmul_efficiency / hbm_efficiency); gemm_latency_s: fixed time of each
+        GEMM kernel (prologue, tail wave; default 0).
+      all_to_all_efficiency, all_reduce_efficiency: link fractions of those collectives (default
+        nvlink_efficiency, which then covers all-gather and reduce-scatter).
     """
 
     name: str = "H200 SXM"
@@ -79,11 +87,16 @@ class HardwareSpec:
     head_granularity: int = 64
     collective_latency_s: float = 15e-6
     host_copy_latency_s: float = 10e-6
+    gemm_efficiency: float | None = None
+    gemm_memory_efficiency: float | None = None
+    gemm_latency_s: float = 0.0
+    all_to_all_efficiency: float | None = None
+    all_reduce_efficiency: float | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "dequant_overlap"):
+            if f.name in ("name", "dequant_overlap") or v is None and f.default is None:
                 continue
             if f.name.endswith("latency_s"):
                 if not v >= 0:
@@ -92,6 +105,17 @@ class HardwareSpec:
                 raise ValueError(f"HardwareSpec.{f.name} must be positive, got {v!r}")
             if f.name.endswith("efficiency") and v > 1:
                 raise ValueError(f"HardwareSpec.{f.name} is a fraction of peak, must be <= 1, got {v!r}")
+
+    def gemm_eff(self) -> tuple[float, float]:
+        """(compute, memory) efficiency of a GEMM kernel."""
+        return (self.matmul_efficiency if self.gemm_efficiency is None else self.gemm_efficiency,
+                self.hbm_efficiency if self.gemm_memory_efficiency is None else self.gemm_memory_efficiency)
+
+    def link_eff(self, collective: str) -> float:
+        """Link efficiency of a collective: "all_to_all" | "all_reduce" | anything else (all-gather,
+        reduce-scatter: nvlink_efficiency)."""
+        own = {"all_to_all": self.all_to_all_efficiency, "all_reduce": self.all_reduce_efficiency}.get(collective)
+        return self.nvlink_efficiency if own is None else own
 
     @property
     def nvlink_bandwidth(self) -> float:
@@ -124,5 +148,20 @@ class HardwareSpec:
 
 H200 = HardwareSpec()
 
-# the hardware specs configs name (experiments.serve's runner.hardware)
-HARDWARE = {"h200": H200}
+# H200 with the efficiencies fitted on published tables (glm53/perfmodel/calibration.py; each value is
+# what `calibration.calibrated_fields()` computes, checked by tests/glm53/test_calibration.py; sources
+# in published.json and docs/perfmodel_sources.md):
+# - GEMMs: roofline + fixed time fitted on half of DeepGEMM's H800 FP8 table (held-out error: see
+#   results/calibration/gemm.json);
+# - all-to-all: DeepEP's intranode NVLink dispatch / combine bandwidths (H100, H20), median of half;
+# - all-gather / reduce-scatter: the NCCL maintainer's expected ring bus bandwidth on 8 x H100 (370 GB/s);
+# - all-reduce: NVLS bus bandwidth measured on 8 x H200 (475 GB/s) exceeds the ring model's link bound,
+#   so its efficiency is capped at 1.
+# Sparse MLA, the indexer, host copies and latencies keep the datasheet spec's values (sparse MLA is
+# checked against FlashMLA's decode rows, host copies against published bandwidths: calibrate.py).
+H200_CALIBRATED = dataclasses.replace(
+    H200, name="H200 SXM (calibrated)", gemm_efficiency=0.68, gemm_memory_efficiency=1.0, gemm_latency_s=4.5e-6,
+    all_to_all_efficiency=0.73, nvlink_efficiency=0.82, all_reduce_efficiency=1.0)
+
+# the hardware specs configs name (experiments.serve's runner.hardware): "h200" is the calibrated one
+HARDWARE = {"h200": H200_CALIBRATED, "h200_datasheet": H200}

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable
 
 from glm53.config import ModelConfig
-from glm53.perfmodel.cost import DCP_GATHER, Cost, _kernel, all_gather, all_reduce, all_to_all, host_copy, reduce_scatter, total
+from glm53.perfmodel.cost import DCP_GATHER, Cost, _gemm, _kernel, all_gather, all_reduce, all_to_all, host_copy, reduce_scatter, total
 from glm53.perfmodel.hardware import BF16, FP8_WEIGHT_BYTES, FP32, H200, INDEX_BYTES, HardwareSpec
 from kvcache.layout import cache_groups, index_key_bytes, kv_bytes_per_token, mla_row_bytes
 
@@ -140,13 +140,13 @@ def indexer_topk(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, keys_per_q
 def _matmuls(name: str, hw: HardwareSpec, tokens: float, shapes: Iterable[tuple[int, int, float, float]]) -> Cost:
     """A sequence of GEMMs, each (din, dout, weight bytes per param, shards): y[tokens, dout/shards] =
     x[tokens, din] @ W. FLOPs 2 * tokens * din * dout / shards; HBM = weights + bf16 input and output.
-    fp8 weights run at the fp8 rate, others at bf16. Time = sum of the GEMMs' roofline times."""
+    fp8 weights run at the fp8 rate, others at bf16. Time = sum of the GEMMs' times (`_gemm`)."""
     parts = []
     for din, dout, wbytes, shards in shapes:
         params = din * dout / shards
         hbm = params * wbytes + tokens * BF16 * (din + dout / shards)
         dtype = "fp8" if wbytes < BF16 else "bf16"
-        parts.append(_kernel(name, hw, flops=2 * tokens * params, hbm_bytes=hbm, dtype=dtype))
+        parts.append(_gemm(name, hw, flops=2 * tokens * params, hbm_bytes=hbm, dtype=dtype))
     return dataclasses.replace(total(parts, name), kind="kernel")
 
 
@@ -222,9 +222,12 @@ def moe(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *, 
     group_tokens = tokens_per_rank if replicated_tokens else tokens_per_rank * ep
     assignments = group_tokens * k / ep
     touched = expected_touched_experts(cfg, group_tokens, ep)
-    expert_params = 3 * d * f
-    routed = _kernel("moe_experts", hw, flops=2 * assignments * expert_params, dtype="fp8" if weight_bytes < BF16 else "bf16",
-                     hbm_bytes=touched * expert_params * weight_bytes + assignments * BF16 * (2 * d + 3 * f))
+    # two grouped GEMMs over the touched experts: gate+up [d -> 2f], then down [f -> d]
+    dt = "fp8" if weight_bytes < BF16 else "bf16"
+    routed = total([_gemm("moe_experts", hw, flops=2 * assignments * din * dout, dtype=dt,
+                          hbm_bytes=touched * din * dout * weight_bytes + assignments * BF16 * (din + dout))
+                    for din, dout in ((d, 2 * f), (f, d))], "moe_experts")
+    routed = dataclasses.replace(routed, kind="kernel")
     router = _kernel("moe_router", hw, flops=2 * tokens_per_rank * d * e,
                      hbm_bytes=d * e * FP32 + tokens_per_rank * (BF16 * d + FP32 * e))
     shared_f = f * cfg.n_shared_experts

@@ -14,7 +14,7 @@ from glm53.engine import engine as engine_mod
 from glm53.engine import sim
 from glm53.engine.plan import StepResult, VirtualClock, WallClock
 from glm53.engine.synthetic import SyntheticRunner
-from glm53.perfmodel import H200
+from glm53.perfmodel import H200_CALIBRATED
 from glm53.perfmodel.step import step_cost
 
 TINY = glm53.get_preset("tiny")
@@ -100,7 +100,8 @@ def test_replicas_run_in_parallel_on_the_virtual_clock():
 
 
 def test_a_priced_step_is_the_perf_models_price_of_its_plan():
-    """The runner's duration for a plan is step_cost's time of that plan plus the fixed overhead."""
+    """The runner's duration for a plan is step_cost's time of that plan on the default (calibrated)
+    spec plus the fixed overhead."""
     eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64), step_overhead_s=1e-3)
     for p in _prompts(3):
         eng.add_request(p, SamplingParams(max_new_tokens=4))
@@ -108,7 +109,7 @@ def test_a_priced_step_is_the_perf_models_price_of_its_plan():
     while sch.has_work:
         plan = sch.schedule()
         res = runner.execute(plan)
-        assert res.duration_s == pytest.approx(step_cost(TINY, H200, runner.dep, plan).time_s() + 1e-3)
+        assert res.duration_s == pytest.approx(step_cost(TINY, H200_CALIBRATED, runner.dep, plan).time_s() + 1e-3)
         sch.update(plan, res, eng.clock.now())
 
 

@@ -63,3 +63,25 @@ def test_values_come_from_the_model(run):
         n = int(name.removeprefix("dcp"))
         assert -(-tokens // n) * 54_728 <= budget < -(-(tokens + 1) // n) * 54_728, name
     assert {c["heads"] for c in res["sparse_mla_intensity"]["curve"]} >= {8, 64}
+
+
+def test_time_crossover_balances_indexer_and_mla_time(run):
+    """At the time crossover the whole-prompt prefill spends as long in the indexer as in sparse MLA
+    (0.1% bisection), the indexer is cheaper just below it, and it sits right of the FLOP crossover (a
+    sparse-MLA FLOP costs more time: bf16 rate plus fp8 dequantisation, vs the indexer's fp8 GEMM)."""
+    from glm53 import perfmodel as pm
+
+    _, res = run
+    cfg = get_preset("glm-5.3")
+    for key, layout, pad in (("tp8", "tp", False), ("tp8_padded", "tp", True), ("pcp8", "pcp", False)):
+        x = res[f"crossover_prompt_len_{key}_time"]
+        idx, mla = roofline._indexer_and_mla_s(cfg, pm.H200_CALIBRATED, x, layout, pad)
+        assert idx == pytest.approx(mla, rel=5e-3), key
+        idx, mla = roofline._indexer_and_mla_s(cfg, pm.H200_CALIBRATED, 0.9 * x, layout, pad)
+        assert idx < mla, key
+        assert x > res[f"crossover_prompt_len_{key}"]
+    assert res["hardware"]["name"] == pm.H200_CALIBRATED.name
+    old = res["datasheet_spec"]
+    assert old["hardware"] == pm.H200.name
+    assert [r["cached_context"] for r in old["dcp8_prefill_overhead"]] == [r["cached_context"] for r in res["dcp8_prefill_overhead"]]
+    assert old["dcp8_prefill_overhead"][0]["step_s_without_dcp"] != res["dcp8_prefill_overhead"][0]["step_s_without_dcp"]

@@ -46,3 +46,53 @@ def test_the_committed_calibration_is_current():
     now = cal.calibrate_gemm()
     assert committed["fit"] == now["fit"]
     assert committed["holdout_mean_abs_rel_error"] == pytest.approx(now["holdout_mean_abs_rel_error"])
+
+
+def test_the_calibrated_h200_holds_what_the_fits_give():
+    from glm53.perfmodel import H200_CALIBRATED, HARDWARE
+
+    fields = cal.calibrated_fields()
+    assert {k: getattr(H200_CALIBRATED, k) for k in fields} == fields
+    assert HARDWARE["h200"] is H200_CALIBRATED  # what the simulator's configs name
+
+
+def test_collective_efficiency_is_the_median_of_the_even_intranode_rows():
+    rows = cal.collective_rows()
+    assert rows and all(r["interconnect"].startswith("NVLink4/NVSwitch") for r in rows)  # no H800, no RDMA
+    fams = cal.calibrate_collectives()["families"]
+    a2a = [r["busbw_gbps"] for r in rows if r["family"] == "all_to_all"]
+    assert len(a2a) == 5
+    assert fams["all_to_all"]["efficiency"] == round(sorted(a2a[0::2])[1] * 1e9 / cal.NVLINK4_ONE_WAY, 2)
+    held = fams["all_to_all"]["holdout_rows"]
+    assert [h["busbw_gbps"] for h in held] == a2a[1::2]
+    assert all(h["rel_error"] == pytest.approx(h["busbw_gbps"] / h["predicted_busbw_gbps"] - 1) for h in held)
+    assert fams["all_reduce"]["efficiency"] == 1.0 < fams["all_reduce"]["efficiency_uncapped"]  # NVLS beats the ring bound
+
+
+def test_the_checks_compare_against_every_usable_row():
+    mla = cal.check_sparse_mla()
+    assert [r["measured_tflops"] for r in mla["holdout_rows"]] == [410.0, 250.0]
+    assert all(-0.3 < r["rel_error"] < 0 for r in mla["holdout_rows"])  # the model is optimistic, by < 30%
+    host = cal.check_host_copy()
+    assert len(host["rows"]) == len(cal.load_published()["host_copy"])
+
+
+def test_the_datasheet_spec_prices_gemms_as_before():
+    """The datasheet H200 has no GEMM fields: a GEMM is the plain roofline at matmul_efficiency."""
+    from glm53.perfmodel import H200, H200_CALIBRATED
+    from glm53.perfmodel.cost import _gemm, _kernel
+
+    a = _gemm("g", H200, flops=2e12, hbm_bytes=1e9, dtype="fp8")
+    b = _kernel("g", H200, flops=2e12, hbm_bytes=1e9, dtype="fp8")
+    assert a.time_s == b.time_s and a.latency_s == 0
+    c = _gemm("g", H200_CALIBRATED, flops=2e12, hbm_bytes=1e9, dtype="fp8")
+    assert c.time_s == pytest.approx(2e12 / (H200.fp8_flops * 0.68) + 4.5e-6)
+
+
+@pytest.mark.parametrize("name", ["collectives", "sparse_mla", "host_copy", "calibrated_spec"])
+def test_the_other_committed_calibrations_are_current(name):
+    committed = json.loads((REPO / f"results/calibration/{name}.json").read_text())
+    now = {"collectives": cal.calibrate_collectives, "sparse_mla": cal.check_sparse_mla,
+           "host_copy": cal.check_host_copy, "calibrated_spec": lambda: {"fields": cal.calibrated_fields()}}[name]()
+    key = {"collectives": "families", "sparse_mla": "holdout_rows", "host_copy": "rows", "calibrated_spec": "fields"}[name]
+    assert json.loads(json.dumps(now[key])) == committed[key]
