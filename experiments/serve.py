@@ -15,7 +15,8 @@ string).
 Writes DIR/results.json: `runs: [{kv_policy, concurrency, ...metrics}]` with the keys of
 glm53.engine.metrics (units in their names) plus running requests over time; with one run its metrics
 also sit at the top level. With more than one concurrency it draws throughput vs interactivity to
-DIR/throughput_vs_interactivity.png.
+DIR/throughput_vs_interactivity.png and running requests vs concurrency to
+DIR/running_requests_vs_concurrency.png (`plot` redraws both from results.json's runs alone).
 
 Each sweep point is first served once untimed (`warmup="replay"`), so the measured run finds its
 programs compiled; `warmup="buckets"` compiles every bucket shape up front instead (seconds per shape on
@@ -213,12 +214,15 @@ def warm_up(model, cfg: ConfigDict) -> float:
     return time.perf_counter() - t0
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], out: Path) -> None:
+    """Redraw a sweep's figures from its runs alone (results.json's "runs"): out/throughput_vs_interactivity.png
+    and out/running_requests_vs_concurrency.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    out = Path(out)
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for policy in dict.fromkeys(r["kv_policy"] for r in runs):
         rs = sorted((r for r in runs if r["kv_policy"] == policy), key=lambda r: r["concurrency"])
@@ -232,7 +236,19 @@ def plot(runs: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(title="kv_policy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(out / "throughput_vs_interactivity.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for policy in dict.fromkeys(r["kv_policy"] for r in runs):
+        rs = sorted((r for r in runs if r["kv_policy"] == policy), key=lambda r: r["concurrency"])
+        ax.plot([r["concurrency"] for r in rs], [r["running_requests_mean"] for r in rs], "o-", label=policy)
+    ax.set_xlabel("concurrency (users)")
+    ax.set_ylabel("running requests (mean over the run)")
+    ax.grid(alpha=0.3)
+    ax.legend(title="kv_policy")
+    fig.tight_layout()
+    fig.savefig(out / "running_requests_vs_concurrency.png", dpi=120)
     plt.close(fig)
 
 
@@ -311,7 +327,7 @@ def main(argv=None) -> dict:
         tmp.write_text(json.dumps(results, indent=1, default=_jsonable))
         os.replace(tmp, out / "results.json")
         if len({r["concurrency"] for r in runs}) > 1:
-            plot(runs, out / "throughput_vs_interactivity.png")
+            plot(runs, out)
         return results
 
     runs = []

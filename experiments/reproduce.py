@@ -1,0 +1,314 @@
+"""Regenerate every figure of the published posts that this codebase can produce, in one command.
+
+    python -m experiments.reproduce --out out/reproduce --quick     # < 10 minutes on 2 cores
+    python -m experiments.reproduce --out out/reproduce             # full: hours (the Part 1 sweep, real ablations)
+    python -m experiments.reproduce --list                          # the manifest
+
+`MANIFEST` maps each figure id to the experiment and config that make it, the published values (with
+their source) it is compared with, the doc that discusses it, and, where the capability is missing, the
+issue it waits for. Kinds:
+- "analytic": the performance model alone (experiments.roofline, experiments.calibrate); always run.
+- "real": a laptop-scale run of the real engine (tiny model); run in both modes.
+- "real_heavy": a laptop-scale real run too slow for --quick: --quick redraws its committed
+  results.json (marked as such in the report), the full mode re-runs it.
+- "sim": the H200-scale simulator (runner.kind="sim"); --quick runs it over a short window (the
+  `quick` overrides: fewer sessions, turns and concurrency points), the full mode runs the config as is.
+- "not_built": listed with what it waits for; nothing runs.
+Ablations are "sim" entries whose config is a small diff (`overrides`) over a base config.
+
+Writes OUT/reproduce.json (every entry: status, wall time, the files it wrote, the metrics compared)
+and OUT/report.md (each figure's PNGs, a published-vs-ours table, what is not built and why). Each
+entry's own outputs go to OUT/<figure id>/, with the experiment's usual results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+from experiments.common import REPO, cpu_name, git_revision
+
+GLM53_LAYERS = 78  # GLM-5.3's decoder layers (the IndexShare-off ablation makes every one "full")
+
+# the short window of every simulated entry under --quick (on top of its own overrides)
+QUICK_SIM = ("--config.workload.sessions=8", "--config.workload.turns=2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    id: str
+    title: str
+    kind: str  # analytic | real | real_heavy | sim | not_built
+    source: str  # where the published figure or claim is (BRIEF section, post)
+    published: tuple[str, ...] = ()  # the published values or claims, verbatim from the source
+    experiment: str = ""  # module under experiments/
+    config: str = ""  # config file (serve) or "" (analytic)
+    overrides: tuple[str, ...] = ()  # --config.KEY=VALUE over `config`
+    quick: tuple[str, ...] = ()  # further overrides under --quick (sim entries also get QUICK_SIM)
+    committed: str = ""  # committed results dir (real_heavy under --quick)
+    doc: str = ""
+    waits_for: str = ""  # issue that builds the missing part
+    compare: tuple[str, ...] = ()  # result keys shown in the report's table
+    note: str = ""
+    files: tuple[str, ...] = ()  # analytic: the experiment's output files that are this figure
+
+
+SERVE_KEYS = ("kv_policy", "concurrency", "max_model_len", "throughput_tok_s_per_gpu", "interactivity_tok_s_user",
+              "ttft_median_s", "running_requests_mean", "preemptions", "prefix_hit_rate")
+PART1 = "configs/paper/part1.py"
+PART1_PUBLISHED = (
+    "BRIEF §8 Part 1: GLM-5.3 on one 8 x H200 node, TP8, MTP3, FP8 KV, max model len 142K, 32,768 batched tokens, "
+    "256 sequences; HiSparse (384 GiB HiSparse host pool + 128 GiB offload) against ordinary offloading (512 GiB); "
+    "OpenHands sessions (13 turns, 74,160 first-turn tokens, 753 later, 220 output), 128 conversations, "
+    "concurrency 1-32; metrics interactivity, throughput per GPU (cached input included), running requests.",
+    "The brief gives no Part 1 numbers: the comparison is qualitative (which policy holds more running "
+    "requests and throughput at equal host memory).")
+NO_MTP = "MTP3 is not built: one token per decode step (num_speculative_tokens 0)."
+DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
+ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
+
+MANIFEST: tuple[Entry, ...] = (
+    # ------------------------------------------------------------------ analytic (performance model)
+    Entry("kv_bytes_and_context", "KV bytes per token, per-GPU KV vs context, longest context per DCP size",
+          "analytic", "BRIEF §2", ("54,728 bytes per token", "53.4 GiB for 1,048,576 tokens; 6.7 GiB per GPU with DCP8",
+                                    "PCP8 alone: about 250K tokens in ~15 GiB per GPU"),
+          "roofline", doc="docs/perfmodel.md", files=("kv_bytes_by_component.png", "kv_per_gpu_vs_context.png"),
+          compare=("kv_bytes_per_token", "kv_gib_for_1048576_tokens", "kv_gib_per_gpu_1048576_tokens_dcp8",
+                   "max_context_tokens_pcp8_alone")),
+    Entry("sparse_mla_intensity", "Sparse MLA arithmetic intensity vs heads per GPU", "analytic", "BRIEF §3",
+          ("8 heads: about 26 FLOP/byte", "64 heads: about 191 FLOP/byte", "ridge point 206 FLOP/byte"),
+          "roofline", doc="docs/perfmodel.md", files=("sparse_mla_intensity.png",),
+          compare=("sparse_mla_intensity", "ridge_point_flop_per_byte")),
+    Entry("indexer_vs_mla_crossover", "Indexer vs sparse-MLA prefill cost: FLOP and time crossovers", "analytic",
+          "BRIEF §3", ("indexer quadratic, sparse MLA linear in prompt length; under TP8 the indexer is repeated on "
+                       "every GPU, under PCP8 split (no crossover length published)",),
+          "roofline", doc="docs/perfmodel.md", files=("indexer_vs_mla_flops.png",),
+          compare=("crossover_prompt_len_tp8", "crossover_prompt_len_pcp8", "crossover_prompt_len_tp8_time",
+                   "crossover_prompt_len_pcp8_time")),
+    Entry("dcp8_prefill_overhead", "DCP8 all-gather overhead of a 2K-token PCP8 prefill chunk, 8K-1M cached",
+          "analytic", "BRIEF §5", ("the all-gather costs time that grows with context length (published "
+                                   "measurements not in the brief)",),
+          "roofline", doc="docs/perfmodel.md", files=("dcp8_prefill_overhead.png",), compare=("dcp8_prefill_overhead",)),
+    Entry("kernel_calibration", "Kernels and links: calibrated model vs published tables", "analytic",
+          "DeepGEMM, FlashMLA, DeepEP, NCCL, vLLM (glm53/perfmodel/published.json)",
+          ("the published kernel tables themselves (results/calibration/table.md)",), "calibrate",
+          doc="docs/perfmodel.md", files=("table.md",), compare=("holdout_mean_abs_rel_error",)),
+    # ------------------------------------------------------------------ laptop-scale real runs
+    Entry("smoke", "The serve pipeline end to end (tiny model, 2 sessions)", "real", "-",
+          (), "serve", "configs/smoke.py", doc="docs/engine.md", compare=SERVE_KEYS,
+          note="a pipeline check, not a published figure"),
+    Entry("preempt_vs_offload", "Preemption vs offload-on-preemption at laptop scale", "real_heavy", "BRIEF §7",
+          ("with offload, throughput holds where recomputation collapses once device memory saturates",),
+          "serve", "configs/ablations/preempt_vs_offload.py", committed="results/serve_preempt_vs_offload",
+          doc="docs/engine.md", waits_for="issue 20 (tiered offload: a CPU prefix cache, not swap)", compare=SERVE_KEYS),
+    Entry("hisparse_vs_offload", "HiSparse vs offload at laptop scale", "real_heavy", "BRIEF §6, §8",
+          ("HiSparse holds more running requests than offloading at the same host budget",),
+          "serve", "configs/ablations/hisparse_vs_offload.py", committed="results/hisparse_vs_offload",
+          doc="docs/engine.md", compare=SERVE_KEYS),
+    # ------------------------------------------------------------------ H200 scale, simulated
+    Entry("part1_142k", "Part 1: throughput vs interactivity, running requests (142K limit)", "sim", "BRIEF §8",
+          PART1_PUBLISHED, "serve", PART1, quick=("--config.sweep.concurrency=(1, 8)",),
+          committed="results/paper/part1", doc="docs/simulator.md", compare=SERVE_KEYS, note=NO_MTP),
+    Entry("part1_1m", "Part 1 at a 1M context limit", "not_built", "BRIEF §8", PART1_PUBLISHED, "serve", PART1,
+          overrides=("--config.deploy.max_model_len=1048576",), doc="docs/simulator.md", compare=SERVE_KEYS,
+          waits_for="issue 21 (HiSparse beyond the device pool)",
+          note="DeployConfig refuses a max_model_len whose request the device pool cannot hold (a 1M request "
+               "needs 32,832 blocks, the 15 GiB TP8 pool has 4,665), for every policy; under HiSparse the MLA rows "
+               "of such a request belong in the host pool, which issue 21 builds"),
+    # ablations the posts imply: one knob over the Part 1 base (simulated)
+    Entry("ablation_kv_policy", "HiSparse vs offload vs preemption (Part 1 base)", "sim", "BRIEF §6-8", (),
+          "serve", PART1, overrides=("--config.sweep.kv_policy=('hisparse', 'offload', 'preempt')",),
+          quick=ABLATION_WINDOW, doc="docs/simulator.md", compare=SERVE_KEYS),
+    Entry("ablation_hot_buffer", "HiSparse hot-buffer size: 2,048 rows (= top-k) instead of 2 x top-k", "sim",
+          "BRIEF §6", (), "serve", PART1,
+          overrides=("--config.sweep.kv_policy=('hisparse',)", "--config.deploy.hisparse_device_buffer_size=2048"),
+          quick=ABLATION_WINDOW, doc="docs/engine.md", compare=SERVE_KEYS,
+          note="the simulator's hot-buffer misses are an assumed fraction (runner.hisparse_miss_fraction)"),
+    Entry("ablation_host_pool", "HiSparse host pool halved (192 GiB)", "sim", "BRIEF §8", (), "serve", PART1,
+          overrides=("--config.sweep.kv_policy=('hisparse',)",
+                     "--config.policy_deploy.hisparse.hisparse_host_pool_bytes=206158430208"),
+          quick=ABLATION_WINDOW, doc="docs/engine.md", compare=SERVE_KEYS),
+    Entry("ablation_device_pool", "Device KV budget doubled (30 GiB per GPU)", "sim", "BRIEF §2", (), "serve", PART1,
+          overrides=("--config.deploy.kv_cache_memory_bytes=32212254720",), quick=ABLATION_WINDOW,
+          doc="docs/simulator.md", compare=SERVE_KEYS),
+    Entry("ablation_dcp_backend_ag_rs", "TP8 x DCP8 decode, ag_rs merge (offload policy)", "sim", "BRIEF §5", (),
+          "serve", PART1, overrides=DCP_TP8 + ("--config.deploy.dcp_comm_backend='ag_rs'",), quick=ABLATION_WINDOW,
+          doc="docs/parallel.md", compare=SERVE_KEYS, note="HiSparse under DCP is not built (one device so far)"),
+    Entry("ablation_dcp_backend_a2a", "TP8 x DCP8 decode, a2a merge (offload policy)", "sim", "BRIEF §5", (),
+          "serve", PART1, overrides=DCP_TP8 + ("--config.deploy.dcp_comm_backend='a2a'",), quick=ABLATION_WINDOW,
+          doc="docs/parallel.md", compare=SERVE_KEYS),
+    Entry("ablation_dp8", "DP8 (EP8) instead of TP8 (offload policy)", "sim", "BRIEF §8 Part 2 baseline", (),
+          "serve", PART1, overrides=("--config.deploy.tensor_parallel_size=1", "--config.deploy.data_parallel_size=8",
+                                     "--config.deploy.enable_expert_parallel=True", "--config.sweep.kv_policy=('offload',)"),
+          quick=ABLATION_WINDOW, doc="docs/parallel.md", compare=SERVE_KEYS,
+          note="each rank keeps the TP8 KV budget (15 GiB): the memory plan of the full-size issue will size it"),
+    Entry("ablation_pcp8_dcp8", "PCP8 x DCP8 x EP8 instead of TP8 (offload policy)", "sim", "BRIEF §4-5, §8", (),
+          "serve", PART1, overrides=("--config.deploy.tensor_parallel_size=1",
+                                     "--config.deploy.prefill_context_parallel_size=8",
+                                     "--config.deploy.decode_context_parallel_size=8",
+                                     "--config.deploy.enable_expert_parallel=True", "--config.sweep.kv_policy=('offload',)"),
+          quick=ABLATION_WINDOW, doc="docs/parallel.md", compare=SERVE_KEYS),
+    Entry("ablation_indexshare_off", "IndexShare off: every layer runs its own indexer", "sim", "BRIEF §1", (),
+          "serve", PART1, overrides=("--config.sweep.kv_policy=('hisparse',)",
+                                     "--config.model.overrides={'indexer_types': %r}" % (("full",) * GLM53_LAYERS,),
+                                     "--config.deploy.max_model_len=120000"),
+          quick=ABLATION_WINDOW, doc="docs/perfmodel.md", compare=SERVE_KEYS,
+          note="every layer's indexer keys make a 142K request too big for the 15 GiB TP8 pool (4,502 blocks of "
+               "4,094), so this run admits up to 120K tokens (the OpenHands sessions stay below 90K)"),
+    # ------------------------------------------------------------------ not built yet
+    Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
+          "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
+          waits_for="issue 21 (HiSparse beyond the pool, MTP)"),
+    Entry("part1_mtp3", "Part 1 with MTP3 (acceptance length 2.99)", "not_built", "BRIEF §8", PART1_PUBLISHED,
+          waits_for="issue 21 (MTP)"),
+    Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
+          "and offload decode, 142K, c8-c64", "not_built", "BRIEF §8 Part 2",
+          ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "
+           "prefill-bound (up to ~c32)", "beyond c32 HiSparse decode pulls ahead, nearly doubling throughput at c64"),
+          waits_for="issue 23 (P/D across processes), issue 22 (server)"),
+    Entry("part2_pd_1m", "Part 2 at 1M context, c8-c32", "not_built", "BRIEF §8 Part 2",
+          ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",), waits_for="issue 23"),
+    Entry("tiered_offload_scaling", "Tiered offload: throughput vs concurrent conversations (2 x H100, "
+          "Qwen3.6-35B-A3B, NVMe tier)", "not_built", "BRIEF §7",
+          ("up to ~64 conversations all strategies alike; 64-128 throughput collapses without offload while CPU "
+           "offload holds; beyond 128 the storage tier keeps >2x the throughput of full recomputation",),
+          waits_for="issue 20 (tiered offload)"),
+)
+
+
+def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
+    """Run one entry into out/ -> {status, files, metrics, ...}."""
+    out.mkdir(parents=True, exist_ok=True)
+    if e.kind == "not_built":
+        return {"status": "not built", "waits_for": e.waits_for}
+    if e.kind == "analytic":
+        if e.experiment not in cache:  # one roofline run serves every roofline figure
+            from experiments import calibrate, roofline
+
+            d = out.parent / f"_{e.experiment}"
+            mod = {"roofline": roofline, "calibrate": calibrate}[e.experiment]
+            mod.main(["--out", str(d)])
+            cache[e.experiment] = d
+        d = cache[e.experiment]
+        main_json = "roofline.json" if e.experiment == "roofline" else "gemm.json"
+        for f in (main_json, *e.files):
+            shutil.copy(d / f, out / f)
+        res = json.loads((out / main_json).read_text())
+        return {"status": "ran", "metrics": {k: res.get(k) for k in e.compare}}
+    if e.kind == "real_heavy" and quick:
+        from experiments.serve import plot
+
+        res = json.loads((REPO / e.committed / "results.json").read_text())
+        plot(res["runs"], out)
+        (out / "results.json").write_text(json.dumps(res, indent=1))
+        return {"status": f"redrawn from committed {e.committed}/results.json ({res.get('date', '?')}, "
+                          f"commit {str(res.get('git_revision', '?'))[:10]})", "runs": _runs(res, e)}
+    from experiments import serve
+
+    argv = ["--config", e.config, "--out", str(out), "--no-progress", *e.overrides]
+    if quick:
+        argv += [*(QUICK_SIM if e.kind == "sim" else ()), *e.quick]
+    res = serve.main(argv)
+    return {"status": "ran" + (" (short window)" if quick and e.kind == "sim" else ""), "argv": argv,
+            "runs": _runs(res, e)}
+
+
+def _runs(res: dict, e: Entry) -> list[dict]:
+    return [{k: r.get(k) for k in e.compare} for r in res["runs"]]
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    if isinstance(v, (dict, list)):
+        s = json.dumps(v)
+        return s if len(s) < 160 else s[:157] + "..."
+    return str(v)
+
+
+def report(entries: list[tuple[Entry, dict]], out: Path, quick: bool, meta: dict) -> str:
+    lines = [f"# Reproduction report ({'quick' if quick else 'full'})", "",
+             f"{meta['date']}, commit {meta['git_revision']}, {meta['machine']['cpu']} x {meta['machine']['cpu_count']}; "
+             f"{meta['wall_s']:.0f} s. `python -m experiments.reproduce --out {out}{' --quick' if quick else ''}`.", "",
+             "Simulated entries run the real scheduler and policies at GLM-5.3 scale on the calibrated H200 spec "
+             "(docs/simulator.md lists what is assumed)." + (
+                 " Under --quick they serve a short window (8 sessions, 2 turns, few concurrency points): "
+                 "the mechanisms and the direction of each comparison, not the published sweep." if quick else ""),
+             "", "| figure | kind | status | doc | waits for |", "|---|---|---|---|---|"]
+    for e, r in entries:
+        lines.append(f"| [{e.id}](#{e.id}) | {e.kind} | {r['status']} | {e.doc or '-'} | {e.waits_for or '-'} |")
+    for e, r in entries:
+        lines += ["", f"## {e.id}", "", f"**{e.title}** ({e.kind}; source: {e.source})", ""]
+        if e.published:
+            lines += ["Published:", *[f"- {p}" for p in e.published], ""]
+        if e.note:
+            lines += [f"Note: {e.note}", ""]
+        lines.append(f"Status: {r['status']}" + (f" ({r['error']})" if "error" in r else ""))
+        if r.get("argv"):
+            lines += ["", f"`python -m experiments.serve {' '.join(r['argv'])}`"]
+        pngs = sorted((out / e.id).glob("*.png")) if (out / e.id).exists() else []
+        lines += [""] + [f"![{p.stem}]({e.id}/{p.name})" for p in pngs]
+        if r.get("metrics"):
+            lines += ["", "| key | ours |", "|---|---|", *[f"| {k} | {_fmt(v)} |" for k, v in r["metrics"].items()]]
+        if r.get("runs"):
+            keys = list(e.compare)
+            lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(_fmt(run.get(k)) for k in keys) + " |" for run in r["runs"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m experiments.reproduce", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/reproduce")
+    ap.add_argument("--quick", action="store_true", help="short simulation windows; heavy real runs redrawn")
+    ap.add_argument("--only", default="", help="comma-separated figure ids (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the manifest and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for e in MANIFEST:
+            print(f"{e.id:28s} {e.kind:10s} {e.config or e.experiment or '-':40s} {e.waits_for}")
+        return {}
+    ids = [s for s in args.only.split(",") if s]
+    unknown = set(ids) - {e.id for e in MANIFEST}
+    if unknown:
+        ap.error(f"unknown figure ids {sorted(unknown)}; see --list")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    done, cache = [], {}
+    for e in MANIFEST:
+        if ids and e.id not in ids:
+            continue
+        t = time.perf_counter()
+        print(f"[reproduce] {e.id} ({e.kind})", flush=True)
+        try:
+            r = _run_entry(e, out / e.id, args.quick, cache)
+        except Exception as exc:  # one broken entry is reported, the others still run
+            r = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+            print(r["traceback"], flush=True)
+        r["wall_s"] = time.perf_counter() - t
+        done.append((e, r))
+    meta = {"date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(), "quick": args.quick,
+            "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "wall_s": time.perf_counter() - t0}
+    for d in cache.values():
+        shutil.rmtree(d, ignore_errors=True)
+    result = {**meta, "figures": [{**dataclasses.asdict(e), **r} for e, r in done]}
+    (out / "reproduce.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "report.md").write_text(report(done, out, args.quick, meta))
+    failed = [e.id for e, r in done if r["status"] == "failed"]
+    print(f"wrote {out / 'report.md'} and {out / 'reproduce.json'} in {meta['wall_s']:.0f} s"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    if failed:
+        raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
