@@ -184,9 +184,9 @@ MANIFEST: tuple[Entry, ...] = (
 
 def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
     """Run one entry into out/ -> {status, files, metrics, ...}."""
-    out.mkdir(parents=True, exist_ok=True)
     if e.kind == "not_built":
         return {"status": "not built", "waits_for": e.waits_for}
+    out.mkdir(parents=True, exist_ok=True)
     if e.kind == "analytic":
         if e.experiment not in cache:  # one roofline run serves every roofline figure
             from experiments import calibrate, roofline

@@ -223,33 +223,29 @@ def plot(runs: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     out = Path(out)
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for policy in dict.fromkeys(r["kv_policy"] for r in runs):
-        rs = sorted((r for r in runs if r["kv_policy"] == policy), key=lambda r: r["concurrency"])
-        ax.plot([r["interactivity_tok_s_user"] for r in rs], [r["throughput_tok_s_per_device"] for r in rs], "o-",
-                label=policy)
-        for r in rs:
-            ax.annotate(f"c{r['concurrency']}", (r["interactivity_tok_s_user"], r["throughput_tok_s_per_device"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("interactivity (output tok/s per user = 1000 / mean TPOT ms)")
-    ax.set_ylabel("throughput (tok/s per device, cached input included)")
-    ax.grid(alpha=0.3)
-    ax.legend(title="kv_policy")
-    fig.tight_layout()
-    fig.savefig(out / "throughput_vs_interactivity.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for policy in dict.fromkeys(r["kv_policy"] for r in runs):
-        rs = sorted((r for r in runs if r["kv_policy"] == policy), key=lambda r: r["concurrency"])
-        ax.plot([r["concurrency"] for r in rs], [r["running_requests_mean"] for r in rs], "o-", label=policy)
-    ax.set_xlabel("concurrency (users)")
-    ax.set_ylabel("running requests (mean over the run)")
-    ax.grid(alpha=0.3)
-    ax.legend(title="kv_policy")
-    fig.tight_layout()
-    fig.savefig(out / "running_requests_vs_concurrency.png", dpi=120)
-    plt.close(fig)
+    policies = {p: sorted((r for r in runs if r["kv_policy"] == p), key=lambda r: r["concurrency"])
+                for p in dict.fromkeys(r["kv_policy"] for r in runs)}
+    # (file, x key, y key, x label, y label)
+    figures = (("throughput_vs_interactivity.png", "interactivity_tok_s_user", "throughput_tok_s_per_device",
+                "interactivity (output tok/s per user = 1000 / mean TPOT ms)",
+                "throughput (tok/s per device, cached input included)"),
+               ("running_requests_vs_concurrency.png", "concurrency", "running_requests_mean", "concurrency (users)",
+                "running requests (mean over the run)"))
+    for name, xk, yk, xlabel, ylabel in figures:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for policy, rs in policies.items():
+            ax.plot([r[xk] for r in rs], [r[yk] for r in rs], "o-", label=policy)
+            if xk != "concurrency":
+                for r in rs:
+                    ax.annotate(f"c{r['concurrency']}", (r[xk], r[yk]), textcoords="offset points", xytext=(4, 4),
+                                fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(title="kv_policy")
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
 
 
 def _enable_compile_cache(path: str) -> None:

@@ -36,9 +36,11 @@ from kvcache.transfer import ResetLease
 SIM_DTYPE = "bfloat16"  # what "auto" KV means for a model without weights (the checkpoints' dtype)
 
 
-def deployment(deploy: DeployConfig, kv_cache_dtype: str) -> Deployment:
-    """The performance model's view of one replica of `deploy` (kv_cache_dtype resolved, KVSizes')."""
-    return Deployment(tp=deploy.tensor_parallel_size, pcp=deploy.prefill_context_parallel_size,
+def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | None = None) -> Deployment:
+    """The performance model's view of one replica of `deploy` (kv_cache_dtype resolved, KVSizes').
+    weight_bytes: bytes per matmul weight (None: the FP8 checkpoint's)."""
+    extra = {} if weight_bytes is None else {"weight_bytes": weight_bytes}
+    return Deployment(**extra, tp=deploy.tensor_parallel_size, pcp=deploy.prefill_context_parallel_size,
                       dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
@@ -60,12 +62,14 @@ class SimRunner(SyntheticRunner):
     step_overhead_s: fixed time per step beyond the kernels (launch, scheduling, sampling; default 0: an
         *assumption* until calibrated).
     hisparse_miss_fraction: see the module docstring (*assumed*).
+    weight_bytes: bytes per matmul weight parameter (None: the FP8 checkpoint; 4 for a float32 model).
     After each step: `busy_s` (priced seconds so far), `time_by_op` (seconds per cost name, summed),
     `steps`.
     """
 
     def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200_CALIBRATED, *,
-                 step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, token=None, record: bool = False):
+                 step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, weight_bytes: float | None = None,
+                 token=None, record: bool = False):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
         if not step_overhead_s >= 0 or not 0 <= hisparse_miss_fraction <= 1:
@@ -73,7 +77,7 @@ class SimRunner(SyntheticRunner):
                              f"{step_overhead_s!r}, {hisparse_miss_fraction!r}")
         super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record)
         self.cfg, self.hw, self.deploy = cfg, hw, deploy
-        self.dep = deployment(deploy, sizes.kv_cache_dtype)
+        self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes)
         self.step_overhead_s = step_overhead_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0
