@@ -183,6 +183,15 @@ class HiSparsePolicy(PreemptPolicy):
             self.host_index.free(list(st.pending_index.values()))
         self._end_lease(kv, req.req_id, st)
 
+    def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
+        """Admission reads the host pools; `make_room` reads of each running request whether it prefills,
+        its MLA table and host pages (their blocks and ref counts move only with pool versions, their
+        lengths are here), its lease, and the free lease slots."""
+        return (self.host_mla.version, self.host_index.version if self.host_index is not None else None,
+                len(self.free_leases),
+                tuple((r.req_id, r.num_tokens - r.num_computed_tokens > 1, len(kv.requests[r.req_id].tables["mla"]),
+                       len(self.state[r.req_id].host), self.state[r.req_id].lease) for r in running))
+
     # ------------------------------------------------------------------------------------------ chunks
     def _host_only(self, kv: KVCacheManager, req: RequestView) -> list[int]:
         """Pages with no device block (unpinned ones whose block survives excluded)."""
