@@ -265,12 +265,13 @@ class HiSparsePolicy(PreemptPolicy):
         Counts the request's residency state for this step."""
         st = self.state[req.req_id]
         table = list(kv.block_table(req.req_id, "mla"))
-        for p in list(st.unpinned):
-            if self._intact(kv, st, p):
-                table[p] = st.unpinned[p][0]
-            else:
-                del st.unpinned[p]
-                self.stats.lost_pages += 1
+        gen = kv.pool.generation  # `_intact`, inlined: this runs for every row of every step
+        lost = [p for p, (b, g) in st.unpinned.items() if gen[b] != g]
+        for p in lost:
+            del st.unpinned[p]
+        self.stats.lost_pages += len(lost)
+        for p, (b, _) in st.unpinned.items():
+            table[p] = b
         self._count_residency(table, st)
         tables = {"mla": tuple(table), "indexer": tuple(kv.block_table(req.req_id, "indexer"))}
         return tables, HiSparseRow(tuple(st.host), st.lease)
@@ -279,7 +280,7 @@ class HiSparsePolicy(PreemptPolicy):
         """table: this step's MLA table (intact unpinned pages mapped). full: no sealed page released or
         host-only; none: every sealed page host-only; mixed: the rest."""
         sealed = table[: len(st.host)]
-        host_only = sum(b < 0 for b in sealed)
+        host_only = len(sealed) - sum(map((-1).__lt__, sealed))  # entries < 0, counted in C
         state = "full" if not host_only and not st.unpinned else ("none" if sealed and host_only == len(sealed)
                                                                    else "mixed")
         self.stats.residency_steps[state] += 1
