@@ -5,10 +5,19 @@
 Runs the tiny model through fixed workloads under every KV policy (preempt and offload with small
 pools, HiSparse over two turns with the device prefix cache dropped between them, sampling) and records
 per run: the greedy / sampled tokens, a SHA-256 of every block-pool decision (allocate, free, touch,
-cache, on the device pool and the host pools, in order), the scheduler counters, bytes moved and the
-HiSparse page counters. Runs without think time, so nothing depends on the machine's speed: two
-checkouts that behave alike write equal files. It uses the public API and BlockPool only, so it runs
-on older checkouts too (set PYTHONPATH to the checkout).
+cache, on the device pool and the host pools, in order), a SHA-256 of every pool's state after each
+engine step (ref counts, free-queue order, hash index, generations), the scheduler counters, bytes
+moved and the HiSparse page counters. Runs without think time, so nothing depends on the machine's
+speed: two checkouts that behave alike write equal files. It uses the public API and BlockPool only,
+so it runs on older checkouts too (set PYTHONPATH to the checkout).
+
+The event hash also counts operations that cancel out within a step: the scheduler skips re-admitting
+a request that did not fit while nothing it reads has changed (glm53.engine.scheduler), which drops
+such a retry's touch / free pairs, not a state. So a checkout with that skip writes different event
+hashes than one without, and equal state hashes, tokens and counters: compare such files with
+`--compare A B --states` (the event hash and count are left out). `--verify-skips` runs every skipped
+retry anyway and checks it changes nothing; its events then equal those of a checkout without the
+skip.
 """
 
 from __future__ import annotations
@@ -27,13 +36,39 @@ KEYS = ("preemptions", "offloads", "recomputed_tokens", "d2h_bytes", "h2d_bytes"
         "residency_none_requests_mean")
 
 
+EVENT_KEYS = ("pool_history_sha256", "pool_events")  # left out by --compare --states
+
+
+def _pool_state(pool) -> tuple:
+    return (tuple(pool.ref_count), tuple(pool.free_queue), tuple(pool.block_key), tuple(pool.generation))
+
+
 class _History:
-    """Every BlockPool allocate / free / touch / cache call, pools numbered by first use."""
+    """Every BlockPool allocate / free / touch / cache call, pools numbered by first use; and the state of
+    every pool (numbered by creation) after each engine step."""
 
     def __init__(self):
+        from glm53.engine import engine
         from kvcache import block_pool
 
         self.events, self.pools = [], {}
+        self.created, self.states = [], hashlib.sha256()
+        init = block_pool.BlockPool.__init__
+
+        def register(pool, *args, **kwargs):
+            init(pool, *args, **kwargs)
+            self.created.append(pool)
+
+        block_pool.BlockPool.__init__ = register
+        step = engine.Engine.step
+
+        def stepped(eng, *args, **kwargs):
+            out = step(eng, *args, **kwargs)
+            for i, pool in enumerate(self.created):
+                self.states.update(repr((i, _pool_state(pool))).encode())
+            return out
+
+        engine.Engine.step = stepped
         for op in ("allocate", "free", "touch", "cache"):
             orig = getattr(block_pool.BlockPool, op)
 
@@ -45,9 +80,10 @@ class _History:
 
             setattr(block_pool.BlockPool, op, wrapped)
 
-    def take(self) -> tuple[str, int]:
-        out = (hashlib.sha256(repr(self.events).encode()).hexdigest(), len(self.events))
+    def take(self) -> tuple[str, int, str]:
+        out = (hashlib.sha256(repr(self.events).encode()).hexdigest(), len(self.events), self.states.hexdigest())
         self.events, self.pools = [], {}
+        self.created, self.states = [], hashlib.sha256()
         return out
 
 
@@ -61,8 +97,9 @@ def run() -> dict:
 
     def record(name, eng, outs):
         m = eng.metrics()
-        sha, n = hist.take()
+        sha, n, states = hist.take()
         out[name] = {"tokens": [o.token_ids.tolist() for o in outs], "pool_history_sha256": sha, "pool_events": n,
+                     "pool_states_sha256": states,
                      **{k: m[k] for k in KEYS if k in m}, "steps": len(m["timeline"]["t_s"])}
 
     rng = np.random.default_rng(0)
@@ -100,15 +137,32 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the fingerprint here (JSON)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two fingerprint files")
+    ap.add_argument("--states", action="store_true",
+                    help="with --compare: leave out the event hash and count (both files need state hashes)")
+    ap.add_argument("--verify-skips", action="store_true",
+                    help="with --out: run the admission retries the scheduler skips anyway and check they change nothing")
     args = ap.parse_args(argv)
     if args.compare:
         a, b = (json.load(open(p)) for p in args.compare)
-        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        diff = []
         for k in sorted(a.keys() | b.keys()):
-            print(("DIFF " if k in diff else "same ") + k)
+            ra, rb = dict(a.get(k) or {}), dict(b.get(k) or {})
+            if args.states:
+                if "pool_states_sha256" not in ra or "pool_states_sha256" not in rb:
+                    ap.error(f"--states: run {k!r} has no state hash in both files")
+                for key in EVENT_KEYS:
+                    ra.pop(key, None), rb.pop(key, None)
+            fields = sorted(f for f in ra.keys() | rb.keys() if ra.get(f) != rb.get(f))
+            if fields or k not in a or k not in b:
+                diff.append(k)
+            print(("DIFF " if k in diff else "same ") + k + (f"  ({', '.join(fields)})" if fields else ""))
         return 1 if diff else 0
     if not args.out:
         ap.error("give --out FILE or --compare A B")
+    if args.verify_skips:
+        from glm53.engine.scheduler import Scheduler
+
+        Scheduler.verify_skipped_admissions = True
     res = run()
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -93,6 +93,9 @@ class BlockPool:
         self.generation = [0] * num_blocks
         self.stats = PoolStats()
         self._cached_free = 0  # free blocks that still hold a cached prefix (counted as they come and go)
+        # moves on every change of ref counts, the free queue or the hash index (not on lookups or empty
+        # calls): a caller that saw a version knows nothing in the pool changed while it has not moved
+        self.version = 0
 
     @property
     def num_free(self) -> int:
@@ -108,6 +111,7 @@ class BlockPool:
         if n > len(self.free_queue):
             raise NoFreeBlocks(f"need {n} blocks, {len(self.free_queue)} free of {self.num_blocks}")
         out = []
+        self.version += n > 0
         for _ in range(n):
             b, _ = self.free_queue.popitem(last=False)
             key = self.block_key[b]
@@ -128,6 +132,7 @@ class BlockPool:
         for b in blocks:
             if self.ref_count[b] <= 0:
                 raise RuntimeError(f"block {b} freed more often than it was referenced (double free)")
+        self.version += len(blocks) > 0
         for b in blocks:
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
@@ -142,6 +147,7 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference to cached blocks (a prefix hit); a free one leaves the free queue."""
+        self.version += len(blocks) > 0
         for b in blocks:
             if self.ref_count[b] == 0:
                 del self.free_queue[b]
@@ -159,12 +165,20 @@ class BlockPool:
         if key not in self.cached:
             self.cached[key] = block
             self.block_key[block] = key
+            self.version += 1
 
     def reset_prefix_cache(self) -> None:
+        self.version += 1
         for key, b in list(self.cached.items()):
             self.block_key[b] = None
             del self.cached[key]
         self._cached_free = 0
+
+    def state(self) -> tuple:
+        """Everything the pool's decisions depend on (ref counts, free queue order, hash index, generations,
+        stats), for tests that two paths leave it alike."""
+        return (tuple(self.ref_count), tuple(self.free_queue), tuple(self.block_key), tuple(self.generation),
+                dataclasses.astuple(self.stats), self._cached_free)
 
     def check(self) -> None:
         """Assert the pool invariants (see the module docstring)."""

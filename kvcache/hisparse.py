@@ -183,6 +183,15 @@ class HiSparsePolicy(PreemptPolicy):
             self.host_index.free(list(st.pending_index.values()))
         self._end_lease(kv, req.req_id, st)
 
+    def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
+        """Admission reads the host pools; `make_room` reads of each running request whether it prefills,
+        its MLA table and host pages (their blocks and ref counts move only with pool versions, their
+        lengths are here), its lease, and the free lease slots."""
+        return (self.host_mla.version, self.host_index.version if self.host_index is not None else None,
+                len(self.free_leases),
+                tuple((r.req_id, r.num_tokens - r.num_computed_tokens > 1, len(kv.requests[r.req_id].tables["mla"]),
+                       len(self.state[r.req_id].host), self.state[r.req_id].lease) for r in running))
+
     # ------------------------------------------------------------------------------------------ chunks
     def _host_only(self, kv: KVCacheManager, req: RequestView) -> list[int]:
         """Pages with no device block (unpinned ones whose block survives excluded)."""
@@ -256,12 +265,13 @@ class HiSparsePolicy(PreemptPolicy):
         Counts the request's residency state for this step."""
         st = self.state[req.req_id]
         table = list(kv.block_table(req.req_id, "mla"))
-        for p in list(st.unpinned):
-            if self._intact(kv, st, p):
-                table[p] = st.unpinned[p][0]
-            else:
-                del st.unpinned[p]
-                self.stats.lost_pages += 1
+        gen = kv.pool.generation  # `_intact`, inlined: this runs for every row of every step
+        lost = [p for p, (b, g) in st.unpinned.items() if gen[b] != g]
+        for p in lost:
+            del st.unpinned[p]
+        self.stats.lost_pages += len(lost)
+        for p, (b, _) in st.unpinned.items():
+            table[p] = b
         self._count_residency(table, st)
         tables = {"mla": tuple(table), "indexer": tuple(kv.block_table(req.req_id, "indexer"))}
         return tables, HiSparseRow(tuple(st.host), st.lease)
@@ -270,7 +280,7 @@ class HiSparsePolicy(PreemptPolicy):
         """table: this step's MLA table (intact unpinned pages mapped). full: no sealed page released or
         host-only; none: every sealed page host-only; mixed: the rest."""
         sealed = table[: len(st.host)]
-        host_only = sum(b < 0 for b in sealed)
+        host_only = len(sealed) - sum(map((-1).__lt__, sealed))  # entries < 0, counted in C
         state = "full" if not host_only and not st.unpinned else ("none" if sealed and host_only == len(sealed)
                                                                    else "mixed")
         self.stats.residency_steps[state] += 1

@@ -7,7 +7,7 @@ executes them. A policy never holds device arrays, never calls a runner and neve
 scheduler, so the same decisions run against the model, a simulator or a test.
 
 The scheduler calls, per request: `admit` (take a cached prefix), `forget` (undo it: the request did not
-fit), `extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and what to do with
+fit), `admission_key` (whether a retry of a request that did not fit could go differently), `extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and what to do with
 them once allocated), `make_room` (free blocks without evicting anyone), `evict` (the request gives up
 its device blocks), `saved_tokens` / `restore` (KV held outside the pool and its return), `row_tables`
 (what the runner reads for the request's row this step), `on_finish`; per step: `after_step`. It takes
@@ -63,6 +63,13 @@ class KVPolicy(Protocol):
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         """Undo `admit` (the request did not fit after all)."""
 
+    def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
+        """A value (compared with ==) that moves whenever anything an admission attempt of waiting `req`
+        reads, beyond the device pool and the request itself, may have changed: the policy's own pools and
+        state, and what `make_room` reads of the running requests. The scheduler skips re-admitting a
+        request that did not fit while neither this nor the device pool's version has moved (the attempt
+        would fail again and leave everything as it was)."""
+
     def reserve_blocks(self) -> int:
         """Blocks a request may need beyond its pages (checked against the pool size when it is added)."""
 
@@ -116,6 +123,9 @@ class PreemptPolicy:
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         pass
+
+    def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
+        return self.saved_tokens(req)  # admission reads the device pool only; make_room frees nothing
 
     def reserve_blocks(self) -> int:
         return 0

@@ -69,6 +69,8 @@ class ResolveStats:
 class Scheduler:
     """Decides each step on one block pool. `requests`: the live requests by id (waiting or running)."""
 
+    verify_skipped_admissions = False  # tests: run the retries `schedule` skips anyway, check they change nothing
+
     def __init__(self, deploy: DeployConfig, num_blocks: int, groups=("mla", "indexer"), *,
                  policy: KVPolicy | None = None):
         self.deploy = deploy
@@ -83,6 +85,10 @@ class Scheduler:
         self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
         self.resolve = ResolveStats()
         self.lost_tokens: dict[str, int] = {}  # per request: computed tokens dropped by preemption, not yet redone
+        # the head of the queue that did not fit: (request, `_admission_signature` after the attempt, the
+        # prefix-cache queries and hits its admission counted); see `schedule`
+        self._unfit: tuple | None = None
+        self.skipped_admissions = 0  # retries skipped because nothing they read had changed
 
     def add(self, req: Request) -> None:
         need = self.kv.blocks_needed_all(req.prompt_ids.size + req.params.max_new_tokens) + self.policy.reserve_blocks()
@@ -145,12 +151,25 @@ class Scheduler:
             budget -= n
         while not evicted and budget > 0 and self.waiting and len(self.running) < self.deploy.max_num_seqs:
             req = self.waiting[0]
+            before = None
+            if self._unfit is not None and self._unfit[0] is req and self._unfit[1] == self._admission_signature(req, budget):
+                # it did not fit and nothing its admission reads has changed since: the retry would take
+                # the same prefix, fail again and give it back, leaving every pool as it is now
+                if not self.verify_skipped_admissions:
+                    self.kv.pool.stats.queries += self._unfit[2]
+                    self.kv.pool.stats.hits += self._unfit[3]
+                    self.skipped_admissions += 1
+                    break
+                before = self._admission_state()
+            pool_stats = self.kv.pool.stats
+            queries, hits = pool_stats.queries, pool_stats.hits
             saved = self.policy.saved_tokens(req)
             if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
                 self.kv.admit(req.req_id, req.tokens, req.extra_keys, use_prefix_cache=False)
                 req.num_computed_tokens = saved
             else:
                 req.num_computed_tokens = self.policy.admit(self.kv, req)
+            queries, hits = pool_stats.queries - queries, pool_stats.hits - hits
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._fits(req, n) and self.policy.make_room(self.kv, self.running, self._need(req, n)):
                 pass
@@ -158,7 +177,13 @@ class Scheduler:
                 self.policy.forget(self.kv, req)
                 self.kv.free(req.req_id, keep_hashes=True)  # give back the prefix hit; admit again when there is room
                 req.num_computed_tokens = 0
+                if before is not None:
+                    self._check_skip(before, queries, hits)
+                self._unfit = (req, self._admission_signature(req, budget), queries, hits)
                 break
+            if before is not None:
+                raise AssertionError(f"step {self.stats.steps}: a skipped admission of {req.req_id!r} would have succeeded")
+            self._unfit = None
             self.waiting.popleft()
             self.kv.allocate(req.req_id, req.num_computed_tokens + n)
             if saved:
@@ -190,6 +215,46 @@ class Scheduler:
         hisparse = tuple(extra) if extra and extra[0] is not None else None
         return StepPlan(self.stats.steps, tuple(rows), MappingProxyType({g: tuple(t) for g, t in tables.items()}),
                         hisparse, tuple(self.policy.take_transfers()))
+
+    def _admission_signature(self, req: Request, budget: int) -> tuple:
+        """What an admission attempt of waiting `req` under `budget` reads: its tokens (a waiting request's
+        only grow with its turn), the device pool (its version moves on every change of ref counts, free
+        queue or hash index) and what the policy names (`KVPolicy.admission_key`: its pools and state,
+        what `make_room` reads of the running requests).
+
+        Why a retry under an unchanged signature is skipped exactly: after a failed attempt the request's
+        prefix blocks are back in the free queue, at its end, in the order `KVCacheManager.free` gave
+        them back. A retry from that state finds the same blocks (the hash index is unchanged), touching
+        them takes them out of the queue and restores the state in which `_fits` and `make_room` said no
+        (`make_room` changes nothing when it returns False), and freeing them puts them back in the same
+        order at the end: the pools, tables and kept hashes are as before, and only the prefix-cache
+        query / hit counters move, which the skip adds."""
+        return (req.num_tokens, budget, self.kv.pool.version, self.policy.admission_key(self.kv, req, self.running))
+
+    def _admission_state(self) -> tuple:
+        """For verify_skipped_admissions: every pool's state, the block tables and the policy's state."""
+        import copy
+
+        from kvcache.block_pool import BlockPool
+
+        pol = {k: v for k, v in vars(self.policy).items() if not isinstance(v, BlockPool)}
+        pools = [self.kv.pool] + [v for v in vars(self.policy).values() if isinstance(v, BlockPool)]
+        kv = ({r: (copy.deepcopy(rb.tables), rb.num_cached_blocks, len(rb.hashes)) for r, rb in self.kv.requests.items()},
+              copy.deepcopy(self.kv.leases), {r: (k, list(h)) for r, (k, h) in self.kv._kept_hashes.items()})
+        return [p.state() for p in pools], kv, copy.deepcopy(pol), [r.num_computed_tokens for r in self.running]
+
+    def _check_skip(self, before: tuple, queries: int, hits: int) -> None:
+        pool_stats = self.kv.pool.stats
+        pool_stats.queries -= queries  # the one thing a retry moves: compare without it
+        pool_stats.hits -= hits
+        try:
+            after = self._admission_state()
+        finally:
+            pool_stats.queries += queries
+            pool_stats.hits += hits
+        if (queries, hits) != self._unfit[2:] or after != before:
+            raise AssertionError(f"step {self.stats.steps}: a skipped admission would have changed the state")
+        self.skipped_admissions += 1
 
     def _need(self, req: Request, n: int) -> int:
         """Free blocks a chunk of n tokens of `req` needs."""

@@ -93,7 +93,7 @@ class SimRunner(SyntheticRunner):
         for row, table, hs in zip(plan.rows, plan.block_tables["mla"], plan.hisparse):
             if hs.lease < 0 or row.num_tokens != 1 + row.num_draft_tokens or not table:
                 continue
-            host_only = sum(1 for b in table if b < 0) / len(table)
+            host_only = (len(table) - sum(map((-1).__lt__, table))) / len(table)  # entries < 0, counted in C
             total += self.hisparse_miss_fraction * min(k, row.start + 1) * host_only * row.num_tokens
         return total
 

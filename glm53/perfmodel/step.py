@@ -175,6 +175,44 @@ class Deployment:
         return self.gpus if (self.expert_parallel or self.tp > 1) else 1
 
 
+# step_cost's parts that depend on the step's token count only (projections, TP all-reduce, MLP / MoE),
+# per (cfg, hw, dep) and (part, layer, tokens): a simulator prices the same token counts again and again
+# (a decode batch of n rows is n tokens). The entry holds cfg, hw and dep, so their ids stay theirs.
+_TOKEN_PARTS: dict[tuple[int, int, int], tuple] = {}
+_LAYER_KINDS: dict[tuple[int, bool], tuple] = {}
+
+
+def _token_parts(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, key: tuple, make) -> tuple[Cost, ...]:
+    ids = (id(cfg), id(hw), id(dep))
+    entry = _TOKEN_PARTS.get(ids)
+    if entry is None:
+        if len(_TOKEN_PARTS) >= 64:
+            _TOKEN_PARTS.clear()
+        entry = _TOKEN_PARTS[ids] = (cfg, hw, dep, {})
+    memo = entry[3]
+    out = memo.get(key)
+    if out is None:
+        if len(memo) >= 1 << 14:
+            memo.clear()
+        out = memo[key] = tuple(make())
+    return out
+
+
+def _layer_kinds(cfg: ModelConfig, include_mtp: bool) -> tuple[tuple[tuple, int, int], ...]:
+    """(kind, first layer of that kind, layers of that kind) in order of first appearance; kind = (indexer
+    type, MLP type, MTP layer)."""
+    entry = _LAYER_KINDS.get((id(cfg), include_mtp))
+    if entry is None or entry[0] is not cfg:
+        first: dict[tuple, int] = {}
+        count: dict[tuple, int] = {}
+        for layer in _layers(cfg, include_mtp):
+            kind = (cfg.layer_indexer_type(layer), cfg.layer_mlp_type(layer), layer >= cfg.num_hidden_layers)
+            first.setdefault(kind, layer)
+            count[kind] = count.get(kind, 0) + 1
+        entry = _LAYER_KINDS[(id(cfg), include_mtp)] = (cfg, tuple((k, first[k], count[k]) for k in first))
+    return entry[1]
+
+
 def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_bytes: float = 0,
               h2d_bytes: float = 0, host_transfers: int = 0, hot_miss_rows: float = 0,
               per_layer: bool = False) -> StepCost:
@@ -233,11 +271,23 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
         pairs = sum(n * _mean_rows(k, start + 1, n) for start, n, *_ in group) / (pcp * shard)
         return [sparse_mla(cfg, hw, q, pairs / q, h, mla_format=dep.mla_format, pad_heads=pad, name=name)]
 
-    def layer_parts(layer: int) -> list[Cost]:
-        full = cfg.layer_indexer_type(layer) == "full"
+    def head_parts(layer: int) -> list[Cost]:
         parts = [mla_projections(cfg, hw, tokens, layer, tp=tp, weight_bytes=dep.weight_bytes)]
         if tp > 1:
             parts.append(all_reduce(hw, tokens * cfg.hidden_size * BF16, tp, name="tp_all_reduce"))
+        return parts
+
+    def mlp_parts(layer: int) -> list[Cost]:
+        if cfg.layer_mlp_type(layer) == "dense":
+            parts = [dense_mlp(cfg, hw, tokens, tp=tp, weight_bytes=dep.weight_bytes)]
+            if tp > 1:
+                parts.append(all_reduce(hw, tokens * cfg.hidden_size * BF16, tp, name="tp_all_reduce"))
+            return parts
+        return list(moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes))
+
+    def layer_parts(layer: int) -> list[Cost]:
+        full = cfg.layer_indexer_type(layer) == "full"
+        parts = list(_token_parts(cfg, hw, dep, ("head", layer, tokens), lambda: head_parts(layer)))
         if pcp > 1 and pre_tokens:
             parts.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer))
         if dcp > 1 and pcp > 1:
@@ -254,12 +304,7 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             if full:
                 parts.extend(dcp_topk_merge(cfg, hw, q, dcp))
             parts.extend(dcp_decode_merge(cfg, hw, q, dcp, dcp_heads, backend=dep.dcp_backend))
-        if cfg.layer_mlp_type(layer) == "dense":
-            parts.append(dense_mlp(cfg, hw, tokens, tp=tp, weight_bytes=dep.weight_bytes))
-            if tp > 1:
-                parts.append(all_reduce(hw, tokens * cfg.hidden_size * BF16, tp, name="tp_all_reduce"))
-        else:
-            parts.extend(moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes))
+        parts.extend(_token_parts(cfg, hw, dep, ("mlp", layer, tokens), lambda: mlp_parts(layer)))
         return parts
 
     out: list[Cost] = []
@@ -267,18 +312,17 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
         out.append(host_copy(hw, h2d_bytes, transfers=max(1, host_transfers), name="kv_load"))
     if d2h_bytes:
         out.append(host_copy(hw, d2h_bytes, transfers=max(1, host_transfers), name="kv_store"))
-    if rows:
+    if rows and per_layer:
         by_kind: dict[tuple, list[Cost]] = {}
-        count: dict[tuple, int] = {}
         for layer in _layers(cfg, dep.include_mtp):
             kind = (cfg.layer_indexer_type(layer), cfg.layer_mlp_type(layer), layer >= cfg.num_hidden_layers)
             if kind not in by_kind:
                 by_kind[kind] = [c for c in layer_parts(layer) if c.time_s > 0]
-            count[kind] = count.get(kind, 0) + 1
-            if per_layer:
-                out += [c.at_layer(layer) for c in by_kind[kind]]
-        if not per_layer:
-            out += [c.scaled(count[kind]) for kind, parts in by_kind.items() for c in parts]
+            out += [c.at_layer(layer) for c in by_kind[kind]]
+    elif rows:  # each kind's parts once, from its first layer, scaled by its layer count
+        for _, layer, n in _layer_kinds(cfg, dep.include_mtp):
+            out += [c.scaled(n) for c in layer_parts(layer) if c.time_s > 0]
+    if rows:
         if hot_miss_rows:
             out.append(hisparse_row_copy(cfg, hw, hot_miss_rows, layers=len(_layers(cfg, dep.include_mtp)),
                                          mla_format=dep.mla_format))

@@ -3,15 +3,18 @@ synthetic tokens (glm53.engine.synthetic): random arrivals, prompt and output le
 and follow-up turns, and device pools down to a tenth of the offered load. After every step the block
 pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
 them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
-and host byte is returned."""
+and host byte is returned. Every admission retry the scheduler would skip is run anyway and checked to
+change nothing (Scheduler.verify_skipped_admissions)."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.hisparse import HiSparsePolicy
 from kvcache.layout import page_bytes
@@ -19,6 +22,11 @@ from kvcache.policy import OffloadPolicy
 
 CFG = glm53.get_preset("tiny")  # only its sizes matter: no weights, no arrays
 MAX_LEN, BLOCK = 64, 4
+
+
+@pytest.fixture(autouse=True)
+def verify_skipped_admissions(monkeypatch):
+    monkeypatch.setattr(Scheduler, "verify_skipped_admissions", True)
 
 
 class _Model:

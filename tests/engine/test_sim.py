@@ -13,9 +13,11 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine import engine as engine_mod
 from glm53.engine import sim
 from glm53.engine.plan import StepResult, VirtualClock, WallClock
+from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from glm53.perfmodel import H200_CALIBRATED
 from glm53.perfmodel.step import step_cost
+from kvcache.block_pool import BlockPool
 
 TINY = glm53.get_preset("tiny")
 BASE = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, block_size=8)
@@ -75,6 +77,36 @@ def test_the_schedule_does_not_depend_on_pricing(pool_history, policy):
     assert a["preemptions"] + a["offloads"] + a.get("released_pages", 0) >= 1  # the pool was under pressure
     if policy != "preempt":
         assert a["d2h_bytes"] > 0 and eng.runner.time_by_op["kv_store"] > 0
+
+
+@pytest.mark.parametrize("policy", ["preempt", "preempt_cache", "offload", "hisparse"])
+def test_skipped_admission_retries_change_nothing(pool_history, monkeypatch, policy):
+    """The scheduler skips re-admitting the head of the queue that did not fit while nothing its admission
+    reads has changed. Run those retries anyway (verify_skipped_admissions): each fails again and leaves
+    every pool, block table and policy state as it was (the scheduler checks), so the run is the one
+    without the skip, event for event; with the skip, tokens, counters and the final pools are the same."""
+    kw = {**POLICIES, "preempt_cache": dict(num_gpu_blocks=36), "hisparse": {**POLICIES["hisparse"], "num_gpu_blocks": 40}}
+    deploy = DeployConfig(**BASE, **kw[policy])
+
+    def run():
+        eng = sim.build_engine(TINY, deploy)
+        outs = eng.generate(_prompts(10), max_new_tokens=24)
+        sch = eng.scheduler
+        pools = [sch.kv.pool] + [p for p in vars(sch.policy).values() if isinstance(p, BlockPool)]
+        m = eng.metrics()
+        return ([o.token_ids.tolist() for o in outs], [p.state() for p in pools],
+                {k: m[k] for k in ("preemptions", "offloads", "recomputed_tokens", "d2h_bytes", "h2d_bytes",
+                                   "prefix_hit_rate", "running_requests_mean")},
+                eng.clock.now(), sch.stats.steps), sch.skipped_admissions
+
+    monkeypatch.setattr(Scheduler, "verify_skipped_admissions", True)
+    verified, checked = run()
+    verified_events = pool_history.take()
+    monkeypatch.setattr(Scheduler, "verify_skipped_admissions", False)
+    skipped, n = run()
+    assert n == checked > 5
+    assert skipped == verified
+    assert len(pool_history.take()) < len(verified_events)  # the skipped retries' touch / free pairs
 
 
 def test_think_time_advances_the_virtual_clock():
