@@ -17,7 +17,8 @@
    Each point is called prefill-bound or decode-bound by where its real step time went.
 
 Writes OUT/results.json (the fitted spec, the fit's error on its own steps, every point with real,
-simulated and relative error) and OUT/table.md (the validation table). A benchmark: it asserts nothing.
+simulated and relative error; rewritten after every point, `complete` says whether all ran) and
+OUT/table.md (the validation table). A benchmark: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -210,6 +211,20 @@ def main(argv=None) -> dict:
           f"{f['step_overhead_s'] * 1e3:.2f} ms; step |error| {f['step_abs_rel_error_mean']:.1%}", flush=True)
 
     res_points = []
+    meta = {"benchmark": "validate_sim", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
+            "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "cpu_spec_fit": f,
+            "cpu_spec": dataclasses.asdict(hw), "metrics": METRICS, "counts": COUNTS,
+            "note": "real runs warmed (a first untimed pass compiles); HiSparse misses are exact in the real run "
+                    "and 0 in the simulator (the sim's miss knob is off)"}
+
+    def save(complete: bool) -> dict:
+        """results.json and table.md after every point (atomically): a run that stops keeps what it measured."""
+        res = {**meta, "points": res_points, "complete": complete}
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(res, indent=1, default=str))
+        os.replace(tmp, out / "results.json")
+        (out / "table.md").write_text(table(res))
+        return res
 
     def compare(name, cfg, policy, conc, m, log, role):
         s = _sim(cfg, policy, conc, hw, f["step_overhead_s"])
@@ -223,19 +238,14 @@ def main(argv=None) -> dict:
         print(f"[validate_sim] {name} {policy} c={conc}: " + ", ".join(
             f"{k} {res_points[-1]['rel_error'][k]:+.1%}" for k in METRICS) + f"; counts equal {counts_real == counts_sim}",
             flush=True)
+        save(False)
 
     for cfg, policy, conc, m, log, role in train_points:
         compare(TRAIN[0], cfg, policy, conc, m, log, "fit")
     for name, path, overrides in HELD_OUT:
         for cfg, policy, conc, m, log, _ in points(name, path, overrides, "held out"):
             compare(name, cfg, policy, conc, m, log, "held out")
-    res = {"benchmark": "validate_sim", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
-           "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "cpu_spec_fit": f,
-           "cpu_spec": dataclasses.asdict(hw), "metrics": METRICS, "counts": COUNTS, "points": res_points,
-           "note": "real runs warmed (a first untimed pass compiles); HiSparse misses are exact in the real run and "
-                   "0 in the simulator (a float32 tiny model's hot buffer: the sim's miss knob is off)"}
-    (out / "results.json").write_text(json.dumps(res, indent=1, default=str))
-    (out / "table.md").write_text(table(res))
+    res = save(True)
     print(table(res))
     return res
 
