@@ -12,13 +12,11 @@ calibrated_spec.json (the fitted HardwareSpec fields: glm53.perfmodel.H200_CALIB
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
-from pathlib import Path
 
-from experiments.common import cpu_name, git_revision
+from experiments.common import cpu_name, git_revision, out_dir_from_cli
 from glm53.perfmodel import calibration as cal
 
 
@@ -55,12 +53,7 @@ def table(gemm: dict, coll: dict, mla: dict, host: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m experiments.calibrate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="out/calibration")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir_from_cli(argv, "python -m experiments.calibrate", __doc__, "out/calibration")
     meta = dict(date=time.strftime("%Y-%m-%d"), git_revision=git_revision(),
                 machine={"cpu": cpu_name(), "cpu_count": os.cpu_count()})
     res = {"gemm": cal.calibrate_gemm(), "collectives": cal.calibrate_collectives(),

@@ -85,3 +85,15 @@ def run_json_subprocess(cmd: list[str], *, threads: int, timeout: float = 3600) 
     if proc.returncode != 0:
         raise RuntimeError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def out_dir_from_cli(argv, prog: str, doc: str, default: str) -> Path:
+    """The command line of an experiment whose only option is `--out DIR` (its module docstring is the
+    help): parse `argv`, create DIR, return it."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=default, help="directory for the results")
+    out = Path(ap.parse_args(argv).out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -23,18 +23,16 @@ OUT/table.md (the validation table). A benchmark: it asserts nothing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
 from experiments import serve
-from experiments.common import cpu_name, git_revision, load_config
+from experiments.common import cpu_name, git_revision, out_dir_from_cli, load_config
 
 METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device", "running_requests_mean")
 COUNTS = ("preemptions", "prefix_hit_rate", "engine_steps", "output_tokens")
@@ -181,12 +179,7 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m experiments.validate_sim", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="out/validate_sim")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = out_dir_from_cli(argv, "python -m experiments.validate_sim", __doc__, "out/validate_sim")
     serve._enable_compile_cache(str(serve.REPO / ".cache" / "jax"))
 
     def points(name, path, overrides, role):
