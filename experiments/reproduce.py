@@ -33,8 +33,9 @@ import traceback
 from pathlib import Path
 
 from experiments.common import REPO, cpu_name, git_revision
+from glm53.config import get_preset
 
-GLM53_LAYERS = 78  # GLM-5.3's decoder layers (the IndexShare-off ablation makes every one "full")
+GLM53_LAYERS = get_preset("glm-5.3").num_hidden_layers  # the IndexShare-off ablation makes every one "full"
 
 # the short window of every simulated entry under --quick (on top of its own overrides)
 QUICK_SIM = ("--config.workload.sessions=8", "--config.workload.turns=2")
