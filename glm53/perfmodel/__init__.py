@@ -1,7 +1,9 @@
 """Analytic performance model of GLM-5.3 serving on H200s: FLOPs, bytes and time of each step.
 
-The package, bottom up: `hardware` (HardwareSpec, byte sizes), `cost` (the Cost algebra, collectives,
-host copies, StepCost), `ops` (one op's cost: sparse MLA, indexer, GEMMs, MoE, PCP / DCP comms), `step`
+The package, bottom up: `hardware` (HardwareSpec, byte sizes), `traffic` (the bytes each parallel
+scheme's collectives send: the one source `parallel.comm` checks against traced programs), `cost` (the
+Cost algebra, collectives, host copies, StepCost), `ops` (one op's cost: sparse MLA, indexer, GEMMs,
+MoE, PCP / DCP comms), `step`
 (a step's cost: one prefill chunk, one decode batch, or a scheduler's mixed plan), `studies` (FLOP
 crossovers, parameter and weight counts). Everything public is re-exported here.
 

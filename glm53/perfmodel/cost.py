@@ -131,6 +131,21 @@ def all_to_all(hw: HardwareSpec, send_bytes: float, n: int, name: str = "all_to_
     return _collective(name, hw, recv_bytes=send_bytes, hbm_bytes=2 * send_bytes, n=n, op="all_to_all")
 
 
+def collective(hw: HardwareSpec, kind: str, sent_bytes: float, n: int, name: str | None = None) -> Cost:
+    """A collective given the bytes each rank sends (`glm53.perfmodel.traffic`'s formulas; kind:
+    "all_gather" | "reduce_scatter" | "all_to_all" | "psum"): received = sent (balanced); HBM as in the
+    functions above, from the operand size that sends that many bytes."""
+    if kind not in ("all_gather", "reduce_scatter", "psum", "all_to_all"):
+        raise ValueError(f"collective kind must be all_gather, reduce_scatter, psum or all_to_all, got {kind!r}")
+    name = name or kind
+    if n <= 1 or sent_bytes <= 0:
+        return Cost(name=name, kind="collective")
+    operand = {"all_gather": sent_bytes / (n - 1), "reduce_scatter": sent_bytes * n / (n - 1),
+               "psum": sent_bytes * n / (2 * (n - 1)), "all_to_all": sent_bytes}[kind]
+    op = {"psum": "all_reduce", "all_to_all": "all_to_all"}.get(kind, kind)
+    return _collective(name, hw, recv_bytes=sent_bytes, hbm_bytes=sent_bytes + operand, n=n, op=op)
+
+
 def host_copy(hw: HardwareSpec, nbytes: float, *, transfers: int = 1, name: str = "host_copy") -> Cost:
     """A host <-> device copy of `nbytes` over the pinned host link (one direction), in `transfers` calls.
     HBM sees the same bytes (far below its bandwidth). time = latency * transfers + max(link, HBM)."""

@@ -56,6 +56,9 @@ class HardwareSpec:
 
     Latencies (*assumptions*, order of magnitude): collective_latency_s = 15 us per NCCL collective
     inside one NVSwitch node; host_copy_latency_s = 10 us per host<->device transfer call.
+    forward_latency_s: fixed time of one forward program beyond its kernels' (dispatch of the compiled
+    program and its inputs; 0 here: a GPU step is one CUDA graph, its launch inside the step overhead);
+    the CPU spec of experiments/validate_sim.py fits it (milliseconds: XLA's CPU thunks per op).
 
     Calibrated terms (None: fall back to the general efficiency above, as this datasheet spec does;
     `H200_CALIBRATED` sets them from glm53.perfmodel.calibration's fits on published tables):
@@ -87,6 +90,7 @@ class HardwareSpec:
     head_granularity: int = 64
     collective_latency_s: float = 15e-6
     host_copy_latency_s: float = 10e-6
+    forward_latency_s: float = 0.0
     gemm_efficiency: float | None = None
     gemm_memory_efficiency: float | None = None
     gemm_latency_s: float = 0.0

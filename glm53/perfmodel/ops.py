@@ -8,7 +8,8 @@ import math
 from collections.abc import Iterable
 
 from glm53.config import ModelConfig
-from glm53.perfmodel.cost import DCP_GATHER, Cost, _gemm, _kernel, all_gather, all_reduce, all_to_all, host_copy, reduce_scatter, total
+from glm53.perfmodel import traffic
+from glm53.perfmodel.cost import DCP_GATHER, Cost, _gemm, _kernel, all_reduce, all_to_all, collective, host_copy, total
 from glm53.perfmodel.hardware import BF16, FP8_WEIGHT_BYTES, FP32, H200, INDEX_BYTES, HardwareSpec
 from kvcache.layout import cache_groups, index_key_bytes, kv_bytes_per_token, mla_row_bytes
 
@@ -273,31 +274,44 @@ def _layer_kv_row_bytes(cfg: ModelConfig, layer: int, mla_format: str = "fp8_ds_
     return b
 
 
-def pcp_kv_allgather(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: float, pcp: int, layer: int) -> Cost:
-    """PCP: all-gather the new chunk's KV of `layer` (MLA rows + indexer keys on full layers; cache
-    format) so every rank's queries see every new key: chunk_tokens / pcp tokens per rank."""
-    return all_gather(hw, chunk_tokens / pcp * _layer_kv_row_bytes(cfg, layer), pcp, name="pcp_kv_gather").at_layer(layer)
+def pcp_kv_allgather(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: float, pcp: int, layer: int,
+                     mla_format: str = "fp8_ds_mla", index_format: str = "fp8") -> Cost:
+    """PCP: all-gather the new chunk's KV of `layer` (MLA rows + indexer keys on full layers, cache
+    format, each with its int32 position) so every rank's queries see every new key: chunk_tokens / pcp
+    tokens per rank (`traffic.pcp_prefill_bytes`)."""
+    row = mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, mla_format)
+    key = index_key_bytes(cfg.index_head_dim, index_format) if cfg.layer_indexer_type(layer) == "full" else 0
+    sent = traffic.pcp_prefill_bytes(n=pcp, new_tokens=chunk_tokens, row_bytes=row, key_bytes=key)
+    return collective(hw, "all_gather", sent, pcp, "pcp_kv_gather").at_layer(layer)
 
 
-def dcp_context_allgather(cfg: ModelConfig, hw: HardwareSpec, context_tokens: float, dcp: int, layer: int) -> Cost:
+def dcp_context_allgather(cfg: ModelConfig, hw: HardwareSpec, context_tokens: float, dcp: int, layer: int,
+                          mla_format: str = "fp8_ds_mla", index_format: str = "fp8") -> Cost:
     """Prefill inside a PCP x DCP engine: all-gather the `layer` shards of the cached context (1/dcp of
-    it on each rank, round-robin) into a temporary full copy: receives (dcp-1)/dcp of it per GPU."""
-    per_rank = math.ceil(context_tokens / dcp) * _layer_kv_row_bytes(cfg, layer)
-    return all_gather(hw, per_rank, dcp, name=DCP_GATHER).at_layer(layer)
+    it on each rank, round-robin) into a temporary full copy: receives (dcp-1)/dcp of it per GPU
+    (`traffic.dcp_full_copy_bytes`)."""
+    sent = traffic.dcp_full_copy_bytes(n=dcp, local_slots=math.ceil(context_tokens / dcp),
+                                       row_bytes=_layer_kv_row_bytes(cfg, layer, mla_format, index_format))
+    return collective(hw, "all_gather", sent, dcp, DCP_GATHER).at_layer(layer)
 
 
-def dcp_topk_merge(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, dcp: int, layer: int = -1) -> tuple[Cost, ...]:
+def dcp_topk_merge(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, dcp: int, layer: int = -1,
+                   local_k: float | None = None) -> tuple[Cost, ...]:
     """Exact global top-k under DCP: all-gather every rank's local top-k (fp32 score + int32 position)
-    per query, then a top-k over dcp * k candidates."""
-    k = cfg.index_topk
-    gather = all_gather(hw, q_tokens * k * (FP32 + INDEX_BYTES), dcp, name="dcp_topk_gather")
-    merge = _kernel("dcp_topk_merge", hw, flops=0.0, hbm_bytes=q_tokens * dcp * k * (FP32 + INDEX_BYTES) + q_tokens * k * INDEX_BYTES)
+    per query (`traffic.dcp_topk_merge_bytes`; local_k: candidates per rank, default index_topk: a
+    context of at least top-k tokens per rank), then a top-k over dcp * local_k candidates."""
+    k = cfg.index_topk if local_k is None else local_k
+    sent = traffic.dcp_topk_merge_bytes(n=dcp, tokens=q_tokens, local_k=k, score_bytes=FP32, pos_bytes=INDEX_BYTES)
+    gather = collective(hw, "all_gather", sent, dcp, "dcp_topk_gather")
+    merge = _kernel("dcp_topk_merge", hw, flops=0.0,
+                    hbm_bytes=q_tokens * dcp * k * (FP32 + INDEX_BYTES) + q_tokens * cfg.index_topk * INDEX_BYTES)
     return tuple(c.at_layer(layer) for c in (gather, merge))
 
 
 def dcp_decode_merge(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, dcp: int, heads_total: int, *,
                      backend: str = "ag_rs", layer: int = -1) -> tuple[Cost, ...]:
-    """DCP decode communication of one layer: send the query to the KV, merge partial outputs with LSE.
+    """DCP decode communication of one layer: send the query to the KV, merge partial outputs with LSE
+    (`traffic.dcp_decode_bytes`; heads padded to a multiple of dcp).
 
     Every rank serves heads_total / dcp heads (the TP heads); attention runs all heads over the rank's
     KV shard, so first the absorbed queries (kv_lora + rope, bf16) are all-gathered. Then
@@ -308,22 +322,23 @@ def dcp_decode_merge(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, dcp: i
     """
     if backend not in ("ag_rs", "a2a"):
         raise ValueError(f"dcp backend must be 'ag_rs' or 'a2a', got {backend!r}")
-    h_local = heads_total / dcp
-    r, p = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    out_bytes = q_tokens * heads_total * r * BF16
-    qg = all_gather(hw, q_tokens * h_local * (r + p) * BF16, dcp, name="dcp_q_gather")
+    r = cfg.kv_lora_rank
+    sent = traffic.dcp_decode_bytes(backend, n=dcp, tokens=q_tokens, heads=heads_total, kv_lora=r,
+                                    rope=cfg.qk_rope_head_dim, q_bytes=BF16, out_bytes=BF16, lse_bytes=FP32)
+    hp = traffic.padded_heads(heads_total, dcp)
+    out_bytes = q_tokens * hp * r * BF16
+    qg = collective(hw, "all_gather", sent["query_all_gather"], dcp, "dcp_q_gather")
     if backend == "ag_rs":
-        lse = all_gather(hw, q_tokens * heads_total * FP32, dcp, name="dcp_lse_gather")
-        fix = _kernel("dcp_lse_correct", hw, flops=0.0, hbm_bytes=2 * out_bytes + dcp * q_tokens * heads_total * FP32)
-        rs = reduce_scatter(hw, out_bytes, dcp, name="dcp_out_reduce_scatter")
+        lse = collective(hw, "all_gather", sent["lse_all_gather"], dcp, "dcp_lse_gather")
+        fix = _kernel("dcp_lse_correct", hw, flops=0.0, hbm_bytes=2 * out_bytes + dcp * q_tokens * hp * FP32)
+        rs = collective(hw, "reduce_scatter", sent["output_reduce_scatter"], dcp, "dcp_out_reduce_scatter")
         parts = (qg, lse, fix, rs)
     else:
-        packed = q_tokens * heads_total * (r * BF16 + FP32)
-        a2a = all_to_all(hw, (dcp - 1) / dcp * packed, dcp, name="dcp_out_all_to_all")
-        comb = _kernel("dcp_lse_combine", hw, flops=0.0, hbm_bytes=packed + q_tokens * h_local * r * BF16)
+        a2a = collective(hw, "all_to_all", sent["output_all_to_all"], dcp, "dcp_out_all_to_all")
+        comb = _kernel("dcp_lse_combine", hw, flops=0.0,
+                       hbm_bytes=q_tokens * hp * (r * BF16 + FP32) + q_tokens * hp / dcp * r * BF16)
         parts = (qg, a2a, comb)
     return tuple(c.at_layer(layer) for c in parts)
-
 
 
 def _layers(cfg: ModelConfig, include_mtp: bool) -> range:

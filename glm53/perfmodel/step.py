@@ -231,7 +231,8 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     lm_head for the sampled rows. Tokens split over PCP ranks evenly (2N-chunk balance). Layer costs
     are computed once per layer kind (indexer full / shared x dense / MoE x MTP); per_layer=True repeats
     them per layer (for `StepCost.time_s`'s overlap options), else each is scaled by its layer count
-    (what a simulator needs, ~20x cheaper).
+    (what a simulator needs, ~20x cheaper). The rows run as one forward program (hw.forward_latency_s
+    once).
     """
     # (start, tokens, drafts, samples, prefill) per row: plain tuples, cheap to loop over per layer kind
     rows = [(r.start, r.num_tokens, r.num_draft_tokens, bool(r.sample), r.num_tokens != 1 + r.num_draft_tokens)
@@ -250,6 +251,7 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     # every head); a PCP x DCP prefill attends over a gathered full copy, a DCP-alone prefill like decode
     dcp_heads = min(cfg.num_attention_heads, heads * dcp) if dcp > 1 else heads
     sharded_pre = dcp > 1 and pcp == 1  # prefill over the rank's shard, merged like decode
+    fmt = (dep.mla_format, dep.index_format)
 
     def indexer(group: list, shard: int) -> list[Cost]:
         # one batched kernel per op; its counts are linear in each row's q and q x keys, so one call with
@@ -289,9 +291,9 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
         full = cfg.layer_indexer_type(layer) == "full"
         parts = list(_token_parts(cfg, hw, dep, ("head", layer, tokens), lambda: head_parts(layer)))
         if pcp > 1 and pre_tokens:
-            parts.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer))
+            parts.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer, *fmt))
         if dcp > 1 and pcp > 1:
-            parts += [dcp_context_allgather(cfg, hw, r[0], dcp, layer) for r in pre if r[0] > 0]
+            parts += [dcp_context_allgather(cfg, hw, r[0], dcp, layer, *fmt) for r in pre if r[0] > 0]
         if full:
             parts += indexer(dec + (pre if sharded_pre else []), dcp)
             if not sharded_pre:
@@ -323,6 +325,8 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
         for _, layer, n in _layer_kinds(cfg, dep.include_mtp):
             out += [c.scaled(n) for c in layer_parts(layer) if c.time_s > 0]
     if rows:
+        if hw.forward_latency_s:
+            out.append(Cost("forward_launch", latency_s=hw.forward_latency_s, time_s=hw.forward_latency_s))
         if hot_miss_rows:
             out.append(hisparse_row_copy(cfg, hw, hot_miss_rows, layers=len(_layers(cfg, dep.include_mtp)),
                                          mla_format=dep.mla_format))

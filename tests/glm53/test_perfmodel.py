@@ -321,3 +321,22 @@ def test_step_cost_per_layer_and_per_kind_agree_and_transfers_add_link_time():
     assert step_cost(CFG, pm.H200, dep, _plan()).time_s() == 0.0
     with pytest.raises(ValueError, match="dcp=3"):
         Deployment(tp=8, dcp=3)
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_a_collective_priced_from_its_sent_bytes_is_the_one_priced_from_its_operand(n):
+    """cost.collective takes the bytes traffic's formulas count (sent per rank); the operand-based
+    constructors must give the same Cost for the operand that sends that many bytes."""
+    from glm53.perfmodel.cost import collective
+    from glm53.perfmodel.traffic import sent_bytes
+
+    s = 3_000_000.0
+    for kind, make in (("all_gather", pm.all_gather), ("reduce_scatter", pm.reduce_scatter),
+                       ("psum", pm.all_reduce), ("all_to_all", None)):
+        sent = sent_bytes(kind, s, n) if kind != "all_to_all" else s
+        want = make(pm.H200_CALIBRATED, s, n) if make else pm.all_to_all(pm.H200_CALIBRATED, s, n)
+        got = collective(pm.H200_CALIBRATED, kind, sent, n, want.name)
+        assert (got.name, got.kind) == (want.name, want.kind)
+        assert [getattr(got, f) for f in pm.cost._ADDITIVE] == pytest.approx([getattr(want, f) for f in pm.cost._ADDITIVE])
+    with pytest.raises(ValueError, match="kind"):
+        collective(HW, "broadcast", 1.0, 2)
