@@ -40,6 +40,35 @@ from parallel.pcp import PcpSplit
 MIN_PREFILL_WIDTH = 16  # narrowest prefill bucket: shorter chunks pad to it (fewer programs)
 
 
+def width_buckets(max_tokens: int) -> list[int]:
+    """Tokens per row of the compiled programs: 1 (decode) and powers of two from MIN_PREFILL_WIDTH up to
+    `max_tokens` (a power of two: the step's token budget, or max_model_len if smaller)."""
+    w = min(MIN_PREFILL_WIDTH, max_tokens)
+    return [1] + [w << i for i in range((max_tokens // w).bit_length())]
+
+
+def step_limits(deploy: DeployConfig) -> tuple[int, int]:
+    """(widest row bucket, positions a block table addresses) of a runner of the resolved `deploy`: no
+    chunk is wider than the budget or than a whole request; max_model_len rounded up to whole pages."""
+    return (pow2_at_least(min(deploy.max_num_batched_tokens, deploy.max_model_len)),
+            deploy.max_blocks_per_seq * deploy.tokens_per_block)
+
+
+def forward_groups(rows, max_tokens: int, capacity: int) -> list[tuple[int, list[int], int, int]]:
+    """How a step's rows (anything with `start` and `num_tokens`) run as padded forwards: one forward per
+    width bucket -> [(width, indices of its rows, padded rows, window)], in order of first appearance.
+    Padded rows: a power of two; window: the attention window bucket of the group's last position
+    (`glm53.api.window_bucket` under `capacity`). The model runner executes exactly these shapes and the
+    simulator prices them (`glm53.engine.sim.SimRunner(pad_like_runner=True)`)."""
+    widths = width_buckets(max_tokens)
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(next(w for w in widths if w >= row.num_tokens), []).append(i)
+    return [(w, idx, pow2_at_least(len(idx)), window_bucket(max(rows[i].start + rows[i].num_tokens for i in idx),
+                                                            capacity))
+            for w, idx in groups.items()]
+
+
 @jax.jit
 def _sample(logits_RV, seeds_R, counters_R, temps_R, top_ps_R):
     """Temperature / top-p sampling, one PRNG key per row: fold_in(key(seed), counter)."""
@@ -121,8 +150,7 @@ class ModelRunner:
     def _init(self, num_blocks: int):
         model, deploy = self.model, self.deploy
         self.max_rows = pow2_at_least(deploy.max_num_seqs)
-        # no chunk is wider than the budget or than a whole request
-        self.max_tokens = pow2_at_least(min(deploy.max_num_batched_tokens, deploy.max_model_len))
+        self.max_tokens = step_limits(deploy)[0]
         self.num_blocks = num_blocks
         # Context parallelism (parallel.model): a mesh with one context axis of max(PCP, DCP) devices.
         # Under DCP a block id is a page of block_size slots on every rank, so the arrays hold
@@ -171,7 +199,7 @@ class ModelRunner:
     @property
     def capacity(self) -> int:
         """Positions per request a block table can address (max_model_len rounded up to whole pages)."""
-        return self.deploy.max_blocks_per_seq * self.deploy.tokens_per_block
+        return step_limits(self.deploy)[1]
 
     def _resolve_record(self, req_ids: tuple[str, ...], view: HiSparseView) -> tuple[ResolveRecord, int]:
         """The counts a HiSparse decode forward's resolvers left in its view -> (record, bytes copied)."""
@@ -198,11 +226,7 @@ class ModelRunner:
 
     def width_buckets(self) -> list[int]:
         """Tokens per row: 1 (decode) and powers of two from MIN_PREFILL_WIDTH up to the budget."""
-        w = min(MIN_PREFILL_WIDTH, self.max_tokens)
-        return [1] + [w << i for i in range((self.max_tokens // w).bit_length())]
-
-    def _width(self, num_tokens: int) -> int:
-        return next(w for w in self.width_buckets() if w >= num_tokens)
+        return width_buckets(self.max_tokens)
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, window) program a serving run can use."""
@@ -344,18 +368,15 @@ class ModelRunner:
         if any(row.num_draft_tokens for row in plan.rows):
             raise NotImplementedError("draft tokens (MTP speculative decoding) are not built in the model runner")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
-        groups: dict[int, list[int]] = {}
-        for i, row in enumerate(plan.rows):
-            groups.setdefault(self._width(row.num_tokens), []).append(i)
         tokens, resolves = {}, []
         hs = plan.hisparse
-        for width, idx in groups.items():
+        for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity):
             # the resolver runs only for decode rows of which some hold a hot buffer; without one every
             # selected page is on the device and the plain step reads it
             leased = hs is not None and width == 1 and any(hs[i].lease >= 0 for i in idx)
             rows = [plan.rows[i] for i in idx]
             tokens.update(self._run_group(rows, [plan.block_tables["mla"][i] for i in idx],
-                                          [plan.block_tables["indexer"][i] for i in idx], width,
+                                          [plan.block_tables["indexer"][i] for i in idx], width, padded, window,
                                           [hs[i] for i in idx] if leased else None))
             if leased:
                 rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), self._last_view)
@@ -363,10 +384,10 @@ class ModelRunner:
                 h2d += nbytes
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves))
 
-    def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width, hisparse=None) -> dict[str, tuple[int]]:
-        """One width group as one padded forward; `hisparse`: the rows' HiSparseRows when the resolver
-        runs (some row holds a hot buffer)."""
-        r = pow2_at_least(len(rows))
+    def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int, window: int,
+                   hisparse=None) -> dict[str, tuple[int]]:
+        """One width group as one padded forward of r rows over `window` positions (`forward_groups`);
+        `hisparse`: the rows' HiSparseRows when the resolver runs (some row holds a hot buffer)."""
         tok = np.zeros((r, width), np.int32)
         pos = np.full((r, width), -1, np.int32)
         last = np.zeros(r, np.int32)
@@ -374,7 +395,6 @@ class ModelRunner:
             tok[i, : row.num_tokens] = row.token_ids
             pos[i, : row.num_tokens] = np.arange(row.start, row.start + row.num_tokens)
             last[i] = row.num_tokens - 1
-        window = window_bucket(int(pos.max()) + 1, self.capacity)
         view = None
         if hisparse is not None:
             lease = np.full(r, -1, np.int32)

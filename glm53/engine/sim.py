@@ -21,14 +21,17 @@ What the simulator does not know (it has no arrays), and assumes instead:
 from __future__ import annotations
 
 import dataclasses
+import typing
 import zlib
 
 from glm53.config import ModelConfig
 from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.engine import Engine
 from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock
+from glm53.engine.runner import forward_groups, step_limits
 from glm53.engine.synthetic import SyntheticRunner
 from glm53.perfmodel import H200_CALIBRATED, HardwareSpec
+from glm53.perfmodel.cost import StepCost
 from glm53.perfmodel.step import Deployment, step_cost
 from kvcache.layout import DEFAULT_INDEX_FORMAT
 from kvcache.transfer import ResetLease
@@ -47,6 +50,26 @@ def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | 
                       include_mtp=deploy.num_speculative_tokens > 0)
 
 
+class _Row(typing.NamedTuple):  # what step_cost reads of a plan row
+    start: int
+    num_tokens: int
+    num_draft_tokens: int
+    sample: bool
+
+
+class _Rows(typing.NamedTuple):
+    rows: tuple
+
+
+def forward_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, rows: int, width: int, window: int, *,
+                 sample: bool = True, hot_miss_rows: float = 0) -> StepCost:
+    """One padded forward of the model runner (`glm53.engine.runner.forward_groups`): `rows` rows of
+    `width` tokens each against a `window`-position attention window (what the padded program computes,
+    whatever the real rows' lengths), as one forward program; `sample`: logits for every row."""
+    group = _Rows((_Row(max(0, window - width), width, 0, sample),) * rows)
+    return step_cost(cfg, hw, dep, group, hot_miss_rows=hot_miss_rows)
+
+
 def hash_token(vocab_size: int):
     """Deterministic synthetic tokens: crc32 of (request id, tokens generated before) mod the vocabulary,
     so a request's outputs do not depend on what it is batched with or on the process."""
@@ -63,13 +86,25 @@ class SimRunner(SyntheticRunner):
         *assumption* until calibrated).
     hisparse_miss_fraction: see the module docstring (*assumed*).
     weight_bytes: bytes per matmul weight parameter (None: the FP8 checkpoint; 4 for a float32 model).
+    pad_like_runner: price the shapes this project's model runner executes instead of the plan's own
+        work: one forward per width bucket (`glm53.engine.runner.forward_groups`), each of its padded
+        rows at its full width against the group's whole attention window (the padded program computes
+        that much), hw.forward_latency_s per forward. For validating the simulator against the real
+        engine on CPU (experiments/validate_sim.py); an H200 deployment runs unpadded kernels.
+    async_dispatch: model the model runner's asynchronous dispatch: the host part of a step
+        (step_overhead_s) runs while earlier forwards still compute, a step's transfers and forwards
+        queue behind them in order, and the step returns when its host part is done and the last
+        forward it samples from has finished (a forward whose rows sample nothing is not waited for:
+        the next step waits behind it). Needs `clock` (the engine's VirtualClock; build_engine passes
+        it). Off (the default), a step is its host part plus its priced work.
     After each step: `busy_s` (priced seconds so far), `time_by_op` (seconds per cost name, summed),
     `steps`.
     """
 
     def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200_CALIBRATED, *,
                  step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, weight_bytes: float | None = None,
-                 token=None, record: bool = False):
+                 token=None, record: bool = False, pad_like_runner: bool = False, async_dispatch: bool = False,
+                 clock: VirtualClock | None = None):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
         if not step_overhead_s >= 0 or not 0 <= hisparse_miss_fraction <= 1:
@@ -83,6 +118,12 @@ class SimRunner(SyntheticRunner):
         self.busy_s = 0.0
         self.time_by_op: dict[str, float] = {}
         self.hot_miss_rows = 0.0
+        self.pad_like_runner = pad_like_runner
+        if async_dispatch and clock is None:
+            raise ValueError("SimRunner(async_dispatch=True) needs the engine's clock")
+        self.async_dispatch, self.clock = async_dispatch, clock
+        self._device_free_s = 0.0  # virtual time at which the forwards dispatched so far are done
+        self._limits = step_limits(deploy)
 
     def _miss_rows(self, plan: StepPlan) -> float:
         """Assumed HiSparse misses of a decode step: per decode row with a lease, the share of its top-k
@@ -103,12 +144,38 @@ class SimRunner(SyntheticRunner):
         moves = sum(1 for op in plan.transfers if not isinstance(op, ResetLease))
         # a page holds every DCP rank's share; each GPU moves its own over its own link
         n = self.dep.dcp
-        cost = step_cost(self.cfg, self.hw, self.dep, plan, d2h_bytes=res.d2h_bytes / n, h2d_bytes=res.h2d_bytes / n,
-                         host_transfers=moves, hot_miss_rows=misses)
-        for c in cost.parts:
-            self.time_by_op[c.name] = self.time_by_op.get(c.name, 0.0) + c.time_s
-        seconds = cost.time_s() + self.step_overhead_s
-        self.busy_s += seconds
+        kw = dict(d2h_bytes=res.d2h_bytes / n, h2d_bytes=res.h2d_bytes / n, host_transfers=moves)
+        # the step's device work in execution order: (StepCost, whether the host waits for its results)
+        if self.pad_like_runner:
+            segments = [(step_cost(self.cfg, self.hw, self.dep, _Rows(()), **kw), False)]  # the transfers
+            for width, idx, padded, window in forward_groups(plan.rows, *self._limits):
+                sample = any(plan.rows[i].sample for i in idx)
+                segments.append((forward_cost(self.cfg, self.hw, self.dep, padded, width, window, sample=sample,
+                                              hot_miss_rows=misses if width == 1 else 0), sample))
+        else:
+            segments = [(step_cost(self.cfg, self.hw, self.dep, plan, hot_miss_rows=misses, **kw),
+                         any(r.sample for r in plan.rows))]
+        for cost, _ in segments:
+            for c in cost.parts:
+                self.time_by_op[c.name] = self.time_by_op.get(c.name, 0.0) + c.time_s
+        times = [(cost.time_s(), waits) for cost, waits in segments]
+        work = sum(t for t, _ in times)
+        if self.async_dispatch:
+            # the host part first, then each forward queues behind the device's earlier work; the step
+            # returns once its host part is done and the last forward it samples from has finished
+            # (a step without rows waits for its transfers)
+            now = self.clock.now()
+            done = now + self.step_overhead_s
+            t = max(done, self._device_free_s)
+            for seconds, waits in times:
+                t += seconds
+                if waits or not plan.rows:
+                    done = max(done, t)
+            self._device_free_s = t
+            seconds = done - now
+        else:
+            seconds = work + self.step_overhead_s
+        self.busy_s += work + self.step_overhead_s
         self.hot_miss_rows += misses
         return dataclasses.replace(res, duration_s=seconds)
 
@@ -119,5 +186,6 @@ def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: Hardw
     max_num_batched_tokens, max_num_seqs and kv_cache_memory_bytes (per GPU) for an H200 deployment."""
     d = (deploy or DeployConfig()).resolved(cfg, SIM_DTYPE)
     sizes = d.kv_sizes(cfg, SIM_DTYPE)
-    runners = [SimRunner(cfg, d, sizes, hw, **runner_kw) for _ in range(d.data_parallel_size)]
-    return Engine(cfg, d, runner=runners, clock=VirtualClock())
+    clock = VirtualClock()
+    runners = [SimRunner(cfg, d, sizes, hw, clock=clock, **runner_kw) for _ in range(d.data_parallel_size)]
+    return Engine(cfg, d, runner=runners, clock=clock)

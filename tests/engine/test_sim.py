@@ -13,6 +13,7 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine import engine as engine_mod
 from glm53.engine import sim
 from glm53.engine.plan import StepResult, VirtualClock, WallClock
+from glm53.engine.runner import forward_groups, step_limits
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from glm53.perfmodel import H200_CALIBRATED
@@ -143,6 +144,55 @@ def test_a_priced_step_is_the_perf_models_price_of_its_plan():
         res = runner.execute(plan)
         assert res.duration_s == pytest.approx(step_cost(TINY, H200_CALIBRATED, runner.dep, plan).time_s() + 1e-3)
         sch.update(plan, res, eng.clock.now())
+
+
+def test_padded_pricing_prices_the_runners_forwards():
+    """pad_like_runner=True: a step costs one forward per width bucket the model runner would run (its
+    padded rows, its window, one forward latency each), and never less than the plan's own work."""
+    hw = dataclasses.replace(H200_CALIBRATED, forward_latency_s=1e-3)
+    deploy = DeployConfig(**BASE, num_gpu_blocks=64)
+    eng = sim.build_engine(TINY, deploy, hw, pad_like_runner=True)
+    for p in _prompts(3):
+        eng.add_request(p, SamplingParams(max_new_tokens=4))
+    sch, runner = eng.scheduler, eng.runner
+    widths = set()
+    while sch.has_work:
+        plan = sch.schedule()
+        res = runner.execute(plan)
+        groups = forward_groups(plan.rows, *step_limits(eng.deploy))
+        widths.add(tuple(sorted(g[0] for g in groups)))
+        assert res.duration_s == pytest.approx(sum(
+            sim.forward_cost(TINY, hw, runner.dep, padded, width, window,
+                             sample=any(plan.rows[i].sample for i in idx)).time_s()
+            for width, idx, padded, window in groups))
+        unpadded = step_cost(TINY, hw, runner.dep, plan).time_s()
+        assert res.duration_s >= unpadded + (len(groups) - 1) * 1e-3 - 1e-12
+        sch.update(plan, res, eng.clock.now())
+    assert any(len(w) > 1 for w in widths)  # some step ran a prefill chunk beside decode rows: two forwards
+
+
+def test_async_dispatch_overlaps_host_work_with_queued_forwards():
+    """async_dispatch=True: a prefill chunk that samples nothing returns after its host part; the forwards
+    queue, and the step that samples waits for all of them. One request: the clock ends at every step's
+    priced work plus the host parts that follow a wait (the first, and each decode step's); the host
+    parts of the chunks after the first hide behind the queued forwards."""
+    hw = dataclasses.replace(H200_CALIBRATED, forward_latency_s=5e-3)  # forwards longer than the host part
+    overhead = 1e-3
+    eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64), hw, step_overhead_s=overhead,
+                           pad_like_runner=True, async_dispatch=True)
+    eng.add_request(np.arange(200) % TINY.vocab_size, SamplingParams(max_new_tokens=3))
+    runner, durations = eng.runner, []
+    while eng.has_unfinished():
+        before = eng.clock.now()
+        eng.step()
+        durations.append(eng.clock.now() - before)
+    work = runner.busy_s - overhead * runner.steps
+    assert runner.steps == 6  # 4 chunks of 64 tokens (the last samples), then 2 decode steps
+    assert durations[:3] == pytest.approx([overhead] * 3)  # chunks that sample nothing do not wait
+    assert eng.clock.now() == pytest.approx(3 * overhead + work)
+    assert eng.clock.now() < runner.busy_s
+    with pytest.raises(ValueError, match="clock"):
+        sim.SimRunner(TINY, eng.deploy, eng.sizes, async_dispatch=True)
 
 
 def test_a_priced_runner_needs_a_virtual_clock():
