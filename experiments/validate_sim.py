@@ -1,24 +1,32 @@
 """Validate the simulator against the real engine at laptop scale (issue 19, item 4).
 
-    python -m experiments.validate_sim --out results/validate_sim             # ~15 minutes on 2 cores
+    python -m experiments.validate_sim --out results/validate_sim             # ~45 minutes on 2 cores
 
-1. Calibrate a CPU HardwareSpec on this machine from the real engine's own step timings: the built-in
-   serve default (tiny model, 8 OpenHands sessions at 1/128 scale, concurrency 1, 2, 4) is served twice
-   per point (the first pass compiles; the second is timed step by step). Each timed step's wall time
-   (schedule + execute + update) is fitted as `step_overhead_s + step_cost(plan on the CPU spec)`, with
-   the CPU's FLOP rate and memory bandwidth on a log grid (all efficiencies 1: the rates are achieved
-   ones) and the overhead the median residual; the fit minimises mean |log(predicted / measured)|.
-2. Re-run held-out configs both ways, real (warmed: compile time excluded) and simulated on the
-   fitted spec (same deploy, float32 KV and weights, so the same pools and the same schedule): smoke,
-   preempt_vs_offload (concurrency 1, 2, 4) and hisparse_vs_offload at concurrency 4 and 8 (its 16 and
-   32 points take half an hour of real time). Per point: median TTFT, mean TPOT, throughput per
-   device, running requests, and the counts that do not depend on time (preemptions, prefix hits,
-   engine steps), which must be equal: without think time the schedule is a function of the requests.
-   Each point is called prefill-bound or decode-bound by where its real step time went.
+1. Calibrate a CPU HardwareSpec on this machine from the model runner's own forward timings: a grid of
+   forward programs of the serve default's model (rows 1 and 4; 1 to 1,024 tokens per row; attention
+   windows of 64 to 8,192 positions: the shapes every validated config runs), and the forwards the
+   serve default itself executes (8 OpenHands sessions at 1/128 scale, concurrency 1, 2, 4; served
+   twice per point, the first pass compiling, the second timed with each forward waited for). The
+   simulator prices the shapes the model runner executes (`SimRunner(pad_like_runner=True)`: one
+   padded forward per width bucket over its attention window), so each timed shape is fitted as
+   `forward_latency_s + step_cost(its padded rows on the CPU spec)`: the CPU's FLOP rate and memory
+   bandwidth on a log grid (all efficiencies 1: the rates are achieved ones), the forward latency the
+   median residual, minimising the mean |log(predicted / measured)| over the distinct shapes (each at
+   its median time). The step overhead (scheduling, block tables, sampling) is the median of each
+   served step's wall time minus its forwards'. The simulator also dispatches like the runner
+   (`SimRunner(async_dispatch=True)`): a step waits only for the last forward it samples from.
+2. Re-run held-out configs both ways, real (warmed: compile time excluded; nothing waited for beyond
+   what the engine waits for) and simulated on the fitted spec (same deploy, float32 KV and weights, so
+   the same pools and the same schedule): smoke, preempt_vs_offload (concurrency 1, 2, 4) and
+   hisparse_vs_offload at concurrency 4 and 8 (its 16 and 32 points take half an hour of real time).
+   Per point: median TTFT, mean TPOT, throughput per device, running requests, and the counts that do
+   not depend on time (preemptions, prefix hits, engine steps), which must be equal: without think time
+   the schedule is a function of the requests. Each point is called prefill-bound or decode-bound by
+   where its real step time went.
 
-Writes OUT/results.json (the fitted spec, the fit's error on its own steps, every point with real,
-simulated and relative error; rewritten after every point, `complete` says whether all ran) and
-OUT/table.md (the validation table). A benchmark: it asserts nothing.
+Writes OUT/results.json (the fitted spec, the fit's error on its own forwards and steps, every point
+with real, simulated and relative error; rewritten after every point, `complete` says whether all ran)
+and OUT/table.md (the validation table). A benchmark: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -43,25 +51,33 @@ HELD_OUT = (("smoke", "configs/smoke.py", ()),
 WEIGHT_BYTES = 4  # float32 weights on CPU
 
 
-def cpu_spec(flops: float, bandwidth: float):
+def cpu_spec(flops: float, bandwidth: float, forward_latency_s: float = 0.0):
     """A HardwareSpec for this CPU: achieved FLOP/s (every dtype) and memory bandwidth, efficiencies 1,
-    the host link as fast as memory (pinned host memory is the same DRAM), no modelled latencies."""
+    the host link as fast as memory (pinned host memory is the same DRAM), a fixed time per forward
+    program, no other latencies."""
     from glm53.perfmodel import H200
 
     return dataclasses.replace(
         H200, name=f"cpu ({cpu_name()}, {os.cpu_count()} cores, fitted)", bf16_flops=flops, fp8_flops=flops,
         hbm_bandwidth=bandwidth, host_link_bandwidth=bandwidth, matmul_efficiency=1.0, hbm_efficiency=1.0,
         sparse_attention_efficiency=1.0, dense_attention_efficiency=1.0, nvlink_efficiency=1.0,
-        collective_latency_s=0.0, host_copy_latency_s=0.0, head_granularity=1)
+        collective_latency_s=0.0, host_copy_latency_s=0.0, head_granularity=1, forward_latency_s=forward_latency_s)
 
 
 class StepLog:
-    """Wraps an engine so each step's plan, transfers and wall time are recorded."""
+    """Wraps an engine so each step's plan, transfers and wall time are recorded; with `forwards=True`
+    each forward program is also waited for and timed (its shape and seconds in `forwards`), and so is
+    the step (calibration only: a serving engine does not wait for a forward whose logits it does not
+    need)."""
 
-    def __init__(self, eng):
+    def __init__(self, eng, forwards: bool = False):
+        import jax
+
         self.steps: list[tuple] = []  # (plan, d2h bytes, h2d bytes, transfers, wall s)
+        self.forwards: list[tuple] = []  # (step index, rows, width, window, s)
         rep = eng.replicas[0]
-        execute, step = rep.runner.execute, eng.step
+        runner = rep.runner
+        execute, step, forward = runner.execute, eng.step, runner._forward
         last: dict = {}
 
         def timed_execute(plan):
@@ -69,27 +85,37 @@ class StepLog:
             last["plan"], last["res"] = plan, res
             return res
 
+        def timed_forward(tok, pos, table_mla, table_index, window, hisparse=None):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(forward(tok, pos, table_mla, table_index, window, hisparse))
+            self.forwards.append((len(self.steps), tok.shape[0], tok.shape[1], window, time.perf_counter() - t0))
+            return out
+
         def timed_step():
             last.clear()
             t0 = time.perf_counter()
             out = step()
+            if forwards:
+                jax.block_until_ready(runner.cache)
             dt = time.perf_counter() - t0
             if "plan" in last:
                 self.steps.append((last["plan"], last["res"].d2h_bytes, last["res"].h2d_bytes,
                                    len(last["plan"].transfers), dt))
             return out
 
-        rep.runner.execute, eng.step = timed_execute, timed_step
+        runner.execute, eng.step = timed_execute, timed_step
+        if forwards:
+            runner._forward = timed_forward
 
 
-def _real(cfg, model, policy: str, conc: int) -> tuple[dict, StepLog]:
+def _real(cfg, model, policy: str, conc: int, forwards: bool = False) -> tuple[dict, StepLog]:
     serve.run_one(model, cfg, policy, conc, progress=False)  # compiles (untimed)
     logs = []
     make = serve._engine
 
     def engine(*a, **k):
         e = make(*a, **k)
-        logs.append(StepLog(e))
+        logs.append(StepLog(e, forwards))
         return e
 
     serve._engine = engine
@@ -110,7 +136,7 @@ def _sim(cfg, policy: str, conc: int, hw, overhead: float) -> dict:
         d = serve._deploy(c, kv_policy)
         d = dataclasses.replace(d, kv_cache_dtype="float32" if d.kv_cache_dtype == "auto" else d.kv_cache_dtype)
         return sim.build_engine(model, d, hw, step_overhead_s=overhead, weight_bytes=WEIGHT_BYTES,
-                                hisparse_miss_fraction=0.0)
+                                hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True)
 
     serve._engine = engine
     try:
@@ -119,34 +145,100 @@ def _sim(cfg, policy: str, conc: int, hw, overhead: float) -> dict:
         serve._engine = make
 
 
-def _priced(cfg_model, deploy, steps, hw) -> np.ndarray:
+def _forward_price(cfg_model, dep, hw, shape) -> float:
+    from glm53.engine.sim import forward_cost
+
+    return forward_cost(cfg_model, hw, dep, *shape).time_s()
+
+
+# the calibration grid: forward programs of the serve default's model (rows x tokens per row x attention
+# window), spanning the shapes every validated config runs (decode batches, prefill chunks, windows up to
+# the longest context)
+GRID_ROWS = (1, 4)
+GRID_WIDTHS = (1, 16, 64, 256, 1024)
+GRID_WINDOWS = (64, 512, 2048, 8192)
+GRID_REPEATS = 3
+
+
+def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS) -> dict[tuple[int, int, int], float]:
+    """Median seconds of each grid forward (rows, width, window) on a model runner of `deploy` widened to
+    the grid (8,192-token windows, 1,024-token rows), each program compiled first; every row reads and
+    writes the same pages (the timing does not depend on what they hold)."""
+    import jax
+    import numpy as np
+
+    import glm53
+
+    d = dataclasses.replace(deploy, max_model_len=max(GRID_WINDOWS), max_num_batched_tokens=max(GRID_WIDTHS),
+                            max_num_seqs=max(GRID_ROWS), num_gpu_blocks=2 * max(GRID_WINDOWS) // deploy.block_size)
+    runner = glm53.Engine(model, d).replicas[0].runner
+    out = {}
+    for rows in GRID_ROWS:
+        for width in GRID_WIDTHS:
+            for window in GRID_WINDOWS:
+                if width > window:
+                    continue
+                tok = np.zeros((rows, width), np.int32)
+                pos = np.tile(np.arange(window - width, window, dtype=np.int32), (rows, 1))
+                mla = runner._table("mla", rows, [list(range(window // runner.deploy.tokens_per_block))] * rows, window)
+                idx = runner._table("indexer", rows, [list(range(-(-window // runner.deploy.index_tokens_per_block)))] * rows,
+                                    window)
+                times = []
+                for i in range(repeats + 1):  # the first run compiles
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(runner._forward(tok, pos, mla, idx, window))
+                    times.append(time.perf_counter() - t0)
+                out[(rows, width, window)] = statistics.median(times[1:])
+    return out
+
+
+def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) -> dict:
+    """Grid fit of (FLOP/s, B/s) with the forward latency as the median residual over the timed forward
+    shapes `times` ({(rows, width, window): seconds}), and the step overhead as the median non-forward
+    time of the steps of `logs` (StepLogs with forwards timed; see module docstring)."""
     from glm53.engine.sim import deployment
-    from glm53.perfmodel.step import step_cost
 
     dep = deployment(deploy, "float32", WEIGHT_BYTES)
-    return np.array([step_cost(cfg_model, hw, dep, plan, d2h_bytes=d2h, h2d_bytes=h2d, host_transfers=n).time_s()
-                     for plan, d2h, h2d, n, _ in steps])
-
-
-def fit(cfg_model, deploy, steps, *, max_steps: int = 400) -> dict:
-    """Grid fit of (FLOP/s, B/s) with the step overhead as the median residual (see module docstring)."""
-    sample = steps[:: max(1, len(steps) // max_steps)]
-    wall = np.array([s[-1] for s in sample])
+    shapes = sorted(times)
+    wall = np.array([times[k] for k in shapes])
     best = None
-    for f in np.logspace(9, 12, 13):
-        for b in np.logspace(9, 11.5, 11):
-            kern = _priced(cfg_model, deploy, sample, cpu_spec(f, b))
-            o = max(0.0, float(np.median(wall - kern)))
-            err = float(np.mean(np.abs(np.log((kern + o) / wall))))
+    for f in np.logspace(9, 12, 19):
+        for b in np.logspace(8.5, 11.5, 19):
+            kern = np.array([_forward_price(cfg_model, dep, cpu_spec(f, b), k) for k in shapes])
+            a = max(0.0, float(np.median(wall - kern)))
+            err = float(np.mean(np.abs(np.log((kern + a) / wall))))
             if best is None or err < best["mean_abs_log_error"]:
-                best = {"flops": float(f), "bandwidth": float(b), "step_overhead_s": o, "mean_abs_log_error": err}
-    pred = _priced(cfg_model, deploy, steps, cpu_spec(best["flops"], best["bandwidth"])) + best["step_overhead_s"]
-    all_wall = np.array([s[-1] for s in steps])
-    rel = pred / all_wall - 1
-    best.update(steps=len(steps), fitted_on_steps=len(sample), step_rel_error_median=float(np.median(rel)),
-                step_abs_rel_error_mean=float(np.mean(np.abs(rel))),
-                total_time_rel_error=float(pred.sum() / all_wall.sum() - 1))
+                best = {"flops": float(f), "bandwidth": float(b), "forward_latency_s": a, "mean_abs_log_error": err}
+    hw = cpu_spec(best["flops"], best["bandwidth"], best["forward_latency_s"])
+    pred = np.array([_forward_price(cfg_model, dep, hw, k) for k in shapes])
+    rest = []
+    for log in logs:
+        fw = {}
+        for i, *_, s in log.forwards:
+            fw[i] = fw.get(i, 0.0) + s
+        rest += [st[-1] - fw.get(i, 0.0) for i, st in enumerate(log.steps)]
+    best.update(step_overhead_s=max(0.0, float(np.median(rest))) if rest else 0.0, shapes=len(shapes),
+                steps=sum(len(log.steps) for log in logs),
+                forward_s={f"{r}x{w}@{win}": float(t) for (r, w, win), t in zip(shapes, wall)},
+                forward_rel_error={f"{r}x{w}@{win}": float(p / t - 1) for (r, w, win), p, t in zip(shapes, pred, wall)},
+                forward_abs_rel_error_mean=float(np.mean(np.abs(pred / wall - 1))))
     return best
+
+
+def serving_forward_error(cfg_model, deploy, hw, logs) -> dict:
+    """The fitted spec against the forwards the serve default's timed runs executed (not fitted on them):
+    {shape: relative error of the median} and the mean |error| weighted by each shape's count."""
+    from glm53.engine.sim import deployment
+
+    dep = deployment(deploy, "float32", WEIGHT_BYTES)
+    times: dict[tuple, list[float]] = {}
+    for log in logs:
+        for _, rows, width, window, s in log.forwards:
+            times.setdefault((rows, width, window), []).append(s)
+    err = {k: _forward_price(cfg_model, dep, hw, k) / statistics.median(v) - 1 for k, v in sorted(times.items())}
+    n = sum(len(v) for v in times.values())
+    return {"rel_error": {f"{r}x{w}@{win}": float(e) for (r, w, win), e in err.items()},
+            "abs_rel_error_weighted": float(sum(abs(e) * len(times[k]) for k, e in err.items()) / max(n, 1))}
 
 
 def _bound(steps) -> str:
@@ -158,10 +250,10 @@ def table(res: dict) -> str:
     f = res["cpu_spec_fit"]
     lines = ["# The simulator against the real engine at laptop scale", "",
              f"{res['date']}, commit {res['git_revision']}, {res['machine']['cpu']} x {res['machine']['cpu_count']}. "
-             "`python -m experiments.validate_sim`. CPU spec fitted on the timed steps of the serve default "
-             f"({f['steps']} steps): {f['flops'] / 1e9:.0f} GFLOP/s, {f['bandwidth'] / 1e9:.0f} GB/s, step overhead "
-             f"{f['step_overhead_s'] * 1e3:.2f} ms; per-step |error| mean {f['step_abs_rel_error_mean']:.1%}, "
-             f"total time {f['total_time_rel_error']:+.1%}.", "",
+             "`python -m experiments.validate_sim`. CPU spec fitted on timed forwards (a grid of shapes and the serve "
+             f"default's own; {f['shapes']} shapes) and the serve default's {f['steps']} steps: {f['flops'] / 1e9:.1f} GFLOP/s, "
+             f"{f['bandwidth'] / 1e9:.1f} GB/s, forward latency {f['forward_latency_s'] * 1e3:.2f} ms, step overhead "
+             f"{f['step_overhead_s'] * 1e3:.2f} ms; per-shape |error| mean {f['forward_abs_rel_error_mean']:.1%}.", "",
              "rel error = simulated / real - 1. Counts must be equal (the schedule does not depend on time).", "",
              "| config | policy | c | bound | role | TTFT p50 | TPOT mean | throughput/device | running | counts equal |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -169,6 +261,12 @@ def table(res: dict) -> str:
         e = p["rel_error"]
         lines.append(f"| {p['config']} | {p['kv_policy']} | {p['concurrency']} | {p['bound']} | {p['role']} | "
                      + " | ".join(f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
+    held = [p for p in res["points"] if p["role"] == "held out"]
+    if held:
+        lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
+            f"{k} {statistics.median(abs(p['rel_error'][k]) for p in held):.1%}" for k in METRICS)
+            + "; within 25%: " + ", ".join(f"{k} {sum(abs(p['rel_error'][k]) <= 0.25 for p in held)}/{len(held)}"
+                                          for k in METRICS)]
     for bound in ("prefill-bound", "decode-bound"):
         pts = [p for p in res["points"] if p["bound"] == bound and p["role"] == "held out"]
         if pts:
@@ -188,27 +286,36 @@ def main(argv=None) -> dict:
         for policy in cfg.sweep.kv_policy:
             for conc in cfg.sweep.concurrency:
                 print(f"[validate_sim] {name} {policy} c={conc} (real)", flush=True)
-                m, log = _real(cfg, model, policy, conc)
+                m, log = _real(cfg, model, policy, conc, forwards=role == "fit")
                 yield cfg, policy, conc, m, log, role
 
-    train_steps, train_points = [], []
-    for cfg, policy, conc, m, log, role in points(*TRAIN, "fit"):
-        train_steps += log.steps
-        train_points.append((cfg, policy, conc, m, log, role))
+    train_points = list(points(*TRAIN, "fit"))
     cfg0 = train_points[0][0]
+    model0, _ = serve._model(cfg0.model)
     sim_model, _ = serve._model(cfg0.model, weights=False)
-    deploy0 = serve._deploy(cfg0, cfg0.sweep.kv_policy[0]).resolved(sim_model, "float32")
-    f = fit(sim_model, deploy0, train_steps)
-    hw = cpu_spec(f["flops"], f["bandwidth"])
-    print(f"[validate_sim] CPU spec: {f['flops'] / 1e9:.0f} GFLOP/s, {f['bandwidth'] / 1e9:.0f} GB/s, overhead "
-          f"{f['step_overhead_s'] * 1e3:.2f} ms; step |error| {f['step_abs_rel_error_mean']:.1%}", flush=True)
+    deploy = serve._deploy(cfg0, cfg0.sweep.kv_policy[0])
+    deploy0 = dataclasses.replace(deploy, kv_cache_dtype="float32").resolved(sim_model, "float32")
+    print("[validate_sim] timing the calibration grid", flush=True)
+    times = time_forward_grid(model0, deploy)
+    logs = [p[4] for p in train_points]
+    served: dict[tuple, list[float]] = {}
+    for log in logs:
+        for _, rows, width, window, s in log.forwards:
+            served.setdefault((rows, width, window), []).append(s)
+    times.update({k: statistics.median(v) for k, v in served.items()})  # the serving rig's own shapes
+    f = fit(sim_model, deploy0, times, logs)
+    hw = cpu_spec(f["flops"], f["bandwidth"], f["forward_latency_s"])
+    print(f"[validate_sim] CPU spec: {f['flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.1f} GB/s, forward "
+          f"{f['forward_latency_s'] * 1e3:.2f} ms, step overhead {f['step_overhead_s'] * 1e3:.2f} ms; per-shape "
+          f"|error| {f['forward_abs_rel_error_mean']:.1%}", flush=True)
 
     res_points = []
     meta = {"benchmark": "validate_sim", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
             "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "cpu_spec_fit": f,
             "cpu_spec": dataclasses.asdict(hw), "metrics": METRICS, "counts": COUNTS,
-            "note": "real runs warmed (a first untimed pass compiles); HiSparse misses are exact in the real run "
-                    "and 0 in the simulator (the sim's miss knob is off)"}
+            "note": "real runs warmed (a first untimed pass compiles); the fit points wait for every forward, the "
+                    "held-out ones run as served; HiSparse misses are exact in the real run and 0 in the simulator "
+                    "(the sim's miss knob is off); the simulator prices the runner's padded forwards"}
 
     def save(complete: bool) -> dict:
         """results.json and table.md after every point (atomically): a run that stops keeps what it measured."""

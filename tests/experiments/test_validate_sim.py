@@ -1,5 +1,7 @@
-"""experiments.validate_sim's CPU-spec fit recovers a known spec from step times it generated itself
-(the real-engine comparison is a benchmark and asserts nothing)."""
+"""experiments.validate_sim's CPU-spec fit recovers a known spec from forward and step times it generated
+itself (the real-engine comparison is a benchmark and asserts nothing)."""
+
+import types
 
 import pytest
 
@@ -9,19 +11,18 @@ from glm53.engine import sim
 from glm53.engine.config import DeployConfig
 
 
-def test_the_fit_recovers_the_spec_that_priced_the_steps():
+def test_the_fit_recovers_the_spec_that_priced_the_forwards():
     cfg = glm53.get_preset("tiny")
     deploy = DeployConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64,
-                          kv_cache_dtype="float32")
-    eng = sim.build_engine(cfg, deploy)
-    log = vs.StepLog(eng)
-    rng = __import__("numpy").random.default_rng(0)
-    eng.generate([rng.integers(0, cfg.vocab_size, n).tolist() for n in (40, 150, 90, 300)], max_new_tokens=12)
-    assert len(log.steps) > 20
-    true = vs.cpu_spec(1e10, 1e10)
-    kern = vs._priced(cfg, eng.deploy, log.steps, true)
-    steps = [(*s[:-1], float(k) + 2e-3) for s, k in zip(log.steps, kern)]  # a 2 ms step overhead
-    f = vs.fit(cfg, eng.deploy, steps)
+                          kv_cache_dtype="float32").resolved(cfg, "float32")
+    dep = sim.deployment(deploy, "float32", vs.WEIGHT_BYTES)
+    true = vs.cpu_spec(1e10, 1e10, 4e-3)
+    shapes = [(r, w, win) for r in (1, 4) for w in (1, 16, 64) for win in (64, 256, 512)]
+    forwards = [(i, *k, sim.forward_cost(cfg, true, dep, *k).time_s()) for i, k in enumerate(shapes)]
+    steps = [(None, 0, 0, 0, f[-1] + 2e-3) for f in forwards]  # one forward per step, 2 ms besides
+    times = {k: f[-1] for k, f in zip(shapes, forwards)}
+    f = vs.fit(cfg, deploy, times, [types.SimpleNamespace(forwards=forwards, steps=steps)])
     assert (f["flops"], f["bandwidth"]) == pytest.approx((1e10, 1e10))
+    assert f["forward_latency_s"] == pytest.approx(4e-3, rel=1e-6)
     assert f["step_overhead_s"] == pytest.approx(2e-3, rel=1e-6)
-    assert f["step_abs_rel_error_mean"] < 1e-6
+    assert f["forward_abs_rel_error_mean"] < 1e-6 and f["shapes"] == len(shapes)
