@@ -91,12 +91,15 @@ class SimRunner(SyntheticRunner):
         rows at its full width against the group's whole attention window (the padded program computes
         that much), hw.forward_latency_s per forward. For validating the simulator against the real
         engine on CPU (experiments/validate_sim.py); an H200 deployment runs unpadded kernels.
-    async_dispatch: model the model runner's asynchronous dispatch: the host part of a step
+    host_overlap_s: host time per step after its forwards are dispatched (sampling, bookkeeping;
+        default 0): serial like step_overhead_s, except under async_dispatch, where it overlaps them.
+    async_dispatch: model the model runner's asynchronous dispatch: the host part before dispatch
         (step_overhead_s) runs while earlier forwards still compute, a step's transfers and forwards
-        queue behind them in order, and the step returns when its host part is done and the last
-        forward it samples from has finished (a forward whose rows sample nothing is not waited for:
-        the next step waits behind it). Needs `clock` (the engine's VirtualClock; build_engine passes
-        it). Off (the default), a step is its host part plus its priced work.
+        queue behind them in order, the rest of its host part (host_overlap_s) runs beside them, and
+        the step returns when its host part is done and the last forward it samples from has finished
+        (a forward whose rows sample nothing is not waited for: the next step waits behind it). Needs
+        `clock` (the engine's VirtualClock; build_engine passes it). Off (the default), a step is its
+        host parts plus its priced work.
     After each step: `busy_s` (priced seconds so far), `time_by_op` (seconds per cost name, summed),
     `steps`.
     """
@@ -104,16 +107,16 @@ class SimRunner(SyntheticRunner):
     def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200_CALIBRATED, *,
                  step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, weight_bytes: float | None = None,
                  token=None, record: bool = False, pad_like_runner: bool = False, async_dispatch: bool = False,
-                 clock: VirtualClock | None = None):
+                 host_overlap_s: float = 0.0, clock: VirtualClock | None = None):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
-        if not step_overhead_s >= 0 or not 0 <= hisparse_miss_fraction <= 1:
-            raise ValueError(f"SimRunner: step_overhead_s must be >= 0 and hisparse_miss_fraction in [0, 1], got "
-                             f"{step_overhead_s!r}, {hisparse_miss_fraction!r}")
+        if not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1:
+            raise ValueError(f"SimRunner: step_overhead_s and host_overlap_s must be >= 0 and hisparse_miss_fraction "
+                             f"in [0, 1], got {step_overhead_s!r}, {host_overlap_s!r}, {hisparse_miss_fraction!r}")
         super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record)
         self.cfg, self.hw, self.deploy = cfg, hw, deploy
         self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes)
-        self.step_overhead_s = step_overhead_s
+        self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0
         self.time_by_op: dict[str, float] = {}
@@ -165,8 +168,9 @@ class SimRunner(SyntheticRunner):
             # returns once its host part is done and the last forward it samples from has finished
             # (a step without rows waits for its transfers)
             now = self.clock.now()
-            done = now + self.step_overhead_s
-            t = max(done, self._device_free_s)
+            dispatched = now + self.step_overhead_s
+            done = dispatched + self.host_overlap_s
+            t = max(dispatched, self._device_free_s)
             for seconds, waits in times:
                 t += seconds
                 if waits or not plan.rows:
@@ -174,8 +178,8 @@ class SimRunner(SyntheticRunner):
             self._device_free_s = t
             seconds = done - now
         else:
-            seconds = work + self.step_overhead_s
-        self.busy_s += work + self.step_overhead_s
+            seconds = work + self.step_overhead_s + self.host_overlap_s
+        self.busy_s += work + self.step_overhead_s + self.host_overlap_s
         self.hot_miss_rows += misses
         return dataclasses.replace(res, duration_s=seconds)
 

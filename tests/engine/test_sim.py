@@ -193,6 +193,17 @@ def test_async_dispatch_overlaps_host_work_with_queued_forwards():
     assert eng.clock.now() < runner.busy_s
     with pytest.raises(ValueError, match="clock"):
         sim.SimRunner(TINY, eng.deploy, eng.sizes, async_dispatch=True)
+    # host time after dispatch runs beside the forwards: a decode step takes the longer of the two
+    for overlap in (1e-3, 20e-3):
+        eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64), hw, step_overhead_s=overhead,
+                               pad_like_runner=True, async_dispatch=True, host_overlap_s=overlap)
+        eng.add_request(np.arange(10) % TINY.vocab_size, SamplingParams(max_new_tokens=3))
+        eng.step()  # the prompt
+        busy = eng.runner.busy_s
+        before = eng.clock.now()
+        eng.step()  # one decode forward
+        forward = eng.runner.busy_s - busy - overhead - overlap
+        assert eng.clock.now() - before == pytest.approx(overhead + max(overlap, forward))
 
 
 def test_a_priced_runner_needs_a_virtual_clock():

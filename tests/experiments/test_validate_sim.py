@@ -19,10 +19,12 @@ def test_the_fit_recovers_the_spec_that_priced_the_forwards():
     true = vs.cpu_spec(1e10, 1e10, 4e-3)
     shapes = [(r, w, win) for r in (1, 4) for w in (1, 16, 64) for win in (64, 256, 512)]
     forwards = [(i, *k, sim.forward_cost(cfg, true, dep, *k).time_s()) for i, k in enumerate(shapes)]
-    steps = [(None, 0, 0, 0, f[-1] + 2e-3) for f in forwards]  # one forward per step, 2 ms besides
+    # one forward per step, 0.5 ms of host time before it and 1.5 ms after it
+    steps = [(None, 0, 0, 0, f[-1] + 2e-3) for f in forwards]
     times = {k: f[-1] for k, f in zip(shapes, forwards)}
-    f = vs.fit(cfg, deploy, times, [types.SimpleNamespace(forwards=forwards, steps=steps)])
+    log = types.SimpleNamespace(forwards=forwards, steps=steps, before_forwards={i: 5e-4 for i in range(len(steps))})
+    f = vs.fit(cfg, deploy, times, [log])
     assert (f["flops"], f["bandwidth"]) == pytest.approx((1e10, 1e10))
     assert f["forward_latency_s"] == pytest.approx(4e-3, rel=1e-6)
-    assert f["step_overhead_s"] == pytest.approx(2e-3, rel=1e-6)
+    assert (f["step_overhead_s"], f["host_overlap_s"]) == pytest.approx((5e-4, 1.5e-3), rel=1e-6)
     assert f["forward_abs_rel_error_mean"] < 1e-6 and f["shapes"] == len(shapes)
