@@ -151,11 +151,11 @@ class HiSparsePolicy(PreemptPolicy):
                     break
                 index.append((dev_i, host_i))
         keep = len(mla) - len(mla) % step  # whole hit units only
-        for dev_m, host_m in mla[:keep]:
-            rb.tables["mla"].append(-1 if dev_m is None else dev_m)
-            st.host.append(-1 if host_m is None else host_m)
-            kv.pool.touch([dev_m] if dev_m is not None else [])
-            self.host_mla.touch([host_m] if host_m is not None else [])
+        hit = mla[:keep]
+        rb.tables["mla"].extend(-1 if dev_m is None else dev_m for dev_m, _ in hit)
+        st.host.extend(-1 if host_m is None else host_m for _, host_m in hit)
+        kv.pool.touch([dev_m for dev_m, _ in hit if dev_m is not None])  # one call each: this runs per block
+        self.host_mla.touch([host_m for _, host_m in hit if host_m is not None])
         for dev_i, host_i in index[: keep // r]:
             rb.tables["indexer"].append(-1 if dev_i is None else dev_i)
             if dev_i is None:
@@ -280,7 +280,7 @@ class HiSparsePolicy(PreemptPolicy):
         """table: this step's MLA table (intact unpinned pages mapped). full: no sealed page released or
         host-only; none: every sealed page host-only; mixed: the rest."""
         sealed = table[: len(st.host)]
-        host_only = len(sealed) - sum(map((-1).__lt__, sealed))  # entries < 0, counted in C
+        host_only = sealed.count(-1)  # the only negative entry (KVCacheManager.block_table), counted in C
         state = "full" if not host_only and not st.unpinned else ("none" if sealed and host_only == len(sealed)
                                                                    else "mixed")
         self.stats.residency_steps[state] += 1

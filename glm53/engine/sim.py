@@ -137,7 +137,7 @@ class SimRunner(SyntheticRunner):
         for row, table, hs in zip(plan.rows, plan.block_tables["mla"], plan.hisparse):
             if hs.lease < 0 or row.num_tokens != 1 + row.num_draft_tokens or not table:
                 continue
-            host_only = (len(table) - sum(map((-1).__lt__, table))) / len(table)  # entries < 0, counted in C
+            host_only = table.count(-1) / len(table)  # -1: a page with no device block (block_table)
             total += self.hisparse_miss_fraction * min(k, row.start + 1) * host_only * row.num_tokens
         return total
 
