@@ -235,22 +235,6 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
     return best
 
 
-def serving_forward_error(cfg_model, deploy, hw, logs) -> dict:
-    """The fitted spec against the forwards the serve default's timed runs executed (not fitted on them):
-    {shape: relative error of the median} and the mean |error| weighted by each shape's count."""
-    from glm53.engine.sim import deployment
-
-    dep = deployment(deploy, "float32", WEIGHT_BYTES)
-    times: dict[tuple, list[float]] = {}
-    for log in logs:
-        for _, rows, width, window, s in log.forwards:
-            times.setdefault((rows, width, window), []).append(s)
-    err = {k: _forward_price(cfg_model, dep, hw, k) / statistics.median(v) - 1 for k, v in sorted(times.items())}
-    n = sum(len(v) for v in times.values())
-    return {"rel_error": {f"{r}x{w}@{win}": float(e) for (r, w, win), e in err.items()},
-            "abs_rel_error_weighted": float(sum(abs(e) * len(times[k]) for k, e in err.items()) / max(n, 1))}
-
-
 def _bound(steps) -> str:
     pre = sum(s[-1] for s in steps if any(r.num_tokens > 1 + r.num_draft_tokens for r in s[0].rows))
     return "prefill-bound" if pre > 0.5 * sum(s[-1] for s in steps) else "decode-bound"
