@@ -33,7 +33,7 @@ KEYS = ("preemptions", "offloads", "recomputed_tokens", "d2h_bytes", "h2d_bytes"
         "hot_misses", "hisparse_h2d_rows", "host_pool_bytes_peak", "precopied_pages", "released_pages", "lost_pages",
         "staged_pages", "parked_index_pages", "restored_index_pages", "host_prefix_pages", "leases",
         "running_requests_mean", "residency_full_requests_mean", "residency_mixed_requests_mean",
-        "residency_none_requests_mean")
+        "residency_none_requests_mean", "kv_offload")
 
 
 EVENT_KEYS = ("pool_history_sha256", "pool_events")  # left out by --compare --states
@@ -107,6 +107,9 @@ def run() -> dict:
     base = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
     for name, kw in [("preempt_pool24_nocache", dict(num_gpu_blocks=24, enable_prefix_caching=False)),
                      ("preempt_pool24_cache", dict(num_gpu_blocks=24)),
+                     ("swap_pool24", dict(num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="swap",
+                                          cpu_offload_bytes=1 << 30)),
+                     ("swap_pool20_small_host", dict(num_gpu_blocks=20, kv_policy="swap", cpu_offload_bytes=60_000)),
                      ("offload_pool24", dict(num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="offload",
                                              cpu_offload_bytes=1 << 30)),
                      ("offload_pool20_small_host", dict(num_gpu_blocks=20, kv_policy="offload", cpu_offload_bytes=60_000)),
@@ -121,12 +124,13 @@ def run() -> dict:
     second = [np.concatenate([p, o] + ([] if i % 2 == 0 else [rng.integers(0, 512, 5)]))
               for i, (p, o) in enumerate(zip(first, ref))]
     hisparse = dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24, index_block_size=16)
-    for blocks in (48, 40):
+    offload = dict(kv_policy="offload", cpu_offload_bytes=1 << 24)
+    for name, kw, blocks in [("hisparse", hisparse, 48), ("hisparse", hisparse, 40), ("offload", offload, 40)]:
         hist.take()
-        eng = Engine(model, DeployConfig(**base, **hisparse, num_gpu_blocks=blocks))
+        eng = Engine(model, DeployConfig(**base, **kw, num_gpu_blocks=blocks))
         outs = eng.generate(first, max_new_tokens=10)
         eng.scheduler.kv.pool.reset_prefix_cache()
-        record(f"hisparse_two_turns_pool{blocks}", eng, outs + eng.generate(second, max_new_tokens=10))
+        record(f"{name}_two_turns_pool{blocks}", eng, outs + eng.generate(second, max_new_tokens=10))
     hist.take()
     eng = Engine(model, DeployConfig(**base, num_gpu_blocks=30))
     record("sampling_pool30", eng, eng.generate(prompts, 5, greedy=False, temperature=0.8, top_p=0.9, seed=3))

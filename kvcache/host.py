@@ -237,8 +237,8 @@ def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
 
 @dataclasses.dataclass(frozen=True)
 class HostKV:
-    """A request's KV pages saved by the offload policy: per group, per layer, rows [padded pages x page
-    rows, width] in pinned_host memory; `nbytes`: the bytes of its real pages."""
+    """A request's KV pages saved by the swap policy (kvcache.policy.SwapPolicy): per group, per layer,
+    rows [padded pages x page rows, width] in pinned_host memory; `nbytes`: the bytes of its real pages."""
 
     arrays: dict[str, tuple[jax.Array, ...]]
     nbytes: int
@@ -255,7 +255,8 @@ class HostMemory:
         every layer of the group on each of `kv_ranks` DCP ranks; rank r's pages start at r x num_blocks.
     host / device: shardings of host-resident and device-resident copies (memory kinds pinned_host and
         device, laid out like the pool).
-    host_blocks: HiSparse's host pools, pages per group ({"mla": N, "indexer": M}; None: no HiSparse).
+    host_blocks: host pools, pages per group ({"mla": N, "indexer": M}: HiSparse's pools or the offload
+        host tier's; None: none).
     hot: HiSparse's hot buffers (leases, IndexShare groups, rows per lease), device int32 state.
     max_copy_pages: pages per page-copy program; a larger copy runs in several (a bounded set of
         programs, all compiled by `warmup`).
@@ -328,7 +329,7 @@ class HostMemory:
         """Whole pages between the device pool and the group's host pool, every layer of the group; at
         most max_copy_pages per program, each padded to a power of two. -> (cache, bytes)."""
         if op.group not in self.host_tables:
-            raise ValueError(f"no host pool for cache group {op.group!r} (HiSparse is off)")
+            raise ValueError(f"no host pool for cache group {op.group!r} (neither HiSparse nor the offload tier is on)")
         field = GROUP_FIELDS[op.group]
         for lo in range(0, max(len(op.src), 1 if pad_to else 0), self.max_copy_pages):
             src, dst = op.src[lo:lo + self.max_copy_pages], op.dst[lo:lo + self.max_copy_pages]
@@ -348,7 +349,7 @@ class HostMemory:
 
     def _save(self, cache, op: SaveKV) -> int:
         """A request's pages to host memory (pages padded to a power of two per group). The only
-        device->host path of the offload policy."""
+        device->host path of the swap policy."""
         if op.key in self.saved:
             raise ValueError(f"a host copy named {op.key!r} already exists")
         arrays, nbytes = {}, 0
@@ -364,7 +365,7 @@ class HostMemory:
 
     def _load(self, cache, op: LoadKV):
         """A saved copy back into the blocks `op` names (same page counts) -> (cache, bytes); the copy is
-        dropped. The only host->device path of the offload policy."""
+        dropped. The only host->device path of the swap policy."""
         saved = self.saved.pop(op.key)
         fields = {}
         for g, blocks in op.blocks:

@@ -13,9 +13,10 @@ its device blocks), `saved_tokens` / `restore` (KV held outside the pool and its
 (what the runner reads for the request's row this step), `on_finish`; per step: `after_step`. It takes
 the outbox with `take_transfers` at the end of each `schedule` and `update`.
 
-`PreemptPolicy` drops the victim's KV (vLLM's recompute preemption); `OffloadPolicy` swaps it to a host
-pool and back; `kvcache.hisparse.HiSparsePolicy` keeps requests decoding with most of their MLA KV on
-the host.
+`PreemptPolicy` drops the victim's KV (vLLM's recompute preemption); `SwapPolicy` swaps it to a host
+pool and back (`kv_policy="swap"`, the project's first offload policy, kept for comparison);
+`kvcache.offload.OffloadPolicy` is the host tier of tiered offloading, a CPU prefix cache;
+`kvcache.hisparse.HiSparsePolicy` keeps requests decoding with most of their MLA KV on the host.
 """
 
 from __future__ import annotations
@@ -158,16 +159,17 @@ class PreemptPolicy:
         pass
 
 
-class OffloadPolicy(PreemptPolicy):
-    """Swap the victim's computed KV (every cache group, whole pages) to a host pool of `capacity_bytes`
-    and all of it back before the request runs again (`SaveKV` / `LoadKV`). A victim that does not fit
-    what is left of the host pool is preempted instead (its KV dropped). page_bytes: per cache group,
-    the bytes of one page (kvcache.layout.page_bytes)."""
+class SwapPolicy(PreemptPolicy):
+    """kv_policy="swap": the victim's computed KV (every cache group, whole pages) goes to a host pool of
+    `capacity_bytes` and all of it back before the request runs again (`SaveKV` / `LoadKV`). A victim
+    that does not fit what is left of the host pool is preempted instead (its KV dropped). Nothing is
+    kept after a request finishes (no prefix reuse from the host: that is kvcache.offload). page_bytes:
+    per cache group, the bytes of one page (kvcache.layout.page_bytes)."""
 
     def __init__(self, capacity_bytes: int, page_bytes: dict[str, int]):
         super().__init__()
         if capacity_bytes <= 0:
-            raise ValueError(f"the offload policy needs a host pool of > 0 bytes, got {capacity_bytes}")
+            raise ValueError(f"the swap policy needs a host pool of > 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.page_bytes = dict(page_bytes)
         self.used_bytes = 0

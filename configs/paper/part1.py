@@ -9,9 +9,10 @@ point is the same config with --config.deploy.max_model_len=1048576.
 
 Device KV budget: BRIEF §2's ~15 GiB per GPU under TP8 (glm53.perfmodel.PUBLISHED_KV_BUDGET_BYTES_TP8),
 until the full-size issue's memory plan derives it. MTP3 is not built: one token per decode step
-(num_speculative_tokens 0 in every run). Today's `offload` policy is swap-on-preemption, not vLLM's CPU
-prefix cache: its figures change when the tiered-offload issue lands. Every step is priced by the
-performance model on the H200 spec (docs/simulator.md lists what is assumed).
+(num_speculative_tokens 0 in every run). `offload` is the host tier of tiered offloading (a CPU prefix
+cache, kvcache.offload; vLLM's offloading baseline); its stores run before the forward, not beside it.
+Every step is priced by the performance model on the H200 spec (docs/simulator.md lists what is
+assumed).
 
     python -m experiments.serve --config configs/paper/part1.py --out results/paper/part1
 """

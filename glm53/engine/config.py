@@ -7,8 +7,9 @@ import dataclasses
 from attention.formats import MLA_FORMATS
 from kvcache.hisparse import hot_buffer_rows
 from kvcache.layout import page_bytes
+from kvcache.offload import host_tier_blocks
 
-KV_POLICIES = ("preempt", "offload", "hisparse")
+KV_POLICIES = ("preempt", "offload", "swap", "hisparse")
 IMPLS = ("auto", "reference", "pallas")
 GROUPS = ("mla", "indexer")  # the engine's cache groups: MLA rows of every layer, keys of the full layers
 _POSITIVE = ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
@@ -27,7 +28,7 @@ class KVSizes:
     kv_cache_dtype: the MLA row format ("auto" resolved to the model's dtype).
     num_blocks: device pool blocks (each a page in every cache group).
     page_bytes: per cache group, the bytes one block holds (every layer, every DCP rank).
-    host_blocks: HiSparse's host pools in pages per group ({} under other policies).
+    host_blocks: host pools in pages per group: HiSparse's, or the offload host tier's ({} otherwise).
     hot_rows / max_leases: HiSparse's hot-buffer rows per request and lease slots (0 without).
     """
 
@@ -42,6 +43,10 @@ class KVSizes:
 _CHOICES = {"dcp_comm_backend": ("ag_rs", "a2a"), "kv_cache_dtype": ("auto", *MLA_FORMATS), "kv_policy": KV_POLICIES,
             "attention_impl": IMPLS}
 
+
+# the offload connector's options (kv_transfer_config's kv_connector_extra_config) and their defaults
+OFFLOAD_DEFAULTS = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 0, "blocks_per_chunk": 1,
+                    "eviction_policy": "lru", "secondary_tiers": []}
 
 GiB = 1 << 30
 CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU backend's KV space when VLLM_CPU_KVCACHE_SPACE is unset
@@ -89,10 +94,19 @@ class DeployConfig:
     data_parallel_size: independent replicas (glm53.engine.engine), each on its own max(PCP, DCP) devices
         with its own scheduler and block pool; pool sizes (num_gpu_blocks, host bytes) are per replica.
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
-        later), "offload" (move it to the host pool, bring it back), "hisparse" (keep decoding with most
+        later), "offload" (the host tier of tiered offloading: every full page is stored to a CPU prefix
+        cache of cpu_offload_bytes as it fills and loaded back by a later prefix lookup,
+        kvcache.offload), "swap" (move a victim's KV to a host pool of cpu_offload_bytes and back; nothing
+        is kept after a request finishes), "hisparse" (keep decoding with most
         MLA KV in a host pool of hisparse_host_pool_bytes, at least one request of max_model_len; rows
         the indexer selects come through a hot buffer of hisparse_device_buffer_size rows per request,
         default (num_speculative_tokens + 2) x top-k, i.e. 2 x top-k without MTP; kvcache.hisparse).
+    kv_transfer_config: vLLM's shape for the offload connector, {"kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": N, "blocks_per_chunk": 1, "eviction_policy": "lru", "secondary_tiers": []}}.
+        It implies kv_policy="offload" and sets cpu_offload_bytes to cpu_bytes_to_use (if both are given
+        they must agree); cpu_offload_bytes=N alone is the shorthand for a host tier of N bytes. Built so
+        far: the host tier with LRU eviction; ARC and secondary tiers raise NotImplementedError.
     """
 
     data_parallel_size: int = 1
@@ -120,6 +134,7 @@ class DeployConfig:
     sparse_mla_force_mqa: bool = False
     attention_impl: str = "auto"
     host_link_bytes_per_s: float = 50e9
+    kv_transfer_config: dict | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -173,10 +188,67 @@ class DeployConfig:
         if self.kv_policy == "hisparse" and self.hisparse_host_pool_bytes <= 0:
             raise ValueError("DeployConfig.kv_policy='hisparse' needs hisparse_host_pool_bytes > 0 (the host pool "
                              "for MLA pages; cpu_offload_bytes sizes the separate pool for idle indexer keys)")
-        if self.kv_policy == "offload" and self.cpu_offload_bytes <= 0:
-            raise ValueError("DeployConfig.kv_policy='offload' needs cpu_offload_bytes > 0 (the host pool size)")
+        if self.kv_transfer_config is not None:
+            self._apply_kv_transfer_config()
+        if self.kv_policy in ("offload", "swap") and self.cpu_offload_bytes <= 0:
+            raise ValueError(f"DeployConfig.kv_policy={self.kv_policy!r} needs cpu_offload_bytes > 0 (the host pool size)")
         if self.num_speculative_tokens:
             raise NotImplementedError("DeployConfig.num_speculative_tokens: MTP speculative decoding is not built yet")
+
+    def _apply_kv_transfer_config(self) -> None:
+        """Check kv_transfer_config (vLLM's keys; anything else is refused, so a typo is not ignored) and
+        set what it implies: kv_policy "offload" and cpu_offload_bytes."""
+        ktc = self.kv_transfer_config
+        if not isinstance(ktc, dict):
+            raise ValueError(f"DeployConfig.kv_transfer_config must be a dict, got {type(ktc).__name__}")
+        unknown = set(ktc) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        if unknown:
+            raise ValueError(f"DeployConfig.kv_transfer_config: unknown keys {sorted(unknown)}")
+        if ktc.get("kv_connector") != "OffloadingConnector":
+            raise ValueError("DeployConfig.kv_transfer_config['kv_connector'] must be 'OffloadingConnector', got "
+                             f"{ktc.get('kv_connector')!r}")
+        if ktc.get("kv_role", "kv_both") != "kv_both":
+            raise NotImplementedError(f"kv_transfer_config kv_role={ktc['kv_role']!r}: only 'kv_both' is built "
+                                      "(producer / consumer roles come with P/D disaggregation)")
+        extra = ktc.get("kv_connector_extra_config", {})
+        if not isinstance(extra, dict):
+            raise ValueError("DeployConfig.kv_transfer_config['kv_connector_extra_config'] must be a dict")
+        unknown = set(extra) - set(OFFLOAD_DEFAULTS)
+        if unknown:
+            raise ValueError(f"kv_transfer_config kv_connector_extra_config: unknown keys {sorted(unknown)}")
+        opts = {**OFFLOAD_DEFAULTS, **extra}
+        if opts["spec_name"] not in ("TieringOffloadingSpec", "CPUOffloadingSpec"):
+            raise ValueError("kv_connector_extra_config spec_name must be 'TieringOffloadingSpec' or "
+                             f"'CPUOffloadingSpec', got {opts['spec_name']!r}")
+        n = opts["cpu_bytes_to_use"]
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"kv_connector_extra_config cpu_bytes_to_use must be an int > 0, got {n!r}")
+        k = opts["blocks_per_chunk"]
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"kv_connector_extra_config blocks_per_chunk must be a positive int, got {k!r}")
+        if opts["eviction_policy"] not in ("lru", "arc"):
+            raise ValueError(f"kv_connector_extra_config eviction_policy must be 'lru' or 'arc', got "
+                             f"{opts['eviction_policy']!r}")
+        if opts["eviction_policy"] == "arc":
+            raise NotImplementedError("kv_connector_extra_config eviction_policy='arc' is not built yet (issue 20)")
+        if opts["secondary_tiers"]:
+            raise NotImplementedError("kv_connector_extra_config secondary_tiers are not built yet (issue 20): "
+                                      "only the host tier runs")
+        if self.kv_policy not in ("preempt", "offload"):
+            raise ValueError(f"DeployConfig.kv_transfer_config (the offload connector) with kv_policy="
+                             f"{self.kv_policy!r}: it is the 'offload' policy")
+        if self.cpu_offload_bytes and self.cpu_offload_bytes != n:
+            raise ValueError(f"DeployConfig.cpu_offload_bytes={self.cpu_offload_bytes} and kv_transfer_config "
+                             f"cpu_bytes_to_use={n} disagree")
+        object.__setattr__(self, "kv_policy", "offload")
+        object.__setattr__(self, "cpu_offload_bytes", n)
+
+    @property
+    def offload_options(self) -> dict:
+        """The offload connector's options (OFFLOAD_DEFAULTS overridden by kv_transfer_config's
+        kv_connector_extra_config; cpu_bytes_to_use = cpu_offload_bytes)."""
+        extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config", {})
+        return {**OFFLOAD_DEFAULTS, **extra, "cpu_bytes_to_use": self.cpu_offload_bytes}
 
     @property
     def is_resolved(self) -> bool:
@@ -262,6 +334,12 @@ class DeployConfig:
         kv_dtype = str(model_dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, self.block_size, self.index_block_size,
                            dcp=self.decode_context_parallel_size)
+        if self.kv_policy == "offload":
+            tiers = host_tier_blocks(self.cpu_offload_bytes, pages, self.group_tokens_per_block(GROUPS))
+            if min(tiers.values()) < 1:
+                raise ValueError(f"DeployConfig.cpu_offload_bytes={self.cpu_offload_bytes} holds no page of some cache "
+                                 f"group ({tiers}; pages of {pages} bytes)")
+            return KVSizes(kv_dtype, self.num_gpu_blocks, pages, tiers)
         if self.kv_policy != "hisparse":
             return KVSizes(kv_dtype, self.num_gpu_blocks, pages, {})
         host = {"mla": self.hisparse_host_pool_bytes // pages["mla"],

@@ -41,14 +41,17 @@ from glm53.engine.runner import ModelRunner
 from glm53.engine.scheduler import Scheduler, SchedulerStats
 from glm53.model import as_token_array
 from kvcache.hisparse import HiSparsePolicy
-from kvcache.policy import KVPolicy, OffloadPolicy, PreemptPolicy
+from kvcache.offload import OffloadPolicy
+from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
 from kvcache.transfer import TransferStats
 
 
 def make_policy(deploy: DeployConfig, sizes: KVSizes) -> KVPolicy:
     """The KV policy `deploy.kv_policy` names, sized by `sizes`."""
     if deploy.kv_policy == "offload":
-        return OffloadPolicy(deploy.cpu_offload_bytes, sizes.page_bytes)
+        return OffloadPolicy(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=deploy.offload_options["blocks_per_chunk"])
+    if deploy.kv_policy == "swap":
+        return SwapPolicy(deploy.cpu_offload_bytes, sizes.page_bytes)
     if deploy.kv_policy == "hisparse":
         return HiSparsePolicy(host_mla_blocks=sizes.host_blocks["mla"], host_index_blocks=sizes.host_blocks["indexer"],
                               block_size=deploy.block_size, hot_rows=sizes.hot_rows, max_leases=sizes.max_leases,
@@ -311,12 +314,18 @@ class Engine:
                 for k in parts[0]}
 
     def _policy_metrics(self) -> dict:
-        """HiSparse figures (empty for other policies), summed over replicas (means of per-step counts add
+        """HiSparse figures, and the offload tiers' counters under kv_policy="offload" (`kv_offload`, with the
+        host tier's bytes in use now and at peak); empty for other policies. Summed over replicas (means of per-step counts add
         up too; a peak is the sum of the replicas' peaks, an upper bound): hot-buffer hits and misses
         (summed over IndexShare groups), rows copied host->device by decode steps (all layers), host pool
         bytes in use now and at peak, mean requests per step in each residency state, the page counters."""
         parts = [_hisparse_metrics(r.scheduler) for r in self.replicas]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
+        tiers = [_offload_metrics(r.scheduler) for r in self.replicas]
+        if tiers[0]:
+            out["kv_offload"] = {t: {k: sum(p[t][k] for p in tiers) for k in tiers[0][t]} for t in tiers[0]}
+            out["host_pool_bytes_used"] = sum(r.scheduler.policy.host_bytes_used() for r in self.replicas)
+            out["host_pool_bytes_peak"] = sum(r.scheduler.policy.host_bytes_peak for r in self.replicas)
         if "hot_hit_rate" in out:
             looked_up = out["hot_hits"] + out["hot_misses"]
             out["hot_hit_rate"] = out["hot_hits"] / looked_up if looked_up else float("nan")
@@ -329,6 +338,16 @@ def _weights_bytes(model, device) -> int:
     if device is None or device.platform == "cpu" or not isinstance(model, nnx.Module):
         return 0
     return sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes"))
+
+
+def _offload_metrics(sch: Scheduler) -> dict:
+    """The offload tiers' counters, {tier: {"hits", "misses", "corrupt" (hash blocks), "store_bytes",
+    "load_bytes", "stored_pages", "loaded_pages", "store_skipped_pages"}}; {} for other policies. Only the
+    host tier ("cpu") exists so far, and host memory is never corrupt."""
+    pol = sch.policy
+    if not isinstance(pol, OffloadPolicy):
+        return {}
+    return {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
 
 
 def _hisparse_metrics(sch: Scheduler) -> dict:

@@ -257,7 +257,7 @@ class ModelRunner:
         if shapes:
             d = self.deploy
             blocks = {"mla": d.max_blocks_per_seq, "indexer": d.max_index_blocks_per_seq} \
-                if d.kv_policy == "offload" else {}
+                if d.kv_policy == "swap" else {}
             self.cache = self.host.warmup(self.cache, blocks)
         self.host.lru_step = 0
         self.cp_work_per_rank(reset=True)  # warm-up steps are not serving work

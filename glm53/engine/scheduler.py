@@ -237,8 +237,12 @@ class Scheduler:
 
         from kvcache.block_pool import BlockPool
 
-        pol = {k: v for k, v in vars(self.policy).items() if not isinstance(v, BlockPool)}
-        pools = [self.kv.pool] + [v for v in vars(self.policy).values() if isinstance(v, BlockPool)]
+        def is_pools(v):  # a pool, or a dict of them (the offload tier's per group)
+            return isinstance(v, BlockPool) or (isinstance(v, dict) and v and all(isinstance(x, BlockPool) for x in v.values()))
+
+        pol = {k: v for k, v in vars(self.policy).items() if not is_pools(v)}
+        pools = [self.kv.pool] + [p for v in vars(self.policy).values() if is_pools(v)
+                                  for p in (v.values() if isinstance(v, dict) else (v,))]
         kv = ({r: (copy.deepcopy(rb.tables), rb.num_cached_blocks, len(rb.hashes)) for r, rb in self.kv.requests.items()},
               copy.deepcopy(self.kv.leases), {r: (k, list(h)) for r, (k, h) in self.kv._kept_hashes.items()})
         return [p.state() for p in pools], kv, copy.deepcopy(pol), [r.num_computed_tokens for r in self.running]

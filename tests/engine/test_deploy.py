@@ -77,7 +77,7 @@ BAD_FIELDS = [  # (field, value, what the message must say is allowed)
     ("enable_expert_parallel", 1, "True or False"), ("enable_prefix_caching", "yes", "True or False"),
     ("sparse_mla_force_mqa", None, "True or False"),
     ("dcp_comm_backend", "ring", "one of \\('ag_rs', 'a2a'\\)"), ("kv_cache_dtype", "fp8", "one of \\('auto', "),
-    ("kv_policy", "lru", "one of \\('preempt', 'offload', 'hisparse'\\)"),
+    ("kv_policy", "lru", "one of \\('preempt', 'offload', 'swap', 'hisparse'\\)"),
     ("attention_impl", "triton", "one of \\('auto', 'reference', 'pallas'\\)"),
     ("gpu_memory_utilization", 0.0, "a number in \\(0, 1\\]"), ("gpu_memory_utilization", 1.5, "a number in \\(0, 1\\]"),
     ("host_link_bytes_per_s", 0, "a number > 0"),
@@ -92,6 +92,7 @@ def test_every_invalid_field_is_named_with_what_is_allowed(field, value, allowed
 
 @pytest.mark.parametrize("fields,match", [
     (dict(kv_policy="offload"), "kv_policy='offload' needs cpu_offload_bytes > 0"),
+    (dict(kv_policy="swap"), "kv_policy='swap' needs cpu_offload_bytes > 0"),
     (dict(kv_policy="hisparse"), "kv_policy='hisparse' needs hisparse_host_pool_bytes > 0"),
     (dict(prefill_context_parallel_size=8, decode_context_parallel_size=4), "decode_context_parallel_size=4 must be equal"),
     (dict(decode_context_parallel_size=2, cp_kv_cache_interleave_size=3), "interleave_size=3 must divide block_size"),
@@ -99,6 +100,44 @@ def test_every_invalid_field_is_named_with_what_is_allowed(field, value, allowed
 def test_fields_that_contradict_each_other(fields, match):
     with pytest.raises(ValueError, match=match):
         DeployConfig(**fields)
+
+
+def _ktc(**extra):
+    return {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, **extra}}
+
+
+def test_kv_transfer_config_is_vllms_offload_connector():
+    d = DeployConfig(kv_transfer_config=_ktc(blocks_per_chunk=2))
+    assert d.kv_policy == "offload" and d.cpu_offload_bytes == 1 << 20
+    assert d.offload_options == {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
+                                 "blocks_per_chunk": 2, "eviction_policy": "lru", "secondary_tiers": []}
+    assert DeployConfig(kv_policy="offload", cpu_offload_bytes=1 << 20, kv_transfer_config=_ktc()).kv_policy == "offload"
+    assert DeployConfig(kv_policy="offload", cpu_offload_bytes=5).offload_options["blocks_per_chunk"] == 1
+
+
+@pytest.mark.parametrize("ktc,err,match", [
+    ([], ValueError, "kv_transfer_config must be a dict"),
+    ({"kv_connector": "LMCacheConnectorV1"}, ValueError, "must be 'OffloadingConnector'"),
+    ({**_ktc(), "kv_rol": "kv_both"}, ValueError, "unknown keys \\['kv_rol'\\]"),
+    (_ktc(cpu_byte_to_use=5), ValueError, "unknown keys \\['cpu_byte_to_use'\\]"),
+    (_ktc(cpu_bytes_to_use=0), ValueError, "cpu_bytes_to_use must be an int > 0"),
+    (_ktc(blocks_per_chunk=0), ValueError, "blocks_per_chunk must be a positive int"),
+    (_ktc(eviction_policy="fifo"), ValueError, "eviction_policy must be 'lru' or 'arc'"),
+    (_ktc(spec_name="Foo"), ValueError, "spec_name must be"),
+    (_ktc(eviction_policy="arc"), NotImplementedError, "arc"),
+    (_ktc(secondary_tiers=[{"type": "fs", "root_dir": "/tmp/x"}]), NotImplementedError, "secondary_tiers"),
+    ({**_ktc(), "kv_role": "kv_producer"}, NotImplementedError, "kv_role"),
+])
+def test_kv_transfer_config_bad_input(ktc, err, match):
+    with pytest.raises(err, match=match):
+        DeployConfig(kv_transfer_config=ktc)
+
+
+def test_kv_transfer_config_contradictions():
+    with pytest.raises(ValueError, match="cpu_offload_bytes=5 and kv_transfer_config cpu_bytes_to_use=1048576 disagree"):
+        DeployConfig(cpu_offload_bytes=5, kv_transfer_config=_ktc())
+    with pytest.raises(ValueError, match="kv_policy='hisparse'"):
+        DeployConfig(kv_policy="hisparse", hisparse_host_pool_bytes=1, kv_transfer_config=_ktc())
 
 
 def test_what_is_not_built_says_so(tiny_model):

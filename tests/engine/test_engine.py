@@ -43,9 +43,9 @@ def test_small_pool_preempts_and_still_matches(tiny_model, reference):
     assert sum(o.num_preemptions for o in outs) == st.preemptions
 
 
-def test_small_pool_offload_moves_kv_and_still_matches(tiny_model, reference):
+def test_small_pool_swap_moves_kv_and_still_matches(tiny_model, reference):
     prompts, want = reference
-    eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="offload",
+    eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="swap",
                                           cpu_offload_bytes=1 << 30))
     outs = eng.generate(prompts, max_new_tokens=5)
     assert [o.token_ids.tolist() for o in outs] == want

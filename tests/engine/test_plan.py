@@ -10,10 +10,11 @@ import pytest
 from glm53 import DeployConfig, Engine
 from glm53.engine.plan import StepResult
 from glm53.engine.synthetic import SyntheticRunner
-from kvcache.transfer import SaveKV
+from kvcache.transfer import PageCopy, SaveKV
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)  # as tests/engine/test_engine.py
 POLICIES = {"preempt": dict(num_gpu_blocks=24, enable_prefix_caching=False),
+            "swap": dict(num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="swap", cpu_offload_bytes=1 << 30),
             "offload": dict(num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="offload",
                             cpu_offload_bytes=1 << 30)}
 
@@ -47,12 +48,13 @@ def test_a_synthetic_runner_gives_the_model_runners_block_history(tiny_model, po
     assert [o.token_ids.tolist() for o in syn_outs] == [o.token_ids.tolist() for o in outs]
     assert pool_history.take() == model_history and len(model_history) > 50
     want = counters(model_eng)
-    assert want["preemptions"] >= 1 and (policy != "offload" or want["offloads"] >= 1)
+    assert want["preemptions"] >= 1 and (policy != "swap" or want["offloads"] >= 1)
     got = counters(syn_eng)
     assert {k: got[k] for k in want if k != "running_requests_mean"} == \
            {k: want[k] for k in want if k != "running_requests_mean"}
     assert got["running_requests_mean"] == pytest.approx(want["running_requests_mean"])
-    assert (policy == "offload") == any(isinstance(op, SaveKV) for op in runner.executed)
+    assert (policy == "swap") == any(isinstance(op, SaveKV) for op in runner.executed)
+    assert (policy == "offload") == any(isinstance(op, PageCopy) and op.direction == "h2d" for op in runner.executed)
 
 
 def test_the_plan_is_frozen_and_carries_what_the_runner_reads(tiny_model):

@@ -28,6 +28,7 @@ def small_model():
 POLICIES = {
     "preempt": ({}, (1, 90), 10),
     "offload": (dict(kv_policy="offload", cpu_offload_bytes=1 << 26), (1, 90), 10),
+    "swap": (dict(kv_policy="swap", cpu_offload_bytes=1 << 26), (1, 90), 10),
     # long requests that keep decoding under pressure, and a hot buffer of top-k rows (2 blocks, below the
     # watermark of 3 free blocks), so pages are released and decode steps read rows from the host
     "hisparse": (dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24,
@@ -60,8 +61,11 @@ def test_no_compilation_after_warmup(small_model, policy):
             eng.step()
     st = eng.scheduler.stats
     assert len(eng.finished) >= min_finished and st.preemptions >= 1, (len(eng.finished), st.preemptions)
-    if policy == "offload":  # saves and loads ran, not only the fallback to preemption
+    if policy == "swap":  # saves and loads ran, not only the fallback to preemption
         assert st.offloads >= 1 and eng.scheduler.transfers.h2d_bytes > 0
+    if policy == "offload":  # pages were stored to the host tier and loaded back
+        tier = eng.metrics()["kv_offload"]["cpu"]
+        assert tier["stored_pages"] > 0 and tier["loaded_pages"] > 0
     if policy == "hisparse":  # decode steps resolved rows from the host, pages moved both ways
         hs = eng.scheduler.policy.stats
         assert eng.scheduler.resolve.log and eng.scheduler.resolve.hot_misses > 0

@@ -18,7 +18,8 @@ from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.hisparse import HiSparsePolicy
 from kvcache.layout import page_bytes
-from kvcache.policy import OffloadPolicy
+from kvcache.offload import OffloadPolicy
+from kvcache.policy import SwapPolicy
 
 CFG = glm53.get_preset("tiny")  # only its sizes matter: no weights, no arrays
 MAX_LEN, BLOCK = 64, 4
@@ -34,7 +35,7 @@ class _Model:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["preempt", "offload", "hisparse", "hisparse"]), seqs=st.integers(1, 4),
+    @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), seqs=st.integers(1, 4),
                 budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0), host_scale=st.floats(0.05, 2.0),
                 caching=st.booleans(), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]))
     def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows):
@@ -50,8 +51,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         fields["num_gpu_blocks"] = int((request_blocks + lease) * pool_scale)
         request_bytes = sum(pages[g] * -(-MAX_LEN // n) for g, n in tpb.items())
         host = max(1, int(request_bytes * host_scale * seqs))
-        if policy == "offload":
+        if policy == "swap":
             fields["cpu_offload_bytes"] = host
+        if policy == "offload":  # at least a page of each group
+            fields["cpu_offload_bytes"] = max(host, 2 * sum(pages.values()))
         if policy == "hisparse":  # at least one request's MLA pages: smaller host pools are rejected
             fields["hisparse_host_pool_bytes"] = max(host, pages["mla"] * -(-MAX_LEN // BLOCK))  # >= one request
             fields["cpu_offload_bytes"] = host // 4
@@ -105,8 +108,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 pol.host_index.check()
             assert set(pol.state) == set(sch.kv.requests)
             assert len(pol.free_leases) + sum(s.lease >= 0 for s in pol.state.values()) == self.deploy.max_num_seqs
-        if isinstance(pol, OffloadPolicy):
+        if isinstance(pol, SwapPolicy):
             assert pol.used_bytes == sum(b for _, b in pol.saved.values()) <= pol.capacity_bytes
+        if isinstance(pol, OffloadPolicy):  # between steps no load is pending and no host page pinned
+            for p in pol.host.values():
+                p.check()
+                assert p.num_free == p.num_blocks
+            assert not pol.pending and set(pol.stored) == {r.req_id for r in sch.running}
         for req in sch.running:
             held = min(len(t) * sch.kv.group_tokens_per_block[g] for g, t in sch.kv.requests[req.req_id].tables.items())
             assert held >= req.num_computed_tokens
@@ -131,8 +139,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if isinstance(pol, HiSparsePolicy):
             assert not pol.state and len(pol.free_leases) == self.deploy.max_num_seqs
             assert pol.host_mla.num_free == pol.host_mla.num_blocks  # parked pages stay cached, but free
-        if isinstance(pol, OffloadPolicy):
+        if isinstance(pol, SwapPolicy):
             assert pol.used_bytes == 0 and not pol.saved
+        if isinstance(pol, OffloadPolicy):
+            assert not pol.stored and not pol.pending and all(p.num_free == p.num_blocks for p in pol.host.values())
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,

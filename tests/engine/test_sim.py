@@ -24,6 +24,7 @@ TINY = glm53.get_preset("tiny")
 BASE = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, block_size=8)
 POLICIES = {"preempt": dict(num_gpu_blocks=40, enable_prefix_caching=False),
             "offload": dict(num_gpu_blocks=40, kv_policy="offload", cpu_offload_bytes=1 << 30),
+            "swap": dict(num_gpu_blocks=40, kv_policy="swap", cpu_offload_bytes=1 << 30),
             "hisparse": dict(num_gpu_blocks=56, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26,
                              cpu_offload_bytes=1 << 24, index_block_size=16)}
 GLM53_TP8 = DeployConfig(tensor_parallel_size=8, kv_cache_dtype="fp8_ds_mla", block_size=64, max_model_len=32_768,

@@ -137,12 +137,26 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     want = Engine(tiny_model, DeployConfig(**base)).generate(prompts, max_new_tokens=4, greedy=True)
     eng = Engine(tiny_model, DeployConfig(**base, prefill_context_parallel_size=8, decode_context_parallel_size=8,
                                           cp_kv_cache_interleave_size=2, enable_expert_parallel=True,
-                                          num_gpu_blocks=4, kv_policy="offload", cpu_offload_bytes=1 << 24))
+                                          num_gpu_blocks=4, kv_policy="swap", cpu_offload_bytes=1 << 24))
     got = eng.generate(prompts, max_new_tokens=4, greedy=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
     assert eng.scheduler.stats.offloads >= 1 and eng.scheduler.stats.recomputed_tokens == 0
     assert eng.scheduler.transfers.h2d_bytes == eng.scheduler.transfers.d2h_bytes > 0
+    # the offload host tier on the same mesh (each host page holds the block's shard from every rank): a
+    # second turn over the first one's 32-token block, with the device prefix cache off, loads it
+    turn2 = np.concatenate([prompts[0], got[0].token_ids, rng.integers(0, tiny_model.cfg.vocab_size, 5)]).astype(np.int32)
+    want2 = Engine(tiny_model, DeployConfig(**base)).generate([turn2], max_new_tokens=3, greedy=True)[0]
+    tiered = Engine(tiny_model, DeployConfig(**{**base, "index_block_size": None}, prefill_context_parallel_size=8,
+                                             decode_context_parallel_size=8, cp_kv_cache_interleave_size=2,
+                                             enable_expert_parallel=True, num_gpu_blocks=4, enable_prefix_caching=False,
+                                             kv_policy="offload", cpu_offload_bytes=1 << 24))
+    np.testing.assert_array_equal(tiered.generate([prompts[0]], max_new_tokens=4, greedy=True)[0].token_ids,
+                                  want[0].token_ids)
+    np.testing.assert_array_equal(tiered.generate([turn2], max_new_tokens=3, greedy=True)[0].token_ids,
+                                  want2.token_ids)
+    tier = tiered.metrics()["kv_offload"]["cpu"]
+    assert tier["hits"] == 1 and tier["loaded_pages"] == 2 and tiered.scheduler.transfers.h2d_bytes == tier["load_bytes"]
     kv = eng.runner.cache.mla[0]
     assert len(kv.sharding.device_set) == 8 and kv.sharding.spec == jax.sharding.PartitionSpec("cp")
     assert eng.deploy.max_blocks_per_seq == -(-96 // (BS * 8))  # a block id covers B x N tokens

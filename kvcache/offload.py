@@ -1,0 +1,215 @@
+"""Tiered KV offloading, the host tier: a CPU prefix cache behind the device pool (BRIEF §7; vLLM's
+`OffloadingConnector` with its CPU backend). `kv_policy="offload"`.
+
+A planner like every kvcache.policy: it decides on the device pool and on its own host pools and records
+page copies (kvcache.transfer.PageCopy) that the step's runner executes in order before the forward.
+
+Mechanics
+- **Store as blocks fill.** After every step, the pages of every running request that are now full of
+  computed KV (in chunks of `blocks_per_chunk` hash blocks) and not yet on the host are copied device ->
+  host in one batched copy per cache group; a finishing or evicted request's last full pages likewise,
+  before its blocks go back to the pool. The copy runs before the next forward (the transfer ordering
+  contract), so a device block freed right after its store is copied out before anyone overwrites it.
+- **Host pools, one per cache group** (`kvcache.block_pool.BlockPool`s used as caches): a page's key is
+  (cache group, chained block hash), the hash the device prefix cache uses (it covers the tokens and the
+  request's salt). Every host page is cached and unreferenced except while a load reads it, so the
+  pool's free queue is the LRU order: a store or a hit makes a page most recently used, and a new store
+  takes the least recently used page (dropping its key). The host budget is split between the groups in
+  proportion to their bytes per token, the rate at which both fill.
+- **Reload at admission.** The prefix lookup asks the device pool first and the host pools after it,
+  page by page (a page of each group must be found for a hash block to count, as for device hits); a
+  page found only on the host gets a device block when the request's first chunk is allocated
+  (`extra_blocks` / `prepare`), is copied host -> device, and joins the device prefix cache. The host
+  page is pinned (referenced) from the lookup until its load is recorded, so no store can take it.
+- **Preemption is recompute of what no cache holds.** An evicted request's full pages are already on the
+  host (stored as they filled), so nothing is copied at eviction: when it is admitted again its prefix
+  comes from the device cache where it survived and from the host otherwise; only the partial last page
+  is recomputed. This replaces the swap of `kvcache.policy.SwapPolicy` (`kv_policy="swap"`), which
+  copied a victim's pages out at eviction and kept nothing after a request finished.
+
+What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
+before it), ARC eviction, the secondary tiers (filesystem, object store, peer) and loads that answer
+RETRY, KV events. Keys carry no model / layout fingerprint: a host pool lives and dies with one engine,
+whose layout is fixed; the shared secondary tiers will need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from kvcache.block_pool import BlockPool, KVCacheManager
+from kvcache.policy import PreemptPolicy, RequestView
+from kvcache.transfer import PageCopy
+
+
+@dataclasses.dataclass
+class OffloadStats:
+    """Counted in hash blocks (`tokens_per_block` tokens; a page of a group with larger pages counts as
+    the hash blocks it covers) and bytes."""
+
+    hits: int = 0  # hash blocks of admitted prompts served from the host tier (loaded, not recomputed)
+    misses: int = 0  # full hash blocks of admitted prompts found in neither the device pool nor the host
+    stored_pages: int = 0  # pages copied device -> host (all groups)
+    loaded_pages: int = 0  # pages copied host -> device (all groups)
+    store_bytes: int = 0
+    load_bytes: int = 0
+    store_skipped_pages: int = 0  # full pages not stored: every host page was pinned by a pending load
+
+
+def host_tier_blocks(capacity_bytes: int, page_bytes: dict[str, int], group_tokens: dict[str, int]) -> dict[str, int]:
+    """Host pages per cache group for a host tier of `capacity_bytes`: the budget split in proportion to
+    each group's bytes per token (page bytes / tokens per page), so both hold the same number of tokens."""
+    per_token = {g: page_bytes[g] / group_tokens[g] for g in page_bytes}
+    tokens = capacity_bytes / sum(per_token.values())
+    return {g: int(tokens // group_tokens[g]) for g in page_bytes}
+
+
+class OffloadPolicy(PreemptPolicy):
+    """kv_policy="offload" (a kvcache.policy.KVPolicy): the host tier of `host_blocks` pages per cache
+    group (`host_tier_blocks`); page_bytes: per group, the bytes of one page (kvcache.layout.page_bytes);
+    blocks_per_chunk: hash blocks stored together (a chunk is stored once all of it is full)."""
+
+    def __init__(self, host_blocks: dict[str, int], page_bytes: dict[str, int], *, blocks_per_chunk: int = 1):
+        super().__init__()
+        if not host_blocks or min(host_blocks.values()) < 1:
+            raise ValueError(f"the offload host tier needs at least one page per cache group, got {host_blocks} "
+                             "(raise cpu_offload_bytes)")
+        if not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
+            raise ValueError(f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}")
+        # host pools always hash their pages: the host tier is a prefix cache even when the device pool's
+        # prefix caching is off
+        self.host = {g: BlockPool(n, enable_prefix_caching=True) for g, n in host_blocks.items()}
+        self.page_bytes = dict(page_bytes)
+        self.blocks_per_chunk = blocks_per_chunk
+        self.stats = OffloadStats()
+        self.stored: dict[str, dict[str, int]] = {}  # per request and group: pages [0, n) already considered
+        # per request admitted and not yet prepared: (hash blocks its device hit covered, per group
+        # {page: (host block, hash)} of the pages that wait for a device block and a load)
+        self.pending: dict[str, tuple[int, dict[str, dict[int, tuple[int, bytes]]]]] = {}
+        self.host_bytes_peak = 0
+
+    # ------------------------------------------------------------------------------------- admission
+    def admit(self, kv: KVCacheManager, req: RequestView) -> int:
+        n = kv.admit(req.req_id, req.tokens, req.extra_keys)
+        rb = kv.requests[req.req_id]
+        self.stored[req.req_id] = {g: 0 for g in kv.groups}
+        i = n // kv.tokens_per_block
+        max_hit = min((req.num_tokens - 1) // kv.tokens_per_block, len(rb.hashes))
+        found = []  # per hash block past the device hit: [(group, on device?, block)] of the pages ending there
+        while i + len(found) < max_hit:
+            c = i + len(found)
+            h, pages = rb.hashes[c], []
+            for g in kv.groups:
+                if (c + 1) % kv.ratio[g]:
+                    continue  # no page of this group ends at this hash block
+                b = kv.pool.lookup(g, h)
+                on_device = b is not None
+                if not on_device and (b := self.host[g].lookup(g, h)) is None:
+                    break
+                pages.append((g, on_device, b))
+            else:
+                found.append(pages)
+                continue
+            break
+        keep = len(found) - len(found) % kv.hit_multiple  # a hit ends on a page boundary of every group
+        device, pend = [], {}
+        for c, pages in enumerate(found[:keep], start=i):
+            for g, on_device, b in pages:
+                table = rb.tables[g]
+                if on_device:
+                    device.append(b)
+                else:
+                    pend.setdefault(g, {})[len(table)] = (b, rb.hashes[c])
+                    self.host[g].touch([b])  # pinned until its load is recorded
+                table.append(b if on_device else -1)
+        kv.pool.touch(device)
+        self.pending[req.req_id] = (n // kv.tokens_per_block, pend)
+        rb.num_cached_blocks = i + keep
+        return (i + keep) * kv.tokens_per_block
+
+    def forget(self, kv: KVCacheManager, req: RequestView) -> None:
+        for g, pages in self.pending.pop(req.req_id, (0, {}))[1].items():
+            self.host[g].free([hb for hb, _ in pages.values()])
+        self.stored.pop(req.req_id, None)
+
+    def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
+        return tuple(p.version for p in self.host.values())  # admission reads the host pools; make_room nothing
+
+    def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
+        return sum(len(p) for p in self.pending.get(req.req_id, (0, {}))[1].values())
+
+    def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:
+        """Once, at admission: the request's host-only prefix pages get device blocks and are loaded, and
+        the lookup is counted (hits: hash blocks the host tier added to the device hit; misses: full hash
+        blocks of the prompt that neither held)."""
+        if req.req_id not in self.pending:
+            return
+        device_chunks, pend = self.pending.pop(req.req_id)
+        rb = kv.requests[req.req_id]
+        fresh = iter(kv.pool.allocate(sum(len(p) for p in pend.values())))
+        for g, pages in pend.items():
+            src, dst = [], []
+            for page, (hb, h) in pages.items():
+                b = next(fresh)
+                rb.tables[g][page] = b
+                kv.pool.cache(g, b, h)  # a full page again: later requests hit it on the device
+                src.append(hb)
+                dst.append(b)
+            self.host[g].free(src)  # unpinned: the copy below runs before any later store can take them
+            self.outbox.append(PageCopy(g, "h2d", tuple(src), tuple(dst)))
+            self.stats.loaded_pages += len(src)
+            self.stats.load_bytes += len(src) * self.page_bytes[g]
+        hit = req.num_computed_tokens // kv.tokens_per_block
+        self.stats.hits += hit - device_chunks
+        self.stats.misses += max(0, (req.num_tokens - 1) // kv.tokens_per_block - hit)
+
+    # -------------------------------------------------------------------------------------- storing
+    def _store(self, kv: KVCacheManager, reqs: Sequence[RequestView]) -> None:
+        """Copy the requests' full, not yet stored pages to the host tier (one PageCopy per group)."""
+        copies: dict[str, tuple[list[int], list[int]]] = {}
+        for req in reqs:
+            rb, done = kv.requests[req.req_id], self.stored[req.req_id]
+            chunks = rb.num_cached_blocks - rb.num_cached_blocks % self.blocks_per_chunk
+            for g in kv.groups:
+                pool, table = self.host[g], rb.tables[g]
+                full = chunks // kv.ratio[g]
+                for j in range(done[g], full):
+                    h = rb.hashes[kv.page_hash_index(g, j)]
+                    hb = pool.lookup(g, h)
+                    if hb is None:
+                        if table[j] < 0 or pool.num_free == 0:
+                            self.stats.store_skipped_pages += table[j] >= 0
+                            continue
+                        hb = pool.allocate(1)[0]  # the least recently used host page, its old key dropped
+                        pool.cache(g, hb, h)
+                        src, dst = copies.setdefault(g, ([], []))
+                        src.append(table[j])
+                        dst.append(hb)
+                    else:
+                        pool.touch([hb])  # already on the host: now the most recently used
+                    pool.free([hb])
+                done[g] = max(done[g], full)
+        for g, (src, dst) in copies.items():
+            self.outbox.append(PageCopy(g, "d2h", tuple(src), tuple(dst)))
+            self.stats.stored_pages += len(src)
+            self.stats.store_bytes += len(src) * self.page_bytes[g]
+        if copies:
+            self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes_used())
+
+    def host_bytes_used(self) -> int:
+        """Bytes of host pages holding a stored page."""
+        return sum(len(p.cached) * self.page_bytes[g] for g, p in self.host.items())
+
+    # ----------------------------------------------------------------------------------- lifecycle
+    def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
+        self._store(kv, [victim])
+        self.stored.pop(victim.req_id, None)
+        return False  # recomputed, less what the device cache and the host tier give back at re-admission
+
+    def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
+        self._store(kv, [req])
+        self.stored.pop(req.req_id, None)
+
+    def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:
+        self._store(kv, running)

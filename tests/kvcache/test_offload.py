@@ -1,0 +1,198 @@
+"""The host tier of tiered offloading (kvcache.offload, kv_policy="offload"): a CPU prefix cache behind
+the device pool. Against an engine without tiers (the same greedy tokens) and with the counts asserted:
+pages stored as they fill, hits that replace recomputation after preemption and after the device cache
+lost a prefix, LRU eviction on the host, pinned pages during a load, and bytes that follow the pages."""
+
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine.synthetic import SyntheticRunner
+from kvcache.block_pool import KVCacheManager, block_hashes
+from kvcache.offload import OffloadPolicy, host_tier_blocks
+from kvcache.transfer import PageCopy
+
+BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 512, n) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    prompts = _prompts([37, 5, 70, 20])
+    return prompts, [glm53.generate(tiny_model, p, 5).token_ids.tolist() for p in prompts]
+
+
+def test_preempted_requests_come_back_from_the_host_tier(tiny_model, reference):
+    """A pool of 24 blocks under 4 requests preempts; with the device prefix cache off, whatever the victims
+    had computed in full pages comes back from the host tier, so less is recomputed than under preempt."""
+    prompts, want = reference
+    runs = {}
+    for policy, extra in (("preempt", {}), ("offload", dict(cpu_offload_bytes=1 << 24))):
+        eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False,
+                                              kv_policy=policy, **extra))
+        outs = eng.generate(prompts, max_new_tokens=5)
+        assert [o.token_ids.tolist() for o in outs] == want
+        runs[policy] = eng
+    eng = runs["offload"]
+    st, tier = eng.scheduler.stats, eng.metrics()["kv_offload"]["cpu"]
+    assert st.preemptions >= 1 and st.offloads == 0  # nothing is copied at eviction
+    assert tier["hits"] > 0 and tier["corrupt"] == 0
+    assert st.recomputed_tokens < runs["preempt"].scheduler.stats.recomputed_tokens
+    # the bytes are the pages: each stored page is one page of its group in every layer
+    pages = eng.runner.host.page_bytes
+    pol = eng.scheduler.policy
+    tr = eng.scheduler.transfers
+    assert tr.d2h_bytes == tier["store_bytes"] > 0 and tr.h2d_bytes == tier["load_bytes"] > 0
+    assert tier["load_bytes"] % (pages["mla"] + pages["indexer"]) == 0  # block size 8 in both groups
+    assert tier["stored_pages"] == pol.stats.stored_pages and not pol.pending and not pol.stored
+    for p in pol.host.values():
+        p.check()
+        assert p.num_free == p.num_blocks  # nothing pinned once every request is done
+
+
+def test_a_later_turn_hits_the_host_after_the_device_lost_its_prefix(tiny_model):
+    """Turn 1 runs, the device prefix cache is wiped (as other traffic would evict it), turn 2 takes its
+    whole prefix from the host tier and prefills only its new tokens; its tokens equal an engine without
+    tiers."""
+    turn1 = _prompts([45], seed=3)[0]
+    new = _prompts([7], seed=4)[0]
+    outs = {}
+    for policy, extra in (("preempt", {}), ("offload", dict(cpu_offload_bytes=1 << 24))):
+        eng = Engine(tiny_model, DeployConfig(**BASE, kv_policy=policy, **extra))
+        out1 = eng.generate([turn1], max_new_tokens=3)[0]
+        eng.scheduler.kv.pool.reset_prefix_cache()
+        turn2 = np.concatenate([turn1, out1.token_ids, new])
+        before = eng.scheduler.stats.prefix_hit_tokens
+        out2 = eng.generate([turn2], max_new_tokens=4)[0]
+        outs[policy] = (out1.token_ids.tolist(), out2.token_ids.tolist(), eng.scheduler.stats.prefix_hit_tokens - before,
+                        eng)
+    assert outs["offload"][:2] == outs["preempt"][:2]
+    assert outs["preempt"][2] == 0  # nothing left on the device
+    # turn 2 holds 45 + 3 + 7 = 55 tokens: turn 1's computed KV covers 47 of them (its last output token
+    # was never fed back), i.e. 5 full blocks of 8
+    assert outs["offload"][2] == 40
+    eng = outs["offload"][3]
+    tier = eng.metrics()["kv_offload"]["cpu"]
+    assert tier["hits"] == 5 and tier["loaded_pages"] == 10  # 5 MLA + 5 indexer pages
+    # turn 1 stored its 5 full blocks (47 computed tokens), turn 2 its 6th and 7th (55 tokens + 4 outputs,
+    # 58 computed): every page stored once, none twice
+    assert tier["stored_pages"] == 2 * 7
+
+
+class _Req:
+    def __init__(self, req_id, tokens):
+        self.req_id, self._tokens, self.num_computed_tokens = req_id, np.asarray(tokens), 0
+
+    @property
+    def num_tokens(self):
+        return self._tokens.size
+
+    @property
+    def tokens(self):
+        return self._tokens
+
+    extra_keys = ()
+
+
+def _run_to_full(kv, pol, req):
+    """Admit `req`, allocate and compute all of it (as a step would), store its full pages."""
+    req.num_computed_tokens = pol.admit(kv, req)
+    kv.allocate(req.req_id, req.num_tokens)
+    pol.prepare(kv, req, req.num_tokens - req.num_computed_tokens)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req.req_id, req.tokens, req.num_tokens)
+    pol.after_step(kv, [req])
+
+
+def test_host_tier_is_lru_and_pins_pages_it_is_loading():
+    kv = KVCacheManager(64, 4, ("mla", "indexer"), enable_prefix_caching=False)
+    pol = OffloadPolicy({"mla": 4, "indexer": 4}, {"mla": 100, "indexer": 10})
+    rng = np.random.default_rng(0)
+    a, b = _Req("a", rng.integers(0, 512, 9)), _Req("b", rng.integers(0, 512, 9))  # 2 full blocks each
+    for r in (a, b):
+        _run_to_full(kv, pol, r)
+        pol.on_finish(kv, r)
+        kv.free(r.req_id)
+    ops = pol.take_transfers()
+    assert [(op.group, op.direction, len(op.src)) for op in ops] == [("mla", "d2h", 2), ("indexer", "d2h", 2)] * 2
+    assert pol.host_bytes_used() == 4 * 110
+    # a's first page is found again: it becomes the most recently used, so a new request evicts b's pages
+    a2 = _Req("a2", np.concatenate([a.tokens[:4], rng.integers(0, 512, 5)]))
+    assert pol.admit(kv, a2) == 4
+    a2.num_computed_tokens = 4
+    assert pol.extra_blocks(kv, a2, 5) == 2  # one MLA and one indexer page wait for a device block
+    # while a2's load is pending its host page is pinned: c's 4 pages cycle through the other 3 host pages
+    # (LRU: b's two, a's second, then c's own first page), never through the pinned one
+    c = _Req("c", rng.integers(0, 512, 17))  # 4 full blocks
+    _run_to_full(kv, pol, c)
+    mla = pol.host["mla"]
+    ha, hb, hc = (block_hashes(r.tokens, 4) for r in (a, b, c))
+    pinned = mla.lookup("mla", ha[0])
+    assert pinned is not None and mla.ref_count[pinned] == 1 and mla.ref_count.count(0) == 3
+    assert all(mla.lookup("mla", h) is None for h in (hb[0], hb[1], ha[1], hc[0]))
+    assert all(mla.lookup("mla", h) is not None for h in hc[1:])
+    assert pol.stats.store_skipped_pages == 0 and pol.stats.stored_pages == 2 * (2 + 2 + 4)
+    pol.take_transfers()
+    kv.allocate("a2", a2.num_tokens)
+    pol.prepare(kv, a2, 5)
+    (load_mla, load_index) = pol.take_transfers()
+    assert isinstance(load_mla, PageCopy) and load_mla.direction == "h2d" and load_mla.src == (pinned,)
+    assert load_mla.dst == (kv.block_table("a2", "mla")[0],) and load_index.group == "indexer"
+    assert pol.stats.hits == 1 and pol.stats.misses == 2 + 2 + 4 + 1  # a2's second block was never computed
+    assert mla.ref_count.count(0) == 4  # unpinned once its load is recorded
+    # with every host page pinned, a store has nowhere to go: it is skipped and counted
+    full = OffloadPolicy({"mla": 1, "indexer": 1}, {"mla": 100, "indexer": 10})
+    kv2 = KVCacheManager(64, 4, ("mla", "indexer"))
+    _run_to_full(kv2, full, _Req("x", a.tokens[:5]))  # one full block
+    kv2.free("x")
+    kv2.pool.reset_prefix_cache()
+    y = _Req("y", np.concatenate([a.tokens[:4], rng.integers(0, 512, 9)]))  # hits x's first page on the host
+    assert full.admit(kv2, y) == 4
+    y.num_computed_tokens = 4
+    kv2.allocate("y", y.num_tokens)
+    kv2.requests["y"].num_cached_blocks = 3
+    kv2.requests["y"].hashes = block_hashes(y.tokens, 4)
+    full.after_step(kv2, [y])  # y's pages 1 and 2 (page 0 waits for its load) find the host page pinned
+    assert full.stats.store_skipped_pages == 2 * 2
+    for p in pol.host.values():
+        p.check()
+
+
+def test_host_tier_sizes_split_the_budget_by_bytes_per_token():
+    # MLA pages of 8 tokens x 1,000 B, indexer pages of 32 tokens x 400 B: 125 + 12.5 B per token
+    blocks = host_tier_blocks(137_500, {"mla": 1000, "indexer": 400}, {"mla": 8, "indexer": 32})
+    assert blocks == {"mla": 125, "indexer": 31}  # 1,000 tokens each (31 whole indexer pages)
+    sizes = DeployConfig(**BASE, num_gpu_blocks=24, kv_policy="offload", cpu_offload_bytes=1 << 20).kv_sizes(
+        glm53.get_preset("tiny"))
+    used = sum(sizes.host_blocks[g] * sizes.page_bytes[g] for g in sizes.host_blocks)
+    assert used <= 1 << 20 and used > (1 << 20) - sum(sizes.page_bytes.values())
+    with pytest.raises(ValueError, match="holds no page"):
+        DeployConfig(**BASE, num_gpu_blocks=24, kv_policy="offload", cpu_offload_bytes=10).kv_sizes(glm53.get_preset("tiny"))
+
+
+def test_blocks_per_chunk_stores_whole_chunks_only():
+    kv = KVCacheManager(64, 4, ("mla", "indexer"))
+    pol = OffloadPolicy({"mla": 16, "indexer": 16}, {"mla": 100, "indexer": 10}, blocks_per_chunk=2)
+    r = _Req("r", np.arange(13))  # 3 full blocks: one chunk of 2 is stored, the third block waits for its pair
+    _run_to_full(kv, pol, r)
+    assert pol.stats.stored_pages == 2 * 2
+
+
+def test_synthetic_runner_counts_the_same_bytes(tiny_model):
+    """The simulator's path (no arrays): the policy's byte counters equal what the runner counted."""
+    deploy = DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="offload",
+                          cpu_offload_bytes=1 << 24)
+    sizes = deploy.kv_sizes(tiny_model.cfg)
+    eng = Engine(tiny_model, deploy, runner=SyntheticRunner(page_bytes=sizes.page_bytes))
+    prompts = _prompts([37, 5, 70, 20])
+    ids = [eng.add_request(p, SamplingParams(5)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    m = eng.metrics(ids)
+    assert m["d2h_bytes"] == m["kv_offload"]["cpu"]["store_bytes"] and m["h2d_bytes"] == m["kv_offload"]["cpu"]["load_bytes"]
+    assert m["kv_offload"]["cpu"]["hits"] > 0 and m["host_pool_bytes_peak"] >= m["host_pool_bytes_used"] > 0
