@@ -113,7 +113,7 @@ class BlockPool:
         out = []
         self.version += n > 0
         for _ in range(n):
-            b, _ = self.free_queue.popitem(last=False)
+            b = self._next_free()
             key = self.block_key[b]
             if key is not None:  # a cached block is reused: it no longer holds that prefix
                 self._cached_free -= 1
@@ -125,6 +125,10 @@ class BlockPool:
             out.append(b)
         self.stats.allocated += n
         return out
+
+    def _next_free(self) -> int:
+        """Take the free block `allocate` hands out next out of the free queue: the least recently freed."""
+        return self.free_queue.popitem(last=False)[0]
 
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block. Blocks reaching 0 join the free queue in the given order
@@ -387,3 +391,101 @@ class KVCacheManager:
             for b in blocks:
                 holders[b] += 1
         assert holders == self.pool.ref_count, "ref counts differ from the request tables (leak or double count)"
+
+
+class ARCBlockPool(BlockPool):
+    """A prefix-caching BlockPool whose free cached blocks are reused in ARC order (adaptive replacement
+    cache, Megiddo and Modha, FAST 2003) instead of least recently freed: for a host tier where most
+    blocks are cached and unreferenced, so reuse order is the eviction policy.
+
+    T1 holds cached blocks used once (stored), T2 those used again (a hit: `touch`), each in recency
+    order (least recent first); B1 / B2 remember the keys recently evicted from each (ghosts). A store
+    of a key found in B1 means T1 was too small: the target size p of T1 grows; one found in B2 shrinks
+    it; either way the block joins T2. A block to reuse is a blank free block if any, else the least
+    recent unreferenced block of T1 while T1 is larger than p, else of T2 (a one-time scan of new
+    prefixes therefore cycles through T1 and does not flush what was reused). `free` does not move a
+    block in T1 / T2."""
+
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks, enable_prefix_caching=True)
+        self.t1: OrderedDict[int, None] = OrderedDict()
+        self.t2: OrderedDict[int, None] = OrderedDict()
+        self.b1: OrderedDict[tuple[str, BlockHash], None] = OrderedDict()
+        self.b2: OrderedDict[tuple[str, BlockHash], None] = OrderedDict()
+        self.p = 0.0
+        self._blank: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # free, no key
+
+    def _next_free(self) -> int:
+        if self._blank:
+            b = self._blank.popitem(last=False)[0]
+            del self.free_queue[b]
+            return b
+        order = ((self.t1, self.b1), (self.t2, self.b2))
+        for lst, ghosts in (order if len(self.t1) > self.p else order[::-1]):  # the other list if all are pinned
+            b = next((b for b in lst if self.ref_count[b] == 0), None)
+            if b is not None:
+                del lst[b]
+                ghosts[self.block_key[b]] = None
+                del self.free_queue[b]
+                self._trim_ghosts()
+                return b
+        raise AssertionError("a free block is neither blank nor cached")  # allocate checked the count
+
+    def _trim_ghosts(self) -> None:
+        c = self.num_blocks
+        while self.b1 and len(self.t1) + len(self.b1) > c:
+            self.b1.popitem(last=False)
+        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
+            self.b2.popitem(last=False)
+
+    def free(self, blocks: Sequence[int]) -> None:
+        super().free(blocks)
+        for b in blocks:
+            if self.ref_count[b] == 0 and self.block_key[b] is None:
+                self._blank[b] = None
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        super().touch(blocks)
+        for b in blocks:
+            if b in self.t1:
+                del self.t1[b]
+                self.t2[b] = None
+            elif b in self.t2:
+                self.t2.move_to_end(b)
+
+    def cache(self, group: str, block: int, h: BlockHash) -> None:
+        before = self.block_key[block]
+        super().cache(group, block, h)
+        key = self.block_key[block]
+        if before is not None or key != (group, h):
+            return  # not newly cached
+        if key in self.b1:
+            self.p = min(self.num_blocks, self.p + max(1.0, len(self.b2) / len(self.b1)))
+            del self.b1[key]
+            self.t2[block] = None
+        elif key in self.b2:
+            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+            del self.b2[key]
+            self.t2[block] = None
+        else:
+            self.t1[block] = None
+        self._trim_ghosts()
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        self.t1.clear(), self.t2.clear(), self.b1.clear(), self.b2.clear()
+        self.p = 0.0
+        self._blank = OrderedDict((b, None) for b in self.free_queue)
+
+    def state(self) -> tuple:
+        return super().state() + (tuple(self.t1), tuple(self.t2), tuple(self.b1), tuple(self.b2), self.p,
+                                  tuple(self._blank))
+
+    def check(self) -> None:
+        super().check()
+        cached = {b for b in range(self.num_blocks) if self.block_key[b] is not None}
+        assert set(self.t1) | set(self.t2) == cached and not set(self.t1) & set(self.t2), "T1 / T2 drifted"
+        resident = {self.block_key[b] for b in cached}
+        assert not (set(self.b1) | set(self.b2)) & resident and not set(self.b1) & set(self.b2), "ghosts drifted"
+        assert set(self._blank) == {b for b in self.free_queue if self.block_key[b] is None}
+        assert len(self.t1) + len(self.b1) <= self.num_blocks and 0 <= self.p <= self.num_blocks

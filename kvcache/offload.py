@@ -13,8 +13,9 @@ Mechanics
 - **Host pools, one per cache group** (`kvcache.block_pool.BlockPool`s used as caches): a page's key is
   (cache group, chained block hash), the hash the device prefix cache uses (it covers the tokens and the
   request's salt). Every host page is cached and unreferenced except while a load reads it, so the
-  pool's free queue is the LRU order: a store or a hit makes a page most recently used, and a new store
-  takes the least recently used page (dropping its key). The host budget is split between the groups in
+  order in which the pool reuses free pages is the eviction policy: LRU (the free queue: a store or a
+  hit makes a page most recently used, a new store takes the least recently used page and drops its
+  key) or ARC (`ARCBlockPool`: pages used again are kept apart from pages stored once). The host budget is split between the groups in
   proportion to their bytes per token, the rate at which both fill.
 - **Reload at admission.** The prefix lookup asks the device pool first and the host pools after it,
   page by page (a page of each group must be found for a hash block to count, as for device hits); a
@@ -28,7 +29,7 @@ Mechanics
   copied a victim's pages out at eviction and kept nothing after a request finished.
 
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
-before it), ARC eviction, the secondary tiers (filesystem, object store, peer) and loads that answer
+before it), the secondary tiers (filesystem, object store, peer) and loads that answer
 RETRY, KV events. Keys carry no model / layout fingerprint: a host pool lives and dies with one engine,
 whose layout is fixed; the shared secondary tiers will need it.
 """
@@ -38,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvcache.block_pool import BlockPool, KVCacheManager
+from kvcache.block_pool import ARCBlockPool, BlockPool, KVCacheManager
 from kvcache.policy import PreemptPolicy, RequestView
 from kvcache.transfer import PageCopy
 
@@ -68,18 +69,23 @@ def host_tier_blocks(capacity_bytes: int, page_bytes: dict[str, int], group_toke
 class OffloadPolicy(PreemptPolicy):
     """kv_policy="offload" (a kvcache.policy.KVPolicy): the host tier of `host_blocks` pages per cache
     group (`host_tier_blocks`); page_bytes: per group, the bytes of one page (kvcache.layout.page_bytes);
-    blocks_per_chunk: hash blocks stored together (a chunk is stored once all of it is full)."""
+    blocks_per_chunk: hash blocks stored together (a chunk is stored once all of it is full); eviction:
+    "lru" (a BlockPool's free queue) or "arc" (kvcache.block_pool.ARCBlockPool)."""
 
-    def __init__(self, host_blocks: dict[str, int], page_bytes: dict[str, int], *, blocks_per_chunk: int = 1):
+    def __init__(self, host_blocks: dict[str, int], page_bytes: dict[str, int], *, blocks_per_chunk: int = 1,
+                 eviction: str = "lru"):
         super().__init__()
         if not host_blocks or min(host_blocks.values()) < 1:
             raise ValueError(f"the offload host tier needs at least one page per cache group, got {host_blocks} "
                              "(raise cpu_offload_bytes)")
         if not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}")
+        if eviction not in ("lru", "arc"):
+            raise ValueError(f"eviction must be 'lru' or 'arc', got {eviction!r}")
         # host pools always hash their pages: the host tier is a prefix cache even when the device pool's
         # prefix caching is off
-        self.host = {g: BlockPool(n, enable_prefix_caching=True) for g, n in host_blocks.items()}
+        self.host = {g: ARCBlockPool(n) if eviction == "arc" else BlockPool(n, enable_prefix_caching=True)
+                     for g, n in host_blocks.items()}
         self.page_bytes = dict(page_bytes)
         self.blocks_per_chunk = blocks_per_chunk
         self.stats = OffloadStats()

@@ -105,8 +105,8 @@ class DeployConfig:
         "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": N, "blocks_per_chunk": 1, "eviction_policy": "lru", "secondary_tiers": []}}.
         It implies kv_policy="offload" and sets cpu_offload_bytes to cpu_bytes_to_use (if both are given
-        they must agree); cpu_offload_bytes=N alone is the shorthand for a host tier of N bytes. Built so
-        far: the host tier with LRU eviction; ARC and secondary tiers raise NotImplementedError.
+        they must agree); cpu_offload_bytes=N alone is the shorthand for a host tier of N bytes (LRU).
+        Built so far: the host tier (LRU or ARC); secondary tiers raise NotImplementedError.
     """
 
     data_parallel_size: int = 1
@@ -229,8 +229,6 @@ class DeployConfig:
         if opts["eviction_policy"] not in ("lru", "arc"):
             raise ValueError(f"kv_connector_extra_config eviction_policy must be 'lru' or 'arc', got "
                              f"{opts['eviction_policy']!r}")
-        if opts["eviction_policy"] == "arc":
-            raise NotImplementedError("kv_connector_extra_config eviction_policy='arc' is not built yet (issue 20)")
         if opts["secondary_tiers"]:
             raise NotImplementedError("kv_connector_extra_config secondary_tiers are not built yet (issue 20): "
                                       "only the host tier runs")

@@ -49,7 +49,9 @@ from kvcache.transfer import TransferStats
 def make_policy(deploy: DeployConfig, sizes: KVSizes) -> KVPolicy:
     """The KV policy `deploy.kv_policy` names, sized by `sizes`."""
     if deploy.kv_policy == "offload":
-        return OffloadPolicy(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=deploy.offload_options["blocks_per_chunk"])
+        opts = deploy.offload_options
+        return OffloadPolicy(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
+                             eviction=opts["eviction_policy"])
     if deploy.kv_policy == "swap":
         return SwapPolicy(deploy.cpu_offload_bytes, sizes.page_bytes)
     if deploy.kv_policy == "hisparse":

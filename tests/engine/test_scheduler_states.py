@@ -37,8 +37,9 @@ class _Model:
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), seqs=st.integers(1, 4),
                 budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0), host_scale=st.floats(0.05, 2.0),
-                caching=st.booleans(), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]))
-    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows):
+                caching=st.booleans(), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]),
+                arc=st.booleans())
+    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc):
         fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
                       index_block_size=BLOCK * index_ratio, enable_prefix_caching=caching, kv_policy=policy)
         probe = DeployConfig(**{**fields, "kv_policy": "preempt"})
@@ -53,8 +54,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         host = max(1, int(request_bytes * host_scale * seqs))
         if policy == "swap":
             fields["cpu_offload_bytes"] = host
-        if policy == "offload":  # at least a page of each group
-            fields["cpu_offload_bytes"] = max(host, 2 * sum(pages.values()))
+        if policy == "offload":  # at least a page of each group; LRU or ARC, in vLLM's config shape
+            fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+                "cpu_bytes_to_use": max(host, 2 * sum(pages.values())), "eviction_policy": "arc" if arc else "lru"}}
         if policy == "hisparse":  # at least one request's MLA pages: smaller host pools are rejected
             fields["hisparse_host_pool_bytes"] = max(host, pages["mla"] * -(-MAX_LEN // BLOCK))  # >= one request
             fields["cpu_offload_bytes"] = host // 4

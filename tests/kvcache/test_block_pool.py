@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks, block_hashes, hash_block
+from kvcache.block_pool import ARCBlockPool, BlockPool, KVCacheManager, NoFreeBlocks, block_hashes, hash_block
 
 
 def test_hashes_chain_over_parents_tokens_and_salt():
@@ -178,3 +178,63 @@ def test_larger_indexer_pages_cost_fewer_blocks_and_align_prefix_hits():
     m.check()
     with pytest.raises(ValueError, match="multiple of 2"):
         KVCacheManager(8, 2, group_tokens_per_block={"indexer": 3})
+
+
+class ARCManagerMachine(ManagerMachine):
+    """The same operations over an ARC-ordered pool (kvcache.block_pool.ARCBlockPool): its T1 / T2 / ghost
+    invariants hold alongside the pool's."""
+
+    def __init__(self):
+        super().__init__()
+        self.m.pool = ARCBlockPool(12)
+
+
+TestARCManagerMachine = ARCManagerMachine.TestCase
+TestARCManagerMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def _store(pool, key):
+    """What the offload tier does to store a page: take a block, key it, leave it cached and unreferenced."""
+    b = pool.allocate(1)[0]
+    pool.cache("mla", b, key)
+    pool.free([b])
+    return b
+
+
+def _hit(pool, key):
+    b = pool.lookup("mla", key)
+    pool.touch([b])
+    pool.free([b])
+
+
+@pytest.mark.parametrize("arc", [False, True])
+def test_arc_keeps_a_reused_page_through_a_scan_where_lru_loses_it(arc):
+    pool = ARCBlockPool(4) if arc else BlockPool(4)
+    for k in (b"A", b"B"):
+        _store(pool, k)
+    _hit(pool, b"A")  # A is used again
+    for i in range(8):  # a scan of one-time pages, twice the pool
+        _store(pool, b"scan%d" % i)
+    assert (pool.lookup("mla", b"A") is not None) == arc
+    assert pool.lookup("mla", b"B") is None
+    pool.check()
+
+
+def test_arc_adapts_its_target_on_ghost_hits():
+    pool = ARCBlockPool(3)
+    for k in (b"A", b"B"):
+        _store(pool, k)
+    _hit(pool, b"B")  # B moves to T2
+    for k in (b"C", b"D"):  # D evicts A (T1's least recent): A becomes a ghost in B1
+        _store(pool, k)
+    assert pool.lookup("mla", b"A") is None and ("mla", b"A") in pool.b1 and pool.p == 0
+    _store(pool, b"A")  # a store of a B1 ghost: T1 was too small, p grows, A joins T2 (C makes room)
+    assert pool.p == 1 and [pool.block_key[b][1] for b in pool.t2] == [b"B", b"A"]
+    assert ("mla", b"C") in pool.b1 and pool.lookup("mla", b"D") is not None
+    pool.check()
+    # a pinned block is never reused, whichever list it is in
+    pool.touch([pool.lookup("mla", b"A")])
+    for i in range(5):
+        _store(pool, b"x%d" % i)
+    assert pool.lookup("mla", b"A") is not None
+    pool.check()

@@ -9,7 +9,7 @@ import pytest
 import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.synthetic import SyntheticRunner
-from kvcache.block_pool import KVCacheManager, block_hashes
+from kvcache.block_pool import ARCBlockPool, KVCacheManager, block_hashes
 from kvcache.offload import OffloadPolicy, host_tier_blocks
 from kvcache.transfer import PageCopy
 
@@ -183,10 +183,12 @@ def test_blocks_per_chunk_stores_whole_chunks_only():
     assert pol.stats.stored_pages == 2 * 2
 
 
-def test_synthetic_runner_counts_the_same_bytes(tiny_model):
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_synthetic_runner_counts_the_same_bytes(tiny_model, eviction):
     """The simulator's path (no arrays): the policy's byte counters equal what the runner counted."""
-    deploy = DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False, kv_policy="offload",
-                          cpu_offload_bytes=1 << 24)
+    deploy = DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False, kv_transfer_config={
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24, "eviction_policy": eviction}})
     sizes = deploy.kv_sizes(tiny_model.cfg)
     eng = Engine(tiny_model, deploy, runner=SyntheticRunner(page_bytes=sizes.page_bytes))
     prompts = _prompts([37, 5, 70, 20])
@@ -196,3 +198,4 @@ def test_synthetic_runner_counts_the_same_bytes(tiny_model):
     m = eng.metrics(ids)
     assert m["d2h_bytes"] == m["kv_offload"]["cpu"]["store_bytes"] and m["h2d_bytes"] == m["kv_offload"]["cpu"]["load_bytes"]
     assert m["kv_offload"]["cpu"]["hits"] > 0 and m["host_pool_bytes_peak"] >= m["host_pool_bytes_used"] > 0
+    assert isinstance(eng.scheduler.policy.host["mla"], ARCBlockPool) == (eviction == "arc")
