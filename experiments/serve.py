@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from experiments import workloads
 from experiments.common import REPO, cpu_name, git_revision, load_config
+from kvcache.layout import block_bytes
 
 
 def default_config() -> ConfigDict:
@@ -181,7 +182,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
              deployment=(f"DP{d.data_parallel_size} TP{d.tensor_parallel_size} PCP{d.prefill_context_parallel_size} "
                          f"DCP{d.decode_context_parallel_size}" + (" EP" if d.enable_expert_parallel else "")),
              throughput_tok_s_per_gpu=m["throughput_tok_s_per_device"],
-             device_kv_budget_bytes_per_gpu=int(d.num_gpu_blocks * sum(eng.sizes.page_bytes.values())
+             device_kv_budget_bytes_per_gpu=int(d.num_gpu_blocks * block_bytes(eng.sizes.page_bytes)
                                                 // d.decode_context_parallel_size))
     if simulated(cfg):
         busy = [r.runner.busy_s for r in eng.replicas]

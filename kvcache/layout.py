@@ -64,3 +64,13 @@ def page_bytes(cfg, kv_cache_dtype: str, block_size: int, index_block_size: int 
     mla, index = cache_groups(cfg, kv_cache_dtype, DEFAULT_INDEX_FORMAT[kv_cache_dtype], include_mtp=include_mtp)
     return {"mla": mla.total_bytes_per_token * block_size * dcp,
             "indexer": index.total_bytes_per_token * (index_block_size or block_size) * dcp}
+
+
+def block_bytes(pages: dict[str, int]) -> int:
+    """Bytes one block id of the device pool reserves: the largest page of any cache group. A block id is
+    one page of one group (a request takes separate ids for its MLA and indexer pages, so HiSparse can
+    release one without the other), and the groups share one byte budget, as vLLM's hybrid allocator
+    lays them out; `DeployConfig.index_block_size` makes the indexer page about as large as an MLA page,
+    so little of a block is idle. (The model runner's arrays still hold num_blocks pages of every group:
+    the shared buffer is the full-size issue's memory plan; docs/engine.md.)"""
+    return max(pages.values())

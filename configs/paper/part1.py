@@ -31,6 +31,9 @@ def get_config():
     d.tensor_parallel_size = 8
     d.kv_cache_dtype = "fp8_ds_mla"
     d.block_size = 64
+    # indexer pages of 1,024 tokens: 21 layers x 1,024 x 132 B = 2.84 MB, about an MLA page (78 layers x 64
+    # x 656 B = 3.27 MB), so a block (the larger page, kvcache.layout.block_bytes) is seldom half idle
+    d.index_block_size = 1024
     d.max_model_len = 142_000
     d.max_num_batched_tokens = 32_768
     d.max_num_seqs = 256

@@ -6,7 +6,7 @@ import dataclasses
 
 from attention.formats import MLA_FORMATS
 from kvcache.hisparse import hot_buffer_rows
-from kvcache.layout import page_bytes
+from kvcache.layout import block_bytes, page_bytes
 from kvcache.offload import host_tier_blocks
 
 KV_POLICIES = ("preempt", "offload", "swap", "hisparse")
@@ -26,7 +26,7 @@ class KVSizes:
     runner that holds no arrays plans and counts with the same numbers).
 
     kv_cache_dtype: the MLA row format ("auto" resolved to the model's dtype).
-    num_blocks: device pool blocks (each a page in every cache group).
+    num_blocks: device pool blocks (each one page of one cache group, kvcache.layout.block_bytes).
     page_bytes: per cache group, the bytes one block holds (every layer, every DCP rank).
     host_blocks: host pools in pages per group: HiSparse's, or the offload host tier's ({} otherwise).
     hot_rows / max_leases: HiSparse's hot-buffer rows per request and lease slots (0 without).
@@ -74,8 +74,9 @@ class DeployConfig:
     kv_cache_dtype: "auto" (the model's dtype) or one of attention.formats.MLA_FORMATS.
     index_block_size: slots per indexer-key page. Indexer keys take ~5% of a token's KV bytes, so with
         pages of block_size tokens an indexer page costs a whole block for a twentieth of its bytes; a
-        larger index_block_size (e.g. 4 x block_size) keeps the pool's block count near bytes. Prefix
-        hits then end on multiples of index_block_size tokens.
+        larger index_block_size (e.g. 16 x block_size for GLM-5.3) makes the two pages about equal, so
+        the pool holds about what its bytes hold (vLLM's hybrid allocator equalises page sizes the same
+        way). Prefix hits then end on multiples of index_block_size tokens.
     max_model_len: tokens a request may reach (prompt + output). None: the model's
         max_position_embeddings.
     max_num_batched_tokens / max_num_seqs: the scheduler's token budget per step and its limit on
@@ -83,8 +84,9 @@ class DeployConfig:
     num_gpu_blocks: blocks in the device pool shared by all cache groups. None: what the KV memory
         budget holds (kv_cache_memory_bytes; else 4 GiB on CPU, as vLLM's CPU backend; on a GPU
         gpu_memory_utilization of its memory less the weights, as vLLM sizes it), but no more than
-        max_num_seqs requests of max_model_len need. A block costs the bytes of one page of every cache
-        group (kvcache.layout.page_bytes; its 1/DCP share on each device).
+        max_num_seqs requests of max_model_len need. A block costs the bytes of the largest page of any
+        cache group (kvcache.layout.block_bytes: a block id is one page of one group, in one byte budget;
+        its 1/DCP share on each device).
     tensor_parallel_size: heads and dense weights split over TP ranks (vLLM's TP; DCP reuses them). Priced
         by the simulator (glm53.engine.sim); the model runner does not run it yet.
     prefill_context_parallel_size / decode_context_parallel_size: PCP (a prefill chunk's tokens split
@@ -273,7 +275,7 @@ class DeployConfig:
                                           cfg.index_topk) // d.block_size)
         kv_dtype = str(model_dtype) if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size)
-        per_device = -(-sum(pages.values()) // d.decode_context_parallel_size)  # a block's share of one device
+        per_device = -(-block_bytes(pages) // d.decode_context_parallel_size)  # a block's share of one device
         budget = d.kv_budget_bytes(device, weights_bytes)
         fit = budget // per_device
         if fit < request:

@@ -17,11 +17,12 @@ TINY = glm53.get_preset("tiny")
 
 
 def _block_bytes(cfg, block=16, index_block=16):
-    """Bytes one block id costs on CPU in float32, from the model's sizes (BRIEF §2's layout): every
-    layer's MLA row (latent + rope) and every full layer's indexer key, a page of each."""
+    """Bytes one block id costs on CPU in float32, from the model's sizes (BRIEF §2's layout): the larger
+    of a page of MLA rows (latent + rope, every layer) and a page of indexer keys (every full layer); a
+    block id is one page of one group, the groups in one byte budget."""
     full = [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
-    return (cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * block
-            + len(full) * cfg.index_head_dim * 4 * index_block)
+    return max(cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4 * block,
+               len(full) * cfg.index_head_dim * 4 * index_block)
 
 
 def _gpu(kind, gib):
@@ -33,7 +34,7 @@ def test_defaults_follow_the_model_and_vllm_on_this_machine():
     assert d.max_model_len == TINY.max_position_embeddings == 65_536
     assert (d.max_num_batched_tokens, d.max_num_seqs) == (8192, 256)  # vLLM's offline GPU defaults (docs/engine.md)
     # the pool: what vLLM's 4 GiB CPU KV space holds, not 256 requests of 65,536 tokens (~170 GB here)
-    assert d.num_gpu_blocks == CPU_KV_CACHE_BYTES // _block_bytes(TINY) == 52_428
+    assert d.num_gpu_blocks == CPU_KV_CACHE_BYTES // _block_bytes(TINY) == 58_254
     assert d.is_resolved and DeployConfig(max_model_len=128).resolved(TINY).max_model_len == 128
 
 
@@ -59,7 +60,7 @@ def test_gpu_defaults_and_budget():
 
 def test_default_engine_runs_and_its_config_is_concrete():
     eng = Engine(types.SimpleNamespace(cfg=TINY, dtype="float32"), runner=SyntheticRunner(lambda row: 3))
-    assert eng.deploy.is_resolved and eng.deploy.num_gpu_blocks == eng.scheduler.kv.pool.num_blocks == 52_428
+    assert eng.deploy.is_resolved and eng.deploy.num_gpu_blocks == eng.scheduler.kv.pool.num_blocks == 58_254
     assert eng.generate([[1, 2, 3]], max_new_tokens=2)[0].token_ids.tolist() == [3, 3]
 
 

@@ -19,6 +19,7 @@ from glm53.engine.synthetic import SyntheticRunner
 from glm53.perfmodel import H200_CALIBRATED
 from glm53.perfmodel.step import step_cost
 from kvcache.block_pool import BlockPool
+from kvcache.layout import kv_bytes_per_token
 
 TINY = glm53.get_preset("tiny")
 BASE = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, block_size=8)
@@ -109,6 +110,23 @@ def test_skipped_admission_retries_change_nothing(pool_history, monkeypatch, pol
     assert n == checked > 5
     assert skipped == verified
     assert len(pool_history.take()) < len(verified_events)  # the skipped retries' touch / free pairs
+
+
+def test_the_glm53_pool_holds_what_its_bytes_hold():
+    """A block id is one page of one cache group and costs the larger page (kvcache.layout.block_bytes):
+    with 1,024-token indexer pages (Part 1's config) the 15 GiB TP8 pool holds within 1% of the tokens
+    its bytes hold (53,940 B per token without the MTP layer), four first turns of 74,160 tokens; with
+    indexer pages of block_size every indexer page costs an MLA page and the pool holds about half."""
+    cfg = glm53.get_preset("glm-5.3")
+    per_token = kv_bytes_per_token(cfg, include_mtp=False)
+    by_bytes = (15 << 30) // per_token
+    for index_block, want in ((1024, 0.99), (None, 0.52)):
+        d = dataclasses.replace(GLM53_TP8, max_model_len=142_000, index_block_size=index_block).resolved(cfg)
+        kv = Scheduler(d, d.num_gpu_blocks).kv
+        held = max(t for t in range(0, by_bytes, 64) if kv.blocks_needed_all(t) <= d.num_gpu_blocks)
+        assert want <= held / by_bytes < want + 0.02, (index_block, held, by_bytes)
+        if index_block:
+            assert d.num_gpu_blocks // kv.blocks_needed_all(74_160) == 3 and held > 4 * 74_000
 
 
 def test_think_time_advances_the_virtual_clock():
