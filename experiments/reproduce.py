@@ -120,7 +120,7 @@ MANIFEST: tuple[Entry, ...] = (
           overrides=("--config.deploy.max_model_len=1048576",), doc="docs/simulator.md", compare=SERVE_KEYS,
           waits_for="issue 21 (HiSparse beyond the device pool)",
           note="DeployConfig refuses a max_model_len whose request the device pool cannot hold (a 1M request "
-               "needs 32,832 blocks, the 15 GiB TP8 pool has 4,665), for every policy; under HiSparse the MLA rows "
+               "needs 17,408 blocks, the 15 GiB TP8 pool has 4,918), for every policy; under HiSparse the MLA rows "
                "of such a request belong in the host pool, which issue 21 builds"),
     # ablations the posts imply: one knob over the Part 1 base (simulated)
     Entry("ablation_kv_policy", "HiSparse vs offload vs preemption (Part 1 base)", "sim", "BRIEF §6-8", (),

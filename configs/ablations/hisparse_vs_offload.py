@@ -19,7 +19,7 @@ Fixed so that it measures the mechanism, not a sizing knob:
   thing under test. With a budget of 1,024 the first wave of 4,635-token prompts is budget-bound for a
   third of the run under either policy (3 decoding + 1 prefilling request); that run is kept in
   results/hisparse_vs_offload_budget1024 (HiSparse 10.7 vs offload 3.8 running requests on average,
-  13-14 vs 4 once the first wave is through).
+  13-14 vs 4 once the first wave is through; measured when `offload` was the swap policy).
 
     python -m experiments.serve --config configs/ablations/hisparse_vs_offload.py --out results/hisparse_vs_offload
 """
