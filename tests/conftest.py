@@ -39,3 +39,16 @@ def tiny_model():
     import glm53
 
     return glm53.init("tiny", seed=0, std=0.1)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """Four prompts (37, 5, 70 and 20 tokens) and the tiny model's 5 greedy tokens for each, one prompt
+    at a time with no engine: what every engine configuration must reproduce."""
+    import numpy as np
+
+    import glm53
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
+    return prompts, [glm53.generate(tiny_model, p, 5).token_ids.tolist() for p in prompts]

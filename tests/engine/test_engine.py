@@ -4,7 +4,6 @@ caching must not change greedy outputs; counts say what was computed."""
 import numpy as np
 import pytest
 
-import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
@@ -13,12 +12,6 @@ BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_
 def _prompts(lens, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 512, n) for n in lens]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    prompts = _prompts([37, 5, 70, 20])
-    return prompts, [glm53.generate(tiny_model, p, 5).token_ids.tolist() for p in prompts]
 
 
 def test_batched_chunked_greedy_equals_one_at_a_time(tiny_model, reference):

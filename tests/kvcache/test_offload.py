@@ -21,12 +21,6 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, 512, n) for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    prompts = _prompts([37, 5, 70, 20])
-    return prompts, [glm53.generate(tiny_model, p, 5).token_ids.tolist() for p in prompts]
-
-
 def test_preempted_requests_come_back_from_the_host_tier(tiny_model, reference):
     """A pool of 24 blocks under 4 requests preempts; with the device prefix cache off, whatever the victims
     had computed in full pages comes back from the host tier, so less is recomputed than under preempt."""
