@@ -158,10 +158,11 @@ MANIFEST: tuple[Entry, ...] = (
     Entry("ablation_indexshare_off", "IndexShare off: every layer runs its own indexer", "sim", "BRIEF §1", (),
           "serve", PART1, overrides=("--config.sweep.kv_policy=('hisparse',)",
                                      "--config.model.overrides={'indexer_types': %r}" % (("full",) * GLM53_LAYERS,),
-                                     "--config.deploy.max_model_len=120000"),
+                                     "--config.deploy.index_block_size=256"),
           quick=ABLATION_WINDOW, doc="docs/perfmodel.md", compare=SERVE_KEYS,
-          note="every layer's indexer keys make a 142K request too big for the 15 GiB TP8 pool (4,502 blocks of "
-               "4,094), so this run admits up to 120K tokens (the OpenHands sessions stay below 90K)"),
+          note="with every layer's indexer keys a 1,024-token indexer page (78 x 1,024 x 132 B = 10.5 MB) would be "
+               "3x an MLA page, so this run uses 256-token indexer pages (2.6 MB; a block is the larger page, "
+               "3.27 MB): a 142K request takes 2,774 of the 4,918 blocks"),
     # ------------------------------------------------------------------ not built yet
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
