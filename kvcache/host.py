@@ -277,8 +277,10 @@ class HostMemory:
         self.row_bytes_mla = cache.mla[0].shape[1] * cache.mla[0].dtype.itemsize
         self.saved: dict[str, HostKV] = {}
         self.host_tables: dict[str, tuple[jax.Array, ...]] = {}
-        for g, n in (host_blocks or {}).items():
-            self.host_tables[g] = tuple(jax.device_put(jnp.zeros((max(n, 1) * self.page_rows[g], a.shape[1]), a.dtype),
+        # a host pool is laid out like the device pool: kv_ranks x n pages, rank r's n pages r-th (its shard)
+        self.host_blocks = {g: max(n, 1) for g, n in (host_blocks or {}).items()}
+        for g, n in self.host_blocks.items():
+            self.host_tables[g] = tuple(jax.device_put(jnp.zeros((kv_ranks * n * self.page_rows[g], a.shape[1]), a.dtype),
                                                        host) for a in self._arrays(cache, g))
         self.hot_state = None
         if hot is not None:
@@ -294,14 +296,15 @@ class HostMemory:
     def _arrays(cache, group: str) -> tuple:
         return getattr(cache, GROUP_FIELDS[group])
 
-    def page_slots(self, group: str, blocks) -> np.ndarray:
-        """Slots of the whole pages `blocks` of `group`: int32 [len(blocks) x page rows (x DCP ranks)],
-        -1 for block -1 (padding)."""
+    def page_slots(self, group: str, blocks, *, host: bool = False) -> np.ndarray:
+        """Slots of the whole pages `blocks` of `group` in the device pool (or, `host`, the group's host
+        pool): int32 [len(blocks) x page rows (x DCP ranks)], -1 for block -1 (padding)."""
         b = self.page_rows[group]
         blk = np.asarray(blocks, np.int32).reshape(-1, 1)
         slots = np.where(blk >= 0, blk * b + np.arange(b, dtype=np.int32), -1).reshape(-1)
-        if self.kv_ranks > 1:  # DCP: the page on every rank; rank r's table starts at r * num_blocks * b
-            ranks = np.arange(self.kv_ranks, dtype=np.int32)[:, None] * (self.num_blocks * b)
+        if self.kv_ranks > 1:  # DCP: the page on every rank; rank r's table starts at r x (pool pages) x b
+            pages = self.host_blocks[group] if host else self.num_blocks
+            ranks = np.arange(self.kv_ranks, dtype=np.int32)[:, None] * (pages * b)
             slots = np.where(slots >= 0, slots[None, :] + ranks, -1).reshape(-1)
         return slots
 
@@ -334,8 +337,9 @@ class HostMemory:
         for lo in range(0, max(len(op.src), 1 if pad_to else 0), self.max_copy_pages):
             src, dst = op.src[lo:lo + self.max_copy_pages], op.dst[lo:lo + self.max_copy_pages]
             width = pad_to or pow2_at_least(len(src))
-            src_s = jnp.asarray(self.page_slots(op.group, list(src) + [-1] * (width - len(src))))
-            dst_s = jnp.asarray(self.page_slots(op.group, list(dst) + [-1] * (width - len(dst))))
+            d2h = op.direction == "d2h"
+            src_s = jnp.asarray(self.page_slots(op.group, list(src) + [-1] * (width - len(src)), host=not d2h))
+            dst_s = jnp.asarray(self.page_slots(op.group, list(dst) + [-1] * (width - len(dst)), host=d2h))
             if op.direction == "d2h":
                 self.host_tables[op.group] = _pages_d2h(self.host_tables[op.group], getattr(cache, field), src_s, dst_s)
             else:

@@ -185,3 +185,25 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     a = dp.add_request(prompts[1], req_id="s1", salt="user:a")
     b = dp.add_request(prompts[1], req_id="s2", salt="user:a")
     assert dp.replica_of(a) == dp.replica_of(b)
+
+
+@pytest.mark.multidevice
+def test_offload_host_tier_under_dcp2_with_more_host_pages_than_device_blocks(tiny_model):
+    """Under DCP a host page holds the block's shard from every rank, each rank's n host pages in its own
+    slice of the host pool: a second pass over six prompts, with the device prefix cache off, reloads all
+    their full pages from the host tier (more host pages than device blocks, so a rank stride of the device
+    pool's size would land two pages' shards in one slot) and gives the same greedy tokens as one device."""
+    from glm53 import DeployConfig, Engine
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, tiny_model.cfg.vocab_size, 40).astype(np.int32) for _ in range(6)]
+    base = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=1, kv_cache_dtype="float32")
+    want = Engine(tiny_model, DeployConfig(**base)).generate(prompts, max_new_tokens=3, greedy=True)
+    eng = Engine(tiny_model, DeployConfig(**base, decode_context_parallel_size=2, num_gpu_blocks=12,
+                                          enable_prefix_caching=False, kv_policy="offload", cpu_offload_bytes=1 << 22))
+    for _ in range(2):
+        for g, w in zip(eng.generate(prompts, max_new_tokens=3, greedy=True), want):
+            np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    tier = eng.metrics()["kv_offload"]["cpu"]
+    used = len(eng.scheduler.policy.host["mla"].cached)
+    assert tier["hits"] == 6 * (39 // 8) and used > eng.runner.num_blocks
