@@ -28,9 +28,11 @@ only the first run of a config pays for compiling.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,11 +119,11 @@ def simulated(cfg: ConfigDict) -> bool:
     return kind == "sim"
 
 
-def _engine(model, cfg: ConfigDict, kv_policy: str):
+def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
     import glm53
 
     if not simulated(cfg):
-        return glm53.Engine(model, _deploy(cfg, kv_policy))
+        return glm53.Engine(model, _deploy(cfg, kv_policy, tier_root))
     from glm53.engine import sim
     from glm53.perfmodel import HARDWARE
 
@@ -132,7 +134,10 @@ def _engine(model, cfg: ConfigDict, kv_policy: str):
                             hisparse_miss_fraction=r.hisparse_miss_fraction)
 
 
-def _deploy(cfg: ConfigDict, kv_policy: str):
+def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
+    """The DeployConfig of sweep entry `kv_policy`: a policy name, or a variant named in policy_deploy
+    whose fields include its own "kv_policy" (e.g. "offload+fs": offload with a filesystem tier). A
+    filesystem tier with root_dir "" gets `tier_root` (run_one passes a fresh directory per point)."""
     import glm53
 
     d = dict(cfg.deploy.to_dict())
@@ -140,8 +145,19 @@ def _deploy(cfg: ConfigDict, kv_policy: str):
     d["hisparse_device_buffer_size"] = d.get("hisparse_device_buffer_size") or None  # 0: 2 x top-k
     d["index_block_size"] = d.get("index_block_size") or None  # 0: block_size
     d["kv_cache_memory_bytes"] = d.get("kv_cache_memory_bytes") or None  # 0: the machine's budget
-    d.update(cfg.get("policy_deploy", {}).get(kv_policy, {}))  # this policy's own fields, e.g. its host pools
-    return glm53.DeployConfig(**d, kv_policy=kv_policy)
+    own = cfg.get("policy_deploy", {}).get(kv_policy, {})  # this policy's own fields, e.g. its host pools
+    own = copy.deepcopy(own.to_dict() if isinstance(own, ConfigDict) else dict(own))
+    policy = own.pop("kv_policy", kv_policy)
+    d.update(own)
+    ktc = d.get("kv_transfer_config")
+    for tier in (ktc or {}).get("kv_connector_extra_config", {}).get("secondary_tiers", []):
+        if tier.get("type") == "fs" and not tier.get("root_dir"):
+            if not tier_root:
+                raise ValueError(f"sweep entry {kv_policy!r}: a filesystem tier with root_dir '' needs a directory")
+            tier["root_dir"] = tier_root
+    if ktc:
+        policy = "offload"
+    return glm53.DeployConfig(**d, kv_policy=policy)
 
 
 def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporter=None, progress=True) -> dict:
@@ -153,7 +169,8 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     per_user = cfg.sweep.get("sessions_per_user", 0)
     if per_user:  # as many sessions as users: each point serves concurrency x per_user sessions
         sessions = sessions[: concurrency * per_user]
-    eng = _engine(model, cfg, kv_policy)
+    tiers = tempfile.TemporaryDirectory(prefix="serve-tiers-")  # a fresh filesystem tier per point
+    eng = _engine(model, cfg, kv_policy, tiers.name)
     client = workloads.ClosedLoopClient(
         eng, sessions, concurrency, vocab_size=eng.cfg.vocab_size, seed=cfg.workload.seed,
         make_params=lambda n: glm53.SamplingParams(max_new_tokens=n), think_time_scale=cfg.workload.think_time_scale,
@@ -171,6 +188,8 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
         res = client.run(on_step=on_step)
     wall = time.perf_counter() - t0
     bar.close()
+    eng.shutdown()
+    tiers.cleanup()
     m = eng.metrics(res.request_ids)
     d = eng.deploy
     m.update(kv_policy=kv_policy, concurrency=concurrency, sessions=len(sessions), engine_steps=res.steps,
@@ -210,8 +229,11 @@ def warm_up(model, cfg: ConfigDict) -> float:
     t0 = time.perf_counter()
     if simulated(cfg):
         return 0.0
-    for replica in glm53.Engine(model, _deploy(cfg, cfg.sweep.kv_policy[0])).replicas:
-        replica.runner.warmup()  # each data-parallel replica compiles for its own devices
+    with tempfile.TemporaryDirectory() as root:
+        eng = glm53.Engine(model, _deploy(cfg, cfg.sweep.kv_policy[0], root))
+        for replica in eng.replicas:
+            replica.runner.warmup()  # each data-parallel replica compiles for its own devices
+        eng.shutdown()
     return time.perf_counter() - t0
 
 

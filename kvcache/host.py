@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jax.experimental.compute_on import compute_on
 
 from attention.common import pow2_at_least
 from attention.hisparse import NEVER_USED, HotBuffer, resolve
-from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, Transfer
+from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, TierLoad, TierStore, Transfer
 
 
 # ------------------------------------------------------------------------------------ row primitives
@@ -221,6 +222,19 @@ def _pages_h2d(dev_tables, host_tables, src_slots, dst_slots):
 
 
 @jax.jit
+def _host_gather(host_tables, slots):
+    """Rows `slots` of each host table (-1: padding, any row), gathered on the host."""
+    idx = jax.device_put(jnp.maximum(slots, 0), jax.memory.Space.Host)
+    return tuple(_gather_on_host(t, idx) for t in host_tables)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _host_scatter(host_tables, slots, rows):
+    """host_table[slots] = rows for each host table (-1 slots dropped)."""
+    return tuple(put_host_rows(t, jnp.where(slots >= 0, slots, t.shape[0]), r) for t, r in zip(host_tables, rows))
+
+
+@jax.jit
 def _gather_rows(arr, slots):
     return arr[jnp.maximum(slots, 0)]
 
@@ -258,6 +272,10 @@ class HostMemory:
     host_blocks: host pools, pages per group ({"mla": N, "indexer": M}: HiSparse's pools or the offload
         host tier's; None: none).
     hot: HiSparse's hot buffers (leases, IndexShare groups, rows per lease), device int32 state.
+    tiers: the offload host tier's secondary tiers (kvcache.tiers.TierSet) or None: `TierStore` gathers
+        host pages' bytes (page-major: per page, each array of the group in order, its rows rank-major)
+        and hands them to every tier; `TierLoad` submits loads, and `poll_tiers` writes what they read
+        into the reserved host pages.
     max_copy_pages: pages per page-copy program; a larger copy runs in several (a bounded set of
         programs, all compiled by `warmup`).
 
@@ -266,7 +284,7 @@ class HostMemory:
 
     def __init__(self, cache, *, page_rows: dict[str, int], kv_ranks: int, num_blocks: int, host, device,
                  host_blocks: dict[str, int] | None = None, hot: tuple[int, int, int] | None = None,
-                 max_copy_pages: int = 64):
+                 tiers=None, max_copy_pages: int = 64):
         self.page_rows = dict(page_rows)
         self.kv_ranks = kv_ranks
         self.num_blocks = num_blocks
@@ -291,6 +309,8 @@ class HostMemory:
                 jnp.full((leases, groups, rows), -1, jnp.int32), jnp.full((leases, groups, rows), NEVER_USED, jnp.int32),
                 jnp.full((leases, rows), -1, jnp.int32)))
         self.lru_step = 0  # the resolver's LRU clock, one tick per decode group that resolves
+        self.tiers = tiers
+        self._tier_loads: dict[int, tuple[str, int]] = {}  # job -> (group, host block) awaiting its bytes
 
     @staticmethod
     def _arrays(cache, group: str) -> tuple:
@@ -324,6 +344,12 @@ class HostMemory:
                 h2d += n
             elif isinstance(op, ResetLease):
                 self._reset(op)
+            elif isinstance(op, TierStore):
+                self.tiers.store(op.keys, self.read_host_pages(op.group, op.host_blocks))
+            elif isinstance(op, TierLoad):
+                for job, key, hb in zip(op.jobs, op.keys, op.host_blocks):
+                    self._tier_loads[job] = (op.group, hb)
+                    self.tiers.load(op.tier, job, (key,), (self.page_bytes[op.group],))
             else:
                 raise TypeError(f"not a transfer operation: {op!r}")
         return cache, d2h, h2d
@@ -346,6 +372,63 @@ class HostMemory:
                 cache = dataclasses.replace(cache, **{field: _pages_h2d(getattr(cache, field),
                                                                         self.host_tables[op.group], src_s, dst_s)})
         return cache, len(op.src) * self.page_bytes[op.group]
+
+    # ------------------------------------------------------------------------------- secondary tiers
+    def _host_page_slots(self, group: str, blocks) -> np.ndarray:
+        """Host-pool slots of whole pages, page-major (each page's rows on every rank together), padded
+        with -1 to a power of two pages."""
+        blocks = list(blocks)
+        blocks += [-1] * (pow2_at_least(len(blocks)) - len(blocks))
+        return np.concatenate([self.page_slots(group, [b], host=True) for b in blocks])
+
+    def read_host_pages(self, group: str, blocks) -> list[np.ndarray]:
+        """The bytes of host pages `blocks` of `group` -> one np.uint8 [page_bytes] per page (a snapshot)."""
+        n, slots = len(blocks), self._host_page_slots(group, blocks)
+        per = len(slots) // pow2_at_least(n)
+        out = np.empty((n, self.page_bytes[group]), np.uint8)
+        off = 0
+        for rows in _host_gather(self.host_tables[group], jnp.asarray(slots)):
+            a = np.asarray(rows)[: n * per].reshape(n, -1).view(np.uint8)
+            out[:, off: off + a.shape[1]] = a
+            off += a.shape[1]
+        assert off == self.page_bytes[group], (off, self.page_bytes[group])
+        return list(out)
+
+    def write_host_pages(self, group: str, blocks, payloads) -> None:
+        """Host pages `blocks` of `group` = payloads (np.uint8 [page_bytes] each, `read_host_pages`' layout)."""
+        n, slots = len(blocks), self._host_page_slots(group, blocks)
+        width = pow2_at_least(n)
+        data = np.zeros((width, self.page_bytes[group]), np.uint8)
+        data[:n] = np.stack(payloads)
+        rows, off = [], 0
+        for t in self.host_tables[group]:
+            per_page = len(slots) // width * t.shape[1] * t.dtype.itemsize
+            rows.append(data[:, off: off + per_page].copy().view(t.dtype).reshape(-1, t.shape[1]))
+            off += per_page
+        self.host_tables[group] = _host_scatter(self.host_tables[group], jnp.asarray(slots), tuple(rows))
+
+    def poll_tiers(self, wait_s: float = 0.0) -> tuple[tuple[int, str], ...]:
+        """Finished secondary-tier loads: their bytes written into the reserved host pages -> ((job,
+        status), ...) with status "ok", "miss" or "corrupt". wait_s: wait up to this long for the first
+        one when loads are pending and none has finished (an idle engine waiting for a load)."""
+        if self.tiers is None:
+            return ()
+        results = self.tiers.poll()
+        deadline = time.monotonic() + wait_s
+        while not results and self._tier_loads and time.monotonic() < deadline:
+            time.sleep(0.001)
+            results = self.tiers.poll()
+        out, ok = [], {}
+        for r in results:
+            group, hb = self._tier_loads.pop(r.job_id)
+            if r.status[0] == "ok":
+                ok.setdefault(group, []).append((hb, r.payloads[0]))
+            out.append((r.job_id, r.status[0]))
+        for group, pages in ok.items():
+            for lo in range(0, len(pages), self.max_copy_pages):
+                part = pages[lo: lo + self.max_copy_pages]
+                self.write_host_pages(group, [hb for hb, _ in part], [p for _, p in part])
+        return tuple(out)
 
     def _padded_slots(self, group: str, blocks) -> jax.Array:
         blocks = list(blocks)
@@ -415,6 +498,13 @@ class HostMemory:
                     fields = list(self._arrays(cache, g))
                     fields[0] = _scatter_rows(fields[0], slots, jax.device_put(rows, self._device))
                     cache = dataclasses.replace(cache, **{GROUP_FIELDS[g]: tuple(fields)})
+        if self.tiers is not None:  # the tier gathers and scatters, every padded width
+            for g in self.host_tables:
+                for width in _widths(self.max_copy_pages):
+                    slots = jnp.asarray(np.full(width * self.page_rows[g] * self.kv_ranks, -1, np.int32))
+                    rows = _host_gather(self.host_tables[g], slots)
+                    self.host_tables[g] = _host_scatter(self.host_tables[g], slots,
+                                                        tuple(np.asarray(r) for r in rows))
         if self.hot_state is not None:
             empty = np.full(self.hot_state[2].shape[1], -1, np.int32)
             self.hot_state = _reset_lease(*self.hot_state, 0, jnp.asarray(empty))

@@ -28,10 +28,22 @@ Mechanics
   is recomputed. This replaces the swap of `kvcache.policy.SwapPolicy` (`kv_policy="swap"`), which
   copied a victim's pages out at eviction and kept nothing after a request finished.
 
+- **Secondary tiers** (kvcache.tiers; `tiers`): every page the host tier stores is passed on to each of
+  them (a `TierStore` after its device -> host copy: write-through, so what the host evicts is still
+  there). The prefix lookup asks device -> host -> the tiers in order, page by page; pages found only
+  in a tier are loaded into host pages reserved for them (`TierLoad`, asynchronous) and the admission
+  answers RETRY: the request keeps its place in the queue, requests behind it may be admitted, and it
+  is tried again once its loads are reported (`on_tier_results`, from the runner's StepResult); the
+  pages are then host hits, pinned until that admission. A tier that answers RETRY itself (a store of
+  that chunk in flight) is asked again next step. A load that fails (the chunk is gone or fails
+  verification) leaves its host page empty: those tokens are recomputed (kv_load_failure_policy
+  "recompute"), or the step raises ("fail"). At most `max_tier_rounds` admissions of one request wait
+  on tiers; after that it takes what the device and host hold. Tier keys are kvcache.tiers.chunk_key:
+  the engine's layout fingerprint, the group, the chained hash.
+
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
-before it), the secondary tiers (filesystem, object store, peer) and loads that answer
-RETRY, KV events. Keys carry no model / layout fingerprint: a host pool lives and dies with one engine,
-whose layout is fixed; the shared secondary tiers will need it.
+before it); the object-store and peer tiers; KV events. Host-pool keys carry no fingerprint: a host
+pool lives and dies with one engine, whose layout is fixed.
 """
 
 from __future__ import annotations
@@ -41,7 +53,10 @@ from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockPool, KVCacheManager
 from kvcache.policy import PreemptPolicy, RequestView
-from kvcache.transfer import PageCopy
+from kvcache.tiers import Lookup, TierSet, chunk_key
+from kvcache.transfer import PageCopy, TierLoad, TierStore
+
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclasses.dataclass
@@ -56,6 +71,17 @@ class OffloadStats:
     store_bytes: int = 0
     load_bytes: int = 0
     store_skipped_pages: int = 0  # full pages not stored: every host page was pinned by a pending load
+
+
+@dataclasses.dataclass
+class TierCounts:
+    """What the offload policy saw of one secondary tier, in chunks (pages)."""
+
+    hits: int = 0  # chunks it loaded into the host tier
+    misses: int = 0  # lookups it answered MISS (a prefix lookup stops at the first chunk no tier holds)
+    corrupt: int = 0  # loads that failed verification (the tier dropped the chunk; its tokens recomputed)
+    lost: int = 0  # loads of a chunk that was gone by then (evicted between lookup and load)
+    retries: int = 0  # lookups it answered RETRY
 
 
 def host_tier_blocks(capacity_bytes: int, page_bytes: dict[str, int], group_tokens: dict[str, int]) -> dict[str, int]:
@@ -73,8 +99,13 @@ class OffloadPolicy(PreemptPolicy):
     "lru" (a BlockPool's free queue) or "arc" (kvcache.block_pool.ARCBlockPool)."""
 
     def __init__(self, host_blocks: dict[str, int], page_bytes: dict[str, int], *, blocks_per_chunk: int = 1,
-                 eviction: str = "lru"):
+                 eviction: str = "lru", tiers: TierSet | None = None, fingerprint: str = "",
+                 load_failure_policy: str = "recompute", max_tier_rounds: int = 16):
         super().__init__()
+        if load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
+        if tiers is not None and len(tiers) and not fingerprint:
+            raise ValueError("secondary tiers need the deployment's layout fingerprint (kvcache.tiers.layout_fingerprint)")
         if not host_blocks or min(host_blocks.values()) < 1:
             raise ValueError(f"the offload host tier needs at least one page per cache group, got {host_blocks} "
                              "(raise cpu_offload_bytes)")
@@ -94,45 +125,158 @@ class OffloadPolicy(PreemptPolicy):
         # {page: (host block, hash)} of the pages that wait for a device block and a load)
         self.pending: dict[str, tuple[int, dict[str, dict[int, tuple[int, bytes]]]]] = {}
         self.host_bytes_peak = 0
+        self.tiers = tiers if tiers is not None and len(tiers) else None
+        self.fingerprint = fingerprint
+        self.load_failure_policy = load_failure_policy
+        self.max_tier_rounds = max_tier_rounds
+        self.tier_counts = {t.name: TierCounts() for t in self.tiers.tiers} if self.tiers else {}
+        self.loading: dict[str, set[int]] = {}  # request -> its tier loads not yet reported
+        self.jobs: dict[int, tuple[str, int, str, int, bytes]] = {}  # job -> (request, tier, group, host block, hash)
+        self.tier_pins: dict[str, list[tuple[str, int]]] = {}  # request -> loaded host pages pinned for it
+        self.tier_rounds: dict[str, int] = {}  # request -> admissions that waited on tiers
+        self._retry: set[str] = set()  # requests whose last admission answered RETRY
 
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
         n = kv.admit(req.req_id, req.tokens, req.extra_keys)
         rb = kv.requests[req.req_id]
         self.stored[req.req_id] = {g: 0 for g in kv.groups}
+        pins = self.tier_pins.pop(req.req_id, [])  # released below, once this admission holds the pages
+        ask_tiers = self.tiers is not None and self.tier_rounds.get(req.req_id, 0) < self.max_tier_rounds
         i = n // kv.tokens_per_block
         max_hit = min((req.num_tokens - 1) // kv.tokens_per_block, len(rb.hashes))
-        found = []  # per hash block past the device hit: [(group, on device?, block)] of the pages ending there
+        # per hash block past the device hit: [(group, where, block)] of the pages ending there; where:
+        # "device", "host", or the index of the secondary tier that holds it (block None)
+        found, retry = [], False
         while i + len(found) < max_hit:
             c = i + len(found)
             h, pages = rb.hashes[c], []
             for g in kv.groups:
                 if (c + 1) % kv.ratio[g]:
                     continue  # no page of this group ends at this hash block
-                b = kv.pool.lookup(g, h)
-                on_device = b is not None
-                if not on_device and (b := self.host[g].lookup(g, h)) is None:
+                if (b := kv.pool.lookup(g, h)) is not None:
+                    pages.append((g, "device", b))
+                elif (b := self.host[g].lookup(g, h)) is not None:
+                    pages.append((g, "host", b))
+                elif ask_tiers and self._ask_tiers(g, h, pages):
+                    pass
+                else:
+                    retry |= bool(pages) and pages[-1] == "retry"
                     break
-                pages.append((g, on_device, b))
             else:
                 found.append(pages)
                 continue
             break
-        keep = len(found) - len(found) % kv.hit_multiple  # a hit ends on a page boundary of every group
+        if self.tiers is not None and ask_tiers and (retry or any(isinstance(w, int) for p in found for _, w, _ in p)):
+            if self._start_loads(kv, req, i, found) or retry:
+                self.tier_rounds[req.req_id] = self.tier_rounds.get(req.req_id, 0) + 1
+                self._retry.add(req.req_id)
+                self.pending[req.req_id] = (n // kv.tokens_per_block, {})
+                if pins:  # what earlier rounds loaded stays pinned for the next attempt
+                    self.tier_pins.setdefault(req.req_id, [])[:0] = pins
+                return n  # the scheduler forgets this attempt (`must_retry`)
+        # what the device and the host tier hold: up to the first page that only a tier has
+        cut = next((k for k, p in enumerate(found) if any(not isinstance(w, str) for _, w, _ in p)), len(found))
+        keep = cut - cut % kv.hit_multiple  # a hit ends on a page boundary of every group
         device, pend = [], {}
         for c, pages in enumerate(found[:keep], start=i):
-            for g, on_device, b in pages:
+            for g, where, b in pages:
                 table = rb.tables[g]
-                if on_device:
+                if where == "device":
                     device.append(b)
                 else:
                     pend.setdefault(g, {})[len(table)] = (b, rb.hashes[c])
                     self.host[g].touch([b])  # pinned until its load is recorded
-                table.append(b if on_device else -1)
+                table.append(b if where == "device" else -1)
         kv.pool.touch(device)
+        for g, hb in pins:
+            self.host[g].free([hb])
         self.pending[req.req_id] = (n // kv.tokens_per_block, pend)
         rb.num_cached_blocks = i + keep
         return (i + keep) * kv.tokens_per_block
+
+    def _ask_tiers(self, g: str, h: bytes, pages: list) -> bool:
+        """Ask the secondary tiers for page (g, h): a HIT is appended to `pages` as (g, tier, None) -> True;
+        a RETRY appends the marker "retry" -> False; a MISS -> False."""
+        t, answer = self.tiers.lookup(chunk_key(self.fingerprint, g, h))
+        if answer is Lookup.HIT:
+            pages.append((g, t, None))
+            return True
+        for tier in self.tiers.tiers[: t if answer is Lookup.RETRY else len(self.tiers)]:
+            self.tier_counts[tier.name].misses += 1
+        if answer is Lookup.RETRY:
+            self.tier_counts[self.tiers.tiers[t].name].retries += 1
+            pages.append("retry")
+        return False
+
+    def _start_loads(self, kv: KVCacheManager, req: RequestView, first: int, found: list) -> bool:
+        """Reserve host pages for the tier-only pages of `found` (hash blocks from `first`) and plan their
+        loads (one TierLoad per tier and group), as far as free host pages go. -> whether any started."""
+        loads: dict[tuple[int, str], tuple[list, list, list]] = {}
+        jobs = self.loading.setdefault(req.req_id, set())
+        for c, pages in enumerate(found, start=first):
+            for g, where, _ in pages:
+                if isinstance(where, str):
+                    continue
+                pool = self.host[g]
+                if pool.num_free == 0:
+                    break
+                h = kv.requests[req.req_id].hashes[c]
+                if pool.lookup(g, h) is not None:
+                    continue  # an earlier page of this walk, or another request's load, brought it
+                hb = pool.allocate(1)[0]  # reserved (referenced, no key) until the load is reported
+                job = self.tiers.new_job()
+                self.jobs[job] = (req.req_id, where, g, hb, h)
+                jobs.add(job)
+                keys, blocks, ids = loads.setdefault((where, g), ([], [], []))
+                keys.append(chunk_key(self.fingerprint, g, h))
+                blocks.append(hb)
+                ids.append(job)
+            else:
+                continue
+            break
+        for (t, g), (keys, blocks, ids) in loads.items():
+            self.outbox.append(TierLoad(t, g, tuple(keys), tuple(blocks), tuple(ids)))
+        if not jobs:
+            del self.loading[req.req_id]
+        return bool(loads)
+
+    def waiting_for(self, req: RequestView) -> bool:
+        return req.req_id in self.loading
+
+    def must_retry(self, req: RequestView) -> bool:
+        if req.req_id in self._retry:
+            self._retry.discard(req.req_id)
+            return True
+        return False
+
+    def on_tier_results(self, results) -> None:
+        """The runner's report of finished tier loads ((job, status), ...): a loaded page joins the host
+        tier (pinned for its request until that request's next admission); a failed one is freed and
+        its tokens will be recomputed ("fail": raise)."""
+        failed = []
+        for job, status in results:
+            req_id, t, g, hb, h = self.jobs.pop(job)
+            counts = self.tier_counts[self.tiers.tiers[t].name]
+            pool = self.host[g]
+            if status == "ok":
+                counts.hits += 1
+                pool.cache(g, hb, h)
+                self.tier_pins.setdefault(req_id, []).append((g, hb))
+            else:
+                if status == "corrupt":
+                    counts.corrupt += 1
+                else:
+                    counts.lost += 1
+                pool.free([hb])
+                failed.append((req_id, self.tiers.tiers[t].name, status))
+            jobs = self.loading.get(req_id)
+            if jobs is not None:
+                jobs.discard(job)
+                if not jobs:
+                    del self.loading[req_id]
+        if failed and self.load_failure_policy == "fail":
+            raise RuntimeError(f"secondary-tier loads failed (kv_load_failure_policy='fail'): {failed}")
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         for g, pages in self.pending.pop(req.req_id, (0, {}))[1].items():
@@ -198,6 +342,9 @@ class OffloadPolicy(PreemptPolicy):
                 done[g] = max(done[g], full)
         for g, (src, dst) in copies.items():
             self.outbox.append(PageCopy(g, "d2h", tuple(src), tuple(dst)))
+            if self.tiers is not None:  # write-through: the host pages, once written, to every tier
+                self.outbox.append(TierStore(g, tuple(dst), tuple(chunk_key(self.fingerprint, g, self.host[g].block_key[b][1])
+                                                                  for b in dst)))
             self.stats.stored_pages += len(src)
             self.stats.store_bytes += len(src) * self.page_bytes[g]
         if copies:

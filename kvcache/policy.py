@@ -104,6 +104,16 @@ class KVPolicy(Protocol):
     def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:
         """After a step's results are in and the scheduler has advanced its requests."""
 
+    def waiting_for(self, req: RequestView) -> bool:
+        """Whether waiting `req`'s KV is still on the way from a secondary tier (its admission is not tried)."""
+
+    def must_retry(self, req: RequestView) -> bool:
+        """Right after `admit`: whether the lookup answered RETRY (the scheduler undoes the attempt with
+        `forget` and passes the request over this step)."""
+
+    def on_tier_results(self, results) -> None:
+        """The runner's report of finished secondary-tier loads (StepResult.tier_loads)."""
+
 
 class PreemptPolicy:
     """Drop the victim's KV and recompute it when it runs again (vLLM's recompute preemption). The base
@@ -157,6 +167,15 @@ class PreemptPolicy:
 
     def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:
         pass
+
+    def waiting_for(self, req: RequestView) -> bool:
+        return False
+
+    def must_retry(self, req: RequestView) -> bool:
+        return False
+
+    def on_tier_results(self, results) -> None:
+        raise RuntimeError(f"tier load results {results} for a policy without secondary tiers")
 
 
 class SwapPolicy(PreemptPolicy):

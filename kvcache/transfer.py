@@ -92,7 +92,42 @@ class ResetLease:
         object.__setattr__(self, "blocks", _blocks("ResetLease.blocks", self.blocks))
 
 
-Transfer = PageCopy | SaveKV | LoadKV | ResetLease
+@dataclasses.dataclass(frozen=True)
+class TierStore:
+    """Pass host pages (host blocks of `group`, just written by an earlier operation of the plan) on to
+    every secondary tier (kvcache.tiers) under `keys`: the runner snapshots their bytes when it executes
+    this and the tiers write them asynchronously. Moves nothing over the device link."""
+
+    group: str
+    host_blocks: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "host_blocks", _blocks("TierStore.host_blocks", self.host_blocks))
+        if len(self.keys) != len(self.host_blocks):
+            raise ValueError(f"TierStore: {len(self.host_blocks)} host blocks but {len(self.keys)} keys")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierLoad:
+    """Start loading chunks `keys` from secondary tier number `tier` into host blocks of `group` (reserved
+    by the policy; nothing reads them until the load is reported). Asynchronous: the runner reports each
+    job's outcome (jobs[i] for keys[i]) in the StepResult of a later step (`tier_loads`)."""
+
+    tier: int
+    group: str
+    keys: tuple[bytes, ...]
+    host_blocks: tuple[int, ...]
+    jobs: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "host_blocks", _blocks("TierLoad.host_blocks", self.host_blocks))
+        if not len(self.keys) == len(self.host_blocks) == len(self.jobs):
+            raise ValueError(f"TierLoad: {len(self.keys)} keys, {len(self.host_blocks)} host blocks and "
+                             f"{len(self.jobs)} jobs")
+
+
+Transfer = PageCopy | SaveKV | LoadKV | ResetLease | TierStore | TierLoad
 
 
 def bytes_moved(op: Transfer, page_bytes: Mapping[str, int]) -> tuple[int, int]:
@@ -103,7 +138,7 @@ def bytes_moved(op: Transfer, page_bytes: Mapping[str, int]) -> tuple[int, int]:
     if isinstance(op, (SaveKV, LoadKV)):
         n = sum(len(b) * page_bytes[g] for g, b in op.blocks)
         return (n, 0) if isinstance(op, SaveKV) else (0, n)
-    if isinstance(op, ResetLease):
+    if isinstance(op, (ResetLease, TierStore, TierLoad)):  # host <-> storage: not the device link
         return 0, 0
     raise TypeError(f"not a transfer operation: {op!r}")
 

@@ -7,7 +7,8 @@ import dataclasses
 from attention.formats import MLA_FORMATS
 from kvcache.hisparse import hot_buffer_rows
 from kvcache.layout import block_bytes, page_bytes
-from kvcache.offload import host_tier_blocks
+from kvcache.offload import LOAD_FAILURE_POLICIES, host_tier_blocks
+from kvcache.tiers import check_tier_specs
 
 KV_POLICIES = ("preempt", "offload", "swap", "hisparse")
 IMPLS = ("auto", "reference", "pallas")
@@ -108,7 +109,9 @@ class DeployConfig:
         "cpu_bytes_to_use": N, "blocks_per_chunk": 1, "eviction_policy": "lru", "secondary_tiers": []}}.
         It implies kv_policy="offload" and sets cpu_offload_bytes to cpu_bytes_to_use (if both are given
         they must agree); cpu_offload_bytes=N alone is the shorthand for a host tier of N bytes (LRU).
-        Built so far: the host tier (LRU or ARC); secondary tiers raise NotImplementedError.
+        secondary_tiers: [{"type": "fs", "root_dir": DIR, "max_bytes": N}, {"type": "custom",
+        "module_path": M}] (kvcache.tiers; "obj" and "p2p" raise NotImplementedError so far); the
+        top-level "kv_load_failure_policy" ("recompute" | "fail") says what a failed tier load does.
     """
 
     data_parallel_size: int = 1
@@ -203,7 +206,7 @@ class DeployConfig:
         ktc = self.kv_transfer_config
         if not isinstance(ktc, dict):
             raise ValueError(f"DeployConfig.kv_transfer_config must be a dict, got {type(ktc).__name__}")
-        unknown = set(ktc) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        unknown = set(ktc) - {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
         if unknown:
             raise ValueError(f"DeployConfig.kv_transfer_config: unknown keys {sorted(unknown)}")
         if ktc.get("kv_connector") != "OffloadingConnector":
@@ -231,9 +234,10 @@ class DeployConfig:
         if opts["eviction_policy"] not in ("lru", "arc"):
             raise ValueError(f"kv_connector_extra_config eviction_policy must be 'lru' or 'arc', got "
                              f"{opts['eviction_policy']!r}")
-        if opts["secondary_tiers"]:
-            raise NotImplementedError("kv_connector_extra_config secondary_tiers are not built yet (issue 20): "
-                                      "only the host tier runs")
+        check_tier_specs(opts["secondary_tiers"])
+        if ktc.get("kv_load_failure_policy", "recompute") not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_transfer_config kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got "
+                             f"{ktc['kv_load_failure_policy']!r}")
         if self.kv_policy not in ("preempt", "offload"):
             raise ValueError(f"DeployConfig.kv_transfer_config (the offload connector) with kv_policy="
                              f"{self.kv_policy!r}: it is the 'offload' policy")
@@ -249,6 +253,11 @@ class DeployConfig:
         kv_connector_extra_config; cpu_bytes_to_use = cpu_offload_bytes)."""
         extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config", {})
         return {**OFFLOAD_DEFAULTS, **extra, "cpu_bytes_to_use": self.cpu_offload_bytes}
+
+    @property
+    def kv_load_failure_policy(self) -> str:
+        """What a failed secondary-tier load does: "recompute" (its tokens; vLLM's default) or "fail"."""
+        return (self.kv_transfer_config or {}).get("kv_load_failure_policy", "recompute")
 
     @property
     def is_resolved(self) -> bool:

@@ -24,7 +24,9 @@ with the replicas' running / waiting requests and free blocks (after scheduling)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -43,15 +45,17 @@ from glm53.model import as_token_array
 from kvcache.hisparse import HiSparsePolicy
 from kvcache.offload import OffloadPolicy
 from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
+from kvcache.tiers import TierSet, layout_fingerprint, make_tier
 from kvcache.transfer import TransferStats
 
 
-def make_policy(deploy: DeployConfig, sizes: KVSizes) -> KVPolicy:
-    """The KV policy `deploy.kv_policy` names, sized by `sizes`."""
+def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = None, fingerprint: str = "") -> KVPolicy:
+    """The KV policy `deploy.kv_policy` names, sized by `sizes` (offload: with its secondary `tiers`)."""
     if deploy.kv_policy == "offload":
         opts = deploy.offload_options
         return OffloadPolicy(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
-                             eviction=opts["eviction_policy"])
+                             eviction=opts["eviction_policy"], tiers=tiers, fingerprint=fingerprint,
+                             load_failure_policy=deploy.kv_load_failure_policy)
     if deploy.kv_policy == "swap":
         return SwapPolicy(deploy.cpu_offload_bytes, sizes.page_bytes)
     if deploy.kv_policy == "hisparse":
@@ -116,11 +120,21 @@ class Engine:
                                  f"{len(devices)} are available (on CPU, simulate more with "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * n})")
             groups = [devices[i * n:(i + 1) * n] for i in range(dp)]
+        specs = d.offload_options["secondary_tiers"] if d.kv_policy == "offload" else []
+        if specs and runners is not None:
+            raise NotImplementedError("secondary KV tiers run with the model runner only (the simulator does not "
+                                      "model them yet)")
+        self.fingerprint = kv_fingerprint(model, d, self.sizes) if specs else ""
         self.replicas: list[Replica] = []
+        self.tiers: list[TierSet | None] = []
         for i in range(dp):
-            policy = make_policy(d, self.sizes)
-            run = ModelRunner(model, d, self.sizes, groups[i]) if runners is None else runners[i]
+            tiers = TierSet([make_tier(spec, self.fingerprint) for spec in specs]) if specs else None
+            self.tiers.append(tiers)
+            policy = make_policy(d, self.sizes, tiers, self.fingerprint)
+            run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers) if runners is None else runners[i]
             self.replicas.append(Replica(Scheduler(d, self.sizes.num_blocks, GROUPS, policy=policy), run))
+        if specs:  # at interpreter exit too, so every chunk reported stored is complete on disk
+            self._finalizer = weakref.finalize(self, _shutdown_tiers, list(self.tiers))
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.finished: dict[str, Request] = {}
         self._owner: dict[str, int] = {}  # request id -> replica index
@@ -130,6 +144,13 @@ class Engine:
         self.timeline: list[tuple[float, int, int, int]] = []
         self._steps = 0
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Wait for the secondary tiers' pending stores and stop their threads (also run at interpreter
+        exit). Idempotent; `metrics()` stays readable; stepping after it is an error for tiered engines."""
+        fin = getattr(self, "_finalizer", None)
+        if fin is not None:
+            fin()
 
     # ------------------------------------------------------------------------------------ one replica
     def _only(self) -> Replica:
@@ -202,8 +223,8 @@ class Engine:
             sch = rep.scheduler
             plan = None
             if sch.has_work:
-                counted |= sch.has_requests
                 plan = sch.schedule()
+                counted |= sch.has_requests and not sch.idle_wait
                 t = self.clock.now() if t is None else t
             for i, c in enumerate((len(sch.running), len(sch.waiting), sch.kv.num_free_blocks)):
                 counts[i] += c
@@ -334,6 +355,37 @@ class Engine:
         return out
 
 
+def _shutdown_tiers(tiers) -> None:
+    for t in tiers:
+        if t is not None:
+            t.shutdown(wait=True)
+
+
+def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:
+    """The secondary tiers' fingerprint of this deployment's KV bytes (kvcache.tiers.layout_fingerprint)
+    and of the weights that computed them: SHA-256 over the first 64 values of every weight array, so
+    two random initialisations of one preset (or two checkpoints of one architecture) never share KV."""
+    cfg = model if isinstance(model, ModelConfig) else model.cfg
+    fp = layout_fingerprint(dataclasses.asdict(cfg), page_rows={"mla": deploy.block_size,
+                                                                "indexer": deploy.index_block_size or deploy.block_size},
+                            page_bytes=sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype,
+                            decode_context_parallel_size=deploy.decode_context_parallel_size,
+                            interleave=deploy.cp_kv_cache_interleave_size, tokens_per_block=deploy.tokens_per_block)
+    h = hashlib.sha256(fp.encode())
+    if isinstance(model, nnx.Module):
+        leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
+        heads = _leaf_heads([x for _, x in leaves])
+        for (path, x), head in zip(leaves, heads):
+            h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode())
+            h.update(np.asarray(head).tobytes())
+    return h.hexdigest()
+
+
+@jax.jit
+def _leaf_heads(leaves):
+    return [x.reshape(-1)[:64] for x in leaves]
+
+
 def _weights_bytes(model, device) -> int:
     """Bytes of the model's weights (what one replica's device holds without expert parallelism); 0 on
     CPU, where the KV budget does not depend on them."""
@@ -343,13 +395,22 @@ def _weights_bytes(model, device) -> int:
 
 
 def _offload_metrics(sch: Scheduler) -> dict:
-    """The offload tiers' counters, {tier: {"hits", "misses", "corrupt" (hash blocks), "store_bytes",
-    "load_bytes", "stored_pages", "loaded_pages", "store_skipped_pages"}}; {} for other policies. Only the
-    host tier ("cpu") exists so far, and host memory is never corrupt."""
+    """The offload tiers' counters, {tier: {...}}; {} for other policies. "cpu" (the host tier, in hash
+    blocks and bytes): "hits" (loaded host -> device at admission, whatever brought them to the host),
+    "misses", "corrupt" (0: host memory is not verified), "store_bytes", "load_bytes", "stored_pages",
+    "loaded_pages", "store_skipped_pages". Each secondary tier by name ("fs", ...; in chunks = pages and
+    bytes): "hits" (chunks it loaded into the host tier), "misses" (lookups it answered MISS), "corrupt",
+    "lost" (gone between lookup and load), "retries", and its own "stored_chunks", "store_failed",
+    "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks"."""
     pol = sch.policy
     if not isinstance(pol, OffloadPolicy):
         return {}
-    return {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
+    out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
+    for tier in (pol.tiers.tiers if pol.tiers else ()):
+        seen = dataclasses.asdict(pol.tier_counts[tier.name])
+        own = dataclasses.asdict(tier.stats)
+        out[tier.name] = {**own, **seen, "corrupt": seen["corrupt"]}
+    return out
 
 
 def _hisparse_metrics(sch: Scheduler) -> dict:

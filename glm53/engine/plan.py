@@ -93,6 +93,9 @@ class StepResult:
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     resolves: tuple[ResolveRecord, ...] = ()
+    # secondary-tier loads (kvcache.transfer.TierLoad jobs, planned in this or an earlier step) that
+    # finished since the runner's last result: ((job, "ok" | "miss" | "corrupt"), ...)
+    tier_loads: tuple[tuple[int, str], ...] = ()
     # seconds the step takes when a runner prices it instead of running it (the simulator); None: it
     # ran, and the engine reads the time off its clock
     duration_s: float | None = None

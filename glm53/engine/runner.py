@@ -121,7 +121,7 @@ class ModelRunner:
     context mesh over them (parallel.model). `sizes`: the replica's pool, page and host-pool sizes
     (glm53.engine.config.KVSizes), the same numbers its policy plans with."""
 
-    def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None):
+    def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None, *, tiers=None):
         if deploy.tensor_parallel_size != 1:
             raise NotImplementedError(f"DeployConfig.tensor_parallel_size={deploy.tensor_parallel_size}: the model "
                                       "runner replicates attention and MLP weights so far (the context axis and "
@@ -144,6 +144,7 @@ class ModelRunner:
             raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts do not split over the "
                              f"{n} devices of the context axis")
         self.devices = devices
+        self.tiers = tiers  # the offload host tier's secondary tiers (kvcache.tiers.TierSet), or None
         with jax.default_device(devices[0]):  # every array this runner creates starts on its devices
             self._init(sizes.num_blocks)
 
@@ -190,7 +191,7 @@ class ModelRunner:
         self.host = HostMemory(self.cache, page_rows={"mla": deploy.block_size,
                                                       "indexer": deploy.index_block_size or deploy.block_size},
                                kv_ranks=self.kv_ranks, num_blocks=num_blocks, host=host, device=device,
-                               host_blocks=sz.host_blocks or None,
+                               host_blocks=sz.host_blocks or None, tiers=self.tiers,
                                hot=(sz.max_leases, len(self.cache.index), sz.hot_rows) if self.hisparse else None)
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
             raise RuntimeError(f"page bytes of the device arrays {self.host.page_bytes} differ from "
@@ -382,7 +383,10 @@ class ModelRunner:
                 rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), self._last_view)
                 resolves.append(rec)
                 h2d += nbytes
-        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves))
+        # tier loads finished by now; a step with nothing to compute waits a little for one (an engine
+        # whose only waiting requests wait on tiers would otherwise spin)
+        loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
+        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads)
 
     def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int, window: int,
                    hisparse=None) -> dict[str, tuple[int]]:

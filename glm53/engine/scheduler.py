@@ -89,6 +89,7 @@ class Scheduler:
         # prefix-cache queries and hits its admission counted); see `schedule`
         self._unfit: tuple | None = None
         self.skipped_admissions = 0  # retries skipped because nothing they read had changed
+        self.idle_wait = False  # the last step scheduled nothing because its waiting requests wait for tier loads
 
     def add(self, req: Request) -> None:
         need = self.kv.blocks_needed_all(req.prompt_ids.size + req.params.max_new_tokens) + self.policy.reserve_blocks()
@@ -149,8 +150,13 @@ class Scheduler:
             self.policy.prepare(self.kv, req, n)
             out.append((req, req.num_computed_tokens, n))
             budget -= n
-        while not evicted and budget > 0 and self.waiting and len(self.running) < self.deploy.max_num_seqs:
-            req = self.waiting[0]
+        skip = 0  # waiting requests at the head of the queue passed over: their KV is on the way from a tier
+        waited = False
+        while not evicted and budget > 0 and len(self.waiting) > skip and len(self.running) < self.deploy.max_num_seqs:
+            req = self.waiting[skip]
+            if self.policy.waiting_for(req):
+                skip, waited = skip + 1, True
+                continue
             before = None
             if self._unfit is not None and self._unfit[0] is req and self._unfit[1] == self._admission_signature(req, budget):
                 # it did not fit and nothing its admission reads has changed since: the retry would take
@@ -169,6 +175,13 @@ class Scheduler:
                 req.num_computed_tokens = saved
             else:
                 req.num_computed_tokens = self.policy.admit(self.kv, req)
+            if self.policy.must_retry(req):  # the lookup answered RETRY: loads from a tier are under way
+                self.policy.forget(self.kv, req)
+                self.kv.free(req.req_id, keep_hashes=True)
+                req.num_computed_tokens = 0
+                pool_stats.queries, pool_stats.hits = queries, hits  # counted when it is admitted
+                skip, waited = skip + 1, True
+                continue
             queries, hits = pool_stats.queries - queries, pool_stats.hits - hits
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._fits(req, n) and self.policy.make_room(self.kv, self.running, self._need(req, n)):
@@ -184,7 +197,7 @@ class Scheduler:
             if before is not None:
                 raise AssertionError(f"step {self.stats.steps}: a skipped admission of {req.req_id!r} would have succeeded")
             self._unfit = None
-            self.waiting.popleft()
+            del self.waiting[skip]
             self.kv.allocate(req.req_id, req.num_computed_tokens + n)
             if saved:
                 self.policy.restore(self.kv, req)
@@ -195,6 +208,9 @@ class Scheduler:
             self.running.append(req)
             out.append((req, req.num_computed_tokens, n))
             budget -= n
+        # a step that only waits for tier loads is not a scheduling step
+        self.idle_wait = waited and not out
+        counted = counted and not self.idle_wait
         plan = self._plan(out)
         if counted:
             self.stats.steps += 1
@@ -284,6 +300,8 @@ class Scheduler:
         self.transfers.h2d_bytes += result.h2d_bytes
         for rec in result.resolves:
             self.resolve.add(rec)
+        if result.tier_loads:
+            self.policy.on_tier_results(result.tier_loads)
         finished = []
         for row in plan.rows:
             req = self.requests[row.req_id]

@@ -125,7 +125,11 @@ def test_kv_transfer_config_is_vllms_offload_connector():
     (_ktc(blocks_per_chunk=0), ValueError, "blocks_per_chunk must be a positive int"),
     (_ktc(eviction_policy="fifo"), ValueError, "eviction_policy must be 'lru' or 'arc'"),
     (_ktc(spec_name="Foo"), ValueError, "spec_name must be"),
-    (_ktc(secondary_tiers=[{"type": "fs", "root_dir": "/tmp/x"}]), NotImplementedError, "secondary_tiers"),
+    (_ktc(secondary_tiers=[{"type": "obj", "bucket": "b"}]), NotImplementedError, "'obj' is not built yet"),
+    (_ktc(secondary_tiers=[{"type": "fs"}]), ValueError, "needs root_dir"),
+    (_ktc(secondary_tiers={"type": "fs"}), ValueError, "secondary_tiers must be a list"),
+    (_ktc(secondary_tiers=[{"type": "fs", "root_dir": "/tmp/x", "max_byte": 1}]), ValueError, "unknown keys"),
+    ({**_ktc(), "kv_load_failure_policy": "skip"}, ValueError, "kv_load_failure_policy must be one of"),
     ({**_ktc(), "kv_role": "kv_producer"}, NotImplementedError, "kv_role"),
 ])
 def test_kv_transfer_config_bad_input(ktc, err, match):

@@ -28,6 +28,9 @@ def small_model():
 POLICIES = {
     "preempt": ({}, (1, 90), 10),
     "offload": (dict(kv_policy="offload", cpu_offload_bytes=1 << 26), (1, 90), 10),
+    # a host tier of 6 pages per group behind which the filesystem tier serves what it evicted (no device
+    # prefix cache: a preempted request's prefix comes back from the tiers)
+    "offload_fs": (dict(kv_transfer_config="fs"), (1, 90), 10),
     "swap": (dict(kv_policy="swap", cpu_offload_bytes=1 << 26), (1, 90), 10),
     # long requests that keep decoding under pressure, and a hot buffer of top-k rows (2 blocks, below the
     # watermark of 3 free blocks), so pages are released and decode steps read rows from the host
@@ -38,8 +41,11 @@ POLICIES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_no_compilation_after_warmup(small_model, policy):
+def test_no_compilation_after_warmup(small_model, policy, tmp_path):
     fields, (lo, hi), min_finished = POLICIES[policy]
+    if fields.get("kv_transfer_config") == "fs":
+        fields = dict(enable_prefix_caching=False, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+            "cpu_bytes_to_use": 6 * (9216 + 1024), "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}]}})
     deploy = DeployConfig(**{**dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=8,
                                     num_gpu_blocks=28), **fields})
     eng = Engine(small_model, deploy)
@@ -66,6 +72,8 @@ def test_no_compilation_after_warmup(small_model, policy):
     if policy == "offload":  # pages were stored to the host tier and loaded back
         tier = eng.metrics()["kv_offload"]["cpu"]
         assert tier["stored_pages"] > 0 and tier["loaded_pages"] > 0
+    if policy == "offload_fs":  # ... and the filesystem tier gave back pages the host tier had evicted
+        assert eng.metrics()["kv_offload"]["fs"]["hits"] > 0, eng.metrics()["kv_offload"]
     if policy == "hisparse":  # decode steps resolved rows from the host, pages moved both ways
         hs = eng.scheduler.policy.stats
         assert eng.scheduler.resolve.log and eng.scheduler.resolve.hot_misses > 0

@@ -1,0 +1,157 @@
+"""Secondary KV tiers behind the host tier (BRIEF §7; vLLM's tiering offloading spec): storage that keeps
+host-tier chunks after the host evicts them and gives them back to a later prefix lookup.
+
+A tier implements vLLM's four non-blocking methods (`SecondaryTier`):
+
+    lookup(key, ctx) -> Lookup.HIT | MISS | RETRY     # RETRY: ask again later (e.g. a store in flight)
+    submit_store(job: StoreJob)                        # write chunks; returns at once
+    submit_load(job: LoadJob)                          # read chunks; returns at once
+    get_finished_jobs() -> [JobResult]                 # what completed since the last call
+
+Who calls what. The offload policy (kvcache.offload, the scheduler side) asks `lookup` during a prefix
+lookup and plans loads and stores as transfer operations (kvcache.transfer.TierLoad / TierStore); the
+runner's host side (kvcache.host.HostMemory, which holds the host-tier arrays) executes them: it gathers
+a stored page's bytes out of the host pool into a StoreJob and writes a loaded page's bytes into the
+host page the policy reserved, and reports finished loads in its StepResult (`tier_loads`), which the
+policy reads in the next `update`. A store passes every chunk the host tier stores to every tier
+(write-through), so a chunk the host tier evicts is still in the secondary tiers.
+
+Keys. `chunk_key(fingerprint, group, block_hash)`: SHA-256 of the deployment's layout fingerprint
+(`layout_fingerprint`: model, page geometry, DCP layout and KV dtype), the cache group and the chained
+block hash (which covers the tokens and the request's salt). Two engines share a chunk iff they would
+lay out its bytes identically; the canonical layout that would let different DCP layouts share is not
+built, so they miss instead (never another layout's bytes).
+
+Payloads. A chunk is one page of one cache group (every layer, every DCP rank, in the pool's row
+layout). A StoreJob's payloads are the runner's snapshot of the host pages (one gather out of the host
+pool, made when the store is planned): the host page may be reused by the next store while a tier is
+still writing, so a tier gets its own buffer rather than a view of the live pool.
+
+Tiers: "fs" (kvcache.tiers.fs.FileTier: one file per chunk), "custom" (any class by `module_path`);
+"obj" (S3) and "p2p" are not built yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Sequence
+
+from kvcache.tiers.base import JobResult, LoadJob, Lookup, SecondaryTier, StoreJob, TierStats
+
+__all__ = ["JobResult", "LoadJob", "Lookup", "SecondaryTier", "StoreJob", "TierSet", "TierStats", "chunk_key",
+           "check_tier_specs", "layout_fingerprint", "make_tier"]
+
+TIER_TYPES = ("fs", "obj", "p2p", "custom")
+
+
+def layout_fingerprint(model_cfg: dict, *, page_rows: dict, page_bytes: dict, kv_cache_dtype: str,
+                       decode_context_parallel_size: int, interleave: int, tokens_per_block: int) -> str:
+    """Hex SHA-256 of everything a chunk's bytes depend on besides its tokens: the model (its config), the
+    page geometry per cache group, the KV dtype and the DCP layout (rank count and interleave)."""
+    spec = {"format": 1, "model": model_cfg, "page_rows": page_rows, "page_bytes": page_bytes,
+            "kv_cache_dtype": kv_cache_dtype, "dcp": decode_context_parallel_size, "interleave": interleave,
+            "tokens_per_block": tokens_per_block}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def chunk_key(fingerprint: str, group: str, block_hash: bytes) -> bytes:
+    """The 32-byte key of one chunk (one page of `group` ending at the hash block `block_hash`)."""
+    return hashlib.sha256(fingerprint.encode() + b"\0" + group.encode() + b"\0" + block_hash).digest()
+
+
+def make_tier(spec: dict, fingerprint: str) -> SecondaryTier:
+    """A tier from one entry of kv_connector_extra_config's secondary_tiers."""
+    check_tier_specs([spec])
+    kind = spec.get("type")
+    if kind == "fs":
+        from kvcache.tiers.fs import FileTier
+
+        opts = {k: v for k, v in spec.items() if k != "type"}
+        return FileTier(fingerprint=fingerprint, **opts)
+    if kind == "custom":
+        path = spec.get("module_path")
+        if not isinstance(path, str) or not path:
+            raise ValueError("secondary tier {'type': 'custom'} needs module_path ('package.module' defining "
+                             "make_tier(spec, fingerprint), or 'package.module:Class')")
+        module, _, attr = path.partition(":")
+        factory = getattr(importlib.import_module(module), attr or "make_tier")
+        return factory(spec, fingerprint) if not attr else factory(fingerprint=fingerprint, **{
+            k: v for k, v in spec.items() if k not in ("type", "module_path")})
+    if kind in ("obj", "p2p"):
+        raise NotImplementedError(f"secondary tier type {kind!r} is not built yet (issue 20): 'fs' and 'custom' are")
+    raise ValueError(f"secondary tier type must be one of {TIER_TYPES}, got {kind!r}")
+
+
+def check_tier_specs(specs) -> None:
+    """Validate secondary_tiers entries without building them (DeployConfig does this)."""
+    if not isinstance(specs, (list, tuple)):
+        raise ValueError(f"kv_connector_extra_config secondary_tiers must be a list, got {type(specs).__name__}")
+    for s in specs:
+        if not isinstance(s, dict) or s.get("type") not in TIER_TYPES:
+            raise ValueError(f"secondary tier type must be one of {TIER_TYPES} (a dict with 'type'), got {s!r}")
+        if s["type"] == "fs":
+            from kvcache.tiers.fs import check_options
+
+            check_options({k: v for k, v in s.items() if k != "type"})
+        elif s["type"] == "custom" and not isinstance(s.get("module_path"), str):
+            raise ValueError(f"secondary tier {s!r}: 'custom' needs module_path")
+        elif s["type"] in ("obj", "p2p"):
+            raise NotImplementedError(f"secondary tier type {s['type']!r} is not built yet (issue 20): 'fs' and "
+                                      "'custom' are")
+
+
+class TierSet:
+    """The configured secondary tiers of one replica, in lookup order, and job ids. Shared by the policy
+    (lookups) and the runner's host side (stores, loads, polling)."""
+
+    def __init__(self, tiers: Sequence[SecondaryTier]):
+        self.tiers = list(tiers)
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"secondary tiers need distinct names, got {names}")
+        self._next_job = 0
+        self.pending_loads: dict[int, int] = {}  # job -> tier index
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    def new_job(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    def lookup(self, key: bytes) -> tuple[int, Lookup]:
+        """(index of the first tier that holds or will soon hold `key`, HIT / RETRY), or (-1, MISS)."""
+        for i, t in enumerate(self.tiers):
+            r = t.lookup(key)
+            if r is not Lookup.MISS:
+                return i, r
+        return -1, Lookup.MISS
+
+    def store(self, keys: Sequence[bytes], payloads: Sequence) -> None:
+        for t in self.tiers:
+            t.submit_store(StoreJob(self.new_job(), tuple(keys), tuple(payloads)))
+
+    def load(self, tier: int, job: int, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
+        self.pending_loads[job] = tier
+        self.tiers[tier].submit_load(LoadJob(job, tuple(keys), tuple(sizes)))
+
+    def poll(self) -> list[JobResult]:
+        """Finished loads of every tier (finished stores are consumed here: their counts are in each
+        tier's stats)."""
+        out = []
+        for t in self.tiers:
+            for r in t.get_finished_jobs():
+                if r.kind == "load":
+                    self.pending_loads.pop(r.job_id, None)
+                    out.append(r)
+        return out
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for t in self.tiers:
+            t.shutdown(wait=wait)

@@ -1,0 +1,73 @@
+"""The secondary-tier interface's types (vLLM's four methods; see kvcache.tiers): lookup answers, jobs,
+their results, a tier's counters and the `SecondaryTier` protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Protocol
+
+
+class Lookup(enum.Enum):
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreJob:
+    """Write chunks: payloads[i] (a buffer: bytes, memoryview or a contiguous numpy array) under keys[i]."""
+
+    job_id: int
+    keys: tuple[bytes, ...]
+    payloads: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadJob:
+    """Read chunks keys[i], each of sizes[i] bytes."""
+
+    job_id: int
+    keys: tuple[bytes, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobResult:
+    """A finished job. status per key: "ok", "miss" (gone) or "corrupt" (failed verification; the tier
+    dropped it) for loads, "ok" or "failed" (not written: full disk, an error) for stores. payloads: a
+    load's bytes per key (None where not "ok"); () for stores."""
+
+    job_id: int
+    kind: str  # "store" | "load"
+    status: tuple[str, ...]
+    payloads: tuple = ()
+
+
+@dataclasses.dataclass
+class TierStats:
+    """A tier's own counters (chunks and bytes it moved; the policy counts hits and misses)."""
+
+    stored_chunks: int = 0
+    store_failed: int = 0
+    store_bytes: int = 0
+    loaded_chunks: int = 0
+    load_bytes: int = 0
+    corrupt: int = 0  # chunks that failed verification on load (and were deleted)
+    evicted_chunks: int = 0
+
+
+class SecondaryTier(Protocol):
+    name: str  # the tier's metrics key: "fs", "obj", "p2p" (a custom tier names itself)
+    stats: TierStats
+
+    def lookup(self, key: bytes, ctx: object = None) -> Lookup: ...
+
+    def submit_store(self, job: StoreJob) -> None: ...
+
+    def submit_load(self, job: LoadJob) -> None: ...
+
+    def get_finished_jobs(self) -> list[JobResult]: ...
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Finish (wait=True) or drop pending jobs and stop the tier's threads; idempotent."""

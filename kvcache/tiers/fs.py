@@ -1,0 +1,259 @@
+"""The filesystem tier: one file per chunk under `root_dir/<fingerprint>/`, named by the chunk's key.
+
+File format (little-endian): a 56-byte header (magic b"GLM53KV\\0", format version u32, the 32-byte key,
+payload length u64, CRC-32 of the payload u32), then the payload. A reader checks all of it against
+the key and size it asked for; anything it cannot verify (truncated, flipped bytes, another format, a
+foreign file under the chunk's name) is a "corrupt" miss and the file is deleted, never an error that
+stops the engine.
+
+Writes go to a temporary file in the same directory (named with the writer's pid) and are renamed into
+place, so a reader sees a whole chunk or none, and a writer killed mid-file leaves only a temporary file,
+which the next tier on that root deletes at start once its pid is gone. Reads and writes run on
+separate thread pools (file I/O and zlib.crc32 release the GIL), so loads are not queued behind stores.
+No fsync: a finished rename survives the process (SIGKILL included), not a crash of the machine.
+
+Capacity: `max_bytes` (None: unbounded) over the chunk files this tier knows (those it found at start and
+those it wrote or read since), least recently used deleted first. Two engine processes may share one
+root: both find each other's chunks (a lookup is a stat of the chunk's path); each bounds what it knows
+of, so together they may hold up to twice `max_bytes`.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from kvcache.tiers.base import JobResult, LoadJob, Lookup, StoreJob, TierStats
+
+MAGIC = b"GLM53KV\0"
+VERSION = 1
+HEADER = struct.Struct("<8sI32sQI")
+SUFFIX = ".kv"
+OPTIONS = {"root_dir": None, "max_bytes": None, "read_threads": 4, "write_threads": 4, "name": "fs"}
+
+
+def check_options(opts: dict) -> None:
+    unknown = set(opts) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"secondary tier 'fs': unknown keys {sorted(unknown)} (allowed: {sorted(OPTIONS)})")
+    if not isinstance(opts.get("root_dir"), (str, os.PathLike)) or not str(opts["root_dir"]):
+        raise ValueError("secondary tier 'fs' needs root_dir (a directory path)")
+    mb = opts.get("max_bytes")
+    if mb is not None and (not isinstance(mb, int) or isinstance(mb, bool) or mb <= 0):
+        raise ValueError(f"secondary tier 'fs': max_bytes must be a positive int or None, got {mb!r}")
+    for k in ("read_threads", "write_threads"):
+        v = opts.get(k, OPTIONS[k])
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"secondary tier 'fs': {k} must be a positive int, got {v!r}")
+
+
+def encode_header(key: bytes, payload) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, key, memoryview(payload).nbytes, zlib.crc32(payload))
+
+
+class FileTier:
+    """A SecondaryTier (kvcache.tiers) on a directory. See the module docstring."""
+
+    def __init__(self, *, fingerprint: str, root_dir, max_bytes: int | None = None, read_threads: int = 4,
+                 write_threads: int = 4, name: str = "fs"):
+        check_options({"root_dir": root_dir, "max_bytes": max_bytes, "read_threads": read_threads,
+                       "write_threads": write_threads})
+        self.name = name
+        self.dir = Path(root_dir) / fingerprint[:32]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._inflight: collections.Counter[bytes] = collections.Counter()  # keys being written
+        self._finished: collections.deque[JobResult] = collections.deque()
+        self._known: collections.OrderedDict[str, int] = collections.OrderedDict()  # path -> bytes, LRU first
+        self._bytes = 0
+        self._scan()
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix=f"{name}-read")
+        self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix=f"{name}-write")
+        self._closed = False
+
+    # --------------------------------------------------------------------------------------- layout
+    def path(self, key: bytes) -> Path:
+        h = key.hex()
+        return self.dir / h[:2] / (h + SUFFIX)
+
+    def _scan(self) -> None:
+        """Index the chunk files already under the root (oldest first) and delete temporary files whose
+        writer is gone."""
+        found = []
+        for sub in self.dir.iterdir() if self.dir.is_dir() else ():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.name.endswith(".tmp"):
+                    pid = entry.name.rsplit(".", 3)[-3] if entry.name.count(".") >= 3 else ""
+                    if not (pid.isdigit() and _alive(int(pid))):
+                        _unlink(entry.path)
+                elif entry.name.endswith(SUFFIX) and entry.is_file():
+                    st = entry.stat()
+                    found.append((st.st_mtime, entry.path, st.st_size))
+        for _, p, size in sorted(found):
+            self._known[p] = size
+            self._bytes += size
+
+    # ---------------------------------------------------------------------------------- the interface
+    def lookup(self, key: bytes, ctx: object = None) -> Lookup:
+        with self._lock:
+            if self._inflight[key]:
+                return Lookup.RETRY
+        return Lookup.HIT if self.path(key).is_file() else Lookup.MISS
+
+    def submit_store(self, job: StoreJob) -> None:
+        with self._lock:
+            self._inflight.update(job.keys)
+        self._writers.submit(self._store, job)
+
+    def submit_load(self, job: LoadJob) -> None:
+        self._readers.submit(self._load, job)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        with self._lock:
+            out = list(self._finished)
+            self._finished.clear()
+        return out
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._writers.shutdown(wait=wait, cancel_futures=not wait)
+        self._readers.shutdown(wait=wait, cancel_futures=not wait)
+
+    # ------------------------------------------------------------------------------------ the workers
+    def _store(self, job: StoreJob) -> None:
+        status = []
+        for key, payload in zip(job.keys, job.payloads):
+            try:
+                status.append(self._write(key, payload))
+            except Exception:  # noqa: BLE001 - a failed write is a chunk not stored, never an engine error
+                status.append("failed")
+            finally:
+                with self._lock:
+                    self._inflight[key] -= 1
+                    if not self._inflight[key]:
+                        del self._inflight[key]
+        with self._lock:
+            self._finished.append(JobResult(job.job_id, "store", tuple(status)))
+
+    def _write(self, key: bytes, payload) -> str:
+        path = self.path(key)
+        if path.is_file():  # another writer got there first (same key, same bytes)
+            self._touch(str(path), path.stat().st_size)
+            return "ok"
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        data = memoryview(np.ascontiguousarray(payload)).cast("B")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(encode_header(key, data))
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            _unlink(tmp)
+            with self._lock:
+                self.stats.store_failed += 1
+            return "failed"
+        size = HEADER.size + data.nbytes
+        with self._lock:
+            self.stats.stored_chunks += 1
+            self.stats.store_bytes += data.nbytes
+        self._touch(str(path), size)
+        return "ok"
+
+    def _touch(self, p: str, size: int) -> None:
+        """`p` is now the most recently used file; evict past max_bytes."""
+        victims = []
+        with self._lock:
+            if p in self._known:
+                self._known.move_to_end(p)
+            else:
+                self._known[p] = size
+                self._bytes += size
+            while self.max_bytes is not None and self._bytes > self.max_bytes and len(self._known) > 1:
+                old, n = self._known.popitem(last=False)
+                self._bytes -= n
+                victims.append(old)
+            self.stats.evicted_chunks += len(victims)
+        for v in victims:
+            _unlink(v)
+
+    def _forget(self, p: str) -> None:
+        with self._lock:
+            n = self._known.pop(p, None)
+            if n is not None:
+                self._bytes -= n
+
+    def _load(self, job: LoadJob) -> None:
+        status, payloads = [], []
+        for key, size in zip(job.keys, job.sizes):
+            try:
+                data = self._read(key, size)
+            except Exception:  # noqa: BLE001 - an unreadable chunk is a miss, never an engine error
+                data = "corrupt"
+            if isinstance(data, str):
+                status.append(data)
+                payloads.append(None)
+            else:
+                status.append("ok")
+                payloads.append(data)
+        with self._lock:
+            self._finished.append(JobResult(job.job_id, "load", tuple(status), tuple(payloads)))
+
+    def _read(self, key: bytes, size: int):
+        """The verified payload of `key` (np.uint8 [size]), or "miss" / "corrupt" (the file deleted)."""
+        path = self.path(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            self._forget(str(path))
+            return "miss"
+        with f:
+            head = f.read(HEADER.size)
+            out = np.empty(size, np.uint8)
+            n = f.readinto(memoryview(out)) if len(head) == HEADER.size else 0
+            extra = f.read(1)
+        ok = len(head) == HEADER.size and n == size and not extra
+        if ok:
+            magic, version, k, length, crc = HEADER.unpack(head)
+            ok = magic == MAGIC and version == VERSION and k == key and length == size and zlib.crc32(out) == crc
+        if not ok:
+            _unlink(path)
+            self._forget(str(path))
+            with self._lock:
+                self.stats.corrupt += 1
+            return "corrupt"
+        with self._lock:
+            self.stats.loaded_chunks += 1
+            self.stats.load_bytes += size
+        self._touch(str(path), HEADER.size + size)
+        return out
+
+
+def _unlink(p) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,429 @@
+"""Secondary KV tiers (kvcache.tiers) with real files: the filesystem tier's format, verification,
+capacity and crash safety on its own, then behind the offload host tier in the engine, where every
+request must give the same greedy tokens as an engine without tiers whatever the tier did, with the
+counters saying what happened."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import DeployConfig, Engine
+from kvcache.tiers import Lookup, LoadJob, StoreJob, TierSet, chunk_key, make_tier
+from kvcache.tiers.fs import HEADER, FileTier
+
+REPO = Path(__file__).resolve().parents[2]
+FP = "ab" * 32  # a fingerprint
+
+
+def _key(i: int) -> bytes:
+    return chunk_key(FP, "mla", i.to_bytes(32, "little"))
+
+
+def _payload(i: int, n: int = 4096) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+
+
+def _wait(tier, kind: str, n: int, timeout: float = 10.0) -> list:
+    out, end = [], time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        out += [r for r in tier.get_finished_jobs() if r.kind == kind]
+        time.sleep(0.002)
+    assert len(out) == n, f"{len(out)} of {n} {kind} jobs finished"
+    return out
+
+
+def _store(tier, items) -> list:
+    keys = tuple(_key(i) for i in items)
+    tier.submit_store(StoreJob(1, keys, tuple(_payload(i) for i in items)))
+    return _wait(tier, "store", 1)[0].status
+
+
+def _load(tier, items, n: int = 4096):
+    tier.submit_load(LoadJob(2, tuple(_key(i) for i in items), (n,) * len(items)))
+    return _wait(tier, "load", 1)[0]
+
+
+# ------------------------------------------------------------------------------------ the fs tier alone
+def test_fs_roundtrip_and_lookup(tmp_path):
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path)
+    assert tier.lookup(_key(0)) is Lookup.MISS
+    assert _store(tier, [0, 1]) == ("ok", "ok")
+    assert tier.lookup(_key(0)) is Lookup.HIT and tier.lookup(_key(2)) is Lookup.MISS
+    r = _load(tier, [1, 0, 2])
+    assert r.status == ("ok", "ok", "miss")
+    np.testing.assert_array_equal(r.payloads[0], _payload(1))
+    np.testing.assert_array_equal(r.payloads[1], _payload(0))
+    assert tier.stats.stored_chunks == 2 and tier.stats.loaded_chunks == 2 and tier.stats.load_bytes == 2 * 4096
+    # one file per chunk, named by its key, under a directory named by the fingerprint
+    files = sorted(p.name for p in tmp_path.rglob("*.kv"))
+    assert files == sorted(_key(i).hex() + ".kv" for i in (0, 1))
+    assert all(p.parent.parent.name == FP[:32] for p in tmp_path.rglob("*.kv"))
+    tier.shutdown()
+
+
+def test_fs_lookup_answers_retry_while_its_store_is_in_flight(tmp_path, monkeypatch):
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path, write_threads=1)
+    gate = threading.Event()
+    write = tier._write
+    monkeypatch.setattr(tier, "_write", lambda key, payload: (gate.wait(10), write(key, payload))[1])
+    tier.submit_store(StoreJob(1, (_key(0),), (_payload(0),)))
+    assert tier.lookup(_key(0)) is Lookup.RETRY
+    gate.set()
+    _wait(tier, "store", 1)
+    assert tier.lookup(_key(0)) is Lookup.HIT
+    tier.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_header", "foreign", "other_key", "empty"])
+def test_fs_unverifiable_chunk_is_a_corrupt_miss_and_deleted(tmp_path, damage):
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path)
+    _store(tier, [0, 1])
+    path = tier.path(_key(0))
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 100]
+    elif damage == "flip_payload":
+        data[HEADER.size + 1000] ^= 0x40
+    elif damage == "flip_header":
+        data[20] ^= 0x01  # inside the key
+    elif damage == "foreign":
+        data = bytearray(b"not a chunk at all" * 300)
+    elif damage == "other_key":
+        data = bytearray(tier.path(_key(1)).read_bytes())  # a valid chunk under the wrong name
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    r = _load(tier, [0, 1])
+    assert r.status == ("corrupt", "ok") and r.payloads[0] is None
+    assert not path.exists() and tier.stats.corrupt == 1
+    assert tier.lookup(_key(0)) is Lookup.MISS  # the next lookup recomputes instead
+    tier.shutdown()
+
+
+def test_fs_capacity_evicts_least_recently_used(tmp_path):
+    size = HEADER.size + 4096
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path, max_bytes=3 * size)
+    _store(tier, [0, 1, 2])
+    _load(tier, [0])  # 0 is now the most recently used
+    _store(tier, [3])
+    assert [tier.lookup(_key(i)) for i in range(4)] == [Lookup.HIT, Lookup.MISS, Lookup.HIT, Lookup.HIT]
+    assert tier.stats.evicted_chunks == 1 and sum(1 for _ in tmp_path.rglob("*.kv")) == 3
+    # a tier started later on the same root knows the files there and keeps the bound
+    again = FileTier(fingerprint=FP, root_dir=tmp_path, max_bytes=3 * size)
+    _store(again, [4])
+    assert sum(1 for _ in tmp_path.rglob("*.kv")) == 3
+    tier.shutdown()
+    again.shutdown()
+
+
+def test_fs_two_tiers_on_one_root_share_only_their_fingerprint(tmp_path):
+    a = FileTier(fingerprint=FP, root_dir=tmp_path)
+    b = FileTier(fingerprint=FP, root_dir=tmp_path)
+    other = FileTier(fingerprint="cd" * 32, root_dir=tmp_path)
+    _store(a, [0])
+    assert b.lookup(_key(0)) is Lookup.HIT and other.lookup(_key(0)) is Lookup.MISS
+    np.testing.assert_array_equal(_load(b, [0]).payloads[0], _payload(0))
+    for t in (a, b, other):
+        t.shutdown()
+
+
+def test_fs_failed_write_is_a_failed_store_not_an_error(tmp_path):
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path)
+    sub = tier.path(_key(0)).parent
+    sub.write_bytes(b"")  # a file where the chunk's directory would be: every write there fails
+    assert _store(tier, [0]) == ("failed",)
+    assert tier.stats.store_failed == 1 and tier.lookup(_key(0)) is Lookup.MISS
+    assert [p for p in tmp_path.rglob("*.tmp")] == []
+    tier.shutdown()
+
+
+_WRITER = """
+import sys, numpy as np
+from kvcache.tiers import StoreJob, chunk_key
+from kvcache.tiers.fs import FileTier
+tier = FileTier(fingerprint=sys.argv[2], root_dir=sys.argv[1], write_threads=2)
+big = np.random.default_rng(0).integers(0, 256, 8 << 20, dtype=np.uint8)
+for i in range(10 ** 6):
+    tier.submit_store(StoreJob(i, (chunk_key(sys.argv[2], "mla", i.to_bytes(32, "little")),), (big,)))
+    if i == 4:
+        print("writing", flush=True)
+"""
+
+
+def test_fs_writer_killed_mid_file_leaves_only_whole_chunks(tmp_path):
+    """SIGKILL a process while it writes 8 MiB chunks: every chunk file left verifies, and a tier started
+    afterwards deletes the dead writer's temporary files."""
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), FP], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "writing"
+    deadline = time.monotonic() + 30
+    while not list(tmp_path.rglob("*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert list(tmp_path.rglob("*.tmp")), "the writer never had a file half-written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert list(tmp_path.rglob("*.tmp"))  # it died mid-file
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path)
+    assert list(tmp_path.rglob("*.tmp")) == []
+    whole = sorted(tmp_path.rglob("*.kv"))
+    keys = [bytes.fromhex(p.name[:-3]) for p in whole]
+    if keys:
+        tier.submit_load(LoadJob(1, tuple(keys), (8 << 20,) * len(keys)))
+        assert set(_wait(tier, "load", 1)[0].status) == {"ok"}
+    tier.shutdown()
+
+
+def test_tier_specs_are_checked():
+    with pytest.raises(ValueError, match="root_dir"):
+        make_tier({"type": "fs"}, FP)
+    with pytest.raises(ValueError, match="unknown keys"):
+        make_tier({"type": "fs", "root_dir": "/tmp/x", "size": 1}, FP)
+    with pytest.raises(ValueError, match="type must be one of"):
+        make_tier({"type": "tape"}, FP)
+    with pytest.raises(NotImplementedError, match="obj"):
+        make_tier({"type": "obj", "bucket": "b"}, FP)
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        DeployConfig(kv_transfer_config=_ktc("/tmp/x", kv_load_failure_policy="ignore"))
+    with pytest.raises(ValueError, match="max_bytes"):
+        DeployConfig(kv_transfer_config=_ktc("/tmp/x", max_bytes=-1))
+
+
+# --------------------------------------------------------------------------------- behind the host tier
+# test_offload's deployment (the same compiled programs) and the session's reference prompts: 37, 5, 70
+# and 20 tokens, 5 greedy tokens each
+BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
+STORED = 2 * sum((n + 4) // 8 for n in (37, 5, 70, 20))  # full pages once each request is done, both groups
+HIT_BLOCKS = sum((n - 1) // 8 for n in (37, 5, 70, 20))  # full pages short of each prompt's last token
+
+
+def _ktc(root, kv_load_failure_policy="recompute", cpu=1 << 20, **fs):
+    tier = {"type": "fs", "root_dir": str(root), **fs}
+    return {"kv_connector": "OffloadingConnector", "kv_load_failure_policy": kv_load_failure_policy,
+            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu, "secondary_tiers": [tier]}}
+
+
+@pytest.fixture
+def runs(reference):
+    return reference
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_model, reference, tmp_path_factory):
+    """A root holding every chunk of the reference prompts, and the metrics of the engine that stored them."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("stored")
+    eng, out = _run(tiny_model, reference[0], root)
+    assert out == reference[1]
+
+    def copy(dst):
+        shutil.copytree(root, dst, dirs_exist_ok=True)
+        return dst
+
+    return copy, eng
+
+
+def _run(model, prompts, root, **kw):
+    eng = Engine(model, DeployConfig(**BASE, kv_transfer_config=_ktc(root, **kw)))
+    out = [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)]
+    eng.shutdown()
+    return eng, out
+
+
+def test_a_new_engine_on_the_same_root_reloads_every_full_page(tiny_model, runs, stored, tmp_path):
+    """Engine 1 stored every full page through its host tier to the filesystem; engine 2 (empty device
+    pool and host tier) loads each prompt's full pages from there and prefills only the last partial
+    page: the same tokens, the hits counted in chunks and bytes. Another model's KV never meets it."""
+    prompts, want = runs
+    copy, first = stored
+    m = first.metrics()["kv_offload"]
+    assert m["fs"]["stored_chunks"] == m["cpu"]["stored_pages"] == STORED
+    assert m["fs"]["store_bytes"] == m["cpu"]["store_bytes"] and m["fs"]["store_failed"] == 0
+    second, out = _run(tiny_model, prompts, copy(tmp_path))
+    assert out == want
+    m = second.metrics()["kv_offload"]
+    assert m["fs"]["hits"] == m["fs"]["loaded_chunks"] == 2 * HIT_BLOCKS and m["fs"]["corrupt"] == 0
+    assert m["fs"]["load_bytes"] == HIT_BLOCKS * sum(second.sizes.page_bytes.values())
+    assert second.scheduler.stats.prefix_hit_tokens == 8 * HIT_BLOCKS
+    assert second.metrics()["kv_offload"]["cpu"]["hits"] == HIT_BLOCKS  # then loaded host -> device
+    # other weights of the same architecture, or another layout, name another directory
+    from glm53.engine.engine import kv_fingerprint
+
+    other = glm53.init("tiny", seed=1, std=0.1)
+    assert kv_fingerprint(other, second.deploy, second.sizes) != second.fingerprint
+    d = DeployConfig(**BASE, kv_transfer_config=_ktc(tmp_path), kv_cache_dtype="bfloat16").resolved(tiny_model.cfg)
+    assert kv_fingerprint(tiny_model, d, d.kv_sizes(tiny_model.cfg)) != second.fingerprint
+    assert kv_fingerprint(tiny_model, second.deploy, second.sizes) == second.fingerprint
+
+
+def test_corrupt_chunks_are_recomputed_or_fail_by_policy(tiny_model, runs, stored, tmp_path):
+    prompts, want = runs
+    root = stored[0](tmp_path)
+    files = sorted(root.rglob("*.kv"))
+    for p in files[::2]:  # flip one payload byte in every other chunk
+        data = bytearray(p.read_bytes())
+        data[-7] ^= 0xFF
+        p.write_bytes(bytes(data))
+    eng, out = _run(tiny_model, prompts[:2], root)
+    assert out == want[:2]
+    fs = eng.metrics()["kv_offload"]["fs"]
+    assert fs["corrupt"] >= 1 and fs["hits"] >= 1
+    # each corrupt chunk it read was deleted, its tokens recomputed and stored again: a third engine reads
+    # only whole chunks (the last full page of each prompt is never looked up, so never checked)
+    again, out = _run(tiny_model, prompts[:2], root)
+    assert out == want[:2] and again.metrics()["kv_offload"]["fs"]["corrupt"] == 0
+    assert again.metrics()["kv_offload"]["fs"]["hits"] == 2 * sum((n - 1) // 8 for n in (37, 5))
+    for p in sorted(root.rglob("*.kv"))[::2]:
+        data = bytearray(p.read_bytes())
+        data[-7] ^= 0xFF
+        p.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError, match="kv_load_failure_policy='fail'"):
+        _run(tiny_model, prompts[:2], root, kv_load_failure_policy="fail")
+
+
+class _Evicting:
+    """A custom tier (module_path) around the fs tier that deletes a chunk right after answering HIT for
+    it: eviction between lookup and load."""
+
+    def __init__(self, *, fingerprint, root_dir):
+        self.inner = FileTier(fingerprint=fingerprint, root_dir=root_dir)
+        self.name, self.stats = "evicting", self.inner.stats
+
+    def lookup(self, key, ctx=None):
+        r = self.inner.lookup(key)
+        if r is Lookup.HIT:
+            self.inner.path(key).unlink()
+        return r
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(tiny_model, runs, stored, tmp_path):
+    prompts, want = runs
+    stored[0](tmp_path)
+    spec = {"type": "custom", "module_path": f"{__name__}:_Evicting", "root_dir": str(tmp_path)}
+    ktc = {"kv_connector": "OffloadingConnector",
+           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [spec]}}
+    eng = Engine(tiny_model, DeployConfig(**BASE, kv_transfer_config=ktc))
+    assert [o.token_ids.tolist() for o in eng.generate(prompts[:1], max_new_tokens=5)] == want[:1]
+    tier = eng.metrics()["kv_offload"]["evicting"]
+    assert tier["lost"] >= 1 and tier["hits"] == 0
+    eng.shutdown()
+
+
+class _Busy(_Evicting):
+    """A custom tier that answers RETRY to its first three lookups (as for stores in flight)."""
+
+    def __init__(self, *, fingerprint, root_dir):
+        super().__init__(fingerprint=fingerprint, root_dir=root_dir)
+        self.name, self.asked = "busy", 0
+
+    def lookup(self, key, ctx=None):
+        self.asked += 1
+        return Lookup.RETRY if self.asked <= 3 else self.inner.lookup(key)
+
+
+def test_retry_answers_keep_the_request_waiting_then_it_hits(tiny_model, runs, stored, tmp_path):
+    """The admission waits while the tier answers RETRY (other requests run meanwhile), then loads."""
+    prompts, want = runs
+    stored[0](tmp_path)
+    spec = {"type": "custom", "module_path": f"{__name__}:_Busy", "root_dir": str(tmp_path)}
+    ktc = {"kv_connector": "OffloadingConnector",
+           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [spec]}}
+    eng = Engine(tiny_model, DeployConfig(**BASE, kv_transfer_config=ktc))
+    assert [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)] == want
+    tier = eng.metrics()["kv_offload"]["busy"]
+    assert tier["retries"] == 3 and tier["hits"] == 2 * HIT_BLOCKS and tier["lost"] == tier["corrupt"] == 0
+    eng.shutdown()
+
+
+def test_tier_set_answers_in_order(tmp_path):
+    a = FileTier(fingerprint=FP, root_dir=tmp_path / "a", name="a")
+    b = FileTier(fingerprint=FP, root_dir=tmp_path / "b", name="b")
+    tiers = TierSet([a, b])
+    _store(b, [0])
+    assert tiers.lookup(_key(0)) == (1, Lookup.HIT) and tiers.lookup(_key(1)) == (-1, Lookup.MISS)
+    tiers.shutdown()
+
+
+_PEER = """
+import sys, json, numpy as np, glm53
+from glm53 import DeployConfig, Engine
+sys.path.insert(0, sys.argv[2])
+from tests.kvcache.test_tiers import BASE, _ktc
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
+model = glm53.init("tiny", seed=0, std=0.1)
+prompts = [np.array(p, np.int32) for p in json.loads(sys.argv[3])]  # the reference prompts
+def run(ps):
+    eng = Engine(model, DeployConfig(**BASE, kv_transfer_config=_ktc(sys.argv[1])))
+    out = [o.token_ids.tolist() for o in eng.generate(ps, max_new_tokens=5)]
+    eng.shutdown()
+    return out, eng.metrics()["kv_offload"]["fs"]["hits"]
+print(json.dumps(run(prompts[:2])), flush=True)
+sys.stdin.readline()  # the other process has run
+print(json.dumps(run(prompts[2:])), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_engine_processes_on_one_root_both_hit(tiny_model, runs, tmp_path):
+    """Process A stores prompts 0-1; this process runs all four (hits on A's two, stores 2-3); A then runs
+    2-3 and hits on what this process stored."""
+    import jax
+
+    prompts, want = runs
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or ""}  # this session's programs
+    proc = subprocess.Popen([sys.executable, "-c", _PEER, str(tmp_path), str(REPO),
+                             json.dumps([p.tolist() for p in prompts])], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        out, hits = json.loads(proc.stdout.readline())
+        assert out == want[:2] and hits == 0
+        eng, out = _run(tiny_model, prompts, tmp_path)
+        assert out == want
+        first = 2 * sum((n - 1) // 8 for n in (37, 5))
+        assert eng.metrics()["kv_offload"]["fs"]["hits"] == first
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, hits = json.loads(proc.stdout.readline())
+        assert out == want[2:] and hits == 2 * HIT_BLOCKS - first
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 96 KiB tmpfs (real ENOSPC): needs root (CI and the dev machines run as root)."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(d)]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_a_full_disk_fails_stores_not_requests(tiny_model, runs, small_disk):
+    """The disk holds a few of the 36 chunks: the rest fail with ENOSPC, every request still finishes
+    with the same tokens, no partial file is left, and a second engine hits on the chunks that fit."""
+    prompts, want = runs
+    first, out = _run(tiny_model, prompts, small_disk)
+    assert out == want
+    fs = first.metrics()["kv_offload"]["fs"]
+    assert fs["store_failed"] > 0 and fs["stored_chunks"] > 0
+    assert fs["stored_chunks"] + fs["store_failed"] == first.metrics()["kv_offload"]["cpu"]["stored_pages"]
+    assert list(small_disk.rglob("*.tmp")) == []
+    second, out = _run(tiny_model, prompts, small_disk)
+    assert out == want and second.metrics()["kv_offload"]["fs"]["corrupt"] == 0
