@@ -221,11 +221,17 @@ def _pages_h2d(dev_tables, host_tables, src_slots, dst_slots):
     return tuple(out)
 
 
+@functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+def _gather_host_to_host(table, idx):
+    return table.at[idx].get(mode="promise_in_bounds")
+
+
 @jax.jit
 def _host_gather(host_tables, slots):
-    """Rows `slots` of each host table (-1: padding, any row), gathered on the host."""
+    """Rows `slots` of each host table (-1: padding, any row), gathered on the host into host memory (a
+    tier store reads host pages: nothing crosses the device link)."""
     idx = jax.device_put(jnp.maximum(slots, 0), jax.memory.Space.Host)
-    return tuple(_gather_on_host(t, idx) for t in host_tables)
+    return tuple(_gather_host_to_host(t, idx) for t in host_tables)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -345,7 +351,9 @@ class HostMemory:
             elif isinstance(op, ResetLease):
                 self._reset(op)
             elif isinstance(op, TierStore):
-                self.tiers.store(op.keys, self.read_host_pages(op.group, op.host_blocks))
+                for lo in range(0, len(op.keys), self.max_copy_pages):  # the warmed-up widths
+                    self.tiers.store(op.keys[lo: lo + self.max_copy_pages],
+                                     self.read_host_pages(op.group, op.host_blocks[lo: lo + self.max_copy_pages]))
             elif isinstance(op, TierLoad):
                 for job, key, hb in zip(op.jobs, op.keys, op.host_blocks):
                     self._tier_loads[job] = (op.group, hb)
@@ -418,6 +426,8 @@ class HostMemory:
         while not results and self._tier_loads and time.monotonic() < deadline:
             time.sleep(0.001)
             results = self.tiers.poll()
+        if not results and not self._tier_loads and wait_s:
+            time.sleep(min(wait_s, 0.002))  # a request waits on a tier's RETRY (a store in flight): do not spin
         out, ok = [], {}
         for r in results:
             group, hb = self._tier_loads.pop(r.job_id)

@@ -39,7 +39,9 @@ Mechanics
   verification) leaves its host page empty: those tokens are recomputed (kv_load_failure_policy
   "recompute"), or the step raises ("fail"). At most `max_tier_rounds` admissions of one request wait
   on tiers; after that it takes what the device and host hold. Tier keys are kvcache.tiers.chunk_key:
-  the engine's layout fingerprint, the group, the chained hash.
+  the engine's layout fingerprint, the group, the chained hash. The host tier is the staging area:
+  what one admission brings back from the tiers is bounded by the host pages free for it (a prefix
+  longer than that recomputes the rest), and a chunk two requests need is loaded once.
 
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
 before it); the object-store and peer tiers; KV events. Host-pool keys carry no fingerprint: a host
@@ -100,7 +102,7 @@ class OffloadPolicy(PreemptPolicy):
 
     def __init__(self, host_blocks: dict[str, int], page_bytes: dict[str, int], *, blocks_per_chunk: int = 1,
                  eviction: str = "lru", tiers: TierSet | None = None, fingerprint: str = "",
-                 load_failure_policy: str = "recompute", max_tier_rounds: int = 16):
+                 load_failure_policy: str = "recompute", max_tier_rounds: int = 16, max_retry_rounds: int = 512):
         super().__init__()
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
@@ -129,11 +131,15 @@ class OffloadPolicy(PreemptPolicy):
         self.fingerprint = fingerprint
         self.load_failure_policy = load_failure_policy
         self.max_tier_rounds = max_tier_rounds
+        self.max_retry_rounds = max_retry_rounds
         self.tier_counts = {t.name: TierCounts() for t in self.tiers.tiers} if self.tiers else {}
         self.loading: dict[str, set[int]] = {}  # request -> its tier loads not yet reported
         self.jobs: dict[int, tuple[str, int, str, int, bytes]] = {}  # job -> (request, tier, group, host block, hash)
         self.tier_pins: dict[str, list[tuple[str, int]]] = {}  # request -> loaded host pages pinned for it
-        self.tier_rounds: dict[str, int] = {}  # request -> admissions that waited on tiers
+        self.tier_rounds: dict[str, int] = {}  # request -> admissions that started tier loads
+        self.retry_rounds: dict[str, int] = {}  # request -> admissions that waited on a tier's RETRY only
+        self.inflight: dict[tuple[str, bytes], int] = {}  # (group, hash) -> the job loading it
+        self.waiters: dict[int, set[str]] = {}  # job -> the requests waiting for it
         self._retry: set[str] = set()  # requests whose last admission answered RETRY
 
     # ------------------------------------------------------------------------------------- admission
@@ -142,7 +148,8 @@ class OffloadPolicy(PreemptPolicy):
         rb = kv.requests[req.req_id]
         self.stored[req.req_id] = {g: 0 for g in kv.groups}
         pins = self.tier_pins.pop(req.req_id, [])  # released below, once this admission holds the pages
-        ask_tiers = self.tiers is not None and self.tier_rounds.get(req.req_id, 0) < self.max_tier_rounds
+        ask_tiers = (self.tiers is not None and self.tier_rounds.get(req.req_id, 0) < self.max_tier_rounds
+                     and self.retry_rounds.get(req.req_id, 0) < self.max_retry_rounds)
         i = n // kv.tokens_per_block
         max_hit = min((req.num_tokens - 1) // kv.tokens_per_block, len(rb.hashes))
         # per hash block past the device hit: [(group, where, block)] of the pages ending there; where:
@@ -168,12 +175,18 @@ class OffloadPolicy(PreemptPolicy):
                 continue
             break
         if self.tiers is not None and ask_tiers and (retry or any(isinstance(w, int) for p in found for _, w, _ in p)):
-            if self._start_loads(kv, req, i, found) or retry:
-                self.tier_rounds[req.req_id] = self.tier_rounds.get(req.req_id, 0) + 1
+            started = self._start_loads(kv, req, i, found)
+            if started or retry:
+                rounds = self.tier_rounds if started else self.retry_rounds
+                rounds[req.req_id] = rounds.get(req.req_id, 0) + 1
                 self._retry.add(req.req_id)
                 self.pending[req.req_id] = (n // kv.tokens_per_block, {})
-                if pins:  # what earlier rounds loaded stays pinned for the next attempt
-                    self.tier_pins.setdefault(req.req_id, [])[:0] = pins
+                # what earlier rounds loaded and what this walk found on the host stay pinned for the next
+                # attempt (else the loads just reserved could evict them, and the next round miss them)
+                hits = [(g, b) for p in found for g, where, b in p if where == "host"]
+                for g, b in hits:
+                    self.host[g].touch([b])
+                self.tier_pins.setdefault(req.req_id, [])[:0] = pins + hits
                 return n  # the scheduler forgets this attempt (`must_retry`)
         # what the device and the host tier hold: up to the first page that only a tier has
         cut = next((k for k, p in enumerate(found) if any(not isinstance(w, str) for _, w, _ in p)), len(found))
@@ -211,22 +224,27 @@ class OffloadPolicy(PreemptPolicy):
 
     def _start_loads(self, kv: KVCacheManager, req: RequestView, first: int, found: list) -> bool:
         """Reserve host pages for the tier-only pages of `found` (hash blocks from `first`) and plan their
-        loads (one TierLoad per tier and group), as far as free host pages go. -> whether any started."""
+        loads (one TierLoad per tier and group), as far as free host pages go; a page another request's
+        load is already bringing is waited for, not loaded twice. -> whether the request now waits."""
         loads: dict[tuple[int, str], tuple[list, list, list]] = {}
         jobs = self.loading.setdefault(req.req_id, set())
         for c, pages in enumerate(found, start=first):
             for g, where, _ in pages:
                 if isinstance(where, str):
                     continue
+                h = kv.requests[req.req_id].hashes[c]
+                if (job := self.inflight.get((g, h))) is not None:
+                    self.waiters[job].add(req.req_id)
+                    jobs.add(job)
+                    continue
                 pool = self.host[g]
                 if pool.num_free == 0:
                     break
-                h = kv.requests[req.req_id].hashes[c]
-                if pool.lookup(g, h) is not None:
-                    continue  # an earlier page of this walk, or another request's load, brought it
                 hb = pool.allocate(1)[0]  # reserved (referenced, no key) until the load is reported
                 job = self.tiers.new_job()
                 self.jobs[job] = (req.req_id, where, g, hb, h)
+                self.inflight[(g, h)] = job
+                self.waiters[job] = {req.req_id}
                 jobs.add(job)
                 keys, blocks, ids = loads.setdefault((where, g), ([], [], []))
                 keys.append(chunk_key(self.fingerprint, g, h))
@@ -239,7 +257,7 @@ class OffloadPolicy(PreemptPolicy):
             self.outbox.append(TierLoad(t, g, tuple(keys), tuple(blocks), tuple(ids)))
         if not jobs:
             del self.loading[req.req_id]
-        return bool(loads)
+        return bool(jobs)
 
     def waiting_for(self, req: RequestView) -> bool:
         return req.req_id in self.loading
@@ -257,6 +275,7 @@ class OffloadPolicy(PreemptPolicy):
         failed = []
         for job, status in results:
             req_id, t, g, hb, h = self.jobs.pop(job)
+            del self.inflight[(g, h)]
             counts = self.tier_counts[self.tiers.tiers[t].name]
             pool = self.host[g]
             if status == "ok":
@@ -270,11 +289,12 @@ class OffloadPolicy(PreemptPolicy):
                     counts.lost += 1
                 pool.free([hb])
                 failed.append((req_id, self.tiers.tiers[t].name, status))
-            jobs = self.loading.get(req_id)
-            if jobs is not None:
-                jobs.discard(job)
-                if not jobs:
-                    del self.loading[req_id]
+            for waiter in self.waiters.pop(job):
+                jobs = self.loading.get(waiter)
+                if jobs is not None:
+                    jobs.discard(job)
+                    if not jobs:
+                        del self.loading[waiter]
         if failed and self.load_failure_policy == "fail":
             raise RuntimeError(f"secondary-tier loads failed (kv_load_failure_policy='fail'): {failed}")
 
@@ -295,6 +315,8 @@ class OffloadPolicy(PreemptPolicy):
         blocks of the prompt that neither held)."""
         if req.req_id not in self.pending:
             return
+        self.tier_rounds.pop(req.req_id, None)  # admitted: a later preemption may ask the tiers again
+        self.retry_rounds.pop(req.req_id, None)
         device_chunks, pend = self.pending.pop(req.req_id)
         rb = kv.requests[req.req_id]
         fresh = iter(kv.pool.allocate(sum(len(p) for p in pend.values())))
@@ -316,8 +338,11 @@ class OffloadPolicy(PreemptPolicy):
 
     # -------------------------------------------------------------------------------------- storing
     def _store(self, kv: KVCacheManager, reqs: Sequence[RequestView]) -> None:
-        """Copy the requests' full, not yet stored pages to the host tier (one PageCopy per group)."""
-        copies: dict[str, tuple[list[int], list[int]]] = {}
+        """Copy the requests' full, not yet stored pages to the host tier (one PageCopy per group). A page
+        allocated here stays referenced until every page of the call is placed, so one copy never names a
+        host page twice (with one free page left, freeing it at once would hand it out again: two sources
+        copied into one page, kept under the later key)."""
+        copies: dict[str, tuple[list[int], list[int], list[bytes]]] = {}
         for req in reqs:
             rb, done = kv.requests[req.req_id], self.stored[req.req_id]
             chunks = rb.num_cached_blocks - rb.num_cached_blocks % self.blocks_per_chunk
@@ -333,18 +358,19 @@ class OffloadPolicy(PreemptPolicy):
                             continue
                         hb = pool.allocate(1)[0]  # the least recently used host page, its old key dropped
                         pool.cache(g, hb, h)
-                        src, dst = copies.setdefault(g, ([], []))
+                        src, dst, keys = copies.setdefault(g, ([], [], []))
                         src.append(table[j])
                         dst.append(hb)
+                        keys.append(h)
                     else:
                         pool.touch([hb])  # already on the host: now the most recently used
-                    pool.free([hb])
+                        pool.free([hb])
                 done[g] = max(done[g], full)
-        for g, (src, dst) in copies.items():
+        for g, (src, dst, keys) in copies.items():
+            self.host[g].free(dst)
             self.outbox.append(PageCopy(g, "d2h", tuple(src), tuple(dst)))
             if self.tiers is not None:  # write-through: the host pages, once written, to every tier
-                self.outbox.append(TierStore(g, tuple(dst), tuple(chunk_key(self.fingerprint, g, self.host[g].block_key[b][1])
-                                                                  for b in dst)))
+                self.outbox.append(TierStore(g, tuple(dst), tuple(chunk_key(self.fingerprint, g, h) for h in keys)))
             self.stats.stored_pages += len(src)
             self.stats.store_bytes += len(src) * self.page_bytes[g]
         if copies:

@@ -363,8 +363,11 @@ def _shutdown_tiers(tiers) -> None:
 
 def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:
     """The secondary tiers' fingerprint of this deployment's KV bytes (kvcache.tiers.layout_fingerprint)
-    and of the weights that computed them: SHA-256 over the first 64 values of every weight array, so
-    two random initialisations of one preset (or two checkpoints of one architecture) never share KV."""
+    and of the weights that computed them: SHA-256 over 256 values spread evenly over every weight array
+    (every expert of a stacked expert array included), so two random initialisations of one preset, or
+    two checkpoints of one architecture, do not share KV. A sample, not a proof: two checkpoints equal
+    at every sampled value would collide (fine-tunes change every weight; name a separate root_dir for
+    checkpoints that differ only in a few)."""
     cfg = model if isinstance(model, ModelConfig) else model.cfg
     fp = layout_fingerprint(dataclasses.asdict(cfg), page_rows={"mla": deploy.block_size,
                                                                 "indexer": deploy.index_block_size or deploy.block_size},
@@ -383,7 +386,7 @@ def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:
 
 @jax.jit
 def _leaf_heads(leaves):
-    return [x.reshape(-1)[:64] for x in leaves]
+    return [x.reshape(-1)[:: max(1, x.size // 256)][:256] for x in leaves]
 
 
 def _weights_bytes(model, device) -> int:

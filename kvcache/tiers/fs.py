@@ -13,9 +13,10 @@ separate thread pools (file I/O and zlib.crc32 release the GIL), so loads are no
 No fsync: a finished rename survives the process (SIGKILL included), not a crash of the machine.
 
 Capacity: `max_bytes` (None: unbounded) over the chunk files this tier knows (those it found at start and
-those it wrote or read since), least recently used deleted first. Two engine processes may share one
-root: both find each other's chunks (a lookup is a stat of the chunk's path); each bounds what it knows
-of, so together they may hold up to twice `max_bytes`.
+those it wrote or read since), least recently used deleted first. Two engine processes (or two
+data-parallel replicas, each with its own tier) may share one root: both find each other's chunks (a
+lookup is a stat of the chunk's path); each bounds what it knows of, so together they may hold up to
+twice `max_bytes`.
 """
 
 from __future__ import annotations
@@ -112,11 +113,15 @@ class FileTier:
         return Lookup.HIT if self.path(key).is_file() else Lookup.MISS
 
     def submit_store(self, job: StoreJob) -> None:
+        if self._closed:
+            raise RuntimeError(f"tier {self.name!r} is shut down")
         with self._lock:
             self._inflight.update(job.keys)
         self._writers.submit(self._store, job)
 
     def submit_load(self, job: LoadJob) -> None:
+        if self._closed:
+            raise RuntimeError(f"tier {self.name!r} is shut down")
         self._readers.submit(self._load, job)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -139,6 +144,8 @@ class FileTier:
             try:
                 status.append(self._write(key, payload))
             except Exception:  # noqa: BLE001 - a failed write is a chunk not stored, never an engine error
+                with self._lock:
+                    self.stats.store_failed += 1
                 status.append("failed")
             finally:
                 with self._lock:
@@ -174,21 +181,19 @@ class FileTier:
         return "ok"
 
     def _touch(self, p: str, size: int) -> None:
-        """`p` is now the most recently used file; evict past max_bytes."""
-        victims = []
+        """`p` is now the most recently used file; evict past max_bytes. Under the lock, unlinks included:
+        a victim's name cannot be rewritten by another thread between its eviction and its unlink."""
         with self._lock:
             if p in self._known:
                 self._known.move_to_end(p)
-            else:
+            elif os.path.exists(p):  # not one another thread evicted meanwhile
                 self._known[p] = size
                 self._bytes += size
             while self.max_bytes is not None and self._bytes > self.max_bytes and len(self._known) > 1:
                 old, n = self._known.popitem(last=False)
                 self._bytes -= n
-                victims.append(old)
-            self.stats.evicted_chunks += len(victims)
-        for v in victims:
-            _unlink(v)
+                _unlink(old)
+                self.stats.evicted_chunks += 1
 
     def _forget(self, p: str) -> None:
         with self._lock:
@@ -202,6 +207,10 @@ class FileTier:
             try:
                 data = self._read(key, size)
             except Exception:  # noqa: BLE001 - an unreadable chunk is a miss, never an engine error
+                _unlink(self.path(key))
+                self._forget(str(self.path(key)))
+                with self._lock:
+                    self.stats.corrupt += 1
                 data = "corrupt"
             if isinstance(data, str):
                 status.append(data)

@@ -72,8 +72,19 @@ def test_no_compilation_after_warmup(small_model, policy, tmp_path):
     if policy == "offload":  # pages were stored to the host tier and loaded back
         tier = eng.metrics()["kv_offload"]["cpu"]
         assert tier["stored_pages"] > 0 and tier["loaded_pages"] > 0
-    if policy == "offload_fs":  # ... and the filesystem tier gave back pages the host tier had evicted
+    if policy == "offload_fs":  # ... and the filesystem tier gave back pages the host tier had evicted,
+        # under host pressure, with every request's tokens those of an engine without tiers
         assert eng.metrics()["kv_offload"]["fs"]["hits"] > 0, eng.metrics()["kv_offload"]
+        plain = Engine(small_model, DeployConfig(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2,
+                                                 block_size=8, num_gpu_blocks=28))
+        done = list(eng.finished.values())
+        for r in done:
+            plain.add_request(r.prompt_ids, r.params, req_id=r.req_id)
+        while plain.has_unfinished():
+            plain.step()
+        assert all(plain.finished[r.req_id].output_ids == r.output_ids for r in done)
+        pol = eng.scheduler.policy
+        assert not any(pol.tier_pins.values()) or eng.scheduler.waiting
     if policy == "hisparse":  # decode steps resolved rows from the host, pages moved both ways
         hs = eng.scheduler.policy.stats
         assert eng.scheduler.resolve.log and eng.scheduler.resolve.hot_misses > 0

@@ -427,3 +427,54 @@ def test_a_full_disk_fails_stores_not_requests(tiny_model, runs, small_disk):
     assert list(small_disk.rglob("*.tmp")) == []
     second, out = _run(tiny_model, prompts, small_disk)
     assert out == want and second.metrics()["kv_offload"]["fs"]["corrupt"] == 0
+
+
+def test_host_page_bytes_round_trip_in_every_kv_format(tiny_model, tmp_path):
+    """read_host_pages / write_host_pages (what a tier stores and loads) are inverse on every array of
+    both groups, fp8 MLA rows (bytes of several dtypes per row) included, and touch no other page."""
+    for fmt in ("fp8_ds_mla", "bfloat16"):
+        eng = Engine(tiny_model, DeployConfig(**BASE, kv_cache_dtype=fmt, kv_transfer_config=_ktc(tmp_path / fmt)))
+        host = eng.runner.host
+        rng = np.random.default_rng(0)
+        for g in ("mla", "indexer"):
+            before = [np.asarray(t).copy() for t in host.host_tables[g]]
+            pages = [rng.integers(0, 256, host.page_bytes[g], dtype=np.uint8) for _ in range(3)]
+            host.write_host_pages(g, [5, 2, 7], pages)
+            got = host.read_host_pages(g, [2, 7, 5])
+            for a, b in zip(got, [pages[1], pages[2], pages[0]]):
+                np.testing.assert_array_equal(a, b)
+            rows = host.page_rows[g]
+            for t, old in zip(host.host_tables[g], before):  # the other pages are as they were
+                new = np.asarray(t)
+                keep = np.ones(len(new), bool)
+                for b in (5, 2, 7):
+                    keep[b * rows:(b + 1) * rows] = False
+                np.testing.assert_array_equal(new[keep].view(np.uint8), old[keep].view(np.uint8))
+        eng.shutdown()
+
+
+def test_a_store_never_names_one_host_page_twice():
+    """With one free host page and two new full pages, one is stored and the other skipped: the copy
+    lists each host page once (freeing a page as soon as it was taken would hand it out again)."""
+    from kvcache.block_pool import KVCacheManager
+    from kvcache.offload import OffloadPolicy
+    from kvcache.transfer import PageCopy, TierStore
+
+    class Req:
+        req_id, extra_keys, num_computed_tokens = "r", (), 0
+        tokens = list(range(17))
+        num_tokens = 17
+
+    kv = KVCacheManager(8, 8, ("mla",))
+    pol = OffloadPolicy({"mla": 1}, {"mla": 1}, tiers=TierSet([]), fingerprint=FP)
+    pol.admit(kv, Req)
+    kv.allocate("r", 17)
+    pol.prepare(kv, Req, 17)
+    kv.cache_full_blocks("r", Req.tokens, 16, ())
+    pol.after_step(kv, [Req])
+    ops = pol.take_transfers()
+    copies = [op for op in ops if isinstance(op, PageCopy)]
+    assert len(copies) == 1 and len(copies[0].dst) == len(set(copies[0].dst)) == 1
+    assert pol.stats.store_skipped_pages == 1 and not any(isinstance(op, TierStore) for op in ops)
+    pol.host["mla"].check()
+
