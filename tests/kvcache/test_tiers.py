@@ -308,13 +308,18 @@ class _Evicting:
         return getattr(self.inner, name)
 
 
+def _custom_tier_engine(model, cls: str, root) -> Engine:
+    """An engine whose one secondary tier is this module's class `cls` on `root` (loaded by module_path)."""
+    spec = {"type": "custom", "module_path": f"{__name__}:{cls}", "root_dir": str(root)}
+    ktc = {"kv_connector": "OffloadingConnector",
+           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [spec]}}
+    return Engine(model, DeployConfig(**BASE, kv_transfer_config=ktc))
+
+
 def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(tiny_model, runs, stored, tmp_path):
     prompts, want = runs
     stored[0](tmp_path)
-    spec = {"type": "custom", "module_path": f"{__name__}:_Evicting", "root_dir": str(tmp_path)}
-    ktc = {"kv_connector": "OffloadingConnector",
-           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [spec]}}
-    eng = Engine(tiny_model, DeployConfig(**BASE, kv_transfer_config=ktc))
+    eng = _custom_tier_engine(tiny_model, "_Evicting", tmp_path)
     assert [o.token_ids.tolist() for o in eng.generate(prompts[:1], max_new_tokens=5)] == want[:1]
     tier = eng.metrics()["kv_offload"]["evicting"]
     assert tier["lost"] >= 1 and tier["hits"] == 0
@@ -337,10 +342,7 @@ def test_retry_answers_keep_the_request_waiting_then_it_hits(tiny_model, runs, s
     """The admission waits while the tier answers RETRY (other requests run meanwhile), then loads."""
     prompts, want = runs
     stored[0](tmp_path)
-    spec = {"type": "custom", "module_path": f"{__name__}:_Busy", "root_dir": str(tmp_path)}
-    ktc = {"kv_connector": "OffloadingConnector",
-           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [spec]}}
-    eng = Engine(tiny_model, DeployConfig(**BASE, kv_transfer_config=ktc))
+    eng = _custom_tier_engine(tiny_model, "_Busy", tmp_path)
     assert [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)] == want
     tier = eng.metrics()["kv_offload"]["busy"]
     assert tier["retries"] == 3 and tier["hits"] == 2 * HIT_BLOCKS and tier["lost"] == tier["corrupt"] == 0
