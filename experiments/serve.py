@@ -3,7 +3,7 @@
     python -m experiments.serve                                   # built-in default: tiny model, OpenHands sessions
     python -m experiments.serve --config configs/smoke.py --out out/smoke
     python -m experiments.serve --config configs/ablations/preempt_vs_offload.py --config.sweep.concurrency='(2, 4)'
-    python -m experiments.serve --metrics-port 9400               # live Prometheus gauges while it runs
+    python -m experiments.serve --metrics-port 9400               # live vLLM-named Prometheus metrics while it runs
 
 A config file defines `get_config() -> ml_collections.ConfigDict` (start from `default_config()` here):
 `model` (preset + seed, or an HF checkpoint), `deploy` (DeployConfig fields), `workload` (kind
@@ -178,10 +178,13 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     total = sum(len(s.turns) for s in sessions)
     bar = tqdm(total=total, desc=f"{kv_policy} c={concurrency}", unit="req", disable=not progress, leave=False)
 
+    if exporter is not None:
+        from glm53.engine.prometheus import ServingMetrics
+
+        exporter.attach(ServingMetrics(eng, model_name=cfg.name))
+
     def on_step(e):
         bar.update(len(e.finished) - bar.n)
-        if exporter is not None and len(e.timeline) % 8 == 0:
-            exporter.update(e.live_metrics())
 
     t0 = time.perf_counter()
     with CompileCounter() as compiles:
@@ -215,8 +218,6 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
                  assumed_hisparse_miss_fraction=cfg.runner.hisparse_miss_fraction,
                  assumed_step_overhead_s=cfg.runner.step_overhead_s,
                  sim_hot_miss_rows=sum(r.runner.hot_miss_rows for r in eng.replicas))
-    if exporter is not None:
-        exporter.update({k: v for k, v in m.items() if isinstance(v, (int, float))})
     return m
 
 
@@ -310,11 +311,11 @@ def main(argv=None) -> dict:
 
     import jax
 
-    from glm53.engine.metrics import PrometheusExporter
-
     exporter = None
     if args.metrics_port:
-        exporter = PrometheusExporter()
+        from glm53.engine.prometheus import MetricsEndpoint
+
+        exporter = MetricsEndpoint()
         exporter.serve(args.metrics_port)
         print(f"Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics")
     model, source = _model(cfg.model, weights=not simulated(cfg))

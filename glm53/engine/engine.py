@@ -16,7 +16,7 @@ that replica's cache; a new salt, or none, goes to the replica with the fewest u
 (ties: the lowest index). On one host the replicas run one after the other (on real hardware each runs
 on its own GPUs).
 
-Metrics (`metrics`, `live_metrics`) cover all replicas: scheduler counters and transfer bytes are summed,
+Metrics (`metrics`; live Prometheus metrics: glm53.engine.prometheus) cover all replicas: scheduler counters and transfer bytes are summed,
 throughput is divided by data_parallel_size x N devices, and the timeline has one row per engine step
 with the replicas' running / waiting requests and free blocks (after scheduling) summed.
 """
@@ -144,6 +144,11 @@ class Engine:
         self.timeline: list[tuple[float, int, int, int]] = []
         self._steps = 0
         self._ids = itertools.count()
+        self.observers: list = []  # each has on_step(engine, tokens, finished requests), called after every step
+
+    def add_observer(self, observer) -> None:
+        """Call `observer.on_step(engine, tokens, finished)` after every step (glm53.engine.prometheus)."""
+        self.observers.append(observer)
 
     def shutdown(self) -> None:
         """Wait for the secondary tiers' pending stores and stop their threads (also run at interpreter
@@ -216,7 +221,7 @@ class Engine:
 
     def step(self) -> list[tuple[str, int, bool]]:
         """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced."""
-        out, t, counted = [], None, False
+        out, t, counted, finished_all = [], None, False, []
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
         start, priced = self.clock.now(), []  # priced: the durations of simulated steps
         for rep in self.replicas:
@@ -226,6 +231,10 @@ class Engine:
                 plan = sch.schedule()
                 counted |= sch.has_requests and not sch.idle_wait
                 t = self.clock.now() if t is None else t
+                for row in plan.rows:
+                    req = sch.requests[row.req_id]
+                    if req.scheduled_s is None:
+                        req.scheduled_s = t
             for i, c in enumerate((len(sch.running), len(sch.waiting), sch.kv.num_free_blocks)):
                 counts[i] += c
             if plan is None:
@@ -239,6 +248,7 @@ class Engine:
             finished = sch.update(plan, result, now)
             for req in finished:
                 self.finished[req.req_id] = self.requests.pop(req.req_id)
+            finished_all += finished
             done = {r.req_id for r in finished}
             out += [(rid, tok, rid in done and k == len(toks) - 1)
                     for rid, toks in result.tokens.items() for k, tok in enumerate(toks)]
@@ -251,6 +261,8 @@ class Engine:
         if counted:
             self._steps += 1
             self.timeline.append((t, *counts))
+        for obs in self.observers:
+            obs.on_step(self, out, finished_all)
         return out
 
     def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
@@ -297,20 +309,6 @@ class Engine:
     def running_per_step(self) -> list[int]:
         return [row[1] for row in self.timeline]
 
-    def live_metrics(self) -> dict:
-        """Counters of the run so far (for a live Prometheus endpoint; units in the key names)."""
-        st = self._stats()
-        running, waiting, free = self._counts()
-        out = {"running_requests": running, "waiting_requests": waiting,
-               "finished_requests": len(self.finished), "free_gpu_blocks": free,
-               "steps": st.steps, "preemptions": st.preemptions, "recomputed_tokens": st.recomputed_tokens,
-               "prefix_hit_rate": st.prefix_hit_tokens / st.prompt_tokens if st.prompt_tokens else 0.0,
-               "output_tokens": sum(len(r.output_ids) for r in self.finished.values())}
-        tr = self._transfers()
-        out.update(d2h_bytes=tr.d2h_bytes, h2d_bytes=tr.h2d_bytes)
-        out.update(self._policy_metrics())
-        return out
-
     def _stats(self) -> SchedulerStats:
         """The replicas' scheduler counters summed; `steps` counts engine steps."""
         stats = [r.scheduler.stats for r in self.replicas]
@@ -344,7 +342,7 @@ class Engine:
         bytes in use now and at peak, mean requests per step in each residency state, the page counters."""
         parts = [_hisparse_metrics(r.scheduler) for r in self.replicas]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
-        tiers = [_offload_metrics(r.scheduler) for r in self.replicas]
+        tiers = [offload_metrics(r.scheduler) for r in self.replicas]
         if tiers[0]:
             out["kv_offload"] = {t: {k: sum(p[t][k] for p in tiers) for k in tiers[0][t]} for t in tiers[0]}
             out["host_pool_bytes_used"] = sum(r.scheduler.policy.host_bytes_used() for r in self.replicas)
@@ -397,22 +395,26 @@ def _weights_bytes(model, device) -> int:
     return sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes"))
 
 
-def _offload_metrics(sch: Scheduler) -> dict:
+def offload_metrics(sch: Scheduler) -> dict:
     """The offload tiers' counters, {tier: {...}}; {} for other policies. "cpu" (the host tier, in hash
     blocks and bytes): "hits" (loaded host -> device at admission, whatever brought them to the host),
     "misses", "corrupt" (0: host memory is not verified), "store_bytes", "load_bytes", "stored_pages",
     "loaded_pages", "store_skipped_pages". Each secondary tier by name ("fs", ...; in chunks = pages and
     bytes): "hits" (chunks it loaded into the host tier), "misses" (lookups it answered MISS), "corrupt",
     "lost" (gone between lookup and load), "retries", and its own "stored_chunks", "store_failed",
-    "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks"."""
+    "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks", and the seconds its store and load jobs
+    took with their counts ("store_time_s", "store_jobs", "load_time_s", "load_jobs")."""
     pol = sch.policy
     if not isinstance(pol, OffloadPolicy):
         return {}
     out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
     for tier in (pol.tiers.tiers if pol.tiers else ()):
         seen = dataclasses.asdict(pol.tier_counts[tier.name])
-        own = dataclasses.asdict(tier.stats)
-        out[tier.name] = {**own, **seen, "corrupt": seen["corrupt"]}
+        st = tier.stats
+        own = {f.name: getattr(st, f.name) for f in dataclasses.fields(st) if not f.name.endswith("_latency")}
+        times = {f"{k}_{u}": getattr(getattr(st, f"{k}_latency"), a)
+                 for k in ("store", "load") for u, a in (("time_s", "sum"), ("jobs", "count"))}
+        out[tier.name] = {**own, **times, **seen, "corrupt": seen["corrupt"]}
     return out
 
 

@@ -66,34 +66,3 @@ def cp_work_metrics(per_rank: dict) -> dict:
         out[f"cp_{name}_per_rank"] = v.tolist()
         out[f"cp_{name}_max_over_mean"] = float(v.max() / v.mean()) if v.mean() > 0 else 1.0
     return out
-
-
-class PrometheusExporter:
-    """The same figures as Prometheus gauges in a private registry; `serve(port)` starts the HTTP endpoint."""
-
-    def __init__(self, prefix: str = "glm53_engine"):
-        from prometheus_client import CollectorRegistry, Gauge
-
-        self.registry = CollectorRegistry()
-        self._gauge = Gauge
-        self.prefix = prefix
-        self.gauges: dict = {}
-
-    def update(self, metrics: dict) -> None:
-        for key, value in metrics.items():
-            if not isinstance(value, (int, float)):
-                continue
-            g = self.gauges.get(key)
-            if g is None:
-                g = self.gauges[key] = self._gauge(f"{self.prefix}_{key}", key.replace("_", " "), registry=self.registry)
-            g.set(value)
-
-    def serve(self, port: int):
-        from prometheus_client import start_http_server
-
-        return start_http_server(port, registry=self.registry)
-
-    def text(self) -> str:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry).decode()

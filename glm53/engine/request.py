@@ -51,6 +51,8 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
+    scheduled_s: float | None = None  # when a step first scheduled it (the end of its queue time)
+    finish_reason: str | None = None  # "length" (max_new_tokens reached); set when it finishes
 
     @property
     def all_token_ids(self) -> list[int]:

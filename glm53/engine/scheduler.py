@@ -318,6 +318,7 @@ class Scheduler:
             if req.done:
                 req.status = Status.FINISHED
                 req.finish_s = now_s
+                req.finish_reason = "length"
                 self.policy.on_finish(self.kv, req)
                 self.kv.free(req.req_id)
                 self.running.remove(req)

@@ -44,9 +44,38 @@ class JobResult:
     payloads: tuple = ()
 
 
+# seconds; the upper bounds of LatencyHistogram's buckets (vLLM's kv_offload lookup-delay range, to 10 s)
+LATENCY_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
+
+
+@dataclasses.dataclass
+class LatencyHistogram:
+    """Job times in fixed buckets (LATENCY_BUCKETS_S), kept by the tier itself so that kvcache needs no
+    metrics library; glm53.engine.prometheus renders it. Not thread-safe: tiers observe under their lock."""
+
+    counts: list = dataclasses.field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))  # last: > 10 s
+    sum: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        i = next((i for i, b in enumerate(LATENCY_BUCKETS_S) if seconds <= b), len(LATENCY_BUCKETS_S))
+        self.counts[i] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def prometheus_buckets(self) -> list[tuple[str, int]]:
+        """Cumulative (upper bound, count) pairs ending at "+Inf", as Prometheus histograms expose them."""
+        out, total = [], 0
+        for b, n in zip((*map(str, LATENCY_BUCKETS_S), "+Inf"), self.counts):
+            total += n
+            out.append((b, total))
+        return out
+
+
 @dataclasses.dataclass
 class TierStats:
-    """A tier's own counters (chunks and bytes it moved; the policy counts hits and misses)."""
+    """A tier's own counters (chunks and bytes it moved; the policy counts hits and misses) and the wall
+    time of each store and load job it ran (its own I/O, queueing excluded)."""
 
     stored_chunks: int = 0
     store_failed: int = 0
@@ -55,6 +84,8 @@ class TierStats:
     load_bytes: int = 0
     corrupt: int = 0  # chunks that failed verification on load (and were deleted)
     evicted_chunks: int = 0
+    store_latency: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
+    load_latency: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
 
 
 class SecondaryTier(Protocol):

@@ -25,6 +25,7 @@ import collections
 import os
 import struct
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -139,7 +140,7 @@ class FileTier:
 
     # ------------------------------------------------------------------------------------ the workers
     def _store(self, job: StoreJob) -> None:
-        status = []
+        t0, status = time.perf_counter(), []
         for key, payload in zip(job.keys, job.payloads):
             try:
                 status.append(self._write(key, payload))
@@ -153,6 +154,7 @@ class FileTier:
                     if not self._inflight[key]:
                         del self._inflight[key]
         with self._lock:
+            self.stats.store_latency.observe(time.perf_counter() - t0)
             self._finished.append(JobResult(job.job_id, "store", tuple(status)))
 
     def _write(self, key: bytes, payload) -> str:
@@ -202,7 +204,7 @@ class FileTier:
                 self._bytes -= n
 
     def _load(self, job: LoadJob) -> None:
-        status, payloads = [], []
+        t0, status, payloads = time.perf_counter(), [], []
         for key, size in zip(job.keys, job.sizes):
             try:
                 data = self._read(key, size)
@@ -219,6 +221,7 @@ class FileTier:
                 status.append("ok")
                 payloads.append(data)
         with self._lock:
+            self.stats.load_latency.observe(time.perf_counter() - t0)
             self._finished.append(JobResult(job.job_id, "load", tuple(status), tuple(payloads)))
 
     def _read(self, key: bytes, size: int):

@@ -1,10 +1,7 @@
-import socket
-import urllib.request
-
 import numpy as np
 import pytest
 
-from glm53.engine.metrics import PrometheusExporter, summarize
+from glm53.engine.metrics import summarize
 from glm53.engine.request import RequestOutput
 from kvcache.transfer import TransferStats
 from glm53.engine.scheduler import SchedulerStats
@@ -30,19 +27,3 @@ def test_summary_follows_the_definitions():
     assert (m["d2h_bytes"], m["h2d_bytes"], m["host_link_modelled_s"]) == (100, 60, 2.0)
     with pytest.raises(ValueError):
         summarize([], duration_s=1.0)
-
-
-def test_prometheus_endpoint_serves_the_metrics():
-    exp = PrometheusExporter()
-    exp.update({"ttft_median_s": 0.25, "preemptions": 3, "note": "not a number"})
-    assert "glm53_engine_ttft_median_s 0.25" in exp.text()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server, thread = exp.serve(port)
-    try:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        assert "glm53_engine_preemptions 3.0" in body
-    finally:
-        server.shutdown()
-        thread.join(5)

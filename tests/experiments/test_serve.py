@@ -6,6 +6,7 @@ import socket
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from experiments import serve
 from experiments import workloads as wl
@@ -60,8 +61,14 @@ def test_serve_sweep_writes_results_plot_and_metrics(tmp_path):
     # 8-token blocks of them hit; users are salted apart, so nothing else does
     assert runs[0]["prefix_hit_rate"] == pytest.approx(3 * 40 / (3 * 120))
     assert (tmp_path / "out" / "throughput_vs_interactivity.png").stat().st_size > 10_000
+    # the live endpoint shows the last point's engine (offload, concurrency 3) under vLLM's names
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert "glm53_engine_throughput_tok_s_per_device" in text and "glm53_engine_running_requests" in text
+    samples = {(s.name, s.labels.get("tier")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("vllm:num_preemptions_total", None)] == runs[3]["preemptions"]
+    assert samples[("vllm:generation_tokens_total", None)] == runs[3]["output_tokens"]
+    assert samples[("vllm:kv_offload_store_bytes_total", "cpu")] == tier["store_bytes"]
+    assert samples[("vllm:kv_offload_hits_total", "cpu")] == tier["hits"]
+    assert samples[("vllm:time_to_first_token_seconds_count", None)] == runs[3]["requests"]
 
 
 PART1_KEYS = ("deployment", "kv_policy", "concurrency", "max_model_len", "running_requests_mean",

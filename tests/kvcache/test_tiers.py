@@ -255,6 +255,18 @@ def test_a_new_engine_on_the_same_root_reloads_every_full_page(tiny_model, runs,
     assert m["fs"]["load_bytes"] == HIT_BLOCKS * sum(second.sizes.page_bytes.values())
     assert second.scheduler.stats.prefix_hit_tokens == 8 * HIT_BLOCKS
     assert second.metrics()["kv_offload"]["cpu"]["hits"] == HIT_BLOCKS  # then loaded host -> device
+    # each job's I/O time, in the engine's metrics and as vLLM-named Prometheus histograms per tier
+    assert m["fs"]["load_jobs"] >= 1 and m["fs"]["load_time_s"] > 0
+    assert first.metrics()["kv_offload"]["fs"]["store_jobs"] >= 1
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from glm53.engine.prometheus import ServingMetrics
+
+    samples = {(x.name, x.labels.get("tier")): x.value
+               for f in text_string_to_metric_families(ServingMetrics(second, "tiny").text()) for x in f.samples}
+    assert samples[("vllm:kv_offload_load_time_seconds_count", "fs")] == m["fs"]["load_jobs"]
+    assert samples[("vllm:kv_offload_load_time_seconds_sum", "fs")] == pytest.approx(m["fs"]["load_time_s"])
+    assert samples[("vllm:kv_offload_hits_total", "fs")] == m["fs"]["hits"]
     # other weights of the same architecture, or another layout, name another directory
     from glm53.engine.engine import kv_fingerprint
 

@@ -1,0 +1,248 @@
+"""Prometheus metrics of an `Engine` under vLLM's names and types (../shared/ANCHORS.md §1), so dashboards,
+routers and benchmark clients written for vLLM read them unchanged.
+
+`ServingMetrics(engine, model_name)` registers one collector in its own `CollectorRegistry` and observes
+the engine's steps (`Engine.add_observer`). Every metric carries the labels `model_name` and `engine`
+(the data-parallel replica, as vLLM labels its DP ranks).
+
+- Gauges, read from the engine at scrape time: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+  `vllm:kv_cache_usage_perc` (device blocks in use / pool blocks, 0-1), `vllm:cache_config_info` (value 1;
+  labels block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching, kv_policy: routers read the
+  block size from it), HiSparse's `vllm:hisparse_host_cache_usage_perc` and the offload host tier's
+  `vllm:kv_offload_host_cache_usage_perc`.
+- Counters, the scheduler's and policies' cumulative counts at scrape time (prometheus appends
+  `_total`): `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (prompt tokens looked up at first
+  admission / found cached), `vllm:num_preemptions`, `vllm:prompt_tokens`, `vllm:generation_tokens`,
+  `vllm:request_success{finished_reason}`; HiSparse's `vllm:hisparse_cache_hits`,
+  `vllm:hisparse_cache_misses` (hot-buffer lookups, summed over IndexShare groups),
+  `vllm:hisparse_host_to_device_bytes`; the offload tiers' `vllm:kv_offload_{hits,misses,corrupt}`
+  (hash blocks for the host tier "cpu", chunks for secondary tiers) and `vllm:kv_offload_{store,load}_bytes`
+  with a `tier` label ("cpu", "fs", "obj", "p2p", or a custom tier's name).
+- Histograms, observed as tokens arrive (seconds on the engine's clock: virtual time in the simulator):
+  `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+  `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds` (arrival to first scheduled),
+  `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`; secondary tiers'
+  `vllm:kv_offload_{load,store}_time_seconds{tier}` (one observation per job, the tier's own I/O time,
+  from `kvcache.tiers.TierStats`).
+- This project's own figures under `glm53:` (recomputed tokens, host link bytes, engine steps).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from glm53.engine.engine import offload_metrics
+
+# vLLM's histogram buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5 x powers of ten up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(float(m * scale))
+        scale *= 10
+
+
+class ServingMetrics:
+    """vLLM-named Prometheus metrics of `engine` (see the module docstring). `text()` renders them;
+    `serve(port)` starts an HTTP endpoint on 127.0.0.1 (or `addr`). Thread-safe to scrape while the
+    engine steps in another thread: the collector reads counters and lengths, and histograms lock."""
+
+    def __init__(self, engine, model_name: str = "glm53", registry: CollectorRegistry | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        self._labels = ["model_name", "engine"]
+        self._lock = threading.Lock()
+        self._generation_tokens = [0] * len(engine.replicas)
+        self._success: dict[tuple[int, str], int] = {}
+        h = lambda name, doc, buckets: Histogram(name, doc, self._labels, buckets=buckets, registry=self.registry)
+        self.ttft = h("vllm:time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = h("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.",
+                     REQUEST_LATENCY_BUCKETS)
+        self.queue = h("vllm:request_queue_time_seconds", "Time a request spent waiting before it was first "
+                       "scheduled, in seconds.", REQUEST_LATENCY_BUCKETS)
+        tokens = _token_buckets(engine.deploy.max_model_len)
+        self.req_prompt = h("vllm:request_prompt_tokens", "Prompt tokens per finished request.", tokens)
+        self.req_generation = h("vllm:request_generation_tokens", "Generated tokens per finished request.", tokens)
+        self.registry.register(_Collector(self))
+        engine.add_observer(self)
+
+    # ------------------------------------------------------------------------------ engine observer
+    def on_step(self, engine, tokens: Iterable[tuple[str, int, bool]], finished) -> None:
+        """After every engine step: the tokens it produced and the requests it finished."""
+        seen: dict[str, int] = {}
+        for rid, _, _ in tokens:
+            seen[rid] = seen.get(rid, 0) + 1
+        with self._lock:
+            for rid, n in seen.items():
+                req = engine.requests.get(rid) or engine.finished[rid]
+                i = engine.replica_of(rid)
+                labels = (self.model_name, str(i))
+                self._generation_tokens[i] += n
+                times = req.token_times_s
+                first = len(times) - n  # index of this step's first token
+                for k in range(first, len(times)):
+                    if k == 0:
+                        self.ttft.labels(*labels).observe(times[0] - req.arrival_s)
+                    else:
+                        self.itl.labels(*labels).observe(times[k] - times[k - 1])
+            for req in finished:
+                i = engine.replica_of(req.req_id)
+                labels = (self.model_name, str(i))
+                key = (i, req.finish_reason or "length")
+                self._success[key] = self._success.get(key, 0) + 1
+                self.e2e.labels(*labels).observe(req.finish_s - req.arrival_s)
+                if req.scheduled_s is not None:
+                    self.queue.labels(*labels).observe(req.scheduled_s - req.arrival_s)
+                self.req_prompt.labels(*labels).observe(req.prompt_ids.size)
+                self.req_generation.labels(*labels).observe(len(req.output_ids))
+
+    # ---------------------------------------------------------------------------------- exposition
+    def text(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
+
+    def serve(self, port: int, addr: str = "127.0.0.1"):
+        """Start the /metrics HTTP endpoint in a thread -> (server, thread) (prometheus_client)."""
+        from prometheus_client import start_http_server
+
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _Collector:
+    """Reads the engine's gauges and cumulative counters at scrape time."""
+
+    def __init__(self, metrics: ServingMetrics):
+        self.m = metrics
+
+    def collect(self):
+        m, eng = self.m, self.m.engine
+        labels = m._labels
+
+        def family(kind, name, doc, extra=()):
+            return kind(name, doc, labels=labels + list(extra))
+
+        running = family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in model execution batches.")
+        waiting = family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be processed.")
+        usage = family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Device KV-cache usage (1 = full).")
+        d = eng.deploy
+        info = family(GaugeMetricFamily, "vllm:cache_config_info", "Information of the KV cache configuration.",
+                      ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_policy"))
+        queries = family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                         "Prompt tokens looked up in the prefix cache at admission.")
+        hits = family(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        preempt = family(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.")
+        prompt = family(CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens admitted.")
+        gen = family(CounterMetricFamily, "vllm:generation_tokens", "Generated tokens.")
+        success = family(CounterMetricFamily, "vllm:request_success", "Finished requests.", ("finished_reason",))
+        recomputed = family(CounterMetricFamily, "glm53:recomputed_tokens",
+                            "Tokens computed again after a preemption.")
+        d2h = family(CounterMetricFamily, "glm53:device_to_host_bytes", "KV bytes copied device -> host.")
+        h2d = family(CounterMetricFamily, "glm53:host_to_device_bytes", "KV bytes copied host -> device.")
+        steps = family(CounterMetricFamily, "glm53:scheduler_steps", "Scheduler steps that ran requests.")
+        hs_hits = family(CounterMetricFamily, "vllm:hisparse_cache_hits", "HiSparse hot-buffer hits.")
+        hs_misses = family(CounterMetricFamily, "vllm:hisparse_cache_misses", "HiSparse hot-buffer misses.")
+        hs_bytes = family(CounterMetricFamily, "vllm:hisparse_host_to_device_bytes",
+                          "Bytes of KV rows HiSparse copied host -> device in decode steps.")
+        hs_usage = family(GaugeMetricFamily, "vllm:hisparse_host_cache_usage_perc", "HiSparse host pool usage.")
+        off_usage = family(GaugeMetricFamily, "vllm:kv_offload_host_cache_usage_perc", "Offload host tier usage.")
+        tier = ("tier",)
+        off = {k: family(CounterMetricFamily, f"vllm:kv_offload_{k}", doc, tier) for k, doc in (
+            ("hits", "Blocks (host tier) or chunks (secondary tiers) served by the tier."),
+            ("misses", "Lookups the tier could not serve."),
+            ("corrupt", "Chunks that failed verification (dropped and recomputed)."),
+            ("store_bytes", "Bytes stored to the tier."), ("load_bytes", "Bytes loaded from the tier."))}
+        lat = {k: family(HistogramMetricFamily, f"vllm:kv_offload_{k}_time_seconds",
+                         f"Secondary-tier {k} job time in seconds.", tier) for k in ("load", "store")}
+        host_capacity = sum(eng.sizes.host_blocks.get(g, 0) * b for g, b in eng.sizes.page_bytes.items())
+        for i, rep in enumerate(eng.replicas):
+            sch, lv = rep.scheduler, [m.model_name, str(i)]
+            running.add_metric(lv, len(sch.running))
+            waiting.add_metric(lv, len(sch.waiting))
+            total = sch.kv.pool.num_blocks
+            usage.add_metric(lv, (total - sch.kv.num_free_blocks) / total if total else 0.0)
+            info.add_metric(lv + [str(d.block_size), str(total), eng.sizes.kv_cache_dtype,
+                                  str(d.enable_prefix_caching), d.kv_policy], 1.0)
+            st = sch.stats
+            queries.add_metric(lv, st.prompt_tokens)
+            hits.add_metric(lv, st.prefix_hit_tokens)
+            preempt.add_metric(lv, st.preemptions)
+            prompt.add_metric(lv, st.prompt_tokens)
+            gen.add_metric(lv, m._generation_tokens[i])
+            recomputed.add_metric(lv, st.recomputed_tokens)
+            d2h.add_metric(lv, sch.transfers.d2h_bytes)
+            h2d.add_metric(lv, sch.transfers.h2d_bytes)
+            steps.add_metric(lv, st.steps)
+            with m._lock:
+                for (rep_i, reason), n in m._success.items():
+                    if rep_i == i:
+                        success.add_metric(lv + [reason], n)
+            pol = sch.policy
+            if d.kv_policy == "hisparse":
+                hs_hits.add_metric(lv, sch.resolve.hot_hits)
+                hs_misses.add_metric(lv, sch.resolve.hot_misses)
+                hs_bytes.add_metric(lv, sch.resolve.h2d_rows * _mla_row_bytes(eng))
+                hs_usage.add_metric(lv, pol.host_bytes_used() / host_capacity if host_capacity else 0.0)
+            if d.kv_policy == "offload":
+                off_usage.add_metric(lv, pol.host_bytes_used() / host_capacity if host_capacity else 0.0)
+                for name, counts in offload_metrics(sch).items():
+                    for k, fam in off.items():
+                        fam.add_metric(lv + [name], counts.get(k, 0))
+                for t in (pol.tiers.tiers if pol.tiers else ()):
+                    for k, fam in lat.items():
+                        h = getattr(t.stats, f"{k}_latency", None)
+                        if h is not None and h.count:
+                            fam.add_metric(lv + [t.name], h.prometheus_buckets(), h.sum)
+        yield from (running, waiting, usage, info, queries, hits, preempt, prompt, gen, success, recomputed, d2h,
+                    h2d, steps)
+        if d.kv_policy == "hisparse":
+            yield from (hs_hits, hs_misses, hs_bytes, hs_usage)
+        if d.kv_policy == "offload":
+            yield off_usage
+            yield from off.values()
+            yield from lat.values()
+
+
+def _mla_row_bytes(engine) -> float:
+    """Bytes of one layer's latent row for one token (what a HiSparse row copy moves)."""
+    cfg, d = engine.cfg, engine.deploy
+    return engine.sizes.page_bytes["mla"] / (d.block_size * d.decode_context_parallel_size) / cfg.num_hidden_layers
+
+
+class MetricsEndpoint:
+    """One /metrics HTTP endpoint that shows whichever engine's `ServingMetrics` is attached now (a sweep
+    runs one fresh engine per point: `attach` each in turn; nothing attached serves an empty page)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.current: ServingMetrics | None = None
+        self.registry.register(self)
+
+    def attach(self, metrics: ServingMetrics) -> None:
+        self.current = metrics
+
+    def collect(self):
+        cur = self.current
+        if cur is not None:
+            yield from cur.registry.collect()
+
+    def serve(self, port: int, addr: str = "127.0.0.1"):
+        from prometheus_client import start_http_server
+
+        return start_http_server(port, addr=addr, registry=self.registry)
