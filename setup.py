@@ -24,6 +24,8 @@ setup(
         "matplotlib",
         "tqdm",
         "prometheus_client",
+        "msgspec",  # KV events: vLLM's msgpack structs (kvcache.events)
+        "pyzmq",  # KV events: the PUB and replay sockets
     ],
     extras_require={
         "test": ["pytest", "hypothesis", "pytest-xdist"],

@@ -18,6 +18,13 @@ Pool invariants (checked by `BlockPool.check`, exercised by hypothesis tests):
   blocks least-recently-freed first and drops the hash of a block it hands out, so a cached block is
   never handed out while anyone references it, and never served from the cache after reuse;
 - freeing a block more often than it was referenced raises (no double free).
+
+KV events (kvcache.events): a pool given an event sink (`attach_events`) reports every hash it registers
+(`cache`) and every hash it drops (reuse of a cached block in `allocate`, `reset_prefix_cache`) under its
+medium ("GPU" for the device pool, "CPU" for a host pool). Registering needs what the event carries
+beyond the hash (`BlockInfo`: parent hash, the page's tokens, extra keys), which only the caller knows,
+so callers build it only when `pool.events` is set: with events off the pool and its callers do nothing
+more than test that attribute.
 """
 
 from __future__ import annotations
@@ -28,11 +35,22 @@ import math
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 BlockHash = bytes
 _EMPTY = b""
+
+
+class BlockInfo(NamedTuple):
+    """What a KV event says about a page beyond its hash (kvcache.events.BlockStored): the hash of the
+    chunk before its first token (None for a request's first page), its token ids, and the extra keys
+    its hash covers (the salt)."""
+
+    parent_block_hash: BlockHash | None
+    token_ids: Sequence[int]
+    extra_keys: tuple
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str | int] = ()) -> BlockHash:
@@ -96,6 +114,16 @@ class BlockPool:
         # moves on every change of ref counts, the free queue or the hash index (not on lookups or empty
         # calls): a caller that saw a version knows nothing in the pool changed while it has not moved
         self.version = 0
+        self.events = None  # a KV event sink (kvcache.events.KVEventRecorder) or None: events off
+        self.medium = "GPU"  # the medium the events name
+
+    def attach_events(self, sink, medium: str) -> None:
+        """Report hashes registered and dropped from now on to `sink` (its `stored` / `removed`), under
+        `medium`. Hashes already registered are not reported: attach before the first `cache`."""
+        if self.cached:
+            raise RuntimeError("attach the event sink before the pool caches anything: its earlier hashes would "
+                               "never be announced")
+        self.events, self.medium = sink, medium
 
     @property
     def num_free(self) -> int:
@@ -120,6 +148,8 @@ class BlockPool:
                 del self.cached[key]
                 self.block_key[b] = None
                 self.stats.evicted += 1
+                if self.events is not None:
+                    self.events.removed(self.medium, *key)
             self.ref_count[b] = 1
             self.generation[b] += 1
             out.append(b)
@@ -158,9 +188,10 @@ class BlockPool:
                 self._cached_free -= self.block_key[b] is not None
             self.ref_count[b] += 1
 
-    def cache(self, group: str, block: int, h: BlockHash) -> None:
+    def cache(self, group: str, block: int, h: BlockHash, info: BlockInfo | None = None) -> None:
         """Record that referenced `block` now holds the full block with prefix hash `h` in `group`.
-        If another block already holds that prefix, the index keeps the first (this one stays private)."""
+        If another block already holds that prefix, the index keeps the first (this one stays private).
+        info: the page's event payload; required while an event sink is attached."""
         if not self.enable_prefix_caching or self.block_key[block] is not None:
             return
         if self.ref_count[block] <= 0:
@@ -170,8 +201,17 @@ class BlockPool:
             self.cached[key] = block
             self.block_key[block] = key
             self.version += 1
+            if self.events is not None:
+                if info is None:
+                    raise ValueError(f"BlockPool.cache({group!r}, {block}): KV events are on, so the caller must pass "
+                                     "the page's BlockInfo")
+                self.events.stored(self.medium, group, h, info)
 
     def reset_prefix_cache(self) -> None:
+        """Drop every hash (referenced blocks stay with their holders, unhashed; free ones become blank)."""
+        if self.events is not None:
+            for group, h in self.cached:
+                self.events.removed(self.medium, group, h)
         self.version += 1
         for key, b in list(self.cached.items()):
             self.block_key[b] = None
@@ -261,6 +301,19 @@ class KVCacheManager:
         """Index in a request's chunk hashes of the hash that names `page` of `group` (its last chunk)."""
         return (page + 1) * self.ratio[group] - 1
 
+    def attach_events(self, sink) -> None:
+        """Report the device pool's hashes to a KV event sink (kvcache.events) under medium "GPU"."""
+        self.pool.attach_events(sink, "GPU")
+
+    def page_info(self, rb: RequestBlocks, token_ids: Sequence[int], group: str, page: int) -> BlockInfo:
+        """The event payload of `page` of `group` of a request (its blocks `rb`, its tokens `token_ids`):
+        the hash of the chunk before the page (a page of r chunks is named by its last chunk's hash, so
+        the chain from that parent over the page's tokens, tokens_per_block at a time, ends at the
+        page's hash), the page's tokens and the request's extra keys."""
+        n, r = self.group_tokens_per_block[group], self.ratio[group]
+        parent = rb.hashes[page * r - 1] if page else None
+        return BlockInfo(parent, token_ids[page * n:(page + 1) * n], tuple(rb.extra_keys))
+
     def admit(self, req_id: str, token_ids: Sequence[int], extra_keys: Sequence[str | int] = (), *,
               use_prefix_cache: bool = True) -> int:
         """Start tracking a request and take its longest cached prefix (every group must hold its pages
@@ -327,11 +380,13 @@ class KVCacheManager:
         if len(rb.hashes) < n_full:  # extend the chain by the blocks filled since (no rehash of the rest)
             rb.hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=rb.hashes,
                                      upto=n_full * self.tokens_per_block)
+        events = self.pool.events is not None
         for g in self.groups:
             r = self.ratio[g]
             for j in range(rb.num_cached_blocks // r, n_full // r):
                 if rb.tables[g][j] >= 0:  # a page held only on the host has no device block to index
-                    self.pool.cache(g, rb.tables[g][j], rb.hashes[self.page_hash_index(g, j)])
+                    self.pool.cache(g, rb.tables[g][j], rb.hashes[self.page_hash_index(g, j)],
+                                    self.page_info(rb, token_ids, g, j) if events else None)
         rb.num_cached_blocks = max(rb.num_cached_blocks, n_full)
 
     def free(self, req_id: str, *, keep_hashes: bool = False) -> None:
@@ -453,9 +508,9 @@ class ARCBlockPool(BlockPool):
             elif b in self.t2:
                 self.t2.move_to_end(b)
 
-    def cache(self, group: str, block: int, h: BlockHash) -> None:
+    def cache(self, group: str, block: int, h: BlockHash, info: BlockInfo | None = None) -> None:
         before = self.block_key[block]
-        super().cache(group, block, h)
+        super().cache(group, block, h, info)
         key = self.block_key[block]
         if before is not None or key != (group, h):
             return  # not newly cached

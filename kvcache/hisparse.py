@@ -36,6 +36,8 @@ Mechanics
   (`cpu_offload_bytes`). A later request with the same prefix (the next turn of a session) takes
   device-cached pages where they survive and host-cached ones otherwise: MLA pages stay host-only,
   indexer pages are copied back.
+- KV events (kvcache.events, `attach_events`): both host pools report the hashes they register (MLA
+  pages at pre-copy, parked indexer pages) and drop under medium "CPU".
 - Why hot slots are never stale: a hot slot holds a copy of one position's row, keyed by position, and
   a position's KV never changes; hot rows are leased (no other request writes them). What can go stale
   is a device mapping of an unpinned page whose block was reused: `row_tables` checks the generation
@@ -123,6 +125,18 @@ class HiSparsePolicy(PreemptPolicy):
         self.stats = HiSparseStats()
         self.page_bytes = page_bytes or {"mla": 0, "indexer": 0}  # bytes of one host page per group
         self.host_bytes_peak = 0
+
+    def attach_events(self, sink) -> None:
+        """Report the host pools' hashes (kvcache.events) under medium "CPU"."""
+        for pool in (self.host_mla, self.host_index):
+            if pool is not None:
+                pool.attach_events(sink, "CPU")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every host page's hash (a live request keeps its host pages, unhashed)."""
+        for pool in (self.host_mla, self.host_index):
+            if pool is not None:
+                pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
@@ -309,7 +323,8 @@ class HiSparsePolicy(PreemptPolicy):
                         break
                     st.host[p] = hb
                     if p < len(rb.hashes):
-                        self.host_mla.cache("mla", hb, rb.hashes[p])
+                        self.host_mla.cache("mla", hb, rb.hashes[p], kv.page_info(rb, req.tokens, "mla", p)
+                                            if self.host_mla.events is not None else None)
                     src.append(rb.tables["mla"][p])
                     dst.append(hb)
             st.sealed = n_full
@@ -385,7 +400,8 @@ class HiSparsePolicy(PreemptPolicy):
                     (hb,) = self.host_index.allocate(1)
                 except NoFreeBlocks:
                     break
-                self.host_index.cache("indexer", hb, h)
+                self.host_index.cache("indexer", hb, h, kv.page_info(rb, req.tokens, "indexer", p)
+                                      if self.host_index.events is not None else None)
                 src.append(b)
                 dst.append(hb)
             if src:

@@ -43,9 +43,13 @@ Mechanics
   what one admission brings back from the tiers is bounded by the host pages free for it (a prefix
   longer than that recomputes the rest), and a chunk two requests need is loaded once.
 
+KV events (kvcache.events, `attach_events`): the host pools report their stores and evictions under
+medium "CPU"; a store planned to the secondary tiers is registered with the recorder, which announces it
+as "STORAGE" once a tier reports it written (kvcache.tiers.TierSet.attach_events).
+
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
-before it); the object-store and peer tiers; KV events. Host-pool keys carry no fingerprint: a host
-pool lives and dies with one engine, whose layout is fixed.
+before it); the object-store and peer tiers. Host-pool keys carry no fingerprint: a host pool lives and
+dies with one engine, whose layout is fixed.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvcache.block_pool import ARCBlockPool, BlockPool, KVCacheManager
+from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
 from kvcache.policy import PreemptPolicy, RequestView
 from kvcache.tiers import Lookup, TierSet, chunk_key
 from kvcache.transfer import PageCopy, TierLoad, TierStore
@@ -141,6 +145,19 @@ class OffloadPolicy(PreemptPolicy):
         self.inflight: dict[tuple[str, bytes], int] = {}  # (group, hash) -> the job loading it
         self.waiters: dict[int, set[str]] = {}  # job -> the requests waiting for it
         self._retry: set[str] = set()  # requests whose last admission answered RETRY
+        self.events = None  # the KV event sink (kvcache.events.KVEventRecorder), None: events off
+        self._job_info: dict[int, BlockInfo] = {}  # tier load job -> its page's event payload (events on)
+
+    def attach_events(self, sink) -> None:
+        """Report the host pools' stores and evictions ("CPU") and the tier stores this policy plans."""
+        self.events = sink
+        for g, pool in self.host.items():
+            pool.attach_events(sink, "CPU")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every host page's hash (pinned pages stay pinned; a load in flight registers its page again)."""
+        for pool in self.host.values():
+            pool.reset_prefix_cache()
 
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
@@ -243,6 +260,9 @@ class OffloadPolicy(PreemptPolicy):
                 hb = pool.allocate(1)[0]  # reserved (referenced, no key) until the load is reported
                 job = self.tiers.new_job()
                 self.jobs[job] = (req.req_id, where, g, hb, h)
+                if self.events is not None:
+                    rb = kv.requests[req.req_id]
+                    self._job_info[job] = kv.page_info(rb, req.tokens, g, (c + 1) // kv.ratio[g] - 1)
                 self.inflight[(g, h)] = job
                 self.waiters[job] = {req.req_id}
                 jobs.add(job)
@@ -278,9 +298,10 @@ class OffloadPolicy(PreemptPolicy):
             del self.inflight[(g, h)]
             counts = self.tier_counts[self.tiers.tiers[t].name]
             pool = self.host[g]
+            info = self._job_info.pop(job, None)
             if status == "ok":
                 counts.hits += 1
-                pool.cache(g, hb, h)
+                pool.cache(g, hb, h, info)
                 self.tier_pins.setdefault(req_id, []).append((g, hb))
             else:
                 if status == "corrupt":
@@ -320,12 +341,14 @@ class OffloadPolicy(PreemptPolicy):
         device_chunks, pend = self.pending.pop(req.req_id)
         rb = kv.requests[req.req_id]
         fresh = iter(kv.pool.allocate(sum(len(p) for p in pend.values())))
+        events = kv.pool.events is not None
         for g, pages in pend.items():
             src, dst = [], []
             for page, (hb, h) in pages.items():
                 b = next(fresh)
                 rb.tables[g][page] = b
-                kv.pool.cache(g, b, h)  # a full page again: later requests hit it on the device
+                # a full page again: later requests hit it on the device
+                kv.pool.cache(g, b, h, kv.page_info(rb, req.tokens, g, page) if events else None)
                 src.append(hb)
                 dst.append(b)
             self.host[g].free(src)  # unpinned: the copy below runs before any later store can take them
@@ -342,7 +365,8 @@ class OffloadPolicy(PreemptPolicy):
         allocated here stays referenced until every page of the call is placed, so one copy never names a
         host page twice (with one free page left, freeing it at once would hand it out again: two sources
         copied into one page, kept under the later key)."""
-        copies: dict[str, tuple[list[int], list[int], list[bytes]]] = {}
+        copies: dict[str, tuple[list[int], list[int], list[bytes], list[BlockInfo]]] = {}
+        events = self.events is not None
         for req in reqs:
             rb, done = kv.requests[req.req_id], self.stored[req.req_id]
             chunks = rb.num_cached_blocks - rb.num_cached_blocks % self.blocks_per_chunk
@@ -357,20 +381,26 @@ class OffloadPolicy(PreemptPolicy):
                             self.stats.store_skipped_pages += table[j] >= 0
                             continue
                         hb = pool.allocate(1)[0]  # the least recently used host page, its old key dropped
-                        pool.cache(g, hb, h)
-                        src, dst, keys = copies.setdefault(g, ([], [], []))
+                        info = kv.page_info(rb, req.tokens, g, j) if events else None
+                        pool.cache(g, hb, h, info)
+                        src, dst, keys, infos = copies.setdefault(g, ([], [], [], []))
                         src.append(table[j])
                         dst.append(hb)
                         keys.append(h)
+                        infos.append(info)
                     else:
                         pool.touch([hb])  # already on the host: now the most recently used
                         pool.free([hb])
                 done[g] = max(done[g], full)
-        for g, (src, dst, keys) in copies.items():
+        for g, (src, dst, keys, infos) in copies.items():
             self.host[g].free(dst)
             self.outbox.append(PageCopy(g, "d2h", tuple(src), tuple(dst)))
             if self.tiers is not None:  # write-through: the host pages, once written, to every tier
-                self.outbox.append(TierStore(g, tuple(dst), tuple(chunk_key(self.fingerprint, g, h) for h in keys)))
+                ckeys = tuple(chunk_key(self.fingerprint, g, h) for h in keys)
+                self.outbox.append(TierStore(g, tuple(dst), ckeys))
+                if events:
+                    for ck, h, info in zip(ckeys, keys, infos):
+                        self.events.tier_store_planned(ck, g, h, info, len(self.tiers))
             self.stats.stored_pages += len(src)
             self.stats.store_bytes += len(src) * self.page_bytes[g]
         if copies:

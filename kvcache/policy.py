@@ -114,6 +114,13 @@ class KVPolicy(Protocol):
     def on_tier_results(self, results) -> None:
         """The runner's report of finished secondary-tier loads (StepResult.tier_loads)."""
 
+    def attach_events(self, sink) -> None:
+        """Report the policy's own pools' hashes to a KV event sink (kvcache.events.KVEventRecorder)."""
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the hashes of the policy's own pools (the engine's prefix-cache reset; the device pool's
+        are the scheduler's)."""
+
 
 class PreemptPolicy:
     """Drop the victim's KV and recompute it when it runs again (vLLM's recompute preemption). The base
@@ -176,6 +183,12 @@ class PreemptPolicy:
 
     def on_tier_results(self, results) -> None:
         raise RuntimeError(f"tier load results {results} for a policy without secondary tiers")
+
+    def attach_events(self, sink) -> None:
+        pass  # no pool of its own that caches prefixes
+
+    def reset_prefix_cache(self) -> None:
+        pass
 
 
 class SwapPolicy(PreemptPolicy):

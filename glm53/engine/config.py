@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from attention.formats import MLA_FORMATS
+from kvcache.events import KVEventsConfig
 from kvcache.hisparse import hot_buffer_rows
 from kvcache.layout import block_bytes, page_bytes
 from kvcache.offload import LOAD_FAILURE_POLICIES, host_tier_blocks
@@ -112,6 +113,13 @@ class DeployConfig:
         secondary_tiers: [{"type": "fs", "root_dir": DIR, "max_bytes": N}, {"type": "custom",
         "module_path": M}] (kvcache.tiers; "obj" and "p2p" raise NotImplementedError so far); the
         top-level "kv_load_failure_policy" ("recompute" | "fail") says what a failed tier load does.
+    kv_events_config: vLLM's `--kv-events-config` shape (kvcache.events.KVEventsConfig), e.g.
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:5558", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,
+        "topic": "kv@<ip>:<port>@<model>"}: BlockStored / BlockRemoved / AllBlocksCleared of the device
+        pool, the host pools and the secondary tiers, one batch per engine step and replica, on a ZMQ PUB
+        socket per data-parallel replica (port + replica index). None (or enable_kv_cache_events False):
+        nothing is recorded and no socket is opened. Unknown keys are refused.
     """
 
     data_parallel_size: int = 1
@@ -140,6 +148,7 @@ class DeployConfig:
     attention_impl: str = "auto"
     host_link_bytes_per_s: float = 50e9
     kv_transfer_config: dict | None = dataclasses.field(default=None, hash=False)
+    kv_events_config: dict | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -195,6 +204,10 @@ class DeployConfig:
                              "for MLA pages; cpu_offload_bytes sizes the separate pool for idle indexer keys)")
         if self.kv_transfer_config is not None:
             self._apply_kv_transfer_config()
+        try:
+            KVEventsConfig.from_dict(self.kv_events_config)
+        except ValueError as e:
+            raise ValueError(f"DeployConfig.{e}") from None
         if self.kv_policy in ("offload", "swap") and self.cpu_offload_bytes <= 0:
             raise ValueError(f"DeployConfig.kv_policy={self.kv_policy!r} needs cpu_offload_bytes > 0 (the host pool size)")
         if self.num_speculative_tokens:
@@ -253,6 +266,11 @@ class DeployConfig:
         kv_connector_extra_config; cpu_bytes_to_use = cpu_offload_bytes)."""
         extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config", {})
         return {**OFFLOAD_DEFAULTS, **extra, "cpu_bytes_to_use": self.cpu_offload_bytes}
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        """kv_events_config with vLLM's defaults filled in (events off when None)."""
+        return KVEventsConfig.from_dict(self.kv_events_config)
 
     @property
     def kv_load_failure_policy(self) -> str:

@@ -16,13 +16,21 @@ that replica's cache; a new salt, or none, goes to the replica with the fewest u
 (ties: the lowest index). On one host the replicas run one after the other (on real hardware each runs
 on its own GPUs).
 
-Metrics (`metrics`; live Prometheus metrics: glm53.engine.prometheus) cover all replicas: scheduler counters and transfer bytes are summed,
+KV events (DeployConfig.kv_events_config, kvcache.events): each replica has an event recorder on its
+device pool, its policy's host pools and its secondary tiers, and a publisher; after a replica's step
+its events go out as one batch stamped with the replica's index as data_parallel_rank (vLLM publishes
+per scheduler step). `reset_prefix_cache` drops every cached prefix (AllBlocksCleared); `shutdown`
+closes the sockets.
+
+Metrics (`metrics`; live Prometheus metrics: glm53.engine.prometheus) cover all replicas: scheduler
+counters and transfer bytes are summed,
 throughput is divided by data_parallel_size x N devices, and the timeline has one row per engine step
 with the replicas' running / waiting requests and free blocks (after scheduling) summed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -42,11 +50,17 @@ from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import ModelRunner
 from glm53.engine.scheduler import Scheduler, SchedulerStats
 from glm53.model import as_token_array
+from kvcache.events import KVEventRecorder, batch, make_publisher
 from kvcache.hisparse import HiSparsePolicy
 from kvcache.offload import OffloadPolicy
 from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
 from kvcache.tiers import TierSet, layout_fingerprint, make_tier
 from kvcache.transfer import TransferStats
+
+
+# vLLM's kv_cache_spec_kind of GLM-5.3's cache groups: the MLA rows and the indexer keys are both
+# MLAAttentionSpec there (the indexer cache is one 132-byte "head")
+KV_EVENT_SPEC_KINDS = {"mla": "mla_attention", "indexer": "mla_attention"}
 
 
 def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = None, fingerprint: str = "") -> KVPolicy:
@@ -133,8 +147,26 @@ class Engine:
             policy = make_policy(d, self.sizes, tiers, self.fingerprint)
             run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers) if runners is None else runners[i]
             self.replicas.append(Replica(Scheduler(d, self.sizes.num_blocks, GROUPS, policy=policy), run))
-        if specs:  # at interpreter exit too, so every chunk reported stored is complete on disk
-            self._finalizer = weakref.finalize(self, _shutdown_tiers, list(self.tiers))
+        # KV events: a recorder per replica on every pool that caches prefixes, a publisher per replica
+        events = d.kv_events
+        self._events: list[KVEventRecorder | None] = [None] * dp
+        if events.enable_kv_cache_events:
+            for i, rep in enumerate(self.replicas):
+                rec = self._events[i] = KVEventRecorder(GROUPS, d.group_tokens_per_block(GROUPS), KV_EVENT_SPEC_KINDS)
+                rep.scheduler.kv.attach_events(rec)
+                rep.scheduler.policy.attach_events(rec)
+                if self.tiers[i] is not None:
+                    self.tiers[i].attach_events(rec)
+        self.kv_event_publishers = []
+        try:
+            for i in range(dp):
+                self.kv_event_publishers.append(make_publisher(events, i))
+        except BaseException:  # a busy or bad address: close what opened, stop the tiers' threads
+            _shutdown(list(self.tiers), [None] * dp, self.kv_event_publishers)
+            raise
+        # at interpreter exit too: every chunk reported stored is complete on disk, the last events sent
+        self._finalizer = weakref.finalize(self, _shutdown, list(self.tiers), list(self._events),
+                                           list(self.kv_event_publishers))
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.finished: dict[str, Request] = {}
         self._owner: dict[str, int] = {}  # request id -> replica index
@@ -151,11 +183,32 @@ class Engine:
         self.observers.append(observer)
 
     def shutdown(self) -> None:
-        """Wait for the secondary tiers' pending stores and stop their threads (also run at interpreter
-        exit). Idempotent; `metrics()` stays readable; stepping after it is an error for tiered engines."""
+        """Wait for the secondary tiers' pending stores and stop their threads, publish the last KV events
+        (the stores that finished meanwhile) and close the event sockets (also run at interpreter exit).
+        Idempotent; `metrics()` stays readable; stepping after it is an error for tiered engines and
+        for engines that publish events."""
         fin = getattr(self, "_finalizer", None)
         if fin is not None:
             fin()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix of every replica: the device pool's and the host pools' hashes
+        (vLLM's `LLM.reset_prefix_cache`, which also serves after a weight update). Running requests
+        keep their blocks. The secondary tiers keep their chunks. With KV events on, each replica
+        publishes AllBlocksCleared, or, while a secondary tier holds announced chunks, a removal of each
+        dropped hash (AllBlocksCleared would tell a router the tier's chunks went too)."""
+        for i, rep in enumerate(self.replicas):
+            rec = self._events[i]
+            with rec.clearing() if rec is not None else contextlib.nullcontext():
+                rep.scheduler.kv.pool.reset_prefix_cache()
+                rep.scheduler.policy.reset_prefix_cache()
+            self._publish_events(i)
+
+    def _publish_events(self, i: int) -> None:
+        """Replica i's events since its last batch, as one batch (none if it recorded nothing)."""
+        rec = self._events[i]
+        if rec is not None and rec.events:
+            self.kv_event_publishers[i].publish(batch(rec.take(), i))
 
     # ------------------------------------------------------------------------------------ one replica
     def _only(self) -> Replica:
@@ -224,7 +277,7 @@ class Engine:
         out, t, counted, finished_all = [], None, False, []
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
         start, priced = self.clock.now(), []  # priced: the durations of simulated steps
-        for rep in self.replicas:
+        for r, rep in enumerate(self.replicas):
             sch = rep.scheduler
             plan = None
             if sch.has_work:
@@ -246,6 +299,7 @@ class Engine:
             else:
                 now = self.clock.now()
             finished = sch.update(plan, result, now)
+            self._publish_events(r)
             for req in finished:
                 self.finished[req.req_id] = self.requests.pop(req.req_id)
             finished_all += finished
@@ -353,10 +407,19 @@ class Engine:
         return out
 
 
-def _shutdown_tiers(tiers) -> None:
-    for t in tiers:
+def _shutdown(tiers, recorders, publishers) -> None:
+    """Stop the tiers (their pending stores written), publish the events of the stores that finished
+    meanwhile, close the publishers."""
+    for i, t in enumerate(tiers):
         if t is not None:
             t.shutdown(wait=True)
+            if recorders[i] is not None:
+                t.poll()  # the last store results (loads are nobody's business any more)
+    for i, p in enumerate(publishers):
+        rec = recorders[i] if i < len(recorders) else None
+        if rec is not None and rec.events:
+            p.publish(batch(rec.take(), i))
+        p.close()
 
 
 def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:

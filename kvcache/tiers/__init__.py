@@ -29,6 +29,12 @@ still writing, so a tier gets its own buffer rather than a view of the live pool
 
 Tiers: "fs" (kvcache.tiers.fs.FileTier: one file per chunk), "custom" (any class by `module_path`);
 "obj" (S3) and "p2p" are not built yet.
+
+KV events (kvcache.events; `TierSet.attach_events`): `poll` reports each finished store to the recorder
+(a chunk counts as stored if the store says "ok" and the tier's `lookup` still answers HIT), and a tier
+that can tell which chunks it deleted (optional methods `log_removals()`, then `take_removed() ->
+[key]`; FileTier does) has them reported as removed. Optional attributes `kv_event_medium` (default
+"STORAGE"), `kv_event_locality` and `kv_event_ownership` say how its events name it.
 """
 
 from __future__ import annotations
@@ -114,6 +120,16 @@ class TierSet:
         self._next_job = 0
         self.pending_loads: dict[int, int] = {}  # job -> tier index
         self._closed = False
+        self.events = None  # the KV event sink (kvcache.events.KVEventRecorder), None: events off
+        self._store_keys: dict[int, tuple[bytes, ...]] = {}  # store job -> its keys (events on)
+
+    def attach_events(self, sink) -> None:
+        """Report finished stores and the tiers' deletions to `sink` from the next `poll` on."""
+        self.events = sink
+        for t in self.tiers:
+            log = getattr(t, "log_removals", None)
+            if log is not None:
+                log()
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -132,7 +148,10 @@ class TierSet:
 
     def store(self, keys: Sequence[bytes], payloads: Sequence) -> None:
         for t in self.tiers:
-            t.submit_store(StoreJob(self.new_job(), tuple(keys), tuple(payloads)))
+            job = self.new_job()
+            if self.events is not None:
+                self._store_keys[job] = tuple(keys)
+            t.submit_store(StoreJob(job, tuple(keys), tuple(payloads)))
 
     def load(self, tier: int, job: int, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
         self.pending_loads[job] = tier
@@ -147,6 +166,14 @@ class TierSet:
                 if r.kind == "load":
                     self.pending_loads.pop(r.job_id, None)
                     out.append(r)
+                elif self.events is not None and r.job_id in self._store_keys:
+                    for key, status in zip(self._store_keys.pop(r.job_id), r.status):
+                        # a chunk the tier evicted again before this poll is not announced; a deletion
+                        # noted after this lookup is reported below or by the next poll, after it
+                        self.events.tier_store_finished(t, key, status == "ok" and t.lookup(key) is Lookup.HIT)
+            take = getattr(t, "take_removed", None) if self.events is not None else None
+            if take is not None:
+                self.events.tier_removed(t, take())
         return out
 
     def shutdown(self, wait: bool = True) -> None:

@@ -63,6 +63,8 @@ def encode_header(key: bytes, payload) -> bytes:
 class FileTier:
     """A SecondaryTier (kvcache.tiers) on a directory. See the module docstring."""
 
+    kv_event_locality = "LOCAL"  # KV events (kvcache.events): medium "STORAGE", a local filesystem
+
     def __init__(self, *, fingerprint: str, root_dir, max_bytes: int | None = None, read_threads: int = 4,
                  write_threads: int = 4, name: str = "fs"):
         check_options({"root_dir": root_dir, "max_bytes": max_bytes, "read_threads": read_threads,
@@ -77,6 +79,7 @@ class FileTier:
         self._finished: collections.deque[JobResult] = collections.deque()
         self._known: collections.OrderedDict[str, int] = collections.OrderedDict()  # path -> bytes, LRU first
         self._bytes = 0
+        self._removed: list[bytes] | None = None  # keys of chunk files deleted or found gone (log_removals)
         self._scan()
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix=f"{name}-read")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix=f"{name}-write")
@@ -130,6 +133,23 @@ class FileTier:
             out = list(self._finished)
             self._finished.clear()
         return out
+
+    def log_removals(self) -> None:
+        """From now on note the key of every chunk file this tier deletes (eviction, a corrupt chunk) or
+        finds gone, for `take_removed` (KV events). Files other processes delete unseen are not noted."""
+        with self._lock:
+            if self._removed is None:
+                self._removed = []
+
+    def take_removed(self) -> list[bytes]:
+        with self._lock:
+            out, self._removed = (self._removed or []), ([] if self._removed is not None else None)
+        return out
+
+    def _note_removed(self, p: str) -> None:
+        """Under the lock: chunk file `p` is gone."""
+        if self._removed is not None:
+            self._removed.append(bytes.fromhex(os.path.basename(p)[: -len(SUFFIX)]))
 
     def shutdown(self, wait: bool = True) -> None:
         if self._closed:
@@ -195,6 +215,7 @@ class FileTier:
                 old, n = self._known.popitem(last=False)
                 self._bytes -= n
                 _unlink(old)
+                self._note_removed(old)
                 self.stats.evicted_chunks += 1
 
     def _forget(self, p: str) -> None:
@@ -202,6 +223,7 @@ class FileTier:
             n = self._known.pop(p, None)
             if n is not None:
                 self._bytes -= n
+            self._note_removed(p)
 
     def _load(self, job: LoadJob) -> None:
         t0, status, payloads = time.perf_counter(), [], []
