@@ -44,7 +44,7 @@ Mechanics
   longer than that recomputes the rest), and a chunk two requests need is loaded once.
 
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
-before it); the object-store and peer tiers; KV events. Host-pool keys carry no fingerprint: a host
+before it); the peer tier; KV events. Host-pool keys carry no fingerprint: a host
 pool lives and dies with one engine, whose layout is fixed.
 """
 
