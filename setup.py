@@ -26,9 +26,11 @@ setup(
         "prometheus_client",
         "msgspec",  # KV events: vLLM's msgpack structs (kvcache.events)
         "pyzmq",  # KV events: the PUB and replay sockets
+        "boto3",  # the object-store KV tier's client (kvcache.tiers.obj)
     ],
     extras_require={
-        "test": ["pytest", "hypothesis", "pytest-xdist"],
+        # moto[server]: the S3-compatible server the object tier's tests start on loopback
+        "test": ["pytest", "hypothesis", "pytest-xdist", "moto[server]"],
         "cuda12": ["jax[cuda12]==0.11.2"],
         "cuda13": ["jax[cuda13]==0.11.2"],
     },

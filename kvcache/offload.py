@@ -48,7 +48,7 @@ medium "CPU"; a store planned to the secondary tiers is registered with the reco
 as "STORAGE" once a tier reports it written (kvcache.tiers.TierSet.attach_events).
 
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
-before it); the object-store and peer tiers. Host-pool keys carry no fingerprint: a host pool lives and
+before it); the peer tier. Host-pool keys carry no fingerprint: a host pool lives and
 dies with one engine, whose layout is fixed.
 """
 

@@ -27,8 +27,11 @@ layout). A StoreJob's payloads are the runner's snapshot of the host pages (one 
 pool, made when the store is planned): the host page may be reused by the next store while a tier is
 still writing, so a tier gets its own buffer rather than a view of the live pool.
 
-Tiers: "fs" (kvcache.tiers.fs.FileTier: one file per chunk), "custom" (any class by `module_path`);
-"obj" (S3) and "p2p" are not built yet.
+Tiers: "fs" (kvcache.tiers.fs.FileTier: one file per chunk), "obj" (kvcache.tiers.obj.ObjectTier: one
+object per chunk in an S3-compatible bucket, same names and blobs; lookups answer from a local index of
+the bucket, so the scheduler never waits on the network, and a server that stops answering turns into
+misses after a bounded wait), "custom" (any class by `module_path`); "p2p" is not built yet. Tiers that
+store blobs share one format and one check (kvcache.tiers.format).
 
 KV events (kvcache.events; `TierSet.attach_events`): `poll` reports each finished store to the recorder
 (a chunk counts as stored if the store says "ok" and the tier's `lookup` still answers HIT), and a tier
@@ -76,6 +79,10 @@ def make_tier(spec: dict, fingerprint: str) -> SecondaryTier:
 
         opts = {k: v for k, v in spec.items() if k != "type"}
         return FileTier(fingerprint=fingerprint, **opts)
+    if kind == "obj":
+        from kvcache.tiers.obj import ObjectTier
+
+        return ObjectTier(fingerprint=fingerprint, **{k: v for k, v in spec.items() if k != "type"})
     if kind == "custom":
         path = spec.get("module_path")
         if not isinstance(path, str) or not path:
@@ -85,8 +92,8 @@ def make_tier(spec: dict, fingerprint: str) -> SecondaryTier:
         factory = getattr(importlib.import_module(module), attr or "make_tier")
         return factory(spec, fingerprint) if not attr else factory(fingerprint=fingerprint, **{
             k: v for k, v in spec.items() if k not in ("type", "module_path")})
-    if kind in ("obj", "p2p"):
-        raise NotImplementedError(f"secondary tier type {kind!r} is not built yet (issue 20): 'fs' and 'custom' are")
+    if kind == "p2p":
+        raise NotImplementedError(f"secondary tier type {kind!r} is not built yet (issue 20): 'fs', 'obj' and 'custom' are")
     raise ValueError(f"secondary tier type must be one of {TIER_TYPES}, got {kind!r}")
 
 
@@ -101,11 +108,15 @@ def check_tier_specs(specs) -> None:
             from kvcache.tiers.fs import check_options
 
             check_options({k: v for k, v in s.items() if k != "type"})
+        elif s["type"] == "obj":
+            from kvcache.tiers.obj import check_options as check_obj
+
+            check_obj({k: v for k, v in s.items() if k != "type"})
         elif s["type"] == "custom" and not isinstance(s.get("module_path"), str):
             raise ValueError(f"secondary tier {s!r}: 'custom' needs module_path")
-        elif s["type"] in ("obj", "p2p"):
-            raise NotImplementedError(f"secondary tier type {s['type']!r} is not built yet (issue 20): 'fs' and "
-                                      "'custom' are")
+        elif s["type"] == "p2p":
+            raise NotImplementedError(f"secondary tier type {s['type']!r} is not built yet (issue 20): 'fs', 'obj' "
+                                      "and 'custom' are")
 
 
 class TierSet:

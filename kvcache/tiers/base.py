@@ -75,7 +75,7 @@ class LatencyHistogram:
 @dataclasses.dataclass
 class TierStats:
     """A tier's own counters (chunks and bytes it moved; the policy counts hits and misses) and the wall
-    time of each store and load job it ran (its own I/O, queueing excluded)."""
+    time of each store and load job, from its submission to its completion."""
 
     stored_chunks: int = 0
     store_failed: int = 0

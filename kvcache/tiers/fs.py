@@ -1,7 +1,7 @@
 """The filesystem tier: one file per chunk under `root_dir/<fingerprint>/`, named by the chunk's key.
 
-File format (little-endian): a 56-byte header (magic b"GLM53KV\\0", format version u32, the 32-byte key,
-payload length u64, CRC-32 of the payload u32), then the payload. A reader checks all of it against
+File format: kvcache.tiers.format (a header with the key, the payload length and its CRC-32, then the
+payload; the object tier stores the same blobs under the same names). A reader checks all of it against
 the key and size it asked for; anything it cannot verify (truncated, flipped bytes, another format, a
 foreign file under the chunk's name) is a "corrupt" miss and the file is deleted, never an error that
 stops the engine.
@@ -23,21 +23,17 @@ from __future__ import annotations
 
 import collections
 import os
-import struct
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from kvcache.tiers.base import JobResult, LoadJob, Lookup, StoreJob, TierStats
+from kvcache.tiers.format import HEADER, SUFFIX, as_bytes, chunk_name, encode_header, header_ok
 
-MAGIC = b"GLM53KV\0"
-VERSION = 1
-HEADER = struct.Struct("<8sI32sQI")
-SUFFIX = ".kv"
+__all__ = ["HEADER", "FileTier", "check_options"]
 OPTIONS = {"root_dir": None, "max_bytes": None, "read_threads": 4, "write_threads": 4, "name": "fs"}
 
 
@@ -56,10 +52,6 @@ def check_options(opts: dict) -> None:
             raise ValueError(f"secondary tier 'fs': {k} must be a positive int, got {v!r}")
 
 
-def encode_header(key: bytes, payload) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, key, memoryview(payload).nbytes, zlib.crc32(payload))
-
-
 class FileTier:
     """A SecondaryTier (kvcache.tiers) on a directory. See the module docstring."""
 
@@ -70,7 +62,8 @@ class FileTier:
         check_options({"root_dir": root_dir, "max_bytes": max_bytes, "read_threads": read_threads,
                        "write_threads": write_threads})
         self.name = name
-        self.dir = Path(root_dir) / fingerprint[:32]
+        self.root, self.fingerprint = Path(root_dir), fingerprint
+        self.dir = self.root / fingerprint[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.stats = TierStats()
@@ -87,8 +80,7 @@ class FileTier:
 
     # --------------------------------------------------------------------------------------- layout
     def path(self, key: bytes) -> Path:
-        h = key.hex()
-        return self.dir / h[:2] / (h + SUFFIX)
+        return self.root / chunk_name(self.fingerprint, key)
 
     def _scan(self) -> None:
         """Index the chunk files already under the root (oldest first) and delete temporary files whose
@@ -121,12 +113,12 @@ class FileTier:
             raise RuntimeError(f"tier {self.name!r} is shut down")
         with self._lock:
             self._inflight.update(job.keys)
-        self._writers.submit(self._store, job)
+        self._writers.submit(self._store, job, time.perf_counter())
 
     def submit_load(self, job: LoadJob) -> None:
         if self._closed:
             raise RuntimeError(f"tier {self.name!r} is shut down")
-        self._readers.submit(self._load, job)
+        self._readers.submit(self._load, job, time.perf_counter())
 
     def get_finished_jobs(self) -> list[JobResult]:
         with self._lock:
@@ -159,8 +151,8 @@ class FileTier:
         self._readers.shutdown(wait=wait, cancel_futures=not wait)
 
     # ------------------------------------------------------------------------------------ the workers
-    def _store(self, job: StoreJob) -> None:
-        t0, status = time.perf_counter(), []
+    def _store(self, job: StoreJob, t0: float) -> None:
+        status = []
         for key, payload in zip(job.keys, job.payloads):
             try:
                 status.append(self._write(key, payload))
@@ -183,7 +175,7 @@ class FileTier:
             self._touch(str(path), path.stat().st_size)
             return "ok"
         tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        data = memoryview(np.ascontiguousarray(payload)).cast("B")
+        data = as_bytes(payload)
         try:
             path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
@@ -225,8 +217,8 @@ class FileTier:
                 self._bytes -= n
             self._note_removed(p)
 
-    def _load(self, job: LoadJob) -> None:
-        t0, status, payloads = time.perf_counter(), [], []
+    def _load(self, job: LoadJob, t0: float) -> None:
+        status, payloads = [], []
         for key, size in zip(job.keys, job.sizes):
             try:
                 data = self._read(key, size)
@@ -259,11 +251,7 @@ class FileTier:
             out = np.empty(size, np.uint8)
             n = f.readinto(memoryview(out)) if len(head) == HEADER.size else 0
             extra = f.read(1)
-        ok = len(head) == HEADER.size and n == size and not extra
-        if ok:
-            magic, version, k, length, crc = HEADER.unpack(head)
-            ok = magic == MAGIC and version == VERSION and k == key and length == size and zlib.crc32(out) == crc
-        if not ok:
+        if not (n == size and not extra and header_ok(head, key, out)):
             _unlink(path)
             self._forget(str(path))
             with self._lock:

@@ -189,8 +189,6 @@ def test_tier_specs_are_checked():
         make_tier({"type": "fs", "root_dir": "/tmp/x", "size": 1}, FP)
     with pytest.raises(ValueError, match="type must be one of"):
         make_tier({"type": "tape"}, FP)
-    with pytest.raises(NotImplementedError, match="obj"):
-        make_tier({"type": "obj", "bucket": "b"}, FP)
     with pytest.raises(ValueError, match="kv_load_failure_policy"):
         DeployConfig(kv_transfer_config=_ktc("/tmp/x", kv_load_failure_policy="ignore"))
     with pytest.raises(ValueError, match="max_bytes"):
