@@ -29,8 +29,9 @@ setup(
         "boto3",  # the object-store KV tier's client (kvcache.tiers.obj)
     ],
     extras_require={
-        # moto[server]: the S3-compatible server the object tier's tests start on loopback
-        "test": ["pytest", "hypothesis", "pytest-xdist", "moto[server]"],
+        # moto's S3 backend and its server (flask): the S3-compatible server the object tier's tests start
+        # on loopback (moto[server] would pull every AWS service's dependencies)
+        "test": ["pytest", "hypothesis", "pytest-xdist", "moto[s3]", "flask", "flask-cors"],
         "cuda12": ["jax[cuda12]==0.11.2"],
         "cuda13": ["jax[cuda13]==0.11.2"],
     },
