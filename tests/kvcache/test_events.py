@@ -308,7 +308,7 @@ def test_storage_events_follow_the_filesystem_tier(tmp_path):
     and the device pool."""
     fp = "f" * 64
     page = {"mla": 64, "indexer": 16}
-    tier = FileTier(fingerprint=fp, root_dir=tmp_path, max_bytes=12 * (64 + 56))  # ~12 MLA chunks
+    tier = FileTier(fingerprint=fp, root_dir=tmp_path, max_bytes=12 * (64 + 56), write_threads=1)  # ~12 MLA chunks
     tiers = TierSet([tier])
     kv = KVCacheManager(48, 4, ("mla", "indexer"))
     pol = OffloadPolicy({"mla": 6, "indexer": 6}, page, tiers=tiers, fingerprint=fp)
@@ -332,7 +332,8 @@ def test_storage_events_follow_the_filesystem_tier(tmp_path):
             for op in pol.take_transfers():
                 if isinstance(op, TierStore):  # what the runner's host side does: the pages' bytes to the tiers
                     tiers.store(op.keys, [np.full(page[op.group], i, np.uint8)] * len(op.keys))
-            tiers.poll()
+            tier._writers.submit(lambda: None).result()  # one writer thread: the stores above are done
+            tiers.poll()  # so every chunk is announced before a later store can evict it
             batches.append(ev.batch(rec.take()))
         tiers.shutdown(wait=True)
         tiers.poll()
