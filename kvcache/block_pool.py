@@ -400,6 +400,10 @@ class KVCacheManager:
             self.pool.free([b for b in reversed(rb.tables[g]) if b >= 0])
         self.end_lease(req_id)
 
+    def drop_kept_hashes(self, req_id: str) -> None:
+        """A request freed with keep_hashes will not come back (aborted while waiting)."""
+        self._kept_hashes.pop(req_id, None)
+
     def lease(self, req_id: str, n: int) -> list[int]:
         """n blocks for the request outside its tables (a hot buffer), held until `end_lease` / `free`."""
         if req_id in self.leases:

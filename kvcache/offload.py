@@ -302,7 +302,10 @@ class OffloadPolicy(PreemptPolicy):
             if status == "ok":
                 counts.hits += 1
                 pool.cache(g, hb, h, info)
-                self.tier_pins.setdefault(req_id, []).append((g, hb))
+                if req_id in self.loading:  # it still waits for this load (this job is in its set)
+                    self.tier_pins.setdefault(req_id, []).append((g, hb))
+                else:  # it was dropped: the page stays in the host tier, unpinned
+                    pool.free([hb])
             else:
                 if status == "corrupt":
                     counts.corrupt += 1
@@ -318,6 +321,18 @@ class OffloadPolicy(PreemptPolicy):
                         del self.loading[waiter]
         if failed and self.load_failure_policy == "fail":
             raise RuntimeError(f"secondary-tier loads failed (kv_load_failure_policy='fail'): {failed}")
+
+    def drop(self, kv: KVCacheManager, req: RequestView) -> None:
+        """Its pinned host pages are released; loads it started finish for the requests also waiting on
+        them, or land in the host tier unpinned (`on_tier_results` pins only for a request still waiting)."""
+        for g, hb in self.tier_pins.pop(req.req_id, []):
+            self.host[g].free([hb])
+        self.loading.pop(req.req_id, None)
+        for waiting in self.waiters.values():
+            waiting.discard(req.req_id)
+        self._retry.discard(req.req_id)
+        self.tier_rounds.pop(req.req_id, None)
+        self.retry_rounds.pop(req.req_id, None)
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         for g, pages in self.pending.pop(req.req_id, (0, {}))[1].items():

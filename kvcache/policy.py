@@ -64,6 +64,10 @@ class KVPolicy(Protocol):
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         """Undo `admit` (the request did not fit after all)."""
 
+    def drop(self, kv: KVCacheManager, req: RequestView) -> None:
+        """Waiting `req` leaves for good (aborted): release whatever the policy holds for it (saved KV,
+        host pages pinned for it, its place in tier loads)."""
+
     def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
         """A value (compared with ==) that moves whenever anything an admission attempt of waiting `req`
         reads, beyond the device pool and the request itself, may have changed: the policy's own pools and
@@ -140,6 +144,9 @@ class PreemptPolicy:
         return kv.admit(req.req_id, req.tokens, req.extra_keys)
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
+        pass
+
+    def drop(self, kv: KVCacheManager, req: RequestView) -> None:
         pass
 
     def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
@@ -223,6 +230,9 @@ class SwapPolicy(PreemptPolicy):
 
     def saved_tokens(self, req: RequestView) -> int:
         return self.saved[req.req_id][0] if req.req_id in self.saved else 0
+
+    def drop(self, kv: KVCacheManager, req: RequestView) -> None:
+        self.used_bytes -= self.saved.pop(req.req_id, (0, 0))[1]  # its host copy is never loaded
 
     def restore(self, kv: KVCacheManager, req: RequestView) -> None:
         tokens, nbytes = self.saved.pop(req.req_id)

@@ -252,6 +252,8 @@ class Engine:
         cfg = self.cfg
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
+        if any(t >= cfg.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {params.stop_token_ids}")
         total = ids.size + params.max_new_tokens
         if total > self.deploy.max_model_len:
             raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
@@ -267,6 +269,18 @@ class Engine:
         if salt:
             self._by_salt[salt] = i
         return req_id
+
+    def abort_request(self, req_id: str) -> RequestOutput:
+        """Finish a live request now (finish_reason "abort": its client went away) and free its blocks;
+        its output so far is returned. Between steps only (the engine is single-threaded; a server's
+        engine loop applies aborts there)."""
+        if req_id not in self.requests:
+            raise KeyError(f"no live request {req_id!r}")
+        req = self.replicas[self._owner[req_id]].scheduler.abort(req_id, self.clock.now())
+        self.finished[req_id] = self.requests.pop(req_id)
+        for obs in self.observers:
+            obs.on_step(self, [], [req])
+        return self.output(req_id)
 
     def has_unfinished(self) -> bool:
         """Requests to run, or KV transfers still to be executed (a finished request's parking)."""

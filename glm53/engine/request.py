@@ -11,13 +11,19 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """max_new_tokens >= 1; greedy (argmax, lowest id on ties) or temperature / top-p sampling driven by a
-    per-request PRNG key derived from `seed` (same seed, same tokens, whatever the batch)."""
+    per-request PRNG key derived from `seed` (same seed, same tokens, whatever the batch).
+
+    stop_token_ids: sampling one of them finishes the request (finish_reason "stop"; the token is the
+        last of its output), as vLLM's stop_token_ids and a checkpoint's EOS do. min_tokens: until that
+        many tokens are out, the stop tokens cannot be sampled (their logits are masked, vLLM's rule)."""
 
     max_new_tokens: int = 16
     greedy: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -26,6 +32,16 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {ids!r}")
+        m = self.min_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {m!r}")
+
+    def banned(self, num_generated: int) -> tuple[int, ...]:
+        """Token ids the next sample must not take, with `num_generated` tokens out so far."""
+        return self.stop_token_ids if num_generated < self.min_tokens else ()
 
 
 class Status(enum.Enum):
@@ -52,7 +68,8 @@ class Request:
     finish_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     scheduled_s: float | None = None  # when a step first scheduled it (the end of its queue time)
-    finish_reason: str | None = None  # "length" (max_new_tokens reached); set when it finishes
+    finish_reason: str | None = None  # "length" | "stop" | "abort"; set when it finishes
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in a cache (not computed)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -81,9 +98,13 @@ class Request:
     def extra_keys(self) -> tuple[str, ...]:
         return (self.salt,) if self.salt else ()
 
-    @property
-    def done(self) -> bool:
-        return len(self.output_ids) >= self.params.max_new_tokens
+    def stop_reason(self) -> str | None:
+        """Why the request is done after its last token: "stop" (a stop token), "length" (max_new_tokens),
+        or None (not done)."""
+        out = self.output_ids
+        if out and out[-1] in self.params.stop_token_ids and len(out) >= self.params.min_tokens:
+            return "stop"
+        return "length" if len(out) >= self.params.max_new_tokens else None
 
 
 class TokenView:

@@ -417,6 +417,11 @@ class ModelRunner:
         out = {}
         sample_rows = [(i, r) for i, r in zip(idx, rows) if not r.params.greedy]
         greedy = [(i, r) for i, r in zip(idx, rows) if r.params.greedy]
+        banned = [(i, r.params.banned(r.num_generated)) for i, r in zip(idx, rows)]
+        if any(b for _, b in banned):  # stop tokens before min_tokens: masked on the host (rare, small)
+            logits_RV = np.array(logits_RV)
+            for i, b in banned:
+                logits_RV[i, list(b)] = -np.inf
         if greedy:
             host = np.asarray(logits_RV)
             for i, r in greedy:

@@ -12,7 +12,7 @@ Each step (`schedule`):
 
 After the runner has computed the step (`update`), each request's computed-token count advances; a
 request whose known tokens are all computed gets one new token sampled, its full blocks join the prefix
-cache, and it finishes at `max_new_tokens`.
+cache, and it finishes at `max_new_tokens` or on a stop token (`abort` ends one from outside).
 
 The policy (kvcache.policy: `preempt`, `offload`, kvcache.hisparse: `hisparse`) decides on the block
 pool at the hooks named there and records the KV movement it needs; `schedule` returns the step as a
@@ -124,6 +124,27 @@ class Scheduler:
         self.running.remove(victim)
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
+
+    def abort(self, req_id: str, now_s: float) -> Request:
+        """Finish `req_id` now (finish_reason "abort"; a client went away): a running request's KV is
+        kept as a finished one's is (its full blocks stay prefix-cached, the policy stores or parks
+        them), a waiting one gives back whatever the policy holds for it. Between steps only."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            raise KeyError(f"no live request {req_id!r}")
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.policy.on_finish(self.kv, req)
+            self.kv.free(req_id)
+        else:
+            self.waiting.remove(req)
+            self.policy.drop(self.kv, req)
+            self.kv.drop_kept_hashes(req_id)
+        self.lost_tokens.pop(req_id, None)
+        if self._unfit is not None and self._unfit[0] is req:
+            self._unfit = None
+        req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, "abort"
+        return req
 
     def schedule(self) -> StepPlan:
         counted = self.has_requests
@@ -288,6 +309,7 @@ class Scheduler:
         if lost is None:  # first admission: prompt accounting
             self.stats.prompt_tokens += req.prompt_ids.size
             self.stats.prefix_hit_tokens += req.num_computed_tokens
+            req.num_cached_tokens = req.num_computed_tokens
         else:  # re-admission after preemption: what the prefix cache did not save is recomputed
             self.stats.recomputed_tokens += max(0, lost - req.num_computed_tokens)
 
@@ -306,19 +328,22 @@ class Scheduler:
         for row in plan.rows:
             req = self.requests[row.req_id]
             req.num_computed_tokens = row.start + row.num_tokens
+            reason = None
             for tok in result.tokens.get(row.req_id, ()):
                 req.output_ids.append(int(tok))
                 req.token_times_s.append(now_s)
                 if req.first_token_s is None:
                     req.first_token_s = now_s
+                if reason := req.stop_reason():
+                    break  # tokens sampled after the one that finished it are dropped
             if req.num_computed_tokens // self.kv.tokens_per_block > self.kv.requests[req.req_id].num_cached_blocks:
                 # only when a block filled up; the view hands over just the new blocks' tokens (hashing
                 # packs them as int64, so array and list slices hash alike)
                 self.kv.cache_full_blocks(req.req_id, req.tokens, req.num_computed_tokens, req.extra_keys)
-            if req.done:
+            if reason:
                 req.status = Status.FINISHED
                 req.finish_s = now_s
-                req.finish_reason = "length"
+                req.finish_reason = reason
                 self.policy.on_finish(self.kv, req)
                 self.kv.free(req.req_id)
                 self.running.remove(req)

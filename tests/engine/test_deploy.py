@@ -186,8 +186,9 @@ def test_engine_rejects_bad_requests_before_queueing_them():
              (np.array([2**32 + 5, 7], np.int64), "token ids must lie"),  # not wrapped to 5 by an int32 cast
              (np.zeros(126, np.int32), "max_model_len=128"),
              (np.zeros(60, np.int32), "needs 16 blocks but the pool has 10")]  # 8 MLA + 8 indexer pages
+    cases.append(([1, 2], "stop_token_ids must lie"))
     for prompt, match in cases:
-        params = SamplingParams(3)
+        params = SamplingParams(3, stop_token_ids=(TINY.vocab_size,) if match.startswith("stop") else ())
         with pytest.raises(ValueError, match=match):
             eng.add_request(prompt, params)
     assert not eng.requests and not eng.scheduler.waiting and not eng.has_unfinished()

@@ -4,6 +4,7 @@ caching must not change greedy outputs; counts say what was computed."""
 import numpy as np
 import pytest
 
+import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
@@ -98,3 +99,31 @@ def test_bad_input_is_rejected(tiny_model):
         Engine(tiny_model, DeployConfig(**BASE, decode_context_parallel_size=64))
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=2)).add_request(np.zeros(40, np.int32))
+
+
+def test_stop_tokens_min_tokens_and_abort_on_the_model(tiny_model, reference):
+    """A stop token ends a request where greedy decoding samples it; under min_tokens it cannot be sampled
+    (its logit is masked) and greedy picks the next best; aborting one request mid-decode changes nothing
+    for the others."""
+    prompts, want = reference
+    eng = Engine(tiny_model, DeployConfig(**BASE))
+    w = want[0]
+    stop = eng.add_request(prompts[0], SamplingParams(5, stop_token_ids=(w[2],)))
+    masked = eng.add_request(prompts[0], SamplingParams(5, stop_token_ids=(w[2],), min_tokens=4))
+    gone = eng.add_request(prompts[2], SamplingParams(5))
+    rest = [eng.add_request(p, SamplingParams(5)) for p in (prompts[1], prompts[3])]
+    while eng.finished.get(gone) is None:
+        eng.step()
+        if len(eng.requests[gone].output_ids) == 2:
+            out = eng.abort_request(gone)
+            assert out.token_ids.tolist() == want[2][:2]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.output(stop).token_ids.tolist() == w[:3] and eng.finished[stop].finish_reason == "stop"
+    got = eng.output(masked).token_ids.tolist()
+    assert got[:2] == w[:2] and got[2] != w[2] and w[2] not in got[:3]
+    logits = glm53.score(tiny_model, np.concatenate([prompts[0], w[:2]]))[-1]
+    logits[w[2]] = -np.inf
+    assert got[2] == int(np.argmax(logits))  # the best token but the banned one
+    assert [eng.output(r).token_ids.tolist() for r in rest] == [want[1], want[3]]
+    assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.pool.num_blocks

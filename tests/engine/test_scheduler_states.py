@@ -3,7 +3,8 @@ synthetic tokens (glm53.engine.synthetic): random arrivals, prompt and output le
 and follow-up turns, and device pools down to a tenth of the offered load. After every step the block
 pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
 them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
-and host byte is returned. Every admission retry the scheduler would skip is run anyway and checked to
+and host byte is returned. Requests may stop on a stop token or be aborted (waiting or running) at any
+point; an aborted request holds nothing afterwards. Every admission retry the scheduler would skip is run anyway and checked to
 change nothing (Scheduler.verify_skipped_admissions)."""
 
 import numpy as np
@@ -68,16 +69,35 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.rng = np.random.default_rng(0)
         self.prefixes = [self.rng.integers(0, 512, 40) for _ in range(3)]
         self.sent: dict[str, int] = {}  # request id -> engine step at which it was added
+        self.aborted: dict[str, bool] = {}  # request id -> whether it was running when aborted
         self.steps = 0
 
     @precondition(lambda self: len(self.sent) < 24)
-    @rule(prompt=st.integers(1, 48), new=st.integers(1, 40), prefix=st.integers(-1, 2))
-    def arrive(self, prompt, new, prefix):
-        """A new request, sharing one of three prefixes or none."""
-        new = min(new, MAX_LEN - prompt)
+    @rule(prompt=st.integers(1, 48), new=st.integers(1, 40), prefix=st.integers(-1, 2),
+          stop=st.one_of(st.none(), st.integers(0, 96)), min_tokens=st.integers(0, 4))
+    def arrive(self, prompt, new, prefix, stop, min_tokens):
+        """A new request, sharing one of three prefixes or none, perhaps with a stop token (the synthetic
+        runner's token is (position + 1) mod 97)."""
+        new = max(min(new, MAX_LEN - prompt), 1)
         ids = self.rng.integers(0, 512, prompt) if prefix < 0 else \
             np.concatenate([self.prefixes[prefix], self.rng.integers(0, 512, 48)])[:prompt]
-        self.sent[self.engine.add_request(ids, SamplingParams(max(new, 1)))] = self.steps
+        params = SamplingParams(new, stop_token_ids=() if stop is None else (stop,), min_tokens=min(min_tokens, new))
+        self.sent[self.engine.add_request(ids, params)] = self.steps
+
+    @precondition(lambda self: self.engine.requests)
+    @rule(pick=st.integers(0, 10 ** 6))
+    def abort(self, pick):
+        """A client goes away: a waiting or running request is aborted between steps."""
+        live = sorted(self.engine.requests)
+        rid = live[pick % len(live)]
+        running = {r.req_id for r in self.engine.scheduler.running}
+        out = self.engine.abort_request(rid)
+        self.aborted[rid] = rid in running
+        sch = self.engine.scheduler
+        assert rid not in sch.requests and rid not in sch.kv.requests and rid not in sch.kv.leases
+        assert rid not in sch.kv._kept_hashes and rid not in getattr(sch.policy, "state", {})
+        assert rid not in getattr(sch.policy, "saved", {}) and rid not in getattr(sch.policy, "tier_pins", {})
+        assert self.engine.finished[rid].finish_reason == "abort" and len(out.token_ids) < out_max(self.engine, rid)
 
     @precondition(lambda self: len(self.sent) < 24 and self.engine.finished)
     @rule(pick=st.integers(0, 10 ** 6), extra=st.integers(0, 12), new=st.integers(1, 8))
@@ -134,7 +154,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.steps - start <= bound, f"requests starve: {sorted(eng.requests)}"
         assert set(eng.finished) == set(self.sent)  # every request finished
         for rid, r in eng.finished.items():
-            assert len(r.output_ids) == r.params.max_new_tokens
+            if rid in self.aborted:
+                assert r.finish_reason == "abort"
+            elif r.finish_reason == "stop":  # the first stop token at or past min_tokens, and nothing after it
+                out, p = r.output_ids, r.params
+                assert out[-1] in p.stop_token_ids and len(out) >= p.min_tokens
+                assert not any(t in p.stop_token_ids for t in out[max(p.min_tokens - 1, 0):-1])
+            else:
+                assert r.finish_reason == "length" and len(r.output_ids) == r.params.max_new_tokens
         sch = eng.scheduler
         assert sch.kv.num_free_blocks == sch.kv.pool.num_blocks and not sch.kv.requests and not sch.kv.leases
         pol = sch.policy
@@ -145,6 +172,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert pol.used_bytes == 0 and not pol.saved
         if isinstance(pol, OffloadPolicy):
             assert not pol.stored and not pol.pending and all(p.num_free == p.num_blocks for p in pol.host.values())
+
+
+def out_max(engine, rid):
+    return engine.finished[rid].params.max_new_tokens
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
