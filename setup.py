@@ -27,6 +27,10 @@ setup(
         "msgspec",  # KV events: vLLM's msgpack structs (kvcache.events)
         "pyzmq",  # KV events: the PUB and replay sockets
         "boto3",  # the object-store KV tier's client (kvcache.tiers.obj)
+        "fastapi",  # the OpenAI-compatible server (glm53.serve)
+        "uvicorn",
+        "tokenizers",  # a checkpoint's tokenizer.json (glm53.tokenizer)
+        "jinja2",  # chat templates
     ],
     extras_require={
         # moto's S3 backend and its server (flask): the S3-compatible server the object tier's tests start

@@ -1,0 +1,348 @@
+"""`python -m glm53.serve` as a real server process on loopback: completions (batched, streamed,
+concurrent) equal `Engine.generate`'s greedy tokens, bad requests get 400 naming the field, a client that
+disconnects mid-stream frees its blocks, the metrics parse with vLLM's names and types, a checkpoint's
+EOS and chat template work, and SIGTERM shuts down gracefully."""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import glm53
+from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.serve import TextStream
+from glm53.tokenizer import ByteTokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+# the deployment of tests/engine/test_engine.py (its programs are in the session's compilation cache)
+FLAGS = {"max_model_len": 128, "max_num_batched_tokens": 32, "max_num_seqs": 4, "block_size": 8}
+NAME = "tiny-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, tmp: Path, *extra: str):
+        self.port = _free_port()
+        self.log = tmp / f"server-{self.port}.log"
+        args = [sys.executable, "-m", "glm53.serve", model, "--port", str(self.port), "--served-model-name", NAME,
+                *[x for k, v in FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))], *extra]
+        env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": glm53_cache_dir(), "PYTHONPATH": str(REPO)}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
+            try:
+                if urllib.request.urlopen(self.url("/health"), timeout=2).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"server did not come up: {self.log.read_text()[-3000:]}")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, path: str, body, timeout: float = 120) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(self.url(path), data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stream(self, body: dict, stop_after: int | None = None) -> list:
+        """POST with stream=true -> the parsed `data:` events (the last is "[DONE]"); stop_after: close the
+        connection after that many events."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                     {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+        events = []
+        for line in resp:
+            line = line.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            if stop_after is not None and len(events) >= stop_after:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+                conn.close()
+                return events
+        conn.close()
+        return events
+
+    def metrics(self) -> dict:
+        text = urllib.request.urlopen(self.url("/metrics"), timeout=10).read().decode()
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))))] = \
+                    (fam.type, s.value)
+        return out
+
+    def stop(self, timeout: float = 60) -> bool:
+        """SIGTERM -> whether the server shut down gracefully (its engine shut down, then uvicorn re-raised
+        the signal, so the status is -SIGTERM)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode in (0, -signal.SIGTERM) and "engine shut down" in self.log.read_text()
+
+
+def glm53_cache_dir() -> str:
+    import jax
+
+    return jax.config.jax_compilation_cache_dir or ""
+
+
+def _metric(m: dict, name: str, **labels) -> float:
+    return m[(name, tuple(sorted((k, str(v)) for k, v in labels.items())))][1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server("tiny", tmp_path_factory.mktemp("serve"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts_and_tokens():
+    """Five prompts and the greedy tokens `Engine.generate` gives them on the same weights and deployment."""
+    model = glm53.init("tiny", seed=0)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (9, 30, 3, 50, 17)]
+    outs = Engine(model, DeployConfig(**FLAGS)).generate([np.asarray(p) for p in prompts], max_new_tokens=6)
+    return prompts, [o.token_ids.tolist() for o in outs], model
+
+
+def test_completions_equal_engine_generate(server, prompts_and_tokens):
+    prompts, want, _ = prompts_and_tokens
+    code, r = server.post("/v1/completions", {"model": NAME, "prompt": prompts[:3], "max_tokens": 6, "temperature": 0,
+                                              "return_token_ids": True})
+    assert code == 200 and r["object"] == "text_completion" and r["model"] == NAME
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in r["choices"]] == want[:3]
+    assert all(c["finish_reason"] == "length" and c["text"] == ByteTokenizer().decode(c["token_ids"])
+               for c in r["choices"])
+    u = r["usage"]
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (sum(map(len, prompts[:3])), 18)
+    # the same prompt again: its full 8-token blocks come from the prefix cache
+    code, r = server.post("/v1/completions", {"prompt": prompts[1], "max_tokens": 6, "temperature": 0})
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 24 and code == 200
+    code, models = 200, json.loads(urllib.request.urlopen(server.url("/v1/models"), timeout=10).read())
+    assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == 128
+
+
+def test_streamed_chunks_add_up_to_the_completion(server, prompts_and_tokens):
+    prompts, want, _ = prompts_and_tokens
+    events = server.stream({"prompt": prompts[3], "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                            "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks, usage = events[:-2], events[-2]
+    assert len(chunks) == 6  # one chunk per token
+    assert [c["choices"][0]["token_ids"][0] for c in chunks] == want[3]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 5 + ["length"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ByteTokenizer().decode(want[3])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 6
+
+
+def test_concurrent_clients_join_the_running_batch(server, prompts_and_tokens):
+    prompts, want, _ = prompts_and_tokens
+    results = {}
+
+    def client(i):
+        if i % 2:
+            ev = server.stream({"prompt": prompts[i], "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+            results[i] = [e["choices"][0]["token_ids"][0] for e in ev[:-1]]
+        else:
+            results[i] = server.post("/v1/completions", {"prompt": prompts[i], "max_tokens": 6, "temperature": 0,
+                                                         "return_token_ids": True})[1]["choices"][0]["token_ids"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert [results[i] for i in range(5)] == want
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": [1, 2], "max_tokens": "x"}, "max_tokens"),
+    ({"prompt": [1, 2], "model": "other"}, "model"),
+    ({"prompt": [1, 600]}, "prompt"),  # outside the tiny vocabulary (512)
+    ({"prompt": [1, 2], "max_tokens": 127}, "max_tokens"),  # 2 + 127 > max_model_len 128
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": [1, 2], "temperature": -1}, "temperature"),
+    ({"prompt": [1, 2], "top_p": 0}, "top_p"),
+    ({"prompt": [1, 2], "n": 2}, "n"),
+    ({"prompt": [1, 2], "logprobs": 1}, "logprobs"),
+    ({"prompt": [1, 2], "stop_token_ids": [9999]}, "stop_token_ids"),
+    ({"prompt": [1, 2], "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": [[1, 2], [3, 9999]]}, "prompt"),
+    (b"{not json", None),
+])
+def test_bad_requests_get_400_naming_the_field(server, body, param):
+    code, r = server.post("/v1/completions", body)
+    assert code == 400 and r["error"]["code"] == 400, r
+    if param is not None:
+        assert r["error"]["param"] == param, r
+    # nothing is left queued or running (a batch's first prompt, added before the second failed, is aborted)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if _metric(m, "vllm:num_requests_waiting") == _metric(m, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(m, "vllm:num_requests_waiting") == _metric(m, "vllm:num_requests_running") == 0
+
+
+def test_chat_without_a_template_is_400(server):
+    code, r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert code == 400 and r["error"]["param"] == "messages" and "chat template" in r["error"]["message"]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
+    before = server.metrics()
+    aborted = before.get(("vllm:request_success_total", (("finished_reason", "abort"),)), (None, 0))[1]
+    events = server.stream({"prompt": list(range(20)), "max_tokens": 100, "temperature": 0}, stop_after=2)
+    assert len(events) == 2
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        done = m.get(("vllm:request_success_total", (("finished_reason", "abort"),)), (None, 0))[1]
+        if done == aborted + 1 and _metric(m, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert done == aborted + 1, "the disconnected request was not aborted"
+    assert _metric(m, "vllm:kv_cache_usage_perc") == 0.0  # every block back in the pool
+    assert _metric(m, "vllm:generation_tokens_total") < _metric(before, "vllm:generation_tokens_total") + 100
+
+
+def test_metrics_have_vllms_names_and_types(server):
+    m = server.metrics()
+    types = {name: kind for (name, _), (kind, _) in m.items()}
+    for name, kind in [("vllm:num_requests_running", "gauge"), ("vllm:num_requests_waiting", "gauge"),
+                       ("vllm:kv_cache_usage_perc", "gauge"), ("vllm:cache_config_info", "gauge"),
+                       ("vllm:prefix_cache_queries_total", "counter"), ("vllm:prefix_cache_hits_total", "counter"),
+                       ("vllm:num_preemptions_total", "counter"), ("vllm:prompt_tokens_total", "counter"),
+                       ("vllm:generation_tokens_total", "counter"), ("vllm:request_success_total", "counter"),
+                       ("vllm:time_to_first_token_seconds_count", "histogram"),
+                       ("vllm:inter_token_latency_seconds_bucket", "histogram"),
+                       ("vllm:e2e_request_latency_seconds_sum", "histogram"),
+                       ("vllm:request_queue_time_seconds_count", "histogram")]:
+        assert types.get(name) == kind, (name, types.get(name))
+    info = [labels for (name, labels), _ in m.items() if name == "vllm:cache_config_info"]
+    assert dict(info[0])["block_size"] == "8"
+    assert _metric(m, "vllm:prefix_cache_hits_total") >= 24  # the repeated prompt of the first test
+
+
+def test_text_stream_stops_and_holds_back():
+    tok = ByteTokenizer()
+    t = TextStream(tok, ["END"], eos=(0,))
+    got = [t.add(x) for x in b"abEN"]
+    assert "".join(d for d, _ in got) == "ab" and not any(s for _, s in got)  # "EN" may start "END"
+    assert t.add(ord("D")) == ("", True)  # the text ends before the stop string
+    t = TextStream(tok, [], eos=(0,))
+    utf8 = "é".encode()
+    assert t.add(utf8[0]) == ("", False) and t.add(utf8[1]) == ("é", False)  # an incomplete char waits
+    assert t.add(0) == ("", False) and t.flush() == ""  # EOS adds no text
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, prompts_and_tokens):
+    """The tiny weights saved as an HF checkpoint with a byte-level tokenizer.json, an EOS id (the first
+    greedy token of some prompt that differs from the ones before it) and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    prompts, want, model = prompts_and_tokens
+    p, k = next((p, k) for p, w in enumerate(want) for k in range(1, len(w)) if w[k] not in w[:k])
+    d = tmp_path_factory.mktemp("ckpt")
+    glm53.save_pretrained(model, d)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(d / "tokenizer.json"))
+    eos = want[p][k]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return d, tok, eos, p, k
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_eos_and_chat_template(checkpoint, prompts_and_tokens, tmp_path):
+    d, tok, eos, p, k = checkpoint
+    prompts, want, model = prompts_and_tokens
+    s = Server(str(d), tmp_path)
+    try:
+        code, r = s.post("/v1/completions", {"prompt": prompts[p], "max_tokens": 6, "temperature": 0,
+                                             "return_token_ids": True})
+        c = r["choices"][0]
+        assert code == 200 and c["token_ids"] == want[p][:k + 1] and c["finish_reason"] == "stop"
+        assert c["text"] == tok.decode(want[p][:k])  # EOS itself adds no text
+        code, r = s.post("/v1/completions", {"prompt": prompts[p], "max_tokens": 6, "temperature": 0,
+                                             "return_token_ids": True, "ignore_eos": True})
+        assert r["choices"][0]["token_ids"] == want[p] and r["choices"][0]["finish_reason"] == "length"
+        # a text prompt goes through tokenizer.json; the chat template renders the messages
+        text = "<user>hello<assistant>"
+        ids = tok.encode(text).ids
+        ref = Engine(model, DeployConfig(**FLAGS)).generate([np.asarray(ids)], 4, on_token=None)
+        expect = ref[0].token_ids.tolist()
+        cut = expect.index(eos) + 1 if eos in expect else len(expect)
+        code, r = s.post("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hello"}],
+                                                  "max_tokens": 4, "temperature": 0, "return_token_ids": True})
+        assert code == 200 and r["object"] == "chat.completion" and r["choices"][0]["token_ids"] == expect[:cut]
+        assert r["choices"][0]["message"]["role"] == "assistant"
+        code, r = s.post("/v1/completions", {"prompt": text, "max_tokens": 4, "temperature": 0,
+                                             "return_token_ids": True})
+        assert r["choices"][0]["token_ids"] == expect[:cut] and r["usage"]["prompt_tokens"] == len(ids)
+    finally:
+        assert s.stop()
+
+
+def test_sigterm_lets_running_requests_finish_then_exits(server):
+    """Last in this module (the fixture's server goes down): a stream in flight at SIGTERM still ends
+    properly (finished, or aborted once --shutdown-timeout passes), and the engine shuts down."""
+    out = {}
+
+    def client():
+        out["events"] = server.stream({"prompt": list(range(10)), "max_tokens": 40, "temperature": 0})
+
+    t = threading.Thread(target=client)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and _metric(server.metrics(), "vllm:num_requests_running") == 0:
+        time.sleep(0.05)
+    assert server.stop()
+    t.join(60)
+    events = out["events"]
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("length", "abort")
