@@ -47,10 +47,10 @@ import importlib
 import json
 from collections.abc import Sequence
 
-from kvcache.tiers.base import JobResult, LoadJob, Lookup, SecondaryTier, StoreJob, TierStats
+from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, SecondaryTier, StoreJob, TierStats
 
-__all__ = ["JobResult", "LoadJob", "Lookup", "SecondaryTier", "StoreJob", "TierSet", "TierStats", "chunk_key",
-           "check_tier_specs", "layout_fingerprint", "make_tier"]
+__all__ = ["JobResult", "LoadJob", "Lookup", "LookupContext", "SecondaryTier", "StoreJob", "TierSet", "TierStats",
+           "chunk_key", "check_tier_specs", "layout_fingerprint", "make_tier"]
 
 TIER_TYPES = ("fs", "obj", "p2p", "custom")
 
@@ -149,10 +149,10 @@ class TierSet:
         self._next_job += 1
         return self._next_job
 
-    def lookup(self, key: bytes) -> tuple[int, Lookup]:
+    def lookup(self, key: bytes, ctx: LookupContext | None = None) -> tuple[int, Lookup]:
         """(index of the first tier that holds or will soon hold `key`, HIT / RETRY), or (-1, MISS)."""
         for i, t in enumerate(self.tiers):
-            r = t.lookup(key)
+            r = t.lookup(key, ctx)
             if r is not Lookup.MISS:
                 return i, r
         return -1, Lookup.MISS
