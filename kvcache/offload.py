@@ -48,8 +48,8 @@ medium "CPU"; a store planned to the secondary tiers is registered with the reco
 as "STORAGE" once a tier reports it written (kvcache.tiers.TierSet.attach_events).
 
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
-before it); the peer tier. Host-pool keys carry no fingerprint: a host pool lives and
-dies with one engine, whose layout is fixed.
+before it). Host-pool keys carry no fingerprint: a host pool lives and dies with one engine,
+whose layout is fixed.
 """
 
 from __future__ import annotations
