@@ -18,6 +18,8 @@ Protocol (ANCHORS §3).
 1. `lookup(key, ctx)` of a chunk no peer has answered for is RETRY. The tier registers the key and the
    keys the request's walk may ask after it (`ctx.keys`, kvcache.tiers.LookupContext) as pending, and its
    control thread sends one LookupMsg per (peer, request): one round trip per admission, not per chunk.
+   A lookup with no context (no request: e.g. the KV-event check of a finished store) answers from what
+   the tier knows (its store, the answers on record, else MISS), and pins and asks nothing.
 2. The producer answers hit or miss for every key in one LookupRespMsg and pins its hits at once, under
    one pin id, for `pin_s` seconds: a pinned chunk is never evicted (a store that would need its room
    fails instead), so nothing it said it has goes before the fetch.
@@ -47,6 +49,9 @@ Options (defaults): host, port (required; port 0 binds any free port, `PeerTier.
 ([]), max_bytes (1 GiB; None: unbounded), pin_s (5), lookup_timeout_s (1), transfer_timeout_s (5),
 fetch_threads (4), name ("p2p", the metrics key). Under data parallelism replica i binds port + i (as
 vLLM); a peer lists every replica it should ask.
+
+KV events: its chunks are reported as medium "CPU" (this engine's memory, readable by peers), locality
+"LOCAL", ownership its name, and those it drops as removed.
 
 Threads: one control thread owns every ZMQ socket; a TCP server thread (a short-lived thread per fetch
 served); `fetch_threads` fetch threads; one store thread (copies and CRCs). `shutdown()` stops them all.
@@ -132,7 +137,8 @@ _FETCH_DECODE = msgspec.msgpack.Decoder(FetchMsg)
 
 @dataclasses.dataclass
 class PeerStats(TierStats):
-    """TierStats plus the peer protocol's own counters (chunks unless named bytes)."""
+    """TierStats (with its store and load job times) plus the peer protocol's own counters (chunks unless
+    named bytes)."""
 
     lookup_messages: int = 0  # LookupMsgs sent: one per (peer, request) batch of keys
     lookup_timeouts: int = 0  # LookupMsgs a peer did not answer within lookup_timeout_s
@@ -236,10 +242,14 @@ class _JobState:
     status: list
     payloads: list
     left: int
+    t0: float  # submitted (time.perf_counter)
 
 
 class PeerTier:
     """A SecondaryTier (kvcache.tiers) shared with peer engines over the network. See the module docstring."""
+
+    # KV events (kvcache.events): its chunks sit in this engine's host memory, which peers can read
+    kv_event_medium, kv_event_locality = "CPU", "LOCAL"
 
     def __init__(self, *, fingerprint: str, host: str, port: int, peers=(),
                  max_bytes: int | None = OPTIONS["max_bytes"], pin_s: float = OPTIONS["pin_s"],
@@ -250,6 +260,7 @@ class PeerTier:
                        "lookup_timeout_s": lookup_timeout_s, "transfer_timeout_s": transfer_timeout_s,
                        "fetch_threads": fetch_threads, "name": name})
         self.name, self.fingerprint, self.host = name, fingerprint, host
+        self.kv_event_ownership = name  # tells its "CPU" chunks from the offload host tier's
         self.max_bytes, self.pin_s = max_bytes, float(pin_s)
         self.lookup_timeout_s, self.transfer_timeout_s = float(lookup_timeout_s), float(transfer_timeout_s)
         self.stats = PeerStats()
@@ -263,10 +274,11 @@ class PeerTier:
         self._pin_order: collections.deque[tuple[float, int]] = collections.deque()  # by deadline (pin_s is fixed)
         self._pinned: collections.Counter[bytes] = collections.Counter()  # key -> live pins holding it
         self._pin_ids = itertools.count(1)
+        self._removed: list[bytes] | None = None  # keys dropped from the store (log_removals)
         # consumer side
         self._answers: dict[bytes, _Answer] = {}
         self._to_ask: collections.deque[tuple[str, list]] = collections.deque()  # (request, [(key, answer)])
-        self._to_load: collections.deque[LoadJob] = collections.deque()
+        self._to_load: collections.deque[tuple[LoadJob, float]] = collections.deque()  # (job, submitted)
         self._load_times = (0.0, 0.0)  # (first, last) submission of the loads in _to_load
         self._jobs: dict[int, _JobState] = {}
         self._finished: collections.deque[JobResult] = collections.deque()
@@ -332,18 +344,18 @@ class PeerTier:
                 return Lookup.RETRY
             if key in self._store:  # held here: pinned for the load that follows, like a peer's hit
                 a = self._answers.get(key)
-                if a is None or a.state is not HIT or a.peer is not None or a.expires <= now:
+                if ctx is not None and (a is None or a.state is not HIT or a.peer is not None or a.expires <= now):
                     self._answers[key] = _Answer(HIT, now + self.pin_s, pin=self._pin([key], now))
                 return Lookup.HIT
             known = self._known(key, now)
             if known is not None:
                 return known
-            if not any(p.down_until <= now for p in self._peers):
+            if ctx is None or not any(p.down_until <= now for p in self._peers):
                 return Lookup.MISS
-        ahead = ctx.keys if ctx is not None else ()
+        ahead = ctx.keys
         if key in ahead:
             ahead = ahead[ahead.index(key) + 1:]
-        req = ctx.req_id if ctx is not None else ""
+        req = ctx.req_id
         with self._lock:
             up = {p.index for p in self._peers if p.down_until <= now}
             if not up:  # every peer went down meanwhile: nobody would answer
@@ -376,7 +388,7 @@ class PeerTier:
             raise RuntimeError(f"tier {self.name!r} is shut down")
         with self._lock:
             self._storing.update(job.keys)
-        self._writer.submit(self._store_job, job)
+        self._writer.submit(self._store_job, job, time.perf_counter())
 
     def submit_load(self, job: LoadJob) -> None:
         if self._closed:
@@ -384,7 +396,7 @@ class PeerTier:
         now = time.monotonic()
         with self._lock:
             self._load_times = (now if not self._to_load else self._load_times[0], now)
-            self._to_load.append(job)
+            self._to_load.append((job, time.perf_counter()))
         self._wake()
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -408,6 +420,18 @@ class PeerTier:
             self._wake_tx.close()
         self._zmq.destroy(linger=0)  # every socket is closed by now; never wait on a peer
 
+    def log_removals(self) -> None:
+        """From now on note the chunks the store drops (evicted, or failing verification) for
+        `take_removed` (KV events: kvcache.tiers.TierSet.attach_events)."""
+        with self._lock:
+            if self._removed is None:
+                self._removed = []
+
+    def take_removed(self) -> list[bytes]:
+        with self._lock:
+            out, self._removed = (self._removed or []), ([] if self._removed is not None else None)
+        return out
+
     def _count(self, stat: str, n: int = 1) -> None:
         with self._lock:
             setattr(self.stats, stat, getattr(self.stats, stat) + n)
@@ -421,7 +445,7 @@ class PeerTier:
                     pass
 
     # ------------------------------------------------------------------------------- producer: store
-    def _store_job(self, job: StoreJob) -> None:
+    def _store_job(self, job: StoreJob, t0: float) -> None:
         status = []
         for key, payload in zip(job.keys, job.payloads):
             try:
@@ -437,6 +461,7 @@ class PeerTier:
                         del self._storing[key]
         with self._lock:
             self._finished.append(JobResult(job.job_id, "store", tuple(status)))
+            self.stats.store_latency.observe(time.perf_counter() - t0)
 
     def _put(self, key: bytes, payload) -> str:
         with self._lock:
@@ -476,9 +501,15 @@ class PeerTier:
         if free < n:
             return False
         for k in victims:
-            self._bytes -= len(self._store.pop(k).data)
+            self._drop(k)
             self.stats.evicted_chunks += 1
         return True
+
+    def _drop(self, key: bytes) -> None:
+        """Forget a stored chunk (lock held), noting it for `take_removed`."""
+        self._bytes -= len(self._store.pop(key).data)
+        if self._removed is not None:
+            self._removed.append(key)
 
     # -------------------------------------------------------------------------------- producer: pins
     def _pin(self, keys, now: float) -> int:
@@ -665,8 +696,9 @@ class PeerTier:
                 return
             jobs = list(self._to_load)
             self._to_load.clear()
-            for job in jobs:
-                self._jobs[job.job_id] = _JobState(job, [None] * len(job.keys), [None] * len(job.keys), len(job.keys))
+            for job, t0 in jobs:
+                n = len(job.keys)
+                self._jobs[job.job_id] = _JobState(job, [None] * n, [None] * n, n, t0)
                 for i, (key, size) in enumerate(zip(job.keys, job.sizes)):
                     a = self._answers.pop(key, None)
                     if a is not None and a.state is HIT and a.peer is not None:
@@ -688,7 +720,7 @@ class PeerTier:
         if len(entry.data) != size or zlib.crc32(entry.data) != entry.crc:
             with self._lock:
                 if self._store.get(key) is entry:  # our own memory failed verification: drop it
-                    self._bytes -= len(self._store.pop(key).data)
+                    self._drop(key)
             return self._resolve(job_id, i, key, "corrupt", None)
         self._resolve(job_id, i, key, "ok", np.frombuffer(entry.data, np.uint8))
 
@@ -752,6 +784,7 @@ class PeerTier:
             if not st.left:
                 del self._jobs[job_id]
                 self._finished.append(JobResult(job_id, "load", tuple(st.status), tuple(st.payloads)))
+                self.stats.load_latency.observe(time.perf_counter() - st.t0)
 
     # ------------------------------------------------------------------------------ producer: serving
     def _serve_fetch(self, sock: socket.socket) -> None:

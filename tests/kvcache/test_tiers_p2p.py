@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from glm53 import DeployConfig, Engine
-from kvcache.tiers import LoadJob, Lookup, LookupContext, StoreJob, chunk_key, make_tier
+from kvcache.tiers import LoadJob, Lookup, LookupContext, StoreJob, TierSet, chunk_key, make_tier
 from kvcache.tiers.p2p import FRAME, REQUEST, PeerTier
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,7 +94,8 @@ for line in sys.stdin:
         say(reply="armed")
     elif op == "stats":
         with tier._lock:
-            say(reply={**tier.stats.__dict__, "held": sorted(k.hex() for k in tier._store)})
+            counts = {k: v for k, v in tier.stats.__dict__.items() if isinstance(v, int)}
+            say(reply={**counts, "held": sorted(k.hex() for k in tier._store)})
 """
 
 
@@ -114,13 +115,19 @@ class Producer:
         for line in self.proc.stdout:
             msg = json.loads(line)
             (self.events if "event" in msg else self.replies).put(msg)
+        self.replies.put(None)  # it exited
+        self.events.put(None)
 
     @staticmethod
     def _get(q, timeout):
         try:
-            return q.get(timeout=timeout)
+            msg = q.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"the producer said nothing for {timeout} s") from None
+        if msg is None:
+            q.put(None)
+            raise AssertionError("the producer exited")
+        return msg
 
     def cmd(self, op, **kw):
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
@@ -165,8 +172,14 @@ def tiers():
         t.shutdown(wait=False)
 
 
+def _ask(i: int) -> LookupContext:
+    """The context of a request whose walk asks for chunk i alone."""
+    return LookupContext(f"req-{i}", [_key(i)])
+
+
 def _answer(tier, i, ctx=None, timeout=10.0) -> Lookup:
-    """Ask until the tier stops answering RETRY (bounded)."""
+    """Ask (as a request whose walk is `ctx`, default chunk i alone) until the tier stops answering RETRY."""
+    ctx = ctx or _ask(i)
     end = time.monotonic() + timeout
     while (r := tier.lookup(_key(i), ctx)) is Lookup.RETRY:
         assert time.monotonic() < end, f"lookup of {i} answered RETRY for {timeout} s"
@@ -195,6 +208,7 @@ def test_p2p_lookup_retry_then_hit_or_miss_and_roundtrip(producer, tiers):
     assert _answer(t, 0, ctx) is Lookup.HIT
     assert [t.lookup(_key(i), ctx) for i in range(5)] == [Lookup.HIT] * 3 + [Lookup.MISS] * 2
     assert t.stats.lookup_messages == 1  # one message per (peer, request)
+    assert t.lookup(_key(7)) is Lookup.MISS and t.stats.lookup_messages == 1  # no request: no round trip
     r = _load(t, [1, 0, 3])
     assert r.status == ("ok", "ok", "miss") and r.payloads[2] is None
     np.testing.assert_array_equal(r.payloads[0], _payload(1))
@@ -252,7 +266,7 @@ def test_p2p_peer_killed_mid_transfer_is_a_miss_in_bounded_time(producer, tiers)
         time.sleep(0.002)
     assert done[0].status == ("miss",) * 3 and done[0].payloads == (None,) * 3
     assert t.stats.fetch_failures == 1 and t.stats.loaded_chunks == 0 and t.stats.corrupt == 0
-    assert t.lookup(_key(7)) is Lookup.MISS  # the peer is skipped for a while: no RETRY round
+    assert t.lookup(_key(7), _ask(7)) is Lookup.MISS  # the peer is skipped for a while: no RETRY round
 
 
 def test_p2p_missed_deadlines_are_misses(producer, tiers):
@@ -268,11 +282,11 @@ def test_p2p_missed_deadlines_are_misses(producer, tiers):
     r = _load(t, [0, 1])
     assert r.status == ("miss", "miss") and time.monotonic() - t0 < 5
     assert t.stats.transfer_timeouts == 1
-    assert t.lookup(_key(0)) is Lookup.MISS  # a failed load is not fetched again at once
+    assert t.lookup(_key(0), _ask(0)) is Lookup.MISS  # a failed load is not fetched again at once
     p.signal(signal.SIGSTOP)
     try:
         fresh = tiers(peers=[p.address], lookup_timeout_s=0.3)
-        assert fresh.lookup(_key(1)) is Lookup.RETRY
+        assert fresh.lookup(_key(1), _ask(1)) is Lookup.RETRY
         t0 = time.monotonic()
         assert _answer(fresh, 1) is Lookup.MISS and time.monotonic() - t0 < 5
         assert fresh.stats.lookup_timeouts == 1
@@ -292,7 +306,7 @@ def test_p2p_corrupted_payload_is_a_corrupt_miss(producer, tiers):
     assert r.status == ("ok", "corrupt", "ok") and r.payloads[1] is None
     np.testing.assert_array_equal(r.payloads[2], _payload(2))
     assert t.stats.corrupt == 1 and t.stats.loaded_chunks == 2
-    assert t.lookup(_key(1)) is Lookup.MISS
+    assert t.lookup(_key(1), _ask(1)) is Lookup.MISS
 
 
 def test_p2p_malformed_requests_are_dropped_and_serving_goes_on(tiers):
@@ -328,6 +342,41 @@ def test_p2p_malformed_requests_are_dropped_and_serving_goes_on(tiers):
     b = tiers(peers=[a.address])
     assert _answer(b, 0) is Lookup.HIT
     np.testing.assert_array_equal(_load(b, [0]).payloads[0], _payload(0))
+
+
+def test_p2p_kv_events_announce_stores_and_evictions_without_pins(tiers):
+    """With KV events on, the tier set confirms each finished store with a bare lookup: the chunk is
+    announced, nothing is pinned (a pin would hold it against eviction) and no peer is asked; chunks the
+    store evicts are reported removed."""
+    class Sink:
+        def __init__(self):
+            self.stored, self.removed = [], []
+
+        def tier_store_finished(self, tier, key, held):
+            self.stored.append((key, held))
+
+        def tier_removed(self, tier, keys):
+            self.removed += keys
+
+    t = tiers(max_bytes=2 * N, peers=[f"{HOST}:{_free_port()}"])  # nobody there: a bare lookup must not ask
+    assert (t.kv_event_medium, t.kv_event_locality, t.kv_event_ownership) == ("CPU", "LOCAL", "p2p")
+    ts, sink = TierSet([t]), Sink()
+    ts.attach_events(sink)
+    for i in range(3):
+        ts.store([_key(i)], [_payload(i)])
+        end = time.monotonic() + 10
+        while len(sink.stored) <= i:
+            assert time.monotonic() < end, "a store was never reported"
+            ts.poll()
+            time.sleep(0.002)
+    assert sink.stored == [(_key(i), True) for i in range(3)] and sink.removed == [_key(0)]
+    assert not t._pinned and t.stats.lookup_messages == 0 and t.stats.evicted_chunks == 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
 
 
 def test_p2p_options_are_checked():
@@ -406,6 +455,7 @@ def test_a_second_engine_fetches_every_full_page_from_the_first(tiny_model, refe
     assert p2p["misses"] == p2p["corrupt"] == p2p["lost"] == 0
     assert p2p["load_bytes"] == HIT_BLOCKS * sum(second.sizes.page_bytes.values())
     assert p2p["lookup_messages"] == 3  # one per prompt with a full page (the 5-token one has none)
+    assert p2p["load_jobs"] == 2 * HIT_BLOCKS and p2p["load_time_s"] > 0  # the host side submits a job per chunk
     assert second.scheduler.stats.prefix_hit_tokens == 8 * HIT_BLOCKS
     served = first.metrics()["kv_offload"]["p2p"]
     assert served["served_chunks"] == served["pinned_chunks"] == 2 * HIT_BLOCKS
