@@ -24,8 +24,8 @@ setup(
         "matplotlib",
         "tqdm",
         "prometheus_client",
-        "msgspec",  # KV events: vLLM's msgpack structs (kvcache.events)
-        "pyzmq",  # KV events: the PUB and replay sockets
+        "msgspec",  # KV events and the peer KV tier's messages: vLLM's msgpack structs (kvcache.events, .tiers.p2p)
+        "pyzmq",  # KV events (PUB and replay sockets) and the peer KV tier's control channel (kvcache.tiers.p2p)
         "boto3",  # the object-store KV tier's client (kvcache.tiers.obj)
         "fastapi",  # the OpenAI-compatible server (glm53.serve)
         "uvicorn",

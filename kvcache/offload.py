@@ -48,8 +48,8 @@ medium "CPU"; a store planned to the secondary tiers is registered with the reco
 as "STORAGE" once a tier reports it written (kvcache.tiers.TierSet.attach_events).
 
 What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
-before it); the peer tier. Host-pool keys carry no fingerprint: a host pool lives and
-dies with one engine, whose layout is fixed.
+before it). Host-pool keys carry no fingerprint: a host pool lives and dies with one engine,
+whose layout is fixed.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
 from kvcache.policy import PreemptPolicy, RequestView
-from kvcache.tiers import Lookup, TierSet, chunk_key
+from kvcache.tiers import Lookup, LookupContext, TierSet, chunk_key
 from kvcache.transfer import PageCopy, TierLoad, TierStore
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -172,6 +172,10 @@ class OffloadPolicy(PreemptPolicy):
         # per hash block past the device hit: [(group, where, block)] of the pages ending there; where:
         # "device", "host", or the index of the secondary tier that holds it (block None)
         found, retry = [], False
+        # the keys this walk may ask the tiers, in order, computed only if a tier asks (a peer tier sends
+        # them in one lookup message instead of one per admission attempt)
+        ctx = LookupContext(req.req_id, lambda: [chunk_key(self.fingerprint, g, rb.hashes[c]) for c in range(i, max_hit)
+                                                 for g in kv.groups if not (c + 1) % kv.ratio[g]])
         while i + len(found) < max_hit:
             c = i + len(found)
             h, pages = rb.hashes[c], []
@@ -182,7 +186,7 @@ class OffloadPolicy(PreemptPolicy):
                     pages.append((g, "device", b))
                 elif (b := self.host[g].lookup(g, h)) is not None:
                     pages.append((g, "host", b))
-                elif ask_tiers and self._ask_tiers(g, h, pages):
+                elif ask_tiers and self._ask_tiers(g, h, pages, ctx):
                     pass
                 else:
                     retry |= bool(pages) and pages[-1] == "retry"
@@ -225,10 +229,10 @@ class OffloadPolicy(PreemptPolicy):
         rb.num_cached_blocks = i + keep
         return (i + keep) * kv.tokens_per_block
 
-    def _ask_tiers(self, g: str, h: bytes, pages: list) -> bool:
+    def _ask_tiers(self, g: str, h: bytes, pages: list, ctx: LookupContext) -> bool:
         """Ask the secondary tiers for page (g, h): a HIT is appended to `pages` as (g, tier, None) -> True;
         a RETRY appends the marker "retry" -> False; a MISS -> False."""
-        t, answer = self.tiers.lookup(chunk_key(self.fingerprint, g, h))
+        t, answer = self.tiers.lookup(chunk_key(self.fingerprint, g, h), ctx)
         if answer is Lookup.HIT:
             pages.append((g, t, None))
             return True

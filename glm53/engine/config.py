@@ -112,8 +112,9 @@ class DeployConfig:
         they must agree); cpu_offload_bytes=N alone is the shorthand for a host tier of N bytes (LRU).
         secondary_tiers: [{"type": "fs", "root_dir": DIR, "max_bytes": N}, {"type": "obj", "bucket": B,
         "endpoint_override": URL} (vLLM's fields access_key, secret_key, session_token, region, scheme,
-        ca_bundle too; empty credentials: the environment's; kvcache.tiers.obj), {"type": "custom",
-        "module_path": M}] (kvcache.tiers; "p2p" raises NotImplementedError so far); the
+        ca_bundle too; empty credentials: the environment's; kvcache.tiers.obj), {"type": "p2p", "host": H,
+        "port": P, "peers": ["host:port", ...]} (kvcache.tiers.p2p: serves its chunks on H:P, fetches from
+        the peers), {"type": "custom", "module_path": M}] (kvcache.tiers); the
         top-level "kv_load_failure_policy" ("recompute" | "fail") says what a failed tier load does.
     kv_events_config: vLLM's `--kv-events-config` shape (kvcache.events.KVEventsConfig), e.g.
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",

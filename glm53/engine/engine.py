@@ -142,7 +142,7 @@ class Engine:
         self.replicas: list[Replica] = []
         self.tiers: list[TierSet | None] = []
         for i in range(dp):
-            tiers = TierSet([make_tier(spec, self.fingerprint) for spec in specs]) if specs else None
+            tiers = TierSet([make_tier(spec, self.fingerprint, replica=i) for spec in specs]) if specs else None
             self.tiers.append(tiers)
             policy = make_policy(d, self.sizes, tiers, self.fingerprint)
             run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers) if runners is None else runners[i]

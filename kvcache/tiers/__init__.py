@@ -30,8 +30,16 @@ still writing, so a tier gets its own buffer rather than a view of the live pool
 Tiers: "fs" (kvcache.tiers.fs.FileTier: one file per chunk), "obj" (kvcache.tiers.obj.ObjectTier: one
 object per chunk in an S3-compatible bucket, same names and blobs; lookups answer from a local index of
 the bucket, so the scheduler never waits on the network, and a server that stops answering turns into
-misses after a bounded wait), "custom" (any class by `module_path`); "p2p" is not built yet. Tiers that
-store blobs share one format and one check (kvcache.tiers.format).
+misses after a bounded wait), "p2p" (kvcache.tiers.p2p.PeerTier: an in-memory store served to peer
+engines over ZMQ control and TCP bulk sockets, and fetches from the peers it lists, with pins and
+deadlines), "custom" (any class by `module_path`). Tiers that store blobs share one format and one check
+(kvcache.tiers.format).
+
+Lookup context. `lookup(key, ctx)` gets a `LookupContext`: the request and the chunk keys its prefix walk
+may ask, in order. A tier that answers from local state ignores it; the peer tier asks its peers for all
+of them at once (one message per peer and request), so a long prefix costs one round trip, not one per
+admission attempt. A lookup without one (e.g. the KV-event check of a finished store) must not start
+anything.
 
 KV events (kvcache.events; `TierSet.attach_events`): `poll` reports each finished store to the recorder
 (a chunk counts as stored if the store says "ok" and the tier's `lookup` still answers HIT), and a tier
@@ -47,10 +55,10 @@ import importlib
 import json
 from collections.abc import Sequence
 
-from kvcache.tiers.base import JobResult, LoadJob, Lookup, SecondaryTier, StoreJob, TierStats
+from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, SecondaryTier, StoreJob, TierStats
 
-__all__ = ["JobResult", "LoadJob", "Lookup", "SecondaryTier", "StoreJob", "TierSet", "TierStats", "chunk_key",
-           "check_tier_specs", "layout_fingerprint", "make_tier"]
+__all__ = ["JobResult", "LoadJob", "Lookup", "LookupContext", "SecondaryTier", "StoreJob", "TierSet", "TierStats",
+           "chunk_key", "check_tier_specs", "layout_fingerprint", "make_tier"]
 
 TIER_TYPES = ("fs", "obj", "p2p", "custom")
 
@@ -70,8 +78,9 @@ def chunk_key(fingerprint: str, group: str, block_hash: bytes) -> bytes:
     return hashlib.sha256(fingerprint.encode() + b"\0" + group.encode() + b"\0" + block_hash).digest()
 
 
-def make_tier(spec: dict, fingerprint: str) -> SecondaryTier:
-    """A tier from one entry of kv_connector_extra_config's secondary_tiers."""
+def make_tier(spec: dict, fingerprint: str, replica: int = 0) -> SecondaryTier:
+    """A tier from one entry of kv_connector_extra_config's secondary_tiers, for data-parallel replica
+    `replica` (a peer tier binds port + replica, as vLLM's does)."""
     check_tier_specs([spec])
     kind = spec.get("type")
     if kind == "fs":
@@ -83,6 +92,13 @@ def make_tier(spec: dict, fingerprint: str) -> SecondaryTier:
         from kvcache.tiers.obj import ObjectTier
 
         return ObjectTier(fingerprint=fingerprint, **{k: v for k, v in spec.items() if k != "type"})
+    if kind == "p2p":
+        from kvcache.tiers.p2p import PeerTier
+
+        opts = {k: v for k, v in spec.items() if k != "type"}
+        if replica and opts["port"]:
+            opts["port"] += replica
+        return PeerTier(fingerprint=fingerprint, **opts)
     if kind == "custom":
         path = spec.get("module_path")
         if not isinstance(path, str) or not path:
@@ -92,8 +108,6 @@ def make_tier(spec: dict, fingerprint: str) -> SecondaryTier:
         factory = getattr(importlib.import_module(module), attr or "make_tier")
         return factory(spec, fingerprint) if not attr else factory(fingerprint=fingerprint, **{
             k: v for k, v in spec.items() if k not in ("type", "module_path")})
-    if kind == "p2p":
-        raise NotImplementedError(f"secondary tier type {kind!r} is not built yet (issue 20): 'fs', 'obj' and 'custom' are")
     raise ValueError(f"secondary tier type must be one of {TIER_TYPES}, got {kind!r}")
 
 
@@ -112,11 +126,12 @@ def check_tier_specs(specs) -> None:
             from kvcache.tiers.obj import check_options as check_obj
 
             check_obj({k: v for k, v in s.items() if k != "type"})
+        elif s["type"] == "p2p":
+            from kvcache.tiers.p2p import check_options as check_p2p
+
+            check_p2p({k: v for k, v in s.items() if k != "type"})
         elif s["type"] == "custom" and not isinstance(s.get("module_path"), str):
             raise ValueError(f"secondary tier {s!r}: 'custom' needs module_path")
-        elif s["type"] == "p2p":
-            raise NotImplementedError(f"secondary tier type {s['type']!r} is not built yet (issue 20): 'fs', 'obj' "
-                                      "and 'custom' are")
 
 
 class TierSet:
@@ -149,10 +164,10 @@ class TierSet:
         self._next_job += 1
         return self._next_job
 
-    def lookup(self, key: bytes) -> tuple[int, Lookup]:
+    def lookup(self, key: bytes, ctx: LookupContext | None = None) -> tuple[int, Lookup]:
         """(index of the first tier that holds or will soon hold `key`, HIT / RETRY), or (-1, MISS)."""
         for i, t in enumerate(self.tiers):
-            r = t.lookup(key)
+            r = t.lookup(key, ctx)
             if r is not Lookup.MISS:
                 return i, r
         return -1, Lookup.MISS

@@ -1,10 +1,11 @@
-"""The secondary-tier interface's types (vLLM's four methods; see kvcache.tiers): lookup answers, jobs,
-their results, a tier's counters and the `SecondaryTier` protocol."""
+"""The secondary-tier interface's types (vLLM's four methods; see kvcache.tiers): lookup answers and their
+context, jobs, their results, a tier's counters and the `SecondaryTier` protocol."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 
@@ -12,6 +13,25 @@ class Lookup(enum.Enum):
     HIT = "hit"
     MISS = "miss"
     RETRY = "retry"
+
+
+class LookupContext:
+    """What a lookup belongs to (vLLM's ReqContext): the request, and the chunk keys its prefix lookup may
+    ask, in walk order, the asked key among them. `keys` is computed on first use (a callable is given),
+    so a tier that answers from local state pays nothing for it, and a tier that must ask a remote party
+    sends them all in one round trip instead of one per admission attempt."""
+
+    __slots__ = ("req_id", "_keys", "_make")
+
+    def __init__(self, req_id: str, keys: Sequence[bytes] | Callable[[], Sequence[bytes]] = ()):
+        self.req_id = req_id
+        self._make, self._keys = (keys, None) if callable(keys) else (None, tuple(keys))
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        if self._keys is None:
+            self._keys = tuple(self._make())
+        return self._keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +112,7 @@ class SecondaryTier(Protocol):
     name: str  # the tier's metrics key: "fs", "obj", "p2p" (a custom tier names itself)
     stats: TierStats
 
-    def lookup(self, key: bytes, ctx: object = None) -> Lookup: ...
+    def lookup(self, key: bytes, ctx: LookupContext | None = None) -> Lookup: ...
 
     def submit_store(self, job: StoreJob) -> None: ...
 
