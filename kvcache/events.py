@@ -254,6 +254,7 @@ class ZmqEventPublisher:
         self.sent_batches = 0  # sent by the thread
         self._ctx = zmq.Context.instance()
         self._pub = self._replay = None
+        self._bound: list = []  # (socket, address): unbound explicitly at close, which frees the name at once
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.set_hwm(config.hwm)
@@ -270,14 +271,15 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name=f"kv-events-dp{self.rank}", daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def _open(sock, name: str, endpoint: str, bind: bool | None = None) -> str:
+    def _open(self, sock, name: str, endpoint: str, bind: bool | None = None) -> str:
         if bind is None:
             bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
         try:
             if bind:
                 sock.bind(endpoint)
-                return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._bound.append((sock, bound))
+                return bound
             sock.connect(endpoint)
             return endpoint
         except zmq.ZMQError as e:
@@ -316,6 +318,12 @@ class ZmqEventPublisher:
     shutdown = close  # vLLM's name
 
     def _close_sockets(self) -> None:
+        """Unbind, then close: closing alone leaves the address to ZMQ's reaper thread, so an engine
+        started right after this one could find it still taken."""
+        for sock, address in self._bound:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.unbind(address)
+        self._bound.clear()
         for s in (self._pub, self._replay):
             if s is not None:
                 s.close(linger=0)
