@@ -18,11 +18,19 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # One persistent compilation cache per test session. Tests build their own model objects, each with its
 # own jitted functions, so the same programs would compile again and again (seconds each on CPU); with
-# the on-disk cache a repeat is a load. It is fresh per session: nothing stale crosses runs.
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="glm53-test-jax-cache-")
-atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+# the on-disk cache a repeat is a load. It is fresh per session: nothing stale crosses runs. Under
+# pytest-xdist the workers share their controller's (named by its pid; the controller empties it at
+# start and removes it at exit): a program one worker compiled is a load for the other. A size bound
+# turns on JAX's file lock, which makes concurrent writers and readers of one entry safe.
+_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"glm53-test-jax-cache-{os.getppid() if _WORKER else os.getpid()}")
+if not _WORKER:
+    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
+    atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+os.makedirs(_COMPILE_CACHE, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 REPO = Path(__file__).resolve().parents[1]
 
