@@ -26,7 +26,8 @@ Endpoints:
   A checkpoint's EOS ends generation unless `ignore_eos`; presets have none.
 - POST /v1/chat/completions: when the checkpoint ships a chat template (rendered with jinja2 as HF
   does); otherwise 400.
-- GET /v1/models, GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names).
+- GET /v1/models, GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names), POST
+  /reset_prefix_cache (vLLM's development endpoint: forget every cached prefix, between benchmark runs).
 
 Bad requests (wrong types, unknown model, a prompt over max_model_len, token ids outside the vocabulary)
 get HTTP 400 with an OpenAI-style error naming the field. A client that disconnects aborts its request
@@ -235,6 +236,12 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
     async def health():
         if engine.error is not None:
             return _error(f"engine stopped: {engine.error!r}", None, 503)
+        return Response(status_code=200)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's (development) endpoint: forget every cached prefix, e.g. between benchmark runs."""
+        await engine.reset_prefix_cache()
         return Response(status_code=200)
 
     @app.get("/v1/models")

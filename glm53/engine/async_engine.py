@@ -83,6 +83,12 @@ class AsyncEngine:
         self._submit(("abort", req_id, fut))
         await asyncio.wrap_future(fut)
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (Engine.reset_prefix_cache), between steps."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("reset", fut))
+        await asyncio.wrap_future(fut)
+
     def abort_nowait(self, req_id: str) -> None:
         """Queue an abort of `req_id` without waiting for it (from a cancelled task's cleanup); a no-op
         once the engine stopped or the request finished."""
@@ -156,6 +162,9 @@ class AsyncEngine:
             with self._lock:
                 self._streams[rid] = (loop, queue)
             fut.set_result(rid)
+        elif cmd[0] == "reset":
+            eng.reset_prefix_cache()
+            cmd[1].set_result(None)
         elif cmd[0] == "abort":
             _, rid, fut = cmd
             if rid in eng.requests:
