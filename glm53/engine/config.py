@@ -10,6 +10,7 @@ from kvcache.hisparse import hot_buffer_rows
 from kvcache.layout import block_bytes, page_bytes
 from kvcache.offload import LOAD_FAILURE_POLICIES, host_tier_blocks
 from kvcache.tiers import check_tier_specs
+from glm53.engine.spec_decode import SpeculativeConfig
 
 KV_POLICIES = ("preempt", "offload", "swap", "hisparse")
 IMPLS = ("auto", "reference", "pallas")
@@ -123,6 +124,13 @@ class DeployConfig:
         pool, the host pools and the secondary tiers, one batch per engine step and replica, on a ZMQ PUB
         socket per data-parallel replica (port + replica index). None (or enable_kv_cache_events False):
         nothing is recorded and no socket is opened. Unknown keys are refused.
+    speculative_config: vLLM's `--speculative-config` shape for MTP speculative decoding, e.g.
+        {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "standard" | "synthetic",
+        "synthetic_acceptance_length": 2.99} (glm53.engine.spec_decode.SpeculativeConfig has every key).
+        num_speculative_tokens=k alone is the shorthand for {"method": "mtp", "num_speculative_tokens": k};
+        given both, they must agree. The model needs its MTP layer (a checkpoint without one fails at
+        Engine construction); the KV pool then holds the MTP layer's rows and indexer keys too (788 bytes
+        per token for GLM-5.3 in fp8). Not built with kv_policy="hisparse" or context parallelism.
     """
 
     data_parallel_size: int = 1
@@ -152,6 +160,7 @@ class DeployConfig:
     host_link_bytes_per_s: float = 50e9
     kv_transfer_config: dict | None = dataclasses.field(default=None, hash=False)
     kv_events_config: dict | None = dataclasses.field(default=None, hash=False)
+    speculative_config: dict | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -213,8 +222,33 @@ class DeployConfig:
             raise ValueError(f"DeployConfig.{e}") from None
         if self.kv_policy in ("offload", "swap") and self.cpu_offload_bytes <= 0:
             raise ValueError(f"DeployConfig.kv_policy={self.kv_policy!r} needs cpu_offload_bytes > 0 (the host pool size)")
-        if self.num_speculative_tokens:
-            raise NotImplementedError("DeployConfig.num_speculative_tokens: MTP speculative decoding is not built yet")
+        self._apply_speculative_config()
+
+    def _apply_speculative_config(self) -> None:
+        """speculative_config (vLLM's shape, glm53.engine.spec_decode.SpeculativeConfig) and its shorthand
+        num_speculative_tokens=k (= {"method": "mtp", "num_speculative_tokens": k}): both given must
+        agree; each sets the other."""
+        k = self.num_speculative_tokens
+        if self.speculative_config is None:
+            if not k:
+                return
+            object.__setattr__(self, "speculative_config", {"method": "mtp", "num_speculative_tokens": k})
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if k and k != spec.num_speculative_tokens:
+            raise ValueError(f"DeployConfig.num_speculative_tokens={k} and speculative_config num_speculative_tokens="
+                             f"{spec.num_speculative_tokens} disagree")
+        object.__setattr__(self, "num_speculative_tokens", spec.num_speculative_tokens)
+        if self.kv_policy == "hisparse":
+            raise NotImplementedError("DeployConfig.speculative_config with kv_policy='hisparse': HiSparse with MTP "
+                                      "(a resolver plan shared by a step's draft tokens) is issue 21 item 4, not built")
+        if self.context_parallel_size > 1:
+            raise NotImplementedError("DeployConfig.speculative_config with context parallelism (PCP / DCP): MTP "
+                                      "under PCP / DCP is issue 21 item 5, not built")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The checked speculative_config (None: no speculative decoding)."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
     def _apply_kv_transfer_config(self) -> None:
         """Check kv_transfer_config (vLLM's keys; anything else is refused, so a typo is not ignored) and
@@ -304,7 +338,8 @@ class DeployConfig:
             request += -(-hot_buffer_rows(d.hisparse_device_buffer_size, d.num_speculative_tokens,
                                           cfg.index_topk) // d.block_size)
         kv_dtype = str(model_dtype) if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
-        pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size)
+        pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size,
+                           include_mtp=d.num_speculative_tokens > 0)
         per_device = -(-block_bytes(pages) // d.decode_context_parallel_size)  # a block's share of one device
         budget = d.kv_budget_bytes(device, weights_bytes)
         fit = budget // per_device
@@ -363,7 +398,7 @@ class DeployConfig:
             return self.resolved(cfg, model_dtype).kv_sizes(cfg, model_dtype)
         kv_dtype = str(model_dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, self.block_size, self.index_block_size,
-                           dcp=self.decode_context_parallel_size)
+                           dcp=self.decode_context_parallel_size, include_mtp=self.num_speculative_tokens > 0)
         if self.kv_policy == "offload":
             tiers = host_tier_blocks(self.cpu_offload_bytes, pages, self.group_tokens_per_block(GROUPS))
             if min(tiers.values()) < 1:
