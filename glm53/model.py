@@ -72,7 +72,7 @@ class GLM53(nnx.Module):
 
     # ---------------------------------------------------------------------------------------------- forward
     def __call__(self, tokens_BT: Array, pos_BT: Array, cache: KVCache, *, window: int, form: str = "auto",
-                 impl: str = "auto", last_only: bool = False):
+                 impl: str = "auto", last_only: bool = False, keep_all: bool = False):
         """tokens [B,T] int32, positions [B,T] int32 (-1 = padding) -> (hidden [B,T,D] after the final norm,
         cache, {full layer: top-k positions [B,T,K] int32, -1 = none}).
 
@@ -84,20 +84,44 @@ class GLM53(nnx.Module):
         0; a row without one returns garbage) and skip the rest of the last layer's query side: every
         token still writes its KV, but attention, o_proj and the MLP of the last layer run for one token
         per row (a serving prefill samples from the last token only: about 1/L of the work saved).
+        keep_all (static, with last_only): hidden is the pair (hidden [B,1,D] of the last_only form, hidden
+        [B,T,D] of every position): the last layer runs in full for every position (MTP needs each
+        position's hidden state) and again for the last token alone, so the sampled token's logits are
+        those of the last_only forward an engine without MTP runs (the second run writes the same KV).
         """
         topk_k = self.cfg.index_topk
         layer_form = attention_form(form, window, topk_k, tokens_BT.shape[1])
         x = self.embed_tokens(tokens_BT)
         topk, selections = None, {}
         last_rows = jnp.argmax(jnp.where(pos_BT >= 0, jnp.arange(pos_BT.shape[1]), -1), axis=1)[:, None]
+        x_all = None
         for i, layer in enumerate(self.layers):
             rows = None
             if last_only and i == len(self.layers) - 1:  # one query per row: the form for one query
+                if keep_all:
+                    x_all, cache, _ = layer(x, pos_BT, cache, topk, window=window, form=layer_form, impl=impl)
                 rows, layer_form = last_rows, attention_form(form, window, topk_k, 1)
             x, cache, topk = layer(x, pos_BT, cache, topk, window=window, form=layer_form, impl=impl, rows_BR=rows)
             if layer.self_attn.indexer is not None:
                 selections[layer.self_attn.layer] = topk
+        if x_all is not None:
+            return (self.norm(x), self.norm(x_all)), cache, selections
         return self.norm(x), cache, selections
+
+    def verify(self, tokens_BT: Array, pos_BT: Array, cache: KVCache, *, window: int, form: str = "auto",
+               impl: str = "auto"):
+        """Each of the T positions as a one-token decode step, one after the other (lax.scan), in one program:
+        -> (hidden [B,T,D], cache). Every step has the shapes of a one-token decode step of B rows, so on
+        a backend whose kernels depend only on shapes (XLA:CPU) each position's hidden state is bitwise
+        that of a decode step: an MTP verify step cannot round a greedy token differently from decoding."""
+
+        def step(cache, tp):
+            tok_B, pos_B = tp
+            h, cache, _ = self(tok_B[:, None], pos_B[:, None], cache, window=window, form=form, impl=impl)
+            return cache, h[:, 0]
+
+        cache, h_TBD = jax.lax.scan(step, cache, (tokens_BT.T, pos_BT.T))
+        return jnp.swapaxes(h_TBD, 0, 1), cache
 
     def logits(self, hidden_BTD: Array) -> Array:
         """Final hidden states -> float32 logits [..., vocab]."""
@@ -148,7 +172,8 @@ class Compiled:
     cfg: ModelConfig
     graphdef: Any
     state: Any
-    forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form, impl, last_only) -> (hidden, cache, selections)
+    forward: Any  # (state, tokens_BT, pos_BT, cache, *, window, form, impl, last_only, keep_all) -> (hidden, cache, selections)
+    verify: Any  # (state, tokens_BT, pos_BT, cache, *, window, form, impl) -> (hidden [B,T,D], cache): GLM53.verify
     logits: Any  # (state, hidden) -> logits f32
     mtp_forward: Any  # (state, h_prev, next_tokens, pos, cache, *, j, window, form, impl) -> (hidden, cache)
 
@@ -156,8 +181,12 @@ class Compiled:
 def _make_compiled(model: GLM53) -> Compiled:
     graphdef, state = nnx.split(model)
 
-    def fwd(state, tokens, pos, cache, *, window, form="auto", impl="auto", last_only=False):
-        return nnx.merge(graphdef, state)(tokens, pos, cache, window=window, form=form, impl=impl, last_only=last_only)
+    def fwd(state, tokens, pos, cache, *, window, form="auto", impl="auto", last_only=False, keep_all=False):
+        return nnx.merge(graphdef, state)(tokens, pos, cache, window=window, form=form, impl=impl, last_only=last_only,
+                                          keep_all=keep_all)
+
+    def verify(state, tokens, pos, cache, *, window, form="auto", impl="auto"):
+        return nnx.merge(graphdef, state).verify(tokens, pos, cache, window=window, form=form, impl=impl)
 
     def logits(state, hidden):
         return nnx.merge(graphdef, state).logits(hidden)
@@ -170,7 +199,8 @@ def _make_compiled(model: GLM53) -> Compiled:
         cfg=model.cfg,
         graphdef=graphdef,
         state=state,
-        forward=jax.jit(fwd, static_argnames=("window", "form", "impl", "last_only"), donate_argnums=(3,)),
+        forward=jax.jit(fwd, static_argnames=("window", "form", "impl", "last_only", "keep_all"), donate_argnums=(3,)),
+        verify=jax.jit(verify, static_argnames=("window", "form", "impl"), donate_argnums=(3,)),
         logits=jax.jit(logits),
         mtp_forward=jax.jit(mtp_fwd, static_argnames=("j", "window", "form", "impl"), donate_argnums=(4,)),
     )
