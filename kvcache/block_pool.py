@@ -265,7 +265,8 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, tokens_per_block: int, groups: Sequence[str] = ("mla", "indexer"), *,
-                 enable_prefix_caching: bool = True, group_tokens_per_block: dict[str, int] | None = None):
+                 enable_prefix_caching: bool = True, group_tokens_per_block: dict[str, int] | None = None,
+                 drop_last_hit: bool = False):
         if not isinstance(tokens_per_block, int) or tokens_per_block < 1:
             raise ValueError(f"tokens_per_block must be a positive int, got {tokens_per_block!r}")
         if not groups or len(set(groups)) != len(groups):
@@ -283,6 +284,10 @@ class KVCacheManager:
         self.ratio = {g: n // tokens_per_block for g, n in tpb.items()}  # hash chunks per page
         self.hit_multiple = math.lcm(*self.ratio.values())  # a prefix hit covers a multiple of this many chunks
         self.groups = tuple(groups)
+        # MTP (speculative decoding): a prefix hit gives back its last page (vLLM drops the last matched
+        # block under EAGLE / MTP): the MTP layer's KV at a page's last position pairs it with the token
+        # after the page, which a request sharing only the page need not have
+        self.drop_last_hit = drop_last_hit
         self.requests: dict[str, RequestBlocks] = {}
         self.leases: dict[str, list[int]] = {}  # per request: blocks held outside its tables (HiSparse hot buffer)
         # per request freed with keep_hashes: (extra keys, hashes of its full blocks) until it is admitted again
@@ -342,6 +347,8 @@ class KVCacheManager:
                 break
             n_chunks = i + 1
         n_chunks -= n_chunks % self.hit_multiple
+        if self.drop_last_hit and n_chunks:
+            n_chunks -= self.hit_multiple
         tables = {g: found[g][: n_chunks // self.ratio[g]] for g in self.groups}
         for g in self.groups:
             self.pool.touch(tables[g])

@@ -212,6 +212,10 @@ class OffloadPolicy(PreemptPolicy):
         # what the device and the host tier hold: up to the first page that only a tier has
         cut = next((k for k, p in enumerate(found) if any(not isinstance(w, str) for _, w, _ in p)), len(found))
         keep = cut - cut % kv.hit_multiple  # a hit ends on a page boundary of every group
+        # MTP: the hit gives back its last page (KVCacheManager.drop_last_hit). The walk began at the page
+        # the device hit gave back, so dropping the walk's last page drops the whole hit's last page
+        if kv.drop_last_hit and keep:
+            keep -= kv.hit_multiple
         device, pend = [], {}
         for c, pages in enumerate(found[:keep], start=i):
             for g, where, b in pages:
@@ -225,7 +229,10 @@ class OffloadPolicy(PreemptPolicy):
         kv.pool.touch(device)
         for g, hb in pins:
             self.host[g].free([hb])
-        self.pending[req.req_id] = (n // kv.tokens_per_block, pend)
+        # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
+        # pages (the page the device hit gave back, kept when more follows it)
+        dev = next((c for c, pages in enumerate(found[:keep]) if any(w != "device" for _, w, _ in pages)), keep)
+        self.pending[req.req_id] = (i + dev, pend)
         rb.num_cached_blocks = i + keep
         return (i + keep) * kv.tokens_per_block
 

@@ -49,6 +49,7 @@ from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import ModelRunner
 from glm53.engine.scheduler import Scheduler, SchedulerStats
+from glm53.engine.spec_decode import SpecDecodeStats
 from glm53.model import as_token_array
 from kvcache.events import KVEventRecorder, batch, make_publisher
 from kvcache.hisparse import HiSparsePolicy
@@ -117,6 +118,11 @@ class Engine:
         if runners is not None and len(runners) != dp:
             raise ValueError(f"runner: {len(runners)} runner(s) given for data_parallel_size={dp} (one per replica)")
         # every default filled in and every size checked before any array is allocated
+        if d.num_speculative_tokens and self.cfg.num_nextn_predict_layers < 1:
+            raise ValueError("DeployConfig.speculative_config: method 'mtp' drafts with the checkpoint's MTP layer, "
+                             "but this model has none (num_nextn_predict_layers=0; glm53.from_pretrained loads a "
+                             "checkpoint without model.layers.{num_hidden_layers}.* tensors without MTP): use a "
+                             "checkpoint with MTP weights or turn speculative decoding off")
         if isinstance(model, ModelConfig) and runners is None:
             raise ValueError("Engine(ModelConfig): a model without weights needs a runner that runs without "
                              "them (e.g. glm53.engine.sim.SimRunner); pass runner=")
@@ -319,7 +325,7 @@ class Engine:
             finished_all += finished
             done = {r.req_id for r in finished}
             out += [(rid, tok, rid in done and k == len(toks) - 1)
-                    for rid, toks in result.tokens.items() for k, tok in enumerate(toks)]
+                    for rid, toks in sch.last_tokens.items() for k, tok in enumerate(toks)]
         if priced:
             advance = getattr(self.clock, "advance", None)
             if advance is None:
@@ -368,6 +374,7 @@ class Engine:
                         transfers=self._transfers(), running_per_step=self.running_per_step)
         out.update(self._policy_metrics())
         out.update(self._cp_metrics())
+        out.update(self._spec_metrics())
         rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
         out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
                            "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
@@ -394,6 +401,32 @@ class Engine:
         counts = [(len(r.scheduler.running), len(r.scheduler.waiting), r.scheduler.kv.num_free_blocks)
                   for r in self.replicas]
         return tuple(sum(c[i] for c in counts) for i in range(3))
+
+    def spec_stats(self) -> SpecDecodeStats:
+        """MTP's counters (glm53.engine.spec_decode.SpecDecodeStats) summed over replicas."""
+        total = SpecDecodeStats()
+        for r in self.replicas:
+            st = r.scheduler.spec
+            total.num_drafts += st.num_drafts
+            total.num_draft_tokens += st.num_draft_tokens
+            total.num_accepted_tokens += st.num_accepted_tokens
+            per = st.accepted_per_pos
+            total.accepted_per_pos += [0] * (len(per) - len(total.accepted_per_pos))
+            for i, n in enumerate(per):
+                total.accepted_per_pos[i] += n
+        return total
+
+    def _spec_metrics(self) -> dict:
+        """MTP speculative decoding (empty without it): steps that verified drafts (`spec_num_drafts`),
+        their draft tokens, the drafts that stood (over all and per position) and the mean acceptance
+        length 1 + accepted / drafts (vLLM's definitions; counted before stop tokens drop anything)."""
+        if not self.deploy.num_speculative_tokens:
+            return {}
+        st = self.spec_stats()
+        return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
+                "spec_num_accepted_tokens": st.num_accepted_tokens,
+                "spec_accepted_tokens_per_pos": list(st.accepted_per_pos),
+                "spec_acceptance_length_mean": st.acceptance_length_mean}
 
     def _cp_metrics(self) -> dict:
         """Context parallelism's per-rank work: every replica's ranks side by side in the per-rank lists;

@@ -40,9 +40,13 @@ class PlanRow:
     # samples the same tokens whatever it is batched with)
     params: SamplingParams
     num_generated: int
-    # the last num_draft_tokens of token_ids are draft tokens to verify (room for MTP speculative
-    # decoding; 0 until it is built, so a row returns one token)
+    # the last num_draft_tokens of token_ids are draft tokens to verify (MTP speculative decoding): the
+    # row returns between 1 and 1 + num_draft_tokens tokens (the drafts that stood, then the target's next)
     num_draft_tokens: int = 0
+    # the known token after the row's last one (a prefill chunk short of the request's known tokens), else
+    # -1: the MTP layer pairs each position's hidden state with the token after it, so a chunk's last
+    # position needs the next chunk's first token (a row that samples pairs it with the sampled token)
+    next_token: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +87,8 @@ class ResolveRecord:
 class StepResult:
     """What a runner reports for a plan."""
 
-    # per request that sampled: its new tokens in order (one per step today; several once MTP verifies
-    # drafts), in the runner's row order
+    # per request that sampled: its new tokens in order (one; or, for a row with draft tokens, the drafts
+    # that stood and then the target's next token), in the runner's row order
     tokens: Mapping[str, tuple[int, ...]]
     # indices into plan.transfers of the operations that completed (all of them for the runners here;
     # an asynchronous runner may report some later)
@@ -99,6 +103,9 @@ class StepResult:
     # seconds the step takes when a runner prices it instead of running it (the simulator); None: it
     # ran, and the engine reads the time off its clock
     duration_s: float | None = None
+    # MTP: per request that sampled, the draft tokens proposed for its next step (num_speculative_tokens
+    # of them; the scheduler trims what the next step's budget or max_model_len leaves no room for)
+    drafts: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 class Runner(Protocol):

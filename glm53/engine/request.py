@@ -70,6 +70,9 @@ class Request:
     scheduled_s: float | None = None  # when a step first scheduled it (the end of its queue time)
     finish_reason: str | None = None  # "length" | "stop" | "abort"; set when it finishes
     num_cached_tokens: int = 0  # prompt tokens its first admission found in a cache (not computed)
+    # MTP: draft tokens proposed after its last step, verified by its next one (vLLM's spec_token_ids);
+    # positions num_tokens .. num_tokens + len - 1. Dropped when it is preempted.
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

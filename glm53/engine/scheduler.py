@@ -32,6 +32,7 @@ import numpy as np
 from glm53.engine.config import DeployConfig
 from glm53.engine.plan import PlanRow, ResolveRecord, StepPlan, StepResult
 from glm53.engine.request import Request, Status
+from glm53.engine.spec_decode import SpecDecodeStats
 from kvcache.block_pool import KVCacheManager
 from kvcache.policy import KVPolicy, PreemptPolicy
 from kvcache.transfer import TransferStats
@@ -76,7 +77,8 @@ class Scheduler:
         self.deploy = deploy
         self.kv = KVCacheManager(num_blocks, deploy.tokens_per_block, groups,
                                  enable_prefix_caching=deploy.enable_prefix_caching,
-                                 group_tokens_per_block=deploy.group_tokens_per_block(groups))
+                                 group_tokens_per_block=deploy.group_tokens_per_block(groups),
+                                 drop_last_hit=deploy.num_speculative_tokens > 0)
         self.policy: KVPolicy = policy or PreemptPolicy()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -90,9 +92,28 @@ class Scheduler:
         self._unfit: tuple | None = None
         self.skipped_admissions = 0  # retries skipped because nothing they read had changed
         self.idle_wait = False  # the last step scheduled nothing because its waiting requests wait for tier loads
+        self.num_spec = deploy.num_speculative_tokens  # MTP drafts per step (0: no speculative decoding)
+        self.spec = SpecDecodeStats()
+        # per request of the last `update`: the tokens it took (those past a stop or max_new_tokens dropped)
+        self.last_tokens: dict[str, tuple[int, ...]] = {}
+
+    def _max_tokens(self, req: Request) -> int:
+        """Positions the request's blocks may ever have to cover: its prompt and outputs; with MTP also the
+        drafts of its last step and the positions its drafting writes the MTP layer's KV at (`_target`)."""
+        n = req.prompt_ids.size + req.params.max_new_tokens
+        return min(n + 2 * self.num_spec - 2, self.deploy.max_model_len) if self.num_spec else n
+
+    def _target(self, req: Request, n: int) -> int:
+        """Tokens the request's blocks must cover for a chunk of n tokens: the chunk; under MTP a row that
+        samples also drafts, and the MTP layer's draft passes 2..k write its KV k-1 positions past the
+        row's last (vLLM's lookahead slots), within max_model_len."""
+        end = req.num_computed_tokens + n
+        if self.num_spec and end >= req.num_tokens:
+            end = min(end + self.num_spec - 1, self.deploy.max_model_len)
+        return end
 
     def add(self, req: Request) -> None:
-        need = self.kv.blocks_needed_all(req.prompt_ids.size + req.params.max_new_tokens) + self.policy.reserve_blocks()
+        need = self.kv.blocks_needed_all(self._max_tokens(req)) + self.policy.reserve_blocks()
         if need > self.kv.pool.num_blocks:
             raise ValueError(f"request {req.req_id!r} needs {need} blocks but the pool has {self.kv.pool.num_blocks}: "
                              "raise DeployConfig.num_gpu_blocks")
@@ -114,6 +135,7 @@ class Scheduler:
         did not save is recomputed later, less whatever a cache gives back at re-admission."""
         saved = self.policy.evict(self.kv, victim)
         self.kv.free(victim.req_id, keep_hashes=True)
+        victim.spec_token_ids = []  # it drafts again after its next sampled token
         self.stats.preemptions += 1
         victim.num_preemptions += 1
         if saved:
@@ -149,7 +171,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         counted = self.has_requests
         budget = self.deploy.max_num_batched_tokens
-        out: list[tuple[Request, int, int]] = []  # (request, start, tokens)
+        out: list[tuple[Request, int, int]] = []  # (request, start, tokens incl. drafts)
         evicted = False
         for req in list(self.running):
             if budget == 0:
@@ -157,6 +179,11 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # evicted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_token_ids:  # a decoding request verifies its drafts: those the budget and
+                # max_model_len leave room for (vLLM trims them the same way)
+                room = min(budget - n, self.deploy.max_model_len - req.num_tokens)
+                del req.spec_token_ids[max(0, room):]
+                n += len(req.spec_token_ids)
             while not self._fits(req, n):
                 if self.policy.make_room(self.kv, self.running, self._need(req, n)):
                     continue
@@ -167,7 +194,7 @@ class Scheduler:
                     break
             if req.status is not Status.RUNNING:
                 continue
-            self.kv.allocate(req.req_id, req.num_computed_tokens + n)
+            self.kv.allocate(req.req_id, self._target(req, n))
             self.policy.prepare(self.kv, req, n)
             out.append((req, req.num_computed_tokens, n))
             budget -= n
@@ -219,7 +246,7 @@ class Scheduler:
                 raise AssertionError(f"step {self.stats.steps}: a skipped admission of {req.req_id!r} would have succeeded")
             self._unfit = None
             del self.waiting[skip]
-            self.kv.allocate(req.req_id, req.num_computed_tokens + n)
+            self.kv.allocate(req.req_id, self._target(req, n))
             if saved:
                 self.policy.restore(self.kv, req)
             else:
@@ -242,9 +269,15 @@ class Scheduler:
         every transfer the policy recorded since the last plan."""
         rows, tables, extra = [], {g: [] for g in self.kv.groups}, []
         for req, start, n in scheduled:
-            ids = np.array(req.token_slice(start, start + n), np.int32)  # its own read-only copy
+            drafts = req.spec_token_ids if start + n > req.num_tokens else []
+            ids = np.array(req.token_slice(start, start + n - len(drafts)), np.int32)  # its own read-only copy
+            if drafts:
+                ids = np.concatenate([ids, np.asarray(drafts, np.int32)])
             ids.setflags(write=False)
-            rows.append(PlanRow(req.req_id, start, ids, start + n == req.num_tokens, req.params, len(req.output_ids)))
+            end = start + n - len(drafts)
+            nxt = int(req.token_slice(end, end + 1)[0]) if self.num_spec and end < req.num_tokens else -1
+            rows.append(PlanRow(req.req_id, start, ids, end == req.num_tokens, req.params, len(req.output_ids),
+                                num_draft_tokens=len(drafts), next_token=nxt))
             row_tables, row_extra = self.policy.row_tables(self.kv, req)
             for g in self.kv.groups:
                 tables[g].append(row_tables[g])
@@ -299,7 +332,7 @@ class Scheduler:
 
     def _need(self, req: Request, n: int) -> int:
         """Free blocks a chunk of n tokens of `req` needs."""
-        return self.kv.missing_blocks(req.req_id, req.num_computed_tokens + n) + self.policy.extra_blocks(self.kv, req, n)
+        return self.kv.missing_blocks(req.req_id, self._target(req, n)) + self.policy.extra_blocks(self.kv, req, n)
 
     def _fits(self, req: Request, n: int) -> bool:
         return self._need(req, n) <= self.kv.num_free_blocks
@@ -325,17 +358,33 @@ class Scheduler:
         if result.tier_loads:
             self.policy.on_tier_results(result.tier_loads)
         finished = []
+        self.last_tokens = {}
         for row in plan.rows:
             req = self.requests[row.req_id]
-            req.num_computed_tokens = row.start + row.num_tokens
-            reason = None
-            for tok in result.tokens.get(row.req_id, ()):
+            toks = result.tokens.get(row.req_id, ())
+            # a verify row keeps the KV of its last sampled token and of the drafts that stood; the
+            # rejected drafts' positions count as not computed, so the next step writes them again before
+            # anything reads them, and no block holding them is prefix-cached before then
+            accepted = len(toks) - 1 if row.num_draft_tokens else 0
+            req.num_computed_tokens = row.start + row.num_tokens - row.num_draft_tokens + accepted
+            self.spec.observe(row.num_draft_tokens, accepted)
+            req.spec_token_ids = []
+            reason, taken = None, 0
+            for tok in toks:
                 req.output_ids.append(int(tok))
                 req.token_times_s.append(now_s)
+                taken += 1
                 if req.first_token_s is None:
                     req.first_token_s = now_s
                 if reason := req.stop_reason():
                     break  # tokens sampled after the one that finished it are dropped
+            if taken:
+                self.last_tokens[row.req_id] = tuple(req.output_ids[-taken:])
+            # drafts that stood past a stop token or max_new_tokens are dropped with their tokens: their
+            # KV (past the request's last token) is never cached and goes with the request's blocks
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+            if not reason and row.req_id in result.drafts:
+                req.spec_token_ids = list(result.drafts[row.req_id])
             if req.num_computed_tokens // self.kv.tokens_per_block > self.kv.requests[req.req_id].num_cached_blocks:
                 # only when a block filled up; the view hands over just the new blocks' tokens (hashing
                 # packs them as int64, so array and list slices hash alike)
@@ -362,9 +411,17 @@ class Scheduler:
             raise RuntimeError(f"step {plan.step}: transfers {sorted(pending)} did not complete "
                                "(asynchronous transfers are not supported yet)")
         for row in plan.rows:
-            if row.sample != bool(result.tokens.get(row.req_id)):
+            toks = result.tokens.get(row.req_id, ())
+            if row.sample != bool(toks):
                 raise RuntimeError(f"step {plan.step}: request {row.req_id!r} "
                                    f"{'sampled no token' if row.sample else 'sampled a token it did not ask for'}")
+            if len(toks) > 1 + row.num_draft_tokens:
+                raise RuntimeError(f"step {plan.step}: request {row.req_id!r} got {len(toks)} tokens from a row with "
+                                   f"{row.num_draft_tokens} draft tokens")
+        sampled = {row.req_id for row in plan.rows if row.sample}
         extra = set(result.tokens) - {row.req_id for row in plan.rows}
         if extra:
             raise RuntimeError(f"step {plan.step}: tokens for requests not in the plan: {sorted(extra)}")
+        if set(result.drafts) - sampled:
+            raise RuntimeError(f"step {plan.step}: drafts for requests that did not sample: "
+                               f"{sorted(set(result.drafts) - sampled)}")
