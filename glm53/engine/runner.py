@@ -28,6 +28,7 @@ from attention.common import pow2_at_least
 from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.plan import PlanRow, ResolveRecord, StepPlan, StepResult
+from glm53.engine.spec_decode import rates_array, rejection_sample
 from glm53.model import GLM53, attention_form, compiled
 from kvcache.host import HiSparseView, HostMemory
 from kvcache.paged import PagedKVCache
@@ -40,11 +41,17 @@ from parallel.pcp import PcpSplit
 MIN_PREFILL_WIDTH = 16  # narrowest prefill bucket: shorter chunks pad to it (fewer programs)
 
 
-def width_buckets(max_tokens: int) -> list[int]:
+def width_buckets(max_tokens: int, verify_width: int = 0) -> list[int]:
     """Tokens per row of the compiled programs: 1 (decode) and powers of two from MIN_PREFILL_WIDTH up to
-    `max_tokens` (a power of two: the step's token budget, or max_model_len if smaller)."""
+    `max_tokens` (a power of two: the step's token budget, or max_model_len if smaller). Under MTP the
+    first bucket is `verify_width` (1 + num_speculative_tokens: a decoding row and its drafts) instead
+    of 1."""
     w = min(MIN_PREFILL_WIDTH, max_tokens)
-    return [1] + [w << i for i in range((max_tokens // w).bit_length())]
+    prefill = [w << i for i in range((max_tokens // w).bit_length())]
+    if verify_width in prefill:
+        raise NotImplementedError(f"a verify width of {verify_width} tokens (1 + num_speculative_tokens) must be "
+                                  f"below the narrowest prefill width {w} (min(16, max_num_batched_tokens))")
+    return [verify_width or 1] + prefill
 
 
 def step_limits(deploy: DeployConfig) -> tuple[int, int]:
@@ -54,16 +61,22 @@ def step_limits(deploy: DeployConfig) -> tuple[int, int]:
             deploy.max_blocks_per_seq * deploy.tokens_per_block)
 
 
-def forward_groups(rows, max_tokens: int, capacity: int) -> list[tuple[int, list[int], int, int]]:
-    """How a step's rows (anything with `start` and `num_tokens`) run as padded forwards: one forward per
-    width bucket -> [(width, indices of its rows, padded rows, window)], in order of first appearance.
-    Padded rows: a power of two; window: the attention window bucket of the group's last position
-    (`glm53.api.window_bucket` under `capacity`). The model runner executes exactly these shapes and the
-    simulator prices them (`glm53.engine.sim.SimRunner(pad_like_runner=True)`)."""
-    widths = width_buckets(max_tokens)
+def forward_groups(rows, max_tokens: int, capacity: int, verify_width: int = 0) -> list[tuple[int, list[int], int, int]]:
+    """How a step's rows (anything with `start`, `num_tokens` and `num_draft_tokens`) run as padded
+    forwards: one forward per width bucket -> [(width, indices of its rows, padded rows, window)], in
+    order of first appearance. Padded rows: a power of two; window: the attention window bucket of the
+    group's last position (`glm53.api.window_bucket` under `capacity`). Under MTP (`verify_width`) a row
+    with drafts, or of one token, goes to the verify bucket, every other row to a prefill width. The
+    model runner executes exactly these shapes and the simulator prices them
+    (`glm53.engine.sim.SimRunner(pad_like_runner=True)`)."""
+    widths = width_buckets(max_tokens, verify_width)
     groups: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
-        groups.setdefault(next(w for w in widths if w >= row.num_tokens), []).append(i)
+        if verify_width and (row.num_draft_tokens or row.num_tokens == 1):
+            w = verify_width
+        else:
+            w = next(w for w in widths[1 if verify_width else 0:] if w >= row.num_tokens)
+        groups.setdefault(w, []).append(i)
     return [(w, idx, pow2_at_least(len(idx)), window_bucket(max(rows[i].start + rows[i].num_tokens for i in idx),
                                                             capacity))
             for w, idx in groups.items()]
@@ -115,6 +128,33 @@ def _take_tokens(hidden_RTD, order_T):
     return hidden_RTD[:, order_T]
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _position_logits(logits_fn, state, hidden_RJD):
+    """Logits of every position of a verify group -> [R, J, V], one position at a time: each is the
+    [R, D] product a one-token decode step of R rows computes (`_last_logits`), so on XLA:CPU the same
+    bits (one product over all R x J rows may take another kernel and round differently)."""
+    return jnp.swapaxes(jax.lax.map(lambda h_RD: logits_fn(state, h_RD), jnp.swapaxes(hidden_RJD, 0, 1)), 0, 1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _mtp_head(logits_fn, state, hidden_RTD, sel_R):
+    """The MTP layer's output at each row's position sel_R -> (that state [R, 1, D], which the next draft
+    pass carries, its argmax draft [R, 1] int32)."""
+    h_R1D = hidden_RTD[jnp.arange(hidden_RTD.shape[0]), sel_R][:, None]
+    return h_R1D, jnp.argmax(logits_fn(state, h_R1D[:, 0]), axis=-1).astype(jnp.int32)[:, None]
+
+
+@jax.jit
+def _concat_drafts(drafts):
+    return jnp.concatenate(drafts, axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _draft_argmax(logits_fn, state, hidden_R1D):
+    """A one-token MTP pass's draft: argmax of its logits -> [R, 1] int32."""
+    return jnp.argmax(logits_fn(state, hidden_R1D[:, 0]), axis=-1).astype(jnp.int32)[:, None]
+
+
 class ModelRunner:
     """Executes step plans on `devices` (default: the first max(PCP, DCP) of `jax.devices()`; a data-
     parallel replica passes its own group). One device: weights and KV pool live there. Several: a
@@ -145,6 +185,15 @@ class ModelRunner:
                              f"{n} devices of the context axis")
         self.devices = devices
         self.tiers = tiers  # the offload host tier's secondary tiers (kvcache.tiers.TierSet), or None
+        # MTP speculative decoding: drafts per step (0: off), the verify bucket, the verify mode
+        self.spec = deploy.speculative
+        self.k = deploy.num_speculative_tokens
+        if self.k and model.cfg.num_nextn_predict_layers < 1:
+            raise ValueError("DeployConfig.speculative_config: the model has no MTP layer to draft with")
+        self.verify_width = 1 + self.k if self.k else 0
+        self.verify_mode = self.spec.verify_mode(devices[0].platform) if self.k else None
+        self.rates = rates_array(self.spec, self.k)
+        self.compiled_draft_shapes: set[tuple] = set()  # (rows, window) of the MTP layer's one-token passes
         with jax.default_device(devices[0]):  # every array this runner creates starts on its devices
             self._init(sizes.num_blocks)
 
@@ -164,7 +213,7 @@ class ModelRunner:
                                          index_block_size=deploy.index_block_size,
                                          index_block_table=self._table("indexer", self.max_rows, []),
                                          kv_cache_dtype=self.sizes.kv_cache_dtype,
-                                         include_mtp=False)
+                                         include_mtp=self.k > 0)
         if self.mesh is not None:
             self.cache = parallel_model.place(self._cp_cache(self.cache, False), self.mesh).local
             self.state = parallel_model.place_state(self.c.state, self.mesh, deploy.enable_expert_parallel)
@@ -222,12 +271,14 @@ class ModelRunner:
             pages = -(-pages * d.tokens_per_block // d.index_tokens_per_block)
         out = np.full((rows, pages), -1, np.int32)
         for i, t in enumerate(tables):
+            t = t[:pages]  # pages past the window (MTP's lookahead slots) are not this forward's
             out[i, : len(t)] = t
         return out
 
     def width_buckets(self) -> list[int]:
-        """Tokens per row: 1 (decode) and powers of two from MIN_PREFILL_WIDTH up to the budget."""
-        return width_buckets(self.max_tokens)
+        """Tokens per row: 1 (decode; 1 + k under MTP) and powers of two from MIN_PREFILL_WIDTH up to the
+        budget."""
+        return width_buckets(self.max_tokens, self.verify_width)
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, window) program a serving run can use."""
@@ -242,7 +293,9 @@ class ModelRunner:
         HiSparse each decode shape also runs with a hot-buffer view. -> number of shapes run. After this
         a serving run compiles nothing (tests/engine counts compilations under every policy)."""
         shapes = self.bucket_shapes() if shapes is None else shapes
-        for rows, width, window in shapes:
+        if self.k:
+            self._warmup_mtp(shapes)
+        for rows, width, window in ([] if self.k else shapes):
             tok = np.zeros((rows, width), np.int32)
             pos = np.full((rows, width), -1, np.int32)
             views = [None]
@@ -263,6 +316,32 @@ class ModelRunner:
         self.host.lru_step = 0
         self.cp_work_per_rank(reset=True)  # warm-up steps are not serving work
         return len(shapes)
+
+    def _warmup_mtp(self, shapes) -> None:
+        """`warmup` under MTP: per shape the programs `_run_group_mtp` runs (the verify or keep_all forward,
+        the logits, the accept rule or sampling, the MTP pass over the group, the first draft), then the
+        one-token draft passes for every (rows, window) the shapes name. Padding only: nothing is written."""
+        for rows, width, window in shapes:
+            tok = np.zeros((rows, width), np.int32)
+            pos = np.full((rows, width), -1, np.int32)
+            t_mla, t_idx = self._table("mla", rows, [], window), self._table("indexer", rows, [], window)
+            ones = np.ones(rows, np.float32)
+            if width == self.verify_width:
+                hidden = self._verify_forward(tok, pos, t_mla, t_idx, window)
+                logits = _position_logits(self.c.logits, self.state, hidden)
+                rejection_sample(logits, np.zeros((rows, self.k), np.int32), np.zeros(rows, np.int32),
+                                 np.ones(rows, bool), ones, ones, np.zeros(rows, np.uint32), np.zeros(rows, np.int32),
+                                 self.rates)
+            else:
+                last, hidden = self._forward_keep_all(tok, pos, t_mla, t_idx, window)
+                logits = self._last_logits(self.state, last, np.zeros(rows, np.int32))
+                _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones)
+            self._mtp_pass(hidden, tok, pos, t_mla, t_idx, window, np.zeros(rows, np.int32))
+        for rows, window in sorted({(r, w) for r, _, w in shapes}):
+            h = jax.device_put(np.zeros((rows, 1, self.model.cfg.hidden_size), self.model.dtype), self.devices[0])
+            d = jax.device_put(np.zeros((rows, 1), np.int32), self.devices[0])
+            t_mla, t_idx = self._table("mla", rows, [], window), self._table("indexer", rows, [], window)
+            self._draft_chain(h, d, np.full((self.k - 1, rows), -1, np.int32), t_mla, t_idx, window).block_until_ready()
 
     def _cp_cache(self, cache: PagedKVCache, tokens_split: bool) -> CpKVCache:
         d = self.deploy
@@ -366,8 +445,10 @@ class ModelRunner:
         prefill chunk's width, and a chunk pads to less than twice its length; the groups are independent
         requests, so running them one after the other on the same cache computes exactly what one batch
         would), then sampling."""
+        if self.k:
+            return self._execute_mtp(plan)
         if any(row.num_draft_tokens for row in plan.rows):
-            raise NotImplementedError("draft tokens (MTP speculative decoding) are not built in the model runner")
+            raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
         tokens, resolves = {}, []
         hs = plan.hisparse
@@ -387,6 +468,146 @@ class ModelRunner:
         # whose only waiting requests wait on tiers would otherwise spin)
         loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads)
+
+    # ------------------------------------------------------------------------------------ MTP steps
+    def _execute_mtp(self, plan: StepPlan) -> StepResult:
+        """`execute` under MTP: per width group, the target's forward, the accept rule or sampling, and the
+        MTP layer's passes (`_run_group_mtp`)."""
+        self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
+        tokens, drafts = {}, {}
+        for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity, self.verify_width):
+            out, new = self._run_group_mtp([plan.rows[i] for i in idx], [plan.block_tables["mla"][i] for i in idx],
+                                           [plan.block_tables["indexer"][i] for i in idx], width, padded, window)
+            tokens.update(out)
+            drafts.update(new)
+        loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
+        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, (), loads, drafts=drafts)
+
+    def _verify_forward(self, tok, pos, table_mla, table_index, window):
+        """A verify group's forward -> hidden [rows, 1 + k, D] of every position (cache updated)."""
+        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
+        cache = self.cache.with_block_table(table_mla, table_index)
+        if self.verify_mode == "sequential":
+            hidden, self.cache = self.c.verify(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
+                                               form=self.form, impl=self.deploy.attention_impl)
+        else:
+            hidden, self.cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
+                                                   form=self.form, impl=self.deploy.attention_impl)
+        return hidden
+
+    def _forward_keep_all(self, tok, pos, table_mla, table_index, window):
+        """A prefill group's forward -> (hidden [rows, 1, D] of each row's last token, as without MTP;
+        hidden [rows, width, D] of every position, for the MTP layer)."""
+        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
+        cache = self.cache.with_block_table(table_mla, table_index)
+        (last, hidden), self.cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache,
+                                                       window=window, form=self.form,
+                                                       impl=self.deploy.attention_impl, last_only=True, keep_all=True)
+        return last, hidden
+
+    def _mtp_pass(self, hidden, nxt, mpos, table_mla, table_index, window, sel):
+        """The MTP layer over a whole group: position mpos[r, j] (-1: skip) pairs hidden[r, j] with token
+        nxt[r, j] (the token after it) and writes the MTP layer's KV there -> (its state at each row's
+        position sel[r], [rows, 1, D]; the draft taken from it, [rows, 1] int32)."""
+        cache = self.cache.with_block_table(table_mla, table_index)
+        h, self.cache = self.c.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos), cache, j=0,
+                                           window=window, form=self.form, impl=self.deploy.attention_impl)
+        return _mtp_head(self.c.logits, self.state, h, jnp.asarray(sel))
+
+    def _draft_chain(self, h, d, dpos, table_mla, table_index, window):
+        """Drafts 2..k: k - 1 one-token MTP passes, pass s at positions dpos[s] (-1: skip) with the previous
+        draft as its token and the previous pass's normed output as its state (not the raw residual: vLLM
+        PR #46075) -> drafts [rows, k] int32 (device)."""
+        self.compiled_draft_shapes.add((d.shape[0], window))
+        cache = self.cache.with_block_table(table_mla, table_index)
+        out = [d]
+        for p in dpos:
+            h, cache = self.c.mtp_forward(self.state, h, d, jnp.asarray(p[:, None]), cache, j=0, window=window,
+                                          form=self.form, impl=self.deploy.attention_impl)
+            d = _draft_argmax(self.c.logits, self.state, h)
+            out.append(d)
+        self.cache = cache
+        return _concat_drafts(tuple(out))
+
+    def _run_group_mtp(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int,
+                       window: int) -> tuple[dict, dict]:
+        """One width group under MTP -> (tokens, drafts) of its rows that sample."""
+        tok = np.zeros((r, width), np.int32)
+        pos = np.full((r, width), -1, np.int32)
+        for i, row in enumerate(rows):
+            tok[i, : row.num_tokens] = row.token_ids
+            pos[i, : row.num_tokens] = np.arange(row.start, row.start + row.num_tokens)
+        t_mla, t_idx = self._table("mla", r, tables_mla, window), self._table("indexer", r, tables_index, window)
+        need = [i for i, row in enumerate(rows) if row.sample]
+        # per row: positions whose KV stands (from the row's start) and the token after the last of them
+        stand = [row.num_tokens for row in rows]
+        final = [row.next_token for row in rows]
+        out = {}
+        if width == self.verify_width:
+            hidden = self._verify_forward(tok, pos, t_mla, t_idx, window)
+            if need:
+                toks, accepted = self._accept(hidden, rows, need, r)
+                for i in need:
+                    a = int(accepted[i])
+                    out[rows[i].req_id] = tuple(int(t) for t in toks[i, : a + 1])
+                    stand[i] = rows[i].num_tokens - rows[i].num_draft_tokens + a
+                    final[i] = int(toks[i, a])
+        else:
+            last, hidden = self._forward_keep_all(tok, pos, t_mla, t_idx, window)
+            if need:
+                picked = self._pick(self._last_logits(self.state, last, np.zeros(r, np.int32)),
+                                    [rows[i] for i in need], need)
+                out.update(picked)
+                for i in need:
+                    final[i] = picked[rows[i].req_id][0]
+        # the MTP layer over the group: position p pairs hidden[p] with token p+1
+        nxt = np.zeros((r, width), np.int32)
+        mpos = np.full((r, width), -1, np.int32)
+        sel = np.zeros(r, np.int32)
+        for i, row in enumerate(rows):
+            n = stand[i]
+            nxt[i, : n - 1] = tok[i, 1:n]
+            nxt[i, n - 1] = max(final[i], 0)
+            mpos[i, :n] = pos[i, :n]
+            if final[i] < 0:  # no known next token (cannot happen for a plan from the scheduler): skip it
+                mpos[i, n - 1] = -1
+            sel[i] = n - 1
+        h, d = self._mtp_pass(hidden, nxt, mpos, t_mla, t_idx, window, sel)
+        if not need:
+            return out, {}
+        # drafts 2..k at the positions after each sampling row's last standing one, within max_model_len
+        limit = self.deploy.max_model_len
+        dpos = np.full((self.k - 1, r), -1, np.int32)
+        for i in need:
+            base = rows[i].start + stand[i] - 1
+            for s in range(1, self.k):
+                dpos[s - 1, i] = base + s if base + s < limit else -1
+        dwin = window_bucket(int(dpos.max(initial=0)) + 1, self.capacity)
+        drafts = np.asarray(self._draft_chain(h, d, dpos, self._table("mla", r, tables_mla, dwin),
+                                              self._table("indexer", r, tables_index, dwin), dwin))
+        return out, {rows[i].req_id: tuple(int(t) for t in drafts[i]) for i in need}
+
+    def _accept(self, hidden, rows: list[PlanRow], need: list[int], r: int):
+        """The accept rule of a verify group -> host (tokens [r, 1 + k], accepted [r])."""
+        logits = _position_logits(self.c.logits, self.state, hidden)
+        bans = [(i, j, b) for i in need for j in range(rows[i].num_tokens)
+                if (b := rows[i].params.banned(rows[i].num_generated + j))]
+        if bans:  # stop tokens before min_tokens, per position: masked on the host (rare, small)
+            logits = np.array(logits)
+            for i, j, b in bans:
+                logits[i, j, list(b)] = -np.inf
+        k = self.k
+        drafts, nd = np.zeros((r, k), np.int32), np.zeros(r, np.int32)
+        greedy, temps, top_ps = np.ones(r, bool), np.ones(r, np.float32), np.ones(r, np.float32)
+        seeds, counters = np.zeros(r, np.uint32), np.zeros(r, np.int32)
+        for i in need:
+            row = rows[i]
+            nd[i] = row.num_draft_tokens
+            drafts[i, : nd[i]] = row.token_ids[row.num_tokens - nd[i]:]
+            greedy[i], temps[i], top_ps[i] = row.params.greedy, row.params.temperature, row.params.top_p
+            seeds[i], counters[i] = row.params.seed, row.num_generated
+        toks, accepted = rejection_sample(logits, drafts, nd, greedy, temps, top_ps, seeds, counters, self.rates)
+        return np.asarray(toks), np.asarray(accepted)
 
     def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int, window: int,
                    hisparse=None) -> dict[str, tuple[int]]:
