@@ -24,6 +24,11 @@ the engine's steps (`Engine.add_observer`). Every metric carries the labels `mod
   `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`; secondary tiers'
   `vllm:kv_offload_{load,store}_time_seconds{tier}` (one observation per job, the tier's own I/O time,
   from `kvcache.tiers.TierStats`).
+- MTP speculative decoding (only with DeployConfig.speculative_config, as vLLM registers them only then):
+  counters `vllm:spec_decode_num_drafts` (steps of a request that verified drafts),
+  `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
+  `vllm:spec_decode_num_accepted_tokens_per_pos{position}` (glm53.engine.spec_decode.SpecDecodeStats);
+  the mean acceptance length is 1 + accepted / drafts.
 - This project's own figures under `glm53:` (recomputed tokens, host link bytes, engine steps).
 """
 
@@ -170,6 +175,12 @@ class _Collector:
             ("store_bytes", "Bytes stored to the tier."), ("load_bytes", "Bytes loaded from the tier."))}
         lat = {k: family(HistogramMetricFamily, f"vllm:kv_offload_{k}_time_seconds",
                          f"Secondary-tier {k} job time in seconds.", tier) for k in ("load", "store")}
+        spec = {k: family(CounterMetricFamily, f"vllm:spec_decode_{k}", doc) for k, doc in (
+            ("num_drafts", "Steps of a request that verified draft tokens."),
+            ("num_draft_tokens", "Draft tokens verified."),
+            ("num_accepted_tokens", "Draft tokens accepted."))}
+        per_pos = family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens_per_pos",
+                         "Draft tokens accepted, per draft position.", ("position",))
         host_capacity = sum(eng.sizes.host_blocks.get(g, 0) * b for g, b in eng.sizes.page_bytes.items())
         for i, rep in enumerate(eng.replicas):
             sch, lv = rep.scheduler, [m.model_name, str(i)]
@@ -193,6 +204,13 @@ class _Collector:
                 for (rep_i, reason), n in m._success.items():
                     if rep_i == i:
                         success.add_metric(lv + [reason], n)
+            if d.num_speculative_tokens:
+                st = sch.spec
+                for k, fam in spec.items():
+                    fam.add_metric(lv, getattr(st, k))
+                for pos in range(d.num_speculative_tokens):
+                    n = st.accepted_per_pos[pos] if pos < len(st.accepted_per_pos) else 0
+                    per_pos.add_metric(lv + [str(pos)], n)
             pol = sch.policy
             if d.kv_policy == "hisparse":
                 hs_hits.add_metric(lv, sch.resolve.hot_hits)
@@ -211,6 +229,8 @@ class _Collector:
                             fam.add_metric(lv + [t.name], h.prometheus_buckets(), h.sum)
         yield from (running, waiting, usage, info, queries, hits, preempt, prompt, gen, success, recomputed, d2h,
                     h2d, steps)
+        if d.num_speculative_tokens:
+            yield from (*spec.values(), per_pos)
         if d.kv_policy == "hisparse":
             yield from (hs_hits, hs_misses, hs_bytes, hs_usage)
         if d.kv_policy == "offload":
@@ -222,7 +242,8 @@ class _Collector:
 def _mla_row_bytes(engine) -> float:
     """Bytes of one layer's latent row for one token (what a HiSparse row copy moves)."""
     cfg, d = engine.cfg, engine.deploy
-    return engine.sizes.page_bytes["mla"] / (d.block_size * d.decode_context_parallel_size) / cfg.num_hidden_layers
+    layers = cfg.num_layers_with_mtp if d.num_speculative_tokens else cfg.num_hidden_layers  # MTP: its rows too
+    return engine.sizes.page_bytes["mla"] / (d.block_size * d.decode_context_parallel_size) / layers
 
 
 class MetricsEndpoint:

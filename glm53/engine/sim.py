@@ -13,6 +13,10 @@ array is ever allocated: the full GLM-5.3 preset runs on a laptop.
 What the simulator does not know (it has no arrays), and assumes instead:
 - the tokens: a hash of (request, tokens generated), never a stop token (requests run to max_new_tokens,
   as the published benchmarks do with ignore_eos);
+- MTP acceptance: only rejection_sample_method="synthetic" (the published MTP3 figures fix the
+  acceptance length at 2.99): how many drafts stand each step comes from the configured rates. A
+  verify row is priced as a decode row of 1 + k tokens with the MTP layer over the step's tokens
+  (`Deployment.include_mtp`), plus the k - 1 one-token draft passes (`glm53.perfmodel.step.mtp_draft_cost`);
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
@@ -32,7 +36,7 @@ from glm53.engine.runner import forward_groups, step_limits
 from glm53.engine.synthetic import SyntheticRunner
 from glm53.perfmodel import H200_CALIBRATED, HardwareSpec
 from glm53.perfmodel.cost import StepCost
-from glm53.perfmodel.step import Deployment, step_cost
+from glm53.perfmodel.step import Deployment, mtp_draft_cost, step_cost
 from kvcache.layout import DEFAULT_INDEX_FORMAT
 from kvcache.transfer import ResetLease
 
@@ -62,11 +66,12 @@ class _Rows(typing.NamedTuple):
 
 
 def forward_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, rows: int, width: int, window: int, *,
-                 sample: bool = True, hot_miss_rows: float = 0) -> StepCost:
+                 sample: bool = True, hot_miss_rows: float = 0, drafts: int = 0) -> StepCost:
     """One padded forward of the model runner (`glm53.engine.runner.forward_groups`): `rows` rows of
     `width` tokens each against a `window`-position attention window (what the padded program computes,
-    whatever the real rows' lengths), as one forward program; `sample`: logits for every row."""
-    group = _Rows((_Row(max(0, window - width), width, 0, sample),) * rows)
+    whatever the real rows' lengths), as one forward program; `sample`: logits for every row; `drafts`:
+    the last `drafts` tokens of each row are MTP drafts (a verify group: decode rows of width tokens)."""
+    group = _Rows((_Row(max(0, window - width), width, drafts, sample),) * rows)
     return step_cost(cfg, hw, dep, group, hot_miss_rows=hot_miss_rows)
 
 
@@ -113,8 +118,14 @@ class SimRunner(SyntheticRunner):
         if not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1:
             raise ValueError(f"SimRunner: step_overhead_s and host_overlap_s must be >= 0 and hisparse_miss_fraction "
                              f"in [0, 1], got {step_overhead_s!r}, {host_overlap_s!r}, {hisparse_miss_fraction!r}")
-        super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record)
+        spec = deploy.speculative
+        if spec is not None and not spec.synthetic:
+            raise ValueError("SimRunner: the simulator has no draft model to measure acceptance with: give "
+                             "speculative_config rejection_sample_method='synthetic' with synthetic_acceptance_length "
+                             "(or _rates)")
+        super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record, spec=spec)
         self.cfg, self.hw, self.deploy = cfg, hw, deploy
+        self.verify_width = 1 + deploy.num_speculative_tokens if spec is not None else 0
         self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes)
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
@@ -151,13 +162,21 @@ class SimRunner(SyntheticRunner):
         # the step's device work in execution order: (StepCost, whether the host waits for its results)
         if self.pad_like_runner:
             segments = [(step_cost(self.cfg, self.hw, self.dep, _Rows(()), **kw), False)]  # the transfers
-            for width, idx, padded, window in forward_groups(plan.rows, *self._limits):
+            for width, idx, padded, window in forward_groups(plan.rows, *self._limits, self.verify_width):
                 sample = any(plan.rows[i].sample for i in idx)
+                verify = width == (self.verify_width or 1)
                 segments.append((forward_cost(self.cfg, self.hw, self.dep, padded, width, window, sample=sample,
-                                              hot_miss_rows=misses if width == 1 else 0), sample))
+                                              hot_miss_rows=misses if width == 1 else 0,
+                                              drafts=width - 1 if verify else 0), sample))
+                if sample and self.verify_width:  # the group's draft passes, on its padded rows
+                    segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * padded,
+                                                    self.verify_width - 2), True))
         else:
             segments = [(step_cost(self.cfg, self.hw, self.dep, plan, hot_miss_rows=misses, **kw),
                          any(r.sample for r in plan.rows))]
+            drafting = [r.start + r.num_tokens for r in plan.rows if r.sample]
+            if drafting and self.verify_width:
+                segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, drafting, self.verify_width - 2), True))
         for cost, _ in segments:
             for c in cost.parts:
                 self.time_by_op[c.name] = self.time_by_op.get(c.name, 0.0) + c.time_s

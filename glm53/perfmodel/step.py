@@ -334,3 +334,34 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
         if sampled:
             out.append(lm_head(cfg, hw, sampled, shards=tp * pcp))
     return StepCost(tuple(out), per_layer=per_layer)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DraftRow:  # what step_cost reads of a row: one token at `start`, sampled
+    start: int
+    num_tokens: int = 1
+    num_draft_tokens: int = 0
+    sample: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _DraftPlan:
+    rows: tuple
+
+
+def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, contexts, passes: int) -> StepCost:
+    """The MTP layer's one-token draft passes after a step (speculative decoding with k drafts runs
+    k - 1 of them: the first draft comes from the MTP pass over the step's own tokens, which `step_cost`
+    prices with include_mtp): `passes` passes over one token per drafting row, row i at context
+    contexts[i], each pass the MTP layer (its indexer over the row's keys, sparse MLA, its MoE) and the
+    lm_head for the drafts, one forward launch each. Part names carry the prefix "mtp_draft_"."""
+    if not contexts or passes <= 0:
+        return StepCost(())
+    plan = _DraftPlan(tuple(_DraftRow(max(0, int(c))) for c in contexts))
+    full = step_cost(cfg, hw, dataclasses.replace(dep, include_mtp=True), plan, per_layer=True)
+    parts = [c for c in full.parts if c.layer >= cfg.num_hidden_layers]
+    parts.append(lm_head(cfg, hw, len(contexts), shards=dep.tp * dep.pcp))
+    if hw.forward_latency_s:
+        parts.append(Cost("forward_launch", latency_s=hw.forward_latency_s, time_s=hw.forward_latency_s))
+    return StepCost(tuple(dataclasses.replace(c.scaled(passes), name="mtp_draft_" + c.name, layer=-1) for c in parts),
+                    per_layer=False)
