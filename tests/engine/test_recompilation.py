@@ -3,7 +3,9 @@ serving run compiles nothing: counted with JAX's own compilation events over a f
 arrivals, finishes, sampling and pool pressure, under each policy (preemptions; offloads and their
 restores; HiSparse pre-copies, releases, hot-buffer decode steps and the parking of finished requests'
 indexer keys; staging host pages back for a prefill is compiled by the warm-up too but this run has no
-follow-up turn that would stage)."""
+follow-up turn that would stage), and with MTP speculative decoding under the policies it runs with
+(preempt, swap, offload: verify steps that keep 0 to 3 drafts, prefill chunks that keep every position's
+hidden state, the MTP layer's passes)."""
 
 import jax
 import jax.monitoring
@@ -37,19 +39,30 @@ POLICIES = {
     "hisparse": (dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24,
                       index_block_size=16, hisparse_device_buffer_size=16, num_gpu_blocks=32), (40, 100), 8),
 }
+# MTP with 3 drafts, synthetic acceptance so that every count of drafts stands (the small model's random MTP
+# layer would have nearly all rejected)
+MTP = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+       "synthetic_acceptance_rates": [0.8, 0.5, 0.2]}
+for _name in ("preempt", "swap", "offload"):
+    _fields, _lens, _done = POLICIES[_name]
+    POLICIES["mtp_" + _name] = (dict(_fields, speculative_config=MTP), _lens, _done)
+# under MTP a prefix hit gives back its last page, which leaves this workload's host tier little to load
+# while the device cache holds the prefixes: without it every hit comes from the host tier
+POLICIES["mtp_offload"][0]["enable_prefix_caching"] = False
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_no_compilation_after_warmup(small_model, policy, tmp_path):
     fields, (lo, hi), min_finished = POLICIES[policy]
+    kind = policy.removeprefix("mtp_")
     if fields.get("kv_transfer_config") == "fs":
         fields = dict(enable_prefix_caching=False, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
             "cpu_bytes_to_use": 6 * (9216 + 1024), "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}]}})
     deploy = DeployConfig(**{**dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=8,
                                     num_gpu_blocks=28), **fields})
     eng = Engine(small_model, deploy)
-    # rows 1, 2; tokens per row 1, 16; windows 64, 128
+    # rows 1, 2; tokens per row 1 (4 under MTP: a token and its 3 drafts), 16; windows 64, 128
     assert eng.runner.warmup() == len(eng.runner.bucket_shapes()) == 2 * 2 * 2
     assert eng.runner.compiled_shapes == set(eng.runner.bucket_shapes())
 
@@ -60,16 +73,16 @@ def test_no_compilation_after_warmup(small_model, policy, tmp_path):
         for step in range(200):
             if len(eng.scheduler.waiting) < 2 and rng.random() < 0.5:
                 n = int(rng.integers(lo, hi))
-                new = int(rng.integers(1, 12)) if policy != "hisparse" else int(rng.integers(8, 128 - n))
+                new = int(rng.integers(1, 12)) if kind != "hisparse" else int(rng.integers(8, 128 - n))
                 greedy = bool(rng.random() < 0.5)
                 eng.add_request(rng.integers(0, 512, n), SamplingParams(new, greedy, 0.9, 0.95, seed=step))
             assert eng.has_unfinished() or step == 0
             eng.step()
     st = eng.scheduler.stats
     assert len(eng.finished) >= min_finished and st.preemptions >= 1, (len(eng.finished), st.preemptions)
-    if policy == "swap":  # saves and loads ran, not only the fallback to preemption
+    if kind == "swap":  # saves and loads ran, not only the fallback to preemption
         assert st.offloads >= 1 and eng.scheduler.transfers.h2d_bytes > 0
-    if policy == "offload":  # pages were stored to the host tier and loaded back
+    if kind == "offload":  # pages were stored to the host tier and loaded back
         tier = eng.metrics()["kv_offload"]["cpu"]
         assert tier["stored_pages"] > 0 and tier["loaded_pages"] > 0
     if policy == "offload_fs":  # ... and the filesystem tier gave back pages the host tier had evicted,
@@ -85,7 +98,7 @@ def test_no_compilation_after_warmup(small_model, policy, tmp_path):
         assert all(plain.finished[r.req_id].output_ids == r.output_ids for r in done)
         pol = eng.scheduler.policy
         assert not any(pol.tier_pins.values()) or eng.scheduler.waiting
-    if policy == "hisparse":  # decode steps resolved rows from the host, pages moved both ways
+    if kind == "hisparse":  # decode steps resolved rows from the host, pages moved both ways
         hs = eng.scheduler.policy.stats
         assert eng.scheduler.resolve.log and eng.scheduler.resolve.hot_misses > 0
         assert hs.precopied_pages > 0 and hs.released_pages > 0 and hs.leases > 0 and hs.parked_index_pages > 0
@@ -93,7 +106,12 @@ def test_no_compilation_after_warmup(small_model, policy, tmp_path):
     used = eng.runner.compiled_shapes
     assert used <= set(eng.runner.bucket_shapes())
     # the run moved between buckets: decode and prefill widths, several row counts, both windows
-    assert {w for _, w, _ in used} == {1, 16} and len({r for r, _, _ in used}) >= 2 and len({w for *_, w in used}) == 2
+    assert {w for _, w, _ in used} == {1 + deploy.num_speculative_tokens, 16}
+    assert len({r for r, _, _ in used}) >= 2 and len({w for *_, w in used}) == 2
+    if deploy.num_speculative_tokens:  # drafts stood in every number, and the draft passes ran
+        st = eng.scheduler.spec
+        assert st.num_drafts > 0 and 0 < st.accepted_per_pos[2] < st.accepted_per_pos[0] < st.num_drafts
+        assert eng.runner.compiled_draft_shapes
     assert compiles.count == 0, f"{compiles.count} compilations during the run"
     with CompileCounter() as probe:  # the counter does see a compilation
         jax.jit(lambda x: x * 3 + 1)(np.arange(7)).block_until_ready()

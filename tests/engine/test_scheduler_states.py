@@ -1,6 +1,8 @@
 """The scheduler under every KV policy as a hypothesis state machine, through a runner that returns
 synthetic tokens (glm53.engine.synthetic): random arrivals, prompt and output lengths, shared prefixes
-and follow-up turns, and device pools down to a tenth of the offered load. After every step the block
+and follow-up turns, and device pools down to a tenth of the offered load, with and without MTP
+speculative decoding (a variable number of tokens per step: drafts that stand or not, rejected positions
+rolled back). After every step the block
 pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
 them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
 and host byte is returned. Requests may stop on a stop token or be aborted (waiting or running) at any
@@ -39,10 +41,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), seqs=st.integers(1, 4),
                 budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0), host_scale=st.floats(0.05, 2.0),
                 caching=st.booleans(), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]),
-                arc=st.booleans())
-    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc):
+                arc=st.booleans(), mtp=st.sampled_from([None, None, "standard", "synthetic"]))
+    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, mtp):
         fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
                       index_block_size=BLOCK * index_ratio, enable_prefix_caching=caching, kv_policy=policy)
+        if mtp and policy != "hisparse":  # (HiSparse with MTP is issue 21 item 4)
+            # 3 drafts; the synthetic runner's drafter is wrong now and then (standard), or a synthetic
+            # acceptance rule decides (wrong drafts stand too)
+            fields["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 3} if mtp == "standard" else {
+                "method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+                "synthetic_acceptance_rates": [0.9, 0.6, 0.3]}
         probe = DeployConfig(**{**fields, "kv_policy": "preempt"})
         pages = page_bytes(CFG, "float32", BLOCK, BLOCK * index_ratio)
         # the smallest pool that admits a request of max_model_len (and its hot buffer), scaled up to 3x:
@@ -64,8 +72,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             fields["hisparse_device_buffer_size"] = hot_rows  # None: 2 x top-k; top-k leaves the watermark slack
         self.deploy = DeployConfig(**fields)
         sizes = self.deploy.kv_sizes(CFG)
+        token = lambda row: (row.start + row.num_tokens) % 97  # noqa: E731
+        draft = lambda row: token(row) if (row.start + row.num_tokens) % 5 else 1  # noqa: E731
         self.engine = Engine(_Model(), self.deploy, runner=SyntheticRunner(
-            lambda row: (row.start + row.num_tokens) % 97, page_bytes=sizes.page_bytes))
+            token, page_bytes=sizes.page_bytes, spec=self.deploy.speculative, draft=draft))
         self.rng = np.random.default_rng(0)
         self.prefixes = [self.rng.integers(0, 512, 40) for _ in range(3)]
         self.sent: dict[str, int] = {}  # request id -> engine step at which it was added
@@ -140,6 +150,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in sch.running:
             held = min(len(t) * sch.kv.group_tokens_per_block[g] for g, t in sch.kv.requests[req.req_id].tables.items())
             assert held >= req.num_computed_tokens
+            assert req.num_computed_tokens <= req.num_tokens - 1 or not req.output_ids  # rejected drafts rolled back
+            assert len(req.spec_token_ids) <= self.deploy.num_speculative_tokens
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -163,6 +175,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert r.finish_reason == "length" and len(r.output_ids) == r.params.max_new_tokens
         sch = eng.scheduler
+        if self.deploy.num_speculative_tokens and any(len(r.output_ids) > 2 for r in eng.finished.values()):
+            assert sch.spec.num_drafts > 0  # drafts were verified
         assert sch.kv.num_free_blocks == sch.kv.pool.num_blocks and not sch.kv.requests and not sch.kv.leases
         pol = sch.policy
         if isinstance(pol, HiSparsePolicy):
