@@ -73,7 +73,8 @@ PART1_PUBLISHED = (
     "concurrency 1-32; metrics interactivity, throughput per GPU (cached input included), running requests.",
     "The brief gives no Part 1 numbers: the comparison is qualitative (which policy holds more running "
     "requests and throughput at equal host memory).")
-NO_MTP = "MTP3 is not built: one token per decode step (num_speculative_tokens 0)."
+NO_MTP = ("One token per decode step (num_speculative_tokens 0): MTP3 is built, but its HiSparse arm waits "
+          "for HiSparse with MTP (issue 21 item 4).")
 DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
 ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
 
@@ -175,7 +176,8 @@ MANIFEST: tuple[Entry, ...] = (
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
           waits_for="issue 21 (HiSparse beyond the pool, MTP)"),
     Entry("part1_mtp3", "Part 1 with MTP3 (acceptance length 2.99)", "not_built", "BRIEF §8", PART1_PUBLISHED,
-          waits_for="issue 21 (MTP)"),
+          waits_for="issue 21 item 4 (HiSparse with MTP; MTP itself and its synthetic acceptance in the simulator "
+                    "are built)"),
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "not_built", "BRIEF §8 Part 2",
           ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "
