@@ -22,11 +22,12 @@ from glm53.model import compiled
 from kvcache.contiguous import ContiguousKVCache
 from kvcache.paged import PagedKVCache
 
-BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
+BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)  # test_engine.py's
 K = 3
-# every engine test below runs this deployment (one set of compiled programs): a pool of 24 blocks holds
-# one request of 70 + 16 tokens (+ its draft lookahead) and forces preemptions with four
-MTP = dict(BASE, num_gpu_blocks=24, num_speculative_tokens=K)
+# every engine test below runs this deployment, one set of compiled programs (an MTP engine's cache holds
+# the MTP layer, so none is shared with engines without MTP): two rows of 1 + K or 16 tokens, a pool of 24
+# blocks that holds one request of 70 + 16 tokens (+ its draft lookahead) and forces preemptions
+MTP = dict(BASE, max_num_batched_tokens=16, max_num_seqs=2, num_gpu_blocks=24, num_speculative_tokens=K)
 SYNTHETIC = {"method": "mtp", "num_speculative_tokens": K, "rejection_sample_method": "synthetic",
              "synthetic_acceptance_length": 2.99}
 
@@ -190,8 +191,9 @@ def test_verify_step_logits_equal_one_token_decode_steps(tiny_model):
     seqs = [rng.integers(0, 512, n + new).astype(np.int32) for n in prompt]
     table = np.arange(2 * 8, dtype=np.int32).reshape(rows, 8)
 
-    def prefilled():
-        cache = PagedKVCache.create(cfg, 16, 8, table, kv_cache_dtype="float32", include_mtp=True)
+    def prefilled():  # a pool like the engine tests' (24 blocks, both groups' tables): their programs
+        cache = PagedKVCache.create(cfg, 24, 8, table, kv_cache_dtype="float32", include_mtp=True,
+                                    index_block_table=table)
         tok = np.zeros((rows, 64), np.int32)
         pos = np.full((rows, 64), -1, np.int32)
         for b, n in enumerate(prompt):
@@ -203,12 +205,12 @@ def test_verify_step_logits_equal_one_token_decode_steps(tiny_model):
     for j in range(new):
         tok = np.asarray([[s[n + j]] for s, n in zip(seqs, prompt)], np.int32)
         pos = np.asarray([[n + j] for n in prompt], np.int32)
-        h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=64)
+        h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=64, form="auto", impl="auto")
         decode.append(np.asarray(_last_logits(c.logits, c.state, h, np.zeros(rows, np.int32))))
     decode = np.stack(decode, 1)  # [rows, new, V]
     tok = np.stack([s[n:n + new] for s, n in zip(seqs, prompt)])
     pos = np.stack([np.arange(n, n + new) for n in prompt]).astype(np.int32)
-    h, _ = c.verify(c.state, jnp.asarray(tok), jnp.asarray(pos), prefilled(), window=64)
+    h, _ = c.verify(c.state, jnp.asarray(tok), jnp.asarray(pos), prefilled(), window=64, form="auto", impl="auto")
     np.testing.assert_array_equal(np.asarray(_position_logits(c.logits, c.state, h)), decode)
     h, _, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), prefilled(), window=64)
     np.testing.assert_allclose(np.asarray(_position_logits(c.logits, c.state, h)), decode, atol=1e-4)
@@ -222,15 +224,45 @@ def continuation(tiny_model, reference):
     return prompts, [glm53.generate(tiny_model, p, 16).token_ids.tolist() for p in prompts]
 
 
-def with_oracle_drafts(eng, want: dict):
+POISON = 1e4  # finite: a masked-out row times a zero weight stays zero
+
+
+def poison_unstood(runner, plan, res):
+    """Overwrite, in every layer (the MTP layer's too) and both cache groups, the KV of each sampling row's
+    positions that do not stand after this step (rejected drafts, and the K - 1 lookahead positions the
+    MTP draft passes wrote) with a large value: any later read of it before it is rewritten changes the
+    tokens."""
+    cache = runner.cache
+    page = {"mla": cache.block_size, "indexer": cache.index_block_size or cache.block_size}
+    slots = {"mla": [], "indexer": []}
+    for i, row in enumerate(plan.rows):
+        toks = res.tokens.get(row.req_id, ())
+        if not toks:
+            continue
+        # the row's positions before its drafts, and the drafts that stood (all but the last token)
+        stand = row.start + row.num_tokens - row.num_draft_tokens + len(toks) - 1
+        for g, b in page.items():
+            table = plan.block_tables[g][i]
+            for p in range(stand, row.start + row.num_tokens + K - 1):
+                if p // b < len(table) and table[p // b] >= 0:
+                    slots[g].append(table[p // b] * b + p % b)
+    if slots["mla"]:
+        put = lambda arrays, s: tuple(a.at[np.asarray(s)].set(POISON) for a in arrays)  # noqa: E731
+        runner.cache = dataclasses.replace(cache, mla=put(cache.mla, slots["mla"]), index=put(cache.index, slots["indexer"]))
+
+
+def with_oracle_drafts(eng, want: dict, poison: bool = True):
     """After each step, replace the MTP layer's drafts with the next K tokens of `want[req_id]` (the
     non-speculative continuation), the i-th of them wrong on a request's i-th, (K+1+i)-th, ... drafting
-    (none wrong every K+1-th time): drafts that stand in every number, on the real model. -> a list that
+    (none wrong every K+1-th time): drafts that stand in every number, on the real model. `poison`: the
+    KV of positions that do not stand is overwritten after each step (`poison_unstood`). -> a list that
     records each step as {request: (draft tokens verified, tokens returned)}."""
     execute, log, count = eng.runner.execute, [], {}
 
     def run(plan):
         res = execute(plan)
+        if poison:
+            poison_unstood(eng.runner, plan, res)
         drafts = {}
         for rid, toks in res.tokens.items():
             n = len(eng.requests[rid].output_ids) + len(toks)
@@ -248,7 +280,7 @@ def with_oracle_drafts(eng, want: dict):
 
 def test_mtp_greedy_equals_non_speculative(tiny_model, reference):
     """The MTP layer's own drafts (random weights: almost all rejected) under chunked prefill (a 70-token
-    prompt in 32-token chunks) and preemption (a 24-block pool): the reference tokens, and vLLM's counts."""
+    prompt in 16-token chunks) and preemption (a 24-block pool): the reference tokens, and vLLM's counts."""
     prompts, want = reference
     eng = Engine(tiny_model, DeployConfig(**MTP))
     outs = eng.generate(prompts, max_new_tokens=5)
@@ -266,7 +298,8 @@ def test_mtp_greedy_with_standing_drafts_cut_by_stop_tokens_and_max_new_tokens(t
     prefix caching: every request's tokens are the non-speculative ones, cut at a stop token or at
     max_new_tokens inside a run of drafts that stood (what follows is dropped, and its KV is never
     cached: a later turn that continues differently hits only the kept tokens and decodes as without
-    MTP)."""
+    MTP). The KV of rejected positions is poisoned after every step, so a read of it before it is
+    rewritten would show in the tokens."""
     prompts, cont = continuation
     eng = Engine(tiny_model, DeployConfig(**MTP))
     want, expect, ids = {}, {}, []
@@ -393,7 +426,7 @@ def test_synthetic_acceptance_length_and_vllm_metric_names(tiny_model):
     eng = Engine(tiny_model, DeployConfig(**{**MTP, "num_speculative_tokens": 0}, speculative_config=SYNTHETIC))
     prom = ServingMetrics(eng)
     rng = np.random.default_rng(7)
-    for i in range(150):  # short requests: four run at a time in the 24-block pool
+    for i in range(150):  # short requests: two run at a time
         eng.add_request(rng.integers(0, 512, 4), SamplingParams(21, greedy=i % 2 == 0, temperature=0.8, seed=i))
     while eng.has_unfinished():
         eng.step()
@@ -418,14 +451,18 @@ def test_synthetic_acceptance_length_and_vllm_metric_names(tiny_model):
 def test_mtp_greedy_on_a_checkpoint_with_mtp_weights(hf_fixtures):
     """A checkpoint loaded with from_pretrained whose MTP layer is in the file (tests/fixtures/
     make_hf_golden.py writes one into "base"): MTP greedy decoding gives HF's greedy tokens, with the MTP
-    layer's own drafts and with drafts that stand."""
+    layer's own drafts (sequential verification) and with drafts that stand under batched verification
+    (one forward of 1 + K tokens, a GPU's default: equal to decoding up to rounding, and HF's greedy
+    margins are far above it)."""
     model = glm53.from_pretrained(hf_fixtures / "base")
     assert model.cfg.num_nextn_predict_layers == 1
     golden = np.load(hf_fixtures / "base" / "golden.npz")
     prompt, want = golden["input_ids"], golden["greedy_tokens"].tolist()
     deploy = DeployConfig(**{**BASE, "num_speculative_tokens": K})
     assert Engine(model, deploy).generate([prompt], max_new_tokens=16)[0].token_ids.tolist() == want
-    eng = Engine(model, deploy)
+    eng = Engine(model, DeployConfig(**BASE, speculative_config={"method": "mtp", "num_speculative_tokens": K,
+                                                                 "verify": "batched"}))
+    assert eng.runner.verify_mode == "batched"
     rid = eng.add_request(prompt, SamplingParams(16))
     log = with_oracle_drafts(eng, {rid: want})
     while eng.has_unfinished():
@@ -472,11 +509,11 @@ def test_mtp_greedy_under_swap_and_offload(tiny_model, continuation, policy):
         dict(kv_policy="offload", cpu_offload_bytes=1 << 30, enable_prefix_caching=False)
     eng = Engine(tiny_model, DeployConfig(**MTP, **extra))
     assert eng.runner.host.page_bytes == eng.sizes.page_bytes  # pages hold the MTP layer's KV too
-    ids = [eng.add_request(p, SamplingParams(12)) for p in prompts]
-    log = with_oracle_drafts(eng, dict(zip(ids, cont)))
+    ids = [eng.add_request(p, SamplingParams(12)) for p in prompts + prompts[::-1]]
+    log = with_oracle_drafts(eng, dict(zip(ids, cont + cont[::-1])))
     while eng.has_unfinished():
         eng.step()
-    assert [eng.output(r).token_ids.tolist() for r in ids] == [c[:12] for c in cont]
+    assert [eng.output(r).token_ids.tolist() for r in ids] == [c[:12] for c in cont + cont[::-1]]
     assert max(len(toks) for step in log for _, toks in step.values()) == K + 1
     m = eng.metrics()
     if policy == "swap":
