@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from glm53.engine.config import DeployConfig
 
 # ------------------------------------------------------------------------------------------- flags
-_RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "shutdown_timeout"}
+_RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "shutdown_timeout", "warmup"}
 
 
 def _flag_type(annotation: str):
@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights' dtype")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests may finish after SIGTERM before they are aborted")
+    ap.add_argument("--warmup", action="store_true",
+                    help="compile every bucket shape before serving (as vLLM captures its CUDA graphs at start), so "
+                         "no request waits for a compilation; minutes on CPU with large limits")
     for f in dataclasses.fields(DeployConfig):
         if f.name in _RESERVED:
             raise AssertionError(f"DeployConfig.{f.name} clashes with a server flag")
@@ -467,6 +470,10 @@ def main(argv=None) -> None:
     deploy = deploy_from_args(args, model.cfg, args.dtype)
     engine = glm53.Engine(model, deploy)
     metrics = ServingMetrics(engine, model_name=name)
+    if args.warmup:
+        t0 = time.perf_counter()
+        shapes = sum(rep.runner.warmup() for rep in engine.replicas)
+        print(f"glm53.serve: compiled {shapes} bucket shapes in {time.perf_counter() - t0:.0f} s", flush=True)
     async_engine = AsyncEngine(engine).start()
     app = create_app(async_engine, load_tokenizer(args.model), name, metrics=metrics)
     print(f"glm53.serve: {name} on http://{args.host}:{args.port} ({engine.deploy.max_model_len} tokens, "
