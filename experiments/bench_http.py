@@ -48,21 +48,11 @@ import numpy as np
 
 from experiments import workloads
 from experiments.common import REPO, cpu_name, git_revision
+from glm53.engine.plan import WallClock
 
 DEPLOY = {"max_model_len": 1024, "max_num_batched_tokens": 256, "max_num_seqs": 4, "block_size": 16}
 METRICS = ("ttft_median_s", "ttft_p90_s", "tpot_mean_s", "throughput_tok_s_per_device", "interactivity_tok_s_user",
            "requests", "output_tokens", "duration_s")
-
-
-class _Clock:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def sleep(self, s: float) -> None:
-        time.sleep(max(0.0, s))
 
 
 class HttpEngine:
@@ -72,7 +62,7 @@ class HttpEngine:
 
     def __init__(self, port: int, model_name: str):
         self.port, self.model_name = port, model_name
-        self.clock = _Clock()
+        self.clock = WallClock()
         self._events: queue.Queue = queue.Queue()
         self._live: set[str] = set()
         self._n = 0
