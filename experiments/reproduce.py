@@ -180,7 +180,7 @@ MANIFEST: tuple[Entry, ...] = (
           "and offload decode, 142K, c8-c64", "not_built", "BRIEF §8 Part 2",
           ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "
            "prefill-bound (up to ~c32)", "beyond c32 HiSparse decode pulls ahead, nearly doubling throughput at c64"),
-          waits_for="issue 23 (P/D across processes), issue 22 (server)"),
+          waits_for="issue 23 (P/D across processes)"),
     Entry("part2_pd_1m", "Part 2 at 1M context, c8-c32", "not_built", "BRIEF §8 Part 2",
           ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",), waits_for="issue 23"),
     Entry("tiered_offload_scaling_sim", "Tiered offload: throughput vs concurrent conversations (2 x H100, "
