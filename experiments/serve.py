@@ -65,7 +65,10 @@ def default_config() -> ConfigDict:
     # "model": run the model; "sim": price each step with the performance model on `hardware` (a name in
     # glm53.perfmodel.HARDWARE) on a virtual clock; step_overhead_s and hisparse_miss_fraction are the
     # simulator's assumptions (glm53.engine.sim)
-    c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1))
+    # tier_bandwidth_scale: multiplies the read and write bandwidth of every simulated secondary tier's medium
+    # (glm53.perfmodel.STORAGE; "fs": one NVMe SSD), for asking how fast the storage must be
+    c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1,
+                               tier_bandwidth_scale=1.0))
     # "replay": serve each sweep point once untimed first (the schedule is deterministic without think
     # time, so the measured run reuses its programs); "buckets": compile every bucket shape up front
     # (exact, slower: rows x widths x windows programs); "none": compile as they go
@@ -132,7 +135,20 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
         raise ValueError(f"runner.hardware must be one of {sorted(HARDWARE)}, got {r.hardware!r}")
     # a filesystem tier is simulated (kvcache.tiers.sim): its root_dir is never written
     return sim.build_engine(model, _deploy(cfg, kv_policy, tier_root or "unused"), HARDWARE[r.hardware],
-                            step_overhead_s=r.step_overhead_s, hisparse_miss_fraction=r.hisparse_miss_fraction)
+                            step_overhead_s=r.step_overhead_s, hisparse_miss_fraction=r.hisparse_miss_fraction,
+                            tier_storage=_tier_storage(cfg))
+
+
+def _tier_storage(cfg: ConfigDict) -> dict:
+    """The media of the simulated secondary tiers: glm53.perfmodel.STORAGE, bandwidths times
+    runner.tier_bandwidth_scale."""
+    from glm53.perfmodel import STORAGE
+
+    scale = cfg.runner.get("tier_bandwidth_scale", 1.0)
+    if not scale > 0:
+        raise ValueError(f"runner.tier_bandwidth_scale must be > 0, got {scale!r}")
+    return {kind: dataclasses.replace(m, read_bandwidth=m.read_bandwidth * scale,
+                                      write_bandwidth=m.write_bandwidth * scale) for kind, m in STORAGE.items()}
 
 
 def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
@@ -224,6 +240,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
             span = max(eng.clock.now(), 1e-12)
             m["sim_tier_busy_frac"] = {t.name: {"read": t.reads.busy_s / span, "write": t.writes.busy_s / span}
                                        for t in tiers}
+            m["assumed_tier_storage"] = {k: dataclasses.asdict(v) for k, v in _tier_storage(cfg).items()}
     return m
 
 
