@@ -103,7 +103,9 @@ class Engine:
     (default: the devices JAX sees) and time is wall time. A runner whose results carry `duration_s`
     (a priced step) needs a clock with `advance` (glm53.engine.plan.VirtualClock): each replica's
     tokens arrive at the step's start plus its own duration, and the clock moves by the slowest
-    replica's (replicas run in parallel on their own GPUs).
+    replica's (replicas run in parallel on their own GPUs). Secondary tiers (DeployConfig's
+    secondary_tiers) are built from their specs for the model runner; an injected runner must make them
+    itself (`runner.make_tiers(specs, fingerprint, replica)`: the simulator's tiers hold keys, no bytes).
     """
 
     def __init__(self, model, deploy: DeployConfig | None = None, *, runner: Runner | Sequence[Runner] | None = None,
@@ -135,14 +137,17 @@ class Engine:
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * n})")
             groups = [devices[i * n:(i + 1) * n] for i in range(dp)]
         specs = d.offload_options["secondary_tiers"] if d.kv_policy == "offload" else []
-        if specs and runners is not None:
-            raise NotImplementedError("secondary KV tiers run with the model runner only (the simulator does not "
-                                      "model them yet)")
+        if specs and runners is not None and not all(hasattr(r, "make_tiers") for r in runners):
+            raise NotImplementedError("secondary KV tiers need the model runner or a runner that simulates them "
+                                      "(make_tiers: glm53.engine.synthetic.SyntheticRunner, glm53.engine.sim.SimRunner)")
         self.fingerprint = kv_fingerprint(model, d, self.sizes) if specs else ""
         self.replicas: list[Replica] = []
         self.tiers: list[TierSet | None] = []
         for i in range(dp):
-            tiers = TierSet([make_tier(spec, self.fingerprint, replica=i) for spec in specs]) if specs else None
+            if specs and runners is not None:  # an injected runner simulates its tiers (keys, no bytes)
+                tiers = runners[i].make_tiers(specs, self.fingerprint, replica=i)
+            else:
+                tiers = TierSet([make_tier(spec, self.fingerprint, replica=i) for spec in specs]) if specs else None
             self.tiers.append(tiers)
             policy = make_policy(d, self.sizes, tiers, self.fingerprint)
             run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers) if runners is None else runners[i]

@@ -169,3 +169,39 @@ H200_CALIBRATED = dataclasses.replace(
 
 # the hardware specs configs name (experiments.serve's runner.hardware): "h200" is the calibrated one
 HARDWARE = {"h200": H200_CALIBRATED, "h200_datasheet": H200}
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageSpec:
+    """A storage medium behind the host tier (what a secondary tier writes to and reads from), one per
+    replica: bytes per second each way and a fixed time per chunk (a chunk = one KV page of one cache
+    group, 2.8-3.3 MB at GLM-5.3 scale). The simulator (glm53.engine.sim) turns it into the costs of a
+    simulated tier (kvcache.tiers.sim.TierCosts): one chunk at a time per direction at full bandwidth,
+    the fixed time overlapping other chunks' transfers."""
+
+    name: str
+    read_bandwidth: float  # B/s
+    write_bandwidth: float  # B/s
+    read_latency_s: float
+    write_latency_s: float
+
+    def __post_init__(self):
+        if not (self.read_bandwidth > 0 and self.write_bandwidth > 0):
+            raise ValueError(f"StorageSpec {self.name!r}: bandwidths must be > 0")
+        if not (self.read_latency_s >= 0 and self.write_latency_s >= 0):
+            raise ValueError(f"StorageSpec {self.name!r}: latencies must be >= 0")
+
+
+# One local PCIe Gen4 data-centre NVMe SSD (the filesystem tier's medium in the tiered-offload scaling
+# study; published.json "storage", docs/perfmodel_sources.md):
+# - bandwidths: Micron 7450's datasheet figures as reported at launch (6.8 GB/s sequential read, 5.6 GB/s
+#   write for the larger drives): *datasheet*, not measured; a measured fio run on a drive rated 6 GB/s
+#   reads 2 MiB random chunks at 6.4 GB/s (16 threads), so chunk-sized reads reach the rating;
+# - the fixed time per chunk (file open, rename, the NVMe command): *assumed* 0.2 ms; that fio run's
+#   fastest 2 MiB read (566 us, less 326 us of transfer) bounds it at about 0.24 ms.
+# One drive, not the 8-drive array of a DGX: the published study's tier is "a local NVMe" (BRIEF §7).
+NVME_GEN4 = StorageSpec("one PCIe Gen4 NVMe SSD (Micron 7450 class)", read_bandwidth=6.8e9, write_bandwidth=5.6e9,
+                        read_latency_s=0.2e-3, write_latency_s=0.2e-3)
+
+# the media the simulator gives each secondary tier type (configs name them by tier type)
+STORAGE = {"fs": NVME_GEN4}

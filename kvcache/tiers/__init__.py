@@ -32,7 +32,8 @@ object per chunk in an S3-compatible bucket, same names and blobs; lookups answe
 the bucket, so the scheduler never waits on the network, and a server that stops answering turns into
 misses after a bounded wait), "p2p" (kvcache.tiers.p2p.PeerTier: an in-memory store served to peer
 engines over ZMQ control and TCP bulk sockets, and fetches from the peers it lists, with pins and
-deadlines), "custom" (any class by `module_path`). Tiers that store blobs share one format and one check
+deadlines), "custom" (any class by `module_path`). The simulator replaces every tier with a simulated one
+(kvcache.tiers.sim.SimTier: keys and sizes, jobs finishing after a modelled time on an injected clock). Tiers that store blobs share one format and one check
 (kvcache.tiers.format).
 
 Lookup context. `lookup(key, ctx)` gets a `LookupContext`: the request and the chunk keys its prefix walk

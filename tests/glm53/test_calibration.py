@@ -96,3 +96,18 @@ def test_the_other_committed_calibrations_are_current(name):
            "host_copy": cal.check_host_copy, "calibrated_spec": lambda: {"fields": cal.calibrated_fields()}}[name]()
     key = {"collectives": "families", "sparse_mla": "holdout_rows", "host_copy": "rows", "calibrated_spec": "fields"}[name]
     assert json.loads(json.dumps(now[key])) == committed[key]
+
+
+def test_the_nvme_medium_is_the_published_storage_rows():
+    """glm53.perfmodel.NVME_GEN4 (the simulated filesystem tier's drive) takes its bandwidths from the
+    cited datasheet rows, a measured chunk-sized read reaches within 6% of the read rating, and the
+    assumed fixed time per chunk stays under what that measurement leaves beside the transfer."""
+    from glm53.perfmodel import NVME_GEN4
+
+    rows = cal.load_published()["storage"]
+    sheet = {r["direction"]: r["gbps"] for r in rows if r["source"] == "servethehome_micron7450"}
+    assert NVME_GEN4.read_bandwidth == sheet["read"] * 1e9 and NVME_GEN4.write_bandwidth == sheet["write"] * 1e9
+    (fio,) = [r for r in rows if r["measured"]]
+    assert abs(fio["gbps"] * 1e9 / NVME_GEN4.read_bandwidth - 1) < 0.06
+    bound_s = fio["latency_us_min"] * 1e-6 - fio["chunk_bytes"] / (fio["gbps"] * 1e9)
+    assert NVME_GEN4.read_latency_s <= bound_s and NVME_GEN4.write_latency_s <= bound_s
