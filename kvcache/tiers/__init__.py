@@ -161,6 +161,14 @@ class TierSet:
     def __len__(self) -> int:
         return len(self.tiers)
 
+    def version(self) -> object:
+        """A value that moves whenever a lookup of some key might answer differently: each tier's
+        `version` (a counter a tier moves on every store landing, eviction or loss) where every tier has
+        one, else a fresh object (never equal: a tier that cannot tell, such as a directory or a bucket
+        other processes write to, makes the scheduler try a waiting request's admission again)."""
+        versions = tuple(getattr(t, "version", None) for t in self.tiers)
+        return versions if None not in versions else object()
+
     def new_job(self) -> int:
         self._next_job += 1
         return self._next_job

@@ -113,6 +113,7 @@ class SimTier:
         self._seq = itertools.count()
         self._finished: collections.deque[JobResult] = collections.deque()
         self._closed = False
+        self._version = 0  # moves whenever a lookup's answer may change (TierSet.version)
 
     # ---------------------------------------------------------------------------------- the interface
     def lookup(self, key: bytes, ctx: object = None) -> Lookup:
@@ -133,6 +134,7 @@ class SimTier:
             size = _size(payload)
             lands = self.writes.schedule(now, size)
             self._inflight[key] += 1
+            self._version += 1  # its lookups answer RETRY now
             self._push(lands, "land", (key, size))
             done = max(done, lands)
         self._push(done, "store", (job.job_id, now, len(job.keys)))
@@ -174,6 +176,26 @@ class SimTier:
         return min((t for t, _, kind, _ in self._events if kind == "load"), default=None)
 
     @property
+    def version(self) -> int:
+        self._advance()
+        return self._version
+
+    def discard(self, key: bytes) -> bool:
+        """Drop a held chunk now, as if something else deleted it (fault injection: a chunk gone between a
+        lookup that answered HIT and its load) -> whether it was held."""
+        self._advance()
+        n = self._held.pop(key, None)
+        if n is None:
+            return False
+        self._bytes -= n
+        self._version += 1
+        return True
+
+    def keys(self) -> list[bytes]:
+        self._advance()
+        return list(self._held)
+
+    @property
     def held_bytes(self) -> int:
         self._advance()
         return self._bytes
@@ -194,6 +216,7 @@ class SimTier:
             t, _, kind, data = heapq.heappop(ev)
             if kind == "land":
                 key, size = data
+                self._version += 1  # a landing (and any eviction it causes) changes lookups' answers
                 self._inflight[key] -= 1
                 if not self._inflight[key]:
                     del self._inflight[key]
