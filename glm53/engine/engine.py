@@ -449,11 +449,8 @@ def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:
     at every sampled value would collide (fine-tunes change every weight; name a separate root_dir for
     checkpoints that differ only in a few)."""
     cfg = model if isinstance(model, ModelConfig) else model.cfg
-    fp = layout_fingerprint(dataclasses.asdict(cfg), page_rows={"mla": deploy.block_size,
-                                                                "indexer": deploy.index_block_size or deploy.block_size},
-                            page_bytes=sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype,
-                            decode_context_parallel_size=deploy.decode_context_parallel_size,
-                            interleave=deploy.cp_kv_cache_interleave_size, tokens_per_block=deploy.tokens_per_block)
+    fp = layout_fingerprint(dataclasses.asdict(cfg), group_tokens=deploy.group_tokens_per_block(GROUPS),
+                            page_bytes=sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype)
     h = hashlib.sha256(fp.encode())
     if isinstance(model, nnx.Module):
         leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))

@@ -190,7 +190,8 @@ class ModelRunner:
         self.hisparse = deploy.kv_policy == "hisparse"
         self.host = HostMemory(self.cache, page_rows={"mla": deploy.block_size,
                                                       "indexer": deploy.index_block_size or deploy.block_size},
-                               kv_ranks=self.kv_ranks, num_blocks=num_blocks, host=host, device=device,
+                               kv_ranks=self.kv_ranks, interleave=deploy.cp_kv_cache_interleave_size,
+                               num_blocks=num_blocks, host=host, device=device,
                                host_blocks=sz.host_blocks or None, tiers=self.tiers,
                                hot=(sz.max_leases, len(self.cache.index), sz.hot_rows) if self.hisparse else None)
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
