@@ -6,7 +6,8 @@
          -d '{"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}'
 
 Flags: `--host`, `--port`, `--served-model-name` (default: the model argument as given), `--seed` (a
-preset's random weights, as `glm53.init(preset, seed)`), `--dtype`, and one flag per `DeployConfig`
+preset's random weights, as `glm53.init(preset, seed)`), `--dtype`, `--quantization fp8` (a checkpoint's fp8
+block-quantised weights kept in fp8), and one flag per `DeployConfig`
 field in vLLM's spelling (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`,
 `--block-size`, `--kv-cache-dtype`, `--enable-prefix-caching` / `--no-enable-prefix-caching`,
 `--prefill-context-parallel-size`, `--decode-context-parallel-size`, `--dcp-comm-backend`,
@@ -57,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from glm53.engine.config import DeployConfig
 
 # ------------------------------------------------------------------------------------------- flags
-_RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "shutdown_timeout"}
+_RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "quantization", "shutdown_timeout"}
 
 
 def _flag_type(annotation: str):
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset (glm53.init(preset, seed))")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights' dtype")
+    ap.add_argument("--quantization", default=None, choices=("fp8",),
+                    help="fp8: keep a block-quantised fp8 checkpoint's weights in fp8 (vLLM's --quantization fp8; "
+                         "glm53.from_pretrained(quantization='fp8')); default: dequantise them to --dtype on load")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests may finish after SIGTERM before they are aborted")
     for f in dataclasses.fields(DeployConfig):
@@ -458,9 +462,12 @@ def main(argv=None) -> None:
     from glm53.tokenizer import load_tokenizer
 
     if args.model in PRESETS:
+        if args.quantization:
+            raise SystemExit(f"glm53.serve: --quantization {args.quantization} needs a checkpoint directory, not the "
+                             f"preset {args.model!r}")
         model = glm53.init(args.model, seed=args.seed, dtype=args.dtype)
     elif os.path.isdir(args.model):
-        model = glm53.from_pretrained(args.model, dtype=args.dtype)
+        model = glm53.from_pretrained(args.model, dtype=args.dtype, quantization=args.quantization)
     else:
         raise SystemExit(f"glm53.serve: {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                          "checkpoint directory")

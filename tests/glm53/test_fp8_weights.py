@@ -507,3 +507,11 @@ def test_bfloat16_activations(fp8_ckpt):
     logits = glm53.score(m, PROMPT16[:8])
     assert np.isfinite(logits).all()
 
+
+def test_server_flag():
+    from glm53.serve import build_parser
+
+    assert build_parser().parse_args(["ckpt", "--quantization", "fp8"]).quantization == "fp8"
+    assert build_parser().parse_args(["ckpt"]).quantization is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["ckpt", "--quantization", "int4"])
