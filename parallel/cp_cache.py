@@ -65,8 +65,8 @@ class CpKVCache:
     dcp: the KV is sharded round-robin with `interleave` consecutive tokens per rank (False: replicated);
     backend: DCP's LSE-merge communication ("ag_rs" or "a2a"); heads_split: attention outputs keep
     this rank's heads only (H/N); gather_queries: queries hold this rank's heads only (TP), so DCP
-    attention all-gathers them first; index_block: query and key tile of the PCP indexer; counters: None, or
-    this rank's work counters {name in COUNTERS: int32 [1, 2]} (see the module docstring)."""
+    attention all-gathers them first; index_block: query and key tile of the PCP indexer; counters:
+    None, or this rank's work counters {name in COUNTERS: int32 [1, 2]} (see the module docstring)."""
 
     local: PagedKVCache
     axis: str = dataclasses.field(metadata=dict(static=True))

@@ -111,6 +111,9 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
     if tensor_parallel:
         if cache.tokens_split:
             raise NotImplementedError("tensor parallelism with PCP (tokens split over the context axis)")
+        if axis != tp_ops.AXES[-1]:
+            raise ValueError(f"under tensor parallelism the cache's axis is the TP group's inner axis "
+                             f"{tp_ops.AXES[-1]!r}, got {axis!r}")
         weights = tp_ops.state_specs(state, expert_parallel)
     else:
         weights = state_specs(state, axis, expert_parallel)

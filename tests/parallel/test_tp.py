@@ -1,12 +1,13 @@
 """Tensor parallelism (parallel.tp) on simulated devices against one device.
 
-Model level (`parallel.model.forward(tensor_parallel=True)`): the prompts of tests/parallel/test_model_cp
-(37 tokens: longer than the tiny model's top-k 16; 10 tokens: shorter) are prefilled in one padded row
-each, then one decode step runs; every real token's logits must match one device's within 1e-5 of the
-largest logit, each device holding 1/tp of the split weights and 1/dcp of the KV. TP4 (the tiny
-model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 (heads padded 4 -> 8), with both DCP
-backends and both ways of splitting the routed experts (whole experts, EP; or each expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one
-device's greedy tokens. The mid preset (8 heads) runs TP8 x DCP8 (slow).
+Model level (`parallel.model.forward(tensor_parallel=True)`): the prompts of
+tests/parallel/test_model_cp (37 tokens: longer than the tiny model's top-k 16; 10 tokens: shorter) are
+prefilled in one padded row each, then one decode step runs; every real token's logits must match one
+device's within 1e-5 of the largest logit, each device holding 1/tp of the split weights and 1/dcp of
+the KV. TP4 (the tiny model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 (heads padded 4 -> 8),
+with both DCP backends and both ways of splitting the routed experts (whole experts, EP; or each
+expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one device's greedy tokens. The mid preset
+(8 heads) runs TP8 x DCP8 (slow).
 """
 
 import numpy as np
