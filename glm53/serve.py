@@ -455,7 +455,8 @@ def main(argv=None) -> None:
     name = args.served_model_name or args.model
     # on CPU, simulate the devices the parallel sizes need (before JAX creates its backend)
     dp = args.data_parallel_size or 1
-    n = max(args.prefill_context_parallel_size or 1, args.decode_context_parallel_size or 1)
+    n = max((args.tensor_parallel_size or 1) * (args.prefill_context_parallel_size or 1),
+            args.decode_context_parallel_size or 1)  # DeployConfig.devices_per_replica
     if dp * n > 1 and os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
         from parallel.mesh import set_cpu_device_count
 
