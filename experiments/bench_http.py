@@ -3,6 +3,9 @@
 
     python -m experiments.bench_http --out results/bench_http [--concurrency 1 4] [--sessions 8]
 
+The workload is the serve experiment's default (8 OpenHands sessions of 13 turns at 1/128 scale) with 24
+output tokens per turn instead of 2, so that each request's TPOT averages 23 gaps.
+
 The client is the serve experiment's `experiments.workloads.ClosedLoopClient`, unchanged: in process it
 drives the engine; over HTTP it drives `HttpEngine`, which has the engine's interface (add_request /
 step / has_unfinished / clock) and sends each request as a streamed /v1/completions call with token-id
@@ -11,8 +14,10 @@ prompts, collecting each token's arrival time on the client. Both sides then sum
 JSON, the server's event loop and its engine thread cost on this machine. The server and the client
 share the machine's cores (on 2 cores they compete).
 
-Each point runs once untimed on each side first, so compilation is excluded (the server's programs
-load from a compilation cache the in-process engine filled), then the prefix cache is emptied
+Every bucket shape is compiled first (`runner.warmup()` in process; the server's `--warmup` loads
+them from the compilation cache that filled), and each point runs once untimed on each side; the
+compilations during the timed runs are counted (in process, and the server's `glm53:xla_compilations`)
+and should be 0. Then the prefix cache is emptied
 (`Engine.reset_prefix_cache`, the server's POST /reset_prefix_cache) and the timed run starts cold. The server uses a preset's random weights
 (`--seed`), and the in-process engine the same; at concurrency 1 the prompts are identical on both sides
 and so are the greedy tokens (`tokens_equal`); at higher concurrency the client's random new inputs
@@ -43,21 +48,11 @@ import numpy as np
 
 from experiments import workloads
 from experiments.common import REPO, cpu_name, git_revision
+from glm53.engine.plan import WallClock
 
 DEPLOY = {"max_model_len": 1024, "max_num_batched_tokens": 256, "max_num_seqs": 4, "block_size": 16}
 METRICS = ("ttft_median_s", "ttft_p90_s", "tpot_mean_s", "throughput_tok_s_per_device", "interactivity_tok_s_user",
            "requests", "output_tokens", "duration_s")
-
-
-class _Clock:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
-    def sleep(self, s: float) -> None:
-        time.sleep(max(0.0, s))
 
 
 class HttpEngine:
@@ -67,7 +62,7 @@ class HttpEngine:
 
     def __init__(self, port: int, model_name: str):
         self.port, self.model_name = port, model_name
-        self.clock = _Clock()
+        self.clock = WallClock()
         self._events: queue.Queue = queue.Queue()
         self._live: set[str] = set()
         self._n = 0
@@ -142,11 +137,11 @@ def _free_port() -> int:
 
 def start_server(preset: str, seed: int, cache_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
     port = _free_port()
-    args = [sys.executable, "-m", "glm53.serve", preset, "--seed", str(seed), "--port", str(port),
+    args = [sys.executable, "-m", "glm53.serve", preset, "--seed", str(seed), "--port", str(port), "--warmup",
             *[x for k, v in DEPLOY.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 1800  # --warmup: every bucket shape, loaded from the cache the client filled
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
@@ -157,6 +152,14 @@ def start_server(preset: str, seed: int, cache_dir: str, log: Path) -> tuple[sub
             time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"server did not come up: {log.read_text()[-2000:]}")
+
+
+def _server_compilations(port: int) -> int:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return int(next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name == "glm53:xla_compilations_total"))
 
 
 def run_point(engine, sessions, concurrency: int, vocab: int) -> tuple[list[str], float]:
@@ -181,6 +184,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=13)
     ap.add_argument("--scale", type=float, default=1 / 128)
+    ap.add_argument("--output-tokens", type=int, default=24,
+                    help="output tokens per turn (the scaled OpenHands turn has 2: too few to time streaming)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,17 +194,22 @@ def main(argv=None) -> dict:
 
     import glm53
     from glm53.engine.metrics import summarize
+    from glm53.engine.runner import CompileCounter
 
     cache = tempfile.mkdtemp(prefix="bench-http-jax-cache-")
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     model = glm53.init(args.preset, seed=args.seed)
     vocab = model.cfg.vocab_size
+    t0 = time.perf_counter()
+    shapes = glm53.Engine(model, glm53.DeployConfig(**DEPLOY)).runner.warmup()  # fills the shared cache
+    print(f"compiled {shapes} bucket shapes in {time.perf_counter() - t0:.0f} s", flush=True)
     proc, port = start_server(args.preset, args.seed, cache, out / "server.log")
     runs = []
     try:
         for c in args.concurrency:
-            sessions = workloads.openhands_sessions(args.sessions, scale=args.scale, turns=args.turns)
+            sessions = workloads.openhands_sessions(args.sessions, scale=args.scale, turns=args.turns,
+                                                    output=round(args.output_tokens / args.scale))
             point = {"concurrency": c, "sessions": len(sessions)}
             for side in ("in_process", "http"):
                 # one engine per side and point: a first run compiles (in process) or loads (server) its
@@ -212,7 +222,11 @@ def main(argv=None) -> dict:
                 else:
                     urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache",
                                                                   method="POST"), timeout=60)
-                ids, wall = run_point(eng, sessions, c, vocab)
+                before = _server_compilations(port)
+                with CompileCounter() as compiles:
+                    ids, wall = run_point(eng, sessions, c, vocab)
+                point[f"{side}_compilations"] = (compiles.count if side == "in_process"
+                                                 else _server_compilations(port) - before)
                 if side == "in_process":
                     m = eng.metrics(ids)
                     tokens = [eng.output(r).token_ids.tolist() for r in ids]
@@ -241,7 +255,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "bench_http", "date": time.strftime("%Y-%m-%d"), "git_commit": git_revision(),
               "machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "preset": args.preset, "deploy": DEPLOY,
               "workload": {"kind": "openhands", "sessions": args.sessions, "turns": args.turns, "scale": args.scale,
-                           "think_time_scale": 0.0},
+                           "output_tokens_per_turn": args.output_tokens, "think_time_scale": 0.0},
               "runs": runs}
     (out / "results.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "http_vs_in_process.png")

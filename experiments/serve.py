@@ -65,7 +65,10 @@ def default_config() -> ConfigDict:
     # "model": run the model; "sim": price each step with the performance model on `hardware` (a name in
     # glm53.perfmodel.HARDWARE) on a virtual clock; step_overhead_s and hisparse_miss_fraction are the
     # simulator's assumptions (glm53.engine.sim)
-    c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1))
+    # tier_bandwidth_scale: multiplies the read and write bandwidth of every simulated secondary tier's medium
+    # (glm53.perfmodel.STORAGE; "fs": one NVMe SSD), for asking how fast the storage must be
+    c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1,
+                               tier_bandwidth_scale=1.0))
     # "replay": serve each sweep point once untimed first (the schedule is deterministic without think
     # time, so the measured run reuses its programs); "buckets": compile every bucket shape up front
     # (exact, slower: rows x widths x windows programs); "none": compile as they go
@@ -130,8 +133,22 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
     r = cfg.runner
     if r.hardware not in HARDWARE:
         raise ValueError(f"runner.hardware must be one of {sorted(HARDWARE)}, got {r.hardware!r}")
-    return sim.build_engine(model, _deploy(cfg, kv_policy), HARDWARE[r.hardware], step_overhead_s=r.step_overhead_s,
-                            hisparse_miss_fraction=r.hisparse_miss_fraction)
+    # a filesystem tier is simulated (kvcache.tiers.sim): its root_dir is never written
+    return sim.build_engine(model, _deploy(cfg, kv_policy, tier_root or "unused"), HARDWARE[r.hardware],
+                            step_overhead_s=r.step_overhead_s, hisparse_miss_fraction=r.hisparse_miss_fraction,
+                            tier_storage=_tier_storage(cfg))
+
+
+def _tier_storage(cfg: ConfigDict) -> dict:
+    """The media of the simulated secondary tiers: glm53.perfmodel.STORAGE, bandwidths times
+    runner.tier_bandwidth_scale."""
+    from glm53.perfmodel import STORAGE
+
+    scale = cfg.runner.get("tier_bandwidth_scale", 1.0)
+    if not scale > 0:
+        raise ValueError(f"runner.tier_bandwidth_scale must be > 0, got {scale!r}")
+    return {kind: dataclasses.replace(m, read_bandwidth=m.read_bandwidth * scale,
+                                      write_bandwidth=m.write_bandwidth * scale) for kind, m in STORAGE.items()}
 
 
 def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
@@ -218,6 +235,12 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
                  assumed_hisparse_miss_fraction=cfg.runner.hisparse_miss_fraction,
                  assumed_step_overhead_s=cfg.runner.step_overhead_s,
                  sim_hot_miss_rows=sum(r.runner.hot_miss_rows for r in eng.replicas))
+        tiers = [t for r in eng.replicas if r.runner.tiers is not None for t in r.runner.tiers.tiers]
+        if tiers:  # each simulated tier's device: seconds its read / write channel was busy, per simulated second
+            span = max(eng.clock.now(), 1e-12)
+            m["sim_tier_busy_frac"] = {t.name: {"read": t.reads.busy_s / span, "write": t.writes.busy_s / span}
+                                       for t in tiers}
+            m["assumed_tier_storage"] = {k: dataclasses.asdict(v) for k, v in _tier_storage(cfg).items()}
     return m
 
 
@@ -242,7 +265,8 @@ def warm_up(model, cfg: ConfigDict) -> float:
 
 def plot(runs: list[dict], out: Path) -> None:
     """Redraw a sweep's figures from its runs alone (results.json's "runs"): out/throughput_vs_interactivity.png,
-    out/running_requests_vs_concurrency.png and out/throughput_vs_concurrency.png (log-scale x)."""
+    out/running_requests_vs_concurrency.png, and out/throughput_vs_concurrency.png and
+    out/prefix_hit_rate_vs_concurrency.png (log-scale x)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -258,7 +282,9 @@ def plot(runs: list[dict], out: Path) -> None:
                ("running_requests_vs_concurrency.png", "concurrency", "running_requests_mean", "concurrency (users)",
                 "running requests (mean over the run)"),
                ("throughput_vs_concurrency.png", "concurrency", "throughput_tok_s_per_device", "concurrency (users)",
-                "throughput (tok/s per device, cached input included)"))
+                "throughput (tok/s per device, cached input included)"),
+               ("prefix_hit_rate_vs_concurrency.png", "concurrency", "prefix_hit_rate", "concurrency (users)",
+                "prefix hit rate (prompt tokens served from a cache)"))
     for name, xk, yk, xlabel, ylabel in figures:
         fig, ax = plt.subplots(figsize=(6, 4.2))
         for policy, rs in policies.items():
@@ -267,7 +293,7 @@ def plot(runs: list[dict], out: Path) -> None:
                 for r in rs:
                     ax.annotate(f"c{r['concurrency']}", (r[xk], r[yk]), textcoords="offset points", xytext=(4, 4),
                                 fontsize=8)
-        if name == "throughput_vs_concurrency.png":
+        if name.endswith("_vs_concurrency.png") and name != "running_requests_vs_concurrency.png":
             ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -300,8 +326,10 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"unrecognised arguments: {' '.join(bad)}")
     cfg = load_config(args.config, overrides, default=default_config)
-    devices = cfg.deploy.get("data_parallel_size", 1) * max(cfg.deploy.get("prefill_context_parallel_size", 1),
-                                                            cfg.deploy.get("decode_context_parallel_size", 1))
+    get = cfg.deploy.get  # DeployConfig.devices_per_replica x data_parallel_size, before JAX starts
+    per_replica = max(get("tensor_parallel_size", 1) * get("prefill_context_parallel_size", 1),
+                      get("decode_context_parallel_size", 1))
+    devices = get("data_parallel_size", 1) * per_replica
     if devices > 1 and not simulated(cfg):  # a parallel deployment: on CPU, simulate its devices (before JAX starts)
         from parallel.mesh import set_cpu_device_count
 

@@ -333,6 +333,21 @@ class OffloadPolicy(PreemptPolicy):
         if failed and self.load_failure_policy == "fail":
             raise RuntimeError(f"secondary-tier loads failed (kv_load_failure_policy='fail'): {failed}")
 
+    def admission_counts(self) -> tuple[int, ...]:
+        """Each tier's lookups answered MISS and RETRY."""
+        return tuple(n for c in self.tier_counts.values() for n in (c.misses, c.retries))
+
+    def add_admission_counts(self, delta: tuple[int, ...]) -> None:
+        for c, (misses, retries) in zip(self.tier_counts.values(), zip(delta[::2], delta[1::2])):
+            c.misses += misses
+            c.retries += retries
+
+    def has_transfers(self) -> bool:
+        """Operations not yet taken, or tier loads not yet reported: their host pages stay reserved until
+        a step reads the results, so the engine keeps stepping even when the request that started them
+        was aborted and nothing else runs."""
+        return bool(self.outbox) or bool(self.jobs)
+
     def drop(self, kv: KVCacheManager, req: RequestView) -> None:
         """Its pinned host pages are released; loads it started finish for the requests also waiting on
         them, or land in the host tier unpinned (`on_tier_results` pins only for a request still waiting)."""
@@ -351,7 +366,9 @@ class OffloadPolicy(PreemptPolicy):
         self.stored.pop(req.req_id, None)
 
     def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
-        return tuple(p.version for p in self.host.values())  # admission reads the host pools; make_room nothing
+        # admission reads the host pools and asks the tiers (whose answers change as stores land and
+        # chunks go); make_room reads nothing
+        return tuple(p.version for p in self.host.values()), self.tiers.version() if self.tiers is not None else None
 
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         return sum(len(p) for p in self.pending.get(req.req_id, (0, {}))[1].values())

@@ -64,6 +64,14 @@ class KVPolicy(Protocol):
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         """Undo `admit` (the request did not fit after all)."""
 
+    def admission_counts(self) -> tuple[int, ...]:
+        """Counters of the policy's own that an admission attempt moves even when the request then does not
+        fit (e.g. secondary-tier lookups answered MISS): the scheduler adds a failed attempt's change again
+        when it skips an identical retry (`add_admission_counts`), so skipping changes no count."""
+
+    def add_admission_counts(self, delta: tuple[int, ...]) -> None:
+        """Add `delta` (a difference of two `admission_counts`) to those counters."""
+
     def drop(self, kv: KVCacheManager, req: RequestView) -> None:
         """Waiting `req` leaves for good (aborted): release whatever the policy holds for it (saved KV,
         host pages pinned for it, its place in tier loads)."""
@@ -147,6 +155,12 @@ class PreemptPolicy:
         pass
 
     def drop(self, kv: KVCacheManager, req: RequestView) -> None:
+        pass
+
+    def admission_counts(self) -> tuple[int, ...]:
+        return ()
+
+    def add_admission_counts(self, delta: tuple[int, ...]) -> None:
         pass
 
     def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:

@@ -1,7 +1,8 @@
 """Serving metrics from an engine run: latency, interactivity, throughput, memory traffic, cache reuse.
 
 Definitions (times in seconds on the engine's clock):
-- TTFT: first token time - arrival time, per request.
+- TTFT: first token time - arrival time, per request (latencies leave out requests aborted before
+  their first token; every request's tokens count in throughput).
 - TPOT: (finish - first token) / (output tokens - 1), per request with >= 2 output tokens.
 - interactivity_tok_s_user: 1000 / mean TPOT in ms (tokens per second one user sees while decoding).
 - interactivity_p90_e2e_tok_s_user: the 90th percentile over requests of output tokens / (finish -
@@ -29,16 +30,17 @@ def summarize(outputs: Sequence[RequestOutput], *, duration_s: float, num_device
         raise ValueError("no finished requests to summarize")
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
-    ttft = np.asarray([o.first_token_s - o.arrival_s for o in outputs])
-    tpot = np.asarray([(o.finish_s - o.first_token_s) / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1])
-    e2e_rate = np.asarray([len(o.token_ids) / (o.finish_s - o.arrival_s) for o in outputs if o.finish_s > o.arrival_s])
+    timed = [o for o in outputs if o.first_token_s is not None]  # an aborted request may have no token
+    ttft = np.asarray([o.first_token_s - o.arrival_s for o in timed])
+    tpot = np.asarray([(o.finish_s - o.first_token_s) / (len(o.token_ids) - 1) for o in timed if len(o.token_ids) > 1])
+    e2e_rate = np.asarray([len(o.token_ids) / (o.finish_s - o.arrival_s) for o in timed if o.finish_s > o.arrival_s])
     tokens = sum(o.prompt_ids.size + len(o.token_ids) for o in outputs)
     out = {
         "requests": len(outputs),
         "output_tokens": int(sum(len(o.token_ids) for o in outputs)),
         "duration_s": float(duration_s),
-        "ttft_median_s": float(np.median(ttft)),
-        "ttft_p90_s": float(np.percentile(ttft, 90)),
+        "ttft_median_s": float(np.median(ttft)) if ttft.size else float("nan"),
+        "ttft_p90_s": float(np.percentile(ttft, 90)) if ttft.size else float("nan"),
         "tpot_mean_s": float(tpot.mean()) if tpot.size else float("nan"),
         "interactivity_tok_s_user": float(1000.0 / (tpot.mean() * 1000.0)) if tpot.size and tpot.mean() > 0
         else float("nan"),

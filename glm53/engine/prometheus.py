@@ -29,7 +29,8 @@ the engine's steps (`Engine.add_observer`). Every metric carries the labels `mod
   `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
   `vllm:spec_decode_num_accepted_tokens_per_pos{position}` (glm53.engine.spec_decode.SpecDecodeStats);
   the mean acceptance length is 1 + accepted / drafts.
-- This project's own figures under `glm53:` (recomputed tokens, host link bytes, engine steps).
+- This project's own figures under `glm53:` (recomputed tokens, host link bytes, engine steps, XLA
+  compilations in this process).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
+import jax
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
@@ -84,8 +86,14 @@ class ServingMetrics:
         tokens = _token_buckets(engine.deploy.max_model_len)
         self.req_prompt = h("vllm:request_prompt_tokens", "Prompt tokens per finished request.", tokens)
         self.req_generation = h("vllm:request_generation_tokens", "Generated tokens per finished request.", tokens)
+        self.compilations = 0  # XLA programs compiled in this process since (JAX's monitoring events)
+        jax.monitoring.register_event_duration_secs_listener(self._on_compile)
         self.registry.register(_Collector(self))
         engine.add_observer(self)
+
+    def _on_compile(self, event, duration_s, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.compilations += 1
 
     # ------------------------------------------------------------------------------ engine observer
     def on_step(self, engine, tokens: Iterable[tuple[str, int, bool]], finished) -> None:
@@ -161,6 +169,9 @@ class _Collector:
         d2h = family(CounterMetricFamily, "glm53:device_to_host_bytes", "KV bytes copied device -> host.")
         h2d = family(CounterMetricFamily, "glm53:host_to_device_bytes", "KV bytes copied host -> device.")
         steps = family(CounterMetricFamily, "glm53:scheduler_steps", "Scheduler steps that ran requests.")
+        compiles = CounterMetricFamily("glm53:xla_compilations", "XLA programs compiled by this process (a warm "
+                                       "server compiles none while serving).", labels=["model_name"])
+        compiles.add_metric([m.model_name], m.compilations)
         hs_hits = family(CounterMetricFamily, "vllm:hisparse_cache_hits", "HiSparse hot-buffer hits.")
         hs_misses = family(CounterMetricFamily, "vllm:hisparse_cache_misses", "HiSparse hot-buffer misses.")
         hs_bytes = family(CounterMetricFamily, "vllm:hisparse_host_to_device_bytes",
@@ -228,7 +239,7 @@ class _Collector:
                         if h is not None and h.count:
                             fam.add_metric(lv + [t.name], h.prometheus_buckets(), h.sum)
         yield from (running, waiting, usage, info, queries, hits, preempt, prompt, gen, success, recomputed, d2h,
-                    h2d, steps)
+                    h2d, steps, compiles)
         if d.num_speculative_tokens:
             yield from (*spec.values(), per_pos)
         if d.kv_policy == "hisparse":

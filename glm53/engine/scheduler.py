@@ -88,7 +88,7 @@ class Scheduler:
         self.resolve = ResolveStats()
         self.lost_tokens: dict[str, int] = {}  # per request: computed tokens dropped by preemption, not yet redone
         # the head of the queue that did not fit: (request, `_admission_signature` after the attempt, the
-        # prefix-cache queries and hits its admission counted); see `schedule`
+        # counters its admission moved, `_attempt_counts`); see `schedule`
         self._unfit: tuple | None = None
         self.skipped_admissions = 0  # retries skipped because nothing they read had changed
         self.idle_wait = False  # the last step scheduled nothing because its waiting requests wait for tier loads
@@ -210,13 +210,13 @@ class Scheduler:
                 # it did not fit and nothing its admission reads has changed since: the retry would take
                 # the same prefix, fail again and give it back, leaving every pool as it is now
                 if not self.verify_skipped_admissions:
-                    self.kv.pool.stats.queries += self._unfit[2]
-                    self.kv.pool.stats.hits += self._unfit[3]
+                    self._add_attempt_counts(self._unfit[2])
                     self.skipped_admissions += 1
                     break
                 before = self._admission_state()
             pool_stats = self.kv.pool.stats
             queries, hits = pool_stats.queries, pool_stats.hits
+            counts = self._attempt_counts()
             saved = self.policy.saved_tokens(req)
             if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
                 self.kv.admit(req.req_id, req.tokens, req.extra_keys, use_prefix_cache=False)
@@ -230,7 +230,6 @@ class Scheduler:
                 pool_stats.queries, pool_stats.hits = queries, hits  # counted when it is admitted
                 skip, waited = skip + 1, True
                 continue
-            queries, hits = pool_stats.queries - queries, pool_stats.hits - hits
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._fits(req, n) and self.policy.make_room(self.kv, self.running, self._need(req, n)):
                 pass
@@ -238,9 +237,10 @@ class Scheduler:
                 self.policy.forget(self.kv, req)
                 self.kv.free(req.req_id, keep_hashes=True)  # give back the prefix hit; admit again when there is room
                 req.num_computed_tokens = 0
+                delta = tuple(a - b for a, b in zip(self._attempt_counts(), counts))
                 if before is not None:
-                    self._check_skip(before, queries, hits)
-                self._unfit = (req, self._admission_signature(req, budget), queries, hits)
+                    self._check_skip(before, delta)
+                self._unfit = (req, self._admission_signature(req, budget), delta)
                 break
             if before is not None:
                 raise AssertionError(f"step {self.stats.steps}: a skipped admission of {req.req_id!r} would have succeeded")
@@ -310,23 +310,36 @@ class Scheduler:
         def is_pools(v):  # a pool, or a dict of them (the offload tier's per group)
             return isinstance(v, BlockPool) or (isinstance(v, dict) and v and all(isinstance(x, BlockPool) for x in v.values()))
 
-        pol = {k: v for k, v in vars(self.policy).items() if not is_pools(v)}
+        from kvcache.tiers import TierSet
+
+        # secondary tiers are compared by what a lookup would answer (their version), not by identity
+        pol = {k: v.version() if isinstance(v, TierSet) else v for k, v in vars(self.policy).items() if not is_pools(v)}
         pools = [self.kv.pool] + [p for v in vars(self.policy).values() if is_pools(v)
                                   for p in (v.values() if isinstance(v, dict) else (v,))]
         kv = ({r: (copy.deepcopy(rb.tables), rb.num_cached_blocks, len(rb.hashes)) for r, rb in self.kv.requests.items()},
               copy.deepcopy(self.kv.leases), {r: (k, list(h)) for r, (k, h) in self.kv._kept_hashes.items()})
         return [p.state() for p in pools], kv, copy.deepcopy(pol), [r.num_computed_tokens for r in self.running]
 
-    def _check_skip(self, before: tuple, queries: int, hits: int) -> None:
-        pool_stats = self.kv.pool.stats
-        pool_stats.queries -= queries  # the one thing a retry moves: compare without it
-        pool_stats.hits -= hits
+    def _attempt_counts(self) -> tuple[int, ...]:
+        """The counters an admission attempt moves even when it fails: the device pool's prefix-cache
+        queries and hits, and the policy's (`KVPolicy.admission_counts`: e.g. secondary-tier lookups)."""
+        st = self.kv.pool.stats
+        return st.queries, st.hits, *self.policy.admission_counts()
+
+    def _add_attempt_counts(self, delta: tuple[int, ...], sign: int = 1) -> None:
+        """Count a skipped attempt as if it had run (sign -1: take a run attempt's counts back out)."""
+        st = self.kv.pool.stats
+        st.queries += sign * delta[0]
+        st.hits += sign * delta[1]
+        self.policy.add_admission_counts(tuple(sign * d for d in delta[2:]))
+
+    def _check_skip(self, before: tuple, delta: tuple[int, ...]) -> None:
+        self._add_attempt_counts(delta, -1)  # the one thing a retry moves: compare without it
         try:
             after = self._admission_state()
         finally:
-            pool_stats.queries += queries
-            pool_stats.hits += hits
-        if (queries, hits) != self._unfit[2:] or after != before:
+            self._add_attempt_counts(delta)
+        if delta != self._unfit[2] or after != before:
             raise AssertionError(f"step {self.stats.steps}: a skipped admission would have changed the state")
         self.skipped_admissions += 1
 

@@ -20,6 +20,15 @@ What the simulator does not know (it has no arrays), and assumes instead:
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
+
+Secondary tiers (the offload host tier's filesystem tier and the like) are simulated
+(kvcache.tiers.sim.SimTier, made by `SyntheticRunner.make_tiers`): the same offload policy, RETRY
+admissions and TierStore / TierLoad operations, with each store and load finishing after its modelled
+time on the medium `tier_storage` gives the tier's type (glm53.perfmodel.STORAGE: "fs" is one local
+NVMe SSD). Time: a step's tier jobs are submitted at its start; the loads finished by its end (start +
+its price) are reported in its StepResult.tier_loads; a step with no rows while tier jobs are pending
+(every waiting request waits on a tier) lasts until the first of them finishes, so a RETRY admission
+waits simulated time.
 """
 
 from __future__ import annotations
@@ -34,11 +43,12 @@ from glm53.engine.engine import Engine
 from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock
 from glm53.engine.runner import forward_groups, step_limits
 from glm53.engine.synthetic import SyntheticRunner
-from glm53.perfmodel import H200_CALIBRATED, HardwareSpec
+from glm53.perfmodel import H200_CALIBRATED, STORAGE, HardwareSpec, StorageSpec
 from glm53.perfmodel.cost import StepCost
 from glm53.perfmodel.step import Deployment, mtp_draft_cost, step_cost
 from kvcache.layout import DEFAULT_INDEX_FORMAT
-from kvcache.transfer import ResetLease
+from kvcache.tiers.sim import TierCosts
+from kvcache.transfer import ResetLease, TierLoad, TierStore
 
 SIM_DTYPE = "bfloat16"  # what "auto" KV means for a model without weights (the checkpoints' dtype)
 
@@ -51,7 +61,7 @@ def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | 
                       dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
-                      include_mtp=deploy.num_speculative_tokens > 0)
+                      include_mtp=deploy.num_speculative_tokens > 0, hisparse=deploy.kv_policy == "hisparse")
 
 
 class _Row(typing.NamedTuple):  # what step_cost reads of a plan row
@@ -63,6 +73,12 @@ class _Row(typing.NamedTuple):  # what step_cost reads of a plan row
 
 class _Rows(typing.NamedTuple):
     rows: tuple
+
+
+def tier_costs(storage: StorageSpec) -> TierCosts:
+    """A simulated tier's device costs from a perfmodel StorageSpec."""
+    return TierCosts(read_bytes_per_s=storage.read_bandwidth, write_bytes_per_s=storage.write_bandwidth,
+                     read_latency_s=storage.read_latency_s, write_latency_s=storage.write_latency_s)
 
 
 def forward_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, rows: int, width: int, window: int, *,
@@ -105,6 +121,9 @@ class SimRunner(SyntheticRunner):
         (a forward whose rows sample nothing is not waited for: the next step waits behind it). Needs
         `clock` (the engine's VirtualClock; build_engine passes it). Off (the default), a step is its
         host parts plus its priced work.
+    tier_storage: per secondary-tier type, the medium its simulated tier runs on (glm53.perfmodel.STORAGE
+        by default: "fs" on one NVMe SSD); a type without one cannot be simulated. Tier jobs follow the
+        engine's `clock` (without one, the runner's own sum of step times).
     After each step: `busy_s` (priced seconds so far), `time_by_op` (seconds per cost name, summed),
     `steps`.
     """
@@ -112,7 +131,8 @@ class SimRunner(SyntheticRunner):
     def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200_CALIBRATED, *,
                  step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, weight_bytes: float | None = None,
                  token=None, record: bool = False, pad_like_runner: bool = False, async_dispatch: bool = False,
-                 host_overlap_s: float = 0.0, clock: VirtualClock | None = None):
+                 host_overlap_s: float = 0.0, clock: VirtualClock | None = None,
+                 tier_storage: typing.Mapping[str, StorageSpec] | None = None):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
         if not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1:
@@ -123,7 +143,9 @@ class SimRunner(SyntheticRunner):
             raise ValueError("SimRunner: the simulator has no draft model to measure acceptance with: give "
                              "speculative_config rejection_sample_method='synthetic' with synthetic_acceptance_length "
                              "(or _rates)")
-        super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record, spec=spec)
+        storage = STORAGE if tier_storage is None else tier_storage
+        super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record,
+                         {kind: tier_costs(m) for kind, m in storage.items()}, spec=spec)
         self.cfg, self.hw, self.deploy = cfg, hw, deploy
         self.verify_width = 1 + deploy.num_speculative_tokens if spec is not None else 0
         self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes)
@@ -153,9 +175,12 @@ class SimRunner(SyntheticRunner):
         return total
 
     def execute(self, plan: StepPlan) -> StepResult:
-        res = super().execute(plan)
+        if self.clock is not None:
+            self._t = max(self._t, self.clock.now())  # this step starts now: its tier jobs are submitted now
+        res = self._run(plan)
         misses = self._miss_rows(plan)
-        moves = sum(1 for op in plan.transfers if not isinstance(op, ResetLease))
+        # host <-> storage operations do not use the device link
+        moves = sum(1 for op in plan.transfers if not isinstance(op, (ResetLease, TierStore, TierLoad)))
         # a page holds every DCP rank's share; each GPU moves its own over its own link
         n = self.dep.dcp
         kw = dict(d2h_bytes=res.d2h_bytes / n, h2d_bytes=res.h2d_bytes / n, host_transfers=moves)
@@ -200,13 +225,16 @@ class SimRunner(SyntheticRunner):
             seconds = work + self.step_overhead_s + self.host_overlap_s
         self.busy_s += work + self.step_overhead_s + self.host_overlap_s
         self.hot_miss_rows += misses
-        return dataclasses.replace(res, duration_s=seconds)
+        seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
+        return dataclasses.replace(res, duration_s=seconds, tier_loads=loads)
 
 
 def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: HardwareSpec = H200_CALIBRATED, **runner_kw) -> Engine:
     """An Engine over `cfg` (no weights) whose replicas each run a SimRunner on `hw`, on a VirtualClock.
     None fields of `deploy` resolve as on CPU (vLLM's CPU batch limits, a 4 GiB KV budget): set
-    max_num_batched_tokens, max_num_seqs and kv_cache_memory_bytes (per GPU) for an H200 deployment."""
+    max_num_batched_tokens, max_num_seqs and kv_cache_memory_bytes (per GPU) for an H200 deployment.
+    Secondary tiers in `deploy` (kv_transfer_config's secondary_tiers) are simulated on the media of
+    `runner_kw["tier_storage"]` (default glm53.perfmodel.STORAGE); their root_dir and the like are not used."""
     d = (deploy or DeployConfig()).resolved(cfg, SIM_DTYPE)
     sizes = d.kv_sizes(cfg, SIM_DTYPE)
     clock = VirtualClock()

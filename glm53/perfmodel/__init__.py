@@ -9,8 +9,9 @@ crossovers, parameter and weight counts). Everything public is re-exported here.
 
 Everything is derived from a `ModelConfig` (the model's shapes), a `HardwareSpec` (datasheet peaks plus
 named, documented achievable efficiencies that are the same for every figure) and a step's shapes.
-`H200` is the datasheet spec; `H200_CALIBRATED` (`HARDWARE["h200"]`) has GEMM and collective
-efficiencies fitted on published kernel tables (`calibration`), never on an end-to-end serving figure.
+`H200` is the datasheet spec; `H200_CALIBRATED` (`HARDWARE["h200"]`) has GEMM, collective, sparse-MLA
+(FlashMLA kernel model) and indexer constants fitted on published kernel tables (`calibration`), never on
+an end-to-end serving figure.
 docs/perfmodel.md lists the published values the model reproduces or predicts and the formula behind each.
 
 Conventions
@@ -38,25 +39,28 @@ Conventions
 from glm53.perfmodel.cost import (DCP_GATHER, OVERLAPS, Cost, StepCost, all_gather, all_reduce, all_to_all,
                                   host_copy, reduce_scatter, total)
 from glm53.perfmodel.hardware import (BF16, FP8_WEIGHT_BYTES, FP32, H200, H200_CALIBRATED, INDEX_BYTES,
-                                      PUBLISHED_KV_BUDGET_BYTES_TP8, HARDWARE, GiB, HardwareSpec)
+                                      PUBLISHED_KV_BUDGET_BYTES_TP8, HARDWARE, NVME_GEN4, STORAGE, GiB,
+                                      HardwareSpec, StorageSpec)
 from glm53.perfmodel.ops import (dcp_context_allgather, dcp_decode_merge, dcp_topk_merge, dense_mha_prefill,
                                  dense_mlp, expected_remote_ranks, expected_touched_experts, hisparse_row_copy,
                                  indexer_pair_flops, indexer_scores, indexer_topk, kv_bytes_by_component,
                                  kv_bytes_per_gpu, lm_head, max_context_tokens, mla_projections, moe, padded_heads,
-                                 pcp_kv_allgather, sparse_mla, sparse_mla_flops_per_row_head, sparse_mla_intensity,
-                                 sparse_mla_qo_bytes_per_head)
-from glm53.perfmodel.step import decode_step, prefill_step
+                                 pcp_kv_allgather, sparse_decode_units, sparse_mla, sparse_mla_flops_per_row_head,
+                                 sparse_mla_intensity, sparse_mla_qo_bytes_per_head, sparse_mla_upconvert)
+from glm53.perfmodel.step import decode_step, prefill_step, sparse_prefill_kernel
 from glm53.perfmodel.studies import (causal_pairs, crossover_prompt_len, param_counts,
                                      prefill_flops_per_gpu, sparse_rows_total, weight_bytes_per_gpu)
 
 __all__ = [
     "DCP_GATHER", "OVERLAPS", "Cost", "StepCost", "all_gather", "all_reduce", "all_to_all", "host_copy",
     "reduce_scatter", "total", "BF16", "FP8_WEIGHT_BYTES", "FP32", "H200", "INDEX_BYTES",
-    "H200_CALIBRATED", "PUBLISHED_KV_BUDGET_BYTES_TP8", "HARDWARE", "GiB", "HardwareSpec", "dcp_context_allgather", "dcp_decode_merge",
+    "H200_CALIBRATED", "PUBLISHED_KV_BUDGET_BYTES_TP8", "HARDWARE", "NVME_GEN4", "STORAGE", "GiB", "HardwareSpec",
+    "StorageSpec", "dcp_context_allgather", "dcp_decode_merge",
     "dcp_topk_merge", "dense_mha_prefill", "dense_mlp", "expected_remote_ranks", "expected_touched_experts",
     "hisparse_row_copy", "indexer_pair_flops", "indexer_scores", "indexer_topk", "kv_bytes_by_component",
     "kv_bytes_per_gpu", "lm_head", "max_context_tokens", "mla_projections", "moe", "padded_heads",
-    "pcp_kv_allgather", "sparse_mla", "sparse_mla_flops_per_row_head", "sparse_mla_intensity",
-    "sparse_mla_qo_bytes_per_head", "decode_step", "prefill_step", "causal_pairs",
+    "pcp_kv_allgather", "sparse_decode_units", "sparse_mla", "sparse_mla_flops_per_row_head", "sparse_mla_intensity",
+    "sparse_mla_qo_bytes_per_head", "sparse_mla_upconvert", "decode_step", "prefill_step", "sparse_prefill_kernel",
+    "causal_pairs",
     "crossover_prompt_len", "param_counts", "prefill_flops_per_gpu", "sparse_rows_total", "weight_bytes_per_gpu"
 ]

@@ -3,8 +3,10 @@ context, jobs, their results, a tier's counters and the `SecondaryTier` protocol
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -122,3 +124,36 @@ class SecondaryTier(Protocol):
 
     def shutdown(self, wait: bool = True) -> None:
         """Finish (wait=True) or drop pending jobs and stop the tier's threads; idempotent."""
+
+
+class TierBookkeeping:
+    """What the tiers built here share: a lock, the queue of finished jobs `get_finished_jobs` hands out,
+    and the log of removed chunks for KV events (`log_removals` turns it on, `take_removed` empties it;
+    a tier records a removal with `_note_removed_key` under its lock)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._finished: collections.deque[JobResult] = collections.deque()
+        self._removed: list[bytes] | None = None  # None: nobody asked (no events), so nothing is kept
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        with self._lock:
+            out = list(self._finished)
+            self._finished.clear()
+        return out
+
+    def log_removals(self) -> None:
+        """From now on note the key of every chunk this tier deletes or finds gone, for `take_removed`."""
+        with self._lock:
+            if self._removed is None:
+                self._removed = []
+
+    def take_removed(self) -> list[bytes]:
+        with self._lock:
+            out, self._removed = (self._removed or []), ([] if self._removed is not None else None)
+        return out
+
+    def _note_removed_key(self, key: bytes) -> None:
+        """Under the lock: chunk `key` is gone."""
+        if self._removed is not None:
+            self._removed.append(key)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcache.tiers.base import JobResult, LoadJob, Lookup, StoreJob, TierStats
+from kvcache.tiers.base import JobResult, LoadJob, Lookup, StoreJob, TierBookkeeping, TierStats
 from kvcache.tiers.format import HEADER, SUFFIX, as_bytes, chunk_name, encode_header, header_ok
 
 __all__ = ["HEADER", "FileTier", "check_options"]
@@ -52,7 +52,7 @@ def check_options(opts: dict) -> None:
             raise ValueError(f"secondary tier 'fs': {k} must be a positive int, got {v!r}")
 
 
-class FileTier:
+class FileTier(TierBookkeeping):
     """A SecondaryTier (kvcache.tiers) on a directory. See the module docstring."""
 
     kv_event_locality = "LOCAL"  # KV events (kvcache.events): medium "STORAGE", a local filesystem
@@ -67,12 +67,10 @@ class FileTier:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.stats = TierStats()
-        self._lock = threading.Lock()
+        super().__init__()  # the lock, the finished jobs, the removal log
         self._inflight: collections.Counter[bytes] = collections.Counter()  # keys being written
-        self._finished: collections.deque[JobResult] = collections.deque()
         self._known: collections.OrderedDict[str, int] = collections.OrderedDict()  # path -> bytes, LRU first
         self._bytes = 0
-        self._removed: list[bytes] | None = None  # keys of chunk files deleted or found gone (log_removals)
         self._scan()
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix=f"{name}-read")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix=f"{name}-write")
@@ -120,28 +118,9 @@ class FileTier:
             raise RuntimeError(f"tier {self.name!r} is shut down")
         self._readers.submit(self._load, job, time.perf_counter())
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        with self._lock:
-            out = list(self._finished)
-            self._finished.clear()
-        return out
-
-    def log_removals(self) -> None:
-        """From now on note the key of every chunk file this tier deletes (eviction, a corrupt chunk) or
-        finds gone, for `take_removed` (KV events). Files other processes delete unseen are not noted."""
-        with self._lock:
-            if self._removed is None:
-                self._removed = []
-
-    def take_removed(self) -> list[bytes]:
-        with self._lock:
-            out, self._removed = (self._removed or []), ([] if self._removed is not None else None)
-        return out
-
     def _note_removed(self, p: str) -> None:
         """Under the lock: chunk file `p` is gone."""
-        if self._removed is not None:
-            self._removed.append(bytes.fromhex(os.path.basename(p)[: -len(SUFFIX)]))
+        self._note_removed_key(bytes.fromhex(os.path.basename(p)[: -len(SUFFIX)]))
 
     def shutdown(self, wait: bool = True) -> None:
         if self._closed:

@@ -59,7 +59,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from kvcache.tiers.base import JobResult, LoadJob, Lookup, StoreJob, TierStats
+from kvcache.tiers.base import JobResult, LoadJob, Lookup, StoreJob, TierBookkeeping, TierStats
 from kvcache.tiers.format import HEADER, SUFFIX, as_bytes, chunk_name, decode, encode_header
 
 __all__ = ["OPTIONS", "ObjTierStats", "ObjectTier", "check_options"]
@@ -180,7 +180,7 @@ class _Pending:
         self.payloads: list = [None] * n
 
 
-class ObjectTier:
+class ObjectTier(TierBookkeeping):
     """A SecondaryTier (kvcache.tiers) on an S3 bucket. See the module docstring."""
 
     def __init__(self, *, fingerprint: str, bucket: str, endpoint_override: str | None = None,
@@ -215,9 +215,8 @@ class ObjectTier:
 
         self._client.meta.events.unregister("before-call.s3", add_expect_header)
         self.stats = ObjTierStats()
-        self._lock = threading.Lock()
+        super().__init__()  # the lock, the finished jobs, the removal log
         self._inflight: collections.Counter[bytes] = collections.Counter()  # keys being stored
-        self._finished: collections.deque[JobResult] = collections.deque()
         # the chunks known to be in the bucket: key -> (object bytes, when last confirmed), LRU first
         self._index: collections.OrderedDict[bytes, tuple[int, float]] = collections.OrderedDict()
         self._bytes = 0
@@ -283,12 +282,6 @@ class ObjectTier:
         self._finish_if_empty(state)
         for i, (key, size) in enumerate(zip(job.keys, job.sizes)):
             self._readers.submit(self._load_one, state, i, key, size)
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        with self._lock:
-            out = list(self._finished)
-            self._finished.clear()
-        return out
 
     def shutdown(self, wait: bool = True) -> None:
         """wait=True: finish pending stores and loads (each bounded by the retry budget; once the tier is
@@ -482,10 +475,13 @@ class ObjectTier:
         self._bytes += nbytes
 
     def _forget(self, key: bytes) -> None:
+        """`key` is gone from the bucket (found missing, or deleted as corrupt): out of the index, noted
+        for KV events."""
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
                 self._bytes -= old[0]
+                self._note_removed_key(key)
 
     def _evict(self) -> None:
         """Delete least recently used objects past max_bytes. The index drops them first (a lookup answers
@@ -499,6 +495,7 @@ class ObjectTier:
                 self._bytes -= n
                 victims.append(k)
                 self.stats.evicted_chunks += 1
+                self._note_removed_key(k)
         for k in victims:
             self._delete(k)
 

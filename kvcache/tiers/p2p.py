@@ -78,7 +78,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, StoreJob, TierStats
+from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, StoreJob, TierBookkeeping, TierStats
 
 OPTIONS = {"host": None, "port": None, "peers": [], "max_bytes": 1 << 30, "pin_s": 5.0, "lookup_timeout_s": 1.0,
            "transfer_timeout_s": 5.0, "fetch_threads": 4, "name": "p2p"}
@@ -245,7 +245,7 @@ class _JobState:
     t0: float  # submitted (time.perf_counter)
 
 
-class PeerTier:
+class PeerTier(TierBookkeeping):
     """A SecondaryTier (kvcache.tiers) shared with peer engines over the network. See the module docstring."""
 
     # KV events (kvcache.events): its chunks sit in this engine's host memory, which peers can read
@@ -264,7 +264,7 @@ class PeerTier:
         self.max_bytes, self.pin_s = max_bytes, float(pin_s)
         self.lookup_timeout_s, self.transfer_timeout_s = float(lookup_timeout_s), float(transfer_timeout_s)
         self.stats = PeerStats()
-        self._lock = threading.Lock()
+        super().__init__()  # the lock, the finished jobs, the removal log
         self._closed = False
         # producer side: the store, LRU first, and the pins on it
         self._store: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
@@ -274,14 +274,12 @@ class PeerTier:
         self._pin_order: collections.deque[tuple[float, int]] = collections.deque()  # by deadline (pin_s is fixed)
         self._pinned: collections.Counter[bytes] = collections.Counter()  # key -> live pins holding it
         self._pin_ids = itertools.count(1)
-        self._removed: list[bytes] | None = None  # keys dropped from the store (log_removals)
         # consumer side
         self._answers: dict[bytes, _Answer] = {}
         self._to_ask: collections.deque[tuple[str, list]] = collections.deque()  # (request, [(key, answer)])
         self._to_load: collections.deque[tuple[LoadJob, float]] = collections.deque()  # (job, submitted)
         self._load_times = (0.0, 0.0)  # (first, last) submission of the loads in _to_load
         self._jobs: dict[int, _JobState] = {}
-        self._finished: collections.deque[JobResult] = collections.deque()
         self._outstanding: dict[int, _Outstanding] = {}  # lookup id -> what it asked (control thread only)
         self._lookup_ids = itertools.count(1)
         # sockets: bound here, so a taken port is an error of the constructor
@@ -399,12 +397,6 @@ class PeerTier:
             self._to_load.append((job, time.perf_counter()))
         self._wake()
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        with self._lock:
-            out = list(self._finished)
-            self._finished.clear()
-        return out
-
     def shutdown(self, wait: bool = True) -> None:
         if self._closed:
             return
@@ -419,18 +411,6 @@ class PeerTier:
         with self._wake_lock:
             self._wake_tx.close()
         self._zmq.destroy(linger=0)  # every socket is closed by now; never wait on a peer
-
-    def log_removals(self) -> None:
-        """From now on note the chunks the store drops (evicted, or failing verification) for
-        `take_removed` (KV events: kvcache.tiers.TierSet.attach_events)."""
-        with self._lock:
-            if self._removed is None:
-                self._removed = []
-
-    def take_removed(self) -> list[bytes]:
-        with self._lock:
-            out, self._removed = (self._removed or []), ([] if self._removed is not None else None)
-        return out
 
     def _count(self, stat: str, n: int = 1) -> None:
         with self._lock:
@@ -508,8 +488,7 @@ class PeerTier:
     def _drop(self, key: bytes) -> None:
         """Forget a stored chunk (lock held), noting it for `take_removed`."""
         self._bytes -= len(self._store.pop(key).data)
-        if self._removed is not None:
-            self._removed.append(key)
+        self._note_removed_key(key)
 
     # -------------------------------------------------------------------------------- producer: pins
     def _pin(self, keys, now: float) -> int:

@@ -110,6 +110,15 @@ def test_names_types_and_values_follow_the_engine():
     assert _value(fams, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == sum(lens) + 20
     assert _value(fams, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 16
     assert eng.output(again).token_ids.tolist() == [7]
+    # XLA compilations in this process since the metrics began: a new program counts once
+    before = metrics.compilations
+    import jax
+
+    jax.jit(lambda x: x * 3 + 1)(np.arange(5, dtype=np.int32)).block_until_ready()
+    fams = _parse(metrics.text())
+    assert metrics.compilations == before + 1
+    assert fams["glm53:xla_compilations"][1][("glm53:xla_compilations_total",
+                                              frozenset({("model_name", "tiny-test")}))] == before + 1
 
 
 def test_endpoint_serves_the_attached_engine_over_http():

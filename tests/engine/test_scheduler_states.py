@@ -5,7 +5,9 @@ speculative decoding (a variable number of tokens per step: drafts that stand or
 rolled back). After every step the block
 pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
 them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
-and host byte is returned. Requests may stop on a stop token or be aborted (waiting or running) at any
+and host byte is returned. Under offload a simulated secondary tier may sit behind the host tier
+(loads taking time, so admissions wait on them) and lose chunks at any moment, between a lookup that
+answered HIT and its load included. Requests may stop on a stop token or be aborted (waiting or running) at any
 point; an aborted request holds nothing afterwards. Every admission retry the scheduler would skip is run anyway and checked to
 change nothing (Scheduler.verify_skipped_admissions)."""
 
@@ -19,6 +21,7 @@ import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
+from kvcache.tiers.sim import TierCosts
 from kvcache.hisparse import HiSparsePolicy
 from kvcache.layout import page_bytes
 from kvcache.offload import OffloadPolicy
@@ -41,8 +44,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), seqs=st.integers(1, 4),
                 budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0), host_scale=st.floats(0.05, 2.0),
                 caching=st.booleans(), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]),
-                arc=st.booleans(), mtp=st.sampled_from([None, None, "standard", "synthetic"]))
-    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, mtp):
+                arc=st.booleans(), tier=st.sampled_from([None, None, 0, 2]),
+                mtp=st.sampled_from([None, None, "standard", "synthetic"]))
+    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp):
         fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
                       index_block_size=BLOCK * index_ratio, enable_prefix_caching=caching, kv_policy=policy)
         if mtp and policy != "hisparse":  # (HiSparse with MTP is issue 21 item 4)
@@ -64,8 +68,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if policy == "swap":
             fields["cpu_offload_bytes"] = host
         if policy == "offload":  # at least a page of each group; LRU or ARC, in vLLM's config shape
-            fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
-                "cpu_bytes_to_use": max(host, 2 * sum(pages.values())), "eviction_policy": "arc" if arc else "lru"}}
+            extra = {"cpu_bytes_to_use": max(host, 2 * sum(pages.values())), "eviction_policy": "arc" if arc else "lru"}
+            if tier is not None:  # a simulated secondary tier whose loads take `tier` seconds of runner time
+                extra["secondary_tiers"] = [{"type": "fs", "root_dir": "unused", "max_bytes": 24 * sum(pages.values())}]
+            fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
         if policy == "hisparse":  # at least one request's MLA pages: smaller host pools are rejected
             fields["hisparse_host_pool_bytes"] = max(host, pages["mla"] * -(-MAX_LEN // BLOCK))  # >= one request
             fields["cpu_offload_bytes"] = host // 4
@@ -74,8 +80,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         sizes = self.deploy.kv_sizes(CFG)
         token = lambda row: (row.start + row.num_tokens) % 97  # noqa: E731
         draft = lambda row: token(row) if (row.start + row.num_tokens) % 5 else 1  # noqa: E731
+        costs = {"fs": TierCosts(read_latency_s=float(tier or 0), write_latency_s=float(tier or 0))}
         self.engine = Engine(_Model(), self.deploy, runner=SyntheticRunner(
-            token, page_bytes=sizes.page_bytes, spec=self.deploy.speculative, draft=draft))
+            token, page_bytes=sizes.page_bytes, tier_costs=costs, spec=self.deploy.speculative, draft=draft))
         self.rng = np.random.default_rng(0)
         self.prefixes = [self.rng.integers(0, 512, 40) for _ in range(3)]
         self.sent: dict[str, int] = {}  # request id -> engine step at which it was added
@@ -120,6 +127,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         if ids.size + new <= MAX_LEN:
             self.sent[self.engine.add_request(ids, SamplingParams(new), salt=r.salt)] = self.steps
 
+    @precondition(lambda self: self.engine.tiers[0] is not None)
+    @rule(pick=st.integers(0, 10 ** 6))
+    def tier_loses_a_chunk(self, pick):
+        """A chunk disappears from the secondary tier (another process deleted it, say): between a lookup
+        that answered HIT and its load, or at any other moment."""
+        tier = self.engine.tiers[0].tiers[0]
+        keys = tier.keys()
+        if keys:
+            assert tier.discard(keys[pick % len(keys)])
+
     @rule(n=st.integers(1, 6))
     def step(self, n):
         for _ in range(n):
@@ -142,11 +159,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(pol.free_leases) + sum(s.lease >= 0 for s in pol.state.values()) == self.deploy.max_num_seqs
         if isinstance(pol, SwapPolicy):
             assert pol.used_bytes == sum(b for _, b in pol.saved.values()) <= pol.capacity_bytes
-        if isinstance(pol, OffloadPolicy):  # between steps no load is pending and no host page pinned
-            for p in pol.host.values():
+        if isinstance(pol, OffloadPolicy):  # between steps the only host pages held are those of tier loads
+            held = {g: 0 for g in pol.host}  # in flight, and those pinned for the waiting requests that loaded them
+            for _, _, g, _, _ in pol.jobs.values():
+                held[g] += 1
+            for pins in pol.tier_pins.values():
+                for g, _ in pins:
+                    held[g] += 1
+            for g, p in pol.host.items():
                 p.check()
-                assert p.num_free == p.num_blocks
+                assert p.num_free == p.num_blocks - held[g], (g, held)
             assert not pol.pending and set(pol.stored) == {r.req_id for r in sch.running}
+            assert set(pol.tier_pins) <= {r.req_id for r in sch.waiting} and set(pol.loading) <= set(sch.requests)
         for req in sch.running:
             held = min(len(t) * sch.kv.group_tokens_per_block[g] for g, t in sch.kv.requests[req.req_id].tables.items())
             assert held >= req.num_computed_tokens
@@ -186,6 +210,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert pol.used_bytes == 0 and not pol.saved
         if isinstance(pol, OffloadPolicy):
             assert not pol.stored and not pol.pending and all(p.num_free == p.num_blocks for p in pol.host.values())
+            assert not pol.jobs and not pol.tier_pins and not pol.loading
 
 
 def out_max(engine, rid):

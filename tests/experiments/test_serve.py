@@ -1,6 +1,7 @@
 """experiments/serve.py end to end on a 2-layer tiny model: a policy x concurrency sweep over a trace
 file, results.json with the contract keys, the sweep plot, and the live Prometheus endpoint."""
 
+import importlib.util
 import json
 import socket
 import urllib.request
@@ -95,3 +96,33 @@ def test_the_paper_config_runs_in_the_simulator_and_repeats_exactly(tmp_path):
     wall = ("wall_s", "sim_steps_per_wall_s")
     same = [json.dumps({k: v for k, v in r.items() if k not in wall}, sort_keys=True) for r in a]  # NaN == NaN
     assert same == [json.dumps({k: v for k, v in r.items() if k not in wall}, sort_keys=True) for r in b]
+
+
+def test_the_tiered_h200_config_puts_each_boundary_inside_the_range(tmp_path):
+    """configs/paper/tiered_scaling_h200.py: the device pool holds between 48 and 64 conversations, the host
+    tier between 96 and 128; at 128 conversations the host tier alone keeps nothing while the simulated
+    filesystem tier behind it keeps the hits (and the throughput) of a working set that fits."""
+    import glm53
+    from experiments.common import load_config
+    from kvcache.block_pool import KVCacheManager
+    from kvcache.offload import host_tier_blocks
+
+    path = str(serve.REPO / "configs/paper/tiered_scaling_h200.py")
+    cfg = load_config(path)
+    spec = importlib.util.spec_from_file_location("tiered_h200", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model = glm53.get_preset(cfg.model.preset)
+    d = serve._deploy(cfg, "host").resolved(model, "bfloat16")
+    sizes = d.kv_sizes(model, "bfloat16")
+    kv = KVCacheManager(d.num_gpu_blocks, d.tokens_per_block, ("mla", "indexer"),
+                        group_tokens_per_block=d.group_tokens_per_block(("mla", "indexer")))
+    assert 48 < d.num_gpu_blocks / kv.blocks_needed_all(mod.CONVERSATION_TOKENS) < 64
+    host = host_tier_blocks(d.cpu_offload_bytes, sizes.page_bytes, d.group_tokens_per_block(("mla", "indexer")))
+    assert 96 < host["mla"] * 64 / mod.CONVERSATION_TOKENS < 128
+    runs = serve.main(["--config", path, "--no-progress", "--compile-cache", "", "--out", str(tmp_path),
+                       "--config.sweep.concurrency=(128,)", "--config.sweep.kv_policy=('host', 'host_fs')"])["runs"]
+    host_only, with_fs = runs
+    assert host_only["prefix_hit_rate"] == 0 and with_fs["prefix_hit_rate"] > 0.6
+    assert with_fs["kv_offload"]["fs"]["hits"] > 0 and with_fs["sim_tier_busy_frac"]["fs"]["read"] > 0
+    assert with_fs["throughput_tok_s_per_gpu"] > 2 * host_only["throughput_tok_s_per_gpu"]

@@ -359,6 +359,56 @@ def test_retry_answers_keep_the_request_waiting_then_it_hits(tiny_model, runs, s
     eng.shutdown()
 
 
+class _Held(_Evicting):
+    """A custom tier whose loads wait until the test lets them go (`release`)."""
+
+    def __init__(self, *, fingerprint, root_dir):
+        super().__init__(fingerprint=fingerprint, root_dir=root_dir)
+        self.name, self.held = "held", []
+
+    def lookup(self, key, ctx=None):
+        return self.inner.lookup(key)
+
+    def submit_load(self, job):
+        self.held.append(job)
+
+    def release(self):
+        for job in self.held:
+            self.inner.submit_load(job)
+        self.held = []
+
+
+def test_aborting_a_request_that_waits_for_tier_loads_releases_its_host_pages(tiny_model, runs, stored, tmp_path):
+    """A request whose prefix is loading from a tier is aborted: its pinned host pages are freed; the
+    loads still land in the host tier, unpinned, where the same prompt later hits them (no second
+    load); nothing stays pinned."""
+    prompts, want = runs
+    stored[0](tmp_path)
+    eng = _custom_tier_engine(tiny_model, "_Held", tmp_path)
+    tier, pol = eng.tiers[0].tiers[0], eng.scheduler.policy
+    a = eng.add_request(prompts[0], glm53.SamplingParams(5))
+    other = eng.add_request(prompts[1], glm53.SamplingParams(5))
+    for _ in range(50):
+        eng.step()
+        if tier.held:
+            break
+    req = eng.requests[a]
+    assert tier.held and pol.waiting_for(req) and a in pol.tier_pins or a in pol.loading
+    eng.abort_request(a)
+    assert a not in pol.loading and a not in pol.tier_pins and eng.finished[a].finish_reason == "abort"
+    tier.release()
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.output(other).token_ids.tolist() == want[1]
+    assert all(p.num_free == p.num_blocks for p in pol.host.values())  # nothing pinned
+    loads = eng.metrics()["kv_offload"]["held"]["hits"]
+    assert loads >= 1
+    again = eng.generate(prompts[:1], max_new_tokens=5)  # from the host tier now, no new tier load
+    assert again[0].token_ids.tolist() == want[0] and eng.metrics()["kv_offload"]["held"]["hits"] == loads
+    assert eng.metrics()["kv_offload"]["cpu"]["hits"] >= loads // 2
+    eng.shutdown()
+
+
 def test_tier_set_answers_in_order(tmp_path):
     a = FileTier(fingerprint=FP, root_dir=tmp_path / "a", name="a")
     b = FileTier(fingerprint=FP, root_dir=tmp_path / "b", name="b")

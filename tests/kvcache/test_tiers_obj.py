@@ -294,12 +294,14 @@ def test_obj_unverifiable_object_is_a_corrupt_miss_and_deleted(s3, bucket, damag
 def test_obj_capacity_evicts_least_recently_used(s3, bucket):
     size = HEADER.size + 4096
     tier = _tier(s3, bucket, max_bytes=3 * size)
+    tier.log_removals()  # KV events: what the tier drops is reported
     for i in (0, 1, 2):  # one at a time: the chunks of one job are stored in parallel, in no set order
         _store(tier, [i])
     _load(tier, [0])  # 0 is now the most recently used
     _store(tier, [3])
     assert [tier.lookup(_key(i)) for i in range(4)] == [Lookup.HIT, Lookup.MISS, Lookup.HIT, Lookup.HIT]
     assert tier.stats.evicted_chunks == 1 and len(_objects(s3, bucket)) == 3
+    assert tier.take_removed() == [_key(1)] and tier.take_removed() == []
     # a tier started later on the bucket knows the objects there and keeps the bound
     again = _tier(s3, bucket, max_bytes=3 * size)
     _store(again, [4])
