@@ -60,7 +60,8 @@ def page_bytes(cfg, kv_cache_dtype: str, block_size: int, index_block_size: int 
     """Bytes one block id holds in each cache group: a page of `block_size` rows (`index_block_size` for
     the indexer keys) in every layer of the group, on each of the `dcp` ranks. kv_cache_dtype is an MLA
     format (attention.formats.MLA_FORMATS); the keys take its DEFAULT_INDEX_FORMAT. What the host pools
-    and the offload policy count their capacity in (the serving engine's caches hold no MTP layer)."""
+    and the offload policy count their capacity in. include_mtp: the MTP layer's rows and indexer keys too
+    (cached only under MTP speculative decoding)."""
     mla, index = cache_groups(cfg, kv_cache_dtype, DEFAULT_INDEX_FORMAT[kv_cache_dtype], include_mtp=include_mtp)
     return {"mla": mla.total_bytes_per_token * block_size * dcp,
             "indexer": index.total_bytes_per_token * (index_block_size or block_size) * dcp}

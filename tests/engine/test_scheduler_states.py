@@ -56,7 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
                 "synthetic_acceptance_rates": [0.9, 0.6, 0.3]}
         probe = DeployConfig(**{**fields, "kv_policy": "preempt"})
-        pages = page_bytes(CFG, "float32", BLOCK, BLOCK * index_ratio)
+        pages = page_bytes(CFG, "float32", BLOCK, BLOCK * index_ratio, include_mtp="speculative_config" in fields)
         # the smallest pool that admits a request of max_model_len (and its hot buffer), scaled up to 3x:
         # with up to 24 requests of up to 64 tokens the offered load is ~10x the smallest pool
         tpb = probe.group_tokens_per_block(("mla", "indexer"))
