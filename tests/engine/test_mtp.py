@@ -238,7 +238,7 @@ def poison_unstood(runner, plan, res):
     """Overwrite, in every layer (the MTP layer's too) and both cache groups, the KV of each sampling row's
     positions that do not stand after this step (rejected drafts, and the K - 1 lookahead positions the
     MTP draft passes wrote) with a large value: any later read of it before it is rewritten changes the
-    tokens."""
+    tokens (a target layer's read) or the drafts (the MTP layer's)."""
     cache = runner.cache
     page = {"mla": cache.block_size, "indexer": cache.index_block_size or cache.block_size}
     slots = {"mla": [], "indexer": []}
@@ -377,7 +377,9 @@ def test_drafts_are_the_mtp_layers_chain(tiny_model, reference):
     layer over every position (position p pairs the normed final hidden state at p with token p+1, on the
     MTP layer's own cache and indexer), the first draft from the last position, then K-1 one-token passes
     each carrying the previous pass's normed output. Drafts may differ only where the reference's top two
-    logits are within float rounding of each other."""
+    logits are within float rounding of each other. The KV of positions that do not stand is poisoned after
+    every step: with oracle drafts only the target layers' reads of it could show in the tokens, here the
+    MTP layer's show in the drafts."""
     prompts, _ = reference
     c = compiled(tiny_model)
     eng = Engine(tiny_model, DeployConfig(**MTP))
@@ -385,6 +387,7 @@ def test_drafts_are_the_mtp_layers_chain(tiny_model, reference):
 
     def run(plan):
         res = execute(plan)
+        poison_unstood(eng.runner, plan, res)  # a later draft that read the MTP layer's stale KV would differ
         for rid, d in res.drafts.items():
             req = eng.requests[rid]
             seen.append((np.concatenate([req.prompt_ids, req.output_ids, res.tokens[rid]]), d))
