@@ -14,6 +14,9 @@ Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
 - `tp8_decode`: TP8 (heads and MLP widths split over 8 ranks, EP8 over the TP ranks for the routed
   experts, latent KV and indexer replicated; `parallel.tp`), one token per request. Weights in bfloat16:
   TP of block-quantised fp8 weights is not built (`parallel.tp.check_weights` refuses them).
+- `dcp8_ep8_decode`: the decode step of the same 8 ranks: KV split round-robin (DCP), queries
+  replicated, the top-k merged across ranks and the partial attention outputs merged by LSE
+  (`parallel.dcp`, ag_rs), the routed experts split over the ranks (one all-reduce per MoE layer).
 - `pcp8_dcp8_ep8_prefill`: one prefill chunk on `make_mesh(cp=8)`: tokens split 2N-chunk (PCP), KV split
   round-robin over the same ranks (DCP), routed experts split over them with all-to-all dispatch (EP);
   weights fp8 (128 x 128 blocks, as the checkpoint) where `glm53.fp8` quantises them.
@@ -93,6 +96,10 @@ def steps(cfg, *, decode_rows: int, window: int, prefill_tokens: int, block_size
         # 2 requests at 128K fill ~15 GiB of fp8 KV per GPU under TP8 (BRIEF §2's budget)
         Step("tp8_decode", {"tp": 8}, True, True, False, False, decode_rows, 1, window, decode_rows * pages + 1,
              False, ("psum",)),
+        # the decode step of the same ranks (PCP8 x DCP8 x EP8 serves decode too): KV split round-robin,
+        # queries replicated; 16 requests at 128K hold 2/8 of 16 x 2048 pages per rank
+        Step("dcp8_ep8_decode", {"cp": 8}, False, True, False, True, 16, 1, window, -(-16 * pages // 8) + 1,
+             True, ("all_gather", "reduce_scatter", "psum")),
         # one chunk of max_num_batched_tokens ending at the window; each rank holds 1/8 of the KV
         Step("pcp8_dcp8_ep8_prefill", {"cp": 8}, False, True, True, True, 1, prefill_tokens, window,
              -(-pages // 8) + 1, True, ("all_gather", "all_to_all")),

@@ -29,7 +29,7 @@ def both(fn):
 
 # ------------------------------------------------------------------------------------ the decision
 def test_decision_follows_backend_lowering_and_override(monkeypatch):
-    assert jax.default_backend() == "cpu" and not gpu_shaped()
+    assert gpu_shaped() == (jax.default_backend() == "gpu")
     with gpu_aot.gpu_lowering():
         assert gpu_shaped()
     with shaped_for("gpu"):
@@ -48,7 +48,8 @@ def test_auto_picks_pallas_only_where_gpu_shaped_and_verified(monkeypatch):
     with shaped_for("gpu"):
         assert resolve_impl("auto") == "reference"
     monkeypatch.setattr(common, "PALLAS_VERIFIED_ON_GPU", True)
-    assert resolve_impl("auto") == "reference"  # CPU: the references, verified or not
+    with shaped_for("cpu"):
+        assert resolve_impl("auto") == "reference"  # CPU: the references, verified or not
     with shaped_for("gpu"):
         assert resolve_impl("auto") == "pallas"
     with gpu_aot.gpu_lowering():
@@ -60,7 +61,8 @@ def test_model_form_follows_the_decision():
     from glm53.model import attention_form
 
     # a 1024-token prefill chunk over a window of 4 x top-k: dense on XLA:CPU, sparse on a GPU (vLLM's rule)
-    assert attention_form("auto", 1024, 256, 1024) == "mha"
+    with shaped_for("cpu"):
+        assert attention_form("auto", 1024, 256, 1024) == "mha"
     with shaped_for("gpu"):
         assert attention_form("auto", 1024, 256, 1024) == "mqa"
         assert attention_form("auto", 256, 256, 1024) == "mha"  # window <= top-k: dense everywhere
@@ -223,7 +225,7 @@ def test_engine_hisparse_decode_reaches_pallas_resolver(monkeypatch, impl, verif
 
 
 def test_engine_auto_on_cpu_runs_the_references(monkeypatch):
-    with _counting(monkeypatch, hisparse.resolve_pallas) as counts:
+    with _counting(monkeypatch, hisparse.resolve_pallas) as counts, shaped_for("cpu"):
         _hisparse_runner("auto").warmup([(2, 1, 32)])
     assert all(c.calls == 0 for c in counts.values())
 

@@ -23,7 +23,8 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     rc, res, md = report
     assert rc == 0 and res["failures"] == []
     by = {(r["step"], r["impl"]): r for r in res["steps"]}
-    assert set(by) == {(s, i) for s in ("tp8_decode", "pcp8_dcp8_ep8_prefill") for i in ("auto", "pallas")}
+    assert set(by) == {(s, i) for s in ("tp8_decode", "dcp8_ep8_decode", "pcp8_dcp8_ep8_prefill")
+                       for i in ("auto", "pallas")}
     assert all(r["lowered"] for r in by.values())
     layers = res["layers"]
     # TP8 decode: exactly two all-reduces per decoder layer (o_proj, then the MLP or MoE), over 8 ranks,
@@ -32,6 +33,8 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     assert set(dec["collectives"]) == {"psum"}
     assert dec["collectives"]["psum"]["count"] == 2 * layers and dec["collectives"]["psum"]["ranks"] == [8]
     assert dec["collective_ops_in_stablehlo"] == {"psum": 2 * layers}
+    # DCP decode: the top-k merge's all-gathers, the LSE merge's reduce-scatter (ag_rs), EP's all-reduce
+    assert set(by["dcp8_ep8_decode", "auto"]["collectives"]) == {"all_gather", "reduce_scatter", "psum"}
     # PCP x DCP x EP prefill: KV all-gathers and the MoE's all-to-all dispatch
     pre = by["pcp8_dcp8_ep8_prefill", "auto"]
     assert {"all_gather", "all_to_all"} <= set(pre["collectives"])
