@@ -166,7 +166,9 @@ def lower_step(cfg, step: Step, *, block_size: int, impl: str) -> dict:
             rec["lower_s"] = round(time.perf_counter() - t0, 1)
             found = comm.jaxpr_collectives(traced.jaxpr, axis_sizes=dict(zip(AXES, mesh.axis_sizes)))
             calls = gpu_aot.custom_calls(lowered)
-            hlo_ops = Counter(HLO_COLLECTIVES[m.group(1)] for m in _HLO_OP.finditer(lowered.as_text()))
+            text = lowered.as_text()
+            hlo_ops = Counter(HLO_COLLECTIVES[m.group(1)] for m in _HLO_OP.finditer(text))
+            rec["grouped_gemms"] = text.count("chlo.ragged_dot")  # the MoE's GPU form (glm53.layers.ragged_experts)
     except Exception as e:  # noqa: BLE001 - every step is reported
         rec.update(lowered=False, error=f"{type(e).__name__}: {str(e)[:3000]}")
         return rec
@@ -221,17 +223,20 @@ def markdown(results: dict) -> str:
              f"{results['machine']['cpu']} ({results['machine']['cores']} cores), jax {results['versions']['jax']}. "
              f"Command: `{results['command']}`.", "",
              "Collectives: from the traced program (`parallel.comm`), bytes one rank sends per step (sum over "
-             "layers); `hlo` = collective ops in the lowered StableHLO. Kernels: Pallas Triton custom calls.", "",
-             "| step | impl | form | lowered | trace / lower s | kernels | collectives (count, sent per rank) | hlo ops |",
-             "|---|---|---|---|---|---|---|---|"]
+             "layers); `hlo` = collective ops in the lowered StableHLO. Kernels: Pallas Triton custom calls. "
+             "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form with float expert weights; fp8 experts "
+             "keep the expert loop).", "",
+             "| step | impl | form | lowered | trace / lower s | kernels | grouped GEMMs | collectives (count, sent per rank) | hlo ops |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results["steps"]:
         if not r["lowered"]:
-            lines.append(f"| {r['step']} | {r['impl']} | - | **no** | - | - | {r['error'][:120]} | - |")
+            lines.append(f"| {r['step']} | {r['impl']} | - | **no** | - | - | - | {r['error'][:120]} | - |")
             continue
         kern = ", ".join(f"{k} x{n}" for k, n in r["kernels"].items()) or "none"
         coll = "; ".join(f"{k} x{e['count']} {_gb(e['sent_bytes_per_rank'])}" for k, e in r["collectives"].items())
         hlo = ", ".join(f"{k} {n}" for k, n in r["collective_ops_in_stablehlo"].items())
         lines.append(f"| {r['step']} | {r['impl']} | {r['form']} | yes | {r['trace_s']} / {r['lower_s']} | {kern} | "
+                     f"{r['grouped_gemms']} | "
                      f"{coll} | {hlo} |")
     lines += ["", "Shapes: " + "; ".join(
         f"{r['step']}: {r['rows']} rows x {r['tokens_per_row']} tokens, window {r['window']}, mesh "

@@ -149,6 +149,26 @@ def test_tiled_mha_vmapped_items_equal_loop(t, s, block):
     np.testing.assert_allclose(l_g, l_c, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("n,e,k", [(1, 8, 2), (6, 8, 3), (37, 16, 4)])
+def test_moe_grouped_gemm_equals_expert_loop(n, e, k):
+    """The MoE's GPU form (one `ragged_dot` per projection over expert-sorted assignments) vs the expert
+    loop, with an expert used twice by one token at weight 0 (what EP's routing to other ranks makes)."""
+    from glm53.layers import grouped_experts
+
+    rng = np.random.default_rng(n + e)
+    x = jnp.asarray(rng.normal(size=(n, 24)), jnp.float32)
+    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    w = rng.random((n, k)).astype(np.float32)
+    idx[0, -1], w[0, -1] = idx[0, 0], 0.0
+    gu = jnp.asarray(rng.normal(size=(e, 24, 24)), jnp.float32)
+    down = jnp.asarray(rng.normal(size=(e, 12, 24)), jnp.float32)
+    y_c, y_g = both(lambda: grouped_experts(x, jnp.asarray(idx), jnp.asarray(w), gu, down))
+    np.testing.assert_allclose(y_g, y_c, rtol=1e-5, atol=1e-5 * np.abs(y_c).max())
+    with shaped_for("gpu"):
+        assert "ragged_dot" in str(jax.make_jaxpr(lambda a: grouped_experts(a, jnp.asarray(idx), jnp.asarray(w), gu,
+                                                                             down))(x))
+
+
 def test_gpu_shaped_reference_has_no_query_block_loop():
     """The GPU shape really is loop-free: the sparse reference's jaxpr holds no scan (lax.map) there."""
     b, t, h, r, p, k = 2, 9, 4, 128, 16, 8
