@@ -168,7 +168,8 @@ def lower_step(cfg, step: Step, *, block_size: int, impl: str) -> dict:
             calls = gpu_aot.custom_calls(lowered)
             text = lowered.as_text()
             hlo_ops = Counter(HLO_COLLECTIVES[m.group(1)] for m in _HLO_OP.finditer(text))
-            rec["grouped_gemms"] = text.count("chlo.ragged_dot")  # the MoE's GPU form (glm53.layers.ragged_experts)
+            # the MoE's GPU form (glm53.layers.ragged_experts); "#chlo.ragged_dot<" is its attribute, not an op
+            rec["grouped_gemms"] = len(re.findall(r"(?<!#)chlo\.ragged_dot\b(?!<)", text))
     except Exception as e:  # noqa: BLE001 - every step is reported
         rec.update(lowered=False, error=f"{type(e).__name__}: {str(e)[:3000]}")
         return rec
@@ -251,7 +252,8 @@ NOTES = ("Lowered, not compiled or run: this proves the sharded steps trace and 
          "shapes with these kernels and collectives, not their values or speed on an H200. impl=auto runs "
          "the GPU-shaped references (no Pallas kernel) until PALLAS_VERIFIED_ON_GPU is set after a real H200 "
          "run. Collective bytes are per rank per step, summed over layers; an all-reduce (psum) of B bytes "
-         "counts 2 (n-1)/n B sent (ring), as parallel.comm / glm53.perfmodel.traffic account it.")
+         "counts 2 (n-1)/n B sent (ring), as parallel.comm / glm53.perfmodel.traffic account it. The traced "
+         "count is per operand: a collective of several operands is one StableHLO op (hence fewer hlo ops).")
 
 
 def main(argv=None):

@@ -33,6 +33,12 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     assert set(dec["collectives"]) == {"psum"}
     assert dec["collectives"]["psum"]["count"] == 2 * layers and dec["collectives"]["psum"]["ranks"] == [8]
     assert dec["collective_ops_in_stablehlo"] == {"psum": 2 * layers}
+    # its MoE layers (float weights) run as two grouped GEMMs each; the fp8-weight steps keep the loop
+    from glm53.config import get_preset
+
+    moe_layers = get_preset("tiny").mlp_layer_types.count("sparse")
+    assert moe_layers > 0 and dec["grouped_gemms"] == 2 * moe_layers
+    assert by["pcp8_dcp8_ep8_prefill", "auto"]["grouped_gemms"] == 0
     # DCP decode: the top-k merge's all-gathers, the LSE merge's reduce-scatter (ag_rs), EP's all-reduce
     assert set(by["dcp8_ep8_decode", "auto"]["collectives"]) == {"all_gather", "reduce_scatter", "psum"}
     # PCP x DCP x EP prefill: KV all-gathers and the MoE's all-to-all dispatch
