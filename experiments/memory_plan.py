@@ -579,6 +579,9 @@ def plan(deps: list[Deployment], cfg, compiled_programs: dict, *, hbm_bytes: int
             row["hot_buffers_the_pool_holds"] = hot["leases_the_pool_holds"]
             row["hot_buffers_the_pool_holds_mtp3"] = pool["hot_buffers"][f"num_speculative_tokens={PUBLISHED_MTP}"][
                 "leases_the_pool_holds"]
+        # the most workspace that would still leave room for one request of max_model_len (its device part)
+        need = pool["request_blocks_on_device"] * pool["kv_block_bytes_per_gpu"]
+        row["max_workspace_bytes_for_one_request"] = int(usable - w["bytes_per_gpu"] - state_bytes - need)
         if budget <= 0:
             row["why_not"] = (f"weights {_gib(w['bytes_per_gpu'])} GiB + workspace {_gib(workspace)} GiB "
                               f"({row['workspace_step']} step) exceed {util} x HBM = {_gib(usable)} GiB")
@@ -769,6 +772,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-checks", action="store_true",
                     help="skip the method's checks (two and three layers, the whole depth, a larger pool)")
     ap.add_argument("--no-full-depth", action="store_true", help="skip the whole-depth compile among the checks")
+    ap.add_argument("--reuse-programs", default="", metavar="RESULTS_JSON",
+                    help="take the compiled programs' memory analyses from an earlier results.json (compile only "
+                         "what it lacks): the plan without the compiles, e.g. experiments.reproduce --quick")
     ap.add_argument("--compile-worker", nargs=2, metavar=("SPECS", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.compile_worker:
@@ -810,8 +816,15 @@ def main(argv=None) -> dict:
     for k, p in checks.items():
         p["key"] = _key(p) + ("/model" if p.get("structure") == "model" else "")
         specs[p["key"]] = p
-    print(f"[memory_plan] compiling {len(specs)} step programs (one layer each, full width)", flush=True)
-    compiled_programs = compile_all(list(specs.values()), args.preset)
+    reused = {}
+    if args.reuse_programs:  # an earlier run's compiled programs (same keys: same shapes, impl and layers)
+        earlier = json.loads(Path(args.reuse_programs).read_text())
+        if earlier.get("preset") != args.preset:
+            ap.error(f"--reuse-programs {args.reuse_programs} is of preset {earlier.get('preset')!r}")
+        reused = {k: v for k, v in earlier["programs"].items() if k in specs}
+    todo = [p for k, p in specs.items() if k not in reused]
+    print(f"[memory_plan] compiling {len(todo)} step programs (full width; {len(reused)} reused)", flush=True)
+    compiled_programs = {**reused, **(compile_all(todo, args.preset) if todo else {})}
     rows = plan(deps, cfg, compiled_programs, hbm_bytes=args.hbm_bytes, weights_fp8=args.weights == "fp8")
     from glm53.engine.config import DeployConfig
 
@@ -832,6 +845,8 @@ def main(argv=None) -> dict:
         "hbm_datasheet_bytes": 141_000_000_000,
         "gpu_memory_utilization": util, "utilization_source": "vLLM's default (DeployConfig.gpu_memory_utilization)",
         "usable_bytes": int(util * args.hbm_bytes),
+        "programs_reused_from": ({"path": args.reuse_programs, "count": len(reused), "git_revision": earlier.get(
+            "git_revision"), "date": earlier.get("date")} if args.reuse_programs else None),
         "workspace_impl": IMPL,
         "workspace_method": WORKSPACE_METHOD,
         "deployments": rows,
