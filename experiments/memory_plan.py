@@ -39,6 +39,10 @@ formula and the KV budget is not an input:
   at max_num_seqs are part of the pool, not added to it.
 - **Host pools**: the published host budgets per replica (BRIEF §8), in the pages the engine allocates
   (`DeployConfig.kv_sizes`).
+- **fits**: one request of max_model_len can be held: fully resident in the pool; under HiSparse its
+  device part (indexer keys, the newest pages, a hot buffer) in the pool and the rest of its MLA pages in
+  the HiSparse host pool. The engine's own admission check (`engine_admits_max_model_len`:
+  `DeployConfig.resolved`) is stricter: it asks the pool for the whole request even under HiSparse.
 
 Writes OUT/results.json (`deployments`: one row per deployment and limit; `published_vs_derived`: BRIEF
 §2's ~15 GiB beside the derived TP8 budget, with the gap explained; `programs`: every compiled program),
@@ -527,6 +531,15 @@ def pool_plan(dep: Deployment, cfg, budget: int) -> dict:
     out["host_pool_budget_bytes"] = budgets
     out["host_pool_bytes"] = int(sum(host.values()))
     out["host_pool_pages"] = host_blocks
+    if d.kv_policy == "hisparse":
+        # HiSparse releases a request's older MLA pages to its host pool: one request of max_model_len is
+        # served when its device part fits (above) and the host pool holds the MLA pages the device pool
+        # cannot keep (the engine's own check, DeployConfig.kv_sizes, asks the host pool for all of them)
+        mla_pages = -(-d.max_model_len // d.tokens_per_block)
+        on_device = max(int(blocks) - (need - TAIL_PAGES), TAIL_PAGES)  # pool less the keys and the hot buffer
+        out["request_mla_pages"] = mla_pages
+        out["host_pool_holds_the_rest"] = bool(host_blocks["mla"] >= mla_pages - min(on_device, mla_pages))
+        out["fits"] = out["fits"] and out["host_pool_holds_the_rest"]
     out["host_pool_bytes_per_node"] = int(sum(host.values()) * dep.replicas_per_node)
     return out
 
@@ -660,7 +673,9 @@ def published_vs_derived(rows: list[dict]) -> dict:
             "and our step's workspace (the indexer's dense [32K x 32K] float32 scores, their full sort for top-k "
             "and the MoE dispatch buffer) is larger than what a GPU kernel path needs, while vLLM's 0.9 x HBM "
             "also pays for CUDA graphs, NCCL buffers and the CUDA context, which the plan does not model. "
-            "Taking vLLM's weight layout, the published 15 GiB leaves implied_other_bytes for all of that."),
+            f"Taking vLLM's weight layout, the published 15 GiB leaves {_gib(tp8['usable_bytes'] - vllm_weights - PUBLISHED_KV_BUDGET_BYTES_TP8)}"
+            f" GiB for all of that on the HBM CUDA reports ({_gib(datasheet_usable - vllm_weights - PUBLISHED_KV_BUDGET_BYTES_TP8)} "
+            "GiB on the datasheet's 141 GB); ours is the workspace alone."),
         "not_modelled": ["NCCL / custom all-reduce buffers (vLLM counts non-torch allocations after its profile run)",
                          "CUDA graphs (captured after the KV cache is sized; they come out of the remaining 10%)",
                          "DeepGEMM / FlashMLA / cuBLAS workspaces and vLLM's own indexer buffers",
