@@ -75,8 +75,8 @@ LIMITS = (142_000, 1_048_576)  # BRIEF §8's two context limits ("142K" as vLLM'
 PART1_CONFIG = "configs/paper/part1.py"
 GPUS_PER_NODE = 8
 PUBLISHED_MTP = 3  # the published runs use MTP3; the engine does not build MTP (num_speculative_tokens 0)
-# DP8 rows are also planned at this token budget (vLLM's default max_num_batched_tokens for the API
-# server on a >= 70 GiB GPU; the brief gives no Part 2 batch limits)
+# DP8 rows are also planned at this token budget (vLLM's default max_num_batched_tokens for its API server
+# on an H100 / H200, EngineArgs.get_batch_defaults; the brief gives no Part 2 batch limits)
 DP_BATCHED_TOKENS = (8192,)
 IMPL = "pallas"  # the attention implementation of the main workspace figure (see the module docstring)
 WORKER_DEVICES = 8
@@ -722,10 +722,8 @@ def report(res: dict) -> str:
             f"{_gib(r['runner_kv_arrays_bytes_per_gpu'])} |")
     g = res["published_vs_derived"]
     lines += ["", f"Published TP8 budget {_gib(g['published_kv_budget_bytes_per_gpu'])} GiB ({g['published_source']}), "
-                  f"derived {_gib(g['derived_kv_pool_bytes_per_gpu'])} GiB (gap {_gib(g['gap_bytes'])} GiB). With vLLM's "
-                  f"weight layout the published figure leaves {_gib(g['implied_other_bytes_reported_hbm'])} GiB "
-                  f"({_gib(g['implied_other_bytes_datasheet_hbm'])} GiB on the datasheet's 141 GB) for the workspace "
-                  f"and everything else; our workspace is {_gib(g['our_workspace_bytes'])} GiB. " + g["explanation"],
+                  f"derived {_gib(g['derived_kv_pool_bytes_per_gpu'])} GiB (gap {_gib(g['gap_bytes'])} GiB); our "
+                  f"workspace is {_gib(g['our_workspace_bytes'])} GiB. " + g["explanation"],
               "", f"Workspace: {res['workspace_method']}."]
     c = res.get("checks") or {}
     if c:
@@ -753,7 +751,8 @@ def plot(res: dict, out: Path) -> None:
         hot = min(r["hot_buffer_bytes_per_gpu"] / GiB, pool)
         for val, color, name in ((r["weights_bytes_per_gpu"] / GiB, "tab:blue", "weights"),
                                  (r["workspace_bytes_per_gpu"] / GiB, "tab:orange", "workspace"),
-                                 (pool - hot, "tab:green", "KV pool"), (hot, "tab:olive", "hot buffers (in pool)")):
+                                 (pool - hot, "tab:green", "KV pool"),
+                                 (hot, "tab:olive", "hot buffers at max_num_seqs (leased from the pool; clipped to it)")):
             ax.barh(i, val, left=left, color=color, label=name if i == 0 else None)
             left += val
     ax.axvline(res["usable_bytes"] / GiB, color="k", ls="--", lw=1, label="0.9 x HBM")
@@ -762,7 +761,7 @@ def plot(res: dict, out: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("GiB per GPU")
     ax.set_title("Memory plan per GPU (workspace above 0.9 x HBM: the step does not fit)")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(0, -0.08), fontsize=8, ncol=3)
     fig.tight_layout()
     fig.savefig(out / "memory_plan.png", dpi=110)
     plt.close(fig)

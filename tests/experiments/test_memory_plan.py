@@ -96,7 +96,8 @@ def test_pool_equals_what_the_engine_allocates(tiny_model):
 def test_committed_plan():
     path = REPO / "results/memory_plan/results.json"
     res = json.loads(path.read_text())
-    rows = {(r["name"], r["max_model_len"]): r for r in res["deployments"]}
+    batch = res["deployments"][0]["max_num_batched_tokens"]  # Part 1's; the DP8 rows again at 8,192
+    rows = {(r["name"], r["max_model_len"]): r for r in res["deployments"] if r["max_num_batched_tokens"] == batch}
     keys = {"name", "weights_bytes_per_gpu", "kv_pool_bytes_per_gpu", "hot_buffer_bytes_per_gpu",
             "workspace_bytes_per_gpu", "host_pool_bytes", "fits", "max_model_len"}
     assert res["gpu_memory_utilization"] == 0.9 and res["weights"] == "fp8" and res["preset"] == "glm-5.3"
@@ -108,6 +109,8 @@ def test_committed_plan():
         assert r["weights_bytes_per_gpu"] == sum(r["weights_by_component"].values())
     assert rows[("tp8_hisparse", 142_000)]["weights_bytes_per_gpu"] < rows[("dp8_prefill", 142_000)]["weights_bytes_per_gpu"]
     assert any(m == 1_048_576 for _, m in rows)  # the 1M rows
+    # BRIEF §8: at 1M a DP8 prefill rank cannot hold one request, whatever its batch
+    assert not any(r["fits"] for r in res["deployments"] if r["name"] == "dp8_prefill" and r["max_model_len"] == 1_048_576)
     g = res["published_vs_derived"]
     assert g["published_kv_budget_bytes_per_gpu"] == 15 * 2**30
     assert g["derived_kv_pool_bytes_per_gpu"] == rows[("tp8_hisparse", 142_000)]["kv_pool_bytes_per_gpu"]
