@@ -74,7 +74,7 @@ H200_TOTAL_MEMORY_BYTES = 143_156 * 2**20
 LIMITS = (142_000, 1_048_576)  # BRIEF §8's two context limits ("142K" as vLLM's 142k, and 1M)
 PART1_CONFIG = "configs/paper/part1.py"
 GPUS_PER_NODE = 8
-PUBLISHED_MTP = 3  # the published runs use MTP3; the engine does not build MTP (num_speculative_tokens 0)
+PUBLISHED_MTP = 3  # the published runs use MTP3; the pool is planned without the MTP layer's KV (docs/memory.md)
 # DP8 rows are also planned at this token budget (vLLM's default max_num_batched_tokens for its API server
 # on an H100 / H200, EngineArgs.get_batch_defaults; the brief gives no Part 2 batch limits)
 DP_BATCHED_TOKENS = (8192,)
