@@ -120,3 +120,49 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
     return jax.shard_map(body, mesh=mesh,
                          in_specs=(weights, tok, tok, specs, counter_specs),
                          out_specs=(tok, out_specs), check_vma=False)(state, tokens, positions, cache, counters)
+
+
+def _replicated_map(method, state, args, cache: CpKVCache, *, graphdef, mesh, expert_parallel: bool):
+    """`method(model, *args, cache)` -> (hidden, cache) inside one shard_map over the context axis, its
+    array arguments replicated (decode-shaped work: DCP, tokens not split) and the cache donated as in
+    `forward`. The MTP layer's KV lives in the same CpKVCache as the other layers', so it is sharded
+    (DCP) exactly like theirs."""
+    axis = cache.axis
+    if cache.tokens_split:
+        raise NotImplementedError("MTP passes and sequential verification with PCP (tokens split over the "
+                                  "context axis): issue 21 item 5, only DCP is built")
+    if cache.counters is not None:
+        raise ValueError("the cache's counters must be None here")
+    specs = cache_specs(cache)
+
+    def body(state, args, cache):
+        model = nnx.merge(graphdef, state)
+        if expert_parallel:
+            for layer in (*model.layers, *model.mtp):
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp = _ExpertParallel(layer.mlp, axis, False)
+        return method(model, *args, cache)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axis, expert_parallel), P(), specs),
+                         out_specs=(P(), specs), check_vma=False)(state, args, cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel"),
+                   donate_argnames=("cache",))
+def verify(state, tokens, positions, cache: CpKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
+           expert_parallel: bool = False):
+    """`GLM53.verify` (each position a one-token decode step, lax.scan) on `mesh` -> (hidden [B, T, D], cache)."""
+    fn = lambda m, t, p, c: m.verify(t, p, c, window=window, form=form, impl=impl)  # noqa: E731
+    return _replicated_map(fn, state, (tokens, positions), cache, graphdef=graphdef, mesh=mesh,
+                           expert_parallel=expert_parallel)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel"),
+                   donate_argnames=("cache",))
+def mtp_forward(state, h_prev, next_tokens, positions, cache: CpKVCache, *, graphdef, mesh, window: int, form: str,
+                impl: str, expert_parallel: bool = False):
+    """`GLM53.mtp_forward(0, ...)` on `mesh` -> (hidden [B, T, D], cache): the MTP layer's KV and indexer
+    keys written and read through the CpKVCache like every layer's."""
+    fn = lambda m, h, t, p, c: m.mtp_forward(0, h, t, p, c, window=window, form=form, impl=impl)  # noqa: E731
+    return _replicated_map(fn, state, (h_prev, next_tokens, positions), cache, graphdef=graphdef, mesh=mesh,
+                           expert_parallel=expert_parallel)

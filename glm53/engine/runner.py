@@ -129,6 +129,12 @@ def _take_tokens(hidden_RTD, order_T):
     return hidden_RTD[:, order_T]
 
 
+@jax.jit
+def _take_rows(hidden_RTD, last_R):
+    """hidden [R, T, D] -> [R, 1, D] at each row's position last_R[r]."""
+    return jnp.take_along_axis(hidden_RTD, last_R[:, None, None], axis=1)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _position_logits(logits_fn, state, hidden_RJD):
     """Logits of every position of a verify group -> [R, J, V], one position at a time: each is the
@@ -505,10 +511,28 @@ class ModelRunner:
         loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, (), loads, drafts=drafts)
 
+    def _check_ids(self, table_mla, table_index) -> None:
+        if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.num_blocks:
+            raise ValueError(f"block id beyond the pool's {self.num_blocks} blocks")  # as in `_forward`
+
+    def _cp_kw(self, window: int) -> dict:
+        """Static arguments of parallel.model's MTP-step functions (DCP: the "mqa" form, as a decode step's)."""
+        return dict(graphdef=self.c.graphdef, mesh=self.mesh, window=window, form="mqa",
+                    impl=self.deploy.attention_impl, expert_parallel=self.deploy.enable_expert_parallel)
+
     def _verify_forward(self, tok, pos, table_mla, table_index, window):
         """A verify group's forward -> hidden [rows, 1 + k, D] of every position (cache updated)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = self.cache.with_block_table(table_mla, table_index)
+        if self.mesh is not None:  # DCP: queries go to the KV shards (the "mqa" form, as a decode step's)
+            self._check_ids(table_mla, table_index)
+            if self.verify_mode == "batched":
+                hidden, self.cache = self._forward_cp(tok, pos, cache, window, "mqa")
+                return hidden
+            hidden, cp = parallel_model.verify(self.state, jnp.asarray(tok), jnp.asarray(pos), self._cp_cache(cache, False),
+                                               **self._cp_kw(window))
+            self.cache = cp.local
+            return hidden
         if self.verify_mode == "sequential":
             hidden, self.cache = self.c.verify(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
                                                form=self.form, impl=self.deploy.attention_impl)
@@ -522,6 +546,12 @@ class ModelRunner:
         hidden [rows, width, D] of every position, for the MTP layer)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = self.cache.with_block_table(table_mla, table_index)
+        if self.mesh is not None:  # the context mesh's forward returns every position already
+            self._check_ids(table_mla, table_index)
+            hidden, self.cache = self._forward_cp(tok, pos, cache, window, attention_form(
+                self.form, window, self.model.cfg.index_topk, tok.shape[1]))
+            last_R = np.maximum((pos >= 0).sum(axis=1) - 1, 0)
+            return _take_rows(hidden, jnp.asarray(last_R)), hidden
         (last, hidden), self.cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache,
                                                        window=window, form=self.form,
                                                        impl=self.deploy.attention_impl, last_only=True, keep_all=True)
@@ -532,8 +562,13 @@ class ModelRunner:
         nxt[r, j] (the token after it) and writes the MTP layer's KV there -> (its state at each row's
         position sel[r], [rows, 1, D]; the draft taken from it, [rows, 1] int32)."""
         cache = self.cache.with_block_table(table_mla, table_index)
-        h, self.cache = self.c.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos), cache, j=0,
-                                           window=window, form=self.form, impl=self.deploy.attention_impl)
+        if self.mesh is not None:
+            h, cp = parallel_model.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
+                                               self._cp_cache(cache, False), **self._cp_kw(window))
+            self.cache = cp.local
+        else:
+            h, self.cache = self.c.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos), cache, j=0,
+                                               window=window, form=self.form, impl=self.deploy.attention_impl)
         return _mtp_head(self.c.logits, self.state, h, jnp.asarray(sel))
 
     def _draft_chain(self, h, d, dpos, table_mla, table_index, window):
@@ -544,8 +579,13 @@ class ModelRunner:
         cache = self.cache.with_block_table(table_mla, table_index)
         out = [d]
         for p in dpos:
-            h, cache = self.c.mtp_forward(self.state, h, d, jnp.asarray(p[:, None]), cache, j=0, window=window,
-                                          form=self.form, impl=self.deploy.attention_impl)
+            if self.mesh is not None:
+                h, cp = parallel_model.mtp_forward(self.state, h, d, jnp.asarray(p[:, None]), self._cp_cache(cache, False),
+                                                   **self._cp_kw(window))
+                cache = cp.local
+            else:
+                h, cache = self.c.mtp_forward(self.state, h, d, jnp.asarray(p[:, None]), cache, j=0, window=window,
+                                              form=self.form, impl=self.deploy.attention_impl)
             d = _draft_argmax(self.c.logits, self.state, h)
             out.append(d)
         self.cache = cache

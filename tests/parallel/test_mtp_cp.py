@@ -1,0 +1,76 @@
+"""MTP speculative decoding under DCP (issue 21 item 5, the DCP half): the MTP layer's KV and indexer keys
+live in the same CpKVCache as every layer's, sharded round-robin over the ranks, and the verify step, the
+MTP pass and the draft passes run in shard_maps over the context axis (parallel.model.verify /
+mtp_forward). Against one device: greedy tokens equal non-speculative decoding with the MTP layer's own
+drafts and with oracle drafts that stand 0..K at a time, the drafts equal a one-device MTP engine's, and
+a warm engine compiles nothing more."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+K = 3
+BASE = dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=8, num_gpu_blocks=24)
+
+
+def _test_mtp():
+    """tests/engine/test_mtp.py as a module (its oracle-drafts helper)."""
+    path = Path(__file__).resolve().parents[1] / "engine" / "test_mtp.py"
+    spec = importlib.util.spec_from_file_location("_engine_test_mtp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _record_drafts(eng) -> dict:
+    """Every step's drafts per request, in order: {req_id: [drafts, ...]}."""
+    execute, seen = eng.runner.execute, {}
+
+    def run(plan):
+        res = execute(plan)
+        for rid, d in res.drafts.items():
+            seen.setdefault(rid, []).append(tuple(d))
+        return res
+
+    eng.runner.execute = run
+    return seen
+
+
+@pytest.mark.multidevice
+def test_mtp_under_dcp2_equals_one_device(tiny_model):
+    import jax
+
+    import glm53
+    from glm53 import DeployConfig, Engine, SamplingParams
+    from glm53.engine.runner import CompileCounter
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
+    want = [glm53.generate(tiny_model, p, 12).token_ids.tolist() for p in prompts]
+    one = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K))
+    dcp = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K, decode_context_parallel_size=2),
+                 devices=jax.devices()[:2])
+    assert dcp.runner.mesh is not None and dcp.runner.kv_ranks == 2
+    # the MTP layer's own drafts (random weights: almost all rejected): the reference tokens, and the
+    # drafts of a one-device MTP engine (the MTP layer's KV sharded like every layer's)
+    drafts = {}
+    for name, eng in (("one", one), ("dcp", dcp)):
+        seen = _record_drafts(eng)
+        outs = eng.generate(prompts, max_new_tokens=5)
+        assert [o.token_ids.tolist() for o in outs] == [w[:5] for w in want], name
+        drafts[name] = [seen[o.req_id] for o in outs]
+        del eng.runner.execute  # the class method again
+    assert drafts["dcp"] == drafts["one"]
+    assert dcp.metrics()["spec_num_drafts"] > 0
+    # oracle drafts that stand 0..K at a time (poison off: under DCP a block's slots are spread over the
+    # ranks), on a warm engine: the same tokens, and no compilation
+    ids = [dcp.add_request(p, SamplingParams(12)) for p in prompts]
+    log = _test_mtp().with_oracle_drafts(dcp, dict(zip(ids, want)), poison=False)
+    with CompileCounter() as compiles:
+        while dcp.has_unfinished():
+            dcp.step()
+    assert [dcp.output(r).token_ids.tolist() for r in ids] == want
+    assert {len(t) - 1 for step in log for nd, t in step.values() if nd and t} == set(range(K + 1))
+    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
