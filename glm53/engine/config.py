@@ -245,9 +245,6 @@ class DeployConfig:
         if self.kv_policy == "hisparse":
             raise NotImplementedError("DeployConfig.speculative_config with kv_policy='hisparse': HiSparse with MTP "
                                       "(a resolver plan shared by a step's draft tokens) is issue 21 item 4, not built")
-        if self.prefill_context_parallel_size > 1:
-            raise NotImplementedError("DeployConfig.speculative_config with prefill_context_parallel_size > 1: MTP "
-                                      "under PCP is issue 21 item 5, not built (under DCP it is)")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

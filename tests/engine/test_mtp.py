@@ -62,8 +62,6 @@ def test_speculative_config_is_vllms_shape_and_bad_input_is_named():
                                          "draft_sample_method": "probabilistic"})
     with pytest.raises(NotImplementedError, match="item 4"):
         DeployConfig(num_speculative_tokens=3, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 20)
-    with pytest.raises(NotImplementedError, match="item 5"):
-        DeployConfig(num_speculative_tokens=3, prefill_context_parallel_size=2)
 
 
 def test_the_pool_counts_the_mtp_layers_kv():

@@ -1,9 +1,10 @@
-"""MTP speculative decoding under DCP (issue 21 item 5, the DCP half): the MTP layer's KV and indexer keys
-live in the same CpKVCache as every layer's, sharded round-robin over the ranks, and the verify step, the
-MTP pass and the draft passes run in shard_maps over the context axis (parallel.model.verify /
-mtp_forward). Against one device: greedy tokens equal non-speculative decoding with the MTP layer's own
-drafts and with oracle drafts that stand 0..K at a time, the drafts equal a one-device MTP engine's, and
-a warm engine compiles nothing more."""
+"""MTP speculative decoding under PCP and DCP (issue 21 item 5): the MTP layer's KV and indexer keys live in
+the same CpKVCache as every layer's (under DCP sharded round-robin over the ranks), a prefill chunk's
+forward is split over the PCP ranks and its hidden states come back in token order, and the verify step,
+the MTP pass and the draft passes run in shard_maps over the context axis with the tokens replicated
+(parallel.model.verify / mtp_forward). Against one device: greedy tokens equal non-speculative decoding
+with the MTP layer's own drafts and with oracle drafts that stand 0..K at a time, the drafts equal a
+one-device MTP engine's, and a warm engine compiles nothing more."""
 
 import importlib.util
 from pathlib import Path
@@ -39,7 +40,10 @@ def _record_drafts(eng) -> dict:
 
 
 @pytest.mark.multidevice
-def test_mtp_under_dcp2_equals_one_device(tiny_model):
+@pytest.mark.parametrize("layout", [dict(decode_context_parallel_size=2), dict(prefill_context_parallel_size=2),
+                                    dict(prefill_context_parallel_size=2, decode_context_parallel_size=2)],
+                         ids=["dcp2", "pcp2", "pcp2_dcp2"])
+def test_mtp_under_context_parallelism_equals_one_device(tiny_model, layout):
     import jax
 
     import glm53
@@ -50,9 +54,8 @@ def test_mtp_under_dcp2_equals_one_device(tiny_model):
     prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
     want = [glm53.generate(tiny_model, p, 12).token_ids.tolist() for p in prompts]
     one = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K))
-    dcp = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K, decode_context_parallel_size=2),
-                 devices=jax.devices()[:2])
-    assert dcp.runner.mesh is not None and dcp.runner.kv_ranks == 2
+    dcp = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K, **layout), devices=jax.devices()[:2])
+    assert dcp.runner.mesh is not None and dcp.runner.kv_ranks == layout.get("decode_context_parallel_size", 1)
     # the MTP layer's own drafts (random weights: almost all rejected): the reference tokens, and the
     # drafts of a one-device MTP engine (the MTP layer's KV sharded like every layer's)
     drafts = {}
