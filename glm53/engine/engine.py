@@ -490,13 +490,7 @@ def offload_metrics(sch: Scheduler) -> dict:
     if not isinstance(pol, OffloadPolicy):
         return {}
     out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
-    for tier in (pol.tiers.tiers if pol.tiers else ()):
-        seen = dataclasses.asdict(pol.tier_counts[tier.name])
-        st = tier.stats
-        own = {f.name: getattr(st, f.name) for f in dataclasses.fields(st) if not f.name.endswith("_latency")}
-        times = {f"{k}_{u}": getattr(getattr(st, f"{k}_latency"), a)
-                 for k in ("store", "load") for u, a in (("time_s", "sum"), ("jobs", "count"))}
-        out[tier.name] = {**own, **times, **seen, "corrupt": seen["corrupt"]}
+    out.update(pol.host_tier.tier_metrics())  # kvcache.host_tier.HostTier
     return out
 
 

@@ -215,7 +215,7 @@ class _Collector:
                 for name, counts in offload_metrics(sch).items():
                     for k, fam in off.items():
                         fam.add_metric(lv + [name], counts.get(k, 0))
-                for t in (pol.tiers.tiers if pol.tiers else ()):
+                for t in (pol.host_tier.tiers.tiers if pol.host_tier.tiers else ()):
                     for k, fam in lat.items():
                         h = getattr(t.stats, f"{k}_latency", None)
                         if h is not None and h.count:

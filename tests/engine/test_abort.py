@@ -145,14 +145,14 @@ def test_aborting_a_request_while_its_tier_loads_are_in_flight():
     eng.step()
     rid = eng.add_request(prompt, SamplingParams(2))
     eng.step()
-    assert pol.waiting_for(eng.requests[rid]) and pol.jobs  # its loads are under way
+    assert pol.waiting_for(eng.requests[rid]) and pol.host_tier.jobs  # its loads are under way
     eng.abort_request(rid)
     while eng.finished.get(busy) is None:
         eng.step()
-    assert pol.jobs and eng.has_unfinished()  # the loads' host pages stay reserved until a step reads them
+    assert pol.host_tier.jobs and eng.has_unfinished()  # the loads' host pages stay reserved until a step reads them
     while eng.has_unfinished():
         eng.step()
-    assert not pol.jobs and not pol.loading and not pol.tier_pins
+    assert not pol.host_tier.jobs and not pol.host_tier.loading and not pol.host_tier.tier_pins
     _all_returned(eng)  # every host page unpinned
     assert eng.metrics()["kv_offload"]["fs"]["hits"] == 14  # 7 full pages of each group landed in the host tier
     # its 7 full pages of each group, and the 3 of the busy request (15 computed tokens), are host-cached

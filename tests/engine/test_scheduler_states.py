@@ -102,7 +102,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sch = self.engine.scheduler
         assert rid not in sch.requests and rid not in sch.kv.requests and rid not in sch.kv.leases
         assert rid not in sch.kv._kept_hashes and rid not in getattr(sch.policy, "state", {})
-        assert rid not in getattr(sch.policy, "saved", {}) and rid not in getattr(sch.policy, "tier_pins", {})
+        assert rid not in getattr(sch.policy, "saved", {}) and rid not in getattr(getattr(sch.policy, "host_tier", None), "tier_pins", {})
         assert self.engine.finished[rid].finish_reason == "abort" and len(out.token_ids) < out_max(self.engine, rid)
 
     @precondition(lambda self: len(self.sent) < 24 and self.engine.finished)
@@ -150,16 +150,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert pol.used_bytes == sum(b for _, b in pol.saved.values()) <= pol.capacity_bytes
         if isinstance(pol, OffloadPolicy):  # between steps the only host pages held are those of tier loads
             held = {g: 0 for g in pol.host}  # in flight, and those pinned for the waiting requests that loaded them
-            for _, _, g, _, _ in pol.jobs.values():
+            for _, _, g, _, _ in pol.host_tier.jobs.values():
                 held[g] += 1
-            for pins in pol.tier_pins.values():
+            for pins in pol.host_tier.tier_pins.values():
                 for g, _ in pins:
                     held[g] += 1
             for g, p in pol.host.items():
                 p.check()
                 assert p.num_free == p.num_blocks - held[g], (g, held)
             assert not pol.pending and set(pol.stored) == {r.req_id for r in sch.running}
-            assert set(pol.tier_pins) <= {r.req_id for r in sch.waiting} and set(pol.loading) <= set(sch.requests)
+            assert set(pol.host_tier.tier_pins) <= {r.req_id for r in sch.waiting}
+            assert set(pol.host_tier.loading) <= set(sch.requests)
         for req in sch.running:
             held = min(len(t) * sch.kv.group_tokens_per_block[g] for g, t in sch.kv.requests[req.req_id].tables.items())
             assert held >= req.num_computed_tokens
@@ -195,7 +196,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert pol.used_bytes == 0 and not pol.saved
         if isinstance(pol, OffloadPolicy):
             assert not pol.stored and not pol.pending and all(p.num_free == p.num_blocks for p in pol.host.values())
-            assert not pol.jobs and not pol.tier_pins and not pol.loading
+            assert not pol.host_tier.jobs and not pol.host_tier.tier_pins and not pol.host_tier.loading
 
 
 def out_max(engine, rid):
