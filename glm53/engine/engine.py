@@ -64,7 +64,8 @@ KV_EVENT_SPEC_KINDS = {"mla": "mla_attention", "indexer": "mla_attention"}
 
 
 def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = None, fingerprint: str = "") -> KVPolicy:
-    """The KV policy `deploy.kv_policy` names, sized by `sizes` (offload: with its secondary `tiers`)."""
+    """The KV policy `deploy.kv_policy` names, sized by `sizes` (offload and HiSparse: with the secondary
+    `tiers` behind their host pools)."""
     if deploy.kv_policy == "offload":
         opts = deploy.offload_options
         return OffloadPolicy(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
@@ -76,7 +77,8 @@ def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = No
         return HiSparsePolicy(host_mla_blocks=sizes.host_blocks["mla"], host_index_blocks=sizes.host_blocks["indexer"],
                               block_size=deploy.block_size, hot_rows=sizes.hot_rows, max_leases=sizes.max_leases,
                               num_device_blocks=sizes.num_blocks, enable_prefix_caching=deploy.enable_prefix_caching,
-                              page_bytes=sizes.page_bytes)
+                              page_bytes=sizes.page_bytes, tiers=tiers, fingerprint=fingerprint,
+                              load_failure_policy=deploy.kv_load_failure_policy)
     return PreemptPolicy()
 
 
@@ -136,7 +138,7 @@ class Engine:
                                  f"{len(devices)} are available (on CPU, simulate more with "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * n})")
             groups = [devices[i * n:(i + 1) * n] for i in range(dp)]
-        specs = d.offload_options["secondary_tiers"] if d.kv_policy == "offload" else []
+        specs = d.offload_options["secondary_tiers"] if d.kv_policy in ("offload", "hisparse") else []
         if specs and runners is not None and not all(hasattr(r, "make_tiers") for r in runners):
             raise NotImplementedError("secondary KV tiers need the model runner or a runner that simulates them "
                                       "(make_tiers: glm53.engine.synthetic.SyntheticRunner, glm53.engine.sim.SimRunner)")
