@@ -410,8 +410,9 @@ class Engine:
                 for k in parts[0]}
 
     def _policy_metrics(self) -> dict:
-        """HiSparse figures, and the offload tiers' counters under kv_policy="offload" (`kv_offload`, with the
-        host tier's bytes in use now and at peak); empty for other policies. Summed over replicas (means of per-step counts add
+        """HiSparse figures, and the offload tiers' counters (`kv_offload`: under kv_policy="offload", and
+        under HiSparse with secondary tiers; with the host pools' bytes in use now and at peak); empty for
+        other policies. Summed over replicas (means of per-step counts add
         up too; a peak is the sum of the replicas' peaks, an upper bound): hot-buffer hits and misses
         (summed over IndexShare groups), rows copied host->device by decode steps (all layers), host pool
         bytes in use now and at peak, mean requests per step in each residency state, the page counters."""
@@ -480,19 +481,24 @@ def _weights_bytes(model, device) -> int:
 
 
 def offload_metrics(sch: Scheduler) -> dict:
-    """The offload tiers' counters, {tier: {...}}; {} for other policies. "cpu" (the host tier, in hash
-    blocks and bytes): "hits" (loaded host -> device at admission, whatever brought them to the host),
-    "misses", "corrupt" (0: host memory is not verified), "store_bytes", "load_bytes", "stored_pages",
-    "loaded_pages", "store_skipped_pages". Each secondary tier by name ("fs", ...; in chunks = pages and
-    bytes): "hits" (chunks it loaded into the host tier), "misses" (lookups it answered MISS), "corrupt",
-    "lost" (gone between lookup and load), "retries", and its own "stored_chunks", "store_failed",
-    "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks", and the seconds its store and load jobs
-    took with their counts ("store_time_s", "store_jobs", "load_time_s", "load_jobs")."""
+    """The offload tiers' counters, {tier: {...}}; {} for policies without them. Under kv_policy="offload",
+    "cpu" (the host tier, in hash blocks and bytes): "hits" (loaded host -> device at admission, whatever
+    brought them to the host), "misses", "corrupt" (0: host memory is not verified), "store_bytes",
+    "load_bytes", "stored_pages", "loaded_pages", "store_skipped_pages" (HiSparse counts its host pools'
+    pages itself: `_hisparse_metrics`). Each secondary tier by name ("fs", ...; in chunks = pages and
+    bytes), under either policy: "hits" (chunks it loaded into a host pool), "misses" (lookups it answered
+    MISS), "corrupt", "lost" (gone between lookup and load), "retries", and its own "stored_chunks",
+    "store_failed", "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks", and the seconds its
+    store and load jobs took with their counts ("store_time_s", "store_jobs", "load_time_s", "load_jobs")
+    (kvcache.host_tier.HostTier.tier_metrics)."""
     pol = sch.policy
-    if not isinstance(pol, OffloadPolicy):
+    if isinstance(pol, OffloadPolicy):
+        out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
+    elif isinstance(pol, HiSparsePolicy) and pol.host_tier.tiers is not None:
+        out = {}
+    else:
         return {}
-    out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
-    out.update(pol.host_tier.tier_metrics())  # kvcache.host_tier.HostTier
+    out.update(pol.host_tier.tier_metrics())
     return out
 
 
