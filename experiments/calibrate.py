@@ -4,10 +4,11 @@
 
 Fits each op family's few parameters on half of a published table's rows and reports the error on
 the other half (glm53/perfmodel/calibration.py says the models; glm53/perfmodel/published.json and
-docs/perfmodel_sources.md the sources); checks the families it does not fit (sparse MLA decode, host
-copies) against their rows. Writes OUT/gemm.json, collectives.json, sparse_mla.json, host_copy.json,
-calibrated_spec.json (the fitted HardwareSpec fields: glm53.perfmodel.H200_CALIBRATED, the simulator's
-"h200") and table.md, the validation table (every compared row with its error).
+docs/perfmodel_sources.md the sources): FP8 GEMMs, collectives, FlashMLA's sparse-MLA decode kernel and the
+lightning indexer's fp8 MQA logits; checks host copies (no fit) against their rows. Writes OUT/gemm.json,
+collectives.json, sparse_mla.json, indexer.json, host_copy.json, calibrated_spec.json (the fitted
+HardwareSpec fields: glm53.perfmodel.H200_CALIBRATED, the simulator's "h200") and table.md, the validation
+table (every compared row with its error).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from experiments.common import cpu_name, git_revision, out_dir_from_cli
 from glm53.perfmodel import calibration as cal
 
 
-def table(gemm: dict, coll: dict, mla: dict, host: dict) -> str:
+def table(gemm: dict, coll: dict, mla: dict, host: dict, idx: dict) -> str:
     """The validation table in markdown: rel_error = predicted time / measured time - 1."""
     out = ["# Kernels and links: the calibrated model against published measurements", "",
            "`rel_error` = predicted time / measured time - 1 (negative: the model is faster than measured). "
@@ -39,16 +40,33 @@ def table(gemm: dict, coll: dict, mla: dict, host: dict) -> str:
             out.append(f"| {fam} ({r['source']}) | {r['op']} | {r['busbw_gbps']:.0f} GB/s bus | "
                        f"{r['predicted_busbw_gbps']:.0f} GB/s | {r['rel_error']:+.1%} | held out"
                        f"{'' if r['measured'] else ', expected not measured'} |")
-    for r in mla["holdout_rows"]:
-        out.append(f"| sparse MLA decode (FlashMLA, H800) | {r['kernel']} | {r['measured_tflops']:.0f} TFLOPS | "
-                   f"{r['predicted_tflops']:.0f} TFLOPS | {r['rel_error']:+.1%} | held out (fit on sparse prefill) |")
+    for role, rows in (("fit", mla["train_rows"]), ("held out", mla["holdout_rows"])):
+        for r in rows:
+            shape = (f"{r['kernel']}: batch {r['requests']} x s_q {r['s_q']}, {r['heads']} heads, top-k {r['topk']}"
+                     + (" (shape partly assumed)" if r["shape_assumed"] else ""))
+            out.append(f"| sparse MLA fp8 decode (FlashMLA, {r['gpu']}, {r['source']}) | {shape} | "
+                       f"{r['measured_us']:.1f} us ({r['measured_tflops']:.0f} TFLOPS) | {r['predicted_us']:.1f} us "
+                       f"({r['predicted_tflops']:.0f} TFLOPS) | {r['rel_error']:+.1%} | {role} |")
+    for r in mla["prefill_kernel"]["source_rows"]:
+        out.append(f"| sparse MLA bf16 prefill (FlashMLA, H800, {r['source']}) | peak claim, shape not stated | "
+                   f"{r['tflops']:.0f} TFLOPS | efficiency {mla['prefill_kernel']['sparse_attention_efficiency']:.3f} "
+                   f"| | fit (the whole row) |")
+    for role, rows in (("fit", idx["train_rows"]), ("held out", idx["holdout_rows"])):
+        for r in rows:
+            shape = (f"S={r['seq_len']} SKV={r['seq_len_kv']} H={r['heads']} D={r['head_dim']} CP={r['cp']} "
+                     f"({r['pairs'] / 1e6:.1f}M pairs)")
+            out.append(f"| indexer fp8 MQA logits (DeepGEMM, H200 inferred, {r['source']}) | {shape} | "
+                       f"{r['measured_us']:.1f} us | {r['predicted_us']:.1f} us | {r['rel_error']:+.1%} | {role} |")
     for r in host["rows"]:
         out.append(f"| host copy ({r['source']}) | {r['direction']}, {r['method']} | {r['measured_gbps']:.1f} GB/s | "
                    f"{r['model_gbps']:.0f} GB/s | {r['rel_error']:+.1%} | check (no fit) |")
     g = gemm
     out += ["", f"GEMM held-out |error|: mean {g['holdout_mean_abs_rel_error']:.1%}, max {g['holdout_max_abs_rel_error']:.1%} "
-            f"({len(g['holdout_rows'])} rows). Sparse MLA decode max |error| {mla['holdout_max_abs_rel_error']:.1%}; "
-            f"host copies max |error| {host['max_abs_rel_error']:.1%}.", ""]
+            f"({len(g['holdout_rows'])} rows). Sparse MLA decode held-out max |error| "
+            f"{mla['holdout_max_abs_rel_error']:.1%} ({len(mla['holdout_rows'])} rows); indexer held-out |error| mean "
+            f"{idx['holdout_mean_abs_rel_error']:.1%}, max {idx['holdout_max_abs_rel_error']:.1%} "
+            f"({len(idx['holdout_rows'])} rows); host copies max |error| {host['max_abs_rel_error']:.1%}. "
+            f"Indexer top-k: {idx['topk']}.", ""]
     return "\n".join(out)
 
 
@@ -57,11 +75,13 @@ def main(argv=None) -> dict:
     meta = dict(date=time.strftime("%Y-%m-%d"), git_revision=git_revision(),
                 machine={"cpu": cpu_name(), "cpu_count": os.cpu_count()})
     res = {"gemm": cal.calibrate_gemm(), "collectives": cal.calibrate_collectives(),
-           "sparse_mla": cal.check_sparse_mla(), "host_copy": cal.check_host_copy(),
+           "sparse_mla": cal.calibrate_sparse_mla(), "indexer": cal.calibrate_indexer(),
+           "host_copy": cal.check_host_copy(),
            "calibrated_spec": {"fields": cal.calibrated_fields(), "spec": "glm53.perfmodel.H200_CALIBRATED"}}
     for name, r in res.items():
         (out / f"{name}.json").write_text(json.dumps({**r, **meta}, indent=1))
-    (out / "table.md").write_text(table(res["gemm"], res["collectives"], res["sparse_mla"], res["host_copy"]))
+    (out / "table.md").write_text(table(res["gemm"], res["collectives"], res["sparse_mla"], res["host_copy"],
+                                        res["indexer"]))
     f = res["gemm"]["fit"]
     print(f"FP8 GEMM (DeepGEMM, H800): compute_eff {f['compute_eff']:.2f}, memory_eff {f['memory_eff']:.2f}, "
           f"launch {f['launch_s'] * 1e6:.1f} us; holdout |error| mean {res['gemm']['holdout_mean_abs_rel_error']:.1%}, "
@@ -69,9 +89,15 @@ def main(argv=None) -> dict:
     for fam, v in res["collectives"]["families"].items():
         print(f"{fam}: link efficiency {v['efficiency']:.2f} (held-out max |error| "
               f"{'-' if v['holdout_max_abs_rel_error'] is None else format(v['holdout_max_abs_rel_error'], '.1%')})")
-    print(f"sparse MLA decode (held out): max |error| {res['sparse_mla']['holdout_max_abs_rel_error']:.1%}; "
-          f"host copies: max |error| {res['host_copy']['max_abs_rel_error']:.1%}")
-    print(f"wrote {out}/{{gemm,collectives,sparse_mla,host_copy,calibrated_spec}}.json and table.md")
+    m, i = res["sparse_mla"], res["indexer"]
+    print(f"sparse MLA fp8 decode (FlashMLA): efficiency {m['fit']['sparse_decode_efficiency']:.3f}, fixed "
+          f"{m['fit']['sparse_decode_latency_s'] * 1e6:.1f} us; held-out max |error| {m['holdout_max_abs_rel_error']:.1%} "
+          f"({len(m['holdout_rows'])} rows)")
+    print(f"indexer fp8 MQA logits (DeepGEMM): efficiency {i['fit']['indexer_efficiency']:.2f}, fixed "
+          f"{i['fit']['indexer_latency_s'] * 1e6:.1f} us; held-out |error| mean {i['holdout_mean_abs_rel_error']:.1%}, "
+          f"max {i['holdout_max_abs_rel_error']:.1%} ({len(i['holdout_rows'])} rows)")
+    print(f"host copies: max |error| {res['host_copy']['max_abs_rel_error']:.1%}")
+    print(f"wrote {out}/{{gemm,collectives,sparse_mla,indexer,host_copy,calibrated_spec}}.json and table.md")
     return res
 
 

@@ -34,7 +34,9 @@ DCP_SIZES = (1, 2, 4, 8, 16)
 # keys whose values depend on the spec's efficiencies (repeated under "datasheet_spec")
 DATASHEET_KEYS = ("dcp8_prefill_overhead", "dcp8_prefill_step_breakdown_s", "crossover_prompt_len_tp8_time",
                   "crossover_prompt_len_tp8_padded_time", "crossover_prompt_len_pcp8_time",
-                  "flashmla_sparse_decode_prediction_tflops", "ridge_point_achievable_flop_per_byte")
+                  "flashmla_sparse_decode_prediction_tflops", "ridge_point_achievable_flop_per_byte",
+                  "sparse_mla_decode_us_per_layer_vs_batch")
+DECODE_BATCHES = (1, 8, 32, 64, 128, 256, 512)
 N_GPUS = 8  # one H200 node: TP8 or PCP8
 OVERLAP_NOTE = (
     "overhead_frac: no overlap (every kernel and collective of the step runs after the previous one, as a "
@@ -58,7 +60,7 @@ def _indexer_and_mla_s(cfg, hw: pm.HardwareSpec, prompt_len: float, layout: str,
     par = {"tp": dict(tp=N_GPUS), "pcp": dict(pcp=N_GPUS)}[layout]
     by = pm.prefill_step(cfg, hw, int(prompt_len), 0, pad_heads=pad, **par).by_name()
     idx = sum(by[n].time_s for n in ("indexer_scores", "indexer_topk") if n in by)
-    return idx, by["sparse_mla"].time_s
+    return idx, sum(c.time_s for n, c in by.items() if n.startswith("sparse_mla"))  # with the fp8 up-convert
 
 
 def time_crossover(cfg, hw: pm.HardwareSpec, layout: str, pad: bool = False, lo: float = 2048,
@@ -172,9 +174,16 @@ def compute(cfg, hw: pm.HardwareSpec, *, kv_budget_bytes: float, chunk_tokens: i
     dsv = cfg.replace(num_attention_heads=128)
     predicted = {}
     for name, hpd in (("no_crossover_64_heads_per_dequant", 64), ("crossover_128_heads_per_dequant", 128)):
-        c = pm.sparse_mla(dsv, h800, 256, cfg.index_topk, 128, heads_per_dequant=hpd)
+        c = pm.sparse_mla(dsv, h800, 256, cfg.index_topk, 128, heads_per_dequant=hpd, tokens_per_request=2)
         predicted[name] = c.useful_flops / c.time_s / 1e12
     res["flashmla_sparse_decode_prediction_tflops"] = predicted
+
+    # One layer's sparse-MLA decode kernel (one query token per request, top-k rows each) against the batch:
+    # TP8 (8 heads per GPU, which FlashMLA runs as 64) and 64 heads (DP / DCP-gathered heads)
+    res["sparse_mla_decode_us_per_layer_vs_batch"] = {
+        "batch": list(DECODE_BATCHES), "topk": cfg.index_topk,
+        **{f"heads_{h}": [1e6 * pm.sparse_mla(cfg, hw, b, cfg.index_topk, h, pad_heads=True).time_s
+                          for b in DECODE_BATCHES] for h in (8, 64)}}
     return res
 
 

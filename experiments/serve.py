@@ -326,8 +326,10 @@ def main(argv=None) -> dict:
     if bad:
         ap.error(f"unrecognised arguments: {' '.join(bad)}")
     cfg = load_config(args.config, overrides, default=default_config)
-    devices = cfg.deploy.get("data_parallel_size", 1) * max(cfg.deploy.get("prefill_context_parallel_size", 1),
-                                                            cfg.deploy.get("decode_context_parallel_size", 1))
+    get = cfg.deploy.get  # DeployConfig.devices_per_replica x data_parallel_size, before JAX starts
+    per_replica = max(get("tensor_parallel_size", 1) * get("prefill_context_parallel_size", 1),
+                      get("decode_context_parallel_size", 1))
+    devices = get("data_parallel_size", 1) * per_replica
     if devices > 1 and not simulated(cfg):  # a parallel deployment: on CPU, simulate its devices (before JAX starts)
         from parallel.mesh import set_cpu_device_count
 

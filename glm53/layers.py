@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attention import dense_mla
+from attention import fp8_matmul as fp8
 from glm53.config import ModelConfig
 from kvcache.base import KVCache
 
@@ -34,6 +35,44 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         return x @ self.weight[...]
+
+    def matrix(self) -> Array:
+        """The weight [in, out] as a float array (for products that are not `x @ W`, e.g. absorbed MLA)."""
+        return self.weight[...]
+
+
+class Fp8Linear(nnx.Module):
+    """y = x @ W with W block-quantised (a checkpoint's fp8 linear layer): weight [in, out] float8_e4m3fn,
+    weight_scale_inv [ceil(in/128), ceil(out/128)] float32, W ~= weight * the scale of its 128 x 128 block.
+
+    The product quantises x per token and group of 128 and accumulates in float32
+    (attention.fp8_matmul); the output is cast to x's dtype. `dtype` is the model's activation dtype,
+    the dtype `matrix()` dequantises to; `impl` the fp8 matmul implementation ("auto", "reference",
+    "dequant")."""
+
+    def __init__(self, blocks: fp8.BlockFp8, *, dtype, impl: str = "auto"):
+        if blocks.q.ndim != 2:
+            raise ValueError(f"Fp8Linear takes a 2-D weight, got shape {list(blocks.q.shape)}")
+        fp8.resolve_impl(impl)
+        self.weight = nnx.Param(blocks.q)
+        self.weight_scale_inv = nnx.Param(blocks.scale)
+        self.dtype = dtype
+        self.impl = impl
+
+    @classmethod
+    def from_linear(cls, linear: Linear, *, dtype, impl: str = "auto") -> Fp8Linear:
+        """Quantise a float Linear's weight in 128 x 128 blocks (fp8_matmul.quantize_blocks)."""
+        return cls(fp8.quantize_blocks(linear.weight[...]), dtype=dtype, impl=impl)
+
+    def blocks(self) -> fp8.BlockFp8:
+        return fp8.BlockFp8(self.weight[...], self.weight_scale_inv[...])
+
+    def __call__(self, x: Array) -> Array:
+        return fp8.matmul(x, self.blocks(), impl=self.impl).astype(x.dtype)
+
+    def matrix(self) -> Array:
+        """The weight dequantised per block to the model dtype (inside the jitted step: memory keeps fp8)."""
+        return self.blocks().dequantize(self.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -151,7 +190,10 @@ class MLAttention(nnx.Module):
     def _kv_b(self):
         """kv_b split per head: w_uk [R, H, N] (key part), w_uv [R, H, V] (value part)."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight[...].reshape(cfg.kv_lora_rank, cfg.num_attention_heads, -1)
+        # Absorbed into the query and applied to latent rows, kv_b is a weight operand rather than a
+        # product with activations: an fp8 kv_b is dequantised per block here (vLLM dequantises it once
+        # at load; we keep memory in fp8).
+        w = self.kv_b_proj.matrix().reshape(cfg.kv_lora_rank, cfg.num_attention_heads, -1)
         return w[..., : cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim :]
 
     def __call__(self, x_BTD: Array, pos_BT: Array, cache: KVCache, topk_BTK: Array | None, *, window: int,
@@ -262,11 +304,60 @@ class Experts(nnx.Module):
         self.gate_up_proj = nnx.Param(0.02 * jax.random.normal(rngs.params(), (e, d, 2 * f)).astype(dtype))
         self.down_proj = nnx.Param(0.02 * jax.random.normal(rngs.params(), (e, f, d)).astype(dtype))
 
+    def weights(self):
+        """(gate_up [E, D, 2F], down [E, F, D]): what `grouped_experts` multiplies by."""
+        return self.gate_up_proj[...], self.down_proj[...]
+
     def __call__(self, x_ND: Array, idx_NK: Array, w_NK: Array) -> Array:
-        return grouped_experts(x_ND, idx_NK, w_NK, self.gate_up_proj[...], self.down_proj[...])
+        return grouped_experts(x_ND, idx_NK, w_NK, *self.weights())
 
 
-def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int = 64):
+class Fp8Experts(nnx.Module):
+    """Routed experts with block-quantised weights (a checkpoint's fp8 experts):
+    gate_up_proj [E, D, 2F] float8_e4m3fn with gate_up_proj_scale_inv [E, ceil(D/128), 2 ceil(F/128)],
+    down_proj [E, F, D] with down_proj_scale_inv [E, ceil(F/128), ceil(D/128)] (float32).
+
+    Gate and up are quantised as two matrices, each in its own 128 x 128 blocks (the released per-expert
+    tensors `gate_proj` / `up_proj`): the first ceil(F/128) scale columns are the gate's. When F is a
+    multiple of 128 this is the same as blocking the stacked [D, 2F] matrix."""
+
+    def __init__(self, gate_up: fp8.BlockFp8, down: fp8.BlockFp8, *, impl: str = "auto"):
+        if gate_up.parts != 2 or down.parts != 1:
+            raise ValueError(f"Fp8Experts takes gate_up with parts=2 ([gate | up]) and down with parts=1, got "
+                             f"{gate_up.parts} and {down.parts}")
+        fp8.resolve_impl(impl)
+        self.gate_up_proj = nnx.Param(gate_up.q)
+        self.gate_up_proj_scale_inv = nnx.Param(gate_up.scale)
+        self.down_proj = nnx.Param(down.q)
+        self.down_proj_scale_inv = nnx.Param(down.scale)
+        self.impl = impl
+
+    @classmethod
+    def from_experts(cls, experts: Experts, *, impl: str = "auto") -> Fp8Experts:
+        return cls(fp8.quantize_blocks(experts.gate_up_proj[...], parts=2), fp8.quantize_blocks(experts.down_proj[...]),
+                   impl=impl)
+
+    def weights(self):
+        """(gate_up, down) as fp8_matmul.BlockFp8 [E, ...]: what `grouped_experts` multiplies by."""
+        return (fp8.BlockFp8(self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], parts=2),
+                fp8.BlockFp8(self.down_proj[...], self.down_proj_scale_inv[...]))
+
+    def __call__(self, x_ND: Array, idx_NK: Array, w_NK: Array) -> Array:
+        return grouped_experts(x_ND, idx_NK, w_NK, *self.weights(), fp8_impl=self.impl)
+
+
+def _expert_products(w_gate_up, w_down, impl: str):
+    """One expert's (gate_up, down) weights -> (x -> (gate, up), h -> down(h)). Float weights multiply as
+    they are; fp8 ones (BlockFp8) quantise the activations per token (fp8_matmul) against weights
+    prepared once per expert, outside the loop over its row blocks."""
+    if not isinstance(w_gate_up, fp8.BlockFp8):
+        return (lambda x: tuple(jnp.split(x @ w_gate_up, 2, axis=-1))), (lambda h: h @ w_down)
+    gate_up_w, down_w = fp8.prepare(w_gate_up, impl), fp8.prepare(w_down, impl)
+    return ((lambda x: tuple(jnp.split(fp8.apply(x, gate_up_w).astype(x.dtype), 2, axis=-1))),
+            (lambda h: fp8.apply(h, down_w).astype(h.dtype)))
+
+
+def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int = 64, *, fp8_impl: str = "auto"):
     """Exact token-choice MoE: sum_k w[n,k] * expert_{idx[n,k]}(x[n]) without computing unused experts.
 
     Static shapes, no token dropping. The N*k (token, expert) assignments are sorted by expert and laid
@@ -278,6 +369,9 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     per block costs more (timings: docs/model.md). With b = N (decode) a used expert is
     one block holding all its tokens, unless it appears more than once per token (expert parallelism
     routes other ranks' assignments to local expert 0 with weight 0), which only adds blocks.
+
+    The weights are float arrays or fp8_matmul.BlockFp8 (fp8 experts: gate and up blocked separately,
+    see `Fp8Experts`; `fp8_impl` picks the fp8 matmul implementation).
     """
     n, d = x_ND.shape
     e = w_gate_up_EDF2.shape[0]
@@ -303,11 +397,11 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
 
     def one_expert(u, yb):
         ex = used_E[u]
-        w_gate_up, w_down = w_gate_up_EDF2[ex], w_down_EFD[ex]
+        gate_up, down = _expert_products(w_gate_up_EDF2[ex], w_down_EFD[ex], fp8_impl)
 
         def one_block(j, yb):
-            gate, up = jnp.split(xb[j] @ w_gate_up, 2, axis=-1)
-            return yb.at[j].set((jax.nn.silu(gate) * up) @ w_down)
+            gate, up = gate_up(xb[j])
+            return yb.at[j].set(down(jax.nn.silu(gate) * up))
 
         return jax.lax.fori_loop(first_E[ex], first_E[ex] + blocks_E[ex], one_block, yb)
 

@@ -6,7 +6,8 @@
          -d '{"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}'
 
 Flags: `--host`, `--port`, `--served-model-name` (default: the model argument as given), `--seed` (a
-preset's random weights, as `glm53.init(preset, seed)`), `--dtype`, and one flag per `DeployConfig`
+preset's random weights, as `glm53.init(preset, seed)`), `--dtype`, `--quantization fp8` (a checkpoint's fp8
+block-quantised weights kept in fp8), and one flag per `DeployConfig`
 field in vLLM's spelling (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`,
 `--block-size`, `--kv-cache-dtype`, `--enable-prefix-caching` / `--no-enable-prefix-caching`,
 `--prefill-context-parallel-size`, `--decode-context-parallel-size`, `--dcp-comm-backend`,
@@ -57,7 +58,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from glm53.engine.config import DeployConfig
 
 # ------------------------------------------------------------------------------------------- flags
-_RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "shutdown_timeout", "warmup"}
+_RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "quantization", "shutdown_timeout",
+             "warmup"}
 
 
 def _flag_type(annotation: str):
@@ -80,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
     ap.add_argument("--seed", type=int, default=0, help="random weights of a preset (glm53.init(preset, seed))")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights' dtype")
+    ap.add_argument("--quantization", default=None, choices=("fp8",),
+                    help="fp8: keep a block-quantised fp8 checkpoint's weights in fp8 (vLLM's --quantization fp8; "
+                         "glm53.from_pretrained(quantization='fp8')); default: dequantise them to --dtype on load")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests may finish after SIGTERM before they are aborted")
     ap.add_argument("--warmup", action="store_true",
@@ -90,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
             raise AssertionError(f"DeployConfig.{f.name} clashes with a server flag")
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        help_ = f"DeployConfig.{f.name} (default: {default!r}{', resolved for the model and machine' if default is None else ''})"
+        resolved = ", resolved for the model and machine" if default is None else ""
+        help_ = f"DeployConfig.{f.name} (default: {default!r}{resolved})"
         if f.type == "bool":
             ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         else:
@@ -103,7 +109,8 @@ def deploy_from_args(args: argparse.Namespace, cfg, dtype: str) -> DeployConfig:
     --hisparse-host-pool-bytes: a host pool for max_num_seqs requests of max_model_len."""
     from kvcache.layout import page_bytes
 
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DeployConfig) if getattr(args, f.name) is not None}
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DeployConfig)
+             if getattr(args, f.name) is not None}
     if given.get("kv_policy") == "hisparse" and "hisparse_host_pool_bytes" not in given:
         d = DeployConfig(**{**given, "kv_policy": "preempt"}).resolved(cfg, dtype)
         kv_dtype = dtype if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
@@ -317,7 +324,8 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         texts = [TextStream(tokenizer, stops_of(body), tokenizer.eos_token_ids) for _ in handles]
         if body.stream:
-            return StreamingResponse(_stream(raw, body, handles, prompts, texts, rid, chat), media_type="text/event-stream")
+            return StreamingResponse(_stream(raw, body, handles, prompts, texts, rid, chat),
+                                     media_type="text/event-stream")
         collect = asyncio.ensure_future(_collect(handles, texts))
         while not collect.done():
             await asyncio.wait({collect}, timeout=0.2)
@@ -447,7 +455,8 @@ def main(argv=None) -> None:
     name = args.served_model_name or args.model
     # on CPU, simulate the devices the parallel sizes need (before JAX creates its backend)
     dp = args.data_parallel_size or 1
-    n = max(args.prefill_context_parallel_size or 1, args.decode_context_parallel_size or 1)
+    n = max((args.tensor_parallel_size or 1) * (args.prefill_context_parallel_size or 1),
+            args.decode_context_parallel_size or 1)  # DeployConfig.devices_per_replica
     if dp * n > 1 and os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
         from parallel.mesh import set_cpu_device_count
 
@@ -461,9 +470,12 @@ def main(argv=None) -> None:
     from glm53.tokenizer import load_tokenizer
 
     if args.model in PRESETS:
+        if args.quantization:
+            raise SystemExit(f"glm53.serve: --quantization {args.quantization} needs a checkpoint directory, not the "
+                             f"preset {args.model!r}")
         model = glm53.init(args.model, seed=args.seed, dtype=args.dtype)
     elif os.path.isdir(args.model):
-        model = glm53.from_pretrained(args.model, dtype=args.dtype)
+        model = glm53.from_pretrained(args.model, dtype=args.dtype, quantization=args.quantization)
     else:
         raise SystemExit(f"glm53.serve: {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                          "checkpoint directory")

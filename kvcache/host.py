@@ -267,6 +267,17 @@ class HostKV:
 GROUP_FIELDS = {"mla": "mla", "indexer": "index"}  # cache group -> the PagedKVCache field of its arrays
 
 
+def canonical_rows(kv_ranks: int, page_rows: int, interleave: int = 1) -> np.ndarray:
+    """For the kv_ranks x page_rows tokens one block covers under DCP, in token order, the index of each
+    token's row among the block's rows stored rank-major (rank r's page_rows rows at r x page_rows).
+    Token p lives on rank (p // interleave) % kv_ranks at local row (p // (interleave x kv_ranks)) x
+    interleave + p % interleave (parallel.dcp.DcpLayout's round robin). Identity for one rank."""
+    p = np.arange(kv_ranks * page_rows)
+    rank = (p // interleave) % kv_ranks
+    local = (p // (interleave * kv_ranks)) * interleave + p % interleave
+    return (rank * page_rows + local).astype(np.int64)
+
+
 class HostMemory:
     """The host side of one replica's KV cache, and every copy between it and the device pool.
 
@@ -279,9 +290,10 @@ class HostMemory:
         host tier's; None: none).
     hot: HiSparse's hot buffers (leases, IndexShare groups, rows per lease), device int32 state.
     tiers: the secondary tiers behind the host pools (kvcache.tiers.TierSet) or None: `TierStore` gathers
-        host pages' bytes (page-major: per page, each array of the group in order, its rows rank-major)
-        and hands them to every tier; `TierLoad` submits loads, and `poll_tiers` writes what they read
-        into the reserved host pages.
+        host pages' bytes in the canonical layout (page-major: per page, each array of the group in order,
+        its rows in token order: under DCP the ranks' rows are interleaved back, `interleave` tokens per
+        rank turn, so any parallel layout reads what another wrote) and hands them to every tier;
+        `TierLoad` submits loads, and `poll_tiers` writes what they read into the reserved host pages.
     max_copy_pages: pages per page-copy program; a larger copy runs in several (a bounded set of
         programs, all compiled by `warmup`).
 
@@ -290,9 +302,12 @@ class HostMemory:
 
     def __init__(self, cache, *, page_rows: dict[str, int], kv_ranks: int, num_blocks: int, host, device,
                  host_blocks: dict[str, int] | None = None, hot: tuple[int, int, int] | None = None,
-                 tiers=None, max_copy_pages: int = 64):
+                 tiers=None, max_copy_pages: int = 64, interleave: int = 1):
         self.page_rows = dict(page_rows)
         self.kv_ranks = kv_ranks
+        # per group: for each token of a page in order, the index of its row among the page's rank-major
+        # rows (rank r's rows r x page_rows ... ; DCP's round robin, `interleave` tokens per rank turn)
+        self.token_rows = {g: canonical_rows(kv_ranks, rows, interleave) for g, rows in self.page_rows.items()}
         self.num_blocks = num_blocks
         self._host, self._device = host, device
         self.max_copy_pages = max_copy_pages
@@ -390,13 +405,15 @@ class HostMemory:
         return np.concatenate([self.page_slots(group, [b], host=True) for b in blocks])
 
     def read_host_pages(self, group: str, blocks) -> list[np.ndarray]:
-        """The bytes of host pages `blocks` of `group` -> one np.uint8 [page_bytes] per page (a snapshot)."""
+        """The bytes of host pages `blocks` of `group` in the canonical layout -> one np.uint8 [page_bytes]
+        per page (a snapshot): each array of the group in order, its rows in token order."""
         n, slots = len(blocks), self._host_page_slots(group, blocks)
         per = len(slots) // pow2_at_least(n)
+        order = self.token_rows[group]
         out = np.empty((n, self.page_bytes[group]), np.uint8)
         off = 0
         for rows in _host_gather(self.host_tables[group], jnp.asarray(slots)):
-            a = np.asarray(rows)[: n * per].reshape(n, -1).view(np.uint8)
+            a = np.asarray(rows)[: n * per].reshape(n, per, -1)[:, order].reshape(n, -1).view(np.uint8)
             out[:, off: off + a.shape[1]] = a
             off += a.shape[1]
         assert off == self.page_bytes[group], (off, self.page_bytes[group])
@@ -406,12 +423,15 @@ class HostMemory:
         """Host pages `blocks` of `group` = payloads (np.uint8 [page_bytes] each, `read_host_pages`' layout)."""
         n, slots = len(blocks), self._host_page_slots(group, blocks)
         width = pow2_at_least(n)
+        per = len(slots) // width
+        place = np.argsort(self.token_rows[group])  # rank-major row i holds token place[i]
         data = np.zeros((width, self.page_bytes[group]), np.uint8)
         data[:n] = np.stack(payloads)
         rows, off = [], 0
         for t in self.host_tables[group]:
-            per_page = len(slots) // width * t.shape[1] * t.dtype.itemsize
-            rows.append(data[:, off: off + per_page].copy().view(t.dtype).reshape(-1, t.shape[1]))
+            per_page = per * t.shape[1] * t.dtype.itemsize
+            tokens = data[:, off: off + per_page].copy().view(t.dtype).reshape(width, per, t.shape[1])
+            rows.append(tokens[:, place].reshape(-1, t.shape[1]))
             off += per_page
         self.host_tables[group] = _host_scatter(self.host_tables[group], jnp.asarray(slots), tuple(rows))
 

@@ -25,11 +25,15 @@ runs the same computation on every rank.
 
 `heads_split`: the attention output stays split by head (each rank its H/N heads, as under tensor
 parallelism, where o_proj is row-parallel); otherwise it is all-gathered so every rank holds all heads
-(the engine's replicated projections). `counters` (optional, {name: int32 [1, 2]} per rank): each
-rank's work, accumulated over the layers, measured where it is done: (query, key) pairs its indexer
-scored (causal ones, and all pairs of the key range computed) and selected MLA rows its attention read
-(`COUNTERS`; exact (hi, lo) int32 pairs, `counter_totals`). The layer-level entry points of
-`parallel.layers` are this class run on one layer, so what the benchmarks count is what the engine runs.
+(the engine's replicated projections). `gather_queries` (with heads_split; `parallel.tp`): the queries
+arrive with this rank's heads only (tensor parallelism, this axis being the inner DCP part of the TP
+group): DCP attention all-gathers the group's heads over the axis first, and the merge hands each rank
+its own heads back; without DCP attention is local to the rank's heads. `counters` (optional, {name:
+int32 [1, 2]} per rank): each rank's work, accumulated over the layers, measured where it is done:
+(query, key) pairs its indexer scored (causal ones, and all pairs of the key range computed) and
+selected MLA rows its attention read (`COUNTERS`; exact (hi, lo) int32 pairs, `counter_totals`). The
+layer-level entry points of `parallel.layers` are this class run on one layer, so what the benchmarks
+count is what the engine runs.
 
 Positions are global (request-relative) everywhere outside this class; `capacity` is in global positions.
 """
@@ -60,8 +64,9 @@ class CpKVCache:
     axis: the context mesh axis; size: its number of ranks; tokens_split: PCP layout of this call's tokens;
     dcp: the KV is sharded round-robin with `interleave` consecutive tokens per rank (False: replicated);
     backend: DCP's LSE-merge communication ("ag_rs" or "a2a"); heads_split: attention outputs keep
-    this rank's heads only (H/N); index_block: query and key tile of the PCP indexer; counters: None, or
-    this rank's work counters {name in COUNTERS: int32 [1, 2]} (see the module docstring)."""
+    this rank's heads only (H/N); gather_queries: queries hold this rank's heads only (TP), so DCP
+    attention all-gathers them first; index_block: query and key tile of the PCP indexer; counters:
+    None, or this rank's work counters {name in COUNTERS: int32 [1, 2]} (see the module docstring)."""
 
     local: PagedKVCache
     axis: str = dataclasses.field(metadata=dict(static=True))
@@ -71,6 +76,7 @@ class CpKVCache:
     interleave: int = dataclasses.field(default=1, metadata=dict(static=True))
     backend: str = dataclasses.field(default="ag_rs", metadata=dict(static=True))
     heads_split: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    gather_queries: bool = dataclasses.field(default=False, metadata=dict(static=True))
     index_block: int = dataclasses.field(default=64, metadata=dict(static=True))
     counters: dict | None = None
 
@@ -81,6 +87,9 @@ class CpKVCache:
         if self.heads_split and self.tokens_split:
             raise NotImplementedError("heads_split with tokens_split: a rank holds only its own tokens, so "
                                       "the other heads of those tokens would be lost")
+        if self.gather_queries and not self.heads_split:
+            raise ValueError("gather_queries needs heads_split: a rank whose queries hold its own heads keeps "
+                             "its own heads of the output")
 
     # ------------------------------------------------------------------------------------------- layout
     def layout(self, group: str) -> dcp_ops.DcpLayout:
@@ -180,6 +189,11 @@ class CpKVCache:
         """`attend` with the log-sum-exp -> (out [B,T,H',R] f32, lse [B,T,H'] f32, cache); H' = H, or
         this rank's padded H/N heads when `heads_split`."""
         if self.dcp and not self.tokens_split:  # the selected rows this rank owns, merged over the ranks
+            if self.gather_queries:  # TP: the DCP group's heads (one message for both parts)
+                r = q_lat_BTHR.shape[-1]
+                q = jnp.concatenate([q_lat_BTHR, q_pe_BTHP.astype(q_lat_BTHR.dtype)], axis=-1)
+                q = jax.lax.all_gather(q, self.axis, axis=2, tiled=True)
+                q_lat_BTHR, q_pe_BTHP = q[..., :r], q[..., r:]
             owned = self._owned("mla", pos_BTK)
             out, lse = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, self.local.mla_slots(layer, owned), scale,
                                              impl=impl)
@@ -196,7 +210,7 @@ class CpKVCache:
             out, lse, local = sparse_attend(self.local, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, full=full,
                                             impl=impl)
             cache = self._with(local)
-        if self.heads_split:
+        if self.heads_split and not self.gather_queries:
             out, lse = self._own_heads(out), self._own_heads(lse)
         return out, lse, cache._count(mla_rows_attended=jnp.sum(pos_BTK >= 0, axis=-1, dtype=jnp.int32))
 

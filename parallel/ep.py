@@ -8,7 +8,8 @@ with the (replicated) router of `glm53.layers.MoE`, then (`moe_local`, inside `j
    at most min(top_k, E/N) of its assignments land on one rank and nothing is ever dropped. One
    `lax.all_to_all` moves the rows (and one the local expert ids; -1 = empty slot). This padded form runs
    everywhere; `lax.ragged_all_to_all` (exact-size messages) does not run on XLA:CPU.
-2. each rank runs its experts on what it received (`glm53.layers.grouped_experts`, empty slots weigh 0);
+2. each rank runs its experts on what it received (the layer's `experts`, i.e. `glm53.layers.grouped_experts`
+   over float or fp8 weights; empty slots weigh 0);
 3. combine: a second all-to-all returns the expert outputs to the token's rank, which weighs them by
    the router weights and sums over the top-k; the shared expert runs locally on the rank's tokens.
 The result equals the single-device `MoE` up to float summation order.
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from glm53.layers import MoE, grouped_experts
+from glm53.layers import MoE
 from parallel.mesh import axis_size
 
 
@@ -42,13 +43,12 @@ def moe_local(moe: MoE, x_ND, *, axis):
     """Expert-parallel MoE on one rank (inside `jax.shard_map` over `axis`, a name or tuple of names).
 
     `moe`: the layer with this rank's slice of the routed experts (gate_up_proj [E/N, D, 2F], down_proj
-    [E/N, F, D]) and replicated router / shared expert; x [n, D]: this rank's tokens -> y [n, D].
+    [E/N, F, D], and their block scales when fp8) and replicated router / shared expert; x [n, D]: this
+    rank's tokens -> y [n, D].
     """
     axes = _axes(axis)
     n_ranks = math.prod(jax.lax.axis_size(a) for a in axes)
-    w_gate_up = moe.experts.gate_up_proj[...]
-    w_down = moe.experts.down_proj[...]
-    e_local = w_gate_up.shape[0]
+    e_local = moe.experts.gate_up_proj.shape[0]
     n, d = x_ND.shape
     idx_NK, w_NK = moe.gate(x_ND)
     k = idx_NK.shape[1]
@@ -65,7 +65,7 @@ def moe_local(moe: MoE, x_ND, *, axis):
     recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True)  # [N (source), cap, D]
     recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True).reshape(-1, 1)
     filled = (recv_e >= 0).astype(jnp.float32)
-    y_rows = grouped_experts(recv_x.reshape(-1, d), jnp.maximum(recv_e, 0), filled, w_gate_up, w_down)
+    y_rows = moe.experts(recv_x.reshape(-1, d), jnp.maximum(recv_e, 0), filled)
     back = jax.lax.all_to_all(y_rows.reshape(n_ranks, cap, d), axes, 0, 0, tiled=True)  # [N (expert rank), cap, D]
 
     y_AD = back[dest_A, slot_A] * w_NK.reshape(-1)[:, None].astype(back.dtype)
@@ -81,12 +81,10 @@ def moe_local_replicated(moe: MoE, x_ND, *, axis):
     ranks' parts -> y [n, D] on every rank. Assignments to other ranks' experts are routed to local expert
     0 with weight 0 (computed, never counted)."""
     axes = _axes(axis)
-    w_gate_up = moe.experts.gate_up_proj[...]
-    e_local = w_gate_up.shape[0]
+    e_local = moe.experts.gate_up_proj.shape[0]
     idx_NK, w_NK = moe.gate(x_ND)
     mine = idx_NK // e_local == jax.lax.axis_index(axes)
-    y_ND = grouped_experts(x_ND, jnp.where(mine, idx_NK % e_local, 0), jnp.where(mine, w_NK, 0.0), w_gate_up,
-                           moe.experts.down_proj[...])
+    y_ND = moe.experts(x_ND, jnp.where(mine, idx_NK % e_local, 0), jnp.where(mine, w_NK, 0.0))
     y_ND = jax.lax.psum(y_ND, axes)
     if moe.shared_experts is not None:
         y_ND = y_ND + moe.shared_experts(x_ND)

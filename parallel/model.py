@@ -8,6 +8,11 @@ devices). The MoE layers of the merged model are swapped for their EP forms: all
 ranks hold different tokens (PCP prefill, `parallel.ep.moe_local`), one all-reduce when they hold the same
 ones (decode, `parallel.ep.moe_local_replicated`).
 
+Tensor parallelism (`tensor_parallel=True`, `parallel.tp`): the weights are split over the TP axes
+("tp", "cp") (heads, MLP widths, experts; `parallel.tp.place_state`), each layer's o_proj, MLP and MoE
+all-reduce over them, and the cache (`CpKVCache(gather_queries=True, heads_split=True)`) is replicated
+over "tp" and, under DCP, split over "cp". Tokens are replicated (no PCP under TP).
+
 Token layouts (`CpKVCache.tokens_split`): split, tokens [B, N * Tl] in the `parallel.pcp.PcpSplit`
 order (rank-major; each rank's Tl = 2C tokens of every row), sharded on axis 1; or replicated, [B, T] on
 every rank. The hidden states come back in the same layout.
@@ -25,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm53.layers import MoE
 from parallel import ep
+from parallel import tp as tp_ops
 from parallel.cp_cache import CpKVCache
 
 
@@ -71,15 +77,17 @@ def state_specs(state, axis: str, expert_parallel: bool):
     return jax.tree.map(lambda _: P(), state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel",
+                                             "tensor_parallel"),
                    donate_argnames=("cache",))
 def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphdef, mesh, window: int, form: str,
-            impl: str, expert_parallel: bool = False):
+            impl: str, expert_parallel: bool = False, tensor_parallel: bool = False):
     """`GLM53.__call__` on `mesh` -> (hidden [B, T', D] in the tokens' layout, cache). tokens / positions
     [B, T'] int32 (-1 = padding) in the layout `cache.tokens_split` says; the cache is donated.
     counters: None, or {name: int32 [N, 2]} split over the axis (`parallel.cp_cache.zero_counters(N)`; not
     donated, so one zero set serves every step): the returned cache's `counters` add this forward's
-    work per rank."""
+    work per rank. tensor_parallel: `state` is `parallel.tp.place_state`'s (split over the TP axes) and
+    expert_parallel says how its routed experts are split there (whole experts, or each one's width)."""
     axis = cache.axis
     tok = P(None, axis) if cache.tokens_split else P()
     if cache.counters is not None:
@@ -91,13 +99,24 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
     def body(state, tokens, positions, cache, counters):
         cache = dataclasses.replace(cache, counters=counters)
         model = nnx.merge(graphdef, state)
-        if expert_parallel:
+        if tensor_parallel:
+            tp_ops.local_modules(model, expert_parallel=expert_parallel)
+        elif expert_parallel:
             for layer in model.layers:
                 if isinstance(layer.mlp, MoE):
                     layer.mlp = _ExpertParallel(layer.mlp, axis, cache.tokens_split)
         hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl)
         return hidden, cache
 
+    if tensor_parallel:
+        if cache.tokens_split:
+            raise NotImplementedError("tensor parallelism with PCP (tokens split over the context axis)")
+        if axis != tp_ops.AXES[-1]:
+            raise ValueError(f"under tensor parallelism the cache's axis is the TP group's inner axis "
+                             f"{tp_ops.AXES[-1]!r}, got {axis!r}")
+        weights = tp_ops.state_specs(state, expert_parallel)
+    else:
+        weights = state_specs(state, axis, expert_parallel)
     return jax.shard_map(body, mesh=mesh,
-                         in_specs=(state_specs(state, axis, expert_parallel), tok, tok, specs, counter_specs),
+                         in_specs=(weights, tok, tok, specs, counter_specs),
                          out_specs=(tok, out_specs), check_vma=False)(state, tokens, positions, cache, counters)

@@ -90,13 +90,17 @@ class DeployConfig:
         max_num_seqs requests of max_model_len need. A block costs the bytes of the largest page of any
         cache group (kvcache.layout.block_bytes: a block id is one page of one group, in one byte budget;
         its 1/DCP share on each device).
-    tensor_parallel_size: heads and dense weights split over TP ranks (vLLM's TP; DCP reuses them). Priced
-        by the simulator (glm53.engine.sim); the model runner does not run it yet.
+    tensor_parallel_size: T ranks per replica with the attention heads (q_b, kv_b, o_proj), the dense MLPs and
+        the shared expert split over them (one all-reduce after o_proj and one after each MLP / MoE), the
+        latent KV cache and the indexer replicated, and the routed experts split too: whole experts with
+        enable_expert_parallel (EP over the TP ranks), else each expert's width (parallel.tp). DCP reuses
+        the TP ranks (decode_context_parallel_size must divide T: the cache is split over DCP sub-groups
+        of the T ranks, vLLM's rule); TP with PCP is not built. Heads are zero-padded to a multiple of T.
     prefill_context_parallel_size / decode_context_parallel_size: PCP (a prefill chunk's tokens split
         over the ranks) and DCP (the KV cache split round-robin over them) on one context mesh axis of
         max(PCP, DCP) devices (parallel.model); with enable_expert_parallel the routed experts are split
         over the same devices. Each is 1 or that axis size.
-    data_parallel_size: independent replicas (glm53.engine.engine), each on its own max(PCP, DCP) devices
+    data_parallel_size: independent replicas (glm53.engine.engine), each on its own devices_per_replica devices
         with its own scheduler and block pool; pool sizes (num_gpu_blocks, host bytes) are per replica.
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (the host tier of tiered offloading: every full page is stored to a CPU prefix
@@ -203,7 +207,7 @@ class DeployConfig:
         tp = self.tensor_parallel_size
         if tp > 1 and (pcp > 1 or (dcp > 1 and tp % dcp)):
             raise ValueError(f"DeployConfig.tensor_parallel_size={tp} with PCP {pcp} / DCP {dcp}: DCP must divide "
-                             "the TP ranks it reuses (vLLM's rule), and TP x PCP is not modelled")
+                             "the TP ranks it reuses (vLLM's rule), and TP x PCP is not built")
         if self.kv_policy == "hisparse" and self.context_parallel_size > 1:
             raise NotImplementedError("DeployConfig.kv_policy='hisparse' with context parallelism: HiSparse "
                                       "residency runs on one device so far")
@@ -351,7 +355,8 @@ class DeployConfig:
     @property
     def context_parallel_size(self) -> int:
         """Devices on the context mesh axis: max(PCP, DCP) (1 = one device). Under expert parallelism the
-        same devices hold the experts (EP size = this)."""
+        same devices hold the experts (EP size = this), except under TP, whose experts are split over all
+        the TP ranks (the context axis is then TP's inner DCP sub-group)."""
         return max(self.prefill_context_parallel_size, self.decode_context_parallel_size)
 
     @property

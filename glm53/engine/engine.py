@@ -7,9 +7,10 @@ engine step steps every replica that has work, each with the same three calls:
     result = replica.runner.execute(plan)
     replica.scheduler.update(plan, result, now)
 
-Replica i runs on devices [i * N, (i + 1) * N) of the process's devices (N = max(PCP, DCP), its context
-axis), with its own copy of the weights, block pool and host pools; replicas share nothing, so a
-request's tokens do not depend on which replica serves it (vLLM's data parallelism). Routing happens at
+Replica i runs on devices [i * N, (i + 1) * N) of the process's devices (N =
+DeployConfig.devices_per_replica: its context axis max(PCP, DCP), or its TP ranks, which DCP reuses),
+with its own copy of the weights, block pool and host pools; replicas share nothing, so a request's
+tokens do not depend on which replica serves it (vLLM's data parallelism). Routing happens at
 admission: a request with a salt (a user or session key; experiments.workloads salts every turn of a
 user's sessions) goes to the replica that served that salt before, so later turns find their prefix in
 that replica's cache; a new salt, or none, goes to the replica with the fewest unfinished requests
@@ -56,6 +57,7 @@ from kvcache.offload import OffloadPolicy
 from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
 from kvcache.tiers import TierSet, layout_fingerprint, make_tier
 from kvcache.transfer import TransferStats
+from parallel import tp as parallel_tp
 
 
 # vLLM's kv_cache_spec_kind of GLM-5.3's cache groups: the MLA rows and the indexer keys are both
@@ -116,7 +118,7 @@ class Engine:
         self.cfg: ModelConfig = model if isinstance(model, ModelConfig) else model.cfg
         d = deploy or DeployConfig()
         self.clock = clock or WallClock()
-        dp, n = d.data_parallel_size, d.context_parallel_size
+        dp, n = d.data_parallel_size, d.devices_per_replica
         runners = list(runner) if isinstance(runner, (list, tuple)) else None if runner is None else [runner]
         if runners is not None and len(runners) != dp:
             raise ValueError(f"runner: {len(runners)} runner(s) given for data_parallel_size={dp} (one per replica)")
@@ -128,7 +130,7 @@ class Engine:
         device = None
         if runners is None:
             device = list(devices)[0] if devices is not None else jax.devices()[0]
-        self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device))
+        self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device, d))
         self.sizes = d.kv_sizes(self.cfg, dtype)
         groups = [None] * dp
         if runners is None and (dp > 1 or devices is not None):
@@ -375,6 +377,9 @@ class Engine:
                         transfers=self._transfers(), running_per_step=self.running_per_step)
         out.update(self._policy_metrics())
         out.update(self._cp_metrics())
+        weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
+        if None not in weights:  # the model runner's (1/tp of the split weights under TP)
+            out["weights_bytes_per_device"] = max(weights)
         rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
         out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
                            "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}
@@ -452,11 +457,8 @@ def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:
     at every sampled value would collide (fine-tunes change every weight; name a separate root_dir for
     checkpoints that differ only in a few)."""
     cfg = model if isinstance(model, ModelConfig) else model.cfg
-    fp = layout_fingerprint(dataclasses.asdict(cfg), page_rows={"mla": deploy.block_size,
-                                                                "indexer": deploy.index_block_size or deploy.block_size},
-                            page_bytes=sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype,
-                            decode_context_parallel_size=deploy.decode_context_parallel_size,
-                            interleave=deploy.cp_kv_cache_interleave_size, tokens_per_block=deploy.tokens_per_block)
+    fp = layout_fingerprint(dataclasses.asdict(cfg), group_tokens=deploy.group_tokens_per_block(GROUPS),
+                            page_bytes=sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype)
     h = hashlib.sha256(fp.encode())
     if isinstance(model, nnx.Module):
         leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
@@ -472,11 +474,15 @@ def _leaf_heads(leaves):
     return [x.reshape(-1)[:: max(1, x.size // 256)][:256] for x in leaves]
 
 
-def _weights_bytes(model, device) -> int:
-    """Bytes of the model's weights (what one replica's device holds without expert parallelism); 0 on
-    CPU, where the KV budget does not depend on them."""
+def _weights_bytes(model, device, deploy: DeployConfig) -> int:
+    """Bytes of the model's weights one device of a replica holds (all of them without tensor or expert
+    parallelism; parallel.tp.bytes_per_device under TP); 0 on CPU, where the KV budget does not depend
+    on them."""
     if device is None or device.platform == "cpu" or not isinstance(model, nnx.Module):
         return 0
+    if deploy.tensor_parallel_size > 1:
+        return parallel_tp.bytes_per_device(nnx.state(model), model.cfg, deploy.tensor_parallel_size,
+                                            deploy.enable_expert_parallel)
     return sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes"))
 
 

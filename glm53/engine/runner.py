@@ -32,6 +32,7 @@ from glm53.model import GLM53, attention_form, compiled
 from kvcache.host import HiSparseView, HostMemory
 from kvcache.paged import PagedKVCache
 from parallel import model as parallel_model
+from parallel import tp as parallel_tp
 from parallel.cp_cache import CpKVCache, counter_totals, zero_counters
 from parallel.mesh import make_mesh
 from parallel.pcp import PcpSplit
@@ -116,31 +117,35 @@ def _take_tokens(hidden_RTD, order_T):
 
 
 class ModelRunner:
-    """Executes step plans on `devices` (default: the first max(PCP, DCP) of `jax.devices()`; a data-
-    parallel replica passes its own group). One device: weights and KV pool live there. Several: a
-    context mesh over them (parallel.model). `sizes`: the replica's pool, page and host-pool sizes
-    (glm53.engine.config.KVSizes), the same numbers its policy plans with."""
+    """Executes step plans on `devices` (default: the first `deploy.devices_per_replica` of
+    `jax.devices()`; a data-parallel replica passes its own group). One device: weights and KV pool live
+    there. Several: a context mesh over them (parallel.model), or under tensor parallelism a mesh
+    tp x cp (DCP reusing the TP ranks) with the weights split over it (parallel.tp). `sizes`: the
+    replica's pool, page and host-pool sizes (glm53.engine.config.KVSizes), the same numbers its policy
+    plans with."""
 
     def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None, *, tiers=None):
-        if deploy.tensor_parallel_size != 1:
-            raise NotImplementedError(f"DeployConfig.tensor_parallel_size={deploy.tensor_parallel_size}: the model "
-                                      "runner replicates attention and MLP weights so far (the context axis and "
-                                      "data-parallel replicas are built; tensor parallelism runs only in the "
-                                      "simulator, glm53.engine.sim)")
+        if deploy.tensor_parallel_size > 1 and deploy.kv_policy == "hisparse":  # the simulator prices it
+            raise NotImplementedError("kv_policy='hisparse' with tensor_parallel_size > 1 in the model runner: "
+                                      "HiSparse under TP (one host pool per replica shared by its TP ranks; "
+                                      "issue 24 item 1) is not built")
         self.model = model
         self.deploy = deploy
         self.sizes = sizes
         self.c = compiled(model)
-        n = deploy.context_parallel_size
+        n = deploy.devices_per_replica
         if devices is None:  # this process's devices, in the order make_mesh uses
             devices = sorted(jax.local_devices(), key=lambda d: d.id)[:n]
             if len(devices) < n:
                 make_mesh(cp=n)  # raises with how to simulate more devices on CPU
         devices = list(devices)
         if len(devices) != n:
-            raise ValueError(f"a runner with context_parallel_size={n} needs {n} devices, got {len(devices)}")
+            raise ValueError(f"a runner with devices_per_replica={n} needs {n} devices, got {len(devices)}")
         experts = model.cfg.n_routed_experts
-        if deploy.enable_expert_parallel and n > 1 and experts % n:
+        self.tp = deploy.tensor_parallel_size  # TP pads the experts to its ranks (parallel.tp)
+        if self.tp > 1:
+            parallel_tp.check_weights(self.c.state)  # before any array is allocated
+        if deploy.enable_expert_parallel and self.tp == 1 and n > 1 and experts % n:
             raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts do not split over the "
                              f"{n} devices of the context axis")
         self.devices = devices
@@ -156,8 +161,14 @@ class ModelRunner:
         # Context parallelism (parallel.model): a mesh with one context axis of max(PCP, DCP) devices.
         # Under DCP a block id is a page of block_size slots on every rank, so the arrays hold
         # kv_ranks x num_blocks pages, split over the axis (rank r's table is the r-th slice).
+        # Tensor parallelism (parallel.tp): a mesh tp x cp of devices_per_replica devices, DCP on its inner
+        # "cp" axis, the weights split over both.
         n = deploy.context_parallel_size
-        self.mesh = make_mesh(cp=n, devices=self.devices) if n > 1 else None
+        if self.tp > 1:
+            self.mesh = make_mesh(**parallel_tp.mesh_sizes(self.tp, deploy.decode_context_parallel_size),
+                                  devices=self.devices)
+        else:
+            self.mesh = make_mesh(cp=n, devices=self.devices) if n > 1 else None
         self.kv_ranks = deploy.decode_context_parallel_size
         self.cache = PagedKVCache.create(model.cfg, num_blocks * self.kv_ranks, deploy.block_size,
                                          self._table("mla", self.max_rows, []),
@@ -167,7 +178,10 @@ class ModelRunner:
                                          include_mtp=False)
         if self.mesh is not None:
             self.cache = parallel_model.place(self._cp_cache(self.cache, False), self.mesh).local
-            self.state = parallel_model.place_state(self.c.state, self.mesh, deploy.enable_expert_parallel)
+            if self.tp > 1:
+                self.state = parallel_tp.place_state(self.c.state, model.cfg, self.mesh, deploy.enable_expert_parallel)
+            else:
+                self.state = parallel_model.place_state(self.c.state, self.mesh, deploy.enable_expert_parallel)
             # each rank's work (parallel.cp_cache.COUNTERS): zeros in, this step's counts out; the step's
             # device arrays are folded into int64 host totals lazily (no sync on the serving path)
             self._cp_zero = jax.device_put(zero_counters(n), NamedSharding(self.mesh, P("cp")))
@@ -182,6 +196,8 @@ class ModelRunner:
             self.state = jax.device_put(self.c.state, self.devices[0])
             host = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="pinned_host")
             device = jax.sharding.SingleDeviceSharding(self.devices[0], memory_kind="device")
+        # bytes of weights on the fullest device (engine.metrics()["weights_bytes_per_device"])
+        self.weights_bytes_per_device = max(parallel_tp.bytes_on_each_device(self.state).values())
         # "auto": the model picks the dense form for short windows and, on CPU, for prefill chunks over a
         # few times top-k (attention.dense_mla.use_dense_mha); force_mqa sends everything sparse
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
@@ -190,7 +206,8 @@ class ModelRunner:
         self.hisparse = deploy.kv_policy == "hisparse"
         self.host = HostMemory(self.cache, page_rows={"mla": deploy.block_size,
                                                       "indexer": deploy.index_block_size or deploy.block_size},
-                               kv_ranks=self.kv_ranks, num_blocks=num_blocks, host=host, device=device,
+                               kv_ranks=self.kv_ranks, interleave=deploy.cp_kv_cache_interleave_size,
+                               num_blocks=num_blocks, host=host, device=device,
                                host_blocks=sz.host_blocks or None, tiers=self.tiers,
                                hot=(sz.max_leases, len(self.cache.index), sz.hot_rows) if self.hisparse else None)
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
@@ -267,7 +284,8 @@ class ModelRunner:
     def _cp_cache(self, cache: PagedKVCache, tokens_split: bool) -> CpKVCache:
         d = self.deploy
         return CpKVCache(cache, "cp", d.context_parallel_size, tokens_split=tokens_split, dcp=self.kv_ranks > 1,
-                         interleave=d.cp_kv_cache_interleave_size, backend=d.dcp_comm_backend)
+                         interleave=d.cp_kv_cache_interleave_size, backend=d.dcp_comm_backend,
+                         heads_split=self.tp > 1, gather_queries=self.tp > 1)
 
     def _fold_cp_work(self, steps: int) -> None:
         """Add the oldest `steps` pending steps' device counters to the int64 host totals."""
@@ -347,7 +365,8 @@ class ModelRunner:
                                             self._cp_cache(cache, split), self._cp_zero, graphdef=self.c.graphdef,
                                             mesh=self.mesh, window=window, form=form,
                                             impl=self.deploy.attention_impl,
-                                            expert_parallel=self.deploy.enable_expert_parallel)
+                                            expert_parallel=self.deploy.enable_expert_parallel,
+                                            tensor_parallel=self.tp > 1)
         self._cp_pending.append(cp.counters)
         if len(self._cp_pending) > 256:
             self._fold_cp_work(len(self._cp_pending) - 1)  # all but this step's, which may still run

@@ -57,7 +57,7 @@ def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | 
                       dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
-                      include_mtp=deploy.num_speculative_tokens > 0)
+                      include_mtp=deploy.num_speculative_tokens > 0, hisparse=deploy.kv_policy == "hisparse")
 
 
 class _Row(typing.NamedTuple):  # what step_cost reads of a plan row

@@ -9,8 +9,9 @@ crossovers, parameter and weight counts). Everything public is re-exported here.
 
 Everything is derived from a `ModelConfig` (the model's shapes), a `HardwareSpec` (datasheet peaks plus
 named, documented achievable efficiencies that are the same for every figure) and a step's shapes.
-`H200` is the datasheet spec; `H200_CALIBRATED` (`HARDWARE["h200"]`) has GEMM and collective
-efficiencies fitted on published kernel tables (`calibration`), never on an end-to-end serving figure.
+`H200` is the datasheet spec; `H200_CALIBRATED` (`HARDWARE["h200"]`) has GEMM, collective, sparse-MLA
+(FlashMLA kernel model) and indexer constants fitted on published kernel tables (`calibration`), never on
+an end-to-end serving figure.
 docs/perfmodel.md lists the published values the model reproduces or predicts and the formula behind each.
 
 Conventions
@@ -44,9 +45,9 @@ from glm53.perfmodel.ops import (dcp_context_allgather, dcp_decode_merge, dcp_to
                                  dense_mlp, expected_remote_ranks, expected_touched_experts, hisparse_row_copy,
                                  indexer_pair_flops, indexer_scores, indexer_topk, kv_bytes_by_component,
                                  kv_bytes_per_gpu, lm_head, max_context_tokens, mla_projections, moe, padded_heads,
-                                 pcp_kv_allgather, sparse_mla, sparse_mla_flops_per_row_head, sparse_mla_intensity,
-                                 sparse_mla_qo_bytes_per_head)
-from glm53.perfmodel.step import decode_step, prefill_step
+                                 pcp_kv_allgather, sparse_decode_units, sparse_mla, sparse_mla_flops_per_row_head,
+                                 sparse_mla_intensity, sparse_mla_qo_bytes_per_head, sparse_mla_upconvert)
+from glm53.perfmodel.step import decode_step, prefill_step, sparse_prefill_kernel
 from glm53.perfmodel.studies import (causal_pairs, crossover_prompt_len, param_counts,
                                      prefill_flops_per_gpu, sparse_rows_total, weight_bytes_per_gpu)
 
@@ -58,7 +59,8 @@ __all__ = [
     "dcp_topk_merge", "dense_mha_prefill", "dense_mlp", "expected_remote_ranks", "expected_touched_experts",
     "hisparse_row_copy", "indexer_pair_flops", "indexer_scores", "indexer_topk", "kv_bytes_by_component",
     "kv_bytes_per_gpu", "lm_head", "max_context_tokens", "mla_projections", "moe", "padded_heads",
-    "pcp_kv_allgather", "sparse_mla", "sparse_mla_flops_per_row_head", "sparse_mla_intensity",
-    "sparse_mla_qo_bytes_per_head", "decode_step", "prefill_step", "causal_pairs",
+    "pcp_kv_allgather", "sparse_decode_units", "sparse_mla", "sparse_mla_flops_per_row_head", "sparse_mla_intensity",
+    "sparse_mla_qo_bytes_per_head", "sparse_mla_upconvert", "decode_step", "prefill_step", "sparse_prefill_kernel",
+    "causal_pairs",
     "crossover_prompt_len", "param_counts", "prefill_flops_per_gpu", "sparse_rows_total", "weight_bytes_per_gpu"
 ]

@@ -67,6 +67,16 @@ class HardwareSpec:
         GEMM kernel (prologue, tail wave; default 0).
       all_to_all_efficiency, all_reduce_efficiency: link fractions of those collectives (default
         nvlink_efficiency, which then covers all-gather and reduce-scatter).
+      sparse_decode_efficiency: switches sparse MLA from the roofline above to the FlashMLA kernel model
+        (glm53.perfmodel.ops.sparse_mla, docs/perfmodel.md): the fraction of FlashMLA's published cycle counts
+        (2,176 MMA cycles per 64 rows x 64 heads, 50 dequantisation cycles per fp8 row, shared by the two CTAs
+        of a 128-head cluster) the fp8 decode kernel sustains; None keeps the roofline (datasheet spec).
+        sparse_decode_latency_s: fixed time of one decode-kernel call (launch, tile-scheduler metadata kernel,
+        split-KV combine). sparse_decode_overhead_blocks: FlashMLA's scheduler charges every request this
+        many 64-row blocks on top of its rows (`fixed_overhead_num_blocks`, csrc/api/sparse_decode.h).
+        The bf16 sparse prefill kernel runs at sparse_attention_efficiency in that model.
+      indexer_efficiency / indexer_latency_s: fp8 MQA-logits (lightning indexer) compute fraction of the fp8
+        peak and fixed time per call (default matmul_efficiency, 0).
     """
 
     name: str = "H200 SXM"
@@ -96,6 +106,11 @@ class HardwareSpec:
     gemm_latency_s: float = 0.0
     all_to_all_efficiency: float | None = None
     all_reduce_efficiency: float | None = None
+    sparse_decode_efficiency: float | None = None
+    sparse_decode_latency_s: float = 0.0
+    sparse_decode_overhead_blocks: int = 5
+    indexer_efficiency: float | None = None
+    indexer_latency_s: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -109,6 +124,11 @@ class HardwareSpec:
                 raise ValueError(f"HardwareSpec.{f.name} must be positive, got {v!r}")
             if f.name.endswith("efficiency") and v > 1:
                 raise ValueError(f"HardwareSpec.{f.name} is a fraction of peak, must be <= 1, got {v!r}")
+
+    @property
+    def flashmla_kernels(self) -> bool:
+        """Whether sparse MLA is priced by the FlashMLA kernel model (calibrated specs) or the roofline."""
+        return self.sparse_decode_efficiency is not None
 
     def gemm_eff(self) -> tuple[float, float]:
         """(compute, memory) efficiency of a GEMM kernel."""
@@ -160,12 +180,18 @@ H200 = HardwareSpec()
 # - all-to-all: DeepEP's intranode NVLink dispatch / combine bandwidths (H100, H20), median of half;
 # - all-gather / reduce-scatter: the NCCL maintainer's expected ring bus bandwidth on 8 x H100 (370 GB/s);
 # - all-reduce: NVLS bus bandwidth measured on 8 x H200 (475 GB/s) exceeds the ring model's link bound,
-#   so its efficiency is capped at 1.
-# Sparse MLA, the indexer, host copies and latencies keep the datasheet spec's values (sparse MLA is
-# checked against FlashMLA's decode rows, host copies against published bandwidths: calibrate.py).
+#   so its efficiency is capped at 1;
+# - sparse MLA: the FlashMLA kernel model (ops.sparse_mla) with its two constants solved from FlashMLA's
+#   H800 decode row (batch 128 x 128 heads, 410 TFLOPS) and a third party's H200 row at GLM's TP shape
+#   (batch 8, heads padded to 64, 22.8 us); held out: FlashMLA's top-k 32,768 and previous-kernel rows;
+# - indexer: DeepGEMM fp8_mqa_logits on an H200 (64 heads x 128, 2,048 queries, 4K-64K keys), fitted on the
+#   context-parallel rows, checked on the contiguous ones.
+# Top-k, host copies and collective / copy latencies keep the datasheet spec's values (host copies are
+# checked against published bandwidths: calibrate.py).
 H200_CALIBRATED = dataclasses.replace(
     H200, name="H200 SXM (calibrated)", gemm_efficiency=0.68, gemm_memory_efficiency=1.0, gemm_latency_s=4.5e-6,
-    all_to_all_efficiency=0.73, nvlink_efficiency=0.82, all_reduce_efficiency=1.0)
+    all_to_all_efficiency=0.73, nvlink_efficiency=0.82, all_reduce_efficiency=1.0,
+    sparse_decode_efficiency=0.865, sparse_decode_latency_s=12.6e-6, indexer_efficiency=0.59, indexer_latency_s=13e-6)
 
 # the hardware specs configs name (experiments.serve's runner.hardware): "h200" is the calibrated one
 HARDWARE = {"h200": H200_CALIBRATED, "h200_datasheet": H200}

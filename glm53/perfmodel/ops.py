@@ -66,18 +66,40 @@ def padded_heads(heads: int, hw: HardwareSpec = H200) -> int:
     return -(-heads // g) * g
 
 
+# FlashMLA's Hopper sparse kernels (deepseek-ai/FlashMLA csrc/sm90): a CTA serves 64 query heads of one query
+# token and walks its selected rows in blocks of 64 (BLOCK_M / B_H = 64, TOPK_BLOCK_SIZE / B_TOPK = 64)
+FLASHMLA_ROW_BLOCK = 64
+SPARSE_KERNELS = ("auto", "decode", "prefill")
+
+
 def sparse_mla(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, rows_per_query: float, heads: int, *,
                mla_format: str = "fp8_ds_mla", pad_heads: bool = False, dequant: bool = True,
-               heads_per_dequant: int | None = None, name: str = "sparse_mla") -> Cost:
+               heads_per_dequant: int | None = None, kernel: str = "auto", tokens_per_request: int = 1,
+               name: str = "sparse_mla") -> Cost:
     """Sparse MLA (absorbed MQA) over `rows_per_query` selected latent rows for each of `q_tokens` query
     tokens with `heads` query heads on this GPU; decode and prefill alike (prefill: many query tokens).
 
-    useful FLOPs = q * rows * heads * flops_per_row_head; executed FLOPs use the padded head count when
-    `pad_heads`. HBM = q * rows * (row bytes + 4 B index) + q * executed heads * 2,176 B of bf16 q/out
+    useful FLOPs = q * rows * heads * flops_per_row_head. Two cost models, chosen by the spec:
+
+    Roofline (`hw.flashmla_kernels` False, the datasheet spec): executed FLOPs use the padded head count
+    when `pad_heads`. HBM = q * rows * (row bytes + 4 B index) + q * executed heads * 2,176 B of bf16 q/out
     (each query reads its own rows: selections differ per query). Compute time = MMA time at
     sparse_attention_efficiency + (fp8 formats, `dequant`) the dequantisation of every row once per
-    `heads_per_dequant` heads (added, or overlapped if hw.dequant_overlap).
+    `heads_per_dequant` heads (added, or overlapped if hw.dequant_overlap). `kernel` is ignored.
+
+    FlashMLA kernel model (calibrated specs; `_flashmla_sparse`): the Hopper kernels vLLM's FLASHMLA_SPARSE
+    backend calls, which always run whole 64-head CTAs (heads padded to 64 or 128, whatever `pad_heads`):
+    `kernel="decode"` is the fp8 decode kernel (flash_mla_with_kvcache; `tokens_per_request` query tokens
+    per request, FlashMLA's s_q), `"prefill"` the bf16 sparse prefill kernel (flash_mla_sparse_fwd, rows
+    read from a bf16 workspace: `sparse_mla_upconvert` prices filling it from an fp8 cache); `"auto"`: the
+    decode kernel for fp8_ds_mla rows, the prefill kernel for 16-bit rows.
     """
+    if kernel not in SPARSE_KERNELS:
+        raise ValueError(f"sparse_mla kernel must be one of {SPARSE_KERNELS}, got {kernel!r}")
+    if hw.flashmla_kernels:
+        return _flashmla_sparse(cfg, hw, q_tokens, rows_per_query, heads, mla_format=mla_format, dequant=dequant,
+                                heads_per_dequant=heads_per_dequant, kernel=kernel,
+                                tokens_per_request=tokens_per_request, name=name)
     h_exec = padded_heads(heads, hw) if pad_heads else heads
     fpr = sparse_mla_flops_per_row_head(cfg)
     row = mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, mla_format)
@@ -95,6 +117,79 @@ def sparse_mla(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, rows_per_que
                 memory_s=memory_s, time_s=max(compute_s, memory_s))
 
 
+def sparse_decode_units(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, rows_per_query: float, heads: int, *,
+                        tokens_per_request: int = 1) -> tuple[float, int]:
+    """(64-row blocks each SM part of FlashMLA's fp8 decode kernel walks, SM parts) for one call.
+
+    csrc/api/sparse_decode.h (Decode_Sm90_Impl::get_meta): the requests' work is split evenly over
+    num_sm_parts = sm_count / s_q / (h_q / 64) parts (each part runs one CTA per query token of a request and
+    per 64-head block, so the grid fills the GPU once), counting every request's blocks of 64 rows plus
+    `fixed_overhead_num_blocks` (hw.sparse_decode_overhead_blocks = 5) for its prologue and epilogue."""
+    s_q = max(1, int(tokens_per_request))
+    g = math.ceil(heads / hw.head_granularity)
+    parts = max(hw.sm_count // (s_q * g), 1)
+    requests = q_tokens / s_q
+    units = requests * (rows_per_query / FLASHMLA_ROW_BLOCK + hw.sparse_decode_overhead_blocks)
+    return math.ceil(units / parts - 1e-9), parts
+
+
+def _flashmla_sparse(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, rows_per_query: float, heads: int, *,
+                     mla_format: str, dequant: bool, heads_per_dequant: int | None, kernel: str,
+                     tokens_per_request: int, name: str) -> Cost:
+    """The FlashMLA kernel model of `sparse_mla` (docs/perfmodel.md "Sparse MLA and the indexer").
+
+    Per 64-row block a 64-head CTA spends 64 x 64 x 2,176 / 4,096 = 2,176 tensor-core cycles, and the fp8
+    decode kernel also dequantises the block's 64 rows: 64 x 512 x hw.dequant_cycles_per_value = 3,200 cycles,
+    shared by the two CTAs of a 128-head cluster ("crossover"; FlashMLA's deep dive; heads_per_dequant=64
+    turns the sharing off, the previous kernel). Decode: time = blocks per SM part (`sparse_decode_units`)
+    x cycles per block / (clock x sparse_decode_efficiency) + sparse_decode_latency_s. Prefill (bf16 rows):
+    one CTA per (query token, 64-head block) in waves over the SMs, each walking its rows' blocks of MMA
+    cycles at sparse_attention_efficiency. Either way the time is at least the HBM bytes at hbm_efficiency.
+    """
+    if kernel == "auto":
+        kernel = "decode" if mla_format == "fp8_ds_mla" else "prefill"
+    g = math.ceil(heads / hw.head_granularity)
+    h_exec = g * hw.head_granularity
+    fpr = sparse_mla_flops_per_row_head(cfg)
+    pairs = q_tokens * rows_per_query
+    flops = pairs * h_exec * fpr
+    mma_cycles = FLASHMLA_ROW_BLOCK * hw.head_granularity * fpr / hw.tensor_flops_per_sm_clock
+    qo = q_tokens * h_exec * sparse_mla_qo_bytes_per_head(cfg)
+    if kernel == "decode":
+        share = 1
+        if g == 2:  # a 128-head cluster shares each dequantised block between its two CTAs
+            share = 2 if heads_per_dequant is None else max(1, min(g, heads_per_dequant // hw.head_granularity))
+        fp8 = dequant and mla_format == "fp8_ds_mla"
+        deq_cycles = FLASHMLA_ROW_BLOCK * cfg.kv_lora_rank * hw.dequant_cycles_per_value / share if fp8 else 0.0
+        blocks, _ = sparse_decode_units(cfg, hw, q_tokens, rows_per_query, heads, tokens_per_request=tokens_per_request)
+        compute_s = blocks * (mma_cycles + deq_cycles) / (hw.clock_hz * hw.sparse_decode_efficiency)
+        row = mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, mla_format)
+        hbm = pairs * (row + INDEX_BYTES) * g / share + qo  # each CTA of a head block loads its share of the rows
+        latency = hw.sparse_decode_latency_s
+    else:  # bf16 rows (the cache itself, or the workspace an fp8 cache was up-converted into)
+        waves = math.ceil(q_tokens * g / hw.sm_count - 1e-9)
+        compute_s = (waves * rows_per_query / FLASHMLA_ROW_BLOCK * mma_cycles
+                     / (hw.clock_hz * hw.sparse_attention_efficiency))
+        hbm = pairs * (BF16 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + INDEX_BYTES) * g + qo
+        latency = 0.0
+    memory_s = hbm / (hw.hbm_bandwidth * hw.hbm_efficiency)
+    return Cost(name=name, flops=flops, useful_flops=pairs * heads * fpr, hbm_bytes=hbm, compute_s=compute_s,
+                memory_s=memory_s, latency_s=latency, time_s=max(compute_s, memory_s) + latency)
+
+
+def sparse_mla_upconvert(cfg: ModelConfig, hw: HardwareSpec, context_rows: float, *, mla_format: str = "fp8_ds_mla",
+                         name: str = "sparse_mla_upconvert") -> Cost:
+    """vLLM's separate prefill path with an fp8 cache (FLASHMLA_SPARSE, heads per GPU >= 32, HiSparse or PCP x
+    DCP): before the bf16 prefill kernel, every prefill request's whole context (`context_rows` rows, cached +
+    new) is dequantised from the cache into a bf16 workspace: reads the rows, writes 576 bf16 values each.
+    Memory bound; nothing for 16-bit caches (the prefill kernel reads the cache)."""
+    if mla_format != "fp8_ds_mla" or context_rows <= 0:
+        return Cost(name)
+    row = mla_row_bytes(cfg.kv_lora_rank, cfg.qk_rope_head_dim, mla_format)
+    hbm = context_rows * (row + BF16 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+    return _kernel(name, hw, flops=0.0, hbm_bytes=hbm)
+
+
 def sparse_mla_intensity(cfg: ModelConfig, heads: int, *, hw: HardwareSpec = H200, pad_heads: bool = False,
                          rows: int | None = None) -> dict:
     """Arithmetic intensity of sparse MLA for ONE query token over `rows` (default index_topk) rows.
@@ -102,7 +197,8 @@ def sparse_mla_intensity(cfg: ModelConfig, heads: int, *, hw: HardwareSpec = H20
     BRIEF §3: 2,048 rows x 660 B + heads x 2,176 B; 2,176 FLOPs per row per head. Returns useful and
     executed FLOPs, HBM bytes, and FLOP/byte for both.
     """
-    c = sparse_mla(cfg, hw, 1, cfg.index_topk if rows is None else rows, heads, pad_heads=pad_heads)
+    roofline = dataclasses.replace(hw, sparse_decode_efficiency=None)  # BRIEF §3's count, whatever the spec
+    c = sparse_mla(cfg, roofline, 1, cfg.index_topk if rows is None else rows, heads, pad_heads=pad_heads)
     return {"heads": heads, "executed_heads": padded_heads(heads, hw) if pad_heads else heads,
             "useful_flops": c.useful_flops, "flops": c.flops, "hbm_bytes": c.hbm_bytes,
             "useful_flop_per_byte": c.useful_flops / c.hbm_bytes, "executed_flop_per_byte": c.flops / c.hbm_bytes}
@@ -126,7 +222,11 @@ def indexer_scores(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, keys_per
     hbm = (keys_read * index_key_bytes(cfg.index_head_dim, index_format)
            + q_tokens * cfg.index_n_heads * (cfg.index_head_dim + FP32)
            + q_tokens * keys_per_query * FP32)
-    return _kernel(name, hw, flops=flops, hbm_bytes=hbm, dtype="fp8")
+    if hw.indexer_efficiency is None:
+        return _kernel(name, hw, flops=flops, hbm_bytes=hbm, dtype="fp8")
+    c = _kernel(name, hw, flops=flops, hbm_bytes=hbm, dtype="fp8", efficiency=hw.indexer_efficiency)
+    lat = hw.indexer_latency_s
+    return dataclasses.replace(c, latency_s=lat, time_s=c.time_s + lat)
 
 
 def indexer_topk(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, keys_per_query: float, *,

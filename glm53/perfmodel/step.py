@@ -8,9 +8,25 @@ import math
 from glm53.config import ModelConfig
 from glm53.perfmodel.cost import Cost, StepCost, _kernel, all_reduce, host_copy
 from glm53.perfmodel.hardware import BF16, FP8_WEIGHT_BYTES, FP32, INDEX_BYTES, HardwareSpec
-from glm53.perfmodel.ops import (_layers, dcp_context_allgather, dcp_decode_merge, dcp_topk_merge, dense_mlp,
-                                 hisparse_row_copy, indexer_scores,
-                                 indexer_topk, lm_head, mla_projections, moe, pcp_kv_allgather, sparse_mla)
+from glm53.perfmodel.ops import (FLASHMLA_ROW_BLOCK, _layers, dcp_context_allgather, dcp_decode_merge, dcp_topk_merge,
+                                 dense_mlp, hisparse_row_copy, indexer_scores, indexer_topk, lm_head, mla_projections,
+                                 moe, pcp_kv_allgather, sparse_mla, sparse_mla_upconvert)
+
+# vLLM's FLASHMLA_SPARSE backend (vllm/v1/attention/backends/mla/flashmla_sparse.py): with an fp8 cache and
+# fewer heads per GPU than this it runs every token, prefill ones too, through the fp8 decode kernel as one
+# batch ("mixed batch"), avoiding the bf16 prefill kernel's head padding; otherwise prefill rows take the bf16
+# prefill kernel over an up-converted workspace (also with HiSparse, and under PCP x DCP)
+MIN_HEADS_FOR_BF16_PREFILL = 32
+
+
+def sparse_prefill_kernel(mla_format: str, heads: int, *, pcp: int = 1, dcp: int = 1, hisparse: bool = False) -> str:
+    """The FlashMLA kernel vLLM runs sparse-MLA prefill rows on, as `ops.sparse_mla`'s `kernel`: "decode" (the
+    fp8 decode kernel, mixed batch) or "prefill" (up-convert, then the bf16 prefill kernel). Only the FlashMLA
+    kernel model (calibrated specs) reads it."""
+    if mla_format != "fp8_ds_mla":
+        return "prefill"
+    mixed = heads < MIN_HEADS_FOR_BF16_PREFILL and not hisparse and not (pcp > 1 and dcp > 1)
+    return "decode" if mixed else "prefill"
 
 
 def _mean_rows(k: int, first_visible: float, count: float) -> float:
@@ -32,7 +48,7 @@ def _mean_rows(k: int, first_visible: float, count: float) -> float:
 
 def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_context: int, *, pcp: int = 1,
                  tp: int = 1, dcp: int = 1, ep: int | None = None, include_mtp: bool = True, pad_heads: bool = False,
-                 dequant: bool = True, weight_bytes: float = FP8_WEIGHT_BYTES) -> StepCost:
+                 dequant: bool = True, weight_bytes: float = FP8_WEIGHT_BYTES, hisparse: bool = False) -> StepCost:
     """One prefill step of one request: `chunk_tokens` new tokens against `cached_context` cached tokens,
     on an engine of pcp * tp GPUs (one GPU's costs). Layers: the main model and (include_mtp) the MTP
     layer, which prefills the prompt too so its KV exists for drafting.
@@ -46,7 +62,9 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
       cached context (`dcp_context_allgather`); the new chunk's KV arrives with the PCP gather.
     Per layer: projections, [TP all-reduce], [PCP KV gather], [DCP context gather], indexer scores and
     top-k on full layers, sparse MLA, dense MLP or MoE (+ its collectives); then the lm_head for the
-    request's last token.
+    request's last token. On a calibrated spec sparse MLA runs on the FlashMLA kernel vLLM picks
+    (`sparse_prefill_kernel`; `hisparse`: the HiSparse policy is on), with the fp8 cache's up-conversion
+    (`sparse_mla_upconvert`) before the bf16 prefill kernel.
     """
     n_gpus = pcp * tp
     ep = n_gpus if ep is None else ep
@@ -57,6 +75,7 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
     heads = cfg.num_attention_heads // tp
     keys_per_query = cached_context + (chunk_tokens + 1) / 2
     rows = _mean_rows(cfg.index_topk, cached_context + 1, chunk_tokens)
+    kernel = sparse_prefill_kernel("fp8_ds_mla", heads, pcp=pcp, dcp=dcp, hisparse=hisparse)
     parts: list[Cost] = []
     for layer in _layers(cfg, include_mtp):
         parts.append(mla_projections(cfg, hw, q, layer, tp=tp, weight_bytes=weight_bytes))
@@ -69,7 +88,10 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
         if cfg.layer_indexer_type(layer) == "full":
             parts.append(indexer_scores(cfg, hw, q, keys_per_query, keys_read=cached_context + chunk_tokens).at_layer(layer))
             parts.append(indexer_topk(cfg, hw, q, keys_per_query).at_layer(layer))
-        parts.append(sparse_mla(cfg, hw, q, rows, heads, pad_heads=pad_heads, dequant=dequant).at_layer(layer))
+        if hw.flashmla_kernels and kernel == "prefill":
+            parts.append(sparse_mla_upconvert(cfg, hw, cached_context + chunk_tokens).at_layer(layer))
+        parts.append(sparse_mla(cfg, hw, q, rows, heads, pad_heads=pad_heads, dequant=dequant,
+                                kernel=kernel).at_layer(layer))
         if cfg.layer_mlp_type(layer) == "dense":
             parts.append(dense_mlp(cfg, hw, q, tp=tp, weight_bytes=weight_bytes).at_layer(layer))
             if tp > 1:
@@ -83,7 +105,8 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
 
 def decode_step(cfg: ModelConfig, hw: HardwareSpec, batch: int, context: int, *, tp: int = 1, dp: int = 1,
                 dcp: int = 1, spec_tokens: int = 0, dcp_backend: str = "ag_rs", pad_heads: bool = True,
-                dequant: bool = True, include_mtp: bool = False, weight_bytes: float = FP8_WEIGHT_BYTES) -> StepCost:
+                dequant: bool = True, include_mtp: bool = False, weight_bytes: float = FP8_WEIGHT_BYTES,
+                hisparse: bool = False) -> StepCost:
     """One decode (or MTP verification) step of the target model on one GPU: `batch` requests on this
     rank group, each with `context` cached tokens and 1 + spec_tokens query tokens.
 
@@ -94,7 +117,8 @@ def decode_step(cfg: ModelConfig, hw: HardwareSpec, batch: int, context: int, *,
       local top-k, global top-k merge; attention runs (heads/tp) * dcp heads over about index_topk/dcp
       selected local rows per query; outputs merge with LSE (`dcp_backend`).
     `include_mtp` adds the MTP layer (a draft pass over the same query tokens; default off: the draft
-    steps are separate).
+    steps are separate). On a calibrated spec sparse MLA is FlashMLA's fp8 decode kernel, its requests of
+    1 + spec_tokens query tokens (one token each in vLLM's mixed-batch mode, `sparse_prefill_kernel`).
     """
     if tp > 1 and dp > 1:
         raise ValueError("decode_step models TP or DP attention, not both (tp > 1 and dp > 1)")
@@ -105,6 +129,8 @@ def decode_step(cfg: ModelConfig, hw: HardwareSpec, batch: int, context: int, *,
     local_keys = math.ceil(context / dcp)
     rows = min(cfg.index_topk, context) / dcp
     ep = tp * dp
+    mixed = sparse_prefill_kernel("fp8_ds_mla", cfg.num_attention_heads // tp, dcp=dcp, hisparse=hisparse) == "decode"
+    s_q = 1 if mixed else 1 + spec_tokens
     parts: list[Cost] = []
     for layer in _layers(cfg, include_mtp):
         parts.append(mla_projections(cfg, hw, q, layer, tp=tp, weight_bytes=weight_bytes))
@@ -115,7 +141,8 @@ def decode_step(cfg: ModelConfig, hw: HardwareSpec, batch: int, context: int, *,
             parts.append(indexer_topk(cfg, hw, q, local_keys).at_layer(layer))
             if dcp > 1:
                 parts.extend(dcp_topk_merge(cfg, hw, q, dcp, layer))
-        parts.append(sparse_mla(cfg, hw, q, rows, heads, pad_heads=pad_heads, dequant=dequant).at_layer(layer))
+        parts.append(sparse_mla(cfg, hw, q, rows, heads, pad_heads=pad_heads, dequant=dequant,
+                                tokens_per_request=s_q).at_layer(layer))
         if dcp > 1:
             parts.extend(dcp_decode_merge(cfg, hw, q, dcp, heads, backend=dcp_backend, layer=layer))
         if cfg.layer_mlp_type(layer) == "dense":
@@ -142,6 +169,8 @@ class Deployment:
     dcp_backend: "ag_rs" | "a2a". mla_format / index_format: KV formats (kvcache.layout).
     weight_bytes: bytes per matmul weight parameter. include_mtp: the MTP layer runs in every step (it
     does when speculative decoding is on: it prefills with the prompt and drafts after each decode).
+    hisparse: the HiSparse KV policy is on (vLLM then runs sparse-MLA prefill rows on the bf16 prefill
+    kernel: `sparse_prefill_kernel`).
     """
 
     tp: int = 1
@@ -153,6 +182,7 @@ class Deployment:
     index_format: str = "fp8"
     weight_bytes: float = FP8_WEIGHT_BYTES
     include_mtp: bool = False
+    hisparse: bool = False
 
     def __post_init__(self):
         if min(self.tp, self.pcp, self.dcp) < 1:
@@ -266,12 +296,44 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
         topk = _kernel("indexer_topk", hw, flops=0.0, hbm_bytes=qk * FP32 + q_sel * INDEX_BYTES)
         return [scores, topk]
 
-    def mla(group: list, name: str, pad: bool, shard: int, h: int) -> list[Cost]:
+    # FlashMLA kernels (calibrated specs): which one prefill rows run on; in vLLM's mixed-batch mode decode
+    # and prefill rows are one call of the fp8 decode kernel, one query token per request
+    pre_kernel = "decode" if sharded_pre else sparse_prefill_kernel(dep.mla_format, heads, pcp=pcp, dcp=dcp,
+                                                                     hisparse=dep.hisparse)
+    mixed = hw.flashmla_kernels and dep.mla_format == "fp8_ds_mla" and pre_kernel == "decode"
+    dec_s_q = 1 if mixed or not dec else max(1, round(sum(r[1] for r in dec) / len(dec)))
+
+    def mla_work(group: list, shard: int) -> tuple[float, float]:
+        q = sum(n for _, n, *_ in group) / pcp
+        return q, sum(n * _mean_rows(k, start + 1, n) for start, n, *_ in group) / (pcp * shard)
+
+    def mla(group: list, name: str, pad: bool, shard: int, h: int, kernel: str = "auto", s_q: int = 1) -> list[Cost]:
         if not group:
             return []
-        q = sum(n for _, n, *_ in group) / pcp
-        pairs = sum(n * _mean_rows(k, start + 1, n) for start, n, *_ in group) / (pcp * shard)
-        return [sparse_mla(cfg, hw, q, pairs / q, h, mla_format=dep.mla_format, pad_heads=pad, name=name)]
+        q, pairs = mla_work(group, shard)
+        return [sparse_mla(cfg, hw, q, pairs / q, h, mla_format=dep.mla_format, pad_heads=pad, kernel=kernel,
+                           tokens_per_request=s_q, name=name)]
+
+    def mla_parts() -> list[Cost]:
+        pre_shard, pre_heads = (dcp, dcp_heads) if sharded_pre else (1, heads)
+        if mixed and dec and pre and pre_heads == dcp_heads:
+            # one kernel call: its time split between the two groups by their 64-row blocks
+            (qd, pd), (qp, pp) = mla_work(dec, dcp), mla_work(pre, pre_shard)
+            both = sparse_mla(cfg, hw, qd + qp, (pd + pp) / (qd + qp), dcp_heads, mla_format=dep.mla_format,
+                              kernel="decode")
+            ob = hw.sparse_decode_overhead_blocks
+            frac = (pd / FLASHMLA_ROW_BLOCK + qd * ob) / ((pd + pp) / FLASHMLA_ROW_BLOCK + (qd + qp) * ob)
+            out = []
+            for own, f in ((mla(dec, "sparse_mla_decode", True, dcp, dcp_heads, "decode")[0], frac),
+                           (mla(pre, "sparse_mla_prefill", False, pre_shard, pre_heads, "decode")[0], 1 - frac)):
+                out.append(dataclasses.replace(both.scaled(f), name=own.name, kind="kernel", flops=own.flops,
+                                               useful_flops=own.useful_flops, hbm_bytes=own.hbm_bytes))
+            return out
+        out = mla(dec, "sparse_mla_decode", True, dcp, dcp_heads, s_q=dec_s_q)
+        if pre and hw.flashmla_kernels and pre_kernel == "prefill":
+            out.append(sparse_mla_upconvert(cfg, hw, sum(r[0] + r[1] for r in pre), mla_format=dep.mla_format))
+        out += mla(pre, "sparse_mla_prefill", False, pre_shard, pre_heads, pre_kernel)
+        return [c for c in out if c.time_s > 0 or c.name != "sparse_mla_upconvert"]
 
     def head_parts(layer: int) -> list[Cost]:
         parts = [mla_projections(cfg, hw, tokens, layer, tp=tp, weight_bytes=dep.weight_bytes)]
@@ -299,8 +361,7 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             if not sharded_pre:
                 parts += indexer(pre, 1)
         merged = dec + (pre if sharded_pre else [])
-        parts += mla(dec, "sparse_mla_decode", True, dcp, dcp_heads)
-        parts += mla(pre, "sparse_mla_prefill", False, dcp if sharded_pre else 1, dcp_heads if sharded_pre else heads)
+        parts += mla_parts()
         if dcp > 1 and merged:
             q = sum(r[1] for r in merged)
             if full:

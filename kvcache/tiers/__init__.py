@@ -17,13 +17,13 @@ reports finished loads in its StepResult (`tier_loads`), which the policy reads 
 (write-through), so a chunk the host tier evicts is still in the secondary tiers.
 
 Keys. `chunk_key(fingerprint, group, block_hash)`: SHA-256 of the deployment's layout fingerprint
-(`layout_fingerprint`: model, page geometry, DCP layout and KV dtype), the cache group and the chained
-block hash (which covers the tokens and the request's salt). Two engines share a chunk iff they would
-lay out its bytes identically; the canonical layout that would let different DCP layouts share is not
-built, so they miss instead (never another layout's bytes).
+(`layout_fingerprint`: model, tokens and bytes per page, KV dtype), the cache group and the chained block
+hash (which covers the tokens and the request's salt). Not the DCP layout: chunks are stored in a
+canonical layout (every layer's rows in token order; kvcache.host.canonical_rows), so engines whose
+pages cover the same tokens share chunks whatever their DCP size and interleave.
 
-Payloads. A chunk is one page of one cache group (every layer, every DCP rank, in the pool's row
-layout). A StoreJob's payloads are the runner's snapshot of the host pages (one gather out of the host
+Payloads. A chunk is one page of one cache group (every layer, every DCP rank), in the canonical
+layout. A StoreJob's payloads are the runner's snapshot of the host pages (one gather out of the host
 pool, made when the store is planned): the host page may be reused by the next store while a tier is
 still writing, so a tier gets its own buffer rather than a view of the live pool.
 
@@ -64,13 +64,14 @@ __all__ = ["JobResult", "LoadJob", "Lookup", "LookupContext", "SecondaryTier", "
 TIER_TYPES = ("fs", "obj", "p2p", "custom")
 
 
-def layout_fingerprint(model_cfg: dict, *, page_rows: dict, page_bytes: dict, kv_cache_dtype: str,
-                       decode_context_parallel_size: int, interleave: int, tokens_per_block: int) -> str:
+def layout_fingerprint(model_cfg: dict, *, group_tokens: dict, page_bytes: dict, kv_cache_dtype: str) -> str:
     """Hex SHA-256 of everything a chunk's bytes depend on besides its tokens: the model (its config), the
-    page geometry per cache group, the KV dtype and the DCP layout (rank count and interleave)."""
-    spec = {"format": 1, "model": model_cfg, "page_rows": page_rows, "page_bytes": page_bytes,
-            "kv_cache_dtype": kv_cache_dtype, "dcp": decode_context_parallel_size, "interleave": interleave,
-            "tokens_per_block": tokens_per_block}
+    tokens and bytes of a page per cache group, and the KV dtype. Chunks are kept in the canonical layout
+    (kvcache.host.HostMemory.read_host_pages: every layer's rows in token order, whatever the DCP size
+    and interleave), so the DCP layout is not part of it: engines whose pages cover the same tokens share
+    chunks across parallel layouts (DCP2 with block_size 8 and one device with block_size 16, say)."""
+    spec = {"format": 2, "model": model_cfg, "group_tokens": group_tokens, "page_bytes": page_bytes,
+            "kv_cache_dtype": kv_cache_dtype}
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -172,8 +172,13 @@ def test_kv_transfer_config_under_hisparse_is_its_offload_budget():
 
 
 def test_what_is_not_built_says_so(tiny_model):
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):  # before the pool is allocated
-        Engine(tiny_model, DeployConfig(tensor_parallel_size=2, max_model_len=64, num_gpu_blocks=8))
+    with pytest.raises(ValueError, match="needs 64 devices"):  # before the pool is allocated
+        Engine(tiny_model, DeployConfig(tensor_parallel_size=64, max_model_len=64, num_gpu_blocks=8))
+    with pytest.raises(ValueError, match="TP x PCP is not built"):
+        DeployConfig(tensor_parallel_size=2, prefill_context_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="HiSparse under TP"):  # the model runner's; the simulator runs it
+        Engine(tiny_model, DeployConfig(tensor_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 24,
+                                        max_model_len=64, num_gpu_blocks=8))
     with pytest.raises(NotImplementedError, match="hisparse"):
         DeployConfig(decode_context_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1)
     with pytest.raises(NotImplementedError, match="num_speculative_tokens"):

@@ -340,3 +340,45 @@ def test_a_collective_priced_from_its_sent_bytes_is_the_one_priced_from_its_oper
         assert [getattr(got, f) for f in pm.cost._ADDITIVE] == pytest.approx([getattr(want, f) for f in pm.cost._ADDITIVE])
     with pytest.raises(ValueError, match="kind"):
         collective(HW, "broadcast", 1.0, 2)
+
+
+# -------------------------------------------------------- FlashMLA kernels on the calibrated spec
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (8, 1), (8, 8)])
+def test_calibrated_step_cost_of_a_uniform_decode_batch_is_decode_step(tp, dcp):
+    got = step_cost(CFG, pm.H200_CALIBRATED, Deployment(tp=tp, dcp=dcp), _plan(*[_row(9_999, 1)] * 32)).time_s()
+    assert got == pytest.approx(pm.decode_step(CFG, pm.H200_CALIBRATED, 32, 10_000, tp=tp, dcp=dcp).time_s(), rel=1e-12)
+
+
+@pytest.mark.parametrize("pcp,tp,dcp,cached", [(1, 1, 1, 5_000), (1, 8, 1, 70_000), (8, 1, 1, 0), (8, 1, 8, 100_000)])
+def test_calibrated_step_cost_of_one_chunk_is_prefill_step(pcp, tp, dcp, cached):
+    dep = Deployment(pcp=pcp, tp=tp, dcp=dcp, expert_parallel=True, include_mtp=True)
+    got = step_cost(CFG, pm.H200_CALIBRATED, dep, _plan(_row(cached, 2048)))
+    want = pm.prefill_step(CFG, pm.H200_CALIBRATED, 2048, cached, pcp=pcp, tp=tp, dcp=dcp)
+    assert got.time_s() == pytest.approx(want.time_s(), rel=1e-12)
+    # vLLM's FLASHMLA_SPARSE: 8 heads per GPU take the fp8 decode kernel (no up-convert); 64 the bf16 prefill
+    # kernel over an up-converted workspace of the request's whole context
+    upconvert = got.by_name().get("sparse_mla_upconvert")
+    if tp == 8:
+        assert upconvert is None
+    else:
+        n_layers = CFG.num_hidden_layers + 1
+        assert upconvert.hbm_bytes == pytest.approx(n_layers * (cached + 2048) * (656 + 1152))
+
+
+def test_vllm_kernel_choice_and_the_mixed_batch_call():
+    assert pm.sparse_prefill_kernel("fp8_ds_mla", 8) == "decode"
+    assert pm.sparse_prefill_kernel("fp8_ds_mla", 8, hisparse=True) == "prefill"
+    assert pm.sparse_prefill_kernel("fp8_ds_mla", 64) == "prefill"
+    assert pm.sparse_prefill_kernel("bfloat16", 8) == "prefill"
+    hw = pm.H200_CALIBRATED
+    rows = [_row(80_000, 1)] * 8 + [_row(70_000, 2048)]
+    mixed = step_cost(CFG, hw, Deployment(tp=8), _plan(*rows)).by_name()
+    dec = step_cost(CFG, hw, Deployment(tp=8), _plan(*rows[:8])).by_name()["sparse_mla_decode"]
+    pre = step_cost(CFG, hw, Deployment(tp=8), _plan(rows[8])).by_name()["sparse_mla_prefill"]
+    together = mixed["sparse_mla_decode"].time_s + mixed["sparse_mla_prefill"].time_s
+    # one kernel call: one fixed time per layer instead of two, the work shared
+    assert together == pytest.approx(dec.time_s + pre.time_s - CFG.num_hidden_layers * hw.sparse_decode_latency_s,
+                                     rel=0.01)
+    assert mixed["sparse_mla_prefill"].useful_flops == pytest.approx(pre.useful_flops)
+    sep = step_cost(CFG, hw, Deployment(tp=8, hisparse=True), _plan(*rows)).by_name()
+    assert "sparse_mla_upconvert" in sep and sep["sparse_mla_decode"].time_s == pytest.approx(dec.time_s)

@@ -140,3 +140,17 @@ def test_reset_lease_points_the_slot_at_its_blocks_and_empties_it():
     assert (d2h, h2d) == (0, 0)
     assert rows[1].tolist() == [24, 25, 26, 27, 8, 9, 10, 11] and (rows[0] == -1).all()
     assert (pos == -1).all() and (last == np.iinfo(np.int32).min).all()
+
+
+@pytest.mark.parametrize("ranks,rows,interleave", [(1, 8, 1), (2, 4, 1), (4, 8, 2), (8, 16, 4), (2, 8, 8)])
+def test_canonical_rows_follow_the_dcp_round_robin(ranks, rows, interleave):
+    """The canonical order of a block's rows (what tiers store) against parallel.dcp's placement: token p
+    of the block sits on rank owner(p) at local row local_position(p) mod rows."""
+    from kvcache.host import canonical_rows
+    from parallel.dcp import DcpLayout
+
+    layout = DcpLayout(ranks, rows, interleave)
+    p = np.arange(ranks * rows)
+    want = np.asarray(layout.owner(p)) * rows + np.asarray(layout.local_position(p)) % rows
+    np.testing.assert_array_equal(canonical_rows(ranks, rows, interleave), want)
+    assert sorted(canonical_rows(ranks, rows, interleave)) == list(range(ranks * rows))  # a permutation

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from glm53.config import get_preset
-from glm53.layers import MoE
+from glm53.layers import Fp8Experts, MoE
 from parallel import ep
 from parallel.mesh import make_mesh
 
@@ -40,6 +40,19 @@ def test_expert_parallel_moe_equals_one_device(dp, cp):
     layer, x, want = _layer_and_reference()
     axis = ("dp", "cp") if dp > 1 else "cp"
     got = np.asarray(ep.moe(make_mesh(dp=dp, cp=cp), layer, x, axis=axis))
+    np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.multidevice
+def test_expert_parallel_fp8_experts_equal_one_device():
+    """fp8 experts (glm53.layers.Fp8Experts: weights and block scales split on the expert axis) under EP
+    equal the single-device fp8 layer: each token's activations quantise the same on any rank."""
+    layer, x, _ = _layer_and_reference()
+    layer = nnx.merge(*nnx.split(layer))  # a copy: the cached layer stays float
+    layer.experts = Fp8Experts.from_experts(layer.experts)
+    graphdef, state = nnx.split(layer)
+    want = np.asarray(jax.jit(lambda st, x: nnx.merge(graphdef, st)(x[None])[0])(state, x))
+    got = np.asarray(ep.moe(make_mesh(cp=8), layer, x, axis="cp"))
     np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max(), rtol=0)
 
 

@@ -207,3 +207,48 @@ def test_offload_host_tier_under_dcp2_with_more_host_pages_than_device_blocks(ti
     tier = eng.metrics()["kv_offload"]["cpu"]
     used = len(eng.scheduler.policy.host["mla"].cached)
     assert tier["hits"] == 6 * (39 // 8) and used > eng.runner.num_blocks
+
+
+@pytest.mark.multidevice
+def test_tier_chunks_are_shared_across_dcp_layouts(tiny_model, tmp_path):
+    """Chunks are stored in the canonical layout (every layer's rows in token order): an engine under DCP2
+    (4 slots per rank, interleave 2) writes a filesystem tier that an engine on one device with 8-slot
+    blocks (the same 8 tokens per page) reads, and the other way round; both give one device's greedy
+    tokens with every full page loaded from the tier."""
+    from glm53 import DeployConfig, Engine
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, tiny_model.cfg.vocab_size, 40).astype(np.int32) for _ in range(3)]
+    base = dict(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=1, kv_cache_dtype="float32")
+    want = Engine(tiny_model, DeployConfig(**base, block_size=8)).generate(prompts, max_new_tokens=3)
+
+    def engine(root, **layout):
+        ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+            "cpu_bytes_to_use": 1 << 22, "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}}
+        return Engine(tiny_model, DeployConfig(**base, **layout, kv_transfer_config=ktc))
+
+    dcp2 = dict(block_size=4, decode_context_parallel_size=2, cp_kv_cache_interleave_size=2)
+    one = dict(block_size=8)
+    for writer, reader, root in ((dcp2, one, tmp_path / "a"), (one, dcp2, tmp_path / "b")):
+        w = engine(root, **writer)
+        w.generate(prompts, max_new_tokens=3)
+        w.shutdown()
+        r = engine(root, **reader)
+        assert r.fingerprint == w.fingerprint  # one name for the same tokens' KV, whatever the layout
+        for g, x in zip(r.generate(prompts, max_new_tokens=3), want):
+            np.testing.assert_array_equal(g.token_ids, x.token_ids)
+        fs = r.metrics()["kv_offload"]["fs"]
+        assert fs["hits"] == 2 * 3 * (39 // 8) and fs["corrupt"] == 0  # every full page of both groups
+        r.shutdown()
+    # attention over a loaded prefix does not see the order of its rows, so compare the bytes: the same
+    # chunk written under DCP2 and on one device holds the same rows in the same (token) order, up to
+    # the rounding of DCP's merged attention in the layers above the first
+    from kvcache.tiers.format import HEADER
+
+    files = {p.name: p for p in (tmp_path / "a").rglob("*.kv")}
+    assert files
+    for p in (tmp_path / "b").rglob("*.kv"):
+        a = np.frombuffer(files[p.name].read_bytes()[HEADER.size:], np.float32)
+        b = np.frombuffer(p.read_bytes()[HEADER.size:], np.float32)
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=0)
+

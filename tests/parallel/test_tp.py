@@ -1,0 +1,219 @@
+"""Tensor parallelism (parallel.tp) on simulated devices against one device.
+
+Model level (`parallel.model.forward(tensor_parallel=True)`): the prompts of
+tests/parallel/test_model_cp (37 tokens: longer than the tiny model's top-k 16; 10 tokens: shorter) are
+prefilled in one padded row each, then one decode step runs; every real token's logits must match one
+device's within 1e-5 of the largest logit, each device holding 1/tp of the split weights and 1/dcp of
+the KV. TP4 (the tiny model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 (heads padded 4 -> 8),
+with both DCP backends and both ways of splitting the routed experts (whole experts, EP; or each
+expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one device's greedy tokens. The mid preset
+(8 heads) runs TP8 x DCP8 (slow).
+"""
+
+import numpy as np
+import pytest
+
+TOL = 1e-5  # of the largest |logit|
+BS = 4  # block size (slots per rank)
+WIDTH = 48  # prefill row width (padded)
+WINDOW = 64
+LENGTHS = (37, 10)
+
+
+def _prompts(vocab):
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, vocab, n).astype(np.int32) for n in LENGTHS]
+
+
+def _batch(prompts):
+    tok = np.zeros((len(prompts), WIDTH), np.int32)
+    pos = np.full((len(prompts), WIDTH), -1, np.int32)
+    for i, p in enumerate(prompts):
+        tok[i, : p.size], pos[i, : p.size] = p, np.arange(p.size)
+    nxt = np.array([[p[-1]] for p in prompts], np.int32)  # any token will do: compare the logits
+    return tok, pos, nxt, np.array([[p.size] for p in prompts], np.int32)
+
+
+def _single_device(model, prompts):
+    import jax.numpy as jnp
+
+    from glm53.model import compiled
+    from kvcache.paged import PagedKVCache
+
+    c = compiled(model)
+    b, m = len(prompts), WINDOW // BS
+    cache = PagedKVCache.create(model.cfg, b * m, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
+                                include_mtp=False)
+    nbytes = cache.mla[0].nbytes
+    tok, pos, nxt, pos1 = _batch(prompts)
+    h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=WINDOW, form="mqa")
+    prefill = np.asarray(c.logits(c.state, h))
+    h, cache, _ = c.forward(c.state, jnp.asarray(nxt), jnp.asarray(pos1), cache, window=WINDOW, form="mqa")
+    return prefill, np.asarray(c.logits(c.state, h))[:, 0], nbytes
+
+
+def _tensor_parallel(model, prompts, tp, dcp=1, *, backend="ag_rs", interleave=1, ep=False, form="mqa"):
+    """-> (prefill logits [B, WIDTH, V], decode logits [B, V], KV bytes of MLA layer 0 per device,
+    {device: weight bytes})."""
+    import jax.numpy as jnp
+
+    from glm53.model import compiled
+    from kvcache.paged import PagedKVCache
+    from parallel import model as pmodel
+    from parallel import tp as tp_ops
+    from parallel.cp_cache import CpKVCache
+    from parallel.mesh import make_mesh
+
+    c = compiled(model)
+    mesh = make_mesh(**tp_ops.mesh_sizes(tp, dcp))
+    state = tp_ops.place_state(c.state, model.cfg, mesh, ep)
+    b, m = len(prompts), -(-WINDOW // (BS * dcp))
+    local = PagedKVCache.create(model.cfg, b * m * dcp, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
+                                include_mtp=False)
+    cache = pmodel.place(CpKVCache(local, "cp", dcp, dcp=dcp > 1, interleave=interleave, backend=backend,
+                                   heads_split=True, gather_queries=True), mesh)
+    tok, pos, nxt, pos1 = _batch(prompts)
+    run = dict(graphdef=c.graphdef, mesh=mesh, window=WINDOW, impl="auto", expert_parallel=ep, tensor_parallel=True)
+    h, cache = pmodel.forward(state, jnp.asarray(tok), jnp.asarray(pos), cache, form=form, **run)
+    prefill = np.asarray(c.logits(c.state, h))
+    h, cache = pmodel.forward(state, jnp.asarray(nxt), jnp.asarray(pos1), cache, form="mqa", **run)
+    kv = {s.data.nbytes for s in cache.local.mla[0].addressable_shards}
+    assert len(kv) == 1 and len(cache.local.mla[0].sharding.device_set) == tp
+    return prefill, np.asarray(c.logits(c.state, h))[:, 0], kv.pop(), tp_ops.bytes_on_each_device(state)
+
+
+def _split_bytes(state) -> tuple[int, int]:
+    """(all weight bytes, bytes of the weights TP splits) of an unpadded state."""
+    import jax
+
+    from parallel.tp import _kind
+
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    return sum(x.nbytes for _, x in leaves), sum(x.nbytes for p, x in leaves if _kind(p))
+
+
+def _check(model, cases):
+    from glm53.model import compiled
+    from parallel import tp as tp_ops
+
+    prompts = _prompts(model.cfg.vocab_size)
+    want_prefill, want_decode, single_kv = _single_device(model, prompts)
+    total, split = _split_bytes(compiled(model).state)
+    for kw in cases:
+        prefill, decode, kv, weights = _tensor_parallel(model, prompts, **kw)
+        for i, p in enumerate(prompts):
+            scale = np.abs(want_prefill[i, : p.size]).max()
+            err = np.abs(prefill[i, : p.size] - want_prefill[i, : p.size]).max() / scale
+            assert err <= TOL, (kw, "prefill", p.size, err)
+        err = np.abs(decode - want_decode).max() / np.abs(want_decode).max()
+        assert err <= TOL, (kw, "decode", err)
+        # every device holds the replicated weights and 1/tp of the split ones (padded ones included)
+        tp, dcp = kw["tp"], kw.get("dcp", 1)
+        assert len(weights) == tp and len(set(weights.values())) == 1, kw
+        per_device = weights.popitem()[1]
+        assert per_device == tp_ops.bytes_per_device(compiled(model).state, model.cfg, tp, kw.get("ep", False))
+        if model.cfg.num_attention_heads % tp == 0 and model.cfg.n_routed_experts % tp == 0:  # nothing padded
+            assert per_device == total - split + split // tp, kw
+        assert kv == single_kv // dcp, kw  # the latent KV: replicated over tp, split over the DCP sub-group
+
+
+@pytest.mark.multidevice
+def test_tiny_model_tp_and_tp_dcp_match_one_device(tiny_model):
+    _check(tiny_model, [
+        dict(tp=4, form="mha"),  # TP4, each expert's width split; prefill in the dense form
+        dict(tp=4, dcp=2, backend="a2a", interleave=2, ep=True),  # TP4 x DCP2 (mesh tp2 x cp2), EP4
+        dict(tp=8, dcp=8, backend="ag_rs", ep=True),  # TP8 x DCP8: 4 heads padded to 8, one expert per rank
+    ])
+
+
+@pytest.mark.multidevice
+@pytest.mark.slow
+def test_mid_model_tp8_matches_one_device():
+    """The mid preset's 8 heads, one per rank (nothing padded), under TP8 x DCP8 (its 16 experts'
+    widths split)."""
+    import glm53
+
+    _check(glm53.init("mid", seed=0, std=0.05), [dict(tp=8, dcp=8, backend="a2a")])
+
+
+@pytest.mark.multidevice
+def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
+    """glm53.Engine under DeployConfig(tensor_parallel_size=4, decode_context_parallel_size=2,
+    enable_expert_parallel=True) with a swapping KV policy, and under tensor_parallel_size=4 x
+    data_parallel_size=2 on 8 devices: the same greedy tokens as one device; each device holds 1/4 of
+    the split weights (engine.metrics()["weights_bytes_per_device"])."""
+    from jax.sharding import PartitionSpec
+
+    from glm53 import DeployConfig, Engine
+    from glm53.model import compiled
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, tiny_model.cfg.vocab_size, n).astype(np.int32) for n in (30, 29)]
+    base = dict(block_size=BS, index_block_size=2 * BS, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=2,
+                kv_cache_dtype="float32")
+    one = Engine(tiny_model, DeployConfig(**base))
+    want = one.generate(prompts, max_new_tokens=4, greedy=True)
+    total, split = _split_bytes(compiled(tiny_model).state)
+    assert one.metrics()["weights_bytes_per_device"] == total
+
+    # TP4 x DCP2: an MLA block id covers 4 x 2 tokens, an indexer-key one 16; 12 blocks hold both prompts
+    # (4 + 2 each), then both need a fifth MLA block at position 32 and one request is swapped to the
+    # host pool (the shards of both DCP ranks) and back
+    eng = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=4, decode_context_parallel_size=2,
+                                          enable_expert_parallel=True, num_gpu_blocks=12, kv_policy="swap",
+                                          cpu_offload_bytes=1 << 24))
+    got = eng.generate(prompts, max_new_tokens=4, greedy=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    assert eng.scheduler.stats.offloads >= 1 and eng.scheduler.stats.recomputed_tokens == 0
+    assert eng.num_devices == 4 and eng.metrics()["weights_bytes_per_device"] == total - split + split // 4
+    kv = eng.runner.cache.mla[0]
+    assert len(kv.sharding.device_set) == 4 and kv.sharding.spec == PartitionSpec("cp")
+
+    dp = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=4, data_parallel_size=2))
+    got = dp.generate(prompts + prompts[:1], max_new_tokens=4, greedy=True)
+    for g, w in zip(got, want + want[:1]):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    assert [dp.replica_of(o.req_id) for o in got] == [0, 1, 0] and dp.num_devices == 8
+    assert [sorted(d.id for d in r.runner.cache.mla[0].devices()) for r in dp.replicas] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dp.metrics()["weights_bytes_per_device"] == total - split + split // 4
+
+
+def _by_path(tree, is_leaf=None) -> dict:
+    import jax
+
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
+
+
+def test_tp_layout_pads_heads_and_interleaves_expert_columns(tiny_model):
+    """One device, no mesh: the global TP layout of the tiny model's weights for 8 ranks. Heads 4 -> 8
+    (zero columns of q_b / kv_b, zero rows of o_proj), and the routed experts' [gate | up] columns
+    interleaved per rank so that rank r's slice is [gate_r | up_r]."""
+    from jax.sharding import PartitionSpec
+
+    from glm53.model import compiled
+    from parallel import tp as tp_ops
+
+    cfg = tiny_model.cfg
+    state = compiled(tiny_model).state
+    out = tp_ops.prepare_state(state, cfg, 8, expert_parallel=False)
+    before, after = _by_path(state), _by_path(out)
+    attn = "['layers'][0]['self_attn']"
+    q_b = np.asarray(after[f"{attn}['q_b_proj']['weight'].value"]).reshape(cfg.q_lora_rank, 8, cfg.qk_head_dim)
+    q_b0 = np.asarray(before[f"{attn}['q_b_proj']['weight'].value"]).reshape(cfg.q_lora_rank, 4, cfg.qk_head_dim)
+    np.testing.assert_array_equal(q_b[:, :4], q_b0)
+    assert not q_b[:, 4:].any()
+    assert not np.asarray(after[f"{attn}['o_proj']['weight'].value"]).reshape(8, cfg.v_head_dim, -1)[4:].any()
+    experts = "['layers'][3]['mlp']['experts']['gate_up_proj'].value"
+    gu0 = np.asarray(before[experts])  # [E, D, 2F]
+    gu = np.asarray(after[experts]).reshape(*gu0.shape[:2], 8, 2, -1)
+    f = cfg.moe_intermediate_size
+    np.testing.assert_array_equal(gu[:, :, 3, 0], gu0[:, :, 3 * f // 8: 4 * f // 8])  # rank 3's gate columns
+    np.testing.assert_array_equal(gu[:, :, 3, 1], gu0[:, :, f + 3 * f // 8: f + 4 * f // 8])  # ... and up columns
+    specs = _by_path(tp_ops.state_specs(out, expert_parallel=True), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    assert specs[f"{attn}['indexer']['wq_b']['weight'].value"] == PartitionSpec()  # the indexer: replicated
+    assert specs[f"{attn}['kv_a_proj_with_mqa']['weight'].value"] == PartitionSpec()  # the latent: replicated
+    assert specs[f"{attn}['kv_b_proj']['weight'].value"] == PartitionSpec(None, ("tp", "cp"))
+    assert specs["['layers'][3]['mlp']['experts']['down_proj'].value"] == PartitionSpec(("tp", "cp"))
+    shared = "['layers'][3]['mlp']['shared_experts']['down_proj']['weight'].value"
+    assert specs[shared] == PartitionSpec(("tp", "cp"), None)
