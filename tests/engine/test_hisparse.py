@@ -285,13 +285,30 @@ def test_a_new_engine_serves_the_next_turns_from_the_tier(tiny_model, two_turns,
                for f in text_string_to_metric_families(ServingMetrics(two, "tiny").text()) for x in f.samples}
     assert samples[("vllm:kv_offload_hits_total", "fs")] == loaded
     assert ("vllm:kv_offload_hits_total", "cpu") not in samples
-    # the chunk keys name the layout, not the policy: an offload engine of this layout has the same fingerprint
-    from glm53.engine.engine import kv_fingerprint
 
-    ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24}}
-    off = DeployConfig(**BASE, index_block_size=16, num_gpu_blocks=48, kv_transfer_config=ktc).resolved(tiny_model.cfg)
-    assert off.kv_policy == "offload"
-    assert kv_fingerprint(tiny_model, off, off.kv_sizes(tiny_model.cfg)) == two.fingerprint
+
+def test_an_offload_engine_serves_the_next_turns_from_hisparse_chunks(tiny_model, two_turns, stored_turn_1, tmp_path):
+    """The chunk keys name the layout, not the policy, and HiSparse's host pages are laid out as the
+    offload host tier's: an offload engine of the same layout (kv_policy="offload", the same page
+    sizes) on a copy of engine 1's root serves the second turns from HiSparse's chunks, every one of
+    them loaded, with full residency's greedy tokens."""
+    import shutil
+
+    first, _, second, ref2 = two_turns
+    _, one, turn_1 = stored_turn_1
+    shutil.copytree(turn_1, tmp_path / "root")
+    ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "cpu_bytes_to_use": 1 << 24, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "root")}]}}
+    off = Engine(tiny_model, DeployConfig(**BASE, index_block_size=16, num_gpu_blocks=48, kv_transfer_config=ktc))
+    assert off.deploy.kv_policy == "offload" and off.fingerprint == one.fingerprint
+    assert [o.token_ids.tolist() for o in off.generate(second, max_new_tokens=NEW)] == ref2
+    off.shutdown()
+    fs = off.metrics()["kv_offload"]["fs"]
+    computed = [len(p) + NEW - 1 for p in first]
+    # what the HiSparse engine above loaded: the same pages (a hit ends on an indexer page here too)
+    loaded = sum(min(c, len(s) - 1) // 8 + c // 16 for c, s in zip(computed, second))
+    assert fs["hits"] == fs["loaded_chunks"] == loaded and fs["corrupt"] == fs["lost"] == 0
+    assert off.scheduler.stats.prefix_hit_tokens == sum(min(c, len(s) - 1) // 16 * 16 for c, s in zip(computed, second))
 
 
 def test_corrupt_chunks_are_recomputed_or_fail_by_policy_under_hisparse(tiny_model, two_turns, stored_turn_1,
