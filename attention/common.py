@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import jax
@@ -36,7 +37,7 @@ def top_k(x_f32, k: int):
     (order, ties to the lowest index, +0.0 above -0.0). On XLA:CPU it runs on order-preserving int32 keys:
     XLA:CPU's sort compares int32 keys faster than floats (docs/model.md), and the indexer takes a top-k
     per query token of every full layer."""
-    if x_f32.dtype != jnp.float32 or jax.default_backend() != "cpu":
+    if x_f32.dtype != jnp.float32 or gpu_shaped() or jax.default_backend() != "cpu":
         return jax.lax.top_k(x_f32, k)
     keys, idx = jax.lax.top_k(_ordered_int32(x_f32), k)
     return jax.lax.bitcast_convert_type(_ordered_int32(keys), jnp.float32), idx
@@ -77,11 +78,12 @@ PALLAS_VERIFIED_ON_GPU = False
 
 
 def resolve_impl(impl: str) -> str:
-    """Which implementation of an op to run: "reference" or "pallas"."""
+    """Which implementation of an op to run: "reference" or "pallas". "auto": the Pallas kernels where
+    code is shaped for a GPU (`gpu_shaped`) and they are verified there, else the reference."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if PALLAS_VERIFIED_ON_GPU and on_gpu() else "reference"
+        return "pallas" if PALLAS_VERIFIED_ON_GPU and gpu_shaped() else "reference"
     return impl
 
 
@@ -93,6 +95,39 @@ def on_gpu() -> bool:
 # without one (ahead-of-time lowering; nothing runs). A context variable, so it never leaks into other
 # threads' tracing.
 _LOWER_FOR_GPU = contextvars.ContextVar("lower_for_gpu", default=False)
+
+# Set only by `shaped_for`: which backend's code shapes to trace, overriding the backend (tests run the
+# GPU-shaped references on CPU with it; None = follow the backend).
+_SHAPE_FOR = contextvars.ContextVar("shape_for", default=None)
+
+
+def gpu_shaped() -> bool:
+    """Whether ops and model forms trace the code shaped for a GPU: batched gathers and vectorised tiles
+    (one gather of every query's rows, `vmap` over tiles) instead of XLA:CPU's tuned sequential loops
+    (`lax.map` over query blocks of 4 and request rows), the dense MHA form only while window <= top-k,
+    and, through `resolve_impl("auto")`, the Pallas kernels once verified. True on a GPU backend, while
+    `attention.gpu_aot.gpu_lowering` traces for one, or inside `shaped_for("gpu")`. The one place that
+    decides it; both shapes compute the same values (tests/attention/test_gpu_shaped.py).
+
+    Decided at trace time: a jitted function traced under one shape keeps it for its cached program, so
+    switch shapes (`shaped_for`) around fresh functions or clear JAX's caches."""
+    forced = _SHAPE_FOR.get()
+    if forced is not None:
+        return forced == "gpu"
+    return on_gpu() or _LOWER_FOR_GPU.get()
+
+
+@contextlib.contextmanager
+def shaped_for(backend: str):
+    """Trace the code shaped for `backend` ("gpu" or "cpu") whatever the real backend is. Only the
+    shapes change: Pallas kernels still run in interpret mode off a GPU (`pallas_interpret`)."""
+    if backend not in ("gpu", "cpu"):
+        raise ValueError(f"backend must be 'gpu' or 'cpu', got {backend!r}")
+    token = _SHAPE_FOR.set(backend)
+    try:
+        yield
+    finally:
+        _SHAPE_FOR.reset(token)
 
 
 def pallas_interpret() -> bool:

@@ -12,10 +12,12 @@ tiles them so that causally masked tiles are skipped.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from attention.common import masked_softmax_weights, pad_to, resolve_impl
+from attention.common import gpu_shaped, masked_softmax_weights, pad_to, resolve_impl
 
 # XLA:CPU only: a step of at least DENSE_PREFILL_MIN_QUERIES query tokens per request takes the dense form
 # while its window is at most DENSE_PREFILL_TOPK_RATIO x top-k: up to there the dense products beat
@@ -31,12 +33,13 @@ def use_dense_mha(window: int, index_topk: int, *, num_queries: int = 1, force_m
                   backend: str | None = None) -> bool:
     """Whether a step whose attention window is `window` positions, with `num_queries` query tokens per
     request, takes the dense MHA path. Both paths compute the same attention (the dense one masks to the
-    top-k selection); this only picks the faster one for the backend (default: jax.default_backend())."""
+    top-k selection); this only picks the faster one for the backend (default: "gpu" where code is shaped
+    for a GPU, `attention.common.gpu_shaped`, else jax.default_backend())."""
     if force_mqa:
         return False
     if window <= index_topk:
         return True
-    on_cpu = (backend or jax.default_backend()) == "cpu"
+    on_cpu = (backend or ("gpu" if gpu_shaped() else jax.default_backend())) == "cpu"
     return on_cpu and num_queries >= DENSE_PREFILL_MIN_QUERIES and window <= DENSE_PREFILL_TOPK_RATIO * index_topk
 
 
@@ -76,7 +79,11 @@ def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: 
     (module docstring).
     A single tile (T and S <= block) runs `mha_reference` itself: the tiled form divides by the softmax
     sum after the value product, which rounds differently, and exact top-k comparisons between forms
-    downstream (tests/glm53) would see near-ties flip."""
+    downstream (tests/glm53) would see near-ties flip.
+    The (row, query tile) items run one after the other (`lax.map`: cache locality on XLA:CPU) or, where
+    code is shaped for a GPU (`attention.common.gpu_shaped`), vectorised (`vmap`: every item's tiles in
+    one batched product per key step; an item past its last key tile keeps its carry, so the values are
+    the same)."""
     resolve_impl(impl)
     f32 = jnp.float32
     b, t, h, _ = q_nope_BTHN.shape
@@ -124,5 +131,6 @@ def mha(q_nope_BTHN, q_pe_BTHP, k_nope_BSHN, k_pe_BSP, v_BSHV, mask_BTS, scale: 
         lse = jnp.where(l_HQ > 0, jnp.log(jnp.maximum(l_HQ, 1e-30)) + jnp.where(jnp.isfinite(mx), mx, 0.0), -jnp.inf)
         return jnp.swapaxes(out, 0, 1), jnp.swapaxes(lse, 0, 1)  # [bq, H, V], [bq, H]
 
-    out_IQHV, lse_IQH = jax.lax.map(item, (q_IQHD, mask_IQS, trips_I, row_I))
+    loop = jax.vmap(item) if gpu_shaped() else functools.partial(jax.lax.map, item)
+    out_IQHV, lse_IQH = loop((q_IQHD, mask_IQS, trips_I, row_I))
     return out_IQHV.reshape(b, nq * bq, h, dv)[:, :t], lse_IQH.reshape(b, nq * bq, h)[:, :t]

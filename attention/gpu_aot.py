@@ -54,12 +54,22 @@ class TritonKernel:
         return out
 
 
-@contextlib.contextmanager
-def gpu_lowering(device_kind: str = H200, num_cores: int = common.H200_SMS):
-    """Trace the Pallas kernels for a GPU of `device_kind` (no interpret mode) under an abstract mesh
-    that names that device, so the Triton lowering can read its compute capability."""
+def abstract_mesh(axis_sizes=(1,), axis_names=("aot",), device_kind: str = H200,
+                  num_cores: int = common.H200_SMS) -> jax.sharding.AbstractMesh:
+    """A mesh of `axis_sizes` GPUs of `device_kind` that exist only as a description (Auto axes, as
+    `parallel.mesh.make_mesh` builds them): enough to trace and lower a sharded program for them."""
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("aot",), abstract_device=device)
+    types = (jax.sharding.AxisType.Auto,) * len(axis_sizes)
+    return jax.sharding.AbstractMesh(tuple(axis_sizes), tuple(axis_names), axis_types=types, abstract_device=device)
+
+
+@contextlib.contextmanager
+def gpu_lowering(device_kind: str = H200, num_cores: int = common.H200_SMS, mesh=None):
+    """Trace for a GPU of `device_kind`: the Pallas kernels without interpret mode, the ops and forms
+    shaped for a GPU (`attention.common.gpu_shaped`), under an abstract mesh that names that device, so
+    the Triton lowering can read its compute capability. `mesh`: that abstract mesh (`abstract_mesh`;
+    default one device), e.g. the 8-GPU mesh a sharded step is lowered for."""
+    mesh = abstract_mesh(device_kind=device_kind, num_cores=num_cores) if mesh is None else mesh
     token = common._LOWER_FOR_GPU.set(True)
     try:
         with jax.sharding.use_abstract_mesh(mesh):
@@ -79,19 +89,7 @@ def lower_triton(fn, *args, device_kind: str = H200) -> list[TritonKernel]:
     with gpu_lowering(device_kind):
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     module = lowered.compiler_ir("stablehlo")
-    calls = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    child = child.operation
-                    if child.name == "stablehlo.custom_call" and \
-                            ir.StringAttr(child.attributes["call_target_name"]).value == TRITON_CALL:
-                        calls.append(child)
-                    walk(child)
-
-    walk(module.operation)
+    calls = [op for op in _custom_calls(module) if ir.StringAttr(op.attributes["call_target_name"]).value == TRITON_CALL]
     kernels = []
     with module.context:
         tt_dialect.register_dialect(module.context)
@@ -106,3 +104,37 @@ def lower_triton(fn, *args, device_kind: str = H200) -> list[TritonKernel]:
                                         grid=(num("grid_x"), num("grid_y"), num("grid_z")),
                                         num_warps=num("num_warps"), num_stages=num("num_stages")))
     return kernels
+
+
+def _custom_calls(module) -> list:
+    """Every stablehlo.custom_call operation of an MLIR module, in program order (nested regions too)."""
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    if child.name == "stablehlo.custom_call":
+                        calls.append(child)
+                    walk(child)
+
+    walk(module.operation)
+    return calls
+
+
+def custom_calls(lowered) -> list[tuple[str, str | None]]:
+    """(call target, kernel name) of every custom call of a lowered program (`jax.jit(f).trace(...).lower(
+    ...)`), in program order; the name is the Pallas kernel's for Triton calls (its `name=`), else None.
+    Custom calls are what XLA does not generate itself: the Pallas kernels, and sharding / host-offload
+    annotations that the compiler removes."""
+    from jax._src.lib.mlir import ir
+
+    out = []
+    for op in _custom_calls(lowered.compiler_ir("stablehlo")):
+        target = ir.StringAttr(op.attributes["call_target_name"]).value
+        name = None
+        if target == TRITON_CALL:
+            name = ir.StringAttr(op.attributes["mhlo.backend_config"]["name"]).value
+        out.append((target, name))
+    return out

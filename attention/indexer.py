@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from attention.common import (
+    gpu_shaped,
     kernel_compute_dtype,
     kernel_dot,
     pad_to,
@@ -102,11 +103,11 @@ def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, im
     """The indexer op: selected positions [B,T,min(topk, window)] int32 (-1 = none), every position
     < window (static; all query positions must be < window)."""
     b, t = q_pos_BT.shape
-    if resolve_impl(impl) == "pallas" or b == 1 or t == 1:
+    if resolve_impl(impl) == "pallas" or b == 1 or t == 1 or gpu_shaped():
         return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl), topk)
-    # Several prefill rows: score and select one request row at a time, so that a row's [T, window]
-    # scores stay in cache through the top-k (docs/model.md, cache locality). The same values and
-    # selection as the batched form.
+    # Several prefill rows on XLA:CPU: score and select one request row at a time, so that a row's
+    # [T, window] scores stay in cache through the top-k (docs/model.md, cache locality). The same values
+    # and selection as the batched form above, which code shaped for a GPU uses (one batched top-k).
     return jax.lax.map(lambda a: topk_reference(*(x[None] for x in a), topk)[0],
                        (q_BTHI, w_BTH, keys.gather(window), q_pos_BT))
 
@@ -165,7 +166,10 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
         run_s, run_p, computed, causal = jax.lax.fori_loop(0, trips, visit, init)
         return jnp.where(run_s == -jnp.inf, -1, run_p), computed, causal
 
-    sel, computed, causal = jax.lax.map(tile, (q, w, pos, req))
+    # XLA:CPU: one tile after the other; shaped for a GPU: all tiles vectorised (`vmap` turns the dynamic
+    # trip count into a batched while loop in which a finished tile keeps its carry: the same result)
+    loop = jax.vmap(tile) if gpu_shaped() else functools.partial(jax.lax.map, tile)
+    sel, computed, causal = loop((q, w, pos, req))
     sel_BTK = sel.reshape(b, nq * block, k)[:, :t]
     return sel_BTK, {"indexer_pairs_causal": causal, "indexer_pairs_computed": computed}
 

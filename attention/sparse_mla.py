@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from attention.common import (
     H200_SMS,
+    gpu_shaped,
     kernel_compute_dtype,
     kernel_dot,
     masked_softmax_weights,
@@ -74,15 +75,21 @@ def sparse_mqa_reference(q_lat_BTHR, q_pe_BTHP, lat_BTKR, pe_BTKP, valid_BTK, sc
 
 
 def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str = "auto",
-               query_block: int = QUERY_BLOCK):
+               query_block: int | None = None):
     """Sparse MQA reading rows by slot -> (out [B,T,H,R] f32, lse [B,T,H] f32). Equals
-    `sparse_mqa_reference` on the gathered, unpacked rows."""
+    `sparse_mqa_reference` on the gathered, unpacked rows.
+
+    The reference runs `query_block` queries per loop step (default: QUERY_BLOCK on XLA:CPU, whose
+    gathers are slow; every query in one batched gather where code is shaped for a GPU,
+    `attention.common.gpu_shaped`, which has the memory for [B*T, K, 576] rows and no use for a loop)."""
     if resolve_impl(impl) == "pallas":
         return sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows, scale)
     rows_NX, slots_BTK = rows.table, rows.slots
     b, t, h, r = q_lat_BTHR.shape
     k = slots_BTK.shape[-1]
     n = b * t
+    if query_block is None:
+        query_block = n if gpu_shaped() else QUERY_BLOCK
     nb = -(-n // query_block)
     pad = nb * query_block - n
     q = jnp.concatenate([q_lat_BTHR, q_pe_BTHP.astype(q_lat_BTHR.dtype)], -1).reshape(n, h, -1)
@@ -100,7 +107,11 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
         p_QHK, lse_QH = masked_softmax_weights(s_QHK, valid_QK[:, None, :])
         return jnp.einsum("qhk,qkr->qhr", p_QHK, rows_QKX[..., :r]), lse_QH
 
-    out, lse = jax.lax.map(block, (q.reshape(nb, query_block, h, -1), slots.reshape(nb, query_block, k)))
+    q_IQHX, s_IQK = q.reshape(nb, query_block, h, -1), slots.reshape(nb, query_block, k)
+    if nb == 1:  # one batched gather and product over every query, no loop
+        out, lse = jax.tree.map(lambda a: a[None], block((q_IQHX[0], s_IQK[0])))
+    else:
+        out, lse = jax.lax.map(block, (q_IQHX, s_IQK))
     out = out.reshape(nb * query_block, h, r)[:n].reshape(b, t, h, r)
     return out, lse.reshape(nb * query_block, h)[:n].reshape(b, t, h)
 

@@ -32,6 +32,8 @@ step() {  # step NAME CMD...: run, log to OUT/NAME.log, remember the first failu
 step environment "$PY" -c "import jax, sys; print(sys.version); print(jax.__version__, jax.devices())"
 step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_kernels.py \
     tests/attention/test_hisparse.py tests/attention/test_merge.py
+# the GPU-shaped references against the CPU-shaped ones, and the engine's routing, on the GPU backend
+step gpu_shaped_tests "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_gpu_shaped.py
 step bench_attention_pallas "$PY" -m experiments.bench_attention --impl pallas --repeats 20 \
     --out "$OUT/bench_attention_pallas"
 step bench_attention_reference "$PY" -m experiments.bench_attention --impl reference --repeats 20 \

@@ -105,6 +105,16 @@ MANIFEST: tuple[Entry, ...] = (
           ("the published kernel tables themselves (results/calibration/table.md)",), "calibrate",
           doc="docs/perfmodel.md", files=("table.md",), compare=("holdout_mean_abs_rel_error",)),
     # ------------------------------------------------------------------ laptop-scale real runs
+    Entry("memory_plan", "Per-GPU memory of each published deployment: weights, workspace, KV pool, hot buffers, "
+          "host pools", "real_heavy", "BRIEF §2, §6, §8",
+          ("An H200 has about 15 GiB left for KV after GLM-5.3's FP8 weights (TP8) (BRIEF §2)",
+           "hot buffer about 212 MB per request at GLM-5.3 scale (BRIEF §6)",
+           "at 1M context a DP8 prefill rank cannot hold one request; PCP x DCP prefill can (BRIEF §8)"),
+          "memory_plan", committed="results/memory_plan", doc="docs/memory.md",
+          compare=("name", "max_model_len", "max_num_batched_tokens", "weights_bytes_per_gpu",
+                   "workspace_bytes_per_gpu", "kv_pool_bytes_per_gpu", "hot_buffer_bytes_per_gpu", "fits"),
+          note="full-size GLM-5.3 sized on CPU: eval_shape of the sharded fp8 model, XLA:CPU memory analysis of "
+               "the step (no H200 measured)"),
     Entry("smoke", "The serve pipeline end to end (tiny model, 2 sessions)", "real", "-",
           (), "serve", "configs/smoke.py", doc="docs/engine.md", compare=SERVE_KEYS,
           note="a pipeline check, not a published figure"),
@@ -213,6 +223,14 @@ def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
             shutil.copy(d / f, out / f)
         res = json.loads((out / main_json).read_text())
         return {"status": "ran", "metrics": {k: res.get(k) for k in e.compare}}
+    if e.experiment == "memory_plan":  # compiles for minutes: --quick reuses the committed programs' analyses
+        from experiments import memory_plan
+
+        argv = ["--out", str(out)] + (["--reuse-programs", str(REPO / e.committed / "results.json")] if quick else [])
+        res = memory_plan.main(argv)
+        return {"status": "ran" + (f" (step programs' memory analyses reused from committed {e.committed}/results.json)"
+                                   if quick else ""),
+                "runs": [{k: r.get(k) for k in e.compare} for r in res["deployments"]]}
     if e.kind == "real_heavy" and quick:
         from experiments.serve import plot
 

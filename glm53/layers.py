@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attention import dense_mla
+from attention.common import gpu_shaped
 from attention import fp8_matmul as fp8
 from glm53.config import ModelConfig
 from kvcache.base import KVCache
@@ -373,6 +374,8 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     The weights are float arrays or fp8_matmul.BlockFp8 (fp8 experts: gate and up blocked separately,
     see `Fp8Experts`; `fp8_impl` picks the fp8 matmul implementation).
     """
+    if gpu_shaped() and not isinstance(w_gate_up_EDF2, fp8.BlockFp8):
+        return ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD)
     n, d = x_ND.shape
     e = w_gate_up_EDF2.shape[0]
     k = idx_NK.shape[1]
@@ -409,6 +412,25 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     yb = yb * rows_w.reshape(num_blocks, block, 1).astype(yb.dtype)
     out = jnp.zeros((n + 1, d), yb.dtype).at[rows_tok].add(yb.reshape(-1, d))
     return out[:n].astype(x_ND.dtype)
+
+
+def ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD):
+    """`grouped_experts` as a GPU runs it (float weights): the N*k assignments sorted by expert and each
+    projection one grouped GEMM over the expert segments (`lax.ragged_dot`), no loop over experts. The
+    same result up to float summation order; what `grouped_experts` does where code is shaped for a GPU
+    (`attention.common.gpu_shaped`). fp8 block weights keep the expert loop (no block-scaled grouped
+    GEMM yet)."""
+    n, d = x_ND.shape
+    e, k = w_gate_up_EDF2.shape[0], idx_NK.shape[1]
+    flat_e = idx_NK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok_A = (jnp.arange(n * k, dtype=jnp.int32) // k)[order]  # token of each expert-sorted assignment
+    sizes_E = jnp.bincount(flat_e, length=e).astype(jnp.int32)
+    gate_up_AF2 = jax.lax.ragged_dot(x_ND[tok_A], w_gate_up_EDF2, sizes_E)
+    gate, up = jnp.split(gate_up_AF2, 2, axis=-1)
+    y_AD = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_EFD, sizes_E)
+    y_AD = y_AD * w_NK.reshape(-1)[order][:, None].astype(y_AD.dtype)
+    return jnp.zeros((n, d), y_AD.dtype).at[tok_A].add(y_AD).astype(x_ND.dtype)
 
 
 class MoE(nnx.Module):

@@ -48,10 +48,11 @@ class KVCache(Protocol):
         """Slot addressing for sparse kernels: table row slots[b, t, k] holds position pos[b, t, k] of
         request b (-1 -> -1), in the cache's storage format with the unpack that reads it."""
 
-    def sparse_slots(self, layer: int, pos_BTK: jax.Array, full: bool) -> tuple[SlotRows, KVCache]:
+    def sparse_slots(self, layer: int, pos_BTK: jax.Array, full: bool, *, impl: str = "auto") -> tuple[SlotRows, KVCache]:
         """What sparse MLA reads for `layer` -> (rows, cache). A cache whose rows may live elsewhere
         (HiSparse: the host pool) brings the selected ones in first; `full`: the layer computed the
-        selection itself (IndexShare's shared layers replay its plan). Plain caches: (mla_slots, self)."""
+        selection itself (IndexShare's shared layers replay its plan); `impl`: the attention ops'
+        implementation, which the HiSparse resolver follows too. Plain caches: (mla_slots, self)."""
 
     def select(self, layer: int, q_BTHI, w_BTH, pos_BT, topk: int, *, window: int,
                impl: str) -> tuple[jax.Array, KVCache]:
@@ -75,7 +76,7 @@ def default_select(cache: KVCache, layer: int, q_BTHI, w_BTH, pos_BT, topk: int,
 def sparse_attend(cache: KVCache, layer: int, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale: float, *, full: bool,
                   impl: str):
     """Sparse MQA over the rows `sparse_slots` reaches -> (out [B,T,H,R] f32, lse [B,T,H] f32, cache)."""
-    rows, cache = cache.sparse_slots(layer, pos_BTK, full=full)
+    rows, cache = cache.sparse_slots(layer, pos_BTK, full=full, impl=impl)
     out, lse = sparse_mla.sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows, scale, impl=impl)
     return out, lse, cache
 

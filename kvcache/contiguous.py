@@ -82,7 +82,7 @@ class ContiguousKVCache:
         slots = jnp.where(pos_BTK >= 0, pos_BTK + s * jnp.arange(b, dtype=pos_BTK.dtype)[:, None, None], -1)
         return SlotRows.plain(buf.reshape(b * s, width), slots, self.kv_lora_rank)
 
-    def sparse_slots(self, layer, pos_BTK, full):
+    def sparse_slots(self, layer, pos_BTK, full, *, impl="auto"):
         return self.mla_slots(layer, pos_BTK), self
 
     select = default_select

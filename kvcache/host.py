@@ -250,6 +250,14 @@ def _scatter_rows(arr, slots, rows):
     return arr.at[jnp.where(slots >= 0, slots, arr.shape[0])].set(rows, mode="drop")  # -1: padding, dropped
 
 
+def new_hot_state(leases: int, groups: int, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """HiSparse's device state of `leases` empty hot buffers of `rows` rows (HiSparseView's hot_pos,
+    hot_last [L, G, H] and hot_rows [L, H], int32): device memory beside the KV pool, which the memory
+    plan (experiments/memory_plan.py) sizes with jax.eval_shape of this function."""
+    return (jnp.full((leases, groups, rows), -1, jnp.int32), jnp.full((leases, groups, rows), NEVER_USED, jnp.int32),
+            jnp.full((leases, rows), -1, jnp.int32))
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
 def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
     return (hot_pos.at[lease].set(-1), hot_last.at[lease].set(NEVER_USED), hot_rows.at[lease].set(rows_H))
@@ -326,9 +334,7 @@ class HostMemory:
             leases, groups, rows = hot
             # committed to the device from the start, like every later version (a step's outputs): an
             # uncommitted first version would compile the decode step once more
-            self.hot_state = tuple(jax.device_put(x, device) for x in (
-                jnp.full((leases, groups, rows), -1, jnp.int32), jnp.full((leases, groups, rows), NEVER_USED, jnp.int32),
-                jnp.full((leases, rows), -1, jnp.int32)))
+            self.hot_state = tuple(jax.device_put(x, device) for x in new_hot_state(leases, groups, rows))
         self.lru_step = 0  # the resolver's LRU clock, one tick per decode group that resolves
         self.tiers = tiers
         self._tier_loads: dict[int, tuple[str, int]] = {}  # job -> (group, host block) awaiting its bytes

@@ -168,7 +168,7 @@ class PagedKVCache:
     def mla_slots(self, layer, pos_BTK):
         return SlotRows(self.mla[self.mla_layers.index(layer)], self.slots(pos_BTK), self.mla_format)
 
-    def sparse_slots(self, layer, pos_BTK, full: bool):
+    def sparse_slots(self, layer, pos_BTK, full: bool, *, impl: str = "auto"):
         """Where sparse MLA reads the selected positions [B, T, K] of `layer` -> (SlotRows, cache).
 
         Without HiSparse (or for prefill chunks, whose pages the host side keeps on the device) this is
@@ -182,7 +182,7 @@ class PagedKVCache:
         i = self.mla_layers.index(layer)
         if full:
             group = sum(1 for f in self.index_layers if f <= layer) - 1
-            hs = hs.resolve(group, pos_BTK[:, 0], self.block_table, self.block_size)
+            hs = hs.resolve(group, pos_BTK[:, 0], self.block_table, self.block_size, impl=impl)
         hs, table = hs.copy_rows(i, self.mla[i])
         cache = dataclasses.replace(self._replace("mla", layer, table), hisparse=hs)
         return SlotRows(table, hs.plan_rows[:, None, :], self.mla_format), cache

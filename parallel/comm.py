@@ -20,7 +20,7 @@ import numpy as np
 from glm53.perfmodel.traffic import (dcp_decode_bytes, dcp_full_copy_bytes, dcp_topk_merge_bytes, padded_heads,
                                      pcp_prefill_bytes, sent_bytes)
 
-__all__ = ["Collective", "trace_collectives", "collective_bytes",  # the tracer, and the formulas it checks:
+__all__ = ["Collective", "trace_collectives", "jaxpr_collectives", "collective_bytes",  # the tracer, and the formulas it checks:
            "dcp_decode_bytes", "dcp_full_copy_bytes", "dcp_topk_merge_bytes", "padded_heads", "pcp_prefill_bytes"]
 
 _GATHER = ("all_gather", "all_gather_invariant")
@@ -69,9 +69,13 @@ def _walk(jaxpr, axis_sizes, found: list):
 
 def trace_collectives(fn: Callable, *args, axis_sizes: Mapping[str, int], **kwargs) -> list[Collective]:
     """Every collective `fn(*args, **kwargs)` would run, from its jaxpr (nothing is compiled or run)."""
-    closed = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+    return jaxpr_collectives(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args), axis_sizes=axis_sizes)
+
+
+def jaxpr_collectives(closed_jaxpr, *, axis_sizes: Mapping[str, int]) -> list[Collective]:
+    """Every collective of an already traced program (`jax.jit(f).trace(...).jaxpr`, or make_jaxpr's)."""
     found: list[Collective] = []
-    _walk(closed.jaxpr, dict(axis_sizes), found)
+    _walk(closed_jaxpr.jaxpr, dict(axis_sizes), found)
     return found
 
 

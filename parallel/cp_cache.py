@@ -239,9 +239,9 @@ class CpKVCache:
             return self.local.mla_slots(layer, pos_BTK)
         return self._full_rows(layer, pos_BTK, self.capacity)
 
-    def sparse_slots(self, layer, pos_BTK, full):
+    def sparse_slots(self, layer, pos_BTK, full, *, impl="auto"):
         if not self.dcp:
-            rows, local = self.local.sparse_slots(layer, pos_BTK, full)
+            rows, local = self.local.sparse_slots(layer, pos_BTK, full, impl=impl)
             return rows, self._with(local)
         return self._full_rows(layer, pos_BTK, self.capacity), self
 

@@ -118,6 +118,25 @@ def ep_axes(mesh: Mesh, ep: int) -> tuple[str, ...]:
         f"{sorted({axis_size(mesh, AXES[s:]) for s in (2, 1, 0)})}")
 
 
+def shard_bytes(tree, specs, axis_sizes: dict[str, int]) -> list[int]:
+    """Bytes one device holds of each leaf of `tree` (arrays or jax.ShapeDtypeStructs) laid out by the
+    PartitionSpecs `specs` (a matching tree) on a mesh of `axis_sizes` ({axis name: size}). The mesh is
+    abstract (jax.sharding.AbstractMesh): no devices are needed, so full-size layouts can be sized on a
+    laptop. A dimension split over axes of total size n holds dim / n on each device (JAX's shard_shape)."""
+    mesh = jax.sharding.AbstractMesh(tuple(axis_sizes.values()), tuple(axis_sizes))
+    leaves = jax.tree.leaves(tree)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    if len(leaves) != len(spec_leaves):
+        raise ValueError(f"{len(leaves)} arrays but {len(spec_leaves)} PartitionSpecs")
+    return [math.prod(jax.sharding.NamedSharding(mesh, spec).shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+            for x, spec in zip(leaves, spec_leaves)]
+
+
+def bytes_per_device(tree, specs, axis_sizes: dict[str, int]) -> int:
+    """Total of `shard_bytes`: what one device of the mesh holds of `tree`."""
+    return sum(shard_bytes(tree, specs, axis_sizes))
+
+
 def describe(mesh: Mesh) -> str:
     """E.g. 'dp1 x tp1 x cp8 (8 devices, 1 process)'."""
     procs = len({d.process_index for d in mesh.devices.flat})

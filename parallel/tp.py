@@ -41,7 +41,11 @@ collectives over the inner axis (query all-gather, LSE reduce-scatter) that the 
 the partitioner for; the all-reduces sit exactly where vLLM has them; and the indexer's top-k stays
 replicated code, never split by a partitioner that could change its tie order.
 
-fp8 (block-quantised) weights are not split yet: `check_weights` refuses them.
+fp8 (block-quantised) weights: a weight's `*_scale_inv` blocks split with it (same kind, same axis), so
+their layout and per-device bytes are defined when every rank's slice is whole 128 x 128 blocks and
+nothing is padded (GLM-5.3 at TP8: 8 heads x 256 / 448 columns, MLP 1,536, expert width 256 per rank),
+which `prepare_state` checks. The runner still refuses them (`check_weights`): the fp8 forward under TP
+is not tested.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def _names(path) -> list:
 def _kind(path) -> str:
     """How a parameter splits: "heads_out" (column-parallel by head), "heads_in" (o_proj rows),
     "cols" / "rows" (MLP / shared expert), "experts_gate_up" / "experts_down" (routed), or "" (replicated)."""
-    names = [k for k in _names(path) if isinstance(k, str)]
+    # an fp8 weight's block scales (`weight_scale_inv`, `gate_up_proj_scale_inv`, ...) split as the weight
+    names = [k.removesuffix("_scale_inv") for k in _names(path) if isinstance(k, str)]
     if "indexer" in names:
         return ""
     if "self_attn" in names:
@@ -120,6 +125,8 @@ def prepare_state(state, cfg, tp: int, expert_parallel: bool):
 
     def one(path, x):
         kind = _kind(path)
+        if kind and _is_fp8(path, x):
+            return _fp8_layout(path, x, kind, cfg, tp, expert_parallel)
         if kind == "heads_out":  # [in, H * per_head]
             return pad_axis(x.reshape(x.shape[0], h, -1), 1, hp).reshape(x.shape[0], -1)
         if kind == "heads_in":  # [H * V, D]
@@ -140,6 +147,38 @@ def prepare_state(state, cfg, tp: int, expert_parallel: bool):
         return x
 
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def _is_fp8(path, x) -> bool:
+    return "float8" in str(x.dtype) or any(isinstance(k, str) and k.endswith("_scale_inv") for k in _names(path))
+
+
+def _split_axis(kind: str, expert_parallel: bool) -> int:
+    """The axis `state_specs` splits a weight of `kind` on."""
+    if kind.startswith("experts"):
+        return 0 if expert_parallel else (2 if kind == "experts_gate_up" else 1)
+    return 1 if kind in ("heads_out", "cols") else 0
+
+
+def _fp8_layout(path, x, kind: str, cfg, tp: int, expert_parallel: bool):
+    """`prepare_state` of an fp8 block-quantised leaf (values or scales): nothing may need padding and each
+    rank's slice must be whole 128 x 128 blocks (a rank reads only its own scales); the routed experts'
+    [gate | up] blocks are interleaved per rank like their columns. Raises NotImplementedError otherwise."""
+    scale = any(isinstance(k, str) and k.endswith("_scale_inv") for k in _names(path))
+    axis = _split_axis(kind, expert_parallel)
+    parts = 2 if kind == "experts_gate_up" and not expert_parallel else 1  # [gate | up] split part by part
+    n = x.shape[axis] // parts
+    whole = expert_parallel and kind.startswith("experts")  # whole experts: any count that divides
+    unit = 1 if scale or whole else 128  # a rank's slice of values: a multiple of the block
+    padding = cfg.num_attention_heads % tp or cfg.intermediate_size % tp or cfg.moe_intermediate_size % tp
+    if padding or n % (unit * tp):
+        raise NotImplementedError(f"tensor parallelism of fp8 weight {jax.tree_util.keystr(path)} {list(x.shape)} "
+                                  f"over {tp} ranks: its slices are not whole 128 x 128 blocks, or the model "
+                                  "needs padding (not built for fp8)")
+    if parts == 2:  # [E, D', 2F'] -> [E, D', (rank, gate|up, F'/tp)], as the float columns
+        e, d, f2 = x.shape
+        return x.reshape(e, d, 2, tp, f2 // 2 // tp).transpose(0, 1, 3, 2, 4).reshape(e, d, f2)
+    return x
 
 
 def state_specs(state, expert_parallel: bool, axes=AXES):

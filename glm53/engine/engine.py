@@ -57,6 +57,8 @@ from kvcache.offload import OffloadPolicy
 from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
 from kvcache.tiers import TierSet, layout_fingerprint, make_tier
 from kvcache.transfer import TransferStats
+from parallel import mesh as parallel_mesh
+from parallel import model as parallel_model
 from parallel import tp as parallel_tp
 
 
@@ -476,14 +478,23 @@ def _leaf_heads(leaves):
 
 def _weights_bytes(model, device, deploy: DeployConfig) -> int:
     """Bytes of the model's weights one device of a replica holds (all of them without tensor or expert
-    parallelism; parallel.tp.bytes_per_device under TP); 0 on CPU, where the KV budget does not depend
-    on them."""
+    parallelism; parallel.tp.bytes_per_device under TP; under expert parallelism on a context mesh the
+    replicated weights and 1/N of the routed experts, parallel.model.state_specs); 0 on CPU, where the
+    KV budget does not depend on them."""
     if device is None or device.platform == "cpu" or not isinstance(model, nnx.Module):
         return 0
+    return weights_bytes_per_device(nnx.state(model), model.cfg, deploy)
+
+
+def weights_bytes_per_device(state, cfg: ModelConfig, deploy: DeployConfig) -> int:
+    """Bytes of `state` (arrays or jax.ShapeDtypeStructs: sized from shapes, nothing moves) one device of
+    a `deploy` replica holds, as the model runner places it (see `_weights_bytes`)."""
     if deploy.tensor_parallel_size > 1:
-        return parallel_tp.bytes_per_device(nnx.state(model), model.cfg, deploy.tensor_parallel_size,
-                                            deploy.enable_expert_parallel)
-    return sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(model)) if hasattr(x, "nbytes"))
+        return parallel_tp.bytes_per_device(state, cfg, deploy.tensor_parallel_size, deploy.enable_expert_parallel)
+    n = deploy.context_parallel_size
+    if n > 1 and deploy.enable_expert_parallel:
+        return parallel_mesh.bytes_per_device(state, parallel_model.state_specs(state, "cp", True), {"cp": n})
+    return sum(int(x.size) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype"))
 
 
 def offload_metrics(sch: Scheduler) -> dict:

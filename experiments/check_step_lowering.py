@@ -1,0 +1,308 @@
+"""Lower GLM-5.3's serving steps for an abstract 8 x H200 mesh and list their kernels and collectives.
+
+    python -m experiments.check_step_lowering --out results/step_lowering            # full size, all layers
+    python -m experiments.check_step_lowering --preset tiny --out /tmp/steps         # seconds (CI test)
+
+Each step is the forward the model runner executes (`parallel.model.forward`: the unchanged model inside
+one `jax.shard_map`), traced and lowered for the "cuda" platform on a machine without a GPU: the mesh is
+a `jax.sharding.AbstractMesh` of 8 "NVIDIA H200" devices (`attention.gpu_aot.abstract_mesh`), weights,
+KV pool and block tables are `jax.ShapeDtypeStruct`s carrying their shardings, nothing is allocated,
+compiled or run. Under `attention.gpu_aot.gpu_lowering` the ops and forms are the GPU-shaped ones
+(`attention.common.gpu_shaped`) and Pallas kernels lower through Triton, as on the GPU.
+
+Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
+- `tp8_decode`: TP8 (heads and MLP widths split over 8 ranks, EP8 over the TP ranks for the routed
+  experts, latent KV and indexer replicated; `parallel.tp`), one token per request. Weights in bfloat16:
+  TP of block-quantised fp8 weights is not built (`parallel.tp.check_weights` refuses them).
+- `dcp8_ep8_decode`: the decode step of the same 8 ranks: KV split round-robin (DCP), queries
+  replicated, the top-k merged across ranks and the partial attention outputs merged by LSE
+  (`parallel.dcp`, ag_rs), the routed experts split over the ranks (one all-reduce per MoE layer).
+- `pcp8_dcp8_ep8_prefill`: one prefill chunk on `make_mesh(cp=8)`: tokens split 2N-chunk (PCP), KV split
+  round-robin over the same ranks (DCP), routed experts split over them with all-to-all dispatch (EP);
+  weights fp8 (128 x 128 blocks, as the checkpoint) where `glm53.fp8` quantises them.
+Each at impl="auto" (what a GPU runs today: the references, since `PALLAS_VERIFIED_ON_GPU` is False) and
+impl="pallas" (the kernels, once verified).
+
+Reported per step (OUT/results.json, OUT/README.md): the custom calls of the lowered module (the Pallas
+Triton kernels by name; other targets are sharding / host annotations), and the collectives from the
+traced program (`parallel.comm.jaxpr_collectives`: kind, count, bytes per rank) beside the collective ops
+counted in the lowered StableHLO. What this does not show: collectives XLA's SPMD partitioner would add
+at compile time where an operand's sharding differs from what the shard_map expects (the abstract
+arguments carry the runner's shardings, so none are expected), and anything about speed.
+
+Exits 1 if a step fails to lower or lacks its deployment's expected collectives (TP: all-reduces;
+PCP/DCP/EP: all-gathers, reduce-scatters or all-to-alls) or, at impl="pallas", its kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attention import gpu_aot
+from experiments.bench_model import run_metadata
+from glm53 import fp8 as fp8_model
+from glm53.config import get_preset
+from glm53.model import attention_form
+from glm53.weights import abstract_model
+from kvcache.paged import PagedKVCache
+from parallel import comm
+from parallel import model as parallel_model
+from parallel import tp as parallel_tp
+from parallel.cp_cache import CpKVCache
+from parallel.mesh import AXES
+from parallel.pcp import PcpSplit
+
+# StableHLO collective ops -> the kinds parallel.comm counts ("psum" is an all-reduce)
+HLO_COLLECTIVES = {"all_reduce": "psum", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+                   "all_to_all": "all_to_all", "collective_permute": "collective_permute"}
+_HLO_OP = re.compile(r'"?stablehlo\.(' + "|".join(HLO_COLLECTIVES) + r')"?[ (]')
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step to lower: a deployment on the 8-GPU mesh and the batch shape it runs."""
+
+    name: str
+    mesh: dict  # make_mesh sizes {"dp", "tp", "cp"}
+    tensor_parallel: bool
+    expert_parallel: bool
+    pcp: bool  # prefill tokens split over "cp" (PCP)
+    dcp: bool  # KV split over "cp" (DCP)
+    rows: int  # requests in the batch
+    tokens: int  # tokens per request
+    window: int  # attention window (positions)
+    num_blocks: int  # pool blocks per KV rank
+    fp8_weights: bool
+    expected: tuple  # collective kinds the step must contain
+
+
+def steps(cfg, *, decode_rows: int, window: int, prefill_tokens: int, block_size: int) -> list[Step]:
+    pages = -(-window // block_size)
+    return [
+        # 2 requests at 128K fill ~15 GiB of fp8 KV per GPU under TP8 (BRIEF §2's budget)
+        Step("tp8_decode", {"tp": 8}, True, True, False, False, decode_rows, 1, window, decode_rows * pages + 1,
+             False, ("psum",)),
+        # the decode step of the same ranks (PCP8 x DCP8 x EP8 serves decode too): KV split round-robin,
+        # queries replicated; 16 requests at 128K hold 2/8 of 16 x 2048 pages per rank
+        Step("dcp8_ep8_decode", {"cp": 8}, False, True, False, True, 16, 1, window, -(-16 * pages // 8) + 1,
+             True, ("all_gather", "reduce_scatter", "psum")),
+        # one chunk of max_num_batched_tokens ending at the window; each rank holds 1/8 of the KV
+        Step("pcp8_dcp8_ep8_prefill", {"cp": 8}, False, True, True, True, 1, prefill_tokens, window,
+             -(-pages // 8) + 1, True, ("all_gather", "all_to_all")),
+    ]
+
+
+def _sds(tree, specs, mesh):
+    """Abstract arrays of `tree` carrying NamedShardings of `specs` on `mesh`."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+                        tree, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def abstract_step(cfg, step: Step, mesh, *, block_size: int, impl: str):
+    """-> (fn, abstract args) of the step as the model runner would run it (glm53.engine.runner)."""
+    paths = fp8_model.eligible_modules(abstract_model(cfg, "bfloat16")) if step.fp8_weights else ()
+    graphdef, state = nnx.split(abstract_model(cfg, "bfloat16", fp8_modules=paths))
+    n_cp = step.mesh.get("cp", 1)
+    if step.tensor_parallel:
+        tp = 8
+        state = jax.eval_shape(lambda s: parallel_tp.prepare_state(s, cfg, tp, step.expert_parallel), state)
+        specs = parallel_tp.state_specs(state, step.expert_parallel)
+    else:
+        specs = parallel_model.state_specs(state, "cp", step.expert_parallel)
+    state = _sds(state, specs, mesh)
+
+    kv_ranks = n_cp if step.dcp else 1
+    pages = -(-step.window // block_size)
+    table = np.full((step.rows, pages), -1, np.int32)
+    local = jax.eval_shape(lambda: PagedKVCache.create(cfg, step.num_blocks * kv_ranks, block_size, table,
+                                                       index_block_table=table, include_mtp=False))
+    cache = CpKVCache(local, "cp", n_cp, tokens_split=step.pcp, dcp=step.dcp, heads_split=step.tensor_parallel,
+                      gather_queries=step.tensor_parallel)
+    cache = _sds(cache, parallel_model.cache_specs(cache), mesh)
+    width = PcpSplit(step.tokens, n_cp).tokens_per_rank * n_cp if step.pcp else step.tokens
+    tok_spec = P(None, "cp") if step.pcp else P()
+    tokens = jax.ShapeDtypeStruct((step.rows, width), jnp.int32, sharding=NamedSharding(mesh, tok_spec))
+    form = attention_form("auto", step.window, cfg.index_topk, step.tokens)
+
+    def fn(state, tokens, positions, cache):
+        return parallel_model.forward(state, tokens, positions, cache, None, graphdef=graphdef, mesh=mesh,
+                                      window=step.window, form=form, impl=impl,
+                                      expert_parallel=step.expert_parallel, tensor_parallel=step.tensor_parallel)
+
+    return fn, (state, tokens, tokens, cache), form
+
+
+def lower_step(cfg, step: Step, *, block_size: int, impl: str) -> dict:
+    mesh = gpu_aot.abstract_mesh(tuple(step.mesh.get(a, 1) for a in AXES), AXES)
+    rec = {"step": step.name, "impl": impl, "mesh": {a: step.mesh.get(a, 1) for a in AXES},
+           "rows": step.rows, "tokens_per_row": step.tokens, "window": step.window,
+           "pool_blocks_per_kv_rank": step.num_blocks, "block_size": block_size,
+           "weights": "fp8 blocks (128 x 128) where quantised, else bfloat16" if step.fp8_weights else "bfloat16",
+           "tensor_parallel": step.tensor_parallel, "expert_parallel": step.expert_parallel,
+           "pcp": step.pcp, "dcp": step.dcp, "layers": cfg.num_hidden_layers}
+    try:
+        with gpu_aot.gpu_lowering(mesh=mesh):
+            fn, args, form = abstract_step(cfg, step, mesh, block_size=block_size, impl=impl)
+            rec["form"] = form
+            t0 = time.perf_counter()
+            traced = jax.jit(fn).trace(*args)
+            rec["trace_s"] = round(time.perf_counter() - t0, 1)
+            t0 = time.perf_counter()
+            lowered = traced.lower(lowering_platforms=("cuda",))
+            rec["lower_s"] = round(time.perf_counter() - t0, 1)
+            found = comm.jaxpr_collectives(traced.jaxpr, axis_sizes=dict(zip(AXES, mesh.axis_sizes)))
+            calls = gpu_aot.custom_calls(lowered)
+            text = lowered.as_text()
+            hlo_ops = Counter(HLO_COLLECTIVES[m.group(1)] for m in _HLO_OP.finditer(text))
+            # the MoE's GPU form (glm53.layers.ragged_experts); "#chlo.ragged_dot<" is its attribute, not an op
+            rec["grouped_gemms"] = len(re.findall(r"(?<!#)chlo\.ragged_dot\b(?!<)", text))
+    except Exception as e:  # noqa: BLE001 - every step is reported
+        rec.update(lowered=False, error=f"{type(e).__name__}: {str(e)[:3000]}")
+        return rec
+    rec["lowered"] = True
+    rec["kernels"] = dict(Counter(name for target, name in calls if target == gpu_aot.TRITON_CALL))
+    rec["other_custom_calls"] = dict(Counter(target for target, _ in calls if target != gpu_aot.TRITON_CALL))
+    colls = {}
+    for c in found:
+        e = colls.setdefault(c.kind, {"count": 0, "ranks": set(), "operand_bytes_per_rank": 0, "sent_bytes_per_rank": 0.0,
+                                      "sizes": Counter()})
+        e["count"] += 1
+        e["ranks"].add(c.ranks)
+        e["operand_bytes_per_rank"] += c.operand_bytes
+        e["sent_bytes_per_rank"] += c.sent_bytes
+        e["sizes"][c.operand_bytes] += 1
+    rec["collectives"] = {k: {"count": e["count"], "ranks": sorted(e["ranks"]),
+                              "operand_bytes_per_rank": e["operand_bytes_per_rank"],
+                              "sent_bytes_per_rank": round(e["sent_bytes_per_rank"]),
+                              "operand_sizes_bytes": {str(s): n for s, n in sorted(e["sizes"].items())}}
+                          for k, e in sorted(colls.items())}
+    rec["collective_ops_in_stablehlo"] = dict(sorted(hlo_ops.items()))
+    rec["sent_bytes_per_rank_total"] = round(sum(c.sent_bytes for c in found))
+    return rec
+
+
+def check(rec: dict, step: Step) -> list[str]:
+    """Why a step's record fails the check (empty: it passes)."""
+    if not rec["lowered"]:
+        return [f"{rec['step']} impl={rec['impl']}: lowering failed"]
+    out = []
+    for kind in step.expected:
+        if not rec["collectives"].get(kind, {}).get("count"):
+            out.append(f"{rec['step']} impl={rec['impl']}: no {kind} (expected for this deployment)")
+    if rec["impl"] == "pallas":
+        # the PCP indexer is a causal tiled jnp loop with no kernel yet (attention.indexer.topk_causal_blocked)
+        want = ({"sparse_mqa"} if rec.get("form") == "mqa" else set()) | (set() if step.pcp else {"index_scores"})
+        missing = want - set(rec["kernels"])
+        if missing:
+            out.append(f"{rec['step']} impl=pallas: kernels {sorted(missing)} not in the lowered module")
+    elif rec["kernels"]:
+        out.append(f"{rec['step']} impl={rec['impl']}: Pallas kernels {sorted(rec['kernels'])} though unverified")
+    return out
+
+
+def _gb(n) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Step lowering for an abstract 8 x H200 mesh ({results['date']}, {results['git_commit'][:12]})", "",
+             f"Preset `{results['preset']}`, {results['layers']} decoder layers; machine: "
+             f"{results['machine']['cpu']} ({results['machine']['cores']} cores), jax {results['versions']['jax']}. "
+             f"Command: `{results['command']}`.", "",
+             "Collectives: from the traced program (`parallel.comm`), bytes one rank sends per step (sum over "
+             "layers); `hlo` = collective ops in the lowered StableHLO. Kernels: Pallas Triton custom calls. "
+             "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form with float expert weights; fp8 experts "
+             "keep the expert loop).", "",
+             "| step | impl | form | lowered | trace / lower s | kernels | grouped GEMMs | collectives (count, sent per rank) | hlo ops |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["steps"]:
+        if not r["lowered"]:
+            lines.append(f"| {r['step']} | {r['impl']} | - | **no** | - | - | - | {r['error'][:120]} | - |")
+            continue
+        kern = ", ".join(f"{k} x{n}" for k, n in r["kernels"].items()) or "none"
+        coll = "; ".join(f"{k} x{e['count']} {_gb(e['sent_bytes_per_rank'])}" for k, e in r["collectives"].items())
+        hlo = ", ".join(f"{k} {n}" for k, n in r["collective_ops_in_stablehlo"].items())
+        lines.append(f"| {r['step']} | {r['impl']} | {r['form']} | yes | {r['trace_s']} / {r['lower_s']} | {kern} | "
+                     f"{r['grouped_gemms']} | "
+                     f"{coll} | {hlo} |")
+    lines += ["", "Shapes: " + "; ".join(
+        f"{r['step']}: {r['rows']} rows x {r['tokens_per_row']} tokens, window {r['window']}, mesh "
+        f"{r['mesh']}, weights {r['weights']}" for r in results["steps"] if r["impl"] == "auto"), ""]
+    if results["failures"]:
+        lines += ["Failures:", ""] + [f"- {f}" for f in results["failures"]] + [""]
+    lines += [results["notes"], ""]
+    return "\n".join(lines)
+
+
+NOTES = ("Lowered, not compiled or run: this proves the sharded steps trace and lower for CUDA at these "
+         "shapes with these kernels and collectives, not their values or speed on an H200. impl=auto runs "
+         "the GPU-shaped references (no Pallas kernel) until PALLAS_VERIFIED_ON_GPU is set after a real H200 "
+         "run. Collective bytes are per rank per step, summed over layers; an all-reduce (psum) of B bytes "
+         "counts 2 (n-1)/n B sent (ring), as parallel.comm / glm53.perfmodel.traffic account it. The traced "
+         "count is per operand: a collective of several operands is one StableHLO op (hence fewer hlo ops).")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="glm-5.3")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers (default: all)")
+    ap.add_argument("--decode-rows", type=int, default=2)
+    ap.add_argument("--window", type=int, default=131072)
+    ap.add_argument("--prefill-tokens", type=int, default=16384)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--impls", default="auto,pallas")
+    ap.add_argument("--steps", default=None, help="comma-separated step names (default: all)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = get_preset(args.preset)
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers, indexer_types=cfg.indexer_types[: args.layers],
+                                  mlp_layer_types=cfg.mlp_layer_types[: args.layers])
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)  # the main model's step (MTP not in the runner)
+    todo = steps(cfg, decode_rows=args.decode_rows, window=args.window, prefill_tokens=args.prefill_tokens,
+                 block_size=args.block_size)
+    if args.steps:
+        names = args.steps.split(",")
+        todo = [s for s in todo if s.name in names]
+    records, failures = [], []
+    for step in todo:
+        for impl in args.impls.split(","):
+            t0 = time.perf_counter()
+            rec = lower_step(cfg, step, block_size=args.block_size, impl=impl)
+            failures += check(rec, step)
+            records.append(rec)
+            print(f"{step.name:24s} impl={impl:9s} {'ok' if rec['lowered'] else 'FAILED'} "
+                  f"({time.perf_counter() - t0:.0f} s) kernels={rec.get('kernels')} "
+                  f"collectives={ {k: e['count'] for k, e in rec.get('collectives', {}).items()} }", flush=True)
+            if not rec["lowered"]:
+                print(rec["error"][:2000])
+    results = {**run_metadata("check_step_lowering"), "preset": args.preset, "layers": cfg.num_hidden_layers,
+               "command": "python -m experiments.check_step_lowering " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "target": {"device_kind": gpu_aot.H200, "devices": 8, "platform": "cuda"},
+               "steps": records, "failures": failures, "notes": NOTES}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "README.md").write_text(markdown(results))
+    print(f"{len(records)} lowerings, {len(failures)} failures; wrote {out / 'results.json'}")
+    for f in failures:
+        print("FAIL:", f)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

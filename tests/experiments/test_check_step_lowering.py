@@ -1,0 +1,74 @@
+"""experiments/check_step_lowering on the tiny preset: the TP8 decode and PCP8 x DCP8 x EP8 prefill steps
+lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
+and, at impl="pallas", their Pallas kernels; and the check fails when a step does not lower or lacks
+what it must have. (The full-size run is committed under results/step_lowering.)"""
+
+import json
+
+import pytest
+
+from experiments import check_step_lowering as csl
+
+TINY = ["--preset", "tiny", "--window", "256", "--prefill-tokens", "64"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("steps")
+    rc = csl.main(TINY + ["--out", str(out)])
+    return rc, json.loads((out / "results.json").read_text()), (out / "README.md").read_text()
+
+
+def test_steps_lower_with_their_collectives_and_kernels(report):
+    rc, res, md = report
+    assert rc == 0 and res["failures"] == []
+    by = {(r["step"], r["impl"]): r for r in res["steps"]}
+    assert set(by) == {(s, i) for s in ("tp8_decode", "dcp8_ep8_decode", "pcp8_dcp8_ep8_prefill")
+                       for i in ("auto", "pallas")}
+    assert all(r["lowered"] for r in by.values())
+    layers = res["layers"]
+    # TP8 decode: exactly two all-reduces per decoder layer (o_proj, then the MLP or MoE), over 8 ranks,
+    # each of one [rows, 1, hidden] activation; nothing else crosses the mesh
+    dec = by["tp8_decode", "auto"]
+    assert set(dec["collectives"]) == {"psum"}
+    assert dec["collectives"]["psum"]["count"] == 2 * layers and dec["collectives"]["psum"]["ranks"] == [8]
+    assert dec["collective_ops_in_stablehlo"] == {"psum": 2 * layers}
+    # its MoE layers (float weights) run as two grouped GEMMs each; the fp8-weight steps keep the loop
+    from glm53.config import get_preset
+
+    moe_layers = get_preset("tiny").mlp_layer_types.count("sparse")
+    assert moe_layers > 0 and dec["grouped_gemms"] == 2 * moe_layers
+    assert by["pcp8_dcp8_ep8_prefill", "auto"]["grouped_gemms"] == 0
+    # DCP decode: the top-k merge's all-gathers, the LSE merge's reduce-scatter (ag_rs), EP's all-reduce
+    assert set(by["dcp8_ep8_decode", "auto"]["collectives"]) == {"all_gather", "reduce_scatter", "psum"}
+    # PCP x DCP x EP prefill: KV all-gathers and the MoE's all-to-all dispatch
+    pre = by["pcp8_dcp8_ep8_prefill", "auto"]
+    assert {"all_gather", "all_to_all"} <= set(pre["collectives"])
+    # impl="auto" runs no unverified kernel; impl="pallas" lowers them through Triton
+    assert by["tp8_decode", "auto"]["kernels"] == {} and pre["kernels"] == {}
+    assert set(by["tp8_decode", "pallas"]["kernels"]) == {"sparse_mqa", "index_scores"}
+    assert "sparse_mqa" in by["pcp8_dcp8_ep8_prefill", "pallas"]["kernels"]
+    assert "| tp8_decode | pallas |" in md
+
+
+def test_the_check_fails_without_an_expected_collective(tmp_path, monkeypatch):
+    orig = csl.steps
+
+    def wrong(cfg, **kw):  # claim TP decode must reduce-scatter: it does not, so the check must fail
+        return [csl.dataclasses.replace(s, expected=("reduce_scatter",)) for s in orig(cfg, **kw)]
+
+    monkeypatch.setattr(csl, "steps", wrong)
+    rc = csl.main(TINY + ["--steps", "tp8_decode", "--impls", "auto", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 1 and res["failures"] == ["tp8_decode impl=auto: no reduce_scatter (expected for this deployment)"]
+
+
+def test_the_check_fails_when_a_step_does_not_lower(tmp_path, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("injected lowering failure")
+
+    monkeypatch.setattr(csl.parallel_model, "forward", broken)
+    rc = csl.main(TINY + ["--steps", "tp8_decode", "--impls", "auto", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 1 and not res["steps"][0]["lowered"] and "injected" in res["steps"][0]["error"]
+    assert "**no**" in (tmp_path / "README.md").read_text()
