@@ -36,8 +36,19 @@ Mechanics
   (`cpu_offload_bytes`). A later request with the same prefix (the next turn of a session) takes
   device-cached pages where they survive and host-cached ones otherwise: MLA pages stay host-only,
   indexer pages are copied back.
+- One host-memory system with offloading: the two host pools are a kvcache.host_tier.HostTier, the
+  mechanism the offload host tier uses (pages registered under (group, chained hash), write-through to
+  secondary tiers, the device -> host -> tiers prefix lookup with RETRY, loads into reserved host pages,
+  pins, failures), with two budgets: `hisparse_host_pool_bytes` for MLA pages, the offload budget
+  (`cpu_offload_bytes`, kv_transfer_config's cpu_bytes_to_use) for parked indexer keys. Every MLA page
+  pre-copied and every indexer page parked is also stored to each secondary tier, so what the host pools
+  evict is still there; a later admission (the next turn, or another engine on the same fs root) that
+  finds a page only in a tier loads it into the host pool while its admission answers RETRY. A loaded
+  MLA page is then used host-only, like a parked one; a loaded indexer page is copied back to the
+  device at admission, like a parked one.
 - KV events (kvcache.events, `attach_events`): both host pools report the hashes they register (MLA
-  pages at pre-copy, parked indexer pages) and drop under medium "CPU".
+  pages at pre-copy, parked indexer pages, pages loaded from a tier) and drop under medium "CPU"; tier
+  stores are announced as the offload tier's are ("STORAGE").
 - Why hot slots are never stale: a hot slot holds a copy of one position's row, keyed by position, and
   a position's KV never changes; hot rows are leased (no other request writes them). What can go stale
   is a device mapping of an unpinned page whose block was reused: `row_tables` checks the generation
@@ -50,7 +61,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks
+from kvcache.host_tier import HostTier, HostTierPolicy, host_pools
 from kvcache.policy import PreemptPolicy, RequestView, RowTables
+from kvcache.tiers import TierSet
 from kvcache.transfer import PageCopy, ResetLease
 
 TAIL_PAGES = 2  # newest pages of a request that are never released
@@ -103,21 +116,30 @@ class Residency:
     host_prefix: int = 0  # prompt pages admitted from the host pools, not yet counted
 
 
-class HiSparsePolicy(PreemptPolicy):
+class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
     """kv_policy="hisparse" (a kvcache.policy.KVPolicy): host pools of `host_mla_blocks` MLA pages and
-    `host_index_blocks` indexer-key pages; `hot_rows`: H; `max_leases`: hot-buffer slots on the device;
-    page_bytes: per cache group, the bytes of one page (kvcache.layout.page_bytes)."""
+    `host_index_blocks` indexer-key pages (`host_tier`, a kvcache.host_tier.HostTier, with the secondary
+    `tiers` behind them; `host_mla` / `host_index` are its pools); `hot_rows`: H; `max_leases`: hot-buffer
+    slots on the device; page_bytes: per cache group, the bytes of one page (kvcache.layout.page_bytes).
+    Tiers serve prefix hits by hash, so they need enable_prefix_caching."""
 
     def __init__(self, *, host_mla_blocks: int, host_index_blocks: int, block_size: int, hot_rows: int,
                  max_leases: int, num_device_blocks: int, enable_prefix_caching: bool = True,
-                 page_bytes: dict[str, int] | None = None):
+                 page_bytes: dict[str, int] | None = None, tiers: TierSet | None = None, fingerprint: str = "",
+                 load_failure_policy: str = "recompute"):
         super().__init__()
         if host_mla_blocks < 1:
             raise ValueError("HiSparse needs a host pool of at least one MLA page (hisparse_host_pool_bytes)")
+        if tiers is not None and len(tiers) and not enable_prefix_caching:
+            raise ValueError("HiSparse with secondary tiers needs enable_prefix_caching=True (the tiers serve "
+                             "prefix hits by hash)")
         self.block_size = block_size
-        self.host_mla = BlockPool(host_mla_blocks, enable_prefix_caching=enable_prefix_caching)
-        self.host_index = (BlockPool(host_index_blocks, enable_prefix_caching=enable_prefix_caching)
-                           if host_index_blocks > 0 else None)
+        blocks = {"mla": host_mla_blocks, **({"indexer": host_index_blocks} if host_index_blocks > 0 else {})}
+        pools = host_pools(blocks, enable_prefix_caching=enable_prefix_caching)
+        self.host_tier = HostTier(pools, outbox=self.outbox, tiers=tiers, fingerprint=fingerprint,
+                                  load_failure_policy=load_failure_policy)
+        self.host_mla: BlockPool = pools["mla"]
+        self.host_index: BlockPool | None = pools.get("indexer")
         self.lease_blocks = -(-hot_rows // block_size)
         self.free_leases = list(range(max_leases))
         self.watermark = max(self.lease_blocks, num_device_blocks // 10)
@@ -126,58 +148,43 @@ class HiSparsePolicy(PreemptPolicy):
         self.page_bytes = page_bytes or {"mla": 0, "indexer": 0}  # bytes of one host page per group
         self.host_bytes_peak = 0
 
-    def attach_events(self, sink) -> None:
-        """Report the host pools' hashes (kvcache.events) under medium "CPU"."""
-        for pool in (self.host_mla, self.host_index):
-            if pool is not None:
-                pool.attach_events(sink, "CPU")
-
-    def reset_prefix_cache(self) -> None:
-        """Drop every host page's hash (a live request keeps its host pages, unhashed)."""
-        for pool in (self.host_mla, self.host_index):
-            if pool is not None:
-                pool.reset_prefix_cache()
-
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
+        """Take the device pool's hit, then extend it with pages the host pools or the secondary tiers hold
+        (the request's prefix parked earlier, or stored by another engine): MLA pages found on the host stay
+        host-only, indexer pages found there wait in `pending_index` for their copy back (`prepare`).
+        While pages load from a tier the admission answers RETRY (HostTier.lookup_prefix)."""
         n = kv.admit(req.req_id, req.tokens, req.extra_keys)
         rb = kv.requests[req.req_id]
         st = self.state[req.req_id] = Residency()
         i = n // kv.tokens_per_block
+        found = self.host_tier.lookup_prefix(kv, req, i)
+        if found.retry:  # tier loads under way: the scheduler forgets this attempt (`must_retry`)
+            return n
         st.host = [self._host_ref(self.host_mla, "mla", h) for h in rb.hashes[:i]]
-        # extend the device hit with pages the host pools hold (the request's prefix parked earlier); MLA
-        # pages are one hash chunk, indexer pages `r` chunks; a hit ends on a page boundary of both
-        r, step = kv.ratio["indexer"], kv.hit_multiple
-        max_hit = (req.num_tokens - 1) // kv.tokens_per_block
-        mla, index = [], []  # per chunk (device block, host block); per indexer page likewise
-        while i + len(mla) < min(max_hit, len(rb.hashes)):
-            c = i + len(mla)
-            h = rb.hashes[c]
-            dev_m, host_m = kv.pool.lookup("mla", h), self.host_mla.lookup("mla", h)
-            if dev_m is None and host_m is None:
-                break
-            mla.append((dev_m, host_m))
-            if (c + 1) % r == 0:
-                dev_i = kv.pool.lookup("indexer", h)
-                host_i = self.host_index.lookup("indexer", h) if self.host_index and dev_i is None else None
-                if dev_i is None and host_i is None:
-                    mla.pop()
-                    break
-                index.append((dev_i, host_i))
-        keep = len(mla) - len(mla) % step  # whole hit units only
-        hit = mla[:keep]
-        rb.tables["mla"].extend(-1 if dev_m is None else dev_m for dev_m, _ in hit)
-        st.host.extend(-1 if host_m is None else host_m for _, host_m in hit)
-        kv.pool.touch([dev_m for dev_m, _ in hit if dev_m is not None])  # one call each: this runs per block
-        self.host_mla.touch([host_m for _, host_m in hit if host_m is not None])
-        for dev_i, host_i in index[: keep // r]:
+        # per hash block (device block, host block) of its MLA page, per indexer page likewise; a device
+        # MLA page's host copy is looked up too (the resolver reads host rows once the page is released)
+        mla, index = [], []
+        for c, pages in enumerate(found.pages, start=i):
+            for g, where, b in pages:
+                dev, host = (b, None) if where == "device" else (None, b)
+                if g == "mla":
+                    mla.append((dev, host if dev is None else self.host_mla.lookup("mla", rb.hashes[c])))
+                else:
+                    index.append((dev, host))
+        rb.tables["mla"].extend(-1 if dev_m is None else dev_m for dev_m, _ in mla)
+        st.host.extend(-1 if host_m is None else host_m for _, host_m in mla)
+        kv.pool.touch([dev_m for dev_m, _ in mla if dev_m is not None])  # one call each: this runs per block
+        self.host_mla.touch([host_m for _, host_m in mla if host_m is not None])
+        for dev_i, host_i in index:
             rb.tables["indexer"].append(-1 if dev_i is None else dev_i)
             if dev_i is None:
                 self.host_index.touch([host_i])
                 st.pending_index[len(rb.tables["indexer"]) - 1] = host_i
             else:
                 kv.pool.touch([dev_i])
-        i += keep
+        self.host_tier.release(found.pins)
+        i += len(mla)
         rb.num_cached_blocks = i
         st.host_prefix = i - n // kv.tokens_per_block  # counted once the request is in (prepare)
         return i * kv.tokens_per_block
@@ -201,8 +208,7 @@ class HiSparsePolicy(PreemptPolicy):
         """Admission reads the host pools; `make_room` reads of each running request whether it prefills,
         its MLA table and host pages (their blocks and ref counts move only with pool versions, their
         lengths are here), its lease, and the free lease slots."""
-        return (self.host_mla.version, self.host_index.version if self.host_index is not None else None,
-                len(self.free_leases),
+        return (self.host_tier.key(), len(self.free_leases),
                 tuple((r.req_id, r.num_tokens - r.num_computed_tokens > 1, len(kv.requests[r.req_id].tables["mla"]),
                        len(self.state[r.req_id].host), self.state[r.req_id].lease) for r in running))
 
@@ -233,6 +239,7 @@ class HiSparsePolicy(PreemptPolicy):
 
     def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:
         st = self.state[req.req_id]
+        self.host_tier.admitted(req.req_id)
         self.stats.host_prefix_pages += st.host_prefix
         st.host_prefix = 0
         if st.pending_index:
@@ -308,7 +315,7 @@ class HiSparsePolicy(PreemptPolicy):
 
     def _precopy(self, kv: KVCacheManager, reqs: Sequence[RequestView]) -> None:
         """Copy every newly sealed, device-only MLA page of `reqs` to the host pool: one batched copy."""
-        src, dst = [], []
+        src, dst, infos = [], [], []
         for req in reqs:
             st = self.state[req.req_id]
             rb = kv.requests[req.req_id]
@@ -322,14 +329,16 @@ class HiSparsePolicy(PreemptPolicy):
                         n_full = p  # (not releasable); retried after the next step
                         break
                     st.host[p] = hb
+                    info = None
                     if p < len(rb.hashes):
-                        self.host_mla.cache("mla", hb, rb.hashes[p], kv.page_info(rb, req.tokens, "mla", p)
-                                            if self.host_mla.events is not None else None)
+                        info = kv.page_info(rb, req.tokens, "mla", p) if self.host_mla.events is not None else None
+                        self.host_mla.cache("mla", hb, rb.hashes[p], info)
                     src.append(rb.tables["mla"][p])
                     dst.append(hb)
+                    infos.append(info)
             st.sealed = n_full
-        if src:
-            self.outbox.append(PageCopy("mla", "d2h", src, dst))
+        if src:  # and to the secondary tiers, those registered under their hash
+            self.host_tier.copy_out("mla", src, dst, infos)
             self.stats.precopied_pages += len(src)
 
     def reserve_blocks(self) -> int:
@@ -390,7 +399,7 @@ class HiSparsePolicy(PreemptPolicy):
         st = self.state.pop(req.req_id)
         rb = kv.requests[req.req_id]
         if self.host_index is not None:  # idle sessions' indexer keys: the ordinary offload path
-            src, dst = [], []
+            src, dst, infos = [], [], []
             for p in range(req.num_computed_tokens // kv.group_tokens_per_block["indexer"]):
                 h = rb.hashes[kv.page_hash_index("indexer", p)]
                 b = rb.tables["indexer"][p]
@@ -400,12 +409,13 @@ class HiSparsePolicy(PreemptPolicy):
                     (hb,) = self.host_index.allocate(1)
                 except NoFreeBlocks:
                     break
-                self.host_index.cache("indexer", hb, h, kv.page_info(rb, req.tokens, "indexer", p)
-                                      if self.host_index.events is not None else None)
+                info = kv.page_info(rb, req.tokens, "indexer", p) if self.host_index.events is not None else None
+                self.host_index.cache("indexer", hb, h, info)
                 src.append(b)
                 dst.append(hb)
-            if src:
-                self.outbox.append(PageCopy("indexer", "d2h", src, dst))
+                infos.append(info)
+            if src:  # and to the secondary tiers (HostTier.copy_out)
+                self.host_tier.copy_out("indexer", src, dst, infos)
                 self.host_index.free(dst)  # parked: cached, reclaimable least recently used first
                 self.stats.parked_index_pages += len(src)
         # MLA host pages stay cached under their hashes (registered at pre-copy); pages without one

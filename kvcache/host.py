@@ -297,7 +297,7 @@ class HostMemory:
     host_blocks: host pools, pages per group ({"mla": N, "indexer": M}: HiSparse's pools or the offload
         host tier's; None: none).
     hot: HiSparse's hot buffers (leases, IndexShare groups, rows per lease), device int32 state.
-    tiers: the offload host tier's secondary tiers (kvcache.tiers.TierSet) or None: `TierStore` gathers
+    tiers: the secondary tiers behind the host pools (kvcache.tiers.TierSet) or None: `TierStore` gathers
         host pages' bytes in the canonical layout (page-major: per page, each array of the group in order,
         its rows in token order: under DCP the ranks' rows are interleaved back, `interleave` tokens per
         rank turn, so any parallel layout reads what another wrote) and hands them to every tier;

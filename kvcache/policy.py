@@ -142,7 +142,8 @@ class PreemptPolicy:
         self.outbox: list[Transfer] = []
 
     def take_transfers(self) -> list[Transfer]:
-        out, self.outbox = self.outbox, []
+        out = list(self.outbox)
+        self.outbox.clear()  # in place: a policy's kvcache.host_tier.HostTier records into this same list
         return out
 
     def has_transfers(self) -> bool:

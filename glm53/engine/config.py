@@ -8,7 +8,8 @@ from attention.formats import MLA_FORMATS
 from kvcache.events import KVEventsConfig
 from kvcache.hisparse import hot_buffer_rows
 from kvcache.layout import block_bytes, page_bytes
-from kvcache.offload import LOAD_FAILURE_POLICIES, host_tier_blocks
+from kvcache.host_tier import LOAD_FAILURE_POLICIES
+from kvcache.offload import host_tier_blocks
 from kvcache.tiers import check_tier_specs
 from glm53.engine.spec_decode import SpeculativeConfig
 
@@ -115,6 +116,10 @@ class DeployConfig:
         "cpu_bytes_to_use": N, "blocks_per_chunk": 1, "eviction_policy": "lru", "secondary_tiers": []}}.
         It implies kv_policy="offload" and sets cpu_offload_bytes to cpu_bytes_to_use (if both are given
         they must agree); cpu_offload_bytes=N alone is the shorthand for a host tier of N bytes (LRU).
+        With kv_policy="hisparse" it stays HiSparse, on the same host-memory system with two budgets:
+        hisparse_host_pool_bytes for its MLA pages, cpu_bytes_to_use (the offload budget) for idle
+        sessions' indexer keys; both pools write through to the secondary tiers and prefix lookups ask
+        them (kvcache.hisparse; blocks_per_chunk 1 and eviction_policy "lru" only).
         secondary_tiers: [{"type": "fs", "root_dir": DIR, "max_bytes": N}, {"type": "obj", "bucket": B,
         "endpoint_override": URL} (vLLM's fields access_key, secret_key, session_token, region, scheme,
         ca_bundle too; empty credentials: the environment's; kvcache.tiers.obj), {"type": "p2p", "host": H,
@@ -289,13 +294,25 @@ class DeployConfig:
         if ktc.get("kv_load_failure_policy", "recompute") not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_transfer_config kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got "
                              f"{ktc['kv_load_failure_policy']!r}")
-        if self.kv_policy not in ("preempt", "offload"):
+        if self.kv_policy not in ("preempt", "offload", "hisparse"):
             raise ValueError(f"DeployConfig.kv_transfer_config (the offload connector) with kv_policy="
-                             f"{self.kv_policy!r}: it is the 'offload' policy")
+                             f"{self.kv_policy!r}: it is the 'offload' policy, or HiSparse's offload budget and "
+                             "tiers with kv_policy='hisparse'")
         if self.cpu_offload_bytes and self.cpu_offload_bytes != n:
             raise ValueError(f"DeployConfig.cpu_offload_bytes={self.cpu_offload_bytes} and kv_transfer_config "
                              f"cpu_bytes_to_use={n} disagree")
-        object.__setattr__(self, "kv_policy", "offload")
+        if self.kv_policy == "hisparse":  # HiSparse's host pools store and load pages one at a time, LRU
+            if k != 1:
+                raise ValueError(f"kv_connector_extra_config blocks_per_chunk must be 1 with kv_policy='hisparse', "
+                                 f"got {k!r}")
+            if opts["eviction_policy"] != "lru":
+                raise ValueError("kv_connector_extra_config eviction_policy must be 'lru' with kv_policy='hisparse', "
+                                 f"got {opts['eviction_policy']!r}")
+            if opts["secondary_tiers"] and not self.enable_prefix_caching:
+                raise ValueError("DeployConfig.kv_transfer_config secondary_tiers with kv_policy='hisparse' need "
+                                 "enable_prefix_caching=True (the tiers serve prefix hits by hash)")
+        else:
+            object.__setattr__(self, "kv_policy", "offload")
         object.__setattr__(self, "cpu_offload_bytes", n)
 
     @property
@@ -411,6 +428,9 @@ class DeployConfig:
             return KVSizes(kv_dtype, self.num_gpu_blocks, pages, {})
         host = {"mla": self.hisparse_host_pool_bytes // pages["mla"],
                 "indexer": self.cpu_offload_bytes // pages["indexer"]}
+        if self.kv_transfer_config is not None and host["indexer"] < 1:
+            raise ValueError(f"kv_transfer_config cpu_bytes_to_use={self.cpu_offload_bytes} holds no indexer-key page "
+                             f"({pages['indexer']} bytes) under kv_policy='hisparse'")
         need = self.max_blocks_per_seq * pages["mla"]
         if host["mla"] < self.max_blocks_per_seq:
             raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={self.hisparse_host_pool_bytes} must hold at least "

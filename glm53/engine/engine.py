@@ -69,7 +69,8 @@ KV_EVENT_SPEC_KINDS = {"mla": "mla_attention", "indexer": "mla_attention"}
 
 
 def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = None, fingerprint: str = "") -> KVPolicy:
-    """The KV policy `deploy.kv_policy` names, sized by `sizes` (offload: with its secondary `tiers`)."""
+    """The KV policy `deploy.kv_policy` names, sized by `sizes` (offload and HiSparse: with the secondary
+    `tiers` behind their host pools)."""
     if deploy.kv_policy == "offload":
         opts = deploy.offload_options
         return OffloadPolicy(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
@@ -81,7 +82,8 @@ def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = No
         return HiSparsePolicy(host_mla_blocks=sizes.host_blocks["mla"], host_index_blocks=sizes.host_blocks["indexer"],
                               block_size=deploy.block_size, hot_rows=sizes.hot_rows, max_leases=sizes.max_leases,
                               num_device_blocks=sizes.num_blocks, enable_prefix_caching=deploy.enable_prefix_caching,
-                              page_bytes=sizes.page_bytes)
+                              page_bytes=sizes.page_bytes, tiers=tiers, fingerprint=fingerprint,
+                              load_failure_policy=deploy.kv_load_failure_policy)
     return PreemptPolicy()
 
 
@@ -146,7 +148,7 @@ class Engine:
                                  f"{len(devices)} are available (on CPU, simulate more with "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * n})")
             groups = [devices[i * n:(i + 1) * n] for i in range(dp)]
-        specs = d.offload_options["secondary_tiers"] if d.kv_policy == "offload" else []
+        specs = d.offload_options["secondary_tiers"] if d.kv_policy in ("offload", "hisparse") else []
         if specs and runners is not None and not all(hasattr(r, "make_tiers") for r in runners):
             raise NotImplementedError("secondary KV tiers need the model runner or a runner that simulates them "
                                       "(make_tiers: glm53.engine.synthetic.SyntheticRunner, glm53.engine.sim.SimRunner)")
@@ -448,8 +450,9 @@ class Engine:
                 for k in parts[0]}
 
     def _policy_metrics(self) -> dict:
-        """HiSparse figures, and the offload tiers' counters under kv_policy="offload" (`kv_offload`, with the
-        host tier's bytes in use now and at peak); empty for other policies. Summed over replicas (means of per-step counts add
+        """HiSparse figures, and the offload tiers' counters (`kv_offload`: under kv_policy="offload", and
+        under HiSparse with secondary tiers; with the host pools' bytes in use now and at peak); empty for
+        other policies. Summed over replicas (means of per-step counts add
         up too; a peak is the sum of the replicas' peaks, an upper bound): hot-buffer hits and misses
         (summed over IndexShare groups), rows copied host->device by decode steps (all layers), host pool
         bytes in use now and at peak, mean requests per step in each residency state, the page counters."""
@@ -528,25 +531,24 @@ def weights_bytes_per_device(state, cfg: ModelConfig, deploy: DeployConfig) -> i
 
 
 def offload_metrics(sch: Scheduler) -> dict:
-    """The offload tiers' counters, {tier: {...}}; {} for other policies. "cpu" (the host tier, in hash
-    blocks and bytes): "hits" (loaded host -> device at admission, whatever brought them to the host),
-    "misses", "corrupt" (0: host memory is not verified), "store_bytes", "load_bytes", "stored_pages",
-    "loaded_pages", "store_skipped_pages". Each secondary tier by name ("fs", ...; in chunks = pages and
-    bytes): "hits" (chunks it loaded into the host tier), "misses" (lookups it answered MISS), "corrupt",
-    "lost" (gone between lookup and load), "retries", and its own "stored_chunks", "store_failed",
-    "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks", and the seconds its store and load jobs
-    took with their counts ("store_time_s", "store_jobs", "load_time_s", "load_jobs")."""
+    """The offload tiers' counters, {tier: {...}}; {} for policies without them. Under kv_policy="offload",
+    "cpu" (the host tier, in hash blocks and bytes): "hits" (loaded host -> device at admission, whatever
+    brought them to the host), "misses", "corrupt" (0: host memory is not verified), "store_bytes",
+    "load_bytes", "stored_pages", "loaded_pages", "store_skipped_pages" (HiSparse counts its host pools'
+    pages itself: `_hisparse_metrics`). Each secondary tier by name ("fs", ...; in chunks = pages and
+    bytes), under either policy: "hits" (chunks it loaded into a host pool), "misses" (lookups it answered
+    MISS), "corrupt", "lost" (gone between lookup and load), "retries", and its own "stored_chunks",
+    "store_failed", "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks", and the seconds its
+    store and load jobs took with their counts ("store_time_s", "store_jobs", "load_time_s", "load_jobs")
+    (kvcache.host_tier.HostTier.tier_metrics)."""
     pol = sch.policy
-    if not isinstance(pol, OffloadPolicy):
+    if isinstance(pol, OffloadPolicy):
+        out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
+    elif isinstance(pol, HiSparsePolicy) and pol.host_tier.tiers is not None:
+        out = {}
+    else:
         return {}
-    out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
-    for tier in (pol.tiers.tiers if pol.tiers else ()):
-        seen = dataclasses.asdict(pol.tier_counts[tier.name])
-        st = tier.stats
-        own = {f.name: getattr(st, f.name) for f in dataclasses.fields(st) if not f.name.endswith("_latency")}
-        times = {f"{k}_{u}": getattr(getattr(st, f"{k}_latency"), a)
-                 for k in ("store", "load") for u, a in (("time_s", "sum"), ("jobs", "count"))}
-        out[tier.name] = {**own, **times, **seen, "corrupt": seen["corrupt"]}
+    out.update(pol.host_tier.tier_metrics())
     return out
 
 

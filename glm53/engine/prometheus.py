@@ -17,7 +17,8 @@ the engine's steps (`Engine.add_observer`). Every metric carries the labels `mod
   `vllm:hisparse_cache_misses` (hot-buffer lookups, summed over IndexShare groups),
   `vllm:hisparse_host_to_device_bytes`; the offload tiers' `vllm:kv_offload_{hits,misses,corrupt}`
   (hash blocks for the host tier "cpu", chunks for secondary tiers) and `vllm:kv_offload_{store,load}_bytes`
-  with a `tier` label ("cpu", "fs", "obj", "p2p", or a custom tier's name).
+  with a `tier` label ("cpu", "fs", "obj", "p2p", or a custom tier's name); under HiSparse with
+  secondary tiers, the tiers' alone (its host pools have the hisparse_ figures).
 - Histograms, observed as tokens arrive (seconds on the engine's clock: virtual time in the simulator):
   `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
   `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds` (arrival to first scheduled),
@@ -230,10 +231,12 @@ class _Collector:
                 hs_usage.add_metric(lv, pol.host_bytes_used() / host_capacity if host_capacity else 0.0)
             if d.kv_policy == "offload":
                 off_usage.add_metric(lv, pol.host_bytes_used() / host_capacity if host_capacity else 0.0)
-                for name, counts in offload_metrics(sch).items():
-                    for k, fam in off.items():
-                        fam.add_metric(lv + [name], counts.get(k, 0))
-                for t in (pol.tiers.tiers if pol.tiers else ()):
+            tiered = offload_metrics(sch)  # the offload tier's and its secondary tiers', or HiSparse's tiers'
+            for name, counts in tiered.items():
+                for k, fam in off.items():
+                    fam.add_metric(lv + [name], counts.get(k, 0))
+            if tiered and pol.host_tier.tiers is not None:
+                for t in pol.host_tier.tiers.tiers:
                     for k, fam in lat.items():
                         h = getattr(t.stats, f"{k}_latency", None)
                         if h is not None and h.count:
@@ -246,6 +249,7 @@ class _Collector:
             yield from (hs_hits, hs_misses, hs_bytes, hs_usage)
         if d.kv_policy == "offload":
             yield off_usage
+        if d.kv_policy == "offload" or d.offload_options["secondary_tiers"]:
             yield from off.values()
             yield from lat.values()
 

@@ -312,8 +312,10 @@ class Scheduler:
 
         from kvcache.tiers import TierSet
 
-        # secondary tiers are compared by what a lookup would answer (their version), not by identity
-        pol = {k: v.version() if isinstance(v, TierSet) else v for k, v in vars(self.policy).items() if not is_pools(v)}
+        # secondary tiers are compared by what a lookup would answer (their version), not by identity; a
+        # policy's host tier (kvcache.host_tier.HostTier) by its own snapshot
+        pol = {k: v.version() if isinstance(v, TierSet) else v.admission_state() if hasattr(v, "admission_state")
+               else v for k, v in vars(self.policy).items() if not is_pools(v)}
         pools = [self.kv.pool] + [p for v in vars(self.policy).values() if is_pools(v)
                                   for p in (v.values() if isinstance(v, dict) else (v,))]
         kv = ({r: (copy.deepcopy(rb.tables), rb.num_cached_blocks, len(rb.hashes)) for r, rb in self.kv.requests.items()},

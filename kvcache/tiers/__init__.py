@@ -8,13 +8,14 @@ A tier implements vLLM's four non-blocking methods (`SecondaryTier`):
     submit_load(job: LoadJob)                          # read chunks; returns at once
     get_finished_jobs() -> [JobResult]                 # what completed since the last call
 
-Who calls what. The offload policy (kvcache.offload, the scheduler side) asks `lookup` during a prefix
-lookup and plans loads and stores as transfer operations (kvcache.transfer.TierLoad / TierStore); the
-runner's host side (kvcache.host.HostMemory, which holds the host-tier arrays) executes them: it gathers
-a stored page's bytes out of the host pool into a StoreJob and writes a loaded page's bytes into the
-host page the policy reserved, and reports finished loads in its StepResult (`tier_loads`), which the
-policy reads in the next `update`. A store passes every chunk the host tier stores to every tier
-(write-through), so a chunk the host tier evicts is still in the secondary tiers.
+Who calls what. The host tier (kvcache.host_tier, the scheduler side, under the offload and the
+HiSparse policies) asks `lookup` during a prefix lookup and plans loads and stores as transfer
+operations (kvcache.transfer.TierLoad / TierStore); the runner's host side (kvcache.host.HostMemory,
+which holds the host pools' arrays) executes them: it gathers a stored page's bytes out of the host
+pool into a StoreJob and writes a loaded page's bytes into the host page the policy reserved, and
+reports finished loads in its StepResult (`tier_loads`), which the policy reads in the next `update`.
+A store passes every chunk the host tier stores to every tier (write-through), so a chunk the host
+tier evicts is still in the secondary tiers.
 
 Keys. `chunk_key(fingerprint, group, block_hash)`: SHA-256 of the deployment's layout fingerprint
 (`layout_fingerprint`: model, tokens and bytes per page, KV dtype), the cache group and the chained block

@@ -50,7 +50,8 @@ def _all_returned(eng: Engine) -> None:
     sch.kv.check()
     assert sch.kv.num_free_blocks == sch.kv.pool.num_blocks and not sch.kv.requests and not sch.kv._kept_hashes
     pol = sch.policy
-    for pool in getattr(pol, "host", {}).values():  # offload host tier: nothing pinned
+    tier = getattr(pol, "host_tier", None)
+    for pool in tier.pools.values() if tier is not None else ():  # offload's or HiSparse's host pools: nothing held
         pool.check()
         assert pool.num_free == pool.num_blocks
     if eng.deploy.kv_policy == "swap":
@@ -123,17 +124,24 @@ def test_stop_tokens_end_a_request_after_min_tokens():
         SamplingParams(3, stop_token_ids=[1])
 
 
-def test_aborting_a_request_while_its_tier_loads_are_in_flight():
-    """Offload with a simulated secondary tier whose loads take 5 s of runner time: a request whose prefix
-    only the tier holds waits for its loads; aborted then, the engine still steps until the loads are
-    reported (their host pages are reserved till then), and they land in the host tier unpinned."""
+@pytest.mark.parametrize("policy", ["offload", "hisparse"])
+def test_aborting_a_request_while_its_tier_loads_are_in_flight(policy):
+    """Offload, or HiSparse on the same host tier, with a simulated secondary tier whose loads take 5 s of
+    runner time: a request whose prefix only the tier holds waits for its loads, pinning what they
+    brought; aborted then, its pins are released, the engine still steps until the loads are reported
+    (their host pages are reserved till then), and they land in the host pools unpinned."""
     from kvcache.tiers.sim import TierCosts
 
     pages = page_bytes(CFG, "float32", 4, 4)
+    budget = 64 * sum(pages.values()) if policy == "offload" else 16 * pages["indexer"]
     ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
-        "cpu_bytes_to_use": 64 * sum(pages.values()), "secondary_tiers": [{"type": "fs", "root_dir": "unused"}]}}
-    d = DeployConfig(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=3, block_size=4, num_gpu_blocks=40,
-                     kv_transfer_config=ktc)
+        "cpu_bytes_to_use": budget, "secondary_tiers": [{"type": "fs", "root_dir": "unused"}]}}
+    fields = dict(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=3, block_size=4, num_gpu_blocks=40)
+    if policy == "hisparse":
+        fields.update(kv_policy="hisparse", hisparse_host_pool_bytes=64 * pages["mla"], hisparse_device_buffer_size=16,
+                      num_gpu_blocks=52)
+    d = DeployConfig(**fields, kv_transfer_config=ktc)
+    assert d.kv_policy == policy
     runner = SyntheticRunner(lambda row: 5, page_bytes=d.kv_sizes(CFG).page_bytes,
                              tier_costs={"fs": TierCosts(read_latency_s=5.0)})
     eng = Engine(_Model(), d, runner=runner)
@@ -141,19 +149,28 @@ def test_aborting_a_request_while_its_tier_loads_are_in_flight():
     eng.generate([prompt], max_new_tokens=2)  # its full pages go to the host tier and on to the fs tier
     eng.reset_prefix_cache()  # device and host forget them; the tier keeps them
     pol = eng.scheduler.policy
+    tier = pol.host_tier
     busy = eng.add_request(np.arange(100, 110), SamplingParams(6))  # keeps steps computing: time stands still
     eng.step()
     rid = eng.add_request(prompt, SamplingParams(2))
     eng.step()
-    assert pol.waiting_for(eng.requests[rid]) and pol.jobs  # its loads are under way
+    assert pol.waiting_for(eng.requests[rid]) and tier.jobs  # its loads are under way
     eng.abort_request(rid)
     while eng.finished.get(busy) is None:
         eng.step()
-    assert pol.jobs and eng.has_unfinished()  # the loads' host pages stay reserved until a step reads them
+    assert tier.jobs and eng.has_unfinished()  # the loads' host pages stay reserved until a step reads them
     while eng.has_unfinished():
         eng.step()
-    assert not pol.jobs and not pol.loading and not pol.tier_pins
+    assert not tier.jobs and not tier.loading and not tier.tier_pins
     _all_returned(eng)  # every host page unpinned
     assert eng.metrics()["kv_offload"]["fs"]["hits"] == 14  # 7 full pages of each group landed in the host tier
     # its 7 full pages of each group, and the 3 of the busy request (15 computed tokens), are host-cached
-    assert {g: len(p.cached) for g, p in pol.host.items()} == {"mla": 10, "indexer": 10}
+    assert {g: len(p.cached) for g, p in tier.pools.items()} == {"mla": 10, "indexer": 10}
+    # aborted after its loads landed: the pages they brought, pinned for its admission, are released
+    eng.reset_prefix_cache()
+    rid = eng.add_request(prompt, SamplingParams(2))
+    eng.step()  # nothing else to compute: the step lasts until the loads finish, and reports them
+    assert not tier.jobs and len(tier.tier_pins[rid]) == 14 and eng.requests[rid].status is Status.WAITING
+    eng.abort_request(rid)
+    assert not tier.tier_pins and not tier.loading and eng.metrics()["kv_offload"]["fs"]["hits"] == 28
+    _all_returned(eng)

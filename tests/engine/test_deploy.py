@@ -143,8 +143,32 @@ def test_kv_transfer_config_bad_input(ktc, err, match):
 def test_kv_transfer_config_contradictions():
     with pytest.raises(ValueError, match="cpu_offload_bytes=5 and kv_transfer_config cpu_bytes_to_use=1048576 disagree"):
         DeployConfig(cpu_offload_bytes=5, kv_transfer_config=_ktc())
-    with pytest.raises(ValueError, match="kv_policy='hisparse'"):
-        DeployConfig(kv_policy="hisparse", hisparse_host_pool_bytes=1, kv_transfer_config=_ktc())
+    with pytest.raises(ValueError, match="kv_policy='swap': it is the 'offload' policy, or HiSparse's"):
+        DeployConfig(kv_policy="swap", cpu_offload_bytes=1 << 20, kv_transfer_config=_ktc())
+
+
+def test_kv_transfer_config_under_hisparse_is_its_offload_budget():
+    """kv_policy stays "hisparse": cpu_bytes_to_use is the offload budget (the idle indexer-key pool) next
+    to the HiSparse pool; what HiSparse's pools cannot do is refused by name."""
+    hs = dict(kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26, max_model_len=128, block_size=8)
+    d = DeployConfig(**hs, kv_transfer_config=_ktc())
+    assert d.kv_policy == "hisparse" and d.cpu_offload_bytes == 1 << 20
+    sizes = d.kv_sizes(TINY)
+    assert sizes.host_blocks == {"mla": (1 << 26) // sizes.page_bytes["mla"],
+                                 "indexer": (1 << 20) // sizes.page_bytes["indexer"]}
+    assert DeployConfig(**hs, cpu_offload_bytes=1 << 20, kv_transfer_config=_ktc()).cpu_offload_bytes == 1 << 20
+    with pytest.raises(ValueError, match="cpu_offload_bytes=5 and kv_transfer_config cpu_bytes_to_use=1048576 disagree"):
+        DeployConfig(**hs, cpu_offload_bytes=5, kv_transfer_config=_ktc())
+    with pytest.raises(ValueError, match="blocks_per_chunk must be 1 with kv_policy='hisparse', got 2"):
+        DeployConfig(**hs, kv_transfer_config=_ktc(blocks_per_chunk=2))
+    with pytest.raises(ValueError, match="eviction_policy must be 'lru' with kv_policy='hisparse', got 'arc'"):
+        DeployConfig(**hs, kv_transfer_config=_ktc(eviction_policy="arc"))
+    tiers = [{"type": "fs", "root_dir": "/tmp/x"}]
+    with pytest.raises(ValueError, match="secondary_tiers with kv_policy='hisparse' need enable_prefix_caching=True"):
+        DeployConfig(**hs, enable_prefix_caching=False, kv_transfer_config=_ktc(secondary_tiers=tiers))
+    DeployConfig(**hs, enable_prefix_caching=False, kv_transfer_config=_ktc())  # no tiers: nothing to serve by hash
+    with pytest.raises(ValueError, match="cpu_bytes_to_use=16 holds no indexer-key page"):
+        DeployConfig(**hs, kv_transfer_config=_ktc(cpu_bytes_to_use=16)).kv_sizes(TINY)
 
 
 def test_what_is_not_built_says_so(tiny_model):

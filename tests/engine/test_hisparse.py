@@ -207,3 +207,146 @@ def test_admission_that_does_not_fit_gives_back_its_host_references():
     sch.kv.pool.free(hog)
     _run(sch, runner, 1)
     assert b.status.name == "RUNNING" and pol.stats.host_prefix_pages > 0
+
+
+# ------------------------------------------------------------------ behind a secondary tier (issue 20)
+def _tiered(root, **ktc) -> DeployConfig:
+    """The deployment above with a filesystem tier behind its host pools: kv_transfer_config's
+    cpu_bytes_to_use is HiSparse's offload budget (the indexer-key pool), the policy stays HiSparse."""
+    extra = {"cpu_bytes_to_use": HISPARSE["cpu_offload_bytes"],
+             "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}
+    ktc = {"kv_connector": "OffloadingConnector", **ktc, "kv_connector_extra_config": extra}
+    d = DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=48, kv_transfer_config=ktc)
+    assert d.kv_policy == "hisparse"
+    return d
+
+
+@pytest.fixture(scope="module")
+def stored_turn_1(tiny_model, two_turns, tmp_path_factory):
+    """A root written by a HiSparse engine that served the first turns (in mixed residency): its
+    pre-copied MLA pages and parked indexer pages, written through to the filesystem tier. -> (the root,
+    the engine, a copy of the root as engine 1 left it: the engines of later tests write to the root)."""
+    import shutil
+
+    first, ref1, _, _ = two_turns
+    root = tmp_path_factory.mktemp("hisparse_fs")
+    eng = Engine(tiny_model, _tiered(root))
+    assert [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=NEW)] == ref1
+    eng.shutdown()  # every store reported is on disk
+    snapshot = tmp_path_factory.mktemp("hisparse_fs_turn_1") / "root"
+    shutil.copytree(root, snapshot)
+    return root, eng, snapshot
+
+
+def test_a_new_engine_serves_the_next_turns_from_the_tier(tiny_model, two_turns, stored_turn_1):
+    """Engine 1 pre-copied every sealed MLA page and parked every indexer page of the first turns, and
+    wrote each through to the filesystem tier. Engine 2 (empty device and host pools) on the same root
+    serves the second turns: the prefixes load from the tier into its host pools while the admissions
+    answer RETRY, the MLA pages stay host-only (no residency, then staging for the turns with new
+    tokens), the indexer pages are copied back; its greedy tokens are those of full residency (and so of
+    HiSparse without tiers: test_mixed_and_no_residency_match_full_residency)."""
+    first, _, second, ref2 = two_turns
+    root, one, _ = stored_turn_1
+    st = one.scheduler.policy.stats
+    assert st.released_pages > 0 and st.residency_steps["mixed"] > 0  # the first turns ran in mixed residency
+    m = one.metrics()["kv_offload"]
+    assert set(m) == {"fs"}  # the tiers' counters; HiSparse counts its host pools itself
+    # write-through: every full page of both groups went to the tier once (what turn 1 computed: its
+    # prompt and all but the last output). Pre-copies may exceed it: a page recomputed after a
+    # preemption whose hash a parked page still holds is copied to a private host page, not stored again
+    computed = [len(p) + NEW - 1 for p in first]
+    pages = {"mla": sum(c // 8 for c in computed), "indexer": sum(c // 16 for c in computed)}
+    assert m["fs"]["stored_chunks"] == sum(pages.values()) and m["fs"]["store_failed"] == 0
+    assert m["fs"]["store_bytes"] == sum(n * one.sizes.page_bytes[g] for g, n in pages.items())
+    assert st.precopied_pages >= pages["mla"] and st.parked_index_pages == pages["indexer"]
+
+    two = Engine(tiny_model, _tiered(root))
+    assert [o.token_ids.tolist() for o in two.generate(second, max_new_tokens=NEW)] == ref2
+    two.shutdown()
+    fs, st = two.metrics()["kv_offload"]["fs"], two.scheduler.policy.stats
+    # a hit ends on an indexer page (16 tokens)
+    hits = [min(c, len(s) - 1) // 16 * 16 for c, s in zip(computed, second)]
+    assert two.scheduler.stats.prefix_hit_tokens == sum(hits)  # nothing of it recomputed
+    # loaded: the MLA pages up to the prompt's last full page (or the last one stored) and the indexer pages
+    loaded = sum(min(c, len(s) - 1) // 8 + c // 16 for c, s in zip(computed, second))
+    assert fs["hits"] == fs["loaded_chunks"] == loaded and fs["corrupt"] == fs["lost"] == 0
+    assert fs["load_bytes"] > 0 and two.scheduler.transfers.h2d_bytes > 0
+    # (a request preempted and admitted again takes its parked prefix back once more)
+    assert st.host_prefix_pages >= sum(hits) // 8 and st.restored_index_pages >= sum(hits) // 16
+    assert st.residency_steps["none"] > 0 and st.staged_pages > 0  # host-only prefixes: decoded and staged
+    pol = two.scheduler.policy
+    assert not pol.host_tier.tier_pins and not pol.host_tier.jobs and not pol.state
+    assert all(p.num_free == p.num_blocks for p in pol.host_tier.pools.values())
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from glm53.engine.prometheus import ServingMetrics
+
+    samples = {(x.name, x.labels.get("tier")): x.value
+               for f in text_string_to_metric_families(ServingMetrics(two, "tiny").text()) for x in f.samples}
+    assert samples[("vllm:kv_offload_hits_total", "fs")] == loaded
+    assert ("vllm:kv_offload_hits_total", "cpu") not in samples
+
+
+def test_an_offload_engine_serves_the_next_turns_from_hisparse_chunks(tiny_model, two_turns, stored_turn_1, tmp_path):
+    """The chunk keys name the layout, not the policy, and HiSparse's host pages are laid out as the
+    offload host tier's: an offload engine of the same layout (kv_policy="offload", the same page
+    sizes) on a copy of engine 1's root serves the second turns from HiSparse's chunks, every one of
+    them loaded, with full residency's greedy tokens."""
+    import shutil
+
+    first, _, second, ref2 = two_turns
+    _, one, turn_1 = stored_turn_1
+    shutil.copytree(turn_1, tmp_path / "root")
+    ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "cpu_bytes_to_use": 1 << 24, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "root")}]}}
+    off = Engine(tiny_model, DeployConfig(**BASE, index_block_size=16, num_gpu_blocks=48, kv_transfer_config=ktc))
+    assert off.deploy.kv_policy == "offload" and off.fingerprint == one.fingerprint
+    assert [o.token_ids.tolist() for o in off.generate(second, max_new_tokens=NEW)] == ref2
+    off.shutdown()
+    fs = off.metrics()["kv_offload"]["fs"]
+    computed = [len(p) + NEW - 1 for p in first]
+    # what the HiSparse engine above loaded: the same pages (a hit ends on an indexer page here too)
+    loaded = sum(min(c, len(s) - 1) // 8 + c // 16 for c, s in zip(computed, second))
+    assert fs["hits"] == fs["loaded_chunks"] == loaded and fs["corrupt"] == fs["lost"] == 0
+    assert off.scheduler.stats.prefix_hit_tokens == sum(min(c, len(s) - 1) // 16 * 16 for c, s in zip(computed, second))
+
+
+def test_corrupt_chunks_are_recomputed_or_fail_by_policy_under_hisparse(tiny_model, two_turns, stored_turn_1,
+                                                                        tmp_path):
+    """Chunks flipped on disk: the MLA page at hash block 2 of every second-turn prompt, and the first
+    indexer page of the last one. An engine on that root loads every chunk of the prefixes, finds those
+    five corrupt (deleted, their tokens recomputed), and takes the prefix up to the first of them: the
+    first indexer page (16 tokens) of three prompts, nothing of the fourth; its greedy tokens are those
+    of full residency. Under kv_load_failure_policy="fail" the step raises instead."""
+    import shutil
+
+    from kvcache.block_pool import block_hashes
+    from kvcache.tiers import chunk_key
+
+    _, _, second, ref2 = two_turns
+    _, one, turn_1 = stored_turn_1  # the root as engine 1 left it (engine 2 above stored its turns there too)
+    bad = [chunk_key(one.fingerprint, "mla", block_hashes(p, 8)[2]) for p in second]
+    bad.append(chunk_key(one.fingerprint, "indexer", block_hashes(second[3], 8)[1]))  # page 0 = 2 hash blocks
+
+    def damaged(dst):
+        shutil.copytree(turn_1, dst)
+        for key in bad:
+            (path,) = dst.rglob(key.hex() + ".kv")
+            data = bytearray(path.read_bytes())
+            data[-7] ^= 0xFF
+            path.write_bytes(bytes(data))
+        return dst
+
+    eng = Engine(tiny_model, _tiered(damaged(tmp_path / "a")))
+    assert [o.token_ids.tolist() for o in eng.generate(second, max_new_tokens=NEW)] == ref2
+    eng.shutdown()
+    fs = eng.metrics()["kv_offload"]["fs"]
+    computed = [len(p) + NEW - 1 for p in two_turns[0]]
+    loaded = sum(min(c, len(s) - 1) // 8 + c // 16 for c, s in zip(computed, second))  # as on the intact root
+    assert fs["corrupt"] == len(bad) and fs["hits"] == loaded - len(bad) and fs["lost"] == 0
+    assert eng.scheduler.stats.prefix_hit_tokens == 3 * 16
+    assert not eng.scheduler.policy.host_tier.tier_pins
+    eng = Engine(tiny_model, _tiered(damaged(tmp_path / "b"), kv_load_failure_policy="fail"))
+    with pytest.raises(RuntimeError, match="kv_load_failure_policy='fail'"):
+        eng.generate(second, max_new_tokens=NEW)
+    eng.shutdown()

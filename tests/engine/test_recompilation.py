@@ -97,7 +97,7 @@ def test_no_compilation_after_warmup(small_model, policy, tmp_path):
             plain.step()
         assert all(plain.finished[r.req_id].output_ids == r.output_ids for r in done)
         pol = eng.scheduler.policy
-        assert not any(pol.tier_pins.values()) or eng.scheduler.waiting
+        assert not any(pol.host_tier.tier_pins.values()) or eng.scheduler.waiting
     if kind == "hisparse":  # decode steps resolved rows from the host, pages moved both ways
         hs = eng.scheduler.policy.stats
         assert eng.scheduler.resolve.log and eng.scheduler.resolve.hot_misses > 0

@@ -5,10 +5,12 @@ speculative decoding (a variable number of tokens per step: drafts that stand or
 rolled back). After every step the block
 pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
 them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
-and host byte is returned. Under offload a simulated secondary tier may sit behind the host tier
-(loads taking time, so admissions wait on them) and lose chunks at any moment, between a lookup that
-answered HIT and its load included. Requests may stop on a stop token or be aborted (waiting or running) at any
-point; an aborted request holds nothing afterwards. Every admission retry the scheduler would skip is run anyway and checked to
+and host byte is returned. Under offload and HiSparse (one host-memory system, kvcache.host_tier) a
+simulated secondary tier may sit behind the host pools (loads taking time, so admissions wait on them),
+lose chunks at any moment, between a lookup that answered HIT and its load included, and be all that is
+left after a prefix-cache reset; the host pools' pages are held exactly by the requests, loads and pins
+that hold them. Requests may stop on a stop token or be aborted (waiting or running) at any point; an
+aborted request holds nothing afterwards. Every admission retry the scheduler would skip is run anyway and checked to
 change nothing (Scheduler.verify_skipped_admissions)."""
 
 import numpy as np
@@ -40,13 +42,18 @@ class _Model:
     cfg, dtype = CFG, "float32"
 
 
+SIZES = dict(seqs=st.integers(1, 4), budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0),
+             host_scale=st.floats(0.05, 2.0), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]))
+
+
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), seqs=st.integers(1, 4),
-                budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0), host_scale=st.floats(0.05, 2.0),
-                caching=st.booleans(), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]),
+    @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), caching=st.booleans(),
                 arc=st.booleans(), tier=st.sampled_from([None, None, 0, 2]),
-                mtp=st.sampled_from([None, None, "standard", "synthetic"]))
+                mtp=st.sampled_from([None, None, "standard", "synthetic"]), **SIZES)
     def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp):
+        self._setup(policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp)
+
+    def _setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp=None):
         fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
                       index_block_size=BLOCK * index_ratio, enable_prefix_caching=caching, kv_policy=policy)
         if mtp and policy != "hisparse":  # (HiSparse with MTP is issue 21 item 4)
@@ -67,15 +74,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         host = max(1, int(request_bytes * host_scale * seqs))
         if policy == "swap":
             fields["cpu_offload_bytes"] = host
+        # a simulated secondary tier whose loads take `tier` seconds of runner time
+        tiers = [{"type": "fs", "root_dir": "unused", "max_bytes": 24 * sum(pages.values())}] if tier is not None else []
         if policy == "offload":  # at least a page of each group; LRU or ARC, in vLLM's config shape
-            extra = {"cpu_bytes_to_use": max(host, 2 * sum(pages.values())), "eviction_policy": "arc" if arc else "lru"}
-            if tier is not None:  # a simulated secondary tier whose loads take `tier` seconds of runner time
-                extra["secondary_tiers"] = [{"type": "fs", "root_dir": "unused", "max_bytes": 24 * sum(pages.values())}]
+            extra = {"cpu_bytes_to_use": max(host, 2 * sum(pages.values())), "eviction_policy": "arc" if arc else "lru",
+                     "secondary_tiers": tiers}
             fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
         if policy == "hisparse":  # at least one request's MLA pages: smaller host pools are rejected
             fields["hisparse_host_pool_bytes"] = max(host, pages["mla"] * -(-MAX_LEN // BLOCK))  # >= one request
-            fields["cpu_offload_bytes"] = host // 4
             fields["hisparse_device_buffer_size"] = hot_rows  # None: 2 x top-k; top-k leaves the watermark slack
+            if tier is not None and caching:  # the offload budget (indexer keys) in vLLM's shape, and the tier
+                extra = {"cpu_bytes_to_use": max(host // 4, 2 * pages["indexer"]), "secondary_tiers": tiers}
+                fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector",
+                                                "kv_connector_extra_config": extra}
+            else:
+                fields["cpu_offload_bytes"] = host // 4
         self.deploy = DeployConfig(**fields)
         sizes = self.deploy.kv_sizes(CFG)
         token = lambda row: (row.start + row.num_tokens) % 97  # noqa: E731
@@ -113,7 +126,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         sch = self.engine.scheduler
         assert rid not in sch.requests and rid not in sch.kv.requests and rid not in sch.kv.leases
         assert rid not in sch.kv._kept_hashes and rid not in getattr(sch.policy, "state", {})
-        assert rid not in getattr(sch.policy, "saved", {}) and rid not in getattr(sch.policy, "tier_pins", {})
+        assert rid not in getattr(sch.policy, "saved", {})
+        tier = getattr(sch.policy, "host_tier", None)
+        assert tier is None or (rid not in tier.tier_pins and rid not in tier.loading and rid not in tier._retry)
         assert self.engine.finished[rid].finish_reason == "abort" and len(out.token_ids) < out_max(self.engine, rid)
 
     @precondition(lambda self: len(self.sent) < 24 and self.engine.finished)
@@ -137,6 +152,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if keys:
             assert tier.discard(keys[pick % len(keys)])
 
+    @precondition(lambda self: self.engine.tiers[0] is not None)
+    @rule()
+    def reset_prefix_cache(self):
+        """Every device and host hash is forgotten (vLLM's reset_prefix_cache): the next turns find their
+        prefixes only in the secondary tier, pinned pages stay pinned and loads in flight land."""
+        self.engine.reset_prefix_cache()
+
     @rule(n=st.integers(1, 6))
     def step(self, n):
         for _ in range(n):
@@ -152,30 +174,47 @@ class SchedulerMachine(RuleBasedStateMachine):
         sch.kv.check()  # ref counts == holders (tables + leases): no leak, no double count
         pol = sch.policy
         if isinstance(pol, HiSparsePolicy):
-            pol.host_mla.check()
-            if pol.host_index is not None:
-                pol.host_index.check()
+            # between steps a host page is held by the running requests' MLA pages, a tier load in flight
+            # and the pins of the waiting requests it loaded for, and nothing else
+            held = {g: [0] * p.num_blocks for g, p in pol.host_tier.pools.items()}
+            for st_ in pol.state.values():
+                for b in st_.host:
+                    if b >= 0:
+                        held["mla"][b] += 1
+                assert not st_.pending_index  # copied back in the step that admitted it
+            self._tier_holders(pol.host_tier, held)
+            for g, p in pol.host_tier.pools.items():
+                p.check()
+                assert p.ref_count == held[g], g
             assert set(pol.state) == set(sch.kv.requests)
             assert len(pol.free_leases) + sum(s.lease >= 0 for s in pol.state.values()) == self.deploy.max_num_seqs
         if isinstance(pol, SwapPolicy):
             assert pol.used_bytes == sum(b for _, b in pol.saved.values()) <= pol.capacity_bytes
         if isinstance(pol, OffloadPolicy):  # between steps the only host pages held are those of tier loads
-            held = {g: 0 for g in pol.host}  # in flight, and those pinned for the waiting requests that loaded them
-            for _, _, g, _, _ in pol.jobs.values():
-                held[g] += 1
-            for pins in pol.tier_pins.values():
-                for g, _ in pins:
-                    held[g] += 1
+            held = {g: [0] * p.num_blocks for g, p in pol.host.items()}  # in flight, and those pinned for the
+            self._tier_holders(pol.host_tier, held)  # waiting requests that loaded them
             for g, p in pol.host.items():
                 p.check()
-                assert p.num_free == p.num_blocks - held[g], (g, held)
+                assert p.ref_count == held[g], g
             assert not pol.pending and set(pol.stored) == {r.req_id for r in sch.running}
-            assert set(pol.tier_pins) <= {r.req_id for r in sch.waiting} and set(pol.loading) <= set(sch.requests)
+        if tier := getattr(pol, "host_tier", None):
+            waiting = {r.req_id for r in sch.waiting}
+            assert set(tier.tier_pins) <= waiting and set(tier.loading) <= waiting
         for req in sch.running:
             held = min(len(t) * sch.kv.group_tokens_per_block[g] for g, t in sch.kv.requests[req.req_id].tables.items())
             assert held >= req.num_computed_tokens
             assert req.num_computed_tokens <= req.num_tokens - 1 or not req.output_ids  # rejected drafts rolled back
             assert len(req.spec_token_ids) <= self.deploy.num_speculative_tokens
+
+    @staticmethod
+    def _tier_holders(tier, held) -> None:
+        """Count into `held` (per group, per host page) the host tier's own references: loads in flight
+        and the pages pinned for the requests waiting on them."""
+        for _, _, g, hb, _ in tier.jobs.values():
+            held[g][hb] += 1
+        for pins in tier.tier_pins.values():
+            for g, hb in pins:
+                held[g][hb] += 1
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -205,18 +244,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         pol = sch.policy
         if isinstance(pol, HiSparsePolicy):
             assert not pol.state and len(pol.free_leases) == self.deploy.max_num_seqs
-            assert pol.host_mla.num_free == pol.host_mla.num_blocks  # parked pages stay cached, but free
+            assert all(p.num_free == p.num_blocks for p in pol.host_tier.pools.values())  # parked: cached, free
         if isinstance(pol, SwapPolicy):
             assert pol.used_bytes == 0 and not pol.saved
         if isinstance(pol, OffloadPolicy):
             assert not pol.stored and not pol.pending and all(p.num_free == p.num_blocks for p in pol.host.values())
-            assert not pol.jobs and not pol.tier_pins and not pol.loading
+        if tier := getattr(pol, "host_tier", None):
+            assert not tier.jobs and not tier.tier_pins and not tier.loading and not tier.inflight
 
 
 def out_max(engine, rid):
     return engine.finished[rid].params.max_new_tokens
 
 
+class HiSparseTierMachine(SchedulerMachine):
+    """The machine under HiSparse with the simulated tier behind its host pools (kvcache.host_tier), the
+    tier holding the three shared prefixes to begin with (a first session served them, then the device
+    and host pools forgot them): drawn from every policy above, a run with the tier comes up a few times
+    in a hundred and rarely lives long enough for a page to come back from the tier."""
+
+    @initialize(tier=st.sampled_from([0, 2]), **SIZES)
+    def setup(self, seqs, budget, pool_scale, host_scale, index_ratio, hot_rows, tier):
+        self._setup("hisparse", seqs, budget, pool_scale, host_scale, True, index_ratio, hot_rows, False, tier)
+        for p in self.prefixes:
+            self.sent[self.engine.add_request(p, SamplingParams(1))] = self.steps
+        while self.engine.has_unfinished():
+            self.engine.step()
+        self.engine.reset_prefix_cache()
+        assert self.engine.tiers[0].tiers[0].keys()  # written through
+
+
 SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
+HiSparseTierMachine.TestCase.settings = SchedulerMachine.TestCase.settings
 test_scheduler_state_machine = SchedulerMachine.TestCase
+test_hisparse_behind_a_tier_state_machine = HiSparseTierMachine.TestCase

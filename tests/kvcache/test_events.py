@@ -181,7 +181,8 @@ def _events(**kw):
 BASE = dict(max_model_len=160, max_num_batched_tokens=48, max_num_seqs=4, block_size=4, index_block_size=8)
 
 
-def _engine(policy, dp=1, dcp=1, **kw):
+def _engine(policy, dp=1, dcp=1, tier=False, **kw):
+    """tier: a simulated secondary tier behind the host pools (SyntheticRunner.make_tiers; unbounded)."""
     fields = dict(BASE, data_parallel_size=dp, decode_context_parallel_size=dcp,
                   kv_events_config=_events(**kw.pop("events", {})), **kw)
     pages = DeployConfig(**fields).kv_sizes(TINY).page_bytes
@@ -191,6 +192,9 @@ def _engine(policy, dp=1, dcp=1, **kw):
         fields.update(hisparse_host_pool_bytes=48 * pages["mla"], cpu_offload_bytes=10 * pages["indexer"],
                       hisparse_device_buffer_size=16)
     fields["kv_policy"] = policy
+    if tier:
+        fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+            "cpu_bytes_to_use": fields["cpu_offload_bytes"], "secondary_tiers": [{"type": "fs", "root_dir": "unused"}]}}
     deploy = DeployConfig(**fields)
     sizes = deploy.kv_sizes(TINY)
     runners = [SyntheticRunner(lambda row: (row.start * 7 + row.num_tokens) % 509, page_bytes=sizes.page_bytes)
@@ -233,6 +237,35 @@ def test_replayed_stream_equals_the_pools_at_the_end_of_a_run(policy, dp, dcp):
         eng.shutdown()
         for s in subs:
             s.close()
+
+
+def test_hisparse_host_pools_and_their_tier_in_the_stream():
+    """HiSparse on the one host-memory system (kvcache.host_tier) with a simulated secondary tier:
+    sessions over small pools, a reset (device and host pools forget, the tier keeps its chunks, so the
+    next turns load their prefixes from it into the host pools), more sessions. The stream rebuilds
+    the device pool, both host pools (pages loaded from the tier included) and the tier's chunks."""
+    eng = _engine("hisparse", tier=True, num_gpu_blocks=70)
+    sub = Sub(eng.kv_event_publishers[0])
+    try:
+        rng = np.random.default_rng(1)
+        _run_turns(eng, rng)
+        eng.reset_prefix_cache()
+        _run_turns(eng, rng, sessions=4, turns=2)
+        batches = stream(sub)
+        state = reconstruct(batches, 0)
+        sch = eng.scheduler
+        assert {k: v for k, v in state.items() if k[0] != "STORAGE"} == pool_state(sch)
+        assert {("CPU", 0), ("CPU", 1), ("STORAGE", 0), ("STORAGE", 1)} <= set(state)  # MLA and indexer pages
+        tier, fp = eng.tiers[0].tiers[0], eng.fingerprint
+        announced = {chunk_key(fp, g, h) for g in GROUP for h in state.get(("STORAGE", GROUP[g]), ())}
+        assert announced == set(tier.keys()) and len(announced) > 0  # every chunk written through, once
+        assert sch.policy.host_tier.tier_counts["fs"].hits > 0  # the turns after the reset loaded from the tier
+        # the reset sent removals, not AllBlocksCleared: the tier kept its chunks
+        assert not any(isinstance(e, ev.AllBlocksCleared) for b in batches for e in b.events)
+        assert check_payloads(batches, eng.deploy.tokens_per_block) > 0
+    finally:
+        eng.shutdown()
+        sub.close()
 
 
 def test_wire_layout_topic_and_replay_from_a_sequence_number():

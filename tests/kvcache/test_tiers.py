@@ -393,9 +393,10 @@ def test_aborting_a_request_that_waits_for_tier_loads_releases_its_host_pages(ti
         if tier.held:
             break
     req = eng.requests[a]
-    assert tier.held and pol.waiting_for(req) and a in pol.tier_pins or a in pol.loading
+    assert tier.held and pol.waiting_for(req) and a in pol.host_tier.tier_pins or a in pol.host_tier.loading
     eng.abort_request(a)
-    assert a not in pol.loading and a not in pol.tier_pins and eng.finished[a].finish_reason == "abort"
+    assert a not in pol.host_tier.loading and a not in pol.host_tier.tier_pins
+    assert eng.finished[a].finish_reason == "abort"
     tier.release()
     while eng.has_unfinished():
         eng.step()

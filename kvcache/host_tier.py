@@ -1,0 +1,433 @@
+"""The host tier: host-memory pools keyed by (cache group, chained hash), with secondary tiers behind them
+(BRIEF §7). One mechanism for both policies that keep KV in host memory: the offload host tier
+(kvcache.offload, `kv_policy="offload"`) and HiSparse (kvcache.hisparse), each with its own pools and
+budgets, so a deployment has one host-memory system whatever its policy.
+
+What lives here (a `HostTier`, one per replica, owned by its policy):
+- **Pools**, one `kvcache.block_pool.BlockPool` per cache group, used as prefix caches: a page is
+  registered under (group, chained block hash), the hash the device prefix cache uses (tokens and salt).
+  The policy decides who holds a page and when it is freed; a free registered page stays findable until
+  the pool hands it out again (LRU order, or ARC with `ARCBlockPool`).
+- **Write-through** (`copy_out`): a device -> host `PageCopy`, then a `TierStore` of the pages registered
+  under their hash to every secondary tier (kvcache.tiers), so a page the host pool evicts is still in
+  the tiers. Chunk keys are `kvcache.tiers.chunk_key(fingerprint, group, hash)`.
+- **The prefix lookup** (`lookup_prefix`), device -> host -> tiers, page by page (a hash block counts when a
+  page of every group ending there is found). Pages only a tier holds get host pages reserved for them
+  and a `TierLoad` (asynchronous; the runner reports it in `StepResult.tier_loads`, `on_tier_results`),
+  and the admission answers RETRY: the request keeps its place, others may run, and it is tried again
+  once its loads are reported. A tier that answers RETRY itself (a store of that chunk in flight) is
+  asked again next step. Loaded pages join the host pool, pinned for the request until its next
+  admission (`tier_pins`, released with `release`); so are the host hits of a round that waits, so the
+  loads just reserved cannot evict them. A chunk two requests need is loaded once (`inflight`). At most
+  `max_tier_rounds` admissions of one request start loads, and `max_retry_rounds` wait on RETRY alone;
+  after that it takes what the device and host hold. What one admission brings back is bounded by the
+  host pages free for it (the host tier is the staging area); the rest is recomputed.
+- **Load failures**: a load that fails (the chunk is gone, or fails verification) frees its host page:
+  those tokens are recomputed (`kv_load_failure_policy="recompute"`), or the step raises ("fail").
+- **Abort** (`drop`): a waiting request's pins are released; loads it started finish for the other
+  requests waiting on them, or land in the host pool unpinned. `has_loads` stays true until every
+  started load is reported, so the engine keeps stepping for them.
+- **Counts**: per secondary tier (`TierCounts`, `tier_metrics`), and the lookups an admission attempt
+  moves (`admission_counts`: the scheduler replays them when it skips an identical retry).
+- **KV events** (kvcache.events, `attach_events`): the pools report registrations and evictions under
+  medium "CPU"; a planned tier store is registered with the recorder, which announces it as "STORAGE"
+  once a tier reports it written (kvcache.tiers.TierSet.attach_events).
+
+What stays with each policy: who holds host pages and when (the offload tier frees every page once
+copied, HiSparse's running requests hold their pre-copied MLA pages), what a hit becomes on the device
+(the offload tier and HiSparse's indexer pages are copied back at admission; HiSparse's MLA pages stay
+host-resident), and its own counters.
+
+`HostTierPolicy` is the mixin of the `kvcache.policy.KVPolicy` hooks such a policy delegates here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
+from kvcache.tiers import Lookup, LookupContext, TierSet, chunk_key
+from kvcache.transfer import PageCopy, TierLoad, TierStore
+
+LOAD_FAILURE_POLICIES = ("recompute", "fail")
+EVICTION_POLICIES = ("lru", "arc")
+
+
+@dataclasses.dataclass
+class TierCounts:
+    """What the host tier saw of one secondary tier, in chunks (pages)."""
+
+    hits: int = 0  # chunks it loaded into the host tier
+    misses: int = 0  # lookups it answered MISS (a prefix lookup stops at the first chunk no tier holds)
+    corrupt: int = 0  # loads that failed verification (the tier dropped the chunk; its tokens recomputed)
+    lost: int = 0  # loads of a chunk that was gone by then (evicted between lookup and load)
+    retries: int = 0  # lookups it answered RETRY
+
+
+def host_pools(blocks: dict[str, int], *, eviction: str = "lru", enable_prefix_caching: bool = True
+               ) -> dict[str, BlockPool]:
+    """One pool of `blocks[g]` pages per cache group, in `blocks`' order: LRU (a BlockPool's free queue) or
+    ARC (kvcache.block_pool.ARCBlockPool, which always hashes)."""
+    if eviction not in EVICTION_POLICIES:
+        raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+    return {g: ARCBlockPool(n) if eviction == "arc" else BlockPool(n, enable_prefix_caching=enable_prefix_caching)
+            for g, n in blocks.items()}
+
+
+@dataclasses.dataclass
+class PrefixLookup:
+    """The answer of `HostTier.lookup_prefix`.
+
+    pages: per hash block from the device-pool hit on, the pages of every group ending there, as
+        (group, "device" | "host", block); it ends on a page boundary of every group (a multiple of
+        KVCacheManager.hit_multiple blocks). Empty when `retry`.
+    retry: tier loads are under way (or a tier answered RETRY): the admission must wait (`must_retry`).
+    pins: host pages pinned for this request by earlier rounds; `release` them once the admission holds
+        what it uses.
+    """
+
+    pages: list
+    retry: bool = False
+    pins: list = dataclasses.field(default_factory=list)
+
+
+class HostTier:
+    """The host pools of one replica's policy and the secondary tiers behind them (see the module docstring).
+
+    pools: per cache group, its host pool (`host_pools`); a group without one is never served from the
+        host or the tiers.
+    outbox: the policy's list of recorded transfers (kvcache.policy.PreemptPolicy.outbox): page copies,
+        tier stores and loads go there in decision order.
+    tiers: the secondary tiers (kvcache.tiers.TierSet) or None; fingerprint: the deployment's layout
+        fingerprint (chunk keys; required with tiers).
+    """
+
+    def __init__(self, pools: dict[str, BlockPool], *, outbox: list, tiers: TierSet | None = None,
+                 fingerprint: str = "", load_failure_policy: str = "recompute", max_tier_rounds: int = 16,
+                 max_retry_rounds: int = 512):
+        if load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
+        if tiers is not None and len(tiers) and not fingerprint:
+            raise ValueError("secondary tiers need the deployment's layout fingerprint (kvcache.tiers.layout_fingerprint)")
+        self.pools = pools
+        self.outbox = outbox
+        self.tiers = tiers if tiers is not None and len(tiers) else None
+        self.fingerprint = fingerprint
+        self.load_failure_policy = load_failure_policy
+        self.max_tier_rounds = max_tier_rounds
+        self.max_retry_rounds = max_retry_rounds
+        self.tier_counts = {t.name: TierCounts() for t in self.tiers.tiers} if self.tiers else {}
+        self.loading: dict[str, set[int]] = {}  # request -> its tier loads not yet reported
+        self.jobs: dict[int, tuple[str, int, str, int, bytes]] = {}  # job -> (request, tier, group, host block, hash)
+        self.tier_pins: dict[str, list[tuple[str, int]]] = {}  # request -> host pages pinned for its next admission
+        self.tier_rounds: dict[str, int] = {}  # request -> admissions that started tier loads
+        self.retry_rounds: dict[str, int] = {}  # request -> admissions that waited on a tier's RETRY only
+        self.inflight: dict[tuple[str, bytes], int] = {}  # (group, hash) -> the job loading it
+        self.waiters: dict[int, set[str]] = {}  # job -> the requests waiting for it
+        self._retry: set[str] = set()  # requests whose last admission answered RETRY
+        self.events = None  # the KV event sink (kvcache.events.KVEventRecorder), None: events off
+        self._job_info: dict[int, BlockInfo] = {}  # tier load job -> its page's event payload (events on)
+
+    # ---------------------------------------------------------------------------------------- pools
+    def attach_events(self, sink) -> None:
+        """Report the pools' registrations and evictions ("CPU") and the tier stores planned here."""
+        self.events = sink
+        for pool in self.pools.values():
+            pool.attach_events(sink, "CPU")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every host page's hash (held pages stay held; a load in flight registers its page again)."""
+        for pool in self.pools.values():
+            pool.reset_prefix_cache()
+
+    def lookup(self, group: str, h: bytes) -> int | None:
+        """The host page registered under (group, h), or None. Takes no reference."""
+        pool = self.pools.get(group)
+        return pool.lookup(group, h) if pool is not None else None
+
+    def key(self) -> tuple:
+        """What an admission reads here, for KVPolicy.admission_key: the pools' versions and what the tiers
+        would answer (TierSet.version)."""
+        return tuple(p.version for p in self.pools.values()), self.tiers.version() if self.tiers is not None else None
+
+    # ------------------------------------------------------------------------------------ storing
+    def copy_out(self, group: str, src: Sequence[int], dst: Sequence[int], infos: Sequence[BlockInfo | None] = ()
+                 ) -> None:
+        """Plan the copy of device blocks `src` into host pages `dst` of `group` (one PageCopy), then the
+        write-through of those of `dst` registered under a hash to every secondary tier (one TierStore,
+        after the copy in plan order). A page not registered (its hash held by another page, or the pool
+        not hashing) stays out of the tiers. infos: per dst page its event payload (events on)."""
+        if not src:
+            return
+        self.outbox.append(PageCopy(group, "d2h", tuple(src), tuple(dst)))
+        if self.tiers is None:
+            return
+        pool = self.pools[group]
+        blocks, ckeys = [], []
+        for k, hb in enumerate(dst):
+            key = pool.block_key[hb]
+            if key is None:
+                continue
+            ck = chunk_key(self.fingerprint, group, key[1])
+            blocks.append(hb)
+            ckeys.append(ck)
+            if self.events is not None:
+                self.events.tier_store_planned(ck, group, key[1], infos[k], len(self.tiers))
+        if blocks:
+            self.outbox.append(TierStore(group, tuple(blocks), tuple(ckeys)))
+
+    # ---------------------------------------------------------------------------------- admission
+    def lookup_prefix(self, kv: KVCacheManager, req, first: int) -> PrefixLookup:
+        """The prefix of waiting `req` past its device-pool hit (`first` hash blocks, KVCacheManager.admit),
+        page by page: device pool, host pool, then the secondary tiers in order. Takes no reference to
+        what it returns (the caller touches the pages it uses), except on a retry: then the host hits are
+        pinned for the next attempt and loads are planned for the tier-only pages."""
+        rb = kv.requests[req.req_id]
+        pins = self.tier_pins.pop(req.req_id, [])
+        ask = (self.tiers is not None and self.tier_rounds.get(req.req_id, 0) < self.max_tier_rounds
+               and self.retry_rounds.get(req.req_id, 0) < self.max_retry_rounds)
+        max_hit = min((req.num_tokens - 1) // kv.tokens_per_block, len(rb.hashes))
+        # per hash block past the device hit: [(group, where, block)] of the pages ending there; where:
+        # "device", "host", or the index of the secondary tier that holds it (block None)
+        found, retry = [], False
+        # the keys this walk may ask the tiers, in order, computed only if a tier asks (a peer tier sends
+        # them in one lookup message instead of one per admission attempt)
+        ctx = LookupContext(req.req_id, lambda: [chunk_key(self.fingerprint, g, rb.hashes[c]) for c in range(first, max_hit)
+                                                 for g in kv.groups if not (c + 1) % kv.ratio[g] and g in self.pools])
+        while first + len(found) < max_hit:
+            c = first + len(found)
+            h, pages = rb.hashes[c], []
+            for g in kv.groups:
+                if (c + 1) % kv.ratio[g]:
+                    continue  # no page of this group ends at this hash block
+                if (b := kv.pool.lookup(g, h)) is not None:
+                    pages.append((g, "device", b))
+                elif (b := self.lookup(g, h)) is not None:
+                    pages.append((g, "host", b))
+                elif ask and g in self.pools and self._ask_tiers(g, h, pages, ctx):
+                    pass
+                else:
+                    retry |= bool(pages) and pages[-1] == "retry"
+                    break
+            else:
+                found.append(pages)
+                continue
+            break
+        if ask and (retry or any(isinstance(w, int) for p in found for _, w, _ in p)):
+            started = self._start_loads(kv, req, first, found)
+            if started or retry:
+                rounds = self.tier_rounds if started else self.retry_rounds
+                rounds[req.req_id] = rounds.get(req.req_id, 0) + 1
+                self._retry.add(req.req_id)
+                # what earlier rounds loaded and what this walk found on the host stay pinned for the next
+                # attempt (else the loads just reserved could evict them, and the next round miss them)
+                hits = [(g, b) for p in found for g, where, b in p if where == "host"]
+                for g, b in hits:
+                    self.pools[g].touch([b])
+                self.tier_pins.setdefault(req.req_id, [])[:0] = pins + hits
+                return PrefixLookup([], True)
+        # what the device and the host hold: up to the first page that only a tier has
+        cut = next((k for k, p in enumerate(found) if any(not isinstance(w, str) for _, w, _ in p)), len(found))
+        keep = cut - cut % kv.hit_multiple  # a hit ends on a page boundary of every group
+        # MTP: the hit gives back its last page (KVCacheManager.drop_last_hit). The walk began at the page
+        # the device hit gave back, so dropping the walk's last page drops the whole hit's last page
+        if kv.drop_last_hit and keep:
+            keep -= kv.hit_multiple
+        return PrefixLookup(found[:keep], False, pins)
+
+    def release(self, pins: Sequence[tuple[str, int]]) -> None:
+        """Unpin host pages (`PrefixLookup.pins`), once the admission holds the ones it uses."""
+        for g, hb in pins:
+            self.pools[g].free([hb])
+
+    def admitted(self, req_id: str) -> None:
+        """`req_id` is in: a later preemption may ask the tiers again from scratch."""
+        self.tier_rounds.pop(req_id, None)
+        self.retry_rounds.pop(req_id, None)
+
+    def _ask_tiers(self, g: str, h: bytes, pages: list, ctx: LookupContext) -> bool:
+        """Ask the secondary tiers for page (g, h): a HIT is appended to `pages` as (g, tier, None) -> True;
+        a RETRY appends the marker "retry" -> False; a MISS -> False."""
+        t, answer = self.tiers.lookup(chunk_key(self.fingerprint, g, h), ctx)
+        if answer is Lookup.HIT:
+            pages.append((g, t, None))
+            return True
+        for tier in self.tiers.tiers[: t if answer is Lookup.RETRY else len(self.tiers)]:
+            self.tier_counts[tier.name].misses += 1
+        if answer is Lookup.RETRY:
+            self.tier_counts[self.tiers.tiers[t].name].retries += 1
+            pages.append("retry")
+        return False
+
+    def _start_loads(self, kv: KVCacheManager, req, first: int, found: list) -> bool:
+        """Reserve host pages for the tier-only pages of `found` (hash blocks from `first`) and plan their
+        loads (one TierLoad per tier and group), as far as free host pages go; a page another request's
+        load is already bringing is waited for, not loaded twice. -> whether the request now waits."""
+        loads: dict[tuple[int, str], tuple[list, list, list]] = {}
+        jobs = self.loading.setdefault(req.req_id, set())
+        for c, pages in enumerate(found, start=first):
+            for g, where, _ in pages:
+                if isinstance(where, str):
+                    continue
+                h = kv.requests[req.req_id].hashes[c]
+                if (job := self.inflight.get((g, h))) is not None:
+                    self.waiters[job].add(req.req_id)
+                    jobs.add(job)
+                    continue
+                pool = self.pools[g]
+                if pool.num_free == 0:
+                    break
+                hb = pool.allocate(1)[0]  # reserved (referenced, no key) until the load is reported
+                job = self.tiers.new_job()
+                self.jobs[job] = (req.req_id, where, g, hb, h)
+                if self.events is not None:
+                    rb = kv.requests[req.req_id]
+                    self._job_info[job] = kv.page_info(rb, req.tokens, g, (c + 1) // kv.ratio[g] - 1)
+                self.inflight[(g, h)] = job
+                self.waiters[job] = {req.req_id}
+                jobs.add(job)
+                keys, blocks, ids = loads.setdefault((where, g), ([], [], []))
+                keys.append(chunk_key(self.fingerprint, g, h))
+                blocks.append(hb)
+                ids.append(job)
+            else:
+                continue
+            break
+        for (t, g), (keys, blocks, ids) in loads.items():
+            self.outbox.append(TierLoad(t, g, tuple(keys), tuple(blocks), tuple(ids)))
+        if not jobs:
+            del self.loading[req.req_id]
+        return bool(jobs)
+
+    def waiting_for(self, req_id: str) -> bool:
+        return req_id in self.loading
+
+    def must_retry(self, req_id: str) -> bool:
+        if req_id in self._retry:
+            self._retry.discard(req_id)
+            return True
+        return False
+
+    def on_tier_results(self, results) -> None:
+        """The runner's report of finished tier loads ((job, status), ...): a loaded page joins its host
+        pool (pinned for its request until that request's next admission); a failed one is freed and its
+        tokens will be recomputed ("fail": raise)."""
+        failed = []
+        for job, status in results:
+            req_id, t, g, hb, h = self.jobs.pop(job)
+            del self.inflight[(g, h)]
+            counts = self.tier_counts[self.tiers.tiers[t].name]
+            pool = self.pools[g]
+            info = self._job_info.pop(job, None)
+            if status == "ok":
+                counts.hits += 1
+                pool.cache(g, hb, h, info)
+                if req_id in self.loading:  # it still waits for this load (this job is in its set)
+                    self.tier_pins.setdefault(req_id, []).append((g, hb))
+                else:  # it was dropped: the page stays in the host pool, unpinned
+                    pool.free([hb])
+            else:
+                if status == "corrupt":
+                    counts.corrupt += 1
+                else:
+                    counts.lost += 1
+                pool.free([hb])
+                failed.append((req_id, self.tiers.tiers[t].name, status))
+            for waiter in self.waiters.pop(job):
+                jobs = self.loading.get(waiter)
+                if jobs is not None:
+                    jobs.discard(job)
+                    if not jobs:
+                        del self.loading[waiter]
+        if failed and self.load_failure_policy == "fail":
+            raise RuntimeError(f"secondary-tier loads failed (kv_load_failure_policy='fail'): {failed}")
+
+    def has_loads(self) -> bool:
+        """Tier loads not yet reported (their host pages stay reserved until a step reads the results)."""
+        return bool(self.jobs)
+
+    def drop(self, req_id: str) -> None:
+        """Waiting `req_id` leaves for good: its pinned host pages are released; loads it started finish for
+        the requests also waiting on them, or land in the host pool unpinned."""
+        self.release(self.tier_pins.pop(req_id, []))
+        self.loading.pop(req_id, None)
+        for waiting in self.waiters.values():
+            waiting.discard(req_id)
+        self._retry.discard(req_id)
+        self.admitted(req_id)
+
+    # ------------------------------------------------------------------------------------- counts
+    def admission_counts(self) -> tuple[int, ...]:
+        """Each tier's lookups answered MISS and RETRY."""
+        return tuple(n for c in self.tier_counts.values() for n in (c.misses, c.retries))
+
+    def add_admission_counts(self, delta: tuple[int, ...]) -> None:
+        for c, (misses, retries) in zip(self.tier_counts.values(), zip(delta[::2], delta[1::2])):
+            c.misses += misses
+            c.retries += retries
+
+    def tier_metrics(self) -> dict:
+        """Per secondary tier by name: what the host tier saw of it (`TierCounts`), the tier's own counters
+        (kvcache.tiers.TierStats) and the seconds its store and load jobs took with their counts
+        ("store_time_s", "store_jobs", "load_time_s", "load_jobs")."""
+        out = {}
+        for tier in (self.tiers.tiers if self.tiers else ()):
+            seen = dataclasses.asdict(self.tier_counts[tier.name])
+            st = tier.stats
+            own = {f.name: getattr(st, f.name) for f in dataclasses.fields(st) if not f.name.endswith("_latency")}
+            times = {f"{k}_{u}": getattr(getattr(st, f"{k}_latency"), a)
+                     for k in ("store", "load") for u, a in (("time_s", "sum"), ("jobs", "count"))}
+            out[tier.name] = {**own, **times, **seen}
+        return out
+
+    def admission_state(self) -> tuple:
+        """Everything an admission attempt may change here, comparable with == (the scheduler's check of
+        skipped retries, Scheduler.verify_skipped_admissions): the pools' states, what the tiers would
+        answer, and the bookkeeping of loads and pins."""
+        import copy
+
+        return ([p.state() for p in self.pools.values()], self.key()[1],
+                copy.deepcopy((self.loading, self.jobs, self.tier_pins, self.tier_rounds, self.retry_rounds,
+                               self.inflight, self.waiters, self._retry,
+                               {k: dataclasses.astuple(c) for k, c in self.tier_counts.items()})))
+
+
+class HostTierPolicy:
+    """The kvcache.policy.KVPolicy hooks a policy with a `HostTier` (`self.host_tier`) delegates to it. Put
+    it before kvcache.policy.PreemptPolicy among the bases."""
+
+    host_tier: HostTier
+    outbox: list
+
+    def attach_events(self, sink) -> None:
+        self.host_tier.attach_events(sink)
+
+    def reset_prefix_cache(self) -> None:
+        self.host_tier.reset_prefix_cache()
+
+    def has_transfers(self) -> bool:
+        """Operations not yet taken, or tier loads not yet reported: their host pages stay reserved until
+        a step reads the results, so the engine keeps stepping even when the request that started them
+        was aborted and nothing else runs."""
+        return bool(self.outbox) or self.host_tier.has_loads()
+
+    def waiting_for(self, req) -> bool:
+        return self.host_tier.waiting_for(req.req_id)
+
+    def must_retry(self, req) -> bool:
+        return self.host_tier.must_retry(req.req_id)
+
+    def on_tier_results(self, results) -> None:
+        self.host_tier.on_tier_results(results)
+
+    def admission_counts(self) -> tuple[int, ...]:
+        return self.host_tier.admission_counts()
+
+    def add_admission_counts(self, delta: tuple[int, ...]) -> None:
+        self.host_tier.add_admission_counts(delta)
+
+    def drop(self, kv: KVCacheManager, req) -> None:
+        """Its pinned host pages are released; loads it started finish for the requests also waiting on
+        them, or land in the host pool unpinned."""
+        self.host_tier.drop(req.req_id)
