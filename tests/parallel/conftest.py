@@ -4,7 +4,8 @@ The number of CPU devices is fixed when JAX initialises, and the main suite init
 marked `@pytest.mark.multidevice` therefore run in one pytest subprocess started with
 XLA_FLAGS=--xla_force_host_platform_device_count=16 (meshes of 1, 2, 4, 8 and 16 devices are cut from
 those 16): the first such test in a session starts the subprocess for every multidevice test selected in
-this session, and each test then reports the outcome (and failure text) its twin had there. Where this
+this session (under pytest-xdist, one subprocess per test file, in the worker that runs the file), and
+each test then reports the outcome (and failure text) its twin had there. Where this
 process already has >= 16 devices, the tests run here directly:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=16 python -m pytest -q tests/parallel
@@ -34,7 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 _selected: list[str] = []
 _child_results: dict | None = None
-_child: tuple | None = None  # (Popen, temporary directory) of the running subprocess
+_child: tuple | None = None  # (Popen, temporary directory, start time) of the running subprocess
+_child_file: str | None = None  # in an xdist worker: the one test file the subprocess runs
 
 
 def pytest_configure(config):
@@ -96,8 +98,9 @@ def pytest_runtest_logreport(report):
                                 "text": report.longreprtext}) + "\n")
 
 
-def _start_child() -> None:
-    """Start the subprocess that runs every selected multidevice test (its report goes to a temp file)."""
+def _start_child(nodeids: list[str] | None = None) -> None:
+    """Start the subprocess that runs `nodeids` (default: every selected multidevice test); its report
+    goes to a temp file."""
     global _child
     tmp = tempfile.TemporaryDirectory(prefix="parallel_tests_")
     env = dict(os.environ)
@@ -107,7 +110,7 @@ def _start_child() -> None:
     # The programs are tiny: compile time dominates, and LLVM's optimisation level 0 halves it.
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
                         " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_selected]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(_selected if nodeids is None else nodeids)]
     # output to a file: a pipe nobody reads until the first multidevice test could fill and stall it
     with open(Path(tmp.name) / "output.txt", "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -148,13 +151,22 @@ def pytest_unconfigure(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    global _child_results
+    global _child_results, _child_file
     if not pyfuncitem.get_closest_marker("multidevice") or _in_child():
         return None
-    if _child is None:
+    file = pyfuncitem.nodeid.split("::")[0]
+    if os.environ.get("PYTEST_XDIST_WORKER") and _child_file != file:
+        # In an xdist worker (which collects every test but runs only the files sent to it, with
+        # --dist loadfile): one subprocess per test file, for that file's selected tests, so that no two
+        # workers both run every multidevice test.
+        if _enough_devices_here():
+            return None
+        _start_child([n for n in _selected if n.split("::")[0] == file])
+        _child_file, _child_results = file, None
+    elif _child is None:
         if _enough_devices_here():
             return None  # enough devices here: run the test in this process
-        _start_child()  # not started at collection (xdist worker)
+        _start_child()
     if _child_results is None:
         _child_results = _collect_child()
     outcome, text = _child_results.get(pyfuncitem.nodeid, (None, ""))
