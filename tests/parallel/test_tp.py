@@ -13,43 +13,8 @@ expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one device's greedy
 import numpy as np
 import pytest
 
-TOL = 1e-5  # of the largest |logit|
-BS = 4  # block size (slots per rank)
-WIDTH = 48  # prefill row width (padded)
-WINDOW = 64
-LENGTHS = (37, 10)
-
-
-def _prompts(vocab):
-    rng = np.random.default_rng(7)
-    return [rng.integers(0, vocab, n).astype(np.int32) for n in LENGTHS]
-
-
-def _batch(prompts):
-    tok = np.zeros((len(prompts), WIDTH), np.int32)
-    pos = np.full((len(prompts), WIDTH), -1, np.int32)
-    for i, p in enumerate(prompts):
-        tok[i, : p.size], pos[i, : p.size] = p, np.arange(p.size)
-    nxt = np.array([[p[-1]] for p in prompts], np.int32)  # any token will do: compare the logits
-    return tok, pos, nxt, np.array([[p.size] for p in prompts], np.int32)
-
-
-def _single_device(model, prompts):
-    import jax.numpy as jnp
-
-    from glm53.model import compiled
-    from kvcache.paged import PagedKVCache
-
-    c = compiled(model)
-    b, m = len(prompts), WINDOW // BS
-    cache = PagedKVCache.create(model.cfg, b * m, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
-                                include_mtp=False)
-    nbytes = cache.mla[0].nbytes
-    tok, pos, nxt, pos1 = _batch(prompts)
-    h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=WINDOW, form="mqa")
-    prefill = np.asarray(c.logits(c.state, h))
-    h, cache, _ = c.forward(c.state, jnp.asarray(nxt), jnp.asarray(pos1), cache, window=WINDOW, form="mqa")
-    return prefill, np.asarray(c.logits(c.state, h))[:, 0], nbytes
+# the prompts, batch and one-device reference of the context-parallel model tests
+from tests.parallel.test_model_cp import BS, TOL, WINDOW, _batch, _prompts, _single_device
 
 
 def _tensor_parallel(model, prompts, tp, dcp=1, *, backend="ag_rs", interleave=1, ep=False, form="mqa"):
@@ -97,7 +62,7 @@ def _check(model, cases):
     from parallel import tp as tp_ops
 
     prompts = _prompts(model.cfg.vocab_size)
-    want_prefill, want_decode, single_kv = _single_device(model, prompts)
+    want_prefill, want_decode, single_kv = _single_device(model, prompts, "float32")
     total, split = _split_bytes(compiled(model).state)
     for kw in cases:
         prefill, decode, kv, weights = _tensor_parallel(model, prompts, **kw)
