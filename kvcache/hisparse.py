@@ -81,6 +81,24 @@ def hot_buffer_rows(device_buffer_size: int | None, num_speculative_tokens: int,
     return rows
 
 
+def device_blocks_per_request(num_tokens: int, *, tokens_per_block: int, index_tokens_per_block: int,
+                              chunk_tokens: int, lease_blocks: int, stage_rows: bool) -> int:
+    """Most device blocks one HiSparse request of `num_tokens` tokens holds at once.
+
+    Without row staging (`stage_rows` False: a prefill chunk reads its whole prefix from the pool) that is
+    every MLA and indexer page plus a hot buffer. With it (the model runner stages the rows a chunk's
+    queries select from the host, kvcache.host.StagingView), only what must be on the device: every
+    indexer page (a running request's keys stay there), the MLA pages of the chunk being prefilled (a
+    chunk of `chunk_tokens` may straddle one more page) and the TAIL_PAGES newest pages that are never
+    released, and the hot buffer; the MLA pages behind them live in the host pool. Shared with
+    glm53.engine.config (the KV budget must hold one request of max_model_len) and Scheduler.add."""
+    mla = -(-num_tokens // tokens_per_block)
+    index = -(-num_tokens // index_tokens_per_block)
+    if stage_rows:
+        mla = min(mla, -(-min(chunk_tokens, num_tokens) // tokens_per_block) + 1 + TAIL_PAGES)
+    return mla + index + lease_blocks
+
+
 @dataclasses.dataclass(frozen=True)
 class HiSparseRow:
     """What a HiSparse decode row needs beyond its block tables: the host-pool block of each MLA page
@@ -126,7 +144,7 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
     def __init__(self, *, host_mla_blocks: int, host_index_blocks: int, block_size: int, hot_rows: int,
                  max_leases: int, num_device_blocks: int, enable_prefix_caching: bool = True,
                  page_bytes: dict[str, int] | None = None, tiers: TierSet | None = None, fingerprint: str = "",
-                 load_failure_policy: str = "recompute"):
+                 load_failure_policy: str = "recompute", stage_rows: bool = False, chunk_tokens: int = 0):
         super().__init__()
         if host_mla_blocks < 1:
             raise ValueError("HiSparse needs a host pool of at least one MLA page (hisparse_host_pool_bytes)")
@@ -134,6 +152,8 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
             raise ValueError("HiSparse with secondary tiers needs enable_prefix_caching=True (the tiers serve "
                              "prefix hits by hash)")
         self.block_size = block_size
+        self.stage_rows = stage_rows  # prefill chunks read host-only pages through row staging
+        self.chunk_tokens = chunk_tokens  # max_num_batched_tokens: the longest chunk (device_blocks)
         blocks = {"mla": host_mla_blocks, **({"indexer": host_index_blocks} if host_index_blocks > 0 else {})}
         pools = host_pools(blocks, enable_prefix_caching=enable_prefix_caching)
         self.host_tier = HostTier(pools, outbox=self.outbox, tiers=tiers, fingerprint=fingerprint,
@@ -187,7 +207,30 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
         i += len(mla)
         rb.num_cached_blocks = i
         st.host_prefix = i - n // kv.tokens_per_block  # counted once the request is in (prepare)
+        if self.stage_rows:
+            self._unpin_prefix(kv, req, st)
         return i * kv.tokens_per_block
+
+    def _unpin_prefix(self, kv: KVCacheManager, req: RequestView, st: Residency) -> None:
+        """With row staging, a request admitted on a long device-cached prefix into a pool that cannot
+        hold the rest of it at full residency keeps pinned only its TAIL_PAGES newest MLA pages (beside
+        them its chunk's pages make `device_blocks_per_request`'s count): its older cached pages
+        go back to the pool unpinned (readable in place until the pool hands them out, then host-only).
+        Otherwise such a request could hold more than the pool has room for beside its chunk and hot
+        buffer, and no running request would be there to release pages for it. Cached pages whose host
+        copy is gone are pre-copied first (planned before any later decision can reuse their blocks)."""
+        table = kv.block_table(req.req_id, "mla")
+        held = sum(b >= 0 for t in kv.requests[req.req_id].tables.values() for b in t)
+        cap = TAIL_PAGES  # beside the chunk's own pages (device_blocks_per_request)
+        pinned = [p for p, b in enumerate(table) if b >= 0]
+        if len(pinned) <= cap or kv.num_free_blocks >= kv.blocks_needed_all(req.num_tokens) - held + self.lease_blocks:
+            return
+        self._precopy(kv, [req], pages=len(table))  # cached pages whose host copy the host pool evicted
+        for p in [p for p in pinned if p < len(st.host) and st.host[p] >= 0
+                  and kv.pool.ref_count[table[p]] == 1][: len(pinned) - cap]:
+            b = kv.release(req.req_id, "mla", p)
+            st.unpinned[p] = (b, kv.pool.generation[b])
+            self.stats.released_pages += 1
 
     @staticmethod
     def _host_ref(pool: BlockPool | None, group: str, h) -> int:
@@ -229,6 +272,8 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         st = self.state[req.req_id]
         extra = len(st.pending_index)
+        if num_tokens > 1 and self.stage_rows:  # its host-only rows are staged outside the pool
+            return extra
         if num_tokens > 1:  # a prefill chunk reads its whole prefix through the block table
             extra += len(self._host_only(kv, req)) + sum(kv.pool.ref_count[b] == 0 for b, _ in
                                                          (st.unpinned[p] for p in st.unpinned
@@ -252,7 +297,9 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
             self.stats.restored_index_pages += len(pages)
             st.pending_index.clear()
         table = kv.block_table(req.req_id, "mla")
-        if num_tokens > 1:
+        if num_tokens > 1 and self.stage_rows:
+            pass  # host-only pages stay there: the runner stages the rows the chunk selects
+        elif num_tokens > 1:
             for p in [p for p in st.unpinned if self._intact(kv, st, p)]:  # take intact pages back: no copy
                 b, _ = st.unpinned.pop(p)
                 kv.pool.touch([b])
@@ -313,18 +360,20 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
         if kv.num_free_blocks < self.watermark:
             self.make_room(kv, running, self.watermark)
 
-    def _precopy(self, kv: KVCacheManager, reqs: Sequence[RequestView]) -> None:
-        """Copy every newly sealed, device-only MLA page of `reqs` to the host pool: one batched copy."""
+    def _precopy(self, kv: KVCacheManager, reqs: Sequence[RequestView], pages: int | None = None) -> None:
+        """Copy every newly sealed, device-only MLA page of `reqs` to the host pool: one batched copy.
+        `pages`: the pages sealed so far (default: the request's computed tokens' full pages; admission
+        passes its prefix hit, whose pages are full but not yet counted as computed)."""
         src, dst, infos = [], [], []
         for req in reqs:
             st = self.state[req.req_id]
             rb = kv.requests[req.req_id]
-            n_full = req.num_computed_tokens // kv.tokens_per_block
+            n_full = req.num_computed_tokens // kv.tokens_per_block if pages is None else pages
             st.host.extend([-1] * (n_full - len(st.host)))
             for p in range(st.sealed, n_full):
                 if st.host[p] < 0 and rb.tables["mla"][p] >= 0:
                     try:
-                        (hb,) = self.host_mla.allocate(1)
+                        (hb,) = self._host_page(req.req_id)
                     except NoFreeBlocks:  # host pool full of live pages: the page stays dirty
                         n_full = p  # (not releasable); retried after the next step
                         break
@@ -341,34 +390,76 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
             self.host_tier.copy_out("mla", src, dst, infos)
             self.stats.precopied_pages += len(src)
 
-    def reserve_blocks(self) -> int:
-        return self.lease_blocks  # a request decoding over host-only pages holds a hot buffer
+    def _host_page(self, req_id: str) -> list[int]:
+        """One MLA host page for a request on the device. A host pool whose free pages are all pinned
+        for waiting requests' next admissions (pages a tier loaded for them) gives those pins up first:
+        the pages stay cached there, and such a request looks them up again when it is admitted (a
+        running request that could not pre-copy could not release pages, and a waiting one at the head
+        of the queue could wait for ever on pages held for a request behind it)."""
+        try:
+            return self.host_mla.allocate(1)
+        except NoFreeBlocks:
+            pins = self.host_tier.tier_pins
+            others = [r for r in pins if r != req_id and any(g == "mla" for g, _ in pins[r])]
+            if not others:
+                raise
+            for r in others:
+                self.host_tier.release(pins.pop(r))
+            return self.host_mla.allocate(1)
+
+    @property
+    def shrink_chunks(self) -> bool:
+        return self.stage_rows
+
+    def device_blocks(self, kv: KVCacheManager, num_tokens: int) -> int:
+        return device_blocks_per_request(num_tokens, tokens_per_block=kv.tokens_per_block,
+                                         index_tokens_per_block=kv.group_tokens_per_block.get("indexer", kv.tokens_per_block),
+                                         chunk_tokens=self.chunk_tokens, lease_blocks=self.lease_blocks,
+                                         stage_rows=self.stage_rows)
 
     def make_room(self, kv: KVCacheManager, running: Sequence[RequestView], free_blocks: int) -> bool:
         """Release clean pages of decoding requests until `free_blocks` are free: request by request, the
         one with the most releasable pages first, its oldest pages first. A request without a hot buffer
         leases one first and then releases at least one page more than the lease took, so every lease
-        pays for itself. -> whether any page was released."""
+        pays for itself. With row staging, requests still prefilling release too (their next chunks
+        stage what they select; they lease no hot buffer until they decode), so a prompt longer than
+        the pool completes. -> whether any page was released."""
         cands = []
         for req in running:
-            if req.num_tokens - req.num_computed_tokens > 1:  # still prefilling: it reads its whole prefix
+            prefilling = req.num_tokens - req.num_computed_tokens > 1
+            if prefilling and not self.stage_rows:  # it reads its whole prefix through the block table
                 continue
             st = self.state[req.req_id]
             table = kv.block_table(req.req_id, "mla")
             pages = [p for p in range(min(len(st.host), len(table) - TAIL_PAGES)) if table[p] >= 0 and st.host[p] >= 0
                      and kv.pool.ref_count[table[p]] == 1]  # a shared block frees nothing
-            if pages and (st.lease >= 0 or len(pages) > self.lease_blocks):
-                cands.append((req, st, pages))
+            # a request that reads host-only or unpinned pages needs its hot buffer anyway: it may lease
+            # as soon as its pages and the free blocks cover one (a tight pool could not run it otherwise)
+            needs_lease = bool(st.unpinned) or -1 in table
+            if pages and (st.lease >= 0 or prefilling or len(pages) > self.lease_blocks
+                          or (needs_lease and len(pages) + kv.num_free_blocks >= self.lease_blocks)):
+                cands.append((req, st, pages, prefilling))
         released = False
-        for req, st, pages in sorted(cands, key=lambda c: -len(c[2])):
+        for req, st, pages, prefilling in sorted(cands, key=lambda c: -len(c[2])):
             if kv.num_free_blocks >= free_blocks:
                 break
             must = 0
-            if st.lease < 0:
-                if kv.num_free_blocks < self.lease_blocks or not self.free_leases:
+            if st.lease < 0 and not prefilling:
+                if not self.free_leases:
                     continue
+                # too few free blocks for the lease: release its pages' worth first (their blocks may go
+                # to the lease; the pages are clean, so they turn host-only and nothing is lost)
+                short = max(0, self.lease_blocks - kv.num_free_blocks)
+                if short > len(pages):  # an earlier request's lease took the free blocks counted above
+                    continue
+                for p in pages[:short]:
+                    b = kv.release(req.req_id, "mla", p)
+                    st.unpinned[p] = (b, kv.pool.generation[b])
+                self.stats.released_pages += short
+                pages = pages[short:]
                 self._lease(kv, req.req_id, st)
-                must = self.lease_blocks + 1
+                released = True
+                must = self.lease_blocks + 1 - short
             for i, p in enumerate(pages):
                 if i >= must and kv.num_free_blocks >= free_blocks:
                     break

@@ -27,6 +27,7 @@ from jax.experimental.compute_on import compute_on
 
 from attention.common import pow2_at_least
 from attention.hisparse import NEVER_USED, HotBuffer, resolve
+from attention.sparse_mla import SlotRows, sparse_mqa
 from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, TierLoad, TierStore, Transfer
 
 
@@ -198,6 +199,108 @@ class HiSparseView:
         branches = [lambda t: t] + [functools.partial(copy, k) for k in self.copy_sizes]
         table = jax.lax.switch(self.copy_branch, branches, device_table)
         return dataclasses.replace(self, copied=self.copied + jnp.sum(self.plan_src >= 0, axis=1)), table
+
+
+# ------------------------------------------------------------------------------ HiSparse prefill staging
+_NO_ROW = jnp.iinfo(jnp.int32).max  # sort key of "no host row to stage" (after every real host slot)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["host_mla", "host_table", "staged", "copied", "unserved"], meta_fields=["tile"])
+@dataclasses.dataclass(frozen=True)
+class StagingView:
+    """What a HiSparse prefill step needs to read MLA rows that live only in the host pool (a field of
+    the paged cache, `staging`). The step's MLA block table holds -1 for host-only pages; each layer's
+    sparse attention runs its queries in tiles of `tile` tokens, and per tile stages only the distinct
+    host rows those queries select into a workspace of at most rows x tile x top-k rows outside the
+    block pool (vLLM's temporary device cache), never the whole prefix.
+
+    host_mla: per MLA layer, the host pool table [N_host * block_size, width] (pinned_host memory kind).
+    host_table [R, M] int32: host-pool block of each page of the rows' requests (-1: no host copy).
+    staged [R, G] int32: per IndexShare group, distinct rows staged per tile summed over tiles, counted
+        by the group's full indexer layer (its shared layers stage the same positions).
+    copied [R] int32: rows copied host->device over all layers (= staged @ layers per group).
+    unserved [R] int32: selected positions with neither a device page nor a host copy (a bookkeeping
+        bug upstream; the runner raises if any).
+    tile: queries per staging tile (static)."""
+
+    host_mla: tuple
+    host_table: jax.Array
+    staged: jax.Array
+    copied: jax.Array
+    unserved: jax.Array
+    tile: int = 64
+
+    @staticmethod
+    def create(host_mla, host_table, tile: int, groups: int) -> StagingView:
+        r = host_table.shape[0]
+        # distinct buffers (the step donates them)
+        return StagingView(tuple(host_mla), jnp.asarray(host_table, jnp.int32), jnp.zeros((r, groups), jnp.int32),
+                           jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32), tile=tile)
+
+    def attend(self, layer_index: int, device_table, slots_BTK, pos_BTK, q_lat_BTHR, q_pe_BTHP, scale: float,
+               fmt, block_size: int, *, group: int, full: bool, impl: str):
+        """Sparse MQA of the queries over their selected positions pos [B, T, K] (-1 = none) of MLA layer
+        `layer_index` (of IndexShare group `group`; `full`: its indexer layer), whose device rows are at slots [B, T, K] (-1: not on the device) -> (out [B,T,H,R]
+        f32, view with the counts added). Rows not on the device come from the host pool, staged per
+        tile of queries: the tile's distinct host rows (compacted over the batch, copied in one of three
+        static sizes as the decode step's resolver copies, `HiSparseView.copy_sizes`) land in the
+        workspace, and the tile reads each selected row from there or from the pool."""
+        b, t, k = pos_BTK.shape
+        tq = min(self.tile, t)
+        nt = -(-t // tq)
+        pad = nt * tq - t
+        host = self.host_mla[layer_index]
+        page = jnp.maximum(pos_BTK, 0) // block_size
+        hpage = jnp.take_along_axis(self.host_table, jnp.minimum(page, self.host_table.shape[1] - 1).reshape(b, -1),
+                                    axis=1).reshape(pos_BTK.shape)
+        need = (pos_BTK >= 0) & (slots_BTK < 0)
+        hslot = jnp.where(need & (hpage >= 0), hpage * block_size + pos_BTK % block_size, _NO_ROW)
+        lost = need & (hpage < 0)
+        read = (pos_BTK >= 0) & ~lost
+
+        def tiles(x, fill):  # [B, T, ...] -> [nt, B, tq, ...]
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+            return jnp.moveaxis(x.reshape(b, nt, tq, *x.shape[2:]), 1, 0)
+
+        u = tq * k  # workspace rows per request row and tile
+        n = b * u
+        sizes = sorted({max(1, n >> s) for s in (6, 3, 0)})
+
+        def one_tile(args):
+            q_l, q_p, hs, dev, ok = args  # [B, tq, ...]
+            key = hs.reshape(b, u)
+            uniq = jax.vmap(lambda x: jnp.unique(x, size=u, fill_value=_NO_ROW))(key)  # [B, u] ascending
+            at = jax.vmap(jnp.searchsorted)(uniq, key)  # [B, u]: the workspace row of each selection
+            valid = uniq != _NO_ROW
+            src = jnp.where(valid, uniq, -1).reshape(-1)
+            order = jnp.argsort(src < 0, stable=True)  # the copies first
+            count = jnp.sum(valid)
+            branch = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), count))
+            empty = jnp.zeros((n, device_table.shape[1]), device_table.dtype)
+
+            def copy(m, ws):
+                dst, s = order[:m], src[order[:m]]
+                rows = take_host_rows(host, jnp.maximum(s, 0))
+                return ws.at[jnp.where(s >= 0, dst, n)].set(rows, mode="drop")
+
+            ws = jax.lax.switch(branch, [lambda w: w] + [functools.partial(copy, m) for m in sizes], empty)
+            from_ws = (key != _NO_ROW)
+            at_ws = jnp.arange(b, dtype=jnp.int32)[:, None] * u + at
+            rows = jnp.where(from_ws[..., None], ws[at_ws.reshape(-1)].reshape(b, u, -1),
+                             device_table[jnp.maximum(dev, 0).reshape(b, u)])
+            local = jnp.where(ok, jnp.arange(n, dtype=jnp.int32).reshape(b, tq, k), -1)
+            out, _ = sparse_mqa(q_l, q_p, SlotRows(rows.reshape(n, -1), local, fmt), scale, impl=impl)
+            return out, jnp.sum(valid, axis=1).astype(jnp.int32)
+
+        out, per_tile = jax.lax.map(one_tile, (tiles(q_lat_BTHR, 0), tiles(q_pe_BTHP, 0), tiles(hslot, _NO_ROW),
+                                               tiles(slots_BTK, -1), tiles(read, False)))
+        out = jnp.moveaxis(out, 0, 1).reshape(b, nt * tq, *out.shape[3:])[:, :t]
+        staged = jnp.sum(per_tile, axis=0)
+        view = dataclasses.replace(self, staged=self.staged.at[:, group].add(staged if full else 0),
+                                   copied=self.copied + staged,
+                                   unserved=self.unserved + jnp.sum(lost, axis=(1, 2)).astype(jnp.int32))
+        return out, view
 
 
 # ---------------------------------------------------------------------------------------- page copies
@@ -510,6 +613,15 @@ class HostMemory:
         self.lru_step += 1
         return HiSparseView.create(self.host_tables["mla"], host_table_RM, lease_R, *self.hot_state, self.lru_step,
                                    topk)
+
+    def staging_view(self, host_table_RM: np.ndarray, tile: int) -> StagingView:
+        """The staging view of one prefill group: rows' host pages [R, M], `tile` queries per staging tile.
+        Takes the host MLA tables (the step donates them); `absorb_staging` takes them back."""
+        groups = self.hot_state[0].shape[1] if self.hot_state is not None else 1
+        return StagingView.create(self.host_tables["mla"], host_table_RM, tile, groups)
+
+    def absorb_staging(self, view: StagingView) -> None:
+        self.host_tables["mla"] = view.host_mla
 
     def absorb(self, view: HiSparseView) -> None:
         """Take back the host tables and hot state a decode step returned in its view."""

@@ -21,7 +21,7 @@ import numpy as np
 
 from attention.common import slot_mapping
 from attention.formats import IndexKeyFormat, MLARowFormat
-from kvcache.host import HiSparseView
+from kvcache.host import HiSparseView, StagingView
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 from kvcache.base import default_attend, default_select, replace_layer_array
@@ -61,6 +61,8 @@ class PagedKVCache:
     hisparse: HiSparseView | None = None
     # slots per indexer-key page (0: block_size); index arrays hold num_blocks pages of this size
     index_block_size: int = dataclasses.field(default=0, metadata=dict(static=True))
+    # HiSparse prefill steps over host-only pages: the host pool and per-tile staging (kvcache.host)
+    staging: StagingView | None = None
 
     @classmethod
     def create(cls, cfg, num_blocks: int, block_size: int, block_table, *, kv_cache_dtype: str = "fp8_ds_mla",
@@ -188,4 +190,17 @@ class PagedKVCache:
         return SlotRows(table, hs.plan_rows[:, None, :], self.mla_format), cache
 
     select = default_select
-    attend = default_attend
+
+    def attend(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, *, window, full, impl):
+        """`KVCache.attend`. In a HiSparse prefill step over host-only pages (`staging`), the block table
+        holds -1 for those pages and the selected rows found there are staged from the host pool per tile
+        of queries (kvcache.host.StagingView.attend); otherwise `default_attend`."""
+        st = self.staging
+        if st is None:
+            return default_attend(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, window=window, full=full,
+                                  impl=impl)
+        i = self.mla_layers.index(layer)
+        group = sum(1 for f in self.index_layers if f <= layer) - 1
+        out, st = st.attend(i, self.mla[i], self.slots(pos_BTK), pos_BTK, q_lat_BTHR, q_pe_BTHP, scale,
+                            self.mla_format, self.block_size, group=group, full=full, impl=impl)
+        return out, dataclasses.replace(self, staging=st)

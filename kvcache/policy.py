@@ -83,8 +83,14 @@ class KVPolicy(Protocol):
         request that did not fit while neither this nor the device pool's version has moved (the attempt
         would fail again and leave everything as it was)."""
 
-    def reserve_blocks(self) -> int:
-        """Blocks a request may need beyond its pages (checked against the pool size when it is added)."""
+    shrink_chunks: bool
+    """Whether the scheduler shortens a prefill chunk that does not fit rather than evicting (vLLM evicts;
+    HiSparse with row staging shortens, so a prompt longer than the pool makes progress)."""
+
+    def device_blocks(self, kv: KVCacheManager, num_tokens: int) -> int:
+        """Most device blocks a request of `num_tokens` tokens (prompt, outputs, lookahead) holds at once
+        under this policy: what `Scheduler.add` checks against the pool (a request above it could never
+        run). Plain policies: every page of every group."""
 
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         """Device blocks a chunk of `num_tokens` needs beyond the pages of its new tokens."""
@@ -167,8 +173,10 @@ class PreemptPolicy:
     def admission_key(self, kv: KVCacheManager, req: RequestView, running: Sequence[RequestView]) -> object:
         return self.saved_tokens(req)  # admission reads the device pool only; make_room frees nothing
 
-    def reserve_blocks(self) -> int:
-        return 0
+    shrink_chunks = False
+
+    def device_blocks(self, kv: KVCacheManager, num_tokens: int) -> int:
+        return kv.blocks_needed_all(num_tokens)
 
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         return 0

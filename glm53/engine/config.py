@@ -6,7 +6,7 @@ import dataclasses
 
 from attention.formats import MLA_FORMATS
 from kvcache.events import KVEventsConfig
-from kvcache.hisparse import hot_buffer_rows
+from kvcache.hisparse import device_blocks_per_request, hot_buffer_rows
 from kvcache.layout import block_bytes, page_bytes
 from kvcache.host_tier import LOAD_FAILURE_POLICIES
 from kvcache.offload import host_tier_blocks
@@ -17,7 +17,7 @@ KV_POLICIES = ("preempt", "offload", "swap", "hisparse")
 IMPLS = ("auto", "reference", "pallas")
 GROUPS = ("mla", "indexer")  # the engine's cache groups: MLA rows of every layer, keys of the full layers
 _POSITIVE = ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
-             "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size")
+             "decode_context_parallel_size", "cp_kv_cache_interleave_size", "block_size", "hisparse_prefill_tile_tokens")
 _POSITIVE_OR_NONE = ("index_block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_gpu_blocks",
                      "kv_cache_memory_bytes", "hisparse_device_buffer_size")
 _NON_NEGATIVE = ("cpu_offload_bytes", "hisparse_host_pool_bytes", "num_speculative_tokens")
@@ -111,6 +111,11 @@ class DeployConfig:
         MLA KV in a host pool of hisparse_host_pool_bytes, at least one request of max_model_len; rows
         the indexer selects come through a hot buffer of hisparse_device_buffer_size rows per request,
         default (num_speculative_tokens + 2) x top-k, i.e. 2 x top-k without MTP; kvcache.hisparse).
+        Without MTP a request may be larger than the device pool: a prefill chunk over host-only pages
+        stages, per tile of hisparse_prefill_tile_tokens queries, only the rows they select (a workspace
+        of at most rows x tile x top-k MLA rows per layer, outside the pool), and the pool must hold
+        only a request's indexer keys, its chunk, its newest pages and a hot buffer
+        (kvcache.hisparse.device_blocks_per_request; `hisparse_stages_rows`).
     kv_transfer_config: vLLM's shape for the offload connector, {"kv_connector": "OffloadingConnector",
         "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": N, "blocks_per_chunk": 1, "eviction_policy": "lru", "secondary_tiers": []}}.
@@ -162,6 +167,7 @@ class DeployConfig:
     cpu_offload_bytes: int = 0
     hisparse_host_pool_bytes: int = 0
     hisparse_device_buffer_size: int | None = None
+    hisparse_prefill_tile_tokens: int = 64
     num_speculative_tokens: int = 0
     enable_prefix_caching: bool = True
     sparse_mla_force_mqa: bool = False
@@ -352,18 +358,24 @@ class DeployConfig:
         if d.num_gpu_blocks is not None:
             return d
         request = sum(-(-d.max_model_len // n) for n in d.group_tokens_per_block(GROUPS).values())
+        least = request  # blocks one request of max_model_len holds on the device at once
         if d.kv_policy == "hisparse":  # a decoding request may also hold a hot buffer
-            request += -(-hot_buffer_rows(d.hisparse_device_buffer_size, d.num_speculative_tokens,
-                                          cfg.index_topk) // d.block_size)
+            lease = -(-hot_buffer_rows(d.hisparse_device_buffer_size, d.num_speculative_tokens,
+                                       cfg.index_topk) // d.block_size)
+            request += lease
+            least = device_blocks_per_request(d.max_model_len, tokens_per_block=d.tokens_per_block,
+                                              index_tokens_per_block=d.index_tokens_per_block,
+                                              chunk_tokens=d.max_num_batched_tokens, lease_blocks=lease,
+                                              stage_rows=d.hisparse_stages_rows)
         kv_dtype = str(model_dtype) if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size,
                            include_mtp=d.num_speculative_tokens > 0)
         per_device = -(-block_bytes(pages) // d.decode_context_parallel_size)  # a block's share of one device
         budget = d.kv_budget_bytes(device, weights_bytes)
         fit = budget // per_device
-        if fit < request:
+        if fit < least:
             raise ValueError(f"the KV memory budget of {budget} bytes holds {fit} blocks of {per_device} bytes, fewer "
-                             f"than one request of max_model_len={d.max_model_len} needs ({request}): lower "
+                             f"than one request of max_model_len={d.max_model_len} needs ({least}): lower "
                              "DeployConfig.max_model_len or raise kv_cache_memory_bytes / num_gpu_blocks")
         return dataclasses.replace(d, num_gpu_blocks=min(fit, d.max_num_seqs * request))
 
@@ -377,6 +389,13 @@ class DeployConfig:
             return CPU_KV_CACHE_BYTES
         limit = (device.memory_stats() or {}).get("bytes_limit", 0)
         return max(0, int(self.gpu_memory_utilization * limit) - weights_bytes)
+
+    @property
+    def hisparse_stages_rows(self) -> bool:
+        """HiSparse prefill chunks over host-only pages stage only their selected rows (kvcache.host.
+        StagingView), so a request may exceed the device pool; under MTP (whose verify and draft passes
+        do not stage yet) they stage whole pages, and a request must fit the pool."""
+        return self.kv_policy == "hisparse" and self.num_speculative_tokens == 0
 
     @property
     def devices_per_replica(self) -> int:

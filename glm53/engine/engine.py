@@ -83,7 +83,8 @@ def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = No
                               block_size=deploy.block_size, hot_rows=sizes.hot_rows, max_leases=sizes.max_leases,
                               num_device_blocks=sizes.num_blocks, enable_prefix_caching=deploy.enable_prefix_caching,
                               page_bytes=sizes.page_bytes, tiers=tiers, fingerprint=fingerprint,
-                              load_failure_policy=deploy.kv_load_failure_policy)
+                              load_failure_policy=deploy.kv_load_failure_policy,
+                              stage_rows=deploy.hisparse_stages_rows, chunk_tokens=deploy.max_num_batched_tokens)
     return PreemptPolicy()
 
 
@@ -386,6 +387,9 @@ class Engine:
         out.update(self._policy_metrics())
         out.update(self._cp_metrics())
         out.update(self._spec_metrics())
+        # most pool blocks in use at once (requests' pages, leases), the fullest replica's, beside its pool
+        out["device_blocks_peak"] = max(r.scheduler.device_blocks_peak for r in self.replicas)
+        out["num_gpu_blocks"] = self.replicas[0].scheduler.kv.pool.num_blocks
         weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
         if None not in weights:  # the model runner's (1/tp of the split weights under TP)
             out["weights_bytes_per_device"] = max(weights)
@@ -561,6 +565,7 @@ def _hisparse_metrics(sch: Scheduler) -> dict:
     looked_up = rs.hot_hits + rs.hot_misses
     out = {"hot_hits": rs.hot_hits, "hot_misses": rs.hot_misses,
            "hot_hit_rate": rs.hot_hits / looked_up if looked_up else float("nan"), "hisparse_h2d_rows": rs.h2d_rows,
+           "staged_rows": rs.staged_rows, "staged_h2d_rows": rs.staged_h2d_rows,
            "host_pool_bytes_used": pol.host_bytes_used(), "host_pool_bytes_peak": pol.host_bytes_peak}
     out.update({f"residency_{k}_requests_mean": v / steps for k, v in st.residency_steps.items()})
     out.update({k: v for k, v in dataclasses.asdict(st).items() if k != "residency_steps"})

@@ -84,6 +84,17 @@ class ResolveRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageRecord:
+    """What one HiSparse prefill forward's row staging did (kvcache.host.StagingView): per row of
+    `req_ids`, rows staged [n, G] (per IndexShare group, distinct host rows per tile of queries summed
+    over tiles) and rows copied host->device over all layers [n]."""
+
+    req_ids: tuple[str, ...]
+    staged: np.ndarray
+    copied: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     """What a runner reports for a plan."""
 
@@ -106,6 +117,8 @@ class StepResult:
     # MTP: per request that sampled, the draft tokens proposed for its next step (num_speculative_tokens
     # of them; the scheduler trims what the next step's budget or max_model_len leaves no room for)
     drafts: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # HiSparse prefill groups that staged host rows (their copies are in h2d_bytes)
+    stages: tuple[StageRecord, ...] = ()
 
 
 class Runner(Protocol):

@@ -27,10 +27,10 @@ from jax.sharding import PartitionSpec as P
 from attention.common import pow2_at_least
 from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig, KVSizes
-from glm53.engine.plan import PlanRow, ResolveRecord, StepPlan, StepResult
+from glm53.engine.plan import PlanRow, ResolveRecord, StageRecord, StepPlan, StepResult
 from glm53.engine.spec_decode import rates_array, rejection_sample
 from glm53.model import GLM53, attention_form, compiled
-from kvcache.host import HiSparseView, HostMemory
+from kvcache.host import HiSparseView, HostMemory, StagingView
 from kvcache.paged import PagedKVCache
 from parallel import model as parallel_model
 from parallel import tp as parallel_tp
@@ -262,6 +262,9 @@ class ModelRunner:
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
         sz = self.sizes
         self.hisparse = deploy.kv_policy == "hisparse"
+        # prefill chunks over host-only pages stage their selected rows per tile (kvcache.host.StagingView)
+        self.stage_rows = deploy.hisparse_stages_rows
+        self.stage_tile = deploy.hisparse_prefill_tile_tokens
         self.host = HostMemory(self.cache, page_rows={"mla": deploy.block_size,
                                                       "indexer": deploy.index_block_size or deploy.block_size},
                                kv_ranks=self.kv_ranks, interleave=deploy.cp_kv_cache_interleave_size,
@@ -286,6 +289,15 @@ class ModelRunner:
             bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
             raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: {bad}")
         return ResolveRecord(req_ids, hits, misses, copied), int(copied.sum()) * self.host.row_bytes_mla
+
+    def _stage_record(self, req_ids: tuple[str, ...], view: StagingView) -> tuple[StageRecord, int]:
+        """The counts a HiSparse prefill forward's staging left in its view -> (record, bytes copied)."""
+        n = len(req_ids)
+        staged, copied, unserved = (np.asarray(x)[:n] for x in (view.staged, view.copied, view.unserved))
+        if unserved.any():  # never read fewer rows than selected without saying so
+            bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
+            raise RuntimeError(f"HiSparse: prefill rows selected positions with no device page or host copy: {bad}")
+        return StageRecord(req_ids, staged, copied), int(copied.sum()) * self.host.row_bytes_mla
 
     def _table(self, group: str, rows: int, tables, window: int | None = None) -> np.ndarray:
         """Block tables [rows, pages] int32 (-1 padded) covering positions < `window` (None: the whole
@@ -328,6 +340,8 @@ class ModelRunner:
             if self.hisparse and width == 1:
                 views.append(self.host.view(self._table("mla", rows, [], window), np.full(rows, -1, np.int32),
                                             self.model.cfg.index_topk))
+            elif self.stage_rows:  # a chunk over host-only pages (and the last layer's one query per row)
+                views.append(self.host.staging_view(self._table("mla", rows, [], window), self.stage_tile))
             for view in views:
                 hidden = self._forward(tok, pos, self._table("mla", rows, [], window),
                                        self._table("indexer", rows, [], window), window, view)
@@ -395,16 +409,22 @@ class ModelRunner:
                 v[:] = 0
         return out
 
-    def _forward(self, tok, pos, table_mla, table_index, window, hisparse: HiSparseView | None = None) -> jax.Array:
+    def _forward(self, tok, pos, table_mla, table_index, window,
+                 hisparse: HiSparseView | StagingView | None = None) -> jax.Array:
         """Run one padded batch [rows, width] -> hidden [rows, width, D] in token order (cache updated), or,
         without a context mesh, hidden [rows, 1, D] of each row's last real token: a row samples from its
         last token only, so the model skips the last layer's query side for the others (GLM53.__call__
-        last_only; without MTP nothing reads their hidden states)."""
-        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
-        cache = dataclasses.replace(self.cache.with_block_table(table_mla, table_index), hisparse=hisparse)
+        last_only; without MTP nothing reads their hidden states). `hisparse`: a decode group's resolver
+        view, or a prefill group's staging view (its rows have host-only pages)."""
+        staging = hisparse if isinstance(hisparse, StagingView) else None
+        if staging is not None:
+            hisparse = None
+        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window) + (("staging",) if staging is not None else ()))
+        cache = dataclasses.replace(self.cache.with_block_table(table_mla, table_index), hisparse=hisparse,
+                                    staging=staging)
         form = self.form
-        if hisparse is not None:
-            form = "mqa"  # host-only pages are reachable only through the resolver's selected rows
+        if hisparse is not None or staging is not None:
+            form = "mqa"  # host-only pages are reachable only through the resolver's or the staging's rows
         if self.mesh is not None:
             if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.num_blocks:
                 # the pool's arrays hold kv_ranks x num_blocks pages: a larger id would address another
@@ -423,6 +443,10 @@ class ModelRunner:
             self.host.absorb(cache.hisparse)
             self._last_view = cache.hisparse
             cache = dataclasses.replace(cache, hisparse=None)
+        if cache.staging is not None:
+            self.host.absorb_staging(cache.staging)
+            self._last_view = cache.staging
+            cache = dataclasses.replace(cache, staging=None)
         self.cache = cache
         return hidden
 
@@ -478,24 +502,32 @@ class ModelRunner:
         if any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
-        tokens, resolves = {}, []
+        tokens, resolves, stages = {}, [], []
         hs = plan.hisparse
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity):
             # the resolver runs only for decode rows of which some hold a hot buffer; without one every
             # selected page is on the device and the plain step reads it
             leased = hs is not None and width == 1 and any(hs[i].lease >= 0 for i in idx)
+            # a prefill group of which some row has host-only pages stages the rows its queries select
+            staged = (hs is not None and width > 1 and self.stage_rows
+                      and any(-1 in plan.block_tables["mla"][i] for i in idx))
             rows = [plan.rows[i] for i in idx]
             tokens.update(self._run_group(rows, [plan.block_tables["mla"][i] for i in idx],
                                           [plan.block_tables["indexer"][i] for i in idx], width, padded, window,
-                                          [hs[i] for i in idx] if leased else None))
+                                          [hs[i] for i in idx] if leased or staged else None, staged))
             if leased:
                 rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), self._last_view)
                 resolves.append(rec)
                 h2d += nbytes
+            if staged:
+                rec, nbytes = self._stage_record(tuple(row.req_id for row in rows), self._last_view)
+                stages.append(rec)
+                h2d += nbytes
         # tier loads finished by now; a step with nothing to compute waits a little for one (an engine
         # whose only waiting requests wait on tiers would otherwise spin)
         loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
-        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads)
+        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads,
+                          stages=tuple(stages))
 
     # ------------------------------------------------------------------------------------ MTP steps
     def _execute_mtp(self, plan: StepPlan) -> StepResult:
@@ -672,9 +704,10 @@ class ModelRunner:
         return np.asarray(toks), np.asarray(accepted)
 
     def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int, window: int,
-                   hisparse=None) -> dict[str, tuple[int]]:
+                   hisparse=None, staged: bool = False) -> dict[str, tuple[int]]:
         """One width group as one padded forward of r rows over `window` positions (`forward_groups`);
-        `hisparse`: the rows' HiSparseRows when the resolver runs (some row holds a hot buffer)."""
+        `hisparse`: the rows' HiSparseRows when the resolver runs (some row holds a hot buffer) or, with
+        `staged`, when a prefill group stages host rows (some row has host-only pages)."""
         tok = np.zeros((r, width), np.int32)
         pos = np.full((r, width), -1, np.int32)
         last = np.zeros(r, np.int32)
@@ -683,7 +716,10 @@ class ModelRunner:
             pos[i, : row.num_tokens] = np.arange(row.start, row.start + row.num_tokens)
             last[i] = row.num_tokens - 1
         view = None
-        if hisparse is not None:
+        if staged:
+            view = self.host.staging_view(self._table("mla", r, [h.host_blocks for h in hisparse], window),
+                                          self.stage_tile)
+        elif hisparse is not None:
             lease = np.full(r, -1, np.int32)
             lease[: len(rows)] = [h.lease for h in hisparse]
             view = self.host.view(self._table("mla", r, [h.host_blocks for h in hisparse], window), lease,

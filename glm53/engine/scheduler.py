@@ -30,7 +30,7 @@ from types import MappingProxyType
 import numpy as np
 
 from glm53.engine.config import DeployConfig
-from glm53.engine.plan import PlanRow, ResolveRecord, StepPlan, StepResult
+from glm53.engine.plan import PlanRow, ResolveRecord, StageRecord, StepPlan, StepResult
 from glm53.engine.request import Request, Status
 from glm53.engine.spec_decode import SpecDecodeStats
 from kvcache.block_pool import KVCacheManager
@@ -57,7 +57,10 @@ class ResolveStats:
     hot_hits: int = 0
     hot_misses: int = 0
     h2d_rows: int = 0
+    staged_rows: int = 0  # prefill row staging: distinct rows per tile, summed over IndexShare groups
+    staged_h2d_rows: int = 0  # ... copied host -> device, all layers
     log: list | None = None
+    stage_log: list | None = None  # None, or every `glm53.engine.plan.StageRecord` (for tests)
 
     def add(self, rec: ResolveRecord) -> None:
         self.hot_hits += int(rec.hits.sum())
@@ -65,6 +68,12 @@ class ResolveStats:
         self.h2d_rows += int(rec.copied.sum())
         if self.log is not None:
             self.log.append(rec)
+
+    def add_stage(self, rec: StageRecord) -> None:
+        self.staged_rows += int(rec.staged.sum())
+        self.staged_h2d_rows += int(rec.copied.sum())
+        if self.stage_log is not None:
+            self.stage_log.append(rec)
 
 
 class Scheduler:
@@ -91,6 +100,7 @@ class Scheduler:
         # counters its admission moved, `_attempt_counts`); see `schedule`
         self._unfit: tuple | None = None
         self.skipped_admissions = 0  # retries skipped because nothing they read had changed
+        self.device_blocks_peak = 0  # most pool blocks in use (held by requests or leases) after a schedule
         self.idle_wait = False  # the last step scheduled nothing because its waiting requests wait for tier loads
         self.num_spec = deploy.num_speculative_tokens  # MTP drafts per step (0: no speculative decoding)
         self.spec = SpecDecodeStats()
@@ -113,10 +123,15 @@ class Scheduler:
         return end
 
     def add(self, req: Request) -> None:
-        need = self.kv.blocks_needed_all(self._max_tokens(req)) + self.policy.reserve_blocks()
+        """Queue `req`; a request that could never run under the policy (it needs more device blocks at
+        once than the pool has, `KVPolicy.device_blocks`) is refused with a ValueError naming both."""
+        need = self.policy.device_blocks(self.kv, self._max_tokens(req))
         if need > self.kv.pool.num_blocks:
-            raise ValueError(f"request {req.req_id!r} needs {need} blocks but the pool has {self.kv.pool.num_blocks}: "
-                             "raise DeployConfig.num_gpu_blocks")
+            raise ValueError(f"request {req.req_id!r} of {self._max_tokens(req)} tokens needs {need} device blocks at "
+                             f"once under kv_policy={self.deploy.kv_policy!r} but the pool has "
+                             f"{self.kv.pool.num_blocks} (num_gpu_blocks): raise num_gpu_blocks or shorten the "
+                             "request" + ("" if self.deploy.kv_policy == "hisparse" else
+                                          "; kv_policy='hisparse' keeps most of a long request's KV in host memory"))
         self.waiting.append(req)
         self.requests[req.req_id] = req
 
@@ -187,6 +202,9 @@ class Scheduler:
             while not self._fits(req, n):
                 if self.policy.make_room(self.kv, self.running, self._need(req, n)):
                     continue
+                if (m := self._shrink(req, n)) is not None:
+                    n = m
+                    break
                 victim = self.running[-1]
                 self._evict(victim)
                 evicted = True
@@ -233,6 +251,8 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._fits(req, n) and self.policy.make_room(self.kv, self.running, self._need(req, n)):
                 pass
+            if not self._fits(req, n) and (m := self._shrink(req, n)) is not None:
+                n = m
             if not self._fits(req, n):
                 self.policy.forget(self.kv, req)
                 self.kv.free(req.req_id, keep_hashes=True)  # give back the prefix hit; admit again when there is room
@@ -260,6 +280,7 @@ class Scheduler:
         self.idle_wait = waited and not out
         counted = counted and not self.idle_wait
         plan = self._plan(out)
+        self.device_blocks_peak = max(self.device_blocks_peak, self.kv.pool.num_blocks - self.kv.num_free_blocks)
         if counted:
             self.stats.steps += 1
         return plan
@@ -352,6 +373,26 @@ class Scheduler:
     def _fits(self, req: Request, n: int) -> bool:
         return self._need(req, n) <= self.kv.num_free_blocks
 
+    def _shrink(self, req: Request, n: int) -> int | None:
+        """The longest prefix of a prefill chunk of n tokens that fits the free blocks now, if the policy
+        lets a chunk shrink (HiSparse with row staging: a shorter chunk needs fewer pages, and the pages
+        its predecessors sealed can be released meanwhile), ending on a page boundary; None otherwise, and
+        for a row that verifies drafts."""
+        if not self.policy.shrink_chunks or n <= 1 or req.spec_token_ids:
+            return None
+        tpb = self.kv.tokens_per_block
+        lo, hi = 0, n - 1  # largest m in [1, n) with _fits, searched over chunk lengths that end on a page
+        best = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            end = (req.num_computed_tokens + mid) // tpb * tpb  # end the chunk on a page boundary
+            m = end - req.num_computed_tokens
+            if m >= 1 and self._fits(req, m):
+                best, lo = m, mid + 1
+            else:
+                hi = mid - 1
+        return best
+
     def _count_admission(self, req: Request) -> None:
         lost = self.lost_tokens.pop(req.req_id, None)
         if lost is None:  # first admission: prompt accounting
@@ -370,6 +411,8 @@ class Scheduler:
         self.transfers.h2d_bytes += result.h2d_bytes
         for rec in result.resolves:
             self.resolve.add(rec)
+        for rec in result.stages:
+            self.resolve.add_stage(rec)
         if result.tier_loads:
             self.policy.on_tier_results(result.tier_loads)
         finished = []

@@ -214,7 +214,7 @@ def test_engine_rejects_bad_requests_before_queueing_them():
              ([0, TINY.vocab_size], f"token ids must lie in \\[0, {TINY.vocab_size}\\)"), ([-1, 4], "token ids must lie"),
              (np.array([2**32 + 5, 7], np.int64), "token ids must lie"),  # not wrapped to 5 by an int32 cast
              (np.zeros(126, np.int32), "max_model_len=128"),
-             (np.zeros(60, np.int32), "needs 16 blocks but the pool has 10")]  # 8 MLA + 8 indexer pages
+             (np.zeros(60, np.int32), "needs 16 device blocks at once under kv_policy=.preempt. but the pool has 10")]  # 8 MLA + 8 indexer pages
     cases.append(([1, 2], "stop_token_ids must lie"))
     for prompt, match in cases:
         params = SamplingParams(3, stop_token_ids=(TINY.vocab_size,) if match.startswith("stop") else ())

@@ -27,7 +27,7 @@ def two_turns(tiny_model):
     a page boundary (prompt + outputs - 1 = 80 / 88 computed tokens), and their second turn continues
     generating with no new tokens: the one token left to compute decodes straight on the host-only
     prefix (no residency). 1 and 3 append five new tokens: a multi-token chunk over the host-only
-    prefix (staged prefill)."""
+    prefix (its selected rows staged per tile, kvcache.host.StagingView)."""
     rng = np.random.default_rng(1)
     first = [rng.integers(0, 512, n) for n in (71, 55, 79, 45)]
     # full residency: the default policy with a pool that never runs out (tests/engine/test_engine.py
@@ -54,7 +54,9 @@ def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns, pool
     st = pol.stats
     assert st.residency_steps["mixed"] > 0 and st.residency_steps["none"] > 0
     assert st.released_pages > 0 and st.lost_pages > 0  # released pages whose blocks were reused
-    assert st.host_prefix_pages > 0 and st.staged_pages > 0 and st.restored_index_pages > 0
+    assert st.host_prefix_pages > 0 and st.restored_index_pages > 0
+    # chunks over host-only pages stage the rows they select, never whole pages
+    assert st.staged_pages == 0 and res.staged_rows > 0 and res.staged_h2d_rows >= res.staged_rows
     assert res.hot_hits > 0 and res.hot_misses > 0
     # rows copied per request per step = sum over IndexShare groups of misses x layers of the group
     cfg = tiny_model.cfg
@@ -87,7 +89,8 @@ def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns, pool
     assert dataclasses.asdict(syn.scheduler.policy.stats) == dataclasses.asdict(st)
     assert syn.scheduler.stats == eng.scheduler.stats
     mt, st_ = eng.scheduler.transfers, syn.scheduler.transfers
-    assert st_.d2h_bytes == mt.d2h_bytes and st_.h2d_bytes == mt.h2d_bytes - res.h2d_rows * eng.runner.host.row_bytes_mla
+    copied = (res.h2d_rows + res.staged_h2d_rows) * eng.runner.host.row_bytes_mla
+    assert st_.d2h_bytes == mt.d2h_bytes and st_.h2d_bytes == mt.h2d_bytes - copied
 
 
 def test_room_in_the_pool_means_no_host_to_device_copies(tiny_model, two_turns):
@@ -273,7 +276,8 @@ def test_a_new_engine_serves_the_next_turns_from_the_tier(tiny_model, two_turns,
     assert fs["load_bytes"] > 0 and two.scheduler.transfers.h2d_bytes > 0
     # (a request preempted and admitted again takes its parked prefix back once more)
     assert st.host_prefix_pages >= sum(hits) // 8 and st.restored_index_pages >= sum(hits) // 16
-    assert st.residency_steps["none"] > 0 and st.staged_pages > 0  # host-only prefixes: decoded and staged
+    # host-only prefixes: decoded, and the chunks over them staged the rows they select
+    assert st.residency_steps["none"] > 0 and two.scheduler.resolve.staged_rows > 0
     pol = two.scheduler.policy
     assert not pol.host_tier.tier_pins and not pol.host_tier.jobs and not pol.state
     assert all(p.num_free == p.num_blocks for p in pol.host_tier.pools.values())

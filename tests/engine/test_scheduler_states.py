@@ -24,7 +24,7 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.tiers.sim import TierCosts
-from kvcache.hisparse import HiSparsePolicy
+from kvcache.hisparse import HiSparsePolicy, device_blocks_per_request
 from kvcache.layout import page_bytes
 from kvcache.offload import OffloadPolicy
 from kvcache.policy import SwapPolicy
@@ -70,6 +70,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         request_blocks = sum(-(-MAX_LEN // n) for n in tpb.values())
         lease = -(-(hot_rows or 2 * CFG.index_topk) // BLOCK) if policy == "hisparse" else 0
         fields["num_gpu_blocks"] = int((request_blocks + lease) * pool_scale)
+        if policy == "hisparse" and "speculative_config" not in fields:
+            # chunks stage the rows they select: a request needs only its keys, chunk, tail and hot buffer
+            # on the device, so pools from that up (requests up to several times the pool) are exercised
+            least = device_blocks_per_request(MAX_LEN, tokens_per_block=tpb["mla"],
+                                              index_tokens_per_block=tpb["indexer"], chunk_tokens=budget,
+                                              lease_blocks=lease, stage_rows=True)
+            fields["num_gpu_blocks"] = int(least * pool_scale)
         request_bytes = sum(pages[g] * -(-MAX_LEN // n) for g, n in tpb.items())
         host = max(1, int(request_bytes * host_scale * seqs))
         if policy == "swap":

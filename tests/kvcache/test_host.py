@@ -154,3 +154,76 @@ def test_canonical_rows_follow_the_dcp_round_robin(ranks, rows, interleave):
     want = np.asarray(layout.owner(p)) * rows + np.asarray(layout.local_position(p)) % rows
     np.testing.assert_array_equal(canonical_rows(ranks, rows, interleave), want)
     assert sorted(canonical_rows(ranks, rows, interleave)) == list(range(ranks * rows))  # a permutation
+
+
+@pytest.mark.parametrize("fmt", ["float32", "fp8_ds_mla"])
+def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt, monkeypatch):
+    """A prefill step over host-only pages (StagingView.attend): attention equals reading every page on
+    the device, and each tile copies exactly the distinct host rows its queries select (counted per
+    request; `copied` also per layer, and only those rows reach `take_host_rows`)."""
+    from kvcache.base import default_attend
+    from kvcache.host import StagingView
+
+    cache = _cache(fmt)
+    full = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int32)  # two requests, 4 pages of BS rows each
+    index_table = np.array([[8, 9], [10, 11]], np.int32)
+    cache = cache.with_block_table(full, index_table)
+    # host copies of pages: request 0's pages 0, 1 in host blocks 2, 0; request 1's page 2 in host block 1
+    host_table = np.array([[2, 0, -1, -1], [-1, -1, 1, -1]], np.int32)
+    mla = []
+    for a in cache.mla:
+        h = np.zeros((3 * BS, a.shape[1]), a.dtype)
+        for r in range(2):
+            for p, hb in enumerate(host_table[r]):
+                if hb >= 0:
+                    h[hb * BS:(hb + 1) * BS] = np.asarray(a[full[r, p] * BS:(full[r, p] + 1) * BS])
+        mla.append(jax.device_put(jnp.asarray(h), HOST))
+    hidden = np.where(host_table >= 0, -1, full)  # those pages are host-only in the step's table
+    staged = cache.with_block_table(hidden, index_table)
+    rng = np.random.default_rng(1)
+    t, k, h, r_dim, p_dim = 7, 5, CFG.num_attention_heads, CFG.kv_lora_rank, CFG.qk_rope_head_dim
+    pos = np.stack([np.stack([rng.choice(16, k, replace=False) for _ in range(t)]) for _ in range(2)]).astype(np.int32)
+    pos[0, 3, 1] = -1  # no selection
+    q_lat = jnp.asarray(rng.standard_normal((2, t, h, r_dim)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((2, t, h, p_dim)), jnp.float32)
+    crossed = []
+    take = host_mod.take_host_rows
+
+    def counting(table, idx):
+        crossed.append(idx.shape[0])
+        return take(table, idx)
+
+    monkeypatch.setattr(host_mod, "take_host_rows", counting)
+    view = StagingView.create(mla, host_table, tile=3, groups=4)
+    layer = cache.mla_layers[0]
+    want, _ = default_attend(cache, layer, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16, full=True, impl="reference")
+    got, out = dataclasses_replace(staged, view).attend(layer, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16,
+                                                        full=True, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    expect = []
+    for r in range(2):  # per tile of 3 queries: the distinct selected positions on host-only pages
+        n = 0
+        for start in range(0, t, 3):
+            sel = pos[r, start:start + 3].reshape(-1)
+            n += len({int(q) for q in sel if q >= 0 and hidden[r, q // BS] < 0})
+        expect.append(n)
+    assert np.asarray(out.staging.staged).tolist() == [[e, 0, 0, 0] for e in expect] and sum(expect) > 0
+    assert np.asarray(out.staging.copied).tolist() == expect
+    assert np.asarray(out.staging.unserved).tolist() == [0, 0]
+    assert crossed  # traced: the copy program moves rows host -> device only through take_host_rows
+    # a shared layer (3, of the group of full layer 2) copies again but does not count as staged
+    _, out2 = out.attend(3, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16, full=False,
+                         impl="reference")
+    assert np.asarray(out2.staging.staged).tolist() == [[e, 0, 0, 0] for e in expect]
+    assert np.asarray(out2.staging.copied).tolist() == [2 * e for e in expect]
+    # a selected position on a page with no device block and no host copy is reported, never read as junk
+    lost = np.where(np.arange(4)[None] == 3, -1, full)  # page 3 of both requests: gone everywhere
+    _, bad = dataclasses_replace(cache.with_block_table(lost, index_table), view).attend(
+        layer, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16, full=True, impl="reference")
+    assert np.asarray(bad.staging.unserved).tolist() == [int((pos[r] >= 12).sum()) for r in range(2)]
+
+
+def dataclasses_replace(cache, view):
+    import dataclasses
+
+    return dataclasses.replace(cache, staging=view)
