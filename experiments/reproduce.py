@@ -135,12 +135,14 @@ MANIFEST: tuple[Entry, ...] = (
     Entry("part1_142k", "Part 1: throughput vs interactivity, running requests (142K limit)", "sim", "BRIEF §8",
           PART1_PUBLISHED, "serve", PART1, quick=("--config.sweep.concurrency=(1, 8)",),
           committed="results/paper/part1", doc="docs/simulator.md", compare=SERVE_KEYS, note=NO_MTP),
-    Entry("part1_1m", "Part 1 at a 1M context limit", "not_built", "BRIEF §8", PART1_PUBLISHED, "serve", PART1,
-          overrides=("--config.deploy.max_model_len=1048576",), doc="docs/simulator.md", compare=SERVE_KEYS,
-          waits_for="issue 21 (HiSparse beyond the device pool)",
-          note="DeployConfig refuses a max_model_len whose request the device pool cannot hold (a 1M request "
-               "needs 17,408 blocks, the 15 GiB TP8 pool has 4,918), for every policy; under HiSparse the MLA rows "
-               "of such a request belong in the host pool, which issue 21 builds"),
+    Entry("part1_1m", "Part 1 at a 1M context limit (HiSparse; offload cannot hold a 1M request)", "sim", "BRIEF §8",
+          PART1_PUBLISHED, "serve", PART1,
+          overrides=("--config.deploy.max_model_len=1048576", "--config.sweep.kv_policy=('hisparse',)"),
+          quick=("--config.sweep.concurrency=(1, 8)",), committed="results/paper/part1_1m", doc="docs/simulator.md",
+          compare=SERVE_KEYS,
+          note=NO_MTP + " Offload is not swept: a 1M request needs 17,408 blocks at once and the 15 GiB TP8 pool "
+               "has 4,918, so Engine refuses it; HiSparse needs its indexer keys, a chunk, its newest pages "
+               "and a hot buffer (1,603 blocks)"),
     Entry("tiered_offload_scaling_sim", "Tiered offload scaling at GLM-5.3 / H200 scale: recompute / device / + host "
           "/ + host + filesystem (one NVMe SSD), 16-256 conversations", "sim", "BRIEF §7", TIERED_PUBLISHED, "serve",
           TIERED_H200, quick=("--config.workload.sessions=256", "--config.workload.turns=4",

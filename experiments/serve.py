@@ -234,7 +234,8 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
                  sim_time_by_op_s=dict(sorted(ops.items(), key=lambda kv: -kv[1])),
                  assumed_hisparse_miss_fraction=cfg.runner.hisparse_miss_fraction,
                  assumed_step_overhead_s=cfg.runner.step_overhead_s,
-                 sim_hot_miss_rows=sum(r.runner.hot_miss_rows for r in eng.replicas))
+                 sim_hot_miss_rows=sum(r.runner.hot_miss_rows for r in eng.replicas),
+                 sim_staged_rows=sum(r.runner.staged_rows for r in eng.replicas))
         tiers = [t for r in eng.replicas if r.runner.tiers is not None for t in r.runner.tiers.tiers]
         if tiers:  # each simulated tier's device: seconds its read / write channel was busy, per simulated second
             span = max(eng.clock.now(), 1e-12)

@@ -49,7 +49,7 @@ from glm53.engine.metrics import cp_work_metrics, summarize
 from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestOutput, SamplingParams
 from glm53.engine.runner import ModelRunner
-from glm53.engine.scheduler import Scheduler, SchedulerStats
+from glm53.engine.scheduler import BLOCK_USES, Scheduler, SchedulerStats
 from glm53.engine.spec_decode import SpecDecodeStats
 from glm53.model import as_token_array
 from kvcache.events import KVEventRecorder, batch, make_publisher
@@ -390,6 +390,12 @@ class Engine:
         # most pool blocks in use at once (requests' pages, leases), the fullest replica's, beside its pool
         out["device_blocks_peak"] = max(r.scheduler.device_blocks_peak for r in self.replicas)
         out["num_gpu_blocks"] = self.replicas[0].scheduler.kv.pool.num_blocks
+        # what holds the pool (Scheduler._count_blocks): per replica mean over steps with requests running,
+        # summed over replicas; and the fullest replica's split at its peak
+        out["device_blocks_by_use_mean"] = {k: sum(r.scheduler.blocks_by_use_sum[k] / max(1, r.scheduler.block_samples)
+                                                   for r in self.replicas) for k in BLOCK_USES}
+        fullest = max(self.replicas, key=lambda r: r.scheduler.device_blocks_peak).scheduler
+        out["device_blocks_by_use_at_peak"] = dict(fullest.blocks_by_use_at_peak)
         weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
         if None not in weights:  # the model runner's (1/tp of the split weights under TP)
             out["weights_bytes_per_device"] = max(weights)

@@ -260,6 +260,7 @@ class ModelRunner:
         # few times top-k (attention.dense_mla.use_dense_mha); force_mqa sends everything sparse
         self.form = "mqa" if deploy.sparse_mla_force_mqa else "auto"
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
+        self.staging_shapes: set[tuple] = set()  # ... run with HiSparse prefill staging (`StagingView`)
         sz = self.sizes
         self.hisparse = deploy.kv_policy == "hisparse"
         # prefill chunks over host-only pages stage their selected rows per tile (kvcache.host.StagingView)
@@ -419,7 +420,9 @@ class ModelRunner:
         staging = hisparse if isinstance(hisparse, StagingView) else None
         if staging is not None:
             hisparse = None
-        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window) + (("staging",) if staging is not None else ()))
+        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
+        if staging is not None:  # a program of its own per shape (warmup compiles it for every prefill shape)
+            self.staging_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = dataclasses.replace(self.cache.with_block_table(table_mla, table_index), hisparse=hisparse,
                                     staging=staging)
         form = self.form

@@ -38,6 +38,9 @@ from kvcache.policy import KVPolicy, PreemptPolicy
 from kvcache.transfer import TransferStats
 
 
+BLOCK_USES = ("indexer", "mla_decoding", "mla_prefilling", "hot_buffers")  # `Scheduler._count_blocks`
+
+
 @dataclasses.dataclass
 class SchedulerStats:
     preemptions: int = 0  # evictions of a running request, whatever the policy did with its KV
@@ -101,6 +104,10 @@ class Scheduler:
         self._unfit: tuple | None = None
         self.skipped_admissions = 0  # retries skipped because nothing they read had changed
         self.device_blocks_peak = 0  # most pool blocks in use (held by requests or leases) after a schedule
+        # pool blocks by use after each schedule (`_count_blocks`): sums over steps, and the split at the peak
+        self.blocks_by_use_sum = dict.fromkeys(BLOCK_USES, 0)
+        self.blocks_by_use_at_peak = dict.fromkeys(BLOCK_USES, 0)
+        self.block_samples = 0
         self.idle_wait = False  # the last step scheduled nothing because its waiting requests wait for tier loads
         self.num_spec = deploy.num_speculative_tokens  # MTP drafts per step (0: no speculative decoding)
         self.spec = SpecDecodeStats()
@@ -280,7 +287,7 @@ class Scheduler:
         self.idle_wait = waited and not out
         counted = counted and not self.idle_wait
         plan = self._plan(out)
-        self.device_blocks_peak = max(self.device_blocks_peak, self.kv.pool.num_blocks - self.kv.num_free_blocks)
+        self._count_blocks()
         if counted:
             self.stats.steps += 1
         return plan
@@ -369,6 +376,32 @@ class Scheduler:
     def _need(self, req: Request, n: int) -> int:
         """Free blocks a chunk of n tokens of `req` needs."""
         return self.kv.missing_blocks(req.req_id, self._target(req, n)) + self.policy.extra_blocks(self.kv, req, n)
+
+    def _count_blocks(self) -> None:
+        """Pool blocks in use after this schedule, by use (BLOCK_USES): the running requests' indexer-key
+        pages; MLA pages of requests decoding (their tails and the pages not released) and of requests
+        still prefilling (their chunks and the prefix they keep); hot buffers (leases); a block that
+        requests share counts once per holder (the pool's count of blocks in use counts it once)."""
+        by = dict.fromkeys(BLOCK_USES, 0)
+        for r in self.running:
+            tables = self.kv.requests[r.req_id].tables
+            for g, t in tables.items():
+                n = len(t) - t.count(-1)
+                if g != "mla":
+                    by["indexer"] += n
+                elif r.num_tokens - r.num_computed_tokens > 1:
+                    by["mla_prefilling"] += n
+                else:
+                    by["mla_decoding"] += n
+        by["hot_buffers"] = sum(len(b) for b in self.kv.leases.values())
+        used = self.kv.pool.num_blocks - self.kv.num_free_blocks
+        if used > self.device_blocks_peak or not self.block_samples:
+            self.blocks_by_use_at_peak = by
+        self.device_blocks_peak = max(self.device_blocks_peak, used)
+        if self.running:
+            self.block_samples += 1
+            for k, v in by.items():
+                self.blocks_by_use_sum[k] += v
 
     def _fits(self, req: Request, n: int) -> bool:
         return self._need(req, n) <= self.kv.num_free_blocks

@@ -20,6 +20,9 @@ What the simulator does not know (it has no arrays), and assumes instead:
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
+- HiSparse prefill staging (a chunk over host-only pages, kvcache.host.StagingView): per tile of
+  `hisparse_prefill_tile_tokens` queries, min(tile x top-k, the row's host-only rows) rows per layer
+  cross the link: an upper bound (no two queries of a tile select the same row).
 
 Secondary tiers (the offload host tier's filesystem tier and the like) are simulated
 (kvcache.tiers.sim.SimTier, made by `SyntheticRunner.make_tiers`): the same offload policy, RETRY
@@ -154,6 +157,7 @@ class SimRunner(SyntheticRunner):
         self.busy_s = 0.0
         self.time_by_op: dict[str, float] = {}
         self.hot_miss_rows = 0.0
+        self.staged_rows = 0.0  # prefill rows staged per layer (`_stage_rows`, an upper bound)
         self.pad_like_runner = pad_like_runner
         if async_dispatch and clock is None:
             raise ValueError("SimRunner(async_dispatch=True) needs the engine's clock")
@@ -174,11 +178,25 @@ class SimRunner(SyntheticRunner):
             total += self.hisparse_miss_fraction * min(k, row.start + 1) * host_only * row.num_tokens
         return total
 
+    def _stage_rows(self, plan: StepPlan, rows=None) -> float:
+        """Rows per layer a HiSparse step's prefill chunks over host-only pages stage (module docstring:
+        an upper bound), over the plan's rows or those indexed by `rows`."""
+        if plan.hisparse is None or not self.deploy.hisparse_stages_rows:
+            return 0.0
+        k, tile, tpb = self.cfg.index_topk, self.deploy.hisparse_prefill_tile_tokens, self.deploy.tokens_per_block
+        total = 0.0
+        for i in range(len(plan.rows)) if rows is None else rows:
+            row, table = plan.rows[i], plan.block_tables["mla"][i]
+            if row.num_tokens > 1 and -1 in table:
+                total += -(-row.num_tokens // tile) * min(tile * k, table.count(-1) * tpb)
+        return total
+
     def execute(self, plan: StepPlan) -> StepResult:
         if self.clock is not None:
             self._t = max(self._t, self.clock.now())  # this step starts now: its tier jobs are submitted now
         res = self._run(plan)
         misses = self._miss_rows(plan)
+        staged = self._stage_rows(plan)
         # host <-> storage operations do not use the device link
         moves = sum(1 for op in plan.transfers if not isinstance(op, (ResetLease, TierStore, TierLoad)))
         # a page holds every DCP rank's share; each GPU moves its own over its own link
@@ -191,13 +209,13 @@ class SimRunner(SyntheticRunner):
                 sample = any(plan.rows[i].sample for i in idx)
                 verify = width == (self.verify_width or 1)
                 segments.append((forward_cost(self.cfg, self.hw, self.dep, padded, width, window, sample=sample,
-                                              hot_miss_rows=misses if width == 1 else 0,
+                                              hot_miss_rows=misses if width == 1 else self._stage_rows(plan, idx),
                                               drafts=width - 1 if verify else 0), sample))
                 if sample and self.verify_width:  # the group's draft passes, on its padded rows
                     segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * padded,
                                                     self.verify_width - 2), True))
         else:
-            segments = [(step_cost(self.cfg, self.hw, self.dep, plan, hot_miss_rows=misses, **kw),
+            segments = [(step_cost(self.cfg, self.hw, self.dep, plan, hot_miss_rows=misses + staged, **kw),
                          any(r.sample for r in plan.rows))]
             drafting = [r.start + r.num_tokens for r in plan.rows if r.sample]
             if drafting and self.verify_width:
@@ -225,6 +243,7 @@ class SimRunner(SyntheticRunner):
             seconds = work + self.step_overhead_s + self.host_overlap_s
         self.busy_s += work + self.step_overhead_s + self.host_overlap_s
         self.hot_miss_rows += misses
+        self.staged_rows += staged
         seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
         return dataclasses.replace(res, duration_s=seconds, tier_loads=loads)
 
