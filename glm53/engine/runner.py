@@ -193,7 +193,8 @@ class ModelRunner:
         experts = model.cfg.n_routed_experts
         self.tp = deploy.tensor_parallel_size  # TP pads the experts to its ranks (parallel.tp)
         if self.tp > 1:
-            parallel_tp.check_weights(self.c.state)  # before any array is allocated
+            # before any array is allocated: what TP cannot split (fp8 experts by width, blocks straddling)
+            parallel_tp.check_weights(self.c.state, model.cfg, self.tp, deploy.enable_expert_parallel)
         if deploy.enable_expert_parallel and self.tp == 1 and n > 1 and experts % n:
             raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts do not split over the "
                              f"{n} devices of the context axis")
