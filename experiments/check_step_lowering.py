@@ -12,8 +12,10 @@ compiled or run. Under `attention.gpu_aot.gpu_lowering` the ops and forms are th
 
 Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
 - `tp8_decode`: TP8 (heads and MLP widths split over 8 ranks, EP8 over the TP ranks for the routed
-  experts, latent KV and indexer replicated; `parallel.tp`), one token per request. Weights in bfloat16:
-  TP of block-quantised fp8 weights is not built (`parallel.tp.check_weights` refuses them).
+  experts, latent KV and indexer replicated; `parallel.tp`), one token per request. Weights in bfloat16: TP of
+  block-quantised fp8 weights is built since (`parallel.tp`; at TP8 each rank's slice is whole 128-blocks,
+  so the step would keep its two all-reduces per layer; on the tiny preset straddling blocks add an
+  all-gather of activation maxima per row-split fp8 layer), but this step has not been switched to fp8.
 - `dcp8_ep8_decode`: the decode step of the same 8 ranks: KV split round-robin (DCP), queries
   replicated, the top-k merged across ranks and the partial attention outputs merged by LSE
   (`parallel.dcp`, ag_rs), the routed experts split over the ranks (one all-reduce per MoE layer).

@@ -13,6 +13,10 @@ Tensor parallelism (`tensor_parallel=True`, `parallel.tp`): the weights are spli
 all-reduce over them, and the cache (`CpKVCache(gather_queries=True, heads_split=True)`) is replicated
 over "tp" and, under DCP, split over "cp". Tokens are replicated (no PCP under TP).
 
+MTP (`verify`, `mtp_forward`): the sequential verify step and the MTP layer's passes run in the same
+kind of shard_map with the tokens replicated, under DCP and under TP (`tensor_parallel=True`: the MTP
+layer's heads and MLP split like every layer's).
+
 Token layouts (`CpKVCache.tokens_split`): split, tokens [B, N * Tl] in the `parallel.pcp.PcpSplit`
 order (rank-major; each rank's Tl = 2C tokens of every row), sharded on axis 1; or replicated, [B, T] on
 every rank. The hidden states come back in the same layout.
@@ -122,47 +126,57 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
                          out_specs=(tok, out_specs), check_vma=False)(state, tokens, positions, cache, counters)
 
 
-def _replicated_map(method, state, args, cache: CpKVCache, *, graphdef, mesh, expert_parallel: bool):
-    """`method(model, *args, cache)` -> (hidden, cache) inside one shard_map over the context axis, its
-    array arguments replicated (decode-shaped work: DCP, tokens not split) and the cache donated as in
+def _replicated_map(method, state, args, cache: CpKVCache, *, graphdef, mesh, expert_parallel: bool,
+                    tensor_parallel: bool = False):
+    """`method(model, *args, cache)` -> (hidden, cache) inside one shard_map over the mesh, its array
+    arguments replicated (decode-shaped work: DCP, tokens not split) and the cache donated as in
     `forward`. The MTP layer's KV lives in the same CpKVCache as the other layers', so it is sharded
-    (DCP) exactly like theirs."""
+    (DCP) exactly like theirs. tensor_parallel: `state` is `parallel.tp.place_state`'s, and the model
+    (its MTP layers included) runs with `parallel.tp.local_modules`, as `forward` does."""
     axis = cache.axis
     if cache.tokens_split:
         raise NotImplementedError("MTP passes and sequential verification with PCP (tokens split over the "
                                   "context axis): issue 21 item 5, only DCP is built")
     if cache.counters is not None:
         raise ValueError("the cache's counters must be None here")
+    if tensor_parallel and axis != tp_ops.AXES[-1]:
+        raise ValueError(f"under tensor parallelism the cache's axis is the TP group's inner axis "
+                         f"{tp_ops.AXES[-1]!r}, got {axis!r}")
     specs = cache_specs(cache)
 
     def body(state, args, cache):
         model = nnx.merge(graphdef, state)
-        if expert_parallel:
+        if tensor_parallel:
+            tp_ops.local_modules(model, expert_parallel=expert_parallel)
+        elif expert_parallel:
             for layer in (*model.layers, *model.mtp):
                 if isinstance(layer.mlp, MoE):
                     layer.mlp = _ExpertParallel(layer.mlp, axis, False)
         return method(model, *args, cache)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axis, expert_parallel), P(), specs),
+    weights = tp_ops.state_specs(state, expert_parallel) if tensor_parallel else state_specs(state, axis, expert_parallel)
+    return jax.shard_map(body, mesh=mesh, in_specs=(weights, P(), specs),
                          out_specs=(P(), specs), check_vma=False)(state, args, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel",
+                                             "tensor_parallel"),
                    donate_argnames=("cache",))
 def verify(state, tokens, positions, cache: CpKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
-           expert_parallel: bool = False):
+           expert_parallel: bool = False, tensor_parallel: bool = False):
     """`GLM53.verify` (each position a one-token decode step, lax.scan) on `mesh` -> (hidden [B, T, D], cache)."""
     fn = lambda m, t, p, c: m.verify(t, p, c, window=window, form=form, impl=impl)  # noqa: E731
     return _replicated_map(fn, state, (tokens, positions), cache, graphdef=graphdef, mesh=mesh,
-                           expert_parallel=expert_parallel)
+                           expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel",
+                                             "tensor_parallel"),
                    donate_argnames=("cache",))
 def mtp_forward(state, h_prev, next_tokens, positions, cache: CpKVCache, *, graphdef, mesh, window: int, form: str,
-                impl: str, expert_parallel: bool = False):
+                impl: str, expert_parallel: bool = False, tensor_parallel: bool = False):
     """`GLM53.mtp_forward(0, ...)` on `mesh` -> (hidden [B, T, D], cache): the MTP layer's KV and indexer
     keys written and read through the CpKVCache like every layer's."""
     fn = lambda m, h, t, p, c: m.mtp_forward(0, h, t, p, c, window=window, form=form, impl=impl)  # noqa: E731
     return _replicated_map(fn, state, (h_prev, next_tokens, positions), cache, graphdef=graphdef, mesh=mesh,
-                           expert_parallel=expert_parallel)
+                           expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)

@@ -175,9 +175,6 @@ class ModelRunner:
             raise NotImplementedError("kv_policy='hisparse' with tensor_parallel_size > 1 in the model runner: "
                                       "HiSparse under TP (one host pool per replica shared by its TP ranks; "
                                       "issue 24 item 1) is not built")
-        if deploy.tensor_parallel_size > 1 and deploy.num_speculative_tokens:  # the simulator prices it
-            raise NotImplementedError("speculative_config (MTP) with tensor_parallel_size > 1 in the model runner: "
-                                      "the MTP steps run the unsplit model's programs, not parallel.tp's")
         self.model = model
         self.deploy = deploy
         self.sizes = sizes
@@ -193,7 +190,8 @@ class ModelRunner:
         experts = model.cfg.n_routed_experts
         self.tp = deploy.tensor_parallel_size  # TP pads the experts to its ranks (parallel.tp)
         if self.tp > 1:
-            parallel_tp.check_weights(self.c.state)  # before any array is allocated
+            # before any array is allocated: what TP cannot split (fp8 experts by width, blocks straddling)
+            parallel_tp.check_weights(self.c.state, model.cfg, self.tp, deploy.enable_expert_parallel)
         if deploy.enable_expert_parallel and self.tp == 1 and n > 1 and experts % n:
             raise ValueError(f"enable_expert_parallel: the model's {experts} routed experts do not split over the "
                              f"{n} devices of the context axis")
@@ -551,9 +549,11 @@ class ModelRunner:
             raise ValueError(f"block id beyond the pool's {self.num_blocks} blocks")  # as in `_forward`
 
     def _cp_kw(self, window: int) -> dict:
-        """Static arguments of parallel.model's MTP-step functions (DCP: the "mqa" form, as a decode step's)."""
+        """Static arguments of parallel.model's MTP-step functions (DCP: the "mqa" form, as a decode step's;
+        TP: the programs over the split weights, as `_forward_cp`'s)."""
         return dict(graphdef=self.c.graphdef, mesh=self.mesh, window=window, form="mqa",
-                    impl=self.deploy.attention_impl, expert_parallel=self.deploy.enable_expert_parallel)
+                    impl=self.deploy.attention_impl, expert_parallel=self.deploy.enable_expert_parallel,
+                    tensor_parallel=self.tp > 1)
 
     def _verify_forward(self, tok, pos, table_mla, table_index, window):
         """A verify group's forward -> hidden [rows, 1 + k, D] of every position (cache updated)."""

@@ -90,13 +90,6 @@ def test_a_checkpoint_without_mtp_weights_fails_at_engine_construction(hf_fixtur
     Engine(model, DeployConfig(**BASE))  # without MTP it serves
 
 
-def test_mtp_under_tensor_parallelism_is_refused_by_the_model_runner(tiny_model):
-    """The MTP steps run the unsplit model's programs, not parallel.tp's: the model runner refuses the pair
-    (the simulator prices it) before it places anything."""
-    with pytest.raises(NotImplementedError, match="MTP.*tensor_parallel_size"):
-        Engine(tiny_model, DeployConfig(**MTP, tensor_parallel_size=2))
-
-
 # ------------------------------------------------------------------------------------------- accept rule
 def _run_rule(logits_JV, drafts, n, *, greedy=False, temp=1.0, top_p=1.0, rates=None, seed=0):
     """The accept rule on n rows that all see the same target logits and drafts (different PRNG keys)."""

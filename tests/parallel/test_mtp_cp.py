@@ -1,10 +1,12 @@
-"""MTP speculative decoding under PCP and DCP (issue 21 item 5): the MTP layer's KV and indexer keys live in
-the same CpKVCache as every layer's (under DCP sharded round-robin over the ranks), a prefill chunk's
-forward is split over the PCP ranks and its hidden states come back in token order, and the verify step,
-the MTP pass and the draft passes run in shard_maps over the context axis with the tokens replicated
-(parallel.model.verify / mtp_forward). Against one device: greedy tokens equal non-speculative decoding
-with the MTP layer's own drafts and with oracle drafts that stand 0..K at a time, the drafts equal a
-one-device MTP engine's, and a warm engine compiles nothing more."""
+"""MTP speculative decoding under PCP and DCP (issue 21 item 5) and TP (issue 24): the MTP layer's KV and
+indexer keys live in the same CpKVCache as every layer's (under DCP sharded round-robin over the ranks),
+a prefill chunk's forward is split over the PCP ranks and its hidden states come back in token order,
+and the verify step, the MTP pass and the draft passes run in shard_maps over the mesh with the tokens
+replicated (parallel.model.verify / mtp_forward; under TP over the split weights, the MTP layer's heads
+and MLP split like every layer's: TP2, and TP2 x DCP2 with DCP reusing the two TP ranks). Against one
+device: greedy tokens equal non-speculative decoding with the MTP layer's own drafts and with oracle
+drafts that stand 0..K at a time, the drafts equal a one-device MTP engine's, and a warm engine compiles
+nothing more."""
 
 import importlib.util
 from pathlib import Path
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 K = 3
+_ONE_DEVICE: dict = {}  # one device's greedy tokens and MTP drafts, shared by the layouts
 BASE = dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=8, num_gpu_blocks=24)
 
 
@@ -41,9 +44,11 @@ def _record_drafts(eng) -> dict:
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize("layout", [dict(decode_context_parallel_size=2), dict(prefill_context_parallel_size=2),
-                                    dict(prefill_context_parallel_size=2, decode_context_parallel_size=2)],
-                         ids=["dcp2", "pcp2", "pcp2_dcp2"])
-def test_mtp_under_context_parallelism_equals_one_device(tiny_model, layout):
+                                    dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
+                                    dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, decode_context_parallel_size=2)],
+                         ids=["dcp2", "pcp2", "pcp2_dcp2", "tp2", "tp2_dcp2"])
+def test_mtp_on_a_mesh_equals_one_device(tiny_model, layout):
     import jax
 
     import glm53
@@ -52,20 +57,26 @@ def test_mtp_under_context_parallelism_equals_one_device(tiny_model, layout):
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
-    want = [glm53.generate(tiny_model, p, 12).token_ids.tolist() for p in prompts]
-    one = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K))
-    dcp = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K, **layout), devices=jax.devices()[:2])
+    if not _ONE_DEVICE:  # the layouts share one device's reference (computed once per process)
+        _ONE_DEVICE["want"] = [glm53.generate(tiny_model, p, 12).token_ids.tolist() for p in prompts]
+    want = _ONE_DEVICE["want"]
+    engines = {"dcp": Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K, **layout),
+                             devices=jax.devices()[:2])}
+    dcp = engines["dcp"]
     assert dcp.runner.mesh is not None and dcp.runner.kv_ranks == layout.get("decode_context_parallel_size", 1)
+    if "one" not in _ONE_DEVICE:
+        engines["one"] = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K))
     # the MTP layer's own drafts (random weights: almost all rejected): the reference tokens, and the
     # drafts of a one-device MTP engine (the MTP layer's KV sharded like every layer's)
     drafts = {}
-    for name, eng in (("one", one), ("dcp", dcp)):
+    for name, eng in engines.items():
         seen = _record_drafts(eng)
         outs = eng.generate(prompts, max_new_tokens=5)
         assert [o.token_ids.tolist() for o in outs] == [w[:5] for w in want], name
         drafts[name] = [seen[o.req_id] for o in outs]
         del eng.runner.execute  # the class method again
-    assert drafts["dcp"] == drafts["one"]
+    _ONE_DEVICE.setdefault("one", drafts.get("one"))
+    assert drafts["dcp"] == _ONE_DEVICE["one"]
     assert dcp.metrics()["spec_num_drafts"] > 0
     # oracle drafts that stand 0..K at a time (poison off: under DCP a block's slots are spread over the
     # ranks), on a warm engine: the same tokens, and no compilation
