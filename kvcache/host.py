@@ -241,11 +241,15 @@ class StagingView:
     def attend(self, layer_index: int, device_table, slots_BTK, pos_BTK, q_lat_BTHR, q_pe_BTHP, scale: float,
                fmt, block_size: int, *, group: int, full: bool, impl: str):
         """Sparse MQA of the queries over their selected positions pos [B, T, K] (-1 = none) of MLA layer
-        `layer_index` (of IndexShare group `group`; `full`: its indexer layer), whose device rows are at slots [B, T, K] (-1: not on the device) -> (out [B,T,H,R]
-        f32, view with the counts added). Rows not on the device come from the host pool, staged per
-        tile of queries: the tile's distinct host rows (compacted over the batch, copied in one of three
-        static sizes as the decode step's resolver copies, `HiSparseView.copy_sizes`) land in the
-        workspace, and the tile reads each selected row from there or from the pool."""
+        `layer_index` (of IndexShare group `group`; `full`: its indexer layer), whose device rows are at
+        slots [B, T, K] (-1: not on the device) -> (out [B,T,H,R] f32, view with the counts added).
+
+        Rows not on the device come from the host pool through a workspace of u = tile x top-k rows per
+        request, tile after tile (a scan): a tile's distinct host rows that the workspace already holds
+        (staged for an earlier tile of this chunk) are hits; the others take the least recently used
+        rows no hit claimed and are copied (compacted over the batch, in one of three static sizes as
+        the decode resolver's copies, `HiSparseView.copy_sizes`). Sorting, not [u, u] comparisons, finds
+        the hits, so a tile costs O(u log u). `staged` counts the copies."""
         b, t, k = pos_BTK.shape
         tq = min(self.tile, t)
         nt = -(-t // tq)
@@ -267,34 +271,59 @@ class StagingView:
         n = b * u
         sizes = sorted({max(1, n >> s) for s in (6, 3, 0)})
 
-        def one_tile(args):
+        def assign(uniq, wpos, wlast, step):
+            """One request's tile: its distinct host rows `uniq` [u] (ascending, _NO_ROW padded) against
+            the workspace rows' host slots `wpos` [u] (-1 empty) -> (workspace row of each uniq entry,
+            copies: whether it misses, new wpos, new wlast). A hit keeps its row; a miss takes the least
+            recently used row no hit of this tile claimed (there are enough: the tile has at most u)."""
+            valid = uniq != _NO_ROW
+            order_w = jnp.argsort(wpos)
+            sorted_w = wpos[order_w]
+            at = jnp.clip(jnp.searchsorted(sorted_w, uniq), 0, u - 1)
+            hit = valid & (sorted_w[at] == uniq)
+            hit_row = order_w[at]
+            miss = valid & ~hit
+            claimed = jnp.zeros((u,), bool).at[jnp.where(hit, hit_row, u)].set(True, mode="drop")
+            lru = jnp.argsort(jnp.where(claimed, jnp.iinfo(jnp.int32).max, wlast), stable=True)
+            miss_row = lru[jnp.clip(jnp.cumsum(miss) - 1, 0, u - 1)]
+            row = jnp.where(hit, hit_row, jnp.where(miss, miss_row, -1))
+            wpos = wpos.at[jnp.where(miss, row, u)].set(uniq, mode="drop")
+            wlast = wlast.at[jnp.where(valid, row, u)].set(step, mode="drop")
+            return row, miss, wpos, wlast
+
+        def one_tile(carry, args):
+            ws, wpos, wlast, step = carry
             q_l, q_p, hs, dev, ok = args  # [B, tq, ...]
             key = hs.reshape(b, u)
             uniq = jax.vmap(lambda x: jnp.unique(x, size=u, fill_value=_NO_ROW))(key)  # [B, u] ascending
-            at = jax.vmap(jnp.searchsorted)(uniq, key)  # [B, u]: the workspace row of each selection
-            valid = uniq != _NO_ROW
-            src = jnp.where(valid, uniq, -1).reshape(-1)
+            row, miss, wpos, wlast = jax.vmap(assign, in_axes=(0, 0, 0, None))(uniq, wpos, wlast, step)
+            base = jnp.arange(b, dtype=jnp.int32)[:, None] * u
+            src = jnp.where(miss, uniq, -1).reshape(-1)  # host slot -> workspace row, misses only
+            dst = (base + row).reshape(-1)
             order = jnp.argsort(src < 0, stable=True)  # the copies first
-            count = jnp.sum(valid)
+            count = jnp.sum(miss)
             branch = jnp.where(count == 0, 0, 1 + jnp.searchsorted(jnp.asarray(sizes), count))
-            empty = jnp.zeros((n, device_table.shape[1]), device_table.dtype)
 
             def copy(m, ws):
-                dst, s = order[:m], src[order[:m]]
-                rows = take_host_rows(host, jnp.maximum(s, 0))
-                return ws.at[jnp.where(s >= 0, dst, n)].set(rows, mode="drop")
+                s_, d_ = src[order[:m]], dst[order[:m]]
+                rows = take_host_rows(host, jnp.maximum(s_, 0))
+                return ws.at[jnp.where(s_ >= 0, d_, n)].set(rows, mode="drop")
 
-            ws = jax.lax.switch(branch, [lambda w: w] + [functools.partial(copy, m) for m in sizes], empty)
-            from_ws = (key != _NO_ROW)
-            at_ws = jnp.arange(b, dtype=jnp.int32)[:, None] * u + at
-            rows = jnp.where(from_ws[..., None], ws[at_ws.reshape(-1)].reshape(b, u, -1),
+            ws = jax.lax.switch(branch, [lambda w: w] + [functools.partial(copy, m) for m in sizes], ws)
+            from_ws = key != _NO_ROW
+            at = jax.vmap(jnp.searchsorted)(uniq, key)  # [B, u]: each selection's entry in uniq
+            at_ws = base + jnp.take_along_axis(row, jnp.minimum(at, u - 1), axis=1)
+            rows = jnp.where(from_ws[..., None], ws[jnp.maximum(at_ws, 0).reshape(-1)].reshape(b, u, -1),
                              device_table[jnp.maximum(dev, 0).reshape(b, u)])
             local = jnp.where(ok, jnp.arange(n, dtype=jnp.int32).reshape(b, tq, k), -1)
             out, _ = sparse_mqa(q_l, q_p, SlotRows(rows.reshape(n, -1), local, fmt), scale, impl=impl)
-            return out, jnp.sum(valid, axis=1).astype(jnp.int32)
+            return (ws, wpos, wlast, step + 1), (out, jnp.sum(miss, axis=1).astype(jnp.int32))
 
-        out, per_tile = jax.lax.map(one_tile, (tiles(q_lat_BTHR, 0), tiles(q_pe_BTHP, 0), tiles(hslot, _NO_ROW),
-                                               tiles(slots_BTK, -1), tiles(read, False)))
+        init = (jnp.zeros((n, device_table.shape[1]), device_table.dtype), jnp.full((b, u), -1, jnp.int32),
+                jnp.full((b, u), jnp.iinfo(jnp.int32).min, jnp.int32), jnp.int32(0))
+        _, (out, per_tile) = jax.lax.scan(one_tile, init, (tiles(q_lat_BTHR, 0), tiles(q_pe_BTHP, 0),
+                                                           tiles(hslot, _NO_ROW), tiles(slots_BTK, -1),
+                                                           tiles(read, False)))
         out = jnp.moveaxis(out, 0, 1).reshape(b, nt * tq, *out.shape[3:])[:, :t]
         staged = jnp.sum(per_tile, axis=0)
         view = dataclasses.replace(self, staged=self.staged.at[:, group].add(staged if full else 0),

@@ -20,9 +20,10 @@ What the simulator does not know (it has no arrays), and assumes instead:
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
-- HiSparse prefill staging (a chunk over host-only pages, kvcache.host.StagingView): per tile of
-  `hisparse_prefill_tile_tokens` queries, min(tile x top-k, the row's host-only rows) rows per layer
-  cross the link: an upper bound (no two queries of a tile select the same row).
+- HiSparse prefill staging (a chunk over host-only pages, kvcache.host.StagingView): per chunk,
+  min(chunk tokens x top-k, the row's host-only rows) rows per layer cross the link, i.e. every
+  host-only row the chunk could select, once: exact while the chunk's distinct selections fit the
+  staging workspace (tile x top-k rows), which keeps rows across tiles; more where they do not.
 
 Secondary tiers (the offload host tier's filesystem tier and the like) are simulated
 (kvcache.tiers.sim.SimTier, made by `SyntheticRunner.make_tiers`): the same offload policy, RETRY
@@ -157,7 +158,7 @@ class SimRunner(SyntheticRunner):
         self.busy_s = 0.0
         self.time_by_op: dict[str, float] = {}
         self.hot_miss_rows = 0.0
-        self.staged_rows = 0.0  # prefill rows staged per layer (`_stage_rows`, an upper bound)
+        self.staged_rows = 0.0  # prefill rows staged per layer (`_stage_rows`)
         self.pad_like_runner = pad_like_runner
         if async_dispatch and clock is None:
             raise ValueError("SimRunner(async_dispatch=True) needs the engine's clock")
@@ -180,15 +181,15 @@ class SimRunner(SyntheticRunner):
 
     def _stage_rows(self, plan: StepPlan, rows=None) -> float:
         """Rows per layer a HiSparse step's prefill chunks over host-only pages stage (module docstring:
-        an upper bound), over the plan's rows or those indexed by `rows`."""
+        each host-only row the chunk could select, once), over the plan's rows or those in `rows`."""
         if plan.hisparse is None or not self.deploy.hisparse_stages_rows:
             return 0.0
-        k, tile, tpb = self.cfg.index_topk, self.deploy.hisparse_prefill_tile_tokens, self.deploy.tokens_per_block
+        k, tpb = self.cfg.index_topk, self.deploy.tokens_per_block
         total = 0.0
         for i in range(len(plan.rows)) if rows is None else rows:
             row, table = plan.rows[i], plan.block_tables["mla"][i]
             if row.num_tokens > 1 and -1 in table:
-                total += -(-row.num_tokens // tile) * min(tile * k, table.count(-1) * tpb)
+                total += min(row.num_tokens * k, table.count(-1) * tpb)
         return total
 
     def execute(self, plan: StepPlan) -> StepResult:

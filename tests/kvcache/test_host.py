@@ -159,8 +159,11 @@ def test_canonical_rows_follow_the_dcp_round_robin(ranks, rows, interleave):
 @pytest.mark.parametrize("fmt", ["float32", "fp8_ds_mla"])
 def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt, monkeypatch):
     """A prefill step over host-only pages (StagingView.attend): attention equals reading every page on
-    the device, and each tile copies exactly the distinct host rows its queries select (counted per
-    request; `copied` also per layer, and only those rows reach `take_host_rows`)."""
+    the device, and each tile copies exactly the distinct host rows its queries select that the
+    workspace does not hold from an earlier tile (an LRU over tile x top-k rows, `_staged_lru`; counted
+    per request, `copied` also per layer, and rows cross only through `take_host_rows`). With tiles of
+    one query the workspace (5 rows) is smaller than a request's host rows, so rows are evicted and
+    staged again."""
     from kvcache.base import default_attend
     from kvcache.host import StagingView
 
@@ -200,17 +203,17 @@ def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt
     got, out = dataclasses_replace(staged, view).attend(layer, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16,
                                                         full=True, impl="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    expect = []
-    for r in range(2):  # per tile of 3 queries: the distinct selected positions on host-only pages
-        n = 0
-        for start in range(0, t, 3):
-            sel = pos[r, start:start + 3].reshape(-1)
-            n += len({int(q) for q in sel if q >= 0 and hidden[r, q // BS] < 0})
-        expect.append(n)
+    expect = [_staged_lru(pos[r], hidden[r], tile=3, k=k) for r in range(2)]
     assert np.asarray(out.staging.staged).tolist() == [[e, 0, 0, 0] for e in expect] and sum(expect) > 0
     assert np.asarray(out.staging.copied).tolist() == expect
     assert np.asarray(out.staging.unserved).tolist() == [0, 0]
     assert crossed  # traced: the copy program moves rows host -> device only through take_host_rows
+    one = StagingView.create(mla, host_table, tile=1, groups=4)  # a 5-row workspace: rows are evicted
+    got1, out1 = dataclasses_replace(staged, one).attend(layer, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16,
+                                                         full=True, impl="reference")
+    np.testing.assert_allclose(np.asarray(got1), np.asarray(want), rtol=1e-6, atol=1e-6)
+    expect1 = [_staged_lru(pos[r], hidden[r], tile=1, k=k) for r in range(2)]
+    assert np.asarray(out1.staging.staged)[:, 0].tolist() == expect1 and expect1[0] > expect[0]
     # a shared layer (3, of the group of full layer 2) copies again but does not count as staged
     _, out2 = out.attend(3, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16, full=False,
                          impl="reference")
@@ -221,6 +224,26 @@ def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt
     _, bad = dataclasses_replace(cache.with_block_table(lost, index_table), view).attend(
         layer, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16, full=True, impl="reference")
     assert np.asarray(bad.staging.unserved).tolist() == [int((pos[r] >= 12).sum()) for r in range(2)]
+
+
+def _staged_lru(pos_TK, table_M, *, tile: int, k: int) -> int:
+    """Rows a request's staging copies: per tile, its distinct selected positions on host-only pages
+    (table -1) that a workspace of tile x k rows does not hold; the misses, in ascending position, take
+    the rows no hit of the tile claimed, least recently used first (ties: the lower row)."""
+    rows = [(-1, -(2**31))] * (tile * k)  # per workspace row: (position, last tile that used it)
+    copies = 0
+    for i, start in enumerate(range(0, len(pos_TK), tile)):
+        need = sorted({int(q) for q in pos_TK[start:start + tile].reshape(-1) if q >= 0 and table_M[q // BS] < 0})
+        held = {p: r for r, (p, _) in enumerate(rows) if p >= 0}
+        claimed = {held[q] for q in need if q in held}
+        free = sorted((r for r in range(len(rows)) if r not in claimed), key=lambda r: (rows[r][1], r))
+        for q, r in zip([q for q in need if q not in held], free):
+            rows[r] = (q, i)
+            copies += 1
+        for q in need:
+            if q in held:
+                rows[held[q]] = (q, i)
+    return copies
 
 
 def dataclasses_replace(cache, view):
