@@ -225,6 +225,7 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
         pinned = [p for p, b in enumerate(table) if b >= 0]
         if len(pinned) <= cap or kv.num_free_blocks >= kv.blocks_needed_all(req.num_tokens) - held + self.lease_blocks:
             return
+        self.admission_acted = True
         self._precopy(kv, [req], pages=len(table))  # cached pages whose host copy the host pool evicted
         for p in [p for p in pinned if p < len(st.host) and st.host[p] >= 0
                   and kv.pool.ref_count[table[p]] == 1][: len(pinned) - cap]:
@@ -405,6 +406,7 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
                 raise
             for r in others:
                 self.host_tier.release(pins.pop(r))
+            self.admission_acted = True
             return self.host_mla.allocate(1)
 
     @property

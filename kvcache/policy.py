@@ -84,6 +84,10 @@ class KVPolicy(Protocol):
         would fail again and leave everything as it was)."""
 
     shrink_chunks: bool
+    admission_acted: bool
+    """Set by an admission attempt that changed more than the prefix lookup does (the scheduler resets
+    it before each attempt and does not skip the retry of a failed attempt that set it)."""
+
     """Whether the scheduler shortens a prefill chunk that does not fit rather than evicting (vLLM evicts;
     HiSparse with row staging shortens, so a prompt longer than the pool makes progress)."""
 
@@ -174,6 +178,7 @@ class PreemptPolicy:
         return self.saved_tokens(req)  # admission reads the device pool only; make_room frees nothing
 
     shrink_chunks = False
+    admission_acted = False
 
     def device_blocks(self, kv: KVCacheManager, num_tokens: int) -> int:
         return kv.blocks_needed_all(num_tokens)

@@ -242,6 +242,7 @@ class Scheduler:
             pool_stats = self.kv.pool.stats
             queries, hits = pool_stats.queries, pool_stats.hits
             counts = self._attempt_counts()
+            self.policy.admission_acted = False
             saved = self.policy.saved_tokens(req)
             if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
                 self.kv.admit(req.req_id, req.tokens, req.extra_keys, use_prefix_cache=False)
@@ -267,7 +268,10 @@ class Scheduler:
                 delta = tuple(a - b for a, b in zip(self._attempt_counts(), counts))
                 if before is not None:
                     self._check_skip(before, delta)
-                self._unfit = (req, self._admission_signature(req, budget), delta)
+                # an attempt whose policy moved KV for it (HiSparse unpinning a long cached prefix) is not
+                # known to be repeatable: it is retried, not skipped
+                self._unfit = None if self.policy.admission_acted else (req, self._admission_signature(req, budget),
+                                                                        delta)
                 break
             if before is not None:
                 raise AssertionError(f"step {self.stats.steps}: a skipped admission of {req.req_id!r} would have succeeded")
