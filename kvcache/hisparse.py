@@ -226,10 +226,18 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
         b, gen = st.unpinned[page]
         return kv.pool.generation[b] == gen
 
+    @staticmethod
+    def _prefill_chunk(req: RequestView, num_tokens: int) -> bool:
+        """Whether a row of `num_tokens` is a prefill chunk (it reads its whole prefix through the block
+        table), not a decode row. Under MTP a decode row verifies its last token and its drafts: it
+        has one known token left to compute however many it carries, and resolves through the hot buffer
+        like a one-token step (GLM53.verify)."""
+        return num_tokens > 1 and req.num_tokens - req.num_computed_tokens > 1
+
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         st = self.state[req.req_id]
         extra = len(st.pending_index)
-        if num_tokens > 1:  # a prefill chunk reads its whole prefix through the block table
+        if self._prefill_chunk(req, num_tokens):  # a prefill chunk reads its whole prefix through the block table
             extra += len(self._host_only(kv, req)) + sum(kv.pool.ref_count[b] == 0 for b, _ in
                                                          (st.unpinned[p] for p in st.unpinned
                                                           if self._intact(kv, st, p)))
@@ -252,7 +260,7 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
             self.stats.restored_index_pages += len(pages)
             st.pending_index.clear()
         table = kv.block_table(req.req_id, "mla")
-        if num_tokens > 1:
+        if self._prefill_chunk(req, num_tokens):
             for p in [p for p in st.unpinned if self._intact(kv, st, p)]:  # take intact pages back: no copy
                 b, _ = st.unpinned.pop(p)
                 kv.pool.touch([b])

@@ -247,9 +247,11 @@ class DeployConfig:
             raise ValueError(f"DeployConfig.num_speculative_tokens={k} and speculative_config num_speculative_tokens="
                              f"{spec.num_speculative_tokens} disagree")
         object.__setattr__(self, "num_speculative_tokens", spec.num_speculative_tokens)
-        if self.kv_policy == "hisparse":
-            raise NotImplementedError("DeployConfig.speculative_config with kv_policy='hisparse': HiSparse with MTP "
-                                      "(a resolver plan shared by a step's draft tokens) is issue 21 item 4, not built")
+        if self.kv_policy == "hisparse" and spec.verify == "batched":
+            raise NotImplementedError("DeployConfig.speculative_config verify='batched' with kv_policy='hisparse': a "
+                                      "HiSparse verify step resolves its positions one at a time (verify "
+                                      "'sequential', which 'auto' picks under HiSparse); one resolver plan over "
+                                      "a batched forward's 1 + k positions is not built")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
