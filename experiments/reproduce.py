@@ -67,7 +67,7 @@ SERVE_KEYS = ("kv_policy", "concurrency", "max_model_len", "throughput_tok_s_per
               "ttft_median_s", "running_requests_mean", "preemptions", "prefix_hit_rate")
 PART1 = "configs/paper/part1.py"
 PART1_MTP3 = "configs/paper/part1_mtp3.py"
-MTP_KEYS = ("spec_acceptance_length_mean", "spec_accepted_tokens_per_pos")
+MTP_KEYS = ("spec_acceptance_length_mean", "spec_acceptance_rate_per_pos")
 TIERED_H200 = "configs/paper/tiered_scaling_h200.py"
 PART1_PUBLISHED = (
     "BRIEF §8 Part 1: GLM-5.3 on one 8 x H200 node, TP8, MTP3, FP8 KV, max model len 142K, 32,768 batched tokens, "
@@ -140,7 +140,7 @@ MANIFEST: tuple[Entry, ...] = (
           PART1_PUBLISHED, "serve", PART1_MTP3, quick=("--config.sweep.concurrency=(1, 8)",),
           committed="results/paper/part1_mtp3", doc="docs/simulator.md", compare=SERVE_KEYS + MTP_KEYS,
           note="MTP3 as published: 3 drafts, acceptance fixed at vLLM's synthetic 2.99 (per-position rates 1.0, "
-               "0.99, 0.0; spec_accepted_tokens_per_pos reports the acceptance per draft position); HiSparse's hot "
+               "0.99, 0.0; spec_acceptance_rate_per_pos reports the measured acceptance per draft position); HiSparse's hot "
                "buffer is (3 + 2) x top-k rows"),
     Entry("part1_1m", "Part 1 at a 1M context limit", "not_built", "BRIEF §8", PART1_PUBLISHED, "serve", PART1,
           overrides=("--config.deploy.max_model_len=1048576",), doc="docs/simulator.md", compare=SERVE_KEYS,

@@ -447,6 +447,7 @@ def test_synthetic_acceptance_length_and_vllm_metric_names(tiny_model):
     assert m["spec_num_drafts"] >= 1000 and abs(m["spec_acceptance_length_mean"] - 2.99) <= 0.02, m
     per_pos = m["spec_accepted_tokens_per_pos"]
     assert per_pos[0] == m["spec_num_drafts"] and per_pos[2] == 0  # rates 1.0, 0.99, 0.0
+    assert m["spec_acceptance_rate_per_pos"] == [n / m["spec_num_drafts"] for n in per_pos]
     assert all(len(o.token_ids) == 21 for o in (eng.output(r) for r in eng.finished))
     fams = {f.name: f for f in text_string_to_metric_families(prom.text())}
     value = {f"{f.name}:{s.labels.get('position', '')}": s.value for f in fams.values() for s in f.samples
