@@ -513,6 +513,27 @@ def test_the_simulator_prices_mtp3_with_synthetic_acceptance():
         sim.build_engine(cfg, dataclasses.replace(base, num_speculative_tokens=3))
 
 
+def test_the_simulator_runs_hisparse_with_mtp3():
+    """HiSparse with MTP3 in the simulator (Part 1's published pairing) at GLM-5.3 scale: 16 requests of
+    20K+ tokens over a pool of about half their KV, so decoding requests lease hot buffers of (3 + 2) x
+    top-k rows and release pages while their rows verify 1 + 3 tokens a step; the acceptance length is
+    the configured 2.99."""
+    from glm53.engine import sim
+
+    cfg = glm53.get_preset("glm-5.3")
+    deploy = DeployConfig(tensor_parallel_size=8, kv_cache_dtype="fp8_ds_mla", block_size=64, index_block_size=1024,
+                          max_model_len=32_768, max_num_batched_tokens=8192, max_num_seqs=64,
+                          kv_cache_memory_bytes=8 << 30, kv_policy="hisparse", hisparse_host_pool_bytes=64 << 30,
+                          cpu_offload_bytes=8 << 30, speculative_config=SYNTHETIC)
+    prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, 20_000 + 100 * i) for i in range(16)]
+    eng = sim.build_engine(cfg, deploy)
+    assert eng.sizes.hot_rows == (K + 2) * cfg.index_topk
+    assert all(len(o.token_ids) == 200 for o in eng.generate(prompts, max_new_tokens=200))
+    m = eng.metrics()
+    assert abs(m["spec_acceptance_length_mean"] - 2.99) <= 0.02 and m["spec_num_drafts"] >= 1000
+    assert m["released_pages"] > 0 and m["leases"] > 0 and m["residency_mixed_requests_mean"] > 0
+
+
 @pytest.mark.parametrize("policy", ["swap", "offload"])
 def test_mtp_greedy_under_swap_and_offload(tiny_model, continuation, policy):
     """Drafts that stand while preempted requests' KV, the MTP layer's rows and indexer keys included, goes
