@@ -139,7 +139,8 @@ class DeployConfig:
         num_speculative_tokens=k alone is the shorthand for {"method": "mtp", "num_speculative_tokens": k};
         given both, they must agree. The model needs its MTP layer (a checkpoint without one fails at
         Engine construction); the KV pool then holds the MTP layer's rows and indexer keys too (788 bytes
-        per token for GLM-5.3 in fp8). Not built with kv_policy="hisparse" or context parallelism.
+        per token for GLM-5.3 in fp8). With kv_policy="hisparse" the verify step runs "sequential"
+        (each position resolves through the hot buffer; "batched" is refused there).
     """
 
     data_parallel_size: int = 1
