@@ -66,6 +66,8 @@ class Entry:
 SERVE_KEYS = ("kv_policy", "concurrency", "max_model_len", "throughput_tok_s_per_gpu", "interactivity_tok_s_user",
               "ttft_median_s", "running_requests_mean", "preemptions", "prefix_hit_rate")
 PART1 = "configs/paper/part1.py"
+PART1_MTP3 = "configs/paper/part1_mtp3.py"
+MTP_KEYS = ("spec_acceptance_length_mean", "spec_acceptance_rate_per_pos")
 TIERED_H200 = "configs/paper/tiered_scaling_h200.py"
 PART1_PUBLISHED = (
     "BRIEF §8 Part 1: GLM-5.3 on one 8 x H200 node, TP8, MTP3, FP8 KV, max model len 142K, 32,768 batched tokens, "
@@ -74,8 +76,7 @@ PART1_PUBLISHED = (
     "concurrency 1-32; metrics interactivity, throughput per GPU (cached input included), running requests.",
     "The brief gives no Part 1 numbers: the comparison is qualitative (which policy holds more running "
     "requests and throughput at equal host memory).")
-NO_MTP = ("One token per decode step (num_speculative_tokens 0): MTP3 is built, but its HiSparse arm waits "
-          "for HiSparse with MTP (issue 21 item 4).")
+NO_MTP = ("One token per decode step (num_speculative_tokens 0); the same sweep with MTP3 is part1_mtp3.")
 DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
 ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
 
@@ -143,6 +144,12 @@ MANIFEST: tuple[Entry, ...] = (
           note=NO_MTP + " Offload is not swept: a 1M request needs 17,408 blocks at once and the 15 GiB TP8 pool "
                "has 4,918, so Engine refuses it; HiSparse needs its indexer keys, a chunk, its newest pages "
                "and a hot buffer (1,603 blocks)"),
+    Entry("part1_mtp3", "Part 1 with MTP3 (synthetic acceptance length 2.99), 142K limit", "sim", "BRIEF §8",
+          PART1_PUBLISHED, "serve", PART1_MTP3, quick=("--config.sweep.concurrency=(1, 8)",),
+          committed="results/paper/part1_mtp3", doc="docs/simulator.md", compare=SERVE_KEYS + MTP_KEYS,
+          note="MTP3 as published: 3 drafts, acceptance fixed at vLLM's synthetic 2.99 (per-position rates 1.0, "
+               "0.99, 0.0; spec_acceptance_rate_per_pos reports the measured acceptance per draft position); HiSparse's hot "
+               "buffer is (3 + 2) x top-k rows"),
     Entry("tiered_offload_scaling_sim", "Tiered offload scaling at GLM-5.3 / H200 scale: recompute / device / + host "
           "/ + host + filesystem (one NVMe SSD), 16-256 conversations", "sim", "BRIEF §7", TIERED_PUBLISHED, "serve",
           TIERED_H200, quick=("--config.workload.sessions=256", "--config.workload.turns=4",
@@ -195,9 +202,13 @@ MANIFEST: tuple[Entry, ...] = (
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
           waits_for="issue 21 (HiSparse beyond the pool, MTP)"),
-    Entry("part1_mtp3", "Part 1 with MTP3 (acceptance length 2.99)", "not_built", "BRIEF §8", PART1_PUBLISHED,
-          waits_for="issue 21 item 4 (HiSparse with MTP; MTP itself and its synthetic acceptance in the simulator "
-                    "are built)"),
+    Entry("part1_mtp3_1m", "Part 1 with MTP3 at a 1M context limit", "not_built", "BRIEF §8", PART1_PUBLISHED,
+          "serve", PART1_MTP3, overrides=("--config.deploy.max_model_len=1048576",), doc="docs/simulator.md",
+          compare=SERVE_KEYS + MTP_KEYS, waits_for="issue 21: row staging under MTP",
+          note="HiSparse admits requests larger than the pool only without MTP (part1_1m): under MTP a prefill "
+               "chunk over host-only pages still stages whole pages, and the drafts after a prompt's last chunk "
+               "would read host-only pages without a hot buffer, so a 1M request must fit the pool (17,408 of "
+               "4,918 blocks)"),
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "not_built", "BRIEF §8 Part 2",
           ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "

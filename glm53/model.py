@@ -113,7 +113,11 @@ class GLM53(nnx.Module):
         """Each of the T positions as a one-token decode step, one after the other (lax.scan), in one program:
         -> (hidden [B,T,D], cache). Every step has the shapes of a one-token decode step of B rows, so on
         a backend whose kernels depend only on shapes (XLA:CPU) each position's hidden state is bitwise
-        that of a decode step: an MTP verify step cannot round a greedy token differently from decoding."""
+        that of a decode step: an MTP verify step cannot round a greedy token differently from decoding.
+        A cache carrying HiSparse's decode view (kvcache.host.HiSparseView) resolves each position's
+        selections at its own step (kvcache.paged.PagedKVCache.sparse_slots): position j reads every row it
+        selected before position j + 1 resolves, so a later position never evicts a hot row an earlier one
+        still needs."""
 
         def step(cache, tp):
             tok_B, pos_B = tp
@@ -121,6 +125,21 @@ class GLM53(nnx.Module):
             return cache, h[:, 0]
 
         cache, h_TBD = jax.lax.scan(step, cache, (tokens_BT.T, pos_BT.T))
+        return jnp.swapaxes(h_TBD, 0, 1), cache
+
+    def mtp_verify(self, j: int, h_prev_BTD: Array, next_tokens_BT: Array, pos_BT: Array, cache: KVCache, *,
+                   window: int, form: str = "auto", impl: str = "auto"):
+        """`mtp_forward` one position at a time (lax.scan), like `verify`: -> (hidden [B,T,D], cache). For a
+        HiSparse decode view, whose resolver serves one-token steps (each position resolves and reads its
+        own selection before the next)."""
+
+        def step(cache, args):
+            h_BD, tok_B, pos_B = args
+            h, cache = self.mtp_forward(j, h_BD[:, None], tok_B[:, None], pos_B[:, None], cache, window=window,
+                                        form=form, impl=impl)
+            return cache, h[:, 0]
+
+        cache, h_TBD = jax.lax.scan(step, cache, (jnp.swapaxes(h_prev_BTD, 0, 1), next_tokens_BT.T, pos_BT.T))
         return jnp.swapaxes(h_TBD, 0, 1), cache
 
     def logits(self, hidden_BTD: Array) -> Array:
@@ -176,6 +195,7 @@ class Compiled:
     verify: Any  # (state, tokens_BT, pos_BT, cache, *, window, form, impl) -> (hidden [B,T,D], cache): GLM53.verify
     logits: Any  # (state, hidden) -> logits f32
     mtp_forward: Any  # (state, h_prev, next_tokens, pos, cache, *, j, window, form, impl) -> (hidden, cache)
+    mtp_verify: Any  # the same, one position at a time: GLM53.mtp_verify
 
 
 def _make_compiled(model: GLM53) -> Compiled:
@@ -195,6 +215,10 @@ def _make_compiled(model: GLM53) -> Compiled:
         return nnx.merge(graphdef, state).mtp_forward(j, h_prev, next_tokens, pos, cache, window=window, form=form,
                                                       impl=impl)
 
+    def mtp_verify(state, h_prev, next_tokens, pos, cache, *, j, window, form="auto", impl="auto"):
+        return nnx.merge(graphdef, state).mtp_verify(j, h_prev, next_tokens, pos, cache, window=window, form=form,
+                                                     impl=impl)
+
     return Compiled(
         cfg=model.cfg,
         graphdef=graphdef,
@@ -203,6 +227,7 @@ def _make_compiled(model: GLM53) -> Compiled:
         verify=jax.jit(verify, static_argnames=("window", "form", "impl"), donate_argnums=(3,)),
         logits=jax.jit(logits),
         mtp_forward=jax.jit(mtp_fwd, static_argnames=("j", "window", "form", "impl"), donate_argnums=(4,)),
+        mtp_verify=jax.jit(mtp_verify, static_argnames=("j", "window", "form", "impl"), donate_argnums=(4,)),
     )
 
 

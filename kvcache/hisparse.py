@@ -24,7 +24,7 @@ Mechanics
   pool)) or a chunk does not fit (`make_room`), clean pages of decoding requests are released, oldest
   pages first; the last two pages of a request never are, nor pages of a request still prefilling.
 - Hot buffer: a request that loses a page first leases ceil(H / block_size) blocks from the same pool
-  (H = hisparse_device_buffer_size, default 2 x top-k rows); they live in the same device tables, so a
+  (H = hisparse_device_buffer_size, default (MTP drafts + 2) x top-k rows); they live in the same device tables, so a
   row id means the same thing whether resident or hot. The device resolver (attention.hisparse) fills and
   evicts its slots; the lease returns to the pool when the request stops running.
 - Prefill over host-only pages (a new turn on a parked prefix, or a long chunk of a mixed request):
@@ -49,6 +49,12 @@ Mechanics
 - KV events (kvcache.events, `attach_events`): both host pools report the hashes they register (MLA
   pages at pre-copy, parked indexer pages, pages loaded from a tier) and drop under medium "CPU"; tier
   stores are announced as the offload tier's are ("STORAGE").
+- MTP (speculative decoding): a row verifying its last token and its drafts is a decode row here (one
+  known token left), resolved through the hot buffer position by position (glm53.engine.runner); the
+  hot buffer defaults to (drafts + 2) x top-k rows (`hot_buffer_rows`). Pre-copy seals pages by the
+  computed count, which excludes rejected drafts and the lookahead positions the draft passes write, so
+  no page goes to the host before every position in it is final. The MTP layer's rows and indexer keys
+  are part of the MLA and indexer pages and follow their rules.
 - Why hot slots are never stale: a hot slot holds a copy of one position's row, keyed by position, and
   a position's KV never changes; hot rows are leased (no other request writes them). What can go stale
   is a device mapping of an unpinned page whose block was reused: `row_tables` checks the generation
@@ -270,12 +276,20 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
         b, gen = st.unpinned[page]
         return kv.pool.generation[b] == gen
 
+    @staticmethod
+    def _prefill_chunk(req: RequestView, num_tokens: int) -> bool:
+        """Whether a row of `num_tokens` is a prefill chunk (it reads its whole prefix through the block
+        table), not a decode row. Under MTP a decode row verifies its last token and its drafts: it
+        has one known token left to compute however many it carries, and resolves through the hot buffer
+        like a one-token step (GLM53.verify)."""
+        return num_tokens > 1 and req.num_tokens - req.num_computed_tokens > 1
+
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         st = self.state[req.req_id]
         extra = len(st.pending_index)
-        if num_tokens > 1 and self.stage_rows:  # its host-only rows are staged outside the pool
+        if self._prefill_chunk(req, num_tokens) and self.stage_rows:  # its host-only rows are staged outside the pool
             return extra
-        if num_tokens > 1:  # a prefill chunk reads its whole prefix through the block table
+        if self._prefill_chunk(req, num_tokens):  # a prefill chunk reads its whole prefix through the block table
             extra += len(self._host_only(kv, req)) + sum(kv.pool.ref_count[b] == 0 for b, _ in
                                                          (st.unpinned[p] for p in st.unpinned
                                                           if self._intact(kv, st, p)))
@@ -298,9 +312,9 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
             self.stats.restored_index_pages += len(pages)
             st.pending_index.clear()
         table = kv.block_table(req.req_id, "mla")
-        if num_tokens > 1 and self.stage_rows:
+        if self._prefill_chunk(req, num_tokens) and self.stage_rows:
             pass  # host-only pages stay there: the runner stages the rows the chunk selects
-        elif num_tokens > 1:
+        elif self._prefill_chunk(req, num_tokens):
             for p in [p for p in st.unpinned if self._intact(kv, st, p)]:  # take intact pages back: no copy
                 b, _ = st.unpinned.pop(p)
                 kv.pool.touch([b])

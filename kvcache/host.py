@@ -115,7 +115,8 @@ class HiSparseView:
     copy_src / copy_dst [R * K]: the plan's copies compacted to the front; copy_branch: which static
         copy size (`copy_sizes`) covers them, 0 = nothing to copy. Each layer copies that many rows, so
         a step moves at most 8x its misses (rounded up to R * K / 64), and nothing when none miss.
-    hits / misses [R, G] int32: per row and group, counted by the full layer's resolve.
+    hits / misses [R, G] int32: per row and group, counted by the full layer's resolve (summed over the
+        positions of an MTP verify step, which resolve one after the other: GLM53.verify).
     copied [R] int32: host->device rows copied for the row over all layers (checked against
         sum over groups of misses x layers in the group).
     unserved [R] int32: selected positions with no row to read (no device page, no host copy, or no
@@ -182,8 +183,8 @@ class HiSparseView:
             hot_last=self.hot_last.at[back, group].set(hot.last_use, mode="drop"),
             plan_rows=rows, plan_src=src, plan_dst=dst, copy_src=src.reshape(-1)[order],
             copy_dst=dst.reshape(-1)[order], copy_branch=branch.astype(jnp.int32),
-            hits=self.hits.at[:, group].set(plan.hits),
-            misses=self.misses.at[:, group].set(jnp.where(has, plan.misses, 0)),
+            hits=self.hits.at[:, group].add(plan.hits),
+            misses=self.misses.at[:, group].add(jnp.where(has, plan.misses, 0)),
             unserved=self.unserved + plan.lost + jnp.where(has, 0, plan.misses))
 
     def copy_rows(self, layer_index: int, device_table):

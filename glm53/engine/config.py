@@ -144,7 +144,8 @@ class DeployConfig:
         num_speculative_tokens=k alone is the shorthand for {"method": "mtp", "num_speculative_tokens": k};
         given both, they must agree. The model needs its MTP layer (a checkpoint without one fails at
         Engine construction); the KV pool then holds the MTP layer's rows and indexer keys too (788 bytes
-        per token for GLM-5.3 in fp8). Not built with kv_policy="hisparse" or context parallelism.
+        per token for GLM-5.3 in fp8). With kv_policy="hisparse" the verify step runs "sequential"
+        (each position resolves through the hot buffer; "batched" is refused there).
     """
 
     data_parallel_size: int = 1
@@ -253,9 +254,11 @@ class DeployConfig:
             raise ValueError(f"DeployConfig.num_speculative_tokens={k} and speculative_config num_speculative_tokens="
                              f"{spec.num_speculative_tokens} disagree")
         object.__setattr__(self, "num_speculative_tokens", spec.num_speculative_tokens)
-        if self.kv_policy == "hisparse":
-            raise NotImplementedError("DeployConfig.speculative_config with kv_policy='hisparse': HiSparse with MTP "
-                                      "(a resolver plan shared by a step's draft tokens) is issue 21 item 4, not built")
+        if self.kv_policy == "hisparse" and spec.verify == "batched":
+            raise NotImplementedError("DeployConfig.speculative_config verify='batched' with kv_policy='hisparse': a "
+                                      "HiSparse verify step resolves its positions one at a time (verify "
+                                      "'sequential', which 'auto' picks under HiSparse); one resolver plan over "
+                                      "a batched forward's 1 + k positions is not built")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -442,14 +442,18 @@ class Engine:
 
     def _spec_metrics(self) -> dict:
         """MTP speculative decoding (empty without it): steps that verified drafts (`spec_num_drafts`),
-        their draft tokens, the drafts that stood (over all and per position) and the mean acceptance
-        length 1 + accepted / drafts (vLLM's definitions; counted before stop tokens drop anything)."""
+        their draft tokens, the drafts that stood (over all and per position), the acceptance rate per
+        position (drafts that stood there / steps that verified drafts, vLLM's "per-position acceptance
+        rate"; NaN before any) and the mean acceptance length 1 + accepted / drafts (vLLM's definitions;
+        counted before stop tokens drop anything)."""
         if not self.deploy.num_speculative_tokens:
             return {}
         st = self.spec_stats()
         return {"spec_num_drafts": st.num_drafts, "spec_num_draft_tokens": st.num_draft_tokens,
                 "spec_num_accepted_tokens": st.num_accepted_tokens,
                 "spec_accepted_tokens_per_pos": list(st.accepted_per_pos),
+                "spec_acceptance_rate_per_pos": [n / st.num_drafts if st.num_drafts else float("nan")
+                                                 for n in st.accepted_per_pos],
                 "spec_acceptance_length_mean": st.acceptance_length_mean}
 
     def _cp_metrics(self) -> dict:

@@ -204,6 +204,9 @@ class ModelRunner:
             raise ValueError("DeployConfig.speculative_config: the model has no MTP layer to draft with")
         self.verify_width = 1 + self.k if self.k else 0
         self.verify_mode = self.spec.verify_mode(devices[0].platform) if self.k else None
+        if self.k and deploy.kv_policy == "hisparse":  # HiSparse resolves a verify step per position
+            self.verify_mode = "sequential"  # (DeployConfig refuses an explicit "batched")
+        self._views: list[HiSparseView] = []  # the HiSparse views a group's MTP forwards returned
         self.rates = rates_array(self.spec, self.k)
         self.compiled_draft_shapes: set[tuple] = set()  # (rows, window) of the MTP layer's one-token passes
         with jax.default_device(devices[0]):  # every array this runner creates starts on its devices
@@ -359,7 +362,27 @@ class ModelRunner:
     def _warmup_mtp(self, shapes) -> None:
         """`warmup` under MTP: per shape the programs `_run_group_mtp` runs (the verify or keep_all forward,
         the logits, the accept rule or sampling, the MTP pass over the group, the first draft), then the
-        one-token draft passes for every (rows, window) the shapes name. Padding only: nothing is written."""
+        one-token draft passes for every (rows, window) the shapes name; under HiSparse also the verify
+        shapes' forwards with a decode view and the draft passes with one. Padding only: nothing is
+        written (and no lease: the views resolve nothing)."""
+        self._views = []
+        if self.hisparse:
+            for rows, width, window in shapes:
+                if width != self.verify_width:
+                    continue
+                tok = np.zeros((rows, width), np.int32)
+                pos = np.full((rows, width), -1, np.int32)
+                t_mla, t_idx = self._table("mla", rows, [], window), self._table("indexer", rows, [], window)
+                view = lambda win: self._mtp_view([], rows, win)  # noqa: E731
+                hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, view(window))
+                self._mtp_pass(hidden, tok, pos, t_mla, t_idx, window, np.zeros(rows, np.int32), view(window))
+            for rows, window in sorted({(r, w) for r, _, w in shapes}):
+                h = jax.device_put(np.zeros((rows, 1, self.model.cfg.hidden_size), self.model.dtype), self.devices[0])
+                d = jax.device_put(np.zeros((rows, 1), np.int32), self.devices[0])
+                t_mla, t_idx = self._table("mla", rows, [], window), self._table("indexer", rows, [], window)
+                self._draft_chain(h, d, np.full((self.k - 1, rows), -1, np.int32), t_mla, t_idx, window,
+                                  self._mtp_view([], rows, window)).block_until_ready()
+            self._views = []
         for rows, width, window in shapes:
             tok = np.zeros((rows, width), np.int32)
             pos = np.full((rows, width), -1, np.int32)
@@ -533,16 +556,51 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------ MTP steps
     def _execute_mtp(self, plan: StepPlan) -> StepResult:
         """`execute` under MTP: per width group, the target's forward, the accept rule or sampling, and the
-        MTP layer's passes (`_run_group_mtp`)."""
+        MTP layer's passes (`_run_group_mtp`). Under HiSparse a verify group of which some row holds a hot
+        buffer runs all three with HiSparse's decode view, one position at a time: each of its forwards
+        (verify, the MTP pass over the group, the draft chain) leaves one ResolveRecord."""
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
-        tokens, drafts = {}, {}
+        tokens, drafts, resolves = {}, {}, []
+        hs = plan.hisparse
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity, self.verify_width):
-            out, new = self._run_group_mtp([plan.rows[i] for i in idx], [plan.block_tables["mla"][i] for i in idx],
-                                           [plan.block_tables["indexer"][i] for i in idx], width, padded, window)
+            leased = hs is not None and width == self.verify_width and any(hs[i].lease >= 0 for i in idx)
+            rows = [plan.rows[i] for i in idx]
+            self._views = []
+            out, new = self._run_group_mtp(rows, [plan.block_tables["mla"][i] for i in idx],
+                                           [plan.block_tables["indexer"][i] for i in idx], width, padded, window,
+                                           [hs[i] for i in idx] if leased else None)
             tokens.update(out)
             drafts.update(new)
+            for view in self._views:
+                rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), view)
+                resolves.append(rec)
+                h2d += nbytes
         loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
-        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, (), loads, drafts=drafts)
+        return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads,
+                          drafts=drafts)
+
+    def _mtp_view(self, hisparse, r: int, window: int) -> HiSparseView | None:
+        """HiSparse's decode view of a verify group's rows (their HiSparseRows; None: no view) for forwards
+        over `window`. Its plans are [r, min(top-k, window)]: the selection of one position, which the
+        one-position-at-a-time forwards (GLM53.verify, GLM53.mtp_verify, the draft passes) resolve."""
+        if hisparse is None:
+            return None
+        lease = np.full(r, -1, np.int32)
+        lease[: len(hisparse)] = [h.lease for h in hisparse]
+        return self.host.view(self._table("mla", r, [h.host_blocks for h in hisparse], window), lease,
+                              min(self.model.cfg.index_topk, window))
+
+    def _with_view(self, cache: PagedKVCache, view: HiSparseView | None) -> PagedKVCache:
+        return cache if view is None else dataclasses.replace(cache, hisparse=view)
+
+    def _take_view(self, cache: PagedKVCache) -> PagedKVCache:
+        """A forward's cache back without its HiSparse view: the host tables and hot state go back to
+        HostMemory, the view (its counts) to `_views` for the step's ResolveRecords."""
+        if cache.hisparse is None:
+            return cache
+        self.host.absorb(cache.hisparse)
+        self._views.append(cache.hisparse)
+        return dataclasses.replace(cache, hisparse=None)
 
     def _check_ids(self, table_mla, table_index) -> None:
         if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.num_blocks:
@@ -555,10 +613,17 @@ class ModelRunner:
                     impl=self.deploy.attention_impl, expert_parallel=self.deploy.enable_expert_parallel,
                     tensor_parallel=self.tp > 1)
 
-    def _verify_forward(self, tok, pos, table_mla, table_index, window):
-        """A verify group's forward -> hidden [rows, 1 + k, D] of every position (cache updated)."""
+    def _verify_forward(self, tok, pos, table_mla, table_index, window, view: HiSparseView | None = None):
+        """A verify group's forward -> hidden [rows, 1 + k, D] of every position (cache updated). `view`:
+        HiSparse's decode view (one device, sequential verify: each position resolves its own selection,
+        in the sparse form, as a HiSparse decode step does)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = self.cache.with_block_table(table_mla, table_index)
+        if view is not None:
+            hidden, cache = self.c.verify(self.state, jnp.asarray(tok), jnp.asarray(pos), self._with_view(cache, view),
+                                          window=window, form="mqa", impl=self.deploy.attention_impl)
+            self.cache = self._take_view(cache)
+            return hidden
         if self.mesh is not None:  # DCP: queries go to the KV shards (the "mqa" form, as a decode step's)
             self._check_ids(table_mla, table_index)
             if self.verify_mode == "batched":
@@ -592,12 +657,19 @@ class ModelRunner:
                                                        impl=self.deploy.attention_impl, last_only=True, keep_all=True)
         return last, hidden
 
-    def _mtp_pass(self, hidden, nxt, mpos, table_mla, table_index, window, sel):
+    def _mtp_pass(self, hidden, nxt, mpos, table_mla, table_index, window, sel, view: HiSparseView | None = None):
         """The MTP layer over a whole group: position mpos[r, j] (-1: skip) pairs hidden[r, j] with token
         nxt[r, j] (the token after it) and writes the MTP layer's KV there -> (its state at each row's
-        position sel[r], [rows, 1, D]; the draft taken from it, [rows, 1] int32)."""
+        position sel[r], [rows, 1, D]; the draft taken from it, [rows, 1] int32). `view`: HiSparse's decode
+        view; the MTP layer then runs one position at a time (GLM53.mtp_verify) and its own indexer's
+        selections resolve through the hot buffer (its IndexShare group of one layer)."""
         cache = self.cache.with_block_table(table_mla, table_index)
-        if self.mesh is not None:
+        if view is not None:
+            h, cache = self.c.mtp_verify(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
+                                         self._with_view(cache, view), j=0, window=window, form="mqa",
+                                         impl=self.deploy.attention_impl)
+            self.cache = self._take_view(cache)
+        elif self.mesh is not None:
             h, cp = parallel_model.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
                                                self._cp_cache(cache, False), **self._cp_kw(window))
             self.cache = cp.local
@@ -606,12 +678,14 @@ class ModelRunner:
                                                window=window, form=self.form, impl=self.deploy.attention_impl)
         return _mtp_head(self.c.logits, self.state, h, jnp.asarray(sel))
 
-    def _draft_chain(self, h, d, dpos, table_mla, table_index, window):
+    def _draft_chain(self, h, d, dpos, table_mla, table_index, window, view: HiSparseView | None = None):
         """Drafts 2..k: k - 1 one-token MTP passes, pass s at positions dpos[s] (-1: skip) with the previous
         draft as its token and the previous pass's normed output as its state (not the raw residual: vLLM
-        PR #46075) -> drafts [rows, k] int32 (device)."""
+        PR #46075) -> drafts [rows, k] int32 (device). `view`: HiSparse's decode view, which each pass
+        resolves (one-token steps, the sparse form)."""
         self.compiled_draft_shapes.add((d.shape[0], window))
-        cache = self.cache.with_block_table(table_mla, table_index)
+        cache = self._with_view(self.cache.with_block_table(table_mla, table_index), view)
+        form = "mqa" if view is not None else self.form
         out = [d]
         for p in dpos:
             if self.mesh is not None:
@@ -620,15 +694,18 @@ class ModelRunner:
                 cache = cp.local
             else:
                 h, cache = self.c.mtp_forward(self.state, h, d, jnp.asarray(p[:, None]), cache, j=0, window=window,
-                                              form=self.form, impl=self.deploy.attention_impl)
+                                              form=form, impl=self.deploy.attention_impl)
             d = _draft_argmax(self.c.logits, self.state, h)
             out.append(d)
-        self.cache = cache
+        self.cache = self._take_view(cache)
         return _concat_drafts(tuple(out))
 
     def _run_group_mtp(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int,
-                       window: int) -> tuple[dict, dict]:
-        """One width group under MTP -> (tokens, drafts) of its rows that sample."""
+                       window: int, hisparse=None) -> tuple[dict, dict]:
+        """One width group under MTP -> (tokens, drafts) of its rows that sample. `hisparse`: the rows'
+        HiSparseRows when the group resolves through HiSparse's decode view (a verify group of which some
+        row holds a hot buffer): the verify step, the MTP pass and the draft passes each get a view and
+        resolve per position (hot rows hold only sealed positions, whose KV is final)."""
         tok = np.zeros((r, width), np.int32)
         pos = np.full((r, width), -1, np.int32)
         for i, row in enumerate(rows):
@@ -641,7 +718,7 @@ class ModelRunner:
         final = [row.next_token for row in rows]
         out = {}
         if width == self.verify_width:
-            hidden = self._verify_forward(tok, pos, t_mla, t_idx, window)
+            hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, self._mtp_view(hisparse, r, window))
             if need:
                 toks, accepted = self._accept(hidden, rows, need, r)
                 for i in need:
@@ -669,7 +746,7 @@ class ModelRunner:
             if final[i] < 0:  # no known next token (cannot happen for a plan from the scheduler): skip it
                 mpos[i, n - 1] = -1
             sel[i] = n - 1
-        h, d = self._mtp_pass(hidden, nxt, mpos, t_mla, t_idx, window, sel)
+        h, d = self._mtp_pass(hidden, nxt, mpos, t_mla, t_idx, window, sel, self._mtp_view(hisparse, r, window))
         if not need:
             return out, {}
         # drafts 2..k at the positions after each sampling row's last standing one, within max_model_len
@@ -681,7 +758,8 @@ class ModelRunner:
                 dpos[s - 1, i] = base + s if base + s < limit else -1
         dwin = window_bucket(int(dpos.max(initial=0)) + 1, self.capacity)
         drafts = np.asarray(self._draft_chain(h, d, dpos, self._table("mla", r, tables_mla, dwin),
-                                              self._table("indexer", r, tables_index, dwin), dwin))
+                                              self._table("indexer", r, tables_index, dwin), dwin,
+                                              self._mtp_view(hisparse, r, dwin)))
         return out, {rows[i].req_id: tuple(int(t) for t in drafts[i]) for i in need}
 
     def _accept(self, hidden, rows: list[PlanRow], need: list[int], r: int):

@@ -181,8 +181,9 @@ def test_what_is_not_built_says_so(tiny_model):
                                         max_model_len=64, num_gpu_blocks=8))
     with pytest.raises(NotImplementedError, match="hisparse"):
         DeployConfig(decode_context_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1)
-    with pytest.raises(NotImplementedError, match="HiSparse with MTP"):  # issue 21 item 4
-        DeployConfig(num_speculative_tokens=3, kv_policy="hisparse", hisparse_host_pool_bytes=1)
+    with pytest.raises(NotImplementedError, match="verify='batched' with kv_policy='hisparse'"):  # per position
+        DeployConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "verify": "batched"},
+                     kv_policy="hisparse", hisparse_host_pool_bytes=1)
 
 
 @pytest.fixture

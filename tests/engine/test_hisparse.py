@@ -14,6 +14,7 @@ from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.hisparse import TAIL_PAGES, HiSparsePolicy
 from kvcache.transfer import PageCopy
+from tests.engine.test_mtp import K, with_oracle_drafts
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
 # indexer-key pages of 2 blocks: larger pages than the MLA group exercise the per-group page sizes
@@ -91,6 +92,45 @@ def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns, pool
     mt, st_ = eng.scheduler.transfers, syn.scheduler.transfers
     copied = (res.h2d_rows + res.staged_h2d_rows) * eng.runner.host.row_bytes_mla
     assert st_.d2h_bytes == mt.d2h_bytes and st_.h2d_bytes == mt.h2d_bytes - copied
+
+
+def test_mtp_under_hisparse_matches_full_residency(tiny_model, two_turns):
+    """HiSparse with MTP (issue 21 item 4): the two turns above with K = 3 drafts that stand 0..K at a time
+    (an oracle's, tests/engine/test_mtp.py) and the KV of every position that does not stand poisoned after
+    each step, on a pool small enough that pages are released and verify steps, the MTP pass and the
+    draft passes read host-only rows through the hot buffer: full residency's non-speculative greedy
+    tokens. The hot buffer is 2 x top-k rows, below MTP's default (K + 2) x top-k (whose 10-block lease
+    is more than the releasable pages of a 128-token request here), so that the positions of one verify
+    step evict each other's rows: each resolves and reads its own selection before the next one runs."""
+    first, ref1, second, ref2 = two_turns
+    cfg = tiny_model.cfg
+    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=36, num_speculative_tokens=K,
+                                          hisparse_device_buffer_size=2 * cfg.index_topk))
+    eng.scheduler.resolve.log = []
+    want = {}
+    log = with_oracle_drafts(eng, want)
+    for prompts, ref in ((first, ref1), (second, ref2)):
+        ids = [eng.add_request(p, SamplingParams(NEW)) for p in prompts]
+        want.update(zip(ids, ref))
+        while eng.has_unfinished():
+            eng.step()
+        assert [eng.output(r).token_ids.tolist() for r in ids] == ref
+        eng.scheduler.kv.pool.reset_prefix_cache()  # turn 2 finds its prefixes in the host pools only
+    assert {len(toks) - 1 for step in log for nd, toks in step.values() if nd and toks} == set(range(K + 1))
+    pol, res = eng.scheduler.policy, eng.scheduler.resolve
+    assert pol.stats.released_pages > 0 and pol.stats.residency_steps["mixed"] > 0
+    assert res.hot_hits > 0 and res.hot_misses > 0
+    # each of a leased verify group's forwards (verify, MTP pass, draft passes) resolved: the target's
+    # groups, and the MTP layer's own indexer (a group of one layer); rows copied = misses x layers
+    layers_per_group = np.diff(list(cfg.full_indexer_layers) + [cfg.num_layers_with_mtp])
+    assert layers_per_group.tolist() == [1, 1, 4, 2, 1]
+    assert any(rec.misses[:, :-1].any() for rec in res.log) and any(rec.misses[:, -1].any() for rec in res.log)
+    for rec in res.log:
+        assert (rec.hits + rec.misses <= (1 + K) * cfg.index_topk).all()
+        np.testing.assert_array_equal(rec.copied, rec.misses @ layers_per_group)
+    eng.scheduler.kv.check()
+    pol.host_mla.check()
+    assert not pol.state and not eng.scheduler.kv.leases and len(pol.free_leases) == eng.deploy.max_num_seqs
 
 
 def test_room_in_the_pool_means_no_host_to_device_copies(tiny_model, two_turns):

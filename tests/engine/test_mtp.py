@@ -60,8 +60,13 @@ def test_speculative_config_is_vllms_shape_and_bad_input_is_named():
     with pytest.raises(NotImplementedError, match="draft_sample_method"):
         DeployConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 1,
                                          "draft_sample_method": "probabilistic"})
-    with pytest.raises(NotImplementedError, match="item 4"):
-        DeployConfig(num_speculative_tokens=3, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 20)
+    # HiSparse with MTP: a hot buffer of (k + 2) x top-k rows by default; its verify step resolves one
+    # position at a time, so the batched verify form is refused
+    hs = DeployConfig(**BASE, num_speculative_tokens=3, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 24)
+    assert hs.kv_sizes(glm53.get_preset("tiny")).hot_rows == 5 * glm53.get_preset("tiny").index_topk
+    with pytest.raises(NotImplementedError, match="batched.*hisparse"):
+        DeployConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "verify": "batched"},
+                     kv_policy="hisparse", hisparse_host_pool_bytes=1 << 20)
 
 
 def test_the_pool_counts_the_mtp_layers_kv():
@@ -435,6 +440,7 @@ def test_synthetic_acceptance_length_and_vllm_metric_names(tiny_model):
     assert m["spec_num_drafts"] >= 1000 and abs(m["spec_acceptance_length_mean"] - 2.99) <= 0.02, m
     per_pos = m["spec_accepted_tokens_per_pos"]
     assert per_pos[0] == m["spec_num_drafts"] and per_pos[2] == 0  # rates 1.0, 0.99, 0.0
+    assert m["spec_acceptance_rate_per_pos"] == [n / m["spec_num_drafts"] for n in per_pos]
     assert all(len(o.token_ids) == 21 for o in (eng.output(r) for r in eng.finished))
     fams = {f.name: f for f in text_string_to_metric_families(prom.text())}
     value = {f"{f.name}:{s.labels.get('position', '')}": s.value for f in fams.values() for s in f.samples
@@ -498,6 +504,27 @@ def test_the_simulator_prices_mtp3_with_synthetic_acceptance():
         assert any(k.startswith("mtp_draft_") for k in ops)
     with pytest.raises(ValueError, match="synthetic"):
         sim.build_engine(cfg, dataclasses.replace(base, num_speculative_tokens=3))
+
+
+def test_the_simulator_runs_hisparse_with_mtp3():
+    """HiSparse with MTP3 in the simulator (Part 1's published pairing) at GLM-5.3 scale: 16 requests of
+    20K+ tokens over a pool of about half their KV, so decoding requests lease hot buffers of (3 + 2) x
+    top-k rows and release pages while their rows verify 1 + 3 tokens a step; the acceptance length is
+    the configured 2.99."""
+    from glm53.engine import sim
+
+    cfg = glm53.get_preset("glm-5.3")
+    deploy = DeployConfig(tensor_parallel_size=8, kv_cache_dtype="fp8_ds_mla", block_size=64, index_block_size=1024,
+                          max_model_len=32_768, max_num_batched_tokens=8192, max_num_seqs=64,
+                          kv_cache_memory_bytes=8 << 30, kv_policy="hisparse", hisparse_host_pool_bytes=64 << 30,
+                          cpu_offload_bytes=8 << 30, speculative_config=SYNTHETIC)
+    prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, 20_000 + 100 * i) for i in range(16)]
+    eng = sim.build_engine(cfg, deploy)
+    assert eng.sizes.hot_rows == (K + 2) * cfg.index_topk
+    assert all(len(o.token_ids) == 200 for o in eng.generate(prompts, max_new_tokens=200))
+    m = eng.metrics()
+    assert abs(m["spec_acceptance_length_mean"] - 2.99) <= 0.02 and m["spec_num_drafts"] >= 1000
+    assert m["released_pages"] > 0 and m["leases"] > 0 and m["residency_mixed_requests_mean"] > 0
 
 
 @pytest.mark.parametrize("policy", ["swap", "offload"])

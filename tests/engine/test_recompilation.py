@@ -4,8 +4,9 @@ arrivals, finishes, sampling and pool pressure, under each policy (preemptions; 
 restores; HiSparse pre-copies, releases, hot-buffer decode steps and the parking of finished requests'
 indexer keys; staging host pages back for a prefill is compiled by the warm-up too but this run has no
 follow-up turn that would stage), and with MTP speculative decoding under the policies it runs with
-(preempt, swap, offload: verify steps that keep 0 to 3 drafts, prefill chunks that keep every position's
-hidden state, the MTP layer's passes)."""
+(preempt, swap, offload, HiSparse: verify steps that keep 0 to 3 drafts, prefill chunks that keep every
+position's hidden state, the MTP layer's passes; under HiSparse also those three with the decode view,
+resolving rows from the host)."""
 
 import jax
 import jax.monitoring
@@ -43,7 +44,7 @@ POLICIES = {
 # layer would have nearly all rejected)
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
        "synthetic_acceptance_rates": [0.8, 0.5, 0.2]}
-for _name in ("preempt", "swap", "offload"):
+for _name in ("preempt", "swap", "offload", "hisparse"):
     _fields, _lens, _done = POLICIES[_name]
     POLICIES["mtp_" + _name] = (dict(_fields, speculative_config=MTP), _lens, _done)
 # under MTP a prefix hit gives back its last page, which leaves this workload's host tier little to load

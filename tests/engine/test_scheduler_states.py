@@ -1,8 +1,9 @@
 """The scheduler under every KV policy as a hypothesis state machine, through a runner that returns
 synthetic tokens (glm53.engine.synthetic): random arrivals, prompt and output lengths, shared prefixes
 and follow-up turns, and device pools down to a tenth of the offered load, with and without MTP
-speculative decoding (a variable number of tokens per step: drafts that stand or not, rejected positions
-rolled back). After every step the block
+speculative decoding under every policy (a variable number of tokens per step: drafts that stand or
+not, rejected positions rolled back; under HiSparse no page is pre-copied to the host before all its
+positions are final). After every step the block
 pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
 them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
 and host byte is returned. Under offload and HiSparse (one host-memory system, kvcache.host_tier) a
@@ -24,7 +25,7 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.tiers.sim import TierCosts
-from kvcache.hisparse import HiSparsePolicy, device_blocks_per_request
+from kvcache.hisparse import HiSparsePolicy, device_blocks_per_request, hot_buffer_rows
 from kvcache.layout import page_bytes
 from kvcache.offload import OffloadPolicy
 from kvcache.policy import SwapPolicy
@@ -56,7 +57,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp=None):
         fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
                       index_block_size=BLOCK * index_ratio, enable_prefix_caching=caching, kv_policy=policy)
-        if mtp and policy != "hisparse":  # (HiSparse with MTP is issue 21 item 4)
+        if mtp:
             # 3 drafts; the synthetic runner's drafter is wrong now and then (standard), or a synthetic
             # acceptance rule decides (wrong drafts stand too)
             fields["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 3} if mtp == "standard" else {
@@ -68,7 +69,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # with up to 24 requests of up to 64 tokens the offered load is ~10x the smallest pool
         tpb = probe.group_tokens_per_block(("mla", "indexer"))
         request_blocks = sum(-(-MAX_LEN // n) for n in tpb.values())
-        lease = -(-(hot_rows or 2 * CFG.index_topk) // BLOCK) if policy == "hisparse" else 0
+        k = fields.get("speculative_config", {}).get("num_speculative_tokens", 0)
+        lease = -(-hot_buffer_rows(hot_rows, k, CFG.index_topk) // BLOCK) if policy == "hisparse" else 0
         fields["num_gpu_blocks"] = int((request_blocks + lease) * pool_scale)
         if policy == "hisparse" and "speculative_config" not in fields:
             # chunks stage the rows they select: a request needs only its keys, chunk, tail and hot buffer
@@ -89,7 +91,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
         if policy == "hisparse":  # at least one request's MLA pages: smaller host pools are rejected
             fields["hisparse_host_pool_bytes"] = max(host, pages["mla"] * -(-MAX_LEN // BLOCK))  # >= one request
-            fields["hisparse_device_buffer_size"] = hot_rows  # None: 2 x top-k; top-k leaves the watermark slack
+            fields["hisparse_device_buffer_size"] = hot_rows  # None: (MTP drafts + 2) x top-k; top-k leaves the
+            # watermark slack
             if tier is not None and caching:  # the offload budget (indexer keys) in vLLM's shape, and the tier
                 extra = {"cpu_bytes_to_use": max(host // 4, 2 * pages["indexer"]), "secondary_tiers": tiers}
                 fields["kv_transfer_config"] = {"kv_connector": "OffloadingConnector",
@@ -189,6 +192,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if b >= 0:
                         held["mla"][b] += 1
                 assert not st_.pending_index  # copied back in the step that admitted it
+            for req in sch.running:  # a page goes to the host only once every position in it is final (under
+                # MTP: below the computed count, which excludes rejected drafts and the lookahead positions)
+                assert len(pol.state[req.req_id].host) * BLOCK <= req.num_computed_tokens
             self._tier_holders(pol.host_tier, held)
             for g, p in pol.host_tier.pools.items():
                 p.check()
