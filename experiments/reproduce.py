@@ -132,6 +132,13 @@ MANIFEST: tuple[Entry, ...] = (
           ("HiSparse holds more running requests than offloading at the same host budget",),
           "serve", "configs/ablations/hisparse_vs_offload.py", committed="results/hisparse_vs_offload",
           doc="docs/engine.md", compare=SERVE_KEYS),
+    Entry("hisparse_blocks_by_use", "What holds the device pool in the HiSparse vs offload ablation (indexer keys, "
+          "MLA pages, hot buffers), replayed on the simulator's runner", "sim", "BRIEF §6 (issue 21 item 2)", (),
+          "serve", "configs/ablations/hisparse_vs_offload.py", overrides=("--config.runner.kind=sim",),
+          quick=("--config.sweep.concurrency=(16,)",), committed="results/hisparse_vs_offload_blocks", doc="docs/engine.md",
+          compare=SERVE_KEYS + ("device_blocks_by_use_mean",),
+          note="block decisions are the model runner's (no think time, no dependence on token values); the times "
+               "are H200 prices of the tiny model"),
     # ------------------------------------------------------------------ H200 scale, simulated
     Entry("part1_142k", "Part 1: throughput vs interactivity, running requests (142K limit)", "sim", "BRIEF §8",
           PART1_PUBLISHED, "serve", PART1, quick=("--config.sweep.concurrency=(1, 8)",),
