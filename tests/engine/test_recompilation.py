@@ -21,13 +21,18 @@ from glm53.engine.runner import CompileCounter
 @pytest.fixture(scope="module", autouse=True)
 def no_persistent_cache():
     """This file's programs (its own model: nothing another test could load) are not written to the
-    session's persistent compilation cache. A clean-clone CI run (2026-12-02) crashed with a segfault in
-    JAX's cache write (`compilation_cache.put_executable_and_time`) during this file's MTP warm-up under
-    xdist; it did not recur in a single process. Skipping the writes keeps that path out of the heaviest
-    compiling file and changes nothing it measures (compilations are counted either way)."""
+    session's persistent compilation cache. Two clean-clone CI runs (2026-12-02) crashed with a segfault
+    in JAX's cache write (`compilation_cache.put_executable_and_time`) during this file's MTP warm-up under
+    xdist, at the same call; it did not recur in a single process. Skipping the writes keeps that path
+    out of the heaviest compiling file and changes nothing it measures (compilations are counted either
+    way). JAX decides once per process whether the cache is used, hence `reset_cache` after the switch."""
+    from jax._src import compilation_cache
+
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     yield
     jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
