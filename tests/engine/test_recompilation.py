@@ -8,6 +8,10 @@ follow-up turn that would stage), and with MTP speculative decoding under the po
 position's hidden state, the MTP layer's passes; under HiSparse also those three with the decode view,
 resolving rows from the host)."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.monitoring
 import numpy as np
@@ -71,7 +75,21 @@ POLICIES["mtp_offload"][0]["enable_prefix_caching"] = False
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_no_compilation_after_warmup(small_model, policy, tmp_path):
+def test_no_compilation_after_warmup(request, policy, tmp_path):
+    if policy.startswith("mtp_") and not os.environ.get("GLM53_RECOMPILATION_INNER"):
+        # The MTP cases run in a fresh process: in the clean-clone CI (2026-12-02, xdist) XLA:CPU crashed
+        # (segfault) compiling this file's MTP warm-up programs in a worker that had compiled many other
+        # programs, three runs out of three, at a compile or cache-write call; a fresh process compiles
+        # them without a fault. The inner run is this same test, asserting everything below.
+        env = dict(os.environ, GLM53_RECOMPILATION_INNER="1")
+        env.pop("PYTEST_XDIST_WORKER", None)
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                              f"{__file__}::test_no_compilation_after_warmup[{policy}]"], env=env,
+                             capture_output=True, text=True, timeout=1500)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        assert "1 passed" in out.stdout
+        return
+    small_model = request.getfixturevalue("small_model")
     fields, (lo, hi), min_finished = POLICIES[policy]
     kind = policy.removeprefix("mtp_")
     if fields.get("kv_transfer_config") == "fs":
