@@ -16,21 +16,21 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# One persistent compilation cache per test session. Tests build their own model objects, each with its
-# own jitted functions, so the same programs would compile again and again (seconds each on CPU); with
-# the on-disk cache a repeat is a load. It is fresh per session: nothing stale crosses runs. Under
-# pytest-xdist the workers share their controller's (named by its pid; the controller empties it at
-# start and removes it at exit): a program one worker compiled is a load for the other. A size bound
-# turns on JAX's file lock, which makes concurrent writers and readers of one entry safe.
+# No persistent compilation cache in the test processes themselves: three clean-clone CI runs
+# (2026-12-02) segfaulted inside XLA:CPU's executable serialization (`compilation_cache.
+# put_executable_and_time` -> `executable.serialize()`) in a long-lived xdist worker, at different tests,
+# and xdist's loadfile scheduler then hung instead of failing. Server and peer processes the tests start
+# (tests/glm53/test_serve.py, tests/kvcache/test_tiers*.py) compile the same few programs each, so they
+# share one on-disk cache per session, named by $GLM53_TEST_COMPILE_CACHE: the controller creates it,
+# empties it at start and removes it at exit; xdist workers inherit the variable.
 _WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
-_COMPILE_CACHE = os.path.join(tempfile.gettempdir(), f"glm53-test-jax-cache-{os.getppid() if _WORKER else os.getpid()}")
-if not _WORKER:
-    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
-    atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
-os.makedirs(_COMPILE_CACHE, exist_ok=True)
-jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_compilation_cache_max_size", 16 << 30)
+if not _WORKER and "GLM53_TEST_COMPILE_CACHE" not in os.environ:
+    _cache = os.path.join(tempfile.gettempdir(), f"glm53-test-jax-cache-{os.getpid()}")
+    shutil.rmtree(_cache, ignore_errors=True)
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["GLM53_TEST_COMPILE_CACHE"] = _cache
+if os.environ.get("GLM53_TEST_COMPILE_CACHE"):
+    os.makedirs(os.environ["GLM53_TEST_COMPILE_CACHE"], exist_ok=True)
 
 REPO = Path(__file__).resolve().parents[1]
 

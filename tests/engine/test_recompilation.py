@@ -22,23 +22,6 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.runner import CompileCounter
 
 
-@pytest.fixture(scope="module", autouse=True)
-def no_persistent_cache():
-    """This file's programs (its own model: nothing another test could load) are not written to the
-    session's persistent compilation cache. Two clean-clone CI runs (2026-12-02) crashed with a segfault
-    in JAX's cache write (`compilation_cache.put_executable_and_time`) during this file's MTP warm-up under
-    xdist, at the same call; it did not recur in a single process. Skipping the writes keeps that path
-    out of the heaviest compiling file and changes nothing it measures (compilations are counted either
-    way). JAX decides once per process whether the cache is used, hence `reset_cache` after the switch."""
-    from jax._src import compilation_cache
-
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-    compilation_cache.reset_cache()
-
-
 @pytest.fixture(scope="module")
 def small_model():
     # The tiny preset cut to 2 layers (one full and one shared indexer layer, dense then MoE): the same
@@ -79,8 +62,8 @@ def test_no_compilation_after_warmup(request, policy, tmp_path):
     if policy.startswith("mtp_") and not os.environ.get("GLM53_RECOMPILATION_INNER"):
         # The MTP cases run in a fresh process: in the clean-clone CI (2026-12-02, xdist) XLA:CPU crashed
         # (segfault) compiling this file's MTP warm-up programs in a worker that had compiled many other
-        # programs, three runs out of three, at a compile or cache-write call; a fresh process compiles
-        # them without a fault. The inner run is this same test, asserting everything below.
+        # programs, three runs out of three, at a compile or cache-write call (tests/conftest.py); a fresh
+        # process compiles them without a fault. The inner run is this same test, asserting everything below.
         env = dict(os.environ, GLM53_RECOMPILATION_INNER="1")
         env.pop("PYTEST_XDIST_WORKER", None)
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",

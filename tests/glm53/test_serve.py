@@ -117,9 +117,8 @@ class Server:
 
 
 def glm53_cache_dir() -> str:
-    import jax
-
-    return jax.config.jax_compilation_cache_dir or ""
+    """The session's compilation cache shared by the servers the tests start (tests/conftest.py)."""
+    return os.environ.get("GLM53_TEST_COMPILE_CACHE", "")
 
 
 def _metric(m: dict, name: str, **labels) -> float:

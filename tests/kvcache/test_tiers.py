@@ -447,7 +447,7 @@ def test_two_engine_processes_on_one_root_both_hit(tiny_model, runs, tmp_path):
 
     prompts, want = runs
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or ""}  # this session's programs
+           "JAX_COMPILATION_CACHE_DIR": os.environ.get("GLM53_TEST_COMPILE_CACHE", "")}  # shared by peers (conftest)
     proc = subprocess.Popen([sys.executable, "-c", _PEER, str(tmp_path), str(REPO),
                              json.dumps([p.tolist() for p in prompts])], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)

@@ -527,7 +527,7 @@ def test_two_engine_processes_share_kv_through_peers(tiny_model, reference):
 
     prompts, want = reference
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
-           "JAX_COMPILATION_CACHE_DIR": jax.config.jax_compilation_cache_dir or ""}  # this session's programs
+           "JAX_COMPILATION_CACHE_DIR": os.environ.get("GLM53_TEST_COMPILE_CACHE", "")}  # shared by peers (conftest)
     proc = subprocess.Popen([sys.executable, "-c", _ENGINE_A, json.dumps([p.tolist() for p in prompts])],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
     lines = queue.Queue()
