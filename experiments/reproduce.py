@@ -157,6 +157,15 @@ MANIFEST: tuple[Entry, ...] = (
           note="MTP3 as published: 3 drafts, acceptance fixed at vLLM's synthetic 2.99 (per-position rates 1.0, "
                "0.99, 0.0; spec_acceptance_rate_per_pos reports the measured acceptance per draft position); HiSparse's hot "
                "buffer is (3 + 2) x top-k rows"),
+    Entry("part1_mtp3_1m", "Part 1 with MTP3 at a 1M context limit (HiSparse; offload cannot hold a 1M request)",
+          "sim", "BRIEF §8", PART1_PUBLISHED, "serve", PART1_MTP3,
+          overrides=("--config.deploy.max_model_len=1048576", "--config.sweep.kv_policy=('hisparse',)"),
+          quick=("--config.sweep.concurrency=(1, 8)",), committed="results/paper/part1_mtp3_1m",
+          doc="docs/simulator.md", compare=SERVE_KEYS + MTP_KEYS,
+          note="as part1_mtp3 at a 1M limit: a prefill chunk over host-only pages, the MTP layer's pass over it "
+               "and the drafts after a prompt's last chunk stage only the rows they select, so a 1M request "
+               "needs its indexer keys, a chunk, its newest pages and a (3 + 2) x top-k hot buffer on the "
+               "device, not all of its KV (17,408 of the 4,918 blocks)"),
     Entry("tiered_offload_scaling_sim", "Tiered offload scaling at GLM-5.3 / H200 scale: recompute / device / + host "
           "/ + host + filesystem (one NVMe SSD), 16-256 conversations", "sim", "BRIEF §7", TIERED_PUBLISHED, "serve",
           TIERED_H200, quick=("--config.workload.sessions=256", "--config.workload.turns=4",
@@ -209,13 +218,6 @@ MANIFEST: tuple[Entry, ...] = (
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
           waits_for="issue 21 (HiSparse beyond the pool, MTP)"),
-    Entry("part1_mtp3_1m", "Part 1 with MTP3 at a 1M context limit", "not_built", "BRIEF §8", PART1_PUBLISHED,
-          "serve", PART1_MTP3, overrides=("--config.deploy.max_model_len=1048576",), doc="docs/simulator.md",
-          compare=SERVE_KEYS + MTP_KEYS, waits_for="issue 21: row staging under MTP",
-          note="HiSparse admits requests larger than the pool only without MTP (part1_1m): under MTP a prefill "
-               "chunk over host-only pages still stages whole pages, and the drafts after a prompt's last chunk "
-               "would read host-only pages without a hot buffer, so a 1M request must fit the pool (17,408 of "
-               "4,918 blocks)"),
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "not_built", "BRIEF §8 Part 2",
           ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "

@@ -396,9 +396,9 @@ class DeployConfig:
     @property
     def hisparse_stages_rows(self) -> bool:
         """HiSparse prefill chunks over host-only pages stage only their selected rows (kvcache.host.
-        StagingView), so a request may exceed the device pool; under MTP (whose verify and draft passes
-        do not stage yet) they stage whole pages, and a request must fit the pool."""
-        return self.kv_policy == "hisparse" and self.num_speculative_tokens == 0
+        StagingView; with MTP also the MTP layer's pass and the drafts after a prompt's last chunk), so a
+        request may exceed the device pool."""
+        return self.kv_policy == "hisparse"
 
     @property
     def devices_per_replica(self) -> int:

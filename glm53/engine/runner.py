@@ -363,25 +363,31 @@ class ModelRunner:
         """`warmup` under MTP: per shape the programs `_run_group_mtp` runs (the verify or keep_all forward,
         the logits, the accept rule or sampling, the MTP pass over the group, the first draft), then the
         one-token draft passes for every (rows, window) the shapes name; under HiSparse also the verify
-        shapes' forwards with a decode view and the draft passes with one. Padding only: nothing is
-        written (and no lease: the views resolve nothing)."""
+        shapes' forwards with a decode view, the prefill shapes' with a staging view (row staging), and
+        the draft passes with each. Padding only: nothing is written (and no lease: the views resolve
+        nothing)."""
         self._views = []
-        if self.hisparse:
+        if self.hisparse:  # decode views for verify shapes; staging views for prefill shapes
             for rows, width, window in shapes:
-                if width != self.verify_width:
+                if width != self.verify_width and not self.stage_rows:
                     continue
                 tok = np.zeros((rows, width), np.int32)
                 pos = np.full((rows, width), -1, np.int32)
                 t_mla, t_idx = self._table("mla", rows, [], window), self._table("indexer", rows, [], window)
-                view = lambda win: self._mtp_view([], rows, win)  # noqa: E731
-                hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, view(window))
+                if width == self.verify_width:
+                    view = lambda win: self._mtp_view([], rows, win)  # noqa: E731
+                    hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, view(window))
+                else:
+                    view = lambda win: self._stage_view([], rows, win)  # noqa: E731
+                    _, hidden = self._forward_keep_all(tok, pos, t_mla, t_idx, window, view(window))
                 self._mtp_pass(hidden, tok, pos, t_mla, t_idx, window, np.zeros(rows, np.int32), view(window))
             for rows, window in sorted({(r, w) for r, _, w in shapes}):
                 h = jax.device_put(np.zeros((rows, 1, self.model.cfg.hidden_size), self.model.dtype), self.devices[0])
                 d = jax.device_put(np.zeros((rows, 1), np.int32), self.devices[0])
                 t_mla, t_idx = self._table("mla", rows, [], window), self._table("indexer", rows, [], window)
-                self._draft_chain(h, d, np.full((self.k - 1, rows), -1, np.int32), t_mla, t_idx, window,
-                                  self._mtp_view([], rows, window)).block_until_ready()
+                for view in [self._mtp_view] + ([self._stage_view] if self.stage_rows else []):
+                    self._draft_chain(h, d, np.full((self.k - 1, rows), -1, np.int32), t_mla, t_idx, window,
+                                      view([], rows, window)).block_until_ready()
             self._views = []
         for rows, width, window in shapes:
             tok = np.zeros((rows, width), np.int32)
@@ -558,26 +564,35 @@ class ModelRunner:
         """`execute` under MTP: per width group, the target's forward, the accept rule or sampling, and the
         MTP layer's passes (`_run_group_mtp`). Under HiSparse a verify group of which some row holds a hot
         buffer runs all three with HiSparse's decode view, one position at a time: each of its forwards
-        (verify, the MTP pass over the group, the draft chain) leaves one ResolveRecord."""
+        (verify, the MTP pass over the group, the draft chain) leaves one ResolveRecord. A prefill group
+        of which some row has host-only pages runs all three with a staging view (kvcache.host.
+        StagingView): each leaves one StageRecord."""
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
-        tokens, drafts, resolves = {}, {}, []
+        tokens, drafts, resolves, stages = {}, {}, [], []
         hs = plan.hisparse
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity, self.verify_width):
             leased = hs is not None and width == self.verify_width and any(hs[i].lease >= 0 for i in idx)
+            staged = (hs is not None and width != self.verify_width and self.stage_rows
+                      and any(-1 in plan.block_tables["mla"][i] for i in idx))
             rows = [plan.rows[i] for i in idx]
             self._views = []
             out, new = self._run_group_mtp(rows, [plan.block_tables["mla"][i] for i in idx],
                                            [plan.block_tables["indexer"][i] for i in idx], width, padded, window,
-                                           [hs[i] for i in idx] if leased else None)
+                                           [hs[i] for i in idx] if leased or staged else None, staged)
             tokens.update(out)
             drafts.update(new)
+            ids = tuple(row.req_id for row in rows)
             for view in self._views:
-                rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), view)
-                resolves.append(rec)
+                if isinstance(view, StagingView):
+                    rec, nbytes = self._stage_record(ids, view)
+                    stages.append(rec)
+                else:
+                    rec, nbytes = self._resolve_record(ids, view)
+                    resolves.append(rec)
                 h2d += nbytes
         loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads,
-                          drafts=drafts)
+                          drafts=drafts, stages=tuple(stages))
 
     def _mtp_view(self, hisparse, r: int, window: int) -> HiSparseView | None:
         """HiSparse's decode view of a verify group's rows (their HiSparseRows; None: no view) for forwards
@@ -590,12 +605,27 @@ class ModelRunner:
         return self.host.view(self._table("mla", r, [h.host_blocks for h in hisparse], window), lease,
                               min(self.model.cfg.index_topk, window))
 
-    def _with_view(self, cache: PagedKVCache, view: HiSparseView | None) -> PagedKVCache:
-        return cache if view is None else dataclasses.replace(cache, hisparse=view)
+    def _stage_view(self, hisparse, r: int, window: int) -> StagingView | None:
+        """The staging view of a prefill group's rows (their HiSparseRows; None: no view) for forwards over
+        `window`: each forward stages the host rows its queries select, `stage_tile` queries at a time."""
+        if hisparse is None:
+            return None
+        return self.host.staging_view(self._table("mla", r, [h.host_blocks for h in hisparse], window), self.stage_tile)
+
+    def _with_view(self, cache: PagedKVCache, view: HiSparseView | StagingView | None) -> PagedKVCache:
+        if view is None:
+            return cache
+        if isinstance(view, StagingView):
+            return dataclasses.replace(cache, staging=view)
+        return dataclasses.replace(cache, hisparse=view)
 
     def _take_view(self, cache: PagedKVCache) -> PagedKVCache:
-        """A forward's cache back without its HiSparse view: the host tables and hot state go back to
-        HostMemory, the view (its counts) to `_views` for the step's ResolveRecords."""
+        """A forward's cache back without its HiSparse or staging view: the host tables (and hot state) go
+        back to HostMemory, the view (its counts) to `_views` for the step's Resolve- or StageRecords."""
+        if cache.staging is not None:
+            self.host.absorb_staging(cache.staging)
+            self._views.append(cache.staging)
+            return dataclasses.replace(cache, staging=None)
         if cache.hisparse is None:
             return cache
         self.host.absorb(cache.hisparse)
@@ -641,11 +671,19 @@ class ModelRunner:
                                                    form=self.form, impl=self.deploy.attention_impl)
         return hidden
 
-    def _forward_keep_all(self, tok, pos, table_mla, table_index, window):
+    def _forward_keep_all(self, tok, pos, table_mla, table_index, window, staging: StagingView | None = None):
         """A prefill group's forward -> (hidden [rows, 1, D] of each row's last token, as without MTP;
-        hidden [rows, width, D] of every position, for the MTP layer)."""
+        hidden [rows, width, D] of every position, for the MTP layer). `staging`: the group's staging view
+        (some row has host-only pages; one device: the sparse form reads them through staged rows)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = self.cache.with_block_table(table_mla, table_index)
+        if staging is not None:
+            self.staging_shapes.add((tok.shape[0], tok.shape[1], window))
+            (last, hidden), cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos),
+                                                      self._with_view(cache, staging), window=window, form="mqa",
+                                                      impl=self.deploy.attention_impl, last_only=True, keep_all=True)
+            self.cache = self._take_view(cache)
+            return last, hidden
         if self.mesh is not None:  # the context mesh's forward returns every position already
             self._check_ids(table_mla, table_index)
             hidden, self.cache = self._forward_cp(tok, pos, cache, window, attention_form(
@@ -657,14 +695,21 @@ class ModelRunner:
                                                        impl=self.deploy.attention_impl, last_only=True, keep_all=True)
         return last, hidden
 
-    def _mtp_pass(self, hidden, nxt, mpos, table_mla, table_index, window, sel, view: HiSparseView | None = None):
+    def _mtp_pass(self, hidden, nxt, mpos, table_mla, table_index, window, sel,
+                  view: HiSparseView | StagingView | None = None):
         """The MTP layer over a whole group: position mpos[r, j] (-1: skip) pairs hidden[r, j] with token
         nxt[r, j] (the token after it) and writes the MTP layer's KV there -> (its state at each row's
         position sel[r], [rows, 1, D]; the draft taken from it, [rows, 1] int32). `view`: HiSparse's decode
         view; the MTP layer then runs one position at a time (GLM53.mtp_verify) and its own indexer's
-        selections resolve through the hot buffer (its IndexShare group of one layer)."""
+        selections resolve through the hot buffer (its IndexShare group of one layer). A staging view: the
+        pass over the group at once, its selected host rows staged per tile."""
         cache = self.cache.with_block_table(table_mla, table_index)
-        if view is not None:
+        if isinstance(view, StagingView):
+            h, cache = self.c.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
+                                          self._with_view(cache, view), j=0, window=window, form="mqa",
+                                          impl=self.deploy.attention_impl)
+            self.cache = self._take_view(cache)
+        elif view is not None:
             h, cache = self.c.mtp_verify(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
                                          self._with_view(cache, view), j=0, window=window, form="mqa",
                                          impl=self.deploy.attention_impl)
@@ -678,11 +723,13 @@ class ModelRunner:
                                                window=window, form=self.form, impl=self.deploy.attention_impl)
         return _mtp_head(self.c.logits, self.state, h, jnp.asarray(sel))
 
-    def _draft_chain(self, h, d, dpos, table_mla, table_index, window, view: HiSparseView | None = None):
+    def _draft_chain(self, h, d, dpos, table_mla, table_index, window,
+                     view: HiSparseView | StagingView | None = None):
         """Drafts 2..k: k - 1 one-token MTP passes, pass s at positions dpos[s] (-1: skip) with the previous
         draft as its token and the previous pass's normed output as its state (not the raw residual: vLLM
         PR #46075) -> drafts [rows, k] int32 (device). `view`: HiSparse's decode view, which each pass
-        resolves (one-token steps, the sparse form)."""
+        resolves (one-token steps, the sparse form), or a staging view (after a prefill chunk over
+        host-only pages: each pass stages the host rows its query selects)."""
         self.compiled_draft_shapes.add((d.shape[0], window))
         cache = self._with_view(self.cache.with_block_table(table_mla, table_index), view)
         form = "mqa" if view is not None else self.form
@@ -701,11 +748,13 @@ class ModelRunner:
         return _concat_drafts(tuple(out))
 
     def _run_group_mtp(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int,
-                       window: int, hisparse=None) -> tuple[dict, dict]:
+                       window: int, hisparse=None, staged: bool = False) -> tuple[dict, dict]:
         """One width group under MTP -> (tokens, drafts) of its rows that sample. `hisparse`: the rows'
         HiSparseRows when the group resolves through HiSparse's decode view (a verify group of which some
         row holds a hot buffer): the verify step, the MTP pass and the draft passes each get a view and
-        resolve per position (hot rows hold only sealed positions, whose KV is final)."""
+        resolve per position (hot rows hold only sealed positions, whose KV is final). With `staged` (a
+        prefill group of which some row has host-only pages) they each get a staging view instead."""
+        view = self._stage_view if staged else self._mtp_view
         tok = np.zeros((r, width), np.int32)
         pos = np.full((r, width), -1, np.int32)
         for i, row in enumerate(rows):
@@ -718,7 +767,7 @@ class ModelRunner:
         final = [row.next_token for row in rows]
         out = {}
         if width == self.verify_width:
-            hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, self._mtp_view(hisparse, r, window))
+            hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, view(hisparse, r, window))
             if need:
                 toks, accepted = self._accept(hidden, rows, need, r)
                 for i in need:
@@ -727,7 +776,7 @@ class ModelRunner:
                     stand[i] = rows[i].num_tokens - rows[i].num_draft_tokens + a
                     final[i] = int(toks[i, a])
         else:
-            last, hidden = self._forward_keep_all(tok, pos, t_mla, t_idx, window)
+            last, hidden = self._forward_keep_all(tok, pos, t_mla, t_idx, window, view(hisparse, r, window))
             if need:
                 picked = self._pick(self._last_logits(self.state, last, np.zeros(r, np.int32)),
                                     [rows[i] for i in need], need)
@@ -746,7 +795,7 @@ class ModelRunner:
             if final[i] < 0:  # no known next token (cannot happen for a plan from the scheduler): skip it
                 mpos[i, n - 1] = -1
             sel[i] = n - 1
-        h, d = self._mtp_pass(hidden, nxt, mpos, t_mla, t_idx, window, sel, self._mtp_view(hisparse, r, window))
+        h, d = self._mtp_pass(hidden, nxt, mpos, t_mla, t_idx, window, sel, view(hisparse, r, window))
         if not need:
             return out, {}
         # drafts 2..k at the positions after each sampling row's last standing one, within max_model_len
@@ -759,7 +808,7 @@ class ModelRunner:
         dwin = window_bucket(int(dpos.max(initial=0)) + 1, self.capacity)
         drafts = np.asarray(self._draft_chain(h, d, dpos, self._table("mla", r, tables_mla, dwin),
                                               self._table("indexer", r, tables_index, dwin), dwin,
-                                              self._mtp_view(hisparse, r, dwin)))
+                                              view(hisparse, r, dwin)))
         return out, {rows[i].req_id: tuple(int(t) for t in drafts[i]) for i in need}
 
     def _accept(self, hidden, rows: list[PlanRow], need: list[int], r: int):

@@ -5,6 +5,8 @@ hot buffer; prefill chunks over host-only pages stage only the rows their querie
 queries, and every byte that crosses host -> device is accounted for. The offload policy refuses such
 a request with a ValueError naming the pool and the blocks it needs."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -63,28 +65,49 @@ def _snapshot(eng) -> dict:
             "hisparse_h2d_rows": rs.h2d_rows, "peak": m.get("device_blocks_peak", 0)}
 
 
-def _check_stage_log(eng, tiny_model) -> None:
+def _check_stage_log(eng, tiny_model, spec=None) -> None:
     """Per staging record: each layer copied its group's staged rows (shared layers stage what their
     full layer selected), except the last layer, which runs only each row's last query (GLM53 last_only)
-    and so copies at most that; and no tile staged more than its queries can select."""
+    and so copies at most that; and no tile staged more than its queries can select. Under MTP a chunk
+    leaves three records (the target's forward, the MTP layer's pass, the drafts): the MTP layer is an
+    IndexShare group of its own, one layer, which the target's forward does not touch; that forward keeps
+    every position's hidden state, so its last layer runs for every query and again for the last one
+    (GLM53 keep_all), which may stage up to top-k more rows per request."""
     cfg = tiny_model.cfg
     full = [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
     per_group = np.diff(full + [cfg.num_hidden_layers])
     tile = eng.deploy.hisparse_prefill_tile_tokens
     log = eng.scheduler.resolve.stage_log
     assert log
+    if spec:
+        mtp = [rec for rec in log if rec.staged[:, :-1].sum() == 0]  # the MTP layer's passes
+        target = [rec for rec in log if rec.staged[:, -1].sum() == 0 and rec.staged.sum() > 0]
+        assert mtp and target and all((rec.copied == rec.staged[:, -1]).all() for rec in mtp)
+        log = [dataclasses.replace(rec, staged=rec.staged[:, :-1]) for rec in target]
     for rec in log:
         last = per_group.copy()
-        last[-1] -= 1
-        assert (rec.staged @ last <= rec.copied).all() and (rec.copied <= rec.staged @ per_group).all()
+        if spec:
+            assert (rec.staged @ last <= rec.copied).all()
+            assert (rec.copied <= rec.staged @ per_group + cfg.index_topk).all()
+        else:
+            last[-1] -= 1
+            assert (rec.staged @ last <= rec.copied).all() and (rec.copied <= rec.staged @ per_group).all()
         tiles = -(-eng.deploy.max_num_batched_tokens // tile)
         assert (rec.staged <= tiles * tile * cfg.index_topk).all()
 
 
+MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
+
+
 @pytest.mark.slow
-def test_a_conversation_four_times_the_pool_matches_full_residency(tiny_model, reference):
+@pytest.mark.parametrize("spec", [None, MTP3], ids=["plain", "mtp3"])
+def test_a_conversation_four_times_the_pool_matches_full_residency(tiny_model, reference, spec):
+    """With MTP3 the pool is the same 16 blocks (its hot buffer is (3 + 2) x top-k rows: 5 blocks, not 2);
+    prefill chunks, the MTP layer's pass over them and the drafts after a prompt's last chunk stage
+    their host rows, and greedy speculative decoding gives the non-speculative reference's tokens."""
     outs, long_prompt, long_out = reference
-    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=POOL))
+    deploy = DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=POOL, speculative_config=spec)
+    eng = Engine(tiny_model, deploy)
     kv = eng.scheduler.kv
     total = long_prompt.size + NEW
     assert kv.blocks_needed_all(total) >= 4 * POOL  # the conversation's KV over the pool
@@ -106,17 +129,19 @@ def test_a_conversation_four_times_the_pool_matches_full_residency(tiny_model, r
     assert m["hot_misses"] > 0  # decode steps read host-only pages through the hot buffer
     st = eng.scheduler.policy.stats
     assert st.residency_steps["none"] > 0 and st.host_prefix_pages > 0
-    _check_stage_log(eng, tiny_model)
+    _check_stage_log(eng, tiny_model, spec)
+    if spec:
+        assert m["spec_num_drafts"] > 0
 
     # the whole conversation as one prompt: its prefill releases its own sealed pages as it goes
-    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=POOL))
+    eng = Engine(tiny_model, deploy)
     eng.scheduler.resolve.stage_log = []
     before = _snapshot(eng)
     assert eng.generate([long_prompt], max_new_tokens=NEW)[0].token_ids.tolist() == long_out
     _check_transfers(eng, before, _snapshot(eng))
     m = eng.metrics()
     assert m["device_blocks_peak"] <= POOL and m["preemptions"] == 0 and m["released_pages"] > 0
-    _check_stage_log(eng, tiny_model)
+    _check_stage_log(eng, tiny_model, spec)
 
 
 def test_a_request_beyond_the_pool_is_refused_where_it_cannot_run(tiny_model):
