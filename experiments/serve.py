@@ -267,7 +267,8 @@ def warm_up(model, cfg: ConfigDict) -> float:
 def plot(runs: list[dict], out: Path) -> None:
     """Redraw a sweep's figures from its runs alone (results.json's "runs"): out/throughput_vs_interactivity.png,
     out/running_requests_vs_concurrency.png, and out/throughput_vs_concurrency.png and
-    out/prefix_hit_rate_vs_concurrency.png (log-scale x)."""
+    out/prefix_hit_rate_vs_concurrency.png (log-scale x); with MTP also out/acceptance_per_position.png
+    (the measured acceptance rate of each draft position, one line per run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,6 +303,22 @@ def plot(runs: list[dict], out: Path) -> None:
         ax.legend(title="kv_policy")
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+    spec = [r for r in runs if r.get("spec_acceptance_rate_per_pos")]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for r in spec:
+            rates = r["spec_acceptance_rate_per_pos"]
+            ax.plot(range(1, len(rates) + 1), rates, "o-", alpha=0.7,
+                    label=f"{r['kv_policy']} c{r['concurrency']} (length {r['spec_acceptance_length_mean']:.2f})")
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("acceptance rate (accepted / drafted at that position)")
+        ax.set_xticks(range(1, max(len(r["spec_acceptance_rate_per_pos"]) for r in spec) + 1))
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "acceptance_per_position.png", dpi=120)
         plt.close(fig)
 
 

@@ -245,7 +245,7 @@ def _layer_kinds(cfg: ModelConfig, include_mtp: bool) -> tuple[tuple[tuple, int,
 
 def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_bytes: float = 0,
               h2d_bytes: float = 0, host_transfers: int = 0, hot_miss_rows: float = 0,
-              per_layer: bool = False) -> StepCost:
+              per_layer: bool = False, only_mtp: bool = False) -> StepCost:
     """One GPU's costs for a scheduler's mixed step: `plan.rows` (anything with `start`, `num_tokens`,
     `num_draft_tokens` and `sample`, e.g. a glm53.engine.plan.StepPlan), each row at its own cached
     context; the plan's KV transfers (d2h_bytes / h2d_bytes over `host_transfers` copy calls, serial
@@ -262,7 +262,7 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     are computed once per layer kind (indexer full / shared x dense / MoE x MTP); per_layer=True repeats
     them per layer (for `StepCost.time_s`'s overlap options), else each is scaled by its layer count
     (what a simulator needs, ~20x cheaper). The rows run as one forward program (hw.forward_latency_s
-    once).
+    once). only_mtp (with include_mtp): the MTP layers alone, as a draft pass runs them (`mtp_draft_cost`).
     """
     # (start, tokens, drafts, samples, prefill) per row: plain tuples, cheap to loop over per layer kind
     rows = [(r.start, r.num_tokens, r.num_draft_tokens, bool(r.sample), r.num_tokens != 1 + r.num_draft_tokens)
@@ -384,7 +384,8 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             out += [c.at_layer(layer) for c in by_kind[kind]]
     elif rows:  # each kind's parts once, from its first layer, scaled by its layer count
         for _, layer, n in _layer_kinds(cfg, dep.include_mtp):
-            out += [c.scaled(n) for c in layer_parts(layer) if c.time_s > 0]
+            if not only_mtp or layer >= cfg.num_hidden_layers:
+                out += [c.scaled(n) for c in layer_parts(layer) if c.time_s > 0]
     if rows:
         if hw.forward_latency_s:
             out.append(Cost("forward_launch", latency_s=hw.forward_latency_s, time_s=hw.forward_latency_s))
@@ -419,10 +420,7 @@ def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, contexts
     if not contexts or passes <= 0:
         return StepCost(())
     plan = _DraftPlan(tuple(_DraftRow(max(0, int(c))) for c in contexts))
-    full = step_cost(cfg, hw, dataclasses.replace(dep, include_mtp=True), plan, per_layer=True)
-    parts = [c for c in full.parts if c.layer >= cfg.num_hidden_layers]
-    parts.append(lm_head(cfg, hw, len(contexts), shards=dep.tp * dep.pcp))
-    if hw.forward_latency_s:
-        parts.append(Cost("forward_launch", latency_s=hw.forward_latency_s, time_s=hw.forward_latency_s))
+    # the MTP layers' parts (scaled by their count), the launch and the lm_head of the drafting rows
+    parts = step_cost(cfg, hw, dataclasses.replace(dep, include_mtp=True), plan, only_mtp=True).parts
     return StepCost(tuple(dataclasses.replace(c.scaled(passes), name="mtp_draft_" + c.name, layer=-1) for c in parts),
                     per_layer=False)
