@@ -3,10 +3,12 @@ with speculative_config MTP, 3 draft tokens, acceptance fixed at vLLM's syntheti
 rates 1.0, 0.99, 0.0; the simulator has no draft model, so only the synthetic rule runs there). Each decode
 row verifies 1 + 3 tokens per step and the MTP layer's passes are priced (glm53.perfmodel.step); the pool
 holds the MTP layer's KV too (788 more bytes per token), and HiSparse's hot buffer is (3 + 2) x top-k rows
-per request. Context limit 142K; the 1M point waits for requests larger than the device pool (issue 21
-item 1).
+per request. Context limit 142K; at 1M (HiSparse only: prefill chunks, the MTP layer's pass and the
+drafts stage the host rows they select, so a request need not fit the pool):
 
     python -m experiments.serve --config configs/paper/part1_mtp3.py --out results/paper/part1_mtp3
+    python -m experiments.serve --config configs/paper/part1_mtp3.py --out results/paper/part1_mtp3_1m \
+        --config.deploy.max_model_len=1048576 "--config.sweep.kv_policy=('hisparse',)"
 """
 
 from pathlib import Path

@@ -181,14 +181,15 @@ class SimRunner(SyntheticRunner):
 
     def _stage_rows(self, plan: StepPlan, rows=None) -> float:
         """Rows per layer a HiSparse step's prefill chunks over host-only pages stage (module docstring:
-        each host-only row the chunk could select, once), over the plan's rows or those in `rows`."""
+        each host-only row the chunk could select, once), over the plan's rows or those in `rows`. An
+        MTP verify row (its drafts) is a decode row: it reads through the hot buffer (`_miss_rows`)."""
         if plan.hisparse is None or not self.deploy.hisparse_stages_rows:
             return 0.0
         k, tpb = self.cfg.index_topk, self.deploy.tokens_per_block
         total = 0.0
         for i in range(len(plan.rows)) if rows is None else rows:
             row, table = plan.rows[i], plan.block_tables["mla"][i]
-            if row.num_tokens > 1 and -1 in table:
+            if row.num_tokens > 1 and not row.num_draft_tokens and -1 in table:
                 total += min(row.num_tokens * k, table.count(-1) * tpb)
         return total
 
@@ -210,7 +211,7 @@ class SimRunner(SyntheticRunner):
                 sample = any(plan.rows[i].sample for i in idx)
                 verify = width == (self.verify_width or 1)
                 segments.append((forward_cost(self.cfg, self.hw, self.dep, padded, width, window, sample=sample,
-                                              hot_miss_rows=misses if width == 1 else self._stage_rows(plan, idx),
+                                              hot_miss_rows=misses if verify else self._stage_rows(plan, idx),
                                               drafts=width - 1 if verify else 0), sample))
                 if sample and self.verify_width:  # the group's draft passes, on its padded rows
                     segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * padded,

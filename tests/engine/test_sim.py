@@ -242,3 +242,30 @@ def test_a_priced_runner_needs_a_virtual_clock():
 def test_a_model_config_needs_a_runner():
     with pytest.raises(ValueError, match="needs a runner"):
         Engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64))
+
+
+def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_rows():
+    """Under MTP a verify row (its last token and drafts) over host-only pages is a decode row: it is priced
+    as hot-buffer misses, not as a prefill chunk staging rows; a chunk over host-only pages stages. (The
+    committed part1_mtp3_1m sweep first ran with verify rows priced as chunks: 1.1e9 staged rows.)"""
+    from glm53.engine.plan import PlanRow, StepPlan
+    from kvcache.hisparse import HiSparseRow
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+           "synthetic_acceptance_length": 2.99}
+    deploy = DeployConfig(**{**BASE, **POLICIES["hisparse"], "speculative_config": mtp})
+    runner = sim.build_engine(TINY, deploy, pad_like_runner=True).runner
+    table = (-1,) * 8 + (5, 6)  # 64 host-only positions, then two device pages
+
+    def plan(row):
+        return StepPlan(0, (row,), {"mla": (table,), "indexer": ((1, 2, 3, 4, 5),)},
+                        (HiSparseRow(tuple(range(10)), lease=0),), ())
+
+    params = SamplingParams(max_new_tokens=8)
+    verify = plan(PlanRow("a", 79, np.zeros(4, np.int32), True, params, 3, num_draft_tokens=3))
+    chunk = plan(PlanRow("a", 70, np.zeros(4, np.int32), True, params, 0))
+    assert runner._stage_rows(verify) == 0 and runner._miss_rows(verify) > 0
+    assert runner._stage_rows(chunk) == min(4 * TINY.index_topk, 64) and runner._miss_rows(chunk) == 0
+    before = runner.staged_rows
+    runner.execute(verify)
+    assert runner.staged_rows == before and runner.hot_miss_rows > 0
