@@ -297,6 +297,21 @@ class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
             extra += self.lease_blocks
         return extra
 
+    def admission_reserve(self, kv: KVCacheManager, running: Sequence[RequestView]) -> int:
+        """A hot buffer for each request still prefilling without one whose pages are not all on the
+        device: it leases when it starts decoding, and what it could release for that it has released
+        already. Without this reserve, admissions take those blocks and the lease later costs a
+        preemption (Part 1 with MTP3's 160-block hot buffers: thousands of them from 24 users on)."""
+        if not self.stage_rows:
+            return 0
+        n = 0
+        for r in running:
+            st = self.state[r.req_id]
+            if st.lease < 0 and r.num_tokens - r.num_computed_tokens > 1 and (
+                    st.unpinned or -1 in kv.block_table(r.req_id, "mla")):
+                n += 1
+        return n * self.lease_blocks
+
     def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:
         st = self.state[req.req_id]
         self.host_tier.admitted(req.req_id)

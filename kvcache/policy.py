@@ -99,6 +99,11 @@ class KVPolicy(Protocol):
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
         """Device blocks a chunk of `num_tokens` needs beyond the pages of its new tokens."""
 
+    def admission_reserve(self, kv: KVCacheManager, running: Sequence[RequestView]) -> int:
+        """Free blocks that admitting one more request must leave free (beyond its first chunk's need) for
+        what the `running` requests, the candidate last among them, will need without anything left to
+        release: e.g. HiSparse hot buffers of requests still prefilling. Read with the admission key."""
+
     def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:
         """Called once the chunk's blocks are allocated (and `extra_blocks` are free)."""
 
@@ -184,6 +189,9 @@ class PreemptPolicy:
         return kv.blocks_needed_all(num_tokens)
 
     def extra_blocks(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> int:
+        return 0
+
+    def admission_reserve(self, kv: KVCacheManager, running: Sequence[RequestView]) -> int:
         return 0
 
     def prepare(self, kv: KVCacheManager, req: RequestView, num_tokens: int) -> None:

@@ -257,11 +257,13 @@ class Scheduler:
                 skip, waited = skip + 1, True
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._fits(req, n) and self.policy.make_room(self.kv, self.running, self._need(req, n)):
+            reserve = self.policy.admission_reserve(self.kv, [*self.running, req])
+            while not self._fits(req, n, reserve) and self.policy.make_room(self.kv, self.running,
+                                                                            self._need(req, n) + reserve):
                 pass
-            if not self._fits(req, n) and (m := self._shrink(req, n)) is not None:
+            if not self._fits(req, n, reserve) and (m := self._shrink(req, n, reserve)) is not None:
                 n = m
-            if not self._fits(req, n):
+            if not self._fits(req, n, reserve):
                 self.policy.forget(self.kv, req)
                 self.kv.free(req.req_id, keep_hashes=True)  # give back the prefix hit; admit again when there is room
                 req.num_computed_tokens = 0
@@ -407,11 +409,14 @@ class Scheduler:
             for k, v in by.items():
                 self.blocks_by_use_sum[k] += v
 
-    def _fits(self, req: Request, n: int) -> bool:
-        return self._need(req, n) <= self.kv.num_free_blocks
+    def _fits(self, req: Request, n: int, reserve: int = 0) -> bool:
+        """Whether a chunk of n tokens of `req` fits the free blocks, leaving `reserve` of them free (an
+        admission: `KVPolicy.admission_reserve`)."""
+        return self._need(req, n) + reserve <= self.kv.num_free_blocks
 
-    def _shrink(self, req: Request, n: int) -> int | None:
-        """The longest prefix of a prefill chunk of n tokens that fits the free blocks now, if the policy
+    def _shrink(self, req: Request, n: int, reserve: int = 0) -> int | None:
+        """The longest prefix of a prefill chunk of n tokens that fits the free blocks now (leaving
+        `reserve` free, as `_fits`), if the policy
         lets a chunk shrink (HiSparse with row staging: a shorter chunk needs fewer pages, and the pages
         its predecessors sealed can be released meanwhile), ending on a page boundary; None otherwise, and
         for a row that verifies drafts."""
@@ -424,7 +429,7 @@ class Scheduler:
             mid = (lo + hi) // 2
             end = (req.num_computed_tokens + mid) // tpb * tpb  # end the chunk on a page boundary
             m = end - req.num_computed_tokens
-            if m >= 1 and self._fits(req, m):
+            if m >= 1 and self._fits(req, m, reserve):
                 best, lo = m, mid + 1
             else:
                 hi = mid - 1
