@@ -16,12 +16,10 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# No persistent compilation cache in the test processes themselves: three clean-clone CI runs
-# (2026-12-02) segfaulted inside XLA:CPU's executable serialization (`compilation_cache.
-# put_executable_and_time` -> `executable.serialize()`) in a long-lived xdist worker, at different tests,
-# and xdist's loadfile scheduler then hung instead of failing. Server and peer processes the tests start
-# (tests/glm53/test_serve.py, tests/kvcache/test_tiers*.py) compile the same few programs each, so they
-# share one on-disk cache per session, named by $GLM53_TEST_COMPILE_CACHE: the controller creates it,
+# No persistent compilation cache in the test processes themselves (three clean-clone CI runs,
+# 2026-12-02, crashed in its writes: the memory-map limit below, hit there first). Server and peer
+# processes the tests start (tests/glm53/test_serve.py, tests/kvcache/test_tiers*.py) compile the same
+# few programs each, so they share one on-disk cache per session, named by $GLM53_TEST_COMPILE_CACHE: the controller creates it,
 # empties it at start and removes it at exit; xdist workers inherit the variable.
 _WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 if not _WORKER and "GLM53_TEST_COMPILE_CACHE" not in os.environ:
@@ -33,6 +31,31 @@ if os.environ.get("GLM53_TEST_COMPILE_CACHE"):
     os.makedirs(os.environ["GLM53_TEST_COMPILE_CACHE"], exist_ok=True)
 
 REPO = Path(__file__).resolve().parents[1]
+
+# XLA:CPU maps about 6 memory regions per loaded executable and keeps them while JAX's caches hold it; a
+# long-lived test process (an xdist worker) compiles tens of thousands of programs and crosses the
+# kernel's vm.max_map_count (65,530 here), after which XLA segfaults or aborts inside a compile or an
+# executable's serialization (docs/testing.md). Between tests, once the process holds more than
+# MAX_MAPS mappings, JAX's caches are dropped (tests share compiled shapes until then).
+MAX_MAPS = 20_000
+
+
+def _num_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+    yield
+    if _num_maps() > MAX_MAPS:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
