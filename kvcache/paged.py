@@ -177,17 +177,24 @@ class PagedKVCache:
         `mla_slots`. In a HiSparse decode step (T = 1) the block table holds -1 for host-only pages: a
         full indexer layer (`full`) resolves its selection against residency and the hot buffers, and it
         and the shared layers after it copy the plan's missing rows from their host tables into their
-        own device tables before reading (one row copy per miss per layer of the group)."""
+        own device tables before reading (one row copy per miss per layer of the group). A batched MTP
+        verify step (T = 1 + k queries per row) resolves one plan per group for all its positions: the
+        union of their selections, each position counted once (`union_selections`; the view's plan is
+        [R, T * K] and the hot buffer must hold T x K rows), and every query reads its own selection from
+        the rows that plan placed."""
         hs = self.hisparse
-        if hs is None or pos_BTK.shape[1] != 1:
+        if hs is None:
             return self.mla_slots(layer, pos_BTK), self
+        b, t, k = pos_BTK.shape
+        sel, inverse = (pos_BTK[:, 0], None) if t == 1 else union_selections(pos_BTK.reshape(b, t * k))
         i = self.mla_layers.index(layer)
         if full:
             group = sum(1 for f in self.index_layers if f <= layer) - 1
-            hs = hs.resolve(group, pos_BTK[:, 0], self.block_table, self.block_size, impl=impl)
+            hs = hs.resolve(group, sel, self.block_table, self.block_size, impl=impl)
         hs, table = hs.copy_rows(i, self.mla[i])
         cache = dataclasses.replace(self._replace("mla", layer, table), hisparse=hs)
-        return SlotRows(table, hs.plan_rows[:, None, :], self.mla_format), cache
+        rows = hs.plan_rows if inverse is None else jnp.take_along_axis(hs.plan_rows, inverse, axis=1)
+        return SlotRows(table, rows.reshape(b, t, k), self.mla_format), cache
 
     select = default_select
 
@@ -204,3 +211,19 @@ class PagedKVCache:
         out, st = st.attend(i, self.mla[i], self.slots(pos_BTK), pos_BTK, q_lat_BTHR, q_pe_BTHP, scale,
                             self.mla_format, self.block_size, group=group, full=full, impl=impl)
         return out, dataclasses.replace(self, staging=st)
+
+
+def union_selections(sel_BN):
+    """The union of a row's selections [B, N] int32 (-1 = none; duplicates across the queries of one step)
+    -> (unique [B, N]: each selected position once, in increasing order, -1 elsewhere; inverse [B, N]: for
+    each entry of `sel_BN` the index in `unique` holding its position, or of a -1 entry for a -1 one).
+    One resolver plan over `unique` serves every query: rows = take_along_axis(plan.rows, inverse)."""
+    n = sel_BN.shape[1]
+    order = jnp.argsort(sel_BN, axis=1, stable=True)
+    s = jnp.take_along_axis(sel_BN, order, axis=1)
+    idx = jnp.arange(n)
+    first = (idx == 0) | (s != jnp.roll(s, 1, axis=1))
+    unique = jnp.where(first & (s >= 0), s, -1)
+    run_start = jax.lax.cummax(jnp.where(first, idx, 0), axis=1)  # the first entry of each run of equal values
+    inverse = jnp.zeros_like(order).at[jnp.arange(sel_BN.shape[0])[:, None], order].set(run_start)
+    return unique, inverse

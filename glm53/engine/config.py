@@ -144,8 +144,10 @@ class DeployConfig:
         num_speculative_tokens=k alone is the shorthand for {"method": "mtp", "num_speculative_tokens": k};
         given both, they must agree. The model needs its MTP layer (a checkpoint without one fails at
         Engine construction); the KV pool then holds the MTP layer's rows and indexer keys too (788 bytes
-        per token for GLM-5.3 in fp8). With kv_policy="hisparse" the verify step runs "sequential"
-        (each position resolves through the hot buffer; "batched" is refused there).
+        per token for GLM-5.3 in fp8). With kv_policy="hisparse" a "batched" verify step resolves one
+        plan per IndexShare group for the union of its 1 + k positions' selections, which needs a hot
+        buffer of at least (1 + k) x top-k rows (the default (k + 2) x top-k; "auto" falls back to
+        "sequential", one position at a time, below that, and an explicit "batched" is refused).
     """
 
     data_parallel_size: int = 1
@@ -254,11 +256,6 @@ class DeployConfig:
             raise ValueError(f"DeployConfig.num_speculative_tokens={k} and speculative_config num_speculative_tokens="
                              f"{spec.num_speculative_tokens} disagree")
         object.__setattr__(self, "num_speculative_tokens", spec.num_speculative_tokens)
-        if self.kv_policy == "hisparse" and spec.verify == "batched":
-            raise NotImplementedError("DeployConfig.speculative_config verify='batched' with kv_policy='hisparse': a "
-                                      "HiSparse verify step resolves its positions one at a time (verify "
-                                      "'sequential', which 'auto' picks under HiSparse); one resolver plan over "
-                                      "a batched forward's 1 + k positions is not built")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

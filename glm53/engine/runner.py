@@ -204,8 +204,18 @@ class ModelRunner:
             raise ValueError("DeployConfig.speculative_config: the model has no MTP layer to draft with")
         self.verify_width = 1 + self.k if self.k else 0
         self.verify_mode = self.spec.verify_mode(devices[0].platform) if self.k else None
-        if self.k and deploy.kv_policy == "hisparse":  # HiSparse resolves a verify step per position
-            self.verify_mode = "sequential"  # (DeployConfig refuses an explicit "batched")
+        if self.k and deploy.kv_policy == "hisparse" and self.verify_mode == "batched":
+            # one resolver plan per group serves the union of the 1 + k positions' selections: the hot
+            # buffer must hold it (the default (k + 2) x top-k does); "auto" falls back to resolving one
+            # position at a time
+            need = self.verify_width * model.cfg.index_topk
+            if sizes.hot_rows < need:
+                if self.spec.verify == "batched":
+                    raise ValueError(f"speculative_config verify='batched' with kv_policy='hisparse' resolves the "
+                                     f"union of {self.verify_width} positions' selections at once: the hot buffer "
+                                     f"needs >= {self.verify_width} x top-k = {need} rows, got "
+                                     f"hisparse_device_buffer_size={sizes.hot_rows}")
+                self.verify_mode = "sequential"
         self._views: list[HiSparseView] = []  # the HiSparse views a group's MTP forwards returned
         self.rates = rates_array(self.spec, self.k)
         self.compiled_draft_shapes: set[tuple] = set()  # (rows, window) of the MTP layer's one-token passes
@@ -375,7 +385,8 @@ class ModelRunner:
                 pos = np.full((rows, width), -1, np.int32)
                 t_mla, t_idx = self._table("mla", rows, [], window), self._table("indexer", rows, [], window)
                 if width == self.verify_width:
-                    view = lambda win: self._mtp_view([], rows, win)  # noqa: E731
+                    queries = width if self.verify_mode == "batched" else 1
+                    view = lambda win: self._mtp_view([], rows, win, queries)  # noqa: E731
                     hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, view(window))
                 else:
                     view = lambda win: self._stage_view([], rows, win)  # noqa: E731
@@ -563,7 +574,8 @@ class ModelRunner:
     def _execute_mtp(self, plan: StepPlan) -> StepResult:
         """`execute` under MTP: per width group, the target's forward, the accept rule or sampling, and the
         MTP layer's passes (`_run_group_mtp`). Under HiSparse a verify group of which some row holds a hot
-        buffer runs all three with HiSparse's decode view, one position at a time: each of its forwards
+        buffer runs all three with HiSparse's decode view (one position at a time, or one plan for the
+        union of the verify step's positions under batched verify): each of its forwards
         (verify, the MTP pass over the group, the draft chain) leaves one ResolveRecord. A prefill group
         of which some row has host-only pages runs all three with a staging view (kvcache.host.
         StagingView): each leaves one StageRecord."""
@@ -594,16 +606,17 @@ class ModelRunner:
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads,
                           drafts=drafts, stages=tuple(stages))
 
-    def _mtp_view(self, hisparse, r: int, window: int) -> HiSparseView | None:
+    def _mtp_view(self, hisparse, r: int, window: int, queries: int = 1) -> HiSparseView | None:
         """HiSparse's decode view of a verify group's rows (their HiSparseRows; None: no view) for forwards
-        over `window`. Its plans are [r, min(top-k, window)]: the selection of one position, which the
-        one-position-at-a-time forwards (GLM53.verify, GLM53.mtp_verify, the draft passes) resolve."""
+        over `window` with `queries` positions per row in one pass. Its plans are [r, queries x min(top-k,
+        window)]: the selection of one position, which the one-position-at-a-time forwards (GLM53.verify,
+        GLM53.mtp_verify, the draft passes) resolve, or the union of a batched verify's 1 + k positions."""
         if hisparse is None:
             return None
         lease = np.full(r, -1, np.int32)
         lease[: len(hisparse)] = [h.lease for h in hisparse]
         return self.host.view(self._table("mla", r, [h.host_blocks for h in hisparse], window), lease,
-                              min(self.model.cfg.index_topk, window))
+                              queries * min(self.model.cfg.index_topk, window))
 
     def _stage_view(self, hisparse, r: int, window: int) -> StagingView | None:
         """The staging view of a prefill group's rows (their HiSparseRows; None: no view) for forwards over
@@ -645,13 +658,19 @@ class ModelRunner:
 
     def _verify_forward(self, tok, pos, table_mla, table_index, window, view: HiSparseView | None = None):
         """A verify group's forward -> hidden [rows, 1 + k, D] of every position (cache updated). `view`:
-        HiSparse's decode view (one device, sequential verify: each position resolves its own selection,
-        in the sparse form, as a HiSparse decode step does)."""
+        HiSparse's decode view (one device, the sparse form): sequential verify resolves each position's
+        selection at its own step, as a HiSparse decode step does; batched verify resolves one plan per
+        IndexShare group for the union of the 1 + k positions' selections (`_mtp_view` with 1 + k
+        queries)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = self.cache.with_block_table(table_mla, table_index)
         if view is not None:
-            hidden, cache = self.c.verify(self.state, jnp.asarray(tok), jnp.asarray(pos), self._with_view(cache, view),
-                                          window=window, form="mqa", impl=self.deploy.attention_impl)
+            args = (self.state, jnp.asarray(tok), jnp.asarray(pos), self._with_view(cache, view))
+            kw = dict(window=window, form="mqa", impl=self.deploy.attention_impl)
+            if self.verify_mode == "batched":
+                hidden, cache, _ = self.c.forward(*args, **kw)
+            else:
+                hidden, cache = self.c.verify(*args, **kw)
             self.cache = self._take_view(cache)
             return hidden
         if self.mesh is not None:  # DCP: queries go to the KV shards (the "mqa" form, as a decode step's)
@@ -700,11 +719,12 @@ class ModelRunner:
         """The MTP layer over a whole group: position mpos[r, j] (-1: skip) pairs hidden[r, j] with token
         nxt[r, j] (the token after it) and writes the MTP layer's KV there -> (its state at each row's
         position sel[r], [rows, 1, D]; the draft taken from it, [rows, 1] int32). `view`: HiSparse's decode
-        view; the MTP layer then runs one position at a time (GLM53.mtp_verify) and its own indexer's
-        selections resolve through the hot buffer (its IndexShare group of one layer). A staging view: the
-        pass over the group at once, its selected host rows staged per tile."""
+        view; the MTP layer's own indexer's selections then resolve through the hot buffer (its IndexShare
+        group of one layer), one position at a time (GLM53.mtp_verify) under sequential verify, as one
+        plan for the union of the positions under batched verify. A staging view: the pass over the group
+        at once, its selected host rows staged per tile."""
         cache = self.cache.with_block_table(table_mla, table_index)
-        if isinstance(view, StagingView):
+        if isinstance(view, StagingView) or (view is not None and self.verify_mode == "batched"):
             h, cache = self.c.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
                                           self._with_view(cache, view), j=0, window=window, form="mqa",
                                           impl=self.deploy.attention_impl)
@@ -752,9 +772,14 @@ class ModelRunner:
         """One width group under MTP -> (tokens, drafts) of its rows that sample. `hisparse`: the rows'
         HiSparseRows when the group resolves through HiSparse's decode view (a verify group of which some
         row holds a hot buffer): the verify step, the MTP pass and the draft passes each get a view and
-        resolve per position (hot rows hold only sealed positions, whose KV is final). With `staged` (a
+        resolve per position, or per step for the union of its positions under batched verify (hot rows
+        hold only sealed positions, whose KV is final). With `staged` (a
         prefill group of which some row has host-only pages) they each get a staging view instead."""
-        view = self._stage_view if staged else self._mtp_view
+        queries = width if self.verify_mode == "batched" and width == self.verify_width else 1
+
+        def view(hs, r, win, q=1):  # HiSparse's decode view (q positions resolved at once) or a staging view
+            return self._stage_view(hs, r, win) if staged else self._mtp_view(hs, r, win, q)
+
         tok = np.zeros((r, width), np.int32)
         pos = np.full((r, width), -1, np.int32)
         for i, row in enumerate(rows):
@@ -767,7 +792,7 @@ class ModelRunner:
         final = [row.next_token for row in rows]
         out = {}
         if width == self.verify_width:
-            hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, view(hisparse, r, window))
+            hidden = self._verify_forward(tok, pos, t_mla, t_idx, window, view(hisparse, r, window, queries))
             if need:
                 toks, accepted = self._accept(hidden, rows, need, r)
                 for i in need:
@@ -795,7 +820,7 @@ class ModelRunner:
             if final[i] < 0:  # no known next token (cannot happen for a plan from the scheduler): skip it
                 mpos[i, n - 1] = -1
             sel[i] = n - 1
-        h, d = self._mtp_pass(hidden, nxt, mpos, t_mla, t_idx, window, sel, view(hisparse, r, window))
+        h, d = self._mtp_pass(hidden, nxt, mpos, t_mla, t_idx, window, sel, view(hisparse, r, window, queries))
         if not need:
             return out, {}
         # drafts 2..k at the positions after each sampling row's last standing one, within max_model_len

@@ -57,8 +57,9 @@ class SpeculativeConfig:
         position's logits are bitwise those of a one-token decode step and greedy outputs cannot differ
         from non-speculative decoding by rounding; "batched": one forward over the 1+k tokens (what a
         GPU wants: the weights are read once), equal to decoding up to float rounding; "auto"
-        (default): sequential on CPU, batched elsewhere; always sequential under kv_policy="hisparse",
-        which refuses "batched" (its resolver serves one position at a time).
+        (default): sequential on CPU, batched elsewhere. Under kv_policy="hisparse" a batched step
+        resolves one plan for the union of its positions' selections, so its hot buffer must hold
+        (1 + k) x top-k rows (else "auto" is sequential and "batched" is refused).
     """
 
     num_speculative_tokens: int

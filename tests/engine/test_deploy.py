@@ -181,9 +181,13 @@ def test_what_is_not_built_says_so(tiny_model):
                                         max_model_len=64, num_gpu_blocks=8))
     with pytest.raises(NotImplementedError, match="hisparse"):
         DeployConfig(decode_context_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1)
-    with pytest.raises(NotImplementedError, match="verify='batched' with kv_policy='hisparse'"):  # per position
-        DeployConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3, "verify": "batched"},
-                     kv_policy="hisparse", hisparse_host_pool_bytes=1)
+    # a batched HiSparse verify step resolves the union of its 1 + k positions' selections at once
+    topk = tiny_model.cfg.index_topk
+    with pytest.raises(ValueError, match=f"needs >= 4 x top-k = {4 * topk} rows"):
+        Engine(tiny_model, DeployConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3,
+                                                            "verify": "batched"},
+                                        kv_policy="hisparse", hisparse_host_pool_bytes=1 << 24, max_model_len=64,
+                                        num_gpu_blocks=8, hisparse_device_buffer_size=3 * topk))
 
 
 @pytest.fixture

@@ -94,18 +94,24 @@ def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns, pool
     assert st_.d2h_bytes == mt.d2h_bytes and st_.h2d_bytes == mt.h2d_bytes - copied
 
 
-def test_mtp_under_hisparse_matches_full_residency(tiny_model, two_turns):
+@pytest.mark.parametrize("verify", ["sequential", "batched"])
+def test_mtp_under_hisparse_matches_full_residency(tiny_model, two_turns, verify):
     """HiSparse with MTP (issue 21 item 4): the two turns above with K = 3 drafts that stand 0..K at a time
     (an oracle's, tests/engine/test_mtp.py) and the KV of every position that does not stand poisoned after
     each step, on a pool small enough that pages are released and verify steps, the MTP pass and the
     draft passes read host-only rows through the hot buffer: full residency's non-speculative greedy
-    tokens. The hot buffer is 2 x top-k rows, below MTP's default (K + 2) x top-k (whose 10-block lease
-    is more than the releasable pages of a 128-token request here), so that the positions of one verify
-    step evict each other's rows: each resolves and reads its own selection before the next one runs."""
+    tokens. Sequential verify: a hot buffer of 2 x top-k rows, below MTP's default (K + 2) x top-k (whose
+    10-block lease is more than the releasable pages of a 128-token request here), so that the positions
+    of one verify step evict each other's rows: each resolves and reads its own selection before the
+    next one runs. Batched verify: one plan per group and step for the union of the 1 + K positions'
+    selections, in a hot buffer of (1 + K) x top-k rows, the least that holds it."""
     first, ref1, second, ref2 = two_turns
     cfg = tiny_model.cfg
-    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=36, num_speculative_tokens=K,
-                                          hisparse_device_buffer_size=2 * cfg.index_topk))
+    spec = {"method": "mtp", "num_speculative_tokens": K, "verify": verify}
+    rows, blocks = (2 * cfg.index_topk, 36) if verify == "sequential" else ((1 + K) * cfg.index_topk, 48)
+    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=blocks, speculative_config=spec,
+                                          hisparse_device_buffer_size=rows))
+    assert eng.runner.verify_mode == verify
     eng.scheduler.resolve.log = []
     want = {}
     log = with_oracle_drafts(eng, want)

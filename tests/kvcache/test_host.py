@@ -2,6 +2,8 @@
 copies them, and `HostMemory` executes transfer operations exactly (values, untouched neighbours,
 bytes as kvcache.layout counts them)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,6 +226,60 @@ def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt
     _, bad = dataclasses_replace(cache.with_block_table(lost, index_table), view).attend(
         layer, q_lat, q_pe, jnp.asarray(pos), 0.1, window=16, full=True, impl="reference")
     assert np.asarray(bad.staging.unserved).tolist() == [int((pos[r] >= 12).sum()) for r in range(2)]
+
+
+def test_a_batched_verify_step_resolves_the_union_of_its_positions_selections_once():
+    """HiSparse's decode view with T = 2 queries per row (a batched MTP verify step, PagedKVCache.
+    sparse_slots): one plan per group for the union of the queries' selections. Each query reads its own
+    selected rows (the values full residency reads), a position two queries select is resolved, counted
+    and copied once, and the next step finds the union in the hot buffer (all hits, nothing copied)."""
+    from attention.hisparse import NEVER_USED
+    from kvcache.host import HiSparseView
+    from kvcache.paged import union_selections
+
+    cache = _cache()
+    full = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int32)
+    index_table = np.array([[8, 9], [10, 11]], np.int32)
+    cache = cache.with_block_table(full, index_table)
+    host_table = np.array([[2, 0, -1, -1], [-1, -1, 1, -1]], np.int32)  # as in the staging test above
+    host = []
+    for a in cache.mla:
+        h = np.zeros((3 * BS, a.shape[1]), a.dtype)
+        for r in range(2):
+            for p, hb in enumerate(host_table[r]):
+                if hb >= 0:
+                    h[hb * BS:(hb + 1) * BS] = np.asarray(a[full[r, p] * BS:(full[r, p] + 1) * BS])
+        host.append(jax.device_put(jnp.asarray(h), HOST))
+    hidden = np.where(host_table >= 0, -1, full)
+    t, k = 2, 4
+    pos = np.array([[[0, 5, 9, -1], [5, 0, 12, 1]],  # row 0: 0, 1, 5 on host-only pages; 0 and 5 twice
+                    [[8, 9, 2, 15], [9, 10, 8, 3]]], np.int32)  # row 1: 8, 9, 10 host-only; 8, 9 twice
+    want_misses = [3, 3]
+    uniq, inverse = union_selections(jnp.asarray(pos.reshape(2, t * k)))
+    uniq = np.asarray(uniq)
+    assert [sorted(u[u >= 0].tolist()) for u in uniq] == [sorted(set(p[p >= 0].tolist())) for p in pos.reshape(2, -1)]
+    np.testing.assert_array_equal(np.take_along_axis(uniq, np.asarray(inverse), 1), pos.reshape(2, -1))
+    groups, h = len(cache.index_layers), t * k
+    hot_rows = jnp.asarray(NUM_BLOCKS * BS - 2 * h + np.arange(2 * h).reshape(2, h), jnp.int32)  # past the pages
+    view = HiSparseView.create(host, host_table, np.array([0, 1], np.int32), jnp.full((2, groups, h), -1, jnp.int32),
+                               jnp.full((2, groups, h), NEVER_USED, jnp.int32), hot_rows, 1, t * k)
+    layer = cache.mla_layers[0]
+    want = cache.mla_slots(layer, jnp.asarray(pos))
+    got, out = dataclasses.replace(cache.with_block_table(hidden, index_table), hisparse=view).sparse_slots(
+        layer, jnp.asarray(pos), full=True, impl="reference")
+    valid = pos >= 0
+    np.testing.assert_array_equal(np.asarray(got.table[got.slots])[valid], np.asarray(want.table[want.slots])[valid])
+    hs = out.hisparse
+    assert np.asarray(hs.misses)[:, 0].tolist() == want_misses and np.asarray(hs.hits).sum() == 0
+    assert np.asarray(hs.copied).tolist() == want_misses and np.asarray(hs.unserved).tolist() == [0, 0]
+    # the next step: the same selections hit the rows this one copied
+    again = HiSparseView.create(host, host_table, np.array([0, 1], np.int32), hs.hot_pos, hs.hot_last, hs.hot_rows, 2,
+                                t * k)
+    got2, out2 = dataclasses.replace(out, hisparse=again).sparse_slots(layer, jnp.asarray(pos), full=True,
+                                                                       impl="reference")
+    np.testing.assert_array_equal(np.asarray(got2.table[got2.slots])[valid], np.asarray(want.table[want.slots])[valid])
+    assert np.asarray(out2.hisparse.hits)[:, 0].tolist() == want_misses
+    assert np.asarray(out2.hisparse.misses).sum() == 0 and np.asarray(out2.hisparse.copied).sum() == 0
 
 
 def _staged_lru(pos_TK, table_M, *, tile: int, k: int) -> int:
