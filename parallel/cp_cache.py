@@ -21,7 +21,9 @@ switches (BRIEF §4-5):
     copy of the batch's rows (`dcp.full_copy`), read like a single-device cache, and dropped after the
     layer (a temporary inside the jitted step).
 Without DCP every rank holds the whole cache (replicated): PCP alone needs no other change, and decode
-runs the same computation on every rank.
+runs the same computation on every rank. So does HiSparse under TP alone (`local.hisparse` /
+`local.staging`, replicated views): every rank selects the same rows, resolves the same plan against the
+same hot state and copies the same host rows into its replica of the pool.
 
 `heads_split`: the attention output stays split by head (each rank its H/N heads, as under tensor
 parallelism, where o_proj is row-parallel); otherwise it is all-gathered so every rank holds all heads
@@ -81,8 +83,9 @@ class CpKVCache:
     counters: dict | None = None
 
     def __post_init__(self):
-        if self.local.hisparse is not None:
-            raise NotImplementedError("HiSparse residency under context parallelism is not built")
+        if (self.local.hisparse is not None or self.local.staging is not None) and (self.dcp or self.tokens_split):
+            raise NotImplementedError("HiSparse residency under DCP or PCP is not built (under tensor parallelism "
+                                      "alone the cache is replicated and every rank resolves the same plan)")
         dcp_ops.check_backend(self.backend)
         if self.heads_split and self.tokens_split:
             raise NotImplementedError("heads_split with tokens_split: a rank holds only its own tokens, so "
@@ -181,13 +184,22 @@ class CpKVCache:
                                 indexer_pairs_causal=jnp.sum(jnp.isfinite(scores), axis=-1, dtype=jnp.int32))
 
     def attend(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, *, window, full, impl):
+        if self.local.staging is not None:  # HiSparse prefill over host-only pages (TP alone: replicated)
+            out, local = self.local.attend(layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, window=window, full=full,
+                                           impl=impl)
+            if self.heads_split and not self.gather_queries:
+                out = self._own_heads(out)
+            return out, self._with(local)._count(mla_rows_attended=jnp.sum(pos_BTK >= 0, axis=-1, dtype=jnp.int32))
         out, _, cache = self.attend_lse(layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, window=window, full=full,
                                         impl=impl)
         return out, cache
 
     def attend_lse(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, *, window, full, impl):
         """`attend` with the log-sum-exp -> (out [B,T,H',R] f32, lse [B,T,H'] f32, cache); H' = H, or
-        this rank's padded H/N heads when `heads_split`."""
+        this rank's padded H/N heads when `heads_split`. Not with a staging view (HiSparse prefill staging
+        reads through `attend`, which needs no log-sum-exp without DCP)."""
+        if self.local.staging is not None:
+            raise NotImplementedError("CpKVCache.attend_lse with HiSparse's staging view: use attend")
         if self.dcp and not self.tokens_split:  # the selected rows this rank owns, merged over the ranks
             if self.gather_queries:  # TP: the DCP group's heads (one message for both parts)
                 r = q_lat_BTHR.shape[-1]

@@ -52,11 +52,13 @@ class _ExpertParallel:
 
 def cache_specs(cache: CpKVCache):
     """PartitionSpecs for a CpKVCache pytree: KV arrays split over the axis under DCP (replicated
-    otherwise), block tables replicated."""
+    otherwise), block tables and HiSparse's views (host pools, hot state, plans; TP alone) replicated."""
     kv = P(cache.axis) if cache.dcp else P()
     loc = cache.local
+    replicated = lambda view: None if view is None else jax.tree.map(lambda _: P(), view)  # noqa: E731
     local = dataclasses.replace(loc, mla=tuple(kv for _ in loc.mla), index=tuple(kv for _ in loc.index),
-                                block_table=P(), index_block_table=None if loc.index_block_table is None else P())
+                                block_table=P(), index_block_table=None if loc.index_block_table is None else P(),
+                                hisparse=replicated(loc.hisparse), staging=replicated(loc.staging))
     counters = None if cache.counters is None else {k: P(cache.axis) for k in cache.counters}
     return dataclasses.replace(cache, local=local, counters=counters)
 
@@ -167,6 +169,18 @@ def verify(state, tokens, positions, cache: CpKVCache, *, graphdef, mesh, window
     """`GLM53.verify` (each position a one-token decode step, lax.scan) on `mesh` -> (hidden [B, T, D], cache)."""
     fn = lambda m, t, p, c: m.verify(t, p, c, window=window, form=form, impl=impl)  # noqa: E731
     return _replicated_map(fn, state, (tokens, positions), cache, graphdef=graphdef, mesh=mesh,
+                           expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "expert_parallel",
+                                             "tensor_parallel"),
+                   donate_argnames=("cache",))
+def mtp_verify(state, h_prev, next_tokens, positions, cache: CpKVCache, *, graphdef, mesh, window: int, form: str,
+               impl: str, expert_parallel: bool = False, tensor_parallel: bool = False):
+    """`GLM53.mtp_verify(0, ...)` on `mesh` (the MTP pass one position at a time, lax.scan: what HiSparse's
+    sequential verify runs, each position resolving its own selection) -> (hidden [B, T, D], cache)."""
+    fn = lambda m, h, t, p, c: m.mtp_verify(0, h, t, p, c, window=window, form=form, impl=impl)  # noqa: E731
+    return _replicated_map(fn, state, (h_prev, next_tokens, positions), cache, graphdef=graphdef, mesh=mesh,
                            expert_parallel=expert_parallel, tensor_parallel=tensor_parallel)
 
 

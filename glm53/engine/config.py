@@ -227,8 +227,8 @@ class DeployConfig:
             raise ValueError(f"DeployConfig.tensor_parallel_size={tp} with PCP {pcp} / DCP {dcp}: DCP must divide "
                              "the TP ranks it reuses (vLLM's rule), and TP x PCP is not built")
         if self.kv_policy == "hisparse" and self.context_parallel_size > 1:
-            raise NotImplementedError("DeployConfig.kv_policy='hisparse' with context parallelism: HiSparse "
-                                      "residency runs on one device so far")
+            raise NotImplementedError("DeployConfig.kv_policy='hisparse' with context parallelism (PCP / DCP): "
+                                      "HiSparse residency runs on one device or under tensor parallelism alone")
         if self.kv_policy == "hisparse" and self.hisparse_host_pool_bytes <= 0:
             raise ValueError("DeployConfig.kv_policy='hisparse' needs hisparse_host_pool_bytes > 0 (the host pool "
                              "for MLA pages; cpu_offload_bytes sizes the separate pool for idle indexer keys)")

@@ -171,10 +171,6 @@ class ModelRunner:
     plans with."""
 
     def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None, *, tiers=None):
-        if deploy.tensor_parallel_size > 1 and deploy.kv_policy == "hisparse":  # the simulator prices it
-            raise NotImplementedError("kv_policy='hisparse' with tensor_parallel_size > 1 in the model runner: "
-                                      "HiSparse under TP (one host pool per replica shared by its TP ranks; "
-                                      "issue 24 item 1) is not built")
         self.model = model
         self.deploy = deploy
         self.sizes = sizes
@@ -216,7 +212,7 @@ class ModelRunner:
                                      f"needs >= {self.verify_width} x top-k = {need} rows, got "
                                      f"hisparse_device_buffer_size={sizes.hot_rows}")
                 self.verify_mode = "sequential"
-        self._views: list[HiSparseView] = []  # the HiSparse views a group's MTP forwards returned
+        self._views: list[HiSparseView | StagingView] = []  # the views a group's forwards returned
         self.rates = rates_array(self.spec, self.k)
         self.compiled_draft_shapes: set[tuple] = set()  # (rows, window) of the MTP layer's one-token passes
         with jax.default_device(devices[0]):  # every array this runner creates starts on its devices
@@ -360,6 +356,7 @@ class ModelRunner:
                 logits = self._last_logits(self.state, hidden, np.zeros(rows, np.int32))
                 ones = np.ones(rows, np.float32)
                 _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
+        self._views = []  # the warm-up views counted nothing
         if shapes:
             d = self.deploy
             blocks = {"mla": d.max_blocks_per_seq, "indexer": d.max_index_blocks_per_seq} \
@@ -455,40 +452,24 @@ class ModelRunner:
         last token only, so the model skips the last layer's query side for the others (GLM53.__call__
         last_only; without MTP nothing reads their hidden states). `hisparse`: a decode group's resolver
         view, or a prefill group's staging view (its rows have host-only pages)."""
-        staging = hisparse if isinstance(hisparse, StagingView) else None
-        if staging is not None:
-            hisparse = None
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
-        if staging is not None:  # a program of its own per shape (warmup compiles it for every prefill shape)
+        if isinstance(hisparse, StagingView):  # a program of its own per shape (warmup compiles every prefill one)
             self.staging_shapes.add((tok.shape[0], tok.shape[1], window))
-        cache = dataclasses.replace(self.cache.with_block_table(table_mla, table_index), hisparse=hisparse,
-                                    staging=staging)
-        form = self.form
-        if hisparse is not None or staging is not None:
-            form = "mqa"  # host-only pages are reachable only through the resolver's or the staging's rows
+        cache = self._with_view(self.cache.with_block_table(table_mla, table_index), hisparse)
+        # host-only pages are reachable only through the resolver's or the staging's rows
+        form = self.form if hisparse is None else "mqa"
         if self.mesh is not None:
-            if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.num_blocks:
-                # the pool's arrays hold kv_ranks x num_blocks pages: a larger id would address another
-                # rank's slice on the host but fall off the end of this rank's shard
-                raise ValueError(f"block id beyond the pool's {self.num_blocks} blocks")
+            self._check_ids(table_mla, table_index)
             # the form for the step's whole width, as without a mesh: inside shard_map a PCP rank sees
             # only its share of the tokens and "auto" would decide on that
             form = attention_form(form, window, self.model.cfg.index_topk, tok.shape[1])
             hidden, cache = self._forward_cp(tok, pos, cache, window, form)
-            self.cache = cache
+            self.cache = self._take_view(cache)  # TP: the views came back replicated
             return hidden
         hidden, cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
                                           form=form, impl=self.deploy.attention_impl,
-                                          last_only=tok.shape[1] > 1 and hisparse is None)
-        if cache.hisparse is not None:
-            self.host.absorb(cache.hisparse)
-            self._last_view = cache.hisparse
-            cache = dataclasses.replace(cache, hisparse=None)
-        if cache.staging is not None:
-            self.host.absorb_staging(cache.staging)
-            self._last_view = cache.staging
-            cache = dataclasses.replace(cache, staging=None)
-        self.cache = cache
+                                          last_only=tok.shape[1] > 1 and not isinstance(hisparse, HiSparseView))
+        self.cache = self._take_view(cache)
         return hidden
 
     def _forward_cp(self, tok, pos, cache: PagedKVCache, window: int, form: str):
@@ -553,15 +534,16 @@ class ModelRunner:
             staged = (hs is not None and width > 1 and self.stage_rows
                       and any(-1 in plan.block_tables["mla"][i] for i in idx))
             rows = [plan.rows[i] for i in idx]
+            self._views = []
             tokens.update(self._run_group(rows, [plan.block_tables["mla"][i] for i in idx],
                                           [plan.block_tables["indexer"][i] for i in idx], width, padded, window,
                                           [hs[i] for i in idx] if leased or staged else None, staged))
             if leased:
-                rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), self._last_view)
+                rec, nbytes = self._resolve_record(tuple(row.req_id for row in rows), self._views[-1])
                 resolves.append(rec)
                 h2d += nbytes
             if staged:
-                rec, nbytes = self._stage_record(tuple(row.req_id for row in rows), self._last_view)
+                rec, nbytes = self._stage_record(tuple(row.req_id for row in rows), self._views[-1])
                 stages.append(rec)
                 h2d += nbytes
         # tier loads finished by now; a step with nothing to compute waits a little for one (an engine
@@ -646,8 +628,10 @@ class ModelRunner:
         return dataclasses.replace(cache, hisparse=None)
 
     def _check_ids(self, table_mla, table_index) -> None:
+        """On a mesh: the pool's arrays hold kv_ranks x num_blocks pages, so a larger block id would address
+        another rank's slice on the host but fall off the end of this rank's shard."""
         if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.num_blocks:
-            raise ValueError(f"block id beyond the pool's {self.num_blocks} blocks")  # as in `_forward`
+            raise ValueError(f"block id beyond the pool's {self.num_blocks} blocks")
 
     def _cp_kw(self, window: int) -> dict:
         """Static arguments of parallel.model's MTP-step functions (DCP: the "mqa" form, as a decode step's;
@@ -663,31 +647,23 @@ class ModelRunner:
         IndexShare group for the union of the 1 + k positions' selections (`_mtp_view` with 1 + k
         queries)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
-        cache = self.cache.with_block_table(table_mla, table_index)
-        if view is not None:
-            args = (self.state, jnp.asarray(tok), jnp.asarray(pos), self._with_view(cache, view))
-            kw = dict(window=window, form="mqa", impl=self.deploy.attention_impl)
+        cache = self._with_view(self.cache.with_block_table(table_mla, table_index), view)
+        if self.mesh is not None:  # DCP: queries go to the KV shards (the "mqa" form, as a decode step's)
+            self._check_ids(table_mla, table_index)
+            if self.verify_mode == "batched":
+                hidden, cache = self._forward_cp(tok, pos, cache, window, "mqa")
+            else:
+                hidden, cp = parallel_model.verify(self.state, jnp.asarray(tok), jnp.asarray(pos),
+                                                   self._cp_cache(cache, False), **self._cp_kw(window))
+                cache = cp.local
+        else:
+            args = (self.state, jnp.asarray(tok), jnp.asarray(pos), cache)
+            kw = dict(window=window, form="mqa" if view is not None else self.form, impl=self.deploy.attention_impl)
             if self.verify_mode == "batched":
                 hidden, cache, _ = self.c.forward(*args, **kw)
             else:
                 hidden, cache = self.c.verify(*args, **kw)
-            self.cache = self._take_view(cache)
-            return hidden
-        if self.mesh is not None:  # DCP: queries go to the KV shards (the "mqa" form, as a decode step's)
-            self._check_ids(table_mla, table_index)
-            if self.verify_mode == "batched":
-                hidden, self.cache = self._forward_cp(tok, pos, cache, window, "mqa")
-                return hidden
-            hidden, cp = parallel_model.verify(self.state, jnp.asarray(tok), jnp.asarray(pos), self._cp_cache(cache, False),
-                                               **self._cp_kw(window))
-            self.cache = cp.local
-            return hidden
-        if self.verify_mode == "sequential":
-            hidden, self.cache = self.c.verify(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                               form=self.form, impl=self.deploy.attention_impl)
-        else:
-            hidden, self.cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                                   form=self.form, impl=self.deploy.attention_impl)
+        self.cache = self._take_view(cache)
         return hidden
 
     def _forward_keep_all(self, tok, pos, table_mla, table_index, window, staging: StagingView | None = None):
@@ -695,23 +671,22 @@ class ModelRunner:
         hidden [rows, width, D] of every position, for the MTP layer). `staging`: the group's staging view
         (some row has host-only pages; one device: the sparse form reads them through staged rows)."""
         self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
-        cache = self.cache.with_block_table(table_mla, table_index)
-        if staging is not None:
+        cache = self._with_view(self.cache.with_block_table(table_mla, table_index), staging)
+        form = self.form
+        if staging is not None:  # host-only pages are reachable only through the staged rows
             self.staging_shapes.add((tok.shape[0], tok.shape[1], window))
-            (last, hidden), cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos),
-                                                      self._with_view(cache, staging), window=window, form="mqa",
-                                                      impl=self.deploy.attention_impl, last_only=True, keep_all=True)
-            self.cache = self._take_view(cache)
-            return last, hidden
+            form = "mqa"
         if self.mesh is not None:  # the context mesh's forward returns every position already
             self._check_ids(table_mla, table_index)
-            hidden, self.cache = self._forward_cp(tok, pos, cache, window, attention_form(
-                self.form, window, self.model.cfg.index_topk, tok.shape[1]))
+            hidden, cache = self._forward_cp(tok, pos, cache, window, attention_form(
+                form, window, self.model.cfg.index_topk, tok.shape[1]))
+            self.cache = self._take_view(cache)
             last_R = np.maximum((pos >= 0).sum(axis=1) - 1, 0)
             return _take_rows(hidden, jnp.asarray(last_R)), hidden
-        (last, hidden), self.cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache,
-                                                       window=window, form=self.form,
-                                                       impl=self.deploy.attention_impl, last_only=True, keep_all=True)
+        (last, hidden), cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache,
+                                                  window=window, form=form, impl=self.deploy.attention_impl,
+                                                  last_only=True, keep_all=True)
+        self.cache = self._take_view(cache)
         return last, hidden
 
     def _mtp_pass(self, hidden, nxt, mpos, table_mla, table_index, window, sel,
@@ -723,24 +698,19 @@ class ModelRunner:
         group of one layer), one position at a time (GLM53.mtp_verify) under sequential verify, as one
         plan for the union of the positions under batched verify. A staging view: the pass over the group
         at once, its selected host rows staged per tile."""
-        cache = self.cache.with_block_table(table_mla, table_index)
-        if isinstance(view, StagingView) or (view is not None and self.verify_mode == "batched"):
-            h, cache = self.c.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
-                                          self._with_view(cache, view), j=0, window=window, form="mqa",
-                                          impl=self.deploy.attention_impl)
-            self.cache = self._take_view(cache)
-        elif view is not None:
-            h, cache = self.c.mtp_verify(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
-                                         self._with_view(cache, view), j=0, window=window, form="mqa",
-                                         impl=self.deploy.attention_impl)
-            self.cache = self._take_view(cache)
-        elif self.mesh is not None:
-            h, cp = parallel_model.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos),
-                                               self._cp_cache(cache, False), **self._cp_kw(window))
-            self.cache = cp.local
+        cache = self._with_view(self.cache.with_block_table(table_mla, table_index), view)
+        # HiSparse's sequential verify: the MTP pass resolves one position at a time too
+        per_position = isinstance(view, HiSparseView) and self.verify_mode != "batched"
+        args = (self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos))
+        if self.mesh is not None:
+            fn = parallel_model.mtp_verify if per_position else parallel_model.mtp_forward
+            h, cp = fn(*args, self._cp_cache(cache, False), **self._cp_kw(window))
+            cache = cp.local
         else:
-            h, self.cache = self.c.mtp_forward(self.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos), cache, j=0,
-                                               window=window, form=self.form, impl=self.deploy.attention_impl)
+            fn = self.c.mtp_verify if per_position else self.c.mtp_forward
+            h, cache = fn(*args, cache, j=0, window=window, form="mqa" if view is not None else self.form,
+                          impl=self.deploy.attention_impl)
+        self.cache = self._take_view(cache)
         return _mtp_head(self.c.logits, self.state, h, jnp.asarray(sel))
 
     def _draft_chain(self, h, d, dpos, table_mla, table_index, window,

@@ -290,3 +290,133 @@ def test_fp8_tp_refuses_expert_widths_that_straddle_blocks(tiny_fp8):
     with pytest.raises(NotImplementedError, match="moe_intermediate_size 32 over 2 ranks.*enable_expert_parallel"):
         tp_ops.check_weights(state, tiny_fp8.cfg, 2, expert_parallel=False)
     tp_ops.check_weights(state, tiny_fp8.cfg, 2, expert_parallel=True)
+
+
+
+def _two_turns(model, deploy, first, extra, *, reset: bool):
+    """Two turns of the conversations `first` under `deploy`: turn 2 continues each with its outputs and
+    `extra[i]` new tokens; `reset`: the device prefix cache is dropped between the turns (turn 2 then finds
+    its prefixes in HiSparse's host pools only). -> (tokens per turn, the engine)."""
+    from glm53 import Engine
+
+    eng = Engine(model, deploy)
+    eng.scheduler.resolve.log = []
+    out1 = [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=10)]
+    if reset:
+        eng.scheduler.kv.pool.reset_prefix_cache()
+    second = [np.concatenate([p, o, e]).astype(np.int32) for p, o, e in zip(first, out1, extra)]
+    return (out1, [o.token_ids.tolist() for o in eng.generate(second, max_new_tokens=10)]), eng
+
+
+_TP2_FULL = {}  # the TP2 full-residency reference, shared by both cases
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("mtp", [False, True])
+def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, mtp):
+    """HiSparse under tensor parallelism (issue 24 item 1): on a two-turn workload, a TP2 HiSparse engine
+    whose pool is small enough that pages are released, decode steps read host rows through the hot
+    buffers and turn 2's chunks stage host rows gives the greedy tokens of a TP2 engine whose pool holds
+    everything (the reference is TP2 too: TP's all-reduces round differently from one device, which can
+    flip a top-k choice or a near-tied token over 20 tokens, and HiSparse must not change anything
+    beyond that). With MTP (3 drafts of the model's MTP layer, sequential verify: non-speculative greedy
+    tokens) the verify step, the MTP pass and the draft passes resolve through the view on the mesh
+    too. Rows copied = misses x layers of each IndexShare group, per resolve. The host pools sit on both
+    ranks (replicated: one buffer per device on this mesh, docs/parallel.md)."""
+    from glm53 import DeployConfig
+
+    rng = np.random.default_rng(1)
+    first = [rng.integers(0, 512, n).astype(np.int32) for n in (71, 55, 79, 45)]
+    extra = [rng.integers(0, 512, n).astype(np.int32) for n in (0, 5, 0, 5)]
+    base = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8, tensor_parallel_size=2)
+    if not _TP2_FULL:
+        _TP2_FULL["tokens"], full = _two_turns(tiny_model, DeployConfig(**base), first, extra, reset=False)
+        assert full.scheduler.stats.preemptions == 0
+    cfg = tiny_model.cfg
+    hs = dict(base, index_block_size=16, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26,
+              cpu_offload_bytes=1 << 24, num_gpu_blocks=48)
+    if mtp:
+        hs.update(num_gpu_blocks=36, hisparse_device_buffer_size=2 * cfg.index_topk,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3, "verify": "sequential"})
+    got, eng = _two_turns(tiny_model, DeployConfig(**hs), first, extra, reset=True)
+    assert got == _TP2_FULL["tokens"]
+    pol, res = eng.scheduler.policy, eng.scheduler.resolve
+    assert pol.stats.released_pages > 0 and pol.stats.residency_steps["mixed"] > 0
+    assert res.hot_hits > 0 and res.hot_misses > 0 and res.staged_rows > 0
+    layers = cfg.num_layers_with_mtp if mtp else cfg.num_hidden_layers
+    per_group = np.diff([i for i in cfg.full_indexer_layers if i < layers] + [layers])
+    for rec in res.log:
+        np.testing.assert_array_equal(rec.copied, rec.misses @ per_group)
+    if mtp:
+        assert eng.scheduler.spec.num_drafts > 0 and any(rec.misses[:, -1].any() for rec in res.log)
+    eng.scheduler.kv.check()
+    pol.host_mla.check()
+    host = eng.runner.host.host_tables["mla"][0]
+    assert host.sharding.memory_kind == "pinned_host" and len(host.sharding.device_set) == 2
+    assert eng.num_devices == 2
+
+
+@pytest.mark.multidevice
+def test_hisparse_staging_under_tp2_reads_what_the_device_holds(tiny_model):
+    """A prefill chunk over host-only pages under TP2 (`CpKVCache.attend` with a replicated StagingView):
+    its logits equal the same chunk's with every page on the device, bitwise, on one device and under TP2,
+    with the same rows staged per layer (each rank stages the same rows)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from glm53.model import compiled
+    from kvcache.host import StagingView
+    from kvcache.paged import PagedKVCache
+    from parallel import model as pmodel
+    from parallel import tp as tp_ops
+    from parallel.cp_cache import CpKVCache
+    from parallel.mesh import make_mesh
+
+    cfg, c = tiny_model.cfg, compiled(tiny_model)
+    prompts = _prompts(cfg.vocab_size)
+    tok, pos, _, _ = _batch(prompts)
+    b, m = len(prompts), WINDOW // BS
+    rng = np.random.default_rng(3)
+    tok2 = rng.integers(0, cfg.vocab_size, (b, 8)).astype(np.int32)  # a chunk of 8 after each prompt
+    pos2 = np.stack([np.arange(p.size, p.size + 8) for p in prompts]).astype(np.int32)
+    table = np.arange(b * m, dtype=np.int32).reshape(b, m)
+    host_only = np.where(np.arange(m) < 2, -1, table)  # each row's first 2 pages (8 tokens) on the host only
+    copy = lambda tree: jax.tree.map(lambda x: jnp.array(np.asarray(x)), tree)  # noqa: E731
+
+    def run(tp):
+        local = PagedKVCache.create(cfg, b * m, BS, table, kv_cache_dtype="float32", include_mtp=False)
+        if tp > 1:
+            mesh = make_mesh(**tp_ops.mesh_sizes(tp, 1))
+            state = tp_ops.place_state(c.state, cfg, mesh, False)
+            wrap = lambda loc: CpKVCache(loc, "cp", 1, heads_split=True, gather_queries=True)  # noqa: E731
+            fwd = lambda t, p, cache: pmodel.forward(  # noqa: E731
+                state, jnp.asarray(t), jnp.asarray(p), cache, graphdef=c.graphdef, mesh=mesh, window=WINDOW,
+                form="mqa", impl="auto", tensor_parallel=True)
+            host = NamedSharding(mesh, P(), memory_kind="pinned_host")
+            local = pmodel.place(wrap(local), mesh).local
+        else:
+            wrap = lambda loc: loc  # noqa: E731
+            fwd = lambda t, p, cache: c.forward(c.state, jnp.asarray(t), jnp.asarray(p), cache, window=WINDOW,  # noqa: E731
+                                                form="mqa")[:2]
+            host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+        _, cache = fwd(tok, pos, wrap(local))
+        loc = cache.local if tp > 1 else cache
+        want, _ = fwd(tok2, pos2, wrap(copy(loc)))
+        pools = tuple(jax.device_put(np.asarray(a), host) for a in loc.mla)  # every page has a host copy
+        staged = dataclasses.replace(copy(loc).with_block_table(host_only, table),
+                                     staging=StagingView.create(pools, table, tile=4, groups=len(cfg.full_indexer_layers)))
+        got, out = fwd(tok2, pos2, wrap(staged))
+        view = (out.local if tp > 1 else out).staging
+        assert view.host_mla[0].sharding.memory_kind == "pinned_host"
+        return np.asarray(c.logits(c.state, want)), np.asarray(c.logits(c.state, got)), np.asarray(view.staged)
+
+    results = {tp: run(tp) for tp in (1, 2)}
+    for tp, (want, got, staged) in results.items():
+        np.testing.assert_array_equal(got, want)
+        assert staged[:, 0].min() > 0
+    np.testing.assert_array_equal(results[2][2], results[1][2])
+    assert np.abs(results[2][0] - results[1][0]).max() <= TOL * np.abs(results[1][0]).max()
