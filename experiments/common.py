@@ -22,6 +22,37 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+# XLA:CPU maps about 6 memory regions per loaded executable and keeps them while JAX's caches hold it; a
+# long-lived process (an xdist worker, a long sweep) compiles tens of thousands of programs and crosses the
+# kernel's vm.max_map_count (65,530 here), after which XLA segfaults or aborts inside a compile
+# ("LLVM compilation error: Cannot allocate memory"; docs/testing.md).
+MAX_MAPS = 20_000
+
+
+def memory_maps() -> int:
+    """Memory mappings this process holds (0 where /proc is missing: no such limit to watch)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def bound_memory_maps(limit: int = MAX_MAPS) -> bool:
+    """Drop JAX's caches (their executables and mappings) once the process holds more than `limit`
+    mappings -> whether it did. Call it between units of work (tests, sweep points): what comes next
+    compiles its programs again."""
+    if memory_maps() <= limit:
+        return False
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
 def git_revision() -> str:
     """HEAD of the repository the benchmark ran from, with "+dirty" when tracked files differ from it."""
     try:

@@ -40,7 +40,7 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 
 from experiments import workloads
-from experiments.common import REPO, cpu_name, git_revision, load_config
+from experiments.common import REPO, bound_memory_maps, cpu_name, git_revision, load_config
 from kvcache.layout import block_bytes
 
 
@@ -339,6 +339,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-cache", default=os.environ.get("GLM53_COMPILE_CACHE", str(REPO / ".cache" / "jax")),
                     help="JAX persistent compilation cache directory ('' to disable)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the points an unfinished OUT/results.json of the same config measured and run only "
+                         "the missing ones (a sweep that stopped)")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -402,14 +405,21 @@ def main(argv=None) -> dict:
             plot(runs, out)
         return results
 
-    runs = []
+    runs = _resumed(out / "results.json", cfg) if args.resume else []
+    done = {(r["kv_policy"], r["concurrency"]) for r in runs}
     for policy, conc in planned:
+        if (policy, conc) in done:
+            continue
+        # a long sweep compiles thousands of programs: past vm.max_map_count XLA:CPU aborts a compile
+        bound_memory_maps()
         if cfg.warmup == "replay" and not simulated(cfg):  # a simulated run compiles nothing
             t0 = time.perf_counter()
             run_one(model, cfg, policy, conc, progress=False)
             warmup_s += time.perf_counter() - t0
         m = run_one(model, cfg, policy, conc, exporter=exporter, progress=not args.no_progress)
+        m.update(git_revision=revision, date=time.strftime("%Y-%m-%d"), process=os.getpid())
         runs.append(m)
+        runs.sort(key=lambda r: planned.index((r["kv_policy"], r["concurrency"])))
         print(f"  {policy:8s} c={conc:<3d} throughput {m['throughput_tok_s_per_device']:8.1f} tok/s/dev   "
               f"interactivity {m['interactivity_tok_s_user']:7.1f} tok/s/user   TTFT p50 {m['ttft_median_s']:.3f} s"
               f"   running {m['running_requests_mean']:.1f}   preemptions {m['preemptions']}"
@@ -417,6 +427,25 @@ def main(argv=None) -> dict:
         results = save(runs)
     print(f"wrote {out / 'results.json'}")
     return results
+
+
+def _resumed(path: Path, cfg) -> list[dict]:
+    """The runs of an earlier results.json of this config (none if there is no file); each keeps the code
+    revision and date it was measured with (`git_revision`, `date`). `process`: the pid of the sweep process
+    that measured a point (points of one process share compiled programs); None for the kept points of a
+    file that predates the key."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("config") != json.loads(json.dumps(cfg.to_dict(), default=_jsonable)):
+        raise SystemExit(f"--resume: {path} was measured with another config; move it away or drop --resume")
+    runs = old["runs"]
+    for r in runs:
+        r.setdefault("git_revision", old.get("git_revision"))
+        r.setdefault("date", old.get("date"))
+        r.setdefault("process", None)
+    print(f"resuming {path}: {len(runs)} point(s) kept")
+    return runs
 
 
 @dataclasses.dataclass(frozen=True)

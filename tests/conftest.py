@@ -13,6 +13,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from experiments.common import bound_memory_maps
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -32,30 +34,12 @@ if os.environ.get("GLM53_TEST_COMPILE_CACHE"):
 
 REPO = Path(__file__).resolve().parents[1]
 
-# XLA:CPU maps about 6 memory regions per loaded executable and keeps them while JAX's caches hold it; a
-# long-lived test process (an xdist worker) compiles tens of thousands of programs and crosses the
-# kernel's vm.max_map_count (65,530 here), after which XLA segfaults or aborts inside a compile or an
-# executable's serialization (docs/testing.md). Between tests, once the process holds more than
-# MAX_MAPS mappings, JAX's caches are dropped (tests share compiled shapes until then).
-MAX_MAPS = 20_000
-
-
-def _num_maps() -> int:
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
-    except OSError:  # not Linux: no such limit to watch
-        return 0
-
-
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
+    # a long-lived test process (an xdist worker) crosses vm.max_map_count unless JAX's caches are dropped
+    # now and then (tests share compiled shapes until then): experiments.common.bound_memory_maps
     yield
-    if _num_maps() > MAX_MAPS:
-        import gc
-
-        jax.clear_caches()
-        gc.collect()
+    bound_memory_maps()
 
 
 @pytest.fixture(scope="session")
