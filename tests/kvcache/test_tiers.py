@@ -443,8 +443,6 @@ print(json.dumps(run(prompts[2:])), flush=True)
 def test_two_engine_processes_on_one_root_both_hit(tiny_model, runs, tmp_path):
     """Process A stores prompts 0-1; this process runs all four (hits on A's two, stores 2-3); A then runs
     2-3 and hits on what this process stored."""
-    import jax
-
     prompts, want = runs
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("GLM53_TEST_COMPILE_CACHE", "")}  # shared by peers (conftest)

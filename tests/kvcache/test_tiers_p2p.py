@@ -523,8 +523,6 @@ print(json.dumps(eng.metrics()["kv_offload"]["p2p"]), flush=True)
 def test_two_engine_processes_share_kv_through_peers(tiny_model, reference):
     """Engine A in its own process runs the prompts and serves; this process's engine, with A as its peer,
     gets every full page from it and the same tokens."""
-    import jax
-
     prompts, want = reference
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("GLM53_TEST_COMPILE_CACHE", "")}  # shared by peers (conftest)
