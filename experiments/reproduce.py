@@ -133,10 +133,10 @@ MANIFEST: tuple[Entry, ...] = (
           "serve", "configs/ablations/hisparse_vs_offload.py", committed="results/hisparse_vs_offload",
           doc="docs/engine.md", compare=SERVE_KEYS),
     Entry("hisparse_vs_offload_mtp3", "HiSparse vs offload with MTP3 (synthetic acceptance 2.99) at laptop scale, "
-          "and the acceptance per draft position", "not_built", "BRIEF §6, §8 (issue 21 item 7)",
+          "and the acceptance per draft position", "real_heavy", "BRIEF §6, §8 (issue 21 item 7)",
           ("both published deployments run MTP3; HiSparse holds more running requests than offloading",),
-          "serve", "configs/ablations/hisparse_vs_offload_mtp3.py", doc="docs/engine.md", compare=SERVE_KEYS + MTP_KEYS,
-          waits_for="issue 21 item 7: the config runs; the sweep (over 40 minutes on 2 cores) is not committed yet"),
+          "serve", "configs/ablations/hisparse_vs_offload_mtp3.py", committed="results/hisparse_vs_offload_mtp3",
+          doc="docs/engine.md", compare=SERVE_KEYS + MTP_KEYS),
     Entry("hisparse_blocks_by_use", "What holds the device pool in the HiSparse vs offload ablation (indexer keys, "
           "MLA pages, hot buffers), replayed on the simulator's runner", "sim", "BRIEF §6 (issue 21 item 2)", (),
           "serve", "configs/ablations/hisparse_vs_offload.py", overrides=("--config.runner.kind=sim",),
