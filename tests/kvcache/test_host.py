@@ -158,6 +158,20 @@ def test_canonical_rows_follow_the_dcp_round_robin(ranks, rows, interleave):
     assert sorted(canonical_rows(ranks, rows, interleave)) == list(range(ranks * rows))  # a permutation
 
 
+def _host_copies(cache, full, host_table):
+    """Host pools (pinned_host, 3 blocks) of each MLA layer holding the device pages `full` [R, M] that
+    host_table [R, M] names a host block for."""
+    out = []
+    for a in cache.mla:
+        h = np.zeros((3 * BS, a.shape[1]), a.dtype)
+        for r in range(full.shape[0]):
+            for p, hb in enumerate(host_table[r]):
+                if hb >= 0:
+                    h[hb * BS:(hb + 1) * BS] = np.asarray(a[full[r, p] * BS:(full[r, p] + 1) * BS])
+        out.append(jax.device_put(jnp.asarray(h), HOST))
+    return out
+
+
 @pytest.mark.parametrize("fmt", ["float32", "fp8_ds_mla"])
 def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt, monkeypatch):
     """A prefill step over host-only pages (StagingView.attend): attention equals reading every page on
@@ -175,14 +189,7 @@ def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt
     cache = cache.with_block_table(full, index_table)
     # host copies of pages: request 0's pages 0, 1 in host blocks 2, 0; request 1's page 2 in host block 1
     host_table = np.array([[2, 0, -1, -1], [-1, -1, 1, -1]], np.int32)
-    mla = []
-    for a in cache.mla:
-        h = np.zeros((3 * BS, a.shape[1]), a.dtype)
-        for r in range(2):
-            for p, hb in enumerate(host_table[r]):
-                if hb >= 0:
-                    h[hb * BS:(hb + 1) * BS] = np.asarray(a[full[r, p] * BS:(full[r, p] + 1) * BS])
-        mla.append(jax.device_put(jnp.asarray(h), HOST))
+    mla = _host_copies(cache, full, host_table)
     hidden = np.where(host_table >= 0, -1, full)  # those pages are host-only in the step's table
     staged = cache.with_block_table(hidden, index_table)
     rng = np.random.default_rng(1)
@@ -242,14 +249,7 @@ def test_a_batched_verify_step_resolves_the_union_of_its_positions_selections_on
     index_table = np.array([[8, 9], [10, 11]], np.int32)
     cache = cache.with_block_table(full, index_table)
     host_table = np.array([[2, 0, -1, -1], [-1, -1, 1, -1]], np.int32)  # as in the staging test above
-    host = []
-    for a in cache.mla:
-        h = np.zeros((3 * BS, a.shape[1]), a.dtype)
-        for r in range(2):
-            for p, hb in enumerate(host_table[r]):
-                if hb >= 0:
-                    h[hb * BS:(hb + 1) * BS] = np.asarray(a[full[r, p] * BS:(full[r, p] + 1) * BS])
-        host.append(jax.device_put(jnp.asarray(h), HOST))
+    host = _host_copies(cache, full, host_table)
     hidden = np.where(host_table >= 0, -1, full)
     t, k = 2, 4
     pos = np.array([[[0, 5, 9, -1], [5, 0, 12, 1]],  # row 0: 0, 1, 5 on host-only pages; 0 and 5 twice
