@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from attention.common import pow2_at_least
 from attention.hisparse import NEVER_USED, HotBuffer, resolve
@@ -41,6 +43,24 @@ def take_host_rows(host_table, idx):
     """Rows `idx` (device int32 [N], in range) of a pinned_host table, gathered on the host and
     delivered to device memory; usable inside jit. Only these N rows cross (the GPU check confirms)."""
     return _gather_on_host(host_table, jax.device_put(idx, jax.memory.Space.Host))
+
+
+def take_shared_rows(host_table, idx, axis: str | None):
+    """`take_host_rows` of a host pool split by rows over the mesh axis `axis` (inside shard_map; None:
+    the whole pool is here): each rank gathers the rows of `idx` (global rows, in range) that its shard
+    holds, zeros for the others, and one all-reduce over `axis` hands every rank all of them, so a row
+    crosses the host link once, on the rank that holds it. The sum runs on the rows' bits as unsigned
+    integers: exact for every dtype (x + 0 is not bitwise x in floating point when x is -0.0)."""
+    if axis is None:
+        return take_host_rows(host_table, idx)
+    n = host_table.shape[0]
+    local = idx - jax.lax.axis_index(axis) * n
+    own = (local >= 0) & (local < n)
+    rows = take_host_rows(host_table, jnp.where(own, local, 0))
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[rows.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(rows, uint)
+    bits = jax.lax.psum(jnp.where(own.reshape(own.shape + (1,) * (rows.ndim - 1)), bits, 0), axis)
+    return jax.lax.bitcast_convert_type(bits, rows.dtype)
 
 
 @functools.partial(compute_on, compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
@@ -97,7 +117,7 @@ def _put_rows(table, idx, rows):
                    data_fields=["host_mla", "host_table", "lease", "hot_pos", "hot_last", "hot_rows", "step",
                                 "plan_rows", "plan_src", "plan_dst", "copy_src", "copy_dst", "copy_branch", "hits",
                                 "misses", "copied", "unserved"],
-                   meta_fields=[])
+                   meta_fields=["host_axis"])
 @dataclasses.dataclass(frozen=True)
 class HiSparseView:
     """What a decode step needs to resolve sparse-MLA reads under HiSparse (a field of the paged cache).
@@ -121,6 +141,8 @@ class HiSparseView:
         sum over groups of misses x layers in the group).
     unserved [R] int32: selected positions with no row to read (no device page, no host copy, or no
         lease for a miss): a bookkeeping bug upstream; the runner raises if any.
+    host_axis: the mesh axis host_mla's rows are split over (one pool shared by a replica's tensor-
+        parallel ranks: `take_shared_rows`), or None (each device holds the whole pool).
     """
 
     host_mla: tuple
@@ -140,9 +162,11 @@ class HiSparseView:
     misses: jax.Array
     copied: jax.Array
     unserved: jax.Array
+    host_axis: str | None = None
 
     @staticmethod
-    def create(host_mla, host_table, lease, hot_pos, hot_last, hot_rows, step, topk: int) -> HiSparseView:
+    def create(host_mla, host_table, lease, hot_pos, hot_last, hot_rows, step, topk: int,
+               host_axis: str | None = None) -> HiSparseView:
         r = host_table.shape[0]
         g = hot_pos.shape[1]
         # distinct buffers: the step donates the whole view, and one buffer may not be donated twice
@@ -151,7 +175,7 @@ class HiSparseView:
         return HiSparseView(tuple(host_mla), jnp.asarray(host_table, jnp.int32), jnp.asarray(lease, jnp.int32),
                             hot_pos, hot_last, hot_rows, jnp.asarray(step, jnp.int32), *none, *flat,
                             jnp.zeros((), jnp.int32), jnp.zeros((r, g), jnp.int32), jnp.zeros((r, g), jnp.int32),
-                            jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32))
+                            jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32), host_axis)
 
     @property
     def copy_sizes(self) -> list[int]:
@@ -194,7 +218,7 @@ class HiSparseView:
 
         def copy(k, table):
             src, dst = self.copy_src[:k], self.copy_dst[:k]
-            rows = take_host_rows(host, jnp.maximum(src, 0))
+            rows = take_shared_rows(host, jnp.maximum(src, 0), self.host_axis)
             return table.at[jnp.where(src >= 0, dst, table.shape[0])].set(rows, mode="drop")  # -1: dropped
 
         branches = [lambda t: t] + [functools.partial(copy, k) for k in self.copy_sizes]
@@ -207,7 +231,8 @@ _NO_ROW = jnp.iinfo(jnp.int32).max  # sort key of "no host row to stage" (after 
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["host_mla", "host_table", "staged", "copied", "unserved"], meta_fields=["tile"])
+                   data_fields=["host_mla", "host_table", "staged", "copied", "unserved"],
+                   meta_fields=["tile", "host_axis"])
 @dataclasses.dataclass(frozen=True)
 class StagingView:
     """What a HiSparse prefill step needs to read MLA rows that live only in the host pool (a field of
@@ -223,7 +248,8 @@ class StagingView:
     copied [R] int32: rows copied host->device over all layers (= staged @ layers per group).
     unserved [R] int32: selected positions with neither a device page nor a host copy (a bookkeeping
         bug upstream; the runner raises if any).
-    tile: queries per staging tile (static)."""
+    tile: queries per staging tile (static).
+    host_axis: as HiSparseView's (static)."""
 
     host_mla: tuple
     host_table: jax.Array
@@ -231,13 +257,14 @@ class StagingView:
     copied: jax.Array
     unserved: jax.Array
     tile: int = 64
+    host_axis: str | None = None
 
     @staticmethod
-    def create(host_mla, host_table, tile: int, groups: int) -> StagingView:
+    def create(host_mla, host_table, tile: int, groups: int, host_axis: str | None = None) -> StagingView:
         r = host_table.shape[0]
         # distinct buffers (the step donates them)
         return StagingView(tuple(host_mla), jnp.asarray(host_table, jnp.int32), jnp.zeros((r, groups), jnp.int32),
-                           jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32), tile=tile)
+                           jnp.zeros((r,), jnp.int32), jnp.zeros((r,), jnp.int32), tile=tile, host_axis=host_axis)
 
     def attend(self, layer_index: int, device_table, slots_BTK, pos_BTK, q_lat_BTHR, q_pe_BTHP, scale: float,
                fmt, block_size: int, *, group: int, full: bool, impl: str):
@@ -307,7 +334,7 @@ class StagingView:
 
             def copy(m, ws):
                 s_, d_ = src[order[:m]], dst[order[:m]]
-                rows = take_host_rows(host, jnp.maximum(s_, 0))
+                rows = take_shared_rows(host, jnp.maximum(s_, 0), self.host_axis)
                 return ws.at[jnp.where(s_ >= 0, d_, n)].set(rows, mode="drop")
 
             ws = jax.lax.switch(branch, [lambda w: w] + [functools.partial(copy, m) for m in sizes], ws)
@@ -437,13 +464,21 @@ class HostMemory:
         `TierLoad` submits loads, and `poll_tiers` writes what they read into the reserved host pages.
     max_copy_pages: pages per page-copy program; a larger copy runs in several (a bounded set of
         programs, all compiled by `warmup`).
+    shared: (mesh axis, its size) the host pools are split over, or None. One pool per replica shared by
+        its tensor-parallel ranks (MLA KV and indexer keys are the same on every TP rank): the pool's
+        pages are padded to a multiple of the size and each rank holds 1/size of them (pinned_host,
+        rows split over the axis after `host`'s own split), so a replica holds one copy, not one per
+        rank. Host block b lives on rank b % size (`host_pages`), so consecutive blocks, and a decode
+        step's misses, spread over the ranks; the decode step gathers a miss on the rank that holds it
+        (`take_shared_rows`). Page copies and tier reads are ordinary sharded programs.
 
     `apply(ops, cache)` runs a plan's operations in order and returns the new cache with the bytes moved
     each way (real pages only; padding to a program's width moves nothing that is counted)."""
 
     def __init__(self, cache, *, page_rows: dict[str, int], kv_ranks: int, num_blocks: int, host, device,
                  host_blocks: dict[str, int] | None = None, hot: tuple[int, int, int] | None = None,
-                 tiers=None, max_copy_pages: int = 64, interleave: int = 1):
+                 tiers=None, max_copy_pages: int = 64, interleave: int = 1,
+                 shared: tuple[str, int] | None = None):
         self.page_rows = dict(page_rows)
         self.kv_ranks = kv_ranks
         # per group: for each token of a page in order, the index of its row among the page's rank-major
@@ -457,11 +492,19 @@ class HostMemory:
         self.row_bytes_mla = cache.mla[0].shape[1] * cache.mla[0].dtype.itemsize
         self.saved: dict[str, HostKV] = {}
         self.host_tables: dict[str, tuple[jax.Array, ...]] = {}
-        # a host pool is laid out like the device pool: kv_ranks x n pages, rank r's n pages r-th (its shard)
-        self.host_blocks = {g: max(n, 1) for g, n in (host_blocks or {}).items()}
+        # a host pool is laid out like the device pool: kv_ranks x n pages, rank r's n pages r-th (its
+        # shard); shared by `shared`'s ranks, each DCP rank's n pages split once more over them
+        self.host_axis, self.host_shards = shared if shared is not None and shared[1] > 1 else (None, 1)
+        pool = host
+        if self.host_axis is not None:
+            outer = host.spec[0] if len(host.spec) else None
+            outer = () if outer is None else (outer,) if isinstance(outer, str) else tuple(outer)
+            pool = NamedSharding(host.mesh, P(outer + (self.host_axis,)), memory_kind="pinned_host")
+        self.host_blocks = {g: -(-max(n, 1) // self.host_shards) * self.host_shards
+                            for g, n in (host_blocks or {}).items()}
         for g, n in self.host_blocks.items():
             self.host_tables[g] = tuple(jax.device_put(jnp.zeros((kv_ranks * n * self.page_rows[g], a.shape[1]), a.dtype),
-                                                       host) for a in self._arrays(cache, g))
+                                                       pool) for a in self._arrays(cache, g))
         self.hot_state = None
         if hot is not None:
             leases, groups, rows = hot
@@ -476,11 +519,33 @@ class HostMemory:
     def _arrays(cache, group: str) -> tuple:
         return getattr(cache, GROUP_FIELDS[group])
 
+    def host_pages(self, group: str, blocks) -> np.ndarray:
+        """Where host blocks `blocks` of `group` (the policy's ids; -1 padding) sit in its host tables
+        (int32, same shape): block b on rank b % S at local page b // S of a pool shared by S ranks
+        (`shared`); the identity otherwise."""
+        b = np.asarray(blocks, np.int32)
+        s = self.host_shards
+        if s == 1:
+            return b
+        return np.where(b >= 0, (b % s) * (self.host_blocks[group] // s) + b // s, -1).astype(np.int32)
+
+    @property
+    def host_bytes_per_device(self) -> int:
+        """Bytes of the host pools on the fullest device (1/S of one pool when shared by S ranks)."""
+        out: dict = {}
+        for tables in self.host_tables.values():
+            for t in tables:
+                for shard in t.addressable_shards:
+                    out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+        return max(out.values(), default=0)
+
     def page_slots(self, group: str, blocks, *, host: bool = False) -> np.ndarray:
         """Slots of the whole pages `blocks` of `group` in the device pool (or, `host`, the group's host
         pool): int32 [len(blocks) x page rows (x DCP ranks)], -1 for block -1 (padding)."""
         b = self.page_rows[group]
         blk = np.asarray(blocks, np.int32).reshape(-1, 1)
+        if host:
+            blk = self.host_pages(group, blk)
         slots = np.where(blk >= 0, blk * b + np.arange(b, dtype=np.int32), -1).reshape(-1)
         if self.kv_ranks > 1:  # DCP: the page on every rank; rank r's table starts at r x (pool pages) x b
             pages = self.host_blocks[group] if host else self.num_blocks
@@ -641,14 +706,15 @@ class HostMemory:
         """The HiSparse view of one decode group: rows' host pages [R, M] and leases [R] (-1: none). Takes
         the host MLA tables and hot state (the step donates them); `absorb` takes them back."""
         self.lru_step += 1
-        return HiSparseView.create(self.host_tables["mla"], host_table_RM, lease_R, *self.hot_state, self.lru_step,
-                                   topk)
+        return HiSparseView.create(self.host_tables["mla"], self.host_pages("mla", host_table_RM), lease_R,
+                                   *self.hot_state, self.lru_step, topk, host_axis=self.host_axis)
 
     def staging_view(self, host_table_RM: np.ndarray, tile: int) -> StagingView:
         """The staging view of one prefill group: rows' host pages [R, M], `tile` queries per staging tile.
         Takes the host MLA tables (the step donates them); `absorb_staging` takes them back."""
         groups = self.hot_state[0].shape[1] if self.hot_state is not None else 1
-        return StagingView.create(self.host_tables["mla"], host_table_RM, tile, groups)
+        return StagingView.create(self.host_tables["mla"], self.host_pages("mla", host_table_RM), tile, groups,
+                                  host_axis=self.host_axis)
 
     def absorb_staging(self, view: StagingView) -> None:
         self.host_tables["mla"] = view.host_mla

@@ -52,10 +52,18 @@ class _ExpertParallel:
 
 def cache_specs(cache: CpKVCache):
     """PartitionSpecs for a CpKVCache pytree: KV arrays split over the axis under DCP (replicated
-    otherwise), block tables and HiSparse's views (host pools, hot state, plans; TP alone) replicated."""
+    otherwise), block tables and HiSparse's views (hot state, plans; TP alone) replicated, the views'
+    host pools split by rows over their `host_axis` when the TP ranks share one (kvcache.host.HostMemory)."""
     kv = P(cache.axis) if cache.dcp else P()
     loc = cache.local
-    replicated = lambda view: None if view is None else jax.tree.map(lambda _: P(), view)  # noqa: E731
+
+    def replicated(view):
+        if view is None:
+            return None
+        specs = jax.tree.map(lambda _: P(), view)
+        pool = P(view.host_axis) if view.host_axis else P()
+        return dataclasses.replace(specs, host_mla=tuple(pool for _ in view.host_mla))
+
     local = dataclasses.replace(loc, mla=tuple(kv for _ in loc.mla), index=tuple(kv for _ in loc.index),
                                 block_table=P(), index_block_table=None if loc.index_block_table is None else P(),
                                 hisparse=replicated(loc.hisparse), staging=replicated(loc.staging))

@@ -399,6 +399,9 @@ class Engine:
         weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
         if None not in weights:  # the model runner's (1/tp of the split weights under TP)
             out["weights_bytes_per_device"] = max(weights)
+        hosts = [getattr(getattr(r.runner, "host", None), "host_bytes_per_device", None) for r in self.replicas]
+        if None not in hosts:  # host pools on the fullest device (1/tp of one pool: its TP ranks share it)
+            out["host_pool_bytes_per_device"] = max(hosts)
         rows = self.timeline[:: max(1, -(-len(self.timeline) // 256))]  # at most 256 points
         out["timeline"] = {"t_s": [r[0] for r in rows], "running_requests": [r[1] for r in rows],
                            "waiting_requests": [r[2] for r in rows], "free_gpu_blocks": [r[3] for r in rows]}

@@ -252,7 +252,8 @@ class ModelRunner:
             self._cp_zero = jax.device_put(zero_counters(n), NamedSharding(self.mesh, P("cp")))
             self._cp_pending: list[dict] = []
             self._cp_totals = {k: np.zeros(n, np.int64) for k in self._cp_zero}
-            # host copies of KV live with the rank that holds it (a DCP shard, or every replica's copy)
+            # host copies of KV live with the rank that holds it (a DCP shard; the host pools split once more
+            # over "tp": HostMemory(shared=))
             spec = P("cp") if self.kv_ranks > 1 else P()
             host = NamedSharding(self.mesh, spec, memory_kind="pinned_host")
             device = NamedSharding(self.mesh, spec, memory_kind="device")
@@ -278,6 +279,8 @@ class ModelRunner:
                                kv_ranks=self.kv_ranks, interleave=deploy.cp_kv_cache_interleave_size,
                                num_blocks=num_blocks, host=host, device=device,
                                host_blocks=sz.host_blocks or None, tiers=self.tiers,
+                               # one host pool per replica, shared by its TP ranks (1/tp of it each)
+                               shared=("tp", self.mesh.shape["tp"]) if self.mesh is not None else None,
                                hot=(sz.max_leases, len(self.cache.index), sz.hot_rows) if self.hisparse else None)
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
             raise RuntimeError(f"page bytes of the device arrays {self.host.page_bytes} differ from "
