@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from attention.common import pow2_at_least
 from attention.hisparse import NEVER_USED, HotBuffer, resolve
 from attention.sparse_mla import SlotRows, sparse_mqa
+from kvcache.relayout import canonical_rows
 from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, TierLoad, TierStore, Transfer
 
 
@@ -433,17 +434,6 @@ class HostKV:
 
 
 GROUP_FIELDS = {"mla": "mla", "indexer": "index"}  # cache group -> the PagedKVCache field of its arrays
-
-
-def canonical_rows(kv_ranks: int, page_rows: int, interleave: int = 1) -> np.ndarray:
-    """For the kv_ranks x page_rows tokens one block covers under DCP, in token order, the index of each
-    token's row among the block's rows stored rank-major (rank r's page_rows rows at r x page_rows).
-    Token p lives on rank (p // interleave) % kv_ranks at local row (p // (interleave x kv_ranks)) x
-    interleave + p % interleave (parallel.dcp.DcpLayout's round robin). Identity for one rank."""
-    p = np.arange(kv_ranks * page_rows)
-    rank = (p // interleave) % kv_ranks
-    local = (p // (interleave * kv_ranks)) * interleave + p % interleave
-    return (rank * page_rows + local).astype(np.int64)
 
 
 class HostMemory:

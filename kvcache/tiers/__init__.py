@@ -20,7 +20,7 @@ tier evicts is still in the secondary tiers.
 Keys. `chunk_key(fingerprint, group, block_hash)`: SHA-256 of the deployment's layout fingerprint
 (`layout_fingerprint`: model, tokens and bytes per page, KV dtype), the cache group and the chained block
 hash (which covers the tokens and the request's salt). Not the DCP layout: chunks are stored in a
-canonical layout (every layer's rows in token order; kvcache.host.canonical_rows), so engines whose
+canonical layout (every layer's rows in token order; kvcache.relayout.canonical_rows), so engines whose
 pages cover the same tokens share chunks whatever their DCP size and interleave.
 
 Payloads. A chunk is one page of one cache group (every layer, every DCP rank), in the canonical

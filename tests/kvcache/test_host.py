@@ -144,20 +144,6 @@ def test_reset_lease_points_the_slot_at_its_blocks_and_empties_it():
     assert (pos == -1).all() and (last == np.iinfo(np.int32).min).all()
 
 
-@pytest.mark.parametrize("ranks,rows,interleave", [(1, 8, 1), (2, 4, 1), (4, 8, 2), (8, 16, 4), (2, 8, 8)])
-def test_canonical_rows_follow_the_dcp_round_robin(ranks, rows, interleave):
-    """The canonical order of a block's rows (what tiers store) against parallel.dcp's placement: token p
-    of the block sits on rank owner(p) at local row local_position(p) mod rows."""
-    from kvcache.host import canonical_rows
-    from parallel.dcp import DcpLayout
-
-    layout = DcpLayout(ranks, rows, interleave)
-    p = np.arange(ranks * rows)
-    want = np.asarray(layout.owner(p)) * rows + np.asarray(layout.local_position(p)) % rows
-    np.testing.assert_array_equal(canonical_rows(ranks, rows, interleave), want)
-    assert sorted(canonical_rows(ranks, rows, interleave)) == list(range(ranks * rows))  # a permutation
-
-
 def _host_copies(cache, full, host_table):
     """Host pools (pinned_host, 3 blocks) of each MLA layer holding the device pages `full` [R, M] that
     host_table [R, M] names a host block for."""
