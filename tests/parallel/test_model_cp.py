@@ -35,7 +35,7 @@ def _batch(prompts):
     return tok, pos, nxt, np.array([[p.size] for p in prompts], np.int32)
 
 
-def _single_device(model, prompts, kv):
+def _single_device(model, prompts, kv, *, with_cache=False):
     import jax.numpy as jnp
 
     from glm53.model import compiled
@@ -50,11 +50,13 @@ def _single_device(model, prompts, kv):
     h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=WINDOW, form="mqa")
     prefill = np.asarray(c.logits(c.state, h))
     h, cache, _ = c.forward(c.state, jnp.asarray(nxt), jnp.asarray(pos1), cache, window=WINDOW, form="mqa")
-    return prefill, np.asarray(c.logits(c.state, h))[:, 0], nbytes
+    out = prefill, np.asarray(c.logits(c.state, h))[:, 0], nbytes
+    return out + (cache,) if with_cache else out
 
 
 def _context_parallel(model, prompts, n, *, pcp, dcp, kv, backend="ag_rs", interleave=1, ep=False, form="mqa"):
-    """-> (prefill logits [B, WIDTH, V] in token order, decode logits [B, V], bytes of MLA layer 0 per device)."""
+    """-> (prefill logits [B, WIDTH, V] in token order, decode logits [B, V], bytes of MLA layer 0 per device,
+    the cache's global arrays (kvcache.paged.PagedKVCache, DCP shards rank-major))."""
     import jax.numpy as jnp
 
     from glm53.model import compiled
@@ -85,14 +87,14 @@ def _context_parallel(model, prompts, n, *, pcp, dcp, kv, backend="ag_rs", inter
     h, cache = pmodel.forward(c.state, jnp.asarray(nxt), jnp.asarray(pos1), cache, form="mqa", **run)
     per_device = {s.data.nbytes for s in cache.local.mla[0].addressable_shards}
     assert len(per_device) == 1
-    return prefill, np.asarray(c.logits(c.state, h))[:, 0], per_device.pop()
+    return prefill, np.asarray(c.logits(c.state, h))[:, 0], per_device.pop(), cache.local
 
 
 def _check(model, cases, n, kv="float32"):
     prompts = _prompts(model.cfg.vocab_size)
-    want_prefill, want_decode, single_bytes = _single_device(model, prompts, kv)
+    want_prefill, want_decode, single_bytes, single = _single_device(model, prompts, kv, with_cache=True)
     for kw in cases:
-        prefill, decode, per_device = _context_parallel(model, prompts, n, kv=kv, **kw)
+        prefill, decode, per_device, cache = _context_parallel(model, prompts, n, kv=kv, **kw)
         for i, p in enumerate(prompts):
             scale = np.abs(want_prefill[i, : p.size]).max()
             err = np.abs(prefill[i, : p.size] - want_prefill[i, : p.size]).max() / scale
@@ -101,6 +103,26 @@ def _check(model, cases, n, kv="float32"):
         assert err <= TOL, (kw, "decode", err)
         # DCP: each device stores 1/N of the context (the pool is the batch's whole-window tables here)
         assert per_device == (single_bytes // n if kw["dcp"] else single_bytes), kw
+        if kw["dcp"] and kv == "float32":  # (fp8 rows: a rounding flip of an e4m3 value is not an error)
+            _check_relayout(single, cache, [p.size + 1 for p in prompts], n, kw.get("interleave", 1))
+
+
+def _check_relayout(single, cache, lengths, n, interleave):
+    """What P/D's consumer reads (kvcache.relayout): each request's rows in token order, read from the DCP
+    cache in its layout (N ranks, the interleave), equal one device's, in every array of both groups."""
+    from kvcache.relayout import PagedLayout, gather_tokens
+
+    for arrays_1, arrays_n, fmt in ((single.mla, cache.mla, single.mla_format),
+                                    (single.index, cache.index, single.index_format)):
+        one = PagedLayout(BS, arrays_1[0].shape[0] // BS)
+        split = PagedLayout(BS, arrays_n[0].shape[0] // (BS * n), n, interleave)
+        for i, length in enumerate(lengths):
+            pos = np.arange(length)
+            want = gather_tokens(arrays_1, one, np.asarray(single.block_table)[i], pos)
+            got = gather_tokens(arrays_n, split, np.asarray(cache.block_table)[i], pos)
+            for w, g in zip(want, got, strict=True):
+                w, g = np.asarray(fmt.unpack(w)), np.asarray(fmt.unpack(g))
+                assert np.abs(g - w).max() <= TOL * np.abs(w).max(), (i, length, interleave)
 
 
 @pytest.mark.multidevice
