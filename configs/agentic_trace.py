@@ -4,7 +4,9 @@ branches), every length times 1/128, each user isolated by a per-user salt.
 
     python -m experiments.serve --config configs/agentic_trace.py --out out/agentic_trace
 
-Replay a trace file of your own (experiments/workloads.py documents the JSON format) with
+Replay a trace file of your own (our JSON format, a Mooncake / aiperf `mooncake_trace` JSONL file, or
+Weka / SemiAnalysis agentic-coding traces: a JSON or JSONL file or a directory of them; the format is
+detected, experiments/workloads.py documents each) with
 `--config.workload.kind=trace --config.workload.trace_path=PATH`.
 """
 

@@ -84,7 +84,7 @@ def build_sessions(w: ConfigDict) -> list[workloads.Session]:
     if w.kind == "trace":
         if not w.trace_path:
             raise ValueError("workload.kind='trace' needs workload.trace_path")
-        return workloads.load_trace(w.trace_path)
+        return workloads.read_trace(w.trace_path)  # ours, Mooncake JSONL or Weka / SemiAnalysis (detected)
     raise ValueError(f"workload.kind must be 'openhands', 'synthetic' or 'trace', got {w.kind!r}")
 
 

@@ -20,6 +20,11 @@ Trace JSON (format "glm53-agentic-trace/1"):
                    "turns": [{"input_tokens": 9000, "output_tokens": 400, "think_s": 2.5,
                               "hash_ids": [0, 1, ..., 140]}, ...]}, ...]}
 
+Other formats users have are read into the same sessions (`read_trace` detects which;
+`workload.kind="trace"` takes any of them): Mooncake / aiperf `mooncake_trace` JSONL with 512-token hash
+ids (`load_mooncake_trace`), and the Weka / SemiAnalysis agentic-coding traces with 64-token hash ids and
+subagents (`load_weka_traces`). A hash id of a larger block becomes the ids of its 64-token sub-blocks.
+
 `parent` / `branch_after_turn` make a subagent branch: the session may start once its parent has
 finished that turn (its prompts normally begin with the parent's blocks, so it hits the parent's prefix).
 Users are isolated by a per-user salt (`ClosedLoopClient(salt_prefix=...)` -> salt `prefix + user`):
@@ -209,6 +214,202 @@ def load_trace(path: str | Path) -> list[Session]:
         ids.add(sess.session_id)
         out.append(sess)
     return out
+
+
+# ------------------------------------------------------------------------------ other trace formats
+MOONCAKE_BLOCK_TOKENS = 512  # the block size of Mooncake's hash ids (FAST'25 traces; aiperf's default)
+TRACE_FORMATS = ("auto", "glm53", "mooncake", "weka")
+
+
+def _sub_blocks(hash_ids, block: int, input_tokens: int, where: str) -> tuple[int, ...]:
+    """Hash ids of `block`-token blocks -> the ids of the 64-token blocks a prompt of `input_tokens` holds:
+    block id h stands for sub-blocks h x (block / 64) + j, so prompts that share a large block share
+    all of its sub-blocks and nothing else. The ids must cover the prompt exactly (ceil(input / block))."""
+    if block < TRACE_BLOCK_TOKENS or block % TRACE_BLOCK_TOKENS:
+        raise ValueError(f"{where}: block size {block} is not a multiple of {TRACE_BLOCK_TOKENS} tokens")
+    ids = [int(h) for h in hash_ids]
+    need = math.ceil(input_tokens / block)
+    if len(ids) != need or any(h < 0 for h in ids):
+        raise ValueError(f"{where}: {input_tokens} input tokens need {need} non-negative hash ids of {block}-token "
+                         f"blocks, got {len(ids)}")
+    per = block // TRACE_BLOCK_TOKENS
+    return tuple(h * per + j for h in ids for j in range(per))[: math.ceil(input_tokens / TRACE_BLOCK_TOKENS)]
+
+
+def load_mooncake_trace(path: str | Path, *, block: int = MOONCAKE_BLOCK_TOKENS) -> list[Session]:
+    """A Mooncake / aiperf `mooncake_trace` JSONL file: one request per line, `{"timestamp" (ms),
+    "input_length", "output_length", "hash_ids" (optional, `block`-token blocks), "session_id" and
+    "delay" (ms, optional: aiperf's multi-turn form)}`. Lines with a session_id become the turns of one
+    session in file order (think time = delay); other lines are one-turn sessions. The hash ids are one
+    namespace for the whole file (Mooncake's cross-request prefix sharing), so every session has one
+    user. A line without hash_ids gets ids no other line uses. Timestamps are not replayed: the client
+    is closed-loop (a fixed number of sessions in flight). Lines carrying prompt text (`messages`,
+    `text_input`, `payload`) are refused: this replay makes tokens from hash ids."""
+    records = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{n}: a request must be a JSON object")
+        text = [k for k in ("messages", "text_input", "payload") if k in rec]
+        if text:
+            raise ValueError(f"{path}:{n}: carries prompt text ({', '.join(text)}); this replay needs input_length "
+                             "and hash_ids")
+        records.append((n, rec))
+    if not records:
+        raise ValueError(f"{path}: no requests")
+    try:
+        fresh = 1 + max((int(h) for _, r in records for h in r.get("hash_ids") or ()), default=-1)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: hash_ids must be lists of integers ({e})") from None
+    turns: dict[str, list[Turn]] = {}
+    for n, rec in records:
+        where = f"{path}:{n}"
+        try:
+            inp, out = int(rec["input_length"]), int(rec["output_length"])
+            ids = rec.get("hash_ids")
+            if ids is None:  # a prompt of its own
+                ids = list(range(fresh, fresh + math.ceil(inp / block)))
+                fresh += len(ids)
+            sid = str(rec["session_id"]) if rec.get("session_id") is not None else f"mc{n}"
+            own = turns.setdefault(sid, [])
+            think = float(rec.get("delay", 0)) / 1000 if own else 0.0
+            own.append(Turn(inp, out, think, _sub_blocks(ids, block, inp, where)))
+        except KeyError as e:
+            raise ValueError(f"{where}: missing field {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    return [Session(sid, "mooncake", tuple(ts), "trace") for sid, ts in turns.items()]
+
+
+def _weka_rows(path: Path) -> list[tuple[str, dict]]:
+    """(where, trace object) of a Weka / SemiAnalysis agentic-coding trace file (one object, or a list of
+    them), a JSONL file of them (a dataset's rows), or a directory of such files (sorted by name)."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
+        if not files:
+            raise ValueError(f"{path}: no .json or .jsonl trace files")
+        return [row for f in files for row in _weka_rows(f)]
+    text = path.read_text()
+    if path.suffix == ".jsonl":
+        docs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    docs.append((f"{path}:{n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+        return docs
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return [(f"{path}[{i}]", d) for i, d in enumerate(doc)] if isinstance(doc, list) else [(str(path), doc)]
+
+
+def load_weka_traces(path: str | Path) -> list[Session]:
+    """Agentic-coding traces in the Weka KV-cache-tester form SemiAnalysis publishes (64-token hash ids
+    with subagents): per trace `{"id", "block_size", "hash_id_scope": "local" | "global", "requests":
+    [...]}`, each request `{"type": "n" | "s", "t" (s), "in", "out", "hash_ids", "think_time" / "api_time"
+    (s, optional)}` or a subagent marker `{"type": "subagent", "agent_id", "requests": [...]}` (nested
+    markers allowed). A trace becomes a session, a subagent a session of the same user branching after
+    the parent's last request before the marker (`parent`, `branch_after_turn`; one that comes before
+    any request of its parent branches where its parent does, or starts on its own). Think time: the
+    request's think_time, else its start minus the end (t + api_time) of the session's previous request.
+    Scope "local" (one hash namespace per trace): one user per trace, so salts keep traces apart;
+    "global": one user for all traces, which share blocks. What is not kept: the parent waiting for a
+    subagent to finish (our trace format has branch points only) and the recorded timestamps (the client
+    is closed-loop)."""
+    out: list[Session] = []
+    ids: set[str] = set()
+
+    def flatten(where: str, sid: str, user: str, block: int, requests, parent, branch) -> None:
+        if not isinstance(requests, list) or not requests:
+            raise ValueError(f"{where}: 'requests' must be a non-empty list")
+        turns: list[Turn] = []
+        children = []
+        end = None
+        for k, r in enumerate(requests):
+            at = f"{where} request #{k}"
+            kind = r.get("type") if isinstance(r, dict) else None
+            try:
+                if kind in ("n", "s"):
+                    t = float(r["t"])
+                    think = r.get("think_time")
+                    think = float(think) if think is not None else (max(0.0, t - end) if end is not None else 0.0)
+                    end = t + float(r.get("api_time") or 0.0)
+                    inp = int(r["in"])
+                    turns.append(Turn(inp, int(r["out"]), think if turns else 0.0,
+                                      _sub_blocks(r.get("hash_ids", ()), block, inp, at)))
+                elif kind == "subagent":
+                    children.append((r, len(turns) - 1, at))
+                else:
+                    raise ValueError(f"unknown request type {kind!r} (expected 'n', 's' or 'subagent')")
+            except KeyError as e:
+                raise ValueError(f"{at}: missing field {e}") from None
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{at}: {e}") from None
+        if sid in ids:
+            raise ValueError(f"{where}: session id {sid!r} appears twice")
+        if turns:
+            ids.add(sid)
+            out.append(Session(sid, user, tuple(turns), "trace", parent, branch))
+        for r, k, at in children:
+            cid = f"{sid}/{r.get('agent_id', len(out))}"
+            # a marker before any request of this session branches where this session does
+            here = (sid, k) if turns and k >= 0 else (parent, branch)
+            flatten(at, cid, user, block, r.get("requests"), *here)
+
+    for where, doc in _weka_rows(Path(path)):
+        if not isinstance(doc, dict) or "requests" not in doc or "id" not in doc:
+            raise ValueError(f"{where}: not a trace object (needs 'id' and 'requests')")
+        scope = doc.get("hash_id_scope", "local")
+        if scope not in ("local", "global"):
+            raise ValueError(f"{where}: hash_id_scope must be 'local' or 'global', got {scope!r}")
+        try:
+            block = int(doc.get("block_size", TRACE_BLOCK_TOKENS))
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: block_size must be an integer, got {doc.get('block_size')!r}") from None
+        sid = str(doc["id"])
+        flatten(where, sid, sid if scope == "local" else "global", block, doc["requests"], None, None)
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    return out
+
+
+def detect_trace_format(path: str | Path) -> str:
+    """"glm53" (our JSON: a "format" key), "weka" (a directory, or JSON / JSONL of objects with
+    "requests"), or "mooncake" (JSONL of requests with "input_length"); ValueError otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        return "weka"
+    text = path.read_text()
+    try:  # one JSON document: ours, a Weka trace or a list of them (or a one-line JSONL file)
+        doc = json.loads(text)
+    except json.JSONDecodeError:  # JSONL: judge by its first record
+        try:
+            doc = json.loads(next((ln for ln in text.splitlines() if ln.strip()), "null"))
+        except json.JSONDecodeError:
+            doc = None
+    if isinstance(doc, list) or isinstance(doc, dict) and "requests" in doc:
+        return "weka"
+    if isinstance(doc, dict) and "format" in doc:
+        return "glm53"
+    if isinstance(doc, dict) and "input_length" in doc:
+        return "mooncake"
+    raise ValueError(f"{path}: not a trace this project reads (formats: {', '.join(TRACE_FORMATS[1:])})")
+
+
+def read_trace(path: str | Path, fmt: str = "auto") -> list[Session]:
+    """Sessions of a trace file in any format this module reads (`TRACE_FORMATS`; "auto": detected)."""
+    if fmt not in TRACE_FORMATS:
+        raise ValueError(f"trace format must be one of {TRACE_FORMATS}, got {fmt!r}")
+    fmt = detect_trace_format(path) if fmt == "auto" else fmt
+    return {"glm53": load_trace, "mooncake": load_mooncake_trace, "weka": load_weka_traces}[fmt](path)
 
 
 @functools.lru_cache(maxsize=1 << 16)

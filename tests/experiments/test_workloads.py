@@ -173,3 +173,91 @@ def test_client_fails_loudly_when_the_engine_drops_a_request():
     with pytest.raises(RuntimeError, match="idle with requests in flight"):
         wl.ClosedLoopClient(Forgetful(), wl.openhands_sessions(1, scale=1 / 1000, turns=2), 1, vocab_size=10,
                             make_params=lambda n: n).run()
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_mooncake_trace_import(tmp_path):
+    """aiperf's mooncake_trace JSONL: 512-token hash ids become 8 ids of 64-token blocks each (requests
+    sharing a large block share its sub-blocks), session_id lines are one session's turns with delay as
+    think time, a line without hash_ids shares nothing, and one user keeps the file's one hash namespace."""
+    path = _jsonl(tmp_path / "mc.jsonl", [
+        {"timestamp": 0, "input_length": 1200, "output_length": 52, "hash_ids": [0, 1, 2]},
+        {"timestamp": 105, "input_length": 1800, "output_length": 26, "hash_ids": [0, 3, 4, 5]},
+        {"timestamp": 200, "input_length": 700, "output_length": 9},
+        {"session_id": "a", "timestamp": 300, "input_length": 600, "output_length": 5, "hash_ids": [6, 7]},
+        {"session_id": "a", "delay": 1500, "input_length": 1100, "output_length": 5, "hash_ids": [6, 8, 9]},
+    ])
+    assert wl.detect_trace_format(path) == "mooncake"
+    s = wl.read_trace(path)
+    assert [x.session_id for x in s] == ["mc1", "mc2", "mc3", "a"] and {x.user for x in s} == {"mooncake"}
+    t0, t1, t2 = s[0].turns[0], s[1].turns[0], s[2].turns[0]
+    assert len(t0.hash_ids) == 19 and t0.hash_ids[:8] == tuple(range(8)) and t0.hash_ids[8:16] == tuple(range(8, 16))
+    assert t1.hash_ids[:8] == t0.hash_ids[:8] and not set(t1.hash_ids[8:]) & set(t0.hash_ids)
+    assert len(t2.hash_ids) == 11 and not set(t2.hash_ids) & {h for x in s if x is not s[2] for t in x.turns for h in t.hash_ids}
+    a = s[3]
+    assert [t.think_s for t in a.turns] == [0.0, 1.5] and a.turns[1].hash_ids[:8] == a.turns[0].hash_ids[:8]
+    assert wl.trace_stats(s)["prefix_reuse"] > 0
+    for bad, match in [({"timestamp": 0, "input_length": 1200, "output_length": 5, "hash_ids": [0, 1]}, "need 3"),
+                       ({"timestamp": 0, "messages": [], "output_length": 5}, "prompt text"),
+                       ({"timestamp": 0, "output_length": 5}, "missing field 'input_length'")]:
+        with pytest.raises(ValueError, match=match):
+            wl.load_mooncake_trace(_jsonl(tmp_path / "bad.jsonl", [bad]))
+    (tmp_path / "bad.jsonl").write_text('{"input_length": 1,\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: not valid JSON"):
+        wl.load_mooncake_trace(tmp_path / "bad.jsonl")
+
+
+def _weka(tid, scope="local"):
+    req = lambda t, n, ids, **kw: {"t": t, "type": "n", "model": "m", "in": n, "out": 20, "hash_ids": ids, **kw}  # noqa: E731
+    return {"id": tid, "models": ["m"], "block_size": 64, "hash_id_scope": scope, "requests": [
+        req(0.0, 130, [0, 1, 2], api_time=2.0),
+        {"t": 3.0, "type": "subagent", "agent_id": "agent_001", "subagent_type": "Explore", "status": "completed",
+         "models": ["m"], "requests": [
+             req(3.0, 100, [0, 5], api_time=1.0),
+             {"t": 4.5, "type": "subagent", "agent_id": "agent_002", "subagent_type": "Explore", "status": "completed",
+              "models": ["m"], "requests": [req(4.5, 64, [0])]},
+             req(5.0, 150, [0, 5, 6], think_time=0.25)]},
+        req(7.0, 200, [0, 1, 2, 7], api_time=1.0),
+    ]}
+
+
+def test_weka_agentic_trace_import(tmp_path):
+    """Weka / SemiAnalysis agentic-coding traces: a trace is a session, each subagent (nested too) a
+    session of the same user branching after its parent's last request before the marker; think time is
+    think_time, else the gap since the previous request ended; "local" scope gives each trace its own user
+    (salted apart), "global" one user for all. Read from a file, a JSONL of rows or a directory."""
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_weka("tr1")))
+    assert wl.detect_trace_format(path) == "weka"
+    s = wl.read_trace(path)
+    assert [(x.session_id, x.parent, x.branch_after_turn) for x in s] == [
+        ("tr1", None, None), ("tr1/agent_001", "tr1", 0), ("tr1/agent_001/agent_002", "tr1/agent_001", 0)]
+    main, sub, subsub = s
+    assert [t.input_tokens for t in main.turns] == [130, 200] and [t.think_s for t in main.turns] == [0.0, 5.0]
+    assert [t.think_s for t in sub.turns] == [0.0, 0.25] and subsub.turns[0].hash_ids == (0,)
+    assert {x.user for x in s} == {"tr1"}
+    rows = _jsonl(tmp_path / "rows.jsonl", [_weka("tr1"), _weka("tr2")])
+    assert {x.user for x in wl.read_trace(rows)} == {"tr1", "tr2"}
+    (tmp_path / "dir").mkdir()
+    for tid in ("a", "b"):
+        (tmp_path / "dir" / f"{tid}.json").write_text(json.dumps(_weka(tid, "global")))
+    both = wl.read_trace(tmp_path / "dir")
+    assert len(both) == 6 and {x.user for x in both} == {"global"}
+    saved = tmp_path / "ours.json"  # imported traces save in our format and read back the same
+    wl.save_trace(both, saved)
+    assert wl.detect_trace_format(saved) == "glm53" and wl.read_trace(saved) == both
+    bad = _weka("x")
+    bad["requests"][0]["hash_ids"] = [0, 1]
+    for doc, match in [(bad, "request #0: 130 input tokens need 3"),
+                       ({**_weka("x"), "block_size": 100}, "not a multiple of 64"),
+                       ({**_weka("x"), "hash_id_scope": "corpus"}, "hash_id_scope"),
+                       ({"id": "x", "requests": [{"type": "q"}]}, "unknown request type 'q'")]:
+        path.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=match):
+            wl.read_trace(path, "weka")
+    with pytest.raises(ValueError, match="trace format must be one of"):
+        wl.read_trace(path, "csv")
