@@ -29,6 +29,7 @@ setup(
         "boto3",  # the object-store KV tier's client (kvcache.tiers.obj)
         "fastapi",  # the OpenAI-compatible server (glm53.serve)
         "uvicorn",
+        "httpx",  # the router's client of the prefill and decode servers (glm53.router)
         "tokenizers",  # a checkpoint's tokenizer.json (glm53.tokenizer)
         "jinja2",  # chat templates
     ],

@@ -1,0 +1,188 @@
+"""`python -m glm53.router` in front of real prefill and decode servers on loopback (vLLM's two-leg
+protocol): greedy completions, streamed or not, equal `Engine.generate`'s; a user's salt keeps its decode
+server; a decode server killed mid-stream loses no request (the router re-sends the prompt and the
+tokens so far elsewhere); bad requests get 400 and a prefill server's error passes through. The
+routing rules themselves (`Picker`) are tested without servers."""
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import glm53
+from glm53 import DeployConfig, Engine
+from glm53.router import NoServer, Picker, Server, parse_load
+from tests.glm53.test_serve import FLAGS, REPO, TIMEOUT_S, _free_port
+from tests.glm53.test_serve import Server as Process
+
+
+def test_picker_salt_sticks_load_decides_ties_take_turns():
+    a, b, c = (Server(u, "decode") for u in ("http://a", "http://b", "http://c"))
+    p = Picker([a, b, c])
+    assert [p.pick().url for _ in range(3)] == ["http://a", "http://b", "http://c"]  # equal load: in turn
+    a.polled_load, b.polled_load, c.polled_load = 5, 0, 2  # a poll resets what was sent
+    for s in (a, b, c):
+        s.sent = 0
+    assert p.pick().url == "http://b" and p.pick().url == "http://b"  # b: 0, then 1 sent
+    b.sent = 9
+    assert p.pick("user1").url == "http://c"  # least loaded, and the salt remembers it
+    c.sent = 50
+    assert p.pick("user1").url == "http://c"  # stays while c is up, however loaded
+    c.up = False
+    assert p.pick("user1").url == "http://a"  # c down: the salt moves
+    assert p.pick("user1", exclude={"http://a"}).url == "http://b"
+    a.up = b.up = False
+    with pytest.raises(NoServer, match="no decode server is up"):
+        p.pick()
+
+
+def test_parse_load_sums_running_and_waiting():
+    text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            '# TYPE vllm:other gauge\nvllm:other 7.0\n')
+    assert parse_load(text) == 6.0
+
+
+class Router:
+    def __init__(self, tmp, prefill: list[str], decode: list[str]):
+        self.port = _free_port()
+        self.log = tmp / "router.log"
+        args = [sys.executable, "-m", "glm53.router", "--port", str(self.port), "--poll-interval", "0.5",
+                "--prefill", *prefill, "--decode", *decode]
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2).status == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        self.proc.kill()
+        raise RuntimeError(f"router did not come up: {self.log.read_text()[-2000:]}")
+
+    def post(self, body, raw: bytes | None = None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
+        conn.request("POST", "/v1/completions", raw if raw is not None else json.dumps(body),
+                     {"content-type": "application/json"})
+        r = conn.getresponse()
+        out = r.status, json.loads(r.read())
+        conn.close()
+        return out
+
+    def stream(self, body: dict, on_event=None):
+        """-> (decode server the stream started on, parsed events); on_event(i, event) after each."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"content-type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        first, events = r.getheader("x-decode-server"), []
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                if on_event:
+                    on_event(len(events), events[-1])
+        conn.close()
+        return first, events
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """One prefill and two decode servers (tiny preset, test_serve's deployment) and a router."""
+    tmp = tmp_path_factory.mktemp("pd")
+    procs: dict = {}
+
+    def start(name):
+        procs[name] = Process("tiny", tmp)
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in ("prefill", "decode0", "decode1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if len(procs) != 3:
+            raise RuntimeError("a server did not start (its log is in the test's tmp dir)")
+        router = Router(tmp, [procs["prefill"].url("")], [procs["decode0"].url(""), procs["decode1"].url("")])
+        yield router, procs
+        router.proc.send_signal(signal.SIGTERM)
+        router.proc.wait(30)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = glm53.init("tiny", seed=0)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (9, 30, 17)]
+    lengths = (6, 6, 90)
+    eng = Engine(model, DeployConfig(**FLAGS))
+    outs = [eng.generate([np.asarray(p)], max_new_tokens=n)[0].token_ids.tolist() for p, n in zip(prompts, lengths)]
+    return prompts, lengths, outs
+
+
+def test_two_legs_give_one_engines_greedy_tokens(pd, reference):
+    router, _ = pd
+    prompts, lengths, want = reference
+    code, r = router.post({"prompt": prompts[0], "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+    assert code == 200 and r["choices"][0]["token_ids"] == want[0]
+    code, r = router.post({"prompt": [prompts[1]], "max_tokens": 6, "temperature": 0})
+    assert code == 200 and "token_ids" not in r["choices"][0] and r["usage"]["completion_tokens"] == 6
+    first, events = router.stream({"prompt": prompts[1], "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                                   "cache_salt": "alice", "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 6
+    assert [c["choices"][0]["token_ids"][0] for c in events[:-2]] == want[1]
+    again, _ = router.stream({"prompt": prompts[0], "max_tokens": 2, "temperature": 0, "cache_salt": "alice"})
+    assert again == first  # a user's requests stay on one decode server
+
+
+def test_bad_requests_and_prefill_errors(pd):
+    router, _ = pd
+    code, r = router.post(None, raw=b"{not json")
+    assert code == 400 and "not JSON" in r["error"]["message"]
+    code, r = router.post({"prompt": [[1, 2], [3]], "max_tokens": 2})
+    assert code == 400 and "one prompt per request" in r["error"]["message"]
+    code, r = router.post({"prompt": list(range(200)), "max_tokens": 2})  # over max_model_len: the prefill's 400
+    assert code == 400 and "max_model_len" in json.dumps(r)
+
+
+def test_a_decode_server_killed_mid_stream_loses_no_request(pd, reference):
+    """Kill the decode server a 90-token greedy stream runs on after its second token: the router sends the
+    prompt and the tokens so far to the other one, and the client's stream carries exactly one engine's
+    90 tokens."""
+    router, procs = pd
+    prompts, lengths, want = reference
+    by_url = {p.url(""): p for p in procs.values()}
+    started = {}
+
+    def kill_after_two(i, event):
+        if i == 2:
+            started["victim"].proc.send_signal(signal.SIGKILL)
+
+    # learn which server the salt lands on, so the kill hits the stream's server
+    first, _ = router.stream({"prompt": prompts[0], "max_tokens": 1, "temperature": 0, "cache_salt": "bob"})
+    started["victim"] = by_url[first]
+    served, events = router.stream({"prompt": prompts[2], "max_tokens": lengths[2], "temperature": 0,
+                                    "return_token_ids": True, "cache_salt": "bob"}, kill_after_two)
+    assert served == first and started["victim"].proc.wait(30) == -signal.SIGKILL
+    assert events[-1] == "[DONE]"
+    tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+    assert tokens == want[2]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    # the survivor takes new requests; /health lists only what is up
+    code, r = router.post({"prompt": prompts[0], "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+    assert code == 200 and r["choices"][0]["token_ids"] == want[0]
+    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{router.port}/health", timeout=10).read())
+    assert health["decode"] == [u for u in by_url if u != first and procs["prefill"].url("") != u]
+    assert health["resends"] >= 1  # the stream did break (not finished before the kill) and was re-sent
