@@ -17,10 +17,16 @@ A completion (one prompt per request) goes in two legs, as vLLM's proxy sends th
    vLLM's "recompute"), streamed back chunk by chunk.
 
 Where a leg goes (`Picker`): a request with a `cache_salt` (a user) goes back to the server its salt
-went to last while that server is up; otherwise to the server with the least load, ties in turn. Load
-is the running + waiting requests each server's /metrics reported at the last poll (every
---poll-interval seconds) plus the requests this router sent it since. A server whose poll fails is down
-until a poll succeeds.
+went to last while that server is up; otherwise to the server that holds the longest prefix of the
+prompt, if any does; otherwise to the server with the least load, ties in turn. Prefixes come from the
+servers' KV events (`--kv-events URL=ENDPOINT`, a server's base URL and the ZMQ endpoint of its
+`--kv-events-config`, e.g. http://127.0.0.1:8200=tcp://127.0.0.1:5557): `PrefixIndex` follows which MLA
+pages each server holds on any medium (device or host) and re-hashes the prompt's token ids with the
+server's page size and the request's salt, as the engine chains them (kvcache.block_pool). The prefill
+leg knows the token ids when the prompt is given as ids; the decode leg always does (the prefill leg
+returns them). Load is the running + waiting requests each server's /metrics reported at the last poll
+(every --poll-interval seconds) plus the requests this router sent it since. A server whose poll fails
+is down until a poll succeeds.
 
 A decode server that dies does not lose the request: before any token the request is sent again to
 another decode server; mid-stream the router sends the prompt's token ids followed by the tokens already
@@ -30,8 +36,9 @@ decoding the client sees exactly the tokens one server would have produced; with
 continuation draws fresh randomness; a stop string that straddles the break is not seen by the second
 server (its text starts at the break).
 
-Not built yet (the P/D issue): prefix-aware routing from the engines' KV events; the KV connector
-itself (the prefill server keeping the request's KV under a lease for the decode server to pull).
+Not built yet (the P/D issue): the KV connector itself (the prefill server keeping the request's KV under
+a lease for the decode server to pull); a replay of missed event batches (a subscriber that joins late
+or drops a batch knows less than the server holds: it routes worse, never wrongly).
 """
 
 from __future__ import annotations
@@ -42,12 +49,18 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import threading
 import uuid
 
 import httpx
+import msgspec
+import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvcache.block_pool import block_hashes
+from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, decoder
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -83,13 +96,18 @@ class Picker:
         self.sticky: dict[str, Server] = {}
         self._turn = itertools.count()
 
-    def pick(self, salt: str | None = None, exclude: set[str] | frozenset = frozenset()) -> Server:
+    def pick(self, salt: str | None = None, exclude: set[str] | frozenset = frozenset(),
+             hits: dict[str, int] | None = None) -> Server:
+        """hits: prefix tokens each server holds for this request (`PrefixIndex.hits`), or None."""
         up = [s for s in self.servers if s.up and s.url not in exclude]
         if not up:
             raise NoServer(f"no {self.servers[0].role} server is up"
                            + (f" (tried {', '.join(sorted(exclude))})" if exclude else ""))
+        best = max((hits or {}).get(s.url, 0) for s in up)
         if salt and salt in self.sticky and self.sticky[salt] in up:
             chosen = self.sticky[salt]
+        elif best > 0:
+            chosen = min((s for s in up if hits.get(s.url, 0) == best), key=lambda s: (s.load, s.last_pick))
         else:
             chosen = min(up, key=lambda s: (s.load, s.last_pick))
         if salt:
@@ -97,6 +115,91 @@ class Picker:
         chosen.sent += 1
         chosen.last_pick = next(self._turn)
         return chosen
+
+
+class PrefixIndex:
+    """Which MLA pages (by chain hash) each server holds, from its KV events; thread-safe.
+
+    `apply(url, batch)` folds one decoded KVEventBatch in: BlockStored of group 0 (MLA rows) adds its
+    hashes on its medium and records the server's page size, BlockRemoved takes them off that medium,
+    AllBlocksCleared forgets the server's pages. `hits(token_ids, salt)` -> {url: prefix tokens held}:
+    the prompt's full pages hashed with each server's page size and the salt (vLLM's extra_keys), and
+    the longest run of them from the start that the server holds on any medium."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: dict[str, dict[bytes, set[str]]] = {}
+        self._page: dict[str, int] = {}
+        self.bad = 0  # batches that did not decode (skipped)
+
+    def apply(self, url: str, batch) -> None:
+        with self._lock:
+            held = self._held.setdefault(url, {})
+            for ev in batch.events:
+                if isinstance(ev, AllBlocksCleared):
+                    held.clear()
+                elif getattr(ev, "group_idx", 0) not in (0, None):
+                    continue
+                elif isinstance(ev, BlockStored):
+                    self._page[url] = ev.block_size
+                    for h in ev.block_hashes:
+                        held.setdefault(_key(h), set()).add(ev.medium or "GPU")
+                elif isinstance(ev, BlockRemoved):
+                    for h in ev.block_hashes:
+                        media = held.get(_key(h))
+                        if media is not None:
+                            media.discard(ev.medium or "GPU")
+                            if not media:
+                                del held[_key(h)]
+
+    def pages(self, url: str) -> int:
+        with self._lock:
+            return len(self._held.get(url, {}))
+
+    def hits(self, token_ids, salt: str | None = None) -> dict[str, int]:
+        with self._lock:
+            servers = [(u, self._page[u], set(self._held.get(u, {}))) for u in self._page]
+        out = {}
+        for url, page, held in servers:
+            n = 0
+            for h in block_hashes(token_ids, page, (salt,) if salt else ()):
+                if _key(h) not in held:
+                    break
+                n += 1
+            out[url] = n * page
+        return out
+
+
+def _key(h) -> bytes:
+    """A wire hash as bytes (vLLM allows an int: the digest's last 8 bytes; we publish the digest)."""
+    return h if isinstance(h, bytes) else int(h).to_bytes(8, "big")
+
+
+def subscribe(index: PrefixIndex, url: str, endpoint: str, stop: threading.Event) -> threading.Thread:
+    """A thread that follows `endpoint`'s KV event batches (ZMQ SUB, every topic) into `index` for
+    `url` until `stop` is set. A batch it cannot decode is skipped (and counted in `index.bad`)."""
+    def run():
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        dec = decoder()
+        try:
+            while not stop.is_set():
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+                try:
+                    index.apply(url, dec.decode(frames[-1]))
+                except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+                    index.bad += 1
+        finally:
+            sock.close()
+
+    t = threading.Thread(target=run, name=f"kv-events {url}", daemon=True)
+    t.start()
+    return t
 
 
 def parse_load(text: str) -> float:
@@ -114,10 +217,16 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float = 1.0,
-              timeout_s: float = 600.0) -> FastAPI:
+              timeout_s: float = 600.0, kv_events: dict[str, str] | None = None) -> FastAPI:
+    """kv_events: {server base URL: ZMQ endpoint of its KV events} (servers left out route by load)."""
     pre = Picker([Server(u.rstrip("/"), "prefill") for u in prefill])
     dec = Picker([Server(u.rstrip("/"), "decode") for u in decode])
     everyone = pre.servers + dec.servers
+    events = {u.rstrip("/"): e for u, e in (kv_events or {}).items()}
+    unknown = set(events) - {s.url for s in everyone}
+    if unknown:
+        raise ValueError(f"--kv-events names servers that are neither --prefill nor --decode: {sorted(unknown)}")
+    index = PrefixIndex()
     state: dict = {"resends": 0}
 
     async def poll_forever():
@@ -138,10 +247,15 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
     async def lifespan(app):
         state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
         poller = asyncio.ensure_future(poll_forever())
+        stop = threading.Event()
+        threads = [subscribe(index, url, endpoint, stop) for url, endpoint in events.items()]
         try:
             yield
         finally:
             poller.cancel()
+            stop.set()
+            for t in threads:
+                t.join(2)
             await state["client"].aclose()
 
     app = FastAPI(lifespan=lifespan)
@@ -151,13 +265,17 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
         body = {role: [s.url for s in p.servers if s.up] for role, p in (("prefill", pre), ("decode", dec))}
         ok = all(body.values())
         body["resends"] = state["resends"]  # requests sent again after a server broke them
+        body["indexed_pages"] = {url: index.pages(url) for url in events}  # MLA pages known from KV events
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    async def post_json(picker: Picker, body: dict, salt):
+    def hits_of(token_ids, salt):
+        return index.hits(token_ids, salt) if events and token_ids else None
+
+    async def post_json(picker: Picker, body: dict, salt, hits=None):
         """POST to servers of the picker's role until one answers -> (server, status, JSON)."""
         tried: set[str] = set()
         while True:
-            s = picker.pick(salt, tried)
+            s = picker.pick(salt, tried, hits)
             try:
                 r = await state["client"].post(s.url + "/v1/completions", json=body)
                 return s, r.status_code, r.json()
@@ -183,23 +301,25 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
         try:
             first = {**body, "max_tokens": 1, "min_tokens": 0, "stream": False, "stream_options": None,
                      "return_token_ids": True, "kv_transfer_params": dict(PREFILL_PARAMS)}
-            _, status, answer = await post_json(pre, first, salt)
+            ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
+            p, status, answer = await post_json(pre, first, salt, hits_of(ids, salt))
             if status != 200:
                 return JSONResponse(answer, status_code=status)
             prompt_ids = answer["choices"][0]["prompt_token_ids"]
             leg = {**body, "kv_transfer_params": answer.get("kv_transfer_params"), "return_token_ids": True}
+            routed = {"x-prefill-server": p.url}
             if not body.get("stream"):
-                _, status, out = await post_json(dec, leg, salt)
+                d, status, out = await post_json(dec, leg, salt, hits_of(prompt_ids, salt))
                 if status == 200 and not body.get("return_token_ids"):
                     for c in out.get("choices", []):
                         c.pop("token_ids", None)
                         c.pop("prompt_token_ids", None)
-                return JSONResponse(out, status_code=status)
+                return JSONResponse(out, status_code=status, headers={**routed, "x-decode-server": d.url})
         except NoServer as e:
             return _error(503, str(e))
-        return await stream(body, leg, prompt_ids, salt)
+        return await stream(body, leg, prompt_ids, salt, routed)
 
-    async def stream(body: dict, leg: dict, prompt_ids: list[int], salt):
+    async def stream(body: dict, leg: dict, prompt_ids: list[int], salt, routed: dict):
         """Open the first decode stream here (its errors become the answer's status), then carry it on,
         re-sending after the tokens so far to another decode server when one breaks."""
         client = state["client"]
@@ -209,7 +329,7 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
 
         async def open_leg(got: list[int]):
             while True:
-                s = dec.pick(salt, tried)
+                s = dec.pick(salt, tried, hits_of(prompt_ids + got, salt))
                 part = leg if not got else {**leg, "prompt": prompt_ids + got, "max_tokens": limit - len(got),
                                             "min_tokens": max(0, int(body.get("min_tokens") or 0) - len(got)),
                                             "kv_transfer_params": None}
@@ -231,7 +351,7 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
             return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         rid = f"cmpl-{uuid.uuid4().hex}"
 
-        async def events():
+        async def chunks():
             nonlocal s, r
             got: list[int] = []
             while True:
@@ -269,7 +389,7 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
                     yield "data: " + json.dumps({"error": {"message": detail, "code": r.status_code}}) + "\n\n"
                     return
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-decode-server": s.url})
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers={**routed, "x-decode-server": s.url})
 
     app.state.pickers = (pre, dec)
     return app
@@ -283,13 +403,25 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL")
     ap.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL")
+    ap.add_argument("--kv-events", nargs="+", action="extend", default=[], metavar="URL=ENDPOINT",
+                    help="a server's base URL and the ZMQ endpoint of its KV events (prefix-aware routing)")
     ap.add_argument("--poll-interval", type=float, default=1.0, help="seconds between /metrics polls")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a leg may take")
     args = ap.parse_args(argv)
     for url in args.prefill + args.decode:
         if not url.startswith(("http://", "https://")):
             ap.error(f"{url!r} is not an http(s) URL")
-    app = build_app(args.prefill, args.decode, poll_interval_s=args.poll_interval, timeout_s=args.timeout)
+    events = {}
+    for pair in args.kv_events:
+        url, sep, endpoint = pair.partition("=")
+        if not sep or not endpoint.startswith(("tcp://", "ipc://")):
+            ap.error(f"--kv-events takes URL=ENDPOINT (e.g. http://127.0.0.1:8200=tcp://127.0.0.1:5557), got {pair!r}")
+        events[url] = endpoint
+    try:
+        app = build_app(args.prefill, args.decode, poll_interval_s=args.poll_interval, timeout_s=args.timeout,
+                        kv_events=events)
+    except ValueError as e:
+        ap.error(str(e))
     print(f"router on http://{args.host}:{args.port}: prefill {args.prefill}, decode {args.decode}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -18,7 +18,9 @@ import pytest
 
 import glm53
 from glm53 import DeployConfig, Engine
-from glm53.router import NoServer, Picker, Server, parse_load
+from glm53.router import NoServer, Picker, PrefixIndex, Server, parse_load
+from kvcache.block_pool import block_hashes
+from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from tests.glm53.test_serve import FLAGS, REPO, TIMEOUT_S, _free_port
 from tests.glm53.test_serve import Server as Process
 
@@ -43,6 +45,34 @@ def test_picker_salt_sticks_load_decides_ties_take_turns():
         p.pick()
 
 
+def test_prefix_index_follows_events_and_rehashes_prompts():
+    """Pages stored (MLA group) on any medium count until removed from every medium; the prompt is hashed
+    with each server's page size and the salt; the indexer group and cleared servers hold nothing."""
+    prompt = list(range(100, 140))  # 5 pages of 8
+    plain, salted = block_hashes(prompt, 8), block_hashes(prompt, 8, ("alice",))
+
+    def stored(hashes, medium="GPU", group=0, page=8):
+        return BlockStored(list(hashes), None, [], page, None, medium, None, group_idx=group)
+
+    idx = PrefixIndex()
+    idx.apply("a", KVEventBatch(0.0, [stored(plain[:3]), stored(plain[3:], group=1)]))
+    idx.apply("b", KVEventBatch(0.0, [stored(plain[:2], "CPU"), stored(salted)]))
+    assert idx.hits(prompt) == {"a": 24, "b": 16}
+    assert idx.hits(prompt, "alice") == {"a": 0, "b": 40}
+    assert idx.hits(prompt[:7]) == {"a": 0, "b": 0}  # no full page
+    idx.apply("a", KVEventBatch(0.0, [stored(plain[:1], "CPU"), BlockRemoved(plain[:1], "GPU")]))
+    assert idx.hits(prompt)["a"] == 24  # still on the host
+    idx.apply("a", KVEventBatch(0.0, [BlockRemoved(plain[:1], "CPU")]))
+    assert idx.hits(prompt)["a"] == 0 and idx.pages("a") == 2  # the chain breaks at its first page
+    idx.apply("b", KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert idx.hits(prompt, "alice")["b"] == 0 and idx.pages("b") == 0
+    servers = [Server("a", "decode"), Server("b", "decode")]
+    p = Picker(servers)
+    servers[0].polled_load = 9
+    assert p.pick(hits={"a": 24, "b": 0}).url == "a"  # the longest prefix beats load
+    assert p.pick(hits={"a": 0, "b": 0}).url == "b"  # none: load decides
+
+
 def test_parse_load_sums_running_and_waiting():
     text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
@@ -52,11 +82,11 @@ def test_parse_load_sums_running_and_waiting():
 
 
 class Router:
-    def __init__(self, tmp, prefill: list[str], decode: list[str]):
+    def __init__(self, tmp, prefill: list[str], decode: list[str], events: dict[str, str]):
         self.port = _free_port()
         self.log = tmp / "router.log"
         args = [sys.executable, "-m", "glm53.router", "--port", str(self.port), "--poll-interval", "0.5",
-                "--prefill", *prefill, "--decode", *decode]
+                "--prefill", *prefill, "--decode", *decode, "--kv-events", *[f"{u}={e}" for u, e in events.items()]]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -69,14 +99,20 @@ class Router:
         self.proc.kill()
         raise RuntimeError(f"router did not come up: {self.log.read_text()[-2000:]}")
 
-    def post(self, body, raw: bytes | None = None):
+    def post(self, body, raw: bytes | None = None, headers: dict | None = None):
+        """-> (status, JSON); `headers`: filled with the answer's headers."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
         conn.request("POST", "/v1/completions", raw if raw is not None else json.dumps(body),
                      {"content-type": "application/json"})
         r = conn.getresponse()
         out = r.status, json.loads(r.read())
+        if headers is not None:
+            headers.update((k.lower(), v) for k, v in r.getheaders())
         conn.close()
         return out
+
+    def health(self) -> dict:
+        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10).read())
 
     def stream(self, body: dict, on_event=None):
         """-> (decode server the stream started on, parsed events); on_event(i, event) after each."""
@@ -97,12 +133,16 @@ class Router:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    """One prefill and two decode servers (tiny preset, test_serve's deployment) and a router."""
+    """One prefill and two decode servers (tiny preset, test_serve's deployment; the decode servers publish
+    KV events) and a router that follows them."""
     tmp = tmp_path_factory.mktemp("pd")
     procs: dict = {}
+    events = {name: _free_port() for name in ("decode0", "decode1")}
 
     def start(name):
-        procs[name] = Process("tiny", tmp)
+        extra = () if name not in events else (
+            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events[name]}"}))
+        procs[name] = Process("tiny", tmp, *extra)
 
     threads = [threading.Thread(target=start, args=(n,)) for n in ("prefill", "decode0", "decode1")]
     for t in threads:
@@ -112,7 +152,8 @@ def pd(tmp_path_factory):
     try:
         if len(procs) != 3:
             raise RuntimeError("a server did not start (its log is in the test's tmp dir)")
-        router = Router(tmp, [procs["prefill"].url("")], [procs["decode0"].url(""), procs["decode1"].url("")])
+        router = Router(tmp, [procs["prefill"].url("")], [procs["decode0"].url(""), procs["decode1"].url("")],
+                        {procs[n].url(""): f"tcp://127.0.0.1:{port}" for n, port in events.items()})
         yield router, procs
         router.proc.send_signal(signal.SIGTERM)
         router.proc.wait(30)
@@ -145,6 +186,25 @@ def test_two_legs_give_one_engines_greedy_tokens(pd, reference):
     assert [c["choices"][0]["token_ids"][0] for c in events[:-2]] == want[1]
     again, _ = router.stream({"prompt": prompts[0], "max_tokens": 2, "temperature": 0, "cache_salt": "alice"})
     assert again == first  # a user's requests stay on one decode server
+
+
+def test_a_prompt_goes_where_its_prefix_is(pd, reference):
+    """Without a salt, the decode leg of a prompt that extends an earlier one goes to the server whose KV
+    events said it holds that prefix, although load alone (a tie) would pick the other one."""
+    router, _ = pd
+    prompts, _, _ = reference
+    headers: dict = {}
+    base = prompts[1]  # 30 tokens: 3 full pages of 8
+    assert router.post({"prompt": base, "max_tokens": 2, "temperature": 0}, headers=headers)[0] == 200
+    holder = headers["x-decode-server"]
+    deadline = time.monotonic() + 60
+    while router.health()["indexed_pages"][holder] < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert router.health()["indexed_pages"][holder] >= 3
+    for extra in ([7, 8, 9], [1, 2, 3, 4, 5]):  # the holder was picked last: a tie would go to the other
+        headers.clear()
+        assert router.post({"prompt": base + extra, "max_tokens": 2, "temperature": 0}, headers=headers)[0] == 200
+        assert headers["x-decode-server"] == holder
 
 
 def test_bad_requests_and_prefill_errors(pd):
@@ -183,6 +243,6 @@ def test_a_decode_server_killed_mid_stream_loses_no_request(pd, reference):
     # the survivor takes new requests; /health lists only what is up
     code, r = router.post({"prompt": prompts[0], "max_tokens": 6, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == want[0]
-    health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{router.port}/health", timeout=10).read())
+    health = router.health()
     assert health["decode"] == [u for u in by_url if u != first and procs["prefill"].url("") != u]
     assert health["resends"] >= 1  # the stream did break (not finished before the kill) and was re-sent
