@@ -330,7 +330,7 @@ def _drop_absent_mtp(config: ModelConfig, reader: _CheckpointReader, directory: 
 
 
 def from_pretrained(directory: str | os.PathLike, dtype="float32", *, quantization: str | None = None,
-                    config: ModelConfig | None = None) -> GLM53:
+                    config: ModelConfig | None = None, on_host: bool = False) -> GLM53:
     """Load an HF GlmMoeDsaForCausalLM checkpoint directory (config.json + safetensors, single file or
     sharded with model.safetensors.index.json). The MTP layers (at layer index num_hidden_layers + j) are
     loaded when config.json declares `num_nextn_predict_layers` and the checkpoint holds them.
@@ -344,6 +344,12 @@ def from_pretrained(directory: str | os.PathLike, dtype="float32", *, quantizati
     "e4m3", activation_scheme "dynamic", weight_block_size [128, 128]), and its
     `modules_to_not_convert` keeps the modules it names in float. A layer the rules would quantise but
     the checkpoint stores in float stays float (with a warning).
+
+    `on_host`: keep every weight in host memory (numpy arrays) for a `glm53.Engine` to place, instead of
+    on JAX's default device. Under tensor or expert parallelism each device then receives only its
+    slice (`parallel.tp.place_state` lays the weights out on the host and transfers the shards), so a
+    model larger than one device (GLM-5.3: ~750 GB of fp8 weights against 141 GB per H200) can load;
+    the one-shot API on such a model moves the weights at every call.
 
     Raises ValueError naming every missing or mis-shaped tensor, a bad `quantization`, a
     quantization_config it cannot serve, and a checkpoint without fp8 layers asked for "fp8".
@@ -366,16 +372,17 @@ def from_pretrained(directory: str | os.PathLike, dtype="float32", *, quantizati
     flat = nnx.to_flat_state(state)
     loader = _Loader(reader)
     fp8_set = set(fp8_paths)
+    xp = np if on_host else jnp
     values = []
     for path, var in flat:
         t = hf_tensor(config, path)
         want = hf_shape(t, var.shape)
         if tuple(path[:-1]) in fp8_set:
             x = loader.fp8_param(t, want, scale=path[-1].endswith("_scale_inv"))
-            values.append(None if x is None else jnp.asarray(x))
+            values.append(None if x is None else xp.asarray(x))
             continue
         x = loader.experts(t, want) if t.kind.startswith("experts") else loader.tensor(t.name, want)
-        values.append(None if x is None else jnp.asarray(to_hf_layout(t, x), dtype=var.dtype))  # involution
+        values.append(None if x is None else xp.asarray(to_hf_layout(t, x), dtype=var.dtype))  # involution
     if loader.problems:
         raise ValueError(f"checkpoint {directory} does not match its config ({len(loader.problems)} problems):\n  "
                          + "\n  ".join(loader.problems))

@@ -62,6 +62,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -146,7 +147,13 @@ def _float_layout(x, kind: str, cfg, tp: int, expert_parallel: bool):
 def _pad_axis(x, axis, size):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
+    return _xp(x).pad(x, widths)
+
+
+def _xp(x):
+    """numpy for host arrays (a host-loaded model is laid out on the host: nothing lands on a device
+    before its shard), jax.numpy otherwise (device arrays, and tracers under jax.eval_shape)."""
+    return np if isinstance(x, np.ndarray) else jnp
 
 
 def prepare_state(state, cfg, tp: int, expert_parallel: bool):
@@ -202,7 +209,7 @@ def _fp8_linear_layout(scale, weight_shape, kind: str, cfg, tp: int):
     b = fp8_matmul.BLOCK
     axis = _split_axis(kind, False)
     k, n = weight_shape
-    per_value = jnp.repeat(scale, b, axis=axis)  # scale of each value along the split axis
+    per_value = _xp(scale).repeat(scale, b, axis=axis)  # scale of each value along the split axis
     per_value = per_value[:, :n] if axis == 1 else per_value[:k]
     per_value = _float_layout(per_value, kind, cfg, tp, False)  # padded and permuted like the values
     c = fine_block(per_value.shape[axis] // tp)
@@ -251,7 +258,9 @@ def state_specs(state, expert_parallel: bool, axes=AXES):
 
 
 def place_state(state, cfg, mesh, expert_parallel: bool):
-    """The model's weights laid out (`prepare_state`) and put on `mesh` split over the TP axes, once."""
+    """The model's weights laid out (`prepare_state`) and put on `mesh` split over the TP axes, once.
+    Host (numpy) weights are laid out on the host and each device receives only its shard; device
+    weights are laid out on the device that holds them (the whole model there first)."""
     tp = math.prod(mesh.shape[a] for a in AXES)
     state = prepare_state(state, cfg, tp, expert_parallel)
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), state,

@@ -514,16 +514,23 @@ def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:
     h = hashlib.sha256(fp.encode())
     if isinstance(model, nnx.Module):
         leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
-        heads = _leaf_heads([x for _, x in leaves])
+        on_device = iter(_leaf_heads([x for _, x in leaves if not isinstance(x, np.ndarray)]))
+        # a host-loaded model's leaves are read on the host (a jit would copy every whole leaf to a device)
+        heads = [_head(x) if isinstance(x, np.ndarray) else next(on_device) for _, x in leaves]
         for (path, x), head in zip(leaves, heads):
             h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode())
             h.update(np.asarray(head).tobytes())
     return h.hexdigest()
 
 
+def _head(x):
+    """Up to 256 evenly spaced values of a weight (what the KV fingerprint hashes of it)."""
+    return x.reshape(-1)[:: max(1, x.size // 256)][:256]
+
+
 @jax.jit
 def _leaf_heads(leaves):
-    return [x.reshape(-1)[:: max(1, x.size // 256)][:256] for x in leaves]
+    return [_head(x) for x in leaves]
 
 
 def _weights_bytes(model, device, deploy: DeployConfig) -> int:

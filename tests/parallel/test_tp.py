@@ -188,14 +188,10 @@ def test_tp_layout_pads_heads_and_interleaves_expert_columns(tiny_model):
 
 # ------------------------------------------------------------------------------------ fp8 weights under TP
 @pytest.fixture(scope="module")
-def tiny_fp8(tmp_path_factory, tiny_model):
-    """The tiny fp8 fixture (tests/fixtures/make_fp8_fixture.py, from the session's tiny model) loaded with
-    quantization="fp8": every quantised layer narrower than 128, so at TP2 and TP4 the 128 x 128 blocks of
-    q_b, o_proj, the dense MLPs and the shared experts straddle the ranks."""
+def tiny_fp8_dir(tmp_path_factory, tiny_model):
+    """The tiny fp8 fixture checkpoint (tests/fixtures/make_fp8_fixture.py, from the session's tiny model)."""
     import importlib.util
     from pathlib import Path
-
-    import glm53
 
     path = Path(__file__).resolve().parents[1] / "fixtures" / "make_fp8_fixture.py"
     spec = importlib.util.spec_from_file_location("make_fp8_fixture", path)
@@ -203,7 +199,17 @@ def tiny_fp8(tmp_path_factory, tiny_model):
     spec.loader.exec_module(script)
     out = tmp_path_factory.mktemp("fp8") / "tiny-fp8"
     script.write(out, model=tiny_model)
-    return glm53.from_pretrained(out, quantization="fp8")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_fp8(tiny_fp8_dir):
+    """The tiny fp8 fixture loaded with quantization="fp8": every quantised layer narrower than 128, so at
+    TP2 and TP4 the 128 x 128 blocks of q_b, o_proj, the dense MLPs and the shared experts straddle the
+    ranks."""
+    import glm53
+
+    return glm53.from_pretrained(tiny_fp8_dir, quantization="fp8")
 
 
 @pytest.mark.multidevice
@@ -254,12 +260,33 @@ def test_fp8_layers_split_over_tp_ranks_match_one_device(tiny_fp8):
             assert np.abs(np.asarray(got) - w).max() <= 1e-6 * np.abs(w).max(), (tp, dcp, name)
 
 
+def test_host_weights_are_laid_out_on_the_host_as_on_a_device(tiny_fp8):
+    """`prepare_state` of host (numpy) weights gives numpy arrays, equal to the layout of the same weights
+    on a device, for float and fp8 leaves (what lets a model larger than one device reach each rank as
+    its shard alone: `from_pretrained(on_host=True)`)."""
+    import jax
+
+    from glm53.model import compiled
+    from parallel import tp as tp_ops
+
+    state = compiled(tiny_fp8).state
+    host = jax.tree.map(np.asarray, state)
+    for tp, ep in ((2, True), (4, True), (8, True)):
+        got, want = tp_ops.prepare_state(host, tiny_fp8.cfg, tp, ep), tp_ops.prepare_state(state, tiny_fp8.cfg, tp, ep)
+        assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(got))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            np.testing.assert_array_equal(g.astype(np.float32), np.asarray(w).astype(np.float32))
+
+
 @pytest.mark.multidevice
-def test_engine_fp8_tp_greedy_tokens_equal_one_device(tiny_fp8):
+def test_engine_fp8_tp_greedy_tokens_equal_one_device(tiny_fp8, tiny_fp8_dir):
     """glm53.Engine with the tiny fp8 fixture under TP2 and TP4 x DCP2 (EP over the TP ranks): one device's
     greedy tokens, each device holding the fp8 bytes of its slice (values, fine scales, replicated
-    weights: `parallel.tp.bytes_per_device`)."""
+    weights: `parallel.tp.bytes_per_device`); the same under TP2 with the checkpoint loaded into host
+    memory (`from_pretrained(on_host=True)`)."""
     import jax
+    from flax.nnx import state as nnx_state
 
     from glm53 import DeployConfig, Engine
     from glm53.model import compiled
@@ -280,6 +307,15 @@ def test_engine_fp8_tp_greedy_tokens_equal_one_device(tiny_fp8):
         per_device = eng.metrics()["weights_bytes_per_device"]
         assert per_device == tp_ops.bytes_per_device(state, tiny_fp8.cfg, tp, True), tp
         assert any("float8" in str(x.dtype) for x in jax.tree.leaves(eng.runner.state))  # kept in fp8
+    # loaded into host memory: each device receives its shard only, and the tokens are the same
+    import glm53
+
+    on_host = glm53.from_pretrained(tiny_fp8_dir, quantization="fp8", on_host=True)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(nnx_state(on_host)))
+    eng = Engine(on_host, DeployConfig(**base, tensor_parallel_size=2, enable_expert_parallel=True))
+    for g, w in zip(eng.generate(prompts, max_new_tokens=4, greedy=True), want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    assert eng.metrics()["weights_bytes_per_device"] == tp_ops.bytes_per_device(state, tiny_fp8.cfg, 2, True)
 
 
 def test_fp8_tp_refuses_expert_widths_that_straddle_blocks(tiny_fp8):
