@@ -475,7 +475,11 @@ def main(argv=None) -> None:
                              f"preset {args.model!r}")
         model = glm53.init(args.model, seed=args.seed, dtype=args.dtype)
     elif os.path.isdir(args.model):
-        model = glm53.from_pretrained(args.model, dtype=args.dtype, quantization=args.quantization)
+        # over several devices the weights stay on the host until each device takes its shard (or copy)
+        spread = any((getattr(args, f, None) or 1) > 1 for f in ("tensor_parallel_size", "data_parallel_size",
+                                                                  "prefill_context_parallel_size",
+                                                                  "decode_context_parallel_size"))
+        model = glm53.from_pretrained(args.model, dtype=args.dtype, quantization=args.quantization, on_host=spread)
     else:
         raise SystemExit(f"glm53.serve: {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
                          "checkpoint directory")
