@@ -25,8 +25,8 @@ formula and the KV budget is not an input:
   layer's top-k). The attention ops run their Pallas kernels (`attention_impl="pallas"`, interpreted on
   CPU: the kernels' own outputs and blocks); the reference ops, which `"auto"` still picks on a GPU
   (attention.common.PALLAS_VERIFIED_ON_GPU is False), are reported beside them. The programs hold
-  bfloat16 weights (arguments, not workspace: the runner refuses fp8 under TP, so fp8's own temporaries
-  are not in the figure). Checks (results.json `checks`): 1, 2 and 3 layers and the whole 78-layer
+  bfloat16 weights (arguments, not workspace; fp8 weights, which the runner now takes under TP too, would
+  add the temporaries of their dequantisation, which this figure leaves out). Checks (results.json `checks`): 1, 2 and 3 layers and the whole 78-layer
   decoder compiled the same way (XLA:CPU's peak grows with depth through a scheduling artefact; the
   whole-depth compile takes ~4 minutes), and a 4x larger pool (the workspace must not change).
 - **KV pool** = gpu_memory_utilization (0.9, vLLM's default, DeployConfig's) x the HBM an H200 reports

@@ -359,8 +359,8 @@ def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, mtp):
     flip a top-k choice or a near-tied token over 20 tokens, and HiSparse must not change anything
     beyond that). With MTP (3 drafts of the model's MTP layer, sequential verify: non-speculative greedy
     tokens) the verify step, the MTP pass and the draft passes resolve through the view on the mesh
-    too. Rows copied = misses x layers of each IndexShare group, per resolve. The host pools sit on both
-    ranks (replicated: one buffer per device on this mesh, docs/parallel.md)."""
+    too. Rows copied = misses x layers of each IndexShare group, per resolve. The two ranks share one host
+    pool: each holds half of its pages (kvcache.host.HostMemory(shared=), docs/parallel.md)."""
     from glm53 import DeployConfig
 
     rng = np.random.default_rng(1)
