@@ -57,6 +57,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from glm53.engine.config import DeployConfig
 
+# a P/D producer answers once the prompt's pages are in its peer tier, or after this many seconds with
+# what is there (the consumer computes the rest)
+PD_STORE_WAIT_S = 30.0
+
 # ------------------------------------------------------------------------------------------- flags
 _RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "quantization", "shutdown_timeout",
              "warmup"}
@@ -106,16 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def deploy_from_args(args: argparse.Namespace, cfg, dtype: str) -> DeployConfig:
     """The DeployConfig the flags name (flags left out keep DeployConfig's defaults). HiSparse without
-    --hisparse-host-pool-bytes: a host pool for max_num_seqs requests of max_model_len."""
+    --hisparse-host-pool-bytes: a host pool for max_num_seqs requests of max_model_len. The PdConnector
+    without cpu_bytes_to_use or --cpu-offload-bytes: a host tier of the same size (every group's pages)."""
     from kvcache.layout import page_bytes
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(DeployConfig)
              if getattr(args, f.name) is not None}
-    if given.get("kv_policy") == "hisparse" and "hisparse_host_pool_bytes" not in given:
-        d = DeployConfig(**{**given, "kv_policy": "preempt"}).resolved(cfg, dtype)
+    ktc = given.get("kv_transfer_config")
+    pd_default = (isinstance(ktc, dict) and ktc.get("kv_connector") == "PdConnector" and "cpu_offload_bytes" not in given
+                  and "cpu_bytes_to_use" not in (ktc.get("kv_connector_extra_config") or {}))
+    if (given.get("kv_policy") == "hisparse" and "hisparse_host_pool_bytes" not in given) or pd_default:
+        base = {k: v for k, v in given.items() if k != "kv_transfer_config"}
+        d = DeployConfig(**{**base, "kv_policy": "preempt"}).resolved(cfg, dtype)
         kv_dtype = dtype if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
-        mla = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size)["mla"]
-        given["hisparse_host_pool_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * mla
+        pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size,
+                           include_mtp=bool(d.num_speculative_tokens))
+        if given.get("kv_policy") == "hisparse" and "hisparse_host_pool_bytes" not in given:
+            given["hisparse_host_pool_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * pages["mla"]
+        if pd_default:
+            given["cpu_offload_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * sum(pages.values())
     return DeployConfig(**given)
 
 
@@ -141,6 +154,7 @@ class CompletionRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     logprobs: int | None = None
     echo: bool = False
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's P/D fields (the PdConnector; see `pd_leg`)
 
 
 class ChatRequest(CompletionRequest):
@@ -297,12 +311,14 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
         except ValueError as e:
             raise BadRequest(str(e), _param_of(str(e))) from None
 
-    async def start(body: CompletionRequest, prompts: list[list[int]], max_tokens: int | None) -> list:
+    async def start(body: CompletionRequest, prompts: list[list[int]], max_tokens: int | None,
+                    kv_peer: str | None = None) -> list:
         handles = []
         try:
             for i, ids in enumerate(prompts):
                 n = max_tokens if max_tokens is not None else max(1, max_model_len - len(ids))
-                handles.append(await engine.add(ids, sampling(body, n, i), salt=body.cache_salt or ""))
+                handles.append(await engine.add(ids, sampling(body, n, i), salt=body.cache_salt or "",
+                                                kv_peer=kv_peer))
         except ValueError as e:
             for h in handles:
                 engine.abort_nowait(h.req_id)
@@ -319,8 +335,57 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
         return {"prompt_tokens": n_prompt, "completion_tokens": out, "total_tokens": n_prompt + out,
                 "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in done)}}
 
+    role = engine.engine.deploy.kv_role
+
+    def pd_leg(body: CompletionRequest, prompts) -> tuple[bool, str | None]:
+        """What a request's kv_transfer_params ask of this server -> (produce: answer with the params a
+        consumer needs, kv_peer: the producer to take the prompt's KV from). Without the PdConnector in
+        the matching role both are ignored (the prompt is computed here, as by an aggregated server)."""
+        ktp = body.kv_transfer_params or {}
+        produce = bool(ktp.get("do_remote_decode")) and role in ("kv_producer", "kv_both")
+        if produce and (body.stream or len(prompts) != 1):
+            raise BadRequest("kv_transfer_params.do_remote_decode takes one prompt and stream false (the prefill "
+                             "leg of a P/D pair)", "kv_transfer_params")
+        if not (ktp.get("do_remote_prefill") and role in ("kv_consumer", "kv_both")):
+            return produce, None
+        host, port = ktp.get("remote_host"), ktp.get("remote_port")
+        if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
+                or not 1 <= port <= 65535:
+            raise BadRequest(f"kv_transfer_params.do_remote_prefill needs remote_host (an address) and remote_port "
+                             f"(1-65535), got {host!r} and {port!r}", "kv_transfer_params")
+        return produce, f"{host}:{port}"
+
+    async def produced(req_id: str) -> dict:
+        """The P/D producer's answer for finished `req_id`, once its prompt's pages are parked in the
+        PdConnector's peer tier (the parking runs in the engine's next plan and the tier stores
+        asynchronously) or PD_STORE_WAIT_S have passed: where to fetch them, and how many leading prompt
+        tokens it holds, leased for DeployConfig.pd_lease_s."""
+        eng = engine.engine
+        r = eng.replica_of(req_id)
+        tier, req = eng.pd_tier(r), eng.finished[req_id]
+        tpb, blocks = eng.prompt_chunk_keys(req_id)
+        keys = [k for b in blocks for k in b]
+        deadline = time.monotonic() + PD_STORE_WAIT_S
+        held = None
+        while time.monotonic() < deadline and engine.error is None:
+            if eng.plans_run[r] > req.finished_in_plan and (held := tier.held_prefix(keys)) is not None:
+                break
+            await asyncio.sleep(0.005)
+        held = tier.held_prefix(keys) or 0  # a store still in flight at the deadline: what is there
+        n, total = 0, 0  # hash blocks whose every page is held
+        for b in blocks:
+            total += len(b)
+            if total > held:
+                break
+            n += 1
+        lease = tier.lease(keys[:held], eng.deploy.pd_lease_s)
+        return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": f"{served_model_name}@{tier.address}",
+                "remote_host": tier.host, "remote_port": tier.port, "remote_num_tokens": n * tpb,
+                "remote_lease": lease, "remote_lease_s": eng.deploy.pd_lease_s}
+
     async def run(raw: Request, body: CompletionRequest, prompts, max_tokens, chat: bool):
-        handles = await start(body, prompts, max_tokens)
+        produce, kv_peer = pd_leg(body, prompts)
+        handles = await start(body, prompts, max_tokens, kv_peer)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         texts = [TextStream(tokenizer, stops_of(body), tokenizer.eos_token_ids) for _ in handles]
         if body.stream:
@@ -348,8 +413,11 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
                 c["token_ids"] = tokens
                 c["prompt_token_ids"] = prompts[i]
             choices.append(c)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": served_model_name, "choices": choices, "usage": usage(handles, prompts)}
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+               "model": served_model_name, "choices": choices, "usage": usage(handles, prompts)}
+        if produce:
+            out["kv_transfer_params"] = await produced(handles[0].req_id)
+        return out
 
     async def _collect(handles, texts):
         async def one(h, t):

@@ -43,6 +43,7 @@ host-resident), and its own counters.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -118,6 +119,7 @@ class HostTier:
         self.max_tier_rounds = max_tier_rounds
         self.max_retry_rounds = max_retry_rounds
         self.tier_counts = {t.name: TierCounts() for t in self.tiers.tiers} if self.tiers else {}
+        self.loaded_pages: collections.Counter[tuple[str, str]] = collections.Counter()  # (tier, group) -> pages loaded
         self.loading: dict[str, set[int]] = {}  # request -> its tier loads not yet reported
         self.jobs: dict[int, tuple[str, int, str, int, bytes]] = {}  # job -> (request, tier, group, host block, hash)
         self.tier_pins: dict[str, list[tuple[str, int]]] = {}  # request -> host pages pinned for its next admission
@@ -194,7 +196,8 @@ class HostTier:
         # the keys this walk may ask the tiers, in order, computed only if a tier asks (a peer tier sends
         # them in one lookup message instead of one per admission attempt)
         ctx = LookupContext(req.req_id, lambda: [chunk_key(self.fingerprint, g, rb.hashes[c]) for c in range(first, max_hit)
-                                                 for g in kv.groups if not (c + 1) % kv.ratio[g] and g in self.pools])
+                                                 for g in kv.groups if not (c + 1) % kv.ratio[g] and g in self.pools],
+                            peer=getattr(req, "kv_peer", None))
         while first + len(found) < max_hit:
             c = first + len(found)
             h, pages = rb.hashes[c], []
@@ -322,6 +325,7 @@ class HostTier:
             info = self._job_info.pop(job, None)
             if status == "ok":
                 counts.hits += 1
+                self.loaded_pages[(self.tiers.tiers[t].name, g)] += 1
                 pool.cache(g, hb, h, info)
                 if req_id in self.loading:  # it still waits for this load (this job is in its set)
                     self.tier_pins.setdefault(req_id, []).append((g, hb))

@@ -52,6 +52,13 @@ _CHOICES = {"dcp_comm_backend": ("ag_rs", "a2a"), "kv_cache_dtype": ("auto", *ML
 OFFLOAD_DEFAULTS = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 0, "blocks_per_chunk": 1,
                     "eviction_policy": "lru", "secondary_tiers": []}
 
+# the P/D connector (kv_connector "PdConnector"): its roles, the defaults of its keys, and the name of its
+# peer tier (kvcache.tiers.p2p), which carries a request's KV from a producer to its consumer
+PD_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+PD_DEFAULTS = {"kv_ip": "127.0.0.1", "kv_port": 0}
+PD_TIER = "pd"
+PD_LEASE_S = 30.0
+
 GiB = 1 << 30
 CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU backend's KV space when VLLM_CPU_KVCACHE_SPACE is unset
 
@@ -268,28 +275,46 @@ class DeployConfig:
         ktc = self.kv_transfer_config
         if not isinstance(ktc, dict):
             raise ValueError(f"DeployConfig.kv_transfer_config must be a dict, got {type(ktc).__name__}")
-        unknown = set(ktc) - {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
+        pd = ktc.get("kv_connector") == "PdConnector"
+        unknown = set(ktc) - {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy",
+                              *(PD_DEFAULTS if pd else ())}
         if unknown:
             raise ValueError(f"DeployConfig.kv_transfer_config: unknown keys {sorted(unknown)}")
-        if ktc.get("kv_connector") != "OffloadingConnector":
-            raise ValueError("DeployConfig.kv_transfer_config['kv_connector'] must be 'OffloadingConnector', got "
-                             f"{ktc.get('kv_connector')!r}")
-        if ktc.get("kv_role", "kv_both") != "kv_both":
-            raise NotImplementedError(f"kv_transfer_config kv_role={ktc['kv_role']!r}: only 'kv_both' is built "
-                                      "(producer / consumer roles come with P/D disaggregation)")
+        if ktc.get("kv_connector") not in ("OffloadingConnector", "PdConnector"):
+            raise ValueError("DeployConfig.kv_transfer_config['kv_connector'] must be 'OffloadingConnector' or "
+                             f"'PdConnector', got {ktc.get('kv_connector')!r}")
+        if pd:
+            if ktc.get("kv_role") not in PD_ROLES:
+                raise ValueError(f"kv_transfer_config kv_role must be one of {PD_ROLES} with the PdConnector, got "
+                                 f"{ktc.get('kv_role')!r}")
+            ip, port = ktc.get("kv_ip", PD_DEFAULTS["kv_ip"]), ktc.get("kv_port", PD_DEFAULTS["kv_port"])
+            if not isinstance(ip, str) or not ip:
+                raise ValueError(f"kv_transfer_config kv_ip must be a non-empty address, got {ip!r}")
+            if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+                raise ValueError(f"kv_transfer_config kv_port must be an int in [0, 65535] (0: any free port), got "
+                                 f"{port!r}")
+        elif ktc.get("kv_role", "kv_both") != "kv_both":
+            raise ValueError(f"kv_transfer_config kv_role={ktc['kv_role']!r}: the OffloadingConnector is 'kv_both' "
+                             "(producer and consumer roles are the PdConnector's)")
         extra = ktc.get("kv_connector_extra_config", {})
         if not isinstance(extra, dict):
             raise ValueError("DeployConfig.kv_transfer_config['kv_connector_extra_config'] must be a dict")
-        unknown = set(extra) - set(OFFLOAD_DEFAULTS)
+        unknown = set(extra) - set(OFFLOAD_DEFAULTS) - ({"lease_s"} if pd else set())
         if unknown:
             raise ValueError(f"kv_transfer_config kv_connector_extra_config: unknown keys {sorted(unknown)}")
+        lease = extra.get("lease_s", PD_LEASE_S)
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease < float("inf"):
+            raise ValueError(f"kv_connector_extra_config lease_s must be a positive number of seconds, got {lease!r}")
         opts = {**OFFLOAD_DEFAULTS, **extra}
+        if pd and "cpu_bytes_to_use" not in extra and self.cpu_offload_bytes:
+            opts["cpu_bytes_to_use"] = self.cpu_offload_bytes  # --cpu-offload-bytes sizes the PdConnector's host tier
         if opts["spec_name"] not in ("TieringOffloadingSpec", "CPUOffloadingSpec"):
             raise ValueError("kv_connector_extra_config spec_name must be 'TieringOffloadingSpec' or "
                              f"'CPUOffloadingSpec', got {opts['spec_name']!r}")
         n = opts["cpu_bytes_to_use"]
         if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"kv_connector_extra_config cpu_bytes_to_use must be an int > 0, got {n!r}")
+            raise ValueError(f"kv_connector_extra_config cpu_bytes_to_use must be an int > 0, got {n!r}"
+                             + (" (the PdConnector's host tier: it or cpu_offload_bytes)" if pd else ""))
         k = opts["blocks_per_chunk"]
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"kv_connector_extra_config blocks_per_chunk must be a positive int, got {k!r}")
@@ -325,8 +350,25 @@ class DeployConfig:
     def offload_options(self) -> dict:
         """The offload connector's options (OFFLOAD_DEFAULTS overridden by kv_transfer_config's
         kv_connector_extra_config; cpu_bytes_to_use = cpu_offload_bytes)."""
-        extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config", {})
-        return {**OFFLOAD_DEFAULTS, **extra, "cpu_bytes_to_use": self.cpu_offload_bytes}
+        ktc = self.kv_transfer_config or {}
+        extra = {k: v for k, v in ktc.get("kv_connector_extra_config", {}).items() if k in OFFLOAD_DEFAULTS}
+        opts = {**OFFLOAD_DEFAULTS, **extra, "cpu_bytes_to_use": self.cpu_offload_bytes}
+        if self.kv_role is not None:  # the PdConnector: its peer tier after the user's tiers
+            pd = {**PD_DEFAULTS, **{k: ktc[k] for k in PD_DEFAULTS if k in ktc}}
+            opts["secondary_tiers"] = [*opts["secondary_tiers"], {"type": "p2p", "host": pd["kv_ip"],
+                                                                  "port": pd["kv_port"], "name": PD_TIER}]
+        return opts
+
+    @property
+    def kv_role(self) -> str | None:
+        """The PdConnector's role ("kv_producer", "kv_consumer" or "kv_both"); None without it."""
+        ktc = self.kv_transfer_config or {}
+        return ktc.get("kv_role") if ktc.get("kv_connector") == "PdConnector" else None
+
+    @property
+    def pd_lease_s(self) -> float:
+        """Seconds a P/D producer holds a finished request's chunks for its consumer (kvcache.tiers.p2p.PeerTier.lease)."""
+        return float((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("lease_s", PD_LEASE_S))
 
     @property
     def kv_events(self) -> KVEventsConfig:

@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from glm53.config import ModelConfig
-from glm53.engine.config import GROUPS, DeployConfig, KVSizes
+from glm53.engine.config import GROUPS, PD_TIER, DeployConfig, KVSizes
 from glm53.engine.metrics import cp_work_metrics, summarize
 from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestOutput, SamplingParams
@@ -56,7 +56,8 @@ from kvcache.events import KVEventRecorder, batch, make_publisher
 from kvcache.hisparse import HiSparsePolicy
 from kvcache.offload import OffloadPolicy
 from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
-from kvcache.tiers import TierSet, layout_fingerprint, make_tier
+from kvcache.block_pool import block_hashes
+from kvcache.tiers import TierSet, chunk_key, layout_fingerprint, make_tier
 from kvcache.transfer import TransferStats
 from parallel import mesh as parallel_mesh
 from parallel import model as parallel_model
@@ -193,6 +194,7 @@ class Engine:
         # free device blocks), summed over replicas
         self.timeline: list[tuple[float, int, int, int]] = []
         self._steps = 0
+        self.plans_run = [0] * dp  # per replica: plans its runner executed (KV transfers included)
         self._ids = itertools.count()
         self.observers: list = []  # each has on_step(engine, tokens, finished requests), called after every step
 
@@ -257,12 +259,30 @@ class Engine:
         load = [r.num_unfinished for r in self.replicas]
         return load.index(min(load))
 
+    def pd_tier(self, replica: int):
+        """The PdConnector's peer tier of `replica` (kvcache.tiers.p2p.PeerTier), None without the connector."""
+        tiers = self.tiers[replica] if self.deploy.kv_role is not None else None
+        return next((t for t in tiers.tiers if t.name == PD_TIER), None) if tiers is not None else None
+
+    def prompt_chunk_keys(self, req_id: str) -> tuple[int, list[list[bytes]]]:
+        """A finished request's prompt as its consumer's prefix lookup will ask for it (P/D producer):
+        (tokens per hash block, per full hash block of all but the prompt's last token, the chunk keys
+        (kvcache.tiers.chunk_key) of the host-tier pages ending there, one per cache group). Reads only
+        the finished request and the configuration, so a server thread may call it."""
+        req = self.finished[req_id]
+        sch = self.replicas[self._owner[req_id]].scheduler
+        kv, pools = sch.kv, sch.policy.host_tier.pools
+        hashes = block_hashes(req.prompt_ids, kv.tokens_per_block, req.extra_keys, upto=req.prompt_ids.size - 1)
+        return kv.tokens_per_block, [[chunk_key(self.fingerprint, g, h) for g in kv.groups
+                                      if not (c + 1) % kv.ratio[g] and g in pools] for c, h in enumerate(hashes)]
+
     def replica_of(self, req_id: str) -> int:
         return self._owner[req_id]
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
-                    salt: str = "") -> str:
-        """Queue a prompt on the replica `route(salt)` picks. Rejects (ValueError) token ids outside the
+                    salt: str = "", kv_peer: str | None = None) -> str:
+        """Queue a prompt on the replica `route(salt)` picks. kv_peer: "host:port" of the peer tier (a P/D
+        producer's) its prefix lookup asks for the prompt's KV (kvcache.tiers.LookupContext.peer). Rejects (ValueError) token ids outside the
         vocabulary and a prompt whose tokens plus max_new_tokens exceed max_model_len, rather than
         truncating it."""
         params = params or SamplingParams()
@@ -280,7 +300,7 @@ class Engine:
         if req_id in self.requests or req_id in self.finished:
             raise ValueError(f"request id {req_id!r} is already in use")
         i = self.route(salt)
-        req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now())
+        req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now(), kv_peer=kv_peer)
         self.replicas[i].scheduler.add(req)
         self.requests[req_id] = req
         self._owner[req_id] = i
@@ -325,6 +345,7 @@ class Engine:
             if plan is None:
                 continue
             result = rep.runner.execute(plan)
+            self.plans_run[r] += 1
             if result.duration_s is not None:
                 priced.append(result.duration_s)
                 now = start + result.duration_s
@@ -333,6 +354,7 @@ class Engine:
             finished = sch.update(plan, result, now)
             self._publish_events(r)
             for req in finished:
+                req.finished_in_plan = self.plans_run[r]  # its KV's parking runs in a later plan
                 self.finished[req.req_id] = self.requests.pop(req.req_id)
             finished_all += finished
             done = {r.req_id for r in finished}

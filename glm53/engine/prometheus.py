@@ -31,7 +31,8 @@ the engine's steps (`Engine.add_observer`). Every metric carries the labels `mod
   `vllm:spec_decode_num_accepted_tokens_per_pos{position}` (glm53.engine.spec_decode.SpecDecodeStats);
   the mean acceptance length is 1 + accepted / drafts.
 - This project's own figures under `glm53:` (recomputed tokens, host link bytes, engine steps, XLA
-  compilations in this process).
+  compilations in this process; with the PdConnector, `glm53:kv_transfer_received_tokens`: prompt tokens
+  whose KV a consumer loaded from a producer).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import jax
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from glm53.engine.config import GROUPS, PD_TIER
 from glm53.engine.engine import offload_metrics
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py)
@@ -170,6 +172,9 @@ class _Collector:
         d2h = family(CounterMetricFamily, "glm53:device_to_host_bytes", "KV bytes copied device -> host.")
         h2d = family(CounterMetricFamily, "glm53:host_to_device_bytes", "KV bytes copied host -> device.")
         steps = family(CounterMetricFamily, "glm53:scheduler_steps", "Scheduler steps that ran requests.")
+        received = family(CounterMetricFamily, "glm53:kv_transfer_received_tokens",
+                          "Prompt tokens whose KV came from a P/D producer (the PdConnector) instead of being computed.")
+        mla_tokens = d.group_tokens_per_block(GROUPS)["mla"]
         compiles = CounterMetricFamily("glm53:xla_compilations", "XLA programs compiled by this process (a warm "
                                        "server compiles none while serving).", labels=["model_name"])
         compiles.add_metric([m.model_name], m.compilations)
@@ -212,6 +217,8 @@ class _Collector:
             d2h.add_metric(lv, sch.transfers.d2h_bytes)
             h2d.add_metric(lv, sch.transfers.h2d_bytes)
             steps.add_metric(lv, st.steps)
+            if d.kv_role is not None:  # MLA pages the PdConnector's tier loaded (every page has one)
+                received.add_metric(lv, sch.policy.host_tier.loaded_pages[(PD_TIER, "mla")] * mla_tokens)
             with m._lock:
                 for (rep_i, reason), n in m._success.items():
                     if rep_i == i:
@@ -243,6 +250,8 @@ class _Collector:
                             fam.add_metric(lv + [t.name], h.prometheus_buckets(), h.sum)
         yield from (running, waiting, usage, info, queries, hits, preempt, prompt, gen, success, recomputed, d2h,
                     h2d, steps, compiles)
+        if d.kv_role is not None:
+            yield received
         if d.num_speculative_tokens:
             yield from (*spec.values(), per_pos)
         if d.kv_policy == "hisparse":

@@ -21,12 +21,15 @@ class LookupContext:
     """What a lookup belongs to (vLLM's ReqContext): the request, and the chunk keys its prefix lookup may
     ask, in walk order, the asked key among them. `keys` is computed on first use (a callable is given),
     so a tier that answers from local state pays nothing for it, and a tier that must ask a remote party
-    sends them all in one round trip instead of one per admission attempt."""
+    sends them all in one round trip instead of one per admission attempt. `peer`: the "host:port" of the
+    peer tier the request's KV is to come from (a P/D consumer's producer, from the request's
+    kv_transfer_params); a peer tier asks that one alone, and tiers that are not peers ignore it."""
 
-    __slots__ = ("req_id", "_keys", "_make")
+    __slots__ = ("req_id", "_keys", "_make", "peer")
 
-    def __init__(self, req_id: str, keys: Sequence[bytes] | Callable[[], Sequence[bytes]] = ()):
-        self.req_id = req_id
+    def __init__(self, req_id: str, keys: Sequence[bytes] | Callable[[], Sequence[bytes]] = (), *,
+                 peer: str | None = None):
+        self.req_id, self.peer = req_id, peer
         self._make, self._keys = (keys, None) if callable(keys) else (None, tuple(keys))
 
     @property

@@ -9,8 +9,10 @@ Roles. Every peer tier is both a producer and a consumer, on one address.
   names in every lookup answer. The store is a copy, not a view of the host tier: the host pool's pages
   are JAX arrays that the next store reuses, which a serving thread must not read.
 - Consumer: it asks the control sockets in `peers` (each another tier's "host:port") for what its
-  engine's prefix lookup wants, and fetches hits over their data sockets. vLLM's router names the source
-  per request (kv_transfer_params); we have no router, so the list is static and every peer is asked.
+  engine's prefix lookup wants, and fetches hits over their data sockets. A request that names its
+  source (`LookupContext.peer`: a P/D consumer's producer, from its kv_transfer_params; the
+  PdConnector, docs/engine.md) asks that peer alone, connected on first use (at most MAX_PEERS).
+  Any other request asks every peer in `peers`.
   Chunks in its own store are hits at once, with no round trip (a memory tier of its own). A fetched
   chunk goes to the host tier, not into this store: a chunk is served by the engine that computed it.
 
@@ -28,6 +30,8 @@ Protocol (ANCHORS §3).
 4. `submit_load`: the control thread groups the chunks of the loads submitted together (within a
    millisecond of each other) by the peer that pinned them, and a fetch thread opens one TCP connection
    per group: a FetchMsg (keys and pin ids), one frame per key, a done frame. Serving releases the pin.
+A P/D producer leases a finished request's chunks (`lease`: a pin of its own length) after checking
+they are stored (`held_prefix`), so they outlive the lookup pins until its consumer fetches them.
 Deadlines turn stragglers into misses, never into a wait or a loop: a peer that has not answered a lookup
 within `lookup_timeout_s` is a miss; a fetch (connect, request, every frame) not done within
 `transfer_timeout_s` makes what has not arrived a miss; a pin lapses `pin_s` after the producer got the
@@ -63,6 +67,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import itertools
 import math
 import socket
@@ -92,6 +97,7 @@ REQUEST = struct.Struct("<4sI")
 FRAME = struct.Struct("<4sB32sQI")
 DATA, GONE, DONE = 0, 1, 2
 MAX_REQUEST = 64 << 20  # bytes of one FetchMsg (2M keys): more is not a request of ours
+MAX_PEERS = 256  # peers listed plus peers named by requests (each a connected socket); past it a named peer is a miss
 
 Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 
@@ -223,7 +229,8 @@ class _Peer:
     addr: str
     host: str
     port: int
-    dealer: zmq.Socket
+    dealer: zmq.Socket | None  # None until the control thread connects it (a peer a request named)
+    static: bool = True  # listed in `peers` (asked for every request), else named by requests' contexts
     data_port: int | None = None  # from its lookup answers
     down_until: float = 0.0  # not asked before this (monotonic s): it missed a deadline
 
@@ -271,7 +278,7 @@ class PeerTier(TierBookkeeping):
         self._bytes = 0
         self._storing: collections.Counter[bytes] = collections.Counter()  # keys whose store is in flight
         self._pins: dict[int, tuple[float, set[bytes]]] = {}  # pin -> (deadline, keys still pinned under it)
-        self._pin_order: collections.deque[tuple[float, int]] = collections.deque()  # by deadline (pin_s is fixed)
+        self._pin_order: list[tuple[float, int]] = []  # a heap of (deadline, pin): lookups' pins and leases
         self._pinned: collections.Counter[bytes] = collections.Counter()  # key -> live pins holding it
         self._pin_ids = itertools.count(1)
         # consumer side
@@ -296,7 +303,8 @@ class PeerTier(TierBookkeeping):
             self._zmq.destroy(linger=0)
             raise ValueError(f"secondary tier 'p2p': cannot bind its control socket on {host}:{port} ({e})") from e
         self.data_port = self._server.server_address[1]
-        self._peers = []
+        self._peers: list[_Peer] = []  # index = position; requests' named peers are appended by `lookup`
+        self._by_addr: dict[str, _Peer] = {}
         for i, addr in enumerate(peers):
             h, p = _split_addr(addr)
             dealer = self._socket(zmq.DEALER)
@@ -307,6 +315,7 @@ class PeerTier(TierBookkeeping):
                 self._zmq.destroy(linger=0)
                 raise ValueError(f"secondary tier 'p2p': cannot connect to peer {addr!r} ({e})") from e
             self._peers.append(_Peer(i, addr, h, p, dealer))
+            self._by_addr.setdefault(addr, self._peers[-1])
         wake = f"inproc://p2p-wake-{id(self)}"
         self._wake_rx = self._socket(zmq.PAIR)
         self._wake_rx.bind(wake)
@@ -348,14 +357,14 @@ class PeerTier(TierBookkeeping):
             known = self._known(key, now)
             if known is not None:
                 return known
-            if ctx is None or not any(p.down_until <= now for p in self._peers):
+            if not self._asked(ctx, now):
                 return Lookup.MISS
         ahead = ctx.keys
         if key in ahead:
             ahead = ahead[ahead.index(key) + 1:]
         req = ctx.req_id
         with self._lock:
-            up = {p.index for p in self._peers if p.down_until <= now}
+            up = self._asked(ctx, now)
             if not up:  # every peer went down meanwhile: nobody would answer
                 return Lookup.MISS
             batch = []
@@ -368,6 +377,44 @@ class PeerTier(TierBookkeeping):
                 self._to_ask.append((req, batch))
         self._wake()
         return Lookup.RETRY
+
+    def _asked(self, ctx: LookupContext | None, now: float) -> set[int]:
+        """The peers a lookup in `ctx` asks (lock held), those up: the one the request names (`ctx.peer`, a
+        P/D consumer's producer; added on first use), else every peer in `peers`; none without a context."""
+        if ctx is None:
+            return set()
+        if ctx.peer is None:
+            return {p.index for p in self._peers if p.static and p.down_until <= now}
+        p = self._by_addr.get(ctx.peer)
+        if p is None:
+            if ctx.peer == self.address or len(self._peers) >= MAX_PEERS:
+                return set()
+            try:
+                h, port = _split_addr(ctx.peer)
+            except ValueError:
+                return set()
+            p = self._by_addr[ctx.peer] = _Peer(len(self._peers), ctx.peer, h, port, None, static=False)
+            self._peers.append(p)
+        return {p.index} if p.down_until <= now else set()
+
+    # ------------------------------------------------------------------------------- P/D producer
+    def held_prefix(self, keys) -> int | None:
+        """How many of `keys`, from the first, this tier's store holds; None while a store of one of them
+        is still in flight (ask again)."""
+        with self._lock:
+            if any(self._storing[k] for k in keys):
+                return None
+            return next((i for i, k in enumerate(keys) if k not in self._store), len(keys))
+
+    def lease(self, keys, seconds: float) -> int:
+        """Pin those of `keys` held here for `seconds` (a P/D producer's hold on a finished request's chunks
+        until its consumer has fetched them; a consumer's lookup pins them again for pin_s) -> the lease
+        id, 0 if none is held. A lease is not released early: it lapses."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire_pins(now)
+            held = [k for k in keys if k in self._store]
+            return self._pin(held, now, seconds) if held else 0
 
     def _known(self, key: bytes, now: float) -> Lookup | None:
         """The answer on record for `key` (lock held), None if none is current."""
@@ -491,12 +538,12 @@ class PeerTier(TierBookkeeping):
         self._note_removed_key(key)
 
     # -------------------------------------------------------------------------------- producer: pins
-    def _pin(self, keys, now: float) -> int:
-        """Pin `keys` (all held here) until now + pin_s (lock held) -> the pin id."""
+    def _pin(self, keys, now: float, seconds: float | None = None) -> int:
+        """Pin `keys` (all held here) until now + `seconds` (default pin_s; lock held) -> the pin id."""
         pin = next(self._pin_ids)
-        deadline = now + self.pin_s
+        deadline = now + (self.pin_s if seconds is None else seconds)
         self._pins[pin] = (deadline, set(keys))
-        self._pin_order.append((deadline, pin))
+        heapq.heappush(self._pin_order, (deadline, pin))
         self._pinned.update(set(keys))
         for k in keys:
             self._store.move_to_end(k)
@@ -518,7 +565,7 @@ class PeerTier(TierBookkeeping):
 
     def _expire_pins(self, now: float) -> None:
         while self._pin_order and self._pin_order[0][0] <= now:
-            _, pin = self._pin_order.popleft()
+            _, pin = heapq.heappop(self._pin_order)
             rec = self._pins.pop(pin, None)
             if rec is not None:
                 for k in rec[1]:
@@ -527,7 +574,7 @@ class PeerTier(TierBookkeeping):
 
     # ------------------------------------------------------------------------------ the control thread
     def _control_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         for s in (self._router, self._wake_rx, *(p.dealer for p in self._peers)):
             poller.register(s, zmq.POLLIN)
         last_sweep = time.monotonic()
@@ -540,8 +587,8 @@ class PeerTier(TierBookkeeping):
                         pass
                 if self._router in events:
                     self._serve_control()
-                for p in self._peers:
-                    if p.dealer in events:
+                for p in tuple(self._peers):
+                    if p.dealer is not None and p.dealer in events:
                         self._on_answers(p)
                 self._send_lookups()
                 self._start_fetches()
@@ -551,7 +598,7 @@ class PeerTier(TierBookkeeping):
                     last_sweep = now
                     self._sweep(now)
         finally:
-            for s in (self._router, self._wake_rx, *(p.dealer for p in self._peers)):
+            for s in (self._router, self._wake_rx, *(p.dealer for p in self._peers if p.dealer is not None)):
                 s.close()
 
     def _serve_control(self) -> None:
@@ -590,10 +637,20 @@ class PeerTier(TierBookkeeping):
             by_req.setdefault(req, []).extend(batch)
         now = time.monotonic()
         for req, batch in by_req.items():
-            for p in self._peers:
+            for p in tuple(self._peers):
                 items = [(k, a) for k, a in batch if p.index in a.waiting]
                 if not items:
                     continue
+                if p.dealer is None:  # a peer a request named: connected here, by the thread that owns the sockets
+                    dealer = self._socket(zmq.DEALER)
+                    try:
+                        dealer.connect(f"tcp://{_zmq_host(p.host)}:{p.port}")
+                    except zmq.ZMQError:  # an address that does not resolve: a miss from it
+                        dealer.close()
+                        self._peer_failed(p, items, now)
+                        continue
+                    p.dealer = dealer
+                    self._poller.register(dealer, zmq.POLLIN)
                 lid = next(self._lookup_ids)
                 msg = LookupMsg(lid, req, [k for k, _ in items])
                 try:

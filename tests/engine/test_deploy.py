@@ -118,7 +118,7 @@ def test_kv_transfer_config_is_vllms_offload_connector():
 
 @pytest.mark.parametrize("ktc,err,match", [
     ([], ValueError, "kv_transfer_config must be a dict"),
-    ({"kv_connector": "LMCacheConnectorV1"}, ValueError, "must be 'OffloadingConnector'"),
+    ({"kv_connector": "LMCacheConnectorV1"}, ValueError, "must be 'OffloadingConnector' or 'PdConnector'"),
     ({**_ktc(), "kv_rol": "kv_both"}, ValueError, "unknown keys \\['kv_rol'\\]"),
     (_ktc(cpu_byte_to_use=5), ValueError, "unknown keys \\['cpu_byte_to_use'\\]"),
     (_ktc(cpu_bytes_to_use=0), ValueError, "cpu_bytes_to_use must be an int > 0"),
@@ -133,11 +133,37 @@ def test_kv_transfer_config_is_vllms_offload_connector():
     (_ktc(secondary_tiers={"type": "fs"}), ValueError, "secondary_tiers must be a list"),
     (_ktc(secondary_tiers=[{"type": "fs", "root_dir": "/tmp/x", "max_byte": 1}]), ValueError, "unknown keys"),
     ({**_ktc(), "kv_load_failure_policy": "skip"}, ValueError, "kv_load_failure_policy must be one of"),
-    ({**_ktc(), "kv_role": "kv_producer"}, NotImplementedError, "kv_role"),
+    ({**_ktc(), "kv_role": "kv_producer"}, ValueError, "producer and consumer roles are the PdConnector's"),
+    ({**_ktc(), "kv_port": 5}, ValueError, "unknown keys \\['kv_port'\\]"),
+    ({**_ktc(), "kv_connector": "PdConnector"}, ValueError, "kv_role must be one of"),
+    ({**_ktc(), "kv_connector": "PdConnector", "kv_role": "kv_decoder"}, ValueError, "kv_role must be one of"),
+    ({**_ktc(), "kv_connector": "PdConnector", "kv_role": "kv_producer", "kv_port": 70000}, ValueError,
+     "kv_port must be an int in"),
+    ({**_ktc(), "kv_connector": "PdConnector", "kv_role": "kv_producer", "kv_ip": ""}, ValueError, "kv_ip must be"),
+    ({"kv_connector": "PdConnector", "kv_role": "kv_consumer"}, ValueError,
+     "cpu_bytes_to_use must be an int > 0, got 0 \\(the PdConnector's host tier"),
+    ({**_ktc(lease_s=0), "kv_connector": "PdConnector", "kv_role": "kv_producer"}, ValueError, "lease_s must be"),
+    (_ktc(lease_s=5), ValueError, "unknown keys \\['lease_s'\\]"),
 ])
 def test_kv_transfer_config_bad_input(ktc, err, match):
     with pytest.raises(err, match=match):
         DeployConfig(kv_transfer_config=ktc)
+
+
+def test_pd_connector_is_the_offload_connector_plus_a_peer_tier():
+    """The PdConnector: vLLM's kv_role / kv_ip / kv_port, a host tier (cpu_bytes_to_use, or
+    --cpu-offload-bytes) and a peer tier named "pd" bound at kv_ip:kv_port after the user's tiers."""
+    fs = {"type": "fs", "root_dir": "/tmp/x"}
+    ktc = {"kv_connector": "PdConnector", "kv_role": "kv_producer", "kv_port": 7100,
+           "kv_connector_extra_config": {"secondary_tiers": [fs], "lease_s": 2.5}}
+    d = DeployConfig(cpu_offload_bytes=1 << 20, kv_transfer_config=ktc)
+    assert (d.kv_policy, d.cpu_offload_bytes, d.kv_role, d.pd_lease_s) == ("offload", 1 << 20, "kv_producer", 2.5)
+    assert d.offload_options["secondary_tiers"] == [fs, {"type": "p2p", "host": "127.0.0.1", "port": 7100, "name": "pd"}]
+    assert "lease_s" not in d.offload_options
+    c = DeployConfig(kv_transfer_config={"kv_connector": "PdConnector", "kv_role": "kv_consumer", "kv_ip": "::1",
+                                         "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}})
+    assert c.offload_options["secondary_tiers"] == [{"type": "p2p", "host": "::1", "port": 0, "name": "pd"}]
+    assert c.pd_lease_s == 30.0 and DeployConfig(kv_transfer_config=_ktc()).kv_role is None
 
 
 def test_kv_transfer_config_contradictions():

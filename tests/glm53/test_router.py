@@ -86,7 +86,8 @@ class Router:
         self.port = _free_port()
         self.log = tmp / "router.log"
         args = [sys.executable, "-m", "glm53.router", "--port", str(self.port), "--poll-interval", "0.5",
-                "--prefill", *prefill, "--decode", *decode, "--kv-events", *[f"{u}={e}" for u, e in events.items()]]
+                "--prefill", *prefill, "--decode", *decode,
+                *(["--kv-events", *[f"{u}={e}" for u, e in events.items()]] if events else [])]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

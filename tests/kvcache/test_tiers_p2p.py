@@ -197,6 +197,45 @@ def _load(tier, items, timeout=10.0, n=N):
 
 
 # ------------------------------------------------------------------------------------ the tier alone
+def _store_here(tier, items, job_id=1) -> list:
+    tier.submit_store(StoreJob(job_id, tuple(_key(i) for i in items), tuple(_payload(i) for i in items)))
+    end = time.monotonic() + 10
+    while not (done := [r for r in tier.get_finished_jobs() if r.kind == "store"]):
+        assert time.monotonic() < end
+        time.sleep(0.002)
+    return list(done[0].status)
+
+
+def test_p2p_a_request_names_its_producer_which_leases_its_chunks(tiers):
+    """P/D (the PdConnector): a lookup whose context names a peer asks that peer alone, though the tier
+    lists none; the producer's `held_prefix` counts what it holds from the first key, and a lease keeps
+    chunks past pin_s (a store that needs their room fails instead) until it lapses."""
+    prod = tiers(pin_s=0.2, max_bytes=4 * N)
+    assert _store_here(prod, [0, 1, 2, 3]) == ["ok"] * 4
+    assert prod.held_prefix([_key(0), _key(1), _key(5), _key(2)]) == 2
+    assert prod.lease([_key(0), _key(1), _key(9)], 3.0) > 0 and prod.lease([_key(9)], 3.0) == 0
+    time.sleep(0.3)  # past pin_s: only the lease holds 0 and 1
+    assert _store_here(prod, [4, 5], job_id=2) == ["ok", "ok"]  # 2 and 3 evicted: 0 and 1 are leased
+    assert prod.held_prefix([_key(0), _key(1)]) == 2 and prod.held_prefix([_key(2)]) == 0
+    assert prod.lease([_key(4), _key(5)], 0.3) > 0
+    assert _store_here(prod, [6], job_id=3) == ["failed"]  # every chunk leased: no room
+    time.sleep(0.4)  # the short lease lapsed
+    assert _store_here(prod, [7], job_id=4) == ["ok"] and prod.held_prefix([_key(0), _key(1), _key(7)]) == 3
+    cons = tiers()  # no static peers
+    assert cons.lookup(_key(0), _ask(0)) is Lookup.MISS and cons.stats.lookup_messages == 0
+    named = LookupContext("req-pd", [_key(0), _key(1), _key(2)], peer=prod.address)
+    assert _answer(cons, 0, named) is Lookup.HIT
+    assert [cons.lookup(_key(i), named) for i in (1, 2)] == [Lookup.HIT, Lookup.MISS]
+    r = _load(cons, [0, 1])
+    assert r.status == ("ok", "ok")
+    np.testing.assert_array_equal(r.payloads[1], _payload(1))
+    assert cons.stats.lookup_messages == 1 and prod.stats.served_chunks == 2
+    # a named peer that is not up: a miss once the lookup deadline passes, never a hang
+    gone = LookupContext("req-gone", [_key(3)], peer=f"{HOST}:{_free_port()}")
+    t0 = time.monotonic()
+    assert _answer(cons, 3, gone) is Lookup.MISS and time.monotonic() - t0 < 5  # by the 1 s lookup deadline
+
+
 def test_p2p_lookup_retry_then_hit_or_miss_and_roundtrip(producer, tiers):
     """The first lookup is RETRY and sends the request's whole walk in one message; then hits and misses;
     a load brings the bytes in one fetch; the tier's own store answers at once."""
