@@ -60,8 +60,12 @@ def default_config() -> ConfigDict:
                                dcp_comm_backend="ag_rs", cp_kv_cache_interleave_size=1,
                                enable_expert_parallel=False, tensor_parallel_size=1, kv_cache_memory_bytes=0))
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
-                                 median_turns=43.0, think_time_scale=0.0, seed=0))
+                                 median_turns=43.0, mean_input=142_000.0, think_time_scale=0.0, seed=0))
     c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4)))
+    # P/D deployments (simulator only): a sweep entry naming one of these runs a prefill and a decode engine
+    # coupled by the PdConnector (glm53.engine.pd_sim): {name: {"prefill": {DeployConfig fields over
+    # `deploy`}, "decode": {...}}}; each side's kv_policy is its own ("offload", or "hisparse" on decode)
+    c.pd = ConfigDict(dict(deployments={}))
     # "model": run the model; "sim": price each step with the performance model on `hardware` (a name in
     # glm53.perfmodel.HARDWARE) on a virtual clock; step_overhead_s and hisparse_miss_fraction are the
     # simulator's assumptions (glm53.engine.sim)
@@ -80,7 +84,8 @@ def build_sessions(w: ConfigDict) -> list[workloads.Session]:
     if w.kind == "openhands":
         return workloads.openhands_sessions(w.sessions, scale=w.scale, turns=w.turns)
     if w.kind == "synthetic":
-        return workloads.synthetic_trace(w.sessions, seed=w.seed, scale=w.scale, median_turns=w.median_turns)
+        return workloads.synthetic_trace(w.sessions, seed=w.seed, scale=w.scale, median_turns=w.median_turns,
+                                         mean_input=w.get("mean_input", 142_000.0))
     if w.kind == "trace":
         if not w.trace_path:
             raise ValueError("workload.kind='trace' needs workload.trace_path")
@@ -122,9 +127,27 @@ def simulated(cfg: ConfigDict) -> bool:
     return kind == "sim"
 
 
+def _pd_deployment(cfg: ConfigDict, name: str) -> dict | None:
+    """The P/D deployment sweep entry `name` names (cfg.pd.deployments), or None."""
+    deps = cfg.get("pd", {}).get("deployments", {})
+    return deps[name].to_dict() if isinstance(deps.get(name), ConfigDict) else deps.get(name)
+
+
 def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
     import glm53
 
+    pd = _pd_deployment(cfg, kv_policy)
+    if pd is not None:
+        if not simulated(cfg):
+            raise ValueError(f"sweep entry {kv_policy!r} is a P/D deployment: the simulator runs those "
+                             "(runner.kind='sim'); with the model, start a prefill and a decode server (README)")
+        from glm53.engine.pd_sim import build_pd
+        from glm53.perfmodel import HARDWARE
+
+        r = cfg.runner
+        return build_pd(model, _deploy(cfg, kv_policy, own=pd["prefill"]), _deploy(cfg, kv_policy, own=pd["decode"]),
+                        HARDWARE[r.hardware], step_overhead_s=r.step_overhead_s,
+                        hisparse_miss_fraction=r.hisparse_miss_fraction, tier_storage=_tier_storage(cfg))
     if not simulated(cfg):
         return glm53.Engine(model, _deploy(cfg, kv_policy, tier_root))
     from glm53.engine import sim
@@ -151,10 +174,11 @@ def _tier_storage(cfg: ConfigDict) -> dict:
                                       write_bandwidth=m.write_bandwidth * scale) for kind, m in STORAGE.items()}
 
 
-def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
+def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = "", own: dict | None = None):
     """The DeployConfig of sweep entry `kv_policy`: a policy name, or a variant named in policy_deploy
     whose fields include its own "kv_policy" (e.g. "offload+fs": offload with a filesystem tier). A
-    filesystem tier with root_dir "" gets `tier_root` (run_one passes a fresh directory per point)."""
+    filesystem tier with root_dir "" gets `tier_root` (run_one passes a fresh directory per point).
+    own: the entry's fields instead of policy_deploy's (one side of a P/D deployment)."""
     import glm53
 
     d = dict(cfg.deploy.to_dict())
@@ -162,7 +186,8 @@ def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
     d["hisparse_device_buffer_size"] = d.get("hisparse_device_buffer_size") or None  # 0: 2 x top-k
     d["index_block_size"] = d.get("index_block_size") or None  # 0: block_size
     d["kv_cache_memory_bytes"] = d.get("kv_cache_memory_bytes") or None  # 0: the machine's budget
-    own = cfg.get("policy_deploy", {}).get(kv_policy, {})  # this policy's own fields, e.g. its host pools
+    if own is None:
+        own = cfg.get("policy_deploy", {}).get(kv_policy, {})  # this policy's own fields, e.g. its host pools
     own = copy.deepcopy(own.to_dict() if isinstance(own, ConfigDict) else dict(own))
     policy = own.pop("kv_policy", kv_policy)
     d.update(own)
@@ -211,6 +236,11 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     eng.shutdown()
     tiers.cleanup()
     m = eng.metrics(res.request_ids)
+    pd = _pd_deployment(cfg, kv_policy)
+    if pd is not None:  # what follows reads the decode engine; the pair's own figures are in m already
+        m.update(prefill=pd.get("prefill_name", "prefill"), decode=pd.get("decode_name", "decode"),
+                 prefill_deployment=_describe(eng.prefill.deploy))
+        eng = eng.decode
     d = eng.deploy
     m.update(kv_policy=kv_policy, concurrency=concurrency, sessions=len(sessions), engine_steps=res.steps,
              wall_s=wall, num_gpu_blocks=sum(r.scheduler.kv.pool.num_blocks for r in eng.replicas),
@@ -218,9 +248,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
              bucket_shapes_used=len(set().union(*(getattr(r.runner, "compiled_shapes", ()) for r in eng.replicas))),
              runner="sim" if simulated(cfg) else "model", max_model_len=d.max_model_len,
              num_speculative_tokens=d.num_speculative_tokens,
-             deployment=(f"DP{d.data_parallel_size} TP{d.tensor_parallel_size} PCP{d.prefill_context_parallel_size} "
-                         f"DCP{d.decode_context_parallel_size}" + (" EP" if d.enable_expert_parallel else "")),
-             throughput_tok_s_per_gpu=m["throughput_tok_s_per_device"],
+             deployment=_describe(d), throughput_tok_s_per_gpu=m["throughput_tok_s_per_device"],
              device_kv_budget_bytes_per_gpu=int(d.num_gpu_blocks * block_bytes(eng.sizes.page_bytes)
                                                 // d.decode_context_parallel_size))
     if simulated(cfg):
@@ -243,6 +271,11 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
                                        for t in tiers}
             m["assumed_tier_storage"] = {k: dataclasses.asdict(v) for k, v in _tier_storage(cfg).items()}
     return m
+
+
+def _describe(d) -> str:
+    return (f"DP{d.data_parallel_size} TP{d.tensor_parallel_size} PCP{d.prefill_context_parallel_size} "
+            f"DCP{d.decode_context_parallel_size}" + (" EP" if d.enable_expert_parallel else ""))
 
 
 def warm_up(model, cfg: ConfigDict) -> float:

@@ -362,13 +362,13 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
         tokens it holds, leased for DeployConfig.pd_lease_s."""
         eng = engine.engine
         r = eng.replica_of(req_id)
-        tier, req = eng.pd_tier(r), eng.finished[req_id]
+        tier = eng.pd_tier(r)
         tpb, blocks = eng.prompt_chunk_keys(req_id)
-        keys = [k for b in blocks for k in b]
+        keys = [k for b in blocks for _, k in b]
         deadline = time.monotonic() + PD_STORE_WAIT_S
         held = None
         while time.monotonic() < deadline and engine.error is None:
-            if eng.plans_run[r] > req.finished_in_plan and (held := tier.held_prefix(keys)) is not None:
+            if eng.parked(req_id) and (held := tier.held_prefix(keys)) is not None:
                 break
             await asyncio.sleep(0.005)
         held = tier.held_prefix(keys) or 0  # a store still in flight at the deadline: what is there

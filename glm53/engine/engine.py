@@ -264,16 +264,22 @@ class Engine:
         tiers = self.tiers[replica] if self.deploy.kv_role is not None else None
         return next((t for t in tiers.tiers if t.name == PD_TIER), None) if tiers is not None else None
 
-    def prompt_chunk_keys(self, req_id: str) -> tuple[int, list[list[bytes]]]:
+    def parked(self, req_id: str) -> bool:
+        """Whether finished `req_id`'s KV transfers (the parking its finish planned) have run: its replica
+        ran a plan after the one it finished in, or has nothing left to run. A server thread may call it."""
+        r = self._owner[req_id]
+        return self.plans_run[r] > self.finished[req_id].finished_in_plan or not self.replicas[r].scheduler.has_work
+
+    def prompt_chunk_keys(self, req_id: str) -> tuple[int, list[list[tuple[str, bytes]]]]:
         """A finished request's prompt as its consumer's prefix lookup will ask for it (P/D producer):
-        (tokens per hash block, per full hash block of all but the prompt's last token, the chunk keys
+        (tokens per hash block, per full hash block of all but the prompt's last token, (group, chunk key)
         (kvcache.tiers.chunk_key) of the host-tier pages ending there, one per cache group). Reads only
         the finished request and the configuration, so a server thread may call it."""
         req = self.finished[req_id]
         sch = self.replicas[self._owner[req_id]].scheduler
         kv, pools = sch.kv, sch.policy.host_tier.pools
         hashes = block_hashes(req.prompt_ids, kv.tokens_per_block, req.extra_keys, upto=req.prompt_ids.size - 1)
-        return kv.tokens_per_block, [[chunk_key(self.fingerprint, g, h) for g in kv.groups
+        return kv.tokens_per_block, [[(g, chunk_key(self.fingerprint, g, h)) for g in kv.groups
                                       if not (c + 1) % kv.ratio[g] and g in pools] for c, h in enumerate(hashes)]
 
     def replica_of(self, req_id: str) -> int:

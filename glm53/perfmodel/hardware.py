@@ -229,5 +229,15 @@ class StorageSpec:
 NVME_GEN4 = StorageSpec("one PCIe Gen4 NVMe SSD (Micron 7450 class)", read_bandwidth=6.8e9, write_bandwidth=5.6e9,
                         read_latency_s=0.2e-3, write_latency_s=0.2e-3)
 
+# The P/D connector's medium (the peer tier, type "p2p", in the simulator): a decode rank reads a prefill
+# engine's host memory over its own RDMA NIC, one 400 Gb/s ConnectX-7 per GPU as on HGX H200 systems.
+# - bandwidth: 43 GB/s, DeepEP's measured internode RDMA bottleneck bandwidth at EP16 on H800 + CX7 400 Gb/s
+#   IB (published.json "deepep_v1_legacy", "Internode | 16 | 43 GB/s (RDMA)"; the NIC's ~50 GB/s is the
+#   ceiling): *measured* on another workload (all-to-all of 7 KB tokens; a KV page is 2.8-3.3 MB, so
+#   large transfers reach at least this);
+# - the fixed time per chunk: *assumed* 20 us (an RDMA read's round trip and the connector's bookkeeping).
+RDMA_CX7 = StorageSpec("one 400 Gb/s RDMA NIC (ConnectX-7) per GPU", read_bandwidth=43e9, write_bandwidth=43e9,
+                       read_latency_s=20e-6, write_latency_s=20e-6)
+
 # the media the simulator gives each secondary tier type (configs name them by tier type)
-STORAGE = {"fs": NVME_GEN4}
+STORAGE = {"fs": NVME_GEN4, "p2p": RDMA_CX7}

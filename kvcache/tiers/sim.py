@@ -191,6 +191,22 @@ class SimTier:
         self._version += 1
         return True
 
+    def put(self, chunks) -> None:
+        """Hold `chunks` ((key, bytes) pairs) now, written by someone else: a P/D producer's chunks, which
+        this tier (the consumer's peer tier) then reads on its read channel. Each becomes a HIT at once,
+        the most recently used; capacity as for a landing store."""
+        self._advance()
+        for key, size in chunks:
+            if key not in self._held:
+                self._held[key] = size
+                self._bytes += size
+            self._held.move_to_end(key)
+        self._version += 1
+        while self.max_bytes is not None and self._bytes > self.max_bytes and len(self._held) > 1:
+            _, n = self._held.popitem(last=False)
+            self._bytes -= n
+            self.stats.evicted_chunks += 1
+
     def keys(self) -> list[bytes]:
         self._advance()
         return list(self._held)

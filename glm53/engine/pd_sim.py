@@ -1,0 +1,224 @@
+"""P/D disaggregation in the simulator: a prefill engine and a decode engine, each on its own virtual
+clock, coupled as the PdConnector couples a prefill server and a decode server (docs/simulator.md "P/D").
+
+`PdPair(prefill, decode)` looks like one engine to `experiments.workloads.ClosedLoopClient`
+(`add_request`, `step`, `has_unfinished`, `clock`, `cfg`, `deploy`):
+- a client request goes to the prefill engine at the client's time, with max_new_tokens 1 (vLLM's prefill
+  leg; its token is dropped, as the router drops it);
+- once its KV is parked (`Engine.parked`: the producer's next plan has run, or it has nothing left
+  to run), the leading chunks of its prompt that the producer's "pd" tier holds
+  (`Engine.prompt_chunk_keys`) are put into the decode replica's simulated "pd" tier (`SimTier.put`), and
+  the request joins the decode engine at the producer's time then, with the client's max_new_tokens and
+  its original arrival time (so TTFT and end-to-end rates cover both legs and the hand-off);
+- the decode engine's admission finds its own device and host hits first, then loads the rest from the
+  "pd" tier on that tier's read channel (the network: glm53.perfmodel.RDMA_CX7 by default) into its
+  host tier or HiSparse's host pool, and computes what is left.
+Each engine runs at its own pace. The events (a step of an engine with work, starting at its clock; a
+request delivered to an engine at its time) are processed in time order, deliveries first on a tie. An
+idle engine's clock jumps to the time of the work it is given. The producer's "pd" tier costs nothing
+(its chunks are the bytes its host tier already holds; a NIXL-style read takes them from there), and
+its parking is priced as the offload policy's copies are.
+
+Both engines must share the chunk layout (`Engine.fingerprint`): a page must cover the same tokens on
+both sides. A DCP8 producer therefore runs block_size 8 to feed 64-token decode pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+
+from glm53.engine.config import DeployConfig
+from glm53.engine.engine import Engine
+from glm53.engine.metrics import summarize
+from glm53.engine.request import SamplingParams
+from glm53.perfmodel.hardware import STORAGE, StorageSpec
+
+# the producer's own "pd" tier: its host memory, which the consumer reads (the read is priced there)
+PRODUCER_HOST = StorageSpec("the producer's host memory (read by the consumer)", read_bandwidth=math.inf,
+                            write_bandwidth=math.inf, read_latency_s=0.0, write_latency_s=0.0)
+
+
+class _Clock:
+    """The client's clock: the end of the last step processed (it may step back a little when the other
+    engine's next step ends earlier) and the client's sleeps."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += max(0.0, seconds)
+
+
+def pd_deploy(deploy: DeployConfig, role: str) -> DeployConfig:
+    """`deploy` with the PdConnector in `role` ("kv_producer" / "kv_consumer"); its host tier is
+    deploy.cpu_offload_bytes, and its kv_policy stays (offload, or HiSparse with its offload budget)."""
+    if deploy.cpu_offload_bytes <= 0:
+        raise ValueError(f"pd_deploy: the {role} needs cpu_offload_bytes > 0 (the PdConnector's host tier)")
+    policy = deploy.kv_policy if deploy.kv_policy == "hisparse" else "offload"
+    ktc = {"kv_connector": "PdConnector", "kv_role": role,
+           "kv_connector_extra_config": {"cpu_bytes_to_use": deploy.cpu_offload_bytes}}
+    return dataclasses.replace(deploy, kv_policy=policy, kv_transfer_config=ktc)
+
+
+def build_pd(cfg, prefill: DeployConfig, decode: DeployConfig, hw=None, **runner_kw) -> PdPair:
+    """A PdPair of simulated engines (glm53.engine.sim.build_engine) for `prefill` and `decode`, each given
+    the PdConnector's role; the decode side reads the producer over `runner_kw["tier_storage"]["p2p"]`
+    (default glm53.perfmodel.RDMA_CX7)."""
+    from glm53.engine.sim import build_engine
+
+    kw = {} if hw is None else {"hw": hw}
+    storage = dict(runner_kw.pop("tier_storage", None) or STORAGE)
+    pre = build_engine(cfg, pd_deploy(prefill, "kv_producer"), tier_storage={**storage, "p2p": PRODUCER_HOST},
+                       **kw, **runner_kw)
+    dec = build_engine(cfg, pd_deploy(decode, "kv_consumer"), tier_storage=storage, **kw, **runner_kw)
+    return PdPair(pre, dec)
+
+
+class PdPair:
+    """A prefill and a decode engine as one (see the module docstring). Request ids are the client's in
+    both engines."""
+
+    def __init__(self, prefill: Engine, decode: Engine):
+        for name, eng, roles in (("prefill", prefill, ("kv_producer", "kv_both")),
+                                 ("decode", decode, ("kv_consumer", "kv_both"))):
+            if eng.deploy.kv_role not in roles:
+                raise ValueError(f"PdPair: the {name} engine needs the PdConnector as {' or '.join(roles)}, got "
+                                 f"kv_role {eng.deploy.kv_role!r}")
+            if not hasattr(eng.clock, "advance"):
+                raise ValueError(f"PdPair: the {name} engine needs a VirtualClock (a simulated engine)")
+        if prefill.fingerprint != decode.fingerprint:
+            raise ValueError("PdPair: the engines' chunk layouts differ (a page must cover the same tokens and bytes "
+                             f"on both: prefill {prefill.deploy.group_tokens_per_block(('mla', 'indexer'))}, decode "
+                             f"{decode.deploy.group_tokens_per_block(('mla', 'indexer'))} tokens per page)")
+        self.prefill, self.decode = prefill, decode
+        self.clock = _Clock()
+        self.cfg, self.deploy = decode.cfg, decode.deploy
+        self._ids, self._seq = itertools.count(), itertools.count()
+        self._to_prefill: list = []  # heap of (time, seq, req_id)
+        self._to_decode: list = []  # heap of (time, seq, req_id)
+        self._parking: set[str] = set()  # finished on the prefill engine, KV not parked yet
+        self._req: dict[str, tuple] = {}  # req_id -> (prompt, params, salt, arrival)
+        self.handed_tokens = 0  # prompt tokens whose chunks the producer held at hand-off
+        self.handoff_s: list[float] = []  # per request: hand-off time - client arrival
+
+    @property
+    def finished(self) -> dict:
+        """Requests done (their decode leg finished), by id."""
+        return self.decode.finished
+
+    @property
+    def num_devices(self) -> int:
+        return self.prefill.num_devices + self.decode.num_devices
+
+    def add_request(self, prompt_ids, params: SamplingParams, *, salt: str = "") -> str:
+        rid = f"pd-{next(self._ids)}"
+        self._req[rid] = (prompt_ids, params, salt, self.clock.now())
+        heapq.heappush(self._to_prefill, (self.clock.now(), next(self._seq), rid))
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return bool(self._to_prefill or self._to_decode or self._parking or self.prefill.has_unfinished()
+                    or self.decode.has_unfinished())
+
+    def step(self) -> list[tuple[str, int, bool]]:
+        """Process events in time order up to and including one engine step -> the decode engine's tokens
+        of that step ([] for a prefill step)."""
+        while True:
+            events = []
+            if self._to_prefill:
+                events.append((self._to_prefill[0][0], 0, "to_prefill"))
+            if self._to_decode:
+                events.append((self._to_decode[0][0], 0, "to_decode"))
+            if self.prefill.has_unfinished():
+                events.append((self.prefill.clock.now(), 1, "prefill"))
+            if self.decode.has_unfinished():
+                events.append((self.decode.clock.now(), 1, "decode"))
+            if not events:
+                if not self._parking:
+                    return []
+                self._hand_off()  # the producer went idle: nothing more to park
+                continue
+            t, _, kind = min(events)
+            if kind == "to_prefill":
+                self._deliver_prefill(*heapq.heappop(self._to_prefill))
+            elif kind == "to_decode":
+                self._deliver_decode(*heapq.heappop(self._to_decode))
+            elif kind == "prefill":
+                for rid, _, fin in self.prefill.step():
+                    if fin:
+                        self._parking.add(rid)
+                self.clock.t = self.prefill.clock.now()
+                self._hand_off()
+                return []
+            else:
+                out = self.decode.step()
+                self.clock.t = self.decode.clock.now()
+                return out
+
+    def _catch_up(self, eng: Engine, t: float) -> None:
+        if not eng.has_unfinished() and eng.clock.now() < t:
+            eng.clock.advance(t - eng.clock.now())
+
+    def _deliver_prefill(self, t: float, _seq: int, rid: str) -> None:
+        prompt, params, salt, arrival = self._req[rid]
+        self._catch_up(self.prefill, t)
+        leg = dataclasses.replace(params, max_new_tokens=1, min_tokens=0)
+        self.prefill.add_request(prompt, leg, req_id=rid, salt=salt)
+        self.prefill.requests[rid].arrival_s = arrival
+
+    def _hand_off(self) -> None:
+        """Requests whose KV the producer's last plan parked go to the decode engine now."""
+        now = self.prefill.clock.now()
+        for rid in [r for r in self._parking if self.prefill.parked(r)]:
+            self._parking.discard(rid)
+            heapq.heappush(self._to_decode, (now, next(self._seq), rid))
+
+    def _deliver_decode(self, t: float, _seq: int, rid: str) -> None:
+        prompt, params, salt, arrival = self._req.pop(rid)
+        tier = self.prefill.pd_tier(self.prefill.replica_of(rid))
+        tpb, blocks = self.prefill.prompt_chunk_keys(rid)
+        held = []
+        for block in blocks:  # the leading hash blocks whose every page the producer holds
+            if not all(k in tier for _, k in block):
+                break
+            held.append(block)
+        self._catch_up(self.decode, t)
+        self.decode.add_request(prompt, params, req_id=rid, salt=salt, kv_peer="producer")
+        self.decode.requests[rid].arrival_s = arrival
+        pages = self.decode.sizes.page_bytes
+        self.decode.pd_tier(self.decode.replica_of(rid)).put((k, pages[g]) for block in held for g, k in block)
+        self.handed_tokens += len(held) * tpb
+        self.handoff_s.append(t - arrival)
+
+    def metrics(self, req_ids=None) -> dict:
+        """The decode engine's metrics over the requests (their arrival is the client's, so TTFT and
+        end-to-end rates include the prefill leg and the hand-off), with throughput over both engines'
+        devices, and the prefill engine's own figures under `prefill_`."""
+        ids = list(req_ids) if req_ids is not None else list(self.decode.finished)
+        m = self.decode.metrics(ids)
+        outs = [self.decode.output(r) for r in ids]
+        duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
+        m["throughput_tok_s_per_device"] = summarize(outs, duration_s=duration,
+                                                     num_devices=self.num_devices)["throughput_tok_s_per_device"]
+        pre = self.prefill.metrics([r for r in ids if r in self.prefill.finished])
+        m.update({f"prefill_{k}": pre[k] for k in ("prefix_hit_rate", "preemptions", "recomputed_tokens",
+                                                    "d2h_bytes", "h2d_bytes", "device_blocks_peak")})
+        m.update(pd_handed_tokens=self.handed_tokens, pd_received_tokens=self.received_tokens(),
+                 pd_handoff_s_median=sorted(self.handoff_s)[len(self.handoff_s) // 2] if self.handoff_s else math.nan,
+                 num_devices=self.num_devices)
+        return m
+
+    def received_tokens(self) -> int:
+        """Prompt tokens the decode engine loaded from the producer (glm53:kv_transfer_received_tokens)."""
+        tpb = self.decode.deploy.group_tokens_per_block(("mla",))["mla"]
+        return sum(r.scheduler.policy.host_tier.loaded_pages[("pd", "mla")] for r in self.decode.replicas) * tpb
+
+    def shutdown(self) -> None:
+        self.prefill.shutdown()
+        self.decode.shutdown()
