@@ -195,6 +195,7 @@ class Engine:
         self.timeline: list[tuple[float, int, int, int]] = []
         self._steps = 0
         self.plans_run = [0] * dp  # per replica: plans its runner executed (KV transfers included)
+        self._steps_begun = self._steps_ended = 0  # `step` calls begun and returned (`parked` reads them)
         self._ids = itertools.count()
         self.observers: list = []  # each has on_step(engine, tokens, finished requests), called after every step
 
@@ -268,7 +269,12 @@ class Engine:
         """Whether finished `req_id`'s KV transfers (the parking its finish planned) have run: its replica
         ran a plan after the one it finished in, or has nothing left to run. A server thread may call it."""
         r = self._owner[req_id]
-        return self.plans_run[r] > self.finished[req_id].finished_in_plan or not self.replicas[r].scheduler.has_work
+        if self.plans_run[r] > self.finished[req_id].finished_in_plan:
+            return True
+        # nothing to run, read before the step counters: a step that began meanwhile may have taken the
+        # transfers (has_work False) without having run them yet, and then the counters differ
+        idle = not self.replicas[r].scheduler.has_work
+        return idle and self._steps_begun == self._steps_ended
 
     def prompt_chunk_keys(self, req_id: str) -> tuple[int, list[list[tuple[str, bytes]]]]:
         """A finished request's prompt as its consumer's prefix lookup will ask for it (P/D producer):
@@ -332,6 +338,13 @@ class Engine:
 
     def step(self) -> list[tuple[str, int, bool]]:
         """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced."""
+        self._steps_begun += 1
+        try:
+            return self._step()
+        finally:
+            self._steps_ended += 1
+
+    def _step(self) -> list[tuple[str, int, bool]]:
         out, t, counted, finished_all = [], None, False, []
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
         start, priced = self.clock.now(), []  # priced: the durations of simulated steps
