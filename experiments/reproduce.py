@@ -77,6 +77,14 @@ PART1_PUBLISHED = (
     "The brief gives no Part 1 numbers: the comparison is qualitative (which policy holds more running "
     "requests and throughput at equal host memory).")
 NO_MTP = ("One token per decode step (num_speculative_tokens 0); the same sweep with MTP3 is part1_mtp3.")
+PART2 = "configs/paper/part2.py"
+PD_KEYS = ("kv_policy", "prefill", "decode", "concurrency", "throughput_tok_s_per_gpu",
+           "interactivity_p90_e2e_tok_s_user", "ttft_median_s", "pd_received_tokens")
+PART2_QUICK = ("--config.sweep.concurrency=(8,)", "--config.workload.median_turns=4.0",
+               "--config.workload.mean_input=20000.0")
+PART2_NOTE = ("P/D in the simulator (glm53.engine.pd_sim): the decode ranks read the producer's chunks over a 43 GB/s "
+              "RDMA NIC each; at 142K the mean input is 80K tokens (the published 142K mean cannot run under a 142K "
+              "limit)")
 DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
 ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
 
@@ -219,17 +227,22 @@ MANIFEST: tuple[Entry, ...] = (
           note="with every layer's indexer keys a 1,024-token indexer page (78 x 1,024 x 132 B = 10.5 MB) would be "
                "3x an MLA page, so this run uses 256-token indexer pages (2.6 MB; a block is the larger page, "
                "3.27 MB): a 142K request takes 2,774 of the 4,918 blocks"),
+    # ------------------------------------------------------------------ P/D (issue 23), simulated
+    Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
+          "and offload decode, 142K, c8-c64", "sim", "BRIEF §8 Part 2",
+          ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "
+           "prefill-bound (up to ~c32)", "beyond c32 HiSparse decode pulls ahead, nearly doubling throughput at c64"),
+          "serve", PART2, quick=PART2_QUICK, committed="results/paper/part2", doc="docs/simulator.md",
+          compare=PD_KEYS, note=PART2_NOTE),
+    Entry("part2_pd_1m", "Part 2 at 1M context, c8-c32", "not_built", "BRIEF §8 Part 2",
+          ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",),
+          waits_for="issue 24 (a PCP8 x DCP8 x EP8 prefill engine that holds one 1M request: it needs 17,408 "
+                    "64-token blocks; the memory plan's 2.3 GiB per GPU gives 5,947, as its attention weights are "
+                    "whole on every GPU; configs/paper/part2.py with max_model_len 1048576 runs once it fits)"),
     # ------------------------------------------------------------------ not built yet
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
           waits_for="issue 21 (HiSparse beyond the pool, MTP)"),
-    Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
-          "and offload decode, 142K, c8-c64", "not_built", "BRIEF §8 Part 2",
-          ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "
-           "prefill-bound (up to ~c32)", "beyond c32 HiSparse decode pulls ahead, nearly doubling throughput at c64"),
-          waits_for="issue 23 (P/D across processes)"),
-    Entry("part2_pd_1m", "Part 2 at 1M context, c8-c32", "not_built", "BRIEF §8 Part 2",
-          ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",), waits_for="issue 23"),
 )
 
 

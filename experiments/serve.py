@@ -80,12 +80,13 @@ def default_config() -> ConfigDict:
     return c
 
 
-def build_sessions(w: ConfigDict) -> list[workloads.Session]:
+def build_sessions(w: ConfigDict, max_model_len: int | None = None) -> list[workloads.Session]:
+    """The workload's sessions; synthetic sessions end at `max_model_len` (workloads.synthetic_trace)."""
     if w.kind == "openhands":
         return workloads.openhands_sessions(w.sessions, scale=w.scale, turns=w.turns)
     if w.kind == "synthetic":
         return workloads.synthetic_trace(w.sessions, seed=w.seed, scale=w.scale, median_turns=w.median_turns,
-                                         mean_input=w.get("mean_input", 142_000.0))
+                                         mean_input=w.get("mean_input", 142_000.0), max_context=max_model_len)
     if w.kind == "trace":
         if not w.trace_path:
             raise ValueError("workload.kind='trace' needs workload.trace_path")
@@ -207,7 +208,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     import glm53
     from glm53.engine.runner import CompileCounter
 
-    sessions = build_sessions(cfg.workload)
+    sessions = build_sessions(cfg.workload, cfg.deploy.max_model_len)
     per_user = cfg.sweep.get("sessions_per_user", 0)
     if per_user:  # as many sessions as users: each point serves concurrency x per_user sessions
         sessions = sessions[: concurrency * per_user]
@@ -401,7 +402,7 @@ def main(argv=None) -> dict:
         exporter.serve(args.metrics_port)
         print(f"Prometheus metrics on http://127.0.0.1:{args.metrics_port}/metrics")
     model, source = _model(cfg.model, weights=not simulated(cfg))
-    sessions = build_sessions(cfg.workload)
+    sessions = build_sessions(cfg.workload, cfg.deploy.max_model_len)
     print(f"{cfg.name}: {source}; {len(sessions)} sessions ({cfg.workload.kind}), "
           f"policies {tuple(cfg.sweep.kv_policy)}, concurrency {tuple(cfg.sweep.concurrency)}")
     if cfg.warmup not in ("replay", "buckets", "none"):

@@ -113,14 +113,17 @@ def openhands_sessions(num_sessions: int, *, scale: float = 1.0, turns: int = 13
 
 def synthetic_trace(num_sessions: int, *, seed: int = 0, scale: float = 1.0, median_turns: float = 43,
                     mean_input: float = 142_000, mean_output: float = 444, first_input_frac: float = 0.2,
-                    think_mean_s: float = 3.0, subagent_prob: float = 0.02, max_turns: int = 200) -> list[Session]:
+                    think_mean_s: float = 3.0, subagent_prob: float = 0.02, max_turns: int = 200,
+                    max_context: int | None = None) -> list[Session]:
     """Agentic-coding sessions shaped like the published traces: turns per session lognormal with median
     `median_turns`; prompts that grow linearly from `first_input_frac * 2 * mean_input / (1 + frac)` so
     their mean over a session is about `mean_input`; outputs lognormal with mean `mean_output`; each turn
     re-sends the previous prompt's full blocks (so prefix reuse is 1 - growth / prompt, > 95% at the
     defaults) plus new blocks for the previous output and the new input. With probability
     `subagent_prob` per turn a subagent branch (a short session of the same user that starts from the
-    parent's current prompt) is spawned. Lengths are multiplied by `scale` (at least 1 token)."""
+    parent's current prompt) is spawned. Lengths are multiplied by `scale` (at least 1 token).
+    max_context: a session (or subagent) ends before a turn whose prompt + output would exceed it, as an
+    agent whose context is full stops (compaction is not modelled); a first turn over it is cut to fit."""
     rng = np.random.default_rng(seed)
     next_id = iter(range(1 << 62))
     sessions: list[Session] = []
@@ -137,13 +140,20 @@ def synthetic_trace(num_sessions: int, *, seed: int = 0, scale: float = 1.0, med
         for k in range(n_turns):
             target = _scaled(first + k * growth if parent is None else start_len / scale + (k + 1) * growth, scale)
             target = max(target, length + 1)
-            ids = blocks_for(ids, length, target)
             out = _scaled(rng.lognormal(math.log(mean_output) - 0.5 * 0.6**2, 0.6), scale)
+            if max_context is not None and target + out > max_context:
+                if turns or length >= max_context - 1:
+                    break
+                out = max(1, min(out, max_context // 2))
+                target = max_context - out
+            ids = blocks_for(ids, length, target)
             think = 0.0 if k == 0 else float(rng.exponential(think_mean_s))
             turns.append(Turn(target, out, think, ids))
             length = target
             if parent is None and rng.random() < subagent_prob:
                 children.append((f"{sid}.sub{k}", int(rng.integers(2, 8)), ids, length, k))
+        if not turns:  # a subagent that starts at the context limit never runs
+            return
         sessions.append(Session(sid, user, tuple(turns), "trace", parent, branch))
         for cid, n, cids, clen, k in children:  # after the parent, so a trace lists parents first
             make(cid, user, n, growth, cids, clen, parent=sid, branch=k)

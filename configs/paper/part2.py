@@ -15,7 +15,8 @@ acceptance fixed at 2.99 (vLLM's synthetic rule, as configs/paper/part1_mtp3.py)
 sessions (experiments.workloads.synthetic_trace: about 43 turns, about 444 output tokens per turn,
 > 95% prefix reuse, a salt per user). The published mean of about 142K input tokens per request cannot
 run under a 142K limit (a session's prompts grow to about 1.7x their mean), so at 142K the mean input is
-80K (prompts grow to about 133K) and at 1M it is the published 142K.
+80K (prompts grow to about 133K; a session, or a subagent, that reaches the limit ends there) and at 1M
+it is the published 142K.
 
 Device KV budgets per GPU come from the memory plan (`python -m experiments.memory_plan`,
 results/memory_plan/results.json, fp8 weights): 2.30 GiB for the PCP8 x DCP8 x EP8 prefill engine (its
@@ -23,9 +24,10 @@ attention weights are whole on every GPU), 15.59 GiB for a DP8 prefill rank and 
 decode rank. Throughput counts every token of every request (cached ones too) over all 16 GPUs.
 
     python -m experiments.serve --config configs/paper/part2.py --out results/paper/part2
-    python -m experiments.serve --config configs/paper/part2.py --out results/paper/part2_1m \
-        --config.deploy.max_model_len=1048576 --config.workload.mean_input=142000.0 \
-        "--config.sweep.concurrency=(8, 16, 32)"
+
+At 1M (`--config.deploy.max_model_len=1048576 --config.workload.mean_input=142000.0`) the PCP8 x DCP8 x EP8
+prefill engine is refused: one 1M request needs 17,408 of its 64-token blocks and 2.3 GiB per GPU holds
+5,947 (docs/simulator.md "P/D").
 """
 
 from pathlib import Path

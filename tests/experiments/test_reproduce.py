@@ -31,14 +31,14 @@ def test_the_manifest_names_real_files_and_says_what_is_missing():
 
 
 def test_a_quick_run_reports_every_entry_it_was_given(tmp_path):
-    only = ["dcp8_prefill_overhead", "hisparse_vs_offload", "ablation_dcp_backend_a2a", "part2_pd_1m"]
+    only = ["dcp8_prefill_overhead", "hisparse_vs_offload", "ablation_dcp_backend_a2a", "ablation_mtp_topk_reuse"]
     res = reproduce.main(["--out", str(tmp_path), "--quick", "--only", ",".join(only)])
     status = {f["id"]: f["status"] for f in res["figures"]}
     assert list(status) == only
     assert status["dcp8_prefill_overhead"] == "ran"
     assert status["hisparse_vs_offload"].startswith("redrawn from committed results/hisparse_vs_offload")
     assert status["ablation_dcp_backend_a2a"] == "ran (short window)"
-    assert status["part2_pd_1m"] == "not built"
+    assert status["ablation_mtp_topk_reuse"] == "not built"
     assert (tmp_path / "dcp8_prefill_overhead" / "dcp8_prefill_overhead.png").stat().st_size > 0
     assert (tmp_path / "hisparse_vs_offload" / "running_requests_vs_concurrency.png").stat().st_size > 0
     sim = json.loads((tmp_path / "ablation_dcp_backend_a2a" / "results.json").read_text())
@@ -47,7 +47,7 @@ def test_a_quick_run_reports_every_entry_it_was_given(tmp_path):
     report = (tmp_path / "report.md").read_text()
     for i in only:
         assert f"## {i}" in report
-    assert "issue 23" in report and json.loads((tmp_path / "reproduce.json").read_text())["quick"] is True
+    assert "issue 21" in report and json.loads((tmp_path / "reproduce.json").read_text())["quick"] is True
 
 
 def test_an_unknown_figure_id_is_refused(tmp_path):

@@ -20,6 +20,16 @@ def test_openhands_lengths_scale():
     assert s16[0].max_context_tokens() == 4635 + 12 * 47 + 13 * 14
 
 
+def test_synthetic_sessions_end_at_the_context_limit():
+    """max_context: a session (and a subagent, which starts from its parent's prompt) stops before a turn
+    that would not fit, so a deployment with that max_model_len admits every request of the trace."""
+    free, capped = wl.synthetic_trace(60, seed=3), wl.synthetic_trace(60, seed=3, max_context=60_000)
+    assert max(s.max_context_tokens() for s in free) > 60_000  # the cap binds
+    assert max(s.max_context_tokens() for s in capped) <= 60_000
+    assert all(s.turns for s in capped)
+    assert sum(len(s.turns) for s in capped) < sum(len(s.turns) for s in free)  # long sessions end early
+
+
 def test_synthetic_trace_matches_published_shape():
     sessions = wl.synthetic_trace(200, seed=3)
     st = wl.trace_stats(sessions)
