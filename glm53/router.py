@@ -5,16 +5,18 @@
 
 Each of --prefill / --decode takes one or more base URLs and may be repeated. Endpoints: GET /health
 (200 while at least one prefill and one decode server answer, else 503; the body lists them and counts
-`resends`, requests sent again after a server broke them), POST
+`resends`, requests sent again after a server broke them, and `prefill_fallbacks`), POST
 /v1/completions (streamed or not).
 
 A completion (one prompt per request) goes in two legs, as vLLM's proxy sends them:
 1. to a prefill server, with `max_tokens: 1`, `stream: false` and `kv_transfer_params:
    {"do_remote_decode": true, "do_remote_prefill": false, ...}`; an error answer (4xx / 5xx) goes back to
-   the client as it is; a server that cannot be reached is marked down and the next one is tried;
-2. to a decode server, the client's request with the `kv_transfer_params` the prefill answered (a
-   server without a KV connector answers none: the decode server then prefills the prompt itself,
-   vLLM's "recompute"), streamed back chunk by chunk.
+   the client as it is; a server that cannot be reached is marked down and the next one is tried; with
+   none up (a prefill server restarting) a token-id prompt skips this leg (`prefill_fallbacks`) and the
+   decode server computes it, as an aggregated server would (a text prompt gets 503);
+2. to a decode server, the client's request with the `kv_transfer_params` the prefill answered (with
+   the PdConnector, where to fetch the prompt's KV from; a server without a KV connector answers none:
+   the decode server then prefills the prompt itself, vLLM's "recompute"), streamed back chunk by chunk.
 
 Where a leg goes (`Picker`): a request with a `cache_salt` (a user) goes back to the server its salt
 went to last while that server is up; otherwise to the server that holds the longest prefix of the
@@ -36,9 +38,8 @@ decoding the client sees exactly the tokens one server would have produced; with
 continuation draws fresh randomness; a stop string that straddles the break is not seen by the second
 server (its text starts at the break).
 
-Not built yet (the P/D issue): the KV connector itself (the prefill server keeping the request's KV under
-a lease for the decode server to pull); a replay of missed event batches (a subscriber that joins late
-or drops a batch knows less than the server holds: it routes worse, never wrongly).
+Not built yet: a replay of missed event batches (a subscriber that joins late or drops a batch knows less
+than the server holds: it routes worse, never wrongly).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
     if unknown:
         raise ValueError(f"--kv-events names servers that are neither --prefill nor --decode: {sorted(unknown)}")
     index = PrefixIndex()
-    state: dict = {"resends": 0}
+    state: dict = {"resends": 0, "prefill_fallbacks": 0}
 
     async def poll_forever():
         client = state["client"]
@@ -265,6 +266,7 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
         body = {role: [s.url for s in p.servers if s.up] for role, p in (("prefill", pre), ("decode", dec))}
         ok = all(body.values())
         body["resends"] = state["resends"]  # requests sent again after a server broke them
+        body["prefill_fallbacks"] = state["prefill_fallbacks"]  # requests a decode server prefilled: no prefill up
         body["indexed_pages"] = {url: index.pages(url) for url in events}  # MLA pages known from KV events
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -302,12 +304,20 @@ def build_app(prefill: list[str], decode: list[str], *, poll_interval_s: float =
             first = {**body, "max_tokens": 1, "min_tokens": 0, "stream": False, "stream_options": None,
                      "return_token_ids": True, "kv_transfer_params": dict(PREFILL_PARAMS)}
             ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
-            p, status, answer = await post_json(pre, first, salt, hits_of(ids, salt))
+            try:
+                p, status, answer = await post_json(pre, first, salt, hits_of(ids, salt))
+            except NoServer:
+                if ids is None:  # a text prompt: its token ids (for a re-sent stream) come from a prefill
+                    raise
+                # no prefill server is up (restarting, say): the decode server computes the prompt, as an
+                # aggregated server would, so no request is lost meanwhile
+                state["prefill_fallbacks"] += 1
+                p, status, answer = None, 200, {"choices": [{"prompt_token_ids": ids}]}
             if status != 200:
                 return JSONResponse(answer, status_code=status)
             prompt_ids = answer["choices"][0]["prompt_token_ids"]
             leg = {**body, "kv_transfer_params": answer.get("kv_transfer_params"), "return_token_ids": True}
-            routed = {"x-prefill-server": p.url}
+            routed = {"x-prefill-server": p.url if p is not None else "none"}
             if not body.get("stream"):
                 d, status, out = await post_json(dec, leg, salt, hits_of(prompt_ids, salt))
                 if status == 200 and not body.get("return_token_ids"):

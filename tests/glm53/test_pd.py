@@ -11,6 +11,7 @@ request; malformed kv_transfer_params are a 400."""
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -145,3 +146,30 @@ def test_a_prefill_leg_takes_one_prompt_and_no_stream(pd):
     for body in ({"prompt": [[1, 2, 3], [4, 5, 6]]}, {"prompt": [1, 2, 3], "stream": True}):
         code, out = pre.post("/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
+
+
+def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path):
+    """With the router's only prefill server down, a request is computed by the decode server (nothing
+    received, the router counts a fallback); once the server is back on its port, the next request goes
+    through it and its KV arrives again. Last in this file: it replaces the fixture's prefill server."""
+    router, procs = pd
+    prompts, want = reference
+    dec, old = procs["decode"], procs["prefill_i1"]
+    assert old.stop()
+    deadline = time.monotonic() + 60
+    while router.health()["prefill"] and time.monotonic() < deadline:  # the router's poll notices
+        time.sleep(0.2)
+    before = _received(dec)
+    rng = np.random.default_rng(9)
+    eng = Engine(glm53.init("tiny", seed=0), DeployConfig(**FLAGS))
+    fresh = [rng.integers(0, 512, 30).tolist() for _ in range(2)]
+    code, r = router.post({"prompt": fresh[0], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+    assert code == 200 and r["choices"][0]["token_ids"] == eng.generate([np.asarray(fresh[0])], 8)[0].token_ids.tolist()
+    assert _received(dec) == before and router.health()["prefill_fallbacks"] == 1
+    procs["prefill_i1"] = Process("tiny", tmp_path, *old.extra, port=old.port)
+    deadline = time.monotonic() + 60
+    while not router.health()["prefill"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    code, r = router.post({"prompt": fresh[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
+    assert code == 200 and r["choices"][0]["token_ids"] == eng.generate([np.asarray(fresh[1])], 8)[0].token_ids.tolist()
+    assert _received(dec) - before == (len(fresh[1]) - 1) // PAGE * PAGE

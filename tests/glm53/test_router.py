@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -113,7 +114,11 @@ class Router:
         return out
 
     def health(self) -> dict:
-        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10).read())
+        """The /health body, also when it is a 503 (a role has no server up)."""
+        try:
+            return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=10).read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read())
 
     def stream(self, body: dict, on_event=None):
         """-> (decode server the stream started on, parsed events); on_event(i, event) after each."""

@@ -41,8 +41,8 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, tmp: Path, *extra: str):
-        self.port = _free_port()
+    def __init__(self, model: str, tmp: Path, *extra: str, port: int | None = None):
+        self.port, self.extra = port or _free_port(), extra
         self.log = tmp / f"server-{self.port}.log"
         args = [sys.executable, "-m", "glm53.serve", model, "--port", str(self.port), "--served-model-name", NAME,
                 *[x for k, v in FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))], *extra]
