@@ -10,7 +10,6 @@ prompt it never saw, a prompt that differs after some page) is computed, never t
 request; malformed kv_transfer_params are a 400."""
 
 import json
-import threading
 import time
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 
 import glm53
 from glm53 import DeployConfig, Engine
-from tests.glm53.test_router import Router
+from tests.glm53.test_router import servers_and_router
 from tests.glm53.test_serve import FLAGS, _free_port, _metric
 from tests.glm53.test_serve import Server as Process
 
@@ -38,26 +37,8 @@ def pd(tmp_path_factory):
              "prefill_ib": (*dcp, "--cp-kv-cache-interleave-size", str(PAGE // 2), *MTP,
                             "--kv-transfer-config", _ktc("kv_producer")),
              "decode": ("--kv-policy", "hisparse", *MTP, "--kv-transfer-config", _ktc("kv_consumer"))}
-    procs: dict = {}
-
-    def start(name):
-        procs[name] = Process("tiny", tmp, *flags[name])
-
-    threads = [threading.Thread(target=start, args=(n,)) for n in flags]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        if len(procs) != len(flags):
-            raise RuntimeError("a server did not start (its log is in the test's tmp dir)")
-        router = Router(tmp, [procs["prefill_i1"].url("")], [procs["decode"].url("")], {})
-        yield router, procs
-        router.proc.terminate()
-        router.proc.wait(30)
-    finally:
-        for p in procs.values():
-            p.stop()
+    with servers_and_router(tmp_path_factory.mktemp("pd"), flags, ["prefill_i1"], ["decode"]) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ server; a decode server killed mid-stream loses no request (the router re-sends 
 tokens so far elsewhere); bad requests get 400 and a prefill server's error passes through. The
 routing rules themselves (`Picker`) are tested without servers."""
 
+import contextlib
 import http.client
 import json
 import signal
@@ -137,35 +138,40 @@ class Router:
         return first, events
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    """One prefill and two decode servers (tiny preset, test_serve's deployment; the decode servers publish
-    KV events) and a router that follows them."""
-    tmp = tmp_path_factory.mktemp("pd")
+@contextlib.contextmanager
+def servers_and_router(tmp, flags: dict, prefill: list[str], decode: list[str], events: dict | None = None):
+    """Start a tiny-preset server per entry of `flags` (name -> extra flags), at once, and a router over
+    the `prefill` and `decode` names (events: name -> KV-event port) -> (router, {name: server}); every
+    process stops on exit."""
     procs: dict = {}
-    events = {name: _free_port() for name in ("decode0", "decode1")}
-
-    def start(name):
-        extra = () if name not in events else (
-            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events[name]}"}))
-        procs[name] = Process("tiny", tmp, *extra)
-
-    threads = [threading.Thread(target=start, args=(n,)) for n in ("prefill", "decode0", "decode1")]
+    threads = [threading.Thread(target=lambda n=n: procs.__setitem__(n, Process("tiny", tmp, *flags[n]))) for n in flags]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     try:
-        if len(procs) != 3:
+        if len(procs) != len(flags):
             raise RuntimeError("a server did not start (its log is in the test's tmp dir)")
-        router = Router(tmp, [procs["prefill"].url("")], [procs["decode0"].url(""), procs["decode1"].url("")],
-                        {procs[n].url(""): f"tcp://127.0.0.1:{port}" for n, port in events.items()})
+        router = Router(tmp, [procs[n].url("") for n in prefill], [procs[n].url("") for n in decode],
+                        {procs[n].url(""): f"tcp://127.0.0.1:{port}" for n, port in (events or {}).items()})
         yield router, procs
         router.proc.send_signal(signal.SIGTERM)
         router.proc.wait(30)
     finally:
         for p in procs.values():
             p.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """One prefill and two decode servers (tiny preset, test_serve's deployment; the decode servers publish
+    KV events) and a router that follows them."""
+    events = {name: _free_port() for name in ("decode0", "decode1")}
+    flags = {"prefill": ()} | {n: ("--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                                     "endpoint": f"tcp://*:{port}"}))
+                               for n, port in events.items()}
+    with servers_and_router(tmp_path_factory.mktemp("pd"), flags, ["prefill"], ["decode0", "decode1"], events) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
