@@ -265,6 +265,12 @@ class Engine:
         tiers = self.tiers[replica] if self.deploy.kv_role is not None else None
         return next((t for t in tiers.tiers if t.name == PD_TIER), None) if tiers is not None else None
 
+    def kv_transfer_received_tokens(self, replica: int) -> int:
+        """Prompt tokens whose KV `replica` loaded from a P/D producer: the MLA pages the PdConnector's tier
+        loaded (every page has one) times their tokens (glm53:kv_transfer_received_tokens)."""
+        pages = self.replicas[replica].scheduler.policy.host_tier.loaded_pages[(PD_TIER, "mla")]
+        return pages * self.deploy.group_tokens_per_block(("mla",))["mla"]
+
     def parked(self, req_id: str) -> bool:
         """Whether finished `req_id`'s KV transfers (the parking its finish planned) have run: its replica
         ran a plan after the one it finished in, or has nothing left to run. A server thread may call it."""

@@ -216,8 +216,7 @@ class PdPair:
 
     def received_tokens(self) -> int:
         """Prompt tokens the decode engine loaded from the producer (glm53:kv_transfer_received_tokens)."""
-        tpb = self.decode.deploy.group_tokens_per_block(("mla",))["mla"]
-        return sum(r.scheduler.policy.host_tier.loaded_pages[("pd", "mla")] for r in self.decode.replicas) * tpb
+        return sum(self.decode.kv_transfer_received_tokens(i) for i in range(len(self.decode.replicas)))
 
     def shutdown(self) -> None:
         self.prefill.shutdown()

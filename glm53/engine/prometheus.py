@@ -44,7 +44,6 @@ import jax
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from glm53.engine.config import GROUPS, PD_TIER
 from glm53.engine.engine import offload_metrics
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py)
@@ -174,7 +173,6 @@ class _Collector:
         steps = family(CounterMetricFamily, "glm53:scheduler_steps", "Scheduler steps that ran requests.")
         received = family(CounterMetricFamily, "glm53:kv_transfer_received_tokens",
                           "Prompt tokens whose KV came from a P/D producer (the PdConnector) instead of being computed.")
-        mla_tokens = d.group_tokens_per_block(GROUPS)["mla"]
         compiles = CounterMetricFamily("glm53:xla_compilations", "XLA programs compiled by this process (a warm "
                                        "server compiles none while serving).", labels=["model_name"])
         compiles.add_metric([m.model_name], m.compilations)
@@ -217,8 +215,8 @@ class _Collector:
             d2h.add_metric(lv, sch.transfers.d2h_bytes)
             h2d.add_metric(lv, sch.transfers.h2d_bytes)
             steps.add_metric(lv, st.steps)
-            if d.kv_role is not None:  # MLA pages the PdConnector's tier loaded (every page has one)
-                received.add_metric(lv, sch.policy.host_tier.loaded_pages[(PD_TIER, "mla")] * mla_tokens)
+            if d.kv_role is not None:
+                received.add_metric(lv, eng.kv_transfer_received_tokens(i))
             with m._lock:
                 for (rep_i, reason), n in m._success.items():
                     if rep_i == i:
