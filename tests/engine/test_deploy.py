@@ -202,7 +202,7 @@ def test_what_is_not_built_says_so(tiny_model):
         Engine(tiny_model, DeployConfig(tensor_parallel_size=64, max_model_len=64, num_gpu_blocks=8))
     with pytest.raises(ValueError, match="TP x PCP is not built"):
         DeployConfig(tensor_parallel_size=2, prefill_context_parallel_size=2)
-    # HiSparse runs under TP alone (tests/parallel/test_tp.py), not with its KV split over DCP ranks
+    # HiSparse runs under TP alone (tests/parallel/test_tp_hisparse.py), not with its KV split over DCP ranks
     with pytest.raises(NotImplementedError, match="hisparse.*PCP / DCP"):
         DeployConfig(decode_context_parallel_size=2, kv_policy="hisparse", hisparse_host_pool_bytes=1)
     with pytest.raises(NotImplementedError, match="hisparse.*PCP / DCP"):

@@ -26,8 +26,13 @@ from pathlib import Path
 
 import pytest
 
+from experiments.common import with_fast_compile
+
 DEVICES = 16
-CHILD_TIMEOUT_S = 900
+# It bounds a hung subprocess, not a slow one: on a busy 2-core CI machine a file's multidevice tests take
+# up to 1.6x their time alone (test_tp.py's, 564 s alone, passed 900 s there on 2026-12-03 and was
+# killed; it is now three files).
+CHILD_TIMEOUT_S = 1500
 ENV_CHILD = "PARALLEL_TESTS_SUBPROCESS"
 ENV_REPORT = "PARALLEL_TESTS_REPORT"
 ENV_PARENT = "PARALLEL_TESTS_PARENT_PID"
@@ -108,8 +113,7 @@ def _start_child(nodeids: list[str] | None = None) -> None:
     env[ENV_REPORT] = str(Path(tmp.name) / "report.jsonl")
     env[ENV_PARENT] = str(os.getpid())
     # The programs are tiny: compile time dominates, and LLVM's optimisation level 0 halves it.
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-                        " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
+    env["XLA_FLAGS"] = with_fast_compile(f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(_selected if nodeids is None else nodeids)]
     # output to a file: a pipe nobody reads until the first multidevice test could fill and stall it
     with open(Path(tmp.name) / "output.txt", "w") as out:
