@@ -10,12 +10,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import jax
-import pytest
+from experiments.common import bound_memory_maps, with_fast_compile
 
-from experiments.common import bound_memory_maps
-
+# Before JAX starts its backend: the suite compiles thousands of tiny programs, and compilation dominates
+# its time; the tests' own subprocesses (servers, peers, benchmarks, the multidevice run) inherit it.
+os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # No persistent compilation cache in the test processes themselves (three clean-clone CI runs,

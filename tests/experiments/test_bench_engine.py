@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments.common import FAST_COMPILE_XLA_FLAGS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_engine_tiny(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2",
-               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=FAST_COMPILE_XLA_FLAGS)
     cmd = [sys.executable, "-m", "experiments.bench_engine", "--out", str(tmp_path), "--sched-requests", "8",
            "--sched-prompt-len", "100", "--sched-decode-steps", "40", "--sched-batched-tokens", "256", "--config",
            "tiny", "--requests", "2", "--prompt-len", "40", "--new-tokens", "5", "--batched-tokens", "128",

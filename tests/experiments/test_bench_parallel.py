@@ -7,14 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from experiments.common import FAST_COMPILE_XLA_FLAGS
 from glm53.config import get_preset
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_parallel_small(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2",
-               XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=FAST_COMPILE_XLA_FLAGS)
     cmd = [sys.executable, "-m", "experiments.bench_parallel", "--out", str(tmp_path), "--ns", "4", "--lengths",
            "64", "--block", "8", "--topk", "8", "--dcp-ns", "8", "--contexts", "4096,65536",
            "--prefill-chunk", "256", "--engine-n", "4", "--engine-length", "64"]

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType
 
+from experiments.common import FAST_COMPILE_XLA_FLAGS as FAST_COMPILE
 from parallel import launch
 from parallel import mesh as pmesh
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("multihost_worker.py")
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 # ------------------------------------------------------------------------------------------------ meshes
