@@ -8,7 +8,8 @@
 A config file defines `get_config() -> ml_collections.ConfigDict` (start from `default_config()` here):
 `model` (preset + seed, or an HF checkpoint), `deploy` (DeployConfig fields), `workload` (kind
 "openhands" | "synthetic" | "trace"), `sweep` (lists of `kv_policy` and `concurrency`: one run per
-pair, each on a fresh engine), and `runner` (kind "model": the model runs; "sim": the simulator prices
+pair, each on a fresh engine; `measure="steady"` reports the window in which the closed loop kept all
+`concurrency` sessions running and skips the drain after it, "full" the whole run), and `runner` (kind "model": the model runs; "sim": the simulator prices
 every step on `runner.hardware` with no weights and a virtual clock, docs/simulator.md). `--config.KEY=VALUE` overrides a field (VALUE is a Python literal, else a
 string).
 
@@ -61,7 +62,11 @@ def default_config() -> ConfigDict:
                                enable_expert_parallel=False, tensor_parallel_size=1, kv_cache_memory_bytes=0))
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
                                  median_turns=43.0, mean_input=142_000.0, think_time_scale=0.0, seed=0))
-    c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4)))
+    # sessions_per_user: serve concurrency x this many sessions (0: all the workload's)
+    # measure: "full" reports the whole run, drain included (the closed loop's last sessions finishing with
+    # fewer and fewer beside them); "steady" stops when the drain begins and reports its window
+    # (`steady_window_s`: from the start to when the last session started; ClosedLoopClient.run)
+    c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4), sessions_per_user=0, measure="full"))
     # P/D deployments (simulator only): a sweep entry naming one of these runs a prefill and a decode engine
     # coupled by the PdConnector (glm53.engine.pd_sim): {name: {"prefill": {DeployConfig fields over
     # `deploy`}, "decode": {...}}}; each side's kv_policy is its own ("offload", or "hisparse" on decode)
@@ -209,7 +214,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     from glm53.engine.runner import CompileCounter
 
     sessions = build_sessions(cfg.workload, cfg.deploy.max_model_len)
-    per_user = cfg.sweep.get("sessions_per_user", 0)
+    per_user = cfg.sweep.sessions_per_user
     if per_user:  # as many sessions as users: each point serves concurrency x per_user sessions
         sessions = sessions[: concurrency * per_user]
     tiers = tempfile.TemporaryDirectory(prefix="serve-tiers-")  # a fresh filesystem tier per point
@@ -229,14 +234,21 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     def on_step(e):
         bar.update(len(e.finished) - bar.n)
 
+    measure = cfg.sweep.measure
+    if measure not in ("full", "steady"):
+        raise ValueError(f"sweep.measure must be 'full' or 'steady', got {measure!r}")
     t0 = time.perf_counter()
     with CompileCounter() as compiles:
-        res = client.run(on_step=on_step)
+        res = client.run(on_step=on_step, stop_at_drain=measure == "steady")
     wall = time.perf_counter() - t0
     bar.close()
     eng.shutdown()
     tiers.cleanup()
-    m = eng.metrics(res.request_ids)
+    if measure == "steady":  # the figures over the steady window; requests sent after it are left unfinished
+        m = eng.metrics([r for r in res.request_ids if r in eng.finished], window=res.steady_window)
+    else:
+        m = eng.metrics(res.request_ids)
+    m.update(measure=measure, steady_window_s=list(res.steady_window) if res.steady_window else None)
     pd = _pd_deployment(cfg, kv_policy)
     if pd is not None:  # what follows reads the decode engine; the pair's own figures are in m already
         m.update(prefill=pd.get("prefill_name", "prefill"), decode=pd.get("decode_name", "decode"),

@@ -443,6 +443,11 @@ class ClientResult:
     request_ids: list[str]  # every request the client sent, in order
     sessions_done: int
     steps: int  # engine steps the client ran (a step may only move KV; the final drain is not counted)
+    # (start, saturated until) on the engine clock: from the run's start to the first time a slot of the
+    # pool fell free with no session to take it (none left, or only subagents whose parents have not
+    # reached their branch point); from then on fewer than `concurrency` sessions run. None when the
+    # first fill already fell short (no more eligible sessions than concurrency): no steady part.
+    steady_window: tuple[float, float] | None = None
 
 
 class ClosedLoopClient:
@@ -490,8 +495,14 @@ class ClosedLoopClient:
         new = self.rng.integers(0, self.vocab_size, t.input_tokens, dtype=np.int32)
         return new if live.context is None else np.concatenate([live.context, new])
 
-    def run(self, on_step: Callable[[object], None] | None = None) -> ClientResult:
-        """Run every session to its end. on_step(engine) is called after each engine step."""
+    def run(self, on_step: Callable[[object], None] | None = None, stop_at_drain: bool = False) -> ClientResult:
+        """Run every session to its end. on_step(engine) is called after each engine step.
+
+        stop_at_drain: at the end of `ClientResult.steady_window` (the pool first ran short), stop once
+        every request in flight then has finished, instead of running the drain, in which fewer and
+        fewer sessions are left (with heavy-tailed session lengths and subagents waiting on their parents
+        it can be most of a run; docs/simulator.md "Part 2"). Requests sent after the window may be
+        unfinished: the engine is the caller's to shut down."""
         eng, clock = self.engine, self.engine.clock
         self.done_turns = {}
         pending = list(self.sessions)
@@ -499,6 +510,9 @@ class ClosedLoopClient:
         by_req: dict[str, _Live] = {}
         sent: list[str] = []
         steps = done = 0
+        start = clock.now()
+        window, before_end = None, set()  # requests in flight when the window ended
+        filled = False  # the first fill is done
         while pending or active:
             while len(active) < self.concurrency:
                 nxt = next((s for s in pending if self._eligible(s)), None)
@@ -506,6 +520,16 @@ class ClosedLoopClient:
                     break
                 pending.remove(nxt)
                 active.append(_Live(nxt, ready_s=clock.now()))
+            if not filled:
+                filled = True
+                saturated = len(active) == self.concurrency
+                if not saturated and stop_at_drain:
+                    raise ValueError(f"stop_at_drain: {len(active)} eligible sessions at concurrency "
+                                     f"{self.concurrency}: no steady part; run more sessions than concurrency")
+            elif saturated and window is None and len(active) < self.concurrency:
+                window, before_end = (start, clock.now()), set(by_req)
+            if stop_at_drain and window is not None and not before_end & set(by_req):
+                return ClientResult(sent, done, steps, window)
             now = clock.now()
             for live in active:
                 if live.in_flight is None and live.ready_s <= now:
@@ -551,4 +575,4 @@ class ClosedLoopClient:
                 on_step(eng)
         while eng.has_unfinished():  # no request left: the last KV transfers (parking the last turns) run
             eng.step()
-        return ClientResult(sent, done, steps)
+        return ClientResult(sent, done, steps, window)

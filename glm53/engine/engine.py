@@ -425,12 +425,15 @@ class Engine:
                              r.finish_s, tuple(r.token_times_s), r.num_preemptions)
 
     # --------------------------------------------------------------------------------------- metrics
-    def metrics(self, req_ids: Sequence[str] | None = None) -> dict:
-        """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all)."""
+    def metrics(self, req_ids: Sequence[str] | None = None, window: tuple[float, float] | None = None) -> dict:
+        """Serving metrics (glm53.engine.metrics.summarize) over finished requests (default: all), over
+        the whole run or over `window` (t0, t1) on the engine clock (the latency and throughput figures
+        and running_requests_mean; counters such as preemptions and bytes stay the whole run's)."""
         outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
         duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
+        running = [row[1] for row in self.timeline if window is None or window[0] <= row[0] <= window[1]]
         out = summarize(outs, duration_s=duration, num_devices=self.num_devices, scheduler_stats=self._stats(),
-                        transfers=self._transfers(), running_per_step=self.running_per_step)
+                        transfers=self._transfers(), running_per_step=running, window=window)
         out.update(self._policy_metrics())
         out.update(self._cp_metrics())
         out.update(self._spec_metrics())

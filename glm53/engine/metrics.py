@@ -23,18 +23,35 @@ import numpy as np
 from glm53.engine.request import RequestOutput
 
 
-def summarize(outputs: Sequence[RequestOutput], *, duration_s: float, num_devices: int = 1, scheduler_stats=None,
-              transfers=None, running_per_step: Sequence[int] = ()) -> dict:
-    """Metrics of a finished run -> dict whose keys carry their units."""
+def summarize(outputs: Sequence[RequestOutput], *, duration_s: float | None = None, num_devices: int = 1,
+              scheduler_stats=None, transfers=None, running_per_step: Sequence[int] = (),
+              window: tuple[float, float] | None = None) -> dict:
+    """Metrics of a finished run -> dict whose keys carry their units.
+
+    Whole run (window None): over every output, throughput = every token (prompt, cached ones too, and
+    output) / duration_s. Window (t0, t1) on the engine clock (a closed loop's steady state, before its
+    drain): duration is t1 - t0; throughput counts a prompt when its first token came inside the window
+    and each output token whose time is inside it; latencies are over the requests that arrived inside it
+    (the caller passes them all finished: `ClosedLoopClient.run(stop_at_drain=True)` waits for them);
+    running_per_step is the caller's, already cut to the window."""
+    if window is not None:
+        t0, t1 = window
+        if not t1 > t0:
+            raise ValueError(f"window must have t1 > t0, got {window}")
+        duration_s = t1 - t0
+        tokens = sum((o.prompt_ids.size if o.first_token_s is not None and t0 <= o.first_token_s <= t1 else 0)
+                     + sum(t0 <= t <= t1 for t in o.token_times_s) for o in outputs)
+        outputs = [o for o in outputs if t0 <= o.arrival_s <= t1]
     if not outputs:
         raise ValueError("no finished requests to summarize")
-    if duration_s <= 0:
+    if duration_s is None or duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    if window is None:
+        tokens = sum(o.prompt_ids.size + len(o.token_ids) for o in outputs)
     timed = [o for o in outputs if o.first_token_s is not None]  # an aborted request may have no token
     ttft = np.asarray([o.first_token_s - o.arrival_s for o in timed])
     tpot = np.asarray([(o.finish_s - o.first_token_s) / (len(o.token_ids) - 1) for o in timed if len(o.token_ids) > 1])
     e2e_rate = np.asarray([len(o.token_ids) / (o.finish_s - o.arrival_s) for o in timed if o.finish_s > o.arrival_s])
-    tokens = sum(o.prompt_ids.size + len(o.token_ids) for o in outputs)
     out = {
         "requests": len(outputs),
         "output_tokens": int(sum(len(o.token_ids) for o in outputs)),

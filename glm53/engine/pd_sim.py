@@ -196,16 +196,16 @@ class PdPair:
         self.handed_tokens += len(held) * tpb
         self.handoff_s.append(t - arrival)
 
-    def metrics(self, req_ids=None) -> dict:
+    def metrics(self, req_ids=None, window: tuple[float, float] | None = None) -> dict:
         """The decode engine's metrics over the requests (their arrival is the client's, so TTFT and
         end-to-end rates include the prefill leg and the hand-off), with throughput over both engines'
-        devices, and the prefill engine's own figures under `prefill_`."""
+        devices, and the prefill engine's own figures under `prefill_`; `window` as Engine.metrics."""
         ids = list(req_ids) if req_ids is not None else list(self.decode.finished)
-        m = self.decode.metrics(ids)
+        m = self.decode.metrics(ids, window=window)
         outs = [self.decode.output(r) for r in ids]
         duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
-        m["throughput_tok_s_per_device"] = summarize(outs, duration_s=duration,
-                                                     num_devices=self.num_devices)["throughput_tok_s_per_device"]
+        m["throughput_tok_s_per_device"] = summarize(outs, duration_s=duration, num_devices=self.num_devices,
+                                                     window=window)["throughput_tok_s_per_device"]
         pre = self.prefill.metrics([r for r in ids if r in self.prefill.finished])
         m.update({f"prefill_{k}": pre[k] for k in ("prefix_hit_rate", "preemptions", "recomputed_tokens",
                                                     "d2h_bytes", "h2d_bytes", "device_blocks_peak")})

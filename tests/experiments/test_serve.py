@@ -126,3 +126,24 @@ def test_the_tiered_h200_config_puts_each_boundary_inside_the_range(tmp_path):
     assert host_only["prefix_hit_rate"] == 0 and with_fs["prefix_hit_rate"] > 0.6
     assert with_fs["kv_offload"]["fs"]["hits"] > 0 and with_fs["sim_tier_busy_frac"]["fs"]["read"] > 0
     assert with_fs["throughput_tok_s_per_gpu"] > 2 * host_only["throughput_tok_s_per_gpu"]
+
+
+def test_steady_measure_stops_at_the_drain_and_reports_its_window(tmp_path):
+    """sweep.measure="steady" (configs/paper/part2.py's P/D pair at 1/64 scale): the run is the full run
+    up to the end of its steady window (a simulated run is deterministic, so the window is the same), it
+    stops there instead of draining, and its figures are the window's."""
+    args = ["--config", str(serve.REPO / "configs/paper/part2.py"), "--no-progress", "--compile-cache", "",
+            "--config.workload.sessions=6", "--config.workload.scale=0.015625", "--config.workload.median_turns=4.0",
+            "--config.sweep.concurrency=(2,)", "--config.sweep.kv_policy=('pcp_dcp+hisparse',)",
+            "--config.sweep.sessions_per_user=3"]
+    full = serve.main(args + ["--out", str(tmp_path / "full")])
+    steady = serve.main(args + ["--out", str(tmp_path / "steady"), "--config.sweep.measure=steady"])
+    assert full["measure"] == "full" and steady["measure"] == "steady"
+    t0, t1 = full["steady_window_s"]
+    assert steady["steady_window_s"] == [t0, t1] and 0 == t0 < t1 < full["simulated_s"]
+    assert t1 <= steady["simulated_s"] < full["simulated_s"] and steady["duration_s"] == t1 - t0
+    assert 0 < steady["requests"] < full["requests"]
+    # the window keeps the pool full: more requests run on average than over the drained whole run
+    assert steady["running_requests_mean"] > full["running_requests_mean"]
+    with pytest.raises(ValueError, match="measure"):
+        serve.main(args + ["--out", str(tmp_path / "bad"), "--config.sweep.measure=steadyish"])

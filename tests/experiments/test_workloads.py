@@ -159,6 +159,32 @@ def test_closed_loop_client_think_time_and_subagent_order():
     assert np.array_equal(prompts[2][:64], prompts[0]) and np.array_equal(prompts[child_idx], prompts[2])
 
 
+def test_closed_loop_client_steady_window_and_stop_at_drain():
+    t = wl.Turn
+    turns = lambda *outs: tuple(t(64, n, 0.0, (1,)) for n in outs)  # noqa: E731
+    sessions = [wl.Session("a", "u0", turns(2), "trace"), wl.Session("b", "u1", turns(4, 3, 4), "trace"),
+                wl.Session("c", "u2", turns(1), "trace"), wl.Session("d", "u3", turns(3), "trace")]
+    make = lambda: wl.ClosedLoopClient(FakeEngine(), sessions, concurrency=2, vocab_size=50,  # noqa: E731
+                                       make_params=lambda n: n)
+    # a and b start at t=0; a ends at t=2 and c takes its slot; c ends at t=3 and d, the last, takes it;
+    # d ends at t=6 and its slot stays free: the pool of 2 was full over (0, 6); b runs alone to t=11
+    full = make()
+    res = full.run()
+    assert res.steady_window == (0.0, 6.0) and full.engine.clock.now() == 11.0 and res.sessions_done == 4
+    # stop_at_drain: waits for b's turn in flight at t=6 (its 2nd, t=4..7), then sends nothing more
+    stop = make()
+    res = stop.run(stop_at_drain=True)
+    assert res.steady_window == (0.0, 6.0) and stop.engine.clock.now() == 7.0
+    assert len(res.request_ids) == 5 and not stop.engine.reqs and res.sessions_done == 3
+    with pytest.raises(ValueError, match="no steady part"):
+        wl.ClosedLoopClient(FakeEngine(), sessions[:1], concurrency=2, vocab_size=50,
+                            make_params=lambda n: n).run(stop_at_drain=True)
+    assert wl.ClosedLoopClient(FakeEngine(), sessions[:2], concurrency=2, vocab_size=50,
+                               make_params=lambda n: n).run().steady_window == (0.0, 2.0)
+    assert wl.ClosedLoopClient(FakeEngine(), sessions[:1], concurrency=2, vocab_size=50,
+                               make_params=lambda n: n).run().steady_window is None
+
+
 def test_client_rejects_sessions_over_the_admission_limit():
     with pytest.raises(ValueError, match="max_model_len"):
         wl.ClosedLoopClient(FakeEngine(), wl.openhands_sessions(1, scale=1 / 100), 1, vocab_size=10,
