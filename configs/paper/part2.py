@@ -18,6 +18,10 @@ run under a 142K limit (a session's prompts grow to about 1.7x their mean), so a
 80K (prompts grow to about 133K; a session, or a subagent, that reaches the limit ends there) and at 1M
 it is the published 142K.
 
+Each point is measured over its steady window (sweep.measure = "steady", experiments/serve.py): from
+the start until the closed loop first cannot fill a free slot; the drain after it is not run. Four
+sessions per slot keep that window long (docs/simulator.md "Part 2 at H200 scale").
+
 Device KV budgets per GPU come from the memory plan (`python -m experiments.memory_plan`,
 results/memory_plan/results.json, fp8 weights): 2.30 GiB for the PCP8 x DCP8 x EP8 prefill engine (its
 attention weights are whole on every GPU), 15.59 GiB for a DP8 prefill rank and 15.42 GiB for a DP8 x EP8
@@ -76,5 +80,9 @@ def get_config():
     c.workload.mean_input = 80_000.0
     c.sweep.kv_policy = ("pcp_dcp+hisparse", "dp+hisparse", "pcp_dcp+offload")
     c.sweep.concurrency = (8, 16, 32, 48, 64)
-    c.sweep.sessions_per_user = 2
+    # each point: 4 sessions per concurrency slot, measured over the window in which all `concurrency`
+    # sessions run (sweep.measure "steady"): with ~43-turn, heavy-tailed sessions and subagents that wait
+    # on their parents, the drain after it was most of a full run (c=64: 25 of 64 running on average)
+    c.sweep.sessions_per_user = 4
+    c.sweep.measure = "steady"
     return c

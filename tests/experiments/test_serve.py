@@ -136,7 +136,7 @@ def test_steady_measure_stops_at_the_drain_and_reports_its_window(tmp_path):
             "--config.workload.sessions=6", "--config.workload.scale=0.015625", "--config.workload.median_turns=4.0",
             "--config.sweep.concurrency=(2,)", "--config.sweep.kv_policy=('pcp_dcp+hisparse',)",
             "--config.sweep.sessions_per_user=3"]
-    full = serve.main(args + ["--out", str(tmp_path / "full")])
+    full = serve.main(args + ["--out", str(tmp_path / "full"), "--config.sweep.measure=full"])
     steady = serve.main(args + ["--out", str(tmp_path / "steady"), "--config.sweep.measure=steady"])
     assert full["measure"] == "full" and steady["measure"] == "steady"
     t0, t1 = full["steady_window_s"]
