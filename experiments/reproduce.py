@@ -84,7 +84,8 @@ PART2_QUICK = ("--config.sweep.concurrency=(8,)", "--config.workload.median_turn
                "--config.workload.mean_input=20000.0")
 PART2_NOTE = ("P/D in the simulator (glm53.engine.pd_sim): the decode ranks read the producer's chunks over a 43 GB/s "
               "RDMA NIC each; at 142K the mean input is 80K tokens (the published 142K mean cannot run under a 142K "
-              "limit)")
+              "limit); each point is measured over its steady window, while all `concurrency` sessions run "
+              "(sweep.measure = 'steady')")
 DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
 ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
 
