@@ -65,7 +65,8 @@ def default_config() -> ConfigDict:
     # sessions_per_user: serve concurrency x this many sessions (0: all the workload's)
     # measure: "full" reports the whole run, drain included (the closed loop's last sessions finishing with
     # fewer and fewer beside them); "steady" stops when the drain begins and reports its window
-    # (`steady_window_s`: from the start to when the last session started; ClosedLoopClient.run)
+    # (`steady_window_s`: from the start to the first time a freed slot finds no session to take it;
+    # ClosedLoopClient.run)
     c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4), sessions_per_user=0, measure="full"))
     # P/D deployments (simulator only): a sweep entry naming one of these runs a prefill and a decode engine
     # coupled by the PdConnector (glm53.engine.pd_sim): {name: {"prefill": {DeployConfig fields over

@@ -528,7 +528,7 @@ class ClosedLoopClient:
                                      f"{self.concurrency}: no steady part; run more sessions than concurrency")
             elif saturated and window is None and len(active) < self.concurrency:
                 window, before_end = (start, clock.now()), set(by_req)
-            if stop_at_drain and window is not None and not before_end & set(by_req):
+            if stop_at_drain and window is not None and before_end.isdisjoint(by_req):
                 return ClientResult(sent, done, steps, window)
             now = clock.now()
             for live in active:
