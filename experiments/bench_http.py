@@ -135,10 +135,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(preset: str, seed: int, cache_dir: str, log: Path) -> tuple[subprocess.Popen, int]:
+def start_server(preset: str, seed: int, cache_dir: str, log: Path, flags: list[str] | None = None
+                 ) -> tuple[subprocess.Popen, int]:
+    """`python -m glm53.serve PRESET --warmup` on a free port with `flags` (default: DEPLOY's), its
+    compilation cache in `cache_dir` -> (process, port) once /health answers."""
     port = _free_port()
-    args = [sys.executable, "-m", "glm53.serve", preset, "--seed", str(seed), "--port", str(port), "--warmup",
-            *[x for k, v in DEPLOY.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
+    flags = [x for k, v in DEPLOY.items() for x in (f"--{k.replace('_', '-')}", str(v))] if flags is None else flags
+    args = [sys.executable, "-m", "glm53.serve", preset, "--seed", str(seed), "--port", str(port), "--warmup", *flags]
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 1800  # --warmup: every bucket shape, loaded from the cache the client filled
@@ -154,21 +157,30 @@ def start_server(preset: str, seed: int, cache_dir: str, log: Path) -> tuple[sub
     raise RuntimeError(f"server did not come up: {log.read_text()[-2000:]}")
 
 
-def _server_compilations(port: int) -> int:
+def scrape_metrics(port: int) -> dict[str, float]:
+    """A server's /metrics -> {sample name: value summed over its label sets}."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    return int(next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                    if s.name == "glm53:xla_compilations_total"))
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
-def run_point(engine, sessions, concurrency: int, vocab: int) -> tuple[list[str], float]:
+def _server_compilations(port: int) -> int:
+    return int(scrape_metrics(port)["glm53:xla_compilations_total"])
+
+
+def run_point(engine, sessions, concurrency: int, vocab: int, max_model_len: int = DEPLOY["max_model_len"]
+              ) -> tuple[list[str], float]:
     import glm53
 
     client = workloads.ClosedLoopClient(engine, sessions, concurrency, vocab_size=vocab, seed=0,
                                         make_params=lambda n: glm53.SamplingParams(max_new_tokens=n),
                                         think_time_scale=0.0, salt_prefix="user:",
-                                        max_model_len=DEPLOY["max_model_len"])
+                                        max_model_len=max_model_len)
     t0 = time.perf_counter()
     res = client.run()
     return res.request_ids, time.perf_counter() - t0

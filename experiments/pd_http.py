@@ -1,0 +1,248 @@
+"""Part 2 at laptop scale over HTTP (issue 23 item 5): two P/D deployments as real processes on loopback,
+driven through `python -m glm53.router` by the closed-loop agentic client.
+
+    python -m experiments.pd_http --out results/paper/part2_laptop [--concurrency 1 4] [--sessions 8]
+
+Deployments (a preset's random weights, 4 simulated devices each; no MTP: its warm-up compiles several
+programs per bucket shape, which on 2 cores cost more than a whole point; MTP over P/D is tested in
+tests/glm53/test_pd.py and priced at H200 scale by configs/paper/part2.py):
+- `pcp_dcp+hisparse`: one prefill server on 2 devices (PCP2 x DCP2, EP2; `kv_producer`) and two decode
+  servers of one device each (`--kv-policy hisparse`, `kv_consumer`): the published Part 2 shape.
+- `dp+offload`: two prefill servers of one device each (`kv_producer`) and two decode servers with the
+  offload policy (`kv_consumer`).
+Both sides use the PdConnector: the decode servers take each prompt's KV from the producer that
+prefilled it (counted in `glm53:kv_transfer_received_tokens`) instead of computing it. The producers'
+pages hold `block_size` tokens over their DCP ranks, as the consumers' do.
+
+The workload is `experiments.workloads.synthetic_trace` (agentic-coding sessions: median `--turns` turns,
+prompts growing to a mean of 142K tokens, 444 output tokens, all times `--scale`; `--output-tokens` per
+turn instead, so that each request's TPOT averages enough gaps; sessions end at max_model_len), each
+session a user with its own salt, no think time. The client is `experiments.bench_http.HttpEngine`
+pointed at the router, in a closed loop of `concurrency` sessions (`workloads.ClosedLoopClient`). Every
+process starts afresh for each concurrency point (`--warmup`: each server compiles its bucket shapes
+before it answers /health, into a compilation cache all share) and stops after it.
+
+Per point (results.json `runs`): the client-side summary (`glm53.engine.metrics.summarize` over
+wall time: TTFT median / p90, TPOT, interactivity, P90 end-to-end per-user tok/s, throughput per device
+over all 4 devices), and what the servers counted: prompt tokens the decode servers received from a
+producer and the prefix-cache hits on each role, preemptions, XLA compilations after warm-up (should be
+0), and the router's `prefill_fallbacks` and `resends` (should be 0). At concurrency 1 the sessions'
+greedy tokens must be the same on both deployments (`tokens_equal`): P/D, HiSparse and MTP change the
+speed, never the tokens. A benchmark: it asserts nothing about speed, and on a laptop the five
+processes share its cores (the numbers compare the deployments' mechanisms, not H200 speed: for that,
+configs/paper/part2.py in the simulator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from experiments import workloads
+from experiments.bench_http import HttpEngine, _free_port, run_point, scrape_metrics, start_server
+from experiments.common import REPO, cpu_name, git_revision, with_fast_compile
+
+DEPLOY = {"max_model_len": 512, "max_num_batched_tokens": 128, "max_num_seqs": 2, "block_size": 16}
+DEVICES = 4  # per deployment: 2 prefill + 2 decode
+
+
+def _ktc(role: str) -> str:
+    return json.dumps({"kv_connector": "PdConnector", "kv_role": role})
+
+
+def deployments(deploy: dict) -> dict[str, dict[str, list[list[str]]]]:
+    """{name: {"prefill": [server flags...], "decode": [...]}}; each server's flags beyond `deploy`."""
+    half = ["--block-size", str(deploy["block_size"] // 2)]  # DCP2: a page of block_size tokens over 2 ranks
+    producer, consumer = ["--kv-transfer-config", _ktc("kv_producer")], ["--kv-transfer-config", _ktc("kv_consumer")]
+    return {
+        "pcp_dcp+hisparse": {
+            "prefill": [["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2",
+                         "--enable-expert-parallel", *half, *producer]],
+            "decode": [["--kv-policy", "hisparse", *consumer]] * 2},
+        "dp+offload": {
+            "prefill": [producer] * 2,
+            "decode": [["--kv-policy", "offload", *consumer]] * 2},
+    }
+
+
+def _server_args(deploy: dict, extra: list[str]) -> list[str]:
+    given = {a for a in extra if a.startswith("--")}
+    flags = [x for k, v in deploy.items() if f"--{k.replace('_', '-')}" not in given
+             for x in (f"--{k.replace('_', '-')}", str(v))]
+    return flags + extra
+
+
+def start_router(prefill: list[int], decode: list[int], log: Path) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    args = [sys.executable, "-m", "glm53.router", "--port", str(port), "--poll-interval", "0.5",
+            "--prefill", *[f"http://127.0.0.1:{p}" for p in prefill], "--decode", *[f"http://127.0.0.1:{p}" for p in decode]]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited: {log.read_text()[-2000:]}")
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"router did not come up: {log.read_text()[-2000:]}")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _counters(ports: list[int]) -> dict[str, float]:
+    names = ("glm53:kv_transfer_received_tokens_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+             "vllm:num_preemptions_total", "glm53:xla_compilations_total", "vllm:prompt_tokens_total")
+    out = dict.fromkeys(names, 0.0)
+    for port in ports:
+        m = scrape_metrics(port)
+        for n in names:
+            out[n] += m.get(n, 0.0)
+    return out
+
+
+def run_deployment(name: str, spec: dict, deploy: dict, sessions, concurrency: int, *, preset: str, seed: int,
+                   vocab: int, cache: str, logs: Path) -> tuple[dict, list]:
+    """Start the deployment's servers and router, run one point, stop them -> (metrics, tokens per request)."""
+    from glm53.engine.metrics import summarize
+
+    procs, ports = {}, {}
+    router = None
+    try:
+        # one at a time: a server's warm-up finds in the compilation cache what an identical one compiled
+        for role in ("prefill", "decode"):
+            for i, extra in enumerate(spec[role]):
+                key = f"{role}{i}"
+                procs[key], ports[key] = start_server(preset, seed, cache, logs / f"{name}-c{concurrency}-{key}.log",
+                                                      _server_args(deploy, extra))
+        pre = [ports[f"prefill{i}"] for i in range(len(spec["prefill"]))]
+        dec = [ports[f"decode{i}"] for i in range(len(spec["decode"]))]
+        router, rport = start_router(pre, dec, logs / f"{name}-c{concurrency}-router.log")
+        warm = {"prefill": _counters(pre), "decode": _counters(dec)}
+        eng = HttpEngine(rport, preset)
+        ids, wall = run_point(eng, sessions, concurrency, vocab, deploy["max_model_len"])
+        outs = eng.outputs(ids)
+        m = summarize(outs, duration_s=max(o.finish_s for o in outs) - min(o.arrival_s for o in outs),
+                      num_devices=DEVICES)
+        after = {"prefill": _counters(pre), "decode": _counters(dec)}
+        d = {role: {k: after[role][k] - warm[role][k] for k in warm[role]} for role in warm}
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{rport}/health", timeout=10).read())
+        m.update(wall_s=wall,
+                 kv_transfer_received_tokens=int(d["decode"]["glm53:kv_transfer_received_tokens_total"]),
+                 decode_prompt_tokens=int(d["decode"]["vllm:prompt_tokens_total"]),
+                 decode_prefix_hit_rate=(d["decode"]["vllm:prefix_cache_hits_total"]
+                                         / max(d["decode"]["vllm:prefix_cache_queries_total"], 1)),
+                 prefill_prefix_hit_rate=(d["prefill"]["vllm:prefix_cache_hits_total"]
+                                          / max(d["prefill"]["vllm:prefix_cache_queries_total"], 1)),
+                 preemptions=int(d["decode"]["vllm:num_preemptions_total"] + d["prefill"]["vllm:num_preemptions_total"]),
+                 compilations_after_warmup=int(d["decode"]["glm53:xla_compilations_total"]
+                                               + d["prefill"]["glm53:xla_compilations_total"]),
+                 prefill_fallbacks=health["prefill_fallbacks"], resends=health["resends"])
+        return m, [o.token_ids.tolist() for o in outs]
+    finally:
+        _stop(([router] if router else []) + list(procs.values()))
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m experiments.pd_http", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/pd_http")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deployments", nargs="+", default=list(deployments(DEPLOY)), choices=list(deployments(DEPLOY)))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=float, default=8, help="median turns per session")
+    ap.add_argument("--scale", type=float, default=1 / 512, help="lengths of the 142K-token trace times this")
+    ap.add_argument("--output-tokens", type=int, default=24, help="mean output tokens per turn")
+    ap.add_argument("--cache-dir", default=None,
+                    help="JAX compilation cache the servers share (default: a fresh temporary directory)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    import glm53
+
+    vocab = glm53.init(args.preset, seed=args.seed).cfg.vocab_size
+    sessions = workloads.synthetic_trace(args.sessions, scale=args.scale, median_turns=args.turns,
+                                         mean_output=args.output_tokens / args.scale, think_mean_s=0.0,
+                                         subagent_prob=0.0, max_context=DEPLOY["max_model_len"])
+    cache = args.cache_dir or tempfile.mkdtemp(prefix="pd-http-jax-cache-")
+    # the servers inherit these: compile at -O0 (as the tests do) and keep every program in the cache
+    os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    specs = deployments(DEPLOY)
+    runs = []
+    for c in args.concurrency:
+        tokens = {}
+        for name in args.deployments:
+            t0 = time.perf_counter()
+            m, tokens[name] = run_deployment(name, specs[name], DEPLOY, sessions, c, preset=args.preset, seed=args.seed,
+                                             vocab=vocab, cache=cache, logs=out / "logs")
+            runs.append({"kv_policy": name, "concurrency": c, "point_wall_s": time.perf_counter() - t0, **m})
+            print(f"{name} c={c}: {m['throughput_tok_s_per_device']:.0f} tok/s/device, TTFT p50 "
+                  f"{m['ttft_median_s'] * 1e3:.0f} ms, TPOT {m['tpot_mean_s'] * 1e3:.1f} ms, received "
+                  f"{m['kv_transfer_received_tokens']} of {m['decode_prompt_tokens']} prompt tokens, "
+                  f"{m['compilations_after_warmup']} compilations", flush=True)
+        if c == 1 and len(tokens) > 1:
+            equal = len({json.dumps(t) for t in tokens.values()}) == 1
+            for r in runs[-len(tokens):]:
+                r["tokens_equal"] = equal
+    result = {"benchmark": "pd_http", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
+              "machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "preset": args.preset, "deploy": DEPLOY,
+              "deployments": {n: specs[n] for n in args.deployments}, "devices_per_deployment": DEVICES,
+              "workload": {"kind": "synthetic", "sessions": args.sessions, "median_turns": args.turns,
+                           "scale": args.scale, "mean_output_tokens": args.output_tokens, "think_time_scale": 0.0,
+                           **workloads.trace_stats(sessions)},
+              "runs": runs}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    plot(result, out / "pd_http.png")
+    return result
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["deployments"])
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, key, label, scale in ((axes[0], "throughput_tok_s_per_device", "throughput (tok/s per device)", 1),
+                                  (axes[1], "interactivity_p90_e2e_tok_s_user", "P90 e2e tok/s per user", 1),
+                                  (axes[2], "ttft_median_s", "median TTFT (ms)", 1e3)):
+        for n in names:
+            rs = [r for r in result["runs"] if r["kv_policy"] == n]
+            ax.plot([r["concurrency"] for r in rs], [r[key] * scale for r in rs], "o-", label=n)
+        ax.set_xlabel("concurrency")
+        ax.set_title(label)
+    axes[0].legend()
+    fig.suptitle(f"{result['preset']}: P/D over HTTP, router + prefill + decode processes on "
+                 f"{result['machine']['cores']} cores ({result['date']}, {result['git_revision'][:8]})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
