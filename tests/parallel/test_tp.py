@@ -7,7 +7,7 @@ device's within 1e-5 of the largest logit, each device holding 1/tp of the split
 the KV. TP4 (the tiny model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 (heads padded 4 -> 8),
 with both DCP backends and both ways of splitting the routed experts (whole experts, EP; or each
 expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one device's greedy tokens. The mid preset
-(8 heads) runs TP8 x DCP8 (slow).
+(8 heads) runs TP4, TP4 x DCP2 and TP8 x DCP8 (slow).
 """
 
 import numpy as np
@@ -93,12 +93,17 @@ def test_tiny_model_tp_and_tp_dcp_match_one_device(tiny_model):
 
 @pytest.mark.multidevice
 @pytest.mark.slow
-def test_mid_model_tp8_matches_one_device():
-    """The mid preset's 8 heads, one per rank (nothing padded), under TP8 x DCP8 (its 16 experts'
-    widths split)."""
+def test_mid_model_tp_and_tp_dcp_match_one_device():
+    """The mid preset's 8 heads: two per rank under TP4 (the split that the tiny model's 4 heads never
+    give: a rank's heads are a slice, not one head) and TP4 x DCP2, one per rank under TP8 x DCP8
+    (nothing padded); its 16 experts whole (EP4) or their widths split."""
     import glm53
 
-    _check(glm53.init("mid", seed=0, std=0.05), [dict(tp=8, dcp=8, backend="a2a")])
+    _check(glm53.init("mid", seed=0, std=0.05), [
+        dict(tp=4, form="mha"),
+        dict(tp=4, dcp=2, backend="ag_rs", interleave=2, ep=True),
+        dict(tp=8, dcp=8, backend="a2a"),
+    ])
 
 
 @pytest.mark.multidevice
