@@ -1,7 +1,7 @@
 """Part 2 at laptop scale over HTTP (issue 23 item 5): two P/D deployments as real processes on loopback,
 driven through `python -m glm53.router` by the closed-loop agentic client.
 
-    python -m experiments.pd_http --out results/paper/part2_laptop [--concurrency 1 4] [--sessions 8]
+    python -m experiments.pd_http --out results/paper/part2_laptop     # ~40 minutes on 2 cores
 
 Deployments (a preset's random weights, 4 simulated devices each; no MTP: its warm-up compiles several
 programs per bucket shape, which on 2 cores cost more than a whole point; MTP over P/D is tested in
@@ -25,10 +25,11 @@ before it answers /health, into a compilation cache all share) and stops after i
 Per point (results.json `runs`): the client-side summary (`glm53.engine.metrics.summarize` over
 wall time: TTFT median / p90, TPOT, interactivity, P90 end-to-end per-user tok/s, throughput per device
 over all 4 devices), and what the servers counted: prompt tokens the decode servers received from a
-producer and the prefix-cache hits on each role, preemptions, XLA compilations after warm-up (should be
-0), and the router's `prefill_fallbacks` and `resends` (should be 0). At concurrency 1 the sessions'
-greedy tokens must be the same on both deployments (`tokens_equal`): P/D, HiSparse and MTP change the
-speed, never the tokens. A benchmark: it asserts nothing about speed, and on a laptop the five
+producer and the prefix-cache hits on each role, the decode servers' host <-> device bytes and
+HiSparse hot-buffer hits and misses, preemptions, XLA compilations after warm-up (should be 0), and the
+router's `prefill_fallbacks` and `resends` (should be 0). At concurrency 1 the sessions' greedy tokens
+must be the same on both deployments (`tokens_equal`): P/D and HiSparse change the speed, never the
+tokens. A benchmark: it asserts nothing about speed, and on a laptop the five
 processes share its cores (the numbers compare the deployments' mechanisms, not H200 speed: for that,
 configs/paper/part2.py in the simulator).
 """
@@ -113,7 +114,9 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def _counters(ports: list[int]) -> dict[str, float]:
     names = ("glm53:kv_transfer_received_tokens_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-             "vllm:num_preemptions_total", "glm53:xla_compilations_total", "vllm:prompt_tokens_total")
+             "vllm:num_preemptions_total", "glm53:xla_compilations_total", "vllm:prompt_tokens_total",
+             "vllm:hisparse_cache_hits_total", "vllm:hisparse_cache_misses_total", "glm53:host_to_device_bytes_total",
+             "glm53:device_to_host_bytes_total")
     out = dict.fromkeys(names, 0.0)
     for port in ports:
         m = scrape_metrics(port)
@@ -145,6 +148,7 @@ def run_deployment(name: str, spec: dict, deploy: dict, sessions, concurrency: i
         outs = eng.outputs(ids)
         m = summarize(outs, duration_s=max(o.finish_s for o in outs) - min(o.arrival_s for o in outs),
                       num_devices=DEVICES)
+        del m["running_requests_mean"]  # engine steps, which a client over HTTP does not see
         after = {"prefill": _counters(pre), "decode": _counters(dec)}
         d = {role: {k: after[role][k] - warm[role][k] for k in warm[role]} for role in warm}
         health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{rport}/health", timeout=10).read())
@@ -158,6 +162,12 @@ def run_deployment(name: str, spec: dict, deploy: dict, sessions, concurrency: i
                  preemptions=int(d["decode"]["vllm:num_preemptions_total"] + d["prefill"]["vllm:num_preemptions_total"]),
                  compilations_after_warmup=int(d["decode"]["glm53:xla_compilations_total"]
                                                + d["prefill"]["glm53:xla_compilations_total"]),
+                 # the decode servers' host -> device traffic: HiSparse's hot-buffer rows (its misses) and
+                 # staged rows, or the offload tier's page loads; device -> host: parking and pre-copies
+                 decode_h2d_bytes=int(d["decode"]["glm53:host_to_device_bytes_total"]),
+                 decode_d2h_bytes=int(d["decode"]["glm53:device_to_host_bytes_total"]),
+                 hisparse_hot_hits=int(d["decode"]["vllm:hisparse_cache_hits_total"]),
+                 hisparse_hot_misses=int(d["decode"]["vllm:hisparse_cache_misses_total"]),
                  prefill_fallbacks=health["prefill_fallbacks"], resends=health["resends"])
         return m, [o.token_ids.tolist() for o in outs]
     finally:
@@ -171,11 +181,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deployments", nargs="+", default=list(deployments(DEPLOY)), choices=list(deployments(DEPLOY)))
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=float, default=8, help="median turns per session")
     ap.add_argument("--scale", type=float, default=1 / 512, help="lengths of the 142K-token trace times this")
-    ap.add_argument("--output-tokens", type=int, default=24, help="mean output tokens per turn")
+    ap.add_argument("--output-tokens", type=int, default=48, help="mean output tokens per turn")
     ap.add_argument("--cache-dir", default=None,
                     help="JAX compilation cache the servers share (default: a fresh temporary directory)")
     args = ap.parse_args(argv)
