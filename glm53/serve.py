@@ -312,13 +312,13 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
             raise BadRequest(str(e), _param_of(str(e))) from None
 
     async def start(body: CompletionRequest, prompts: list[list[int]], max_tokens: int | None,
-                    kv_peer: str | None = None) -> list:
+                    kv_peer: str | None = None, kv_lease: int = 0) -> list:
         handles = []
         try:
             for i, ids in enumerate(prompts):
                 n = max_tokens if max_tokens is not None else max(1, max_model_len - len(ids))
                 handles.append(await engine.add(ids, sampling(body, n, i), salt=body.cache_salt or "",
-                                                kv_peer=kv_peer))
+                                                kv_peer=kv_peer, kv_lease=kv_lease))
         except ValueError as e:
             for h in handles:
                 engine.abort_nowait(h.req_id)
@@ -337,9 +337,10 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
 
     role = engine.engine.deploy.kv_role
 
-    def pd_leg(body: CompletionRequest, prompts) -> tuple[bool, str | None]:
+    def pd_leg(body: CompletionRequest, prompts) -> tuple[bool, str | None, int]:
         """What a request's kv_transfer_params ask of this server -> (produce: answer with the params a
-        consumer needs, kv_peer: the producer to take the prompt's KV from). Without the PdConnector in
+        consumer needs, kv_peer: the producer to take the prompt's KV from, kv_lease: its lease on that
+        KV, 0 if none). Without the PdConnector in
         the matching role both are ignored (the prompt is computed here, as by an aggregated server)."""
         ktp = body.kv_transfer_params or {}
         produce = bool(ktp.get("do_remote_decode")) and role in ("kv_producer", "kv_both")
@@ -347,13 +348,17 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
             raise BadRequest("kv_transfer_params.do_remote_decode takes one prompt and stream false (the prefill "
                              "leg of a P/D pair)", "kv_transfer_params")
         if not (ktp.get("do_remote_prefill") and role in ("kv_consumer", "kv_both")):
-            return produce, None
+            return produce, None, 0
         host, port = ktp.get("remote_host"), ktp.get("remote_port")
         if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
                 or not 1 <= port <= 65535:
             raise BadRequest(f"kv_transfer_params.do_remote_prefill needs remote_host (an address) and remote_port "
                              f"(1-65535), got {host!r} and {port!r}", "kv_transfer_params")
-        return produce, f"{host}:{port}"
+        lease = ktp.get("remote_lease", 0)  # optional: without it the producer's lease lapses at its expiry
+        if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease < 1 << 63:
+            raise BadRequest(f"kv_transfer_params.remote_lease must be the producer's lease id (an integer >= 0), "
+                             f"got {lease!r}", "kv_transfer_params")
+        return produce, f"{host}:{port}", lease
 
     async def produced(req_id: str) -> dict:
         """The P/D producer's answer for finished `req_id`, once its prompt's pages are parked in the
@@ -384,8 +389,8 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> Fa
                 "remote_lease": lease, "remote_lease_s": eng.deploy.pd_lease_s}
 
     async def run(raw: Request, body: CompletionRequest, prompts, max_tokens, chat: bool):
-        produce, kv_peer = pd_leg(body, prompts)
-        handles = await start(body, prompts, max_tokens, kv_peer)
+        produce, kv_peer, kv_lease = pd_leg(body, prompts)
+        handles = await start(body, prompts, max_tokens, kv_peer, kv_lease)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         texts = [TextStream(tokenizer, stops_of(body), tokenizer.eos_token_ids) for _ in handles]
         if body.stream:

@@ -197,7 +197,7 @@ class HostTier:
         # them in one lookup message instead of one per admission attempt)
         ctx = LookupContext(req.req_id, lambda: [chunk_key(self.fingerprint, g, rb.hashes[c]) for c in range(first, max_hit)
                                                  for g in kv.groups if not (c + 1) % kv.ratio[g] and g in self.pools],
-                            peer=getattr(req, "kv_peer", None))
+                            peer=getattr(req, "kv_peer", None), lease=getattr(req, "kv_lease", 0))
         while first + len(found) < max_hit:
             c = first + len(found)
             h, pages = rb.hashes[c], []

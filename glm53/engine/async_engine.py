@@ -68,14 +68,14 @@ class AsyncEngine:
         return self
 
     # ---------------------------------------------------------------------------------- client side
-    async def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None
-                  ) -> RequestHandle:
+    async def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None,
+                  kv_lease: int = 0) -> RequestHandle:
         """Queue a request (validated by `Engine.add_request` in the engine thread) -> its handle, whose
         iteration gives its tokens. Raises what add_request raises (ValueError for a bad request)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", prompt_ids, params, (salt, kv_peer), loop, queue, fut))
+        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease), loop, queue, fut))
         return RequestHandle(await asyncio.wrap_future(fut), queue)
 
     async def abort(self, req_id: str) -> None:
@@ -154,9 +154,9 @@ class AsyncEngine:
     def _apply(self, cmd) -> None:
         eng = self.engine
         if cmd[0] == "add":
-            _, prompt_ids, params, (salt, kv_peer), loop, queue, fut = cmd
+            _, prompt_ids, params, (salt, kv_peer, kv_lease), loop, queue, fut = cmd
             try:
-                rid = eng.add_request(prompt_ids, params, salt=salt, kv_peer=kv_peer)
+                rid = eng.add_request(prompt_ids, params, salt=salt, kv_peer=kv_peer, kv_lease=kv_lease)
             except Exception as e:  # noqa: BLE001 - the client's bad request, raised in its own task
                 fut.set_exception(e)
                 return

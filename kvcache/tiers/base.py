@@ -23,13 +23,15 @@ class LookupContext:
     so a tier that answers from local state pays nothing for it, and a tier that must ask a remote party
     sends them all in one round trip instead of one per admission attempt. `peer`: the "host:port" of the
     peer tier the request's KV is to come from (a P/D consumer's producer, from the request's
-    kv_transfer_params); a peer tier asks that one alone, and tiers that are not peers ignore it."""
+    kv_transfer_params); a peer tier asks that one alone, and tiers that are not peers ignore it.
+    `lease`: that producer's lease on the request's chunks (its `remote_lease`, 0: none), which the
+    peer tier's lookup hands over to its own pin so that the fetch frees them."""
 
-    __slots__ = ("req_id", "_keys", "_make", "peer")
+    __slots__ = ("req_id", "_keys", "_make", "peer", "lease")
 
     def __init__(self, req_id: str, keys: Sequence[bytes] | Callable[[], Sequence[bytes]] = (), *,
-                 peer: str | None = None):
-        self.req_id, self.peer = req_id, peer
+                 peer: str | None = None, lease: int = 0):
+        self.req_id, self.peer, self.lease = req_id, peer, lease
         self._make, self._keys = (keys, None) if callable(keys) else (None, tuple(keys))
 
     @property

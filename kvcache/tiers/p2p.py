@@ -31,7 +31,11 @@ Protocol (ANCHORS §3).
    millisecond of each other) by the peer that pinned them, and a fetch thread opens one TCP connection
    per group: a FetchMsg (keys and pin ids), one frame per key, a done frame. Serving releases the pin.
 A P/D producer leases a finished request's chunks (`lease`: a pin of its own length) after checking
-they are stored (`held_prefix`), so they outlive the lookup pins until its consumer fetches them.
+they are stored (`held_prefix`), so they outlive the lookup pins until its consumer fetches them. The
+consumer's lookup names the lease (`LookupContext.lease`, from the request's kv_transfer_params): the
+producer pins the hits for that lookup and releases them from the lease in the same step, so a chunk
+its consumer is about to fetch is held by the lookup pin alone, and the fetch frees it at once instead
+of when the lease lapses.
 Deadlines turn stragglers into misses, never into a wait or a loop: a peer that has not answered a lookup
 within `lookup_timeout_s` is a miss; a fetch (connect, request, every frame) not done within
 `transfer_timeout_s` makes what has not arrived a miss; a pin lapses `pin_s` after the producer got the
@@ -108,6 +112,7 @@ class LookupMsg(msgspec.Struct, tag="lookup"):
     lookup_id: int
     req_id: str
     keys: list[Key]
+    lease: int = 0  # a P/D producer's lease on these keys, handed over to this lookup's pin (0: none)
 
 
 class LookupRespMsg(msgspec.Struct, tag="lookup_resp"):
@@ -155,6 +160,7 @@ class PeerStats(TierStats):
     served_bytes: int = 0
     pinned_chunks: int = 0  # hits this tier pinned for peers' lookups
     pins_expired: int = 0  # of those, released by the deadline rather than by a fetch
+    lease_handovers: int = 0  # leased chunks a consumer's lookup took over from their P/D lease
     bad_messages: int = 0  # malformed control messages or fetch requests, dropped
 
 
@@ -278,6 +284,7 @@ class PeerTier(TierBookkeeping):
         self._bytes = 0
         self._storing: collections.Counter[bytes] = collections.Counter()  # keys whose store is in flight
         self._pins: dict[int, tuple[float, set[bytes]]] = {}  # pin -> (deadline, keys still pinned under it)
+        self._leases: set[int] = set()  # the pins that are P/D leases (a lookup may take one over)
         self._pin_order: list[tuple[float, int]] = []  # a heap of (deadline, pin): lookups' pins and leases
         self._pinned: collections.Counter[bytes] = collections.Counter()  # key -> live pins holding it
         self._pin_ids = itertools.count(1)
@@ -374,7 +381,7 @@ class PeerTier(TierBookkeeping):
                 a = self._answers[k] = _Answer(PENDING, waiting=up)
                 batch.append((k, a))
             if batch:
-                self._to_ask.append((req, batch))
+                self._to_ask.append((req, ctx.lease, batch))
         self._wake()
         return Lookup.RETRY
 
@@ -408,13 +415,18 @@ class PeerTier(TierBookkeeping):
 
     def lease(self, keys, seconds: float) -> int:
         """Pin those of `keys` held here for `seconds` (a P/D producer's hold on a finished request's chunks
-        until its consumer has fetched them; a consumer's lookup pins them again for pin_s) -> the lease
-        id, 0 if none is held. A lease is not released early: it lapses."""
+        until its consumer has fetched them) -> the lease id, 0 if none is held. A consumer's lookup that
+        names the lease takes its chunks over under the lookup's pin, which the fetch releases; what no
+        such lookup takes lapses with the lease."""
         now = time.monotonic()
         with self._lock:
             self._expire_pins(now)
             held = [k for k in keys if k in self._store]
-            return self._pin(held, now, seconds) if held else 0
+            if not held:
+                return 0
+            pin = self._pin(held, now, seconds)
+            self._leases.add(pin)
+            return pin
 
     def _known(self, key: bytes, now: float) -> Lookup | None:
         """The answer on record for `key` (lock held), None if none is current."""
@@ -557,6 +569,7 @@ class PeerTier(TierBookkeeping):
         self._unpin(key)
         if not rec[1]:
             del self._pins[pin]
+            self._leases.discard(pin)
 
     def _unpin(self, key: bytes) -> None:
         self._pinned[key] -= 1
@@ -567,6 +580,7 @@ class PeerTier(TierBookkeeping):
         while self._pin_order and self._pin_order[0][0] <= now:
             _, pin = heapq.heappop(self._pin_order)
             rec = self._pins.pop(pin, None)
+            self._leases.discard(pin)
             if rec is not None:
                 for k in rec[1]:
                     self._unpin(k)
@@ -621,6 +635,12 @@ class PeerTier(TierBookkeeping):
                 held = [k for k, h in zip(msg.keys, hits) if h]
                 pin = self._pin(held, now) if held else 0
                 self.stats.pinned_chunks += len(set(held))
+                if held and msg.lease in self._leases:  # the lookup's pin holds them now; the fetch releases it
+                    lease = self._pins[msg.lease]
+                    for k in set(held):
+                        if k in lease[1]:
+                            self._release(msg.lease, k)
+                            self.stats.lease_handovers += 1
             reply = LookupRespMsg(msg.lookup_id, hits, pin, self.pin_s, self.data_port)
             try:
                 self._router.send_multipart([ident, _ENCODE.encode(reply)], zmq.NOBLOCK)
@@ -632,11 +652,11 @@ class PeerTier(TierBookkeeping):
         with self._lock:
             asks = list(self._to_ask)
             self._to_ask.clear()
-        by_req: dict[str, list] = {}
-        for req, batch in asks:
-            by_req.setdefault(req, []).extend(batch)
+        by_req: dict[tuple[str, int], list] = {}
+        for req, lease, batch in asks:
+            by_req.setdefault((req, lease), []).extend(batch)
         now = time.monotonic()
-        for req, batch in by_req.items():
+        for (req, lease), batch in by_req.items():
             for p in tuple(self._peers):
                 items = [(k, a) for k, a in batch if p.index in a.waiting]
                 if not items:
@@ -652,7 +672,7 @@ class PeerTier(TierBookkeeping):
                     p.dealer = dealer
                     self._poller.register(dealer, zmq.POLLIN)
                 lid = next(self._lookup_ids)
-                msg = LookupMsg(lid, req, [k for k, _ in items])
+                msg = LookupMsg(lid, req, [k for k, _ in items], lease)
                 try:
                     p.dealer.send(_ENCODE.encode(msg), zmq.NOBLOCK)
                 except zmq.ZMQError:  # its queue is full: it is not keeping up; a miss from it

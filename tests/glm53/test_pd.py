@@ -116,6 +116,7 @@ def test_what_the_producer_cannot_give_is_computed(pd):
     {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": "x"},
     {"do_remote_prefill": True, "remote_port": 5000},
     {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 0},
+    {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5000, "remote_lease": "7"},
 ])
 def test_malformed_kv_transfer_params_are_400(pd, ktp):
     code, out = pd[1]["decode"].post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": ktp})

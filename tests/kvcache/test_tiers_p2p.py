@@ -236,6 +236,29 @@ def test_p2p_a_request_names_its_producer_which_leases_its_chunks(tiers):
     assert _answer(cons, 3, gone) is Lookup.MISS and time.monotonic() - t0 < 5  # by the 1 s lookup deadline
 
 
+def test_p2p_a_lookup_naming_the_lease_takes_it_over_and_the_fetch_frees_the_chunks(tiers):
+    """A P/D consumer's lookup names its producer's lease (LookupContext.lease, the request's remote_lease):
+    the producer moves those chunks from the lease to the lookup's pin, so the fetch frees them at once,
+    not when the lease lapses; a chunk the lookup did not ask stays leased, and a lookup naming another
+    lease (or none) takes nothing over."""
+    prod = tiers(pin_s=0.2, max_bytes=4 * N)
+    assert _store_here(prod, [0, 1, 2, 3]) == ["ok"] * 4
+    lease = prod.lease([_key(0), _key(1), _key(2)], 30.0)
+    cons = tiers()
+    other = LookupContext("req-other", [_key(2)], peer=prod.address, lease=lease + 1)
+    assert _answer(cons, 2, other) is Lookup.HIT and prod.stats.lease_handovers == 0
+    named = LookupContext("req-pd", [_key(0), _key(1)], peer=prod.address, lease=lease)
+    assert _answer(cons, 0, named) is Lookup.HIT and cons.lookup(_key(1), named) is Lookup.HIT
+    assert prod.stats.lease_handovers == 2
+    r = _load(cons, [0, 1])
+    assert r.status == ("ok", "ok") and prod.stats.served_chunks == 2
+    np.testing.assert_array_equal(r.payloads[0], _payload(0))
+    # 0 and 1 are free (the fetch released the lookup's pin); 2 is still leased and 3 was never leased
+    time.sleep(0.3)  # past pin_s: the other lookup's pin on 2 lapsed, the lease has not
+    assert _store_here(prod, [4, 5, 6], job_id=2) == ["ok"] * 3
+    assert [prod.held_prefix([_key(i)]) for i in range(7)] == [0, 0, 1, 0, 1, 1, 1]
+
+
 def test_p2p_lookup_retry_then_hit_or_miss_and_roundtrip(producer, tiers):
     """The first lookup is RETRY and sends the request's whole walk in one message; then hits and misses;
     a load brings the bytes in one fetch; the tier's own store answers at once."""
