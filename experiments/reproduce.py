@@ -80,6 +80,11 @@ NO_MTP = ("One token per decode step (num_speculative_tokens 0); the same sweep 
 PART2 = "configs/paper/part2.py"
 PD_KEYS = ("kv_policy", "prefill", "decode", "concurrency", "throughput_tok_s_per_gpu",
            "interactivity_p90_e2e_tok_s_user", "ttft_median_s", "pd_received_tokens")
+PART2_PUBLISHED = (
+    "PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "
+    "prefill-bound (up to ~c32)", "beyond c32 HiSparse decode pulls ahead, nearly doubling throughput at c64")
+PD_HTTP_KEYS = ("kv_policy", "concurrency", "throughput_tok_s_per_device", "interactivity_p90_e2e_tok_s_user",
+                "ttft_median_s", "tpot_mean_s", "kv_transfer_received_tokens", "decode_h2d_bytes", "tokens_equal")
 PART2_QUICK = ("--config.sweep.concurrency=(8,)", "--config.workload.median_turns=4.0",
                "--config.workload.mean_input=20000.0")
 PART2_NOTE = ("P/D in the simulator (glm53.engine.pd_sim): the decode ranks read the producer's chunks over a 43 GB/s "
@@ -231,10 +236,13 @@ MANIFEST: tuple[Entry, ...] = (
     # ------------------------------------------------------------------ P/D (issue 23), simulated
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "sim", "BRIEF §8 Part 2",
-          ("PCP8 x DCP8 prefill: higher interactivity at equal throughput and lower median TTFT than DP8 while "
-           "prefill-bound (up to ~c32)", "beyond c32 HiSparse decode pulls ahead, nearly doubling throughput at c64"),
-          "serve", PART2, quick=PART2_QUICK, committed="results/paper/part2", doc="docs/simulator.md",
+          PART2_PUBLISHED, "serve", PART2, quick=PART2_QUICK, committed="results/paper/part2", doc="docs/simulator.md",
           compare=PD_KEYS, note=PART2_NOTE),
+    Entry("part2_pd_laptop", "Part 2 at laptop scale over HTTP: PCP2 x DCP2 prefill + HiSparse decode vs DP prefill "
+          "+ offload decode, router + prefill + decode processes, c1-c4", "real_heavy", "BRIEF §8 Part 2",
+          PART2_PUBLISHED, "pd_http", committed="results/paper/part2_laptop", doc="docs/engine.md", compare=PD_HTTP_KEYS,
+          note="the tiny model on 4 simulated devices sharing 2 cores with 5 processes: it shows the mechanisms "
+               "(KV received over the PdConnector, equal greedy tokens), not H200 speed (that is part2_pd_142k)"),
     Entry("part2_pd_1m", "Part 2 at 1M context, c8-c32", "not_built", "BRIEF §8 Part 2",
           ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",),
           waits_for="issue 24 (a PCP8 x DCP8 x EP8 prefill engine that holds one 1M request: it needs 17,408 "
@@ -274,6 +282,16 @@ def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
         return {"status": "ran" + (f" (step programs' memory analyses reused from committed {e.committed}/results.json)"
                                    if quick else ""),
                 "runs": [{k: r.get(k) for k in e.compare} for r in res["deployments"]]}
+    if e.experiment == "pd_http":  # its own processes and plot; --quick redraws the committed run
+        from experiments import pd_http
+
+        if quick:
+            res = json.loads((REPO / e.committed / "results.json").read_text())
+            (out / "results.json").write_text(json.dumps(res, indent=1))
+            pd_http.plot(res, out / "pd_http.png")
+            return {"status": f"redrawn from committed {e.committed}/results.json ({res.get('date', '?')}, "
+                              f"commit {str(res.get('git_revision', '?'))[:10]})", "runs": _runs(res, e)}
+        return {"status": "ran", "runs": _runs(pd_http.main(["--out", str(out)]), e)}
     if e.kind == "real_heavy" and quick:
         from experiments.serve import plot
 
