@@ -16,6 +16,11 @@ Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
   block-quantised fp8 weights is built since (`parallel.tp`; at TP8 each rank's slice is whole 128-blocks,
   so the step would keep its two all-reduces per layer; on the tiny preset straddling blocks add an
   all-gather of activation maxima per row-split fp8 layer), but this step has not been switched to fp8.
+- `tp8_prefill`: Part 1's prefill, one chunk of max_num_batched_tokens ending at the window on the TP8
+  layout (the indexer replicated, as in vLLM, so every rank scores the whole chunk).
+- `tp8_dcp8_decode`: TP8 with DCP8 reusing the TP ranks (`parallel.tp.mesh_sizes(8, 8)`): heads split
+  over the 8 ranks, the latent KV round-robin over the same 8, each rank's queries gathered to every KV
+  shard and the partial outputs merged back to their heads (Part 1's DCP ablation).
 - `dcp8_ep8_decode`: the decode step of the same 8 ranks: KV split round-robin (DCP), queries
   replicated, the top-k merged across ranks and the partial attention outputs merged by LSE
   (`parallel.dcp`, ag_rs), the routed experts split over the ranks (one all-reduce per MoE layer).
@@ -98,6 +103,13 @@ def steps(cfg, *, decode_rows: int, window: int, prefill_tokens: int, block_size
         # 2 requests at 128K fill ~15 GiB of fp8 KV per GPU under TP8 (BRIEF §2's budget)
         Step("tp8_decode", {"tp": 8}, True, True, False, False, decode_rows, 1, window, decode_rows * pages + 1,
              False, ("psum",)),
+        # Part 1's prefill: one chunk of max_num_batched_tokens at the window, heads split, KV replicated
+        Step("tp8_prefill", {"tp": 8}, True, True, False, False, 1, prefill_tokens, window, pages + 1,
+             False, ("psum",)),
+        # TP8 with DCP8 reusing the TP ranks (vLLM's DCP; Part 1's DCP ablation): heads split over the 8
+        # ranks and the KV round-robin over the same 8, the queries gathered to every KV shard
+        Step("tp8_dcp8_decode", {"tp": 1, "cp": 8}, True, True, False, True, 16, 1, window,
+             -(-16 * pages // 8) + 1, False, ("all_gather", "psum")),
         # the decode step of the same ranks (PCP8 x DCP8 x EP8 serves decode too): KV split round-robin,
         # queries replicated; 16 requests at 128K hold 2/8 of 16 x 2048 pages per rank
         Step("dcp8_ep8_decode", {"cp": 8}, False, True, False, True, 16, 1, window, -(-16 * pages // 8) + 1,

@@ -1,5 +1,5 @@
-"""experiments/check_step_lowering on the tiny preset: the TP8 decode and PCP8 x DCP8 x EP8 prefill steps
-lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
+"""experiments/check_step_lowering on the tiny preset: the TP8 decode and prefill, TP8 x DCP8 decode,
+DCP8 x EP8 decode and PCP8 x DCP8 x EP8 prefill steps lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
 and, at impl="pallas", their Pallas kernels; and the check fails when a step does not lower or lacks
 what it must have. (The full-size run is committed under results/step_lowering.)"""
 
@@ -23,8 +23,8 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     rc, res, md = report
     assert rc == 0 and res["failures"] == []
     by = {(r["step"], r["impl"]): r for r in res["steps"]}
-    assert set(by) == {(s, i) for s in ("tp8_decode", "dcp8_ep8_decode", "pcp8_dcp8_ep8_prefill")
-                       for i in ("auto", "pallas")}
+    assert set(by) == {(s, i) for s in ("tp8_decode", "tp8_prefill", "tp8_dcp8_decode", "dcp8_ep8_decode",
+                                        "pcp8_dcp8_ep8_prefill") for i in ("auto", "pallas")}
     assert all(r["lowered"] for r in by.values())
     layers = res["layers"]
     # TP8 decode: exactly two all-reduces per decoder layer (o_proj, then the MLP or MoE), over 8 ranks,
@@ -39,6 +39,14 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     moe_layers = get_preset("tiny").mlp_layer_types.count("sparse")
     assert moe_layers > 0 and dec["grouped_gemms"] == 2 * moe_layers
     assert by["pcp8_dcp8_ep8_prefill", "auto"]["grouped_gemms"] == 0
+    # TP8 prefill: the same two all-reduces per layer, now of a [1, chunk, hidden] activation
+    pre_tp = by["tp8_prefill", "auto"]
+    assert pre_tp["collectives"]["psum"]["count"] == 2 * layers and set(pre_tp["collectives"]) == {"psum"}
+    assert pre_tp["collectives"]["psum"]["operand_bytes_per_rank"] > dec["collectives"]["psum"]["operand_bytes_per_rank"]
+    # TP8 x DCP8: DCP's query gathers and LSE merge over the 8 ranks beside TP's all-reduces
+    tp_dcp = by["tp8_dcp8_decode", "auto"]["collectives"]
+    assert set(tp_dcp) == {"all_gather", "reduce_scatter", "psum"} and tp_dcp["psum"]["count"] == 2 * layers
+    assert all(e["ranks"] == [8] for e in tp_dcp.values())
     # DCP decode: the top-k merge's all-gathers, the LSE merge's reduce-scatter (ag_rs), EP's all-reduce
     assert set(by["dcp8_ep8_decode", "auto"]["collectives"]) == {"all_gather", "reduce_scatter", "psum"}
     # PCP x DCP x EP prefill: KV all-gathers and the MoE's all-to-all dispatch
