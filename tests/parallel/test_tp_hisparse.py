@@ -1,6 +1,6 @@
-"""HiSparse under tensor parallelism (issue 24 item 1) on simulated devices: a TP2 HiSparse engine against
-TP2 full residency, staging under TP2 against the device-resident chunk, and host pools shared by the TP
-ranks (split from tests/parallel/test_tp.py: each file runs in its own 16-device subprocess,
+"""HiSparse under tensor parallelism (issue 24 item 1) on simulated devices: TP2 x DP2 and TP2 with MTP3
+HiSparse engines against TP2 full residency, staging under TP2 against the device-resident chunk, and
+host pools shared by the TP ranks (split from tests/parallel/test_tp.py: each file runs in its own 16-device subprocess,
 tests/parallel/conftest.py)."""
 
 import dataclasses
@@ -18,10 +18,12 @@ def _two_turns(model, deploy, first, extra, *, reset: bool):
     from glm53 import Engine
 
     eng = Engine(model, deploy)
-    eng.scheduler.resolve.log = []
+    for rep in eng.replicas:
+        rep.scheduler.resolve.log = []
     out1 = [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=10)]
     if reset:
-        eng.scheduler.kv.pool.reset_prefix_cache()
+        for rep in eng.replicas:
+            rep.scheduler.kv.pool.reset_prefix_cache()
     second = [np.concatenate([p, o, e]).astype(np.int32) for p, o, e in zip(first, out1, extra)]
     return (out1, [o.token_ids.tolist() for o in eng.generate(second, max_new_tokens=10)]), eng
 
@@ -30,17 +32,21 @@ _TP2_FULL = {}  # the TP2 full-residency reference, shared by both cases
 
 
 @pytest.mark.multidevice
-@pytest.mark.parametrize("mtp", [False, True])
-def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, mtp):
-    """HiSparse under tensor parallelism (issue 24 item 1): on a two-turn workload, a TP2 HiSparse engine
-    whose pool is small enough that pages are released, decode steps read host rows through the hot
-    buffers and turn 2's chunks stage host rows gives the greedy tokens of a TP2 engine whose pool holds
-    everything (the reference is TP2 too: TP's all-reduces round differently from one device, which can
-    flip a top-k choice or a near-tied token over 20 tokens, and HiSparse must not change anything
-    beyond that). With MTP (3 drafts of the model's MTP layer, sequential verify: non-speculative greedy
-    tokens) the verify step, the MTP pass and the draft passes resolve through the view on the mesh
-    too. Rows copied = misses x layers of each IndexShare group, per resolve. The two ranks share one host
-    pool: each holds half of its pages (kvcache.host.HostMemory(shared=), docs/parallel.md)."""
+@pytest.mark.parametrize("case", ["tp2_dp2", "tp2_mtp3"])
+def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, case):
+    """HiSparse under tensor parallelism (issue 24 item 1): on a two-turn workload, a HiSparse engine of
+    TP2 replicas whose pools are small enough that pages are released, decode steps read host rows
+    through the hot buffers and turn 2's chunks stage host rows gives the greedy tokens of one TP2 engine
+    whose pool holds everything (the reference is TP2 too: TP's all-reduces round differently from one
+    device, which can flip a top-k choice or a near-tied token over 20 tokens, and HiSparse must not
+    change anything beyond that).
+    - tp2_dp2: two data-parallel replicas of TP2 on 4 devices, each with its own host pools on its own two
+      devices, shared by its two TP ranks (kvcache.host.HostMemory(shared=), docs/parallel.md): each rank
+      holds half of its replica's pages.
+    - tp2_mtp3: one TP2 replica with MTP (3 drafts of the model's MTP layer, sequential verify:
+      non-speculative greedy tokens): the verify step, the MTP pass and the draft passes resolve through
+      the view on the mesh too.
+    Rows copied = misses x layers of each IndexShare group, per resolve."""
     from glm53 import DeployConfig
 
     rng = np.random.default_rng(1)
@@ -53,29 +59,36 @@ def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, mtp):
     cfg = tiny_model.cfg
     hs = dict(base, index_block_size=16, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26,
               cpu_offload_bytes=1 << 24, num_gpu_blocks=48)
+    mtp = case == "tp2_mtp3"
     if mtp:
         hs.update(num_gpu_blocks=36, hisparse_device_buffer_size=2 * cfg.index_topk,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "verify": "sequential"})
+    else:  # two conversations per replica, half the pool each
+        hs.update(data_parallel_size=2, max_num_seqs=2, num_gpu_blocks=24)
     got, eng = _two_turns(tiny_model, DeployConfig(**hs), first, extra, reset=True)
     assert got == _TP2_FULL["tokens"]
-    pol, res = eng.scheduler.policy, eng.scheduler.resolve
-    assert pol.stats.released_pages > 0 and pol.stats.residency_steps["mixed"] > 0
-    assert res.hot_hits > 0 and res.hot_misses > 0 and res.staged_rows > 0
     layers = cfg.num_layers_with_mtp if mtp else cfg.num_hidden_layers
     per_group = np.diff([i for i in cfg.full_indexer_layers if i < layers] + [layers])
-    for rec in res.log:
-        np.testing.assert_array_equal(rec.copied, rec.misses @ per_group)
-    if mtp:
-        assert eng.scheduler.spec.num_drafts > 0 and any(rec.misses[:, -1].any() for rec in res.log)
-    eng.scheduler.kv.check()
-    pol.host_mla.check()
-    host = eng.runner.host.host_tables["mla"][0]
-    assert host.sharding.memory_kind == "pinned_host" and len(host.sharding.device_set) == 2
-    # one pool shared by the two ranks: each holds half of its pages (the misses gathered where they live)
-    assert [x.data.shape[0] for x in host.addressable_shards] == [host.shape[0] // 2] * 2
-    pools = sum(t.nbytes for tables in eng.runner.host.host_tables.values() for t in tables)
-    assert eng.metrics()["host_pool_bytes_per_device"] == pools // 2
-    assert eng.num_devices == 2
+    devices = []
+    for rep in eng.replicas:
+        pol, res = rep.scheduler.policy, rep.scheduler.resolve
+        assert pol.stats.released_pages > 0 and pol.stats.residency_steps["mixed"] > 0
+        assert res.hot_hits > 0 and res.hot_misses > 0 and res.staged_rows > 0
+        for rec in res.log:
+            np.testing.assert_array_equal(rec.copied, rec.misses @ per_group)
+        if mtp:
+            assert rep.scheduler.spec.num_drafts > 0 and any(rec.misses[:, -1].any() for rec in res.log)
+        rep.scheduler.kv.check()
+        pol.host_mla.check()
+        host = rep.runner.host.host_tables["mla"][0]
+        assert host.sharding.memory_kind == "pinned_host" and len(host.sharding.device_set) == 2
+        # one pool shared by the replica's two ranks: each holds half of its pages (the misses gathered
+        # where they live)
+        assert [x.data.shape[0] for x in host.addressable_shards] == [host.shape[0] // 2] * 2
+        devices.append(sorted(d.id for d in host.sharding.device_set))
+        pools = sum(t.nbytes for tables in rep.runner.host.host_tables.values() for t in tables)
+        assert eng.metrics()["host_pool_bytes_per_device"] == pools // 2
+    assert devices == ([[0, 1]] if mtp else [[0, 1], [2, 3]]) and eng.num_devices == 2 * len(devices)
 
 
 @pytest.mark.multidevice
