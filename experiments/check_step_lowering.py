@@ -18,6 +18,10 @@ Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
   all-gather of activation maxima per row-split fp8 layer), but this step has not been switched to fp8.
 - `tp8_prefill`: Part 1's prefill, one chunk of max_num_batched_tokens ending at the window on the TP8
   layout (the indexer replicated, as in vLLM, so every rank scores the whole chunk).
+- `tp8_hisparse_decode`: Part 1's HiSparse decode on the TP8 layout: requests in mixed residency read
+  through their hot buffers (`kvcache.host.HiSparseView`: the resolver, at impl="pallas" its kernel
+  `hisparse_resolve`, and the row copy from the host pool), the host pool in pinned host memory shared
+  by the TP ranks (its rows split over "tp", each copied row assembled by an all-reduce over them).
 - `tp8_dcp8_decode`: TP8 with DCP8 reusing the TP ranks (`parallel.tp.mesh_sizes(8, 8)`): heads split
   over the 8 ranks, the latent KV round-robin over the same 8, each rank's queries gathered to every KV
   shard and the partial outputs merged back to their heads (Part 1's DCP ablation).
@@ -95,6 +99,7 @@ class Step:
     num_blocks: int  # pool blocks per KV rank
     fp8_weights: bool
     expected: tuple  # collective kinds the step must contain
+    hisparse: bool = False  # HiSparse decode: rows in mixed residency, read through hot buffers
 
 
 def steps(cfg, *, decode_rows: int, window: int, prefill_tokens: int, block_size: int) -> list[Step]:
@@ -106,6 +111,11 @@ def steps(cfg, *, decode_rows: int, window: int, prefill_tokens: int, block_size
         # Part 1's prefill: one chunk of max_num_batched_tokens at the window, heads split, KV replicated
         Step("tp8_prefill", {"tp": 8}, True, True, False, False, 1, prefill_tokens, window, pages + 1,
              False, ("psum",)),
+        # Part 1's HiSparse decode under TP8: 16 requests at 128K in mixed residency, each keeping 8 newest
+        # pages and a hot buffer of 2 x top-k rows on the device, the rest in one host pool shared by the
+        # TP ranks (pinned host memory, split by rows over "tp")
+        Step("tp8_hisparse_decode", {"tp": 8}, True, True, False, False, 16, 1, window,
+             16 * (8 + -(-2 * cfg.index_topk // block_size)) + 1, False, ("psum",), hisparse=True),
         # TP8 with DCP8 reusing the TP ranks (vLLM's DCP; Part 1's DCP ablation): heads split over the 8
         # ranks and the KV round-robin over the same 8, the queries gathered to every KV shard
         Step("tp8_dcp8_decode", {"tp": 1, "cp": 8}, True, True, False, True, 16, 1, window,
@@ -126,6 +136,27 @@ def _sds(tree, specs, mesh):
                         tree, specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def _abstract_hisparse_view(cfg, step: Step, block_size: int, pages: int):
+    """HiSparse's decode view of `step.rows` requests (kvcache.host.HiSparseView, abstract): every page in
+    a host pool of rows x pages blocks shared by the TP ranks, a hot buffer of 2 x top-k rows per request
+    (kvcache.hisparse.hot_buffer_rows without MTP), hot state per IndexShare group."""
+    from kvcache.hisparse import hot_buffer_rows
+    from kvcache.host import HiSparseView
+
+    r, groups = step.rows, len(cfg.full_indexer_layers)
+    hot = hot_buffer_rows(None, 0, cfg.index_topk)
+    table = np.full((r, pages), -1, np.int32)
+    host = jax.eval_shape(lambda: PagedKVCache.create(cfg, r * pages, block_size, table, include_mtp=False)).mla
+
+    def make():
+        return HiSparseView.create([jnp.zeros(a.shape, a.dtype) for a in host], jnp.zeros((r, pages), jnp.int32),
+                                   jnp.arange(r, dtype=jnp.int32), jnp.full((r, groups, hot), -1, jnp.int32),
+                                   jnp.zeros((r, groups, hot), jnp.int32), jnp.zeros((r, hot), jnp.int32), 1,
+                                   min(cfg.index_topk, step.window), host_axis="tp")
+
+    return jax.eval_shape(make)
+
+
 def abstract_step(cfg, step: Step, mesh, *, block_size: int, impl: str):
     """-> (fn, abstract args) of the step as the model runner would run it (glm53.engine.runner)."""
     paths = fp8_model.eligible_modules(abstract_model(cfg, "bfloat16")) if step.fp8_weights else ()
@@ -144,9 +175,17 @@ def abstract_step(cfg, step: Step, mesh, *, block_size: int, impl: str):
     table = np.full((step.rows, pages), -1, np.int32)
     local = jax.eval_shape(lambda: PagedKVCache.create(cfg, step.num_blocks * kv_ranks, block_size, table,
                                                        index_block_table=table, include_mtp=False))
+    if step.hisparse:
+        local = dataclasses.replace(local, hisparse=_abstract_hisparse_view(cfg, step, block_size, pages))
     cache = CpKVCache(local, "cp", n_cp, tokens_split=step.pcp, dcp=step.dcp, heads_split=step.tensor_parallel,
                       gather_queries=step.tensor_parallel)
     cache = _sds(cache, parallel_model.cache_specs(cache), mesh)
+    if step.hisparse:  # the host pool lives in pinned host memory, its rows split over the TP ranks
+        view = cache.local.hisparse
+        host = NamedSharding(mesh, P(view.host_axis), memory_kind="pinned_host")
+        view = dataclasses.replace(view, host_mla=tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host)
+                                                        for a in view.host_mla))
+        cache = dataclasses.replace(cache, local=dataclasses.replace(cache.local, hisparse=view))
     width = PcpSplit(step.tokens, n_cp).tokens_per_rank * n_cp if step.pcp else step.tokens
     tok_spec = P(None, "cp") if step.pcp else P()
     tokens = jax.ShapeDtypeStruct((step.rows, width), jnp.int32, sharding=NamedSharding(mesh, tok_spec))
@@ -219,7 +258,8 @@ def check(rec: dict, step: Step) -> list[str]:
             out.append(f"{rec['step']} impl={rec['impl']}: no {kind} (expected for this deployment)")
     if rec["impl"] == "pallas":
         # the PCP indexer is a causal tiled jnp loop with no kernel yet (attention.indexer.topk_causal_blocked)
-        want = ({"sparse_mqa"} if rec.get("form") == "mqa" else set()) | (set() if step.pcp else {"index_scores"})
+        want = ({"sparse_mqa"} if rec.get("form") == "mqa" else set()) | (set() if step.pcp else {"index_scores"}) | (
+            {"hisparse_resolve"} if step.hisparse else set())
         missing = want - set(rec["kernels"])
         if missing:
             out.append(f"{rec['step']} impl=pallas: kernels {sorted(missing)} not in the lowered module")

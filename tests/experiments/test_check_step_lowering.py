@@ -1,5 +1,5 @@
-"""experiments/check_step_lowering on the tiny preset: the TP8 decode and prefill, TP8 x DCP8 decode,
-DCP8 x EP8 decode and PCP8 x DCP8 x EP8 prefill steps lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
+"""experiments/check_step_lowering on the tiny preset: the TP8 decode and prefill, TP8 HiSparse decode,
+TP8 x DCP8 decode, DCP8 x EP8 decode and PCP8 x DCP8 x EP8 prefill steps lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
 and, at impl="pallas", their Pallas kernels; and the check fails when a step does not lower or lacks
 what it must have. (The full-size run is committed under results/step_lowering.)"""
 
@@ -23,7 +23,7 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     rc, res, md = report
     assert rc == 0 and res["failures"] == []
     by = {(r["step"], r["impl"]): r for r in res["steps"]}
-    assert set(by) == {(s, i) for s in ("tp8_decode", "tp8_prefill", "tp8_dcp8_decode", "dcp8_ep8_decode",
+    assert set(by) == {(s, i) for s in ("tp8_decode", "tp8_prefill", "tp8_hisparse_decode", "tp8_dcp8_decode", "dcp8_ep8_decode",
                                         "pcp8_dcp8_ep8_prefill") for i in ("auto", "pallas")}
     assert all(r["lowered"] for r in by.values())
     layers = res["layers"]
@@ -43,6 +43,13 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     pre_tp = by["tp8_prefill", "auto"]
     assert pre_tp["collectives"]["psum"]["count"] == 2 * layers and set(pre_tp["collectives"]) == {"psum"}
     assert pre_tp["collectives"]["psum"]["operand_bytes_per_rank"] > dec["collectives"]["psum"]["operand_bytes_per_rank"]
+    # TP8 HiSparse decode: TP's two all-reduces per layer, and per layer the rows it copies from the host
+    # pool the TP ranks share (each holds 1/8 of its rows: an all-reduce of the copied rows, in each of the
+    # three static copy sizes, one of which runs in a step); the pool's placement on the host annotated
+    hs = by["tp8_hisparse_decode", "auto"]
+    assert set(hs["collectives"]) == {"psum"} and hs["collectives"]["psum"]["count"] == 5 * layers
+    assert hs["other_custom_calls"].get("annotate_device_placement", 0) > 0
+    assert set(by["tp8_hisparse_decode", "pallas"]["kernels"]) == {"sparse_mqa", "index_scores", "hisparse_resolve"}
     # TP8 x DCP8: DCP's query gathers and LSE merge over the 8 ranks beside TP's all-reduces
     tp_dcp = by["tp8_dcp8_decode", "auto"]["collectives"]
     assert set(tp_dcp) == {"all_gather", "reduce_scatter", "psum"} and tp_dcp["psum"]["count"] == 2 * layers
