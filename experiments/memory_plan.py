@@ -3,7 +3,7 @@
     python -m experiments.memory_plan --out results/memory_plan          # ~10 minutes on 2 cores
 
 For each deployment of BRIEF §8 (TP8 with HiSparse; PCP8 x DCP8 x EP8 prefill; DP8 decode ranks with
-EP8; DP8 prefill), at the 142K limit and at 1M (and the DP8 rows again at 8,192 batched tokens), it reports per GPU the bytes of the weights, the
+EP8; DP8 prefill), at the 142K limit and at 1M (and Part 2's rows, DP8 and PCP8 x DCP8 x EP8, again at 8,192 batched tokens), it reports per GPU the bytes of the weights, the
 activation workspace of the step program, the KV pool that is left, the part of that pool the HiSparse
 hot buffers take, the host pools, and whether a request of max_model_len fits. Nothing is a restated
 formula and the KV budget is not an input:
@@ -75,9 +75,9 @@ LIMITS = (142_000, 1_048_576)  # BRIEF §8's two context limits ("142K" as vLLM'
 PART1_CONFIG = "configs/paper/part1.py"
 GPUS_PER_NODE = 8
 PUBLISHED_MTP = 3  # the published runs use MTP3; the pool is planned without the MTP layer's KV (docs/memory.md)
-# DP8 rows are also planned at this token budget (vLLM's default max_num_batched_tokens for its API server
+# Part 2's rows (DP8, PCP8 x DCP8 x EP8) are also planned at this token budget (vLLM's default max_num_batched_tokens for its API server
 # on an H100 / H200, EngineArgs.get_batch_defaults; the brief gives no Part 2 batch limits)
-DP_BATCHED_TOKENS = (8192,)
+PART2_BATCHED_TOKENS = (8192,)
 IMPL = "pallas"  # the attention implementation of the main workspace figure (see the module docstring)
 WORKER_DEVICES = 8
 WORKSPACE_METHOD = (
@@ -117,12 +117,13 @@ class Deployment:
 
 def deployments(part1=None, limits=LIMITS, *, max_num_batched_tokens: int | None = None,
                 max_num_seqs: int | None = None, host_scale: float = 1.0,
-                dp_batched_tokens: tuple[int, ...] = DP_BATCHED_TOKENS) -> list[Deployment]:
+                part2_batched_tokens: tuple[int, ...] = PART2_BATCHED_TOKENS) -> list[Deployment]:
     """BRIEF §8's deployments at each limit, on the Part 1 config's KV layout and batch limits
     (configs/paper/part1.py: fp8_ds_mla, 64-token blocks, 1,024-token indexer pages, 32,768 batched
-    tokens, 256 sequences; the brief gives no Part 2 batch limits, so Part 1's are used), then the DP8
-    rows again at each of `dp_batched_tokens` (a DP rank's step at a smaller token budget: the rows
-    carry their own max_num_batched_tokens). host_scale scales the published host budgets (tests)."""
+    tokens, 256 sequences; the brief gives no Part 2 batch limits, so Part 1's are used), then Part 2's
+    rows (the DP8 ranks and the PCP8 x DCP8 x EP8 prefill engine) again at each of `part2_batched_tokens`
+    (a smaller token budget per step, hence a smaller workspace: the rows carry their own
+    max_num_batched_tokens). host_scale scales the published host budgets (tests)."""
     from glm53 import DeployConfig
 
     c = part1 if part1 is not None else load_config(str(REPO / PART1_CONFIG))
@@ -157,9 +158,9 @@ def deployments(part1=None, limits=LIMITS, *, max_num_batched_tokens: int | None
                                     cpu_offload_bytes=host(64 * GiB)),
                        "ep", "dp", "prefill", 8, published="DP8 prefill, 8 ranks x 64 GiB offload"),
         ]
-    for tokens in dp_batched_tokens:
+    for tokens in part2_batched_tokens:
         out += [dataclasses.replace(dep, deploy=dataclasses.replace(dep.deploy, max_num_batched_tokens=tokens))
-                for dep in out if dep.program == "dp" and dep.deploy.max_num_batched_tokens != tokens]
+                for dep in out if dep.role != "aggregated" and dep.deploy.max_num_batched_tokens != tokens]
     return out
 
 
@@ -775,8 +776,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--limits", default=",".join(map(str, LIMITS)), help="context limits (max_model_len), comma-separated")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: Part 1's")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="0: Part 1's")
-    ap.add_argument("--dp-batched-tokens", default=",".join(map(str, DP_BATCHED_TOKENS)),
-                    help="further max_num_batched_tokens the DP8 rows are planned at, comma-separated ('' for none)")
+    ap.add_argument("--part2-batched-tokens", "--dp-batched-tokens", default=",".join(map(str, PART2_BATCHED_TOKENS)),
+                    help="further max_num_batched_tokens Part 2's rows (DP8 ranks, PCP8 x DCP8 x EP8 prefill) are "
+                         "planned at, comma-separated ('' for none)")
     ap.add_argument("--hbm-bytes", type=int, default=H200_TOTAL_MEMORY_BYTES)
     ap.add_argument("--host-scale", type=float, default=1.0, help="scale the published host budgets (tests)")
     ap.add_argument("--weights", choices=("fp8", "bfloat16"), default="fp8",
@@ -803,7 +805,7 @@ def main(argv=None) -> dict:
     limits = tuple(int(x) for x in args.limits.split(","))
     deps = deployments(limits=limits, max_num_batched_tokens=args.max_num_batched_tokens or None,
                        max_num_seqs=args.max_num_seqs or None, host_scale=args.host_scale,
-                       dp_batched_tokens=tuple(int(x) for x in args.dp_batched_tokens.split(",") if x))
+                       part2_batched_tokens=tuple(int(x) for x in args.part2_batched_tokens.split(",") if x))
     names = [n for n in args.deployments.split(",") if n]
     unknown = set(names) - {d.name for d in deps}
     if unknown:

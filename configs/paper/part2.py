@@ -29,9 +29,11 @@ decode rank. Throughput counts every token of every request (cached ones too) ov
 
     python -m experiments.serve --config configs/paper/part2.py --out results/paper/part2
 
-At 1M (`--config.deploy.max_model_len=1048576 --config.workload.mean_input=142000.0`) the PCP8 x DCP8 x EP8
-prefill engine is refused: one 1M request needs 17,408 of its 64-token blocks and 2.3 GiB per GPU holds
-5,947 (docs/simulator.md "P/D").
+The PCP8 x DCP8 x EP8 budget is the 32,768-token row's while the DP8 budgets are the 8,192-token rows'
+(at 32,768 a DP8 rank does not fit at all), and every engine here runs 32,768 batched tokens: a mismatch
+that shrinks the PCP engine's pool (at 8,192 tokens it is 15.94 GiB; docs/memory.md), kept so that the
+committed results/paper/part2 stays this file's. At 1M: configs/paper/part2_1m.py (every engine at 8,192
+tokens, where one 1M request fits the PCP8 x DCP8 x EP8 pool).
 """
 
 from pathlib import Path
