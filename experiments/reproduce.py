@@ -243,11 +243,14 @@ MANIFEST: tuple[Entry, ...] = (
           PART2_PUBLISHED, "pd_http", committed="results/paper/part2_laptop", doc="docs/engine.md", compare=PD_HTTP_KEYS,
           note="the tiny model on 4 simulated devices sharing 2 cores with 5 processes: it shows the mechanisms "
                "(KV received over the PdConnector, equal greedy tokens), not H200 speed (that is part2_pd_142k)"),
-    Entry("part2_pd_1m", "Part 2 at 1M context, c8-c32", "not_built", "BRIEF §8 Part 2",
-          ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",),
-          waits_for="issue 24 (a PCP8 x DCP8 x EP8 prefill engine that holds one 1M request: it needs 17,408 "
-                    "64-token blocks; the memory plan's 2.3 GiB per GPU gives 5,947, as its attention weights are "
-                    "whole on every GPU; configs/paper/part2.py with max_model_len 1048576 runs once it fits)"),
+    Entry("part2_pd_1m", "Part 2 at 1M context: PCP8 x DCP8 prefill + DP8 HiSparse decode, c8-c32", "sim",
+          "BRIEF §8 Part 2", ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",),
+          "serve", "configs/paper/part2_1m.py", quick=("--config.sweep.concurrency=(8,)", "--config.workload.median_turns=4.0"),
+          committed="results/paper/part2_1m", doc="docs/simulator.md", compare=PD_KEYS,
+          note="every engine at 8,192 batched tokens (the PCP8 x DCP8 x EP8 pool is 15.94 GiB there, 2.3 GiB at "
+               "32,768: results/memory_plan); the decode ranks' 64 GiB host split 52 + 12 GiB (a 1M request's MLA "
+               "pages are 50.6 GiB). The engine refuses DP8 prefill and offload decode at 1M "
+               "(tests/engine/test_pd_sim.py), so only pcp_dcp+hisparse is swept"),
     # ------------------------------------------------------------------ not built yet
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),

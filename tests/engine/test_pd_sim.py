@@ -53,3 +53,21 @@ def test_pd_pair_refuses_engines_whose_pages_differ():
         PdPair(build_engine(CFG, pd_deploy(PREFILL, "kv_producer")), build_engine(CFG, dec))
     with pytest.raises(ValueError, match="needs cpu_offload_bytes > 0"):
         pd_deploy(DeployConfig(**COMMON), "kv_producer")
+
+
+def test_at_1m_only_pcp_dcp_prefill_with_hisparse_decode_can_be_built():
+    """configs/paper/part2_1m.py (BRIEF §8: at 1M only PCP x DCP prefill + HiSparse decode can serve a
+    request at all): the engine builds the PCP8 x DCP8 x EP8 + HiSparse pair, and refuses DP8 prefill
+    (a rank's pool holds 5,111 of a 1M request's 17,408 blocks) and offload decode (a decode rank holds
+    no 1M request either), each when it sizes that engine."""
+    from experiments import serve
+    from experiments.common import load_config
+
+    cfg = load_config(str(serve.REPO / "configs/paper/part2_1m.py"))
+    model = glm53.get_preset(cfg.model.preset)
+    pair = serve._engine(model, cfg, "pcp_dcp+hisparse")
+    assert pair.prefill.deploy.prefill_context_parallel_size == 8 and pair.decode.deploy.kv_policy == "hisparse"
+    assert pair.prefill.deploy.max_model_len == pair.decode.deploy.max_model_len == 1_048_576
+    for name in ("dp+hisparse", "pcp_dcp+offload"):
+        with pytest.raises(ValueError, match="fewer than one request of max_model_len=1048576"):
+            serve._engine(model, cfg, name)

@@ -32,18 +32,20 @@ def test_the_manifest_names_real_files_and_says_what_is_missing():
 
 def test_a_quick_run_reports_every_entry_it_was_given(tmp_path):
     only = ["dcp8_prefill_overhead", "hisparse_vs_offload", "ablation_dcp_backend_a2a", "part2_pd_laptop",
-            "ablation_mtp_topk_reuse"]  # in MANIFEST order
+            "part2_pd_1m", "ablation_mtp_topk_reuse"]  # in MANIFEST order
     res = reproduce.main(["--out", str(tmp_path), "--quick", "--only", ",".join(only)])
     status = {f["id"]: f["status"] for f in res["figures"]}
     assert list(status) == only
     assert status["dcp8_prefill_overhead"] == "ran"
     assert status["hisparse_vs_offload"].startswith("redrawn from committed results/hisparse_vs_offload")
     assert status["part2_pd_laptop"].startswith("redrawn from committed results/paper/part2_laptop")
-    assert status["ablation_dcp_backend_a2a"] == "ran (short window)"
+    assert status["ablation_dcp_backend_a2a"] == status["part2_pd_1m"] == "ran (short window)"
     assert status["ablation_mtp_topk_reuse"] == "not built"
     assert (tmp_path / "dcp8_prefill_overhead" / "dcp8_prefill_overhead.png").stat().st_size > 0
     assert (tmp_path / "hisparse_vs_offload" / "running_requests_vs_concurrency.png").stat().st_size > 0
     assert (tmp_path / "part2_pd_laptop" / "pd_http.png").stat().st_size > 0
+    p1m = json.loads((tmp_path / "part2_pd_1m" / "results.json").read_text())
+    assert p1m["max_model_len"] == 1_048_576 and p1m["prefill_deployment"] == "DP1 TP1 PCP8 DCP8 EP"
     sim = json.loads((tmp_path / "ablation_dcp_backend_a2a" / "results.json").read_text())
     assert sim["runs"][0]["runner"] == "sim" and sim["runs"][0]["deployment"] == "DP1 TP8 PCP1 DCP8"
     assert sim["workload"]["sessions"] == 8 and sim["config"]["deploy"]["dcp_comm_backend"] == "a2a"
