@@ -22,18 +22,16 @@ Each point is measured over its steady window (sweep.measure = "steady", experim
 the start until the closed loop first cannot fill a free slot; the drain after it is not run. Four
 sessions per slot keep that window long (docs/simulator.md "Part 2 at H200 scale").
 
-Device KV budgets per GPU come from the memory plan (`python -m experiments.memory_plan`,
-results/memory_plan/results.json, fp8 weights): 2.30 GiB for the PCP8 x DCP8 x EP8 prefill engine (its
-attention weights are whole on every GPU), 15.59 GiB for a DP8 prefill rank and 15.42 GiB for a DP8 x EP8
-decode rank. Throughput counts every token of every request (cached ones too) over all 16 GPUs.
+Every engine runs 8,192 batched tokens (vLLM's API-server default on an H100 / H200; the brief gives no
+Part 2 batch limits, and at Part 1's 32,768 a DP8 rank does not fit at all). Device KV budgets per GPU
+come from the memory plan's rows at that budget (`python -m experiments.memory_plan`,
+results/memory_plan/results.json, fp8 weights): 15.94 GiB for the PCP8 x DCP8 x EP8 prefill engine
+(its attention weights are whole on every GPU, its workspace 4.57 GiB), 15.59 GiB for a DP8 prefill
+rank and 15.42 GiB for a DP8 x EP8 decode rank. Throughput counts every token of every request (cached ones too) over all 16 GPUs.
 
     python -m experiments.serve --config configs/paper/part2.py --out results/paper/part2
 
-The PCP8 x DCP8 x EP8 budget is the 32,768-token row's while the DP8 budgets are the 8,192-token rows'
-(at 32,768 a DP8 rank does not fit at all), and every engine here runs 32,768 batched tokens: a mismatch
-that shrinks the PCP engine's pool (at 8,192 tokens it is 15.94 GiB; docs/memory.md), kept so that the
-committed results/paper/part2 stays this file's. At 1M: configs/paper/part2_1m.py (every engine at 8,192
-tokens, where one 1M request fits the PCP8 x DCP8 x EP8 pool).
+At 1M: configs/paper/part2_1m.py.
 """
 
 from pathlib import Path
@@ -44,7 +42,8 @@ from glm53.perfmodel import GiB
 MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
         "synthetic_acceptance_length": 2.99}
 # per-GPU device KV budgets derived by the memory plan (results/memory_plan/results.json, fp8 weights)
-KV_PCP8_DCP8_EP8_PREFILL = int(2.2964 * GiB)
+KV_PCP8_DCP8_EP8_PREFILL = int(15.9412 * GiB)
+MAX_NUM_BATCHED_TOKENS = 8192
 KV_DP8_PREFILL = int(15.5896 * GiB)
 KV_DP8_EP8_DECODE = int(15.4217 * GiB)
 
@@ -65,6 +64,7 @@ def get_config():
     c.name = "paper_part2"
     d = c.deploy
     d.tensor_parallel_size = 1
+    d.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     d.speculative_config = MTP3
     c.policy_deploy = {}
     c.pd.deployments = {

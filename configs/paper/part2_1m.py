@@ -4,10 +4,9 @@ is that at 1M only PCP x DCP prefill with HiSparse decode can serve a request at
 configs/paper/part2.py's deployments, with what 1M changes:
 - max_model_len 1,048,576 and the published mean input of 142K tokens per request (sessions grow past
   it and end at the limit);
-- every engine at 8,192 batched tokens (the brief gives no Part 2 batch limits): at Part 1's 32,768 the
-  PCP8 x DCP8 x EP8 engine's workspace (18.2 GiB) leaves a 2.3 GiB pool, too small for one 1M request
-  (6.7 GiB per GPU under DCP8); at 8,192 its workspace is 4.57 GiB and its pool 15.94 GiB
-  (results/memory_plan, row pcp8_dcp8_ep8_prefill at 1M and 8,192 tokens; docs/memory.md);
+- nothing about the budgets: every engine runs 8,192 batched tokens as at 142K, where the PCP8 x DCP8 x
+  EP8 engine's pool is 15.94 GiB and holds one 1M request (6.7 GiB per GPU under DCP8); at Part 1's
+  32,768 its workspace (18.2 GiB) would leave 2.3 GiB (results/memory_plan; docs/memory.md);
 - the HiSparse decode ranks' 64 GiB of host memory split 52 GiB HiSparse pool + 12 GiB offload: a 1M
   request's MLA pages are 50.6 GiB, more than the published 48 GiB pool holds (the engine refuses a
   host pool that cannot hold one request of max_model_len).
@@ -24,23 +23,15 @@ from pathlib import Path
 from experiments.common import load_config
 from glm53.perfmodel import GiB
 
-# per-GPU pool of the PCP8 x DCP8 x EP8 prefill engine at 8,192 batched tokens and the 1M limit
-# (results/memory_plan/results.json, fp8 weights)
-KV_PCP8_DCP8_EP8_PREFILL_8K = int(15.9412 * GiB)
-MAX_NUM_BATCHED_TOKENS = 8192
-
 
 def get_config():
     c = load_config(str(Path(__file__).with_name("part2.py")))  # configs are loaded by path, not imported
     c.name = "paper_part2_1m"
     c.deploy.max_model_len = 1_048_576
-    c.deploy.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     c.workload.mean_input = 142_000.0
     deps = {}
     for name, dep in c.pd.deployments.items():
         dep = dict(dep, prefill=dict(dep["prefill"]), decode=dict(dep["decode"]))
-        if dep["prefill"].get("prefill_context_parallel_size", 1) > 1:
-            dep["prefill"]["kv_cache_memory_bytes"] = KV_PCP8_DCP8_EP8_PREFILL_8K
         if dep["decode"].get("kv_policy") == "hisparse":
             dep["decode"].update(hisparse_host_pool_bytes=52 * GiB, cpu_offload_bytes=12 * GiB)
         deps[name] = dep
