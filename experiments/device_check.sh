@@ -11,7 +11,9 @@
 # 3. check_hisparse_copy: only the selected rows cross from pinned host memory, the resolver kernel
 #    agrees with its reference on the device, and both are timed at GLM-5.3's sizes.
 # The lent image (/work/.library/device/KINDS.md) has jax 0.11.2 with the CUDA 13 plugin, flax, pytest,
-# tqdm and matplotlib in its python3: nothing needs to be carried but the working tree.
+# tqdm and matplotlib in its python3, but not pyzmq or msgspec (glm53 imports both): carry their wheels
+# (and flax's, to match this project's version) and put them on PYTHONPATH first, as on 2026-12-04
+# (results/device_check_2026-12-04/README.md).
 # If step 1 passes, set attention.common.PALLAS_VERIFIED_ON_GPU = True and commit OUT_DIR under
 # results/ with the date.
 set -u
