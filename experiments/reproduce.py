@@ -285,24 +285,23 @@ def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
         return {"status": "ran" + (f" (step programs' memory analyses reused from committed {e.committed}/results.json)"
                                    if quick else ""),
                 "runs": [{k: r.get(k) for k in e.compare} for r in res["deployments"]]}
-    if e.experiment == "pd_http":  # its own processes and plot; --quick redraws the committed run
-        from experiments import pd_http
-
-        if quick:
-            res = json.loads((REPO / e.committed / "results.json").read_text())
-            (out / "results.json").write_text(json.dumps(res, indent=1))
-            pd_http.plot(res, out / "pd_http.png")
-            return {"status": f"redrawn from committed {e.committed}/results.json ({res.get('date', '?')}, "
-                              f"commit {str(res.get('git_revision', '?'))[:10]})", "runs": _runs(res, e)}
-        return {"status": "ran", "runs": _runs(pd_http.main(["--out", str(out)]), e)}
     if e.kind == "real_heavy" and quick:
-        from experiments.serve import plot
-
         res = json.loads((REPO / e.committed / "results.json").read_text())
-        plot(res["runs"], out)
+        if e.experiment == "pd_http":  # its own figure
+            from experiments import pd_http
+
+            pd_http.plot(res, out / "pd_http.png")
+        else:
+            from experiments.serve import plot
+
+            plot(res["runs"], out)
         (out / "results.json").write_text(json.dumps(res, indent=1))
         return {"status": f"redrawn from committed {e.committed}/results.json ({res.get('date', '?')}, "
                           f"commit {str(res.get('git_revision', '?'))[:10]})", "runs": _runs(res, e)}
+    if e.experiment == "pd_http":  # its own processes (router, prefill and decode servers)
+        from experiments import pd_http
+
+        return {"status": "ran", "runs": _runs(pd_http.main(["--out", str(out)]), e)}
     from experiments import serve
 
     argv = ["--config", e.config, "--out", str(out), "--no-progress", *e.overrides]
