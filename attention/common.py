@@ -57,10 +57,22 @@ def kernel_compute_dtype(storage_dtype, fp8: bool, compute_dtype=None):
     return dt
 
 
+# A tensor-core `tl.dot` with 16-bit operands needs a contraction of at least this many values. Pallas'
+# Triton lowering does not check it (Triton's own frontend does): with fewer, the operand layout wraps
+# around the contraction and every product is summed more than once (K=8: exactly twice). Measured on an
+# H200 (docs/kernels.md); interpret mode cannot see it.
+MIN_DOT_K = 16
+
+
 def kernel_dot(a, b, contract: tuple[int, int], compute_dtype):
     """2-D `dot_general` of a and b over axes `contract` = (a's, b's), operands cast to `compute_dtype`,
     float32 accumulation. float32 operands run at Precision.HIGHEST: Pallas' Triton lowering otherwise
-    emits TF32 (inputPrecision = tf32), ~1e-3 relative error, not the reference's float32."""
+    emits TF32 (inputPrecision = tf32), ~1e-3 relative error, not the reference's float32. A contraction
+    shorter than `MIN_DOT_K` (e.g. the 8-word planes of a 32-dim fp8 key) runs on float32 operands
+    whatever `compute_dtype` says: 16-bit tensor-core dots that short are wrong on the GPU, IEEE float32
+    ones (no tensor cores) are not."""
+    if jnp.dtype(compute_dtype).itemsize < 4 and a.shape[contract[0]] < MIN_DOT_K:
+        compute_dtype = jnp.float32
     prec = jax.lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
     return jax.lax.dot_general(a.astype(compute_dtype), b.astype(compute_dtype), (((contract[0],), (contract[1],)), ((), ())),
                                precision=prec, preferred_element_type=jnp.float32)

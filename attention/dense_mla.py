@@ -34,12 +34,13 @@ def use_dense_mha(window: int, index_topk: int, *, num_queries: int = 1, force_m
     """Whether a step whose attention window is `window` positions, with `num_queries` query tokens per
     request, takes the dense MHA path. Both paths compute the same attention (the dense one masks to the
     top-k selection); this only picks the faster one for the backend (default: "gpu" where code is shaped
-    for a GPU, `attention.common.gpu_shaped`, else jax.default_backend())."""
+    for a GPU, `attention.common.gpu_shaped`, else "cpu": the code shape decides, not the machine, so
+    `shaped_for("cpu")` on a GPU picks what XLA:CPU would)."""
     if force_mqa:
         return False
     if window <= index_topk:
         return True
-    on_cpu = (backend or ("gpu" if gpu_shaped() else jax.default_backend())) == "cpu"
+    on_cpu = (backend or ("gpu" if gpu_shaped() else "cpu")) == "cpu"
     return on_cpu and num_queries >= DENSE_PREFILL_MIN_QUERIES and window <= DENSE_PREFILL_TOPK_RATIO * index_topk
 
 

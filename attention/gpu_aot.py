@@ -29,6 +29,7 @@ import attention.common as common
 
 H200 = "NVIDIA H200"
 TRITON_CALL = "__gpu$xla.gpu.triton"
+_DOT_SHAPE = re.compile(r"tt\.dot [^:]*: tensor<(\d+)x(\d+)x(\w+)> \* tensor<(\d+)x(\d+)x\w+> -> ")
 _DOT = re.compile(r"tt\.dot [^:]*?(?:inputPrecision = (\w+))?\s*: tensor<[\dx]*x(\w+)> \* tensor<[\dx]*x(\w+)> -> "
                   r"tensor<[\dx]*x(\w+)>")
 
@@ -52,6 +53,11 @@ class TritonKernel:
             prec, a, b, c = m.group(1) or "ieee", m.group(2), m.group(3), m.group(4)
             out.append(f"{a} x {b} -> {c}" + (f" {prec}" if a == "f32" else ""))
         return out
+
+    def dot_shapes(self) -> list[tuple[int, int, int, str]]:
+        """(M, K, N, operand dtype) of every `tt.dot` [M, K] x [K, N], e.g. (16, 32, 64, "bf16"): what
+        `attention.common.MIN_DOT_K` is checked against."""
+        return [(int(m.group(1)), int(m.group(2)), int(m.group(5)), m.group(3)) for m in _DOT_SHAPE.finditer(self.ttir)]
 
 
 def abstract_mesh(axis_sizes=(1,), axis_names=("aot",), device_kind: str = H200,

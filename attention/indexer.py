@@ -175,7 +175,7 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
 
 
 # ------------------------------------------------------------------------------------------ Pallas kernel
-HEAD_PAD = 16  # tl.dot needs every matmul dimension >= 16: pad the indexer heads (with weight 0)
+HEAD_PAD = 16  # tl.dot wants matmul dimensions >= 16 (`attention.common.MIN_DOT_K`): pad the indexer heads (weight 0)
 MAX_KEY_BLOCK = 64
 # float32 operands (IEEE dots): 16-key blocks keep the kernel within sm_90's registers at 32 heads x 128
 # dims, larger ones spill (experiments/check_gpu_lowering.py; docs/kernels.md).

@@ -57,9 +57,14 @@ def test_auto_picks_pallas_only_where_gpu_shaped_and_verified(monkeypatch):
     assert resolve_impl("reference") == "reference" and resolve_impl("pallas") == "pallas"
 
 
-def test_model_form_follows_the_decision():
+@pytest.mark.parametrize("machine", ["this", "gpu"])
+def test_model_form_follows_the_decision(machine, monkeypatch):
+    """The code shape decides, not the machine: on a GPU (faked here by its backend name, as on the
+    H200 run of 2026-12-04 where this failed) shaped_for("cpu") still picks XLA:CPU's form."""
     from glm53.model import attention_form
 
+    if machine == "gpu":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     # a 1024-token prefill chunk over a window of 4 x top-k: dense on XLA:CPU, sparse on a GPU (vLLM's rule)
     with shaped_for("cpu"):
         assert attention_form("auto", 1024, 256, 1024) == "mha"
