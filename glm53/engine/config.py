@@ -71,10 +71,18 @@ def batch_defaults(device) -> tuple[int, int]:
     into more steps pays that again (docs/engine.md, Defaults)."""
     if device is None or device.platform == "cpu":
         return 8192, 256
-    memory = (device.memory_stats() or {}).get("bytes_limit", 0)
+    memory = device_memory_bytes(device)
     if memory >= 70 * GiB and "a100" not in device.device_kind.lower():
         return 16384, 1024
     return 8192, 256
+
+
+def device_memory_bytes(device) -> int:
+    """Bytes of memory `device` reports it can allocate (a GPU's `memory_stats()["bytes_limit"]`); 0 for
+    None and for devices that report none (CPU). A KV pool is sized from it only when it is not 0."""
+    if device is None:
+        return 0
+    return int((device.memory_stats() or {}).get("bytes_limit", 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +102,8 @@ class DeployConfig:
         running requests. None: vLLM's defaults for offline use on this platform (`batch_defaults`).
     num_gpu_blocks: blocks in the device pool shared by all cache groups. None: what the KV memory
         budget holds (kv_cache_memory_bytes; else 4 GiB on CPU, as vLLM's CPU backend; on a GPU
-        gpu_memory_utilization of its memory less the weights, as vLLM sizes it), but no more than
+        gpu_memory_utilization of its memory less the weights and the workspace of the largest step
+        program, as vLLM sizes it after its profile run), but no more than
         max_num_seqs requests of max_model_len need. A block costs the bytes of the largest page of any
         cache group (kvcache.layout.block_bytes: a block id is one page of one group, in one byte budget;
         its 1/DCP share on each device).
@@ -384,12 +393,14 @@ class DeployConfig:
     def is_resolved(self) -> bool:
         return None not in (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs, self.num_gpu_blocks)
 
-    def resolved(self, cfg, model_dtype: str = "float32", *, device=None, weights_bytes: int = 0) -> DeployConfig:
+    def resolved(self, cfg, model_dtype: str = "float32", *, device=None, weights_bytes: int = 0,
+                 workspace_bytes: int = 0) -> DeployConfig:
         """A copy with every None field filled in for a model of `cfg` on `device` (a jax.Device; None:
         CPU): max_model_len from the model, the batch limits from `batch_defaults`, num_gpu_blocks from
-        the KV memory budget (see the class docstring; weights_bytes: the weights one device holds, which
-        a GPU's budget leaves out). Raises ValueError when max_model_len exceeds the model's positions
-        or the budget cannot hold one request of max_model_len."""
+        the KV memory budget (`kv_budget_bytes`: weights_bytes, the weights one device holds, and
+        workspace_bytes, the peak activation memory of its largest step, are left out of a GPU's
+        budget). Raises ValueError when max_model_len exceeds the model's positions or the budget cannot
+        hold one request of max_model_len."""
         if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"DeployConfig.max_model_len={self.max_model_len} must be <= the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
@@ -413,24 +424,36 @@ class DeployConfig:
         pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size,
                            include_mtp=d.num_speculative_tokens > 0)
         per_device = -(-block_bytes(pages) // d.decode_context_parallel_size)  # a block's share of one device
-        budget = d.kv_budget_bytes(device, weights_bytes)
+        budget = d.kv_budget_bytes(device, weights_bytes, workspace_bytes)
         fit = budget // per_device
         if fit < least:
-            raise ValueError(f"the KV memory budget of {budget} bytes holds {fit} blocks of {per_device} bytes, fewer "
-                             f"than one request of max_model_len={d.max_model_len} needs ({least}): lower "
-                             "DeployConfig.max_model_len or raise kv_cache_memory_bytes / num_gpu_blocks")
+            spent = (f" ({d.gpu_memory_utilization} x {device_memory_bytes(device)} bytes of device memory less "
+                     f"{weights_bytes} of weights and {workspace_bytes} of step workspace)"
+                     if d.kv_cache_memory_bytes is None and device_memory_bytes(device) else "")
+            raise ValueError(f"the KV memory budget of {budget} bytes{spent} holds {fit} blocks of {per_device} bytes, "
+                             f"fewer than one request of max_model_len={d.max_model_len} needs ({least}): lower "
+                             "DeployConfig.max_model_len (or max_num_batched_tokens, which sets the workspace) or raise "
+                             "kv_cache_memory_bytes / num_gpu_blocks")
         return dataclasses.replace(d, num_gpu_blocks=min(fit, d.max_num_seqs * request))
 
-    def kv_budget_bytes(self, device=None, weights_bytes: int = 0) -> int:
-        """Bytes of device memory the KV pool may take: kv_cache_memory_bytes if set; else 4 GiB on CPU
-        (vLLM's CPU default); on a GPU, gpu_memory_utilization of its memory less `weights_bytes` (no
-        activation profiling: the remaining tenth is the margin)."""
+    def kv_budget_bytes(self, device=None, weights_bytes: int = 0, workspace_bytes: int = 0) -> int:
+        """Bytes of device memory the KV pool may take: kv_cache_memory_bytes if set; else, on a device
+        that reports its memory (a GPU, `device_memory_bytes`), gpu_memory_utilization of it less
+        `weights_bytes` and `workspace_bytes` (vLLM's rule: the step's activation peak, which its profile
+        run measures and `ModelRunner.step_workspace_bytes` takes from the compiler); else 4 GiB (vLLM's
+        CPU default)."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
-        if device is None or device.platform == "cpu":
+        limit = device_memory_bytes(device)
+        if not limit:
             return CPU_KV_CACHE_BYTES
-        limit = (device.memory_stats() or {}).get("bytes_limit", 0)
-        return max(0, int(self.gpu_memory_utilization * limit) - weights_bytes)
+        return max(0, int(self.gpu_memory_utilization * limit) - weights_bytes - workspace_bytes)
+
+    def budget_from_device_memory(self, device) -> bool:
+        """Whether `resolved` sizes the pool from `device`'s memory (so the weights and the step's
+        workspace must be known first): no num_gpu_blocks or kv_cache_memory_bytes given, and the
+        device reports its memory."""
+        return self.num_gpu_blocks is None and self.kv_cache_memory_bytes is None and device_memory_bytes(device) > 0
 
     @property
     def hisparse_stages_rows(self) -> bool:

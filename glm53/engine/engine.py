@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from glm53.config import ModelConfig
-from glm53.engine.config import GROUPS, PD_TIER, DeployConfig, KVSizes
+from glm53.engine.config import GROUPS, PD_TIER, DeployConfig, KVSizes, device_memory_bytes
 from glm53.engine.metrics import cp_work_metrics, summarize
 from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestOutput, SamplingParams
@@ -140,8 +140,6 @@ class Engine:
         device = None
         if runners is None:
             device = list(devices)[0] if devices is not None else jax.devices()[0]
-        self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device, d))
-        self.sizes = d.kv_sizes(self.cfg, dtype)
         groups = [None] * dp
         if runners is None and (dp > 1 or devices is not None):
             devices = sorted(jax.devices(), key=lambda x: (x.process_index, x.id)) if devices is None else list(devices)
@@ -150,6 +148,14 @@ class Engine:
                                  f"{len(devices)} are available (on CPU, simulate more with "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * n})")
             groups = [devices[i * n:(i + 1) * n] for i in range(dp)]
+        # a pool sized from a GPU's memory leaves out the weights and the largest step's workspace
+        # (vLLM's profile run): the workspace comes from compiling that step once on a one-block pool
+        self.workspace_bytes = 0
+        if runners is None and d.budget_from_device_memory(device):
+            self.workspace_bytes = profile_workspace(model, d, dtype, device, groups[0])
+        self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device, d),
+                                     workspace_bytes=self.workspace_bytes)
+        self.sizes = d.kv_sizes(self.cfg, dtype)
         specs = d.offload_options["secondary_tiers"] if d.kv_policy in ("offload", "hisparse") else []
         if specs and runners is not None and not all(hasattr(r, "make_tiers") for r in runners):
             raise NotImplementedError("secondary KV tiers need the model runner or a runner that simulates them "
@@ -451,6 +457,8 @@ class Engine:
         weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
         if None not in weights:  # the model runner's (1/tp of the split weights under TP)
             out["weights_bytes_per_device"] = max(weights)
+        if self.workspace_bytes:  # the pool was sized from device memory: what the step's peak took out of it
+            out["workspace_bytes_per_device"] = self.workspace_bytes
         hosts = [getattr(getattr(r.runner, "host", None), "host_bytes_per_device", None) for r in self.replicas]
         if None not in hosts:  # host pools on the fullest device (1/tp of one pool: its TP ranks share it)
             out["host_pool_bytes_per_device"] = max(hosts)
@@ -588,11 +596,22 @@ def _leaf_heads(leaves):
 def _weights_bytes(model, device, deploy: DeployConfig) -> int:
     """Bytes of the model's weights one device of a replica holds (all of them without tensor or expert
     parallelism; parallel.tp.bytes_per_device under TP; under expert parallelism on a context mesh the
-    replicated weights and 1/N of the routed experts, parallel.model.state_specs); 0 on CPU, where the
-    KV budget does not depend on them."""
-    if device is None or device.platform == "cpu" or not isinstance(model, nnx.Module):
+    replicated weights and 1/N of the routed experts, parallel.model.state_specs); 0 where the KV budget
+    does not depend on them (a device that reports no memory: CPU)."""
+    if not device_memory_bytes(device) or not isinstance(model, nnx.Module):
         return 0
     return weights_bytes_per_device(nnx.state(model), model.cfg, deploy)
+
+
+def profile_workspace(model, deploy: DeployConfig, model_dtype: str, device, devices=None) -> int:
+    """The step workspace a replica of `deploy` needs per device (`ModelRunner.step_workspace_bytes`),
+    from a throwaway runner of the same deployment on a one-block pool without host pools or tiers (the
+    step programs' shapes do not depend on them). It places the weights once more, briefly: vLLM's
+    profile run costs a forward too."""
+    probe = dataclasses.replace(deploy, num_gpu_blocks=1, kv_policy="preempt", cpu_offload_bytes=0,
+                                hisparse_host_pool_bytes=0, hisparse_device_buffer_size=None,
+                                kv_transfer_config=None).resolved(model.cfg, model_dtype, device=device)
+    return ModelRunner(model, probe, probe.kv_sizes(model.cfg, model_dtype), devices).step_workspace_bytes()
 
 
 def weights_bytes_per_device(state, cfg: ModelConfig, deploy: DeployConfig) -> int:

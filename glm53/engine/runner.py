@@ -449,15 +449,17 @@ class ModelRunner:
         return out
 
     def _forward(self, tok, pos, table_mla, table_index, window,
-                 hisparse: HiSparseView | StagingView | None = None) -> jax.Array:
+                 hisparse: HiSparseView | StagingView | None = None, *, lower: bool = False) -> jax.Array:
         """Run one padded batch [rows, width] -> hidden [rows, width, D] in token order (cache updated), or,
         without a context mesh, hidden [rows, 1, D] of each row's last real token: a row samples from its
         last token only, so the model skips the last layer's query side for the others (GLM53.__call__
         last_only; without MTP nothing reads their hidden states). `hisparse`: a decode group's resolver
-        view, or a prefill group's staging view (its rows have host-only pages)."""
-        self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
-        if isinstance(hisparse, StagingView):  # a program of its own per shape (warmup compiles every prefill one)
-            self.staging_shapes.add((tok.shape[0], tok.shape[1], window))
+        view, or a prefill group's staging view (its rows have host-only pages). lower=True: run nothing,
+        return the step's `jax.stages.Lowered` program (`step_workspace_bytes`)."""
+        if not lower:
+            self.compiled_shapes.add((tok.shape[0], tok.shape[1], window))
+            if isinstance(hisparse, StagingView):  # a program of its own per shape (warmup compiles every prefill one)
+                self.staging_shapes.add((tok.shape[0], tok.shape[1], window))
         cache = self._with_view(self.cache.with_block_table(table_mla, table_index), hisparse)
         # host-only pages are reachable only through the resolver's or the staging's rows
         form = self.form if hisparse is None else "mqa"
@@ -466,16 +468,43 @@ class ModelRunner:
             # the form for the step's whole width, as without a mesh: inside shard_map a PCP rank sees
             # only its share of the tokens and "auto" would decide on that
             form = attention_form(form, window, self.model.cfg.index_topk, tok.shape[1])
+            if lower:
+                return self._forward_cp(tok, pos, cache, window, form, lower=True)
             hidden, cache = self._forward_cp(tok, pos, cache, window, form)
             self.cache = self._take_view(cache)  # TP: the views came back replicated
             return hidden
-        hidden, cache, _ = self.c.forward(self.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window,
-                                          form=form, impl=self.deploy.attention_impl,
-                                          last_only=tok.shape[1] > 1 and not isinstance(hisparse, HiSparseView))
+        args = (self.state, jnp.asarray(tok), jnp.asarray(pos), cache)
+        kw = dict(window=window, form=form, impl=self.deploy.attention_impl,
+                  last_only=tok.shape[1] > 1 and not isinstance(hisparse, HiSparseView))
+        if lower:
+            return self.c.forward.trace(*args, **kw).lower()
+        hidden, cache, _ = self.c.forward(*args, **kw)
         self.cache = self._take_view(cache)
         return hidden
 
-    def _forward_cp(self, tok, pos, cache: PagedKVCache, window: int, form: str):
+    def step_workspace_bytes(self) -> int:
+        """Peak device bytes of this runner's largest step programs beyond their arguments (weights, pool,
+        tables): XLA's temporaries plus the outputs that do not alias the donated cache, from the compiled
+        programs' memory analysis, per device of the replica. What vLLM's profile run measures and leaves
+        out of the KV budget (`DeployConfig.kv_budget_bytes`). The programs: a chunk of the whole token
+        budget at a fresh prompt's window (vLLM's profile shape) and at the max_model_len window (a long
+        prompt's last chunk), and max_num_seqs rows of one token at that window (decode). Compiles them
+        (nothing runs, nothing is allocated); the cache is donated, so the pool's size does not change
+        the result (tests/engine/test_workspace.py). Not profiled: MTP's verify and draft programs, and
+        HiSparse's resolver and staging state (the plain programs of the same shapes are)."""
+        cap = self.capacity
+        shapes = {(1, self.max_tokens, window_bucket(self.max_tokens, cap)),
+                  (1, self.max_tokens, window_bucket(cap, cap)), (self.max_rows, 1, window_bucket(cap, cap))}
+        peak = 0
+        for rows, width, window in sorted(shapes):
+            lowered = self._forward(np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
+                                    self._table("mla", rows, [], window), self._table("indexer", rows, [], window),
+                                    window, lower=True)
+            ma = lowered.compile().memory_analysis()
+            peak = max(peak, int(ma.temp_size_in_bytes) + int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))
+        return peak
+
+    def _forward_cp(self, tok, pos, cache: PagedKVCache, window: int, form: str, *, lower: bool = False):
         """`_forward` on the context mesh. Prefill rows (width > 1) under PCP are split into the balanced
         2N-chunk layout and their hidden states restored to token order; decode rows run replicated.
 
@@ -498,12 +527,13 @@ class ModelRunner:
             pos = np.where(src >= 0, pos[:, np.maximum(src, 0)], -1)
             order = np.zeros(width, np.int32)  # token j's slot; tokens past the longest chunk read slot 0
             order[src[src >= 0]] = np.nonzero(src >= 0)[0]
-        hidden, cp = parallel_model.forward(self.state, jnp.asarray(tok), jnp.asarray(pos),
-                                            self._cp_cache(cache, split), self._cp_zero, graphdef=self.c.graphdef,
-                                            mesh=self.mesh, window=window, form=form,
-                                            impl=self.deploy.attention_impl,
-                                            expert_parallel=self.deploy.enable_expert_parallel,
-                                            tensor_parallel=self.tp > 1)
+        args = (self.state, jnp.asarray(tok), jnp.asarray(pos), self._cp_cache(cache, split), self._cp_zero)
+        kw = dict(graphdef=self.c.graphdef, mesh=self.mesh, window=window, form=form,
+                  impl=self.deploy.attention_impl, expert_parallel=self.deploy.enable_expert_parallel,
+                  tensor_parallel=self.tp > 1)
+        if lower:
+            return parallel_model.forward.trace(*args, **kw).lower()
+        hidden, cp = parallel_model.forward(*args, **kw)
         self._cp_pending.append(cp.counters)
         if len(self._cp_pending) > 256:
             self._fold_cp_work(len(self._cp_pending) - 1)  # all but this step's, which may still run

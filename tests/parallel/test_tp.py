@@ -147,6 +147,8 @@ def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
     assert [dp.replica_of(o.req_id) for o in got] == [0, 1, 0] and dp.num_devices == 8
     assert [sorted(d.id for d in r.runner.cache.mla[0].devices()) for r in dp.replicas] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert dp.metrics()["weights_bytes_per_device"] == total - split + split // 4
+    # the step workspace a GPU's pool leaves out (vLLM's profile run) is per device: a TP4 rank's is smaller
+    assert 0 < dp.replicas[1].runner.step_workspace_bytes() < one.runner.step_workspace_bytes()
 
 
 def _by_path(tree, is_leaf=None) -> dict:

@@ -1,0 +1,75 @@
+"""The step workspace and a pool sized from device memory (vLLM's profile run): on a device that reports
+its memory (a GPU; here the CPU device made to report some), the KV pool gets gpu_memory_utilization of
+it less the weights and the largest step's workspace, which the runner reads from XLA's memory analysis
+of its compiled step programs."""
+
+import pytest
+
+import glm53
+from glm53 import DeployConfig, Engine
+from glm53.engine import config as config_mod
+from glm53.engine import engine as engine_mod
+from glm53.engine.runner import ModelRunner
+from kvcache.layout import block_bytes
+
+MiB = 1 << 20
+
+
+def _deploy(**kw):
+    return DeployConfig(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4, block_size=16, **kw)
+
+
+def _runner(model, d):
+    d = d.resolved(model.cfg, "float32")
+    return ModelRunner(model, d, d.kv_sizes(model.cfg, "float32"))
+
+
+def test_workspace_is_positive_grows_with_the_token_budget_and_ignores_the_pool(tiny_model):
+    small = _runner(tiny_model, _deploy(num_gpu_blocks=8)).step_workspace_bytes()
+    assert small > 0
+    # the cache is donated and aliased: a pool 8x larger leaves the workspace as it is
+    assert _runner(tiny_model, _deploy(num_gpu_blocks=64)).step_workspace_bytes() == small
+    # a chunk of 256 tokens instead of 64: more activations at once
+    wide = DeployConfig(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, num_gpu_blocks=8)
+    assert _runner(tiny_model, wide).step_workspace_bytes() > small
+
+
+def _report_memory(monkeypatch, limit):
+    """Make every device report `limit` bytes (as a GPU's memory_stats does; the CPU reports none)."""
+    fake = lambda device: 0 if device is None else limit  # noqa: E731
+    monkeypatch.setattr(config_mod, "device_memory_bytes", fake)
+    monkeypatch.setattr(engine_mod, "device_memory_bytes", fake)
+
+
+def test_pool_from_device_memory_leaves_out_weights_and_workspace(tiny_model, monkeypatch):
+    limit = 12 * MiB  # tiny model, float32: ~4.7 MB of weights, ~3.8 MB of workspace, 74 KB blocks
+    _report_memory(monkeypatch, limit)
+    eng = Engine(tiny_model, _deploy())
+    out = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=3)
+    assert len(out[0].token_ids) == 3
+    m = eng.metrics()
+    ws, weights = m["workspace_bytes_per_device"], m["weights_bytes_per_device"]
+    assert ws > 0 and weights > 0
+    assert ws == eng.replicas[0].runner.step_workspace_bytes()  # the serving runner's own programs agree
+    per_block = block_bytes(eng.sizes.page_bytes)
+    fit = (int(0.9 * limit) - weights - ws) // per_block
+    assert 32 <= fit < 4 * 32  # the budget binds (one request of 256 tokens: 16 + 16 pages; at most 4)
+    assert eng.deploy.num_gpu_blocks == fit
+    # an explicit budget is taken as is: no profile run, nothing left out
+    assert Engine(tiny_model, _deploy(num_gpu_blocks=16)).workspace_bytes == 0
+
+
+def test_memory_too_small_for_weights_and_workspace_says_so(tiny_model, monkeypatch):
+    _report_memory(monkeypatch, 8 * MiB)
+    with pytest.raises(ValueError, match="less .* of weights and .* of step workspace.*max_num_batched_tokens"):
+        Engine(tiny_model, _deploy())
+
+
+def test_unresolved_budget_needs_reported_memory():
+    d = DeployConfig()
+    assert not d.budget_from_device_memory(None)
+    gpu = type("Gpu", (), {"platform": "gpu", "device_kind": "NVIDIA H200",
+                           "memory_stats": lambda self: {"bytes_limit": 100 << 30}})()
+    assert d.budget_from_device_memory(gpu) and not DeployConfig(num_gpu_blocks=4).budget_from_device_memory(gpu)
+    assert d.kv_budget_bytes(gpu, weights_bytes=30 << 30, workspace_bytes=5 << 30) == 55 << 30
+    assert glm53.DeployConfig(kv_cache_memory_bytes=7).kv_budget_bytes(gpu, 1, 1) == 7
