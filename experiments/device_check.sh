@@ -9,7 +9,9 @@
 # 2. bench_attention with the Pallas kernels and with the XLA references, 4K-128K contexts: per-step
 #    times, achieved bytes/s and FLOP/s against the H200's 4.8 TB/s and 989 TFLOP/s;
 # 3. check_hisparse_copy: only the selected rows cross from pinned host memory, the resolver kernel
-#    agrees with its reference on the device, and both are timed at GLM-5.3's sizes.
+#    agrees with its reference on the device, and both are timed at GLM-5.3's sizes;
+# 4. check_engine_memory: the engine's pool leaves out the step workspace XLA reports; does it cover the
+#    device's measured peak (experiments/check_engine_memory.py)?
 # The lent image (/work/.library/device/KINDS.md) has jax 0.11.2 with the CUDA 13 plugin, flax, pytest,
 # tqdm and matplotlib in its python3, but not pyzmq or msgspec (glm53 imports both): carry their wheels
 # (and flax's, to match this project's version) and put them on PYTHONPATH first, as on 2026-12-04
@@ -34,6 +36,7 @@ step() {  # step NAME CMD...: run, log to OUT/NAME.log, remember the first failu
 step environment "$PY" -c "import jax, sys; print(sys.version); print(jax.__version__, jax.devices())"
 step kernel_tests "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_kernels.py \
     tests/attention/test_hisparse.py tests/attention/test_merge.py
+step check_engine_memory "$PY" -m experiments.check_engine_memory --out "$OUT/check_engine_memory"
 # the GPU-shaped references against the CPU-shaped ones, and the engine's routing, on the GPU backend
 step gpu_shaped_tests "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_gpu_shaped.py
 step bench_attention_pallas "$PY" -m experiments.bench_attention --impl pallas --repeats 20 \

@@ -24,8 +24,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # No persistent compilation cache in the test processes themselves (three clean-clone CI runs,
 # 2026-12-02, crashed in its writes: the memory-map limit below, hit there first). Server and peer
-# processes the tests start (tests/glm53/test_serve.py, tests/kvcache/test_tiers*.py) compile the same
-# few programs each, so they share one on-disk cache per session, named by $GLM53_TEST_COMPILE_CACHE: the controller creates it,
+# processes the tests start (tests/glm53/test_serve.py, tests/kvcache/test_tiers*.py) and the MTP runs of
+# tests/engine/test_recompilation.py compile the same programs each, so they share one on-disk cache per session, named by $GLM53_TEST_COMPILE_CACHE: the controller creates it,
 # empties it at start and removes it at exit; xdist workers inherit the variable.
 _WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 if not _WORKER and "GLM53_TEST_COMPILE_CACHE" not in os.environ:

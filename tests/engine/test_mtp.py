@@ -8,7 +8,6 @@ at stop tokens and max_new_tokens run on the real model with every acceptance co
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from scipy import stats
 import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.runner import _last_logits, _position_logits
-from glm53.engine.spec_decode import SpeculativeConfig, SpecDecodeStats, length_to_rates, rejection_sample
+from glm53.engine.spec_decode import SpecDecodeStats, length_to_rates, rejection_sample
 from glm53.model import compiled
 from kvcache.contiguous import ContiguousKVCache
 from kvcache.paged import PagedKVCache

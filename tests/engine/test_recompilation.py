@@ -67,7 +67,12 @@ def test_no_compilation_after_warmup(request, policy, tmp_path):
         # The MTP cases run in a fresh process: their warm-up compiles thousands of programs, and in a
         # worker that had compiled many others XLA:CPU crossed the memory-map limit (docs/testing.md)
         # in three clean-clone CI runs. The inner run is this same test, asserting everything below.
-        env = dict(os.environ, GLM53_RECOMPILATION_INNER="1")
+        # The five MTP runs share most programs (the forwards at 28 blocks, logits, sampling, the MTP
+        # passes): one on-disk cache per session (tests/conftest.py) loads what an earlier run compiled
+        # (mtp_swap: 39 s -> 15 s). A load still counts as a compilation below (CompileCounter: JAX's
+        # backend-compile event wraps the cache lookup), so a program missing from the warm-up still fails.
+        env = dict(os.environ, GLM53_RECOMPILATION_INNER="1", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_COMPILATION_CACHE_DIR=os.environ.get("GLM53_TEST_COMPILE_CACHE", ""))
         env.pop("PYTEST_XDIST_WORKER", None)
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                               f"{__file__}::test_no_compilation_after_warmup[{policy}]"], env=env,
@@ -146,3 +151,30 @@ def test_no_compilation_after_warmup(request, policy, tmp_path):
     with CompileCounter() as probe:  # the counter does see a compilation
         jax.jit(lambda x: x * 3 + 1)(np.arange(7)).block_until_ready()
     assert probe.count >= 1
+
+
+def test_a_program_loaded_from_the_persistent_cache_counts_as_a_compilation(tmp_path):
+    """What keeps the MTP cases strict with their shared on-disk cache: a second process that loads a
+    program the first one compiled still sees one compilation (JAX's backend-compile event wraps the
+    cache lookup), so a shape missing from a warm-up cannot pass as a cache hit."""
+    code = ("import sys, jax, jax.numpy as jnp, jax.monitoring\n"
+            "jax.config.update('jax_compilation_cache_dir', sys.argv[1])\n"
+            "jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)\n"
+            "from glm53.engine.runner import CompileCounter\n"
+            "hits = []\n"
+            "jax.monitoring.register_event_listener(\n"
+            "    lambda e, **kw: hits.append(e) if e == '/jax/compilation_cache/cache_hits' else None)\n"
+            "x = jnp.ones(7)\n"
+            "n = len(hits)\n"
+            "with CompileCounter() as c:\n"
+            "    jax.jit(lambda x: jnp.sin(x) * 3)(x).block_until_ready()\n"
+            "print('compiles', c.count, 'hits', len(hits) - n)\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    seen = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen.append(out.stdout.split()[-4:])
+    # the first run compiled the program, the second loaded it from disk: one compilation each
+    assert seen == [["compiles", "1", "hits", "0"], ["compiles", "1", "hits", "1"]], seen

@@ -73,3 +73,17 @@ def test_unresolved_budget_needs_reported_memory():
     assert d.budget_from_device_memory(gpu) and not DeployConfig(num_gpu_blocks=4).budget_from_device_memory(gpu)
     assert d.kv_budget_bytes(gpu, weights_bytes=30 << 30, workspace_bytes=5 << 30) == 55 << 30
     assert glm53.DeployConfig(kv_cache_memory_bytes=7).kv_budget_bytes(gpu, 1, 1) == 7
+
+
+def test_check_engine_memory_cli_on_cpu(tmp_path):
+    """The device check's engine-memory step (experiments/device_check.sh) runs here too: on a device
+    without memory statistics it records the compiler's estimate and says that is all it has."""
+    import json
+
+    from experiments import check_engine_memory
+
+    check_engine_memory.main(["--out", str(tmp_path), "--max-model-len", "256", "--batched-tokens", "64",
+                              "--max-num-seqs", "4"])
+    got = json.loads((tmp_path / "results.json").read_text())
+    assert got["device_reports_memory"] is False and got["workspace_bytes_per_device"] > 0
+    assert got["weights_bytes_per_device"] > 0 and "measured_workspace_bytes" not in got and "note" in got
