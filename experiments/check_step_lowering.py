@@ -31,6 +31,10 @@ Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
 - `pcp8_dcp8_ep8_prefill`: one prefill chunk on `make_mesh(cp=8)`: tokens split 2N-chunk (PCP), KV split
   round-robin over the same ranks (DCP), routed experts split over them with all-to-all dispatch (EP);
   weights fp8 (128 x 128 blocks, as the checkpoint) where `glm53.fp8` quantises them.
+- `dp8_ep8_decode`, `dp8_ep8_prefill`: Part 2's DP ranks on `make_mesh(dp=8)` (`parallel.model.forward_dp`):
+  each rank its own requests (16 decode rows, or one prefill chunk) on its own pool, attention local,
+  the routed experts split over the 8 ranks with all-to-all dispatch; fp8 weights as above. The engine
+  does not run this layout yet (its DP replicas are independent, each holding every expert).
 Each at impl="auto" (what a GPU runs today: the references, since `PALLAS_VERIFIED_ON_GPU` is False) and
 impl="pallas" (the kernels, once verified).
 
@@ -100,6 +104,7 @@ class Step:
     fp8_weights: bool
     expected: tuple  # collective kinds the step must contain
     hisparse: bool = False  # HiSparse decode: rows in mixed residency, read through hot buffers
+    dp: bool = False  # data-parallel ranks over "dp" sharing their experts (rows, pool: per rank)
 
 
 def steps(cfg, *, decode_rows: int, window: int, prefill_tokens: int, block_size: int) -> list[Step]:
@@ -127,6 +132,13 @@ def steps(cfg, *, decode_rows: int, window: int, prefill_tokens: int, block_size
         # one chunk of max_num_batched_tokens ending at the window; each rank holds 1/8 of the KV
         Step("pcp8_dcp8_ep8_prefill", {"cp": 8}, False, True, True, True, 1, prefill_tokens, window,
              -(-pages // 8) + 1, True, ("all_gather", "all_to_all")),
+        # Part 2's decode ranks: DP8 with EP8 (`parallel.model.forward_dp`), each rank 16 requests at the
+        # window on its own pool, the routed experts split over the 8 ranks (all-to-all dispatch)
+        Step("dp8_ep8_decode", {"dp": 8}, False, True, False, False, 16, 1, window, 16 * pages + 1, True,
+             ("all_to_all",), dp=True),
+        # Part 2's DP prefill ranks with EP8: one chunk per rank ending at the window
+        Step("dp8_ep8_prefill", {"dp": 8}, False, True, False, False, 1, prefill_tokens, window, pages + 1, True,
+             ("all_to_all",), dp=True),
     ]
 
 
@@ -162,6 +174,8 @@ def abstract_step(cfg, step: Step, mesh, *, block_size: int, impl: str):
     paths = fp8_model.eligible_modules(abstract_model(cfg, "bfloat16")) if step.fp8_weights else ()
     graphdef, state = nnx.split(abstract_model(cfg, "bfloat16", fp8_modules=paths))
     n_cp = step.mesh.get("cp", 1)
+    if step.dp:
+        return _abstract_dp_step(cfg, step, mesh, graphdef, state, block_size=block_size, impl=impl)
     if step.tensor_parallel:
         tp = 8
         state = jax.eval_shape(lambda s: parallel_tp.prepare_state(s, cfg, tp, step.expert_parallel), state)
@@ -199,6 +213,25 @@ def abstract_step(cfg, step: Step, mesh, *, block_size: int, impl: str):
     return fn, (state, tokens, tokens, cache), form
 
 
+def _abstract_dp_step(cfg, step: Step, mesh, graphdef, state, *, block_size: int, impl: str):
+    """`abstract_step` for data-parallel ranks sharing their experts: every rank's rows, tokens and pool
+    stacked rank-major and split over "dp" (`parallel.model.dp_cache_specs`)."""
+    n = step.mesh["dp"]
+    state = _sds(state, parallel_model.state_specs(state, "dp", True), mesh)
+    table = np.full((n * step.rows, -(-step.window // block_size)), -1, np.int32)
+    cache = jax.eval_shape(lambda: PagedKVCache.create(cfg, n * step.num_blocks, block_size, table,
+                                                       index_block_table=table, include_mtp=False))
+    cache = _sds(cache, parallel_model.dp_cache_specs(cache), mesh)
+    tokens = jax.ShapeDtypeStruct((n * step.rows, step.tokens), jnp.int32, sharding=NamedSharding(mesh, P("dp")))
+    form = attention_form("auto", step.window, cfg.index_topk, step.tokens)
+
+    def fn(state, tokens, positions, cache):
+        return parallel_model.forward_dp(state, tokens, positions, cache, graphdef=graphdef, mesh=mesh,
+                                         window=step.window, form=form, impl=impl)
+
+    return fn, (state, tokens, tokens, cache), form
+
+
 def lower_step(cfg, step: Step, *, block_size: int, impl: str) -> dict:
     mesh = gpu_aot.abstract_mesh(tuple(step.mesh.get(a, 1) for a in AXES), AXES)
     rec = {"step": step.name, "impl": impl, "mesh": {a: step.mesh.get(a, 1) for a in AXES},
@@ -206,7 +239,7 @@ def lower_step(cfg, step: Step, *, block_size: int, impl: str) -> dict:
            "pool_blocks_per_kv_rank": step.num_blocks, "block_size": block_size,
            "weights": "fp8 blocks (128 x 128) where quantised, else bfloat16" if step.fp8_weights else "bfloat16",
            "tensor_parallel": step.tensor_parallel, "expert_parallel": step.expert_parallel,
-           "pcp": step.pcp, "dcp": step.dcp, "layers": cfg.num_hidden_layers}
+           "pcp": step.pcp, "dcp": step.dcp, "dp": step.dp, "layers": cfg.num_hidden_layers}
     try:
         with gpu_aot.gpu_lowering(mesh=mesh):
             fn, args, form = abstract_step(cfg, step, mesh, block_size=block_size, impl=impl)

@@ -17,6 +17,9 @@ MTP (`verify`, `mtp_forward`): the sequential verify step and the MTP layer's pa
 kind of shard_map with the tokens replicated, under DCP and under TP (`tensor_parallel=True`: the MTP
 layer's heads and MLP split like every layer's).
 
+Data parallelism with expert parallelism (`forward_dp`): N ranks on a "dp" axis, each with its own
+requests and KV pool, sharing the routed experts (all-to-all dispatch); no other weight is split.
+
 Token layouts (`CpKVCache.tokens_split`): split, tokens [B, N * Tl] in the `parallel.pcp.PcpSplit`
 order (rank-major; each rank's Tl = 2C tokens of every row), sharded on axis 1; or replicated, [B, T] on
 every rank. The hidden states come back in the same layout.
@@ -35,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from glm53.layers import MoE
 from parallel import ep
 from parallel import tp as tp_ops
+from kvcache.paged import PagedKVCache
 from parallel.cp_cache import CpKVCache
 
 
@@ -134,6 +138,42 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
     return jax.shard_map(body, mesh=mesh,
                          in_specs=(weights, tok, tok, specs, counter_specs),
                          out_specs=(tok, out_specs), check_vma=False)(state, tokens, positions, cache, counters)
+
+
+def dp_cache_specs(cache: PagedKVCache, axis: str = "dp"):
+    """PartitionSpecs of the caches of `forward_dp`'s ranks held as one global PagedKVCache: every array
+    split on its first axis over `axis` (rank r's pool is the r-th slice of each KV array, its requests
+    the r-th slice of the block tables' rows; page ids in a table are local to its rank's pool)."""
+    if cache.hisparse is not None or cache.staging is not None:
+        raise NotImplementedError("HiSparse views under data parallelism with expert parallelism")
+    return jax.tree.map(lambda _: P(axis), cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "axis", "last_only"),
+                   donate_argnames=("cache",))
+def forward_dp(state, tokens, positions, cache: PagedKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
+               axis: str = "dp", last_only: bool = False):
+    """N data-parallel ranks that share their routed experts (BRIEF §3's "DP8 decode ranks with EP8"):
+    `GLM53.__call__` in one shard_map over `axis`, each rank on its own requests and its own KV pool
+    (attention entirely local, no collective), the routed experts split over the ranks (`place_state`
+    with expert_parallel) and each MoE layer's assignments sent to their expert's rank and back by
+    all-to-all (`parallel.ep.moe_local`). -> (hidden [N * B, T or 1, D], cache), rank-major like the
+    inputs: tokens / positions [N * B, T] int32 (-1 = padding), cache as `dp_cache_specs` lays it out
+    (donated). Every rank runs every step (a rank without work passes padding rows, as vLLM's DP ranks
+    run dummy batches): the all-to-alls need all N. Equal, per rank, to one device running that rank's
+    batch alone, up to float summation order (tests/parallel/test_model_cp.py)."""
+    specs = dp_cache_specs(cache, axis)
+
+    def body(state, tokens, positions, cache):
+        model = nnx.merge(graphdef, state)
+        for layer in model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp = _ExpertParallel(layer.mlp, axis, tokens_split=True)
+        hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl, last_only=last_only)
+        return hidden, cache
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axis, True), P(axis), P(axis), specs),
+                         out_specs=(P(axis), specs), check_vma=False)(state, tokens, positions, cache)
 
 
 def _replicated_map(method, state, args, cache: CpKVCache, *, graphdef, mesh, expert_parallel: bool,

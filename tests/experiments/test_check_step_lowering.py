@@ -1,5 +1,5 @@
 """experiments/check_step_lowering on the tiny preset: the TP8 decode and prefill, TP8 HiSparse decode,
-TP8 x DCP8 decode, DCP8 x EP8 decode and PCP8 x DCP8 x EP8 prefill steps lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
+TP8 x DCP8 decode, DCP8 x EP8 decode, PCP8 x DCP8 x EP8 prefill and DP8 x EP8 decode and prefill steps lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
 and, at impl="pallas", their Pallas kernels; and the check fails when a step does not lower or lacks
 what it must have. (The full-size run is committed under results/step_lowering.)"""
 
@@ -24,7 +24,8 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     assert rc == 0 and res["failures"] == []
     by = {(r["step"], r["impl"]): r for r in res["steps"]}
     assert set(by) == {(s, i) for s in ("tp8_decode", "tp8_prefill", "tp8_hisparse_decode", "tp8_dcp8_decode", "dcp8_ep8_decode",
-                                        "pcp8_dcp8_ep8_prefill") for i in ("auto", "pallas")}
+                                        "pcp8_dcp8_ep8_prefill", "dp8_ep8_decode", "dp8_ep8_prefill")
+                       for i in ("auto", "pallas")}
     assert all(r["lowered"] for r in by.values())
     layers = res["layers"]
     # TP8 decode: exactly two all-reduces per decoder layer (o_proj, then the MLP or MoE), over 8 ranks,
@@ -59,6 +60,12 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     # PCP x DCP x EP prefill: KV all-gathers and the MoE's all-to-all dispatch
     pre = by["pcp8_dcp8_ep8_prefill", "auto"]
     assert {"all_gather", "all_to_all"} <= set(pre["collectives"])
+    # DP8 x EP8 ranks: attention local, only the MoE's all-to-alls (rows and expert ids out, results
+    # back) cross the mesh, over all 8 ranks; the decode step's messages are smaller than the prefill's
+    dp_dec, dp_pre = by["dp8_ep8_decode", "auto"]["collectives"], by["dp8_ep8_prefill", "auto"]["collectives"]
+    assert set(dp_dec) == set(dp_pre) == {"all_to_all"} and dp_dec["all_to_all"]["count"] == 3 * moe_layers
+    assert dp_dec["all_to_all"]["ranks"] == [8]
+    assert dp_dec["all_to_all"]["sent_bytes_per_rank"] < dp_pre["all_to_all"]["sent_bytes_per_rank"]
     # impl="auto" runs no unverified kernel; impl="pallas" lowers them through Triton
     assert by["tp8_decode", "auto"]["kernels"] == {} and pre["kernels"] == {}
     assert set(by["tp8_decode", "pallas"]["kernels"]) == {"sparse_mqa", "index_scores"}

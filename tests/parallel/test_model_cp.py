@@ -141,6 +141,59 @@ def test_tiny_model_on_16_devices_matches_one_device(tiny_model):
 
 
 @pytest.mark.multidevice
+def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
+    """DP4 x EP4 (`parallel.model.forward_dp`, BRIEF §3's DP decode ranks with EP): four ranks, each
+    with two requests of its own (lengths 1 to 48, padded) on its own pool, prefill then one decode step,
+    the 8 routed experts split 2 per rank and every MoE assignment sent to its expert's rank and back.
+    Each rank's logits equal one device running that rank's two requests alone (within 1e-5); the
+    step has its all-to-alls (two per MoE layer each way: rows and expert ids, then results)."""
+    import jax.numpy as jnp
+
+    from glm53.model import compiled
+    from kvcache.paged import PagedKVCache
+    from parallel import comm
+    from parallel import model as pmodel
+    from parallel.mesh import make_mesh
+
+    n, cfg = 4, tiny_model.cfg
+    c = compiled(tiny_model)
+    rng = np.random.default_rng(11)
+    ranks = [[rng.integers(0, cfg.vocab_size, k).astype(np.int32) for k in pair]
+             for pair in ((37, 10), (20, 45), (5, 30), (48, 1))]
+    b, m = 2, WINDOW // BS
+
+    def pool():
+        return PagedKVCache.create(cfg, b * m, BS, np.arange(b * m).reshape(b, m), kv_cache_dtype="float32",
+                                   include_mtp=False)
+
+    mesh = make_mesh(dp=n)
+    caches = [pool() for _ in range(n)]
+    cache = jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *caches)
+    cache = jax.tree.map(lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)), cache,
+                         pmodel.dp_cache_specs(cache))
+    state = pmodel.place_state(c.state, mesh, True, axis="dp")
+    assert len(state["layers"][3]["mlp"]["experts"]["gate_up_proj"].value.addressable_shards[0].data) == 2
+    batches = [_batch(pr) for pr in ranks]
+    tok, pos, nxt, pos1 = (jnp.asarray(np.concatenate([x[i] for x in batches])) for i in range(4))
+    kw = dict(graphdef=c.graphdef, mesh=mesh, window=WINDOW, form="mqa", impl="auto")
+    found = comm.jaxpr_collectives(pmodel.forward_dp.trace(state, tok, pos, cache, **kw).jaxpr,
+                                   axis_sizes={"dp": n})
+    moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
+    assert [x.kind for x in found].count("all_to_all") == 3 * moe_layers and {x.kind for x in found} == {"all_to_all"}
+    h, cache = pmodel.forward_dp(state, tok, pos, cache, **kw)
+    prefill = np.asarray(c.logits(c.state, jax.device_get(h)))
+    h, cache = pmodel.forward_dp(state, nxt, pos1, cache, **kw)
+    decode = np.asarray(c.logits(c.state, jax.device_get(h)))[:, 0]
+    for r, prompts in enumerate(ranks):
+        want_prefill, want_decode, _ = _single_device(tiny_model, prompts, "float32")
+        for i, p in enumerate(prompts):
+            got = prefill[2 * r + i, : p.size]
+            assert np.abs(got - want_prefill[i, : p.size]).max() <= TOL * np.abs(want_prefill[i, : p.size]).max(), (r, i)
+        got = decode[2 * r : 2 * r + 2]
+        assert np.abs(got - want_decode).max() <= TOL * np.abs(want_decode).max(), r
+
+
+@pytest.mark.multidevice
 def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model):
     """The engine with DeployConfig(prefill_context_parallel_size=8, decode_context_parallel_size=8,
     enable_expert_parallel=True) on 8 devices: the same greedy tokens as on one device, with the KV pool
