@@ -263,21 +263,27 @@ def lower_step(cfg, step: Step, *, block_size: int, impl: str) -> dict:
     rec["kernels"] = dict(Counter(name for target, name in calls if target == gpu_aot.TRITON_CALL))
     rec["other_custom_calls"] = dict(Counter(target for target, _ in calls if target != gpu_aot.TRITON_CALL))
     colls = {}
-    for c in found:
+    for c in found:  # every step runs the unconditional ones; a lax.cond branch's only when taken
         e = colls.setdefault(c.kind, {"count": 0, "ranks": set(), "operand_bytes_per_rank": 0, "sent_bytes_per_rank": 0.0,
-                                      "sizes": Counter()})
-        e["count"] += 1
+                                      "sizes": Counter(), "conditional_count": 0, "conditional_sent_bytes_per_rank": 0.0})
         e["ranks"].add(c.ranks)
+        if c.conditional:
+            e["conditional_count"] += 1
+            e["conditional_sent_bytes_per_rank"] += c.sent_bytes
+            continue
+        e["count"] += 1
         e["operand_bytes_per_rank"] += c.operand_bytes
         e["sent_bytes_per_rank"] += c.sent_bytes
         e["sizes"][c.operand_bytes] += 1
     rec["collectives"] = {k: {"count": e["count"], "ranks": sorted(e["ranks"]),
                               "operand_bytes_per_rank": e["operand_bytes_per_rank"],
                               "sent_bytes_per_rank": round(e["sent_bytes_per_rank"]),
-                              "operand_sizes_bytes": {str(s): n for s, n in sorted(e["sizes"].items())}}
+                              "operand_sizes_bytes": {str(s): n for s, n in sorted(e["sizes"].items())},
+                              "conditional_count": e["conditional_count"],
+                              "conditional_sent_bytes_per_rank": round(e["conditional_sent_bytes_per_rank"])}
                           for k, e in sorted(colls.items())}
     rec["collective_ops_in_stablehlo"] = dict(sorted(hlo_ops.items()))
-    rec["sent_bytes_per_rank_total"] = round(sum(c.sent_bytes for c in found))
+    rec["sent_bytes_per_rank_total"] = round(sum(c.sent_bytes for c in found if not c.conditional))
     return rec
 
 
@@ -311,7 +317,8 @@ def markdown(results: dict) -> str:
              f"{results['machine']['cpu']} ({results['machine']['cores']} cores), jax {results['versions']['jax']}. "
              f"Command: `{results['command']}`.", "",
              "Collectives: from the traced program (`parallel.comm`), bytes one rank sends per step (sum over "
-             "layers); `hlo` = collective ops in the lowered StableHLO. Kernels: Pallas Triton custom calls. "
+             "layers); \"if taken\": inside a `lax.cond` branch (EP's second dispatch round, run only when some "
+             "rank overflows the first); `hlo` = collective ops in the lowered StableHLO. Kernels: Pallas Triton custom calls. "
              "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form with float expert weights; fp8 experts "
              "keep the expert loop).", "",
              "| step | impl | form | lowered | trace / lower s | kernels | grouped GEMMs | collectives (count, sent per rank) | hlo ops |",
@@ -321,7 +328,9 @@ def markdown(results: dict) -> str:
             lines.append(f"| {r['step']} | {r['impl']} | - | **no** | - | - | - | {r['error'][:120]} | - |")
             continue
         kern = ", ".join(f"{k} x{n}" for k, n in r["kernels"].items()) or "none"
-        coll = "; ".join(f"{k} x{e['count']} {_gb(e['sent_bytes_per_rank'])}" for k, e in r["collectives"].items())
+        coll = "; ".join(f"{k} x{e['count']} {_gb(e['sent_bytes_per_rank'])}" + (
+            f" (+x{e['conditional_count']} {_gb(e['conditional_sent_bytes_per_rank'])} if taken)"
+            if e.get("conditional_count") else "") for k, e in r["collectives"].items())
         hlo = ", ".join(f"{k} {n}" for k, n in r["collective_ops_in_stablehlo"].items())
         lines.append(f"| {r['step']} | {r['impl']} | {r['form']} | yes | {r['trace_s']} / {r['lower_s']} | {kern} | "
                      f"{r['grouped_gemms']} | "

@@ -6,7 +6,8 @@ checks them.
 
 `collective_bytes(fn, *args)` traces `fn` (no compilation) and sums the sent bytes over every collective
 in the jaxpr, including inside `shard_map`, `jit` and control flow (a collective inside a loop counts
-once per appearance, not per iteration); tests/parallel/test_comm.py checks each formula against it.
+once per appearance, not per iteration; one inside a `lax.cond` branch is marked `conditional`);
+tests/parallel/test_comm.py checks each formula against it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Collective:
     operand_bytes: int  # per rank
     ranks: int
     sent_bytes: float  # per rank, by the accounting above
+    conditional: bool = False  # inside a branch of a `lax.cond`: runs only when that branch is taken
 
 
 def _axis_ranks(axis_name, axis_sizes: Mapping[str, int]) -> int:
@@ -51,7 +53,7 @@ def _sub_jaxprs(params):
                 yield item.jaxpr
 
 
-def _walk(jaxpr, axis_sizes, found: list):
+def _walk(jaxpr, axis_sizes, found: list, conditional: bool = False):
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         kind = ("all_gather" if name in _GATHER else "reduce_scatter" if name in _SCATTER
@@ -62,9 +64,9 @@ def _walk(jaxpr, axis_sizes, found: list):
             for var in eqn.invars:
                 aval = var.aval
                 s = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-                found.append(Collective(kind, s, n, sent_bytes(kind, s, n)))
+                found.append(Collective(kind, s, n, sent_bytes(kind, s, n), conditional))
         for sub in _sub_jaxprs(eqn.params):
-            _walk(sub, axis_sizes, found)
+            _walk(sub, axis_sizes, found, conditional or name == "cond")
 
 
 def trace_collectives(fn: Callable, *args, axis_sizes: Mapping[str, int], **kwargs) -> list[Collective]:

@@ -4,10 +4,13 @@ all-to-all.
 With E experts over N ranks, rank r holds experts [r E/N, (r+1) E/N). Every rank routes its own tokens
 with the (replicated) router of `glm53.layers.MoE`, then (`moe_local`, inside `jax.shard_map`):
 1. dispatch: each (token, chosen expert) assignment goes to the expert's rank. The send buffer is dense
-   and padded, [N, cap, D] with cap = tokens * min(top_k, E/N): a token's top-k experts are distinct, so
-   at most min(top_k, E/N) of its assignments land on one rank and nothing is ever dropped. One
-   `lax.all_to_all` moves the rows (and one the local expert ids; -1 = empty slot). This padded form runs
-   everywhere; `lax.ragged_all_to_all` (exact-size messages) does not run on XLA:CPU.
+   and padded, [N, cap, D]: a token's top-k experts are distinct, so at most min(top_k, E/N) of its
+   assignments land on one rank, and cap = tokens * min(top_k, E/N) never overflows; but such buffers
+   move N x the exact volume. So the first round has about 1.25 x the mean load per destination
+   (`first_round_capacity`) and a second round, taken by every rank only if some rank has assignments
+   past it, carries the rest: nothing is ever dropped. One `lax.all_to_all` moves the rows (and one the
+   local expert ids; -1 = empty slot). This padded form runs everywhere; `lax.ragged_all_to_all`
+   (exact-size messages) does not run on XLA:CPU.
 2. each rank runs its experts on what it received (the layer's `experts`, i.e. `glm53.layers.grouped_experts`
    over float or fp8 weights; empty slots weigh 0);
 3. combine: a second all-to-all returns the expert outputs to the token's rank, which weighs them by
@@ -39,12 +42,33 @@ def dispatch_capacity(tokens: int, top_k: int, experts_per_rank: int) -> int:
     return tokens * min(top_k, experts_per_rank)
 
 
-def moe_local(moe: MoE, x_ND, *, axis):
+# First-round slots per destination, as a multiple of the mean load (a rank's assignments / ranks): the
+# padded buffers then move about this factor times the exact volume instead of the N x of the never-
+# overflowing capacity. Assignments past it go in a second round, run only when some rank overflows.
+CAPACITY_FACTOR = 1.25
+
+
+def first_round_capacity(tokens: int, top_k: int, experts_per_rank: int, ranks: int,
+                         factor: float = CAPACITY_FACTOR) -> int:
+    """Slots per destination in the dispatch's first round: ceil(factor x the mean load), at least 1 and
+    at most `dispatch_capacity` (then there is no second round)."""
+    mean = -(-tokens * top_k // ranks)
+    return max(1, min(dispatch_capacity(tokens, top_k, experts_per_rank), math.ceil(mean * factor)))
+
+
+def moe_local(moe: MoE, x_ND, *, axis, capacity_factor: float = CAPACITY_FACTOR):
     """Expert-parallel MoE on one rank (inside `jax.shard_map` over `axis`, a name or tuple of names).
 
     `moe`: the layer with this rank's slice of the routed experts (gate_up_proj [E/N, D, 2F], down_proj
     [E/N, F, D], and their block scales when fp8) and replicated router / shared expert; x [n, D]: this
     rank's tokens -> y [n, D].
+
+    Two rounds of the padded exchange: the first with `first_round_capacity` slots per destination
+    (capacity_factor x the mean load), the second, for the assignments whose slot is past it, with the
+    rest of `dispatch_capacity`, inside a `lax.cond` that every rank takes or skips together (the
+    overflow flag is summed over the axis). Every assignment is computed exactly once, so the result is
+    the same whatever the factor; the factor only trades buffer bytes against how often the second round
+    runs (`capacity_factor=None`: one round of the full capacity, the N x volume).
     """
     axes = _axes(axis)
     n_ranks = math.prod(jax.lax.axis_size(a) for a in axes)
@@ -53,22 +77,35 @@ def moe_local(moe: MoE, x_ND, *, axis):
     idx_NK, w_NK = moe.gate(x_ND)
     k = idx_NK.shape[1]
     cap = dispatch_capacity(n, k, e_local)
+    cap1 = cap if capacity_factor is None else first_round_capacity(n, k, e_local, n_ranks, capacity_factor)
 
     # Slot of each assignment in its destination's buffer: how many earlier assignments go to that rank.
     dest_A = (idx_NK // e_local).reshape(-1)
     onehot_AN = (dest_A[:, None] == jnp.arange(n_ranks)[None, :]).astype(jnp.int32)
     slot_A = jnp.take_along_axis(jnp.cumsum(onehot_AN, axis=0), dest_A[:, None], axis=1)[:, 0] - 1
     tok_A = jnp.repeat(jnp.arange(n), k)
-    send_x = jnp.zeros((n_ranks, cap, d), x_ND.dtype).at[dest_A, slot_A].set(x_ND[tok_A])
-    send_e = jnp.full((n_ranks, cap), -1, jnp.int32).at[dest_A, slot_A].set((idx_NK % e_local).reshape(-1))
+    x_AD = x_ND[tok_A]
+    e_A = (idx_NK % e_local).reshape(-1)
 
-    recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True)  # [N (source), cap, D]
-    recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True).reshape(-1, 1)
-    filled = (recv_e >= 0).astype(jnp.float32)
-    y_rows = moe.experts(recv_x.reshape(-1, d), jnp.maximum(recv_e, 0), filled)
-    back = jax.lax.all_to_all(y_rows.reshape(n_ranks, cap, d), axes, 0, 0, tiled=True)  # [N (expert rank), cap, D]
+    def exchange(first: int, size: int):
+        """Assignments with slots [first, first + size) of each destination, through one round of
+        all-to-alls -> their expert outputs [A, D] (zero rows for the other assignments)."""
+        mine = (slot_A >= first) & (slot_A < first + size)
+        slot = jnp.where(mine, slot_A - first, size)  # others: out of range, dropped by the scatter
+        send_x = jnp.zeros((n_ranks, size, d), x_ND.dtype).at[dest_A, slot].set(x_AD, mode="drop")
+        send_e = jnp.full((n_ranks, size), -1, jnp.int32).at[dest_A, slot].set(e_A, mode="drop")
+        recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True)  # [N (source), size, D]
+        recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True).reshape(-1, 1)
+        filled = (recv_e >= 0).astype(jnp.float32)
+        y_rows = moe.experts(recv_x.reshape(-1, d), jnp.maximum(recv_e, 0), filled)
+        back = jax.lax.all_to_all(y_rows.reshape(n_ranks, size, d), axes, 0, 0, tiled=True)  # [N (expert rank), size, D]
+        return jnp.where(mine[:, None], back[dest_A, jnp.minimum(slot, size - 1)], 0)
 
-    y_AD = back[dest_A, slot_A] * w_NK.reshape(-1)[:, None].astype(back.dtype)
+    y_AD = exchange(0, cap1)
+    if cap1 < cap:
+        overflow = jax.lax.psum(jnp.any(slot_A >= cap1).astype(jnp.int32), axes) > 0
+        y_AD = y_AD + jax.lax.cond(overflow, lambda: exchange(cap1, cap - cap1), lambda: jnp.zeros_like(y_AD))
+    y_AD = y_AD * w_NK.reshape(-1)[:, None].astype(y_AD.dtype)
     y_ND = jnp.sum(y_AD.reshape(n, k, d), axis=1).astype(x_ND.dtype)
     if moe.shared_experts is not None:
         y_ND = y_ND + moe.shared_experts(x_ND)

@@ -1,4 +1,4 @@
-"""Expert-parallel MoE (padded all-to-all dispatch) against the single-device `glm53.layers.MoE`.
+"""Expert-parallel MoE (padded all-to-all dispatch in two rounds) against the single-device `glm53.layers.MoE`.
 
 Tolerance: 1e-6 of the largest output (float32; only the order of the top-k sum differs).
 """
@@ -97,8 +97,8 @@ def _with_router(state, weight, bias):
 @pytest.mark.multidevice
 def test_dispatch_capacity_never_overflows():
     """Routings that fill a destination's dispatch buffer as far as any routing can (every token sends
-    min(k, E/N) assignments to one rank) run through the real padded all-to-all dispatch: nothing is dropped
-    or overwritten, so the output equals one device's. 16 experts, top-4, over 2 ranks (8 experts each: all
+    min(k, E/N) assignments to one rank) run through the real padded all-to-all dispatch, past its first
+    round into the second: nothing is dropped or overwritten, so the output equals one device's. 16 experts, top-4, over 2 ranks (8 experts each: all
     4 of a token's experts on one rank), 8 (2 each) and dp x cp = 16 (1 each)."""
     cfg, graphdef, state, x = _top4_layer()
     reference = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x[None])[0])
@@ -123,8 +123,20 @@ def test_dispatch_capacity_never_overflows():
             got = np.asarray(ep.moe(mesh, layer, x, axis=axis))
             np.testing.assert_allclose(got, want, atol=1e-6 * np.abs(want).max(), rtol=0,
                                        err_msg=f"{name}, {ranks} ranks")
-        # some routing sent a destination as many assignments as any routing can: min(k, E/N) per token
+        # some routing sent a destination as many assignments as any routing can: min(k, E/N) per token,
+        # more than the first dispatch round holds, so the second round (lax.cond) ran and lost nothing
         assert fullest == n_local * min(k, e_local), ranks
+        assert fullest > ep.first_round_capacity(n_local, k, e_local, ranks), ranks
+
+
+def test_first_round_capacity():
+    """1.25 x the mean load per destination, within [1, the never-overflowing capacity]."""
+    assert ep.first_round_capacity(2048, 8, 32, 8) == 2560  # PCP8 prefill rank: 2,048 tokens, top-8 of 256
+    assert ep.first_round_capacity(16, 8, 32, 8) == 20  # a DP8 decode rank's 16 tokens
+    assert ep.first_round_capacity(48, 4, 2, 8) == 30 and ep.first_round_capacity(6, 2, 1, 8) == 3  # ceil(1.25 x 2)
+    assert ep.first_round_capacity(4, 4, 8, 2) == 10 and ep.dispatch_capacity(4, 4, 8) == 16
+    assert ep.first_round_capacity(1, 1, 1, 2) == 1 == ep.first_round_capacity(8, 1, 1, 2, factor=0.01)
+    assert ep.first_round_capacity(8, 2, 1, 2, factor=4.0) == ep.dispatch_capacity(8, 2, 1) == 8  # one round
 
 
 def _abstract(cfg):

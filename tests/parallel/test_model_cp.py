@@ -9,6 +9,7 @@ replicas.
 """
 
 import dataclasses
+from collections import Counter
 
 import jax
 import numpy as np
@@ -146,7 +147,9 @@ def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
     with two requests of its own (lengths 1 to 48, padded) on its own pool, prefill then one decode step,
     the 8 routed experts split 2 per rank and every MoE assignment sent to its expert's rank and back.
     Each rank's logits equal one device running that rank's two requests alone (within 1e-5); the
-    step has its all-to-alls (two per MoE layer each way: rows and expert ids, then results)."""
+    step's collectives are the MoE's: per layer three all-to-alls (rows and expert ids out, results
+    back) of the first round, the overflow flag's all-reduce, and the second round's three inside a
+    lax.cond (`parallel.ep.moe_local`)."""
     import jax.numpy as jnp
 
     from glm53.model import compiled
@@ -179,7 +182,9 @@ def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
     found = comm.jaxpr_collectives(pmodel.forward_dp.trace(state, tok, pos, cache, **kw).jaxpr,
                                    axis_sizes={"dp": n})
     moe_layers = sum(t == "sparse" for t in cfg.mlp_layer_types)
-    assert [x.kind for x in found].count("all_to_all") == 3 * moe_layers and {x.kind for x in found} == {"all_to_all"}
+    kinds = Counter((x.kind, x.conditional) for x in found)
+    assert kinds == {("all_to_all", False): 3 * moe_layers, ("all_to_all", True): 3 * moe_layers,
+                     ("psum", False): moe_layers}, kinds
     h, cache = pmodel.forward_dp(state, tok, pos, cache, **kw)
     prefill = np.asarray(c.logits(c.state, jax.device_get(h)))
     h, cache = pmodel.forward_dp(state, nxt, pos1, cache, **kw)
