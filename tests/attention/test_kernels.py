@@ -164,6 +164,22 @@ def test_index_score_kernel_matches_reference(name, block_size, window):
             assert np.sum(sel[b, i] >= 0) == q_pos[b, i] + 1
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "fp8"])
+def test_index_score_kernel_at_glm53_key_width(name):
+    """GLM-5.3's 128-dim keys: 32-word fp8 planes, so every dot runs on 16-bit tensor-core operands (the
+    tests above, at 32 dims, take the float32 fallback for fp8: attention.common.MIN_DOT_K). The case the
+    H200 run of 2026-12-04 did not cover."""
+    fmt = formats.IndexKeyFormat(name, 128)
+    keys, _, _ = _paged_keys(fmt, [61, 17], 16, 5)
+    rng = np.random.default_rng(5)
+    q_pos = np.array([[0, 15, 16, 60], [3, 16, -1, 16]], np.int32)
+    q = jnp.asarray(rng.normal(size=(2, 4, 4, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(2, 4, 4)), jnp.float32)
+    want = indexer.index_scores(q, w, keys, jnp.asarray(q_pos), window=64, impl="reference")
+    got = indexer.index_scores(q, w, keys, jnp.asarray(q_pos), window=64, impl="pallas")
+    assert _rel(got, want) <= BF16_RTOL
+
+
 def test_paged_keys_gather_follows_the_block_table():
     fmt = formats.IndexKeyFormat("float32", 8)
     keys, dense, bt = _paged_keys(fmt, [20, 3], 4, 0)
