@@ -317,8 +317,9 @@ def markdown(results: dict) -> str:
              f"{results['machine']['cpu']} ({results['machine']['cores']} cores), jax {results['versions']['jax']}. "
              f"Command: `{results['command']}`.", "",
              "Collectives: from the traced program (`parallel.comm`), bytes one rank sends per step (sum over "
-             "layers); \"if taken\": inside a `lax.cond` branch (EP's second dispatch round, run only when some "
-             "rank overflows the first); `hlo` = collective ops in the lowered StableHLO. Kernels: Pallas Triton custom calls. "
+             "layers); \"if taken\": in a branch a step may skip (EP's second dispatch round, run only when some "
+             "rank overflows the first; HiSparse's row copy, the largest of its sizes); `hlo` = collective ops "
+             "in the lowered StableHLO (every branch). Kernels: Pallas Triton custom calls. "
              "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form with float expert weights; fp8 experts "
              "keep the expert loop).", "",
              "| step | impl | form | lowered | trace / lower s | kernels | grouped GEMMs | collectives (count, sent per rank) | hlo ops |",

@@ -6,7 +6,8 @@ checks them.
 
 `collective_bytes(fn, *args)` traces `fn` (no compilation) and sums the sent bytes over every collective
 in the jaxpr, including inside `shard_map`, `jit` and control flow (a collective inside a loop counts
-once per appearance, not per iteration; one inside a `lax.cond` branch is marked `conditional`);
+once per appearance, not per iteration; of a `lax.cond` / `lax.switch` only the branch that sends the
+most counts, marked `conditional` unless every branch communicates: the most a step can send);
 tests/parallel/test_comm.py checks each formula against it.
 """
 
@@ -36,7 +37,7 @@ class Collective:
     operand_bytes: int  # per rank
     ranks: int
     sent_bytes: float  # per rank, by the accounting above
-    conditional: bool = False  # inside a branch of a `lax.cond`: runs only when that branch is taken
+    conditional: bool = False  # in a `lax.cond` branch that a step may skip (another branch sends nothing)
 
 
 def _axis_ranks(axis_name, axis_sizes: Mapping[str, int]) -> int:
@@ -65,8 +66,18 @@ def _walk(jaxpr, axis_sizes, found: list, conditional: bool = False):
                 aval = var.aval
                 s = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
                 found.append(Collective(kind, s, n, sent_bytes(kind, s, n), conditional))
+        if name == "cond":
+            # one branch runs: the largest stands for the step (the others are alternatives, not added),
+            # conditional unless every branch communicates
+            branches = []
+            for sub in _sub_jaxprs(eqn.params):
+                branches.append([])
+                _walk(sub, axis_sizes, branches[-1], conditional)
+            largest = max(branches, key=lambda got: sum(c.sent_bytes for c in got), default=[])
+            found.extend(largest if all(branches) else (dataclasses.replace(c, conditional=True) for c in largest))
+            continue
         for sub in _sub_jaxprs(eqn.params):
-            _walk(sub, axis_sizes, found, conditional or name == "cond")
+            _walk(sub, axis_sizes, found, conditional)
 
 
 def trace_collectives(fn: Callable, *args, axis_sizes: Mapping[str, int], **kwargs) -> list[Collective]:

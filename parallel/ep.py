@@ -6,8 +6,8 @@ with the (replicated) router of `glm53.layers.MoE`, then (`moe_local`, inside `j
 1. dispatch: each (token, chosen expert) assignment goes to the expert's rank. The send buffer is dense
    and padded, [N, cap, D]: a token's top-k experts are distinct, so at most min(top_k, E/N) of its
    assignments land on one rank, and cap = tokens * min(top_k, E/N) never overflows; but such buffers
-   move N x the exact volume. So the first round has about 1.25 x the mean load per destination
-   (`first_round_capacity`) and a second round, taken by every rank only if some rank has assignments
+   move N x the exact volume. So the first round has the mean load per destination plus four of its
+   standard deviations (`first_round_capacity`) and a second round, taken by every rank only if some rank has assignments
    past it, carries the rest: nothing is ever dropped. One `lax.all_to_all` moves the rows (and one the
    local expert ids; -1 = empty slot). This padded form runs everywhere; `lax.ragged_all_to_all`
    (exact-size messages) does not run on XLA:CPU.
@@ -42,33 +42,36 @@ def dispatch_capacity(tokens: int, top_k: int, experts_per_rank: int) -> int:
     return tokens * min(top_k, experts_per_rank)
 
 
-# First-round slots per destination, as a multiple of the mean load (a rank's assignments / ranks): the
-# padded buffers then move about this factor times the exact volume instead of the N x of the never-
-# overflowing capacity. Assignments past it go in a second round, run only when some rank overflows.
-CAPACITY_FACTOR = 1.25
+# First-round slots per destination: the mean load (a rank's assignments / ranks) plus this many of its
+# standard deviations (about its square root, for routing spread evenly), so that one round carries a
+# balanced step and the padded buffers move ~1 + 4 / sqrt(mean) times the exact volume instead of the N x
+# of the never-overflowing capacity (16 tokens, top-8 over 8 ranks: 32 slots, not 128; 2,048 tokens:
+# 2,230, not 16,384). Assignments past it go in a second round, run only when some rank overflows.
+FIRST_ROUND_SIGMAS = 4.0
 
 
 def first_round_capacity(tokens: int, top_k: int, experts_per_rank: int, ranks: int,
-                         factor: float = CAPACITY_FACTOR) -> int:
-    """Slots per destination in the dispatch's first round: ceil(factor x the mean load), at least 1 and
-    at most `dispatch_capacity` (then there is no second round)."""
-    mean = -(-tokens * top_k // ranks)
-    return max(1, min(dispatch_capacity(tokens, top_k, experts_per_rank), math.ceil(mean * factor)))
+                         sigmas: float = FIRST_ROUND_SIGMAS) -> int:
+    """Slots per destination in the dispatch's first round: ceil(mean + sigmas x sqrt(mean)) for a mean load
+    of tokens x top_k / ranks, at least 1 and at most `dispatch_capacity` (then there is no second round)."""
+    mean = tokens * top_k / ranks
+    return max(1, min(dispatch_capacity(tokens, top_k, experts_per_rank), math.ceil(mean + sigmas * math.sqrt(mean))))
 
 
-def moe_local(moe: MoE, x_ND, *, axis, capacity_factor: float = CAPACITY_FACTOR):
+def moe_local(moe: MoE, x_ND, *, axis, valid_N=None, sigmas: float | None = FIRST_ROUND_SIGMAS):
     """Expert-parallel MoE on one rank (inside `jax.shard_map` over `axis`, a name or tuple of names).
 
     `moe`: the layer with this rank's slice of the routed experts (gate_up_proj [E/N, D, 2F], down_proj
     [E/N, F, D], and their block scales when fp8) and replicated router / shared expert; x [n, D]: this
-    rank's tokens -> y [n, D].
+    rank's tokens -> y [n, D]. valid_N: bool [n], the tokens to dispatch (None: all); the others (padding:
+    every padding token routes alike, which would pile them onto a few ranks) get only the shared expert.
 
-    Two rounds of the padded exchange: the first with `first_round_capacity` slots per destination
-    (capacity_factor x the mean load), the second, for the assignments whose slot is past it, with the
-    rest of `dispatch_capacity`, inside a `lax.cond` that every rank takes or skips together (the
-    overflow flag is summed over the axis). Every assignment is computed exactly once, so the result is
-    the same whatever the factor; the factor only trades buffer bytes against how often the second round
-    runs (`capacity_factor=None`: one round of the full capacity, the N x volume).
+    Two rounds of the padded exchange: the first with `first_round_capacity` slots per destination, the
+    second, for the assignments whose slot is past it, with the rest of `dispatch_capacity`, inside a
+    `lax.cond` that every rank takes or skips together (the overflow flag is summed over the axis).
+    Every dispatched assignment is computed exactly once, so the result does not depend on `sigmas`,
+    which only trades buffer bytes against how often the second round runs (None: one round of the full
+    capacity, the N x volume).
     """
     axes = _axes(axis)
     n_ranks = math.prod(jax.lax.axis_size(a) for a in axes)
@@ -77,12 +80,15 @@ def moe_local(moe: MoE, x_ND, *, axis, capacity_factor: float = CAPACITY_FACTOR)
     idx_NK, w_NK = moe.gate(x_ND)
     k = idx_NK.shape[1]
     cap = dispatch_capacity(n, k, e_local)
-    cap1 = cap if capacity_factor is None else first_round_capacity(n, k, e_local, n_ranks, capacity_factor)
+    cap1 = cap if sigmas is None else first_round_capacity(n, k, e_local, n_ranks, sigmas)
 
-    # Slot of each assignment in its destination's buffer: how many earlier assignments go to that rank.
-    dest_A = (idx_NK // e_local).reshape(-1)
+    # Slot of each assignment in its destination's buffer: how many earlier assignments go to that rank
+    # (assignments of tokens not dispatched have no destination: rank index n_ranks, no slot).
+    valid_A = jnp.ones((n * k,), bool) if valid_N is None else jnp.repeat(valid_N, k)
+    dest_A = jnp.where(valid_A, (idx_NK // e_local).reshape(-1), n_ranks)
     onehot_AN = (dest_A[:, None] == jnp.arange(n_ranks)[None, :]).astype(jnp.int32)
-    slot_A = jnp.take_along_axis(jnp.cumsum(onehot_AN, axis=0), dest_A[:, None], axis=1)[:, 0] - 1
+    to_A = jnp.minimum(dest_A, n_ranks - 1)
+    slot_A = jnp.take_along_axis(jnp.cumsum(onehot_AN, axis=0), to_A[:, None], axis=1)[:, 0] - 1
     tok_A = jnp.repeat(jnp.arange(n), k)
     x_AD = x_ND[tok_A]
     e_A = (idx_NK % e_local).reshape(-1)
@@ -90,20 +96,20 @@ def moe_local(moe: MoE, x_ND, *, axis, capacity_factor: float = CAPACITY_FACTOR)
     def exchange(first: int, size: int):
         """Assignments with slots [first, first + size) of each destination, through one round of
         all-to-alls -> their expert outputs [A, D] (zero rows for the other assignments)."""
-        mine = (slot_A >= first) & (slot_A < first + size)
+        mine = valid_A & (slot_A >= first) & (slot_A < first + size)
         slot = jnp.where(mine, slot_A - first, size)  # others: out of range, dropped by the scatter
-        send_x = jnp.zeros((n_ranks, size, d), x_ND.dtype).at[dest_A, slot].set(x_AD, mode="drop")
-        send_e = jnp.full((n_ranks, size), -1, jnp.int32).at[dest_A, slot].set(e_A, mode="drop")
+        send_x = jnp.zeros((n_ranks, size, d), x_ND.dtype).at[to_A, slot].set(x_AD, mode="drop")
+        send_e = jnp.full((n_ranks, size), -1, jnp.int32).at[to_A, slot].set(e_A, mode="drop")
         recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True)  # [N (source), size, D]
         recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True).reshape(-1, 1)
         filled = (recv_e >= 0).astype(jnp.float32)
         y_rows = moe.experts(recv_x.reshape(-1, d), jnp.maximum(recv_e, 0), filled)
         back = jax.lax.all_to_all(y_rows.reshape(n_ranks, size, d), axes, 0, 0, tiled=True)  # [N (expert rank), size, D]
-        return jnp.where(mine[:, None], back[dest_A, jnp.minimum(slot, size - 1)], 0)
+        return jnp.where(mine[:, None], back[to_A, jnp.minimum(slot, size - 1)], 0)
 
     y_AD = exchange(0, cap1)
     if cap1 < cap:
-        overflow = jax.lax.psum(jnp.any(slot_A >= cap1).astype(jnp.int32), axes) > 0
+        overflow = jax.lax.psum(jnp.any(valid_A & (slot_A >= cap1)).astype(jnp.int32), axes) > 0
         y_AD = y_AD + jax.lax.cond(overflow, lambda: exchange(cap1, cap - cap1), lambda: jnp.zeros_like(y_AD))
     y_AD = y_AD * w_NK.reshape(-1)[:, None].astype(y_AD.dtype)
     y_ND = jnp.sum(y_AD.reshape(n, k, d), axis=1).astype(x_ND.dtype)

@@ -45,13 +45,18 @@ from parallel.cp_cache import CpKVCache
 class _ExpertParallel:
     """A MoE layer's forward under expert parallelism (see the module docstring)."""
 
-    def __init__(self, moe: MoE, axis: str, tokens_split: bool):
-        self.moe, self.axis, self.tokens_split = moe, axis, tokens_split
+    def __init__(self, moe: MoE, axis: str, tokens_split: bool, valid_BT=None):
+        self.moe, self.axis, self.tokens_split, self.valid_BT = moe, axis, tokens_split, valid_BT
 
     def __call__(self, x_BTD):
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        fn = ep.moe_local if self.tokens_split else ep.moe_local_replicated
-        return fn(self.moe, x_ND, axis=self.axis).reshape(x_BTD.shape)
+        if not self.tokens_split:
+            return ep.moe_local_replicated(self.moe, x_ND, axis=self.axis).reshape(x_BTD.shape)
+        # padding tokens (position -1) are not dispatched; a layer that runs on fewer tokens than the
+        # step's (the last layer under last_only) dispatches all of them
+        valid = self.valid_BT
+        valid_N = valid.reshape(-1) if valid is not None and valid.shape == x_BTD.shape[:2] else None
+        return ep.moe_local(self.moe, x_ND, axis=self.axis, valid_N=valid_N).reshape(x_BTD.shape)
 
 
 def cache_specs(cache: CpKVCache):
@@ -122,7 +127,7 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
         elif expert_parallel:
             for layer in model.layers:
                 if isinstance(layer.mlp, MoE):
-                    layer.mlp = _ExpertParallel(layer.mlp, axis, cache.tokens_split)
+                    layer.mlp = _ExpertParallel(layer.mlp, axis, cache.tokens_split, positions >= 0)
         hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl)
         return hidden, cache
 
@@ -168,7 +173,7 @@ def forward_dp(state, tokens, positions, cache: PagedKVCache, *, graphdef, mesh,
         model = nnx.merge(graphdef, state)
         for layer in model.layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp = _ExpertParallel(layer.mlp, axis, tokens_split=True)
+                layer.mlp = _ExpertParallel(layer.mlp, axis, True, positions >= 0)
         hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl, last_only=last_only)
         return hidden, cache
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import itertools
 import weakref
@@ -127,7 +128,8 @@ class Engine:
         runners = list(runner) if isinstance(runner, (list, tuple)) else None if runner is None else [runner]
         if runners is not None and len(runners) != dp:
             raise ValueError(f"runner: {len(runners)} runner(s) given for data_parallel_size={dp} (one per replica)")
-        # every default filled in and every size checked before any array is allocated
+        # every default filled in and every size checked before any array is allocated (but, on a GPU, the
+        # profile run's throwaway runner below: the weights and a one-block pool, freed before the real one)
         if d.num_speculative_tokens and self.cfg.num_nextn_predict_layers < 1:
             raise ValueError("DeployConfig.speculative_config: method 'mtp' drafts with the checkpoint's MTP layer, "
                              "but this model has none (num_nextn_predict_layers=0; glm53.from_pretrained loads a "
@@ -611,7 +613,12 @@ def profile_workspace(model, deploy: DeployConfig, model_dtype: str, device, dev
     probe = dataclasses.replace(deploy, num_gpu_blocks=1, kv_policy="preempt", cpu_offload_bytes=0,
                                 hisparse_host_pool_bytes=0, hisparse_device_buffer_size=None,
                                 kv_transfer_config=None).resolved(model.cfg, model_dtype, device=device)
-    return ModelRunner(model, probe, probe.kv_sizes(model.cfg, model_dtype), devices).step_workspace_bytes()
+    runner = ModelRunner(model, probe, probe.kv_sizes(model.cfg, model_dtype), devices)
+    try:
+        return runner.step_workspace_bytes()
+    finally:
+        del runner
+        gc.collect()  # its weights and pool leave the device before the serving runner places its own
 
 
 def weights_bytes_per_device(state, cfg: ModelConfig, deploy: DeployConfig) -> int:

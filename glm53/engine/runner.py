@@ -482,27 +482,51 @@ class ModelRunner:
         self.cache = self._take_view(cache)
         return hidden
 
-    def step_workspace_bytes(self) -> int:
-        """Peak device bytes of this runner's largest step programs beyond their arguments (weights, pool,
-        tables): XLA's temporaries plus the outputs that do not alias the donated cache, from the compiled
-        programs' memory analysis, per device of the replica. What vLLM's profile run measures and leaves
-        out of the KV budget (`DeployConfig.kv_budget_bytes`). The programs: a chunk of the whole token
-        budget at a fresh prompt's window (vLLM's profile shape) and at the max_model_len window (a long
-        prompt's last chunk), and max_num_seqs rows of one token at that window (decode). Compiles them
-        (nothing runs, nothing is allocated); the cache is donated, so the pool's size does not change
-        the result (tests/engine/test_workspace.py). Not profiled: MTP's verify and draft programs, and
-        HiSparse's resolver and staging state (the plain programs of the same shapes are)."""
-        cap = self.capacity
-        shapes = {(1, self.max_tokens, window_bucket(self.max_tokens, cap)),
-                  (1, self.max_tokens, window_bucket(cap, cap)), (self.max_rows, 1, window_bucket(cap, cap))}
-        peak = 0
-        for rows, width, window in sorted(shapes):
-            lowered = self._forward(np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
-                                    self._table("mla", rows, [], window), self._table("indexer", rows, [], window),
-                                    window, lower=True)
+    def workspace_shapes(self) -> list[tuple[int, int, int]]:
+        """The (rows, tokens per row, window) step programs whose workspace bounds every step's: decode
+        (max_num_seqs rows, padded), a chunk of the whole token budget at a fresh prompt's window and at
+        the max_model_len window, and the prefill groups with the most padded tokens that
+        `forward_groups` can form: a group of width w holds rows of more than w / 2 tokens (2 in the
+        narrowest bucket), so at most budget // (w / 2 + 1) of them, padded to a power of two, up to
+        about twice the budget in all (the narrowest and the widest such width stand for their ties)."""
+        cap, budget = self.capacity, self.deploy.max_num_batched_tokens
+        full = window_bucket(cap, cap)
+        prefill = self.width_buckets()[1:]
+        groups = []
+        for w in prefill:
+            per_row = 2 if w == prefill[0] else w // 2 + 1
+            rows = min(self.max_rows, pow2_at_least(max(1, min(self.deploy.max_num_seqs, budget // per_row))))
+            groups.append((rows * w, rows, w))
+        most = max(t for t, _, _ in groups)
+        ties = [(r, w) for t, r, w in groups if t == most]
+        return sorted({(self.max_rows, 1, full), (1, self.max_tokens, window_bucket(self.max_tokens, cap)),
+                       (1, self.max_tokens, full), (*ties[0], full), (*ties[-1], full)})
+
+    def step_workspace_bytes(self, shapes=None) -> int:
+        """Peak device bytes of this runner's step programs beyond their arguments (weights, pool, tables):
+        XLA's temporaries plus the outputs that do not alias the donated cache, from the compiled
+        programs' memory analysis, per device of the replica, the most over the forwards of `shapes`
+        (default `workspace_shapes`) and the logits and sampling of max_num_seqs rows. What vLLM's
+        profile run measures and leaves out of the KV budget (`DeployConfig.kv_budget_bytes`). Compiles
+        them (nothing runs, nothing is allocated); the cache is donated, so the pool's size does not
+        change the result (tests/engine/test_workspace.py). Not profiled: MTP's verify and draft
+        programs, and HiSparse's resolver and staging state (the plain programs of the same shapes are)."""
+        def peak(lowered) -> int:
             ma = lowered.compile().memory_analysis()
-            peak = max(peak, int(ma.temp_size_in_bytes) + int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes))
-        return peak
+            return int(ma.temp_size_in_bytes) + int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)
+
+        most = 0
+        for rows, width, window in (self.workspace_shapes() if shapes is None else shapes):
+            most = max(most, peak(self._forward(np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
+                                                self._table("mla", rows, [], window),
+                                                self._table("indexer", rows, [], window), window, lower=True)))
+        r, cfg = self.max_rows, self.model.cfg
+        hidden = jax.ShapeDtypeStruct((r, 1, cfg.hidden_size), jnp.dtype(self.model.dtype))
+        rows_i = jax.ShapeDtypeStruct((r,), jnp.int32)
+        most = max(most, peak(_last_logits.trace(self.c.logits, self.state, hidden, rows_i).lower()))
+        f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
+        logits = jax.ShapeDtypeStruct((r, cfg.vocab_size), jnp.float32)
+        return max(most, peak(_sample.trace(logits, jax.ShapeDtypeStruct((r,), jnp.uint32), rows_i, f32, f32).lower()))
 
     def _forward_cp(self, tok, pos, cache: PagedKVCache, window: int, form: str, *, lower: bool = False):
         """`_forward` on the context mesh. Prefill rows (width > 1) under PCP are split into the balanced

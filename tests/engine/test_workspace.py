@@ -34,6 +34,19 @@ def test_workspace_is_positive_grows_with_the_token_budget_and_ignores_the_pool(
     assert _runner(tiny_model, wide).step_workspace_bytes() > small
 
 
+def test_workspace_covers_the_widest_groups_the_runner_forms(tiny_model):
+    """Eight 9-16-token prompts under a 64-token budget run as one 8 x 16 group (rows and widths pad to
+    powers of two): 128 padded tokens, twice the budget. The profile takes such groups, not only a chunk
+    of the budget, and its figure is the most over every program it names."""
+    r = _runner(tiny_model, DeployConfig(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
+                                         num_gpu_blocks=8))
+    full = r.capacity
+    assert {(8, 16, full), (4, 32, full), (1, 64, full), (8, 1, full)} <= set(r.workspace_shapes())
+    each = {s: r.step_workspace_bytes([s]) for s in r.workspace_shapes()}
+    assert r.step_workspace_bytes() == max(each.values())
+    assert each[8, 16, full] > each[1, 64, full]  # the budget's own chunk would under-count
+
+
 def _report_memory(monkeypatch, limit):
     """Make every device report `limit` bytes (as a GPU's memory_stats does; the CPU reports none)."""
     fake = lambda device: 0 if device is None else limit  # noqa: E731
@@ -42,7 +55,7 @@ def _report_memory(monkeypatch, limit):
 
 
 def test_pool_from_device_memory_leaves_out_weights_and_workspace(tiny_model, monkeypatch):
-    limit = 12 * MiB  # tiny model, float32: ~4.7 MB of weights, ~3.8 MB of workspace, 74 KB blocks
+    limit = 14 * MiB  # tiny model, float32: ~4.7 MB of weights, ~4.7 MB of workspace, 74 KB blocks: ~50 fit
     _report_memory(monkeypatch, limit)
     eng = Engine(tiny_model, _deploy())
     out = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=3)
