@@ -6,7 +6,7 @@ configs/paper/part2.py's deployments, with what 1M changes:
   it and end at the limit);
 - nothing about the budgets: every engine runs 8,192 batched tokens as at 142K, where the PCP8 x DCP8 x
   EP8 engine's pool is 15.94 GiB and holds one 1M request (6.7 GiB per GPU under DCP8); at Part 1's
-  32,768 its workspace (18.1 GiB) would leave 2.4 GiB (results/memory_plan; docs/memory.md);
+  32,768 its workspace (18.2 GiB) would leave 2.3 GiB (results/memory_plan; docs/memory.md);
 - the HiSparse decode ranks' 64 GiB of host memory split 52 GiB HiSparse pool + 12 GiB offload: a 1M
   request's MLA pages are 50.6 GiB, more than the published 48 GiB pool holds (the engine refuses a
   host pool that cannot hold one request of max_model_len).

@@ -76,12 +76,12 @@ def test_tensor_core_dots_contract_at_least_16(lowered):
     where it used to fail."""
     short = []
     for name, entry in lowered.items():
-        for m, k, n, dtype in entry["kernels"][0].dot_shapes():
+        kern = entry["kernels"][0]
+        assert len(kern.dot_shapes()) == len(kern.dots()), name  # the two parsers see the same dots
+        for (m, k, n, dtype), desc in zip(kern.dot_shapes(), kern.dots()):
             assert m >= 16, (name, m)  # heads are padded to 16
-            if dtype != "f32" and k < common.MIN_DOT_K:
-                short.append((name, k, dtype))
-            if k < common.MIN_DOT_K:
-                assert dtype == "f32" and "ieee" in " ".join(entry["kernels"][0].dots()), name
+            if k < common.MIN_DOT_K and desc != "f32 x f32 -> f32 ieee":
+                short.append((name, k, desc))
     assert short == []
     assert any(k < common.MIN_DOT_K for e in lowered.values() for _, k, _, _ in e["kernels"][0].dot_shapes())
 
