@@ -119,6 +119,9 @@ class DeployConfig:
         over the same devices. Each is 1 or that axis size.
     data_parallel_size: independent replicas (glm53.engine.engine), each on its own devices_per_replica devices
         with its own scheduler and block pool; pool sizes (num_gpu_blocks, host bytes) are per replica.
+        Expert parallelism stays inside a replica: the Engine rejects enable_expert_parallel with one
+        device per replica (vLLM's DP + EP, experts shared by the DP ranks, is parallel.model.forward_dp
+        and the simulator's, not the engine's).
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (the host tier of tiered offloading: every full page is stored to a CPU prefix
         cache of cpu_offload_bytes as it fills and loaded back by a later prefix lookup,

@@ -138,6 +138,16 @@ class Engine:
         if isinstance(model, ModelConfig) and runners is None:
             raise ValueError("Engine(ModelConfig): a model without weights needs a runner that runs without "
                              "them (e.g. glm53.engine.sim.SimRunner); pass runner=")
+        if runners is None and dp > 1 and d.enable_expert_parallel and n == 1:
+            # vLLM's DP + EP shares the routed experts over every DP rank; this engine's replicas are
+            # independent, so the flag would leave each one-device replica holding every expert
+            raise ValueError(f"enable_expert_parallel with data_parallel_size={dp} and one device per replica: "
+                             "the engine's data-parallel replicas are independent, so expert parallelism runs only "
+                             "over a replica's own devices (tensor_parallel_size or the context-parallel axis) and "
+                             "here would split nothing. Experts shared across DP ranks (vLLM's DP + EP) exist as "
+                             "parallel.model.forward_dp and in the simulator (runner=glm53.engine.sim.SimRunner) "
+                             "and memory plan, not in this engine: drop enable_expert_parallel, or use "
+                             "tensor_parallel_size > 1 with it")
         dtype = "bfloat16" if isinstance(model, ModelConfig) else jnp.dtype(getattr(model, "dtype", jnp.float32)).name
         device = None
         if runners is None:

@@ -232,6 +232,8 @@ def no_allocation(monkeypatch):
      "hisparse_host_pool_bytes=100000 must hold at least one request of max_model_len=128: >= 589824 bytes"),
     (dict(max_model_len=TINY.max_position_embeddings + 1), "max_model_len=65537 must be <= the model's"),
     (dict(max_model_len=4096, kv_cache_memory_bytes=1 << 20), "max_model_len=4096"),
+    # vLLM's DP + EP (experts shared by the DP ranks) is not what this engine's independent replicas do
+    (dict(data_parallel_size=2, enable_expert_parallel=True), "enable_expert_parallel with data_parallel_size=2"),
 ])
 def test_engine_rejects_a_configuration_before_allocating(tiny_model, no_allocation, fields, match):
     with pytest.raises(ValueError, match=match):

@@ -6,7 +6,8 @@ prefilled in one padded row each, then one decode step runs; every real token's 
 device's within 1e-5 of the largest logit, each device holding 1/tp of the split weights and 1/dcp of
 the KV. TP4 (the tiny model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 (heads padded 4 -> 8),
 with both DCP backends and both ways of splitting the routed experts (whole experts, EP; or each
-expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one device's greedy tokens. The mid preset
+expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one device's greedy tokens, and every
+logit the engine samples from matches one device's within 1e-5 of the largest. The mid preset
 (8 heads) runs TP4, TP4 x DCP2 and TP8 x DCP8 (slow).
 """
 
@@ -106,12 +107,41 @@ def test_mid_model_tp_and_tp_dcp_match_one_device():
     ])
 
 
+def _record_logits(engine) -> dict:
+    """Wraps the sampler's input of every replica's runner: -> {(req_id, num_generated): logits [V]}, the
+    logits each greedy token of `engine.generate` is picked from, filled as the engine runs."""
+    seen = {}
+    for rep in engine.replicas:
+        pick = rep.runner._pick
+
+        def record(logits_RV, rows, idx, pick=pick):
+            host = np.asarray(logits_RV)
+            for i, row in zip(idx, rows):
+                seen[row.req_id, row.num_generated] = host[i].copy()
+            return pick(logits_RV, rows, idx)
+
+        rep.runner._pick = record
+    return seen
+
+
+def _assert_logits_match(got: dict, got_ids: list, want: dict, want_ids: list) -> None:
+    """Each request's logits at each generated position (`_record_logits`) within TOL of the largest
+    |logit| of one device's; requests paired by their order in generate's output."""
+    pair = dict(zip(got_ids, want_ids))
+    assert {(pair[r], n) for r, n in got} == set(want)
+    for (r, n), logits in got.items():
+        ref = want[pair[r], n]
+        err = np.abs(logits - ref).max() / np.abs(ref).max()
+        assert err <= TOL, (r, n, err)
+
+
 @pytest.mark.multidevice
 def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
     """glm53.Engine under DeployConfig(tensor_parallel_size=4, decode_context_parallel_size=2,
     enable_expert_parallel=True) with a swapping KV policy, and under tensor_parallel_size=4 x
-    data_parallel_size=2 on 8 devices: the same greedy tokens as one device; each device holds 1/4 of
-    the split weights (engine.metrics()["weights_bytes_per_device"])."""
+    data_parallel_size=2 on 8 devices: the same greedy tokens as one device, sampled from the same
+    logits (within 1e-5 of the largest, every generated position of every request); each device holds
+    1/4 of the split weights (engine.metrics()["weights_bytes_per_device"])."""
     from jax.sharding import PartitionSpec
 
     from glm53 import DeployConfig, Engine
@@ -122,7 +152,11 @@ def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
     base = dict(block_size=BS, index_block_size=2 * BS, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=2,
                 kv_cache_dtype="float32")
     one = Engine(tiny_model, DeployConfig(**base))
-    want = one.generate(prompts, max_new_tokens=4, greedy=True)
+    want_logits = _record_logits(one)
+    want = one.generate(prompts + prompts[:1], max_new_tokens=4, greedy=True)
+    want_ids = [w.req_id for w in want]
+    assert len(want_logits) == 3 * 4  # every generated token of the three requests
+    want = want[:2]
     total, split = _split_bytes(compiled(tiny_model).state)
     assert one.metrics()["weights_bytes_per_device"] == total
 
@@ -132,18 +166,23 @@ def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
     eng = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=4, decode_context_parallel_size=2,
                                           enable_expert_parallel=True, num_gpu_blocks=12, kv_policy="swap",
                                           cpu_offload_bytes=1 << 24))
+    logits = _record_logits(eng)
     got = eng.generate(prompts, max_new_tokens=4, greedy=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    _assert_logits_match(logits, [g.req_id for g in got], {k: v for k, v in want_logits.items()
+                                                          if k[0] in want_ids[:2]}, want_ids[:2])
     assert eng.scheduler.stats.offloads >= 1 and eng.scheduler.stats.recomputed_tokens == 0
     assert eng.num_devices == 4 and eng.metrics()["weights_bytes_per_device"] == total - split + split // 4
     kv = eng.runner.cache.mla[0]
     assert len(kv.sharding.device_set) == 4 and kv.sharding.spec == PartitionSpec("cp")
 
     dp = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=4, data_parallel_size=2))
+    logits = _record_logits(dp)
     got = dp.generate(prompts + prompts[:1], max_new_tokens=4, greedy=True)
     for g, w in zip(got, want + want[:1]):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    _assert_logits_match(logits, [g.req_id for g in got], want_logits, want_ids)
     assert [dp.replica_of(o.req_id) for o in got] == [0, 1, 0] and dp.num_devices == 8
     assert [sorted(d.id for d in r.runner.cache.mla[0].devices()) for r in dp.replicas] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert dp.metrics()["weights_bytes_per_device"] == total - split + split // 4
