@@ -42,7 +42,9 @@ formula and the KV budget is not an input:
 - **fits**: one request of max_model_len can be held: fully resident in the pool; under HiSparse its
   device part (indexer keys, the newest pages, a hot buffer) in the pool and the rest of its MLA pages in
   the HiSparse host pool. The engine's own admission check (`engine_admits_max_model_len`:
-  `DeployConfig.resolved`) is stricter: it asks the pool for the whole request even under HiSparse.
+  `DeployConfig.resolved`) is stricter: it asks the pool for the whole request even under HiSparse, and
+  it prices a block at what its runner allocates today, a page of every group
+  (`engine_num_gpu_blocks`, `engine_kv_arrays_bytes_per_gpu`; the pool above is the shared buffer's).
 
 Writes OUT/results.json (`deployments`: one row per deployment and limit; `published_vs_derived`: BRIEF
 §2's ~15 GiB beside the derived TP8 budget, with the gap explained; `programs`: every compiled program),
@@ -470,9 +472,10 @@ def pool_plan(dep: Deployment, cfg, budget: int) -> dict:
     blocks = max(budget, 0) // per_block
     out = {"kv_pool_blocks": int(blocks), "kv_block_bytes_per_gpu": int(per_block), "page_bytes": pages,
            "kv_pool_tokens_per_gpu": _tokens_in(d, blocks)}
-    # the engine's resolution of this budget (raises when one request of max_model_len cannot be held)
+    # the engine's resolution of this budget (raises when one request of max_model_len cannot be held),
+    # at the price of the runner's arrays today (a page of every group per block id: runner_block_bytes)
     try:
-        r = dataclasses.replace(d, kv_cache_memory_bytes=max(budget, 1)).resolved(cfg, "bfloat16")
+        r = dataclasses.replace(d, kv_cache_memory_bytes=max(budget, 1)).resolved(cfg, "bfloat16", runner_arrays=True)
         out["engine_num_gpu_blocks"] = r.num_gpu_blocks
         out["engine_admits_max_model_len"] = True
     except ValueError as e:
@@ -489,6 +492,7 @@ def pool_plan(dep: Deployment, cfg, budget: int) -> dict:
     per_runner_block = sum(int(x.size) * x.dtype.itemsize for x in (*one.mla, *one.index)) // dcp
     out["runner_kv_arrays_bytes_per_gpu"] = int(blocks * per_runner_block)
     out["runner_kv_arrays_fit_budget"] = bool(blocks * per_runner_block <= max(budget, 0))
+    out["engine_kv_arrays_bytes_per_gpu"] = int((out["engine_num_gpu_blocks"] or 0) * per_runner_block)
     # one request of max_model_len: fully resident, or (HiSparse) the device part the mechanism keeps
     full = _request_blocks(d, d.max_model_len)
     need, hot = full, {}

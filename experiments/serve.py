@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from experiments import workloads
 from experiments.common import REPO, bound_memory_maps, cpu_name, git_revision, load_config
-from kvcache.layout import block_bytes
+from kvcache.layout import block_bytes, runner_block_bytes
 
 
 def default_config() -> ConfigDict:
@@ -263,8 +263,10 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
              runner="sim" if simulated(cfg) else "model", max_model_len=d.max_model_len,
              num_speculative_tokens=d.num_speculative_tokens,
              deployment=_describe(d), throughput_tok_s_per_gpu=m["throughput_tok_s_per_device"],
-             device_kv_budget_bytes_per_gpu=int(d.num_gpu_blocks * block_bytes(eng.sizes.page_bytes)
-                                                // d.decode_context_parallel_size))
+             # the bytes the pool takes: the shared buffer's price in the simulator, the runner's arrays
+             # (a page of every group per block) where the model runs
+             device_kv_budget_bytes_per_gpu=int(d.num_gpu_blocks * (block_bytes if simulated(cfg) else runner_block_bytes)(
+                 eng.sizes.page_bytes) // d.decode_context_parallel_size))
     if simulated(cfg):
         busy = [r.runner.busy_s for r in eng.replicas]
         ops: dict[str, float] = {}

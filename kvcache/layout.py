@@ -72,6 +72,15 @@ def block_bytes(pages: dict[str, int]) -> int:
     one page of one group (a request takes separate ids for its MLA and indexer pages, so HiSparse can
     release one without the other), and the groups share one byte budget, as vLLM's hybrid allocator
     lays them out; `DeployConfig.index_block_size` makes the indexer page about as large as an MLA page,
-    so little of a block is idle. (The model runner's arrays still hold num_blocks pages of every group:
-    the shared buffer is the full-size issue's memory plan; docs/engine.md.)"""
+    so little of a block is idle. This is the design's price, which the simulator and the memory plan
+    use; the model runner's arrays still hold num_blocks pages of every group (`runner_block_bytes`)
+    until the shared buffer exists (docs/memory.md)."""
     return max(pages.values())
+
+
+def runner_block_bytes(pages: dict[str, int]) -> int:
+    """Bytes the model runner allocates per block id today: a page of every group (its PagedKVCache has
+    one array per layer and group, each of num_blocks pages), so the sum of the groups' pages, not the
+    largest. An engine that sizes its real pool from a byte budget divides by this, so that the arrays
+    fit the budget it was given (`DeployConfig.resolved(runner_arrays=True)`)."""
+    return sum(pages.values())

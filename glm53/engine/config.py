@@ -7,7 +7,7 @@ import dataclasses
 from attention.formats import MLA_FORMATS
 from kvcache.events import KVEventsConfig
 from kvcache.hisparse import device_blocks_per_request, hot_buffer_rows
-from kvcache.layout import block_bytes, page_bytes
+from kvcache.layout import block_bytes, page_bytes, runner_block_bytes
 from kvcache.host_tier import LOAD_FAILURE_POLICIES
 from kvcache.offload import host_tier_blocks
 from kvcache.tiers import check_tier_specs
@@ -397,13 +397,16 @@ class DeployConfig:
         return None not in (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs, self.num_gpu_blocks)
 
     def resolved(self, cfg, model_dtype: str = "float32", *, device=None, weights_bytes: int = 0,
-                 workspace_bytes: int = 0) -> DeployConfig:
+                 workspace_bytes: int = 0, runner_arrays: bool = False) -> DeployConfig:
         """A copy with every None field filled in for a model of `cfg` on `device` (a jax.Device; None:
         CPU): max_model_len from the model, the batch limits from `batch_defaults`, num_gpu_blocks from
         the KV memory budget (`kv_budget_bytes`: weights_bytes, the weights one device holds, and
         workspace_bytes, the peak activation memory of its largest step, are left out of a GPU's
-        budget). Raises ValueError when max_model_len exceeds the model's positions or the budget cannot
-        hold one request of max_model_len."""
+        budget). A block costs `kvcache.layout.block_bytes` (the groups' shared buffer: the simulator's
+        and the memory plan's price), or with runner_arrays what the model runner allocates for it
+        today (`runner_block_bytes`: a page of every group), so that a real pool fits its budget.
+        Raises ValueError when max_model_len exceeds the model's positions or the budget cannot hold
+        one request of max_model_len."""
         if self.max_model_len is not None and self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"DeployConfig.max_model_len={self.max_model_len} must be <= the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
@@ -426,7 +429,8 @@ class DeployConfig:
         kv_dtype = str(model_dtype) if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size,
                            include_mtp=d.num_speculative_tokens > 0)
-        per_device = -(-block_bytes(pages) // d.decode_context_parallel_size)  # a block's share of one device
+        price = runner_block_bytes(pages) if runner_arrays else block_bytes(pages)
+        per_device = -(-price // d.decode_context_parallel_size)  # a block's share of one device
         budget = d.kv_budget_bytes(device, weights_bytes, workspace_bytes)
         fit = budget // per_device
         if fit < least:

@@ -165,8 +165,10 @@ class Engine:
         self.workspace_bytes = 0
         if runners is None and d.budget_from_device_memory(device):
             self.workspace_bytes = profile_workspace(model, d, dtype, device, groups[0])
+        # the model runner's arrays hold a page of every group per block id (no shared buffer yet): a pool
+        # sized from a byte budget is priced at that, so it fits; injected runners keep the design's price
         self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device, d),
-                                     workspace_bytes=self.workspace_bytes)
+                                     workspace_bytes=self.workspace_bytes, runner_arrays=runners is None)
         self.sizes = d.kv_sizes(self.cfg, dtype)
         specs = d.offload_options["secondary_tiers"] if d.kv_policy in ("offload", "hisparse") else []
         if specs and runners is not None and not all(hasattr(r, "make_tiers") for r in runners):

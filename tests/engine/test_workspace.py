@@ -10,7 +10,7 @@ from glm53 import DeployConfig, Engine
 from glm53.engine import config as config_mod
 from glm53.engine import engine as engine_mod
 from glm53.engine.runner import ModelRunner
-from kvcache.layout import block_bytes
+from kvcache.layout import runner_block_bytes
 
 MiB = 1 << 20
 
@@ -64,10 +64,13 @@ def test_pool_from_device_memory_leaves_out_weights_and_workspace(tiny_model, mo
     ws, weights = m["workspace_bytes_per_device"], m["weights_bytes_per_device"]
     assert ws > 0 and weights > 0
     assert ws == eng.replicas[0].runner.step_workspace_bytes()  # the serving runner's own programs agree
-    per_block = block_bytes(eng.sizes.page_bytes)
-    fit = (int(0.9 * limit) - weights - ws) // per_block
+    # a block is priced at what the runner allocates for it (a page of every group), so the arrays fit
+    budget = int(0.9 * limit) - weights - ws
+    fit = budget // runner_block_bytes(eng.sizes.page_bytes)
     assert 32 <= fit < 4 * 32  # the budget binds (one request of 256 tokens: 16 + 16 pages; at most 4)
     assert eng.deploy.num_gpu_blocks == fit
+    cache = eng.replicas[0].runner.cache
+    assert sum(x.nbytes for x in (*cache.mla, *cache.index)) <= budget
     # an explicit budget is taken as is: no profile run, nothing left out
     assert Engine(tiny_model, _deploy(num_gpu_blocks=16)).workspace_bytes == 0
 

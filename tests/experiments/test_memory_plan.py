@@ -82,10 +82,14 @@ def test_pool_equals_what_the_engine_allocates(tiny_model):
     assert plan["fits"] and plan["engine_admits_max_model_len"]
     eng = Engine(tiny_model, dataclasses.replace(d, kv_cache_memory_bytes=budget))
     run = eng.replicas[0].runner
-    assert eng.deploy.num_gpu_blocks == plan["kv_pool_blocks"] == plan["engine_num_gpu_blocks"]
+    # the plan's pool is the shared buffer's; the engine prices a block at its runner's arrays (a page of
+    # every group), so it takes fewer blocks, and its arrays fit the budget
+    assert eng.deploy.num_gpu_blocks == plan["engine_num_gpu_blocks"] < plan["kv_pool_blocks"]
     assert plan["kv_pool_blocks"] * plan["kv_block_bytes_per_gpu"] <= budget
     nbytes = lambda arrays: sum(int(x.nbytes) for x in jax.tree.leaves(arrays))  # noqa: E731
-    assert nbytes((run.cache.mla, run.cache.index)) == plan["runner_kv_arrays_bytes_per_gpu"]
+    assert nbytes((run.cache.mla, run.cache.index)) == plan["engine_kv_arrays_bytes_per_gpu"] <= budget
+    per_block = plan["engine_kv_arrays_bytes_per_gpu"] // plan["engine_num_gpu_blocks"]
+    assert plan["runner_kv_arrays_bytes_per_gpu"] == plan["kv_pool_blocks"] * per_block > budget
     assert nbytes(run.host.hot_state) == plan["hisparse_state_bytes_per_gpu"]
     assert nbytes(run.host.host_tables) == plan["host_pool_bytes"]
     hot = plan["hot_buffers"]["num_speculative_tokens=0"]
