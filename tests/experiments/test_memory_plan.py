@@ -138,3 +138,19 @@ def test_fp8_weights_split_over_tp8_at_full_size_only():
         else:
             with pytest.raises(NotImplementedError, match="whole 128 x 128 blocks"):
                 jax.eval_shape(lambda s: ptp.prepare_state(s, cfg, 8, False), state)
+
+
+def test_committed_plan_is_what_the_code_gives(tmp_path):
+    """results/memory_plan is regenerated whenever the plan's code or the engine's sizing changes: the
+    plan rebuilt from the committed programs' memory analyses (`--reuse-programs`, no compile) equals the
+    committed one in every field but the run's own metadata."""
+    committed = REPO / "results/memory_plan/results.json"
+    proc = subprocess.run([sys.executable, "-m", "experiments.memory_plan", "--out", str(tmp_path),
+                           "--reuse-programs", str(committed)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiling 0 step programs" in proc.stdout + proc.stderr  # the committed programs are current
+    meta = {"date", "git_revision", "machine", "versions", "command", "wall_s", "programs_reused_from"}
+    got, want = (json.loads(p.read_text()) for p in (tmp_path / "results.json", committed))
+    assert set(got) == set(want)
+    for key in sorted(set(want) - meta):
+        assert got[key] == want[key], f"results/memory_plan/results.json[{key!r}] is stale: rerun experiments.memory_plan"
