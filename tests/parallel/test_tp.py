@@ -126,9 +126,10 @@ def _record_logits(engine) -> dict:
 
 def _assert_logits_match(got: dict, got_ids: list, want: dict, want_ids: list) -> None:
     """Each request's logits at each generated position (`_record_logits`) within TOL of the largest
-    |logit| of one device's; requests paired by their order in generate's output."""
+    |logit| of one device's; requests paired by their order in generate's output (`want` may hold more
+    requests than were paired)."""
     pair = dict(zip(got_ids, want_ids))
-    assert {(pair[r], n) for r, n in got} == set(want)
+    assert {(pair[r], n) for r, n in got} == {k for k in want if k[0] in pair.values()}
     for (r, n), logits in got.items():
         ref = want[pair[r], n]
         err = np.abs(logits - ref).max() / np.abs(ref).max()
@@ -170,8 +171,7 @@ def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
     got = eng.generate(prompts, max_new_tokens=4, greedy=True)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
-    _assert_logits_match(logits, [g.req_id for g in got], {k: v for k, v in want_logits.items()
-                                                          if k[0] in want_ids[:2]}, want_ids[:2])
+    _assert_logits_match(logits, [g.req_id for g in got], want_logits, want_ids[:2])
     assert eng.scheduler.stats.offloads >= 1 and eng.scheduler.stats.recomputed_tokens == 0
     assert eng.num_devices == 4 and eng.metrics()["weights_bytes_per_device"] == total - split + split // 4
     kv = eng.runner.cache.mla[0]
