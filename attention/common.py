@@ -83,19 +83,28 @@ H200_SMS = 132  # streaming multiprocessors of the GPU the kernels are tuned and
 IMPLS = ("auto", "reference", "pallas")
 
 # "auto" picks the Pallas kernels on a GPU only once they have been run and checked there
-# (experiments/device_check.sh); until then it runs the references everywhere, so a GPU user never gets
-# unverified kernels by default. Pass impl="pallas" to run them anyway. (They are lowered and compiled
-# for sm_90 without a GPU: experiments/check_gpu_lowering.py.)
-PALLAS_VERIFIED_ON_GPU = False
+# (experiments/device_check.sh): set after the kernel tests passed on an H200 (2026-12-04,
+# results/device_check_2026-12-04b). While False, "auto" runs the references everywhere, so a GPU user
+# never gets unverified kernels by default; impl="pallas" runs them anyway. (They are also lowered and
+# compiled for sm_90 without a GPU: experiments/check_gpu_lowering.py.)
+PALLAS_VERIFIED_ON_GPU = True
+
+# Kernels verified on the H200 but measured slower there than the GPU-shaped reference of the same op,
+# which "auto" therefore keeps: the HiSparse resolver (5.49 ms against 0.34 ms at GLM-5.3's sizes,
+# results/device_check_2026-12-04b/check_hisparse_copy). impl="pallas" still runs it.
+SLOWER_THAN_REFERENCE_ON_GPU = frozenset({"hisparse_resolve"})
 
 
-def resolve_impl(impl: str) -> str:
-    """Which implementation of an op to run: "reference" or "pallas". "auto": the Pallas kernels where
-    code is shaped for a GPU (`gpu_shaped`) and they are verified there, else the reference."""
+def resolve_impl(impl: str, kernel: str | None = None) -> str:
+    """Which implementation of an op to run: "reference" or "pallas". "auto": the Pallas kernel where
+    code is shaped for a GPU (`gpu_shaped`) and the kernels are verified there, unless `kernel` (the
+    op's kernel name) is one measured slower than its reference (`SLOWER_THAN_REFERENCE_ON_GPU`);
+    else the reference."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if PALLAS_VERIFIED_ON_GPU and gpu_shaped() else "reference"
+        fast = kernel not in SLOWER_THAN_REFERENCE_ON_GPU
+        return "pallas" if PALLAS_VERIFIED_ON_GPU and fast and gpu_shaped() else "reference"
     return impl
 
 

@@ -126,9 +126,9 @@ def resolve_reference(sel_BK, device_pages_BM, host_pages_BM, block_size: int, h
 
 def resolve(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuffer, step, *, impl: str = "auto"):
     """The resolver op: `resolve_reference` or `resolve_pallas` (same result) per
-    `attention.common.resolve_impl`; "auto" runs the reference until the Pallas kernels are verified on
-    a GPU."""
-    if resolve_impl(impl) == "pallas":
+    `attention.common.resolve_impl`; "auto" runs the reference, even on a GPU: the kernel is verified
+    there but measured 16x slower (`attention.common.SLOWER_THAN_REFERENCE_ON_GPU`)."""
+    if resolve_impl(impl, "hisparse_resolve") == "pallas":
         return resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size, hot, step)
     return resolve_reference(sel_BK, device_pages_BM, host_pages_BM, block_size, hot, step)
 

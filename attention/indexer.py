@@ -201,8 +201,8 @@ def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int
     it multiplies the [heads, keys] logits after the dot and the e4m3 values enter the dot exactly
     (they are exact in bfloat16); only q is rounded. compute_dtype=float32 reproduces the reference.
 
-    Lowered and compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py); not yet run on
-    one (`attention.common.PALLAS_VERIFIED_ON_GPU`; status in docs/kernels.md).
+    Checked against the reference on an H200 (`attention.common.PALLAS_VERIFIED_ON_GPU`; docs/kernels.md),
+    and lowered and compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py).
     """
     b, t, hi, di = q_BTHI.shape
     fmt, bs = keys.fmt, keys.block_size

@@ -35,8 +35,9 @@ Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
   each rank its own requests (16 decode rows, or one prefill chunk) on its own pool, attention local,
   the routed experts split over the 8 ranks with all-to-all dispatch; fp8 weights as above. The engine
   does not run this layout yet (its DP replicas are independent, each holding every expert).
-Each at impl="auto" (what a GPU runs today: the references, since `PALLAS_VERIFIED_ON_GPU` is False) and
-impl="pallas" (the kernels, once verified).
+Each at impl="auto" (what a GPU runs: the Pallas kernels since `PALLAS_VERIFIED_ON_GPU` was set after the
+H200 run of 2026-12-04, but the HiSparse resolver's reference, measured faster there), impl="reference"
+(the GPU-shaped references) and impl="pallas" (every kernel).
 
 Reported per step (OUT/results.json, OUT/README.md): the custom calls of the lowered module (the Pallas
 Triton kernels by name; other targets are sharding / host annotations), and the collectives from the
@@ -46,7 +47,8 @@ at compile time where an operand's sharding differs from what the shard_map expe
 arguments carry the runner's shardings, so none are expected), and anything about speed.
 
 Exits 1 if a step fails to lower or lacks its deployment's expected collectives (TP: all-reduces;
-PCP/DCP/EP: all-gathers, reduce-scatters or all-to-alls) or, at impl="pallas", its kernels.
+PCP/DCP/EP: all-gathers, reduce-scatters or all-to-alls) or, where it runs the kernels (impl="pallas", or
+"auto" once verified), its kernels; or where it runs the references, any kernel.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attention import common as attention_common
 from attention import gpu_aot
 from experiments.bench_model import run_metadata
 from glm53 import fp8 as fp8_model
@@ -295,15 +298,17 @@ def check(rec: dict, step: Step) -> list[str]:
     for kind in step.expected:
         if not rec["collectives"].get(kind, {}).get("count"):
             out.append(f"{rec['step']} impl={rec['impl']}: no {kind} (expected for this deployment)")
-    if rec["impl"] == "pallas":
-        # the PCP indexer is a causal tiled jnp loop with no kernel yet (attention.indexer.topk_causal_blocked)
-        want = ({"sparse_mqa"} if rec.get("form") == "mqa" else set()) | (set() if step.pcp else {"index_scores"}) | (
-            {"hisparse_resolve"} if step.hisparse else set())
-        missing = want - set(rec["kernels"])
-        if missing:
-            out.append(f"{rec['step']} impl=pallas: kernels {sorted(missing)} not in the lowered module")
-    elif rec["kernels"]:
-        out.append(f"{rec['step']} impl={rec['impl']}: Pallas kernels {sorted(rec['kernels'])} though unverified")
+    # the step's kernels, each where `resolve_impl` (as under gpu_lowering) runs it, and no other; the PCP
+    # indexer is a causal tiled jnp loop with no kernel yet (attention.indexer.topk_causal_blocked)
+    ops = ({"sparse_mqa"} if rec.get("form") == "mqa" else set()) | (set() if step.pcp else {"index_scores"}) | (
+        {"hisparse_resolve"} if step.hisparse else set())
+    with gpu_aot.gpu_lowering():
+        want = {k for k in ops if attention_common.resolve_impl(rec["impl"], k) == "pallas"}
+    missing, extra = want - set(rec["kernels"]), set(rec["kernels"]) - want
+    if missing:
+        out.append(f"{rec['step']} impl={rec['impl']}: kernels {sorted(missing)} not in the lowered module")
+    if extra:
+        out.append(f"{rec['step']} impl={rec['impl']}: Pallas kernels {sorted(extra)} where the references run")
     return out
 
 
@@ -347,8 +352,9 @@ def markdown(results: dict) -> str:
 
 NOTES = ("Lowered, not compiled or run: this proves the sharded steps trace and lower for CUDA at these "
          "shapes with these kernels and collectives, not their values or speed on an H200. impl=auto runs "
-         "the GPU-shaped references (no Pallas kernel) until PALLAS_VERIFIED_ON_GPU is set after a real H200 "
-         "run. Collective bytes are per rank per step, summed over layers; an all-reduce (psum) of B bytes "
+         "the Pallas kernels (PALLAS_VERIFIED_ON_GPU, set after the kernel tests passed on an H200, "
+         "results/device_check_2026-12-04b) except the HiSparse resolver's, measured slower there than its "
+         "reference; impl=reference the GPU-shaped references; impl=pallas every kernel. Collective bytes are per rank per step, summed over layers; an all-reduce (psum) of B bytes "
          "counts 2 (n-1)/n B sent (ring), as parallel.comm / glm53.perfmodel.traffic account it. The traced "
          "count is per operand: a collective of several operands is one StableHLO op (hence fewer hlo ops).")
 
@@ -362,7 +368,7 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=131072)
     ap.add_argument("--prefill-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--impls", default="auto,pallas")
+    ap.add_argument("--impls", default="auto,reference,pallas")
     ap.add_argument("--steps", default=None, help="comma-separated step names (default: all)")
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -23,8 +23,8 @@ formula and the KV budget is not an input:
   max_model_len window. Peak = XLA's temp + outputs not aliased to the donated cache, plus the outputs
   the other 77 layers add (jax.eval_shape of the full-size program: a one-device step returns every full
   layer's top-k). The attention ops run their Pallas kernels (`attention_impl="pallas"`, interpreted on
-  CPU: the kernels' own outputs and blocks); the reference ops, which `"auto"` still picks on a GPU
-  (attention.common.PALLAS_VERIFIED_ON_GPU is False), are reported beside them. The programs hold
+  CPU: the kernels' own outputs and blocks); the reference ops (`attention_impl="reference"`; what
+  `"auto"` picked on a GPU until the kernels were verified on an H200) are reported beside them. The programs hold
   bfloat16 weights (arguments, not workspace; fp8 weights, which the runner now takes under TP too, would
   add the temporaries of their dequantisation, which this figure leaves out). Checks (results.json `checks`): 1, 2 and 3 layers and the whole 78-layer
   decoder compiled the same way (XLA:CPU's peak grows with depth through a scheduling artefact; the

@@ -1,6 +1,6 @@
 """experiments/check_step_lowering on the tiny preset: the TP8 decode and prefill, TP8 HiSparse decode,
 TP8 x DCP8 decode, DCP8 x EP8 decode, PCP8 x DCP8 x EP8 prefill and DP8 x EP8 decode and prefill steps lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
-and, at impl="pallas", their Pallas kernels; and the check fails when a step does not lower or lacks
+and, at impl="auto" (the kernels, verified on an H200), their Pallas kernels; and the check fails when a step does not lower or lacks
 what it must have. (The full-size run is committed under results/step_lowering.)"""
 
 import json
@@ -25,7 +25,7 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     by = {(r["step"], r["impl"]): r for r in res["steps"]}
     assert set(by) == {(s, i) for s in ("tp8_decode", "tp8_prefill", "tp8_hisparse_decode", "tp8_dcp8_decode", "dcp8_ep8_decode",
                                         "pcp8_dcp8_ep8_prefill", "dp8_ep8_decode", "dp8_ep8_prefill")
-                       for i in ("auto", "pallas")}
+                       for i in ("auto", "reference", "pallas")}
     assert all(r["lowered"] for r in by.values())
     layers = res["layers"]
     # TP8 decode: exactly two all-reduces per decoder layer (o_proj, then the MLP or MoE), over 8 ranks,
@@ -52,6 +52,8 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     hs_psum = hs["collectives"]["psum"]
     assert set(hs["collectives"]) == {"psum"} and (hs_psum["count"], hs_psum["conditional_count"]) == (2 * layers, layers)
     assert hs["other_custom_calls"].get("annotate_device_placement", 0) > 0
+    # "auto" keeps the resolver's reference (its kernel is slower on the H200); "pallas" runs the kernel
+    assert set(by["tp8_hisparse_decode", "auto"]["kernels"]) == {"sparse_mqa", "index_scores"}
     assert set(by["tp8_hisparse_decode", "pallas"]["kernels"]) == {"sparse_mqa", "index_scores", "hisparse_resolve"}
     # TP8 x DCP8: DCP's query gathers and LSE merge over the 8 ranks beside TP's all-reduces
     tp_dcp = by["tp8_dcp8_decode", "auto"]["collectives"]
@@ -80,11 +82,11 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
         assert 0 < cap1 < cap and a2a["conditional_sent_bytes_per_rank"] > 0
         assert abs(a2a["sent_bytes_per_rank"] * (cap - cap1) - a2a["conditional_sent_bytes_per_rank"] * cap1) <= (
             1e-6 * a2a["sent_bytes_per_rank"] * cap)
-    # impl="auto" runs no unverified kernel; impl="pallas" lowers them through Triton
-    assert by["tp8_decode", "auto"]["kernels"] == {} and pre["kernels"] == {}
-    assert set(by["tp8_decode", "pallas"]["kernels"]) == {"sparse_mqa", "index_scores"}
-    assert "sparse_mqa" in by["pcp8_dcp8_ep8_prefill", "pallas"]["kernels"]
-    assert "| tp8_decode | pallas |" in md
+    # impl="auto" lowers the (verified) Pallas kernels through Triton; impl="reference" runs none
+    assert by["tp8_decode", "reference"]["kernels"] == {} and by["pcp8_dcp8_ep8_prefill", "reference"]["kernels"] == {}
+    assert set(by["tp8_decode", "auto"]["kernels"]) == {"sparse_mqa", "index_scores"}
+    assert "sparse_mqa" in pre["kernels"]
+    assert "| tp8_decode | auto |" in md and "| tp8_decode | reference |" in md
 
 
 def test_the_check_fails_without_an_expected_collective(tmp_path, monkeypatch):
@@ -108,3 +110,18 @@ def test_the_check_fails_when_a_step_does_not_lower(tmp_path, monkeypatch):
     res = json.loads((tmp_path / "results.json").read_text())
     assert rc == 1 and not res["steps"][0]["lowered"] and "injected" in res["steps"][0]["error"]
     assert "**no**" in (tmp_path / "README.md").read_text()
+
+
+def test_the_check_fails_on_kernels_where_the_references_run(monkeypatch):
+    # a record of a TP8 decode step that lowered with its all-reduces and one kernel
+    rec = {"step": "tp8_decode", "lowered": True, "form": "mqa", "kernels": {"sparse_mqa": 78},
+           "collectives": {"psum": {"count": 156}}}
+    tp8 = next(s for s in csl.steps(csl.get_preset("tiny"), decode_rows=2, window=256, prefill_tokens=64,
+                                    block_size=64) if s.name == "tp8_decode")
+    assert csl.check({**rec, "impl": "reference"}, tp8) == [
+        "tp8_decode impl=reference: Pallas kernels ['sparse_mqa'] where the references run"]
+    # "auto" follows the verification flag: the kernels it must have, or none
+    assert csl.check({**rec, "impl": "auto"}, tp8) == ["tp8_decode impl=auto: kernels ['index_scores'] not in the lowered module"]
+    monkeypatch.setattr(csl.attention_common, "PALLAS_VERIFIED_ON_GPU", False)
+    assert csl.check({**rec, "impl": "auto"}, tp8) == [
+        "tp8_decode impl=auto: Pallas kernels ['sparse_mqa'] where the references run"]
