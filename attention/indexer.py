@@ -99,9 +99,46 @@ def index_scores(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, impl:
     return index_scores_reference(q_BTHI, w_BTH, keys.gather(window), q_pos_BT)
 
 
+# Most bytes of float32 index scores one call of `topk` holds at once (per device). A prefill chunk's
+# [B, T, window] scores, and the top-k's working copy of them, grow with the chunk times the window: 19 GiB
+# for a 32K-token chunk at a 142K window. Above this, the queries are scored and selected in tiles (vLLM's
+# indexer likewise bounds its prefill logits buffer). Each query's selection depends on its own scores
+# alone, so tiling changes no result.
+MAX_SCORE_BYTES = 1 << 30
+
+
+def query_tile(rows: int, tokens: int, window: int) -> int:
+    """Queries per tile so that rows x tile x window float32 scores stay within MAX_SCORE_BYTES: `tokens`
+    when they fit, else the largest power of two that does (at least 1)."""
+    if rows * tokens * window * 4 <= MAX_SCORE_BYTES:
+        return tokens
+    tile = 1
+    while tile * 2 < tokens and rows * tile * 2 * window * 4 <= MAX_SCORE_BYTES:
+        tile *= 2
+    return tile
+
+
 def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str = "auto"):
     """The indexer op: selected positions [B,T,min(topk, window)] int32 (-1 = none), every position
-    < window (static; all query positions must be < window)."""
+    < window (static; all query positions must be < window). Scores at most MAX_SCORE_BYTES at once:
+    a longer chunk runs its queries in tiles of `query_tile` tokens, one after the other."""
+    b, t = q_pos_BT.shape
+    tile = query_tile(b, t, window)
+    if tile < t:
+        n = -(-t // tile)
+        pad = ((0, 0), (0, n * tile - t))
+
+        def tiles(x, fill=0):  # [B, T, ...] -> [n, B, tile, ...]
+            x = jnp.pad(x, pad + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+            return jnp.moveaxis(x.reshape(b, n, tile, *x.shape[2:]), 1, 0)
+
+        sel = jax.lax.map(lambda a: _topk_untiled(*a[:2], keys, a[2], topk, window=window, impl=impl),
+                          (tiles(q_BTHI), tiles(w_BTH), tiles(q_pos_BT, -1)))  # [n, B, tile, k]
+        return jnp.moveaxis(sel, 0, 1).reshape(b, n * tile, -1)[:, :t]
+    return _topk_untiled(q_BTHI, w_BTH, keys, q_pos_BT, topk, window=window, impl=impl)
+
+
+def _topk_untiled(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str):
     b, t = q_pos_BT.shape
     if resolve_impl(impl) == "pallas" or b == 1 or t == 1 or gpu_shaped():
         return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl), topk)

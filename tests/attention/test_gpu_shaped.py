@@ -126,6 +126,26 @@ def test_indexer_topk_batched_equals_row_loop(b, t, window, topk):
     np.testing.assert_array_equal(sel_g, sel_c)
 
 
+@pytest.mark.parametrize("impl,shape", [("reference", "cpu"), ("reference", "gpu"), ("pallas", "gpu")])
+def test_indexer_topk_in_query_tiles_equals_whole_chunk(monkeypatch, impl, shape):
+    """A chunk whose scores exceed MAX_SCORE_BYTES is scored and selected in query tiles (17 queries in
+    tiles of 4, the last one padded): the same selection as the whole chunk at once."""
+    rng = np.random.default_rng(7)
+    b, t, window, topk, hi, di, bs = 2, 17, 48, 8, 4, 16, 8
+    keys = _keys(rng, b, window, bs, di)
+    q = jnp.asarray(rng.normal(size=(b, t, hi, di)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(b, t, hi)), jnp.float32)
+    pos = np.stack([np.arange(window - t - 5 * i, window - 5 * i) for i in range(b)]).astype(np.int32)
+    pos[1, 3] = -1
+    with shaped_for(shape):
+        whole = np.asarray(indexer.topk(q, w, keys, jnp.asarray(pos), topk, window=window, impl=impl))
+        monkeypatch.setattr(indexer, "MAX_SCORE_BYTES", b * 5 * window * 4)  # room for 5 queries: tiles of 4
+        assert indexer.query_tile(b, t, window) == 4 and indexer.query_tile(b, 5, window) == 5
+        tiled = np.asarray(indexer.topk(q, w, keys, jnp.asarray(pos), topk, window=window, impl=impl))
+    np.testing.assert_array_equal(tiled, whole)
+    assert np.all(tiled[1, 3] == -1) and tiled.shape == (b, t, topk)
+
+
 @pytest.mark.parametrize("t,block", [(13, 4), (32, 8), (5, 8)])
 def test_causal_blocked_topk_vmapped_tiles_equal_loop(t, block):
     """The PCP indexer's causal tiles vectorised (GPU) vs one after the other (CPU): the same selection
