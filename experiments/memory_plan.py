@@ -672,12 +672,13 @@ def published_vs_derived(rows: list[dict]) -> dict:
         "hot_buffers_at_max_num_seqs_bytes": tp8["hot_buffer_bytes_per_gpu"],
         "mtp3_hot_buffers_at_max_num_seqs_bytes": tp8["hot_buffer_bytes_per_gpu_mtp3"],
         "explanation": (
-            "The derived pool is close to the published one, but partly by compensation: our TP replicates "
-            f"the embeddings and lm_head (vLLM splits them over the 8 ranks: {_gib(emb - emb // 8)} GiB more "
-            "for its pool), "
-            "and our step's workspace (the indexer's dense [32K x 32K] float32 scores, their full sort for top-k "
-            "and the MoE dispatch buffer) is larger than what a GPU kernel path needs, while vLLM's 0.9 x HBM "
-            "also pays for CUDA graphs, NCCL buffers and the CUDA context, which the plan does not model. "
+            f"The derived pool is {_gib(abs(derived - PUBLISHED_KV_BUDGET_BYTES_TP8))} GiB "
+            f"{'above' if derived >= PUBLISHED_KV_BUDGET_BYTES_TP8 else 'below'} the published one. Against "
+            f"ours: our TP replicates the embeddings and lm_head (vLLM splits them over the 8 ranks: "
+            f"{_gib(emb - emb // 8)} GiB more for its pool). For ours: the plan models the step's workspace "
+            "alone (the indexer's float32 scores of a query tile, at most 1 GiB, and their top-k; the MoE "
+            "dispatch buffer; one layer's temporaries), while vLLM's 0.9 x HBM also pays for CUDA graphs, NCCL "
+            "buffers, its kernels' workspaces and the CUDA context, which the plan does not model. "
             f"Taking vLLM's weight layout, the published 15 GiB leaves {_gib(tp8['usable_bytes'] - vllm_weights - PUBLISHED_KV_BUDGET_BYTES_TP8)}"
             f" GiB for all of that on the HBM CUDA reports ({_gib(datasheet_usable - vllm_weights - PUBLISHED_KV_BUDGET_BYTES_TP8)} "
             "GiB on the datasheet's 141 GB); ours is the workspace alone."),
