@@ -6,7 +6,7 @@ prefilled in one padded row each, then one decode step runs; every real token's 
 device's within 1e-5 of the largest logit, each device holding 1/tp of the split weights and 1/dcp of
 the KV. TP4 (the tiny model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 (heads padded 4 -> 8),
 with both DCP backends and both ways of splitting the routed experts (whole experts, EP; or each
-expert's width). Engine level: TP4 x DCP2 and TP4 x DP2 give one device's greedy tokens, and every
+expert's width). Engine level: TP4 x DCP2, TP4 x DP2 and TP8 x DCP8 give one device's greedy tokens, and every
 logit the engine samples from matches one device's within 1e-5 of the largest. The mid preset
 (8 heads) runs TP4, TP4 x DCP2 and TP8 x DCP8 (slow).
 """
@@ -137,16 +137,18 @@ def _assert_logits_match(got: dict, got_ids: list, want: dict, want_ids: list) -
 
 
 @pytest.mark.multidevice
-def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
+def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(tiny_model):
     """glm53.Engine under DeployConfig(tensor_parallel_size=4, decode_context_parallel_size=2,
-    enable_expert_parallel=True) with a swapping KV policy, and under tensor_parallel_size=4 x
-    data_parallel_size=2 on 8 devices: the same greedy tokens as one device, sampled from the same
-    logits (within 1e-5 of the largest, every generated position of every request); each device holds
-    1/4 of the split weights (engine.metrics()["weights_bytes_per_device"])."""
+    enable_expert_parallel=True) with a swapping KV policy, under tensor_parallel_size=4 x
+    data_parallel_size=2 on 8 devices, and under tensor_parallel_size=8 x decode_context_parallel_size=8
+    (heads padded): the same greedy tokens as one device, sampled from the same logits (within 1e-5 of
+    the largest, every generated position of every request); each device holds 1/tp of the split
+    weights (engine.metrics()["weights_bytes_per_device"])."""
     from jax.sharding import PartitionSpec
 
     from glm53 import DeployConfig, Engine
     from glm53.model import compiled
+    from parallel import tp as tp_ops
 
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, tiny_model.cfg.vocab_size, n).astype(np.int32) for n in (30, 29)]
@@ -188,6 +190,20 @@ def test_engine_tp4_dcp2_and_tp4_dp2_greedy_tokens_equal_one_device(tiny_model):
     assert dp.metrics()["weights_bytes_per_device"] == total - split + split // 4
     # the step workspace a GPU's pool leaves out (vLLM's profile run) is per device: a TP4 rank's is smaller
     assert 0 < dp.replicas[1].runner.step_workspace_bytes() < one.runner.step_workspace_bytes()
+
+    # TP8 x DCP8 on the same 8 devices: the tiny model's 4 heads padded to 8 (one per rank), the latent KV
+    # round-robin over the same 8 ranks, whole experts per rank (EP8)
+    wide = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=8, decode_context_parallel_size=8,
+                                           enable_expert_parallel=True))
+    logits = _record_logits(wide)
+    got = wide.generate(prompts, max_new_tokens=4, greedy=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    _assert_logits_match(logits, [g.req_id for g in got], want_logits, want_ids[:2])
+    kv = wide.runner.cache.mla[0]
+    assert wide.num_devices == 8 and len(kv.sharding.device_set) == 8 and kv.sharding.spec == PartitionSpec("cp")
+    assert wide.metrics()["weights_bytes_per_device"] == tp_ops.bytes_per_device(
+        compiled(tiny_model).state, tiny_model.cfg, 8, True)
 
 
 def _by_path(tree, is_leaf=None) -> dict:
