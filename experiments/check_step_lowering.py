@@ -325,8 +325,8 @@ def markdown(results: dict) -> str:
              "layers); \"if taken\": in a branch a step may skip (EP's second dispatch round, run only when some "
              "rank overflows the first; HiSparse's row copy, the largest of its sizes); `hlo` = collective ops "
              "in the lowered StableHLO (every branch). Kernels: Pallas Triton custom calls. "
-             "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form; fp8 experts dequantised first at "
-             "impl=auto, `glm53.layers.grouped_experts`).", "",
+             "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form with float expert weights; fp8 experts "
+             "keep the expert loop).", "",
              "| step | impl | form | lowered | trace / lower s | kernels | grouped GEMMs | collectives (count, sent per rank) | hlo ops |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results["steps"]:

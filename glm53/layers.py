@@ -21,7 +21,6 @@ from flax import nnx
 from attention import dense_mla
 from attention.common import gpu_shaped
 from attention import fp8_matmul as fp8
-from attention.formats import dequantize_fp8
 from glm53.config import ModelConfig
 from kvcache.base import KVCache
 
@@ -374,21 +373,9 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
 
     The weights are float arrays or fp8_matmul.BlockFp8 (fp8 experts: gate and up blocked separately,
     see `Fp8Experts`; `fp8_impl` picks the fp8 matmul implementation).
-
-    Where code is shaped for a GPU, `ragged_experts` instead: float weights as they are; fp8 weights under
-    the "dequant" implementation (fp8_impl="auto") dequantised once per call, in the activations' dtype
-    (on a bfloat16 model each weight rounds to bfloat16, ~2^-9 relative, where the loop multiplies in
-    float32; the activations are quantised per token group either way), which holds the local experts' dequantised weights for the duration of the layer (2.4 GB per
-    MoE layer on a TP8 rank of GLM-5.3) in exchange for no loop over experts. fp8 operands
-    (fp8_impl="reference": activations quantised per token group) keep the loop.
     """
-    if gpu_shaped():
-        if not isinstance(w_gate_up_EDF2, fp8.BlockFp8):
-            return ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD)
-        if fp8.resolve_impl(fp8_impl) == "dequant":
-            dt = x_ND.dtype
-            return ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2.dequantize(dt), w_down_EFD.dequantize(dt),
-                                  fp8_activations=True)
+    if gpu_shaped() and not isinstance(w_gate_up_EDF2, fp8.BlockFp8):
+        return ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD)
     n, d = x_ND.shape
     e = w_gate_up_EDF2.shape[0]
     k = idx_NK.shape[1]
@@ -427,29 +414,21 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     return out[:n].astype(x_ND.dtype)
 
 
-def ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, *, fp8_activations: bool = False):
-    """`grouped_experts` as a GPU runs it: the N*k assignments sorted by expert and each projection one
-    grouped GEMM over the expert segments (`lax.ragged_dot`), no loop over experts. The same result up to
-    float summation order; what `grouped_experts` does where code is shaped for a GPU
-    (`attention.common.gpu_shaped`), for fp8 block weights after dequantising them (there is no
-    block-scaled fp8 grouped GEMM here yet). fp8_activations: each projection's input quantised per token
-    and group of 128 and its product accumulated in float32, as `fp8_matmul.apply` does for fp8 weights."""
+def ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD):
+    """`grouped_experts` as a GPU runs it (float weights): the N*k assignments sorted by expert and each
+    projection one grouped GEMM over the expert segments (`lax.ragged_dot`), no loop over experts. The
+    same result up to float summation order; what `grouped_experts` does where code is shaped for a GPU
+    (`attention.common.gpu_shaped`). fp8 block weights keep the expert loop (no block-scaled grouped
+    GEMM yet)."""
     n, d = x_ND.shape
     e, k = w_gate_up_EDF2.shape[0], idx_NK.shape[1]
     flat_e = idx_NK.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tok_A = (jnp.arange(n * k, dtype=jnp.int32) // k)[order]  # token of each expert-sorted assignment
     sizes_E = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-
-    def grouped(a, w):
-        if not fp8_activations:
-            return jax.lax.ragged_dot(a, w, sizes_E)
-        a = dequantize_fp8(*fp8.quantize_activations(a)).astype(w.dtype)
-        return jax.lax.ragged_dot(a, w, sizes_E, preferred_element_type=jnp.float32).astype(x_ND.dtype)
-
-    gate_up_AF2 = grouped(x_ND[tok_A], w_gate_up_EDF2)
+    gate_up_AF2 = jax.lax.ragged_dot(x_ND[tok_A], w_gate_up_EDF2, sizes_E)
     gate, up = jnp.split(gate_up_AF2, 2, axis=-1)
-    y_AD = grouped(jax.nn.silu(gate) * up, w_down_EFD)
+    y_AD = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_EFD, sizes_E)
     y_AD = y_AD * w_NK.reshape(-1)[order][:, None].astype(y_AD.dtype)
     return jnp.zeros((n, d), y_AD.dtype).at[tok_A].add(y_AD).astype(x_ND.dtype)
 

@@ -201,30 +201,6 @@ def test_moe_grouped_gemm_equals_expert_loop(n, e, k):
                                                                              down))(x))
 
 
-@pytest.mark.parametrize("n,e,k", [(1, 8, 2), (37, 16, 4)])
-def test_moe_fp8_grouped_gemm_equals_expert_loop(n, e, k):
-    """fp8 block-quantised experts (fp8_impl="auto": weights dequantised) in the GPU form (dequantised
-    once, then the grouped GEMMs) vs the expert loop, which dequantises per used expert; fp8 operands
-    (fp8_impl="reference") keep the loop on a GPU too."""
-    from attention import fp8_matmul
-    from glm53.layers import grouped_experts
-
-    rng = np.random.default_rng(n + e)
-    x = jnp.asarray(rng.normal(size=(n, 160)), jnp.float32)  # past one 128-wide block of K
-    idx = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
-    w = rng.random((n, k)).astype(np.float32)
-    idx[0, -1], w[0, -1] = idx[0, 0], 0.0
-    gu = fp8_matmul.quantize_blocks(jnp.asarray(rng.normal(size=(e, 160, 48)), jnp.float32), parts=2)
-    down = fp8_matmul.quantize_blocks(jnp.asarray(rng.normal(size=(e, 24, 160)), jnp.float32))
-    y_c, y_g = both(lambda: grouped_experts(x, jnp.asarray(idx), jnp.asarray(w), gu, down))
-    np.testing.assert_allclose(y_g, y_c, rtol=1e-5, atol=1e-5 * np.abs(y_c).max())
-    with shaped_for("gpu"):
-        for impl, grouped in (("auto", True), ("reference", False)):
-            jaxpr = str(jax.make_jaxpr(lambda a: grouped_experts(a, jnp.asarray(idx), jnp.asarray(w), gu, down,
-                                                                 fp8_impl=impl))(x))
-            assert ("ragged_dot" in jaxpr) == grouped and ("while" in jaxpr) != grouped, impl
-
-
 def test_gpu_shaped_reference_has_no_query_block_loop():
     """The GPU shape really is loop-free: the sparse reference's jaxpr holds no scan (lax.map) there."""
     b, t, h, r, p, k = 2, 9, 4, 128, 16, 8
