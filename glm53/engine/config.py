@@ -437,10 +437,14 @@ class DeployConfig:
             spent = (f" ({d.gpu_memory_utilization} x {device_memory_bytes(device)} bytes of device memory less "
                      f"{weights_bytes} of weights and {workspace_bytes} of step workspace)"
                      if d.kv_cache_memory_bytes is None and device_memory_bytes(device) else "")
+            # JAX's GPU allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION (0.75 by default) of the device, and
+            # that is what the device reports: gpu_memory_utilization applies to it, not to the whole HBM
+            fraction = (" (JAX's allocator reports XLA_PYTHON_CLIENT_MEM_FRACTION of the GPU, 0.75 unless set: "
+                        "raise it, e.g. to 0.95, for vLLM's gpu_memory_utilization of the whole memory)") if spent else ""
             raise ValueError(f"the KV memory budget of {budget} bytes{spent} holds {fit} blocks of {per_device} bytes, "
                              f"fewer than one request of max_model_len={d.max_model_len} needs ({least}): lower "
                              "DeployConfig.max_model_len (or max_num_batched_tokens, which sets the workspace) or raise "
-                             "kv_cache_memory_bytes / num_gpu_blocks")
+                             f"kv_cache_memory_bytes / num_gpu_blocks{fraction}")
         return dataclasses.replace(d, num_gpu_blocks=min(fit, d.max_num_seqs * request))
 
     def kv_budget_bytes(self, device=None, weights_bytes: int = 0, workspace_bytes: int = 0) -> int:

@@ -8,7 +8,7 @@ the KV. TP4 (the tiny model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 
 with both DCP backends and both ways of splitting the routed experts (whole experts, EP; or each
 expert's width). Engine level: TP4 x DCP2, TP4 x DP2 and TP8 x DCP8 give one device's greedy tokens, and every
 logit the engine samples from matches one device's within 1e-5 of the largest. The mid preset
-(8 heads) runs TP4, TP4 x DCP2 and TP8 x DCP8 (slow).
+(8 heads) runs TP4, TP4 x DCP2 and TP8 x DCP8 at model level and TP4 x DP2 in the engine (slow).
 """
 
 import numpy as np
@@ -204,6 +204,31 @@ def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(tiny_model):
     assert wide.num_devices == 8 and len(kv.sharding.device_set) == 8 and kv.sharding.spec == PartitionSpec("cp")
     assert wide.metrics()["weights_bytes_per_device"] == tp_ops.bytes_per_device(
         compiled(tiny_model).state, tiny_model.cfg, 8, True)
+
+
+@pytest.mark.multidevice
+@pytest.mark.slow
+def test_engine_tp4_dp2_on_the_mid_model_equals_one_device():
+    """TP4 x DP2 on the mid preset (8 heads: two per TP rank, the head split the tiny model never gives):
+    two replicas of TP4 on devices 0-3 and 4-7, one request each, give one device's greedy tokens from
+    the same logits (within 1e-5 of the largest at every generated position)."""
+    import glm53
+    from glm53 import DeployConfig, Engine
+
+    model = glm53.init("mid", seed=0, std=0.05)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, model.cfg.vocab_size, n).astype(np.int32) for n in (21, 30)]
+    base = dict(block_size=BS, max_model_len=48, max_num_batched_tokens=32, max_num_seqs=1, kv_cache_dtype="float32")
+    one = Engine(model, DeployConfig(**base))
+    want_logits = _record_logits(one)
+    want = one.generate(prompts, max_new_tokens=3, greedy=True)
+    dp = Engine(model, DeployConfig(**base, tensor_parallel_size=4, data_parallel_size=2))
+    logits = _record_logits(dp)
+    got = dp.generate(prompts, max_new_tokens=3, greedy=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.token_ids, w.token_ids)
+    _assert_logits_match(logits, [g.req_id for g in got], want_logits, [w.req_id for w in want])
+    assert [dp.replica_of(o.req_id) for o in got] == [0, 1] and dp.num_devices == 8
 
 
 def _by_path(tree, is_leaf=None) -> dict:
