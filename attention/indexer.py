@@ -94,22 +94,25 @@ def topk_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk: int):
 
 def index_scores(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, impl: str = "auto"):
     """Scores over positions [0, window) of each request's paged keys: float32 [B, T, window]."""
-    if resolve_impl(impl) == "pallas":
+    if resolve_impl(impl, "index_scores") == "pallas":
         return index_scores_pallas(q_BTHI, w_BTH, keys, q_pos_BT, window=window)
     return index_scores_reference(q_BTHI, w_BTH, keys.gather(window), q_pos_BT)
 
 
 # Most bytes of float32 index scores one call of `topk` holds at once (per device). A prefill chunk's
-# [B, T, window] scores, and the top-k's working copy of them, grow with the chunk times the window: 19 GiB
-# for a 32K-token chunk at a 142K window. Above this, the queries are scored and selected in tiles (vLLM's
-# indexer likewise bounds its prefill logits buffer). Each query's selection depends on its own scores
-# alone, so tiling changes no result.
+# [B, T, window] scores grow with the chunk times the window: 17.3 GiB for a 32K-token chunk at a 142K
+# window, and the top-k's working copy of them as much again. Above this, the queries are scored and
+# selected in tiles (vLLM's indexer likewise bounds its prefill logits buffer); a tile's peak is a few
+# times this (its scores, the top-k's copy, one head's logits on the reference path). Each query's
+# selection depends on its own scores alone, so tiling changes no result. Not tiled: the DCP indexer of
+# `parallel.cp_cache` (decode rows, or a chunk under DCP without PCP), which scores [B, T, window / DCP].
 MAX_SCORE_BYTES = 1 << 30
 
 
 def query_tile(rows: int, tokens: int, window: int) -> int:
     """Queries per tile so that rows x tile x window float32 scores stay within MAX_SCORE_BYTES: `tokens`
-    when they fit, else the largest power of two that does (at least 1)."""
+    when they fit, else the largest power of two that does (at least 1, which exceeds the bound only
+    where one query's scores alone do)."""
     if rows * tokens * window * 4 <= MAX_SCORE_BYTES:
         return tokens
     tile = 1
@@ -140,7 +143,7 @@ def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, im
 
 def _topk_untiled(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str):
     b, t = q_pos_BT.shape
-    if resolve_impl(impl) == "pallas" or b == 1 or t == 1 or gpu_shaped():
+    if resolve_impl(impl, "index_scores") == "pallas" or b == 1 or t == 1 or gpu_shaped():
         return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl), topk)
     # Several prefill rows on XLA:CPU: score and select one request row at a time, so that a row's
     # [T, window] scores stay in cache through the top-k (docs/model.md, cache locality). The same values

@@ -82,7 +82,7 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
     The reference runs `query_block` queries per loop step (default: QUERY_BLOCK on XLA:CPU, whose
     gathers are slow; every query in one batched gather where code is shaped for a GPU,
     `attention.common.gpu_shaped`, which has the memory for [B*T, K, 576] rows and no use for a loop)."""
-    if resolve_impl(impl) == "pallas":
+    if resolve_impl(impl, "sparse_mqa") == "pallas":
         return sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows, scale)
     rows_NX, slots_BTK = rows.table, rows.slots
     b, t, h, r = q_lat_BTHR.shape

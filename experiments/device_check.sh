@@ -19,8 +19,8 @@
 # tqdm and matplotlib in its python3, but not pyzmq or msgspec (glm53 imports both): carry their wheels
 # (and flax's, to match this project's version) and put them on PYTHONPATH first, as on 2026-12-04
 # (results/device_check_2026-12-04/README.md).
-# If step 1 passes, set attention.common.PALLAS_VERIFIED_ON_GPU = True and commit OUT_DIR under
-# results/ with the date.
+# If step 1 passes, attention.common.PALLAS_VERIFIED_ON_GPU may be True (it is since the run of
+# 2026-12-04, results/device_check_2026-12-04b); commit OUT_DIR under results/ with the date.
 set -u
 OUT=${1:?usage: device_check.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -37,6 +37,7 @@ step() {  # step NAME CMD...: run, log to OUT/NAME.log, remember the first failu
     return 0
 }
 step environment "$PY" -c "import jax, sys; print(sys.version); print(jax.__version__, jax.devices())"
+rm -f "$OUT"/*.status "$OUT"/*.step  # a reused OUT_DIR: no stale status from an earlier run
 # Correctness first, the two pytest runs side by side (xdist workers; the 15-minute lease is the limit):
 # no preallocation, so the processes share the GPU. Their step() status is read back from files.
 (

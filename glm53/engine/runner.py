@@ -512,29 +512,35 @@ class ModelRunner:
         change the result (tests/engine/test_workspace.py). Not profiled: MTP's verify and draft
         programs, and HiSparse's resolver and staging state (the plain programs of the same shapes are).
 
-        The step's own inputs (token ids, positions, block tables; the hidden rows and logits of the
-        logits and sampling programs) count twice: dispatch is asynchronous, so the next step's inputs
-        are on the device while this step's temporaries are live. Without them the H200 measured a peak
-        above XLA's figure by 131-279 KB at 8-32K-token steps (docs/memory.md)."""
-        def peak(lowered, *inputs) -> int:
+        The step's own inputs count too (XLA's analysis leaves arguments out): those sent from the host
+        (token ids, positions, block tables, sampling parameters) twice, since dispatch is asynchronous
+        and the next step's are on the device while this step's temporaries are live; those an earlier
+        program left on the device (the hidden rows the logits program reads, the logits sampling reads)
+        once. Without them the H200 measured a peak above XLA's figure by 131-279 KB at 8-32K-token steps
+        (docs/memory.md)."""
+        def nbytes(xs) -> int:
+            return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in xs)
+
+        def peak(lowered, host=(), device=()) -> int:
             ma = lowered.compile().memory_analysis()
-            step_inputs = 2 * sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in inputs)
             return (int(ma.temp_size_in_bytes) + int(ma.output_size_in_bytes) - int(ma.alias_size_in_bytes)
-                    + step_inputs)
+                    + 2 * nbytes(host) + nbytes(device))
 
         most = 0
         for rows, width, window in (self.workspace_shapes() if shapes is None else shapes):
             inputs = (np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
                       self._table("mla", rows, [], window), self._table("indexer", rows, [], window))
-            most = max(most, peak(self._forward(*inputs, window, lower=True), *inputs))
+            most = max(most, peak(self._forward(*inputs, window, lower=True), host=inputs))
         r, cfg = self.max_rows, self.model.cfg
         hidden = jax.ShapeDtypeStruct((r, 1, cfg.hidden_size), jnp.dtype(self.model.dtype))
         rows_i = jax.ShapeDtypeStruct((r,), jnp.int32)
-        most = max(most, peak(_last_logits.trace(self.c.logits, self.state, hidden, rows_i).lower(), hidden, rows_i))
+        most = max(most, peak(_last_logits.trace(self.c.logits, self.state, hidden, rows_i).lower(), host=[rows_i],
+                              device=[hidden]))
         f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
         logits = jax.ShapeDtypeStruct((r, cfg.vocab_size), jnp.float32)
         key = jax.ShapeDtypeStruct((r,), jnp.uint32)
-        return max(most, peak(_sample.trace(logits, key, rows_i, f32, f32).lower(), logits, key, rows_i, f32, f32))
+        return max(most, peak(_sample.trace(logits, key, rows_i, f32, f32).lower(), host=[key, rows_i, f32, f32],
+                              device=[logits]))
 
     def _forward_cp(self, tok, pos, cache: PagedKVCache, window: int, form: str, *, lower: bool = False):
         """`_forward` on the context mesh. Prefill rows (width > 1) under PCP are split into the balanced

@@ -137,11 +137,19 @@ def test_indexer_topk_in_query_tiles_equals_whole_chunk(monkeypatch, impl, shape
     w = jnp.asarray(rng.normal(size=(b, t, hi)), jnp.float32)
     pos = np.stack([np.arange(window - t - 5 * i, window - 5 * i) for i in range(b)]).astype(np.int32)
     pos[1, 3] = -1
+    untiled, widths = indexer._topk_untiled, []
+
+    def spy(q_, *a, **k):  # the query width each untiled call scores
+        widths.append(q_.shape[1])
+        return untiled(q_, *a, **k)
+
+    monkeypatch.setattr(indexer, "_topk_untiled", spy)
     with shaped_for(shape):
         whole = np.asarray(indexer.topk(q, w, keys, jnp.asarray(pos), topk, window=window, impl=impl))
         monkeypatch.setattr(indexer, "MAX_SCORE_BYTES", b * 5 * window * 4)  # room for 5 queries: tiles of 4
         assert indexer.query_tile(b, t, window) == 4 and indexer.query_tile(b, 5, window) == 5
         tiled = np.asarray(indexer.topk(q, w, keys, jnp.asarray(pos), topk, window=window, impl=impl))
+    assert widths == [t, 4]  # the whole chunk, then one tile traced inside lax.map
     np.testing.assert_array_equal(tiled, whole)
     assert np.all(tiled[1, 3] == -1) and tiled.shape == (b, t, topk)
 
