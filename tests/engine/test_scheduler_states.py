@@ -83,8 +83,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "synthetic_acceptance_rates": [0.9, 0.6, 0.3]}
         probe = DeployConfig(**{**fields, "kv_policy": "preempt"})
         pages = page_bytes(CFG, "float32", BLOCK, BLOCK * index_ratio, include_mtp="speculative_config" in fields)
-        # the smallest pool that admits a request of max_model_len (and its hot buffer), scaled up to 3x:
-        # with up to 24 requests of up to 64 tokens the offered load is ~10x the smallest pool
+        # the smallest pool that admits a request of max_model_len (and its hot buffer), scaled up to 2.5x
+        # (larger pools seldom fill with at most 4 running requests, and then no page moves): with up to 24
+        # requests of up to 64 tokens the offered load is ~10x the smallest pool
         tpb = probe.group_tokens_per_block(("mla", "indexer"))
         request_blocks = sum(-(-MAX_LEN // n) for n in tpb.values())
         k = fields.get("speculative_config", {}).get("num_speculative_tokens", 0)
