@@ -31,9 +31,9 @@ not fit is recorded as skipped.
 
 DIR/results.json is rewritten after every row (so it always parses): {"date", "device", "git_revision",
 "complete", "kernels": [rows], "slice": {"layers", "rows"}, ...}; "complete" turns true only once every
-planned row is in. `--deadline-s`: a row whose estimated device time (`estimate_s`) would end past the
-deadline is not started, and the run stops there ("complete": false; `--resume` runs the missing rows
-later into the same file). Kernel rows: "op", "shape", "block_sizes", "default" (the default tile sizes
+planned row is in (timed, failed or skipped). `--deadline-s`: a row whose estimated device time
+(`estimate_s`) would end past the deadline is not started, and the run stops there ("complete": false;
+`--resume` runs the missing rows, and those that failed, later into the same file). Kernel rows: "op", "shape", "block_sizes", "default" (the default tile sizes
 or a candidate), "impl", "measured_s", "priced_s" (glm53.perfmodel.HARDWARE["h200"]), "ratio" =
 measured / priced, "tflops", "gbps", "peak_tflops", "peak_fraction"; slice rows: "kind", "batch",
 "context", "chunk", "measured_s", "priced_s", "ratio". A row that fails records its "error" and the
@@ -723,6 +723,9 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
     results.update(complete=False, deadline_s=deadline_s, planned_rows=len(rows))
     results.setdefault("runs", []).append({"git_revision": git_revision(), "device": _device(),
                                            "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    # a row that failed before runs again (a transient failure may pass; its old record is replaced)
+    results["kernels"] = [r for r in results["kernels"] if not r.get("error")]
+    results["slice"]["rows"] = [r for r in results["slice"]["rows"] if not r.get("error")]
     done = {_row_key(r, kernel=True) for r in results["kernels"]} | {_row_key(r, kernel=False)
                                                                       for r in results["slice"]["rows"]}
     memory = bench.slice_rows_memory(rows) if with_slice else None
@@ -732,7 +735,7 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
     fit_of = {json.dumps(s, sort_keys=True): ok for s, ok in zip(memory["rows"], memory["fits"])} if memory else {}
     _write(path, results)
     stopped = None
-    for row in rows:
+    for seq, row in enumerate(rows):
         if row.key() in done:
             continue
         est = estimate_s(row, cfg, repeats)
@@ -760,7 +763,7 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
                    "priority": row.priority, "measured_s": None, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
             if row.op == "slice":
                 rec = dict(row.shape, priority=row.priority, measured_s=None, error=rec["error"])
-        rec["estimate_s"] = est
+        rec.update(seq=seq, estimate_s=est)  # seq: the row's place in the planned (priority) order
         (results["slice"]["rows"] if row.op == "slice" else results["kernels"]).append(rec)
         _write(path, results)
         gc.collect()
