@@ -4,8 +4,8 @@
     python -m experiments.bench_gpu --report DIR                 # DIR/README.md from DIR/results.json
     python -m experiments.bench_gpu --plan [--slice] [--dry-run] # the rows and their estimated device time
 
-Each row is timed alone: one warm-up call (compile and run), then the median of `--repeats` (>= 20) calls,
-each ended by `block_until_ready`. Activations are bfloat16, weights fp8 blocks, KV fp8 (fp8_ds_mla rows,
+Each row is timed alone: warm-up calls (compile and run) until one compiles nothing, then the median of
+`--repeats` (>= 20) calls, each ended by `block_until_ready`. Activations are bfloat16, weights fp8 blocks, KV fp8 (fp8_ds_mla rows,
 fp8 indexer keys), all generated at random directly in their stored format on the device. Rows, in
 priority order (`plan_rows`; the op names and shape keys are glm53.perfmodel.measured's):
 
@@ -33,14 +33,14 @@ DIR/results.json is rewritten after every row (so it always parses): {"date", "d
 "complete", "kernels": [rows], "slice": {"layers", "rows"}, ...}; "complete" turns true only once every
 planned row is in (timed, failed or skipped). `--deadline-s`: a row whose estimated device time
 (`estimate_s`) would end past the deadline is not started, and the run stops there ("complete": false;
-`--resume` runs the missing rows, and those that failed, later into the same file). Kernel rows: "op", "shape", "block_sizes", "default" (the default tile sizes
-or a candidate), "impl", "measured_s", "priced_s" (glm53.perfmodel.HARDWARE["h200"]), "ratio" =
-measured / priced, "tflops", "gbps", "peak_tflops", "peak_fraction"; slice rows: "kind", "batch",
-"context", "chunk", "measured_s", "priced_s", "ratio". A row that fails records its "error" and the
-run goes on.
+`--resume` runs the missing rows, and those that failed, later into the same file). Kernel rows: "op",
+"shape", "block_sizes", "default" (the default tile sizes or a candidate), "impl", "measured_s",
+"priced_s" (glm53.perfmodel.HARDWARE["h200"]), "ratio" = measured / priced, "tflops", "gbps",
+"peak_tflops", "peak_fraction" (glm53.perfmodel.measured.rates); slice rows: "kind", "batch", "context",
+"chunk", "measured_s", "priced_s", "ratio". A row that fails records its "error" and the run goes on.
 
---dry-run runs every row (and the slice) at tiny shapes on the CPU in seconds (the tiny preset, Pallas in
-interpret mode, 3 timed calls): the same code path, so the script cannot rot
+--dry-run runs every row (and the slice) at tiny shapes on the CPU (the tiny preset, Pallas in interpret
+mode, 3 timed calls; a minute or two, mostly compiles): the same code path, so the script cannot rot
 (tests/experiments/test_bench_gpu.py). Its times mean nothing.
 """
 
@@ -74,7 +74,7 @@ DRY = {"batch": {1: 1, 8: 2, 32: 3, 64: 4, 128: 5},
 SLICE_DECODE = ((8, 16 * K), (8, 64 * K), (8, 128 * K), (32, 16 * K), (32, 64 * K), (32, 128 * K),
                 (64, 16 * K), (64, 64 * K), (64, 128 * K))
 SLICE_PREFILL = ((8 * K, 0), (8 * K, 64 * K))  # (chunk, cached context)
-# The fp8 linear layers of a decoder layer, by module name -> (in, out) from the config.
+# The fp8 linear layers of a decoder layer, by module name (`linear_dims`: their in and out widths).
 LINEARS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b", "indexer.wk", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
 
@@ -92,8 +92,10 @@ def linear_dims(cfg, name: str) -> tuple[int, int]:
 class Row:
     """One planned measurement. op: a glm53.perfmodel.measured op or "slice"; shape: its contract keys
     (slice: kind, batch, context, chunk); block_sizes: the kernel's BlockSizes (None: not a Pallas
-    kernel); default: True / False where the op's tile candidates are timed at this shape (else None);
-    impl: "pallas" (the kernel), "xla" (jnp code: GEMMs, MoE), "reference" or "engine" (the slice)."""
+    kernel); default: True for the kernel's default tile sizes, False for another candidate (None: no
+    tile sizes); impl: "pallas" (the kernel), "xla" (jnp code: GEMMs, MoE), "reference" or "engine" (the
+    slice)."""
+
     priority: int
     op: str
     shape: dict

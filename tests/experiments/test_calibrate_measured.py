@@ -79,3 +79,14 @@ def test_the_reproduce_entry_waits_for_the_measured_spec_then_runs_both(tmp_path
     assert [a[-1] for a in calls] == ["--config.runner.hardware=h200", "--config.runner.hardware=h200_measured"]
     assert [a[a.index("--out") + 1] for a in calls] == [str(tmp_path / entry.id / h) for h in entry.hardware]
     assert [(x["hardware"], x["throughput_tok_s_per_gpu"]) for x in r["runs"]] == [("h200", 4), ("h200_measured", 13)]
+
+
+def test_a_simulated_run_names_its_hardware_and_is_told_what_h200_measured_waits_for():
+    from experiments import serve
+
+    assert serve._hardware("h200") is H200_CALIBRATED
+    if "h200_measured" not in hw_mod.HARDWARE:
+        with pytest.raises(ValueError, match=r"^runner\.hardware: hardware 'h200_measured' waits for a device run"):
+            serve._hardware("h200_measured")
+    with pytest.raises(ValueError, match=r"^runner\.hardware: hardware must be one of"):
+        serve._hardware("b200")
