@@ -396,7 +396,6 @@ class Bench:
     runner, filled pool) between slice rows."""
 
     def __init__(self, cfg, *, dry_run: bool, repeats: int, seed: int = 0, hbm_bytes: float | None = None):
-
         from glm53.perfmodel import HARDWARE
 
         self.cfg, self.dry_run, self.repeats = cfg, dry_run, repeats
@@ -705,7 +704,8 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
     repeats = repeats or (DRY_REPEATS if dry_run else REPEATS)
     if not dry_run and repeats < REPEATS:
         raise ValueError(f"--repeats must be >= {REPEATS} outside --dry-run (the median of >= 20 runs), got {repeats}")
-    rows = [r for r in plan_rows(cfg, dry_run=dry_run, with_slice=with_slice) if not only or r.op in only]
+    plan = plan_rows(cfg, dry_run=dry_run, with_slice=with_slice)
+    rows = [r for r in plan if not only or r.op in only]  # what this run may run; "complete" means all of plan
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     results = json.loads(path.read_text()) if resume and path.exists() else None
@@ -722,7 +722,7 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
                    "git_revision": git_revision(), "complete": False, "preset": preset, "dry_run": dry_run,
                    "repeats": repeats, "hardware_priced": bench.hw.name, "kernels": [],
                    "slice": {"layers": layers, "rows": []}}
-    results.update(complete=False, deadline_s=deadline_s, planned_rows=len(rows))
+    results.update(complete=False, deadline_s=deadline_s, planned_rows=len(plan))
     results.setdefault("runs", []).append({"git_revision": git_revision(), "device": _device(),
                                            "started": time.strftime("%Y-%m-%d %H:%M:%S")})
     # a row that failed before runs again (a transient failure may pass; its old record is replaced)
@@ -737,7 +737,9 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
     fit_of = {json.dumps(s, sort_keys=True): ok for s, ok in zip(memory["rows"], memory["fits"])} if memory else {}
     _write(path, results)
     stopped = None
-    for seq, row in enumerate(rows):
+    seqs = {r.key(): i for i, r in enumerate(plan)}
+    for row in rows:
+        seq = seqs[row.key()]
         if row.key() in done:
             continue
         est = estimate_s(row, cfg, repeats)
@@ -756,6 +758,7 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
                                        "and the pool (slice_memory)")
                 else:
                     if bench._slice is None:
+                        bench.release_inputs()
                         bench.build_slice(memory)
                     rec = bench.run_slice(row)
             else:
@@ -771,7 +774,7 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
         gc.collect()
     keys = {_row_key(r, kernel=True) for r in results["kernels"]} | {_row_key(r, kernel=False)
                                                                       for r in results["slice"]["rows"]}
-    results["complete"] = stopped is None and all(r.key() in keys for r in rows)
+    results["complete"] = stopped is None and all(r.key() in keys for r in plan)
     results["stopped"] = stopped
     results["runs"][-1]["elapsed_s"] = time.monotonic() - t0
     _write(path, results)

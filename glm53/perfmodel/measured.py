@@ -224,7 +224,10 @@ def fit_family(cfg: ModelConfig, rows: list[dict], family: str, base: HardwareSp
         fixed.append(sum(p.time_s for p in parts_base if p.name not in fam["parts"]))
         meas.append(r["measured_s"])
     g = max(len(c) for c in comp)
-    pad = lambda xs: [x + [0.0] * (g - len(x)) for x in xs]  # noqa: E731 - a part of zero work adds nothing
+
+    def pad(xs):  # rows of fewer parts: a part of zero work adds nothing
+        return [x + [0.0] * (g - len(x)) for x in xs]
+
     lat_grid = ([0.0] if fam["latency"] is None else
                 MEASURED_GEMM_LATENCIES_S if family == "gemm" else MEASURED_LATENCIES_S)
     c, m, t, err = fit_roofline(meas, pad(comp), 1.0, pad(mem), 1.0, compute_effs=MEASURED_EFFICIENCIES,
