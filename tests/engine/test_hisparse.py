@@ -10,6 +10,7 @@ import pytest
 
 from glm53 import DeployConfig, Engine
 from glm53.engine.request import Request, SamplingParams
+from glm53.engine.runner import CompileCounter
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.hisparse import TAIL_PAGES, HiSparsePolicy
@@ -92,51 +93,6 @@ def test_mixed_and_no_residency_match_full_residency(tiny_model, two_turns, pool
     mt, st_ = eng.scheduler.transfers, syn.scheduler.transfers
     copied = (res.h2d_rows + res.staged_h2d_rows) * eng.runner.host.row_bytes_mla
     assert st_.d2h_bytes == mt.d2h_bytes and st_.h2d_bytes == mt.h2d_bytes - copied
-
-
-@pytest.mark.parametrize("verify", ["sequential", "batched"])
-def test_mtp_under_hisparse_matches_full_residency(tiny_model, two_turns, verify):
-    """HiSparse with MTP (issue 21 item 4): the two turns above with K = 3 drafts that stand 0..K at a time
-    (an oracle's, tests/engine/test_mtp.py) and the KV of every position that does not stand poisoned after
-    each step, on a pool small enough that pages are released and verify steps, the MTP pass and the
-    draft passes read host-only rows through the hot buffer: full residency's non-speculative greedy
-    tokens. Sequential verify: a hot buffer of 2 x top-k rows, below MTP's default (K + 2) x top-k (whose
-    10-block lease is more than the releasable pages of a 128-token request here), so that the positions
-    of one verify step evict each other's rows: each resolves and reads its own selection before the
-    next one runs. Batched verify: one plan per group and step for the union of the 1 + K positions'
-    selections, in a hot buffer of (1 + K) x top-k rows, the least that holds it."""
-    first, ref1, second, ref2 = two_turns
-    cfg = tiny_model.cfg
-    spec = {"method": "mtp", "num_speculative_tokens": K, "verify": verify}
-    rows, blocks = (2 * cfg.index_topk, 36) if verify == "sequential" else ((1 + K) * cfg.index_topk, 48)
-    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=blocks, speculative_config=spec,
-                                          hisparse_device_buffer_size=rows))
-    assert eng.runner.verify_mode == verify
-    eng.scheduler.resolve.log = []
-    want = {}
-    log = with_oracle_drafts(eng, want)
-    for prompts, ref in ((first, ref1), (second, ref2)):
-        ids = [eng.add_request(p, SamplingParams(NEW)) for p in prompts]
-        want.update(zip(ids, ref))
-        while eng.has_unfinished():
-            eng.step()
-        assert [eng.output(r).token_ids.tolist() for r in ids] == ref
-        eng.scheduler.kv.pool.reset_prefix_cache()  # turn 2 finds its prefixes in the host pools only
-    assert {len(toks) - 1 for step in log for nd, toks in step.values() if nd and toks} == set(range(K + 1))
-    pol, res = eng.scheduler.policy, eng.scheduler.resolve
-    assert pol.stats.released_pages > 0 and pol.stats.residency_steps["mixed"] > 0
-    assert res.hot_hits > 0 and res.hot_misses > 0
-    # each of a leased verify group's forwards (verify, MTP pass, draft passes) resolved: the target's
-    # groups, and the MTP layer's own indexer (a group of one layer); rows copied = misses x layers
-    layers_per_group = np.diff(list(cfg.full_indexer_layers) + [cfg.num_layers_with_mtp])
-    assert layers_per_group.tolist() == [1, 1, 4, 2, 1]
-    assert any(rec.misses[:, :-1].any() for rec in res.log) and any(rec.misses[:, -1].any() for rec in res.log)
-    for rec in res.log:
-        assert (rec.hits + rec.misses <= (1 + K) * cfg.index_topk).all()
-        np.testing.assert_array_equal(rec.copied, rec.misses @ layers_per_group)
-    eng.scheduler.kv.check()
-    pol.host_mla.check()
-    assert not pol.state and not eng.scheduler.kv.leases and len(pol.free_leases) == eng.deploy.max_num_seqs
 
 
 def test_room_in_the_pool_means_no_host_to_device_copies(tiny_model, two_turns):
@@ -400,3 +356,116 @@ def test_corrupt_chunks_are_recomputed_or_fail_by_policy_under_hisparse(tiny_mod
     with pytest.raises(RuntimeError, match="kv_load_failure_policy='fail'"):
         eng.generate(second, max_new_tokens=NEW)
     eng.shutdown()
+
+
+# ------------------------------------------------------------- with MTP, on the 2-layer model (last: its
+# programs are the file's most numerous)
+# two rows of 1 + K or 16 tokens, as the MTP engines of tests/engine/test_recompilation.py (8 bucket shapes)
+MTP_BASE = dict(BASE, max_num_batched_tokens=16, max_num_seqs=2)
+
+
+@pytest.fixture(scope="module")
+def small_two_turns(small_model):
+    """`two_turns` on the 2-layer model (tests/engine/conftest.py): the same prompts and continuations,
+    full residency's greedy tokens from an engine of the MTP test's shapes without HiSparse or MTP."""
+    rng = np.random.default_rng(1)
+    first = [rng.integers(0, 512, n) for n in (71, 55, 79, 45)]
+    full = Engine(small_model, DeployConfig(**MTP_BASE))
+    ref1 = [o.token_ids.tolist() for o in full.generate(first, max_new_tokens=NEW)]
+    second = [np.concatenate([p, out] + ([] if i % 2 == 0 else [rng.integers(0, 512, 5)]))
+              for i, (p, out) in enumerate(zip(first, ref1))]
+    ref2 = [o.token_ids.tolist() for o in full.generate(second, max_new_tokens=NEW)]
+    assert full.scheduler.stats.preemptions == 0
+    return first, ref1, second, ref2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verify", ["sequential", "batched"])
+def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_warmup(small_model, small_two_turns,
+                                                                                     verify):
+    """HiSparse with MTP (issue 21 item 4), on the 2-layer model: after the runner's warm-up, the two
+    turns above with K = 3 drafts that stand 0..K at a time (an oracle's, tests/engine/test_mtp.py) and
+    the KV of every position that does not stand poisoned after each step, on a pool small enough that
+    pages are released and verify steps, the MTP pass and the draft passes read host-only rows through
+    the hot buffer, give full residency's non-speculative greedy tokens; then requests arriving at
+    random, greedy and sampled, keep the pool under pressure. The whole run compiles nothing inside the
+    runner (tests/engine/test_recompilation.py's check for the other policies: the cases
+    mtp_hisparse and mtp_hisparse_batched were merged here, with every assertion they made).
+    Sequential verify: a hot buffer of 2 x top-k rows, below MTP's default (K + 2) x top-k, so that
+    the positions of one verify step evict each other's rows: each resolves and reads its own selection
+    before the next one runs. Batched verify: one plan per group and step for the union of the 1 + K
+    positions' selections, in a hot buffer of (1 + K) x top-k rows, the least that holds it."""
+    first, ref1, second, ref2 = small_two_turns
+    cfg = small_model.cfg
+    spec = {"method": "mtp", "num_speculative_tokens": K, "verify": verify}
+    rows, blocks = (2 * cfg.index_topk, 28) if verify == "sequential" else ((1 + K) * cfg.index_topk, 40)
+    eng = Engine(small_model, DeployConfig(**MTP_BASE, **HISPARSE, num_gpu_blocks=blocks, speculative_config=spec,
+                                          hisparse_device_buffer_size=rows))
+    runner = eng.runner
+    assert runner.verify_mode == verify
+    # rows 1, 2; tokens per row 1 + K, 16; windows 64, 128
+    assert runner.warmup() == len(runner.bucket_shapes()) == 2 * 2 * 2
+    assert runner.compiled_shapes == set(runner.bucket_shapes())
+    runner.compiled_shapes.clear()  # from here on: the shapes the run itself uses
+    eng.scheduler.resolve.log = []
+    compiles = []
+    execute = runner.execute
+
+    def counted(plan):  # what the runner compiles (the oracle's poisoning below compiles outside it)
+        with CompileCounter() as c:
+            res = execute(plan)
+        compiles.append(c.count)
+        return res
+
+    runner.execute = counted
+    want = {}
+    log = with_oracle_drafts(eng, want)
+    for prompts, ref in ((first, ref1), (second, ref2)):
+        ids = [eng.add_request(p, SamplingParams(NEW)) for p in prompts]
+        want.update(zip(ids, ref))
+        while eng.has_unfinished():
+            eng.step()
+        assert [eng.output(r).token_ids.tolist() for r in ids] == ref
+        eng.scheduler.kv.pool.reset_prefix_cache()  # turn 2 finds its prefixes in the host pools only
+    assert {len(toks) - 1 for step in log for nd, toks in step.values() if nd and toks} == set(range(K + 1))
+    # requests arriving at random (the MTP layer's own drafts), greedy and sampled, long enough to decode
+    # under pressure
+    rng = np.random.default_rng(0)
+    for step in range(120):
+        if len(eng.scheduler.waiting) < 2 and rng.random() < 0.5:
+            n = int(rng.integers(40, 100))
+            eng.add_request(rng.integers(0, 512, n), SamplingParams(int(rng.integers(8, 128 - n)), bool(rng.random() < 0.5),
+                                                                    0.9, 0.95, seed=step))
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert sum(compiles) == 0 and len(compiles) > 150, f"{sum(compiles)} compilations during the run"
+
+    pol, res = eng.scheduler.policy, eng.scheduler.resolve
+    st = pol.stats
+    assert st.released_pages > 0 and st.residency_steps["mixed"] > 0 and st.precopied_pages > 0
+    assert st.leases > 0 and st.parked_index_pages > 0
+    assert res.hot_hits > 0 and res.hot_misses > 0
+    assert eng.scheduler.transfers.d2h_bytes > 0 and eng.scheduler.transfers.h2d_bytes > 0
+    if verify == "sequential":  # chunks over host-only pages ran the staging programs (warmed up too)
+        assert runner.staging_shapes and res.staged_rows > 0
+    # each of a leased verify group's forwards (verify, MTP pass, draft passes) resolved: the target's
+    # group (a full and a shared layer), and the MTP layer's own indexer (a group of one layer); rows
+    # copied = misses x layers
+    layers_per_group = np.diff(list(cfg.full_indexer_layers) + [cfg.num_layers_with_mtp])
+    assert layers_per_group.tolist() == [2, 1]
+    assert any(rec.misses[:, :-1].any() for rec in res.log) and any(rec.misses[:, -1].any() for rec in res.log)
+    for rec in res.log:
+        assert (rec.hits + rec.misses <= (1 + K) * cfg.index_topk).all()
+        np.testing.assert_array_equal(rec.copied, rec.misses @ layers_per_group)
+    # the run moved between buckets: decode and prefill widths, both row counts, both windows; drafts
+    # stood in every number, and the draft passes ran
+    used = runner.compiled_shapes
+    assert used <= set(runner.bucket_shapes())
+    assert {w for _, w, _ in used} == {1 + K, 16} and {r for r, _, _ in used} == {1, 2}
+    assert {win for *_, win in used} == {64, 128}
+    sp = eng.scheduler.spec
+    assert 0 < sp.accepted_per_pos[2] < sp.accepted_per_pos[0] < sp.num_drafts and runner.compiled_draft_shapes
+    eng.scheduler.kv.check()
+    pol.host_mla.check()
+    assert not pol.state and not eng.scheduler.kv.leases and len(pol.free_leases) == eng.deploy.max_num_seqs

@@ -253,7 +253,8 @@ def poison_unstood(runner, plan, res):
 def with_oracle_drafts(eng, want: dict, poison: bool = True):
     """After each step, replace the MTP layer's drafts with the next K tokens of `want[req_id]` (the
     non-speculative continuation), the i-th of them wrong on a request's i-th, (K+1+i)-th, ... drafting
-    (none wrong every K+1-th time): drafts that stand in every number, on the real model. `poison`: the
+    (none wrong every K+1-th time): drafts that stand in every number, on the real model; requests that
+    `want` does not name keep the MTP layer's own drafts. `poison`: the
     KV of positions that do not stand is overwritten after each step (`poison_unstood`). -> a list that
     records each step as {request: (draft tokens verified, tokens returned)}."""
     execute, log, count = eng.runner.execute, [], {}
@@ -262,8 +263,10 @@ def with_oracle_drafts(eng, want: dict, poison: bool = True):
         res = execute(plan)
         if poison:
             poison_unstood(eng.runner, plan, res)
-        drafts = {}
+        drafts = dict(res.drafts)  # a request `want` does not name keeps the MTP layer's own
         for rid, toks in res.tokens.items():
+            if rid not in want:
+                continue
             n = len(eng.requests[rid].output_ids) + len(toks)
             d = (list(want[rid][n:n + K]) + [0] * K)[:K]
             i = count[rid] = count.get(rid, -1) + 1

@@ -4,9 +4,9 @@ arrivals, finishes, sampling and pool pressure, under each policy (preemptions; 
 restores; HiSparse pre-copies, releases, hot-buffer decode steps and the parking of finished requests'
 indexer keys; staging host pages back for a prefill is compiled by the warm-up too but this run has no
 follow-up turn that would stage), and with MTP speculative decoding under the policies it runs with
-(preempt, swap, offload, HiSparse: verify steps that keep 0 to 3 drafts, prefill chunks that keep every
-position's hidden state, the MTP layer's passes; under HiSparse also those three with the decode view,
-resolving rows from the host)."""
+(preempt, swap, offload: verify steps that keep 0 to 3 drafts, prefill chunks that keep every position's
+hidden state, the MTP layer's passes). MTP under HiSparse (those three with the decode view, resolving rows
+from the host, in both verify forms) is checked beside its tokens in tests/engine/test_hisparse.py."""
 
 import os
 import subprocess
@@ -17,19 +17,8 @@ import jax.monitoring
 import numpy as np
 import pytest
 
-import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.runner import CompileCounter
-
-
-@pytest.fixture(scope="module")
-def small_model():
-    # The tiny preset cut to 2 layers (one full and one shared indexer layer, dense then MoE): the same
-    # code paths with a quarter of the compile time, which this test pays once per bucket shape.
-    cfg = glm53.get_preset("tiny").replace(num_hidden_layers=2, indexer_types=("full", "shared"),
-                                           mlp_layer_types=("dense", "sparse"))
-    return glm53.init(cfg, seed=0, std=0.1)
-
 
 # per policy: deploy fields, prompt lengths [lo, hi), and the finished requests the run must reach
 POLICIES = {
@@ -48,16 +37,14 @@ POLICIES = {
 # layer would have nearly all rejected)
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
        "synthetic_acceptance_rates": [0.8, 0.5, 0.2]}
-for _name in ("preempt", "swap", "offload", "hisparse"):
+# (MTP under HiSparse, both verify forms, is checked with its tokens in tests/engine/test_hisparse.py:
+# test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_warmup, one engine each)
+for _name in ("preempt", "swap", "offload"):
     _fields, _lens, _done = POLICIES[_name]
     POLICIES["mtp_" + _name] = (dict(_fields, speculative_config=MTP), _lens, _done)
 # under MTP a prefix hit gives back its last page, which leaves this workload's host tier little to load
 # while the device cache holds the prefixes: without it every hit comes from the host tier
 POLICIES["mtp_offload"][0]["enable_prefix_caching"] = False
-# HiSparse's batched verify form: one resolver plan over the union of a step's 4 positions' selections,
-# which needs a hot buffer of 4 x top-k rows (8 blocks a request)
-POLICIES["mtp_hisparse_batched"] = (dict(POLICIES["mtp_hisparse"][0], speculative_config=dict(MTP, verify="batched"),
-                                         hisparse_device_buffer_size=64, num_gpu_blocks=48), (40, 100), 8)
 
 
 @pytest.mark.slow
@@ -67,7 +54,7 @@ def test_no_compilation_after_warmup(request, policy, tmp_path):
         # The MTP cases run in a fresh process: their warm-up compiles thousands of programs, and in a
         # worker that had compiled many others XLA:CPU crossed the memory-map limit (docs/testing.md)
         # in three clean-clone CI runs. The inner run is this same test, asserting everything below.
-        # The five MTP runs share most programs (the forwards at 28 blocks, logits, sampling, the MTP
+        # The three MTP runs share most programs (the forwards at 28 blocks, logits, sampling, the MTP
         # passes): one on-disk cache per session (tests/conftest.py) loads what an earlier run compiled
         # (mtp_swap: 39 s -> 15 s). A load still counts as a compilation below (CompileCounter: JAX's
         # backend-compile event wraps the cache lookup), so a program missing from the warm-up still fails.
@@ -82,7 +69,7 @@ def test_no_compilation_after_warmup(request, policy, tmp_path):
         return
     small_model = request.getfixturevalue("small_model")
     fields, (lo, hi), min_finished = POLICIES[policy]
-    kind = policy.removeprefix("mtp_").removesuffix("_batched")
+    kind = policy.removeprefix("mtp_")
     if fields.get("kv_transfer_config") == "fs":
         fields = dict(enable_prefix_caching=False, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
             "cpu_bytes_to_use": 6 * (9216 + 1024), "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}]}})
@@ -90,8 +77,7 @@ def test_no_compilation_after_warmup(request, policy, tmp_path):
                                     num_gpu_blocks=28), **fields})
     eng = Engine(small_model, deploy)
     # rows 1, 2; tokens per row 1 (4 under MTP: a token and its 3 drafts), 16; windows 64, 128
-    assert eng.runner.verify_mode == ("batched" if policy.endswith("_batched") else
-                                      "sequential" if deploy.num_speculative_tokens else None)
+    assert eng.runner.verify_mode == ("sequential" if deploy.num_speculative_tokens else None)
     assert eng.runner.warmup() == len(eng.runner.bucket_shapes()) == 2 * 2 * 2
     assert eng.runner.compiled_shapes == set(eng.runner.bucket_shapes())
 
@@ -134,10 +120,8 @@ def test_no_compilation_after_warmup(request, policy, tmp_path):
         assert eng.scheduler.resolve.log and eng.scheduler.resolve.hot_misses > 0
         assert hs.precopied_pages > 0 and hs.released_pages > 0 and hs.leases > 0 and hs.parked_index_pages > 0
         assert eng.scheduler.transfers.d2h_bytes > 0 and eng.scheduler.transfers.h2d_bytes > 0
-        # chunks over host-only pages ran the staging programs (compiled by warmup for every prefill shape);
-        # the batched case's larger hot buffers need a larger pool, where no chunk here meets such pages
-        if not policy.endswith("_batched"):
-            assert eng.runner.staging_shapes and eng.scheduler.resolve.staged_rows > 0
+        # chunks over host-only pages ran the staging programs (compiled by warmup for every prefill shape)
+        assert eng.runner.staging_shapes and eng.scheduler.resolve.staged_rows > 0
     used = eng.runner.compiled_shapes
     assert used <= set(eng.runner.bucket_shapes())
     # the run moved between buckets: decode and prefill widths, several row counts, both windows
