@@ -3,7 +3,9 @@ device pool runs, as one long prompt and through several turns, with the greedy 
 pool holds everything. The pool then holds a request's indexer keys, its chunk, its newest pages and a
 hot buffer; prefill chunks over host-only pages stage only the rows their queries select, per tile of
 queries, and every byte that crosses host -> device is accounted for. The offload policy refuses such
-a request with a ValueError naming the pool and the blocks it needs."""
+a request with a ValueError naming the pool and the blocks it needs. On the 2-layer model
+(tests/engine/conftest.py: a full and a shared indexer layer, so shared layers stage what their full
+layer selected; tests/engine/test_hisparse.py stages over the tiny model's four IndexShare groups)."""
 
 import dataclasses
 
@@ -31,11 +33,11 @@ def _turns(vocab):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model):
+def reference(small_model):
     """Full residency (a pool that holds everything): the turns, and the whole conversation as one prompt."""
-    eng = Engine(tiny_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=160))
+    eng = Engine(small_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=160))
     history, outs = np.zeros(0, np.int64), []
-    for turn in _turns(tiny_model.cfg.vocab_size):
+    for turn in _turns(small_model.cfg.vocab_size):
         history = np.concatenate([history, turn])
         out = eng.generate([history], max_new_tokens=NEW)[0].token_ids
         outs.append(out.tolist())
@@ -65,7 +67,7 @@ def _snapshot(eng) -> dict:
             "hisparse_h2d_rows": rs.h2d_rows, "peak": m.get("device_blocks_peak", 0)}
 
 
-def _check_stage_log(eng, tiny_model, spec=None) -> None:
+def _check_stage_log(eng, small_model, spec=None) -> None:
     """Per staging record: each layer copied its group's staged rows (shared layers stage what their
     full layer selected), except the last layer, which runs only each row's last query (GLM53 last_only)
     and so copies at most that; and no tile staged more than its queries can select. Under MTP a chunk
@@ -73,7 +75,7 @@ def _check_stage_log(eng, tiny_model, spec=None) -> None:
     IndexShare group of its own, one layer, which the target's forward does not touch; that forward keeps
     every position's hidden state, so its last layer runs for every query and again for the last one
     (GLM53 keep_all), which may stage up to top-k more rows per request."""
-    cfg = tiny_model.cfg
+    cfg = small_model.cfg
     full = [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
     per_group = np.diff(full + [cfg.num_hidden_layers])
     tile = eng.deploy.hisparse_prefill_tile_tokens
@@ -101,19 +103,19 @@ MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [None, MTP3], ids=["plain", "mtp3"])
-def test_a_conversation_four_times_the_pool_matches_full_residency(tiny_model, reference, spec):
+def test_a_conversation_four_times_the_pool_matches_full_residency(small_model, reference, spec):
     """With MTP3 the pool is the same 16 blocks (its hot buffer is (3 + 2) x top-k rows: 5 blocks, not 2);
     prefill chunks, the MTP layer's pass over them and the drafts after a prompt's last chunk stage
     their host rows, and greedy speculative decoding gives the non-speculative reference's tokens."""
     outs, long_prompt, long_out = reference
     deploy = DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=POOL, speculative_config=spec)
-    eng = Engine(tiny_model, deploy)
+    eng = Engine(small_model, deploy)
     kv = eng.scheduler.kv
     total = long_prompt.size + NEW
     assert kv.blocks_needed_all(total) >= 4 * POOL  # the conversation's KV over the pool
     eng.scheduler.resolve.stage_log = []
     history = np.zeros(0, np.int64)
-    for i, turn in enumerate(_turns(tiny_model.cfg.vocab_size)):
+    for i, turn in enumerate(_turns(small_model.cfg.vocab_size)):
         history = np.concatenate([history, turn])
         before = _snapshot(eng)
         out = eng.generate([history], max_new_tokens=NEW)[0].token_ids
@@ -129,34 +131,34 @@ def test_a_conversation_four_times_the_pool_matches_full_residency(tiny_model, r
     assert m["hot_misses"] > 0  # decode steps read host-only pages through the hot buffer
     st = eng.scheduler.policy.stats
     assert st.residency_steps["none"] > 0 and st.host_prefix_pages > 0
-    _check_stage_log(eng, tiny_model, spec)
+    _check_stage_log(eng, small_model, spec)
     if spec:
         assert m["spec_num_drafts"] > 0
 
     # the whole conversation as one prompt: its prefill releases its own sealed pages as it goes
-    eng = Engine(tiny_model, deploy)
+    eng = Engine(small_model, deploy)
     eng.scheduler.resolve.stage_log = []
     before = _snapshot(eng)
     assert eng.generate([long_prompt], max_new_tokens=NEW)[0].token_ids.tolist() == long_out
     _check_transfers(eng, before, _snapshot(eng))
     m = eng.metrics()
     assert m["device_blocks_peak"] <= POOL and m["preemptions"] == 0 and m["released_pages"] > 0
-    _check_stage_log(eng, tiny_model, spec)
+    _check_stage_log(eng, small_model, spec)
 
 
-def test_a_request_beyond_the_pool_is_refused_where_it_cannot_run(tiny_model):
+def test_a_request_beyond_the_pool_is_refused_where_it_cannot_run(small_model):
     prompt = np.zeros(1000, np.int32)
-    offload = Engine(tiny_model.cfg, DeployConfig(**BASE, kv_policy="offload", cpu_offload_bytes=64 << 20,
+    offload = Engine(small_model.cfg, DeployConfig(**BASE, kv_policy="offload", cpu_offload_bytes=64 << 20,
                                                   num_gpu_blocks=POOL), runner=SyntheticRunner())
     with pytest.raises(ValueError, match=r"needs 67 device blocks at once under kv_policy='offload' but the pool "
                                          r"has 16 \(num_gpu_blocks\)"):  # 63 MLA + 4 indexer pages
         offload.add_request(prompt, SamplingParams(max_new_tokens=8))
     assert not offload.has_unfinished()
-    hisparse = Engine(tiny_model.cfg, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=POOL), runner=SyntheticRunner())
+    hisparse = Engine(small_model.cfg, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=POOL), runner=SyntheticRunner())
     hisparse.add_request(prompt, SamplingParams(max_new_tokens=8))  # 4 indexer + (4 chunk + 1 + 2 tail) MLA + 2 hot-buffer blocks = 13
     with pytest.raises(ValueError, match=r"needs 13 device blocks .* pool has 12"):
-        Engine(tiny_model.cfg, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=12),
+        Engine(small_model.cfg, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=12),
                runner=SyntheticRunner()).add_request(prompt, SamplingParams(max_new_tokens=8))
     # a KV budget that cannot hold even that for one request of max_model_len is refused at construction
     with pytest.raises(ValueError, match="fewer than one request of max_model_len"):
-        DeployConfig(**BASE, **HISPARSE, kv_cache_memory_bytes=1 << 16).resolved(tiny_model.cfg)
+        DeployConfig(**BASE, **HISPARSE, kv_cache_memory_bytes=1 << 16).resolved(small_model.cfg)

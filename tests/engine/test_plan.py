@@ -20,6 +20,7 @@ POLICIES = {"preempt": dict(num_gpu_blocks=24, enable_prefix_caching=False),
 
 
 def _prompts():
+    """The prompts of tests/conftest.py's `reference` (37, 5, 70 and 20 tokens)."""
     rng = np.random.default_rng(0)
     return [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
 
@@ -36,11 +37,31 @@ def counters(eng) -> dict:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_a_synthetic_runner_gives_the_model_runners_block_history(tiny_model, pool_history, policy):
+def test_a_synthetic_runner_gives_the_model_runners_block_history(tiny_model, reference, pool_history, policy):
+    """A 24-block pool that preempts: the model runner gives one-request-at-a-time greedy tokens (the
+    preempted requests recomputed, swapped out and back, or reloaded from the host tier), and a synthetic
+    runner replaying its tokens drives the pools through the same history. (tests/engine/test_engine.py's
+    small-pool preempt and swap checks were merged here: one engine of each deployment.)"""
     deploy = DeployConfig(**BASE, **POLICIES[policy])
     model_eng = Engine(tiny_model, deploy)
     outs = model_eng.generate(_prompts(), max_new_tokens=5)
     model_history = pool_history.take()
+    assert [o.token_ids.tolist() for o in outs] == reference[1]
+    st, tr = model_eng.scheduler.stats, model_eng.scheduler.transfers
+    assert st.preemptions >= 1 and sum(o.num_preemptions for o in outs) == st.preemptions
+    if policy == "preempt":
+        assert st.recomputed_tokens > 0
+    if policy == "swap":
+        assert st.offloads >= 1 and st.offloads == st.preemptions and st.recomputed_tokens == 0
+        # every offloaded byte came back, and each offload moved whole blocks of every layer (page bytes as
+        # the device arrays hold them)
+        pages = model_eng.runner.host.page_bytes
+        assert tr.d2h_bytes == tr.h2d_bytes > 0 and tr.d2h_bytes % (pages["mla"] + pages["indexer"]) == 0
+        assert tr.modelled_link_s == pytest.approx(2 * tr.d2h_bytes / 50e9)
+        assert model_eng.scheduler.policy.used_bytes == 0 and not model_eng.scheduler.policy.saved
+        m = model_eng.metrics()
+        assert (m["preemptions"], m["recomputed_tokens"], m["d2h_bytes"]) == (st.preemptions, 0, tr.d2h_bytes)
+        assert m["requests"] == 4 and m["ttft_median_s"] > 0 and 0 < m["running_requests_mean"] <= 4
     runner = SyntheticRunner(replay({o.req_id: o.token_ids.tolist() for o in outs}),
                              page_bytes=model_eng.sizes.page_bytes, record=True)
     syn_eng = Engine(tiny_model, deploy, runner=runner)

@@ -1,7 +1,8 @@
 """The step workspace and a pool sized from device memory (vLLM's profile run): on a device that reports
 its memory (a GPU; here the CPU device made to report some), the KV pool gets gpu_memory_utilization of
 it less the weights and the largest step's workspace, which the runner reads from XLA's memory analysis
-of its compiled step programs."""
+of its compiled step programs. On the 2-layer model of tests/engine/conftest.py (what is measured is the
+runner's programs, whatever the depth)."""
 
 import pytest
 
@@ -24,21 +25,21 @@ def _runner(model, d):
     return ModelRunner(model, d, d.kv_sizes(model.cfg, "float32"))
 
 
-def test_workspace_is_positive_grows_with_the_token_budget_and_ignores_the_pool(tiny_model):
-    small = _runner(tiny_model, _deploy(num_gpu_blocks=8)).step_workspace_bytes()
+def test_workspace_is_positive_grows_with_the_token_budget_and_ignores_the_pool(small_model):
+    small = _runner(small_model, _deploy(num_gpu_blocks=8)).step_workspace_bytes()
     assert small > 0
     # the cache is donated and aliased: a pool 8x larger leaves the workspace as it is
-    assert _runner(tiny_model, _deploy(num_gpu_blocks=64)).step_workspace_bytes() == small
+    assert _runner(small_model, _deploy(num_gpu_blocks=64)).step_workspace_bytes() == small
     # a chunk of 256 tokens instead of 64: more activations at once
     wide = DeployConfig(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, num_gpu_blocks=8)
-    assert _runner(tiny_model, wide).step_workspace_bytes() > small
+    assert _runner(small_model, wide).step_workspace_bytes() > small
 
 
-def test_workspace_covers_the_widest_groups_the_runner_forms(tiny_model):
+def test_workspace_covers_the_widest_groups_the_runner_forms(small_model):
     """Eight 9-16-token prompts under a 64-token budget run as one 8 x 16 group (rows and widths pad to
     powers of two): 128 padded tokens, twice the budget. The profile takes such groups, not only a chunk
     of the budget, and its figure is the most over every program it names."""
-    r = _runner(tiny_model, DeployConfig(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
+    r = _runner(small_model, DeployConfig(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=8, block_size=16,
                                          num_gpu_blocks=8))
     full = r.capacity
     assert {(8, 16, full), (4, 32, full), (1, 64, full), (8, 1, full)} <= set(r.workspace_shapes())
@@ -54,10 +55,10 @@ def _report_memory(monkeypatch, limit):
     monkeypatch.setattr(engine_mod, "device_memory_bytes", fake)
 
 
-def test_pool_from_device_memory_leaves_out_weights_and_workspace(tiny_model, monkeypatch):
-    limit = 14 * MiB  # tiny model, float32: ~4.7 MB of weights, ~4.7 MB of workspace, 74 KB blocks: ~50 fit
+def test_pool_from_device_memory_leaves_out_weights_and_workspace(small_model, monkeypatch):
+    limit = 5 * MiB  # the 2-layer model, float32: ~1.8 MB of weights, ~1.4 MB of workspace, 20 KB blocks: ~70 fit
     _report_memory(monkeypatch, limit)
-    eng = Engine(tiny_model, _deploy())
+    eng = Engine(small_model, _deploy())
     out = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=3)
     assert len(out[0].token_ids) == 3
     m = eng.metrics()
@@ -72,14 +73,14 @@ def test_pool_from_device_memory_leaves_out_weights_and_workspace(tiny_model, mo
     cache = eng.replicas[0].runner.cache
     assert sum(x.nbytes for x in (*cache.mla, *cache.index)) <= budget
     # an explicit budget is taken as is: no profile run, nothing left out
-    assert Engine(tiny_model, _deploy(num_gpu_blocks=16)).workspace_bytes == 0
+    assert Engine(small_model, _deploy(num_gpu_blocks=16)).workspace_bytes == 0
 
 
-def test_memory_too_small_for_weights_and_workspace_says_so(tiny_model, monkeypatch):
-    _report_memory(monkeypatch, 8 * MiB)
+def test_memory_too_small_for_weights_and_workspace_says_so(small_model, monkeypatch):
+    _report_memory(monkeypatch, 3 * MiB)
     with pytest.raises(ValueError, match="less .* of weights and .* of step workspace.*max_num_batched_tokens.*"
                        "XLA_PYTHON_CLIENT_MEM_FRACTION"):
-        Engine(tiny_model, _deploy())
+        Engine(small_model, _deploy())
 
 
 def test_unresolved_budget_needs_reported_memory():
@@ -99,8 +100,8 @@ def test_check_engine_memory_cli_on_cpu(tmp_path):
 
     from experiments import check_engine_memory
 
-    check_engine_memory.main(["--out", str(tmp_path), "--max-model-len", "256", "--batched-tokens", "64",
-                              "--max-num-seqs", "4"])
+    check_engine_memory.main(["--out", str(tmp_path), "--max-model-len", "64", "--batched-tokens", "16",
+                              "--max-num-seqs", "2"])
     got = json.loads((tmp_path / "results.json").read_text())
     assert got["device_reports_memory"] is False and got["workspace_bytes_per_device"] > 0
     assert got["weights_bytes_per_device"] > 0 and "measured_workspace_bytes" not in got and "note" in got
