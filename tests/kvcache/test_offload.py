@@ -53,14 +53,15 @@ def test_a_block_freed_while_its_store_is_pending_is_copied_before_it_is_reused(
     """vLLM #52360's hazard: a page fills (its store goes out with the next step's plan), the next step's
     scheduling frees its block (the request is evicted or finishes) and hands it to another request,
     whose forward writes it in that same step. The plan carries both; the copy runs first, so the host
-    keeps the right bytes: a second pass, served from the host tier, gives the reference tokens. (12
-    blocks, reference prompts 3 and 0: a schedule that makes it happen, found with the synthetic runner.)"""
+    keeps the right bytes: a second pass, served from the host tier, gives the reference tokens. (24
+    blocks, the pool of the other engine tests here, so their compiled programs serve it too; reference
+    prompts 3 and 2: a schedule that makes it happen, found with the synthetic runner.)"""
     prompts, want = reference
-    eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=12, kv_policy="offload", cpu_offload_bytes=1 << 24))
+    eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, kv_policy="offload", cpu_offload_bytes=1 << 24))
     plans, execute = [], eng.runner.execute
     eng.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
-    outs = eng.generate([prompts[3], prompts[0]], max_new_tokens=5)
-    assert [o.token_ids.tolist() for o in outs] == [want[3], want[0]]
+    outs = eng.generate([prompts[3], prompts[2]], max_new_tokens=5)
+    assert [o.token_ids.tolist() for o in outs] == [want[3], want[2]]
     reused, bs = 0, BASE["block_size"]  # both groups' pages hold block_size tokens here
     for plan in plans:
         stored = {(op.group, b) for op in plan.transfers if isinstance(op, PageCopy) and op.direction == "d2h"
@@ -69,20 +70,20 @@ def test_a_block_freed_while_its_store_is_pending_is_copied_before_it_is_reused(
             reused += len(stored & {(g, tables[i][p // bs]) for g, tables in plan.block_tables.items()
                                     for p in range(row.start, row.start + row.num_tokens)})
     assert reused >= 1  # the first pass had the hazard
-    outs = eng.generate([prompts[3], prompts[0]], max_new_tokens=5)
-    assert [o.token_ids.tolist() for o in outs] == [want[3], want[0]]
+    outs = eng.generate([prompts[3], prompts[2]], max_new_tokens=5)
+    assert [o.token_ids.tolist() for o in outs] == [want[3], want[2]]
     assert eng.metrics()["kv_offload"]["cpu"]["hits"] > 0  # the second pass read what the racing stores wrote
 
 
 def test_a_later_turn_hits_the_host_after_the_device_lost_its_prefix(tiny_model):
     """Turn 1 runs, the device prefix cache is wiped (as other traffic would evict it), turn 2 takes its
     whole prefix from the host tier and prefills only its new tokens; its tokens equal an engine without
-    tiers."""
+    tiers. (The pool of the other engine tests here: the same compiled programs.)"""
     turn1 = _prompts([45], seed=3)[0]
     new = _prompts([7], seed=4)[0]
     outs = {}
     for policy, extra in (("preempt", {}), ("offload", dict(cpu_offload_bytes=1 << 24))):
-        eng = Engine(tiny_model, DeployConfig(**BASE, kv_policy=policy, **extra))
+        eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, kv_policy=policy, **extra))
         out1 = eng.generate([turn1], max_new_tokens=3)[0]
         eng.scheduler.kv.pool.reset_prefix_cache()
         turn2 = np.concatenate([turn1, out1.token_ids, new])
