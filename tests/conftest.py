@@ -5,6 +5,7 @@ they do not shadow the packages they test. Shared helpers are fixtures here.
 """
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -24,9 +25,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 # No persistent compilation cache in the test processes themselves (three clean-clone CI runs,
 # 2026-12-02, crashed in its writes: the memory-map limit below, hit there first). Server and peer
-# processes the tests start (tests/glm53/test_serve.py, tests/kvcache/test_tiers*.py) and the MTP runs of
-# tests/engine/test_recompilation.py compile the same programs each, so they share one on-disk cache per session, named by $GLM53_TEST_COMPILE_CACHE: the controller creates it,
-# empties it at start and removes it at exit; xdist workers inherit the variable.
+# processes the tests start (tests/glm53/test_serve.py, tests/kvcache/test_tiers*.py) compile the same
+# programs each, so they share one on-disk cache per session, named by $GLM53_TEST_COMPILE_CACHE: the
+# controller creates it, empties it at start and removes it at exit; xdist workers inherit the variable.
 _WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 if not _WORKER and "GLM53_TEST_COMPILE_CACHE" not in os.environ:
     _cache = os.path.join(tempfile.gettempdir(), f"glm53-test-jax-cache-{os.getpid()}")
@@ -37,6 +38,66 @@ if os.environ.get("GLM53_TEST_COMPILE_CACHE"):
     os.makedirs(os.environ["GLM53_TEST_COMPILE_CACHE"], exist_ok=True)
 
 REPO = Path(__file__).resolve().parents[1]
+DURATIONS = REPO / "tests" / "durations.json"
+_file_seconds: dict[str, float] = {}
+
+
+MULTIDEVICE_GROUP = "multidevice"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--write-durations", action="store_true",
+                     help=f"write each test file's seconds (setup + call + teardown) to {DURATIONS.relative_to(REPO)}")
+
+
+def pytest_configure(config):
+    # xdist registers it too; here for runs without xdist (-p no:xdist) under --strict-markers
+    config.addinivalue_line("markers", "xdist_group(name): the tests that pytest-xdist's loadgroup runs on one worker")
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker names the groups in the node ids
+def pytest_collection_modifyitems(config, items):
+    """Each test file is one xdist group, except that every file holding a multidevice test joins the
+    group "multidevice": under the README's `--dist loadgroup` its tests run on one worker, in one
+    16-device subprocess that compiles each program once for all of them (tests/parallel/conftest.py).
+    Groups are ordered longest first (tests/durations.json, seconds per file from a `-n 2
+    --write-durations` run; a file not listed counts as 0 s) with each file's tests in their own order:
+    with `--no-loadscope-reorder` xdist hands the groups to the two workers in this order, so the last
+    group to start is a short one and neither worker idles at the end while the other runs a long one."""
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except FileNotFoundError:
+        seconds = {}
+    multidevice = {_file_of(item.nodeid) for item in items if item.get_closest_marker("multidevice")}
+    group = {}
+    for item in items:
+        f = _file_of(item.nodeid)
+        group.setdefault(f, MULTIDEVICE_GROUP if f in multidevice else f)
+    group_seconds: dict[str, float] = {}
+    for f, g in group.items():
+        group_seconds[g] = group_seconds.get(g, 0.0) + seconds.get(f, 0.0)
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        g = group[_file_of(item.nodeid)]
+        first.setdefault(g, i)
+        item.add_marker(pytest.mark.xdist_group(g))
+    items.sort(key=lambda item: (-group_seconds[group[_file_of(item.nodeid)]], first[group[_file_of(item.nodeid)]]))
+
+
+def pytest_runtest_logreport(report):
+    # in the controller under xdist (workers' reports come to it) or in a run without workers
+    if not _WORKER:
+        _file_seconds[_file_of(report.nodeid)] = _file_seconds.get(_file_of(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if not _WORKER and session.config.getoption("--write-durations") and _file_seconds:
+        DURATIONS.write_text(json.dumps({f: round(s, 1) for f, s in sorted(_file_seconds.items(),
+                                                                            key=lambda x: -x[1])}, indent=0) + "\n")
 
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
@@ -58,6 +119,19 @@ def tiny_model():
     import glm53
 
     return glm53.init("tiny", seed=0, std=0.1)
+
+
+@pytest.fixture(scope="session")
+def small_model():
+    """The tiny preset cut to 2 layers (a full and a shared indexer layer, dense then MoE) and its MTP
+    layer: every code path of the tiny model's layers (IndexShare included) at about half its compile
+    time, for the engine and parallel tests whose subject is a policy, a layout or the runner's programs
+    rather than the model's depth (glm53.init("tiny") is the model's own tests' subject)."""
+    import glm53
+
+    cfg = glm53.get_preset("tiny").replace(num_hidden_layers=2, indexer_types=("full", "shared"),
+                                           mlp_layer_types=("dense", "sparse"))
+    return glm53.init(cfg, seed=0, std=0.1)
 
 
 @pytest.fixture(scope="session")

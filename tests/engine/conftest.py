@@ -1,22 +1,9 @@
-"""Engine test helpers: a 2-layer model, and a recorder of every block-pool decision (device pool and host
+"""Engine test helpers: a recorder of every block-pool decision (device pool and host
 pools alike)."""
 
 import pytest
 
 from kvcache.block_pool import BlockPool
-
-
-@pytest.fixture(scope="session")
-def small_model():
-    """The tiny preset cut to 2 layers (a full and a shared indexer layer, dense then MoE) and its MTP
-    layer: every code path of the tiny model's layers (IndexShare included) at about half its compile
-    time, for the engine tests whose subject is a policy or the runner's programs rather than the
-    model's depth (glm53.init("tiny") is the model's own tests' subject)."""
-    import glm53
-
-    cfg = glm53.get_preset("tiny").replace(num_hidden_layers=2, indexer_types=("full", "shared"),
-                                           mlp_layer_types=("dense", "sparse"))
-    return glm53.init(cfg, seed=0, std=0.1)
 
 
 class PoolHistory:

@@ -10,11 +10,11 @@ import pytest
 
 from glm53 import DeployConfig, Engine
 from glm53.engine.request import Request, SamplingParams
-from glm53.engine.runner import CompileCounter
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.hisparse import TAIL_PAGES, HiSparsePolicy
 from kvcache.transfer import PageCopy
+from tests.engine.serving_checks import check_buckets_used, count_compiles, random_arrivals, warm_up
 from tests.engine.test_mtp import K, with_oracle_drafts
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
@@ -403,21 +403,10 @@ def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_wa
                                           hisparse_device_buffer_size=rows))
     runner = eng.runner
     assert runner.verify_mode == verify
-    # rows 1, 2; tokens per row 1 + K, 16; windows 64, 128
-    assert runner.warmup() == len(runner.bucket_shapes()) == 2 * 2 * 2
-    assert runner.compiled_shapes == set(runner.bucket_shapes())
-    runner.compiled_shapes.clear()  # from here on: the shapes the run itself uses
+    assert len(runner.bucket_shapes()) == 2 * 2 * 2  # rows 1, 2; tokens per row 1 + K, 16; windows 64, 128
+    warm_up(eng)
     eng.scheduler.resolve.log = []
-    compiles = []
-    execute = runner.execute
-
-    def counted(plan):  # what the runner compiles (the oracle's poisoning below compiles outside it)
-        with CompileCounter() as c:
-            res = execute(plan)
-        compiles.append(c.count)
-        return res
-
-    runner.execute = counted
+    compiles = count_compiles(eng)
     want = {}
     log = with_oracle_drafts(eng, want)
     for prompts, ref in ((first, ref1), (second, ref2)):
@@ -430,13 +419,7 @@ def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_wa
     assert {len(toks) - 1 for step in log for nd, toks in step.values() if nd and toks} == set(range(K + 1))
     # requests arriving at random (the MTP layer's own drafts), greedy and sampled, long enough to decode
     # under pressure
-    rng = np.random.default_rng(0)
-    for step in range(120):
-        if len(eng.scheduler.waiting) < 2 and rng.random() < 0.5:
-            n = int(rng.integers(40, 100))
-            eng.add_request(rng.integers(0, 512, n), SamplingParams(int(rng.integers(8, 128 - n)), bool(rng.random() < 0.5),
-                                                                    0.9, 0.95, seed=step))
-        eng.step()
+    random_arrivals(eng, 120, (40, 100), lambda n, rng: rng.integers(8, 128 - n))
     while eng.has_unfinished():
         eng.step()
     assert sum(compiles) == 0 and len(compiles) > 150, f"{sum(compiles)} compilations during the run"
@@ -458,14 +441,7 @@ def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_wa
     for rec in res.log:
         assert (rec.hits + rec.misses <= (1 + K) * cfg.index_topk).all()
         np.testing.assert_array_equal(rec.copied, rec.misses @ layers_per_group)
-    # the run moved between buckets: decode and prefill widths, both row counts, both windows; drafts
-    # stood in every number, and the draft passes ran
-    used = runner.compiled_shapes
-    assert used <= set(runner.bucket_shapes())
-    assert {w for _, w, _ in used} == {1 + K, 16} and {r for r, _, _ in used} == {1, 2}
-    assert {win for *_, win in used} == {64, 128}
-    sp = eng.scheduler.spec
-    assert 0 < sp.accepted_per_pos[2] < sp.accepted_per_pos[0] < sp.num_drafts and runner.compiled_draft_shapes
+    check_buckets_used(eng, {16})
     eng.scheduler.kv.check()
     pol.host_mla.check()
     assert not pol.state and not eng.scheduler.kv.leases and len(pol.free_leases) == eng.deploy.max_num_seqs

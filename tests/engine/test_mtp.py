@@ -20,6 +20,7 @@ from glm53.engine.spec_decode import SpecDecodeStats, length_to_rates, rejection
 from glm53.model import compiled
 from kvcache.contiguous import ContiguousKVCache
 from kvcache.paged import PagedKVCache
+from tests.engine.serving_checks import check_buckets_used, count_compiles, random_arrivals, warm_up
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)  # test_engine.py's
 K = 3
@@ -216,11 +217,15 @@ def test_verify_step_logits_equal_one_token_decode_steps(tiny_model):
 
 
 # ------------------------------------------------------------------------------------------------ engine
+# The engine tests below run the 2-layer model (tests/engine/conftest.py): MTP's subject is the verify
+# step, the drafts and the cache's rollback, whatever the target's depth.
 @pytest.fixture(scope="module")
-def continuation(tiny_model, reference):
-    """The reference prompts and 16 greedy tokens each, one prompt at a time with no engine."""
-    prompts, _ = reference
-    return prompts, [glm53.generate(tiny_model, p, 16).token_ids.tolist() for p in prompts]
+def continuation(small_model):
+    """Four prompts (37, 5, 70 and 20 tokens: tests/conftest.py's `reference` prompts) and the 2-layer
+    model's 16 greedy tokens for each, one prompt at a time with no engine."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
+    return prompts, [glm53.generate(small_model, p, 16).token_ids.tolist() for p in prompts]
 
 
 POISON = 1e4  # finite: a masked-out row times a zero weight stays zero
@@ -280,11 +285,12 @@ def with_oracle_drafts(eng, want: dict, poison: bool = True):
     return log
 
 
-def test_mtp_greedy_equals_non_speculative(tiny_model, reference):
+def test_mtp_greedy_equals_non_speculative(small_model, continuation):
     """The MTP layer's own drafts (random weights: almost all rejected) under chunked prefill (a 70-token
     prompt in 16-token chunks) and preemption (a 24-block pool): the reference tokens, and vLLM's counts."""
-    prompts, want = reference
-    eng = Engine(tiny_model, DeployConfig(**MTP))
+    prompts, cont = continuation
+    want = [c[:5] for c in cont]
+    eng = Engine(small_model, DeployConfig(**MTP))
     outs = eng.generate(prompts, max_new_tokens=5)
     assert [o.token_ids.tolist() for o in outs] == want
     m = eng.metrics()
@@ -295,19 +301,25 @@ def test_mtp_greedy_equals_non_speculative(tiny_model, reference):
     assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.pool.num_blocks
 
 
-def test_mtp_greedy_with_standing_drafts_cut_by_stop_tokens_and_max_new_tokens(tiny_model, continuation):
+@pytest.mark.slow
+def test_mtp_greedy_with_standing_drafts_cut_by_stop_tokens_and_max_new_tokens(small_model, continuation):
     """Oracle drafts that stand 0..K at a time on the real model, under chunked prefill, preemption and
     prefix caching: every request's tokens are the non-speculative ones, cut at a stop token or at
     max_new_tokens inside a run of drafts that stood (what follows is dropped, and its KV is never
     cached: a later turn that continues differently hits only the kept tokens and decodes as without
     MTP). The KV of rejected positions is poisoned after every step, so a read of it before it is
-    rewritten would show in the tokens."""
+    rewritten would show in the tokens. The engine is warmed up first, and then requests arriving at random
+    (greedy and sampled, the MTP layer's own drafts) keep the pool preempting: the whole run compiles
+    nothing inside the runner (tests/engine/test_recompilation.py's check, its mtp_preempt case merged
+    here)."""
     prompts, cont = continuation
-    eng = Engine(tiny_model, DeployConfig(**MTP))
+    eng = Engine(small_model, DeployConfig(**MTP))
+    warm_up(eng)
+    compiles = count_compiles(eng)
     want, expect, ids = {}, {}, []
     for i, p in enumerate(prompts):
         cases = [(SamplingParams(10), cont[i][:10]), (SamplingParams(6), cont[i][:6])]
-        # a stop token: the first token that first appears at index >= 3 (the tiny model repeats itself)
+        # a stop token: the first token that first appears at index >= 3 (the model repeats itself)
         first = next((j for j in range(3, 12) if cont[i][j] not in cont[i][:j]), None)
         if first is not None:
             cases.append((SamplingParams(12, stop_token_ids=(cont[i][first],)), cont[i][:first + 1]))
@@ -334,12 +346,24 @@ def test_mtp_greedy_with_standing_drafts_cut_by_stop_tokens_and_max_new_tokens(t
     turn = np.concatenate([done.prompt_ids, done.token_ids, [(want[stopped][len(done.token_ids)] + 7) % 512, 3, 4]])
     before = eng.scheduler.stats.prefix_hit_tokens
     rid = eng.add_request(turn, SamplingParams(5))
-    want[rid] = glm53.generate(tiny_model, turn, 8).token_ids.tolist()
+    want[rid] = glm53.generate(small_model, turn, 8).token_ids.tolist()
     while eng.has_unfinished():
         eng.step()
     assert eng.output(rid).token_ids.tolist() == want[rid][:5]
     hit = eng.scheduler.stats.prefix_hit_tokens - before  # (0 if the small pool reused the blocks since)
     assert hit <= done.prompt_ids.size + len(done.token_ids) - BASE["block_size"]  # MTP gives back the last page
+    _serve_at_random(eng)
+    assert eng.metrics()["preemptions"] > m["preemptions"]
+    assert sum(compiles) == 0, f"{sum(compiles)} compilations during the run"
+
+
+def _serve_at_random(eng):
+    """200 steps of random arrivals (prompts of 1-74 tokens: with 11 new ones and the drafts' lookahead a
+    request fits the 24-block pool), then until every request has finished; the buckets they went through."""
+    random_arrivals(eng, 200, (1, 75), lambda n, rng: rng.integers(1, 12))
+    while eng.has_unfinished():
+        eng.step()
+    check_buckets_used(eng, {16})
 
 
 def test_prefix_hits_give_back_their_last_page_under_mtp():
@@ -366,7 +390,7 @@ def test_prefix_hits_give_back_their_last_page_under_mtp():
         assert hits == {0: 40, K: 32}, (extra, hits)
 
 
-def test_drafts_are_the_mtp_layers_chain(tiny_model, reference):
+def test_drafts_are_the_mtp_layers_chain(small_model, continuation):
     """The silent-acceptance bugs (ANCHORS §6) change the drafts, not the outputs, so the engine's drafts
     are checked against the MTP chain computed apart from it: the whole sequence prefilled at once, the MTP
     layer over every position (position p pairs the normed final hidden state at p with token p+1, on the
@@ -375,9 +399,9 @@ def test_drafts_are_the_mtp_layers_chain(tiny_model, reference):
     logits are within float rounding of each other. The KV of positions that do not stand is poisoned after
     every step: with oracle drafts only the target layers' reads of it could show in the tokens, here the
     MTP layer's show in the drafts."""
-    prompts, _ = reference
-    c = compiled(tiny_model)
-    eng = Engine(tiny_model, DeployConfig(**MTP))
+    prompts, _ = continuation
+    c = compiled(small_model)
+    eng = Engine(small_model, DeployConfig(**MTP))
     execute, seen = eng.runner.execute, []
 
     def run(plan):
@@ -395,7 +419,7 @@ def test_drafts_are_the_mtp_layers_chain(tiny_model, reference):
     mismatched = 0
     for seq, drafts in seen:
         n = seq.size
-        cache = ContiguousKVCache.create(tiny_model.cfg, 1, 128, tiny_model.dtype)
+        cache = ContiguousKVCache.create(small_model.cfg, 1, 128, small_model.dtype)
         tok, pos = np.zeros((1, width), np.int32), np.full((1, width), -1, np.int32)
         tok[0, : n - 1], pos[0, : n - 1] = seq[:-1], np.arange(n - 1)
         h, cache, _ = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=width)
@@ -420,7 +444,7 @@ def test_drafts_are_the_mtp_layers_chain(tiny_model, reference):
     assert mismatched <= 1
 
 
-def test_synthetic_acceptance_length_and_vllm_metric_names(tiny_model):
+def test_synthetic_acceptance_length_and_vllm_metric_names(small_model):
     """rejection_sample_method="synthetic" with synthetic_acceptance_length 2.99 (vLLM's benchmark mode, the
     published MTP3 setting) measures 2.99 +- 0.02 on the real model runner, sampled and greedy rows alike
     (1,000+ drafts: the standard error is ~0.003); Prometheus shows vLLM's spec-decode counters."""
@@ -428,7 +452,7 @@ def test_synthetic_acceptance_length_and_vllm_metric_names(tiny_model):
 
     from glm53.engine.prometheus import ServingMetrics
 
-    eng = Engine(tiny_model, DeployConfig(**{**MTP, "num_speculative_tokens": 0}, speculative_config=SYNTHETIC))
+    eng = Engine(small_model, DeployConfig(**{**MTP, "num_speculative_tokens": 0}, speculative_config=SYNTHETIC))
     prom = ServingMetrics(eng)
     rng = np.random.default_rng(7)
     for i in range(150):  # short requests: two run at a time
@@ -450,7 +474,7 @@ def test_synthetic_acceptance_length_and_vllm_metric_names(tiny_model):
     assert [value[f"vllm:spec_decode_num_accepted_tokens_per_pos:{i}"] for i in range(K)] == per_pos
     assert fams["vllm:spec_decode_num_drafts"].type == "counter"
     assert not any(n.startswith("vllm:spec_decode") for n in
-                   (f.name for f in text_string_to_metric_families(ServingMetrics(Engine(tiny_model, DeployConfig(**BASE))).text())))
+                   (f.name for f in text_string_to_metric_families(ServingMetrics(Engine(small_model, DeployConfig(**BASE))).text())))
 
 
 @pytest.mark.slow
@@ -526,16 +550,21 @@ def test_the_simulator_runs_hisparse_with_mtp3():
     assert m["released_pages"] > 0 and m["leases"] > 0 and m["residency_mixed_requests_mean"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["swap", "offload"])
-def test_mtp_greedy_under_swap_and_offload(tiny_model, continuation, policy):
+def test_mtp_greedy_under_swap_and_offload(small_model, continuation, policy):
     """Drafts that stand while preempted requests' KV, the MTP layer's rows and indexer keys included, goes
     to host memory and back (swap) or to the offload tier and back at re-admission (no device prefix cache:
-    only the host tier gives prefixes back): the non-speculative tokens."""
+    only the host tier gives prefixes back): the non-speculative tokens. On a warm engine, and then under
+    random arrivals: the whole run compiles nothing inside the runner (tests/engine/test_recompilation.py's
+    check, its mtp_swap and mtp_offload cases merged here)."""
     prompts, cont = continuation
     extra = dict(kv_policy="swap", cpu_offload_bytes=1 << 30) if policy == "swap" else \
         dict(kv_policy="offload", cpu_offload_bytes=1 << 30, enable_prefix_caching=False)
-    eng = Engine(tiny_model, DeployConfig(**MTP, **extra))
+    eng = Engine(small_model, DeployConfig(**MTP, **extra))
     assert eng.runner.host.page_bytes == eng.sizes.page_bytes  # pages hold the MTP layer's KV too
+    warm_up(eng)
+    compiles = count_compiles(eng)
     ids = [eng.add_request(p, SamplingParams(12)) for p in prompts + prompts[::-1]]
     log = with_oracle_drafts(eng, dict(zip(ids, cont + cont[::-1])))
     while eng.has_unfinished():
@@ -547,3 +576,11 @@ def test_mtp_greedy_under_swap_and_offload(tiny_model, continuation, policy):
         assert m["offloads"] >= 1 and m["recomputed_tokens"] == 0
     else:
         assert m["preemptions"] >= 1 and m["kv_offload"]["cpu"]["loaded_pages"] > 0
+    _serve_at_random(eng)
+    m2 = eng.metrics()
+    if policy == "swap":  # saves and loads ran again, not only the fallback to preemption
+        assert m2["offloads"] > m["offloads"] and m2["h2d_bytes"] > m["h2d_bytes"]
+    else:  # pages were stored to the host tier and loaded back again
+        tier, before = m2["kv_offload"]["cpu"], m["kv_offload"]["cpu"]
+        assert tier["stored_pages"] > before["stored_pages"] and tier["loaded_pages"] > before["loaded_pages"]
+    assert sum(compiles) == 0, f"{sum(compiles)} compilations during the run"

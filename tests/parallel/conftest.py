@@ -4,8 +4,9 @@ The number of CPU devices is fixed when JAX initialises, and the main suite init
 marked `@pytest.mark.multidevice` therefore run in one pytest subprocess started with
 XLA_FLAGS=--xla_force_host_platform_device_count=16 (meshes of 1, 2, 4, 8 and 16 devices are cut from
 those 16): the first such test in a session starts the subprocess for every multidevice test selected in
-this session (under pytest-xdist, one subprocess per test file, in the worker that runs the file), and
-each test then reports the outcome (and failure text) its twin had there. Where this
+this session (under pytest-xdist's loadgroup, the README's, in the one worker that runs the
+"multidevice" group; under loadfile, one subprocess per test file, in the worker that runs the file),
+and each test then reports the outcome (and failure text) its twin had there. Where this
 process already has >= 16 devices, the tests run here directly:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=16 python -m pytest -q tests/parallel
@@ -29,10 +30,9 @@ import pytest
 from experiments.common import with_fast_compile
 
 DEVICES = 16
-# It bounds a hung subprocess, not a slow one: on a busy 2-core CI machine a file's multidevice tests take
-# up to 1.6x their time alone (test_tp.py's, 564 s alone, passed 900 s there on 2026-12-03 and was
-# killed; it is now three files).
-CHILD_TIMEOUT_S = 1500
+# It bounds a hung subprocess, not a slow one: the subprocess runs every multidevice test of the session
+# (about 12 minutes alone at 2026-12-05), and a busy 2-core machine stretches that up to 1.6x.
+CHILD_TIMEOUT_S = 2400
 ENV_CHILD = "PARALLEL_TESTS_SUBPROCESS"
 ENV_REPORT = "PARALLEL_TESTS_REPORT"
 ENV_PARENT = "PARALLEL_TESTS_PARENT_PID"
@@ -53,7 +53,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    _selected[:] = [item.nodeid for item in items if item.get_closest_marker("multidevice")]
+    _selected[:] = [_plain(item.nodeid) for item in items if item.get_closest_marker("multidevice")]
     # early start, beside the suite; not for --collect-only, nor in an xdist worker (each would start a
     # whole subprocess: there the first multidevice test starts it)
     if config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
@@ -101,6 +101,12 @@ def pytest_runtest_logreport(report):
         with open(path, "a") as f:
             f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                                 "text": report.longreprtext}) + "\n")
+
+
+def _plain(nodeid: str) -> str:
+    """The node id without the "@multidevice" that xdist's loadgroup appends in a worker (tests/conftest.py
+    puts every multidevice file in that group): the subprocess, not a worker, knows the plain id."""
+    return nodeid.removesuffix("@multidevice")
 
 
 def _start_child(nodeids: list[str] | None = None) -> None:
@@ -159,10 +165,12 @@ def pytest_pyfunc_call(pyfuncitem):
     if not pyfuncitem.get_closest_marker("multidevice") or _in_child():
         return None
     file = pyfuncitem.nodeid.split("::")[0]
-    if os.environ.get("PYTEST_XDIST_WORKER") and _child_file != file:
-        # In an xdist worker (which collects every test but runs only the files sent to it, with
-        # --dist loadfile): one subprocess per test file, for that file's selected tests, so that no two
-        # workers both run every multidevice test.
+    if (os.environ.get("PYTEST_XDIST_WORKER") and pyfuncitem.config.getoption("dist", None) != "loadgroup"
+            and _child_file != file):
+        # In an xdist worker that runs only the files sent to it (--dist loadfile): one subprocess per
+        # test file, for that file's selected tests, so that no two workers both run every multidevice
+        # test. Under --dist loadgroup (the README's) every multidevice test is in this worker's group:
+        # one subprocess for all of them, as without xdist.
         if _enough_devices_here():
             return None
         _start_child([n for n in _selected if n.split("::")[0] == file])
@@ -173,7 +181,7 @@ def pytest_pyfunc_call(pyfuncitem):
         _start_child()
     if _child_results is None:
         _child_results = _collect_child()
-    outcome, text = _child_results.get(pyfuncitem.nodeid, (None, ""))
+    outcome, text = _child_results.get(_plain(pyfuncitem.nodeid), (None, ""))
     if outcome == "passed":
         return True
     if outcome == "skipped":

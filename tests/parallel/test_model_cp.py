@@ -1,4 +1,5 @@
-"""The tiny model under PCP, DCP, PCP x DCP and EP on 8 and 16 simulated devices against one device.
+"""The 2-layer model (tests/conftest.py's small_model: each layer kind of the tiny preset) under PCP, DCP,
+PCP x DCP and EP on 8 and 16 simulated devices against one device.
 
 Model level (`parallel.model.forward` on a `CpKVCache`): a batch of two prompts (37 tokens: not a
 multiple of 2N, longer than top-k 16, and top-k larger than a rank's share of the context; 10 tokens:
@@ -127,8 +128,8 @@ def _check_relayout(single, cache, lengths, n, interleave):
 
 
 @pytest.mark.multidevice
-def test_tiny_model_on_8_devices_matches_one_device(tiny_model):
-    _check(tiny_model, [
+def test_small_model_on_8_devices_matches_one_device(small_model):
+    _check(small_model, [
         dict(pcp=True, dcp=False),  # PCP alone: a replicated cache
         dict(pcp=False, dcp=True, backend="a2a", interleave=2),  # DCP prefill without PCP, then decode
         dict(pcp=True, dcp=True, backend="ag_rs", ep=True),  # PCP x DCP prefill (full copies), DCP decode, EP
@@ -136,13 +137,13 @@ def test_tiny_model_on_8_devices_matches_one_device(tiny_model):
 
 
 @pytest.mark.multidevice
-def test_tiny_model_on_16_devices_matches_one_device(tiny_model):
+def test_small_model_on_16_devices_matches_one_device(small_model):
     # fp8_ds_mla rows and fp8 indexer keys: the shards and the full copies move packed rows
-    _check(tiny_model, [dict(pcp=True, dcp=True, backend="a2a", form="mha")], 16, kv="fp8_ds_mla")
+    _check(small_model, [dict(pcp=True, dcp=True, backend="a2a", form="mha")], 16, kv="fp8_ds_mla")
 
 
 @pytest.mark.multidevice
-def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
+def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(small_model):
     """DP4 x EP4 (`parallel.model.forward_dp`, BRIEF §3's DP decode ranks with EP): four ranks, each
     with two requests of its own (lengths 1 to 48, padded) on its own pool, prefill then one decode step,
     the 8 routed experts split 2 per rank and every MoE assignment sent to its expert's rank and back.
@@ -158,8 +159,8 @@ def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
     from parallel import model as pmodel
     from parallel.mesh import make_mesh
 
-    n, cfg = 4, tiny_model.cfg
-    c = compiled(tiny_model)
+    n, cfg = 4, small_model.cfg
+    c = compiled(small_model)
     rng = np.random.default_rng(11)
     ranks = [[rng.integers(0, cfg.vocab_size, k).astype(np.int32) for k in pair]
              for pair in ((37, 10), (20, 45), (5, 30), (48, 1))]
@@ -175,7 +176,7 @@ def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
     cache = jax.tree.map(lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s)), cache,
                          pmodel.dp_cache_specs(cache))
     state = pmodel.place_state(c.state, mesh, True, axis="dp")
-    assert len(state["layers"][3]["mlp"]["experts"]["gate_up_proj"].value.addressable_shards[0].data) == 2
+    assert len(state["layers"][cfg.mlp_layer_types.index("sparse")]["mlp"]["experts"]["gate_up_proj"].value.addressable_shards[0].data) == 2
     batches = [_batch(pr) for pr in ranks]
     tok, pos, nxt, pos1 = (jnp.asarray(np.concatenate([x[i] for x in batches])) for i in range(4))
     kw = dict(graphdef=c.graphdef, mesh=mesh, window=WINDOW, form="mqa", impl="auto")
@@ -190,7 +191,7 @@ def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
     h, cache = pmodel.forward_dp(state, nxt, pos1, cache, **kw)
     decode = np.asarray(c.logits(c.state, jax.device_get(h)))[:, 0]
     for r, prompts in enumerate(ranks):
-        want_prefill, want_decode, _ = _single_device(tiny_model, prompts, "float32")
+        want_prefill, want_decode, _ = _single_device(small_model, prompts, "float32")
         for i, p in enumerate(prompts):
             got = prefill[2 * r + i, : p.size]
             assert np.abs(got - want_prefill[i, : p.size]).max() <= TOL * np.abs(want_prefill[i, : p.size]).max(), (r, i)
@@ -199,7 +200,7 @@ def test_dp4_ranks_sharing_their_experts_match_one_device_per_rank(tiny_model):
 
 
 @pytest.mark.multidevice
-def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model):
+def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(small_model):
     """The engine with DeployConfig(prefill_context_parallel_size=8, decode_context_parallel_size=8,
     enable_expert_parallel=True) on 8 devices: the same greedy tokens as on one device, with the KV pool
     split over the 8 devices and the experts too, under the offload policy; and with data_parallel_size=2."""
@@ -211,11 +212,11 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     # then both grow past 32 tokens while decoding and one request is offloaded to the host pool (its
     # shards from every rank) and brought back.
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, tiny_model.cfg.vocab_size, n).astype(np.int32) for n in (30, 29)]
+    prompts = [rng.integers(0, small_model.cfg.vocab_size, n).astype(np.int32) for n in (30, 29)]
     base = dict(block_size=BS, index_block_size=2 * BS, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=2,
                 kv_cache_dtype="float32")
-    want = Engine(tiny_model, DeployConfig(**base)).generate(prompts, max_new_tokens=4, greedy=True)
-    eng = Engine(tiny_model, DeployConfig(**base, prefill_context_parallel_size=8, decode_context_parallel_size=8,
+    want = Engine(small_model, DeployConfig(**base)).generate(prompts, max_new_tokens=4, greedy=True)
+    eng = Engine(small_model, DeployConfig(**base, prefill_context_parallel_size=8, decode_context_parallel_size=8,
                                           cp_kv_cache_interleave_size=2, enable_expert_parallel=True,
                                           num_gpu_blocks=4, kv_policy="swap", cpu_offload_bytes=1 << 24))
     got = eng.generate(prompts, max_new_tokens=4, greedy=True)
@@ -225,9 +226,9 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     assert eng.scheduler.transfers.h2d_bytes == eng.scheduler.transfers.d2h_bytes > 0
     # the offload host tier on the same mesh (each host page holds the block's shard from every rank): a
     # second turn over the first one's 32-token block, with the device prefix cache off, loads it
-    turn2 = np.concatenate([prompts[0], got[0].token_ids, rng.integers(0, tiny_model.cfg.vocab_size, 5)]).astype(np.int32)
-    want2 = Engine(tiny_model, DeployConfig(**base)).generate([turn2], max_new_tokens=3, greedy=True)[0]
-    tiered = Engine(tiny_model, DeployConfig(**{**base, "index_block_size": None}, prefill_context_parallel_size=8,
+    turn2 = np.concatenate([prompts[0], got[0].token_ids, rng.integers(0, small_model.cfg.vocab_size, 5)]).astype(np.int32)
+    want2 = Engine(small_model, DeployConfig(**base)).generate([turn2], max_new_tokens=3, greedy=True)[0]
+    tiered = Engine(small_model, DeployConfig(**{**base, "index_block_size": None}, prefill_context_parallel_size=8,
                                              decode_context_parallel_size=8, cp_kv_cache_interleave_size=2,
                                              enable_expert_parallel=True, num_gpu_blocks=4, enable_prefix_caching=False,
                                              kv_policy="offload", cpu_offload_bytes=1 << 24))
@@ -245,13 +246,13 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
     # them (PCP prefill: the query's rank; DCP decode: each rank its own keys)
     m = eng.metrics()
     causal = m["cp_indexer_pairs_causal_per_rank"]
-    full_layers = sum(1 for i in tiny_model.cfg.full_indexer_layers if i < tiny_model.cfg.num_hidden_layers)
+    full_layers = sum(1 for i in small_model.cfg.full_indexer_layers if i < small_model.cfg.num_hidden_layers)
     assert len(causal) == 8 and min(causal) > 0
     assert sum(causal) == full_layers * sum((n + 3) * (n + 4) // 2 for n in (30, 29))
     assert min(m["cp_mla_rows_attended_per_rank"]) > 0 and m["cp_indexer_pairs_computed_max_over_mean"] >= 1.0
 
     # Data parallelism: two independent replicas on devices 0 and 1, the same tokens
-    dp = Engine(tiny_model, DeployConfig(**base, data_parallel_size=2))
+    dp = Engine(small_model, DeployConfig(**base, data_parallel_size=2))
     got = dp.generate(prompts + prompts[:1], max_new_tokens=4, greedy=True)
     for g, w in zip(got, want + want[:1]):
         np.testing.assert_array_equal(g.token_ids, w.token_ids)
@@ -268,7 +269,7 @@ def test_engine_pcp8_dcp8_ep8_and_dp2_greedy_tokens_equal_one_device(tiny_model)
 
 
 @pytest.mark.multidevice
-def test_offload_host_tier_under_dcp2_with_more_host_pages_than_device_blocks(tiny_model):
+def test_offload_host_tier_under_dcp2_with_more_host_pages_than_device_blocks(small_model):
     """Under DCP a host page holds the block's shard from every rank, each rank's n host pages in its own
     slice of the host pool: a second pass over six prompts, with the device prefix cache off, reloads all
     their full pages from the host tier (more host pages than device blocks, so a rank stride of the device
@@ -276,10 +277,10 @@ def test_offload_host_tier_under_dcp2_with_more_host_pages_than_device_blocks(ti
     from glm53 import DeployConfig, Engine
 
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, tiny_model.cfg.vocab_size, 40).astype(np.int32) for _ in range(6)]
+    prompts = [rng.integers(0, small_model.cfg.vocab_size, 40).astype(np.int32) for _ in range(6)]
     base = dict(block_size=BS, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=1, kv_cache_dtype="float32")
-    want = Engine(tiny_model, DeployConfig(**base)).generate(prompts, max_new_tokens=3, greedy=True)
-    eng = Engine(tiny_model, DeployConfig(**base, decode_context_parallel_size=2, num_gpu_blocks=12,
+    want = Engine(small_model, DeployConfig(**base)).generate(prompts, max_new_tokens=3, greedy=True)
+    eng = Engine(small_model, DeployConfig(**base, decode_context_parallel_size=2, num_gpu_blocks=12,
                                           enable_prefix_caching=False, kv_policy="offload", cpu_offload_bytes=1 << 22))
     for _ in range(2):
         for g, w in zip(eng.generate(prompts, max_new_tokens=3, greedy=True), want):
@@ -290,7 +291,7 @@ def test_offload_host_tier_under_dcp2_with_more_host_pages_than_device_blocks(ti
 
 
 @pytest.mark.multidevice
-def test_tier_chunks_are_shared_across_dcp_layouts(tiny_model, tmp_path):
+def test_tier_chunks_are_shared_across_dcp_layouts(small_model, tmp_path):
     """Chunks are stored in the canonical layout (every layer's rows in token order): an engine under DCP2
     (4 slots per rank, interleave 2) writes a filesystem tier that an engine on one device with 8-slot
     blocks (the same 8 tokens per page) reads, and the other way round; both give one device's greedy
@@ -298,14 +299,14 @@ def test_tier_chunks_are_shared_across_dcp_layouts(tiny_model, tmp_path):
     from glm53 import DeployConfig, Engine
 
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, tiny_model.cfg.vocab_size, 40).astype(np.int32) for _ in range(3)]
+    prompts = [rng.integers(0, small_model.cfg.vocab_size, 40).astype(np.int32) for _ in range(3)]
     base = dict(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=1, kv_cache_dtype="float32")
-    want = Engine(tiny_model, DeployConfig(**base, block_size=8)).generate(prompts, max_new_tokens=3)
+    want = Engine(small_model, DeployConfig(**base, block_size=8)).generate(prompts, max_new_tokens=3)
 
     def engine(root, **layout):
         ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
             "cpu_bytes_to_use": 1 << 22, "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}}
-        return Engine(tiny_model, DeployConfig(**base, **layout, kv_transfer_config=ktc))
+        return Engine(small_model, DeployConfig(**base, **layout, kv_transfer_config=ktc))
 
     dcp2 = dict(block_size=4, decode_context_parallel_size=2, cp_kv_cache_interleave_size=2)
     one = dict(block_size=8)

@@ -50,7 +50,7 @@ def _record_drafts(eng) -> dict:
                                     dict(tensor_parallel_size=2),
                                     dict(tensor_parallel_size=2, decode_context_parallel_size=2)],
                          ids=["pcp2_dcp2", "tp2", "tp2_dcp2"])
-def test_mtp_on_a_mesh_equals_one_device(tiny_model, layout):
+def test_mtp_on_a_mesh_equals_one_device(small_model, layout):
     import jax
 
     import glm53
@@ -60,14 +60,14 @@ def test_mtp_on_a_mesh_equals_one_device(tiny_model, layout):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
     if not _ONE_DEVICE:  # the layouts share one device's reference (computed once per process)
-        _ONE_DEVICE["want"] = [glm53.generate(tiny_model, p, 12).token_ids.tolist() for p in prompts]
+        _ONE_DEVICE["want"] = [glm53.generate(small_model, p, 12).token_ids.tolist() for p in prompts]
     want = _ONE_DEVICE["want"]
-    engines = {"dcp": Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K, **layout),
+    engines = {"dcp": Engine(small_model, DeployConfig(**BASE, num_speculative_tokens=K, **layout),
                              devices=jax.devices()[:2])}
     dcp = engines["dcp"]
     assert dcp.runner.mesh is not None and dcp.runner.kv_ranks == layout.get("decode_context_parallel_size", 1)
     if "one" not in _ONE_DEVICE:
-        engines["one"] = Engine(tiny_model, DeployConfig(**BASE, num_speculative_tokens=K))
+        engines["one"] = Engine(small_model, DeployConfig(**BASE, num_speculative_tokens=K))
     # the MTP layer's own drafts (random weights: almost all rejected): the reference tokens, and the
     # drafts of a one-device MTP engine (the MTP layer's KV sharded like every layer's)
     drafts = {}

@@ -84,8 +84,8 @@ def _check(model, cases):
 
 
 @pytest.mark.multidevice
-def test_tiny_model_tp_and_tp_dcp_match_one_device(tiny_model):
-    _check(tiny_model, [
+def test_small_model_tp_and_tp_dcp_match_one_device(small_model):
+    _check(small_model, [
         dict(tp=4, form="mha"),  # TP4, each expert's width split; prefill in the dense form
         dict(tp=4, dcp=2, backend="a2a", interleave=2, ep=True),  # TP4 x DCP2 (mesh tp2 x cp2), EP4
         dict(tp=8, dcp=8, backend="ag_rs", ep=True),  # TP8 x DCP8: 4 heads padded to 8, one expert per rank
@@ -137,7 +137,7 @@ def _assert_logits_match(got: dict, got_ids: list, want: dict, want_ids: list) -
 
 
 @pytest.mark.multidevice
-def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(tiny_model):
+def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(small_model):
     """glm53.Engine under DeployConfig(tensor_parallel_size=4, decode_context_parallel_size=2,
     enable_expert_parallel=True) with a swapping KV policy, under tensor_parallel_size=4 x
     data_parallel_size=2 on 8 devices, and under tensor_parallel_size=8 x decode_context_parallel_size=8
@@ -151,22 +151,22 @@ def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(tiny_model):
     from parallel import tp as tp_ops
 
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, tiny_model.cfg.vocab_size, n).astype(np.int32) for n in (30, 29)]
+    prompts = [rng.integers(0, small_model.cfg.vocab_size, n).astype(np.int32) for n in (30, 29)]
     base = dict(block_size=BS, index_block_size=2 * BS, max_model_len=96, max_num_batched_tokens=32, max_num_seqs=2,
                 kv_cache_dtype="float32")
-    one = Engine(tiny_model, DeployConfig(**base))
+    one = Engine(small_model, DeployConfig(**base))
     want_logits = _record_logits(one)
     want = one.generate(prompts + prompts[:1], max_new_tokens=4, greedy=True)
     want_ids = [w.req_id for w in want]
     assert len(want_logits) == 3 * 4  # every generated token of the three requests
     want = want[:2]
-    total, split = _split_bytes(compiled(tiny_model).state)
+    total, split = _split_bytes(compiled(small_model).state)
     assert one.metrics()["weights_bytes_per_device"] == total
 
     # TP4 x DCP2: an MLA block id covers 4 x 2 tokens, an indexer-key one 16; 12 blocks hold both prompts
     # (4 + 2 each), then both need a fifth MLA block at position 32 and one request is swapped to the
     # host pool (the shards of both DCP ranks) and back
-    eng = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=4, decode_context_parallel_size=2,
+    eng = Engine(small_model, DeployConfig(**base, tensor_parallel_size=4, decode_context_parallel_size=2,
                                           enable_expert_parallel=True, num_gpu_blocks=12, kv_policy="swap",
                                           cpu_offload_bytes=1 << 24))
     logits = _record_logits(eng)
@@ -179,7 +179,7 @@ def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(tiny_model):
     kv = eng.runner.cache.mla[0]
     assert len(kv.sharding.device_set) == 4 and kv.sharding.spec == PartitionSpec("cp")
 
-    dp = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=4, data_parallel_size=2))
+    dp = Engine(small_model, DeployConfig(**base, tensor_parallel_size=4, data_parallel_size=2))
     logits = _record_logits(dp)
     got = dp.generate(prompts + prompts[:1], max_new_tokens=4, greedy=True)
     for g, w in zip(got, want + want[:1]):
@@ -193,7 +193,7 @@ def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(tiny_model):
 
     # TP8 x DCP8 on the same 8 devices: the tiny model's 4 heads padded to 8 (one per rank), the latent KV
     # round-robin over the same 8 ranks, whole experts per rank (EP8)
-    wide = Engine(tiny_model, DeployConfig(**base, tensor_parallel_size=8, decode_context_parallel_size=8,
+    wide = Engine(small_model, DeployConfig(**base, tensor_parallel_size=8, decode_context_parallel_size=8,
                                            enable_expert_parallel=True))
     logits = _record_logits(wide)
     got = wide.generate(prompts, max_new_tokens=4, greedy=True)
@@ -203,7 +203,7 @@ def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(tiny_model):
     kv = wide.runner.cache.mla[0]
     assert wide.num_devices == 8 and len(kv.sharding.device_set) == 8 and kv.sharding.spec == PartitionSpec("cp")
     assert wide.metrics()["weights_bytes_per_device"] == tp_ops.bytes_per_device(
-        compiled(tiny_model).state, tiny_model.cfg, 8, True)
+        compiled(small_model).state, small_model.cfg, 8, True)
 
 
 @pytest.mark.multidevice
@@ -237,7 +237,7 @@ def _by_path(tree, is_leaf=None) -> dict:
     return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)}
 
 
-def test_tp_layout_pads_heads_and_interleaves_expert_columns(tiny_model):
+def test_tp_layout_pads_heads_and_interleaves_expert_columns(small_model):
     """One device, no mesh: the global TP layout of the tiny model's weights for 8 ranks. Heads 4 -> 8
     (zero columns of q_b / kv_b, zero rows of o_proj), and the routed experts' [gate | up] columns
     interleaved per rank so that rank r's slice is [gate_r | up_r]."""
@@ -246,8 +246,8 @@ def test_tp_layout_pads_heads_and_interleaves_expert_columns(tiny_model):
     from glm53.model import compiled
     from parallel import tp as tp_ops
 
-    cfg = tiny_model.cfg
-    state = compiled(tiny_model).state
+    cfg = small_model.cfg
+    state = compiled(small_model).state
     out = tp_ops.prepare_state(state, cfg, 8, expert_parallel=False)
     before, after = _by_path(state), _by_path(out)
     attn = "['layers'][0]['self_attn']"
@@ -256,7 +256,8 @@ def test_tp_layout_pads_heads_and_interleaves_expert_columns(tiny_model):
     np.testing.assert_array_equal(q_b[:, :4], q_b0)
     assert not q_b[:, 4:].any()
     assert not np.asarray(after[f"{attn}['o_proj']['weight'].value"]).reshape(8, cfg.v_head_dim, -1)[4:].any()
-    experts = "['layers'][3]['mlp']['experts']['gate_up_proj'].value"
+    moe = f"['layers'][{cfg.mlp_layer_types.index('sparse')}]['mlp']"
+    experts = f"{moe}['experts']['gate_up_proj'].value"
     gu0 = np.asarray(before[experts])  # [E, D, 2F]
     gu = np.asarray(after[experts]).reshape(*gu0.shape[:2], 8, 2, -1)
     f = cfg.moe_intermediate_size
@@ -266,6 +267,6 @@ def test_tp_layout_pads_heads_and_interleaves_expert_columns(tiny_model):
     assert specs[f"{attn}['indexer']['wq_b']['weight'].value"] == PartitionSpec()  # the indexer: replicated
     assert specs[f"{attn}['kv_a_proj_with_mqa']['weight'].value"] == PartitionSpec()  # the latent: replicated
     assert specs[f"{attn}['kv_b_proj']['weight'].value"] == PartitionSpec(None, ("tp", "cp"))
-    assert specs["['layers'][3]['mlp']['experts']['down_proj'].value"] == PartitionSpec(("tp", "cp"))
-    shared = "['layers'][3]['mlp']['shared_experts']['down_proj']['weight'].value"
+    assert specs[f"{moe}['experts']['down_proj'].value"] == PartitionSpec(("tp", "cp"))
+    shared = f"{moe}['shared_experts']['down_proj']['weight'].value"
     assert specs[shared] == PartitionSpec(("tp", "cp"), None)

@@ -10,8 +10,8 @@ from tests.parallel.test_model_cp import BS
 
 
 @pytest.fixture(scope="module")
-def tiny_fp8_dir(tmp_path_factory, tiny_model):
-    """The tiny fp8 fixture checkpoint (tests/fixtures/make_fp8_fixture.py, from the session's tiny model)."""
+def tiny_fp8_dir(tmp_path_factory, small_model):
+    """The fp8 fixture checkpoint (tests/fixtures/make_fp8_fixture.py) of the session's 2-layer model."""
     import importlib.util
     from pathlib import Path
 
@@ -20,7 +20,7 @@ def tiny_fp8_dir(tmp_path_factory, tiny_model):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path_factory.mktemp("fp8") / "tiny-fp8"
-    script.write(out, model=tiny_model)
+    script.write(out, model=small_model)
     return out
 
 
@@ -52,7 +52,8 @@ def test_fp8_layers_split_over_tp_ranks_match_one_device(tiny_fp8):
 
     model, c = tiny_fp8, compiled(tiny_fp8)
     cfg, h = tiny_fp8.cfg, tiny_fp8.cfg.num_attention_heads
-    attn, mlp, shared = model.layers[0].self_attn, model.layers[0].mlp, model.layers[3].mlp.shared_experts
+    moe = cfg.mlp_layer_types.index("sparse")  # the first MoE layer
+    attn, mlp, shared = model.layers[0].self_attn, model.layers[0].mlp, model.layers[moe].mlp.shared_experts
     rng = np.random.default_rng(0)
     x_o = rng.standard_normal((5, h * cfg.v_head_dim)).astype(np.float32)
     x_d = rng.standard_normal((5, cfg.hidden_size)).astype(np.float32)
@@ -65,7 +66,7 @@ def test_fp8_layers_split_over_tp_ranks_match_one_device(tiny_fp8):
         m = tp_ops.local_modules(nnx.merge(c.graphdef, state), expert_parallel=True)
         a = m.layers[0].self_attn
         return (a.o_proj(x_o), a.q_b_proj(x_q)[None], a.kv_b_proj.matrix()[None], m.layers[0].mlp(x_d),
-                jax.lax.psum(m.layers[3].mlp.moe.shared_experts(x_d), ax))
+                jax.lax.psum(m.layers[moe].mlp.moe.shared_experts(x_d), ax))
 
     for tp, dcp in ((2, 1), (4, 1), (8, 8)):
         mesh = make_mesh(**tp_ops.mesh_sizes(tp, dcp))

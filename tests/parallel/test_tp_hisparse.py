@@ -33,7 +33,7 @@ _TP2_FULL = {}  # the TP2 full-residency reference, shared by both cases
 
 @pytest.mark.multidevice
 @pytest.mark.parametrize("case", ["tp2_dp2", "tp2_mtp3"])
-def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, case):
+def test_engine_hisparse_under_tp2_equals_full_residency(small_model, case):
     """HiSparse under tensor parallelism (issue 24 item 1): on a two-turn workload, a HiSparse engine of
     TP2 replicas whose pools are small enough that pages are released, decode steps read host rows
     through the hot buffers and turn 2's chunks stage host rows gives the greedy tokens of one TP2 engine
@@ -54,9 +54,9 @@ def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, case):
     extra = [rng.integers(0, 512, n).astype(np.int32) for n in (0, 5, 0, 5)]
     base = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8, tensor_parallel_size=2)
     if not _TP2_FULL:
-        _TP2_FULL["tokens"], full = _two_turns(tiny_model, DeployConfig(**base), first, extra, reset=False)
+        _TP2_FULL["tokens"], full = _two_turns(small_model, DeployConfig(**base), first, extra, reset=False)
         assert full.scheduler.stats.preemptions == 0
-    cfg = tiny_model.cfg
+    cfg = small_model.cfg
     hs = dict(base, index_block_size=16, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26,
               cpu_offload_bytes=1 << 24, num_gpu_blocks=48)
     mtp = case == "tp2_mtp3"
@@ -65,7 +65,7 @@ def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, case):
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "verify": "sequential"})
     else:  # two conversations per replica, half the pool each
         hs.update(data_parallel_size=2, max_num_seqs=2, num_gpu_blocks=24)
-    got, eng = _two_turns(tiny_model, DeployConfig(**hs), first, extra, reset=True)
+    got, eng = _two_turns(small_model, DeployConfig(**hs), first, extra, reset=True)
     assert got == _TP2_FULL["tokens"]
     layers = cfg.num_layers_with_mtp if mtp else cfg.num_hidden_layers
     per_group = np.diff([i for i in cfg.full_indexer_layers if i < layers] + [layers])
@@ -92,7 +92,7 @@ def test_engine_hisparse_under_tp2_equals_full_residency(tiny_model, case):
 
 
 @pytest.mark.multidevice
-def test_hisparse_staging_under_tp2_reads_what_the_device_holds(tiny_model):
+def test_hisparse_staging_under_tp2_reads_what_the_device_holds(small_model):
     """A prefill chunk over host-only pages under TP2 (`CpKVCache.attend` with a replicated StagingView):
     its logits equal the same chunk's with every page on the device, bitwise, on one device and under TP2,
     with the same rows staged per layer (each rank stages the same rows), whether each rank holds the
@@ -112,7 +112,7 @@ def test_hisparse_staging_under_tp2_reads_what_the_device_holds(tiny_model):
     from parallel.cp_cache import CpKVCache
     from parallel.mesh import make_mesh
 
-    cfg, c = tiny_model.cfg, compiled(tiny_model)
+    cfg, c = small_model.cfg, compiled(small_model)
     prompts = _prompts(cfg.vocab_size)
     tok, pos, _, _ = _batch(prompts)
     b, m = len(prompts), WINDOW // BS
@@ -164,7 +164,7 @@ def test_hisparse_staging_under_tp2_reads_what_the_device_holds(tiny_model):
 
 
 @pytest.mark.multidevice
-def test_host_pools_shared_by_tp_ranks_hold_one_copy_and_move_the_same_bytes(tiny_model):
+def test_host_pools_shared_by_tp_ranks_hold_one_copy_and_move_the_same_bytes(small_model):
     """HostMemory on a TP2 x DCP2 mesh: host pools shared by the TP ranks (each device 1/4 of a pool:
     its DCP shard, halved) against pools replicated over them (1/2 each). The same page copies both
     ways, tier reads and writes give the same device cache and the same canonical page bytes; a pool of
@@ -179,7 +179,7 @@ def test_host_pools_shared_by_tp_ranks_hold_one_copy_and_move_the_same_bytes(tin
     from kvcache.transfer import PageCopy
     from parallel.mesh import make_mesh
 
-    cfg, nb, ibs = tiny_model.cfg, 8, 2 * BS
+    cfg, nb, ibs = small_model.cfg, 8, 2 * BS
     mesh = make_mesh(tp=2, cp=2)
     rng = np.random.default_rng(0)
     local = PagedKVCache.create(cfg, 2 * nb, BS, np.full((1, 4), -1, np.int32), kv_cache_dtype="float32",
