@@ -145,3 +145,16 @@ def reference(tiny_model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
     return prompts, [glm53.generate(tiny_model, p, 5).token_ids.tolist() for p in prompts]
+
+
+@pytest.fixture(scope="session")
+def small_reference(small_model):
+    """`reference`'s four prompts and the 2-layer model's 5 greedy tokens for each, one prompt at a time
+    with no engine: what the engine and host-tier tests on that model must reproduce."""
+    import numpy as np
+
+    import glm53
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
+    return prompts, [glm53.generate(small_model, p, 5).token_ids.tolist() for p in prompts]

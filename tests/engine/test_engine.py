@@ -1,4 +1,4 @@
-"""The engine against one-request-at-a-time decoding: batching, chunked prefill, preemption and prefix
+"""The engine against one-request-at-a-time decoding (the 2-layer model: batching, not depth, is the subject):
 caching must not change greedy outputs; counts say what was computed."""
 
 import numpy as np
@@ -15,10 +15,10 @@ def _prompts(lens, seed=0):
     return [rng.integers(0, 512, n) for n in lens]
 
 
-def test_batched_chunked_greedy_equals_one_at_a_time(tiny_model, reference):
-    prompts, want = reference
+def test_batched_chunked_greedy_equals_one_at_a_time(small_model, small_reference):
+    prompts, want = small_reference
     streamed = []
-    eng = Engine(tiny_model, DeployConfig(**BASE))
+    eng = Engine(small_model, DeployConfig(**BASE))
     outs = eng.generate(prompts, max_new_tokens=5, on_token=lambda rid, tok: streamed.append((rid, tok)))
     assert [o.token_ids.tolist() for o in outs] == want
     assert sorted(streamed) == sorted((o.req_id, t) for o in outs for t in o.token_ids.tolist())
@@ -32,9 +32,9 @@ def test_batched_chunked_greedy_equals_one_at_a_time(tiny_model, reference):
 # engines are these deployments.
 
 
-def test_second_turn_prefills_only_new_tokens_and_salts_share_nothing(tiny_model):
+def test_second_turn_prefills_only_new_tokens_and_salts_share_nothing(small_model):
     bs = BASE["block_size"]
-    eng = Engine(tiny_model, DeployConfig(**BASE))
+    eng = Engine(small_model, DeployConfig(**BASE))
     turn1 = _prompts([29], seed=5)[0]
     out1 = eng.generate([turn1], max_new_tokens=3)[0]
     new = _prompts([6], seed=6)[0]
@@ -59,30 +59,30 @@ def test_second_turn_prefills_only_new_tokens_and_salts_share_nothing(tiny_model
     assert eng.scheduler.stats.prefix_hit_tokens == before
 
 
-def test_sampling_is_reproducible_per_request(tiny_model):
+def test_sampling_is_reproducible_per_request(small_model):
     p = _prompts([12, 9])
-    a = Engine(tiny_model, DeployConfig(**BASE)).generate(p, 4, greedy=False, temperature=0.8, top_p=0.9, seed=7)
-    b = Engine(tiny_model, DeployConfig(**BASE)).generate(p[:1], 4, greedy=False, temperature=0.8, top_p=0.9, seed=7)
+    a = Engine(small_model, DeployConfig(**BASE)).generate(p, 4, greedy=False, temperature=0.8, top_p=0.9, seed=7)
+    b = Engine(small_model, DeployConfig(**BASE)).generate(p[:1], 4, greedy=False, temperature=0.8, top_p=0.9, seed=7)
     assert a[0].token_ids.tolist() == b[0].token_ids.tolist()  # batching with another request changes nothing
 
 
-def test_bad_input_is_rejected(tiny_model):
+def test_bad_input_is_rejected(small_model):
     """Engine-level checks on a real model runner (tests/engine/test_deploy.py has every DeployConfig field)."""
-    eng = Engine(tiny_model, DeployConfig(**BASE))
+    eng = Engine(small_model, DeployConfig(**BASE))
     with pytest.raises(ValueError, match="max_model_len"):
         eng.add_request(np.zeros(126, np.int32), SamplingParams(3))
     with pytest.raises(ValueError, match="needs 64 devices"):  # this process has fewer
-        Engine(tiny_model, DeployConfig(**BASE, decode_context_parallel_size=64))
+        Engine(small_model, DeployConfig(**BASE, decode_context_parallel_size=64))
     with pytest.raises(ValueError, match="num_gpu_blocks"):
-        Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=2)).add_request(np.zeros(40, np.int32))
+        Engine(small_model, DeployConfig(**BASE, num_gpu_blocks=2)).add_request(np.zeros(40, np.int32))
 
 
-def test_stop_tokens_min_tokens_and_abort_on_the_model(tiny_model, reference):
+def test_stop_tokens_min_tokens_and_abort_on_the_model(small_model, small_reference):
     """A stop token ends a request where greedy decoding samples it; under min_tokens it cannot be sampled
     (its logit is masked) and greedy picks the next best; aborting one request mid-decode changes nothing
     for the others."""
-    prompts, want = reference
-    eng = Engine(tiny_model, DeployConfig(**BASE))
+    prompts, want = small_reference
+    eng = Engine(small_model, DeployConfig(**BASE))
     w = want[0]
     stop = eng.add_request(prompts[0], SamplingParams(5, stop_token_ids=(w[2],)))
     masked = eng.add_request(prompts[0], SamplingParams(5, stop_token_ids=(w[2],), min_tokens=4))
@@ -98,7 +98,7 @@ def test_stop_tokens_min_tokens_and_abort_on_the_model(tiny_model, reference):
     assert eng.output(stop).token_ids.tolist() == w[:3] and eng.finished[stop].finish_reason == "stop"
     got = eng.output(masked).token_ids.tolist()
     assert got[:2] == w[:2] and got[2] != w[2] and w[2] not in got[:3]
-    logits = glm53.score(tiny_model, np.concatenate([prompts[0], w[:2]]))[-1]
+    logits = glm53.score(small_model, np.concatenate([prompts[0], w[:2]]))[-1]
     logits[w[2]] = -np.inf
     assert got[2] == int(np.argmax(logits))  # the best token but the banned one
     assert [eng.output(r).token_ids.tolist() for r in rest] == [want[1], want[3]]

@@ -20,7 +20,7 @@ POLICIES = {"preempt": dict(num_gpu_blocks=24, enable_prefix_caching=False),
 
 
 def _prompts():
-    """The prompts of tests/conftest.py's `reference` (37, 5, 70 and 20 tokens)."""
+    """The prompts of tests/conftest.py's `small_reference` (37, 5, 70 and 20 tokens)."""
     rng = np.random.default_rng(0)
     return [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
 
@@ -37,16 +37,16 @@ def counters(eng) -> dict:
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_a_synthetic_runner_gives_the_model_runners_block_history(tiny_model, reference, pool_history, policy):
+def test_a_synthetic_runner_gives_the_model_runners_block_history(small_model, small_reference, pool_history, policy):
     """A 24-block pool that preempts: the model runner gives one-request-at-a-time greedy tokens (the
     preempted requests recomputed, swapped out and back, or reloaded from the host tier), and a synthetic
     runner replaying its tokens drives the pools through the same history. (tests/engine/test_engine.py's
     small-pool preempt and swap checks were merged here: one engine of each deployment.)"""
     deploy = DeployConfig(**BASE, **POLICIES[policy])
-    model_eng = Engine(tiny_model, deploy)
+    model_eng = Engine(small_model, deploy)
     outs = model_eng.generate(_prompts(), max_new_tokens=5)
     model_history = pool_history.take()
-    assert [o.token_ids.tolist() for o in outs] == reference[1]
+    assert [o.token_ids.tolist() for o in outs] == small_reference[1]
     st, tr = model_eng.scheduler.stats, model_eng.scheduler.transfers
     assert st.preemptions >= 1 and sum(o.num_preemptions for o in outs) == st.preemptions
     if policy == "preempt":
@@ -64,7 +64,7 @@ def test_a_synthetic_runner_gives_the_model_runners_block_history(tiny_model, re
         assert m["requests"] == 4 and m["ttft_median_s"] > 0 and 0 < m["running_requests_mean"] <= 4
     runner = SyntheticRunner(replay({o.req_id: o.token_ids.tolist() for o in outs}),
                              page_bytes=model_eng.sizes.page_bytes, record=True)
-    syn_eng = Engine(tiny_model, deploy, runner=runner)
+    syn_eng = Engine(small_model, deploy, runner=runner)
     syn_outs = syn_eng.generate(_prompts(), max_new_tokens=5)
     assert [o.token_ids.tolist() for o in syn_outs] == [o.token_ids.tolist() for o in outs]
     assert pool_history.take() == model_history and len(model_history) > 50
@@ -78,8 +78,8 @@ def test_a_synthetic_runner_gives_the_model_runners_block_history(tiny_model, re
     assert (policy == "offload") == any(isinstance(op, PageCopy) and op.direction == "h2d" for op in runner.executed)
 
 
-def test_the_plan_is_frozen_and_carries_what_the_runner_reads(tiny_model):
-    eng = Engine(tiny_model, DeployConfig(**BASE), runner=SyntheticRunner())
+def test_the_plan_is_frozen_and_carries_what_the_runner_reads(small_model):
+    eng = Engine(small_model, DeployConfig(**BASE), runner=SyntheticRunner())
     ids = [eng.add_request(p) for p in _prompts()]
     plan = eng.scheduler.schedule()
     reqs = eng.scheduler.requests

@@ -21,13 +21,13 @@ def _prompts(lengths, seed=0):
     return [rng.integers(0, 512, n) for n in lengths]
 
 
-def test_preempted_requests_come_back_from_the_host_tier(tiny_model, reference):
+def test_preempted_requests_come_back_from_the_host_tier(small_model, small_reference):
     """A pool of 24 blocks under 4 requests preempts; with the device prefix cache off, whatever the victims
     had computed in full pages comes back from the host tier, so less is recomputed than under preempt."""
-    prompts, want = reference
+    prompts, want = small_reference
     runs = {}
     for policy, extra in (("preempt", {}), ("offload", dict(cpu_offload_bytes=1 << 24))):
-        eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False,
+        eng = Engine(small_model, DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False,
                                               kv_policy=policy, **extra))
         outs = eng.generate(prompts, max_new_tokens=5)
         assert [o.token_ids.tolist() for o in outs] == want
@@ -49,15 +49,15 @@ def test_preempted_requests_come_back_from_the_host_tier(tiny_model, reference):
         assert p.num_free == p.num_blocks  # nothing pinned once every request is done
 
 
-def test_a_block_freed_while_its_store_is_pending_is_copied_before_it_is_reused(tiny_model, reference):
+def test_a_block_freed_while_its_store_is_pending_is_copied_before_it_is_reused(small_model, small_reference):
     """vLLM #52360's hazard: a page fills (its store goes out with the next step's plan), the next step's
     scheduling frees its block (the request is evicted or finishes) and hands it to another request,
     whose forward writes it in that same step. The plan carries both; the copy runs first, so the host
-    keeps the right bytes: a second pass, served from the host tier, gives the reference tokens. (24
-    blocks, the pool of the other engine tests here, so their compiled programs serve it too; reference
+    keeps the right bytes: a second pass, served from the host tier, gives the small_reference tokens. (24
+    blocks, the pool of the other engine tests here, so their compiled programs serve it too; small_reference
     prompts 3 and 2: a schedule that makes it happen, found with the synthetic runner.)"""
-    prompts, want = reference
-    eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, kv_policy="offload", cpu_offload_bytes=1 << 24))
+    prompts, want = small_reference
+    eng = Engine(small_model, DeployConfig(**BASE, num_gpu_blocks=24, kv_policy="offload", cpu_offload_bytes=1 << 24))
     plans, execute = [], eng.runner.execute
     eng.runner.execute = lambda plan: (plans.append(plan), execute(plan))[1]
     outs = eng.generate([prompts[3], prompts[2]], max_new_tokens=5)
@@ -75,7 +75,7 @@ def test_a_block_freed_while_its_store_is_pending_is_copied_before_it_is_reused(
     assert eng.metrics()["kv_offload"]["cpu"]["hits"] > 0  # the second pass read what the racing stores wrote
 
 
-def test_a_later_turn_hits_the_host_after_the_device_lost_its_prefix(tiny_model):
+def test_a_later_turn_hits_the_host_after_the_device_lost_its_prefix(small_model):
     """Turn 1 runs, the device prefix cache is wiped (as other traffic would evict it), turn 2 takes its
     whole prefix from the host tier and prefills only its new tokens; its tokens equal an engine without
     tiers. (The pool of the other engine tests here: the same compiled programs.)"""
@@ -83,7 +83,7 @@ def test_a_later_turn_hits_the_host_after_the_device_lost_its_prefix(tiny_model)
     new = _prompts([7], seed=4)[0]
     outs = {}
     for policy, extra in (("preempt", {}), ("offload", dict(cpu_offload_bytes=1 << 24))):
-        eng = Engine(tiny_model, DeployConfig(**BASE, num_gpu_blocks=24, kv_policy=policy, **extra))
+        eng = Engine(small_model, DeployConfig(**BASE, num_gpu_blocks=24, kv_policy=policy, **extra))
         out1 = eng.generate([turn1], max_new_tokens=3)[0]
         eng.scheduler.kv.pool.reset_prefix_cache()
         turn2 = np.concatenate([turn1, out1.token_ids, new])
@@ -205,13 +205,13 @@ def test_blocks_per_chunk_stores_whole_chunks_only():
 
 
 @pytest.mark.parametrize("eviction", ["lru", "arc"])
-def test_synthetic_runner_counts_the_same_bytes(tiny_model, eviction):
+def test_synthetic_runner_counts_the_same_bytes(small_model, eviction):
     """The simulator's path (no arrays): the policy's byte counters equal what the runner counted."""
     deploy = DeployConfig(**BASE, num_gpu_blocks=24, enable_prefix_caching=False, kv_transfer_config={
         "kv_connector": "OffloadingConnector",
         "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24, "eviction_policy": eviction}})
-    sizes = deploy.kv_sizes(tiny_model.cfg)
-    eng = Engine(tiny_model, deploy, runner=SyntheticRunner(page_bytes=sizes.page_bytes))
+    sizes = deploy.kv_sizes(small_model.cfg)
+    eng = Engine(small_model, deploy, runner=SyntheticRunner(page_bytes=sizes.page_bytes))
     prompts = _prompts([37, 5, 70, 20])
     ids = [eng.add_request(p, SamplingParams(5)) for p in prompts]
     while eng.has_unfinished():
