@@ -1,5 +1,6 @@
-"""The engine against one-request-at-a-time decoding (the 2-layer model: batching, not depth, is the subject):
-caching must not change greedy outputs; counts say what was computed."""
+"""The engine against one-request-at-a-time decoding on the 2-layer model (scheduling, not depth, is the
+subject): batching, chunked prefill, preemption and prefix caching must not change greedy outputs; counts
+say what was computed."""
 
 import numpy as np
 import pytest
