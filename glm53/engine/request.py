@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 
 import numpy as np
+
+SEED_LIMIT = 1 << 63  # seeds are int64, as OpenAI's and vLLM's APIs take them
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """max_new_tokens >= 1; greedy (argmax, lowest id on ties) or temperature / top-p sampling driven by a
-    per-request PRNG key derived from `seed` (same seed, same tokens, whatever the batch).
+    per-request PRNG key derived from `seed` (same seed, same tokens, whatever the batch). seed: any int64,
+    [-2^63, 2^63) (the range an OpenAI client may send); the sampler keys on `prng_seed`, its uint32 image.
 
     stop_token_ids: sampling one of them finishes the request (finish_reason "stop"; the token is the
         last of its output), as vLLM's stop_token_ids and a checkpoint's EOS do. min_tokens: until that
@@ -26,6 +30,10 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) \
+                or not -SEED_LIMIT <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an int in [-2^63, 2^63), got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # a numpy integer becomes a Python int (prng_seed's math)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if not self.greedy and not self.temperature > 0:
@@ -38,6 +46,15 @@ class SamplingParams:
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {m!r}")
+
+    @property
+    def prng_seed(self) -> int:
+        """`seed` as the sampler's uint32 PRNG seed: a seed in [0, 2^32) is itself (tokens sampled before
+        the int64 range was accepted stay the same); any other is folded from its two's-complement 64 bits
+        (low word + high word x an odd constant, mod 2^32). Equal seeds give equal keys; a 64-to-32-bit map
+        must send some distinct seeds to one key."""
+        s = self.seed % (1 << 64)
+        return (s + (s >> 32) * 0x9E3779B1) % (1 << 32)
 
     def banned(self, num_generated: int) -> tuple[int, ...]:
         """Token ids the next sample must not take, with `num_generated` tokens out so far."""
