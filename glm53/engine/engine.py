@@ -318,10 +318,12 @@ class Engine:
         return self._owner[req_id]
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
-                    salt: str = "", kv_peer: str | None = None, kv_lease: int = 0) -> str:
+                    salt: str = "", kv_peer: str | None = None, kv_lease: int = 0,
+                    stop_check: Callable[[int], str | None] | None = None) -> str:
         """Queue a prompt on the replica `route(salt)` picks. kv_peer: "host:port" of the peer tier (a P/D
         producer's) its prefix lookup asks for the prompt's KV (kvcache.tiers.LookupContext.peer), kv_lease:
-        that producer's lease on it (handed over to the lookup, so the fetch frees it). Rejects (ValueError) token ids outside the
+        that producer's lease on it (handed over to the lookup, so the fetch frees it). stop_check: the
+        request's stop strings (`Request.stop_check`). Rejects (ValueError) token ids outside the
         vocabulary and a prompt whose tokens plus max_new_tokens exceed max_model_len, rather than
         truncating it."""
         params = params or SamplingParams()
@@ -340,7 +342,7 @@ class Engine:
             raise ValueError(f"request id {req_id!r} is already in use")
         i = self.route(salt)
         req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now(), kv_peer=kv_peer,
-                      kv_lease=kv_lease)
+                      kv_lease=kv_lease, stop_check=stop_check)
         self.replicas[i].scheduler.add(req)
         self.requests[req_id] = req
         self._owner[req_id] = i

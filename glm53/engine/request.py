@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import numbers
+from collections.abc import Callable
 
 import numpy as np
 
@@ -89,11 +90,15 @@ class Request:
     finish_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     scheduled_s: float | None = None  # when a step first scheduled it (the end of its queue time)
-    finish_reason: str | None = None  # "length" | "stop" | "abort"; set when it finishes
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"; set when it finishes
     num_cached_tokens: int = 0  # prompt tokens its first admission found in a cache (not computed)
     # MTP: draft tokens proposed after its last step, verified by its next one (vLLM's spec_token_ids);
     # positions num_tokens .. num_tokens + len - 1. Dropped when it is preempted.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # stop strings (a server's detokenizer, glm53.tokenizer.TextStream.add): called with each generated
+    # token in order, it returns the stop string the text now reaches (the request finishes "stop" on that
+    # token, as on a stop token) or None. It runs on the engine's thread, inside the step.
+    stop_check: Callable[[int], str | None] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -122,11 +127,15 @@ class Request:
     def extra_keys(self) -> tuple[str, ...]:
         return (self.salt,) if self.salt else ()
 
-    def stop_reason(self) -> str | None:
-        """Why the request is done after its last token: "stop" (a stop token), "length" (max_new_tokens),
-        or None (not done)."""
+    def check_stop(self) -> str | None:
+        """Why the request is done after the token just appended: "stop" (a stop token, or `stop_check`
+        found a stop string), "length" (max_new_tokens), or None (not done). Call it once per generated
+        token, in order: it hands that token to `stop_check`."""
         out = self.output_ids
+        text_stop = self.stop_check(out[-1]) if self.stop_check is not None and out else None
         if out and out[-1] in self.params.stop_token_ids and len(out) >= self.params.min_tokens:
+            return "stop"
+        if text_stop is not None:
             return "stop"
         return "length" if len(out) >= self.params.max_new_tokens else None
 

@@ -476,7 +476,7 @@ class Scheduler:
                 taken += 1
                 if req.first_token_s is None:
                     req.first_token_s = now_s
-                if reason := req.stop_reason():
+                if reason := req.check_stop():
                     break  # tokens sampled after the one that finished it are dropped
             if taken:
                 self.last_tokens[row.req_id] = tuple(req.output_ids[-taken:])
