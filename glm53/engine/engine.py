@@ -238,12 +238,16 @@ class Engine:
         keep their blocks. The secondary tiers keep their chunks. With KV events on, each replica
         publishes AllBlocksCleared, or, while a secondary tier holds announced chunks, a removal of each
         dropped hash (AllBlocksCleared would tell a router the tier's chunks went too)."""
-        for i, rep in enumerate(self.replicas):
-            rec = self._events[i]
-            with rec.clearing() if rec is not None else contextlib.nullcontext():
-                rep.scheduler.kv.pool.reset_prefix_cache()
-                rep.scheduler.policy.reset_prefix_cache()
-            self._publish_events(i)
+        for i in range(len(self.replicas)):
+            self._reset_prefix_cache(i)
+
+    def _reset_prefix_cache(self, i: int) -> None:
+        """`reset_prefix_cache` of replica i."""
+        rec, sch = self._events[i], self.replicas[i].scheduler
+        with rec.clearing() if rec is not None else contextlib.nullcontext():
+            sch.kv.pool.reset_prefix_cache()
+            sch.policy.reset_prefix_cache()
+        self._publish_events(i)
 
     def _publish_events(self, i: int) -> None:
         """Replica i's events since its last batch, as one batch (none if it recorded nothing)."""
@@ -367,7 +371,9 @@ class Engine:
         return any(r.scheduler.has_work for r in self.replicas)
 
     def step(self) -> list[tuple[str, int, bool]]:
-        """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced."""
+        """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced.
+        Raises StepError when executing some replica's plan raised: that plan's requests are finished
+        ("error") and the other replicas' tokens travel in the error; the engine can step again."""
         self._steps_begun += 1
         try:
             return self._step()
@@ -376,6 +382,8 @@ class Engine:
 
     def _step(self) -> list[tuple[str, int, bool]]:
         out, t, counted, finished_all = [], None, False, []
+        failures: dict[str, BaseException] = {}
+        errors: list[BaseException] = []
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
         start, priced = self.clock.now(), []  # priced: the durations of simulated steps
         for r, rep in enumerate(self.replicas):
@@ -393,14 +401,26 @@ class Engine:
                 counts[i] += c
             if plan is None:
                 continue
-            result = rep.runner.execute(plan)
-            self.plans_run[r] += 1
-            if result.duration_s is not None:
-                priced.append(result.duration_s)
-                now = start + result.duration_s
-            else:
-                now = self.clock.now()
-            finished = sch.update(plan, result, now)
+            executed = False
+            try:
+                result = rep.runner.execute(plan)
+                executed = True
+                self.plans_run[r] += 1
+                if result.duration_s is not None:
+                    priced.append(result.duration_s)
+                    now = start + result.duration_s
+                else:
+                    now = self.clock.now()
+                finished = sch.update(plan, result, now)
+            except Exception as e:  # noqa: BLE001 - the plan's requests fail; the engine and its other requests go on
+                if not executed:
+                    self.plans_run[r] += 1  # its transfers may have run in part; a later plan parks what it failed
+                errors.append(e)
+                failed = self._fail_plan(r, plan, e)
+                failures.update((req.req_id, e) for req in failed)
+                self._publish_events(r)
+                finished_all += failed
+                continue
             self._publish_events(r)
             for req in finished:
                 req.finished_in_plan = self.plans_run[r]  # its KV's parking runs in a later plan
@@ -420,7 +440,35 @@ class Engine:
             self.timeline.append((t, *counts))
         for obs in self.observers:
             obs.on_step(self, out, finished_all)
+        if errors:
+            raise StepError(errors[0], failures, out) from errors[0]
         return out
+
+    def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:
+        """Finish the requests of replica r's `plan`, whose execution raised `error`, with finish_reason
+        "error" (Scheduler.abort: their device blocks go back to the pool; what earlier steps computed and
+        cached stays, what this step wrote lies past their computed tokens and is never cached) -> them.
+
+        A plan that carried KV transfers may have stopped inside them, with host or device pages half
+        copied that a prefix lookup, a swap-in or a HiSparse read would take as whole: then every request
+        of the replica fails and its prefix caches (device pool and host pools) forget every hash, so
+        nothing the plan was filling is read again. A request the failed update had already finished is
+        beyond repair here: that raises, and the engine must not be stepped again."""
+        sch, now, failed = self.replicas[r].scheduler, self.clock.now(), []
+        rids = [row.req_id for row in plan.rows]
+        if plan.transfers:
+            rids += [req.req_id for req in sch.running] + [req.req_id for req in sch.waiting]
+        for rid in dict.fromkeys(rids):
+            if rid not in sch.requests:
+                raise RuntimeError(f"step {plan.step} failed ({error!r}) after request {rid!r} had left its "
+                                   "scheduler: the engine's state cannot be repaired") from error
+            req = sch.abort(rid, now, reason="error")
+            req.finished_in_plan = self.plans_run[r]
+            self.finished[rid] = self.requests.pop(rid)
+            failed.append(req)
+        if plan.transfers:
+            self._reset_prefix_cache(r)
+        return failed
 
     def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None
@@ -560,6 +608,17 @@ class Engine:
             looked_up = out["hot_hits"] + out["hot_misses"]
             out["hot_hit_rate"] = out["hot_hits"] / looked_up if looked_up else float("nan")
         return out
+
+
+class StepError(RuntimeError):
+    """Executing a step raised on some replica (`Engine.step`): its requests were finished with
+    finish_reason "error" and the engine can step on. error: the (first) exception; failed: {req_id: the
+    exception its plan raised} (empty when the plan only moved KV for finished requests); tokens: what
+    the step produced on the other replicas, as `step` returns it."""
+
+    def __init__(self, error: BaseException, failed: dict[str, BaseException], tokens: list[tuple[str, int, bool]]):
+        super().__init__(f"a step failed ({len(failed)} request(s) finished with finish_reason 'error'): {error!r}")
+        self.error, self.failed, self.tokens = error, failed, tokens
 
 
 def _shutdown(tiers, recorders, publishers) -> None:

@@ -169,10 +169,12 @@ class Scheduler:
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
 
-    def abort(self, req_id: str, now_s: float) -> Request:
-        """Finish `req_id` now (finish_reason "abort"; a client went away): a running request's KV is
-        kept as a finished one's is (its full blocks stay prefix-cached, the policy stores or parks
-        them), a waiting one gives back whatever the policy holds for it. Between steps only."""
+    def abort(self, req_id: str, now_s: float, reason: str = "abort") -> Request:
+        """Finish `req_id` now with finish_reason `reason` ("abort": a client went away; "error": the step
+        that ran it failed): a running request's KV is kept as a finished one's is (its full blocks,
+        computed by steps that completed, stay prefix-cached, the policy stores or parks them; what a failed
+        step wrote lies past them and is freed), a waiting one gives back whatever the policy holds for it.
+        Between steps only."""
         req = self.requests.pop(req_id, None)
         if req is None:
             raise KeyError(f"no live request {req_id!r}")
@@ -187,7 +189,7 @@ class Scheduler:
         self.lost_tokens.pop(req_id, None)
         if self._unfit is not None and self._unfit[0] is req:
             self._unfit = None
-        req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, "abort"
+        req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, reason
         return req
 
     def schedule(self) -> StepPlan:
