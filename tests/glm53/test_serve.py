@@ -1,7 +1,8 @@
 """`python -m glm53.serve` as a real server process on loopback: completions (batched, streamed,
 concurrent) equal `Engine.generate`'s greedy tokens, a client that disconnects mid-stream frees its
 blocks, the metrics parse with vLLM's names and types, the --api-key guards what it should, a checkpoint's
-EOS and chat template work (through the openai client too), and SIGTERM shuts down gracefully. The
+EOS and chat template work (through the openai client too), steps that keep failing turn /health to 503,
+and SIGTERM shuts down gracefully. The
 openai-client cases of tests/glm53/openai_cases.py run against this module's server (bad fields, stop
 strings, seeds, a failed step, error shapes, the rest of vLLM's surface)."""
 
@@ -26,9 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import glm53
 from glm53 import DeployConfig, Engine
+from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from glm53.protocol import HTTPError
 from glm53.tokenizer import ByteTokenizer
 from tests.glm53.openai_cases import *  # noqa: F403 - the shared cases run against this module's `api`
+from tests.glm53.faulty_serve import FAULT_PROMPT
 from tests.glm53.openai_cases import TIMEOUT_S, Api
 
 REPO = Path(__file__).resolve().parents[2]
@@ -315,7 +318,7 @@ def checkpoint(tmp_path_factory, prompts_and_tokens):
 def test_a_checkpoint_with_eos_and_chat_template(checkpoint, prompts_and_tokens, tmp_path):
     d, tok, eos, p, k = checkpoint
     prompts, want, model = prompts_and_tokens
-    s = Server(str(d), tmp_path)
+    s = Server(str(d), tmp_path, module="tests.glm53.faulty_serve")
     try:
         code, r = s.post("/v1/completions", {"prompt": prompts[p], "max_tokens": 6, "temperature": 0,
                                              "return_token_ids": True})
@@ -351,6 +354,17 @@ def test_a_checkpoint_with_eos_and_chat_template(checkpoint, prompts_and_tokens,
         assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == want_text
         tokenized = httpx.post(s.url("/tokenize"), json={"messages": messages}, timeout=60).json()
         assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
+        # steps that fail one after another mean a broken engine, not a bad batch: after the third in a
+        # row the server reports itself unhealthy and refuses work with a 503 of the same error body
+        for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):
+            assert s.post("/v1/completions", {"prompt": FAULT_PROMPT, "max_tokens": 2})[0] == 500
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url("/health"), timeout=10).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(s.url("/health"), timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == 503
+        code, r = s.post("/v1/completions", {"prompt": prompts[p], "max_tokens": 2})
+        assert code == 503 and r["error"]["type"] == "ServiceUnavailableError"
     finally:
         assert s.stop()
 
