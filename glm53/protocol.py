@@ -72,8 +72,8 @@ def _neutral(*values):
     return lambda v: v is None or any(v == x and type(v) is not bool or v is x for x in values)
 
 
-# field -> the values that mean "off" (None, unset, always does): the fields OpenAI's and vLLM's sampling
-# and output APIs define that this server does not apply yet
+# the fields OpenAI's and vLLM's sampling and output APIs define that this server does not apply yet:
+# field -> whether a value means "off" (null always does)
 _UNAPPLIED_COMMON = {
     "n": _neutral(1), "best_of": _neutral(1), "presence_penalty": _neutral(0), "frequency_penalty": _neutral(0),
     "repetition_penalty": _neutral(1), "top_k": _neutral(0, -1), "min_p": _neutral(0), "logit_bias": _neutral({}),
