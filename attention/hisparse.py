@@ -134,16 +134,37 @@ def resolve(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuf
 
 
 # ------------------------------------------------------------------------------------------ Pallas kernel
-# Largest pairwise tile a program builds ([chunk, H] values) and the warps it runs on: at GLM-5.3's
-# K = 2048, H = 4096, 16K-value tiles (chunk 4) on 8 warps keep sm_90's register spills to a few bytes,
-# where larger tiles on 4 warps spill kilobytes (ptxas via experiments/check_gpu_lowering.py; figures in
-# docs/kernels.md).
-TILE_ELEMS = 1 << 14
-NUM_WARPS = 8
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """The tunables of `resolve_pallas`, in one place: what the kernel compiles with.
+
+    tile_elems: most values of one pairwise comparison tile ([chunk, max(K, H)]); chunk: rows or columns
+    per tile, None: the largest power of two with at most tile_elems values (at most K padded).
+    num_warps: warps per program. Powers of two (Triton blocks). Why the defaults: at GLM-5.3's K = 2048,
+    H = 4096, 16K-value tiles (chunk 4) on 8 warps keep sm_90's register spills to a few bytes, where
+    larger tiles on 4 warps spill kilobytes (ptxas via experiments/check_gpu_lowering.py; docs/kernels.md).
+    `CANDIDATES` are the alternatives experiments.bench_gpu times on an H200."""
+
+    tile_elems: int = 1 << 14
+    chunk: int | None = None
+    num_warps: int = 8
+
+    def __post_init__(self):
+        for name in ("tile_elems", "chunk", "num_warps"):
+            v = getattr(self, name)
+            if v is None and name == "chunk":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"BlockSizes.{name} must be a positive power of two (a Triton block side), got {v!r}")
+
+
+# The defaults and alternatives: smaller and larger comparison tiles, fewer warps.
+CANDIDATES = (BlockSizes(), BlockSizes(tile_elems=1 << 12), BlockSizes(tile_elems=1 << 13),
+              BlockSizes(tile_elems=1 << 15), BlockSizes(num_warps=4), BlockSizes(tile_elems=1 << 13, num_warps=4))
 
 
 def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot: HotBuffer, step, *,
-                   interpret: bool | None = None, chunk: int | None = None):
+                   interpret: bool | None = None, block_sizes: BlockSizes | None = None):
     """Pallas kernel for `resolve_reference`: same inputs, same (ResolvePlan, HotBuffer), bit for bit.
 
     Grid (request,): one program resolves one request's K selections against its H hot slots. There is
@@ -155,8 +176,9 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
       stable-argsort order of the reference, so "the miss numbered n takes the slot of rank n" (clipped
       to H - 1 as the reference does) is a one-hot [K, H] comparison, and reads, copies and the new
       positions / last uses are sums and maxima over that one-hot.
-    The pairwise comparisons are built `chunk` rows or columns at a time (fori_loops over slot chunks
-    and selection chunks), so no tile exceeds chunk x max(K, H) elements; each pass only reads the input
+    The pairwise comparisons are built `chunk` rows or columns at a time (`block_sizes`, default
+    `BlockSizes()`; fori_loops over slot chunks and selection chunks), so no tile exceeds
+    chunk x max(K, H) elements; each pass only reads the input
     refs and writes disjoint output blocks, never reading back what it wrote. The residency of each
     selection is a gather from the page tables by page index (page clamped to M - 1 like the reference's
     jnp gather; selections must lie below M x block_size).
@@ -164,17 +186,17 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
     Backend: written for the Triton lowering (jax's default GPU backend for pallas_call), which needs
     every block and every in-kernel array to have power-of-two sides and at most 2^20 elements. So K and
     H are padded here to powers of two and the tiles are chunk x max(K, H) with chunk a power of two
-    (default: the largest with at most TILE_ELEMS elements; GLM-5.3's K = 2048, H = 4096 gives 4).
+    (default: the largest with at most tile_elems elements; GLM-5.3's K = 2048, H = 4096 gives 4).
     The padding changes nothing: padded selections are -1 (not valid: never counted, matched or
     copied; their outputs are sliced off); padded slots hold position -1 (a valid selection is >= 0, so
     never a hit) and get the key int32 max with an index above every real slot, so each real slot's
     rank is unchanged and the largest rank a miss can take (H - 1) is a real slot's. The page tables
-    are read whole (gathers, no block), so M needs no padding. Tested in interpret mode; lowered and
-    compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py); not yet run on one.
+    are read whole (gathers, no block), so M needs no padding. Tested in interpret mode and on an H200
+    (docs/kernels.md), and lowered and compiled for sm_90 without a GPU (experiments/check_gpu_lowering.py).
 
-    GPU speed, not measured: the grid has one program per request, so a decode batch of 4 keeps 4 SMs
-    busy with ~3 K x H comparisons each (25M at GLM-5.3's sizes); splitting H across programs needs a
-    cross-program reduction of the ranks and is the first thing to try once it can be timed.
+    Why it is slow on a GPU (`attention.common.SLOWER_THAN_REFERENCE_ON_GPU`): the grid has one program
+    per request, so a decode batch of 4 keeps 4 SMs busy with ~3 K x H comparisons each (25M at
+    GLM-5.3's sizes); splitting H across programs needs a cross-program reduction of the ranks.
     """
     sel = jnp.asarray(sel_BK, jnp.int32)
     dev = jnp.asarray(device_pages_BM, jnp.int32)
@@ -193,10 +215,11 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
         raise ValueError(f"the hot buffer needs at least top-k = {k} slots per request, got {h}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    bsz = block_sizes or BlockSizes()
     kp, hp = pow2_at_least(k), pow2_at_least(h)
-    ch = chunk or min(kp, max(1, TILE_ELEMS // hp))
-    if ch & (ch - 1) or ch > kp:
-        raise ValueError(f"chunk must be a power of two <= {kp} (K padded), got {ch}")
+    ch = bsz.chunk or min(kp, max(1, bsz.tile_elems // hp))
+    if ch > kp:
+        raise ValueError(f"BlockSizes.chunk must be <= {kp} (K padded to a power of two), got {ch}")
     sel = pad_to(sel, 1, kp, value=-1)
     pos = pad_to(jnp.asarray(hot.pos, jnp.int32), 1, hp, value=-1)
     last = pad_to(jnp.asarray(hot.last_use, jnp.int32), 1, hp, value=_LAST)
@@ -298,7 +321,7 @@ def resolve_pallas(sel_BK, device_pages_BM, host_pages_BM, block_size: int, hot:
         out_specs=(per_k, per_k, per_k, pl.BlockSpec((1, 4), lambda r: (r, 0)), per_h, per_h),
         name="hisparse_resolve",  # the kernel's name in GPU profiles
         interpret=pallas_interpret() if interpret is None else interpret,
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
+        compiler_params=pltriton.CompilerParams(num_warps=bsz.num_warps),
     )(sel, dev, host, pos, last, hrows, step)
     plan = ResolvePlan(rows[:, :k], src[:, :k], dst[:, :k], cnt[:, 0], cnt[:, 1], cnt[:, 2], cnt[:, 3])
     return plan, HotBuffer(npos[:, :h], nlast[:, :h], hot.rows)

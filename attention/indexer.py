@@ -23,8 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from attention.common import (
+    MIN_DOT_K,
     gpu_shaped,
     kernel_compute_dtype,
     kernel_dot,
@@ -92,10 +94,12 @@ def topk_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT, topk: int):
     return select_topk(index_scores_reference(q_BTHI, w_BTH, keys_BSI, q_pos_BT), topk)
 
 
-def index_scores(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, impl: str = "auto"):
-    """Scores over positions [0, window) of each request's paged keys: float32 [B, T, window]."""
+def index_scores(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, impl: str = "auto",
+                 block_sizes: BlockSizes | None = None):
+    """Scores over positions [0, window) of each request's paged keys: float32 [B, T, window].
+    `block_sizes`: the kernel's tunables when it runs (default `BlockSizes()`)."""
     if resolve_impl(impl, "index_scores") == "pallas":
-        return index_scores_pallas(q_BTHI, w_BTH, keys, q_pos_BT, window=window)
+        return index_scores_pallas(q_BTHI, w_BTH, keys, q_pos_BT, window=window, block_sizes=block_sizes)
     return index_scores_reference(q_BTHI, w_BTH, keys.gather(window), q_pos_BT)
 
 
@@ -121,10 +125,12 @@ def query_tile(rows: int, tokens: int, window: int) -> int:
     return tile
 
 
-def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str = "auto"):
+def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str = "auto",
+         block_sizes: BlockSizes | None = None):
     """The indexer op: selected positions [B,T,min(topk, window)] int32 (-1 = none), every position
     < window (static; all query positions must be < window). Scores at most MAX_SCORE_BYTES at once:
-    a longer chunk runs its queries in tiles of `query_tile` tokens, one after the other."""
+    a longer chunk runs its queries in tiles of `query_tile` tokens, one after the other. `block_sizes`:
+    the score kernel's tunables when it runs."""
     b, t = q_pos_BT.shape
     tile = query_tile(b, t, window)
     if tile < t:
@@ -135,16 +141,19 @@ def topk(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, im
             x = jnp.pad(x, pad + ((0, 0),) * (x.ndim - 2), constant_values=fill)
             return jnp.moveaxis(x.reshape(b, n, tile, *x.shape[2:]), 1, 0)
 
-        sel = jax.lax.map(lambda a: _topk_untiled(*a[:2], keys, a[2], topk, window=window, impl=impl),
+        sel = jax.lax.map(lambda a: _topk_untiled(*a[:2], keys, a[2], topk, window=window, impl=impl,
+                                                  block_sizes=block_sizes),
                           (tiles(q_BTHI), tiles(w_BTH), tiles(q_pos_BT, -1)))  # [n, B, tile, k]
         return jnp.moveaxis(sel, 0, 1).reshape(b, n * tile, -1)[:, :t]
-    return _topk_untiled(q_BTHI, w_BTH, keys, q_pos_BT, topk, window=window, impl=impl)
+    return _topk_untiled(q_BTHI, w_BTH, keys, q_pos_BT, topk, window=window, impl=impl, block_sizes=block_sizes)
 
 
-def _topk_untiled(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str):
+def _topk_untiled(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, window: int, impl: str,
+                  block_sizes: BlockSizes | None = None):
     b, t = q_pos_BT.shape
     if resolve_impl(impl, "index_scores") == "pallas" or b == 1 or t == 1 or gpu_shaped():
-        return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl), topk)
+        return select_topk(index_scores(q_BTHI, w_BTH, keys, q_pos_BT, window=window, impl=impl,
+                                        block_sizes=block_sizes), topk)
     # Several prefill rows on XLA:CPU: score and select one request row at a time, so that a row's
     # [T, window] scores stay in cache through the top-k (docs/model.md, cache locality). The same values
     # and selection as the batched form above, which code shaped for a GPU uses (one batched top-k).
@@ -215,23 +224,50 @@ def topk_causal_blocked(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, topk: int, *, 
 
 
 # ------------------------------------------------------------------------------------------ Pallas kernel
-HEAD_PAD = 16  # tl.dot wants matmul dimensions >= 16 (`attention.common.MIN_DOT_K`): pad the indexer heads (weight 0)
-MAX_KEY_BLOCK = 64
-# float32 operands (IEEE dots): 16-key blocks keep the kernel within sm_90's registers at 32 heads x 128
-# dims, larger ones spill (experiments/check_gpu_lowering.py; docs/kernels.md).
-MAX_KEY_BLOCK_F32 = 16
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """The tunables of `index_scores_pallas`, in one place: what the kernel compiles with.
+
+    key_block: keys per program; None: the largest power of two that divides both the page
+      (`PagedKeys.block_size`: a program's keys lie on one page, one contiguous run of rows) and the
+      window, up to `max_key_block` (16-bit operands) or `max_key_block_f32` (float32 operands). An
+      explicit value must divide both.
+    num_warps: warps per program.
+    Every size is a power of two (Triton blocks). Why float32 operands cap at 16 keys: 32 heads x 128
+    dims in IEEE float32 spill sm_90's registers at 32-key blocks (experiments/check_gpu_lowering.py;
+    docs/kernels.md). `CANDIDATES` are the alternatives experiments.bench_gpu times on an H200."""
+
+    key_block: int | None = None
+    max_key_block: int = 64
+    max_key_block_f32: int = 16
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("key_block", "max_key_block", "max_key_block_f32", "num_warps"):
+            v = getattr(self, name)
+            if v is None and name == "key_block":
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+                raise ValueError(f"BlockSizes.{name} must be a positive power of two (a Triton block side), got {v!r}")
 
 
-def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int, key_block: int | None = None,
-                        compute_dtype=None):
+# The defaults and alternatives: shorter key blocks (more programs, each lighter) and more or fewer warps.
+# A key block cannot exceed the page (64 tokens in the GLM-5.3 configs), so no longer ones.
+CANDIDATES = (BlockSizes(), BlockSizes(key_block=32), BlockSizes(key_block=16), BlockSizes(num_warps=8),
+              BlockSizes(num_warps=2), BlockSizes(key_block=32, num_warps=8))
+
+
+def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int,
+                        block_sizes: BlockSizes | None = None, compute_dtype=None):
     """Pallas (Triton-style) kernel for `index_scores`: same result as the reference.
 
-    Grid (query token, key block): one program scores one query against `key_block` consecutive
-    positions of its request, which lie on one page (key_block divides block_size), so the program loads
+    Grid (query token, key block): one program scores one query against a key block of consecutive
+    positions of its request, which lie on one page (the block divides block_size), so the program loads
     one contiguous run of rows. Per head, logits [HI, KB] = q_h . keys over DI, then ReLU, weight, sum.
+    The tunables are `block_sizes` (default `BlockSizes()`).
 
     Backend: written for the Triton lowering (the default GPU backend of jax 0.11's pallas_call): every
-    loaded block has power-of-two sides (key_block and DI/4 word columns), heads padded to 16 for
+    loaded block has power-of-two sides (the key block and DI/4 word columns), heads padded to 16 for
     tl.dot. fp8 keys (uint32 words: 4 e4m3 values each, then the fp32 scale word) are decoded in the
     kernel with shifts and same-width bitcasts, which is what Triton supports; the query is split into
     the matching 4 byte-planes outside the kernel, so no in-kernel reshape is needed.
@@ -249,11 +285,12 @@ def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int
     if fmt.fp8 and di > 128:
         raise ValueError(f"the fp8 indexer kernel supports index_head_dim <= 128 (one scale), got {di}")
     cdt = kernel_compute_dtype(fmt.storage_dtype, fmt.fp8, compute_dtype)
-    cap = MAX_KEY_BLOCK_F32 if cdt == jnp.float32 else MAX_KEY_BLOCK
-    kb = key_block or pow2_divisor(window, min(bs, cap))
+    bsz = block_sizes or BlockSizes()
+    cap = bsz.max_key_block_f32 if cdt == jnp.float32 else bsz.max_key_block
+    kb = bsz.key_block or pow2_divisor(window, min(bs, cap))
     if bs % kb or window % kb:
-        raise ValueError(f"key_block={kb} must divide block_size={bs} and window={window}")
-    hp = max(HEAD_PAD, -(-hi // HEAD_PAD) * HEAD_PAD)
+        raise ValueError(f"BlockSizes.key_block={kb} must divide block_size={bs} and window={window}")
+    hp = -(-hi // MIN_DOT_K) * MIN_DOT_K  # a tl.dot needs M >= 16: pad the heads (weight 0)
     nq = b * t
     planes = 4 if fmt.fp8 else 1
     # q [NQ, planes, HP, DI/planes]: plane j holds dims j, j+planes, ... (byte j of each key word).
@@ -291,6 +328,7 @@ def index_scores_pallas(q_BTHI, w_BTH, keys: PagedKeys, q_pos_BT, *, window: int
                   pl.BlockSpec((1, hp), lambda i, j: (i, 0)), whole, whole, whole, whole],
         out_specs=pl.BlockSpec((1, kb), lambda i, j: (i, j)),
         name="index_scores",  # the kernel's name in GPU profiles
+        compiler_params=pltriton.CompilerParams(num_warps=bsz.num_warps),
         interpret=pallas_interpret(),
     )(q, w, qpos, qreq, keys.block_table.astype(jnp.int32), keys.table)
     return scores.reshape(b, t, window)

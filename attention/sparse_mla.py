@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from attention.common import (
     H200_SMS,
+    MIN_DOT_K,
     gpu_shaped,
     kernel_compute_dtype,
     kernel_dot,
@@ -117,13 +118,48 @@ def sparse_mqa(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, impl: str
 
 
 # ------------------------------------------------------------------------------------------ Pallas kernel
-HEAD_BLOCK = 16  # heads per program; tl.dot needs M >= 16, so fewer heads are padded to 16
-MAX_ROW_BLOCK = 64  # selected rows per inner step (16-bit matmul operands)
-# 8 warps, and 32-row steps with float32 operands, keep the kernel from spilling on sm_90 at GLM-5.3's
-# widths: on 4 warps it sits at the 255-register cap and spills, and float32 64-row steps spill on 8
-# warps too (ptxas via experiments/check_gpu_lowering.py; figures in docs/kernels.md).
-NUM_WARPS = 8
-MAX_ROW_BLOCK_F32 = 32
+def _pow2(name: str, v) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1 or v & (v - 1):
+        raise ValueError(f"BlockSizes.{name} must be a positive power of two (a Triton block side), got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """The tunables of `sparse_mqa_pallas`, in one place: what the kernel compiles with.
+
+    head_block: query heads per program (a tl.dot needs M >= MIN_DOT_K = 16, so fewer heads are padded).
+    row_block: most selected rows per inner step with 16-bit matmul operands; row_block_f32: the same with
+      float32 operands. A step takes min(cap, the top-k rounded up to a power of two), at least 16 (the
+      P.V dot contracts over the step's rows).
+    num_warps: warps per program.
+    splits: most programs that share one (query, head block)'s rows, flash-decoding style (their partial
+      (out, lse) merged exactly by `attention.merge`); None: `default_splits`.
+    Every side is a power of two (Triton loads power-of-two blocks). Why the defaults: on 4 warps the
+    kernel sits at sm_90's 255-register cap and spills at GLM-5.3's widths, and float32 64-row steps
+    spill even on 8 warps (ptxas via experiments/check_gpu_lowering.py; docs/kernels.md). `CANDIDATES`
+    are the alternatives experiments.bench_gpu times beside them on an H200."""
+
+    head_block: int = 16
+    row_block: int = 64
+    row_block_f32: int = 32
+    num_warps: int = 8
+    splits: int | None = None
+
+    def __post_init__(self):
+        for name in ("head_block", "row_block", "row_block_f32", "num_warps"):
+            _pow2(name, getattr(self, name))
+        for name in ("head_block", "row_block", "row_block_f32"):
+            if getattr(self, name) < MIN_DOT_K:
+                raise ValueError(f"BlockSizes.{name} must be >= {MIN_DOT_K} (a tl.dot side), got {getattr(self, name)}")
+        s = self.splits
+        if s is not None and (not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 1):
+            raise ValueError(f"BlockSizes.splits must be a positive int or None, got {s!r}")
+
+
+# The defaults and at most five alternatives, each changing one tunable (head blocks that load each row
+# for more heads, shorter and longer row steps, fewer warps), timed side by side by experiments.bench_gpu.
+CANDIDATES = (BlockSizes(), BlockSizes(head_block=32), BlockSizes(head_block=64), BlockSizes(row_block=32),
+              BlockSizes(row_block=128), BlockSizes(num_warps=4))
 
 
 def default_splits(programs: int, blocks: int, sms: int = H200_SMS, max_splits: int = 64) -> int:
@@ -149,21 +185,21 @@ def _planes(fmt: MLARowFormat):
     return (4, 2) if fmt.fp8 else (1, 1)
 
 
-def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, row_block: int | None = None,
-                      compute_dtype=None, splits: int | None = None):
+def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, block_sizes: BlockSizes | None = None,
+                      compute_dtype=None):
     """Pallas (Triton-style) sparse MQA: gather the selected rows by slot, decode them, and attend with an
     online softmax. -> (out [B,T,H,R] f32, lse [B,T,H] f32), equal to the reference.
 
-    Grid (query token, head block, split): each program keeps its [16, R] output accumulator and walks
-    its split's share of the query's K slots `row_block` at a time (slots padded with -1). With more
-    than one split, the partial (out, lse) of the splits are combined by the exact LSE merge
-    (`attention.merge`), as flash-decoding does. Why split: a decode batch of 4 at 64 heads is only 16
-    (query, head block) programs for an H200's 132 SMs. By default (`splits=None`, `default_splits`) the
-    split count is the smallest whose last wave of programs is well filled (8 splits of 256 rows there:
-    128 programs, one wave; prefill chunks get 1). An explicit `splits` is an upper bound (row blocks
-    are dealt ceil(blocks / splits) per split, so no split is empty). The merge costs a write and a
-    read of [splits, H, R] float32 partials per query (1 MB at 8 splits and 64 heads, against the
-    1.3 MB of fp8 rows the query reads).
+    Grid (query token, head block, split): each program keeps its [head_block, R] output accumulator and
+    walks its split's share of the query's K slots a row step at a time (slots padded with -1); the
+    tunables are `block_sizes` (default `BlockSizes()`). With more than one split, the partial (out, lse)
+    of the splits are combined by the exact LSE merge (`attention.merge`), as flash-decoding does. Why
+    split: a decode batch of 4 at 64 heads is only 16 (query, head block) programs for an H200's 132 SMs.
+    By default (`BlockSizes.splits=None`, `default_splits`) the split count is the smallest whose last
+    wave of programs is well filled (8 splits of 256 rows there: 128 programs, one wave; prefill chunks
+    get 1). An explicit count is an upper bound (row blocks are dealt ceil(blocks / splits) per split, so
+    no split is empty). The merge costs a write and a read of [splits, H, R] float32 partials per query
+    (1 MB at 8 splits and 64 heads, against the 1.3 MB of fp8 rows the query reads).
 
     Backend: written for the Triton lowering (jax 0.11's default GPU backend for pallas_call). Every
     loaded block is power-of-two sized, which a 576-value or 656-byte row is not, so the row is read as
@@ -172,7 +208,7 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
     index, so no in-kernel reshape) and the rope words [KB, P/2]. Bytes and half-words come out with
     shifts and same-width bitcasts (Triton cannot bitcast between widths). The query is split into the
     matching planes outside the kernel (dims j, j+4, ... for latent plane j; even/odd rope dims), and
-    the output planes are interleaved back afterwards. Heads are padded to 16 for tl.dot. A slot of -1
+    the output planes are interleaved back afterwards. Heads are padded to a multiple of head_block. A slot of -1
     reads row 0 and is masked to -inf; a query with no valid slot gets lse -inf and a zero output.
 
     Numerics: the matmul operands are `compute_dtype` (`attention.common.kernel_compute_dtype`: the
@@ -191,16 +227,14 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
         raise ValueError(f"query widths (R={r}, P={p}) do not match the cache rows {fmt}")
     k = rows.slots.shape[-1]
     cdt = kernel_compute_dtype(fmt.storage_dtype, fmt.fp8, compute_dtype)
-    cap = MAX_ROW_BLOCK_F32 if cdt == jnp.float32 else MAX_ROW_BLOCK
-    kb = row_block or min(cap, max(16, 1 << max(k - 1, 0).bit_length()))
-    hb = HEAD_BLOCK
+    bsz = block_sizes or BlockSizes()
+    cap = bsz.row_block_f32 if cdt == jnp.float32 else bsz.row_block
+    kb = min(cap, max(MIN_DOT_K, 1 << max(k - 1, 0).bit_length()))
+    hb = bsz.head_block
     hp = -(-h // hb) * hb
     nq = b * t
     chunks = -(-k // kb)
-    if splits is None:
-        splits = default_splits(nq * (hp // hb), chunks)
-    if not isinstance(splits, numbers.Integral) or isinstance(splits, bool) or splits < 1:
-        raise ValueError(f"splits must be a positive int, got {splits!r}")
+    splits = default_splits(nq * (hp // hb), chunks) if bsz.splits is None else bsz.splits
     per_split = -(-chunks // int(splits))  # row blocks per split
     splits = -(-chunks // per_split)  # at most the requested count, none without rows
     kp = splits * per_split * kb
@@ -270,7 +304,7 @@ def sparse_mqa_pallas(q_lat_BTHR, q_pe_BTHP, rows: SlotRows, scale: float, *, ro
         out_specs=(pl.BlockSpec((1, 1, nl, hb, rl), lambda i, g, sp: (i, sp, 0, g, 0)),
                    pl.BlockSpec((1, 1, hb), lambda i, g, sp: (i, sp, g))),
         name="sparse_mqa",  # the kernel's name in GPU profiles
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS),
+        compiler_params=pltriton.CompilerParams(num_warps=bsz.num_warps),
         interpret=pallas_interpret(),
     )(q_lat, q_pe, slots, rows.table)
     out = out.transpose(0, 1, 3, 4, 2).reshape(nq, splits, hp, r)[:, :, :h]  # interleave the planes back

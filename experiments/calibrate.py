@@ -1,6 +1,8 @@
-"""Calibrate the performance model's per-op efficiencies on cited public tables (issue 19, item 3).
+"""Calibrate the performance model's per-op efficiencies on cited public tables (issue 19, item 3), or on
+this codebase's own kernels timed on an H200 (issue 45).
 
     python -m experiments.calibrate --out results/calibration
+    python -m experiments.calibrate --measured results/gpu_speed/<date>     # the h200_measured spec
 
 Fits each op family's few parameters on half of a published table's rows and reports the error on
 the other half (glm53/perfmodel/calibration.py says the models; glm53/perfmodel/published.json and
@@ -9,6 +11,12 @@ lightning indexer's fp8 MQA logits; checks host copies (no fit) against their ro
 collectives.json, sparse_mla.json, indexer.json, host_copy.json, calibrated_spec.json (the fitted
 HardwareSpec fields: glm53.perfmodel.H200_CALIBRATED, the simulator's "h200") and table.md, the validation
 table (every compared row with its error).
+
+--measured DIR fits `h200_measured` on DIR/results.json (experiments.bench_gpu) with the same grid fit
+(glm53.perfmodel.measured.fit_measured: the kernel rows fit the sparse-MLA, indexer and GEMM fields, the
+slice rows are held out and check it) and writes DIR/h200_measured.json and DIR/h200_measured.md; a
+complete run from a device (not a dry run) is also registered as HARDWARE["h200_measured"]
+(glm53/perfmodel/measured.json, which glm53.perfmodel.hardware loads), unless --no-register.
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
-from experiments.common import cpu_name, git_revision, out_dir_from_cli
+from experiments.common import REPO, cpu_name, git_revision
 from glm53.perfmodel import calibration as cal
 
 
@@ -70,8 +79,89 @@ def table(gemm: dict, coll: dict, mla: dict, host: dict, idx: dict) -> str:
     return "\n".join(out)
 
 
+def measured_table(rep: dict) -> str:
+    """h200_measured.md: the fitted fields, every kernel row and every held-out slice row with its error."""
+    out = [f"# h200_measured: the performance model fitted on this codebase's kernels ({rep['source']})", "",
+           f"Run of {rep['results_date']} (code {rep['results_git_revision']}, complete: {rep['complete']}); fitted "
+           f"{rep['date']} by `python -m experiments.calibrate --measured {rep['source']}` (code "
+           f"{rep['git_revision']}). rel_error = predicted / measured - 1.", "", "| family | status | fields | "
+           "mean abs log error |", "|---|---|---|---|"]
+    for name, fam in rep["families"].items():
+        fields = ", ".join(f"{k} = {v:.4g}" for k, v in fam.get("fields", {}).items()) or "-"
+        err = f"{fam['mean_abs_log_error']:.3f}" if "mean_abs_log_error" in fam else "-"
+        out.append(f"| {name} | {fam['status']} | {fields} | {err} |")
+    out += ["", "Kernel rows (fit):", "", "| op | shape | measured ms | predicted ms | rel_error |", "|---|---|---|---|---|"]
+    for r in rep["kernel_rows"]:
+        out.append(f"| {r['op']} | {json.dumps(r['shape'])} | {r['measured_s'] * 1e3:.3f} | {r['predicted_s'] * 1e3:.3f} "
+                   f"| {r['rel_error']:+.1%} |")
+    v = rep["validation"]
+    out += ["", "Slice rows (held out): `step_cost` of the same plan on h200_measured and on h200 (calibrated on "
+            "published tables):", "", "| kind | batch | context | chunk | measured ms | h200_measured ms | rel_error | "
+            "h200 ms | rel_error |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        out.append(f"| {r['kind']} | {r['batch']} | {r['context']} | {r['chunk']} | {r['measured_s'] * 1e3:.3f} | "
+                   f"{r['predicted_s'] * 1e3:.3f} | {r['rel_error']:+.1%} | {r['base_predicted_s'] * 1e3:.3f} | "
+                   f"{r['base_rel_error']:+.1%} |")
+    if v["mean_abs_rel_error"] is not None:
+        out += ["", f"Held-out |rel_error|: mean {v['mean_abs_rel_error']:.1%}, max {v['max_abs_rel_error']:.1%} "
+                f"({len(v['rows'])} slice rows)."]
+    return "\n".join(out) + "\n"
+
+
+def fit_measured_run(run_dir: Path, *, register: bool = True, spec_path: Path | None = None) -> dict:
+    """Fit h200_measured on run_dir/results.json; write run_dir/h200_measured.json and .md; register the
+    fields (spec_path, default glm53.perfmodel.hardware.MEASURED_SPEC) when `register` and the run is a
+    complete device run. -> the report (with "registered": the path written, or why not)."""
+    from glm53.config import get_preset
+    from glm53.perfmodel.hardware import H200_CALIBRATED, MEASURED_SPEC
+    from glm53.perfmodel.measured import fit_measured
+
+    run_dir = Path(run_dir)
+    results = json.loads((run_dir / "results.json").read_text())
+    fit = fit_measured(results, get_preset(results["preset"]), H200_CALIBRATED)
+    try:
+        source = str(run_dir.resolve().relative_to(REPO))
+    except ValueError:
+        source = str(run_dir)
+    rep = {"source": source, "results_date": results["date"], "results_git_revision": results["git_revision"],
+           "complete": results["complete"], "dry_run": results.get("dry_run", False), "base": H200_CALIBRATED.name,
+           "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(), **fit}
+    if not register:
+        rep["registered"] = "not asked (--no-register)"
+    elif rep["dry_run"] or not rep["complete"]:
+        rep["registered"] = ("not registered: a dry run's times mean nothing" if rep["dry_run"] else
+                             "not registered: the run is incomplete (complete: false); finish it with bench_gpu --resume")
+    else:
+        path = Path(spec_path or MEASURED_SPEC)
+        path.write_text(json.dumps({"source": source, "results_date": results["date"],
+                                    "results_git_revision": results["git_revision"], "fields": fit["fields"]},
+                                   indent=1) + "\n")
+        rep["registered"] = str(path)
+    (run_dir / "h200_measured.json").write_text(json.dumps(rep, indent=1))
+    (run_dir / "h200_measured.md").write_text(measured_table(rep))
+    return rep
+
+
 def main(argv=None) -> dict:
-    out = out_dir_from_cli(argv, "python -m experiments.calibrate", __doc__, "out/calibration")
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/calibration", help="directory for the published-table calibration")
+    ap.add_argument("--measured", metavar="DIR", help="fit h200_measured on DIR/results.json (experiments.bench_gpu)")
+    ap.add_argument("--no-register", action="store_true", help="with --measured: write the report only")
+    args = ap.parse_args(argv)
+    if args.measured:
+        rep = fit_measured_run(Path(args.measured), register=not args.no_register)
+        for name, fam in rep["families"].items():
+            print(f"{name}: {fam['status']} {fam.get('fields', '')}")
+        v = rep["validation"]
+        if v["mean_abs_rel_error"] is not None:
+            print(f"held-out slice rows: |rel_error| mean {v['mean_abs_rel_error']:.1%}, max {v['max_abs_rel_error']:.1%}")
+        print(f"wrote {args.measured}/h200_measured.json and .md; registered: {rep['registered']}")
+        return rep
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), git_revision=git_revision(),
                 machine={"cpu": cpu_name(), "cpu_count": os.cpu_count()})
     res = {"gemm": cal.calibrate_gemm(), "collectives": cal.calibrate_collectives(),

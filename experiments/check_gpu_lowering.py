@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from attention import gpu_aot, indexer, sparse_mla
+from attention import gpu_aot, hisparse, indexer, sparse_mla
 from attention.formats import IndexKeyFormat, MLARowFormat
 from attention.hisparse import HotBuffer, resolve_pallas
 from experiments.bench_model import run_metadata
@@ -56,26 +56,28 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
-def sparse_case(dims: str, fmt_name: str, batch: int, queries: int):
+def sparse_case(dims: str, fmt_name: str, batch: int, queries: int, block_sizes=None):
     h, r, p, k, *_ = DIMS[dims]
     fmt = MLARowFormat(fmt_name, r, p)
     n = batch * 4096
 
     def fn(q_lat, q_pe, table, slots):
-        return sparse_mla.sparse_mqa_pallas(q_lat, q_pe, sparse_mla.SlotRows(table, slots, fmt), r ** -0.5)
+        return sparse_mla.sparse_mqa_pallas(q_lat, q_pe, sparse_mla.SlotRows(table, slots, fmt), r ** -0.5,
+                                            block_sizes=block_sizes)
 
     args = (_sds((batch, queries, h, r), jnp.bfloat16), _sds((batch, queries, h, p), jnp.bfloat16),
             _sds((n, fmt.width), fmt.storage_dtype), _sds((batch, queries, k), jnp.int32))
     return fn, args
 
 
-def index_case(dims: str, fmt_name: str, batch: int, queries: int):
+def index_case(dims: str, fmt_name: str, batch: int, queries: int, block_sizes=None):
     *_, hi, di, bs, context = DIMS[dims]
     fmt = IndexKeyFormat(fmt_name, di)
     pages = context // bs
 
     def fn(q, w, table, block_table, q_pos):
-        return indexer.index_scores_pallas(q, w, indexer.PagedKeys(table, block_table, bs, fmt), q_pos, window=context)
+        return indexer.index_scores_pallas(q, w, indexer.PagedKeys(table, block_table, bs, fmt), q_pos, window=context,
+                                           block_sizes=block_sizes)
 
     args = (_sds((batch, queries, hi, di), jnp.bfloat16), _sds((batch, queries, hi), jnp.float32),
             _sds((batch * pages * bs, fmt.width), fmt.storage_dtype), _sds((batch, pages), jnp.int32),
@@ -83,12 +85,12 @@ def index_case(dims: str, fmt_name: str, batch: int, queries: int):
     return fn, args
 
 
-def resolve_case(dims: str, batch: int):
+def resolve_case(dims: str, batch: int, block_sizes=None):
     *_, k, _, _, bs, context = DIMS[dims]
     hot, pages = 2 * k, context // bs
 
     def fn(sel, dev, host, pos, last, rows, step):
-        return resolve_pallas(sel, dev, host, bs, HotBuffer(pos, last, rows), step)
+        return resolve_pallas(sel, dev, host, bs, HotBuffer(pos, last, rows), step, block_sizes=block_sizes)
 
     i32 = jnp.int32
     args = (_sds((batch, k), i32), _sds((batch, pages), i32), _sds((batch, pages), i32),
@@ -108,6 +110,20 @@ def kernel_cases() -> dict:
         for fmt in ("fp8", "bfloat16", "float16", "float32"):
             cases[f"index_scores/{dims}/{fmt}/decode"] = index_case(dims, fmt, 4, 1)
         cases[f"hisparse_resolve/{dims}"] = resolve_case(dims, 4)
+    return cases
+
+
+def candidate_cases() -> dict:
+    """name -> (fn, abstract args): every tile candidate of every kernel (`CANDIDATES` beside each, the ones
+    experiments.bench_gpu times) at GLM-5.3's dimensions with fp8 caches, at the bench's decode shape
+    (batch 64), so a candidate that cannot lower or compile is known before device time is spent on it."""
+    cases = {}
+    for i, bs in enumerate(sparse_mla.CANDIDATES):
+        cases[f"sparse_mqa/glm-5.3/fp8_ds_mla/decode64/candidate{i}"] = sparse_case("glm-5.3", "fp8_ds_mla", 64, 1, bs)
+    for i, bs in enumerate(indexer.CANDIDATES):
+        cases[f"index_scores/glm-5.3/fp8/decode64/candidate{i}"] = index_case("glm-5.3", "fp8", 64, 1, bs)
+    for i, bs in enumerate(hisparse.CANDIDATES):
+        cases[f"hisparse_resolve/glm-5.3/candidate{i}"] = resolve_case("glm-5.3", 64, bs)
     return cases
 
 
@@ -158,7 +174,7 @@ def main(argv=None):
     if triton_python == "none":
         triton_python = None
 
-    lowered = lower_all(kernel_cases())
+    lowered = lower_all(kernel_cases() | candidate_cases())
     compiled = {}
     if triton_python:
         with tempfile.TemporaryDirectory() as tmp:

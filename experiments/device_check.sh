@@ -1,70 +1,82 @@
 #!/usr/bin/env bash
-# The H200 device check of the Pallas kernels, in one command, for the first session that is lent a GPU
-# (docs/kernels.md). Each step runs even if an earlier one failed; the exit status is the first failure.
+# The H200 device run, in one command, for a session that is lent a GPU (docs/kernels.md, "The H200 bench"):
+# the kernel correctness tests, then experiments.bench_gpu with the four-layer slice, under a deadline so that
+# one run takes at most 6 minutes and a 15-minute device session has room for a second run that resumes it.
 #
-#   bash experiments/device_check.sh OUT_DIR        # e.g. the device tool's $OUT; ~5-8 minutes on an H200
+#   bash experiments/device_check.sh OUT                     # e.g. the device tool's $OUT
+#   RESUME=results/gpu_speed/YYYY-MM-DD SKIP_TESTS=1 bash experiments/device_check.sh OUT   # the second run
 #
-# The two test runs (correctness: step 1 and the GPU-shaped tests) go first, side by side; then the timed
-# steps, one at a time, alone on the GPU:
+# OUT/ receives (7 files, one folder down, as the device tool returns them): environment.log, nvidia_smi.txt,
+# kernel_tests.log, bench_gpu.log, and bench/results.json, bench/README.md (the generated table) and
+# bench/h200_measured.md when the run is complete. Commit OUT/bench/* and the logs as
+# results/gpu_speed/<the run's date>/; a second run resumes from that directory (RESUME) and adds the rows the
+# first did not reach (bench_gpu --resume; "complete": true once every row is in).
 #
-# 1. the kernel tests, now compiled by XLA's Triton and run on the GPU (not interpret mode), against the
-#    references (tests/conftest.py sets float32 matmuls to "highest", so the references are not TF32);
-# 2. bench_attention with the Pallas kernels and with the XLA references, 4K-128K contexts: per-step
-#    times, achieved bytes/s and FLOP/s against the H200's 4.8 TB/s and 989 TFLOP/s;
-# 3. check_hisparse_copy: only the selected rows cross from pinned host memory, the resolver kernel
-#    agrees with its reference on the device, and both are timed at GLM-5.3's sizes;
-# 4. check_engine_memory: the engine's pool leaves out the step workspace XLA reports; does it cover the
-#    device's measured peak (experiments/check_engine_memory.py)?
-# The lent image (/work/.library/device/KINDS.md) has jax 0.11.2 with the CUDA 13 plugin, flax, pytest,
-# tqdm and matplotlib in its python3, but not pyzmq or msgspec (glm53 imports both): carry their wheels
-# (and flax's, to match this project's version) and put them on PYTHONPATH first, as on 2026-12-04
-# (results/device_check_2026-12-04/README.md).
-# If step 1 passes, attention.common.PALLAS_VERIFIED_ON_GPU may be True (it is since the run of
-# 2026-12-04, results/device_check_2026-12-04b); commit OUT_DIR under results/ with the date.
+# Time: tests ~70 s (6 xdist workers sharing the GPU), then the bench until BENCH_END_S (330 s) from the
+# script's start: bench_gpu does not start a row whose estimated device time (compile + 21 calls at a
+# pessimistic fraction of peak, bench_gpu.estimate_s) would end past its deadline, and `timeout` kills it at
+# HARD_END_S (350 s) if an estimate was wrong (every finished row is already in results.json). Give the device
+# tool's run a timeout_s of ~420 (machine start and transfers come on top).
+#
+# The lent image (/work/.library/device/KINDS.md) has jax 0.11.2 with the CUDA 13 plugin, flax, pytest and
+# numpy, but not pyzmq or msgspec, which glm53 imports. Carry their wheels (and flax's if the image's is
+# outside setup.py's range): once, in the repository root,
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       -d .whl pyzmq msgspec
+# and name .whl in the tool's `carry`. This script installs whatever .whl (or $WHEELS) holds, only if an import
+# fails, into /tmp/site.
 set -u
-OUT=${1:?usage: device_check.sh OUT_DIR}
-mkdir -p "$OUT"
+OUT=${1:?usage: device_check.sh OUT}
+mkdir -p "$OUT/bench"
 PY=${PYTHON:-python3}
+WHEELS=${WHEELS:-.whl}
+BENCH_END_S=${BENCH_END_S:-330}
+HARD_END_S=${HARD_END_S:-350}
 status=0
 step() {  # step NAME CMD...: run, log to OUT/NAME.log, remember the first failure
     local name=$1; shift
     echo "== $name: $*"
     "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
-    tail -n 5 "$OUT/$name.log"
-    echo "== $name: exit $rc"
+    tail -n 8 "$OUT/$name.log"
+    echo "== $name: exit $rc ($SECONDS s since start)"
     [ "$status" -eq 0 ] && [ "$rc" -ne 0 ] && status=$rc
     return 0
 }
-step environment "$PY" -c "import jax, sys; print(sys.version); print(jax.__version__, jax.devices())"
-rm -f "$OUT"/*.status "$OUT"/*.step  # a reused OUT_DIR: no stale status from an earlier run
-# Correctness first, the two pytest runs side by side (xdist workers; the 15-minute lease is the limit):
-# no preallocation, so the processes share the GPU. Their step() status is read back from files.
-(
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    step kernel_tests "$PY" -m pytest -q -p no:cacheprovider -n "${KERNEL_WORKERS:-6}" \
-        tests/attention/test_kernels.py tests/attention/test_hisparse.py tests/attention/test_merge.py \
-        >"$OUT/kernel_tests.step" 2>&1
-    echo $status >"$OUT/kernel_tests.status"
-) &
-(
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
-    # the GPU-shaped references against the CPU-shaped ones, and the engine's routing, on the GPU backend
-    step gpu_shaped_tests "$PY" -m pytest -q -p no:cacheprovider -n "${SHAPED_WORKERS:-4}" \
-        tests/attention/test_gpu_shaped.py >"$OUT/gpu_shaped_tests.step" 2>&1
-    echo $status >"$OUT/gpu_shaped_tests.status"
-) &
-wait
-for name in kernel_tests gpu_shaped_tests; do
-    cat "$OUT/$name.step"
-    rc=$(cat "$OUT/$name.status" 2>/dev/null || echo 1)
-    [ "$status" -eq 0 ] && [ "$rc" -ne 0 ] && status=$rc
-done
-# Then the timed steps, one at a time, alone on the GPU.
-step check_engine_memory "$PY" -m experiments.check_engine_memory --out "$OUT/check_engine_memory"
-step bench_attention_pallas "$PY" -m experiments.bench_attention --impl pallas --repeats 20 \
-    --out "$OUT/bench_attention_pallas"
-step check_hisparse_copy "$PY" -m experiments.check_hisparse_copy --out "$OUT/check_hisparse_copy"
-step bench_attention_reference "$PY" -m experiments.bench_attention --impl reference --repeats 20 \
-    --out "$OUT/bench_attention_reference"
+if ! "$PY" -c "import zmq, msgspec" 2>/dev/null; then
+    if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    "$PY" -c "import zmq, msgspec" || { echo "pyzmq / msgspec missing: carry their wheels in $WHEELS (see above)"; exit 2; }
+fi
+nvidia-smi >"$OUT/nvidia_smi.txt" 2>&1
+step environment "$PY" -c "import jax, flax, sys; print(sys.version); print(jax.__version__, flax.__version__, jax.devices())"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    # the Pallas kernels compiled by XLA's Triton against their references (tests/conftest.py sets float32
+    # matmuls to "highest"); no preallocation, so the xdist workers share the GPU
+    step kernel_tests env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -p no:cacheprovider \
+        -n "${KERNEL_WORKERS:-6}" tests/attention/test_kernels.py tests/attention/test_hisparse.py \
+        tests/attention/test_merge.py
+fi
+if [ -n "${RESUME:-}" ]; then
+    cp "$RESUME/results.json" "$OUT/bench/results.json" || { echo "RESUME=$RESUME has no results.json"; exit 2; }
+fi
+deadline=$((BENCH_END_S - SECONDS))
+# the slice (15 GB of weights, 25 GB of KV) and the largest kernel inputs side by side: let JAX's allocator
+# take 90% of the GPU instead of its default 75%
+# (BENCH_ARGS: e.g. "--dry-run --only linear" rehearses this script on a CPU machine in seconds)
+step bench_gpu env XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}" PYTHONUNBUFFERED=1 \
+    timeout --signal=TERM --kill-after=10 $((HARD_END_S - SECONDS)) \
+    "$PY" -m experiments.bench_gpu --slice --out "$OUT/bench" --deadline-s "$deadline" --resume ${BENCH_ARGS:-}
+# the README again from whatever results.json holds (a killed run did not write it), and the fit once complete
+"$PY" -m experiments.bench_gpu --report "$OUT/bench" >/dev/null 2>&1
+if "$PY" -c "import json, sys; sys.exit(0 if json.load(open('$OUT/bench/results.json'))['complete'] else 1)"; then
+    "$PY" -m experiments.calibrate --measured "$OUT/bench" --no-register >>"$OUT/bench_gpu.log" 2>&1
+    rm -f "$OUT/bench/h200_measured.json"  # regenerated when the run is committed (calibrate --measured)
+fi
+rm -f "$OUT/bench/results.json.tmp"  # a run killed while writing; results.json holds the rows before it
+echo "== done in $SECONDS s, exit $status"
 exit $status

@@ -61,6 +61,7 @@ class Entry:
     compare: tuple[str, ...] = ()  # result keys shown in the report's table
     note: str = ""
     files: tuple[str, ...] = ()  # analytic: the experiment's output files that are this figure
+    hardware: tuple[str, ...] = ()  # sim: one run per hardware spec (runner.hardware), side by side
 
 
 SERVE_KEYS = ("kv_policy", "concurrency", "max_model_len", "throughput_tok_s_per_gpu", "interactivity_tok_s_user",
@@ -93,6 +94,28 @@ PART2_NOTE = ("P/D in the simulator (glm53.engine.pd_sim): the decode ranks read
               "(sweep.measure = 'steady')")
 DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
 ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
+
+MEASURED_ID = "part1_c32_h200_vs_measured"
+MEASURED_TITLE = ("Part 1 at c32 priced on the published-table spec (h200) and on this codebase's kernels as measured "
+                  "on an H200 (h200_measured), side by side")
+
+
+def measured_entry() -> Entry:
+    """Part 1 at concurrency 32 on `h200` and `h200_measured`: a simulated entry once a committed H200 run has
+    registered h200_measured (`python -m experiments.calibrate --measured`), else not built, saying what it
+    waits for (glm53.perfmodel.hardware.MEASURED_PENDING)."""
+    from glm53.perfmodel.hardware import HARDWARE, MEASURED_PENDING
+
+    if "h200_measured" not in HARDWARE:
+        return Entry(MEASURED_ID, MEASURED_TITLE, "not_built", "issue 45", doc="docs/perfmodel.md",
+                     waits_for="issue 45 (a complete H200 run of experiments.bench_gpu committed under "
+                               "results/gpu_speed/, then experiments.calibrate --measured)", note=MEASURED_PENDING)
+    return Entry(MEASURED_ID, MEASURED_TITLE, "sim", "BRIEF §8; issue 45", PART1_PUBLISHED, "serve", PART1,
+                 overrides=("--config.sweep.concurrency=(32,)",), doc="docs/perfmodel.md",
+                 compare=("hardware",) + SERVE_KEYS, hardware=("h200", "h200_measured"),
+                 note="the same scheduler and workload priced on two specs: the published-table calibration and the "
+                      "fit on this codebase's own kernels (results/gpu_speed)")
+
 
 MANIFEST: tuple[Entry, ...] = (
     # ------------------------------------------------------------------ analytic (performance model)
@@ -251,6 +274,7 @@ MANIFEST: tuple[Entry, ...] = (
                "32,768: results/memory_plan); the decode ranks' 64 GiB host split 52 + 12 GiB (a 1M request's MLA "
                "pages are 50.6 GiB). The engine refuses DP8 prefill and offload decode at 1M "
                "(tests/engine/test_pd_sim.py), so only pcp_dcp+hisparse is swept"),
+    measured_entry(),
     # ------------------------------------------------------------------ not built yet
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
@@ -307,9 +331,14 @@ def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
     argv = ["--config", e.config, "--out", str(out), "--no-progress", *e.overrides]
     if quick:
         argv += [*(QUICK_SIM if e.kind == "sim" else ()), *e.quick]
-    res = serve.main(argv)
-    return {"status": "ran" + (" (short window)" if quick and e.kind == "sim" else ""), "argv": argv,
-            "runs": _runs(res, e)}
+    status = "ran" + (" (short window)" if quick and e.kind == "sim" else "")
+    if e.hardware:  # one run per spec, side by side
+        runs = []
+        for hw in e.hardware:
+            res = serve.main([*argv[:3], str(out / hw), *argv[4:], f"--config.runner.hardware={hw}"])
+            runs += [{**r, "hardware": hw} for r in _runs(res, e)]
+        return {"status": status, "argv": argv, "runs": runs}
+    return {"status": status, "argv": argv, "runs": _runs(serve.main(argv), e)}
 
 
 def _runs(res: dict, e: Entry) -> list[dict]:

@@ -140,6 +140,17 @@ def _pd_deployment(cfg: ConfigDict, name: str) -> dict | None:
     return deps[name].to_dict() if isinstance(deps.get(name), ConfigDict) else deps.get(name)
 
 
+def _hardware(name: str):
+    """The simulator's HardwareSpec for `runner.hardware` (glm53.perfmodel.hardware_spec), its error naming
+    the field."""
+    from glm53.perfmodel import hardware_spec
+
+    try:
+        return hardware_spec(name)
+    except ValueError as e:
+        raise ValueError(f"runner.hardware: {e}") from None
+
+
 def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
     import glm53
 
@@ -149,22 +160,18 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
             raise ValueError(f"sweep entry {kv_policy!r} is a P/D deployment: the simulator runs those "
                              "(runner.kind='sim'); with the model, start a prefill and a decode server (README)")
         from glm53.engine.pd_sim import build_pd
-        from glm53.perfmodel import HARDWARE
 
         r = cfg.runner
         return build_pd(model, _deploy(cfg, kv_policy, own=pd["prefill"]), _deploy(cfg, kv_policy, own=pd["decode"]),
-                        HARDWARE[r.hardware], step_overhead_s=r.step_overhead_s,
+                        _hardware(r.hardware), step_overhead_s=r.step_overhead_s,
                         hisparse_miss_fraction=r.hisparse_miss_fraction, tier_storage=_tier_storage(cfg))
     if not simulated(cfg):
         return glm53.Engine(model, _deploy(cfg, kv_policy, tier_root))
     from glm53.engine import sim
-    from glm53.perfmodel import HARDWARE
 
     r = cfg.runner
-    if r.hardware not in HARDWARE:
-        raise ValueError(f"runner.hardware must be one of {sorted(HARDWARE)}, got {r.hardware!r}")
     # a filesystem tier is simulated (kvcache.tiers.sim): its root_dir is never written
-    return sim.build_engine(model, _deploy(cfg, kv_policy, tier_root or "unused"), HARDWARE[r.hardware],
+    return sim.build_engine(model, _deploy(cfg, kv_policy, tier_root or "unused"), _hardware(r.hardware),
                             step_overhead_s=r.step_overhead_s, hisparse_miss_fraction=r.hisparse_miss_fraction,
                             tier_storage=_tier_storage(cfg))
 

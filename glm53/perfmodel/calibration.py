@@ -80,20 +80,54 @@ def _log_err(fit: GemmFit, rows) -> float:
     return sum(abs(math.log(fit.time_s(r) / r.measured_s)) for r in rows) / len(rows)
 
 
+def fit_roofline(measured, compute_work, compute_rate, memory_work, memory_rate, *, compute_effs, memory_effs,
+                 latencies, launches=None, fixed_s=None) -> tuple[float, float, float, float]:
+    """The one grid fit every calibration here uses: rows whose time is a sum of roofline parts,
+
+        predicted[r] = sum_g max(compute_work[r, g] / (compute_rate[r, g] x c),
+                                 memory_work[r, g] / (memory_rate[r, g] x m)) + launches[r] x t + fixed_s[r]
+
+    (work in FLOPs or bytes with rates in FLOP/s or B/s, or seconds at unit efficiency with rate 1; a part
+    of zero work adds nothing), and the (c, m, t) of the grid `compute_effs` x `memory_effs` x
+    `latencies` with the least mean |log(predicted / measured)| over the rows. Deterministic, no optimiser
+    to tune; among equal errors the first in that lexicographic order (the grids ascending: the smallest
+    values). -> (c, m, t, that mean |log| error). Arrays are [R] or [R, G]; launches default 1 (one
+    kernel's fixed time per row), fixed_s 0."""
+    meas = np.asarray(measured, float)
+
+    def parts(x):  # [R] or [R, G] (a scalar rate: every part's) -> [R, G]
+        a = np.asarray(x, float)
+        return a[:, None] if a.ndim == 1 else a
+
+    cw, mw = parts(compute_work), parts(memory_work)
+    cr, mr = np.broadcast_to(parts(compute_rate), cw.shape), np.broadcast_to(parts(memory_rate), mw.shape)
+    n = np.ones_like(meas) if launches is None else np.asarray(launches, float)
+    fixed = np.zeros_like(meas) if fixed_s is None else np.asarray(fixed_s, float)
+    ce, me, lat = (np.asarray(x, float) for x in (compute_effs, memory_effs, latencies))
+    best = (math.inf, 0, 0, 0)
+    for i, c in enumerate(ce):  # one compute efficiency at a time keeps the [M, T, R] block small
+        comp = cw / (cr * c)  # [R, G]
+        pred = np.maximum(comp[None], mw[None] / (mr[None] * me[:, None, None])).sum(-1)  # [M, R]
+        pred = pred[:, None, :] + lat[None, :, None] * n + fixed  # [M, T, R]
+        err = np.abs(np.log(pred / meas)).mean(-1)
+        j, k = np.unravel_index(int(np.argmin(err)), err.shape)
+        if err[j, k] < best[0]:
+            best = (float(err[j, k]), i, j, k)
+    _, i, j, k = best
+    return float(ce[i]), float(me[j]), float(lat[k]), best[0]
+
+
+GEMM_EFFICIENCIES = np.arange(30, 101) / 100
+GEMM_LAUNCHES_S = np.arange(0, 21) * 0.5e-6
+
+
 def fit_gemm(rows: list[GemmRow]) -> GemmFit:
     """Least mean |log(predicted / measured)| over a grid (efficiencies in steps of 0.01, launch time in
-    steps of 0.5 us): deterministic, no optimiser to tune; ties go to the smallest values."""
-    effs = np.arange(30, 101) / 100
-    launches = np.arange(0, 21) * 0.5e-6
-    flops = np.array([r.flops for r in rows])
-    nbytes = np.array([r.bytes for r in rows])
-    measured = np.array([r.measured_s for r in rows])
-    c, m, t = np.meshgrid(effs, effs, launches, indexing="ij")  # [C, M, T], lexicographic order
-    pred = (np.maximum(flops / (H800_FP8_FLOPS * c[..., None]), nbytes / (H800_HBM_BYTES_PER_S * m[..., None]))
-            + t[..., None])
-    err = np.abs(np.log(pred / measured)).mean(-1)
-    i, j, k = np.unravel_index(int(np.argmin(err)), err.shape)  # the first minimum in (c, m, t) order
-    return GemmFit(float(effs[i]), float(effs[j]), float(launches[k]))
+    steps of 0.5 us; `fit_roofline`): deterministic, no optimiser to tune; ties go to the smallest values."""
+    c, m, t, _ = fit_roofline([r.measured_s for r in rows], [r.flops for r in rows], H800_FP8_FLOPS,
+                              [r.bytes for r in rows], H800_HBM_BYTES_PER_S, compute_effs=GEMM_EFFICIENCIES,
+                              memory_effs=GEMM_EFFICIENCIES, latencies=GEMM_LAUNCHES_S)
+    return GemmFit(c, m, t)
 
 
 def calibrate_gemm(published: dict | None = None) -> dict:
@@ -297,29 +331,36 @@ def indexer_rows(published: dict | None = None) -> list[dict]:
     return out
 
 
-def indexer_time(row: dict, spec) -> float:
+def indexer_cost(row: dict, spec):
+    """The `indexer_scores` Cost of a published row's kernel call on `spec`."""
     from glm53.config import get_preset
     from glm53.perfmodel.ops import indexer_scores
 
     cfg = get_preset("glm-5.3").replace(index_n_heads=row["heads"], index_head_dim=row["head_dim"])
     q = row["seq_len"]
-    return indexer_scores(cfg, spec, q, row["pairs"] / q, keys_read=row["seq_len_kv"]).time_s
+    return indexer_scores(cfg, spec, q, row["pairs"] / q, keys_read=row["seq_len_kv"])
+
+
+def indexer_time(row: dict, spec) -> float:
+    return indexer_cost(row, spec).time_s
+
+
+INDEXER_EFFICIENCIES = np.arange(30, 101) / 100
+INDEXER_LATENCIES_S = np.arange(0, 41) * 0.5e-6
 
 
 def fit_indexer(rows: list[dict], base=None) -> dict:
     """Least mean |log(predicted / measured)| over a grid (efficiency in steps of 0.01, fixed time in steps of
-    0.5 us), like the GEMM fit; ties go to the smallest values."""
+    0.5 us; `fit_roofline` on each row's `indexer_scores` FLOPs at the fp8 peak and HBM bytes at the spec's
+    HBM rate), like the GEMM fit; ties go to the smallest values."""
     from glm53.perfmodel.hardware import H200
 
     base = base or H200
-    best = None
-    for e100 in range(30, 101):
-        for lat2 in range(0, 41):
-            spec = dataclasses.replace(base, indexer_efficiency=e100 / 100, indexer_latency_s=lat2 * 0.5e-6)
-            err = sum(abs(math.log(indexer_time(r, spec) / r["measured_s"])) for r in rows) / len(rows)
-            if best is None or err < best[0] - 1e-15:
-                best = (err, e100 / 100, lat2 * 0.5e-6)
-    return {"indexer_efficiency": best[1], "indexer_latency_s": best[2]}
+    costs = [indexer_cost(r, base) for r in rows]
+    e, _, lat, _ = fit_roofline([r["measured_s"] for r in rows], [c.flops for c in costs], base.fp8_flops,
+                                [c.hbm_bytes for c in costs], base.hbm_bandwidth, compute_effs=INDEXER_EFFICIENCIES,
+                                memory_effs=[base.hbm_efficiency], latencies=INDEXER_LATENCIES_S)
+    return {"indexer_efficiency": e, "indexer_latency_s": lat}
 
 
 def calibrate_indexer(published: dict | None = None) -> dict:

@@ -4,6 +4,8 @@ and the byte sizes every cost shares."""
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 
 GiB = 2**30
@@ -193,8 +195,38 @@ H200_CALIBRATED = dataclasses.replace(
     all_to_all_efficiency=0.73, nvlink_efficiency=0.82, all_reduce_efficiency=1.0,
     sparse_decode_efficiency=0.865, sparse_decode_latency_s=12.6e-6, indexer_efficiency=0.59, indexer_latency_s=13e-6)
 
+# H200 with the efficiencies of this codebase's own kernels, fitted on a committed H200 run of
+# experiments.bench_gpu (glm53.perfmodel.measured.fit_measured; the kernel rows fit, the slice rows check).
+# `python -m experiments.calibrate --measured results/gpu_speed/<date>` writes MEASURED_SPEC (the fitted
+# fields and the run they come from) once a complete run is committed; until then there is no such spec.
+MEASURED_SPEC = Path(__file__).with_name("measured.json")
+MEASURED_PENDING = ("hardware 'h200_measured' waits for a device run: a complete `python -m experiments.bench_gpu "
+                    "--slice` on an H200 committed under results/gpu_speed/<date>/, then `python -m "
+                    "experiments.calibrate --measured results/gpu_speed/<date>` (issue 45)")
+
+
+def _measured_spec(path: Path = MEASURED_SPEC) -> HardwareSpec | None:
+    if not path.exists():
+        return None
+    return dataclasses.replace(H200_CALIBRATED, name="H200 SXM (measured: this codebase's kernels)",
+                               **json.loads(path.read_text())["fields"])
+
+
+H200_MEASURED = _measured_spec()
+
 # the hardware specs configs name (experiments.serve's runner.hardware): "h200" is the calibrated one
-HARDWARE = {"h200": H200_CALIBRATED, "h200_datasheet": H200}
+HARDWARE = {"h200": H200_CALIBRATED, "h200_datasheet": H200,
+            **({"h200_measured": H200_MEASURED} if H200_MEASURED is not None else {})}
+
+
+def hardware_spec(name: str) -> HardwareSpec:
+    """The spec `HARDWARE` names `name`; a clear error for an unknown name, and for "h200_measured" before a
+    committed H200 run provides it (MEASURED_PENDING)."""
+    if name in HARDWARE:
+        return HARDWARE[name]
+    if name == "h200_measured":
+        raise ValueError(MEASURED_PENDING)
+    raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)

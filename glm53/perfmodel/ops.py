@@ -303,6 +303,22 @@ def expected_remote_ranks(cfg: ModelConfig, ep: int) -> float:
     return (ep - 1) * (1 - miss)
 
 
+def moe_routed_gemms(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *,
+                     replicated_tokens: bool = False, weight_bytes: float = FP8_WEIGHT_BYTES) -> tuple[Cost, Cost]:
+    """The routed experts of one EP rank (n_routed_experts / ep of them) as two grouped GEMMs over the
+    touched experts: gate + up [hidden -> 2 x moe_intermediate], then down; `moe` below sums them. The
+    rank computes its share of the group's assignments (tokens x top-k / ep, balanced routing) and reads
+    every touched local expert's weights once (`expected_touched_experts`)."""
+    d, f, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    group_tokens = tokens_per_rank if replicated_tokens else tokens_per_rank * ep
+    assignments = group_tokens * k / ep
+    touched = expected_touched_experts(cfg, group_tokens, ep)
+    dt = "fp8" if weight_bytes < BF16 else "bf16"
+    return tuple(_gemm("moe_experts", hw, flops=2 * assignments * din * dout, dtype=dt,
+                       hbm_bytes=touched * din * dout * weight_bytes + assignments * BF16 * (din + dout))
+                 for din, dout in ((d, 2 * f), (f, d)))
+
+
 def moe(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *, replicated_tokens: bool = False,
         weight_bytes: float = FP8_WEIGHT_BYTES, dispatch_bytes_per_value: float = 1 + FP32 / 128,
         combine_bytes_per_value: float = BF16, layer: int = -1) -> tuple[Cost, ...]:
@@ -319,15 +335,9 @@ def moe(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *, 
     (`expected_touched_experts`): at small batch the layer is bound by these reads, not by FLOPs.
     Returns (router, routed experts, shared expert, dispatch, combine) Costs, tagged with `layer`.
     """
-    d, f, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
-    group_tokens = tokens_per_rank if replicated_tokens else tokens_per_rank * ep
-    assignments = group_tokens * k / ep
-    touched = expected_touched_experts(cfg, group_tokens, ep)
-    # two grouped GEMMs over the touched experts: gate+up [d -> 2f], then down [f -> d]
-    dt = "fp8" if weight_bytes < BF16 else "bf16"
-    routed = total([_gemm("moe_experts", hw, flops=2 * assignments * din * dout, dtype=dt,
-                          hbm_bytes=touched * din * dout * weight_bytes + assignments * BF16 * (din + dout))
-                    for din, dout in ((d, 2 * f), (f, d))], "moe_experts")
+    d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+    routed = total(moe_routed_gemms(cfg, hw, tokens_per_rank, ep, replicated_tokens=replicated_tokens,
+                                    weight_bytes=weight_bytes), "moe_experts")
     routed = dataclasses.replace(routed, kind="kernel")
     router = _kernel("moe_router", hw, flops=2 * tokens_per_rank * d * e,
                      hbm_bytes=d * e * FP32 + tokens_per_rank * (BF16 * d + FP32 * e))

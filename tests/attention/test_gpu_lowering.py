@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
-from attention import common, formats, gpu_aot, hisparse, sparse_mla
+from attention import common, formats, gpu_aot, hisparse, indexer, sparse_mla
 from experiments import check_gpu_lowering
 
 
@@ -39,7 +39,8 @@ def test_a_plain_float32_dot_lowers_to_tf32():
 
 def test_every_kernel_lowers_to_one_triton_kernel(lowered):
     assert len(lowered) == 10 * len(check_gpu_lowering.DIMS)  # (5 sparse + 4 index + 1 resolver) x dims
-    warps = {"sparse_mqa": sparse_mla.NUM_WARPS, "index_scores": 4, "hisparse_resolve": hisparse.NUM_WARPS}
+    warps = {"sparse_mqa": sparse_mla.BlockSizes().num_warps, "index_scores": indexer.BlockSizes().num_warps,
+             "hisparse_resolve": hisparse.BlockSizes().num_warps}
     for name, entry in lowered.items():
         assert entry["ok"], f"{name}: {entry.get('error')}"
         [kern] = entry["kernels"]
@@ -50,6 +51,35 @@ def test_every_kernel_lowers_to_one_triton_kernel(lowered):
         x, y, z = lowered[f"sparse_mqa/glm-5.3/{fmt}/decode"]["kernels"][0].grid
         assert (x, y) == (4, 4) and z > 1 and common.H200_SMS / 2 < x * y * z <= common.H200_SMS, (fmt, z)
     assert lowered["sparse_mqa/glm-5.3/fp8_ds_mla/prefill"]["kernels"][0].grid[2] == 1  # 64 queries: no split
+
+
+def test_every_tile_candidate_lowers_and_compiles_with_its_own_sizes():
+    """Each kernel's tunables are one frozen BlockSizes beside it, with at most 6 candidates (the default
+    first) that experiments.bench_gpu times on an H200: every candidate lowers at GLM-5.3's decode shape
+    and the lowered kernel carries that candidate's warps and grid (a candidate that changed nothing
+    would waste device time)."""
+    for mod in (sparse_mla, indexer, hisparse):
+        cands = mod.CANDIDATES
+        assert 2 <= len(cands) <= 6 and cands[0] == mod.BlockSizes() and len(set(cands)) == len(cands), mod
+    lowered = check_gpu_lowering.lower_all(check_gpu_lowering.candidate_cases())
+    assert len(lowered) == sum(len(m.CANDIDATES) for m in (sparse_mla, indexer, hisparse))
+    seen = {}
+    for name, entry in lowered.items():
+        assert entry["ok"], f"{name}: {entry.get('error')}"
+        [kern] = entry["kernels"]
+        mod = {"sparse_mqa": sparse_mla, "index_scores": indexer, "hisparse_resolve": hisparse}[kern.name]
+        cand = mod.CANDIDATES[int(name.rsplit("candidate", 1)[1])]
+        assert kern.num_warps == cand.num_warps, name
+        seen.setdefault(kern.name, set()).add((kern.grid, kern.num_warps, kern.ttir))
+    # distinct candidates lower to distinct programs
+    assert all(len(v) == len(mod.CANDIDATES) for v, mod in zip(
+        (seen["sparse_mqa"], seen["index_scores"], seen["hisparse_resolve"]), (sparse_mla, indexer, hisparse)))
+    # head blocks of 16, 32, 64: a batch-64 decode at 64 heads runs 64 x 4 and 64 x 2 programs (a wave or
+    # more: no split), or 64 x 1, which default_splits doubles to fill the 132 SMs
+    grids = {c.head_block: k.grid for (k,), c in zip(
+        (lowered[f"sparse_mqa/glm-5.3/fp8_ds_mla/decode64/candidate{i}"]["kernels"] for i in range(3)),
+        sparse_mla.CANDIDATES[:3])}
+    assert grids == {16: (64, 4, 1), 32: (64, 2, 1), 64: (64, 1, 2)}
 
 
 def test_matmul_operands_follow_the_cache_format(lowered):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention.hisparse import HotBuffer, resolve, resolve_pallas, resolve_reference
+from attention.hisparse import BlockSizes, HotBuffer, resolve, resolve_pallas, resolve_reference
 from kvcache.host import copy_host_rows
 
 BS, M, K, H = 4, 8, 6, 12  # block size, pages per request, top-k, hot slots (2 x top-k)
@@ -146,13 +146,14 @@ def test_pallas_resolver_matches_reference_exactly(k, h, chunk):
     hot_rows = (200 + np.arange(b * h)).reshape(b, h).astype(np.int32)
     hot_ref = hot_pal = HotBuffer.create(hot_rows)
     ref = jax.jit(resolve_reference, static_argnums=3)
-    pal = jax.jit(resolve_pallas, static_argnums=3, static_argnames=("interpret", "chunk"))
+    pal = jax.jit(resolve_pallas, static_argnums=3, static_argnames=("interpret", "block_sizes"))
     totals = dict.fromkeys(PLAN_FIELDS[3:], 0)
     evictions = 0
     for t, (sel, dev, host) in enumerate(_edge_case_steps(rng, b, m, bs, k, steps=7)):
         step = jnp.int32(100 + 3 * t)  # the clock may jump
         plan_ref, new_ref = ref(sel, dev, host, bs, hot_ref, step)
-        plan_pal, new_pal = pal(sel, dev, host, bs, hot_pal, step, interpret=True, chunk=chunk)
+        plan_pal, new_pal = pal(sel, dev, host, bs, hot_pal, step, interpret=True,
+                                block_sizes=BlockSizes(chunk=chunk))
         for f in PLAN_FIELDS:
             np.testing.assert_array_equal(np.asarray(getattr(plan_pal, f)), np.asarray(getattr(plan_ref, f)),
                                           err_msg=f"{f} at step {t}")
@@ -177,7 +178,10 @@ def test_pallas_resolver_validates_shapes_and_dispatch():
         resolve_pallas(jnp.zeros((1, 4), jnp.int32), none, none, 4, HotBuffer.create(jnp.arange(3)[None]), 0)
     with pytest.raises(ValueError, match="chunk"):
         resolve_pallas(jnp.zeros((1, 4), jnp.int32), none, none, 4, HotBuffer.create(jnp.arange(8)[None]), 0,
-                       chunk=3)
+                       block_sizes=BlockSizes(chunk=3))
+    with pytest.raises(ValueError, match="chunk"):  # a power of two, but more than K (4) padded
+        resolve_pallas(jnp.zeros((1, 4), jnp.int32), none, none, 4, HotBuffer.create(jnp.arange(8)[None]), 0,
+                       block_sizes=BlockSizes(chunk=8))
     with pytest.raises(ValueError, match="page tables"):
         resolve_pallas(jnp.zeros((1, 4), jnp.int32), none[:, :2], none, 4, HotBuffer.create(jnp.arange(8)[None]), 0)
     with pytest.raises(ValueError, match="impl"):

@@ -72,7 +72,8 @@ def test_default_splits():
     with pytest.raises(ValueError, match="splits"):
         sparse_mla.sparse_mqa_pallas(jnp.zeros((1, 1, 4, 128)), jnp.zeros((1, 1, 4, 16)),
                                      sparse_mla.SlotRows(jnp.zeros((4, 144)), jnp.zeros((1, 1, 2), jnp.int32),
-                                                         formats.MLARowFormat("float32", 128, 16)), 1.0, splits=0)
+                                                         formats.MLARowFormat("float32", 128, 16)), 1.0,
+                                     block_sizes=sparse_mla.BlockSizes(splits=0))
 
 
 @pytest.mark.parametrize("splits", [1, 3, 4, 50])
@@ -91,8 +92,8 @@ def test_sparse_mqa_kernel_split_slots_merge_exactly(splits):
     q_pe = jnp.asarray(rng.normal(size=(2, 2, 16, 16)), jnp.float32)
     rows = sparse_mla.SlotRows(table, jnp.asarray(slots), fmt)
     ref_out, ref_lse = sparse_mla.sparse_mqa(q_lat, q_pe, rows, 128 ** -0.5, impl="reference")
-    out, lse = sparse_mla.sparse_mqa_pallas(q_lat, q_pe, rows, 128 ** -0.5, row_block=16, splits=splits,
-                                            compute_dtype=jnp.float32)
+    out, lse = sparse_mla.sparse_mqa_pallas(q_lat, q_pe, rows, 128 ** -0.5, compute_dtype=jnp.float32,
+                                            block_sizes=sparse_mla.BlockSizes(row_block_f32=16, splits=splits))
     assert _rel(out, ref_out) <= RTOL and _rel(lse, ref_lse) <= RTOL
     assert np.all(np.asarray(out)[1, 0] == 0) and np.all(np.asarray(lse)[1, 0] == -np.inf)
 
@@ -197,7 +198,7 @@ def test_kernel_rejects_bad_blocks():
     keys, _, _ = _paged_keys(fmt, [10], 8, 0)
     with pytest.raises(ValueError, match="key_block"):
         indexer.index_scores_pallas(jnp.zeros((1, 1, 8, 32)), jnp.zeros((1, 1, 8)), keys, jnp.zeros((1, 1), jnp.int32),
-                                    window=16, key_block=16)
+                                    window=16, block_sizes=indexer.BlockSizes(key_block=16))
     with pytest.raises(ValueError, match="query widths"):
         sparse_mla.sparse_mqa_pallas(jnp.zeros((1, 1, 4, 64)), jnp.zeros((1, 1, 4, 16)),
                                      sparse_mla.SlotRows(jnp.zeros((4, 144)), jnp.zeros((1, 1, 2), jnp.int32),

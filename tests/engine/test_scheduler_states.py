@@ -1,9 +1,14 @@
-"""The scheduler under every KV policy as a hypothesis state machine, through a runner that returns
-synthetic tokens (glm53.engine.synthetic): random arrivals, prompt and output lengths, shared prefixes
+"""The scheduler under every KV policy as a hypothesis state machine, through a runner whose tokens
+depend on the KV contents it is served (glm53.engine.synthetic.ContentRunner: a synthetic content per
+cache slot, moved by the plans' transfers as the model runner moves bytes, and every token a hash of the
+rows its position reads): random arrivals, prompt and output lengths, shared prefixes
 and follow-up turns, and device pools down to a tenth of the offered load, with and without MTP
 speculative decoding under every policy (a variable number of tokens per step: drafts that stand or
 not, rejected positions rolled back; under HiSparse no page is pre-copied to the host before all its
-positions are final). After every step the block
+positions are final). In the end every request's tokens are those it would get with all its KV
+resident (ContentModel.expected over its own history), so a stale, swapped or wrong page served to any
+row fails the machine (test_wrong_page_is_caught swaps two pages inside the runner to show it does).
+After every step the block
 pools' invariants hold (no leak, no double free: ref counts equal the tables and leases that hold
 them); in the end every request finishes within a bound on steps (no starvation) and every block, lease
 and host byte is returned. Under offload and HiSparse (one host-memory system, kvcache.host_tier) a
@@ -12,18 +17,22 @@ lose chunks at any moment, between a lookup that answered HIT and its load inclu
 left after a prefix-cache reset; the host pools' pages are held exactly by the requests, loads and pins
 that hold them. Requests may stop on a stop token or be aborted (waiting or running) at any point; an
 aborted request holds nothing afterwards. Every admission retry the scheduler would skip is run anyway and checked to
-change nothing (Scheduler.verify_skipped_admissions)."""
+change nothing (Scheduler.verify_skipped_admissions).
+
+Rules have no preconditions: hypothesis' swarm testing turns rules off per example, and a draw whose
+enabled rules all fail their preconditions is an invalid example; a rule with nothing to act on does
+nothing instead."""
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.scheduler import Scheduler
-from glm53.engine.synthetic import SyntheticRunner
+from glm53.engine.synthetic import ContentRunner
 from kvcache.tiers.sim import TierCosts
 from kvcache.hisparse import HiSparsePolicy, device_blocks_per_request, hot_buffer_rows
 from kvcache.layout import page_bytes
@@ -43,16 +52,25 @@ class _Model:
     cfg, dtype = CFG, "float32"
 
 
-SIZES = dict(seqs=st.integers(1, 4), budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 4.0),
+# a request: prompt length, new tokens, which of three shared prefixes (-1: none), a stop token, min_tokens
+ARRIVAL = dict(prompt=st.integers(1, 48), new=st.integers(1, 40), prefix=st.integers(-1, 2),
+               stop=st.one_of(st.none(), st.integers(0, 96)), min_tokens=st.integers(0, 4))
+# the first requests arrive with the engine: swarm testing turns `arrive` off in about half the examples
+FIRST = st.lists(st.fixed_dictionaries(ARRIVAL), min_size=1, max_size=6)
+SIZES = dict(seqs=st.integers(1, 4), budget=st.sampled_from([8, 16, 64]), pool_scale=st.floats(1.0, 2.5),
              host_scale=st.floats(0.05, 2.0), index_ratio=st.sampled_from([1, 2]), hot_rows=st.sampled_from([None, 16]))
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    runner_class = ContentRunner
+
     @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), caching=st.booleans(),
                 arc=st.booleans(), tier=st.sampled_from([None, None, 0, 2]),
-                mtp=st.sampled_from([None, None, "standard", "synthetic"]), **SIZES)
-    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp):
+                mtp=st.sampled_from([None, None, "standard", "synthetic"]), first=FIRST, **SIZES)
+    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp, first):
         self._setup(policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp)
+        for r in first:
+            self.arrive(**r)
 
     def _setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp=None):
         fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
@@ -65,8 +83,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "synthetic_acceptance_rates": [0.9, 0.6, 0.3]}
         probe = DeployConfig(**{**fields, "kv_policy": "preempt"})
         pages = page_bytes(CFG, "float32", BLOCK, BLOCK * index_ratio, include_mtp="speculative_config" in fields)
-        # the smallest pool that admits a request of max_model_len (and its hot buffer), scaled up to 3x:
-        # with up to 24 requests of up to 64 tokens the offered load is ~10x the smallest pool
+        # the smallest pool that admits a request of max_model_len (and its hot buffer), scaled up to 2.5x
+        # (larger pools seldom fill with at most 4 running requests, and then no page moves): with up to 24
+        # requests of up to 64 tokens the offered load is ~10x the smallest pool
         tpb = probe.group_tokens_per_block(("mla", "indexer"))
         request_blocks = sum(-(-MAX_LEN // n) for n in tpb.values())
         k = fields.get("speculative_config", {}).get("num_speculative_tokens", 0)
@@ -100,35 +119,38 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 fields["cpu_offload_bytes"] = host // 4
         self.deploy = DeployConfig(**fields)
-        sizes = self.deploy.kv_sizes(CFG)
-        token = lambda row: (row.start + row.num_tokens) % 97  # noqa: E731
-        draft = lambda row: token(row) if (row.start + row.num_tokens) % 5 else 1  # noqa: E731
+        resolved = self.deploy.resolved(CFG, "float32")
         costs = {"fs": TierCosts(read_latency_s=float(tier or 0), write_latency_s=float(tier or 0))}
-        self.engine = Engine(_Model(), self.deploy, runner=SyntheticRunner(
-            token, page_bytes=sizes.page_bytes, tier_costs=costs, spec=self.deploy.speculative, draft=draft))
+        # the standard rule's drafter is wrong now and then (rejections roll positions back); under the
+        # synthetic rule wrong drafts would stand, and the outputs could not be checked against the model
+        self.runner = self.runner_class(CFG, resolved, resolved.kv_sizes(CFG), tier_costs=costs,
+                                        draft_error_rate=0.25 if mtp == "standard" else 0.0)
+        self.engine = Engine(_Model(), self.deploy, runner=self.runner)
+        event(f"policy {policy}" + (f", MTP {mtp}" if mtp else "") + (", a tier" if tier is not None else ""))
         self.rng = np.random.default_rng(0)
         self.prefixes = [self.rng.integers(0, 512, 40) for _ in range(3)]
         self.sent: dict[str, int] = {}  # request id -> engine step at which it was added
         self.aborted: dict[str, bool] = {}  # request id -> whether it was running when aborted
         self.steps = 0
 
-    @precondition(lambda self: len(self.sent) < 24)
-    @rule(prompt=st.integers(1, 48), new=st.integers(1, 40), prefix=st.integers(-1, 2),
-          stop=st.one_of(st.none(), st.integers(0, 96)), min_tokens=st.integers(0, 4))
+    @rule(**ARRIVAL)
     def arrive(self, prompt, new, prefix, stop, min_tokens):
-        """A new request, sharing one of three prefixes or none, perhaps with a stop token (the synthetic
-        runner's token is (position + 1) mod 97)."""
+        """A new request (at most 24 in all), sharing one of three prefixes or none, perhaps with a stop
+        token (the runner's tokens are hashes mod 97, so a stop token ends about one output in 97)."""
+        if len(self.sent) >= 24:
+            return
         new = max(min(new, MAX_LEN - prompt), 1)
         ids = self.rng.integers(0, 512, prompt) if prefix < 0 else \
             np.concatenate([self.prefixes[prefix], self.rng.integers(0, 512, 48)])[:prompt]
         params = SamplingParams(new, stop_token_ids=() if stop is None else (stop,), min_tokens=min(min_tokens, new))
         self.sent[self.engine.add_request(ids, params)] = self.steps
 
-    @precondition(lambda self: self.engine.requests)
     @rule(pick=st.integers(0, 10 ** 6))
     def abort(self, pick):
         """A client goes away: a waiting or running request is aborted between steps."""
         live = sorted(self.engine.requests)
+        if not live:
+            return
         rid = live[pick % len(live)]
         running = {r.req_id for r in self.engine.scheduler.running}
         out = self.engine.abort_request(rid)
@@ -141,33 +163,35 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert tier is None or (rid not in tier.tier_pins and rid not in tier.loading and rid not in tier._retry)
         assert self.engine.finished[rid].finish_reason == "abort" and len(out.token_ids) < out_max(self.engine, rid)
 
-    @precondition(lambda self: len(self.sent) < 24 and self.engine.finished)
     @rule(pick=st.integers(0, 10 ** 6), extra=st.integers(0, 12), new=st.integers(1, 8))
     def follow_up(self, pick, extra, new):
         """The next turn of a finished request: its prompt, its output and `extra` new tokens."""
         done = list(self.engine.finished.values())
+        if len(self.sent) >= 24 or not done:
+            return
         r = done[pick % len(done)]
         ids = np.concatenate([r.prompt_ids, np.asarray(r.output_ids, np.int32),
                               self.rng.integers(0, 512, extra)]).astype(np.int32)
         if ids.size + new <= MAX_LEN:
             self.sent[self.engine.add_request(ids, SamplingParams(new), salt=r.salt)] = self.steps
 
-    @precondition(lambda self: self.engine.tiers[0] is not None)
     @rule(pick=st.integers(0, 10 ** 6))
     def tier_loses_a_chunk(self, pick):
         """A chunk disappears from the secondary tier (another process deleted it, say): between a lookup
         that answered HIT and its load, or at any other moment."""
+        if self.engine.tiers[0] is None:
+            return
         tier = self.engine.tiers[0].tiers[0]
         keys = tier.keys()
         if keys:
             assert tier.discard(keys[pick % len(keys)])
 
-    @precondition(lambda self: self.engine.tiers[0] is not None)
     @rule()
     def reset_prefix_cache(self):
         """Every device and host hash is forgotten (vLLM's reset_prefix_cache): the next turns find their
         prefixes only in the secondary tier, pinned pages stay pinned and loads in flight land."""
-        self.engine.reset_prefix_cache()
+        if self.engine.tiers[0] is not None:
+            self.engine.reset_prefix_cache()
 
     @rule(n=st.integers(1, 6))
     def step(self, n):
@@ -219,6 +243,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert req.num_computed_tokens <= req.num_tokens - 1 or not req.output_ids  # rejected drafts rolled back
             assert len(req.spec_token_ids) <= self.deploy.num_speculative_tokens
 
+    def _coverage(self) -> None:
+        """Report (--hypothesis-show-statistics) which KV paths the example took."""
+        c, eng = self.runner.counts, self.engine
+        for what in ("PageCopy", "SaveKV", "LoadKV", "ResetLease", "TierStore", "TierLoad", "hot_hits", "hot_misses",
+                     "staged_rows"):
+            if c[what]:
+                event(f"ran {what}")
+        if any(self.aborted.values()):
+            event("aborted a running request")
+        if self.deploy.num_speculative_tokens and eng.scheduler.spec.num_drafts:
+            event("verified drafts")
+
     @staticmethod
     def _tier_holders(tier, held) -> None:
         """Count into `held` (per group, per host page) the host tier's own references: loads in flight
@@ -241,15 +277,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.steps += 1
             assert self.steps - start <= bound, f"requests starve: {sorted(eng.requests)}"
         assert set(eng.finished) == set(self.sent)  # every request finished
+        model = self.runner.model
         for rid, r in eng.finished.items():
+            # every token is the one its request gets with all its KV resident: no row was served a
+            # wrong, stale or swapped page (aborted requests: the tokens they got)
+            want = model.expected(r.prompt_ids, r.output_ids, r.params)
+            assert tuple(r.output_ids) == want, (
+                f"{rid}: tokens {list(r.output_ids)} differ from the all-resident reference {list(want)}: a row was "
+                f"served KV that is not its own")
+            out, p = r.output_ids, r.params
+            stops = [j for j, t in enumerate(out) if t in p.stop_token_ids]  # none before min_tokens (masked)
             if rid in self.aborted:
                 assert r.finish_reason == "abort"
-            elif r.finish_reason == "stop":  # the first stop token at or past min_tokens, and nothing after it
-                out, p = r.output_ids, r.params
-                assert out[-1] in p.stop_token_ids and len(out) >= p.min_tokens
-                assert not any(t in p.stop_token_ids for t in out[max(p.min_tokens - 1, 0):-1])
+            elif r.finish_reason == "stop":  # the first stop token, at or past min_tokens, ends the output
+                assert stops == [len(out) - 1] and len(out) > p.min_tokens
             else:
-                assert r.finish_reason == "length" and len(r.output_ids) == r.params.max_new_tokens
+                assert r.finish_reason == "length" and len(out) == p.max_new_tokens and not stops
+        self._coverage()
         sch = eng.scheduler
         if self.deploy.num_speculative_tokens and any(len(r.output_ids) > 2 for r in eng.finished.values()):
             assert sch.spec.num_drafts > 0  # drafts were verified
@@ -276,8 +320,8 @@ class HiSparseTierMachine(SchedulerMachine):
     and host pools forgot them): drawn from every policy above, a run with the tier comes up a few times
     in a hundred and rarely lives long enough for a page to come back from the tier."""
 
-    @initialize(tier=st.sampled_from([0, 2]), **SIZES)
-    def setup(self, seqs, budget, pool_scale, host_scale, index_ratio, hot_rows, tier):
+    @initialize(tier=st.sampled_from([0, 2]), first=FIRST, **SIZES)
+    def setup(self, seqs, budget, pool_scale, host_scale, index_ratio, hot_rows, tier, first):
         self._setup("hisparse", seqs, budget, pool_scale, host_scale, True, index_ratio, hot_rows, False, tier)
         for p in self.prefixes:
             self.sent[self.engine.add_request(p, SamplingParams(1))] = self.steps
@@ -285,6 +329,8 @@ class HiSparseTierMachine(SchedulerMachine):
             self.engine.step()
         self.engine.reset_prefix_cache()
         assert self.engine.tiers[0].tiers[0].keys()  # written through
+        for r in first:
+            self.arrive(**r)
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
@@ -292,3 +338,33 @@ SchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_co
 HiSparseTierMachine.TestCase.settings = SchedulerMachine.TestCase.settings
 test_scheduler_state_machine = SchedulerMachine.TestCase
 test_hisparse_behind_a_tier_state_machine = HiSparseTierMachine.TestCase
+
+
+class _SwapsTwoPages(ContentRunner):
+    """Fault injection: once, after a plan's transfers, the contents of two device pages of `group` that a
+    row reads whole before its start change places, as if the pool served one page for the other."""
+
+    group = "mla"
+    swapped = False
+
+    def _tokens(self, plan):
+        n = self.tpb[self.group]
+        for i, row in enumerate(plan.rows):
+            pages = sorted({b for b in plan.block_tables[self.group][i][: row.start // n] if b >= 0})
+            if not self.swapped and len(pages) >= 2:
+                a, b = self._pages(self.group, pages[:2])
+                self.dev[self.group][a], self.dev[self.group][b] = self.dev[self.group][b], self.dev[self.group][a]
+                self.swapped = True
+        return super()._tokens(plan)
+
+
+@pytest.mark.parametrize("group", ["mla", "indexer"])
+def test_wrong_page_is_caught(group):
+    """The machine on a runner that swaps two pages' contents once fails on the token check (and nothing
+    else), so the machine above would see a policy or a pool that serves a wrong page."""
+    runner = type("Swaps", (_SwapsTwoPages,), {"group": group})
+    machine = type("Faulty", (SchedulerMachine,), {"runner_class": runner})
+    with pytest.raises(AssertionError, match="differ from the all-resident reference"):
+        run_state_machine_as_test(machine, settings=settings(
+            SchedulerMachine.TestCase.settings, max_examples=20, derandomize=True, database=None,
+            phases=[Phase.generate]))

@@ -4,6 +4,7 @@ and the committed result is what the code computes today."""
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,26 @@ from glm53.perfmodel import calibration as cal
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_every_published_row_cites_a_source_with_an_excerpt():
+# the fields of a published row that are figures read off its source (shapes included)
+FIGURES = ("m", "n", "k", "tflops", "gbps", "busbw_gbps", "algbw_gbps", "time_us", "time_ms", "time_ms_max", "speedup")
+
+
+def test_every_published_figure_is_in_its_sources_excerpt():
+    """Each row cites a known source, and each figure it holds is a number of its verbatim excerpt (up to
+    a factor of 1000: "3 TB/s" is 3,000 GB/s, "6435MB/s" 6.435 GB/s), so a mistyped figure fails. A
+    time_us converted from the source's milliseconds is checked as its time_ms."""
     pub = cal.load_published()
     for cat, rows in pub.items():
-        if isinstance(rows, list):
-            for r in rows:
-                assert r["source"] in pub["sources"] and r["excerpt"], (cat, r)
+        if not isinstance(rows, list):
+            continue
+        for r in rows:
+            assert r["source"] in pub["sources"], (cat, r)
+            quoted = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", r["excerpt"].replace(",", ""))]
+            for key in FIGURES:
+                v = r.get(key)
+                if v is None or (key == "time_us" and "unit_note" in r):
+                    continue
+                assert any(math.isclose(v, x * f, rel_tol=1e-9) for x in quoted for f in (1, 1e3, 1e-3)), (cat, key, r)
     assert len(cal.gemm_rows(pub)) == 28
 
 
@@ -36,10 +51,12 @@ def test_the_fit_is_the_best_on_its_grid_and_holds_out_half_the_rows():
     for d in ((0.01, 0, 0), (-0.01, 0, 0), (0, 0, 0.5e-6), (0, 0, -0.5e-6)):
         other = cal.GemmFit(fit.compute_eff + d[0], min(1.0, fit.memory_eff + d[1]), max(0.0, fit.launch_s + d[2]))
         assert cal._log_err(fit, train) <= cal._log_err(other, train)
-    assert len(res["holdout_rows"]) == len(rows) - len(train) == 14
-    errs = [fit.time_s(r) / r.measured_s - 1 for r in rows[1::2]]
-    assert res["holdout_mean_abs_rel_error"] == pytest.approx(sum(map(abs, errs)) / len(errs))
-    assert all(math.isfinite(e) for e in errs)
+    # held out: the odd rows, none of which the fit saw; the fitted model times them within 20% on average
+    # and 50% at worst (0.15 and 0.44 when written: a roofline misses DeepGEMM's shape-specific tiling)
+    held = res["holdout_rows"]
+    assert [(h["m"], h["n"], h["k"]) for h in held] == [(r.m, r.n, r.k) for r in rows[1::2]]
+    assert all(h["predicted_us"] == pytest.approx(fit.time_s(r) * 1e6) for h, r in zip(held, rows[1::2]))
+    assert res["holdout_mean_abs_rel_error"] < 0.2 and res["holdout_max_abs_rel_error"] < 0.5
 
 
 def test_the_committed_calibration_is_current():
@@ -57,25 +74,34 @@ def test_the_calibrated_h200_holds_what_the_fits_give():
     assert HARDWARE["h200"] is H200_CALIBRATED  # what the simulator's configs name
 
 
-def test_collective_efficiency_is_the_median_of_the_even_intranode_rows():
+def test_collective_efficiencies_hold_on_the_rows_they_were_not_fitted_on():
+    """Link efficiencies from the even intranode NVLink4 rows of each family: between its rows' lowest and
+    highest bus bandwidth over 450 GB/s, and the odd rows' bandwidths within 15% of what it predicts (all-
+    to-all: -12.6% and +4.9%; all-reduce +6.7%, NVLS beating the ring bound, capped at 1)."""
     rows = cal.collective_rows()
     assert rows and all(r["interconnect"].startswith("NVLink4/NVSwitch") for r in rows)  # no H800, no RDMA
     fams = cal.calibrate_collectives()["families"]
-    a2a = [r["busbw_gbps"] for r in rows if r["family"] == "all_to_all"]
-    assert len(a2a) == 5
-    assert fams["all_to_all"]["efficiency"] == round(sorted(a2a[0::2])[1] * 1e9 / cal.NVLINK4_ONE_WAY, 2)
-    held = fams["all_to_all"]["holdout_rows"]
-    assert [h["busbw_gbps"] for h in held] == a2a[1::2]
-    assert all(h["rel_error"] == pytest.approx(h["busbw_gbps"] / h["predicted_busbw_gbps"] - 1) for h in held)
-    assert fams["all_reduce"]["efficiency"] == 1.0 < fams["all_reduce"]["efficiency_uncapped"]  # NVLS beats the ring bound
+    for name in ("all_to_all", "all_reduce"):
+        fam = fams[name]
+        bws = [r["busbw_gbps"] * 1e9 / cal.NVLINK4_ONE_WAY for r in rows if r["family"] == name]
+        held = fam["holdout_rows"]
+        assert len(fam["train_rows"]) + len(held) == len(bws) and held, name
+        assert min(bws) <= fam["efficiency_uncapped"] <= max(bws), name
+        for h in held:
+            assert abs(h["busbw_gbps"] / (fam["efficiency"] * cal.NVLINK4_ONE_WAY / 1e9) - 1) < 0.15, (name, h)
+    assert fams["all_reduce"]["efficiency"] == 1.0 < fams["all_reduce"]["efficiency_uncapped"]
 
 
 def test_the_checks_compare_against_every_usable_row():
     mla = cal.calibrate_sparse_mla()
     # FlashMLA's decode rows with a shape (the README's peak claims have none) and the H200 row at GLM's shape
     assert sorted(round(r["measured_tflops"]) for r in mla["train_rows"] + mla["holdout_rows"]) == [100, 250, 410, 460]
+    # the host link model (50 GB/s one way, loads and stores one after the other): within 30% of every
+    # one-direction row, and never above a concurrent read + write row (it leaves the duplex on the table)
     host = cal.check_host_copy()
-    assert len(host["rows"]) == len(cal.load_published()["host_copy"])
+    assert [r["measured_gbps"] for r in host["rows"]] == [r["gbps"] for r in cal.load_published()["host_copy"]]
+    for r in host["rows"]:
+        assert (r["rel_error"] >= 0) if r["direction"] == "both" else (abs(r["rel_error"]) < 0.3), r
 
 
 def test_the_sparse_mla_fit_solves_its_two_rows_and_holds_out_the_others():
@@ -133,27 +159,35 @@ def test_the_indexer_fit_is_the_best_on_its_grid_and_holds_out_the_contiguous_ro
 
 
 def test_the_calibrated_kernels_are_used_only_by_the_calibrated_spec():
+    """The calibrated spec times DeepGEMM's indexer within 5% of every published row; the datasheet spec is
+    the roofline (no fixed time), over 25% faster than each of them; its sparse MLA counts the 8 useful
+    heads of a TP8 GPU, not FlashMLA's 64-head CTAs."""
     from glm53.config import get_preset
-    from glm53.perfmodel import H200, H200_CALIBRATED, indexer_scores, sparse_mla
+    from glm53.perfmodel import H200, H200_CALIBRATED, sparse_mla
 
     cfg = get_preset("glm-5.3")
     assert H200_CALIBRATED.flashmla_kernels and not H200.flashmla_kernels
     old = sparse_mla(cfg, H200, 8, 2048, 8)  # the roofline: 8 useful heads, no fixed time
     assert old.latency_s == 0 and old.flops == 8 * 2048 * 8 * 2176
-    idx = indexer_scores(cfg, H200_CALIBRATED, 2048, 30_000)
-    assert idx.compute_s == pytest.approx(idx.flops / (H200.fp8_flops * 0.59)) and idx.latency_s == 13e-6
+    for r in cal.indexer_rows():
+        assert cal.indexer_time(r, H200_CALIBRATED) == pytest.approx(r["measured_s"], rel=0.05), r
+        assert cal.indexer_time(r, H200) < 0.75 * r["measured_s"], r
 
 
 def test_the_datasheet_spec_prices_gemms_as_before():
-    """The datasheet H200 has no GEMM fields: a GEMM is the plain roofline at matmul_efficiency."""
+    """The datasheet H200 has no GEMM fields: a GEMM is the plain roofline at matmul_efficiency. The
+    calibrated spec prices every DeepGEMM shape as the fitted model (calibration.GemmFit) does on H200's
+    peaks: the cost model and the fit are two implementations of one formula."""
     from glm53.perfmodel import H200, H200_CALIBRATED
     from glm53.perfmodel.cost import _gemm, _kernel
 
     a = _gemm("g", H200, flops=2e12, hbm_bytes=1e9, dtype="fp8")
     b = _kernel("g", H200, flops=2e12, hbm_bytes=1e9, dtype="fp8")
     assert a.time_s == b.time_s and a.latency_s == 0
-    c = _gemm("g", H200_CALIBRATED, flops=2e12, hbm_bytes=1e9, dtype="fp8")
-    assert c.time_s == pytest.approx(2e12 / (H200.fp8_flops * 0.68) + 4.5e-6)
+    fit = cal.GemmFit(**cal.calibrate_gemm()["fit"])
+    for r in cal.gemm_rows():
+        c = _gemm("g", H200_CALIBRATED, flops=r.flops, hbm_bytes=r.bytes, dtype="fp8")
+        assert c.time_s == pytest.approx(fit.time_s(r, H200.fp8_flops, H200.hbm_bandwidth), rel=1e-9), r
 
 
 @pytest.mark.parametrize("name", ["collectives", "sparse_mla", "indexer", "host_copy", "calibrated_spec"])
