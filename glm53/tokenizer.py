@@ -113,16 +113,18 @@ class TextStream:
 
     Decoding is incremental (each token decodes a window of the last few tokens, so a sequence of n tokens
     costs O(n), not O(n^2)): the window starts at the last token whose text was released and grows until
-    its text no longer ends in an incomplete character (U+FFFD), which waits for the next token. Tokens in
-    `eos` add no text. A stop string counts only once more than `min_tokens` tokens are out (vLLM's rule)
-    and only where it ends in the text the latest token added; the text ends before it (`stopped_by`
-    names it). Text that could still be the start of a stop string (its last max(len) - 1 characters) is
-    held back until the next token or the flush."""
+    its text no longer ends in an incomplete character (U+FFFD), which waits for the next token. A token of
+    `stop_token_ids` (the request's: its EOS and vLLM's stop_token_ids) that ends the sequence, i.e. one
+    that comes once `min_tokens` tokens are out (the engine's rule, `Request.check_stop`), adds no text:
+    vLLM drops the text of the token that terminated a request. A stop string counts only once more than
+    `min_tokens` tokens are out (vLLM's rule) and only where it ends in the text the latest token added;
+    the text ends before it (`stopped_by` names it). Text that could still be the start of a stop string
+    (its last max(len) - 1 characters) is held back until the next token or the flush."""
 
-    def __init__(self, tokenizer, stop: Iterable[str] = (), eos: Iterable[int] = (), min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: Iterable[str] = (), stop_token_ids: Iterable[int] = (), min_tokens: int = 0):
         self.tok = tokenizer
         self.stop = tuple(dict.fromkeys(s for s in stop if s))
-        self.eos = frozenset(eos)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.min_tokens = min_tokens
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -137,7 +139,7 @@ class TextStream:
         self.count += 1
         if self.stopped_by is None:
             new = ""
-            if token not in self.eos:
+            if token not in self.stop_token_ids or self.count < self.min_tokens:
                 self.ids.append(int(token))
                 new = self._decode(final=False)
             self._grow(new)

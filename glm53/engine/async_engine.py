@@ -15,11 +15,14 @@ the next step boundary.
     engine.shutdown()                                  # abort what runs, stop the thread
 
 No request can stop the thread. A request is validated when it is added (`Engine.add_request`; the
-error is raised in the client's task). An exception while a step executes fails that step's requests
-(`glm53.engine.engine.StepError`: each ends with finish_reason "error" and the exception in
-`Ended.error`) and the thread steps on; only `MAX_CONSECUTIVE_STEP_FAILURES` failed steps in a row, or an
-error the engine cannot recover from (a failing `schedule`, a failed step it cannot repair), stop it:
-then `error` is set (the server's /health answers 503) and every request ends with "error".
+error is raised in the client's task). An exception while a step schedules or executes fails the
+requests it touched (`glm53.engine.engine.StepError`: each ends with finish_reason "error" and the
+exception in `Ended.error`) and the thread steps on. While the last `MAX_CONSECUTIVE_STEP_FAILURES` steps
+all failed the engine reports itself unhealthy (`healthy`: the server's /health answers 503) but keeps
+serving, and one step that succeeds makes it healthy again: a step that keeps failing whatever it runs
+(device memory lost, say) is worth a probe's attention, yet a restart would lose what still works. Only
+an error the engine cannot repair (a failed step that left its state inconsistent) stops the thread:
+then `error` is set, /health stays 503 and every request ends with "error".
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import traceback
@@ -35,8 +39,8 @@ from collections.abc import AsyncIterator
 from glm53.engine.engine import Engine, StepError
 from glm53.engine.request import SamplingParams
 
-# failed steps in a row after which the engine counts as broken (a step that keeps failing whatever it
-# runs, e.g. device memory lost, rather than one bad batch)
+# failed steps in a row from which the engine reports itself unhealthy (a step that keeps failing whatever
+# it runs, e.g. device memory lost, rather than one bad batch) until a step succeeds
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
@@ -86,6 +90,9 @@ class AsyncEngine:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self._cmds: collections.deque = collections.deque()
+        # held while a command is queued and while the thread stops taking them, so no command is queued
+        # after the thread drained the queue for the last time (its client would wait forever)
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         # req_id -> (client loop, client queue, its TextStream or None)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = {}
@@ -94,10 +101,28 @@ class AsyncEngine:
         self.error: BaseException | None = None  # what stopped the engine thread, if anything did
         self.consecutive_failures = 0  # failed steps since the last step that succeeded
         self.failed_steps = 0  # failed steps in all
+        self.last_failure: BaseException | None = None  # the exception of the latest failed step
 
     def start(self) -> AsyncEngine:
         self._thread.start()
         return self
+
+    @property
+    def healthy(self) -> bool:
+        """Serving, and not MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row since the last that
+        succeeded."""
+        return self.error is None and not self._stop and self.consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why `healthy` is False (None while it is True)."""
+        if self.error is not None:
+            return f"the engine stopped: {self.error!r}"
+        if self._stop:
+            return "the engine is shutting down"
+        if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            return f"the last {self.consecutive_failures} steps failed; the last: {self.last_failure!r}"
+        return None
 
     # ---------------------------------------------------------------------------------- client side
     async def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None,
@@ -127,23 +152,23 @@ class AsyncEngine:
     def abort_nowait(self, req_id: str) -> None:
         """Queue an abort of `req_id` without waiting for it (from a cancelled task's cleanup); a no-op
         once the engine stopped or the request finished."""
-        if not self._stop and self.error is None:
-            self._cmds.append(("abort", req_id, None))
-            self._wake.set()
+        with contextlib.suppress(RuntimeError):
+            self._submit(("abort", req_id, None))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort every live request (their streams end), stop the thread, shut the engine down (tiers,
         event sockets). Idempotent."""
         if self._thread.is_alive():
-            if not self._stop and self.error is None:
+            with contextlib.suppress(RuntimeError):  # it stopped meanwhile
                 self._submit(("stop",))
             self._thread.join(timeout_s)
         self.engine.shutdown()
 
     def _submit(self, cmd) -> None:
-        if self._stop or (self.error is not None):
-            raise RuntimeError(f"the engine is stopped{f': {self.error!r}' if self.error else ''}")
-        self._cmds.append(cmd)
+        with self._lock:
+            if self._stop or (self.error is not None):
+                raise RuntimeError(f"the engine is stopped{f': {self.error!r}' if self.error else ''}")
+            self._cmds.append(cmd)
         self._wake.set()
 
     # ---------------------------------------------------------------------------------- engine side
@@ -154,13 +179,18 @@ class AsyncEngine:
                 while self._cmds:
                     cmd = self._cmds.popleft()
                     if cmd[0] == "stop":
-                        self._stop = True
                         for rid in list(eng.requests):
                             eng.abort_request(rid)
                             self._end(rid)
-                        self._fail_pending(RuntimeError("the engine is shutting down"))
+                        self._close(RuntimeError("the engine is shutting down"))
                         return
-                    self._apply(cmd)
+                    try:
+                        self._apply(cmd)
+                    except BaseException as e:  # the engine failed applying it: its client learns why
+                        fut = cmd[-1]
+                        if isinstance(fut, concurrent.futures.Future) and not fut.done():
+                            fut.set_exception(e)
+                        raise
                 if eng.has_unfinished():
                     try:
                         out = eng.step()
@@ -175,21 +205,25 @@ class AsyncEngine:
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - reported to every client instead of dying silently
             self.error = e
-            self._stop = True
             traceback.print_exception(e)
             for rid in list(self._streams):
                 self._end(rid, Ended("error", error=f"the engine stopped: {e!r}"))
-            self._fail_pending(e)
+            self._close(e)
+
+    def _close(self, e: BaseException) -> None:
+        """Take no more commands, and fail the futures of those still queued with `e`."""
+        with self._lock:
+            self._stop = True
+        self._fail_pending(e)
 
     def _step_failed(self, e: StepError) -> None:
         self.failed_steps += 1
         self.consecutive_failures += 1
+        self.last_failure = e.error
         print(f"glm53 engine: a step failed ({len(e.failed)} request(s) finished with 'error'):", flush=True)
         traceback.print_exception(e.error)
-        for rid, err in e.failed.items():
-            self._end(rid, error=f"{type(err).__name__}: {err}")
-        if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-            raise RuntimeError(f"{self.consecutive_failures} steps in a row failed; the last: {e.error!r}") from e
+        for rid in e.failed:
+            self._end(rid)
 
     def _deliver(self, out) -> None:
         """Hand a step's tokens (and their text) to their clients; end the requests that finished."""
@@ -225,7 +259,7 @@ class AsyncEngine:
             if fut is not None:
                 fut.set_result(None)
 
-    def _end(self, rid: str, ended: Ended | None = None, error: str | None = None) -> None:
+    def _end(self, rid: str, ended: Ended | None = None) -> None:
         """Send rid's Ended (by default: from its finished record) and drop its stream."""
         entry = self._streams.pop(rid, None)
         if entry is None:
@@ -233,8 +267,10 @@ class AsyncEngine:
         loop, queue, text = entry
         if ended is None:
             req = self.engine.finished[rid]
+            # an aborted or failed request's held-back text is not its output (nor is a failing stream flushed)
+            flush = text is not None and req.finish_reason not in ("abort", "error")
             ended = Ended(req.finish_reason or "length", len(req.output_ids), req.num_cached_tokens,
-                          text.flush() if text is not None and req.finish_reason != "abort" else "", error)
+                          text.flush() if flush else "", req.error)
         loop.call_soon_threadsafe(queue.put_nowait, ended)
 
     def _fail_pending(self, e: BaseException) -> None:

@@ -9,7 +9,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-SEED_LIMIT = 1 << 63  # seeds are int64, as OpenAI's and vLLM's APIs take them
+SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64, as OpenAI's and vLLM's APIs take them: [lo, hi)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses. field: the engine's name of what is wrong (a SamplingParams field,
+    "prompt_ids", "salt", "kv_peer"), so a server can name its own field for it without reading the
+    message."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,28 +42,29 @@ class SamplingParams:
 
     def __post_init__(self):
         if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) \
-                or not -SEED_LIMIT <= self.seed < SEED_LIMIT:
-            raise ValueError(f"seed must be an int in [-2^63, 2^63), got {self.seed!r}")
+                or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise RequestError("seed", f"seed must be an int in [-2^63, 2^63), got {self.seed!r}")
         object.__setattr__(self, "seed", int(self.seed))  # a numpy integer becomes a Python int (prng_seed's math)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+            raise RequestError("max_new_tokens", f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if not self.greedy and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+            raise RequestError("temperature", f"temperature must be > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {ids!r}")
+            raise RequestError("stop_token_ids", f"stop_token_ids must be a tuple of token ids >= 0, got {ids!r}")
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {m!r}")
+            raise RequestError("min_tokens",
+                               f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {m!r}")
 
     @property
     def prng_seed(self) -> int:
-        """`seed` as the sampler's uint32 PRNG seed: a seed in [0, 2^32) is itself (tokens sampled before
-        the int64 range was accepted stay the same); any other is folded from its two's-complement 64 bits
-        (low word + high word x an odd constant, mod 2^32). Equal seeds give equal keys; a 64-to-32-bit map
-        must send some distinct seeds to one key."""
+        """`seed` as the sampler's uint32 PRNG seed: a seed in [0, 2^32) is itself (so such a seed samples
+        what the sampler always gave it); any other is folded from its two's-complement 64 bits (low word +
+        high word x an odd constant, mod 2^32). Equal seeds give equal keys; a 64-to-32-bit map must send
+        some distinct seeds to one key."""
         s = self.seed % (1 << 64)
         return (s + (s >> 32) * 0x9E3779B1) % (1 << 32)
 
@@ -91,6 +102,7 @@ class Request:
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     scheduled_s: float | None = None  # when a step first scheduled it (the end of its queue time)
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"; set when it finishes
+    error: str | None = None  # with finish_reason "error": what failed (its step, or its stop_check)
     num_cached_tokens: int = 0  # prompt tokens its first admission found in a cache (not computed)
     # MTP: draft tokens proposed after its last step, verified by its next one (vLLM's spec_token_ids);
     # positions num_tokens .. num_tokens + len - 1. Dropped when it is preempted.
@@ -129,10 +141,15 @@ class Request:
 
     def check_stop(self) -> str | None:
         """Why the request is done after the token just appended: "stop" (a stop token, or `stop_check`
-        found a stop string), "length" (max_new_tokens), or None (not done). Call it once per generated
-        token, in order: it hands that token to `stop_check`."""
+        found a stop string), "length" (max_new_tokens), "error" (`stop_check` raised: the exception is in
+        `error`; this request alone ends, the step and the others go on), or None (not done). Call it once
+        per generated token, in order: it hands that token to `stop_check`."""
         out = self.output_ids
-        text_stop = self.stop_check(out[-1]) if self.stop_check is not None and out else None
+        try:
+            text_stop = self.stop_check(out[-1]) if self.stop_check is not None and out else None
+        except Exception as e:  # noqa: BLE001 - a client's detokenizer failing is that request's end, not the step's
+            self.error = f"its stop check failed: {type(e).__name__}: {e}"
+            return "error"
         if out and out[-1] in self.params.stop_token_ids and len(out) >= self.params.min_tokens:
             return "stop"
         if text_stop is not None:

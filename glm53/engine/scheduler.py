@@ -31,7 +31,7 @@ import numpy as np
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.plan import PlanRow, ResolveRecord, StageRecord, StepPlan, StepResult
-from glm53.engine.request import Request, Status
+from glm53.engine.request import Request, RequestError, Status
 from glm53.engine.spec_decode import SpecDecodeStats
 from kvcache.block_pool import KVCacheManager
 from kvcache.policy import KVPolicy, PreemptPolicy
@@ -131,14 +131,14 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue `req`; a request that could never run under the policy (it needs more device blocks at
-        once than the pool has, `KVPolicy.device_blocks`) is refused with a ValueError naming both."""
+        once than the pool has, `KVPolicy.device_blocks`) is refused with a RequestError naming both."""
         need = self.policy.device_blocks(self.kv, self._max_tokens(req))
         if need > self.kv.pool.num_blocks:
-            raise ValueError(f"request {req.req_id!r} of {self._max_tokens(req)} tokens needs {need} device blocks at "
-                             f"once under kv_policy={self.deploy.kv_policy!r} but the pool has "
-                             f"{self.kv.pool.num_blocks} (num_gpu_blocks): raise num_gpu_blocks or shorten the "
-                             "request" + ("" if self.deploy.kv_policy == "hisparse" else
-                                          "; kv_policy='hisparse' keeps most of a long request's KV in host memory"))
+            raise RequestError("prompt_ids", f"request {req.req_id!r} of {self._max_tokens(req)} tokens needs {need} "
+                               f"device blocks at once under kv_policy={self.deploy.kv_policy!r} but the pool has "
+                               f"{self.kv.pool.num_blocks} (num_gpu_blocks): raise num_gpu_blocks or shorten the "
+                               "request" + ("" if self.deploy.kv_policy == "hisparse" else
+                                            "; kv_policy='hisparse' keeps most of a long request's KV in host memory"))
         self.waiting.append(req)
         self.requests[req.req_id] = req
 
@@ -191,6 +191,34 @@ class Scheduler:
             self._unfit = None
         req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, reason
         return req
+
+    def fail_all(self, now_s: float) -> list[Request]:
+        """Finish every request with finish_reason "error" after `schedule` raised part way through -> them.
+        Besides the running and waiting ones (released as `abort` releases them), a request the failed
+        schedule left half admitted (its prefix taken, or taken off the queue and not yet running) has its
+        admission undone (`KVPolicy.forget`) and is dropped like a waiting one."""
+        failed = []
+        for req in list(self.requests.values()):
+            rid = req.req_id
+            if req in self.running:
+                self.running.remove(req)
+                self.policy.on_finish(self.kv, req)
+            else:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                if rid in self.kv.requests:  # half admitted
+                    self.policy.forget(self.kv, req)
+                    self.kv.free(rid, keep_hashes=True)
+                self.policy.drop(self.kv, req)
+                self.kv.drop_kept_hashes(rid)
+            if rid in self.kv.requests:
+                self.kv.free(rid)
+            del self.requests[rid]
+            req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, "error"
+            failed.append(req)
+        self.lost_tokens.clear()
+        self._unfit = None
+        return failed
 
     def schedule(self) -> StepPlan:
         counted = self.has_requests
