@@ -12,6 +12,9 @@ them unchanged. glm53.serve validates every request against these before anythin
 - Responses: completions and chat completions, whole and streamed (one chunk per token, vLLM's
   `stop_reason` and `token_ids` extras), `UsageInfo`, `ModelCard` / `ModelList`, `TokenizeResponse`,
   `DetokenizeResponse`, `VersionResponse`.
+- Bodies: `parse_body` reads a request body for the server and the router alike (a JSON object; NaN,
+  infinities and lone UTF-16 surrogates, which JSON may spell but the engine cannot take, are a 400
+  naming the field).
 - Errors: every status the server and the router return (400, 401, 404, 405, 413, 500, 503) has one
   body, `ErrorResponse`: {"error": {"message", "type", "param", "code"}} (vLLM's and OpenAI's shape),
   built by `error_body`; `install_error_answers` makes a FastAPI app answer its own errors (unknown
@@ -25,6 +28,7 @@ failed; always with HTTP 500 when not streamed).
 from __future__ import annotations
 
 import json
+import math
 import time
 import traceback
 import uuid
@@ -37,7 +41,8 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-SEED_RANGE = (-(1 << 63), 1 << 63)  # int64, as OpenAI's API documents `seed`
+from glm53.engine.request import SEED_RANGE
+
 # request bodies above this are a 413 (a 1M-token prompt as token ids is ~8 MB of JSON)
 MAX_REQUEST_BYTES = 64 << 20
 FLOAT32_MAX = 3.4028234663852886e38  # temperatures beyond it are infinite in the sampler's float32
@@ -116,12 +121,10 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: Literal[False] | None = False  # vLLM's: a usage on every chunk, not served yet
 
 
-class CompletionRequest(OpenAIBaseModel):
-    """POST /v1/completions. prompt: a text, token ids, or a batch of either (one choice per prompt)."""
+class GenerationRequest(OpenAIBaseModel):
+    """The fields completions and chat completions share: sampling, stops, streaming, vLLM's extras."""
 
     model: str | None = None
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: Int | None = Field(default=16, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=FLOAT32_MAX)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: Seed | None = None
@@ -133,7 +136,6 @@ class CompletionRequest(OpenAIBaseModel):
     # vLLM's extras
     ignore_eos: bool = False
     min_tokens: Int = Field(default=0, ge=0)
-    add_special_tokens: bool = True
     cache_salt: str | None = None
     return_token_ids: bool | None = False
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's P/D fields (glm53.serve's pd_leg)
@@ -145,34 +147,22 @@ class CompletionRequest(OpenAIBaseModel):
         return self
 
 
-class ChatCompletionRequest(OpenAIBaseModel):
+class CompletionRequest(GenerationRequest):
+    """POST /v1/completions. prompt: a text, token ids, or a batch of either (one choice per prompt)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Int | None = Field(default=16, ge=1)
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions: the messages rendered with the checkpoint's chat template."""
 
-    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(default=None, ge=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=FLOAT32_MAX)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: Seed | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    min_tokens: Int = Field(default=0, ge=0)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
-    cache_salt: str | None = None
-    return_token_ids: bool | None = False
-    kv_transfer_params: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be given with stream=true")
-        return self
 
 
 class TextPart(OpenAIBaseModel):
@@ -358,6 +348,53 @@ class ErrorResponse(BaseModel):
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body -> the JSON object it holds. HTTPError 400 for a body that is not JSON (or not
+    UTF-8), JSON that is not an object, and a value that JSON text may spell but the server cannot carry
+    to the engine: NaN or an infinity (Python's json reads them) and a string with a lone UTF-16
+    surrogate (`"\\ud800"` is valid JSON but no text UTF-8 can encode: it would fail wherever the text is
+    encoded, e.g. when a cache_salt is hashed inside a step). Those name the top-level field they are in."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise HTTPError(400, "the request body is not JSON") from None
+    if not isinstance(data, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    for key, value in data.items():
+        if (problem := _unencodable(key) or _unencodable(value)) is not None:
+            field = key if _utf8(key) else None  # an error body must itself be UTF-8
+            raise HTTPError(400, f"{field or 'a field name'}: {problem}", field)
+    return data
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unencodable(value) -> str | None:
+    """What in a parsed JSON value the engine cannot take (see parse_body), else None; iterative, so a
+    deeply nested value cannot exhaust the stack."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            if not _utf8(v):
+                return "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return "NaN and Infinity are not numbers JSON can carry"
+        elif isinstance(v, list):
+            todo.extend(v)
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+    return None
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:

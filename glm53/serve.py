@@ -38,7 +38,7 @@ bad request (naming the field: wrong types or ranges, a prompt over max_model_le
 vocabulary, a parameter this server does not apply set to anything but its neutral value), 401 without
 the --api-key, 404 for an unknown model or route, 405, 413 for a body over MAX_REQUEST_BYTES, 500 when
 the step that ran the request failed (streamed: finish_reason "error"), 503 once the engine has stopped.
-No request stops the engine (glm53.engine.async_engine). A client that disconnects aborts its request
+No request stops the engine (glm53.engine.async_engine); /health is 503 while its last steps all failed. A client that disconnects aborts its request
 (its blocks are freed at the next step boundary). SIGTERM stops accepting requests, lets running ones
 finish for up to --shutdown-timeout seconds, aborts the rest and shuts the engine down (uvicorn then
 re-raises the signal, so the exit status is that of SIGTERM).
@@ -50,9 +50,11 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
 import random
+import re
 import secrets
 import time
 from typing import Any
@@ -63,9 +65,9 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from glm53.engine.config import DeployConfig
+from glm53.engine.request import SEED_RANGE, RequestError
 from glm53.protocol import (
     MAX_REQUEST_BYTES,
-    SEED_RANGE,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionRequest,
@@ -90,6 +92,7 @@ from glm53.protocol import (
     error_response,
     install_error_answers,
     new_id,
+    parse_body,
     send_error,
     unapplied_field,
 )
@@ -232,23 +235,12 @@ def _state(raw: Request) -> ServerState:
     return raw.app.state.server
 
 
-async def _json(raw: Request) -> dict:
-    """The request's body as a JSON object (400 for anything else)."""
-    try:
-        data = json.loads(await raw.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise HTTPError(400, "the request body is not JSON") from None
-    if not isinstance(data, dict):
-        raise HTTPError(400, "the request body must be a JSON object")
-    return data
-
-
 async def _parse(raw: Request, model: type[BaseModel], kind: str | None = None, data: dict | None = None):
-    """The request's JSON body (or `data`, read from it already) as `model`: 400 for what is not a JSON
-    object, for a field of UNAPPLIED[kind] set to a value this server would ignore, and for any invalid
-    field (named)."""
+    """The request's JSON body (or `data`, read from it already by protocol.parse_body) as `model`: 400
+    for what is not a JSON object or carries what the engine cannot take (NaN, lone surrogates), for a
+    field of UNAPPLIED[kind] set to a value this server would ignore, and for any invalid field (named)."""
     if data is None:
-        data = await _json(raw)
+        data = parse_body(await raw.body())
     if kind is not None and (bad := unapplied_field(kind, data)) is not None:
         raise HTTPError(400, bad[1], bad[0])
     try:
@@ -263,9 +255,10 @@ routes = APIRouter()
 
 @routes.get("/health")
 async def health(raw: Request):
+    """200 while the engine serves and its last steps did not all fail (AsyncEngine.healthy), else 503."""
     st = _state(raw)
-    if st.engine.error is not None:
-        return error_response(503, f"the engine stopped: {st.engine.error!r}")
+    if not st.engine.healthy:
+        return error_response(503, st.engine.unhealthy_reason or "the engine is unhealthy")
     return Response(status_code=200)
 
 
@@ -306,14 +299,14 @@ async def tokenize(raw: Request):
     """vLLM's /tokenize: a prompt (as /v1/completions encodes it) or messages (as /v1/chat/completions
     renders them) -> its token ids and count, beside max_model_len."""
     st = _state(raw)
-    data = await _json(raw)
+    data = parse_body(await raw.body())
     is_chat = "messages" in data  # the two request shapes differ by this key (vLLM's union)
     body = await _parse(raw, TokenizeChatRequest if is_chat else TokenizeCompletionRequest, data=data)
     st.check_model(body.model)
     if is_chat:
-        ids = st.tokenizer.encode(_render(st, body.messages, body.add_generation_prompt), body.add_special_tokens)
+        ids = await _encode(st, await _render(st, body.messages, body.add_generation_prompt), body.add_special_tokens)
     else:
-        ids = st.tokenizer.encode(body.prompt, body.add_special_tokens)
+        ids = await _encode(st, body.prompt, body.add_special_tokens)
     strs = st.tokenizer.token_strs(ids) if body.return_token_strs else None
     return TokenizeResponse(count=len(ids), max_model_len=st.deploy.max_model_len, tokens=ids,
                             token_strs=strs).model_dump()
@@ -333,7 +326,7 @@ async def completions(raw: Request):
     st = _state(raw)
     body = await _parse(raw, CompletionRequest, "completion")
     st.check_model(body.model)
-    return await _generate(st, raw, body, _prompts(st, body), body.max_tokens, chat=False)
+    return await _generate(st, raw, body, await _prompts(st, body), body.max_tokens, chat=False)
 
 
 @routes.post("/v1/chat/completions")
@@ -341,8 +334,7 @@ async def chat_completions(raw: Request):
     st = _state(raw)
     body = await _parse(raw, ChatCompletionRequest, "chat")
     st.check_model(body.model)
-    text = _render(st, body.messages, body.add_generation_prompt)
-    prompt = st.tokenizer.encode(text, body.add_special_tokens)
+    prompt = await _encode(st, await _render(st, body.messages, body.add_generation_prompt), body.add_special_tokens)
     if not prompt or len(prompt) >= st.deploy.max_model_len:
         raise HTTPError(400, f"the rendered chat has {len(prompt)} tokens; it must have 1 to "
                              f"max_model_len - 1 = {st.deploy.max_model_len - 1}", "messages")
@@ -368,16 +360,33 @@ async def _engine_call(awaitable):
         raise HTTPError(503, str(e)) from None
 
 
-def _render(st: ServerState, messages, add_generation_prompt: bool) -> str:
+# texts longer than this are tokenized (and chats rendered) in a worker thread, not on the event loop
+OFF_LOOP_CHARS = 1 << 16
+
+
+async def _off_loop(size: int, fn, *args):
+    """fn(*args), in a worker thread when `size` (characters) is large enough to hold up other clients."""
+    return await asyncio.to_thread(fn, *args) if size > OFF_LOOP_CHARS else fn(*args)
+
+
+async def _encode(st: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    return await _off_loop(len(text), st.tokenizer.encode, text, add_special_tokens)
+
+
+async def _render(st: ServerState, messages, add_generation_prompt: bool) -> str:
+    """The chat's prompt text under the checkpoint's template (400 naming messages without a template or
+    when the template fails on them)."""
+    if not st.tokenizer.chat_template:
+        raise HTTPError(400, "this model has no chat template: use /v1/completions", "messages")
+    msgs = [m.for_template() for m in messages]
+    size = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
     try:
-        return render_chat(st.tokenizer, [m.for_template() for m in messages], add_generation_prompt)
-    except ValueError as e:
-        raise HTTPError(400, str(e), "messages") from None
+        return await _off_loop(size, render_chat, st.tokenizer, msgs, add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - a template error is the request's messages' fault
         raise HTTPError(400, f"the chat template failed on these messages: {e}", "messages") from None
 
 
-def _prompts(st: ServerState, body: CompletionRequest) -> list[list[int]]:
+async def _prompts(st: ServerState, body: CompletionRequest) -> list[list[int]]:
     p = body.prompt
     if isinstance(p, str):
         p = [p]
@@ -385,7 +394,7 @@ def _prompts(st: ServerState, body: CompletionRequest) -> list[list[int]]:
         p = [p]
     if not p:
         raise HTTPError(400, "prompt must not be empty", "prompt")
-    out = [st.tokenizer.encode(x, body.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
+    out = [await _encode(st, x, body.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
     limit = st.deploy.max_model_len
     for i, ids in enumerate(out):
         which = f"prompt {i}" if len(out) > 1 else "the prompt"
@@ -398,17 +407,19 @@ def _prompts(st: ServerState, body: CompletionRequest) -> list[list[int]]:
     return out
 
 
-def _param_of(message: str) -> str:
-    """The request field an engine ValueError is about."""
-    if "stop_token_ids" in message:
-        return "stop_token_ids"
-    if "min_tokens" in message:
-        return "min_tokens"
-    if "max_model_len" in message or "max_new_tokens" in message:
-        return "max_tokens"
-    if "seed" in message:
-        return "seed"
-    return "prompt"
+# the request field each engine field (glm53.engine.request.RequestError.field) comes from
+_FIELDS = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "salt": "cache_salt", "kv_peer": "kv_transfer_params"}
+
+
+def _field(body, engine_field: str) -> str:
+    """The request field an engine RequestError about `engine_field` names."""
+    field = _FIELDS.get(engine_field, engine_field)
+    if isinstance(body, ChatCompletionRequest):
+        if field == "prompt":
+            return "messages"
+        if field == "max_tokens" and body.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return field
 
 
 def _sampling(st: ServerState, body, max_tokens: int, i: int):
@@ -417,17 +428,15 @@ def _sampling(st: ServerState, body, max_tokens: int, i: int):
     from glm53.engine.request import SamplingParams
 
     stops = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else tuple(st.tokenizer.eos_token_ids))
-    if body.seed is not None:
-        seed = (body.seed + i + SEED_RANGE[1]) % (2 * SEED_RANGE[1]) + SEED_RANGE[0]
-    else:
-        seed = random.getrandbits(31)
+    lo, hi = SEED_RANGE
+    seed = (body.seed + i - lo) % (hi - lo) + lo if body.seed is not None else random.getrandbits(31)
     temperature = 1.0 if body.temperature is None else body.temperature
     try:
         return SamplingParams(max_tokens, greedy=temperature < GREEDY_BELOW, temperature=max(temperature, GREEDY_BELOW),
                               top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
                               stop_token_ids=tuple(dict.fromkeys(stops)), min_tokens=body.min_tokens)
-    except ValueError as e:
-        raise HTTPError(400, str(e), _param_of(str(e))) from None
+    except RequestError as e:
+        raise HTTPError(400, str(e), _field(body, e.field)) from None
 
 
 def _stops(body) -> list[str]:
@@ -461,15 +470,16 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
     try:
         for i, ids in enumerate(prompts):
             n = max_tokens if max_tokens is not None else max(1, st.deploy.max_model_len - len(ids))
-            text = TextStream(st.tokenizer, _stops(body), st.tokenizer.eos_token_ids, body.min_tokens)
-            handle = await st.engine.add(ids, _sampling(st, body, n, i), salt=body.cache_salt or "", kv_peer=kv_peer,
+            params = _sampling(st, body, n, i)
+            text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
+            handle = await st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer,
                                          kv_lease=kv_lease, text=text)
             choices.append(_Choice(i, ids, handle, text))
     except BaseException as e:
         for c in choices:
             st.engine.abort_nowait(c.handle.req_id)
-        if isinstance(e, (ValueError, TypeError, OverflowError)):
-            raise HTTPError(400, str(e), _param_of(str(e))) from None
+        if isinstance(e, RequestError):
+            raise HTTPError(400, str(e), _field(body, e.field)) from None
         if isinstance(e, RuntimeError):
             raise HTTPError(503, str(e)) from None
         raise
@@ -499,15 +509,30 @@ def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int]:
     if not (ktp.get("do_remote_prefill") and role in ("kv_consumer", "kv_both")):
         return produce, None, 0
     host, port = ktp.get("remote_host"), ktp.get("remote_port")
-    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
-            or not 1 <= port <= 65535:
-        raise HTTPError(400, f"kv_transfer_params.do_remote_prefill needs remote_host (an address) and remote_port "
-                             f"(1-65535), got {host!r} and {port!r}", "kv_transfer_params")
+    if not _is_host(host) or isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise HTTPError(400, f"kv_transfer_params.do_remote_prefill needs remote_host (a host name or IP address) and "
+                             f"remote_port (1-65535), got {host!a} and {port!a}", "kv_transfer_params")
     lease = ktp.get("remote_lease", 0)  # optional: without it the producer's lease lapses at its expiry
     if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease < 1 << 63:
         raise HTTPError(400, f"kv_transfer_params.remote_lease must be the producer's lease id (an integer >= 0), "
                              f"got {lease!r}", "kv_transfer_params")
     return produce, f"{host}:{port}", lease
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _is_host(host) -> bool:
+    """An IP address, or an ASCII host name (RFC 1123 labels): what the peer tier may dial. Anything else
+    (a lone surrogate, a space, a URL) would fail inside the tier's control thread, not here."""
+    if not isinstance(host, str) or not 0 < len(host) <= 253:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return all(_HOST_LABEL.fullmatch(label) for label in host.removesuffix(".").split("."))
 
 
 async def _produced(st: ServerState, req_id: str) -> dict:

@@ -1,7 +1,6 @@
 """`python -m tests.glm53.faulty_serve ARGS`: `python -m glm53.serve ARGS` whose model runner raises while
 sampling any step that samples a prompt beginning with FAULT_PROMPT, after that step's forward ran and
-wrote its KV (where an int64 seed overflowed the sampler's uint32 array before seeds were validated).
-Every other request is served as by glm53.serve, so one server process serves a test module's ordinary
+wrote its KV (as a sampling parameter the sampler's arrays cannot hold would fail there). Every other request is served as by glm53.serve, so one server process serves a test module's ordinary
 requests and its failure injection."""
 
 import sys

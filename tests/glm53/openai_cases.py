@@ -4,11 +4,12 @@ in front of prefill and decode servers): each module imports them and gives the 
 on its real processes). The servers run tests.glm53.faulty_serve, whose step fails for FAULT_PROMPT.
 
 - every bad field is a 400 (404 for an unknown model) naming it, and the next good request succeeds with
-  nothing left running;
+  nothing left running; lone UTF-16 surrogates in any text field among them (sent as JSON escapes, as
+  clients other than the openai package can);
 - parameters this server does not apply are a 400 naming them, never ignored;
 - a stop string ends the request as a stop (finish_reason, stop_reason, usage, [DONE]), counted under
   vllm:request_success{finished_reason="stop"};
-- int64 seeds: equal seeds, equal tokens;
+- int64 seeds: equal seeds, equal tokens; different seeds, different tokens;
 - a failed step fails its request with a JSON 500 (a server streaming it: finish_reason "error") and
   the next request succeeds, /health stays 200, nothing is left running or holding blocks;
 - one error shape for 400, 404, 405, 413; /tokenize, /detokenize, /version, /v1/models/{id};
@@ -81,6 +82,7 @@ class Api:
             if busy == 0 or time.monotonic() > deadline:
                 assert busy == 0, "requests left running or waiting"
                 return m
+            time.sleep(0.05)
 
     def sse(self, path: str, body: dict) -> list:
         """POST with stream=true -> the parsed `data:` events ("[DONE]" as the string)."""
@@ -121,8 +123,15 @@ BAD_COMPLETION = [  # (fields, the param the 400 names, status)
     ({"stop_token_ids": [9999]}, "stop_token_ids", 400), ({"prompt": [1, 600]}, "prompt", 400),
     ({"prompt": [-1]}, "prompt", 400), ({"prompt": [2**70]}, "prompt", 400), ({"prompt": []}, "prompt", 400),
     ({"prompt": ""}, "prompt", 400), ({"prompt": [[]]}, "prompt", 400), ({"prompt": None}, "prompt", 400),
-    ({"prompt": [1.5]}, "prompt", 400), ({"prompt": list(range(128))}, "prompt", 400),  # no room under 128 ({"cache_salt": 5}, "cache_salt", 400),
-    ({"ignore_eos": "maybe"}, "ignore_eos", 400),
+    ({"prompt": [1.5]}, "prompt", 400), ({"prompt": list(range(128))}, "prompt", 400),  # no room under 128
+    ({"prompt": [2**63] + [1] * 8}, "prompt", 400),  # a full page of ids no engine hashes (int64)
+    ({"cache_salt": 5}, "cache_salt", 400), ({"ignore_eos": "maybe"}, "ignore_eos", 400),
+    # lone UTF-16 surrogates: valid JSON escapes, no text (the openai client cannot send them: sent raw)
+    ({"prompt": "a\ud800b"}, "prompt", 400), ({"prompt": ["ok", "\udfff"]}, "prompt", 400),
+    ({"stop": ["\ud800"]}, "stop", 400), ({"cache_salt": "\ud800"}, "cache_salt", 400),
+    ({"user": "\udc00"}, "user", 400),
+    ({"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "\ud800", "remote_port": 5}},
+     "kv_transfer_params", 400),
     ({"model": "other"}, "model", 404),
     # parameters this server does not apply: a 400 naming them unless at their neutral value
     ({"presence_penalty": 0.5}, "presence_penalty", 400), ({"frequency_penalty": 1.0}, "frequency_penalty", 400),
@@ -143,6 +152,8 @@ BAD_CHAT = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400), ({"tool_choice": "auto"}, "tool_choice", 400),
     ({"n": 3}, "n", 400), ({"continue_final_message": True}, "continue_final_message", 400),
     ({"chat_template": "{{ 1 }}"}, "chat_template", 400), ({"model": "other"}, "model", 404),
+    ({"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages", 400), ({"stop": "\udc00"}, "stop", 400),
+    ({"cache_salt": "\ud800"}, "cache_salt", 400),
 ]
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1, "top_k": -1, "min_p": 0,
            "n": 1, "best_of": 1, "echo": False, "logit_bias": {}, "logprobs": None, "suffix": "", "user": "someone",
@@ -150,15 +161,37 @@ NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty"
 
 
 def _ids(fields: dict) -> str:
-    return ",".join(f"{k}={str(v)[:20]}" for k, v in fields.items())
+    return ",".join(f"{k}={ascii(v)[:20]}" for k, v in fields.items())
+
+
+def _sendable(body: dict) -> bool:
+    """Whether the openai client can send `body` (it encodes JSON as UTF-8: no lone surrogates)."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _raw_error(api: Api, path: str, body: dict) -> openai.APIStatusError:
+    """POST `body` as ASCII JSON (lone surrogates as \\u escapes, as other clients send them) -> the error
+    answer, as the openai client would raise it."""
+    r = httpx.post(api.base + path, content=json.dumps(body), timeout=TIMEOUT_S,
+                   headers={"content-type": "application/json", **api.headers})
+    assert r.status_code >= 400, r.text
+    return openai.APIStatusError(r.text, response=r, body=r.json())
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("fields,param,status", BAD_COMPLETION, ids=[_ids(f) for f, _, _ in BAD_COMPLETION])
 def test_a_bad_completion_field_is_named_and_the_next_request_succeeds(api, fields, param, status, stream):
     # every field in extra_body: the client sends it as it is, whatever its own types say
-    e = _status_error(lambda: api.client.completions.create(model=api.name, prompt=GOOD["prompt"], stream=stream,
-                                                            extra_body={**GOOD, **fields}))
+    body = {**GOOD, **fields}
+    if _sendable(body):
+        e = _status_error(lambda: api.client.completions.create(model=api.name, prompt=GOOD["prompt"], stream=stream,
+                                                                extra_body=body))
+    else:
+        e = _raw_error(api, "/v1/completions", {"model": api.name, **body, "stream": stream})
     _check_error(e, status, param)
     r = api.completion(stream=stream)
     if stream:
@@ -174,9 +207,12 @@ def test_a_bad_completion_field_is_named_and_the_next_request_succeeds(api, fiel
 @pytest.mark.parametrize("fields,param,status", BAD_CHAT, ids=[_ids(f) for f, _, _ in BAD_CHAT])
 def test_a_bad_chat_field_is_named_and_the_next_request_succeeds(api, fields, param, status, stream):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2, **fields}
-    e = _status_error(lambda: api.client.chat.completions.create(
-        model=fields.get("model", api.name), messages=body.pop("messages"), stream=stream,
-        extra_body={k: v for k, v in body.items() if k != "model"}))
+    if _sendable(body):
+        e = _status_error(lambda: api.client.chat.completions.create(
+            model=fields.get("model", api.name), messages=body.pop("messages"), stream=stream,
+            extra_body={k: v for k, v in body.items() if k != "model"}))
+    else:
+        e = _raw_error(api, "/v1/chat/completions", {"model": api.name, **body, "stream": stream})
     _check_error(e, status, param)
     assert api.completion().choices[0].finish_reason == "length"
     api.idle()
@@ -262,15 +298,46 @@ def test_a_stop_string_ends_the_request_as_a_stop_in_every_mode(api, stop_cases)
     assert after[("vllm:kv_cache_usage_perc", ())][1] == 0.0
 
 
-def test_seeds_anywhere_in_int64_give_equal_tokens_for_equal_seeds(api):
+def test_a_stop_token_ends_the_request_without_its_text(api):
+    """vLLM drops the text of the token that terminated a request (its id stays in token_ids and is the
+    stop_reason), whole and streamed."""
+    def detok(ids):
+        return api.root.post("/detokenize", cast_to=object, body={"tokens": ids})["prompt"]
+
+    # a prompt whose greedy output has a token k >= 1 not seen before it that adds text
+    for p in ([21, 22, 23, 24], [11, 12, 13, 14, 15], [40, 41, 42], [200, 100, 50, 25], [300, 301, 302, 303]):
+        tokens = api.completion(prompt=p, max_tokens=8, extra_body={"return_token_ids": True}).choices[0].token_ids
+        k = next((k for k in range(1, len(tokens))
+                  if tokens[k] not in tokens[:k] and detok(tokens[:k + 1]) != detok(tokens[:k])), None)
+        if k is not None:
+            break
+    else:
+        pytest.fail("no candidate prompt's greedy output has a new token that adds text")
+    text = detok(tokens[:k])
+    r = api.completion(prompt=p, max_tokens=8, extra_body={"return_token_ids": True, "stop_token_ids": [tokens[k]]})
+    c = r.choices[0]
+    assert (c.finish_reason, c.stop_reason, c.token_ids, c.text) == ("stop", tokens[k], tokens[:k + 1], text)
+    events = api.sse("/v1/completions", {"prompt": p, "max_tokens": 8, "temperature": 0, "stop_token_ids": [tokens[k]]})
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert "".join(ch["text"] for ch in chunks) == text and chunks[-1]["finish_reason"] == "stop"
+    assert chunks[-1]["stop_reason"] == tokens[k]
+
+
+def test_seeds_anywhere_in_int64_give_equal_tokens_for_equal_seeds_and_other_tokens_for_others(api):
     body = {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 1.0, "extra_body": {"return_token_ids": True}}
-    for seed in (-1, 2**63 - 1, -(2**63), 2**32):
+    seeds = (-1, 2**63 - 1, -(2**63), 2**32, 0, 1)
+    outs = {}
+    for seed in seeds:
         a = api.completion(seed=seed, **body).choices[0].token_ids
         b = api.completion(seed=seed, **body).choices[0].token_ids
         assert a == b and len(a) == 5, seed
         events = api.sse("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 1.0, "seed": seed,
                                              "return_token_ids": True})
         assert [t for e in events[:-1] for t in e["choices"][0].get("token_ids") or []] == a, seed
+        outs[seed] = tuple(a)
+    # a server that ignored the seed (one fixed draw for all) would give one sequence; the tiny model's
+    # temperature-1 draws of 5 tokens over 512 ids differ between these seeds
+    assert len(set(outs.values())) == len(seeds), outs
 
 
 # ------------------------------------------------------------------------------------- a failed step
@@ -333,6 +400,10 @@ def test_models_tokenize_detokenize_and_version(api):
     for body, param in (({"tokens": [1, 99999]}, "tokens"), ({"tokens": [-1]}, "tokens"), ({"prompt": 5}, "prompt")):
         path = "/detokenize" if "tokens" in body else "/tokenize"
         _check_error(_status_error(lambda: api.root.post(path, cast_to=object, body=body)), 400, param)
+    for body, param in (({"prompt": "x\ud800"}, "prompt"), ({"messages": [{"role": "user", "content": "\udfff"}]},
+                                                            "messages")):
+        _check_error(_raw_error(api, "/tokenize", body), 400, param)
+    assert api.root.post("/tokenize", cast_to=object, body={"prompt": "ok"})["count"] == 2
     version = api.root.get("/version", cast_to=object)
     assert set(version) == {"version"} and version["version"]
 
