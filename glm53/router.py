@@ -4,8 +4,9 @@
         http://127.0.0.1:8201
 
 Each of --prefill / --decode takes one or more base URLs and may be repeated. Endpoints: GET /health
-(200 while at least one prefill and one decode server answer, else 503; the body lists them and counts
-`resends`, requests sent again after a server broke them, and `prefill_fallbacks`); POST /v1/completions
+(200 while at least one prefill and one decode server answer and report themselves healthy, else 503; the
+body lists the servers up, those of them unhealthy, and counts `resends`, requests sent again after a
+server broke them, and `prefill_fallbacks`); POST /v1/completions
 and POST /v1/chat/completions (streamed or not, in two legs); GET /v1/models, GET /v1/models/{id}, POST
 /tokenize, POST /detokenize and GET /version, forwarded to one server that is up; GET /metrics, every
 server's metrics with a `server` label (sum over it for the deployment) and the router's own
@@ -26,15 +27,20 @@ A completion (one prompt per request) or chat completion goes in two legs, as vL
 
 Where a leg goes (`Picker`): a request with a `cache_salt` (a user) goes back to the server its salt
 went to last while that server is up; otherwise to the server that holds the longest prefix of the
-prompt, if any does; otherwise to the server with the least load, ties in turn. Prefixes come from the
+prompt, if any does; otherwise to the server with the least load, ties in turn; among the servers
+that are healthy, while any of the role is (a server whose /health answers 503 is left out, and gets
+requests again only when no other can take them: its engine stopped, or its last steps all failed and
+only a step that succeeds can make it healthy again). Prefixes come from the
 servers' KV events (`--kv-events URL=ENDPOINT`, a server's base URL and the ZMQ endpoint of its
 `--kv-events-config`, e.g. http://127.0.0.1:8200=tcp://127.0.0.1:5557): `PrefixIndex` follows which MLA
 pages each server holds on any medium (device or host) and re-hashes the prompt's token ids with the
 server's page size and the request's salt, as the engine chains them (kvcache.block_pool). The prefill
-leg knows the token ids when the prompt is given as ids; the decode leg always does (the prefill leg
-returns them). Load is the running + waiting requests each server's /metrics reported at the last poll
-(every --poll-interval seconds) plus the requests this router sent it since. A server whose poll fails
-is down until a poll succeeds.
+leg knows the token ids when the prompt is given as ids (and looks them up only when every id is one an
+engine could hash, in [0, 2^63); any other prompt goes on, for the server to refuse); the decode leg
+always does (the prefill leg returns them). Load is the running + waiting requests each server's /metrics
+reported at the last poll (every --poll-interval seconds) plus the requests this router sent it since;
+the same poll reads its /health. A server whose poll fails is down until a poll succeeds; one that
+answers 503 (its /health, or a request) is unhealthy until its /health answers 200.
 
 A decode server that dies does not lose the request: before any token the request is sent again to
 another decode server; mid-stream the router sends the prompt's token ids followed by the tokens already
@@ -57,7 +63,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import threading
 import uuid
 
@@ -68,13 +73,14 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from glm53.protocol import error_body, error_response, install_error_answers
+from glm53.protocol import error_body, error_response, install_error_answers, parse_body
 from kvcache.block_pool import block_hashes
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, decoder
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+ID_LIMIT = 1 << 63  # token ids hash as int64 (kvcache.block_pool.hash_block)
 
 
 class NoServer(RuntimeError):
@@ -85,7 +91,8 @@ class NoServer(RuntimeError):
 class Server:
     url: str
     role: str  # "prefill" or "decode"
-    up: bool = True
+    up: bool = True  # it answered its last poll (and no request since found it unreachable)
+    healthy: bool = True  # its /health answered 200 at the last poll (and no request since got a 503)
     polled_load: float = 0.0  # running + waiting at the last poll
     sent: int = 0  # requests this router sent since that poll
     last_pick: int = -1  # when it was last picked (ties go to the one picked longest ago)
@@ -96,8 +103,10 @@ class Server:
 
 
 class Picker:
-    """Which server of a role gets a request: the salt's server while it is up, else the least loaded,
-    ties to the one picked longest ago (in turn). Pure bookkeeping (no I/O), so it is tested on its own."""
+    """Which server of a role gets a request, among those up and healthy (those up, if none is healthy):
+    the salt's server while it is among them, else the one holding the longest prefix, else the least
+    loaded, ties to the one picked longest ago (in turn). Pure bookkeeping (no I/O), so it is tested on
+    its own."""
 
     def __init__(self, servers: list[Server]):
         if not servers:
@@ -113,6 +122,7 @@ class Picker:
         if not up:
             raise NoServer(f"no {self.servers[0].role} server is up"
                            + (f" (tried {', '.join(sorted(exclude))})" if exclude else ""))
+        up = [s for s in up if s.healthy] or up
         best = max((hits or {}).get(s.url, 0) for s in up)
         if salt and salt in self.sticky and self.sticky[salt] in up:
             chosen = self.sticky[salt]
@@ -255,7 +265,11 @@ class RouterState:
         return self.pre.servers + self.dec.servers
 
     def hits(self, token_ids, salt):
-        return self.index.hits(token_ids, salt) if self.events and token_ids else None
+        """Prefix tokens each server holds (PrefixIndex.hits), or None: no KV events, no token ids, or ids
+        an engine could not hash (the request goes on, and its server answers what is wrong with it)."""
+        if not (self.events and token_ids and all(type(t) is int and 0 <= t < ID_LIMIT for t in token_ids)):
+            return None
+        return self.index.hits(token_ids, salt if isinstance(salt, str) else None)
 
 
 def _state(raw: Request) -> RouterState:
@@ -269,12 +283,16 @@ def _auth(raw: Request) -> dict:
 
 
 async def _poll_forever(st: RouterState) -> None:
+    """Every poll_interval_s: each server's /health (healthy: 200) and its load from /metrics (up: both
+    answered; a server whose engine stopped still serves /metrics, so /health is what tells)."""
     while True:
         async def one(s: Server):
+            timeout = max(st.poll_interval_s, 1.0)
             try:
-                r = await st.client.get(s.url + "/metrics", timeout=max(st.poll_interval_s, 1.0))
-                r.raise_for_status()
-                s.polled_load, s.sent, s.up = parse_load(r.text), 0, True
+                health, metrics = await asyncio.gather(st.client.get(s.url + "/health", timeout=timeout),
+                                                       st.client.get(s.url + "/metrics", timeout=timeout))
+                metrics.raise_for_status()
+                s.polled_load, s.sent, s.up, s.healthy = parse_load(metrics.text), 0, True, health.status_code == 200
             except (httpx.HTTPError, ValueError):
                 s.up = False
 
@@ -307,7 +325,8 @@ routes = APIRouter()
 async def health(raw: Request):
     st = _state(raw)
     body = {role: [s.url for s in p.servers if s.up] for role, p in (("prefill", st.pre), ("decode", st.dec))}
-    ok = all(body.values())
+    ok = all(any(s.up and s.healthy for s in p.servers) for p in (st.pre, st.dec))
+    body["unhealthy"] = [s.url for s in st.everyone if s.up and not s.healthy]
     body["resends"] = st.resends
     body["prefill_fallbacks"] = st.prefill_fallbacks
     body["indexed_pages"] = {url: st.index.pages(url) for url in st.events}  # MLA pages known from KV events
@@ -342,9 +361,12 @@ async def metrics(raw: Request):
             merged.samples += [x._replace(labels={**x.labels, "server": s.url}) for x in fam.samples]
     up = GaugeMetricFamily("glm53:router_server_up", "1 while the router counts the server as up.",
                            labels=["server", "role"])
+    healthy = GaugeMetricFamily("glm53:router_server_healthy", "1 while the server's /health answered 200 "
+                                "(the router prefers healthy servers).", labels=["server", "role"])
     for s in st.everyone:
         up.add_metric([s.url, s.role], float(s.up))
-    own = [up, CounterMetricFamily("glm53:router_resends", "Requests sent again after a server broke them.",
+        healthy.add_metric([s.url, s.role], float(s.up and s.healthy))
+    own = [up, healthy, CounterMetricFamily("glm53:router_resends", "Requests sent again after a server broke them.",
                                    value=st.resends),
            CounterMetricFamily("glm53:router_prefill_fallbacks", "Requests a decode server prefilled because no "
                                "prefill server was up.", value=st.prefill_fallbacks)]
@@ -414,7 +436,8 @@ async def _forward(raw: Request, method: str, path: str, content: bytes | None =
 
 async def _post(st: RouterState, picker: Picker, path: str, body: dict, salt, hits=None, headers=None):
     """POST to servers of the picker's role until one answers -> (server, status, JSON). Any answer counts,
-    4xx and 5xx included; only a server that cannot be reached is marked down and skipped."""
+    4xx and 5xx included; only a server that cannot be reached is marked down and skipped. One that answers
+    503 is unhealthy until its /health says otherwise (its answer is still the request's)."""
     tried: set[str] = set()
     while True:
         s = picker.pick(salt, tried, hits)
@@ -425,6 +448,8 @@ async def _post(st: RouterState, picker: Picker, path: str, body: dict, salt, hi
             tried.add(s.url)
             st.resends += 1
             continue
+        if r.status_code == 503:
+            s.healthy = False
         return s, r.status_code, _answer(r)
 
 
@@ -443,14 +468,7 @@ async def _two_legs(raw: Request, chat: bool):
     """A completion (chat: a chat completion) as vLLM's proxy sends it: the prefill leg, then the decode
     leg with the prefill's kv_transfer_params (see the module docstring)."""
     st = _state(raw)
-    try:
-        body = json.loads(await raw.body(), object_pairs_hook=_finite_object)
-    except _NotFinite as e:  # Python's json reads NaN and Infinity; the legs' JSON cannot carry them
-        return error_response(400, f"{e.field}: NaN and Infinity are not numbers JSON can carry", e.field)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return error_response(400, "the request body is not JSON")
-    if not isinstance(body, dict):
-        return error_response(400, "the request body must be a JSON object")
+    body = parse_body(await raw.body())  # the servers' rules: NaN, infinities and lone surrogates are a 400
     path = "/v1/chat/completions" if chat else "/v1/completions"
     ids = None
     if not chat:
@@ -461,6 +479,7 @@ async def _two_legs(raw: Request, chat: bool):
             prompt = body["prompt"] = prompt[0]
         ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
     salt, headers = body.get("cache_salt"), _auth(raw)
+    salt = salt if isinstance(salt, str) else None  # any other is the server's 400 to answer; not a routing key
     first = {**body, "max_tokens": 1, "min_tokens": 0, "stream": False, "stream_options": None,
              "return_token_ids": True, "kv_transfer_params": dict(PREFILL_PARAMS)}
     if chat:
@@ -495,25 +514,6 @@ async def _two_legs(raw: Request, chat: bool):
     except NoServer as e:
         return error_response(503, str(e))
     return await _stream(st, body, leg, prompt_ids, salt, routed, chat, headers)
-
-
-class _NotFinite(ValueError):
-    def __init__(self, field: str):
-        super().__init__(field)
-        self.field = field
-
-
-def _finite_object(pairs) -> dict:
-    """json.loads' object hook: a NaN or an infinity anywhere under a key is an error naming that key."""
-    def finite(v) -> bool:
-        if isinstance(v, float):
-            return math.isfinite(v)
-        return all(finite(x) for x in v) if isinstance(v, list) else True
-
-    for key, value in pairs:
-        if not finite(value):
-            raise _NotFinite(key)
-    return dict(pairs)
 
 
 def _as_chat_chunk(chunk: dict) -> dict:
@@ -558,6 +558,8 @@ async def _stream(st: RouterState, body: dict, leg: dict, prompt_ids: list[int],
     except NoServer as e:
         return error_response(503, str(e))
     if r.status_code != 200:
+        if r.status_code == 503:
+            s.healthy = False
         content = await r.aread()
         await r.aclose()
         return Response(content, status_code=r.status_code, media_type=r.headers.get("content-type"))

@@ -25,6 +25,7 @@ import pytest
 
 import glm53
 from glm53 import DeployConfig, Engine
+from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from glm53.router import NoServer, Picker, PrefixIndex, Server, parse_load
 from kvcache.block_pool import block_hashes
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -52,6 +53,19 @@ def test_picker_salt_sticks_load_decides_ties_take_turns():
     assert p.pick("user1", exclude={"http://a"}).url == "http://b"
     a.up = b.up = False
     with pytest.raises(NoServer, match="no decode server is up"):
+        p.pick()
+
+
+def test_picker_leaves_unhealthy_servers_out_while_a_healthy_one_is_up():
+    a, b = Server("http://a", "decode"), Server("http://b", "decode")
+    p = Picker([a, b])
+    assert p.pick("user").url == "http://a"
+    a.healthy = False  # its /health answered 503: the salt moves, ties and prefixes do not bring it back
+    assert p.pick("user").url == "http://b" and p.pick(hits={"http://a": 64, "http://b": 0}).url == "http://b"
+    b.up = False  # the unhealthy one is all there is: it gets the request (a step that succeeds heals it)
+    assert p.pick("user").url == "http://a"
+    a.up = False
+    with pytest.raises(NoServer):
         p.pick()
 
 
@@ -311,6 +325,50 @@ def test_metrics_carry_every_servers_series_under_a_server_label(pd):
     assert fams["vllm:e2e_request_latency_seconds"].type == "histogram"
 
 
+def test_a_prompt_with_ids_no_engine_can_hash_is_the_servers_400(pd):
+    """Once the router knows the decode servers' pages (KV events), a prompt of at least one full page is
+    hashed for the prefix lookup, unless an id lies outside [0, 2^63): then the request goes on
+    unhashed, and the server's 400 naming the prompt is the answer (not a 500 of the router's)."""
+    router, procs = pd
+    assert router.post({"prompt": list(range(40, 60)), "max_tokens": 2, "temperature": 0})[0] == 200
+    deadline = time.monotonic() + 60
+    while not any(router.health()["indexed_pages"].values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(router.health()["indexed_pages"].values())
+    for bad in ([2**63] + [1] * 8, [1] * 8 + [2**64 + 5], [-1] * 9):
+        code, r = router.post({"prompt": bad, "max_tokens": 2, "temperature": 0})
+        assert code == 400 and r["error"]["param"] == "prompt", (bad, r)
+    assert router.post({"prompt": list(range(40, 60)), "max_tokens": 2, "temperature": 0})[0] == 200
+
+
+def test_a_server_answering_503_is_left_out_of_routing_until_healthy(pd):
+    """A decode server whose last steps all failed answers /health with 503: the router (polling /health
+    with /metrics) sends the requests of a salt that stuck to it to the other decode server; once a
+    step of its own succeeds its /health is 200 and it is routed to again."""
+    router, procs = pd
+    first, _ = router.stream({"prompt": [3, 1, 4], "max_tokens": 1, "temperature": 0, "cache_salt": "carol"})
+    victim = next(p for p in procs.values() if p.url("") == first)
+    other = next(p.url("") for n, p in procs.items() if n.startswith("decode") and p.url("") != first)
+    for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):  # straight to it: its prefill leg must fail there
+        assert victim.post("/v1/completions", {"prompt": FAULT_PROMPT, "max_tokens": 2})[0] == 500
+    assert httpx.get(victim.url("/health"), timeout=30).status_code == 503
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 30
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return cond()
+
+    assert wait_for(lambda: router.health()["unhealthy"] == [first])
+    for _ in range(3):
+        headers: dict = {}
+        code, _ = router.post({"prompt": [3, 1, 4], "max_tokens": 2, "temperature": 0, "cache_salt": "carol"},
+                              headers=headers)
+        assert code == 200 and headers["x-decode-server"] == other
+    assert victim.post("/v1/completions", {"prompt": [2, 7], "max_tokens": 1})[0] == 200  # a step succeeds
+    assert wait_for(lambda: router.health()["unhealthy"] == [])
+
+
 def test_a_decode_server_killed_mid_stream_loses_no_request(pd, reference, ref_engine):
     """Kill the decode server a 90-token greedy completion stream and a 100-token chat stream run on once
     both have two events: the router sends each prompt's token ids and the tokens so far, as a
@@ -368,3 +426,4 @@ def test_a_decode_server_killed_mid_stream_loses_no_request(pd, reference, ref_e
     health = router.health()
     assert health["decode"] == [u for u in by_url if u != first and procs["prefill"].url("") != u]
     assert health["resends"] >= 2  # both streams did break (not finished before the kill) and were re-sent
+
