@@ -38,10 +38,10 @@ bad request (naming the field: wrong types or ranges, a prompt over max_model_le
 vocabulary, a parameter this server does not apply set to anything but its neutral value), 401 without
 the --api-key, 404 for an unknown model or route, 405, 413 for a body over MAX_REQUEST_BYTES, 500 when
 the step that ran the request failed (streamed: finish_reason "error"), 503 once the engine has stopped.
-No request stops the engine (glm53.engine.async_engine); /health is 503 while its last steps all failed. A client that disconnects aborts its request
-(its blocks are freed at the next step boundary). SIGTERM stops accepting requests, lets running ones
-finish for up to --shutdown-timeout seconds, aborts the rest and shuts the engine down (uvicorn then
-re-raises the signal, so the exit status is that of SIGTERM).
+No request stops the engine (glm53.engine.async_engine); /health is 503 while its last steps all failed.
+A client that disconnects aborts its request (its blocks are freed at the next step boundary). SIGTERM
+stops accepting requests, lets running ones finish for up to --shutdown-timeout seconds, aborts the rest
+and shuts the engine down (uvicorn then re-raises the signal, so the exit status is that of SIGTERM).
 """
 
 from __future__ import annotations
@@ -408,7 +408,8 @@ async def _prompts(st: ServerState, body: CompletionRequest) -> list[list[int]]:
 
 
 # the request field each engine field (glm53.engine.request.RequestError.field) comes from
-_FIELDS = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "salt": "cache_salt", "kv_peer": "kv_transfer_params"}
+_FIELDS = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "salt": "cache_salt",
+           "kv_peer": "kv_transfer_params"}
 
 
 def _field(body, engine_field: str) -> str:

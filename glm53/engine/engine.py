@@ -341,8 +341,9 @@ class Engine:
                                f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {params.stop_token_ids}")
         total = ids.size + params.max_new_tokens
         if total > self.deploy.max_model_len:
-            raise RequestError("max_new_tokens", f"prompt of {ids.size} tokens + max_new_tokens={params.max_new_tokens} "
-                                                 f"= {total} exceeds max_model_len={self.deploy.max_model_len}")
+            raise RequestError("max_new_tokens", f"prompt of {ids.size} tokens + max_new_tokens="
+                                                 f"{params.max_new_tokens} = {total} exceeds max_model_len="
+                                                 f"{self.deploy.max_model_len}")
         if not isinstance(salt, str) or not _utf8(salt):
             raise RequestError("salt", f"the salt must be text UTF-8 can encode (no lone surrogates), got {salt!r}")
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
