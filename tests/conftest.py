@@ -42,7 +42,11 @@ DURATIONS = REPO / "tests" / "durations.json"
 _file_seconds: dict[str, float] = {}
 
 
-MULTIDEVICE_GROUP = "multidevice"
+# Under xdist, every tests/parallel file is one unit of work (the multidevice tests all live there): its
+# worker runs them all in one 16-device subprocess that compiles each program once for all of them
+# (tests/parallel/conftest.py reads this variable in the worker).
+MULTIDEVICE_GROUP = "tests/parallel"
+ONE_WORKER_ENV = "GLM53_MULTIDEVICE_ONE_WORKER"
 
 
 def pytest_addoption(parser):
@@ -51,41 +55,54 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    # xdist registers it too; here for runs without xdist (-p no:xdist) under --strict-markers
-    config.addinivalue_line("markers", "xdist_group(name): the tests that pytest-xdist's loadgroup runs on one worker")
+    # in the controller, before it starts the workers (they inherit the environment)
+    if not _WORKER and config.getoption("dist", "no") == "loadfile" and config.getoption("numprocesses", None):
+        os.environ[ONE_WORKER_ENV] = "1"
 
 
 def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker names the groups in the node ids
+def _unit_of(nodeid: str) -> str:
+    """The unit of work xdist hands to one worker: a test file, or all of tests/parallel."""
+    f = _file_of(nodeid)
+    return MULTIDEVICE_GROUP if f.startswith(MULTIDEVICE_GROUP + "/") else f
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with tests/parallel as one unit (xdist's loadgroup would do it with a marker, but
+    with pytest 9.2 it no longer groups: it renames `item._nodeid`, which pytest's node ids stopped
+    reading)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of(nodeid)
+
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test file is one xdist group, except that every file holding a multidevice test joins the
-    group "multidevice": under the README's `--dist loadgroup` its tests run on one worker, in one
-    16-device subprocess that compiles each program once for all of them (tests/parallel/conftest.py).
-    Groups are ordered longest first (tests/durations.json, seconds per file from a `-n 2
-    --write-durations` run; a file not listed counts as 0 s) with each file's tests in their own order:
-    with `--no-loadscope-reorder` xdist hands the groups to the two workers in this order, so the last
-    group to start is a short one and neither worker idles at the end while the other runs a long one."""
+    """Units of work (`_unit_of`) ordered longest first (tests/durations.json, seconds per file from a
+    `-n 2 --write-durations` run; a file not listed counts as 0 s), each file's tests in their own order:
+    with the README's `--no-loadscope-reorder` xdist hands the units to the two workers in this order, so
+    the last unit to start is a short one and neither worker idles at the end while the other runs a long
+    one."""
     try:
         seconds = json.loads(DURATIONS.read_text())
     except FileNotFoundError:
         seconds = {}
-    multidevice = {_file_of(item.nodeid) for item in items if item.get_closest_marker("multidevice")}
-    group = {}
-    for item in items:
-        f = _file_of(item.nodeid)
-        group.setdefault(f, MULTIDEVICE_GROUP if f in multidevice else f)
-    group_seconds: dict[str, float] = {}
-    for f, g in group.items():
-        group_seconds[g] = group_seconds.get(g, 0.0) + seconds.get(f, 0.0)
+    unit_seconds: dict[str, float] = {}
+    for f in {_file_of(item.nodeid) for item in items}:
+        unit_seconds[_unit_of(f)] = unit_seconds.get(_unit_of(f), 0.0) + seconds.get(f, 0.0)
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        g = group[_file_of(item.nodeid)]
-        first.setdefault(g, i)
-        item.add_marker(pytest.mark.xdist_group(g))
-    items.sort(key=lambda item: (-group_seconds[group[_file_of(item.nodeid)]], first[group[_file_of(item.nodeid)]]))
+        first.setdefault(_unit_of(item.nodeid), i)
+    items.sort(key=lambda item: (-unit_seconds[_unit_of(item.nodeid)], first[_unit_of(item.nodeid)]))
 
 
 def pytest_runtest_logreport(report):

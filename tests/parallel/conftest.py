@@ -4,8 +4,9 @@ The number of CPU devices is fixed when JAX initialises, and the main suite init
 marked `@pytest.mark.multidevice` therefore run in one pytest subprocess started with
 XLA_FLAGS=--xla_force_host_platform_device_count=16 (meshes of 1, 2, 4, 8 and 16 devices are cut from
 those 16): the first such test in a session starts the subprocess for every multidevice test selected in
-this session (under pytest-xdist's loadgroup, the README's, in the one worker that runs the
-"multidevice" group; under loadfile, one subprocess per test file, in the worker that runs the file),
+this session (under pytest-xdist's loadfile, the README's, in the one worker that runs tests/parallel,
+one unit of work there (tests/conftest.py); under other modes, one subprocess per test file, in the worker
+that runs the file),
 and each test then reports the outcome (and failure text) its twin had there. Where this
 process already has >= 16 devices, the tests run here directly:
 
@@ -53,7 +54,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    _selected[:] = [_plain(item.nodeid) for item in items if item.get_closest_marker("multidevice")]
+    _selected[:] = [item.nodeid for item in items if item.get_closest_marker("multidevice")]
     # early start, beside the suite; not for --collect-only, nor in an xdist worker (each would start a
     # whole subprocess: there the first multidevice test starts it)
     if config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
@@ -101,12 +102,6 @@ def pytest_runtest_logreport(report):
         with open(path, "a") as f:
             f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                                 "text": report.longreprtext}) + "\n")
-
-
-def _plain(nodeid: str) -> str:
-    """The node id without the "@multidevice" that xdist's loadgroup appends in a worker (tests/conftest.py
-    puts every multidevice file in that group): the subprocess, not a worker, knows the plain id."""
-    return nodeid.removesuffix("@multidevice")
 
 
 def _start_child(nodeids: list[str] | None = None) -> None:
@@ -165,12 +160,12 @@ def pytest_pyfunc_call(pyfuncitem):
     if not pyfuncitem.get_closest_marker("multidevice") or _in_child():
         return None
     file = pyfuncitem.nodeid.split("::")[0]
-    if (os.environ.get("PYTEST_XDIST_WORKER") and pyfuncitem.config.getoption("dist", None) != "loadgroup"
+    if (os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("GLM53_MULTIDEVICE_ONE_WORKER")
             and _child_file != file):
-        # In an xdist worker that runs only the files sent to it (--dist loadfile): one subprocess per
-        # test file, for that file's selected tests, so that no two workers both run every multidevice
-        # test. Under --dist loadgroup (the README's) every multidevice test is in this worker's group:
-        # one subprocess for all of them, as without xdist.
+        # In an xdist worker that runs only the files sent to it (a --dist mode other than the README's
+        # loadfile): one subprocess per test file, for that file's selected tests, so that no two workers
+        # both run every multidevice test. Under --dist loadfile all of tests/parallel is one unit of work
+        # (tests/conftest.py): one subprocess for all of them in this worker, as without xdist.
         if _enough_devices_here():
             return None
         _start_child([n for n in _selected if n.split("::")[0] == file])
@@ -181,7 +176,7 @@ def pytest_pyfunc_call(pyfuncitem):
         _start_child()
     if _child_results is None:
         _child_results = _collect_child()
-    outcome, text = _child_results.get(_plain(pyfuncitem.nodeid), (None, ""))
+    outcome, text = _child_results.get(pyfuncitem.nodeid, (None, ""))
     if outcome == "passed":
         return True
     if outcome == "skipped":
