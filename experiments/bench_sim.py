@@ -47,7 +47,8 @@ def run(cfg, policy: str, concurrency: int) -> dict:
 
     def engine(*a, **k):
         eng = make(*a, **k)
-        for rep in eng.replicas:
+        engines = (eng.prefill, eng.decode) if hasattr(eng, "prefill") else (eng,)  # a P/D pair: both engines
+        for rep in (rep for e in engines for rep in e.replicas):
             _Timed(rep.scheduler, "schedule", totals, "schedule_s")
             _Timed(rep.scheduler, "update", totals, "update_s")
             _Timed(rep.runner, "execute", totals, "price_s")

@@ -72,8 +72,21 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
     from them, not rehashed; only the new blocks' tokens are sliced)."""
     out, parent = list(known), (known[-1] if known else None)
     end = len(token_ids) if upto is None else min(upto, len(token_ids))
-    for start in range(len(known) * tokens_per_block, end - tokens_per_block + 1, tokens_per_block):
-        parent = hash_block(parent, token_ids[start : start + tokens_per_block], extra_keys)
+    first = len(known) * tokens_per_block
+    n = (end - first) // tokens_per_block if end > first else 0
+    if n <= 0:
+        return out
+    # hash_block's bytes, built once for all the new blocks (a serving run hashes millions of blocks:
+    # one slice of the ids and one encoding instead of one per block)
+    data = memoryview(np.asarray(token_ids[first : first + n * tokens_per_block], dtype="<i8").tobytes())
+    extra = b"".join(struct.pack("<q", len(k)) + k for k in (str(key).encode() for key in extra_keys))
+    step = 8 * tokens_per_block
+    sha256 = hashlib.sha256
+    for i in range(0, n * step, step):
+        h = sha256(parent or _EMPTY)
+        h.update(data[i : i + step])
+        h.update(extra)
+        parent = h.digest()
         out.append(parent)
     return out
 

@@ -382,10 +382,38 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             if kind not in by_kind:
                 by_kind[kind] = [c for c in layer_parts(layer) if c.time_s > 0]
             out += [c.at_layer(layer) for c in by_kind[kind]]
-    elif rows:  # each kind's parts once, from its first layer, scaled by its layer count
-        for _, layer, n in _layer_kinds(cfg, dep.include_mtp):
-            if not only_mtp or layer >= cfg.num_hidden_layers:
-                out += [c.scaled(n) for c in layer_parts(layer) if c.time_s > 0]
+    elif rows:
+        # each part once, scaled by the number of layers it runs in: the parts that depend on the step's
+        # token count only, per layer kind (memoized); the rest depend on the rows but not on the layer,
+        # except whether it is a full indexer layer (its keys travel with the KV gathers)
+        kinds = [(kind, layer, n) for kind, layer, n in _layer_kinds(cfg, dep.include_mtp)
+                 if not only_mtp or layer >= cfg.num_hidden_layers]
+        out += _token_parts(cfg, hw, dep, ("layers", tokens, only_mtp), lambda: [
+            c.scaled(n) for _, layer, n in kinds for c in (*head_parts(layer), *mlp_parts(layer)) if c.time_s > 0])
+        n_all = sum(n for *_, n in kinds)
+        n_full = sum(n for kind, _, n in kinds if kind[0] == "full")
+        merged = dec + (pre if sharded_pre else [])
+        if (pcp > 1 and pre_tokens) or (dcp > 1 and pcp > 1):
+            for full in (True, False):  # a layer of each indexer type stands for all of that type
+                layer = next((lay for kind, lay, _ in kinds if (kind[0] == "full") == full), None)
+                if layer is None:
+                    continue
+                n = n_full if full else n_all - n_full
+                if pcp > 1 and pre_tokens:
+                    out.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer, *fmt).scaled(n))
+                if dcp > 1 and pcp > 1:
+                    out += [dcp_context_allgather(cfg, hw, r[0], dcp, layer, *fmt).scaled(n) for r in pre if r[0] > 0]
+        parts = [(c, n_all) for c in mla_parts()]
+        if n_full:
+            parts += [(c, n_full) for c in indexer(merged, dcp)]
+            if not sharded_pre:
+                parts += [(c, n_full) for c in indexer(pre, 1)]
+        if dcp > 1 and merged:
+            q = sum(r[1] for r in merged)
+            if n_full:
+                parts += [(c, n_full) for c in dcp_topk_merge(cfg, hw, q, dcp)]
+            parts += [(c, n_all) for c in dcp_decode_merge(cfg, hw, q, dcp, dcp_heads, backend=dep.dcp_backend)]
+        out += [c.scaled(n) for c, n in parts if c.time_s > 0]
     if rows:
         if hw.forward_latency_s:
             out.append(Cost("forward_launch", latency_s=hw.forward_latency_s, time_s=hw.forward_latency_s))
@@ -394,7 +422,7 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
                                          mla_format=dep.mla_format))
         sampled = sum(1 + r[2] for r in rows if r[3])
         if sampled:
-            out.append(lm_head(cfg, hw, sampled, shards=tp * pcp))
+            out += _token_parts(cfg, hw, dep, ("lm_head", sampled), lambda: [lm_head(cfg, hw, sampled, shards=tp * pcp)])
     return StepCost(tuple(out), per_layer=per_layer)
 
 
@@ -420,7 +448,14 @@ def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, contexts
     if not contexts or passes <= 0:
         return StepCost(())
     plan = _DraftPlan(tuple(_DraftRow(max(0, int(c))) for c in contexts))
+    mtp_dep = _MTP_DEPS.get(dep)
+    if mtp_dep is None:  # one object per deployment: step_cost memoizes by its identity
+        if len(_MTP_DEPS) >= 64:
+            _MTP_DEPS.clear()
+        mtp_dep = _MTP_DEPS[dep] = dataclasses.replace(dep, include_mtp=True)
     # the MTP layers' parts (scaled by their count), the launch and the lm_head of the drafting rows
-    parts = step_cost(cfg, hw, dataclasses.replace(dep, include_mtp=True), plan, only_mtp=True).parts
-    return StepCost(tuple(dataclasses.replace(c.scaled(passes), name="mtp_draft_" + c.name, layer=-1) for c in parts),
-                    per_layer=False)
+    parts = step_cost(cfg, hw, mtp_dep, plan, only_mtp=True).parts
+    return StepCost(tuple(c.scaled(passes, "mtp_draft_" + c.name, -1) for c in parts), per_layer=False)
+
+
+_MTP_DEPS: dict[Deployment, Deployment] = {}
