@@ -30,8 +30,11 @@ more than test that attribute.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import itertools
 import math
+import operator
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,6 +44,7 @@ import numpy as np
 
 BlockHash = bytes
 _EMPTY = b""
+_IS_BLOCK = functools.partial(operator.is_not, None)  # a hash index lookup that found a block
 
 
 class BlockInfo(NamedTuple):
@@ -344,21 +348,19 @@ class KVCacheManager:
         known = kept[1] if kept is not None and kept[0] == tuple(extra_keys) else ()
         hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=known[:len(token_ids) // self.tokens_per_block])
         max_hit = (len(token_ids) - 1) // self.tokens_per_block if use_prefix_cache else 0
-        found: dict[str, list[int]] = {g: [] for g in self.groups}
-        n_chunks = 0  # chunks [0, n_chunks) are covered by found pages of every group
-        for i, h in enumerate(hashes[:max_hit]):
-            self.pool.stats.queries += 1
-            ok = True
-            for g in self.groups:
-                if (i + 1) % self.ratio[g] == 0:
-                    b = self.pool.lookup(g, h)
-                    if b is None:
-                        ok = False
-                        break
-                    found[g].append(b)
-            if not ok:
-                break
-            n_chunks = i + 1
+        # the walk over hash chunks [0, max_hit) that stops at the first chunk where a page of some group
+        # ending there is not cached, done per group: the pages of group g end at chunks r - 1, 2r - 1, ...
+        # (r = ratio[g]); the leading run of cached ones is found by one lookup per page
+        found: dict[str, list[int]] = {}
+        n_chunks = max_hit  # chunks [0, n_chunks) are covered by found pages of every group
+        cached = self.pool.cached if self.pool.enable_prefix_caching else {}
+        for g in self.groups:
+            r = self.ratio[g]
+            keys = hashes[r - 1 : max_hit : r]
+            found[g] = list(itertools.takewhile(_IS_BLOCK, map(cached.get, zip(itertools.repeat(g), keys))))
+            if len(found[g]) < len(keys):
+                n_chunks = min(n_chunks, (len(found[g]) + 1) * r - 1)  # the chunk that ends the missing page
+        self.pool.stats.queries += n_chunks + (n_chunks < max_hit)  # chunks looked at, the failing one too
         n_chunks -= n_chunks % self.hit_multiple
         if self.drop_last_hit and n_chunks:
             n_chunks -= self.hit_multiple

@@ -122,23 +122,27 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
         if found.retry:  # tier loads under way: the scheduler forgets this attempt (`must_retry`)
             self.pending[req.req_id] = (i, {})
             return n
-        device, pend = [], {}
-        for c, pages in enumerate(found.pages, start=i):
-            for g, where, b in pages:
-                table = rb.tables[g]
-                if where == "device":
-                    device.append(b)
-                else:
-                    pend.setdefault(g, {})[len(table)] = (b, rb.hashes[c])
-                    self.host[g].touch([b])  # pinned until its load is recorded
-                table.append(b if where == "device" else -1)
-        kv.pool.touch(device)
-        self.host_tier.release(found.pins)
+        device, pend, pinned = [], {}, {}
         # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
         # pages (the page the device hit gave back, kept when more follows it)
-        dev = next((c for c, pages in enumerate(found.pages) if any(w != "device" for _, w, _ in pages)),
-                   len(found.pages))
-        self.pending[req.req_id] = (i + dev, pend)
+        dev = None
+        tables, hashes = rb.tables, rb.hashes
+        for c, pages in enumerate(found.pages, start=i):
+            for g, where, b in pages:
+                table = tables[g]
+                if where == "device":
+                    device.append(b)
+                    table.append(b)
+                else:
+                    pend.setdefault(g, {})[len(table)] = (b, hashes[c])
+                    pinned.setdefault(g, []).append(b)
+                    table.append(-1)
+                    dev = c - i if dev is None else dev
+        for g, blocks in pinned.items():
+            self.host[g].touch(blocks)  # pinned until its load is recorded
+        kv.pool.touch(device)
+        self.host_tier.release(found.pins)
+        self.pending[req.req_id] = (i + (len(found.pages) if dev is None else dev), pend)
         rb.num_cached_blocks = i + len(found.pages)
         return rb.num_cached_blocks * kv.tokens_per_block
 
