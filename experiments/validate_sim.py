@@ -56,11 +56,13 @@ WEIGHT_BYTES = 4  # float32 weights on CPU
 def cpu_spec(flops: float, bandwidth: float, forward_latency_s: float = 0.0):
     """A HardwareSpec for this CPU: achieved FLOP/s (every dtype) and memory bandwidth, efficiencies 1,
     the host link as fast as memory (pinned host memory is the same DRAM), a fixed time per forward
-    program, no other latencies."""
+    program, no other latencies; platform "cpu", so the simulator prices the runner's CPU choices (MTP's
+    sequential verify under speculative_config verify="auto")."""
     from glm53.perfmodel import H200
 
     return dataclasses.replace(
-        H200, name=f"cpu ({cpu_name()}, {os.cpu_count()} cores, fitted)", bf16_flops=flops, fp8_flops=flops,
+        H200, name=f"cpu ({cpu_name()}, {os.cpu_count()} cores, fitted)", platform="cpu", bf16_flops=flops,
+        fp8_flops=flops,
         hbm_bandwidth=bandwidth, host_link_bandwidth=bandwidth, matmul_efficiency=1.0, hbm_efficiency=1.0,
         sparse_attention_efficiency=1.0, dense_attention_efficiency=1.0, nvlink_efficiency=1.0,
         collective_latency_s=0.0, host_copy_latency_s=0.0, head_granularity=1, forward_latency_s=forward_latency_s)

@@ -171,6 +171,10 @@ class Deployment:
     does when speculative decoding is on: it prefills with the prompt and drafts after each decode).
     hisparse: the HiSparse KV policy is on (vLLM then runs sparse-MLA prefill rows on the bf16 prefill
     kernel: `sparse_prefill_kernel`).
+    verify: how an MTP verify row (1 + k tokens) is computed (glm53.engine.spec_decode, `verify_form`):
+    "batched", one forward over its tokens (the weights read once), or "sequential", its positions as
+    one-token passes of the target model one after another in one program (the MTP layer then runs once
+    over the step's tokens, or per position under HiSparse, which resolves each position's selection).
     """
 
     tp: int = 1
@@ -183,6 +187,7 @@ class Deployment:
     weight_bytes: float = FP8_WEIGHT_BYTES
     include_mtp: bool = False
     hisparse: bool = False
+    verify: str = "batched"
 
     def __post_init__(self):
         if min(self.tp, self.pcp, self.dcp) < 1:
@@ -193,6 +198,8 @@ class Deployment:
             raise ValueError(f"Deployment: dcp={self.dcp} must divide tp x pcp = {self.tp * self.pcp} (or run alone)")
         if self.dcp_backend not in ("ag_rs", "a2a"):
             raise ValueError(f"Deployment.dcp_backend must be 'ag_rs' or 'a2a', got {self.dcp_backend!r}")
+        if self.verify not in ("batched", "sequential"):
+            raise ValueError(f"Deployment.verify must be 'batched' or 'sequential', got {self.verify!r}")
 
     @property
     def gpus(self) -> int:
@@ -264,6 +271,10 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     (what a simulator needs, ~20x cheaper). The rows run as one forward program (hw.forward_latency_s
     once). only_mtp (with include_mtp): the MTP layers alone, as a draft pass runs them (`mtp_draft_cost`).
     """
+    if dep.verify == "sequential" and not only_mtp and any(r.num_draft_tokens for r in plan.rows):
+        return _sequential_verify(cfg, hw, dep, plan, per_layer, dict(d2h_bytes=d2h_bytes, h2d_bytes=h2d_bytes,
+                                                                       host_transfers=host_transfers,
+                                                                       hot_miss_rows=hot_miss_rows))
     # (start, tokens, drafts, samples, prefill) per row: plain tuples, cheap to loop over per layer kind
     rows = [(r.start, r.num_tokens, r.num_draft_tokens, bool(r.sample), r.num_tokens != 1 + r.num_draft_tokens)
             for r in plan.rows if r.num_tokens > 0]
@@ -426,6 +437,31 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     return StepCost(tuple(out), per_layer=per_layer)
 
 
+def _sequential_verify(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, per_layer: bool, kw: dict) -> StepCost:
+    """`step_cost` of a step with MTP verify rows under dep.verify == "sequential" (the runner's
+    `verify="sequential"`): the target model's one-token passes over the verify rows' positions one after
+    another (pass j: each verify row's position start + j; the step's other rows join pass 0), their
+    logits at every position; the MTP layer over all the step's tokens at once, or under HiSparse per pass
+    (its selections resolve one position at a time); one forward program (one hw.forward_latency_s), the
+    transfers and HiSparse misses once."""
+    main = _derived(dep, verify="batched", include_mtp=False)
+    verify = [r for r in plan.rows if r.num_draft_tokens and r.num_tokens == 1 + r.num_draft_tokens]
+    others = [r for r in plan.rows if not (r.num_draft_tokens and r.num_tokens == 1 + r.num_draft_tokens)]
+    passes = [[_DraftRow(r.start + j, sample=bool(r.sample)) for r in verify if j <= r.num_draft_tokens]
+              for j in range(1 + max(r.num_draft_tokens for r in verify))]
+    parts: list[Cost] = []
+    for j, rows in enumerate(passes):
+        pass_rows = (*others, *rows) if j == 0 else tuple(rows)
+        cost = step_cost(cfg, hw, main, _DraftPlan(pass_rows), per_layer=per_layer, **(kw if j == 0 else {}))
+        parts += [c for c in cost.parts if j == 0 or c.name != "forward_launch"]
+    if dep.include_mtp:
+        mtp = _derived(dep, verify="batched")
+        for rows in (passes if dep.hisparse else [plan.rows]):
+            cost = step_cost(cfg, hw, mtp, _DraftPlan(tuple(rows)), per_layer=per_layer, only_mtp=True)
+            parts += [c for c in cost.parts if c.name not in ("forward_launch", "lm_head")]
+    return StepCost(tuple(parts), per_layer=per_layer)
+
+
 @dataclasses.dataclass(frozen=True)
 class _DraftRow:  # what step_cost reads of a row: one token at `start`, sampled
     start: int
@@ -448,14 +484,21 @@ def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, contexts
     if not contexts or passes <= 0:
         return StepCost(())
     plan = _DraftPlan(tuple(_DraftRow(max(0, int(c))) for c in contexts))
-    mtp_dep = _MTP_DEPS.get(dep)
-    if mtp_dep is None:  # one object per deployment: step_cost memoizes by its identity
-        if len(_MTP_DEPS) >= 64:
-            _MTP_DEPS.clear()
-        mtp_dep = _MTP_DEPS[dep] = dataclasses.replace(dep, include_mtp=True)
     # the MTP layers' parts (scaled by their count), the launch and the lm_head of the drafting rows
-    parts = step_cost(cfg, hw, mtp_dep, plan, only_mtp=True).parts
+    parts = step_cost(cfg, hw, _derived(dep, include_mtp=True), plan, only_mtp=True).parts
     return StepCost(tuple(c.scaled(passes, "mtp_draft_" + c.name, -1) for c in parts), per_layer=False)
 
 
-_MTP_DEPS: dict[Deployment, Deployment] = {}
+_DERIVED: dict[tuple, Deployment] = {}
+
+
+def _derived(dep: Deployment, **changes) -> Deployment:
+    """dataclasses.replace(dep, **changes), one object per (dep, changes): step_cost memoizes by the
+    deployment's identity."""
+    key = (dep, tuple(sorted(changes.items())))
+    out = _DERIVED.get(key)
+    if out is None:
+        if len(_DERIVED) >= 64:
+            _DERIVED.clear()
+        out = _DERIVED[key] = dataclasses.replace(dep, **changes)
+    return out
