@@ -58,13 +58,21 @@ MAPE_METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device")  
 COUNTS = ("preemptions", "prefix_hit_rate", "engine_steps", "output_tokens")
 TRAIN = ("serve_default", None, ())
 _MTP3 = "configs/ablations/hisparse_vs_offload_mtp3.py"
+
+
+def _verify(form: str) -> str:
+    """The override that runs _MTP3's speculative_config with speculative_config["verify"] = form."""
+    return "--config.deploy.speculative_config=" + repr({"method": "mtp", "num_speculative_tokens": 3,
+                                                        "rejection_sample_method": "synthetic",
+                                                        "synthetic_acceptance_length": 2.99, "verify": form})
+
+
 HELD_OUT = (("smoke", "configs/smoke.py", ()),
             ("preempt_vs_offload", "configs/ablations/preempt_vs_offload.py", ()),
             ("hisparse_vs_offload", "configs/ablations/hisparse_vs_offload.py", ("--config.sweep.concurrency=(4, 8)",)),
             ("tiered_scaling", "configs/ablations/tiered_scaling.py", ("--config.sweep.concurrency=(16, 64)",)),
-            ("mtp3_sequential", _MTP3, ("--config.sweep.concurrency=(4,)",
-                                        "--config.deploy.speculative_config.verify=sequential")),
-            ("mtp3_batched", _MTP3, ("--config.sweep.concurrency=(4,)", "--config.deploy.speculative_config.verify=batched")),
+            ("mtp3_sequential", _MTP3, ("--config.sweep.concurrency=(4,)", _verify("sequential"))),
+            ("mtp3_batched", _MTP3, ("--config.sweep.concurrency=(4,)", _verify("batched"))),
             ("dp8", "configs/deployments/dp8.py", ()),
             ("pcp8_dcp8", "configs/deployments/pcp8_dcp8.py", ()))
 DEVICES = 8  # simulated CPU devices of the process: the DP8 and PCP8 x DCP8 configs need them

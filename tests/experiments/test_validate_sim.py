@@ -52,3 +52,14 @@ def test_the_committed_validation_is_within_25_percent_with_equal_counts():
     assert {k: res[k] for k in ("mape", "counts_equal")} == vs.summary(res["points"])
     assert res["counts_equal"], [p for p in res["points"] if not p["counts_equal"]]
     assert all(v <= 0.25 for v in res["mape"].values()), res["mape"]
+
+
+def test_every_held_out_config_loads():
+    from experiments.common import load_config
+
+    for name, path, overrides in vs.HELD_OUT:
+        cfg = load_config(path, list(overrides), default=vs.serve.default_config)
+        for policy in cfg.sweep.kv_policy:
+            d = vs.serve._deploy(cfg, policy, "unused")
+            if name.startswith("mtp3_"):
+                assert d.speculative.verify == name.split("_")[1]
