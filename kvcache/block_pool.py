@@ -346,7 +346,11 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r} is already admitted")
         kept = self._kept_hashes.pop(req_id, None)  # a request admitted before: its tokens only grew
         known = kept[1] if kept is not None and kept[0] == tuple(extra_keys) else ()
-        hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=known[:len(token_ids) // self.tokens_per_block])
+        full = len(token_ids) // self.tokens_per_block
+        if len(known) == full:  # nothing new to hash: the kept list is this admission's (no one else holds it)
+            hashes = known
+        else:
+            hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=known[:full])
         max_hit = (len(token_ids) - 1) // self.tokens_per_block if use_prefix_cache else 0
         # the walk over hash chunks [0, max_hit) that stops at the first chunk where a page of some group
         # ending there is not cached, done per group: the pages of group g end at chunks r - 1, 2r - 1, ...

@@ -202,6 +202,10 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
             for g in kv.groups:
                 pool, table = self.host[g], rb.tables[g]
                 full = chunks // kv.ratio[g]
+                # pages already on the host become the most recently used (a touch and a free each),
+                # in runs between allocations: a run's order in the free queue is the pages' order, as
+                # one at a time, and the allocation after it must see them moved
+                fresh: list[int] = []
                 for j in range(done[g], full):
                     h = rb.hashes[kv.page_hash_index(g, j)]
                     hb = pool.lookup(g, h)
@@ -209,6 +213,10 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
                         if table[j] < 0 or pool.num_free == 0:
                             self.stats.store_skipped_pages += table[j] >= 0
                             continue
+                        if fresh:
+                            pool.touch(fresh)
+                            pool.free(fresh)
+                            fresh = []
                         hb = pool.allocate(1)[0]  # the least recently used host page, its old key dropped
                         info = kv.page_info(rb, req.tokens, g, j) if events else None
                         pool.cache(g, hb, h, info)
@@ -217,8 +225,10 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
                         dst.append(hb)
                         infos.append(info)
                     else:
-                        pool.touch([hb])  # already on the host: now the most recently used
-                        pool.free([hb])
+                        fresh.append(hb)
+                if fresh:
+                    pool.touch(fresh)
+                    pool.free(fresh)
                 done[g] = max(done[g], full)
         for g, (src, dst, infos) in copies.items():
             self.host[g].free(dst)
