@@ -36,7 +36,8 @@ setup(
     extras_require={
         # moto's S3 backend and its server (flask): the S3-compatible server the object tier's tests start
         # on loopback (moto[server] would pull every AWS service's dependencies)
-        "test": ["pytest", "hypothesis", "pytest-xdist", "moto[s3]", "flask", "flask-cors"],
+        # openai: the official client, driving the server and the router as an unmodified client would
+        "test": ["pytest", "hypothesis", "pytest-xdist", "moto[s3]", "flask", "flask-cors", "openai"],
         "cuda12": ["jax[cuda12]==0.11.2"],
         "cuda13": ["jax[cuda13]==0.11.2"],
     },

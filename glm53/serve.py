@@ -5,7 +5,8 @@
     curl localhost:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}'
 
-Flags: `--host`, `--port`, `--served-model-name` (default: the model argument as given), `--seed` (a
+Flags: `--host`, `--port`, `--served-model-name` (default: the model argument as given), `--api-key`
+(default: $VLLM_API_KEY), `--seed` (a
 preset's random weights, as `glm53.init(preset, seed)`), `--dtype`, `--quantization fp8` (a checkpoint's fp8
 block-quantised weights kept in fp8), and one flag per `DeployConfig`
 field in vLLM's spelling (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`,
@@ -17,24 +18,30 @@ and `--kv-events-config`, and the project's own: `--kv-policy`, `--cpu-offload-b
 without `--hisparse-host-pool-bytes` gets a host pool for max_num_seqs requests of max_model_len. On CPU
 the server simulates the devices its parallel sizes need.
 
-Endpoints:
+Endpoints (request and response bodies: glm53.protocol, vLLM's models):
 - POST /v1/completions: `prompt` as text (the checkpoint's tokenizer.json; the byte tokenizer for
   presets), token ids, or a batch of either (one choice per prompt); `max_tokens` (16), `temperature`
-  (0 = greedy), `top_p`, `seed`, `stop` (strings: the text ends before the first one), vLLM's
-  `stop_token_ids`, `ignore_eos`, `min_tokens`, `cache_salt`, `return_token_ids`; `stream` sends
+  (below 1e-5 = greedy), `top_p`, `seed` (any int64), `stop` (strings: the request finishes "stop" on the
+  token that completes one, the text ends before it, `stop_reason` names it), vLLM's `stop_token_ids`,
+  `ignore_eos`, `min_tokens`, `add_special_tokens`, `cache_salt`, `return_token_ids`; `stream` sends
   server-sent events, one chunk per token, `data: [DONE]` last (`stream_options.include_usage` adds a
   usage chunk). `usage.prompt_tokens_details.cached_tokens` counts prompt tokens served from a cache.
   A checkpoint's EOS ends generation unless `ignore_eos`; presets have none.
 - POST /v1/chat/completions: when the checkpoint ships a chat template (rendered with jinja2 as HF
-  does); otherwise 400.
-- GET /v1/models, GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names), POST
-  /reset_prefix_cache (vLLM's development endpoint: forget every cached prefix, between benchmark runs).
+  does; text content parts are joined); otherwise 400.
+- GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version (vLLM's schemas),
+  GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names), POST /reset_prefix_cache (vLLM's
+  development endpoint: forget every cached prefix, between benchmark runs).
 
-Bad requests (wrong types, unknown model, a prompt over max_model_len, token ids outside the vocabulary)
-get HTTP 400 with an OpenAI-style error naming the field. A client that disconnects aborts its request
-(its blocks are freed at the next step boundary). SIGTERM stops accepting requests, lets running ones
-finish for up to --shutdown-timeout seconds, aborts the rest and shuts the engine down (uvicorn then
-re-raises the signal, so the exit status is that of SIGTERM).
+Every answer other than 200 has one JSON body, {"error": {"message", "type", "param", "code"}}: 400 for a
+bad request (naming the field: wrong types or ranges, a prompt over max_model_len, token ids outside the
+vocabulary, a parameter this server does not apply set to anything but its neutral value), 401 without
+the --api-key, 404 for an unknown model or route, 405, 413 for a body over MAX_REQUEST_BYTES, 500 when
+the step that ran the request failed (streamed: finish_reason "error"), 503 once the engine has stopped.
+No request stops the engine (glm53.engine.async_engine); /health is 503 while its last steps all failed.
+A client that disconnects aborts its request (its blocks are freed at the next step boundary). SIGTERM
+stops accepting requests, lets running ones finish for up to --shutdown-timeout seconds, aborts the rest
+and shuts the engine down (uvicorn then re-raises the signal, so the exit status is that of SIGTERM).
 """
 
 from __future__ import annotations
@@ -43,27 +50,63 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
 import random
+import re
+import secrets
 import time
-import uuid
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
 from glm53.engine.config import DeployConfig
+from glm53.engine.request import SEED_RANGE, RequestError
+from glm53.protocol import (
+    MAX_REQUEST_BYTES,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HTTPError,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    UsageInfo,
+    VersionResponse,
+    error_response,
+    install_error_answers,
+    new_id,
+    parse_body,
+    send_error,
+    unapplied_field,
+)
+from glm53.tokenizer import TextStream, render_chat
 
 # a P/D producer answers once the prompt's pages are in its peer tier, or after this many seconds with
 # what is there (the consumer computes the rest)
 PD_STORE_WAIT_S = 30.0
+# temperatures below this sample greedily (vLLM's rule: dividing logits by ~0 overflows float32)
+GREEDY_BELOW = 1e-5
 
 # ------------------------------------------------------------------------------------------- flags
 _RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "quantization", "shutdown_timeout",
-             "warmup"}
+             "warmup", "api_key"}
 
 
 def _flag_type(annotation: str):
@@ -89,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantization", default=None, choices=("fp8",),
                     help="fp8: keep a block-quantised fp8 checkpoint's weights in fp8 (vLLM's --quantization fp8; "
                          "glm53.from_pretrained(quantization='fp8')); default: dequantise them to --dtype on load")
+    ap.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+                    help="require `Authorization: Bearer KEY` on the /v1 routes, /tokenize, /detokenize and "
+                         "/reset_prefix_cache (default: $VLLM_API_KEY; unset: no key)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests may finish after SIGTERM before they are aborted")
     ap.add_argument("--warmup", action="store_true",
@@ -132,393 +178,519 @@ def deploy_from_args(args: argparse.Namespace, cfg, dtype: str) -> DeployConfig:
     return DeployConfig(**given)
 
 
-# ---------------------------------------------------------------------------------- request shapes
-class CompletionRequest(BaseModel):
-    """OpenAI's completions request with vLLM's extras; unknown fields are ignored, as vLLM does."""
+# ------------------------------------------------------------------------------------------ the key
+class ApiKey:
+    """--api-key: the /v1 routes, /tokenize, /detokenize and /reset_prefix_cache answer 401 unless the
+    request carries `Authorization: Bearer KEY` (vLLM's scheme); /health, /metrics and /version stay open
+    (probes and scrapers hold no key). The key is compared in constant time."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    cache_salt: str | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    return_token_ids: bool = False
-    n: int = Field(default=1, ge=1, le=1)
-    logprobs: int | None = None
-    echo: bool = False
-    kv_transfer_params: dict[str, Any] | None = None  # vLLM's P/D fields (the PdConnector; see `pd_leg`)
+    GUARDED = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (
+                scope["path"] == "/v1" or scope["path"].startswith(self.GUARDED)):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.expected):
+                return await send_error(send, 401, "a valid API key is required (Authorization: Bearer KEY)")
+        return await self.app(scope, receive, send)
 
 
-class ChatRequest(CompletionRequest):
-    prompt: None = None
-    messages: list[dict[str, Any]]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+# -------------------------------------------------------------------------------------------- state
+@dataclasses.dataclass
+class ServerState:
+    """What the handlers share (app.state.server): the engine, its tokenizer and the served name."""
+
+    engine: Any  # glm53.engine.async_engine.AsyncEngine, started
+    tokenizer: Any
+    served_model_name: str
+    metrics: Any = None  # glm53.engine.prometheus.ServingMetrics
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def deploy(self) -> DeployConfig:
+        return self.engine.engine.deploy
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.cfg.vocab_size
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise HTTPError(404, f"The model `{model}` does not exist (this server serves "
+                                 f"`{self.served_model_name}`).", "model")
+
+    def check_tokens(self, ids: list[int], field: str) -> None:
+        if ids and max(ids) >= self.vocab_size:
+            raise HTTPError(400, f"token ids must lie in [0, {self.vocab_size}), got {max(ids)}", field)
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.served_model_name, created=self.created, root=self.served_model_name,
+                         max_model_len=self.deploy.max_model_len)
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
+def _state(raw: Request) -> ServerState:
+    return raw.app.state.server
 
 
-def _error(message: str, param: str | None, status: int = 400) -> JSONResponse:
-    kind = "BadRequestError" if status == 400 else "NotFoundError" if status == 404 else "InternalServerError"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status)
+async def _parse(raw: Request, model: type[BaseModel], kind: str | None = None, data: dict | None = None):
+    """The request's JSON body (or `data`, read from it already by protocol.parse_body) as `model`: 400
+    for what is not a JSON object or carries what the engine cannot take (NaN, lone surrogates), for a
+    field of UNAPPLIED[kind] set to a value this server would ignore, and for any invalid field (named)."""
+    if data is None:
+        data = parse_body(await raw.body())
+    if kind is not None and (bad := unapplied_field(kind, data)) is not None:
+        raise HTTPError(400, bad[1], bad[0])
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from None
 
 
-def _param_of(message: str) -> str:
-    """The request field an engine ValueError is about."""
-    if "stop_token_ids" in message:
-        return "stop_token_ids"
-    if "min_tokens" in message:
-        return "min_tokens"
-    if "max_model_len" in message or "max_new_tokens" in message:
-        return "max_tokens"
-    return "prompt"
+# ------------------------------------------------------------------------------------------ routes
+routes = APIRouter()
 
 
-# -------------------------------------------------------------------------------------- detokenizing
-class TextStream:
-    """One choice's text as its tokens arrive: `add(token) -> (delta, stopped)`, `flush() -> delta`.
-    EOS tokens add no text; a stop string ends the text before it (stopped=True); text that could still
-    become a stop string, or an incomplete UTF-8 character (U+FFFD at the end), is held back until the
-    next token or the flush, so the deltas always add up to the final text."""
+@routes.get("/health")
+async def health(raw: Request):
+    """200 while the engine serves and its last steps did not all fail (AsyncEngine.healthy), else 503."""
+    st = _state(raw)
+    if not st.engine.healthy:
+        return error_response(503, st.engine.unhealthy_reason or "the engine is unhealthy")
+    return Response(status_code=200)
 
-    def __init__(self, tokenizer, stop: list[str], eos: tuple[int, ...]):
-        self.tok, self.stop, self.eos = tokenizer, [s for s in stop if s], set(eos)
-        self.ids: list[int] = []
-        self.text = ""  # sent so far
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
-        self.stopped = False
 
-    def _full(self) -> str:
-        return self.tok.decode(self.ids)
+@routes.get("/version")
+async def version(raw: Request):
+    return VersionResponse(version=_version()).model_dump()
 
-    def add(self, token: int) -> tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        if token not in self.eos:
-            self.ids.append(token)
-        full = self._full()
-        cut = min((i for i in (full.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            return self._send(full[:cut]), True
-        safe = len(full) - self.hold
-        while safe > len(self.text) and full[safe - 1] == "\ufffd":
-            safe -= 1
-        return self._send(full[:max(safe, len(self.text))]), False
 
-    def flush(self) -> str:
-        return "" if self.stopped else self._send(self._full())
+@routes.get("/metrics")
+async def prometheus(raw: Request):
+    from prometheus_client import CONTENT_TYPE_LATEST
 
-    def _send(self, upto: str) -> str:
-        delta = upto[len(self.text):]
-        self.text = upto
-        return delta
+    st = _state(raw)
+    return PlainTextResponse(st.metrics.text() if st.metrics is not None else "", media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.post("/reset_prefix_cache")
+async def reset_prefix_cache(raw: Request):
+    """vLLM's (development) endpoint: forget every cached prefix, e.g. between benchmark runs."""
+    await _engine_call(_state(raw).engine.reset_prefix_cache())
+    return Response(status_code=200)
+
+
+@routes.get("/v1/models")
+async def models(raw: Request):
+    return ModelList(data=[_state(raw).card()]).model_dump()
+
+
+@routes.get("/v1/models/{model_id:path}")
+async def model(model_id: str, raw: Request):
+    st = _state(raw)
+    st.check_model(model_id)
+    return st.card().model_dump()
+
+
+@routes.post("/tokenize")
+async def tokenize(raw: Request):
+    """vLLM's /tokenize: a prompt (as /v1/completions encodes it) or messages (as /v1/chat/completions
+    renders them) -> its token ids and count, beside max_model_len."""
+    st = _state(raw)
+    data = parse_body(await raw.body())
+    is_chat = "messages" in data  # the two request shapes differ by this key (vLLM's union)
+    body = await _parse(raw, TokenizeChatRequest if is_chat else TokenizeCompletionRequest, data=data)
+    st.check_model(body.model)
+    if is_chat:
+        ids = await _encode(st, await _render(st, body.messages, body.add_generation_prompt), body.add_special_tokens)
+    else:
+        ids = await _encode(st, body.prompt, body.add_special_tokens)
+    strs = st.tokenizer.token_strs(ids) if body.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=st.deploy.max_model_len, tokens=ids,
+                            token_strs=strs).model_dump()
+
+
+@routes.post("/detokenize")
+async def detokenize(raw: Request):
+    st = _state(raw)
+    body = await _parse(raw, DetokenizeRequest)
+    st.check_model(body.model)
+    st.check_tokens(body.tokens, "tokens")
+    return DetokenizeResponse(prompt=st.tokenizer.decode(body.tokens)).model_dump()
+
+
+@routes.post("/v1/completions")
+async def completions(raw: Request):
+    st = _state(raw)
+    body = await _parse(raw, CompletionRequest, "completion")
+    st.check_model(body.model)
+    return await _generate(st, raw, body, await _prompts(st, body), body.max_tokens, chat=False)
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(raw: Request):
+    st = _state(raw)
+    body = await _parse(raw, ChatCompletionRequest, "chat")
+    st.check_model(body.model)
+    prompt = await _encode(st, await _render(st, body.messages, body.add_generation_prompt), body.add_special_tokens)
+    if not prompt or len(prompt) >= st.deploy.max_model_len:
+        raise HTTPError(400, f"the rendered chat has {len(prompt)} tokens; it must have 1 to "
+                             f"max_model_len - 1 = {st.deploy.max_model_len - 1}", "messages")
+    return await _generate(st, raw, body, [prompt], body.max_completion_tokens or body.max_tokens, chat=True)
+
+
+# -------------------------------------------------------------------------------- generation: helpers
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("glm53-jax")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def _engine_call(awaitable):
+    """An AsyncEngine call; an engine that has stopped is a 503."""
+    try:
+        return await awaitable
+    except RuntimeError as e:
+        raise HTTPError(503, str(e)) from None
+
+
+# texts longer than this are tokenized (and chats rendered) in a worker thread, not on the event loop
+OFF_LOOP_CHARS = 1 << 16
+
+
+async def _off_loop(size: int, fn, *args):
+    """fn(*args), in a worker thread when `size` (characters) is large enough to hold up other clients."""
+    return await asyncio.to_thread(fn, *args) if size > OFF_LOOP_CHARS else fn(*args)
+
+
+async def _encode(st: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    return await _off_loop(len(text), st.tokenizer.encode, text, add_special_tokens)
+
+
+async def _render(st: ServerState, messages, add_generation_prompt: bool) -> str:
+    """The chat's prompt text under the checkpoint's template (400 naming messages without a template or
+    when the template fails on them)."""
+    if not st.tokenizer.chat_template:
+        raise HTTPError(400, "this model has no chat template: use /v1/completions", "messages")
+    msgs = [m.for_template() for m in messages]
+    size = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+    try:
+        return await _off_loop(size, render_chat, st.tokenizer, msgs, add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template error is the request's messages' fault
+        raise HTTPError(400, f"the chat template failed on these messages: {e}", "messages") from None
+
+
+async def _prompts(st: ServerState, body: CompletionRequest) -> list[list[int]]:
+    p = body.prompt
+    if isinstance(p, str):
+        p = [p]
+    elif p and isinstance(p[0], int):
+        p = [p]
+    if not p:
+        raise HTTPError(400, "prompt must not be empty", "prompt")
+    out = [await _encode(st, x, body.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
+    limit = st.deploy.max_model_len
+    for i, ids in enumerate(out):
+        which = f"prompt {i}" if len(out) > 1 else "the prompt"
+        if not ids:
+            raise HTTPError(400, f"{which} is empty", "prompt")
+        if len(ids) >= limit:
+            raise HTTPError(400, f"{which} has {len(ids)} tokens: max_model_len={limit} leaves no room for "
+                                 "one generated token", "prompt")
+        st.check_tokens(ids, "prompt")
+    return out
+
+
+# the request field each engine field (glm53.engine.request.RequestError.field) comes from
+_FIELDS = {"prompt_ids": "prompt", "max_new_tokens": "max_tokens", "salt": "cache_salt",
+           "kv_peer": "kv_transfer_params"}
+
+
+def _field(body, engine_field: str) -> str:
+    """The request field an engine RequestError about `engine_field` names."""
+    field = _FIELDS.get(engine_field, engine_field)
+    if isinstance(body, ChatCompletionRequest):
+        if field == "prompt":
+            return "messages"
+        if field == "max_tokens" and body.max_completion_tokens is not None:
+            return "max_completion_tokens"
+    return field
+
+
+def _sampling(st: ServerState, body, max_tokens: int, i: int):
+    """The SamplingParams of the batch's i-th prompt (seed + i: each prompt its own draws, wrapped into
+    int64)."""
+    from glm53.engine.request import SamplingParams
+
+    stops = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else tuple(st.tokenizer.eos_token_ids))
+    lo, hi = SEED_RANGE
+    seed = (body.seed + i - lo) % (hi - lo) + lo if body.seed is not None else random.getrandbits(31)
+    temperature = 1.0 if body.temperature is None else body.temperature
+    try:
+        return SamplingParams(max_tokens, greedy=temperature < GREEDY_BELOW, temperature=max(temperature, GREEDY_BELOW),
+                              top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
+                              stop_token_ids=tuple(dict.fromkeys(stops)), min_tokens=body.min_tokens)
+    except RequestError as e:
+        raise HTTPError(400, str(e), _field(body, e.field)) from None
+
+
+def _stops(body) -> list[str]:
+    return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One prompt's generation: its handle, text stream, and what has arrived."""
+
+    index: int
+    prompt: list[int]
+    handle: Any  # glm53.engine.async_engine.RequestHandle
+    text: TextStream
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    out: str = ""
+
+    def stop_reason(self, body) -> int | str | None:
+        """vLLM's stop_reason: the stop string or stop token id that ended it; None for EOS and length."""
+        if self.handle.ended is None or self.handle.ended.finish_reason != "stop":
+            return None
+        if self.text.stopped_by is not None:
+            return self.text.stopped_by
+        last = self.tokens[-1] if self.tokens else None
+        return last if last in (body.stop_token_ids or ()) else None
+
+
+async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: int | None, kv_peer, kv_lease
+                 ) -> list[_Choice]:
+    choices: list[_Choice] = []
+    try:
+        for i, ids in enumerate(prompts):
+            n = max_tokens if max_tokens is not None else max(1, st.deploy.max_model_len - len(ids))
+            params = _sampling(st, body, n, i)
+            text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
+            handle = await st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer,
+                                         kv_lease=kv_lease, text=text)
+            choices.append(_Choice(i, ids, handle, text))
+    except BaseException as e:
+        for c in choices:
+            st.engine.abort_nowait(c.handle.req_id)
+        if isinstance(e, RequestError):
+            raise HTTPError(400, str(e), _field(body, e.field)) from None
+        if isinstance(e, RuntimeError):
+            raise HTTPError(503, str(e)) from None
+        raise
+    return choices
+
+
+def _usage(choices: list[_Choice]) -> UsageInfo:
+    prompt = sum(len(c.prompt) for c in choices)
+    out = sum(c.handle.ended.num_output_tokens for c in choices if c.handle.ended is not None)
+    cached = sum(c.handle.ended.num_cached_tokens for c in choices if c.handle.ended is not None)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+# ------------------------------------------------------------------------------ generation: P/D legs
+def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int]:
+    """What a request's kv_transfer_params ask of this server -> (produce: answer with the params a
+    consumer needs, kv_peer: the producer to take the prompt's KV from, kv_lease: its lease on that
+    KV, 0 if none). Without the PdConnector in the matching role both are ignored (the prompt is
+    computed here, as by an aggregated server)."""
+    ktp = body.kv_transfer_params or {}
+    role = st.deploy.kv_role
+    produce = bool(ktp.get("do_remote_decode")) and role in ("kv_producer", "kv_both")
+    if produce and (body.stream or len(prompts) != 1):
+        raise HTTPError(400, "kv_transfer_params.do_remote_decode takes one prompt and stream false (the prefill "
+                             "leg of a P/D pair)", "kv_transfer_params")
+    if not (ktp.get("do_remote_prefill") and role in ("kv_consumer", "kv_both")):
+        return produce, None, 0
+    host, port = ktp.get("remote_host"), ktp.get("remote_port")
+    if not _is_host(host) or isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise HTTPError(400, f"kv_transfer_params.do_remote_prefill needs remote_host (a host name or IP address) and "
+                             f"remote_port (1-65535), got {host!a} and {port!a}", "kv_transfer_params")
+    lease = ktp.get("remote_lease", 0)  # optional: without it the producer's lease lapses at its expiry
+    if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease < 1 << 63:
+        raise HTTPError(400, f"kv_transfer_params.remote_lease must be the producer's lease id (an integer >= 0), "
+                             f"got {lease!r}", "kv_transfer_params")
+    return produce, f"{host}:{port}", lease
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _is_host(host) -> bool:
+    """An IP address, or an ASCII host name (RFC 1123 labels): what the peer tier may dial. Anything else
+    (a lone surrogate, a space, a URL) would fail inside the tier's control thread, not here."""
+    if not isinstance(host, str) or not 0 < len(host) <= 253:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    return all(_HOST_LABEL.fullmatch(label) for label in host.removesuffix(".").split("."))
+
+
+async def _produced(st: ServerState, req_id: str) -> dict:
+    """The P/D producer's answer for finished `req_id`, once its prompt's pages are parked in the
+    PdConnector's peer tier (the parking runs in the engine's next plan and the tier stores
+    asynchronously) or PD_STORE_WAIT_S have passed: where to fetch them, and how many leading prompt
+    tokens it holds, leased for DeployConfig.pd_lease_s."""
+    eng = st.engine.engine
+    r = eng.replica_of(req_id)
+    tier = eng.pd_tier(r)
+    tpb, blocks = eng.prompt_chunk_keys(req_id)
+    keys = [k for b in blocks for _, k in b]
+    deadline = time.monotonic() + PD_STORE_WAIT_S
+    while time.monotonic() < deadline and st.engine.error is None:
+        if eng.parked(req_id) and tier.held_prefix(keys) is not None:
+            break
+        await asyncio.sleep(0.005)
+    held = tier.held_prefix(keys) or 0  # a store still in flight at the deadline: what is there
+    n, total = 0, 0  # hash blocks whose every page is held
+    for b in blocks:
+        total += len(b)
+        if total > held:
+            break
+        n += 1
+    lease = tier.lease(keys[:held], eng.deploy.pd_lease_s)
+    return {"do_remote_decode": False, "do_remote_prefill": True,
+            "remote_engine_id": f"{st.served_model_name}@{tier.address}", "remote_host": tier.host,
+            "remote_port": tier.port, "remote_num_tokens": n * tpb, "remote_lease": lease,
+            "remote_lease_s": eng.deploy.pd_lease_s}
+
+
+# --------------------------------------------------------------------------------- generation: answers
+async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]], max_tokens: int | None,
+                    chat: bool):
+    produce, kv_peer, kv_lease = _pd_leg(st, body, prompts)
+    choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease)
+    rid = new_id(chat)
+    if body.stream:
+        return StreamingResponse(_stream(st, raw, body, choices, rid, chat), media_type="text/event-stream")
+    if not await _collect(st, raw, choices):
+        return Response(status_code=499)  # the client went away: its requests were aborted
+    failed = [c for c in choices if c.handle.ended.finish_reason == "error"]
+    if failed:
+        raise HTTPError(500, f"the engine failed while running this request: {failed[0].handle.ended.error}")
+    reasons = [(c.handle.ended.finish_reason, c.stop_reason(body)) for c in choices]
+    ids = {"token_ids": None, "prompt_token_ids": None}
+    if chat:
+        out = ChatCompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
+            ChatChoice(index=c.index, message=ChatMessageOut(content=c.out), finish_reason=reason, stop_reason=why,
+                       **(_ids(c) if body.return_token_ids else ids)) for c, (reason, why) in zip(choices, reasons)])
+    else:
+        out = CompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
+            CompletionChoice(index=c.index, text=c.out, finish_reason=reason, stop_reason=why,
+                             **(_ids(c) if body.return_token_ids else ids)) for c, (reason, why) in zip(choices, reasons)])
+    if produce:
+        out.kv_transfer_params = await _produced(st, choices[0].handle.req_id)
+    return out.model_dump()
+
+
+def _ids(c: _Choice) -> dict:
+    return {"token_ids": c.tokens, "prompt_token_ids": c.prompt}
+
+
+async def _collect(st: ServerState, raw: Request, choices: list[_Choice]) -> bool:
+    """Wait for every choice to end -> False if the client went away first (its requests are aborted)."""
+    async def one(c: _Choice):
+        async for tok, text, _ in c.handle:
+            c.tokens.append(tok)
+            c.out += text
+        c.out += c.handle.ended.text
+
+    collect = asyncio.ensure_future(asyncio.gather(*(one(c) for c in choices)))
+    while not collect.done():
+        await asyncio.wait({collect}, timeout=0.2)
+        if not collect.done() and await raw.is_disconnected():
+            collect.cancel()
+            for c in choices:
+                st.engine.abort_nowait(c.handle.req_id)
+            return False
+    collect.result()
+    return True
+
+
+async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], rid: str, chat: bool):
+    """Server-sent events: one chunk per token (its text, its id with return_token_ids), the finishing
+    chunk with finish_reason and stop_reason ("abort" or "error" on a chunk of its own when a request
+    ended without a finishing token), a usage chunk with stream_options.include_usage, `[DONE]` last."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice):
+        async for tok, text, fin in c.handle:
+            await merged.put((c, tok, text, fin))
+        await merged.put((c, None, "", True))
+
+    def event(model: BaseModel) -> str:
+        return f"data: {json.dumps(model.model_dump())}\n\n"
+
+    def chunk(c: _Choice, text: str, tok: int | None = None, reason: str | None = None, why=None) -> str:
+        ids = [tok] if body.return_token_ids and tok is not None else None
+        if chat:
+            return event(ChatCompletionStreamResponse(id=rid, model=st.served_model_name, choices=[ChatChunkChoice(
+                index=c.index, delta=DeltaMessage(content=text or None), finish_reason=reason, stop_reason=why,
+                token_ids=ids)]))
+        return event(CompletionStreamResponse(id=rid, model=st.served_model_name, choices=[CompletionChoice(
+            index=c.index, text=text, finish_reason=reason, stop_reason=why, token_ids=ids)]))
+
+    pumps = [asyncio.ensure_future(pump(c)) for c in choices]
+    live = {c.index for c in choices}
+    try:
+        if chat:
+            for c in choices:
+                yield event(ChatCompletionStreamResponse(id=rid, model=st.served_model_name, choices=[ChatChunkChoice(
+                    index=c.index, delta=DeltaMessage(role="assistant", content=""))]))
+        while live:
+            c, tok, text, fin = await merged.get()
+            if c.index not in live:
+                continue
+            if tok is not None:
+                c.tokens.append(tok)
+            if fin:
+                live.discard(c.index)
+                ended = c.handle.ended
+                yield chunk(c, text + ended.text, tok, ended.finish_reason, c.stop_reason(body))
+            else:
+                yield chunk(c, text, tok)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
+            yield event(kind(id=rid, model=st.served_model_name, choices=[], usage=_usage(choices)))
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or we are done): abort what still runs
+        for p in pumps:
+            p.cancel()
+        for c in choices:
+            if c.index in live:
+                st.engine.abort_nowait(c.handle.req_id)
 
 
 # ------------------------------------------------------------------------------------------- the app
-def create_app(engine, tokenizer, served_model_name: str, *, metrics=None) -> FastAPI:
-    """The FastAPI app over a started `glm53.engine.async_engine.AsyncEngine`; the app's shutdown (after
-    uvicorn's graceful wait) aborts what still runs and shuts the engine down."""
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    yield
+    app.state.server.engine.shutdown()
+    print("glm53.serve: engine shut down", flush=True)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        engine.shutdown()
-        print("glm53.serve: engine shut down", flush=True)
 
-    app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan)
-    max_model_len = engine.engine.deploy.max_model_len
-    created = int(time.time())
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        field = loc[0] if loc else None
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: {e.get('msg')}"
-                        for e in exc.errors())
-        return _error(msg or "invalid request", field)
-
-    @app.exception_handler(BadRequest)
-    async def _bad(request: Request, exc: BadRequest):
-        return _error(str(exc), exc.param, exc.status)
-
-    @app.get("/health")
-    async def health():
-        if engine.error is not None:
-            return _error(f"engine stopped: {engine.error!r}", None, 503)
-        return Response(status_code=200)
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        """vLLM's (development) endpoint: forget every cached prefix, e.g. between benchmark runs."""
-        await engine.reset_prefix_cache()
-        return Response(status_code=200)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "glm53", "root": served_model_name,
-                                            "max_model_len": max_model_len}]}
-
-    @app.get("/metrics")
-    async def prometheus():
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return PlainTextResponse(metrics.text() if metrics is not None else "", media_type=CONTENT_TYPE_LATEST)
-
-    def check_model(body: CompletionRequest) -> None:
-        if body.model is not None and body.model != served_model_name:
-            raise BadRequest(f"The model `{body.model}` does not exist (this server serves `{served_model_name}`).",
-                             "model")
-        if body.logprobs is not None:
-            raise BadRequest("logprobs are not supported", "logprobs")
-        if body.echo:
-            raise BadRequest("echo is not supported", "echo")
-
-    def prompts_of(body: CompletionRequest) -> list[list[int]]:
-        p = body.prompt
-        if isinstance(p, str):
-            return [tokenizer.encode(p)]
-        if not p:
-            raise BadRequest("prompt must not be empty", "prompt")
-        if isinstance(p[0], int):
-            return [list(p)]
-        return [tokenizer.encode(x) if isinstance(x, str) else list(x) for x in p]
-
-    def sampling(body: CompletionRequest, max_tokens: int, i: int):
-        from glm53.engine.request import SamplingParams
-
-        stops = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else tuple(tokenizer.eos_token_ids))
-        seed = body.seed + i if body.seed is not None else random.getrandbits(31)
-        try:
-            return SamplingParams(max_tokens, greedy=body.temperature == 0, temperature=body.temperature or 1.0,
-                                  top_p=body.top_p, seed=seed, stop_token_ids=tuple(dict.fromkeys(stops)),
-                                  min_tokens=body.min_tokens)
-        except ValueError as e:
-            raise BadRequest(str(e), _param_of(str(e))) from None
-
-    async def start(body: CompletionRequest, prompts: list[list[int]], max_tokens: int | None,
-                    kv_peer: str | None = None, kv_lease: int = 0) -> list:
-        handles = []
-        try:
-            for i, ids in enumerate(prompts):
-                n = max_tokens if max_tokens is not None else max(1, max_model_len - len(ids))
-                handles.append(await engine.add(ids, sampling(body, n, i), salt=body.cache_salt or "",
-                                                kv_peer=kv_peer, kv_lease=kv_lease))
-        except ValueError as e:
-            for h in handles:
-                engine.abort_nowait(h.req_id)
-            raise BadRequest(str(e), _param_of(str(e))) from None
-        return handles
-
-    def stops_of(body: CompletionRequest) -> list[str]:
-        return [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-
-    def usage(handles, prompts) -> dict:
-        done = [engine.finished_request(h.req_id) for h in handles]
-        out = sum(len(r.output_ids) for r in done)
-        n_prompt = sum(len(p) for p in prompts)
-        return {"prompt_tokens": n_prompt, "completion_tokens": out, "total_tokens": n_prompt + out,
-                "prompt_tokens_details": {"cached_tokens": sum(r.num_cached_tokens for r in done)}}
-
-    role = engine.engine.deploy.kv_role
-
-    def pd_leg(body: CompletionRequest, prompts) -> tuple[bool, str | None, int]:
-        """What a request's kv_transfer_params ask of this server -> (produce: answer with the params a
-        consumer needs, kv_peer: the producer to take the prompt's KV from, kv_lease: its lease on that
-        KV, 0 if none). Without the PdConnector in
-        the matching role both are ignored (the prompt is computed here, as by an aggregated server)."""
-        ktp = body.kv_transfer_params or {}
-        produce = bool(ktp.get("do_remote_decode")) and role in ("kv_producer", "kv_both")
-        if produce and (body.stream or len(prompts) != 1):
-            raise BadRequest("kv_transfer_params.do_remote_decode takes one prompt and stream false (the prefill "
-                             "leg of a P/D pair)", "kv_transfer_params")
-        if not (ktp.get("do_remote_prefill") and role in ("kv_consumer", "kv_both")):
-            return produce, None, 0
-        host, port = ktp.get("remote_host"), ktp.get("remote_port")
-        if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
-                or not 1 <= port <= 65535:
-            raise BadRequest(f"kv_transfer_params.do_remote_prefill needs remote_host (an address) and remote_port "
-                             f"(1-65535), got {host!r} and {port!r}", "kv_transfer_params")
-        lease = ktp.get("remote_lease", 0)  # optional: without it the producer's lease lapses at its expiry
-        if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease < 1 << 63:
-            raise BadRequest(f"kv_transfer_params.remote_lease must be the producer's lease id (an integer >= 0), "
-                             f"got {lease!r}", "kv_transfer_params")
-        return produce, f"{host}:{port}", lease
-
-    async def produced(req_id: str) -> dict:
-        """The P/D producer's answer for finished `req_id`, once its prompt's pages are parked in the
-        PdConnector's peer tier (the parking runs in the engine's next plan and the tier stores
-        asynchronously) or PD_STORE_WAIT_S have passed: where to fetch them, and how many leading prompt
-        tokens it holds, leased for DeployConfig.pd_lease_s."""
-        eng = engine.engine
-        r = eng.replica_of(req_id)
-        tier = eng.pd_tier(r)
-        tpb, blocks = eng.prompt_chunk_keys(req_id)
-        keys = [k for b in blocks for _, k in b]
-        deadline = time.monotonic() + PD_STORE_WAIT_S
-        held = None
-        while time.monotonic() < deadline and engine.error is None:
-            if eng.parked(req_id) and (held := tier.held_prefix(keys)) is not None:
-                break
-            await asyncio.sleep(0.005)
-        held = tier.held_prefix(keys) or 0  # a store still in flight at the deadline: what is there
-        n, total = 0, 0  # hash blocks whose every page is held
-        for b in blocks:
-            total += len(b)
-            if total > held:
-                break
-            n += 1
-        lease = tier.lease(keys[:held], eng.deploy.pd_lease_s)
-        return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": f"{served_model_name}@{tier.address}",
-                "remote_host": tier.host, "remote_port": tier.port, "remote_num_tokens": n * tpb,
-                "remote_lease": lease, "remote_lease_s": eng.deploy.pd_lease_s}
-
-    async def run(raw: Request, body: CompletionRequest, prompts, max_tokens, chat: bool):
-        produce, kv_peer, kv_lease = pd_leg(body, prompts)
-        handles = await start(body, prompts, max_tokens, kv_peer, kv_lease)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        texts = [TextStream(tokenizer, stops_of(body), tokenizer.eos_token_ids) for _ in handles]
-        if body.stream:
-            return StreamingResponse(_stream(raw, body, handles, prompts, texts, rid, chat),
-                                     media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(handles, texts))
-        while not collect.done():
-            await asyncio.wait({collect}, timeout=0.2)
-            if not collect.done() and await raw.is_disconnected():
-                collect.cancel()
-                for h in handles:
-                    engine.abort_nowait(h.req_id)
-                return Response(status_code=499)
-        results = collect.result()
-        if engine.error is not None:
-            raise BadRequest(f"the engine stopped: {engine.error!r}", None, 500)
-        choices = []
-        for i, (h, (tokens, text, reason)) in enumerate(zip(handles, results)):
-            c = {"index": i, "finish_reason": reason, "logprobs": None}
-            if chat:
-                c["message"] = {"role": "assistant", "content": text}
-            else:
-                c["text"] = text
-            if body.return_token_ids:
-                c["token_ids"] = tokens
-                c["prompt_token_ids"] = prompts[i]
-            choices.append(c)
-        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-               "model": served_model_name, "choices": choices, "usage": usage(handles, prompts)}
-        if produce:
-            out["kv_transfer_params"] = await produced(handles[0].req_id)
-        return out
-
-    async def _collect(handles, texts):
-        async def one(h, t):
-            tokens, text, reason = [], "", None
-            async for tok, fin in h:
-                tokens.append(tok)
-                delta, stopped = t.add(tok)
-                text += delta
-                if stopped:
-                    engine.abort_nowait(h.req_id)
-                    return tokens, text, "stop"
-            text += t.flush()
-            reason = "abort" if h.aborted else engine.finished_request(h.req_id).finish_reason
-            return tokens, text, reason
-
-        return await asyncio.gather(*(one(h, t) for h, t in zip(handles, texts)))
-
-    async def _stream(raw, body, handles, prompts, texts, rid, chat):
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, h):
-            async for tok, fin in h:
-                await merged.put((i, tok, fin))
-            await merged.put((i, None, True))
-
-        pumps = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
-        live, finished = set(range(len(handles))), set()
-
-        def chunk(i, text=None, tok=None, reason=None, role=False):
-            c: dict = {"index": i, "finish_reason": reason, "logprobs": None}
-            if chat:
-                c["delta"] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            else:
-                c["text"] = text or ""
-            if body.return_token_ids and tok is not None:
-                c["token_ids"] = [tok]
-            return "data: " + json.dumps({"id": rid, "object": kind, "created": int(time.time()),
-                                          "model": served_model_name, "choices": [c]}) + "\n\n"
-
-        try:
-            if chat:
-                for i in range(len(handles)):
-                    yield chunk(i, role=True)
-            while live:
-                i, tok, fin = await merged.get()
-                if i not in live:
-                    continue
-                if tok is None:  # its stream ended without a finishing token: aborted
-                    live.discard(i)
-                    yield chunk(i, texts[i].flush(), reason="abort")
-                    continue
-                delta, stopped = texts[i].add(tok)
-                if stopped:
-                    engine.abort_nowait(handles[i].req_id)
-                    live.discard(i)
-                    yield chunk(i, delta, tok, "stop")
-                    continue
-                if fin:
-                    live.discard(i)
-                    finished.add(i)
-                    delta += texts[i].flush()
-                    reason = engine.finished_request(handles[i].req_id).finish_reason
-                    yield chunk(i, delta, tok, reason)
-                else:
-                    yield chunk(i, delta, tok)
-            if (body.stream_options or {}).get("include_usage"):
-                yield "data: " + json.dumps({"id": rid, "object": kind, "created": int(time.time()),
-                                             "model": served_model_name, "choices": [],
-                                             "usage": usage(handles, prompts)}) + "\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (or we are done): abort what still runs
-            for p in pumps:
-                p.cancel()
-            for i in live:
-                engine.abort_nowait(handles[i].req_id)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        check_model(body)
-        return await run(raw, body, prompts_of(body), body.max_tokens, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, raw: Request):
-        check_model(body)
-        from glm53.tokenizer import render_chat
-
-        try:
-            text = render_chat(tokenizer, body.messages)
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from None
-        except Exception as e:  # noqa: BLE001 - a template error is the request's messages' fault
-            raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        return await run(raw, body, [tokenizer.encode(text)], max_tokens, chat=True)
-
+def create_app(engine, tokenizer, served_model_name: str, *, metrics=None, api_key: str | None = None,
+               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app over a started `glm53.engine.async_engine.AsyncEngine` (handlers: the module's
+    `routes`, over `ServerState` in app.state.server); the app's shutdown (after uvicorn's graceful
+    wait) aborts what still runs and shuts the engine down. api_key: required as a Bearer token on the
+    /v1 routes, /tokenize, /detokenize and /reset_prefix_cache (`ApiKey`)."""
+    app = FastAPI(title="glm53", version=_version(), lifespan=_lifespan)
+    app.state.server = ServerState(engine, tokenizer, served_model_name, metrics)
+    app.include_router(routes)
+    install_error_answers(app, max_request_bytes)
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)  # outermost: a request without the key is not even read
     return app
 
 
@@ -564,7 +736,7 @@ def main(argv=None) -> None:
         shapes = sum(rep.runner.warmup() for rep in engine.replicas)
         print(f"glm53.serve: compiled {shapes} bucket shapes in {time.perf_counter() - t0:.0f} s", flush=True)
     async_engine = AsyncEngine(engine).start()
-    app = create_app(async_engine, load_tokenizer(args.model), name, metrics=metrics)
+    app = create_app(async_engine, load_tokenizer(args.model), name, metrics=metrics, api_key=args.api_key)
     print(f"glm53.serve: {name} on http://{args.host}:{args.port} ({engine.deploy.max_model_len} tokens, "
           f"{engine.deploy.num_gpu_blocks} blocks, kv_policy {engine.deploy.kv_policy})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

@@ -4,15 +4,22 @@ ids >= 256, the rest of a larger vocabulary, decode to U+FFFD: it only makes a p
 readable).
 
 `load_tokenizer(model)`: a checkpoint directory -> `HFTokenizer`; a preset name -> `ByteTokenizer`.
-Both have `encode(text) -> [ids]`, `decode(ids) -> str`, `eos_token_ids` (tuple; () for presets, which
-have no end-of-sequence token) and `chat_template` (a jinja2 source or None).
+Both have `encode(text, add_special_tokens=False) -> [ids]`, `decode(ids) -> str` (special tokens
+skipped), `token_strs(ids) -> [str]` (each id's vocabulary entry), `eos_token_ids` (tuple; () for
+presets, which have no end-of-sequence token) and `chat_template` (a jinja2 source or None).
+
+`TextStream` turns one generated sequence's tokens into text as they arrive, and finds its stop strings.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+
+REPLACEMENT = "\ufffd"  # what decoding gives for bytes that are not (yet) a whole UTF-8 character
 
 
 class ByteTokenizer:
@@ -21,12 +28,16 @@ class ByteTokenizer:
     chat_template: str | None = None
     bos_token = eos_token = ""
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # no special tokens to add
 
     def decode(self, ids) -> str:
-        return b"".join(bytes([i]) if 0 <= i < 256 else "\ufffd".encode() for i in map(int, ids)).decode(
+        return b"".join(bytes([i]) if 0 <= i < 256 else REPLACEMENT.encode() for i in map(int, ids)).decode(
             "utf-8", errors="replace")
+
+    def token_strs(self, ids) -> list[str]:
+        """Each id's byte as a Latin-1 character (a byte is its own vocabulary entry); ids >= 256: U+FFFD."""
+        return [bytes([i]).decode("latin-1") if 0 <= i < 256 else REPLACEMENT for i in map(int, ids)]
 
 
 class HFTokenizer:
@@ -52,11 +63,15 @@ class HFTokenizer:
         self.bos_token, self.eos_token = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
         self.vocab_size = self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """add_special_tokens: let tokenizer.json's post-processor add its special tokens (a BOS, say)."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_strs(self, ids) -> list[str]:
+        return [self.tok.id_to_token(int(i)) or "" for i in ids]
 
 
 def _token_text(t) -> str:
@@ -69,9 +84,9 @@ def load_tokenizer(model: str | os.PathLike):
     return HFTokenizer(p) if (p / "tokenizer.json").exists() else ByteTokenizer()
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of a chat under the tokenizer's template, with the generation prompt appended (as
-    HF's apply_chat_template(add_generation_prompt=True) renders it). ValueError without a template."""
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt text of a chat under the tokenizer's template, with the generation prompt appended unless
+    told not to (as HF's apply_chat_template renders it). ValueError without a template."""
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template: use /v1/completions")
     import jinja2
@@ -83,4 +98,83 @@ def render_chat(tokenizer, messages: list[dict]) -> str:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     return env.from_string(tokenizer.chat_template).render(
-        messages=messages, add_generation_prompt=True, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token)
+
+
+class TextStream:
+    """One generated sequence's text as its tokens arrive, cut at its first stop string.
+
+    `add(token)` once per token, in order -> the stop string the text now reaches, else None (a server
+    hands `add` to the engine as `Request.stop_check`, so a stop string finishes the request on the token
+    that completes it, as a stop token does). `take()` -> the text the oldest not yet taken token
+    completed (one call per `add`), `flush()` -> what is left once the sequence has ended; together they
+    give the whole text, each character once.
+
+    Decoding is incremental (each token decodes a window of the last few tokens, so a sequence of n tokens
+    costs O(n), not O(n^2)): the window starts at the last token whose text was released and grows until
+    its text no longer ends in an incomplete character (U+FFFD), which waits for the next token. A token of
+    `stop_token_ids` (the request's: its EOS and vLLM's stop_token_ids) that ends the sequence, i.e. one
+    that comes once `min_tokens` tokens are out (the engine's rule, `Request.check_stop`), adds no text:
+    vLLM drops the text of the token that terminated a request. A stop string counts only once more than
+    `min_tokens` tokens are out (vLLM's rule) and only where it ends in the text the latest token added;
+    the text ends before it (`stopped_by` names it). Text that could still be the start of a stop string
+    (its last max(len) - 1 characters) is held back until the next token or the flush."""
+
+    def __init__(self, tokenizer, stop: Iterable[str] = (), stop_token_ids: Iterable[int] = (), min_tokens: int = 0):
+        self.tok = tokenizer
+        self.stop = tuple(dict.fromkeys(s for s in stop if s))
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.min_tokens = min_tokens
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.start = self.done = 0  # the decode window is ids[start:]; ids[start:done] are already text
+        self.text = ""  # decoded so far (cut at the stop string once one matched)
+        self.sent = 0  # characters of `text` released to add's deltas
+        self.count = 0  # tokens added (EOS included)
+        self.stopped_by: str | None = None
+        self._deltas: collections.deque[str] = collections.deque()
+
+    def add(self, token: int) -> str | None:
+        self.count += 1
+        if self.stopped_by is None:
+            new = ""
+            if token not in self.stop_token_ids or self.count < self.min_tokens:
+                self.ids.append(int(token))
+                new = self._decode(final=False)
+            self._grow(new)
+            end = len(self.text) if self.stopped_by is not None else max(self.sent, len(self.text) - self.hold)
+        else:
+            end = self.sent
+        self._deltas.append(self.text[self.sent:end])
+        self.sent = end
+        return self.stopped_by
+
+    def take(self) -> str:
+        return self._deltas.popleft() if self._deltas else ""
+
+    def flush(self) -> str:
+        if self.stopped_by is None:
+            self._grow(self._decode(final=True))
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+    def _decode(self, final: bool) -> str:
+        """Text the window's new tokens add; "" while it ends in an incomplete character (unless final)."""
+        before = self.tok.decode(self.ids[self.start:self.done])
+        now = self.tok.decode(self.ids[self.start:])
+        if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not final):
+            return ""
+        self.start, self.done = self.done, len(self.ids)
+        return now[len(before):]
+
+    def _grow(self, new: str) -> None:
+        self.text += new
+        if not new or not self.stop or self.count <= self.min_tokens:
+            return
+        hits = [(i, s) for s in self.stop
+                if (i := self.text.find(s, max(0, len(self.text) - len(new) - len(s) + 1))) >= 0]
+        if hits:
+            i, s = min(hits)
+            self.text, self.stopped_by = self.text[:i], s

@@ -565,8 +565,8 @@ class HostMemory:
                                      self.read_host_pages(op.group, op.host_blocks[lo: lo + self.max_copy_pages]))
             elif isinstance(op, TierLoad):
                 for job, key, hb in zip(op.jobs, op.keys, op.host_blocks):
-                    self._tier_loads[job] = (op.group, hb)
                     self.tiers.load(op.tier, job, (key,), (self.page_bytes[op.group],))
+                    self._tier_loads[job] = (op.group, hb)  # once submitted (a failed submit is never polled)
             else:
                 raise TypeError(f"not a transfer operation: {op!r}")
         return cache, d2h, h2d

@@ -323,7 +323,9 @@ class HostTier:
     def on_tier_results(self, results) -> None:
         """The runner's report of finished tier loads ((job, status), ...): a loaded page joins its host
         pool (pinned for its request until that request's next admission); a failed one is freed and its
-        tokens will be recomputed ("fail": raise)."""
+        tokens will be recomputed ("fail": raise). Status "failed" is the engine's, for a load a failed step
+        never submitted or whose result it lost (`unreported_loads`): freed like a lost one, but neither
+        counted against the tier nor raised (the step's failure already failed its requests)."""
         failed = []
         for job, status in results:
             req_id, t, g, hb, h = self.jobs.pop(job)
@@ -342,10 +344,11 @@ class HostTier:
             else:
                 if status == "corrupt":
                     counts.corrupt += 1
-                else:
+                elif status != "failed":
                     counts.lost += 1
                 pool.free([hb])
-                failed.append((req_id, self.tiers.tiers[t].name, status))
+                if status != "failed":
+                    failed.append((req_id, self.tiers.tiers[t].name, status))
             for waiter in self.waiters.pop(job):
                 jobs = self.loading.get(waiter)
                 if jobs is not None:
@@ -358,6 +361,16 @@ class HostTier:
     def has_loads(self) -> bool:
         """Tier loads not yet reported (their host pages stay reserved until a step reads the results)."""
         return bool(self.jobs)
+
+    def unreported_loads(self) -> tuple[int, ...]:
+        """Load jobs this tier waits for that no runner will ever report: neither queued in the outbox nor
+        submitted to the tiers and unpolled (`TierSet.pending_loads`, which the runner shares). Only a
+        step that raised leaves such jobs (it stopped before submitting them, or polled their results and
+        lost them with its StepResult); the engine reports them "failed" (`on_tier_results`), so their
+        host pages come back and `has_loads` can turn false."""
+        queued = {j for op in self.outbox if isinstance(op, TierLoad) for j in op.jobs}
+        pending = self.tiers.pending_loads if self.tiers is not None else {}
+        return tuple(j for j in self.jobs if j not in queued and j not in pending)
 
     def drop(self, req_id: str) -> None:
         """Waiting `req_id` leaves for good: its pinned host pages are released; loads it started finish for
@@ -432,6 +445,9 @@ class HostTierPolicy:
 
     def on_tier_results(self, results) -> None:
         self.host_tier.on_tier_results(results)
+
+    def unreported_tier_loads(self) -> tuple[int, ...]:
+        return self.host_tier.unreported_loads()
 
     def admission_counts(self) -> tuple[int, ...]:
         return self.host_tier.admission_counts()

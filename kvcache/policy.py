@@ -141,6 +141,10 @@ class KVPolicy(Protocol):
     def on_tier_results(self, results) -> None:
         """The runner's report of finished secondary-tier loads (StepResult.tier_loads)."""
 
+    def unreported_tier_loads(self) -> tuple[int, ...]:
+        """Tier load jobs the policy waits for that no runner will report (a step raised before submitting
+        them or lost their results): the engine reports them to `on_tier_results` with status "failed"."""
+
     def attach_events(self, sink) -> None:
         """Report the policy's own pools' hashes to a KV event sink (kvcache.events.KVEventRecorder)."""
 
@@ -226,6 +230,9 @@ class PreemptPolicy:
 
     def on_tier_results(self, results) -> None:
         raise RuntimeError(f"tier load results {results} for a policy without secondary tiers")
+
+    def unreported_tier_loads(self) -> tuple[int, ...]:
+        return ()
 
     def attach_events(self, sink) -> None:
         pass  # no pool of its own that caches prefixes

@@ -1,16 +1,28 @@
 """An `Engine` stepping in a thread of its own, for asyncio clients (the OpenAI-compatible server).
 
 The engine is single-threaded: only the engine thread touches it. Clients hand it commands (add a
-request, abort one) through a queue; the thread applies them between steps, steps while anything is
-unfinished, and hands each request's tokens to its client's asyncio queue (`loop.call_soon_threadsafe`).
-A request added while others run joins the next step's batch (continuous batching). A client whose
-connection goes away aborts its request (`abort`), which frees its blocks at the next step boundary.
+request, abort one, reset the prefix cache) through a queue; the thread applies them between steps,
+steps while anything is unfinished, and hands each request's tokens to its client's asyncio queue
+(`loop.call_soon_threadsafe`). A request added while others run joins the next step's batch
+(continuous batching). A client whose connection goes away aborts its request, which frees its blocks at
+the next step boundary.
 
     engine = AsyncEngine(Engine(model, deploy)).start()
-    handle = await engine.add(prompt_ids, params, salt="user-1")     # ValueError: bad request
-    async for tok, finished in handle: ...                           # tokens as the engine samples them
-    await engine.abort(handle.req_id)                                # the client went away
-    engine.shutdown()                                                # abort what runs, stop the thread
+    handle = await engine.add(prompt_ids, params, salt="user-1", text=TextStream(tok, ["\\n\\n"]))
+    async for token, text, finished in handle: ...     # tokens as the engine samples them, and their text
+    handle.ended                                       # how it ended: finish_reason, counts, error
+    engine.abort_nowait(handle.req_id)                 # the client went away
+    engine.shutdown()                                  # abort what runs, stop the thread
+
+No request can stop the thread. A request is validated when it is added (`Engine.add_request`; the
+error is raised in the client's task). An exception while a step schedules or executes fails the
+requests it touched (`glm53.engine.engine.StepError`: each ends with finish_reason "error" and the
+exception in `Ended.error`) and the thread steps on. While the last `MAX_CONSECUTIVE_STEP_FAILURES` steps
+all failed the engine reports itself unhealthy (`healthy`: the server's /health answers 503) but keeps
+serving, and one step that succeeds makes it healthy again: a step that keeps failing whatever it runs
+(device memory lost, say) is worth a probe's attention, yet a restart would lose what still works. Only
+an error the engine cannot repair (a failed step that left its state inconsistent) stops the thread:
+then `error` is set, /health stays 503 and every request ends with "error".
 """
 
 from __future__ import annotations
@@ -18,34 +30,56 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import threading
+import traceback
 from collections.abc import AsyncIterator
 
-from glm53.engine.engine import Engine
-from glm53.engine.request import RequestOutput, SamplingParams
+from glm53.engine.engine import Engine, StepError
+from glm53.engine.request import SamplingParams
+
+# failed steps in a row from which the engine reports itself unhealthy (a step that keeps failing whatever
+# it runs, e.g. device memory lost, rather than one bad batch) until a step succeeds
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """How a request ended (the last item of its stream). finish_reason: "length" | "stop" | "abort" |
+    "error"; num_output_tokens: tokens it generated (after a stop, those up to the stop); num_cached_tokens:
+    prompt tokens its admission found in a cache; text: what its TextStream still held (its flush), "" without
+    one; error: why its step failed (finish_reason "error"), else None."""
+
+    finish_reason: str
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    text: str = ""
+    error: str | None = None
 
 
 class RequestHandle:
-    """One request's token stream: iterate for (token, finished); it ends after the finishing token, or
-    early (without one) when the engine aborted the request."""
+    """One request's stream: iterate for (token, text, finished), text being what its TextStream released
+    with that token ("" without one). Iteration ends after the finishing token, or without one when the
+    request was aborted or failed; `ended` is set by then (before the finishing token is yielded)."""
 
     def __init__(self, req_id: str, queue: asyncio.Queue):
         self.req_id = req_id
         self._queue = queue
-        self.aborted = False
+        self.ended: Ended | None = None
 
-    def __aiter__(self) -> AsyncIterator[tuple[int, bool]]:
+    def __aiter__(self) -> AsyncIterator[tuple[int, str, bool]]:
         return self._tokens()
 
     async def _tokens(self):
-        while True:
+        while self.ended is None:
             item = await self._queue.get()
-            if item is None:
-                self.aborted = True
+            if isinstance(item, Ended):
+                self.ended = item
                 return
+            if item[2]:  # the finishing token: its Ended follows at once (the same engine-thread pass)
+                self.ended = await self._queue.get()
             yield item
-            if item[1]:
-                return
 
 
 class AsyncEngine:
@@ -56,26 +90,51 @@ class AsyncEngine:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self._cmds: collections.deque = collections.deque()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # held while a command is queued and while the thread stops taking them, so no command is queued
+        # after the thread drained the queue for the last time (its client would wait forever)
         self._lock = threading.Lock()
+        self._wake = threading.Event()
+        # req_id -> (client loop, client queue, its TextStream or None)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None  # what stopped the engine thread, if anything did
+        self.consecutive_failures = 0  # failed steps since the last step that succeeded
+        self.failed_steps = 0  # failed steps in all
+        self.last_failure: BaseException | None = None  # the exception of the latest failed step
 
     def start(self) -> AsyncEngine:
         self._thread.start()
         return self
 
+    @property
+    def healthy(self) -> bool:
+        """Serving, and not MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row since the last that
+        succeeded."""
+        return self.error is None and not self._stop and self.consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why `healthy` is False (None while it is True)."""
+        if self.error is not None:
+            return f"the engine stopped: {self.error!r}"
+        if self._stop:
+            return "the engine is shutting down"
+        if self.consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            return f"the last {self.consecutive_failures} steps failed; the last: {self.last_failure!r}"
+        return None
+
     # ---------------------------------------------------------------------------------- client side
     async def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None,
-                  kv_lease: int = 0) -> RequestHandle:
-        """Queue a request (validated by `Engine.add_request` in the engine thread) -> its handle, whose
-        iteration gives its tokens. Raises what add_request raises (ValueError for a bad request)."""
+                  kv_lease: int = 0, text=None) -> RequestHandle:
+        """Queue a request (validated by `Engine.add_request` in the engine thread) -> its handle. text: a
+        glm53.tokenizer.TextStream for its output (its stop strings end the request in the engine, and its
+        text travels with the tokens); it is the engine thread's from now on. Raises what add_request raises
+        (ValueError for a bad request), or RuntimeError once the engine stopped."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease), loop, queue, fut))
+        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease), text, loop, queue, fut))
         return RequestHandle(await asyncio.wrap_future(fut), queue)
 
     async def abort(self, req_id: str) -> None:
@@ -93,29 +152,23 @@ class AsyncEngine:
     def abort_nowait(self, req_id: str) -> None:
         """Queue an abort of `req_id` without waiting for it (from a cancelled task's cleanup); a no-op
         once the engine stopped or the request finished."""
-        if not self._stop and self.error is None:
-            self._cmds.append(("abort", req_id, None))
-            self._wake.set()
-
-    def output(self, req_id: str) -> RequestOutput:
-        """A finished request's record (read after its stream ended)."""
-        return self.engine.output(req_id)
-
-    def finished_request(self, req_id: str):
-        return self.engine.finished[req_id]
+        with contextlib.suppress(RuntimeError):
+            self._submit(("abort", req_id, None))
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort every live request (their streams end), stop the thread, shut the engine down (tiers,
         event sockets). Idempotent."""
         if self._thread.is_alive():
-            self._submit(("stop",))
+            with contextlib.suppress(RuntimeError):  # it stopped meanwhile
+                self._submit(("stop",))
             self._thread.join(timeout_s)
         self.engine.shutdown()
 
     def _submit(self, cmd) -> None:
-        if self._stop or (self.error is not None):
-            raise RuntimeError(f"the engine is stopped{f': {self.error!r}' if self.error else ''}")
-        self._cmds.append(cmd)
+        with self._lock:
+            if self._stop or (self.error is not None):
+                raise RuntimeError(f"the engine is stopped{f': {self.error!r}' if self.error else ''}")
+            self._cmds.append(cmd)
         self._wake.set()
 
     # ---------------------------------------------------------------------------------- engine side
@@ -126,42 +179,74 @@ class AsyncEngine:
                 while self._cmds:
                     cmd = self._cmds.popleft()
                     if cmd[0] == "stop":
-                        self._stop = True
                         for rid in list(eng.requests):
                             eng.abort_request(rid)
-                            self._end(rid, None)
-                        self._fail_pending(RuntimeError("the engine is shutting down"))
-                        return
-                    self._apply(cmd)
-                if eng.has_unfinished():
-                    for rid, tok, fin in eng.step():
-                        self._send(rid, (tok, fin))
-                        if fin:
                             self._end(rid)
+                        self._close(RuntimeError("the engine is shutting down"))
+                        return
+                    try:
+                        self._apply(cmd)
+                    except BaseException as e:  # the engine failed applying it: its client learns why
+                        fut = cmd[-1]
+                        if isinstance(fut, concurrent.futures.Future) and not fut.done():
+                            fut.set_exception(e)
+                        raise
+                if eng.has_unfinished():
+                    try:
+                        out = eng.step()
+                    except StepError as e:
+                        self._deliver(e.tokens)
+                        self._step_failed(e)
+                    else:
+                        self._deliver(out)
+                        self.consecutive_failures = 0
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - reported to every client instead of dying silently
             self.error = e
+            traceback.print_exception(e)
+            for rid in list(self._streams):
+                self._end(rid, Ended("error", error=f"the engine stopped: {e!r}"))
+            self._close(e)
+
+    def _close(self, e: BaseException) -> None:
+        """Take no more commands, and fail the futures of those still queued with `e`."""
+        with self._lock:
             self._stop = True
-            with self._lock:
-                streams = list(self._streams.items())
-                self._streams.clear()
-            for _, (loop, queue) in streams:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-            self._fail_pending(e)
+        self._fail_pending(e)
+
+    def _step_failed(self, e: StepError) -> None:
+        self.failed_steps += 1
+        self.consecutive_failures += 1
+        self.last_failure = e.error
+        print(f"glm53 engine: a step failed ({len(e.failed)} request(s) finished with 'error'):", flush=True)
+        traceback.print_exception(e.error)
+        for rid in e.failed:
+            self._end(rid)
+
+    def _deliver(self, out) -> None:
+        """Hand a step's tokens (and their text) to their clients; end the requests that finished."""
+        for rid, tok, fin in out:
+            entry = self._streams.get(rid)
+            if entry is None:
+                continue
+            loop, queue, text = entry
+            loop.call_soon_threadsafe(queue.put_nowait, (tok, text.take() if text is not None else "", fin))
+            if fin:
+                self._end(rid)
 
     def _apply(self, cmd) -> None:
         eng = self.engine
         if cmd[0] == "add":
-            _, prompt_ids, params, (salt, kv_peer, kv_lease), loop, queue, fut = cmd
+            _, prompt_ids, params, (salt, kv_peer, kv_lease), text, loop, queue, fut = cmd
             try:
-                rid = eng.add_request(prompt_ids, params, salt=salt, kv_peer=kv_peer, kv_lease=kv_lease)
+                rid = eng.add_request(prompt_ids, params, salt=salt, kv_peer=kv_peer, kv_lease=kv_lease,
+                                      stop_check=text.add if text is not None else None)
             except Exception as e:  # noqa: BLE001 - the client's bad request, raised in its own task
                 fut.set_exception(e)
                 return
-            with self._lock:
-                self._streams[rid] = (loop, queue)
+            self._streams[rid] = (loop, queue, text)
             fut.set_result(rid)
         elif cmd[0] == "reset":
             eng.reset_prefix_cache()
@@ -170,24 +255,23 @@ class AsyncEngine:
             _, rid, fut = cmd
             if rid in eng.requests:
                 eng.abort_request(rid)
-                self._end(rid, None)
+                self._end(rid)
             if fut is not None:
                 fut.set_result(None)
 
-    def _send(self, rid: str, item) -> None:
-        with self._lock:
-            entry = self._streams.get(rid)
-        if entry is not None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-    def _end(self, rid: str, final=()) -> None:
-        """Drop rid's stream; final None tells its client it was aborted."""
-        with self._lock:
-            entry = self._streams.pop(rid, None)
-        if entry is not None and final is None:
-            loop, queue = entry
-            loop.call_soon_threadsafe(queue.put_nowait, None)
+    def _end(self, rid: str, ended: Ended | None = None) -> None:
+        """Send rid's Ended (by default: from its finished record) and drop its stream."""
+        entry = self._streams.pop(rid, None)
+        if entry is None:
+            return
+        loop, queue, text = entry
+        if ended is None:
+            req = self.engine.finished[rid]
+            # an aborted or failed request's held-back text is not its output (nor is a failing stream flushed)
+            flush = text is not None and req.finish_reason not in ("abort", "error")
+            ended = Ended(req.finish_reason or "length", len(req.output_ids), req.num_cached_tokens,
+                          text.flush() if flush else "", req.error)
+        loop.call_soon_threadsafe(queue.put_nowait, ended)
 
     def _fail_pending(self, e: BaseException) -> None:
         while self._cmds:

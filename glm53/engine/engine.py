@@ -48,7 +48,7 @@ from glm53.config import ModelConfig
 from glm53.engine.config import GROUPS, PD_TIER, DeployConfig, KVSizes, device_memory_bytes
 from glm53.engine.metrics import cp_work_metrics, summarize
 from glm53.engine.plan import Clock, Runner, WallClock
-from glm53.engine.request import Request, RequestOutput, SamplingParams
+from glm53.engine.request import Request, RequestError, RequestOutput, SamplingParams
 from glm53.engine.runner import ModelRunner
 from glm53.engine.scheduler import BLOCK_USES, Scheduler, SchedulerStats
 from glm53.engine.spec_decode import SpecDecodeStats
@@ -239,12 +239,16 @@ class Engine:
         keep their blocks. The secondary tiers keep their chunks. With KV events on, each replica
         publishes AllBlocksCleared, or, while a secondary tier holds announced chunks, a removal of each
         dropped hash (AllBlocksCleared would tell a router the tier's chunks went too)."""
-        for i, rep in enumerate(self.replicas):
-            rec = self._events[i]
-            with rec.clearing() if rec is not None else contextlib.nullcontext():
-                rep.scheduler.kv.pool.reset_prefix_cache()
-                rep.scheduler.policy.reset_prefix_cache()
-            self._publish_events(i)
+        for i in range(len(self.replicas)):
+            self._reset_prefix_cache(i)
+
+    def _reset_prefix_cache(self, i: int) -> None:
+        """`reset_prefix_cache` of replica i."""
+        rec, sch = self._events[i], self.replicas[i].scheduler
+        with rec.clearing() if rec is not None else contextlib.nullcontext():
+            sch.kv.pool.reset_prefix_cache()
+            sch.policy.reset_prefix_cache()
+        self._publish_events(i)
 
     def _publish_events(self, i: int) -> None:
         """Replica i's events since its last batch, as one batch (none if it recorded nothing)."""
@@ -319,29 +323,36 @@ class Engine:
         return self._owner[req_id]
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
-                    salt: str = "", kv_peer: str | None = None, kv_lease: int = 0) -> str:
+                    salt: str = "", kv_peer: str | None = None, kv_lease: int = 0,
+                    stop_check: Callable[[int], str | None] | None = None) -> str:
         """Queue a prompt on the replica `route(salt)` picks. kv_peer: "host:port" of the peer tier (a P/D
         producer's) its prefix lookup asks for the prompt's KV (kvcache.tiers.LookupContext.peer), kv_lease:
-        that producer's lease on it (handed over to the lookup, so the fetch frees it). Rejects (ValueError) token ids outside the
-        vocabulary and a prompt whose tokens plus max_new_tokens exceed max_model_len, rather than
-        truncating it."""
+        that producer's lease on it (handed over to the lookup, so the fetch frees it). stop_check: the
+        request's stop strings (`Request.stop_check`). Rejects (RequestError, a ValueError naming the field)
+        token ids outside the vocabulary, a prompt whose tokens plus max_new_tokens exceed max_model_len
+        (rather than truncating it), and a salt that is not text UTF-8 can carry (it is hashed into every
+        block's key at admission, inside a step)."""
         params = params or SamplingParams()
         ids = as_token_array(prompt_ids)
         cfg = self.cfg
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size})")
+            raise RequestError("prompt_ids", f"token ids must lie in [0, {cfg.vocab_size})")
         if any(t >= cfg.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {params.stop_token_ids}")
+            raise RequestError("stop_token_ids",
+                               f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {params.stop_token_ids}")
         total = ids.size + params.max_new_tokens
         if total > self.deploy.max_model_len:
-            raise ValueError(f"prompt of {ids.size} tokens + max_new_tokens={params.max_new_tokens} = {total} exceeds "
-                             f"max_model_len={self.deploy.max_model_len}")
+            raise RequestError("max_new_tokens", f"prompt of {ids.size} tokens + max_new_tokens="
+                                                 f"{params.max_new_tokens} = {total} exceeds max_model_len="
+                                                 f"{self.deploy.max_model_len}")
+        if not isinstance(salt, str) or not _utf8(salt):
+            raise RequestError("salt", f"the salt must be text UTF-8 can encode (no lone surrogates), got {salt!r}")
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests or req_id in self.finished:
             raise ValueError(f"request id {req_id!r} is already in use")
         i = self.route(salt)
         req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now(), kv_peer=kv_peer,
-                      kv_lease=kv_lease)
+                      kv_lease=kv_lease, stop_check=stop_check)
         self.replicas[i].scheduler.add(req)
         self.requests[req_id] = req
         self._owner[req_id] = i
@@ -366,7 +377,9 @@ class Engine:
         return any(r.scheduler.has_work for r in self.replicas)
 
     def step(self) -> list[tuple[str, int, bool]]:
-        """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced."""
+        """One step of every replica with work. -> [(req_id, new token, finished)] for the tokens produced.
+        Raises StepError when executing some replica's plan raised: that plan's requests are finished
+        ("error") and the other replicas' tokens travel in the error; the engine can step again."""
         self._steps_begun += 1
         try:
             return self._step()
@@ -375,13 +388,23 @@ class Engine:
 
     def _step(self) -> list[tuple[str, int, bool]]:
         out, t, counted, finished_all = [], None, False, []
+        failures: dict[str, BaseException] = {}
+        errors: list[BaseException] = []
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
         start, priced = self.clock.now(), []  # priced: the durations of simulated steps
         for r, rep in enumerate(self.replicas):
             sch = rep.scheduler
             plan = None
             if sch.has_work:
-                plan = sch.schedule()
+                try:
+                    plan = sch.schedule()
+                except Exception as e:  # noqa: BLE001 - the replica's requests fail; the engine goes on if it is whole
+                    errors.append(e)
+                    failed = self._fail_schedule(r, e)
+                    failures.update((req.req_id, e) for req in failed)
+                    self._publish_events(r)
+                    finished_all += failed
+                    continue
                 counted |= sch.has_requests and not sch.idle_wait
                 t = self.clock.now() if t is None else t
                 for row in plan.rows:
@@ -392,14 +415,26 @@ class Engine:
                 counts[i] += c
             if plan is None:
                 continue
-            result = rep.runner.execute(plan)
-            self.plans_run[r] += 1
-            if result.duration_s is not None:
-                priced.append(result.duration_s)
-                now = start + result.duration_s
-            else:
-                now = self.clock.now()
-            finished = sch.update(plan, result, now)
+            executed = False
+            try:
+                result = rep.runner.execute(plan)
+                executed = True
+                self.plans_run[r] += 1
+                if result.duration_s is not None:
+                    priced.append(result.duration_s)
+                    now = start + result.duration_s
+                else:
+                    now = self.clock.now()
+                finished = sch.update(plan, result, now)
+            except Exception as e:  # noqa: BLE001 - the plan's requests fail; the engine and its other requests go on
+                if not executed:
+                    self.plans_run[r] += 1  # its transfers may have run in part; a later plan parks what it failed
+                errors.append(e)
+                failed = self._fail_plan(r, plan, e)
+                failures.update((req.req_id, e) for req in failed)
+                self._publish_events(r)
+                finished_all += failed
+                continue
             self._publish_events(r)
             for req in finished:
                 req.finished_in_plan = self.plans_run[r]  # its KV's parking runs in a later plan
@@ -419,7 +454,79 @@ class Engine:
             self.timeline.append((t, *counts, self.clock.now()))
         for obs in self.observers:
             obs.on_step(self, out, finished_all)
+        if errors:
+            raise StepError(errors[0], failures, out) from errors[0]
         return out
+
+    def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:
+        """Finish the requests of replica r's `plan`, whose execution raised `error`, with finish_reason
+        "error" (Scheduler.abort: their device blocks go back to the pool; what earlier steps computed and
+        cached stays, what this step wrote lies past their computed tokens and is never cached) -> them.
+
+        A plan that carried KV transfers may have stopped inside them, with host or device pages half
+        copied that a prefix lookup, a swap-in or a HiSparse read would take as whole: then every request
+        of the replica fails and its prefix caches (device pool and host pools) forget every hash, so
+        nothing the plan was filling is read again. Tier loads no runner will report (`_fail_tier_loads`)
+        come back as failed. A request the failed update had already finished is beyond repair here: that
+        raises, and the engine must not be stepped again."""
+        sch, now, failed = self.replicas[r].scheduler, self.clock.now(), []
+        rids = [row.req_id for row in plan.rows]
+        if plan.transfers:
+            rids += [req.req_id for req in sch.running] + [req.req_id for req in sch.waiting]
+        for rid in dict.fromkeys(rids):
+            if rid not in sch.requests:
+                raise RuntimeError(f"step {plan.step} failed ({error!r}) after request {rid!r} had left its "
+                                   "scheduler: the engine's state cannot be repaired") from error
+            failed.append(self._failed(r, sch.abort(rid, now, reason="error"), error))
+        if plan.transfers:
+            self._reset_prefix_cache(r)
+        self._fail_tier_loads(r)
+        return failed
+
+    def _fail_schedule(self, r: int, error: BaseException) -> list[Request]:
+        """Replica r's `schedule` raised `error` part way through (a request's data it could not hash,
+        say): decisions taken for some requests but not others, and no plan. Which partial decision is
+        safe to keep cannot be told from here, so every request of the replica finishes "error"
+        (`Scheduler.fail_all`) and its prefix caches forget every hash; transfers the policies recorded
+        still run in the next plan, as for any finished request. The replica goes on only if it is whole
+        again (`_check_whole`: every device block free, the pool consistent); otherwise this raises and
+        the engine must not be stepped again. -> the failed requests."""
+        sch = self.replicas[r].scheduler
+        try:
+            failed = [self._failed(r, req, error) for req in sch.fail_all(self.clock.now())]
+            self._reset_prefix_cache(r)
+            self._fail_tier_loads(r)
+            self._check_whole(r)
+        except Exception as e:
+            raise RuntimeError(f"replica {r}'s schedule failed ({error!r}) and its state cannot be repaired: "
+                               f"{e!r}") from error
+        return failed
+
+    def _failed(self, r: int, req: Request, error: BaseException) -> Request:
+        """Record `req`, just finished "error" by replica r's failed step, as finished."""
+        req.error = f"{type(error).__name__}: {error}"
+        req.finished_in_plan = self.plans_run[r]
+        self.finished[req.req_id] = self.requests.pop(req.req_id)
+        return req
+
+    def _fail_tier_loads(self, r: int) -> None:
+        """After a failed step: the tier loads replica r's policy waits for that its runner will never
+        report (the step stopped before submitting them, or lost their results) come back as failed
+        through the policy's tier-results path, so their host pages are freed and the replica can go idle."""
+        policy = self.replicas[r].scheduler.policy
+        lost = policy.unreported_tier_loads()
+        if lost:
+            policy.on_tier_results(tuple((job, "failed") for job in lost))
+
+    def _check_whole(self, r: int) -> None:
+        """Replica r holds nothing for any request: no block tables, leases or kept hashes, every device
+        block free, the pool's own invariants (raises AssertionError or RuntimeError otherwise)."""
+        kv = self.replicas[r].scheduler.kv
+        kv.check()
+        held = {"block tables": list(kv.requests), "leases": list(kv.leases), "kept hashes": list(kv._kept_hashes)}
+        if any(held.values()) or kv.num_free_blocks != kv.pool.num_blocks:
+            raise RuntimeError(f"replica {r} still holds {held} and {kv.pool.num_blocks - kv.num_free_blocks} "
+                               "device blocks with no request left")
 
     def generate(self, prompts: Sequence, max_new_tokens: int = 16, *, greedy: bool = True, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int = 0, on_token: Callable[[str, int], None] | None = None
@@ -559,6 +666,25 @@ class Engine:
             looked_up = out["hot_hits"] + out["hot_misses"]
             out["hot_hit_rate"] = out["hot_hits"] / looked_up if looked_up else float("nan")
         return out
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class StepError(RuntimeError):
+    """Executing a step raised on some replica (`Engine.step`): its requests were finished with
+    finish_reason "error" and the engine can step on. error: the (first) exception; failed: {req_id: the
+    exception its plan raised} (empty when the plan only moved KV for finished requests); tokens: what
+    the step produced on the other replicas, as `step` returns it."""
+
+    def __init__(self, error: BaseException, failed: dict[str, BaseException], tokens: list[tuple[str, int, bool]]):
+        super().__init__(f"a step failed ({len(failed)} request(s) finished with finish_reason 'error'): {error!r}")
+        self.error, self.failed, self.tokens = error, failed, tokens
 
 
 def _shutdown(tiers, recorders, publishers) -> None:

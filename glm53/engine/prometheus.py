@@ -19,12 +19,20 @@ the engine's steps (`Engine.add_observer`). Every metric carries the labels `mod
   (hash blocks for the host tier "cpu", chunks for secondary tiers) and `vllm:kv_offload_{store,load}_bytes`
   with a `tier` label ("cpu", "fs", "obj", "p2p", or a custom tier's name); under HiSparse with
   secondary tiers, the tiers' alone (its host pools have the hisparse_ figures).
+  `vllm:request_success` has a sample for each of vLLM's finish reasons (stop, length, abort, error,
+  repetition) from the start, 0 until one happens.
 - Histograms, observed as tokens arrive (seconds on the engine's clock: virtual time in the simulator):
   `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+  `vllm:iteration_tokens_total` (per replica step that produced tokens: the tokens it generated plus the
+  prompts of the requests whose first token it produced, vLLM's count); and per finished request
   `vllm:e2e_request_latency_seconds`, `vllm:request_queue_time_seconds` (arrival to first scheduled),
-  `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`; secondary tiers'
-  `vllm:kv_offload_{load,store}_time_seconds{tier}` (one observation per job, the tier's own I/O time,
-  from `kvcache.tiers.TierStats`).
+  `vllm:request_prefill_time_seconds` (first scheduled to first token), `vllm:request_decode_time_seconds`
+  (first to last token), `vllm:request_inference_time_seconds` (first scheduled to last token),
+  `vllm:request_time_per_output_token_seconds` (decode time / (tokens - 1), 0 for one token),
+  `vllm:request_prompt_tokens`, `vllm:request_generation_tokens`, `vllm:request_params_max_tokens`
+  (max_new_tokens as the server filled it in) and `vllm:request_params_n` (1: one sequence per request);
+  the four phase figures only for requests that were scheduled and produced a token. Buckets are vLLM's. Secondary tiers' `vllm:kv_offload_{load,store}_time_seconds{tier}` (one observation
+  per job, the tier's own I/O time, from `kvcache.tiers.TierStats`).
 - MTP speculative decoding (only with DeployConfig.speculative_config, as vLLM registers them only then):
   counters `vllm:spec_decode_num_drafts` (steps of a request that verified drafts),
   `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
@@ -52,6 +60,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's; this engine never repeats-stops
 
 
 def _token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -85,9 +96,21 @@ class ServingMetrics:
                      REQUEST_LATENCY_BUCKETS)
         self.queue = h("vllm:request_queue_time_seconds", "Time a request spent waiting before it was first "
                        "scheduled, in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.tpot = h("vllm:request_time_per_output_token_seconds", "Per finished request, its mean seconds per "
+                      "output token after the first.", ITL_BUCKETS)
+        self.prefill = h("vllm:request_prefill_time_seconds", "Seconds from a request's first scheduling to its "
+                         "first token.", REQUEST_LATENCY_BUCKETS)
+        self.decode = h("vllm:request_decode_time_seconds", "Seconds from a request's first token to its last.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.inference = h("vllm:request_inference_time_seconds", "Seconds from a request's first scheduling to its "
+                           "last token.", REQUEST_LATENCY_BUCKETS)
+        self.iteration = h("vllm:iteration_tokens_total", "Tokens per engine step: generated, plus the prompts of "
+                           "requests that got their first token.", ITERATION_TOKENS_BUCKETS)
         tokens = _token_buckets(engine.deploy.max_model_len)
         self.req_prompt = h("vllm:request_prompt_tokens", "Prompt tokens per finished request.", tokens)
         self.req_generation = h("vllm:request_generation_tokens", "Generated tokens per finished request.", tokens)
+        self.max_tokens = h("vllm:request_params_max_tokens", "The max_tokens each finished request ran with.", tokens)
+        self.n = h("vllm:request_params_n", "The n (sequences) of each finished request.", N_BUCKETS)
         self.compilations = 0  # XLA programs compiled in this process since (JAX's monitoring events)
         jax.monitoring.register_event_duration_secs_listener(self._on_compile)
         self.registry.register(_Collector(self))
@@ -104,6 +127,7 @@ class ServingMetrics:
         for rid, _, _ in tokens:
             seen[rid] = seen.get(rid, 0) + 1
         with self._lock:
+            step_tokens: dict[int, int] = {}  # per replica
             for rid, n in seen.items():
                 req = engine.requests.get(rid) or engine.finished[rid]
                 i = engine.replica_of(rid)
@@ -111,11 +135,14 @@ class ServingMetrics:
                 self._generation_tokens[i] += n
                 times = req.token_times_s
                 first = len(times) - n  # index of this step's first token
+                step_tokens[i] = step_tokens.get(i, 0) + n + (req.prompt_ids.size if first == 0 else 0)
                 for k in range(first, len(times)):
                     if k == 0:
                         self.ttft.labels(*labels).observe(times[0] - req.arrival_s)
                     else:
                         self.itl.labels(*labels).observe(times[k] - times[k - 1])
+            for i, n in step_tokens.items():
+                self.iteration.labels(self.model_name, str(i)).observe(n)
             for req in finished:
                 i = engine.replica_of(req.req_id)
                 labels = (self.model_name, str(i))
@@ -124,8 +151,17 @@ class ServingMetrics:
                 self.e2e.labels(*labels).observe(req.finish_s - req.arrival_s)
                 if req.scheduled_s is not None:
                     self.queue.labels(*labels).observe(req.scheduled_s - req.arrival_s)
+                    if req.token_times_s:
+                        first, last = req.token_times_s[0], req.token_times_s[-1]
+                        n = len(req.token_times_s)
+                        self.prefill.labels(*labels).observe(first - req.scheduled_s)
+                        self.decode.labels(*labels).observe(last - first)
+                        self.inference.labels(*labels).observe(last - req.scheduled_s)
+                        self.tpot.labels(*labels).observe((last - first) / (n - 1) if n > 1 else 0.0)
                 self.req_prompt.labels(*labels).observe(req.prompt_ids.size)
                 self.req_generation.labels(*labels).observe(len(req.output_ids))
+                self.max_tokens.labels(*labels).observe(req.params.max_new_tokens)
+                self.n.labels(*labels).observe(1)
 
     # ---------------------------------------------------------------------------------- exposition
     def text(self) -> str:
@@ -218,9 +254,8 @@ class _Collector:
             if d.kv_role is not None:
                 received.add_metric(lv, eng.kv_transfer_received_tokens(i))
             with m._lock:
-                for (rep_i, reason), n in m._success.items():
-                    if rep_i == i:
-                        success.add_metric(lv + [reason], n)
+                for reason in FINISH_REASONS:
+                    success.add_metric(lv + [reason], m._success.get((i, reason), 0))
             if d.num_speculative_tokens:
                 st = sch.spec
                 for k, fam in spec.items():

@@ -4,14 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
+from collections.abc import Callable
 
 import numpy as np
+
+SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64, as OpenAI's and vLLM's APIs take them: [lo, hi)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses. field: the engine's name of what is wrong (a SamplingParams field,
+    "prompt_ids", "salt", "kv_peer"), so a server can name its own field for it without reading the
+    message."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """max_new_tokens >= 1; greedy (argmax, lowest id on ties) or temperature / top-p sampling driven by a
-    per-request PRNG key derived from `seed` (same seed, same tokens, whatever the batch).
+    per-request PRNG key derived from `seed` (same seed, same tokens, whatever the batch). seed: any int64,
+    [-2^63, 2^63) (the range an OpenAI client may send); the sampler keys on `prng_seed`, its uint32 image.
 
     stop_token_ids: sampling one of them finishes the request (finish_reason "stop"; the token is the
         last of its output), as vLLM's stop_token_ids and a checkpoint's EOS do. min_tokens: until that
@@ -26,18 +41,32 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) \
+                or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise RequestError("seed", f"seed must be an int in [-2^63, 2^63), got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))  # a numpy integer becomes a Python int (prng_seed's math)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+            raise RequestError("max_new_tokens", f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
         if not self.greedy and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+            raise RequestError("temperature", f"temperature must be > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {ids!r}")
+            raise RequestError("stop_token_ids", f"stop_token_ids must be a tuple of token ids >= 0, got {ids!r}")
         m = self.min_tokens
         if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_new_tokens:
-            raise ValueError(f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {m!r}")
+            raise RequestError("min_tokens",
+                               f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {m!r}")
+
+    @property
+    def prng_seed(self) -> int:
+        """`seed` as the sampler's uint32 PRNG seed: a seed in [0, 2^32) is itself (so such a seed samples
+        what the sampler always gave it); any other is folded from its two's-complement 64 bits (low word +
+        high word x an odd constant, mod 2^32). Equal seeds give equal keys; a 64-to-32-bit map must send
+        some distinct seeds to one key."""
+        s = self.seed % (1 << 64)
+        return (s + (s >> 32) * 0x9E3779B1) % (1 << 32)
 
     def banned(self, num_generated: int) -> tuple[int, ...]:
         """Token ids the next sample must not take, with `num_generated` tokens out so far."""
@@ -72,11 +101,16 @@ class Request:
     finish_s: float | None = None
     token_times_s: list[float] = dataclasses.field(default_factory=list)
     scheduled_s: float | None = None  # when a step first scheduled it (the end of its queue time)
-    finish_reason: str | None = None  # "length" | "stop" | "abort"; set when it finishes
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"; set when it finishes
+    error: str | None = None  # with finish_reason "error": what failed (its step, or its stop_check)
     num_cached_tokens: int = 0  # prompt tokens its first admission found in a cache (not computed)
     # MTP: draft tokens proposed after its last step, verified by its next one (vLLM's spec_token_ids);
     # positions num_tokens .. num_tokens + len - 1. Dropped when it is preempted.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # stop strings (a server's detokenizer, glm53.tokenizer.TextStream.add): called with each generated
+    # token in order, it returns the stop string the text now reaches (the request finishes "stop" on that
+    # token, as on a stop token) or None. It runs on the engine's thread, inside the step.
+    stop_check: Callable[[int], str | None] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -105,11 +139,20 @@ class Request:
     def extra_keys(self) -> tuple[str, ...]:
         return (self.salt,) if self.salt else ()
 
-    def stop_reason(self) -> str | None:
-        """Why the request is done after its last token: "stop" (a stop token), "length" (max_new_tokens),
-        or None (not done)."""
+    def check_stop(self) -> str | None:
+        """Why the request is done after the token just appended: "stop" (a stop token, or `stop_check`
+        found a stop string), "length" (max_new_tokens), "error" (`stop_check` raised: the exception is in
+        `error`; this request alone ends, the step and the others go on), or None (not done). Call it once
+        per generated token, in order: it hands that token to `stop_check`."""
         out = self.output_ids
+        try:
+            text_stop = self.stop_check(out[-1]) if self.stop_check is not None and out else None
+        except Exception as e:  # noqa: BLE001 - a client's detokenizer failing is that request's end, not the step's
+            self.error = f"its stop check failed: {type(e).__name__}: {e}"
+            return "error"
         if out and out[-1] in self.params.stop_token_ids and len(out) >= self.params.min_tokens:
+            return "stop"
+        if text_stop is not None:
             return "stop"
         return "length" if len(out) >= self.params.max_new_tokens else None
 

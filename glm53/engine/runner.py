@@ -888,7 +888,7 @@ class ModelRunner:
             nd[i] = row.num_draft_tokens
             drafts[i, : nd[i]] = row.token_ids[row.num_tokens - nd[i]:]
             greedy[i], temps[i], top_ps[i] = row.params.greedy, row.params.temperature, row.params.top_p
-            seeds[i], counters[i] = row.params.seed, row.num_generated
+            seeds[i], counters[i] = row.params.prng_seed, row.num_generated
         toks, accepted = rejection_sample(logits, drafts, nd, greedy, temps, top_ps, seeds, counters, self.rates)
         return np.asarray(toks), np.asarray(accepted)
 
@@ -939,7 +939,7 @@ class ModelRunner:
             seeds, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
             temps, top_ps = np.ones(n, np.float32), np.ones(n, np.float32)
             for i, r in sample_rows:
-                seeds[i], counters[i] = r.params.seed, r.num_generated
+                seeds[i], counters[i] = r.params.prng_seed, r.num_generated
                 temps[i], top_ps[i] = r.params.temperature, r.params.top_p
             toks = np.asarray(_sample(logits_RV, seeds, counters, temps, top_ps))
             for i, r in sample_rows:

@@ -31,7 +31,7 @@ import numpy as np
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.plan import PlanRow, ResolveRecord, StageRecord, StepPlan, StepResult
-from glm53.engine.request import Request, Status
+from glm53.engine.request import Request, RequestError, Status
 from glm53.engine.spec_decode import SpecDecodeStats
 from kvcache.block_pool import KVCacheManager
 from kvcache.policy import KVPolicy, PreemptPolicy
@@ -131,14 +131,14 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         """Queue `req`; a request that could never run under the policy (it needs more device blocks at
-        once than the pool has, `KVPolicy.device_blocks`) is refused with a ValueError naming both."""
+        once than the pool has, `KVPolicy.device_blocks`) is refused with a RequestError naming both."""
         need = self.policy.device_blocks(self.kv, self._max_tokens(req))
         if need > self.kv.pool.num_blocks:
-            raise ValueError(f"request {req.req_id!r} of {self._max_tokens(req)} tokens needs {need} device blocks at "
-                             f"once under kv_policy={self.deploy.kv_policy!r} but the pool has "
-                             f"{self.kv.pool.num_blocks} (num_gpu_blocks): raise num_gpu_blocks or shorten the "
-                             "request" + ("" if self.deploy.kv_policy == "hisparse" else
-                                          "; kv_policy='hisparse' keeps most of a long request's KV in host memory"))
+            raise RequestError("prompt_ids", f"request {req.req_id!r} of {self._max_tokens(req)} tokens needs {need} "
+                               f"device blocks at once under kv_policy={self.deploy.kv_policy!r} but the pool has "
+                               f"{self.kv.pool.num_blocks} (num_gpu_blocks): raise num_gpu_blocks or shorten the "
+                               "request" + ("" if self.deploy.kv_policy == "hisparse" else
+                                            "; kv_policy='hisparse' keeps most of a long request's KV in host memory"))
         self.waiting.append(req)
         self.requests[req.req_id] = req
 
@@ -169,10 +169,12 @@ class Scheduler:
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
 
-    def abort(self, req_id: str, now_s: float) -> Request:
-        """Finish `req_id` now (finish_reason "abort"; a client went away): a running request's KV is
-        kept as a finished one's is (its full blocks stay prefix-cached, the policy stores or parks
-        them), a waiting one gives back whatever the policy holds for it. Between steps only."""
+    def abort(self, req_id: str, now_s: float, reason: str = "abort") -> Request:
+        """Finish `req_id` now with finish_reason `reason` ("abort": a client went away; "error": the step
+        that ran it failed): a running request's KV is kept as a finished one's is (its full blocks,
+        computed by steps that completed, stay prefix-cached, the policy stores or parks them; what a failed
+        step wrote lies past them and is freed), a waiting one gives back whatever the policy holds for it.
+        Between steps only."""
         req = self.requests.pop(req_id, None)
         if req is None:
             raise KeyError(f"no live request {req_id!r}")
@@ -187,8 +189,36 @@ class Scheduler:
         self.lost_tokens.pop(req_id, None)
         if self._unfit is not None and self._unfit[0] is req:
             self._unfit = None
-        req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, "abort"
+        req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, reason
         return req
+
+    def fail_all(self, now_s: float) -> list[Request]:
+        """Finish every request with finish_reason "error" after `schedule` raised part way through -> them.
+        Besides the running and waiting ones (released as `abort` releases them), a request the failed
+        schedule left half admitted (its prefix taken, or taken off the queue and not yet running) has its
+        admission undone (`KVPolicy.forget`) and is dropped like a waiting one."""
+        failed = []
+        for req in list(self.requests.values()):
+            rid = req.req_id
+            if req in self.running:
+                self.running.remove(req)
+                self.policy.on_finish(self.kv, req)
+            else:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                if rid in self.kv.requests:  # half admitted
+                    self.policy.forget(self.kv, req)
+                    self.kv.free(rid, keep_hashes=True)
+                self.policy.drop(self.kv, req)
+                self.kv.drop_kept_hashes(rid)
+            if rid in self.kv.requests:
+                self.kv.free(rid)
+            del self.requests[rid]
+            req.status, req.finish_s, req.finish_reason = Status.FINISHED, now_s, "error"
+            failed.append(req)
+        self.lost_tokens.clear()
+        self._unfit = None
+        return failed
 
     def schedule(self) -> StepPlan:
         counted = self.has_requests
@@ -476,7 +506,7 @@ class Scheduler:
                 taken += 1
                 if req.first_token_s is None:
                     req.first_token_s = now_s
-                if reason := req.stop_reason():
+                if reason := req.check_stop():
                     break  # tokens sampled after the one that finished it are dropped
             if taken:
                 self.last_tokens[row.req_id] = tuple(req.output_ids[-taken:])

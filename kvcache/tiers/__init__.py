@@ -200,8 +200,8 @@ class TierSet:
             t.submit_store(StoreJob(job, tuple(keys), tuple(payloads)))
 
     def load(self, tier: int, job: int, keys: Sequence[bytes], sizes: Sequence[int]) -> None:
-        self.pending_loads[job] = tier
         self.tiers[tier].submit_load(LoadJob(job, tuple(keys), tuple(sizes)))
+        self.pending_loads[job] = tier  # only once submitted: a pending load is one a poll will report
 
     def poll(self) -> list[JobResult]:
         """Finished loads of every tier (finished stores are consumed here: their counts are in each

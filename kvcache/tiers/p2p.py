@@ -79,6 +79,7 @@ import socketserver
 import struct
 import threading
 import time
+import traceback
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated
@@ -162,6 +163,7 @@ class PeerStats(TierStats):
     pins_expired: int = 0  # of those, released by the deadline rather than by a fetch
     lease_handovers: int = 0  # leased chunks a consumer's lookup took over from their P/D lease
     bad_messages: int = 0  # malformed control messages or fetch requests, dropped
+    control_errors: int = 0  # exceptions the control thread caught (printed) and went on after
 
 
 def check_options(opts: dict) -> None:
@@ -594,23 +596,29 @@ class PeerTier(TierBookkeeping):
         last_sweep = time.monotonic()
         try:
             while not self._stop.is_set():
-                # loads wait out their coalescing window; deadlines are checked every 10 ms while lookups are out
-                events = dict(poller.poll(1 if self._to_load else 10 if self._outstanding else 200))
-                if self._wake_rx in events:
-                    while _recv(self._wake_rx) is not None:
-                        pass
-                if self._router in events:
-                    self._serve_control()
-                for p in tuple(self._peers):
-                    if p.dealer is not None and p.dealer in events:
-                        self._on_answers(p)
-                self._send_lookups()
-                self._start_fetches()
-                now = time.monotonic()
-                self._lookup_deadlines(now)
-                if now - last_sweep > 1.0:
-                    last_sweep = now
-                    self._sweep(now)
+                try:
+                    # loads wait out their coalescing window; deadlines are checked every 10 ms while lookups are out
+                    events = dict(poller.poll(1 if self._to_load else 10 if self._outstanding else 200))
+                    if self._wake_rx in events:
+                        while _recv(self._wake_rx) is not None:
+                            pass
+                    if self._router in events:
+                        self._serve_control()
+                    for p in tuple(self._peers):
+                        if p.dealer is not None and p.dealer in events:
+                            self._on_answers(p)
+                    self._send_lookups()
+                    self._start_fetches()
+                    now = time.monotonic()
+                    self._lookup_deadlines(now)
+                    if now - last_sweep > 1.0:
+                        last_sweep = now
+                        self._sweep(now)
+                except Exception:  # noqa: BLE001 - one request's or message's fault must not end every lookup
+                    # the thread owns every socket: without it no lookup is answered and no load finishes
+                    self._count("control_errors")
+                    traceback.print_exc()
+                    time.sleep(0.01)  # a fault that repeats does not spin
         finally:
             for s in (self._router, self._wake_rx, *(p.dealer for p in self._peers if p.dealer is not None)):
                 s.close()
@@ -661,25 +669,34 @@ class PeerTier(TierBookkeeping):
                 items = [(k, a) for k, a in batch if p.index in a.waiting]
                 if not items:
                     continue
-                if p.dealer is None:  # a peer a request named: connected here, by the thread that owns the sockets
-                    dealer = self._socket(zmq.DEALER)
-                    try:
-                        dealer.connect(f"tcp://{_zmq_host(p.host)}:{p.port}")
-                    except zmq.ZMQError:  # an address that does not resolve: a miss from it
-                        dealer.close()
-                        self._peer_failed(p, items, now)
-                        continue
-                    p.dealer = dealer
-                    self._poller.register(dealer, zmq.POLLIN)
-                lid = next(self._lookup_ids)
-                msg = LookupMsg(lid, req, [k for k, _ in items], lease)
                 try:
-                    p.dealer.send(_ENCODE.encode(msg), zmq.NOBLOCK)
-                except zmq.ZMQError:  # its queue is full: it is not keeping up; a miss from it
+                    self._ask_peer(p, req, lease, items, now)
+                except Exception:  # noqa: BLE001 - this request's lookup at this peer fails alone: a miss from it
+                    self._count("control_errors")
+                    traceback.print_exc()
                     self._peer_failed(p, items, now)
-                    continue
-                self._count("lookup_messages")
-                self._outstanding[lid] = _Outstanding(p, items, now, now + self.lookup_timeout_s)
+
+    def _ask_peer(self, p: _Peer, req: str, lease: int, items, now: float) -> None:
+        """Send `p` one LookupMsg for `items` of request `req` (connecting it first if a request named it)."""
+        if p.dealer is None:  # a peer a request named: connected here, by the thread that owns the sockets
+            dealer = self._socket(zmq.DEALER)
+            try:
+                dealer.connect(f"tcp://{_zmq_host(p.host)}:{p.port}")
+            except (zmq.ZMQError, UnicodeError, ValueError):  # an address that does not resolve: a miss from it
+                dealer.close()
+                self._peer_failed(p, items, now)
+                return
+            p.dealer = dealer
+            self._poller.register(dealer, zmq.POLLIN)
+        lid = next(self._lookup_ids)
+        msg = LookupMsg(lid, req, [k for k, _ in items], lease)
+        try:
+            p.dealer.send(_ENCODE.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError:  # its queue is full: it is not keeping up; a miss from it
+            self._peer_failed(p, items, now)
+            return
+        self._count("lookup_messages")
+        self._outstanding[lid] = _Outstanding(p, items, now, now + self.lookup_timeout_s)
 
     def _on_answers(self, peer: _Peer) -> None:
         while (body := _recv(peer.dealer)) is not None:

@@ -13,7 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.plan import VirtualClock
-from glm53.engine.prometheus import ITL_BUCKETS, TTFT_BUCKETS, MetricsEndpoint, ServingMetrics
+from glm53.engine.prometheus import (
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    N_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    MetricsEndpoint,
+    ServingMetrics,
+)
 from glm53.engine.synthetic import SyntheticRunner
 
 TINY = glm53.get_preset("tiny")
@@ -81,7 +89,10 @@ def test_names_types_and_values_follow_the_engine():
                  "vllm:generation_tokens", "vllm:request_success", "glm53:recomputed_tokens"):
         assert types[name] == "counter", name
     for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_time_per_output_token_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                 "vllm:request_params_max_tokens", "vllm:request_params_n", "vllm:iteration_tokens_total"):
         assert types[name] == "histogram", name
     assert "vllm:hisparse_cache_hits" not in types and "vllm:kv_offload_hits" not in types  # policy-specific
     assert _value(fams, "vllm:cache_config_info", block_size=8, num_gpu_blocks=24, cache_dtype="bfloat16",
@@ -102,6 +113,25 @@ def test_names_types_and_values_follow_the_engine():
     _buckets_match(fams, "vllm:e2e_request_latency_seconds", [o.finish_s - o.arrival_s for o in outs], ())
     _buckets_match(fams, "vllm:request_queue_time_seconds", [r.scheduled_s - r.arrival_s for r in reqs], ())
     _buckets_match(fams, "vllm:request_prompt_tokens", lens, (1, 2, 5, 10, 20, 50))
+    # the phases of each request (vLLM's definitions), its max_tokens and n, and the tokens of each step
+    first, last = [r.token_times_s[0] for r in reqs], [r.token_times_s[-1] for r in reqs]
+    _buckets_match(fams, "vllm:request_prefill_time_seconds", [f - r.scheduled_s for f, r in zip(first, reqs)],
+                   REQUEST_LATENCY_BUCKETS)
+    _buckets_match(fams, "vllm:request_decode_time_seconds", np.subtract(last, first), REQUEST_LATENCY_BUCKETS)
+    _buckets_match(fams, "vllm:request_inference_time_seconds", [x - r.scheduled_s for x, r in zip(last, reqs)],
+                   REQUEST_LATENCY_BUCKETS)
+    tpot = [(x - f) / (k - 1) for x, f, k in zip(last, first, new)]
+    assert min(tpot) >= STEP_S  # every request's tokens are a step or more apart
+    _buckets_match(fams, "vllm:request_time_per_output_token_seconds", tpot, ITL_BUCKETS)
+    _buckets_match(fams, "vllm:request_params_max_tokens", new, (1, 2, 5, 10, 20, 50))
+    _buckets_match(fams, "vllm:request_params_n", [1, 1, 1], N_BUCKETS)
+    steps = sorted({t for r in reqs for t in r.token_times_s})  # a priced step per distinct time
+    per_step = [sum(r.token_times_s.count(t) + (r.prompt_ids.size if r.token_times_s[0] == t else 0) for r in reqs)
+                for t in steps]
+    assert max(per_step) > sum(new)  # some step carried a prompt
+    _buckets_match(fams, "vllm:iteration_tokens_total", per_step, ITERATION_TOKENS_BUCKETS)
+    for reason in ("stop", "abort", "error", "repetition"):  # vLLM's label set from the start
+        assert _value(fams, "vllm:request_success", "vllm:request_success_total", finished_reason=reason) == 0
     # a second request with the first one's prompt hits its cached blocks: 2 full 8-token blocks
     again = eng.add_request(eng.finished[ids[0]].prompt_ids, SamplingParams(1))
     while eng.has_unfinished():

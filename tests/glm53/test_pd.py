@@ -7,7 +7,8 @@ What must hold: greedy tokens equal one aggregated engine's; the decode server t
 pages through the canonical chunk layout) instead of computing it, and counts it in
 `glm53:kv_transfer_received_tokens`; what cannot be had from the producer (a producer that is not up, a
 prompt it never saw, a prompt that differs after some page) is computed, never taken from another
-request; malformed kv_transfer_params are a 400."""
+request; malformed kv_transfer_params (a remote_host that is no host name or IP address among them) are a
+400 and the consumer serves on."""
 
 import json
 import time
@@ -117,10 +118,15 @@ def test_what_the_producer_cannot_give_is_computed(pd):
     {"do_remote_prefill": True, "remote_port": 5000},
     {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 0},
     {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5000, "remote_lease": "7"},
-])
+    # remote_host: an IP address or an ASCII host name, nothing the peer tier's socket could fail to dial
+    *({"do_remote_prefill": True, "remote_host": h, "remote_port": 5000}
+      for h in ("\ud800", "bad host", "tcp://127.0.0.1", "127.0.0.1:5000", "-x.example", "a" * 254, "", 7)),
+], ids=lambda ktp: ascii(ktp)[:60])
 def test_malformed_kv_transfer_params_are_400(pd, ktp):
-    code, out = pd[1]["decode"].post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": ktp})
+    dec = pd[1]["decode"]
+    code, out = dec.post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "kv_transfer_params": ktp})
     assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
+    assert dec.post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})[0] == 200
 
 
 def test_a_prefill_leg_takes_one_prompt_and_no_stream(pd):

@@ -1,8 +1,11 @@
 """`python -m glm53.router` in front of real prefill and decode servers on loopback (vLLM's two-leg
 protocol): greedy completions, streamed or not, equal `Engine.generate`'s; a user's salt keeps its decode
 server; a decode server killed mid-stream loses no request (the router re-sends the prompt and the
-tokens so far elsewhere); bad requests get 400 and a prefill server's error passes through. The
-routing rules themselves (`Picker`) are tested without servers."""
+tokens so far elsewhere), for a chat stream too; bad requests get 400 and a server's error answer,
+whatever its status, is the request's answer and never marks the server down; /metrics carries every
+server's series under a `server` label. The openai-client cases of tests/glm53/openai_cases.py run
+against the router (its servers serve a checkpoint with a chat template, through
+tests.glm53.faulty_serve). The routing rules themselves (`Picker`) are tested without servers."""
 
 import contextlib
 import http.client
@@ -15,15 +18,21 @@ import time
 import urllib.error
 import urllib.request
 
+import httpx
 import numpy as np
+import openai
 import pytest
 
 import glm53
 from glm53 import DeployConfig, Engine
+from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from glm53.router import NoServer, Picker, PrefixIndex, Server, parse_load
 from kvcache.block_pool import block_hashes
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from tests.glm53.test_serve import FLAGS, REPO, TIMEOUT_S, _free_port
+from tests.glm53.openai_cases import *  # noqa: F403 - the shared cases run against this module's `api`
+from tests.glm53.faulty_serve import FAULT_PROMPT
+from tests.glm53.openai_cases import Api
+from tests.glm53.test_serve import FLAGS, NAME, REPO, TIMEOUT_S, _free_port, save_checkpoint
 from tests.glm53.test_serve import Server as Process
 
 
@@ -44,6 +53,19 @@ def test_picker_salt_sticks_load_decides_ties_take_turns():
     assert p.pick("user1", exclude={"http://a"}).url == "http://b"
     a.up = b.up = False
     with pytest.raises(NoServer, match="no decode server is up"):
+        p.pick()
+
+
+def test_picker_leaves_unhealthy_servers_out_while_a_healthy_one_is_up():
+    a, b = Server("http://a", "decode"), Server("http://b", "decode")
+    p = Picker([a, b])
+    assert p.pick("user").url == "http://a"
+    a.healthy = False  # its /health answered 503: the salt moves, ties and prefixes do not bring it back
+    assert p.pick("user").url == "http://b" and p.pick(hits={"http://a": 64, "http://b": 0}).url == "http://b"
+    b.up = False  # the unhealthy one is all there is: it gets the request (a step that succeeds heals it)
+    assert p.pick("user").url == "http://a"
+    a.up = False
+    with pytest.raises(NoServer):
         p.pick()
 
 
@@ -102,10 +124,13 @@ class Router:
         self.proc.kill()
         raise RuntimeError(f"router did not come up: {self.log.read_text()[-2000:]}")
 
-    def post(self, body, raw: bytes | None = None, headers: dict | None = None):
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def post(self, body, raw: bytes | None = None, headers: dict | None = None, path: str = "/v1/completions"):
         """-> (status, JSON); `headers`: filled with the answer's headers."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
-        conn.request("POST", "/v1/completions", raw if raw is not None else json.dumps(body),
+        conn.request("POST", path, raw if raw is not None else json.dumps(body),
                      {"content-type": "application/json"})
         r = conn.getresponse()
         out = r.status, json.loads(r.read())
@@ -121,10 +146,10 @@ class Router:
         except urllib.error.HTTPError as e:
             return json.loads(e.read())
 
-    def stream(self, body: dict, on_event=None):
+    def stream(self, body: dict, on_event=None, path: str = "/v1/completions"):
         """-> (decode server the stream started on, parsed events); on_event(i, event) after each."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
-        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"content-type": "application/json"})
+        conn.request("POST", path, json.dumps({**body, "stream": True}), {"content-type": "application/json"})
         r = conn.getresponse()
         assert r.status == 200, r.read()
         first, events = r.getheader("x-decode-server"), []
@@ -139,12 +164,14 @@ class Router:
 
 
 @contextlib.contextmanager
-def servers_and_router(tmp, flags: dict, prefill: list[str], decode: list[str], events: dict | None = None):
-    """Start a tiny-preset server per entry of `flags` (name -> extra flags), at once, and a router over
-    the `prefill` and `decode` names (events: name -> KV-event port) -> (router, {name: server}); every
-    process stops on exit."""
+def servers_and_router(tmp, flags: dict, prefill: list[str], decode: list[str], events: dict | None = None,
+                       model: str = "tiny", module: str = "glm53.serve"):
+    """Start a server of `model` (a preset or a checkpoint directory) per entry of `flags` (name -> extra
+    flags), at once, as `module`, and a router over the `prefill` and `decode` names (events: name ->
+    KV-event port) -> (router, {name: server}); every process stops on exit."""
     procs: dict = {}
-    threads = [threading.Thread(target=lambda n=n: procs.__setitem__(n, Process("tiny", tmp, *flags[n]))) for n in flags]
+    threads = [threading.Thread(target=lambda n=n: procs.__setitem__(n, Process(model, tmp, *flags[n], module=module)))
+               for n in flags]
     for t in threads:
         t.start()
     for t in threads:
@@ -164,24 +191,39 @@ def servers_and_router(tmp, flags: dict, prefill: list[str], decode: list[str], 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    """One prefill and two decode servers (tiny preset, test_serve's deployment; the decode servers publish
-    KV events) and a router that follows them."""
+    """One prefill and two decode servers (the tiny weights as a checkpoint with a chat template, served by
+    tests.glm53.faulty_serve under test_serve's deployment; the decode servers publish KV events) and a
+    router that follows them."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    save_checkpoint(glm53.init("tiny", seed=0), ckpt)
     events = {name: _free_port() for name in ("decode0", "decode1")}
     flags = {"prefill": ()} | {n: ("--kv-events-config", json.dumps({"enable_kv_cache_events": True,
                                                                      "endpoint": f"tcp://*:{port}"}))
                                for n, port in events.items()}
-    with servers_and_router(tmp_path_factory.mktemp("pd"), flags, ["prefill"], ["decode0", "decode1"], events) as pair:
+    with servers_and_router(tmp_path_factory.mktemp("pd"), flags, ["prefill"], ["decode0", "decode1"], events,
+                            model=str(ckpt), module="tests.glm53.faulty_serve") as pair:
         yield pair
 
 
 @pytest.fixture(scope="module")
-def reference():
-    model = glm53.init("tiny", seed=0)
+def api(pd):
+    """The shared openai-client cases' view of the router."""
+    return Api(pd[0].url(""), NAME, "router", None, FLAGS["max_model_len"])
+
+
+@pytest.fixture(scope="module")
+def ref_engine():
+    """One engine on the servers' weights and deployment: the tokens a request must get."""
+    return Engine(glm53.init("tiny", seed=0), DeployConfig(**FLAGS))
+
+
+@pytest.fixture(scope="module")
+def reference(ref_engine):
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 512, n).tolist() for n in (9, 30, 17)]
     lengths = (6, 6, 90)
-    eng = Engine(model, DeployConfig(**FLAGS))
-    outs = [eng.generate([np.asarray(p)], max_new_tokens=n)[0].token_ids.tolist() for p, n in zip(prompts, lengths)]
+    outs = [ref_engine.generate([np.asarray(p)], max_new_tokens=n)[0].token_ids.tolist()
+            for p, n in zip(prompts, lengths)]
     return prompts, lengths, outs
 
 
@@ -229,32 +271,159 @@ def test_bad_requests_and_prefill_errors(pd):
     assert code == 400 and "max_model_len" in json.dumps(r)
 
 
-def test_a_decode_server_killed_mid_stream_loses_no_request(pd, reference):
-    """Kill the decode server a 90-token greedy stream runs on after its second token: the router sends the
-    prompt and the tokens so far to the other one, and the client's stream carries exactly one engine's
-    90 tokens."""
+def test_chat_goes_in_two_legs_and_gives_one_engines_tokens(pd, ref_engine):
+    router, procs = pd
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = httpx.post(router.url("/tokenize"), json={"messages": messages}, timeout=60).json()["tokens"]
+    want = ref_engine.generate([np.asarray(ids)], max_new_tokens=6)[0].token_ids.tolist()
+    client = openai.OpenAI(base_url=router.url("/v1"), api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+    r = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=6, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].model_extra["token_ids"] == want and r.usage.prompt_tokens == len(ids)
+    text = httpx.post(router.url("/detokenize"), json={"tokens": want}, timeout=60).json()["prompt"]
+    assert r.choices[0].message.content == text and r.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=6,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 6
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == text
+
+
+def test_a_servers_error_answer_is_the_answer_and_the_server_stays_up(pd):
+    """A decode leg's 400 (min_tokens over max_tokens passes the 1-token prefill leg) and a prefill leg's 500
+    (its step failed), whole and streamed: each is the client's answer with the server's JSON body; no
+    server is marked down and nothing is sent again."""
+    router, procs = pd
+    before = router.health()
+    for stream in (False, True):
+        body = {"prompt": [1, 2, 3], "max_tokens": 2, "min_tokens": 5, "stream": stream}
+        code, r = router.post(body)
+        assert code == 400 and r["error"]["param"] == "min_tokens", r
+        code, r = router.post({"prompt": FAULT_PROMPT, "max_tokens": 2, "stream": stream})
+        assert code == 500 and r["error"]["code"] == 500 and "injected" in r["error"]["message"], r
+    after = router.health()
+    assert after["resends"] == before["resends"] and after["decode"] == before["decode"]
+    assert after["prefill"] == before["prefill"] == [procs["prefill"].url("")]
+
+
+def test_metrics_carry_every_servers_series_under_a_server_label(pd):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    router, procs = pd
+    assert router.post({"prompt": [4, 5, 6], "max_tokens": 2, "temperature": 0})[0] == 200
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(router.url("/metrics"), timeout=60).text)}
+    urls = {p.url("") for p in procs.values()}
+    success = [s for s in fams["vllm:request_success"].samples if s.name == "vllm:request_success_total"]
+    assert {s.labels["server"] for s in success} == urls and fams["vllm:request_success"].type == "counter"
+    # the router's sum of a counter is the servers' own figures added up (no request runs meanwhile)
+    own = 0.0
+    for p in procs.values():
+        for f in text_string_to_metric_families(httpx.get(p.url("/metrics"), timeout=60).text):
+            own += sum(s.value for s in f.samples if s.name == "vllm:generation_tokens_total")
+    routed = sum(s.value for s in fams["vllm:generation_tokens"].samples if s.name == "vllm:generation_tokens_total")
+    assert routed == own > 0
+    assert {s.labels["server"]: s.value for s in fams["glm53:router_server_up"].samples} == dict.fromkeys(urls, 1.0)
+    assert fams["vllm:e2e_request_latency_seconds"].type == "histogram"
+
+
+def test_a_prompt_with_ids_no_engine_can_hash_is_the_servers_400(pd):
+    """Once the router knows the decode servers' pages (KV events), a prompt of at least one full page is
+    hashed for the prefix lookup, unless an id lies outside [0, 2^63): then the request goes on
+    unhashed, and the server's 400 naming the prompt is the answer (not a 500 of the router's)."""
+    router, procs = pd
+    assert router.post({"prompt": list(range(40, 60)), "max_tokens": 2, "temperature": 0})[0] == 200
+    deadline = time.monotonic() + 60
+    while not any(router.health()["indexed_pages"].values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any(router.health()["indexed_pages"].values())
+    for bad in ([2**63] + [1] * 8, [1] * 8 + [2**64 + 5], [-1] * 9):
+        code, r = router.post({"prompt": bad, "max_tokens": 2, "temperature": 0})
+        assert code == 400 and r["error"]["param"] == "prompt", (bad, r)
+    assert router.post({"prompt": list(range(40, 60)), "max_tokens": 2, "temperature": 0})[0] == 200
+
+
+def test_a_server_answering_503_is_left_out_of_routing_until_healthy(pd):
+    """A decode server whose last steps all failed answers /health with 503: the router (polling /health
+    with /metrics) sends the requests of a salt that stuck to it to the other decode server; once a
+    step of its own succeeds its /health is 200 and it is routed to again."""
+    router, procs = pd
+    first, _ = router.stream({"prompt": [3, 1, 4], "max_tokens": 1, "temperature": 0, "cache_salt": "carol"})
+    victim = next(p for p in procs.values() if p.url("") == first)
+    other = next(p.url("") for n, p in procs.items() if n.startswith("decode") and p.url("") != first)
+    for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):  # straight to it: its prefill leg must fail there
+        assert victim.post("/v1/completions", {"prompt": FAULT_PROMPT, "max_tokens": 2})[0] == 500
+    assert httpx.get(victim.url("/health"), timeout=30).status_code == 503
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 30
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return cond()
+
+    assert wait_for(lambda: router.health()["unhealthy"] == [first])
+    for _ in range(3):
+        headers: dict = {}
+        code, _ = router.post({"prompt": [3, 1, 4], "max_tokens": 2, "temperature": 0, "cache_salt": "carol"},
+                              headers=headers)
+        assert code == 200 and headers["x-decode-server"] == other
+    assert victim.post("/v1/completions", {"prompt": [2, 7], "max_tokens": 1})[0] == 200  # a step succeeds
+    assert wait_for(lambda: router.health()["unhealthy"] == [])
+
+
+def test_a_decode_server_killed_mid_stream_loses_no_request(pd, reference, ref_engine):
+    """Kill the decode server a 90-token greedy completion stream and a 100-token chat stream run on once
+    both have two events: the router sends each prompt's token ids and the tokens so far, as a
+    completion, to the other one, and each client's stream carries exactly one engine's tokens (the chat
+    stream in chat chunks)."""
     router, procs = pd
     prompts, lengths, want = reference
     by_url = {p.url(""): p for p in procs.values()}
-    started = {}
-
-    def kill_after_two(i, event):
-        if i == 2:
-            started["victim"].proc.send_signal(signal.SIGKILL)
-
-    # learn which server the salt lands on, so the kill hits the stream's server
+    messages = [{"role": "user", "content": "tell me"}]
+    chat_ids = httpx.post(router.url("/tokenize"), json={"messages": messages}, timeout=60).json()["tokens"]
+    want_chat = ref_engine.generate([np.asarray(chat_ids)], max_new_tokens=100)[0].token_ids.tolist()
+    # learn which server the salt lands on, so the kill hits the streams' server
     first, _ = router.stream({"prompt": prompts[0], "max_tokens": 1, "temperature": 0, "cache_salt": "bob"})
-    started["victim"] = by_url[first]
-    served, events = router.stream({"prompt": prompts[2], "max_tokens": lengths[2], "temperature": 0,
-                                    "return_token_ids": True, "cache_salt": "bob"}, kill_after_two)
-    assert served == first and started["victim"].proc.wait(30) == -signal.SIGKILL
-    assert events[-1] == "[DONE]"
+    victim = by_url[first]
+    reached = [threading.Event(), threading.Event()]
+    killed = threading.Event()
+
+    def hold_at_two(k):
+        def on_event(i, event):
+            if i == 2:  # wait (not reading further) until the server is gone
+                reached[k].set()
+                killed.wait(60)
+        return on_event
+
+    out = {}
+    streams = [threading.Thread(target=lambda: out.__setitem__(0, router.stream(
+                   {"prompt": prompts[2], "max_tokens": lengths[2], "temperature": 0, "return_token_ids": True,
+                    "cache_salt": "bob"}, hold_at_two(0)))),
+               threading.Thread(target=lambda: out.__setitem__(1, router.stream(
+                   {"messages": messages, "max_completion_tokens": 100, "temperature": 0, "return_token_ids": True,
+                    "cache_salt": "bob", "model": NAME}, hold_at_two(1), path="/v1/chat/completions")))]
+    for t in streams:
+        t.start()
+    assert all(e.wait(TIMEOUT_S) for e in reached)
+    victim.proc.send_signal(signal.SIGKILL)
+    assert victim.proc.wait(30) == -signal.SIGKILL
+    killed.set()
+    for t in streams:
+        t.join(TIMEOUT_S)
+    (served, events), (chat_served, chat_events) = out[0], out[1]
+    assert served == chat_served == first
+    assert events[-1] == "[DONE]" and chat_events[-1] == "[DONE]"
     tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
     assert tokens == want[2]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
+    chat = [e for e in chat_events[:-1] if e["choices"]]
+    assert all(e["object"] == "chat.completion.chunk" and "delta" in e["choices"][0] for e in chat)
+    assert [t for e in chat for t in e["choices"][0].get("token_ids") or []] == want_chat
+    text = httpx.post(router.url("/detokenize"), json={"tokens": want_chat}, timeout=60).json()["prompt"]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in chat) == text
+    assert chat[-1]["choices"][0]["finish_reason"] == "length"
     # the survivor takes new requests; /health lists only what is up
     code, r = router.post({"prompt": prompts[0], "max_tokens": 6, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == want[0]
     health = router.health()
     assert health["decode"] == [u for u in by_url if u != first and procs["prefill"].url("") != u]
-    assert health["resends"] >= 1  # the stream did break (not finished before the kill) and was re-sent
+    assert health["resends"] >= 2  # both streams did break (not finished before the kill) and were re-sent
+

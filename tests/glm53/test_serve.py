@@ -1,7 +1,10 @@
 """`python -m glm53.serve` as a real server process on loopback: completions (batched, streamed,
-concurrent) equal `Engine.generate`'s greedy tokens, bad requests get 400 naming the field, a client that
-disconnects mid-stream frees its blocks, the metrics parse with vLLM's names and types, a checkpoint's
-EOS and chat template work, and SIGTERM shuts down gracefully."""
+concurrent) equal `Engine.generate`'s greedy tokens, a client that disconnects mid-stream frees its
+blocks, the metrics parse with vLLM's names and types, the --api-key guards what it should, a checkpoint's
+EOS and chat template work (through the openai client too), /health is 503 while the last steps all
+failed and 200 again once one succeeds, and SIGTERM shuts down gracefully. The
+openai-client cases of tests/glm53/openai_cases.py run against this module's server (bad fields, stop
+strings, seeds, a failed step, error shapes, the rest of vLLM's surface)."""
 
 import http.client
 import json
@@ -16,22 +19,25 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx
 import numpy as np
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import glm53
-from glm53 import DeployConfig, Engine, SamplingParams
-from glm53.serve import TextStream
+from glm53 import DeployConfig, Engine
+from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from glm53.tokenizer import ByteTokenizer
+from tests.glm53.openai_cases import *  # noqa: F403 - the shared cases run against this module's `api`
+from tests.glm53.faulty_serve import FAULT_PROMPT
+from tests.glm53.openai_cases import TIMEOUT_S, Api
 
 REPO = Path(__file__).resolve().parents[2]
 # the deployment of tests/engine/test_engine.py (its programs are in the session's compilation cache)
 FLAGS = {"max_model_len": 128, "max_num_batched_tokens": 32, "max_num_seqs": 4, "block_size": 8}
 NAME = "tiny-test"
-# a first request compiles the server's programs: minutes on a loaded 2-core machine (the CI runs two
-# test workers beside the server); a bound, not a speed check
-TIMEOUT_S = 900
+KEY = "test-key"  # the module server's API key (given as VLLM_API_KEY)
 
 
 def _free_port() -> int:
@@ -41,12 +47,19 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, tmp: Path, *extra: str, port: int | None = None):
-        self.port, self.extra = port or _free_port(), extra
+    """A server process on a free port (or `port`): `module` (glm53.serve, or tests.glm53.faulty_serve whose
+    step fails for FAULT_PROMPT) serving `model` under FLAGS and `extra` flags; `api_key` as VLLM_API_KEY."""
+
+    def __init__(self, model: str, tmp: Path, *extra: str, port: int | None = None, module: str = "glm53.serve",
+                 api_key: str | None = None):
+        self.port, self.extra, self.module, self.api_key = port or _free_port(), extra, module, api_key
         self.log = tmp / f"server-{self.port}.log"
-        args = [sys.executable, "-m", "glm53.serve", model, "--port", str(self.port), "--served-model-name", NAME,
+        args = [sys.executable, "-m", module, model, "--port", str(self.port), "--served-model-name", NAME,
                 *[x for k, v in FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))], *extra]
         env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": glm53_cache_dir(), "PYTHONPATH": str(REPO)}
+        env.pop("VLLM_API_KEY", None)
+        if api_key:
+            env["VLLM_API_KEY"] = api_key
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 600  # importing JAX and building the model, on a loaded machine
@@ -64,9 +77,14 @@ class Server:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
+    @property
+    def headers(self) -> dict:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def post(self, path: str, body, timeout: float = TIMEOUT_S) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(self.url(path), data=data, headers={"content-type": "application/json"})
+        req = urllib.request.Request(self.url(path), data=data, headers={"content-type": "application/json",
+                                                                         **self.headers})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -78,7 +96,7 @@ class Server:
         connection after that many events."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=TIMEOUT_S)
         conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
-                     {"content-type": "application/json"})
+                     {"content-type": "application/json", **self.headers})
         resp = conn.getresponse()
         assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
         events = []
@@ -127,9 +145,15 @@ def _metric(m: dict, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = Server("tiny", tmp_path_factory.mktemp("serve"))
+    s = Server("tiny", tmp_path_factory.mktemp("serve"), module="tests.glm53.faulty_serve", api_key=KEY)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    """The shared openai-client cases' view of this module's server."""
+    return Api(server.url(""), NAME, "server", KEY, FLAGS["max_model_len"])
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +180,7 @@ def test_completions_equal_engine_generate(server, prompts_and_tokens):
     # the same prompt again: its full 8-token blocks come from the prefix cache
     code, r = server.post("/v1/completions", {"prompt": prompts[1], "max_tokens": 6, "temperature": 0})
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 24 and code == 200
-    code, models = 200, json.loads(urllib.request.urlopen(server.url("/v1/models"), timeout=10).read())
+    models = httpx.get(server.url("/v1/models"), headers=server.headers, timeout=10).json()
     assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == 128
 
 
@@ -193,41 +217,29 @@ def test_concurrent_clients_join_the_running_batch(server, prompts_and_tokens):
     assert [results[i] for i in range(5)] == want
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": [1, 2], "max_tokens": "x"}, "max_tokens"),
-    ({"prompt": [1, 2], "model": "other"}, "model"),
-    ({"prompt": [1, 600]}, "prompt"),  # outside the tiny vocabulary (512)
-    ({"prompt": [1, 2], "max_tokens": 127}, "max_tokens"),  # 2 + 127 > max_model_len 128
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": [1, 2], "temperature": -1}, "temperature"),
-    ({"prompt": [1, 2], "top_p": 0}, "top_p"),
-    ({"prompt": [1, 2], "n": 2}, "n"),
-    ({"prompt": [1, 2], "logprobs": 1}, "logprobs"),
-    ({"prompt": [1, 2], "stop_token_ids": [9999]}, "stop_token_ids"),
-    ({"prompt": [1, 2], "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-    ({"prompt": [[1, 2], [3, 9999]]}, "prompt"),
-    (b"{not json", None),
-])
-def test_bad_requests_get_400_naming_the_field(server, body, param):
-    code, r = server.post("/v1/completions", body)
-    assert code == 400 and r["error"]["code"] == 400, r
-    if param is not None:
-        assert r["error"]["param"] == param, r
-    # nothing is left queued or running (a batch's first prompt, added before the second failed, is aborted)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if _metric(m, "vllm:num_requests_waiting") == _metric(m, "vllm:num_requests_running") == 0:
-            break
-        time.sleep(0.1)
-    assert _metric(m, "vllm:num_requests_waiting") == _metric(m, "vllm:num_requests_running") == 0
+def test_chat_without_a_template_is_400_naming_messages(server):
+    """The module's server serves a preset: no tokenizer.json, so no chat template."""
+    client = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], stream=stream)
+        err = info.value.response.json()["error"]
+        assert err["param"] == "messages" and "chat template" in err["message"] and err["code"] == 400
 
 
-def test_chat_without_a_template_is_400(server):
-    code, r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
-    assert code == 400 and r["error"]["param"] == "messages" and "chat template" in r["error"]["message"]
+def test_the_api_key_guards_the_v1_routes_and_the_tokenizer_but_not_probes(server):
+    wrong = openai.OpenAI(base_url=server.url("/v1"), api_key="wrong", max_retries=0, timeout=60)
+    for call in (wrong.models.list, lambda: wrong.completions.create(model=NAME, prompt=[1, 2], max_tokens=1)):
+        with pytest.raises(openai.AuthenticationError) as info:
+            call()
+        assert info.value.response.json()["error"]["code"] == 401
+    for path in ("/tokenize", "/detokenize", "/reset_prefix_cache", "/v1/chat/completions"):
+        r = httpx.post(server.url(path), json={"prompt": "x", "tokens": [1]}, timeout=60)  # no key at all
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError", path
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(server.url(path), timeout=60).status_code == 200, path
+    right = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
+    assert [m.id for m in right.models.list().data] == [NAME]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
@@ -269,27 +281,15 @@ def test_metrics_have_vllms_names_and_types(server, prompts_and_tokens):
     assert _metric(m, "vllm:prefix_cache_hits_total") - hits >= 24
 
 
-def test_text_stream_stops_and_holds_back():
-    tok = ByteTokenizer()
-    t = TextStream(tok, ["END"], eos=(0,))
-    got = [t.add(x) for x in b"abEN"]
-    assert "".join(d for d, _ in got) == "ab" and not any(s for _, s in got)  # "EN" may start "END"
-    assert t.add(ord("D")) == ("", True)  # the text ends before the stop string
-    t = TextStream(tok, [], eos=(0,))
-    utf8 = "é".encode()
-    assert t.add(utf8[0]) == ("", False) and t.add(utf8[1]) == ("é", False)  # an incomplete char waits
-    assert t.add(0) == ("", False) and t.flush() == ""  # EOS adds no text
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, prompts_and_tokens):
-    """The tiny weights saved as an HF checkpoint with a byte-level tokenizer.json, an EOS id (the first
-    greedy token of some prompt that differs from the ones before it) and a chat template."""
+def save_checkpoint(model, d: Path, eos: int | None = None):
+    """`model` saved as an HF checkpoint in `d` with a byte-level tokenizer.json, a chat template and, if
+    given, an EOS id -> the tokenizer (tokenizers.Tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    prompts, want, model = prompts_and_tokens
-    p, k = next((p, k) for p, w in enumerate(want) for k in range(1, len(w)) if w[k] not in w[:k])
-    d = tmp_path_factory.mktemp("ckpt")
     glm53.save_pretrained(model, d)
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -297,18 +297,28 @@ def checkpoint(tmp_path_factory, prompts_and_tokens):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(d / "tokenizer.json"))
+    if eos is not None:
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, prompts_and_tokens):
+    """The tiny weights saved as an HF checkpoint with a byte-level tokenizer.json, an EOS id (the first
+    greedy token of some prompt that differs from the ones before it) and a chat template."""
+    prompts, want, model = prompts_and_tokens
+    p, k = next((p, k) for p, w in enumerate(want) for k in range(1, len(w)) if w[k] not in w[:k])
+    d = tmp_path_factory.mktemp("ckpt")
     eos = want[p][k]
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
-    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return d, tok, eos, p, k
+    return d, save_checkpoint(model, d, eos), eos, p, k
 
 
 @pytest.mark.slow
 def test_a_checkpoint_with_eos_and_chat_template(checkpoint, prompts_and_tokens, tmp_path):
     d, tok, eos, p, k = checkpoint
     prompts, want, model = prompts_and_tokens
-    s = Server(str(d), tmp_path)
+    s = Server(str(d), tmp_path, module="tests.glm53.faulty_serve")
     try:
         code, r = s.post("/v1/completions", {"prompt": prompts[p], "max_tokens": 6, "temperature": 0,
                                              "return_token_ids": True})
@@ -331,6 +341,34 @@ def test_a_checkpoint_with_eos_and_chat_template(checkpoint, prompts_and_tokens,
         code, r = s.post("/v1/completions", {"prompt": text, "max_tokens": 4, "temperature": 0,
                                              "return_token_ids": True})
         assert r["choices"][0]["token_ids"] == expect[:cut] and r["usage"]["prompt_tokens"] == len(ids)
+        # the same chat through the openai client, whole and streamed, and its tokens through /tokenize
+        client = openai.OpenAI(base_url=s.url("/v1"), api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]  # text parts: joined
+        r = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=4, temperature=0)
+        want_text = tok.decode(expect[:cut][:-1] if eos in expect else expect)
+        assert r.choices[0].message.content == want_text and r.usage.prompt_tokens == len(ids)
+        assert r.choices[0].finish_reason == ("stop" if eos in expect else "length")
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=4,
+                                                     temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == cut
+        assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == want_text
+        tokenized = httpx.post(s.url("/tokenize"), json={"messages": messages}, timeout=60).json()
+        assert tokenized["tokens"] == ids and tokenized["count"] == len(ids)
+        # steps that fail one after another may mean a broken engine, not a bad batch: after the third in
+        # a row the server reports itself unhealthy (503, the error body) but keeps serving, and the first
+        # step that succeeds makes it healthy again; nothing is left running
+        for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):
+            assert httpx.get(s.url("/health"), timeout=10).status_code == 200
+            assert s.post("/v1/completions", {"prompt": FAULT_PROMPT, "max_tokens": 2})[0] == 500
+        health = httpx.get(s.url("/health"), timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["type"] == "ServiceUnavailableError"
+        assert "steps failed" in health.json()["error"]["message"]
+        code, r = s.post("/v1/completions", {"prompt": prompts[p], "max_tokens": 2, "temperature": 0,
+                                             "return_token_ids": True})
+        assert code == 200 and r["choices"][0]["token_ids"] == want[p][:2]
+        assert httpx.get(s.url("/health"), timeout=10).status_code == 200
+        m = s.metrics()
+        assert _metric(m, "vllm:num_requests_running") == 0 and _metric(m, "vllm:kv_cache_usage_perc") == 0.0
     finally:
         assert s.stop()
 

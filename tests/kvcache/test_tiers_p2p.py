@@ -236,6 +236,20 @@ def test_p2p_a_request_names_its_producer_which_leases_its_chunks(tiers):
     assert _answer(cons, 3, gone) is Lookup.MISS and time.monotonic() - t0 < 5  # by the 1 s lookup deadline
 
 
+def test_p2p_a_named_peer_that_is_no_address_is_a_miss_and_the_control_thread_goes_on(tiers):
+    """A request naming a "peer" whose host no socket can dial (a lone surrogate, which zmq cannot encode)
+    gets a miss; the control thread that owns every socket stays up and answers the next request's
+    lookup at a real producer."""
+    prod = tiers()
+    assert _store_here(prod, [0, 1]) == ["ok", "ok"]
+    cons = tiers()
+    for peer in ("\ud800:5000", "\x00:5000"):
+        assert _answer(cons, 0, LookupContext(f"req-{peer!a}", [_key(0)], peer=peer)) is Lookup.MISS
+    assert _answer(cons, 1, LookupContext("req-good", [_key(1)], peer=prod.address)) is Lookup.HIT
+    assert all(t.is_alive() for t in cons._threads)
+    assert _load(cons, [1]).status == ("ok",)
+
+
 def test_p2p_a_lookup_naming_the_lease_takes_it_over_and_the_fetch_frees_the_chunks(tiers):
     """A P/D consumer's lookup names its producer's lease (LookupContext.lease, the request's remote_lease):
     the producer moves those chunks from the lease to the lookup's pin, so the fetch frees them at once,
