@@ -1,14 +1,21 @@
-"""Speed of the simulator (issue 19, item 8): simulated steps per wall second, wall time per simulated
-hour, and where a step's wall time goes (scheduling, pricing, the rest: the engine's and the client's
-bookkeeping), for each KV policy of a serve config.
+"""Speed of the simulator (issue 19 item 8, issue 53 item 1): wall and CPU seconds per simulated hour of
+the published figures' simulations, measured over one full simulated hour (not extrapolated), with
+simulated steps per wall second and where a step's wall time goes (scheduling, update, the runner's
+execute: pricing and its synthetic tokens, and the rest: the engine's, the P/D pair's and the client's
+bookkeeping).
 
-    python -m experiments.bench_sim --out results/bench_sim                     # Part 1 at concurrency 32
-    python -m experiments.bench_sim --config configs/paper/part1.py --config.workload.turns=2 --out DIR
+    python -m experiments.bench_sim --out results/bench_sim                      # both figures (an hour each run)
+    python -m experiments.bench_sim --figure part2 --config.sweep.concurrency='(32,)' --out DIR
 
-Default: configs/paper/part1.py at concurrency 32 with 32 sessions of 3 turns (the part of the sweep
-where the scheduler works hardest: the most running requests). The issue's target is one simulated hour
-in under 5 minutes of wall time on 2 cores. Writes OUT/results.json and OUT/table.md. A benchmark: it
-asserts nothing; the wall times depend on what else the machine runs (say so when you commit one).
+Figures (`FIGURES`): "part1" is configs/paper/part1.py at concurrency 32 under HiSparse and offload, with
+enough conversations that the closed loop is still full after an hour; "part2" is configs/paper/part2.py
+at concurrency 64 (its heaviest points) for its three P/D deployments, with eight sessions per user.
+Each run serves its closed loop until the simulated clock passes `--horizon-s` (3,600 s) and stops
+there; `full_hour` says whether it got there (else the workload ran out first). The issue's target is
+one simulated hour of Part 2 in under 300 wall seconds on 2 cores. Writes OUT/results.json (`runs`: one
+per (figure, policy, concurrency) with `figure`, `simulated_s`, `wall_s_per_simulated_hour` and
+`cpu_s_per_simulated_hour`) and OUT/table.md. A benchmark: it asserts nothing; wall times depend on what
+else the machine runs, so the CPU seconds of the process are reported beside them.
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ import time
 from experiments import serve
 from experiments.common import REPO, cpu_name, git_revision, load_config
 
-DEFAULTS = ("--config.sweep.concurrency=(32,)", "--config.workload.sessions=32", "--config.workload.turns=3")
+HORIZON_S = 3600.0
+# figure -> (config, overrides that make its closed loop last an hour at the benchmarked concurrency)
+FIGURES = {
+    "part1": ("configs/paper/part1.py", ("--config.sweep.concurrency=(32,)", "--config.workload.sessions=512")),
+    "part2": ("configs/paper/part2.py", ("--config.sweep.concurrency=(64,)", "--config.sweep.sessions_per_user=8",
+                                         "--config.workload.sessions=512")),
+}
 
 
 class _Timed:
@@ -40,74 +53,93 @@ class _Timed:
         setattr(obj, name, timed)
 
 
-def run(cfg, policy: str, concurrency: int) -> dict:
-    """One simulated run of `cfg` under `policy` with its scheduler and runner timed."""
+class _Horizon(Exception):
+    """The simulated clock passed the horizon: the run stops there."""
+
+
+def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S) -> dict:
+    """One simulated run of `cfg` under `policy` at `concurrency`, its scheduler and runners timed, until
+    the simulated clock passes `horizon_s` (or the workload ends)."""
     totals = {"schedule_s": 0.0, "update_s": 0.0, "price_s": 0.0}
-    make = serve._engine
-
-    def engine(*a, **k):
-        eng = make(*a, **k)
-        for rep in eng.replicas:
-            _Timed(rep.scheduler, "schedule", totals, "schedule_s")
-            _Timed(rep.scheduler, "update", totals, "update_s")
-            _Timed(rep.runner, "execute", totals, "price_s")
-        return eng
-
     model, _ = serve._model(cfg.model, weights=False)
-    serve._engine = engine
+    eng = serve._engine(model, cfg, policy, "unused")
+    engines = (eng.prefill, eng.decode) if hasattr(eng, "prefill") else (eng,)  # a P/D pair: both engines
+    for rep in (rep for e in engines for rep in e.replicas):
+        _Timed(rep.scheduler, "schedule", totals, "schedule_s")
+        _Timed(rep.scheduler, "update", totals, "update_s")
+        _Timed(rep.runner, "execute", totals, "price_s")
+    client = serve.make_client(eng, cfg, serve.point_sessions(cfg, concurrency), concurrency)
+    steps = 0
+
+    def on_step(e):
+        nonlocal steps
+        steps += 1
+        if e.clock.now() >= horizon_s:
+            raise _Horizon
+
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
-        t0 = time.perf_counter()
-        m = serve.run_one(model, cfg, policy, concurrency, progress=False)
-        wall = time.perf_counter() - t0
-    finally:
-        serve._engine = make
-    steps = m["engine_steps"]
+        client.run(on_step=on_step)
+    except _Horizon:
+        pass
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    simulated = eng.clock.now()
+    eng.shutdown()
     per_step = {k.replace("_s", "_ms_per_step"): 1e3 * v / max(steps, 1) for k, v in totals.items()}
     per_step["other_ms_per_step"] = 1e3 * (wall - sum(totals.values())) / max(steps, 1)
-    return {"kv_policy": policy, "concurrency": concurrency, "wall_s": wall, "simulated_s": m["simulated_s"],
-            "engine_steps": steps, "steps_per_wall_s": steps / wall,
-            "wall_s_per_simulated_hour": wall / m["simulated_s"] * 3600, **per_step,
-            "throughput_tok_s_per_gpu": m["throughput_tok_s_per_gpu"],
-            "running_requests_mean": m["running_requests_mean"]}
+    return {"kv_policy": policy, "concurrency": concurrency, "horizon_s": horizon_s, "simulated_s": simulated,
+            "full_hour": simulated >= horizon_s, "engine_steps": steps, "wall_s": wall, "cpu_s": cpu,
+            "steps_per_wall_s": steps / wall, "wall_s_per_simulated_hour": wall / simulated * 3600,
+            "cpu_s_per_simulated_hour": cpu / simulated * 3600, **per_step}
 
 
 def table(res: dict) -> str:
     lines = ["# Simulator speed", "",
-             f"{res['date']}, commit {res['git_revision']}, {res['machine']['cpu']} x {res['machine']['cpu_count']}. "
-             f"`python -m experiments.bench_sim {' '.join(res['argv'])}`. Target: one simulated hour in under 300 s.", "",
-             "| policy | c | steps | simulated s | wall s | steps / wall s | wall s per simulated hour | "
-             "schedule ms/step | update ms/step | price ms/step | other ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{res['date']}, commit {res['git_revision']}, {res['machine']['cpu']} x {res['machine']['cpu_count']}, "
+             f"load average {res['machine']['load_average_at_start']} at the start. `{res['command']}`. Each run "
+             "over one simulated hour; target: Part 2 under 300 wall s per simulated hour on 2 cores. Wall seconds "
+             "depend on what else the machine ran; CPU seconds are the process's own.", "",
+             "| figure | deployment | c | steps | simulated s | wall s | CPU s | wall s per simulated hour | "
+             "CPU s per simulated hour | schedule ms/step | update ms/step | execute ms/step | other ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["runs"]:
-        lines.append(f"| {r['kv_policy']} | {r['concurrency']} | {r['engine_steps']} | {r['simulated_s']:.0f} | "
-                     f"{r['wall_s']:.1f} | {r['steps_per_wall_s']:.0f} | {r['wall_s_per_simulated_hour']:.0f} | "
-                     f"{r['schedule_ms_per_step']:.3f} | {r['update_ms_per_step']:.3f} | {r['price_ms_per_step']:.3f} | "
-                     f"{r['other_ms_per_step']:.3f} |")
+        lines.append(f"| {r['figure']} | {r['kv_policy']} | {r['concurrency']} | {r['engine_steps']} | "
+                     f"{r['simulated_s']:.0f}{'' if r['full_hour'] else ' (workload ended)'} | {r['wall_s']:.0f} | "
+                     f"{r['cpu_s']:.0f} | {r['wall_s_per_simulated_hour']:.0f} | {r['cpu_s_per_simulated_hour']:.0f} | "
+                     f"{r['schedule_ms_per_step']:.2f} | {r['update_ms_per_step']:.2f} | {r['price_ms_per_step']:.2f} | "
+                     f"{r['other_ms_per_step']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m experiments.bench_sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(REPO / "configs" / "paper" / "part1.py"))
+    ap.add_argument("--figure", action="append", choices=sorted(FIGURES), help="repeatable (default: every figure)")
+    ap.add_argument("--horizon-s", type=float, default=HORIZON_S, help="simulated seconds per run")
     ap.add_argument("--out", default="out/bench_sim")
     args, overrides = ap.parse_known_args(argv)
-    cfg = load_config(args.config, [*DEFAULTS, *overrides])
-    if not serve.simulated(cfg):
-        raise ValueError(f"{args.config}: bench_sim needs a simulated config (runner.kind='sim')")
     out = args.out
     os.makedirs(out, exist_ok=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     runs = []
-    for policy in cfg.sweep.kv_policy:
-        for conc in cfg.sweep.concurrency:
-            runs.append(run(cfg, policy, conc))
-            r = runs[-1]
-            print(f"[bench_sim] {policy} c={conc}: {r['engine_steps']} steps, {r['simulated_s']:.0f} simulated s in "
-                  f"{r['wall_s']:.1f} s ({r['steps_per_wall_s']:.0f} steps/s; {r['wall_s_per_simulated_hour']:.0f} s "
-                  "per simulated hour)", flush=True)
+    for figure in args.figure or sorted(FIGURES):
+        path, defaults = FIGURES[figure]
+        cfg = load_config(str(REPO / path), [*defaults, *overrides])
+        if not serve.simulated(cfg):
+            raise ValueError(f"{path}: bench_sim needs a simulated config (runner.kind='sim')")
+        for policy in cfg.sweep.kv_policy:
+            for conc in cfg.sweep.concurrency:
+                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s)}
+                runs.append(r)
+                print(f"[bench_sim] {figure} {policy} c={conc}: {r['engine_steps']} steps, {r['simulated_s']:.0f} "
+                      f"simulated s in {r['wall_s']:.0f} wall s / {r['cpu_s']:.0f} CPU s "
+                      f"({r['wall_s_per_simulated_hour']:.0f} wall s, {r['cpu_s_per_simulated_hour']:.0f} CPU s per "
+                      "simulated hour)", flush=True)
     res = {"benchmark": "bench_sim", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
-           "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "config": args.config,
-           "argv": [f"--config {os.path.relpath(args.config, REPO)}", *DEFAULTS, *overrides], "runs": runs}
+           "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "load_average_at_start": round(load, 2)},
+           "command": "python -m experiments.bench_sim " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+           "figures": {f: {"config": FIGURES[f][0], "overrides": list(FIGURES[f][1])} for f in FIGURES},
+           "overrides": overrides, "runs": runs}
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:

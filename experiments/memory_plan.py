@@ -65,7 +65,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from experiments.common import REPO, cpu_name, git_revision, load_config
+from experiments.common import REPO, cpu_name, git_revision
+from experiments.deployments import LIMITS, PART2_BATCHED_TOKENS as _PART2_TOKENS, Deployment, plan_row, published
 
 GiB = 1 << 30
 # The memory an H200 SXM reports to CUDA: torch.cuda.get_device_properties(0).total_memory = 143,156 MiB
@@ -73,13 +74,13 @@ GiB = 1 << 30
 # 143,771 MiB of framebuffer; the datasheet says "141 GB" (glm53.perfmodel.H200.hbm_capacity_bytes = 141e9,
 # 131.3 GiB), reported beside it.
 H200_TOTAL_MEMORY_BYTES = 143_156 * 2**20
-LIMITS = (142_000, 1_048_576)  # BRIEF §8's two context limits ("142K" as vLLM's 142k, and 1M)
-PART1_CONFIG = "configs/paper/part1.py"
 GPUS_PER_NODE = 8
 PUBLISHED_MTP = 3  # the published runs use MTP3; the pool is planned without the MTP layer's KV (docs/memory.md)
-# Part 2's rows (DP8, PCP8 x DCP8 x EP8) are also planned at this token budget (vLLM's default max_num_batched_tokens for its API server
-# on an H100 / H200, EngineArgs.get_batch_defaults; the brief gives no Part 2 batch limits)
-PART2_BATCHED_TOKENS = (8192,)
+# Part 2's rows (DP8, PCP8 x DCP8 x EP8) are also planned at Part 2's token budget (experiments.deployments)
+PART2_BATCHED_TOKENS = (_PART2_TOKENS,)
+# the deployments planned (experiments.deployments): the baselines that differ from one of these in their
+# KV policy alone share its row (Deployment.plan_row)
+PLANNED = ("tp8_hisparse", "pcp8_dcp8_ep8_prefill", "dp8_ep8_decode", "dp8_prefill")
 IMPL = "pallas"  # the attention implementation of the main workspace figure (see the module docstring)
 WORKER_DEVICES = 8
 WORKSPACE_METHOD = (
@@ -89,77 +90,16 @@ WORKSPACE_METHOD = (
     "through a CPU scheduling artefact (results.json checks; docs/memory.md)")
 
 
-@dataclasses.dataclass(frozen=True)
-class Deployment:
-    """One published deployment at one context limit.
-
-    deploy: one replica's DeployConfig (limits, block layout, KV policy and host pools: the engine's).
-    weights: how the weights are laid out: "tp" (parallel.tp over the replica's 8 GPUs), "ep" (every
-        weight replicated but the routed experts, split over 8 GPUs: the context mesh's expert
-        parallelism, and vLLM's DP + EP, where the 8 DP ranks form the expert group).
-    program: the per-rank step program: "tp" (TP shard_map), "cp" (context mesh shard_map), "dp" (one
-        device; its share of the routed experts under EP8).
-    role: "aggregated" (prefill and decode), "prefill" (P/D prefill engine) or "decode" (P/D decode rank).
-    replicas_per_node: replicas on one 8-GPU node (8 for DP ranks)."""
-
-    name: str
-    title: str
-    deploy: object
-    weights: str
-    program: str
-    role: str
-    replicas_per_node: int
-    ep: int = 8
-    published: str = ""
-
-    @property
-    def max_model_len(self) -> int:
-        return self.deploy.max_model_len
-
-
-def deployments(part1=None, limits=LIMITS, *, max_num_batched_tokens: int | None = None,
-                max_num_seqs: int | None = None, host_scale: float = 1.0,
-                part2_batched_tokens: tuple[int, ...] = PART2_BATCHED_TOKENS) -> list[Deployment]:
-    """BRIEF §8's deployments at each limit, on the Part 1 config's KV layout and batch limits
-    (configs/paper/part1.py: fp8_ds_mla, 64-token blocks, 1,024-token indexer pages, 32,768 batched
-    tokens, 256 sequences; the brief gives no Part 2 batch limits, so Part 1's are used), then Part 2's
-    rows (the DP8 ranks and the PCP8 x DCP8 x EP8 prefill engine) again at each of `part2_batched_tokens`
-    (a smaller token budget per step, hence a smaller workspace: the rows carry their own
+def deployments(limits=LIMITS, *, max_num_batched_tokens: int | None = None, max_num_seqs: int | None = None,
+                host_scale: float = 1.0, part2_batched_tokens: tuple[int, ...] = PART2_BATCHED_TOKENS,
+                names: tuple[str, ...] = PLANNED) -> list[Deployment]:
+    """The published deployments `names` (experiments.deployments) at each limit, with Part 1's batch
+    limits unless given (the brief gives no Part 2 batch limits, so Part 1's are used), then Part 2's rows
+    (the DP8 ranks and the PCP8 x DCP8 x EP8 prefill engine) again at each of `part2_batched_tokens` (a
+    smaller token budget per step, hence a smaller workspace: the rows carry their own
     max_num_batched_tokens). host_scale scales the published host budgets (tests)."""
-    from glm53 import DeployConfig
-
-    c = part1 if part1 is not None else load_config(str(REPO / PART1_CONFIG))
-    d = c.deploy
-    base = dict(kv_cache_dtype=d.kv_cache_dtype, block_size=d.block_size, index_block_size=d.index_block_size or None,
-                max_num_batched_tokens=max_num_batched_tokens or d.max_num_batched_tokens,
-                max_num_seqs=max_num_seqs or d.max_num_seqs, enable_prefix_caching=True)
-    hs = c.policy_deploy["hisparse"]
-    host = lambda n: int(n * host_scale)  # noqa: E731
-    out = []
-    for limit in limits:
-        b = dict(base, max_model_len=limit)
-        out += [
-            Deployment("tp8_hisparse", "Part 1: TP8 with HiSparse (one node, aggregated)",
-                       DeployConfig(**b, tensor_parallel_size=d.tensor_parallel_size, kv_policy="hisparse",
-                                    hisparse_host_pool_bytes=host(hs.hisparse_host_pool_bytes),
-                                    cpu_offload_bytes=host(hs.cpu_offload_bytes)),
-                       "tp", "tp", "aggregated", 1,
-                       published="TP8, MTP3, FP8 KV, 142K, 32,768 batched tokens, 256 sequences; 384 GiB HiSparse "
-                                 "host pool + 128 GiB offload"),
-            Deployment("pcp8_dcp8_ep8_prefill", "Part 2 prefill: PCP8 x DCP8 x EP8 (one node)",
-                       DeployConfig(**b, prefill_context_parallel_size=8, decode_context_parallel_size=8,
-                                    enable_expert_parallel=True, kv_policy="offload", cpu_offload_bytes=host(512 * GiB)),
-                       "ep", "cp", "prefill", 1, published="one PCP8 x DCP8 x EP8 engine, 512 GiB CPU offload pool"),
-            Deployment("dp8_ep8_decode", "Part 2 decode: 8 DP ranks with EP8 and HiSparse (one node)",
-                       DeployConfig(**b, data_parallel_size=8, enable_expert_parallel=True, kv_policy="hisparse",
-                                    hisparse_host_pool_bytes=host(48 * GiB), cpu_offload_bytes=host(16 * GiB)),
-                       "ep", "dp", "decode", 8, published="8 DP ranks, HiSparse with 48 GiB host pool + 16 GiB "
-                                                          "offload per rank"),
-            Deployment("dp8_prefill", "Part 2 baseline prefill: 8 DP ranks (EP8)",
-                       DeployConfig(**b, data_parallel_size=8, enable_expert_parallel=True, kv_policy="offload",
-                                    cpu_offload_bytes=host(64 * GiB)),
-                       "ep", "dp", "prefill", 8, published="DP8 prefill, 8 ranks x 64 GiB offload"),
-        ]
+    out = [published(name, max_model_len=limit, max_num_batched_tokens=max_num_batched_tokens,
+                     max_num_seqs=max_num_seqs, host_scale=host_scale) for limit in limits for name in names]
     for tokens in part2_batched_tokens:
         out += [dataclasses.replace(dep, deploy=dataclasses.replace(dep.deploy, max_num_batched_tokens=tokens))
                 for dep in out if dep.role != "aggregated" and dep.deploy.max_num_batched_tokens != tokens]
@@ -693,16 +633,12 @@ def published_vs_derived(rows: list[dict]) -> dict:
 def kv_budget(results: str | Path = REPO / "results/memory_plan/results.json", name: str = "tp8_hisparse",
               max_model_len: int = LIMITS[0], max_num_batched_tokens: int | None = None) -> int:
     """The derived per-GPU KV budget of deployment `name` at `max_model_len` (and max_num_batched_tokens;
-    None: the first row, Part 1's batch) from a memory plan's results.json: what the simulator's device
-    KV budget (configs/paper/part1.py, today BRIEF §2's 15 GiB) could be taken from."""
-    rows = json.loads(Path(results).read_text())["deployments"]
-    for r in rows:
-        if r["name"] == name and r["max_model_len"] == max_model_len and max_num_batched_tokens in (
-                None, r.get("max_num_batched_tokens")):
-            if r["kv_pool_bytes_per_gpu"] <= 0:
-                raise ValueError(f"memory plan {results}: {name} at {max_model_len} leaves no KV pool")
-            return int(r["kv_pool_bytes_per_gpu"])
-    raise ValueError(f"memory plan {results} has no row {name!r} at max_model_len={max_model_len}")
+    None: the first row, Part 1's batch) from a memory plan's results.json (a published deployment's own:
+    experiments.deployments.kv_budget)."""
+    r = plan_row(name, max_model_len, max_num_batched_tokens, results)
+    if r["kv_pool_bytes_per_gpu"] <= 0:
+        raise ValueError(f"memory plan {results}: {name} at {max_model_len} leaves no KV pool")
+    return int(r["kv_pool_bytes_per_gpu"])
 
 
 def _gib(n) -> str:

@@ -148,7 +148,7 @@ def run_deployment(name: str, spec: dict, deploy: dict, sessions, concurrency: i
         outs = eng.outputs(ids)
         m = summarize(outs, duration_s=max(o.finish_s for o in outs) - min(o.arrival_s for o in outs),
                       num_devices=DEVICES)
-        del m["running_requests_mean"]  # engine steps, which a client over HTTP does not see
+        del m["running_requests_mean"], m["running_requests_mean_per_step"]  # engine steps: an HTTP client sees none
         after = {"prefill": _counters(pre), "decode": _counters(dec)}
         d = {role: {k: after[role][k] - warm[role][k] for k in warm[role]} for role in warm}
         health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{rport}/health", timeout=10).read())

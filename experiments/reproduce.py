@@ -270,7 +270,7 @@ MANIFEST: tuple[Entry, ...] = (
           "BRIEF §8 Part 2", ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",),
           "serve", "configs/paper/part2_1m.py", quick=("--config.sweep.concurrency=(8,)", "--config.workload.median_turns=4.0"),
           committed="results/paper/part2_1m", doc="docs/simulator.md", compare=PD_KEYS,
-          note="every engine at 8,192 batched tokens (the PCP8 x DCP8 x EP8 pool is 15.94 GiB there, 2.3 GiB at "
+          note="every engine at 8,192 batched tokens (the PCP8 x DCP8 x EP8 pool is 15.93 GiB there, 2.3 GiB at "
                "32,768: results/memory_plan); the decode ranks' 64 GiB host split 52 + 12 GiB (a 1M request's MLA "
                "pages are 50.6 GiB). The engine refuses DP8 prefill and offload decode at 1M "
                "(tests/engine/test_pd_sim.py), so only pcp_dcp+hisparse is swept"),

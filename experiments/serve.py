@@ -216,21 +216,33 @@ def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = "", own: dict | No
     return glm53.DeployConfig(**d, kv_policy=policy)
 
 
-def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporter=None, progress=True) -> dict:
-    """One sweep point on a fresh engine: the workload at `concurrency` -> metrics dict."""
-    import glm53
-    from glm53.engine.runner import CompileCounter
-
+def point_sessions(cfg: ConfigDict, concurrency: int) -> list[workloads.Session]:
+    """The sessions one sweep point serves: the workload's, or concurrency x sweep.sessions_per_user of them."""
     sessions = build_sessions(cfg.workload, cfg.deploy.max_model_len)
     per_user = cfg.sweep.sessions_per_user
     if per_user:  # as many sessions as users: each point serves concurrency x per_user sessions
         sessions = sessions[: concurrency * per_user]
-    tiers = tempfile.TemporaryDirectory(prefix="serve-tiers-")  # a fresh filesystem tier per point
-    eng = _engine(model, cfg, kv_policy, tiers.name)
-    client = workloads.ClosedLoopClient(
+    return sessions
+
+
+def make_client(eng, cfg: ConfigDict, sessions, concurrency: int) -> workloads.ClosedLoopClient:
+    """The closed-loop client of one sweep point on `eng` (greedy requests of each turn's output length)."""
+    import glm53
+
+    return workloads.ClosedLoopClient(
         eng, sessions, concurrency, vocab_size=eng.cfg.vocab_size, seed=cfg.workload.seed,
         make_params=lambda n: glm53.SamplingParams(max_new_tokens=n), think_time_scale=cfg.workload.think_time_scale,
         salt_prefix="user:", max_model_len=eng.deploy.max_model_len)
+
+
+def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporter=None, progress=True) -> dict:
+    """One sweep point on a fresh engine: the workload at `concurrency` -> metrics dict."""
+    from glm53.engine.runner import CompileCounter
+
+    sessions = point_sessions(cfg, concurrency)
+    tiers = tempfile.TemporaryDirectory(prefix="serve-tiers-")  # a fresh filesystem tier per point
+    eng = _engine(model, cfg, kv_policy, tiers.name)
+    client = make_client(eng, cfg, sessions, concurrency)
     total = sum(len(s.turns) for s in sessions)
     bar = tqdm(total=total, desc=f"{kv_policy} c={concurrency}", unit="req", disable=not progress, leave=False)
 

@@ -1,6 +1,8 @@
 """Validate the simulator against the real engine at laptop scale (issue 19, item 4).
 
-    python -m experiments.validate_sim --out results/validate_sim             # ~45 minutes on 2 cores
+    python -m experiments.validate_sim --out results/validate_sim             # hours on 2 idle cores
+    python -m experiments.validate_sim --only smoke,tiered_scaling --out DIR   # held-out configs by name
+    python -m experiments.validate_sim --summarize results/validate_sim        # mape / table from its points
 
 1. Calibrate a CPU HardwareSpec on this machine from the model runner's own forward timings: a grid of
    forward programs of the serve default's model (rows 1 and 4; 1 to 1,024 tokens per row; attention
@@ -17,18 +19,24 @@
    (sampling, bookkeeping: `host_overlap_s`, the median). The simulator dispatches like the runner
    (`SimRunner(async_dispatch=True)`): the host time after dispatch runs beside the forwards, and a
    step waits only for the last forward it samples from.
-2. Re-run held-out configs both ways, real (warmed: compile time excluded; nothing waited for beyond
-   what the engine waits for) and simulated on the fitted spec (same deploy, float32 KV and weights, so
-   the same pools and the same schedule): smoke, preempt_vs_offload (concurrency 1, 2, 4) and
-   hisparse_vs_offload at concurrency 4 and 8 (its 16 and 32 points take half an hour of real time).
-   Per point: median TTFT, mean TPOT, throughput per device, running requests, and the counts that do
-   not depend on time (preemptions, prefix hits, engine steps), which must be equal: without think time
-   the schedule is a function of the requests. Each point is called prefill-bound or decode-bound by
-   where its real step time went.
+2. Re-run held-out configs (`HELD_OUT`) both ways, real (warmed: compile time excluded; nothing waited
+   for beyond what the engine waits for) and simulated on the fitted spec (same deploy, float32 KV and
+   weights, so the same pools and the same schedule): the KV policies (preempt, swap, offload: smoke,
+   preempt_vs_offload; HiSparse: hisparse_vs_offload at concurrency 4 and 8, its 16 and 32 points take
+   half an hour of real time), the host tier and a filesystem tier (tiered_scaling at 16 and 64
+   conversations), MTP3 under each verify form (the runner's sequential, CPU's default, and batched),
+   DP8 and PCP8 x DCP8 x EP8 on 8 simulated devices. Per point: median TTFT, mean TPOT, throughput per
+   device, running requests, and the counts that do not depend on time (preemptions, prefix hits, engine
+   steps), which must be equal: without think time the schedule is a function of the requests. Each
+   point is called prefill-bound or decode-bound by where its real step time went. Not here: P/D over
+   HTTP (experiments.pd_http), whose counts depend on wall-clock routing, has no simulated twin yet.
 
 Writes OUT/results.json (the fitted spec, the fit's error on its own forwards and steps, every point
-with real, simulated and relative error; rewritten after every point, `complete` says whether all ran)
-and OUT/table.md (the validation table). A benchmark: it asserts nothing.
+with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
+points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
+counts equal; rewritten after every point, `complete` says whether all ran) and OUT/table.md (the
+validation table). A benchmark: it asserts nothing (tests/experiments/test_validate_sim.py bounds the
+committed run's `mape` and requires `counts_equal`).
 """
 
 from __future__ import annotations
@@ -38,29 +46,49 @@ import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
 from experiments import serve
-from experiments.common import cpu_name, git_revision, out_dir_from_cli, load_config
+from experiments.common import cpu_name, git_revision, load_config
 
 METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device", "running_requests_mean")
+MAPE_METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device")  # `summary`'s mape
 COUNTS = ("preemptions", "prefix_hit_rate", "engine_steps", "output_tokens")
 TRAIN = ("serve_default", None, ())
+_MTP3 = "configs/ablations/hisparse_vs_offload_mtp3.py"
+
+
+def _verify(form: str) -> str:
+    """The override that runs _MTP3's speculative_config with speculative_config["verify"] = form."""
+    return "--config.deploy.speculative_config=" + repr({"method": "mtp", "num_speculative_tokens": 3,
+                                                        "rejection_sample_method": "synthetic",
+                                                        "synthetic_acceptance_length": 2.99, "verify": form})
+
+
 HELD_OUT = (("smoke", "configs/smoke.py", ()),
             ("preempt_vs_offload", "configs/ablations/preempt_vs_offload.py", ()),
-            ("hisparse_vs_offload", "configs/ablations/hisparse_vs_offload.py", ("--config.sweep.concurrency=(4, 8)",)))
+            ("hisparse_vs_offload", "configs/ablations/hisparse_vs_offload.py", ("--config.sweep.concurrency=(4, 8)",)),
+            ("tiered_scaling", "configs/ablations/tiered_scaling.py", ("--config.sweep.concurrency=(16, 64)",)),
+            ("mtp3_sequential", _MTP3, ("--config.sweep.concurrency=(4,)", _verify("sequential"))),
+            ("mtp3_batched", _MTP3, ("--config.sweep.concurrency=(4,)", _verify("batched"))),
+            ("dp8", "configs/deployments/dp8.py", ()),
+            ("pcp8_dcp8", "configs/deployments/pcp8_dcp8.py", ()))
+DEVICES = 8  # simulated CPU devices of the process: the DP8 and PCP8 x DCP8 configs need them
 WEIGHT_BYTES = 4  # float32 weights on CPU
 
 
 def cpu_spec(flops: float, bandwidth: float, forward_latency_s: float = 0.0):
     """A HardwareSpec for this CPU: achieved FLOP/s (every dtype) and memory bandwidth, efficiencies 1,
     the host link as fast as memory (pinned host memory is the same DRAM), a fixed time per forward
-    program, no other latencies."""
+    program, no other latencies; platform "cpu", so the simulator prices the runner's CPU choices (MTP's
+    sequential verify under speculative_config verify="auto")."""
     from glm53.perfmodel import H200
 
     return dataclasses.replace(
-        H200, name=f"cpu ({cpu_name()}, {os.cpu_count()} cores, fitted)", bf16_flops=flops, fp8_flops=flops,
+        H200, name=f"cpu ({cpu_name()}, {os.cpu_count()} cores, fitted)", platform="cpu", bf16_flops=flops,
+        fp8_flops=flops,
         hbm_bandwidth=bandwidth, host_link_bandwidth=bandwidth, matmul_efficiency=1.0, hbm_efficiency=1.0,
         sparse_attention_efficiency=1.0, dense_attention_efficiency=1.0, nvlink_efficiency=1.0,
         collective_latency_s=0.0, host_copy_latency_s=0.0, head_granularity=1, forward_latency_s=forward_latency_s)
@@ -235,6 +263,15 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
     return best
 
 
+def summary(points: list[dict]) -> dict:
+    """{"mape": {metric: mean |simulated / real - 1| over the held-out points (fractions), for
+    MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real} (mape nan
+    without held-out points)."""
+    held = [p for p in points if p["role"] == "held out"]
+    mape = {k: float(np.mean([abs(p["rel_error"][k]) for p in held])) if held else float("nan") for k in MAPE_METRICS}
+    return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points)}
+
+
 def _bound(steps) -> str:
     pre = sum(s[-1] for s in steps if any(r.num_tokens > 1 + r.num_draft_tokens for r in s[0].rows))
     return "prefill-bound" if pre > 0.5 * sum(s[-1] for s in steps) else "decode-bound"
@@ -258,6 +295,8 @@ def table(res: dict) -> str:
                      + " | ".join(f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
     held = [p for p in res["points"] if p["role"] == "held out"]
     if held:
+        lines += ["", "MAPE over the held-out points: " + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
+                  + f"; counts equal at every point: {'yes' if res['counts_equal'] else 'NO'}"]
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
             f"{k} {statistics.median(abs(p['rel_error'][k]) for p in held):.1%}" for k in METRICS)
             + "; within 25%: " + ", ".join(f"{k} {sum(abs(p['rel_error'][k]) <= 0.25 for p in held)}/{len(held)}"
@@ -272,7 +311,32 @@ def table(res: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    out = out_dir_from_cli(argv, "python -m experiments.validate_sim", __doc__, "out/validate_sim")
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m experiments.validate_sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out/validate_sim", help="directory for the results")
+    ap.add_argument("--only", default="", help=f"held-out configs to run, comma-separated (of {[h[0] for h in HELD_OUT]})")
+    ap.add_argument("--summarize", default="", metavar="DIR",
+                    help="recompute DIR/results.json's mape and counts_equal and DIR/table.md from its points; run nothing")
+    args = ap.parse_args(argv)
+    if args.summarize:
+        path = Path(args.summarize) / "results.json"
+        res = json.loads(path.read_text())
+        res.update(summary(res["points"]))
+        path.write_text(json.dumps(res, indent=1, default=str))
+        (path.parent / "table.md").write_text(table(res))
+        return res
+    only = [n for n in args.only.split(",") if n]
+    unknown = set(only) - {h[0] for h in HELD_OUT}
+    if unknown:
+        ap.error(f"--only: unknown configs {sorted(unknown)}; choose from {[h[0] for h in HELD_OUT]}")
+    held_out = [h for h in HELD_OUT if not only or h[0] in only]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from parallel.mesh import set_cpu_device_count
+
+    set_cpu_device_count(DEVICES)  # before JAX starts: the multi-device configs' meshes
     serve._enable_compile_cache(str(serve.REPO / ".cache" / "jax"))
 
     def points(name, path, overrides, role):
@@ -315,7 +379,7 @@ def main(argv=None) -> dict:
 
     def save(complete: bool) -> dict:
         """results.json and table.md after every point (atomically): a run that stops keeps what it measured."""
-        res = {**meta, "points": res_points, "complete": complete}
+        res = {**meta, "points": res_points, "complete": complete, **summary(res_points)}
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(res, indent=1, default=str))
         os.replace(tmp, out / "results.json")
@@ -338,7 +402,7 @@ def main(argv=None) -> dict:
 
     for cfg, policy, conc, m, log, role in train_points:
         compare(TRAIN[0], cfg, policy, conc, m, log, "fit")
-    for name, path, overrides in HELD_OUT:
+    for name, path, overrides in held_out:
         for cfg, policy, conc, m, log, _ in points(name, path, overrides, "held out"):
             compare(name, cfg, policy, conc, m, log, "held out")
     res = save(True)

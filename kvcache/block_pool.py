@@ -30,8 +30,11 @@ more than test that attribute.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import itertools
 import math
+import operator
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,6 +44,7 @@ import numpy as np
 
 BlockHash = bytes
 _EMPTY = b""
+_IS_BLOCK = functools.partial(operator.is_not, None)  # a hash index lookup that found a block
 
 
 class BlockInfo(NamedTuple):
@@ -72,8 +76,21 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
     from them, not rehashed; only the new blocks' tokens are sliced)."""
     out, parent = list(known), (known[-1] if known else None)
     end = len(token_ids) if upto is None else min(upto, len(token_ids))
-    for start in range(len(known) * tokens_per_block, end - tokens_per_block + 1, tokens_per_block):
-        parent = hash_block(parent, token_ids[start : start + tokens_per_block], extra_keys)
+    first = len(known) * tokens_per_block
+    n = (end - first) // tokens_per_block if end > first else 0
+    if n <= 0:
+        return out
+    # hash_block's bytes, built once for all the new blocks (a serving run hashes millions of blocks:
+    # one slice of the ids and one encoding instead of one per block)
+    data = memoryview(np.asarray(token_ids[first : first + n * tokens_per_block], dtype="<i8").tobytes())
+    extra = b"".join(struct.pack("<q", len(k)) + k for k in (str(key).encode() for key in extra_keys))
+    step = 8 * tokens_per_block
+    sha256 = hashlib.sha256
+    for i in range(0, n * step, step):
+        h = sha256(parent or _EMPTY)
+        h.update(data[i : i + step])
+        h.update(extra)
+        parent = h.digest()
         out.append(parent)
     return out
 
@@ -329,23 +346,25 @@ class KVCacheManager:
             raise ValueError(f"request {req_id!r} is already admitted")
         kept = self._kept_hashes.pop(req_id, None)  # a request admitted before: its tokens only grew
         known = kept[1] if kept is not None and kept[0] == tuple(extra_keys) else ()
-        hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=known[:len(token_ids) // self.tokens_per_block])
+        full = len(token_ids) // self.tokens_per_block
+        if len(known) == full:  # nothing new to hash: the kept list is this admission's (no one else holds it)
+            hashes = known
+        else:
+            hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=known[:full])
         max_hit = (len(token_ids) - 1) // self.tokens_per_block if use_prefix_cache else 0
-        found: dict[str, list[int]] = {g: [] for g in self.groups}
-        n_chunks = 0  # chunks [0, n_chunks) are covered by found pages of every group
-        for i, h in enumerate(hashes[:max_hit]):
-            self.pool.stats.queries += 1
-            ok = True
-            for g in self.groups:
-                if (i + 1) % self.ratio[g] == 0:
-                    b = self.pool.lookup(g, h)
-                    if b is None:
-                        ok = False
-                        break
-                    found[g].append(b)
-            if not ok:
-                break
-            n_chunks = i + 1
+        # the walk over hash chunks [0, max_hit) that stops at the first chunk where a page of some group
+        # ending there is not cached, done per group: the pages of group g end at chunks r - 1, 2r - 1, ...
+        # (r = ratio[g]); the leading run of cached ones is found by one lookup per page
+        found: dict[str, list[int]] = {}
+        n_chunks = max_hit  # chunks [0, n_chunks) are covered by found pages of every group
+        cached = self.pool.cached if self.pool.enable_prefix_caching else {}
+        for g in self.groups:
+            r = self.ratio[g]
+            keys = hashes[r - 1 : max_hit : r]
+            found[g] = list(itertools.takewhile(_IS_BLOCK, map(cached.get, zip(itertools.repeat(g), keys))))
+            if len(found[g]) < len(keys):
+                n_chunks = min(n_chunks, (len(found[g]) + 1) * r - 1)  # the chunk that ends the missing page
+        self.pool.stats.queries += n_chunks + (n_chunks < max_hit)  # chunks looked at, the failing one too
         n_chunks -= n_chunks % self.hit_multiple
         if self.drop_last_hit and n_chunks:
             n_chunks -= self.hit_multiple

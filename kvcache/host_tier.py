@@ -76,6 +76,10 @@ def host_pools(blocks: dict[str, int], *, eviction: str = "lru", enable_prefix_c
             for g, n in blocks.items()}
 
 
+def _none(key) -> None:  # the lookup of a pool that does not hash its pages
+    return None
+
+
 @dataclasses.dataclass
 class PrefixLookup:
     """The answer of `HostTier.lookup_prefix`.
@@ -198,18 +202,22 @@ class HostTier:
         ctx = LookupContext(req.req_id, lambda: [chunk_key(self.fingerprint, g, rb.hashes[c]) for c in range(first, max_hit)
                                                  for g in kv.groups if not (c + 1) % kv.ratio[g] and g in self.pools],
                             peer=getattr(req, "kv_peer", None), lease=getattr(req, "kv_lease", 0))
-        while first + len(found) < max_hit:
-            c = first + len(found)
-            h, pages = rb.hashes[c], []
-            for g in kv.groups:
-                if (c + 1) % kv.ratio[g]:
-                    continue  # no page of this group ends at this hash block
-                if (b := kv.pool.lookup(g, h)) is not None:
+        dev = kv.pool.cached.get if kv.pool.enable_prefix_caching else _none
+        host = {g: (p.cached.get if p.enable_prefix_caching else _none) for g, p in self.pools.items()}
+        hashes, period = rb.hashes, kv.hit_multiple
+        # per (c + 1) mod the period: the groups with a page ending at hash block c, in kv.groups order
+        ending = [tuple(g for g in kv.groups if not r % kv.ratio[g]) for r in range(period)]
+        tiered = None  # the first index into `found` with a page only a tier holds
+        for c in range(first, max_hit):
+            h, pages = hashes[c], []
+            for g in ending[(c + 1) % period]:
+                key = (g, h)
+                if (b := dev(key)) is not None:
                     pages.append((g, "device", b))
-                elif (b := self.lookup(g, h)) is not None:
+                elif g in host and (b := host[g](key)) is not None:
                     pages.append((g, "host", b))
                 elif ask and g in self.pools and self._ask_tiers(g, h, pages, ctx):
-                    pass
+                    tiered = len(found) if tiered is None else tiered
                 else:
                     retry |= bool(pages) and pages[-1] == "retry"
                     break
@@ -217,7 +225,7 @@ class HostTier:
                 found.append(pages)
                 continue
             break
-        if ask and (retry or any(isinstance(w, int) for p in found for _, w, _ in p)):
+        if ask and (retry or tiered is not None):
             started = self._start_loads(kv, req, first, found)
             if started or retry:
                 rounds = self.tier_rounds if started else self.retry_rounds
@@ -231,7 +239,7 @@ class HostTier:
                 self.tier_pins.setdefault(req.req_id, [])[:0] = pins + hits
                 return PrefixLookup([], True)
         # what the device and the host hold: up to the first page that only a tier has
-        cut = next((k for k, p in enumerate(found) if any(not isinstance(w, str) for _, w, _ in p)), len(found))
+        cut = len(found) if tiered is None else tiered
         keep = cut - cut % kv.hit_multiple  # a hit ends on a page boundary of every group
         # MTP: the hit gives back its last page (KVCacheManager.drop_last_hit). The walk began at the page
         # the device hit gave back, so dropping the walk's last page drops the whole hit's last page

@@ -122,23 +122,27 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
         if found.retry:  # tier loads under way: the scheduler forgets this attempt (`must_retry`)
             self.pending[req.req_id] = (i, {})
             return n
-        device, pend = [], {}
-        for c, pages in enumerate(found.pages, start=i):
-            for g, where, b in pages:
-                table = rb.tables[g]
-                if where == "device":
-                    device.append(b)
-                else:
-                    pend.setdefault(g, {})[len(table)] = (b, rb.hashes[c])
-                    self.host[g].touch([b])  # pinned until its load is recorded
-                table.append(b if where == "device" else -1)
-        kv.pool.touch(device)
-        self.host_tier.release(found.pins)
+        device, pend, pinned = [], {}, {}
         # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
         # pages (the page the device hit gave back, kept when more follows it)
-        dev = next((c for c, pages in enumerate(found.pages) if any(w != "device" for _, w, _ in pages)),
-                   len(found.pages))
-        self.pending[req.req_id] = (i + dev, pend)
+        dev = None
+        tables, hashes = rb.tables, rb.hashes
+        for c, pages in enumerate(found.pages, start=i):
+            for g, where, b in pages:
+                table = tables[g]
+                if where == "device":
+                    device.append(b)
+                    table.append(b)
+                else:
+                    pend.setdefault(g, {})[len(table)] = (b, hashes[c])
+                    pinned.setdefault(g, []).append(b)
+                    table.append(-1)
+                    dev = c - i if dev is None else dev
+        for g, blocks in pinned.items():
+            self.host[g].touch(blocks)  # pinned until its load is recorded
+        kv.pool.touch(device)
+        self.host_tier.release(found.pins)
+        self.pending[req.req_id] = (i + (len(found.pages) if dev is None else dev), pend)
         rb.num_cached_blocks = i + len(found.pages)
         return rb.num_cached_blocks * kv.tokens_per_block
 
@@ -198,6 +202,10 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
             for g in kv.groups:
                 pool, table = self.host[g], rb.tables[g]
                 full = chunks // kv.ratio[g]
+                # pages already on the host become the most recently used (a touch and a free each),
+                # in runs between allocations: a run's order in the free queue is the pages' order, as
+                # one at a time, and the allocation after it must see them moved
+                fresh: list[int] = []
                 for j in range(done[g], full):
                     h = rb.hashes[kv.page_hash_index(g, j)]
                     hb = pool.lookup(g, h)
@@ -205,6 +213,10 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
                         if table[j] < 0 or pool.num_free == 0:
                             self.stats.store_skipped_pages += table[j] >= 0
                             continue
+                        if fresh:
+                            pool.touch(fresh)
+                            pool.free(fresh)
+                            fresh = []
                         hb = pool.allocate(1)[0]  # the least recently used host page, its old key dropped
                         info = kv.page_info(rb, req.tokens, g, j) if events else None
                         pool.cache(g, hb, h, info)
@@ -213,8 +225,10 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
                         dst.append(hb)
                         infos.append(info)
                     else:
-                        pool.touch([hb])  # already on the host: now the most recently used
-                        pool.free([hb])
+                        fresh.append(hb)
+                if fresh:
+                    pool.touch(fresh)
+                    pool.free(fresh)
                 done[g] = max(done[g], full)
         for g, (src, dst, infos) in copies.items():
             self.host[g].free(dst)

@@ -4,7 +4,8 @@ GLM-5.3 on one 8 x H200 node, TP8, fp8 KV cache (fp8_ds_mla rows, fp8 indexer ke
 max_num_batched_tokens 32,768, max_num_seqs 256, prefix caching on; OpenHands sessions (13 turns;
 74,160 first-turn tokens, 753 new tokens per later turn, 220 output tokens), 128 conversations;
 concurrency 1, 8, 16, 24, 32; HiSparse (384 GiB HiSparse host pool + 128 GiB offload pool for idle
-indexer keys) against offload (512 GiB). Context limit 142K (142,000 tokens, vLLM's "142k"); the 1M
+indexer keys) against offload (512 GiB): experiments.deployments' "tp8_hisparse" and "tp8_offload", whose
+layout (64-token MLA pages, 1,024-token indexer pages) and batch limits this config takes. Context limit 142K (142,000 tokens, vLLM's "142k"); the 1M
 point is the same config with --config.deploy.max_model_len=1048576.
 
 Device KV budget: BRIEF §2's ~15 GiB per GPU under TP8 (glm53.perfmodel.PUBLISHED_KV_BUDGET_BYTES_TP8),
@@ -18,8 +19,9 @@ assumed).
     python -m experiments.serve --config configs/paper/part1.py --out results/paper/part1
 """
 
+from experiments.deployments import LAYOUT, PART1_LIMITS, fields
 from experiments.serve import default_config
-from glm53.perfmodel import PUBLISHED_KV_BUDGET_BYTES_TP8, GiB
+from glm53.perfmodel import PUBLISHED_KV_BUDGET_BYTES_TP8
 
 
 def get_config():
@@ -29,19 +31,15 @@ def get_config():
     c.runner.hardware = "h200"
     c.model.preset = "glm-5.3"
     d = c.deploy
-    d.tensor_parallel_size = 8
-    d.kv_cache_dtype = "fp8_ds_mla"
-    d.block_size = 64
-    # indexer pages of 1,024 tokens: 21 layers x 1,024 x 132 B = 2.84 MB, about an MLA page (78 layers x 64
-    # x 656 B = 3.27 MB), so a block (the larger page, kvcache.layout.block_bytes) is seldom half idle
-    d.index_block_size = 1024
+    # the published deployments (experiments.deployments): TP8 with HiSparse, and the offloading baseline
+    hisparse, offload = fields("tp8_hisparse"), fields("tp8_offload")
+    d.tensor_parallel_size = hisparse.pop("tensor_parallel_size")
+    offload.pop("tensor_parallel_size")
+    d.update(LAYOUT)
+    d.update(PART1_LIMITS)
     d.max_model_len = 142_000
-    d.max_num_batched_tokens = 32_768
-    d.max_num_seqs = 256
     d.kv_cache_memory_bytes = PUBLISHED_KV_BUDGET_BYTES_TP8
-    d.enable_prefix_caching = True
-    c.policy_deploy = dict(offload=dict(cpu_offload_bytes=512 * GiB),
-                           hisparse=dict(hisparse_host_pool_bytes=384 * GiB, cpu_offload_bytes=128 * GiB))
+    c.policy_deploy = {hisparse.pop("kv_policy"): hisparse, offload.pop("kv_policy"): offload}
     c.workload.kind = "openhands"
     c.workload.sessions = 128
     c.workload.scale = 1.0

@@ -22,12 +22,14 @@ Each point is measured over its steady window (sweep.measure = "steady", experim
 the start until the closed loop first cannot fill a free slot; the drain after it is not run. Four
 sessions per slot keep that window long (docs/simulator.md "Part 2 at H200 scale").
 
-Every engine runs 8,192 batched tokens (vLLM's API-server default on an H100 / H200; the brief gives no
-Part 2 batch limits, and at Part 1's 32,768 a DP8 rank does not fit at all). Device KV budgets per GPU
-come from the memory plan's rows at that budget (`python -m experiments.memory_plan`,
-results/memory_plan/results.json, fp8 weights): 15.94 GiB for the PCP8 x DCP8 x EP8 prefill engine
-(its attention weights are whole on every GPU, its workspace 4.57 GiB), 15.59 GiB for a DP8 prefill
-rank and 15.42 GiB for a DP8 x EP8 decode rank. Throughput counts every token of every request (cached ones too) over all 16 GPUs.
+Every engine runs Part 2's 8,192 batched tokens (experiments.deployments.PART2_BATCHED_TOKENS: vLLM's
+API-server default on an H100 / H200; the brief gives no Part 2 batch limits, and at Part 1's 32,768 a
+DP8 rank does not fit at all). The deployments are experiments.deployments' published descriptions
+(`PART2_PAIRS`, `part2_pd_deployments`), each with the device KV budget per GPU the memory plan derives for
+it at this batch and limit (`kv_budget`, from results/memory_plan/results.json); for the simulated P/D
+pair the DCP8 prefill engine runs 8-row MLA blocks and 128-key indexer blocks (its pages must cover the
+decode ranks' 64 and 1,024 tokens) and each prefill engine 32 sequences. Throughput counts
+every token of every request (cached ones too) over all 16 GPUs.
 
     python -m experiments.serve --config configs/paper/part2.py --out results/paper/part2
 
@@ -37,26 +39,10 @@ At 1M: configs/paper/part2_1m.py.
 from pathlib import Path
 
 from experiments.common import load_config
-from glm53.perfmodel import GiB
+from experiments.deployments import PART2_BATCHED_TOKENS, PART2_PAIRS, part2_pd_deployments
 
 MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
         "synthetic_acceptance_length": 2.99}
-# per-GPU device KV budgets derived by the memory plan (results/memory_plan/results.json, fp8 weights)
-KV_PCP8_DCP8_EP8_PREFILL = int(15.9412 * GiB)
-MAX_NUM_BATCHED_TOKENS = 8192
-KV_DP8_PREFILL = int(15.5896 * GiB)
-KV_DP8_EP8_DECODE = int(15.4217 * GiB)
-
-PCP_DCP_PREFILL = dict(prefill_context_parallel_size=8, decode_context_parallel_size=8, enable_expert_parallel=True,
-                       block_size=8, index_block_size=128, kv_policy="offload", cpu_offload_bytes=512 * GiB,
-                       kv_cache_memory_bytes=KV_PCP8_DCP8_EP8_PREFILL, max_num_seqs=32)
-DP_PREFILL = dict(data_parallel_size=8, enable_expert_parallel=True, kv_policy="offload", cpu_offload_bytes=64 * GiB,
-                  kv_cache_memory_bytes=KV_DP8_PREFILL, max_num_seqs=32)
-HISPARSE_DECODE = dict(data_parallel_size=8, enable_expert_parallel=True, kv_policy="hisparse",
-                       hisparse_host_pool_bytes=48 * GiB, cpu_offload_bytes=16 * GiB,
-                       kv_cache_memory_bytes=KV_DP8_EP8_DECODE)
-OFFLOAD_DECODE = dict(data_parallel_size=8, enable_expert_parallel=True, kv_policy="offload",
-                      cpu_offload_bytes=64 * GiB, kv_cache_memory_bytes=KV_DP8_EP8_DECODE)
 
 
 def get_config():
@@ -64,23 +50,16 @@ def get_config():
     c.name = "paper_part2"
     d = c.deploy
     d.tensor_parallel_size = 1
-    d.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
+    d.max_num_batched_tokens = PART2_BATCHED_TOKENS
     d.speculative_config = MTP3
     c.policy_deploy = {}
-    c.pd.deployments = {
-        "pcp_dcp+hisparse": dict(prefill=PCP_DCP_PREFILL, decode=HISPARSE_DECODE,
-                                 prefill_name="pcp8_dcp8_ep8", decode_name="dp8_ep8_hisparse"),
-        "dp+hisparse": dict(prefill=DP_PREFILL, decode=HISPARSE_DECODE,
-                            prefill_name="dp8_ep8", decode_name="dp8_ep8_hisparse"),
-        "pcp_dcp+offload": dict(prefill=PCP_DCP_PREFILL, decode=OFFLOAD_DECODE,
-                                prefill_name="pcp8_dcp8_ep8", decode_name="dp8_ep8_offload"),
-    }
+    c.pd.deployments = part2_pd_deployments(d.max_model_len)
     c.workload.kind = "synthetic"
     c.workload.sessions = 128
     c.workload.scale = 1.0
     c.workload.median_turns = 43.0
     c.workload.mean_input = 80_000.0
-    c.sweep.kv_policy = ("pcp_dcp+hisparse", "dp+hisparse", "pcp_dcp+offload")
+    c.sweep.kv_policy = tuple(PART2_PAIRS)
     c.sweep.concurrency = (8, 16, 32, 48, 64)
     # each point: 4 sessions per concurrency slot, measured over the window in which all `concurrency`
     # sessions run (sweep.measure "steady"): with ~43-turn, heavy-tailed sessions and subagents that wait

@@ -210,9 +210,10 @@ class Engine:
         self.finished: dict[str, Request] = {}
         self._owner: dict[str, int] = {}  # request id -> replica index
         self._by_salt: dict[str, int] = {}  # salt -> replica that served it last
-        # one row per engine step that scheduled requests, after scheduling: (clock s, running, waiting,
-        # free device blocks), summed over replicas
-        self.timeline: list[tuple[float, int, int, int]] = []
+        # one row per engine step that scheduled requests, after scheduling: (clock s at its start, running,
+        # waiting, free device blocks, clock s at its end), summed over replicas; the end makes the running
+        # requests a time series (metrics' time-weighted mean)
+        self.timeline: list[tuple[float, int, int, int, float]] = []
         self._steps = 0
         self.plans_run = [0] * dp  # per replica: plans its runner executed (KV transfers included)
         self._steps_begun = self._steps_ended = 0  # `step` calls begun and returned (`parked` reads them)
@@ -450,7 +451,7 @@ class Engine:
             advance(max(priced))
         if counted:
             self._steps += 1
-            self.timeline.append((t, *counts))
+            self.timeline.append((t, *counts, self.clock.now()))
         for obs in self.observers:
             obs.on_step(self, out, finished_all)
         if errors:
@@ -560,9 +561,9 @@ class Engine:
         and running_requests_mean; counters such as preemptions and bytes stay the whole run's)."""
         outs = [self.output(r) for r in (req_ids if req_ids is not None else self.finished)]
         duration = max(o.finish_s for o in outs) - min(o.arrival_s for o in outs)
-        running = [row[1] for row in self.timeline if window is None or window[0] <= row[0] <= window[1]]
         out = summarize(outs, duration_s=duration, num_devices=self.num_devices, scheduler_stats=self._stats(),
-                        transfers=self._transfers(), running_per_step=running, window=window)
+                        transfers=self._transfers(), steps=[(r[0], r[4], r[1]) for r in self.timeline],
+                        window=window)
         out.update(self._policy_metrics())
         out.update(self._cp_metrics())
         out.update(self._spec_metrics())

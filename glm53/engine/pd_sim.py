@@ -102,7 +102,9 @@ class PdPair:
         self._ids, self._seq = itertools.count(), itertools.count()
         self._to_prefill: list = []  # heap of (time, seq, req_id)
         self._to_decode: list = []  # heap of (time, seq, req_id)
-        self._parking: set[str] = set()  # finished on the prefill engine, KV not parked yet
+        # finished on the prefill engine, KV not parked yet, in the order they finished (a dict, not a set:
+        # hand-offs at one time are delivered in this order, which must not depend on string hashing)
+        self._parking: dict[str, None] = {}
         self._req: dict[str, tuple] = {}  # req_id -> (prompt, params, salt, arrival)
         self.handed_tokens = 0  # prompt tokens whose chunks the producer held at hand-off
         self.handoff_s: list[float] = []  # per request: hand-off time - client arrival
@@ -152,7 +154,7 @@ class PdPair:
             elif kind == "prefill":
                 for rid, _, fin in self.prefill.step():
                     if fin:
-                        self._parking.add(rid)
+                        self._parking[rid] = None
                 self.clock.t = self.prefill.clock.now()
                 self._hand_off()
                 return []
@@ -176,7 +178,7 @@ class PdPair:
         """Requests whose KV the producer's last plan parked go to the decode engine now."""
         now = self.prefill.clock.now()
         for rid in [r for r in self._parking if self.prefill.parked(r)]:
-            self._parking.discard(rid)
+            del self._parking[rid]
             heapq.heappush(self._to_decode, (now, next(self._seq), rid))
 
     def _deliver_decode(self, t: float, _seq: int, rid: str) -> None:

@@ -199,19 +199,12 @@ class ModelRunner:
         if self.k and model.cfg.num_nextn_predict_layers < 1:
             raise ValueError("DeployConfig.speculative_config: the model has no MTP layer to draft with")
         self.verify_width = 1 + self.k if self.k else 0
-        self.verify_mode = self.spec.verify_mode(devices[0].platform) if self.k else None
-        if self.k and deploy.kv_policy == "hisparse" and self.verify_mode == "batched":
-            # one resolver plan per group serves the union of the 1 + k positions' selections: the hot
-            # buffer must hold it (the default (k + 2) x top-k does); "auto" falls back to resolving one
-            # position at a time
-            need = self.verify_width * model.cfg.index_topk
-            if sizes.hot_rows < need:
-                if self.spec.verify == "batched":
-                    raise ValueError(f"speculative_config verify='batched' with kv_policy='hisparse' resolves the "
-                                     f"union of {self.verify_width} positions' selections at once: the hot buffer "
-                                     f"needs >= {self.verify_width} x top-k = {need} rows, got "
-                                     f"hisparse_device_buffer_size={sizes.hot_rows}")
-                self.verify_mode = "sequential"
+        # one resolver plan per group serves the union of the 1 + k positions' selections under batched
+        # verify: the hot buffer must hold it (the default (k + 2) x top-k does), else "auto" resolves one
+        # position at a time
+        self.verify_mode = self.spec.verify_form(
+            devices[0].platform, hisparse=deploy.kv_policy == "hisparse", hot_rows=sizes.hot_rows,
+            index_topk=model.cfg.index_topk) if self.k else None
         self._views: list[HiSparseView | StagingView] = []  # the views a group's forwards returned
         self.rates = rates_array(self.spec, self.k)
         self.compiled_draft_shapes: set[tuple] = set()  # (rows, window) of the MTP layer's one-token passes

@@ -15,7 +15,10 @@ What the simulator does not know (it has no arrays), and assumes instead:
   as the published benchmarks do with ignore_eos);
 - MTP acceptance: only rejection_sample_method="synthetic" (the published MTP3 figures fix the
   acceptance length at 2.99): how many drafts stand each step comes from the configured rates. A
-  verify row is priced as a decode row of 1 + k tokens with the MTP layer over the step's tokens
+  verify row is priced in the form the model runner computes it on the priced hardware's platform
+  (SpeculativeConfig.verify_form: batched on a GPU, sequential on CPU, sequential under HiSparse with
+  a hot buffer too small for the union of 1 + k positions' selections): a decode row of 1 + k tokens,
+  or 1 + k one-token passes (`Deployment.verify`), with the MTP layer over the step's tokens
   (`Deployment.include_mtp`), plus the k - 1 one-token draft passes (`glm53.perfmodel.step.mtp_draft_cost`);
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
@@ -57,15 +60,18 @@ from kvcache.transfer import ResetLease, TierLoad, TierStore
 SIM_DTYPE = "bfloat16"  # what "auto" KV means for a model without weights (the checkpoints' dtype)
 
 
-def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | None = None) -> Deployment:
+def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | None = None,
+               verify: str = "batched") -> Deployment:
     """The performance model's view of one replica of `deploy` (kv_cache_dtype resolved, KVSizes').
-    weight_bytes: bytes per matmul weight (None: the FP8 checkpoint's)."""
+    weight_bytes: bytes per matmul weight (None: the FP8 checkpoint's). verify: the MTP verify form its
+    runner computes (SpeculativeConfig.verify_form)."""
     extra = {} if weight_bytes is None else {"weight_bytes": weight_bytes}
     return Deployment(**extra, tp=deploy.tensor_parallel_size, pcp=deploy.prefill_context_parallel_size,
                       dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
-                      include_mtp=deploy.num_speculative_tokens > 0, hisparse=deploy.kv_policy == "hisparse")
+                      include_mtp=deploy.num_speculative_tokens > 0, hisparse=deploy.kv_policy == "hisparse",
+                      verify=verify)
 
 
 class _Row(typing.NamedTuple):  # what step_cost reads of a plan row
@@ -152,7 +158,11 @@ class SimRunner(SyntheticRunner):
                          {kind: tier_costs(m) for kind, m in storage.items()}, spec=spec)
         self.cfg, self.hw, self.deploy = cfg, hw, deploy
         self.verify_width = 1 + deploy.num_speculative_tokens if spec is not None else 0
-        self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes)
+        # the verify form the model runner computes on hw's platform (batched on a GPU unless HiSparse's
+        # hot buffer cannot hold the union of a step's selections; sequential on CPU)
+        self.verify_mode = spec.verify_form(hw.platform, hisparse=deploy.kv_policy == "hisparse",
+                                            hot_rows=sizes.hot_rows, index_topk=cfg.index_topk) if spec else None
+        self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched")
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0

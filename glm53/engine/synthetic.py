@@ -181,7 +181,9 @@ def _cut(row: PlanRow, n: int) -> PlanRow:
     known = row.num_tokens - row.num_draft_tokens
     ids = np.zeros(n, np.int32)
     ids[: min(n, row.num_tokens)] = row.token_ids[:n]
-    return dataclasses.replace(row, token_ids=ids, num_draft_tokens=0, num_generated=row.num_generated + n - known)
+    # the constructor, not dataclasses.replace: a simulated MTP step cuts every row 1 + 2k times
+    return PlanRow(row.req_id, row.start, ids, row.sample, row.params, row.num_generated + n - known, 0,
+                   row.next_token)
 
 
 # ------------------------------------------------------------------------ a runner that sees KV contents

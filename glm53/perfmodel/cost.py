@@ -52,11 +52,13 @@ class Cost:
     def at_layer(self, layer: int) -> Cost:
         return dataclasses.replace(self, layer=layer)
 
-    def scaled(self, factor: float) -> Cost:
-        """The same work done `factor` times (every count and time multiplied)."""
+    def scaled(self, factor: float, name: str | None = None, layer: int | None = None) -> Cost:
+        """The same work done `factor` times (every count and time multiplied), optionally renamed and
+        re-tagged with `layer`."""
         # the constructor directly (dataclasses.replace costs twice as much; a simulator scales every part
         # of every step)
-        return Cost(self.name, self.kind, self.layer, self.flops * factor, self.useful_flops * factor,
+        return Cost(self.name if name is None else name, self.kind, self.layer if layer is None else layer,
+                    self.flops * factor, self.useful_flops * factor,
                     self.hbm_bytes * factor, self.nvlink_bytes * factor, self.host_bytes * factor,
                     self.compute_s * factor, self.memory_s * factor, self.link_s * factor, self.latency_s * factor,
                     self.time_s * factor)

@@ -22,6 +22,10 @@ PUBLISHED_KV_BUDGET_BYTES_TP8 = 15 * GiB
 class HardwareSpec:
     """One GPU and its links. Peaks are datasheet values; efficiencies are achievable fractions.
 
+    platform: what JAX would call the device ("gpu"; "cpu" for experiments/validate_sim.py's fitted spec):
+    the runner's choices that depend on it (the MTP verify form, SpeculativeConfig.verify_mode) are priced
+    as the runner on that platform makes them.
+
     Peaks (H200 SXM defaults):
       bf16_flops, fp8_flops: dense tensor-core FLOP/s (989e12, 1979e12; the datasheet's larger numbers
         assume 2:4 sparsity). hbm_bandwidth: B/s (4.8e12). hbm_capacity_bytes: 141e9 B.
@@ -82,6 +86,7 @@ class HardwareSpec:
     """
 
     name: str = "H200 SXM"
+    platform: str = "gpu"
     bf16_flops: float = 989e12
     fp8_flops: float = 1979e12
     hbm_bandwidth: float = 4.8e12
@@ -117,7 +122,7 @@ class HardwareSpec:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "dequant_overlap") or v is None and f.default is None:
+            if f.name in ("name", "platform", "dequant_overlap") or v is None and f.default is None:
                 continue
             if f.name.endswith("latency_s"):
                 if not v >= 0:

@@ -226,7 +226,8 @@ def indexer_scores(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, keys_per
         return _kernel(name, hw, flops=flops, hbm_bytes=hbm, dtype="fp8")
     c = _kernel(name, hw, flops=flops, hbm_bytes=hbm, dtype="fp8", efficiency=hw.indexer_efficiency)
     lat = hw.indexer_latency_s
-    return dataclasses.replace(c, latency_s=lat, time_s=c.time_s + lat)
+    return Cost(name, c.kind, c.layer, c.flops, c.useful_flops, c.hbm_bytes, compute_s=c.compute_s,
+                memory_s=c.memory_s, latency_s=lat, time_s=c.time_s + lat)
 
 
 def indexer_topk(cfg: ModelConfig, hw: HardwareSpec, q_tokens: float, keys_per_query: float, *,

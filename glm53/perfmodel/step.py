@@ -171,6 +171,10 @@ class Deployment:
     does when speculative decoding is on: it prefills with the prompt and drafts after each decode).
     hisparse: the HiSparse KV policy is on (vLLM then runs sparse-MLA prefill rows on the bf16 prefill
     kernel: `sparse_prefill_kernel`).
+    verify: how an MTP verify row (1 + k tokens) is computed (glm53.engine.spec_decode, `verify_form`):
+    "batched", one forward over its tokens (the weights read once), or "sequential", its positions as
+    one-token passes of the target model one after another in one program (the MTP layer then runs once
+    over the step's tokens, or per position under HiSparse, which resolves each position's selection).
     """
 
     tp: int = 1
@@ -183,6 +187,7 @@ class Deployment:
     weight_bytes: float = FP8_WEIGHT_BYTES
     include_mtp: bool = False
     hisparse: bool = False
+    verify: str = "batched"
 
     def __post_init__(self):
         if min(self.tp, self.pcp, self.dcp) < 1:
@@ -193,6 +198,8 @@ class Deployment:
             raise ValueError(f"Deployment: dcp={self.dcp} must divide tp x pcp = {self.tp * self.pcp} (or run alone)")
         if self.dcp_backend not in ("ag_rs", "a2a"):
             raise ValueError(f"Deployment.dcp_backend must be 'ag_rs' or 'a2a', got {self.dcp_backend!r}")
+        if self.verify not in ("batched", "sequential"):
+            raise ValueError(f"Deployment.verify must be 'batched' or 'sequential', got {self.verify!r}")
 
     @property
     def gpus(self) -> int:
@@ -264,6 +271,10 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     (what a simulator needs, ~20x cheaper). The rows run as one forward program (hw.forward_latency_s
     once). only_mtp (with include_mtp): the MTP layers alone, as a draft pass runs them (`mtp_draft_cost`).
     """
+    if dep.verify == "sequential" and not only_mtp and any(r.num_draft_tokens for r in plan.rows):
+        return _sequential_verify(cfg, hw, dep, plan, per_layer, dict(d2h_bytes=d2h_bytes, h2d_bytes=h2d_bytes,
+                                                                       host_transfers=host_transfers,
+                                                                       hot_miss_rows=hot_miss_rows))
     # (start, tokens, drafts, samples, prefill) per row: plain tuples, cheap to loop over per layer kind
     rows = [(r.start, r.num_tokens, r.num_draft_tokens, bool(r.sample), r.num_tokens != 1 + r.num_draft_tokens)
             for r in plan.rows if r.num_tokens > 0]
@@ -382,10 +393,38 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             if kind not in by_kind:
                 by_kind[kind] = [c for c in layer_parts(layer) if c.time_s > 0]
             out += [c.at_layer(layer) for c in by_kind[kind]]
-    elif rows:  # each kind's parts once, from its first layer, scaled by its layer count
-        for _, layer, n in _layer_kinds(cfg, dep.include_mtp):
-            if not only_mtp or layer >= cfg.num_hidden_layers:
-                out += [c.scaled(n) for c in layer_parts(layer) if c.time_s > 0]
+    elif rows:
+        # each part once, scaled by the number of layers it runs in: the parts that depend on the step's
+        # token count only, per layer kind (memoized); the rest depend on the rows but not on the layer,
+        # except whether it is a full indexer layer (its keys travel with the KV gathers)
+        kinds = [(kind, layer, n) for kind, layer, n in _layer_kinds(cfg, dep.include_mtp)
+                 if not only_mtp or layer >= cfg.num_hidden_layers]
+        out += _token_parts(cfg, hw, dep, ("layers", tokens, only_mtp), lambda: [
+            c.scaled(n) for _, layer, n in kinds for c in (*head_parts(layer), *mlp_parts(layer)) if c.time_s > 0])
+        n_all = sum(n for *_, n in kinds)
+        n_full = sum(n for kind, _, n in kinds if kind[0] == "full")
+        merged = dec + (pre if sharded_pre else [])
+        if (pcp > 1 and pre_tokens) or (dcp > 1 and pcp > 1):
+            for full in (True, False):  # a layer of each indexer type stands for all of that type
+                layer = next((lay for kind, lay, _ in kinds if (kind[0] == "full") == full), None)
+                if layer is None:
+                    continue
+                n = n_full if full else n_all - n_full
+                if pcp > 1 and pre_tokens:
+                    out.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer, *fmt).scaled(n))
+                if dcp > 1 and pcp > 1:
+                    out += [dcp_context_allgather(cfg, hw, r[0], dcp, layer, *fmt).scaled(n) for r in pre if r[0] > 0]
+        parts = [(c, n_all) for c in mla_parts()]
+        if n_full:
+            parts += [(c, n_full) for c in indexer(merged, dcp)]
+            if not sharded_pre:
+                parts += [(c, n_full) for c in indexer(pre, 1)]
+        if dcp > 1 and merged:
+            q = sum(r[1] for r in merged)
+            if n_full:
+                parts += [(c, n_full) for c in dcp_topk_merge(cfg, hw, q, dcp)]
+            parts += [(c, n_all) for c in dcp_decode_merge(cfg, hw, q, dcp, dcp_heads, backend=dep.dcp_backend)]
+        out += [c.scaled(n) for c, n in parts if c.time_s > 0]
     if rows:
         if hw.forward_latency_s:
             out.append(Cost("forward_launch", latency_s=hw.forward_latency_s, time_s=hw.forward_latency_s))
@@ -394,8 +433,33 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
                                          mla_format=dep.mla_format))
         sampled = sum(1 + r[2] for r in rows if r[3])
         if sampled:
-            out.append(lm_head(cfg, hw, sampled, shards=tp * pcp))
+            out += _token_parts(cfg, hw, dep, ("lm_head", sampled), lambda: [lm_head(cfg, hw, sampled, shards=tp * pcp)])
     return StepCost(tuple(out), per_layer=per_layer)
+
+
+def _sequential_verify(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, per_layer: bool, kw: dict) -> StepCost:
+    """`step_cost` of a step with MTP verify rows under dep.verify == "sequential" (the runner's
+    `verify="sequential"`): the target model's one-token passes over the verify rows' positions one after
+    another (pass j: each verify row's position start + j; the step's other rows join pass 0), their
+    logits at every position; the MTP layer over all the step's tokens at once, or under HiSparse per pass
+    (its selections resolve one position at a time); one forward program (one hw.forward_latency_s), the
+    transfers and HiSparse misses once."""
+    main = _derived(dep, verify="batched", include_mtp=False)
+    verify = [r for r in plan.rows if r.num_draft_tokens and r.num_tokens == 1 + r.num_draft_tokens]
+    others = [r for r in plan.rows if not (r.num_draft_tokens and r.num_tokens == 1 + r.num_draft_tokens)]
+    passes = [[_DraftRow(r.start + j, sample=bool(r.sample)) for r in verify if j <= r.num_draft_tokens]
+              for j in range(1 + max(r.num_draft_tokens for r in verify))]
+    parts: list[Cost] = []
+    for j, rows in enumerate(passes):
+        pass_rows = (*others, *rows) if j == 0 else tuple(rows)
+        cost = step_cost(cfg, hw, main, _DraftPlan(pass_rows), per_layer=per_layer, **(kw if j == 0 else {}))
+        parts += [c for c in cost.parts if j == 0 or c.name != "forward_launch"]
+    if dep.include_mtp:
+        mtp = _derived(dep, verify="batched")
+        for rows in (passes if dep.hisparse else [plan.rows]):
+            cost = step_cost(cfg, hw, mtp, _DraftPlan(tuple(rows)), per_layer=per_layer, only_mtp=True)
+            parts += [c for c in cost.parts if c.name not in ("forward_launch", "lm_head")]
+    return StepCost(tuple(parts), per_layer=per_layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,6 +485,20 @@ def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, contexts
         return StepCost(())
     plan = _DraftPlan(tuple(_DraftRow(max(0, int(c))) for c in contexts))
     # the MTP layers' parts (scaled by their count), the launch and the lm_head of the drafting rows
-    parts = step_cost(cfg, hw, dataclasses.replace(dep, include_mtp=True), plan, only_mtp=True).parts
-    return StepCost(tuple(dataclasses.replace(c.scaled(passes), name="mtp_draft_" + c.name, layer=-1) for c in parts),
-                    per_layer=False)
+    parts = step_cost(cfg, hw, _derived(dep, include_mtp=True), plan, only_mtp=True).parts
+    return StepCost(tuple(c.scaled(passes, "mtp_draft_" + c.name, -1) for c in parts), per_layer=False)
+
+
+_DERIVED: dict[tuple, Deployment] = {}
+
+
+def _derived(dep: Deployment, **changes) -> Deployment:
+    """dataclasses.replace(dep, **changes), one object per (dep, changes): step_cost memoizes by the
+    deployment's identity."""
+    key = (dep, tuple(sorted(changes.items())))
+    out = _DERIVED.get(key)
+    if out is None:
+        if len(_DERIVED) >= 64:
+            _DERIVED.clear()
+        out = _DERIVED[key] = dataclasses.replace(dep, **changes)
+    return out

@@ -52,6 +52,7 @@ that can tell which chunks it deleted (optional methods `log_removals()`, then `
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -77,8 +78,16 @@ def layout_fingerprint(model_cfg: dict, *, group_tokens: dict, page_bytes: dict,
 
 
 def chunk_key(fingerprint: str, group: str, block_hash: bytes) -> bytes:
-    """The 32-byte key of one chunk (one page of `group` ending at the hash block `block_hash`)."""
-    return hashlib.sha256(fingerprint.encode() + b"\0" + group.encode() + b"\0" + block_hash).digest()
+    """The 32-byte key of one chunk (one page of `group` ending at the hash block `block_hash`):
+    SHA-256 of fingerprint, NUL, group, NUL, block hash."""
+    h = _key_prefix(fingerprint, group).copy()  # the prefix hashed once: P/D and tier lookups key every page
+    h.update(block_hash)
+    return h.digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _key_prefix(fingerprint: str, group: str):
+    return hashlib.sha256(fingerprint.encode() + b"\0" + group.encode() + b"\0")
 
 
 def make_tier(spec: dict, fingerprint: str, replica: int = 0) -> SecondaryTier:

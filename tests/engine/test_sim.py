@@ -269,3 +269,44 @@ def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_ro
     before = runner.staged_rows
     runner.execute(verify)
     assert runner.staged_rows == before and runner.hot_miss_rows > 0
+
+
+def test_the_simulator_prices_the_verify_form_the_runner_computes():
+    """speculative_config verify: the simulator prices the form SpeculativeConfig.verify_form gives the
+    runner on the priced hardware's platform. Sequential verify is its 1 + k positions as one-token
+    decode passes of the target, one after another (each pass reading the weights again), checked
+    against plain one-token decode rows; batched is one forward over the 1 + k tokens."""
+    import types
+
+    from glm53.perfmodel.step import Deployment
+
+    cfg, hw = glm53.get_preset("glm-5.3"), H200_CALIBRATED
+
+    def row(start, n, drafts=0):
+        return types.SimpleNamespace(start=start, num_tokens=n, num_draft_tokens=drafts, sample=True)
+
+    verify = types.SimpleNamespace(rows=(row(9_996, 4, 3),) * 8)
+    seq, bat = (step_cost(cfg, hw, Deployment(tp=8, verify=v), verify).time_s() for v in ("sequential", "batched"))
+    passes = sum(step_cost(cfg, hw, Deployment(tp=8), types.SimpleNamespace(rows=(row(9_996 + j, 1),) * 8)).time_s()
+                 for j in range(4))
+    assert seq == pytest.approx(passes, rel=1e-12)
+    assert seq > 2 * bat  # eight rows: each pass re-reads the weights a batched forward reads once
+    with pytest.raises(ValueError, match="verify"):
+        Deployment(verify="auto")
+
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+           "synthetic_acceptance_length": 2.99}
+    cpu = dataclasses.replace(hw, platform="cpu")
+    small = dict(POLICIES["hisparse"], hisparse_device_buffer_size=2 * TINY.index_topk)  # < 4 x top-k rows
+
+    def form(hardware, verify="auto", **extra):
+        d = DeployConfig(**{**BASE, **extra, "speculative_config": dict(mtp, verify=verify)})
+        runner = sim.build_engine(TINY, d, hardware).runner
+        assert runner.dep.verify == runner.verify_mode
+        return runner.verify_mode
+
+    assert form(hw) == "batched" and form(cpu) == "sequential" and form(hw, "sequential") == "sequential"
+    assert form(hw, **POLICIES["hisparse"]) == "batched"  # the default hot buffer holds (3 + 2) x top-k rows
+    assert form(hw, **small) == "sequential"  # "auto" resolves one position at a time, as the runner does
+    with pytest.raises(ValueError, match="hot buffer needs"):
+        form(hw, "batched", **small)

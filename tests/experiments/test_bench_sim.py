@@ -1,16 +1,20 @@
-"""experiments/bench_sim.py on a short window of Part 1: the timed parts of a step (scheduling, update,
-pricing) are disjoint, inside the run's wall time and once per engine step, and the files say what ran."""
+"""experiments/bench_sim.py on a short horizon of Part 1: the timed parts of a step (scheduling, update,
+the runner's execute) are disjoint, inside the run's wall time and once per engine step; a run stops at
+the first step past its horizon; the files say what ran."""
 
 import json
 import time
 
 import pytest
 
-from experiments import bench_sim, serve
+from experiments import bench_sim, workloads
+
+SMALL = ["--figure", "part1", "--config.workload.sessions=2", "--config.workload.turns=2",
+         "--config.workload.scale=0.05", "--config.sweep.concurrency=(2,)"]
 
 
 def test_bench_sim_times_every_part_of_a_step(tmp_path, monkeypatch):
-    calls, runs = [], []  # (start, end, timer) of every timed call; (start, end) of every run
+    calls, runs, clocks = [], [], []  # (start, end, timer) of every timed call; (start, end) of every run
 
     class Recorded(bench_sim._Timed):
         """bench_sim's timer, itself timed from outside: each call's interval contains the timer's."""
@@ -28,20 +32,25 @@ def test_bench_sim_times_every_part_of_a_step(tmp_path, monkeypatch):
 
             setattr(obj, name, outer)
 
-    run_one = serve.run_one
+    run = workloads.ClosedLoopClient.run
 
-    def timed_run(*a, **k):
+    def timed_run(client, on_step=None, **k):
+        def watched(e):
+            clocks.append(e.clock.now())
+            on_step(e)
+
         t0 = time.perf_counter()
         try:
-            return run_one(*a, **k)
+            return run(client, on_step=watched, **k)
         finally:
             runs.append((t0, time.perf_counter()))
 
     monkeypatch.setattr(bench_sim, "_Timed", Recorded)
-    monkeypatch.setattr(serve, "run_one", timed_run)
-    res = bench_sim.main(["--out", str(tmp_path), "--config.workload.sessions=2", "--config.workload.turns=2",
-                          "--config.workload.scale=0.05", "--config.sweep.concurrency=(2,)"])
-    assert [r["kv_policy"] for r in res["runs"]] == ["hisparse", "offload"] and len(runs) == 2
+    monkeypatch.setattr(workloads.ClosedLoopClient, "run", timed_run)
+    horizon = 0.5
+    res = bench_sim.main(["--out", str(tmp_path), "--horizon-s", str(horizon), *SMALL])
+    assert [(r["figure"], r["kv_policy"]) for r in res["runs"]] == [("part1", "hisparse"), ("part1", "offload")]
+    assert len(runs) == 2
     calls.sort()
     for (_, end, _), (start, _, _) in zip(calls, calls[1:]):
         assert end <= start  # no timed call inside another: nothing counted twice
@@ -49,18 +58,24 @@ def test_bench_sim_times_every_part_of_a_step(tmp_path, monkeypatch):
     assert sum(1 for c in calls for w0, w1 in runs if w0 <= c[0] and c[1] <= w1) == len(calls)
     for r, (w0, w1) in zip(res["runs"], runs):
         mine = [c for c in calls if w0 <= c[0] and c[1] <= w1]
-        assert w1 - w0 <= r["wall_s"]
-        # one schedule, one update and one execute per engine step; each timer's total is what the timer saw
+        assert w1 - w0 <= r["wall_s"] and 0 < r["cpu_s"]
+        # one schedule, one update and one execute per engine step (one replica); each timer's total is
+        # what the timer saw
         for key in ("schedule", "update", "price"):
             spans = [e - s for s, e, k in mine if k == f"{key}_s"]
             assert len(spans) == r["engine_steps"], key
             assert 0 < r[f"{key}_ms_per_step"] * r["engine_steps"] / 1e3 <= sum(spans)
         parts = sum(r[f"{k}_ms_per_step"] for k in ("schedule", "update", "price", "other"))
         assert parts * r["engine_steps"] / 1e3 == pytest.approx(r["wall_s"])
-        assert r["other_ms_per_step"] > 0
+        # the run stopped at the first step that passed the horizon
+        assert r["full_hour"] and r["simulated_s"] >= horizon
+        assert r["wall_s_per_simulated_hour"] == pytest.approx(r["wall_s"] / r["simulated_s"] * 3600)
+    seen = [t for t in clocks if t >= horizon]
+    assert len(seen) == 2 and all(t < horizon for t in clocks if t not in seen)
     assert json.loads((tmp_path / "results.json").read_text())["runs"] == res["runs"]
     table = (tmp_path / "table.md").read_text().splitlines()
-    for r in res["runs"]:  # the table's row of each run: policy, concurrency, steps
-        assert any(line.startswith(f"| {r['kv_policy']} | 2 | {r['engine_steps']} |") for line in table)
-    with pytest.raises(ValueError, match="simulated"):
-        bench_sim.main(["--config", str(serve.REPO / "configs/smoke.py"), "--out", str(tmp_path)])
+    for r in res["runs"]:  # the table's row of each run: figure, policy, concurrency, steps
+        assert any(line.startswith(f"| part1 | {r['kv_policy']} | 2 | {r['engine_steps']} |") for line in table)
+    # a workload that ends before the horizon says so
+    short = bench_sim.main(["--out", str(tmp_path), "--horizon-s", "1e9", *SMALL, "--config.sweep.kv_policy=('offload',)"])
+    assert [r["full_hour"] for r in short["runs"]] == [False]

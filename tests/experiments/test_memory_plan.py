@@ -154,3 +154,37 @@ def test_committed_plan_is_what_the_code_gives(tmp_path):
     assert set(got) == set(want)
     for key in sorted(set(want) - meta):
         assert got[key] == want[key], f"results/memory_plan/results.json[{key!r}] is stale: rerun experiments.memory_plan"
+
+
+def test_published_deployments_are_described_once():
+    """experiments.deployments is the one description of each published deployment: a planned one's KV
+    budget is its memory-plan pool, a baseline that differs only in its KV policy shares its plan row
+    (less HiSparse's resolver state), and the Part 1 / Part 2 configs build their engines from the
+    descriptions with those budgets (no pool size copied)."""
+    from experiments import deployments as D
+    from experiments.common import load_config
+
+    res = json.loads((REPO / "results/memory_plan/results.json").read_text())
+    for r in res["deployments"]:
+        dep = D.published(r["name"], max_model_len=r["max_model_len"], max_num_batched_tokens=r["max_num_batched_tokens"])
+        assert D.kv_budget(dep) == r["kv_pool_bytes_per_gpu"]
+    hs = D.plan_row("dp8_ep8_decode", 142_000, D.PART2_BATCHED_TOKENS)
+    off = D.published("dp8_ep8_offload_decode", max_model_len=142_000, max_num_batched_tokens=D.PART2_BATCHED_TOKENS)
+    assert D.kv_budget(off) == hs["kv_pool_bytes_per_gpu"] + hs["hisparse_state_bytes_per_gpu"]
+    for path, limit in (("configs/paper/part2.py", 142_000), ("configs/paper/part2_1m.py", 1_048_576)):
+        pairs = load_config(str(REPO / path)).pd.deployments
+        for pair in pairs:
+            for side, name in zip(("prefill", "decode"), D.PART2_PAIRS[pair]):
+                got = pairs[pair][side].to_dict()
+                # part2_1m re-splits the HiSparse decode ranks' host memory (a 1M request's MLA pages)
+                own = {k: v for k, v in D.fields(name).items() if limit == 142_000 or not k.endswith("_bytes")}
+                assert {k: got[k] for k in own} == own
+                dep = D.published(name, max_model_len=limit, max_num_batched_tokens=D.PART2_BATCHED_TOKENS)
+                assert got["kv_cache_memory_bytes"] == D.kv_budget(dep)
+    part1 = load_config(str(REPO / "configs/paper/part1.py"))
+    for name in ("tp8_hisparse", "tp8_offload"):
+        own = D.fields(name)
+        assert part1.deploy.tensor_parallel_size == own.pop("tensor_parallel_size")
+        assert part1.policy_deploy[own.pop("kv_policy")].to_dict() == own
+    with pytest.raises(ValueError, match="unknown published deployment"):
+        D.fields("tp16")

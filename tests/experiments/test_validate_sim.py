@@ -28,3 +28,38 @@ def test_the_fit_recovers_the_spec_that_priced_the_forwards():
     assert f["forward_latency_s"] == pytest.approx(4e-3, rel=1e-6)
     assert (f["step_overhead_s"], f["host_overlap_s"]) == pytest.approx((5e-4, 1.5e-3), rel=1e-6)
     assert f["forward_abs_rel_error_mean"] < 1e-6 and f["shapes"] == len(shapes)
+
+
+def _point(role, errors, equal=True):
+    return {"role": role, "rel_error": dict(zip(vs.METRICS, errors)), "counts_equal": equal}
+
+
+def test_summary_is_the_mean_absolute_error_of_the_held_out_points():
+    points = [_point("fit", (0.9, 0.9, 0.9, 0.0)),  # in-sample: not in the mape
+              _point("held out", (-0.1, 0.2, 0.05, 0.0)), _point("held out", (0.3, -0.4, -0.15, 0.0))]
+    got = vs.summary(points)
+    assert got["mape"] == pytest.approx({"ttft_median_s": 0.2, "tpot_mean_s": 0.3, "throughput_tok_s_per_device": 0.1})
+    assert got["counts_equal"]
+    assert not vs.summary(points + [_point("fit", (0, 0, 0, 0), equal=False)])["counts_equal"]
+
+
+def test_the_committed_validation_is_within_25_percent_with_equal_counts():
+    """results/validate_sim: the simulator against real laptop runs. Its mape and counts_equal are what
+    `summary` gives its points, the MAPE of each metric at most 0.25 and every count equal."""
+    import json
+
+    res = json.loads((vs.serve.REPO / "results/validate_sim/results.json").read_text())
+    assert {k: res[k] for k in ("mape", "counts_equal")} == vs.summary(res["points"])
+    assert res["counts_equal"], [p for p in res["points"] if not p["counts_equal"]]
+    assert all(v <= 0.25 for v in res["mape"].values()), res["mape"]
+
+
+def test_every_held_out_config_loads():
+    from experiments.common import load_config
+
+    for name, path, overrides in vs.HELD_OUT:
+        cfg = load_config(path, list(overrides), default=vs.serve.default_config)
+        for policy in cfg.sweep.kv_policy:
+            d = vs.serve._deploy(cfg, policy, "unused")
+            if name.startswith("mtp3_"):
+                assert d.speculative.verify == name.split("_")[1]
