@@ -32,7 +32,7 @@ from experiments.common import with_fast_compile
 
 DEVICES = 16
 # It bounds a hung subprocess, not a slow one: the subprocess runs every multidevice test of the session
-# (about 12 minutes alone at 2026-12-05), and a busy 2-core machine stretches that up to 1.6x.
+# (docs/testing.md has its time), and a busy 2-core machine stretches that up to 1.6x.
 CHILD_TIMEOUT_S = 2400
 ENV_CHILD = "PARALLEL_TESTS_SUBPROCESS"
 ENV_REPORT = "PARALLEL_TESTS_REPORT"
