@@ -52,7 +52,7 @@ ONE_WORKER_ENV = "GLM53_MULTIDEVICE_ONE_WORKER"
 
 def pytest_addoption(parser):
     parser.addoption("--write-durations", action="store_true",
-                     help=f"write each test file's seconds (setup + call + teardown) to {DURATIONS.relative_to(REPO)}")
+                     help=f"write each test file's seconds (setup + call + teardown) into {DURATIONS.relative_to(REPO)}")
 
 
 def pytest_configure(config):
@@ -113,9 +113,15 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
+    # the files this run measured replace their entries; the other files keep theirs
     if not _WORKER and session.config.getoption("--write-durations") and _file_seconds:
-        DURATIONS.write_text(json.dumps({f: round(s, 1) for f, s in sorted(_file_seconds.items(),
-                                                                            key=lambda x: -x[1])}, indent=0) + "\n")
+        try:
+            seconds = json.loads(DURATIONS.read_text())
+        except FileNotFoundError:
+            seconds = {}
+        seconds.update({f: round(s, 1) for f, s in _file_seconds.items()})
+        DURATIONS.write_text(json.dumps(dict(sorted(seconds.items(), key=lambda x: -x[1])), indent=0) + "\n")
+
 
 @pytest.fixture(autouse=True)
 def _bounded_memory_maps():
