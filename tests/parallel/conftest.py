@@ -6,9 +6,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=16 (meshes of 1, 2, 4, 8 and 16
 those 16): the first such test in a session starts the subprocess for every multidevice test selected in
 this session (under pytest-xdist's loadfile, the README's, in the one worker that runs tests/parallel,
 one unit of work there (tests/conftest.py); under other modes, one subprocess per test file, in the worker
-that runs the file),
-and each test then reports the outcome (and failure text) its twin had there. Where this
-process already has >= 16 devices, the tests run here directly:
+that runs the file), and each test then reports the outcome (and failure text) its twin had there. Where
+this process already has >= 16 devices, the tests run here directly:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=16 python -m pytest -q tests/parallel
 
