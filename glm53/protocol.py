@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glm53.engine.request import SEED_RANGE
+from glm53.engine.request import SEED_RANGE, is_utf8
 
 # request bodies above this are a 413 (a 1M-token prompt as token ids is ~8 MB of JSON)
 MAX_REQUEST_BYTES = 64 << 20
@@ -264,40 +264,38 @@ def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """The fields every completion and chat response and chunk starts with, in OpenAI's order (`object`
+    narrowed by each)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_drop_none)
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
+class CompletionStreamResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = Field(default=None, exclude_if=_drop_none)
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
     kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_drop_none)
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = Field(default=None, exclude_if=_drop_none)
 
@@ -364,17 +362,9 @@ def parse_body(raw: bytes) -> dict:
         raise HTTPError(400, "the request body must be a JSON object")
     for key, value in data.items():
         if (problem := _unencodable(key) or _unencodable(value)) is not None:
-            field = key if _utf8(key) else None  # an error body must itself be UTF-8
+            field = key if is_utf8(key) else None  # an error body must itself be UTF-8
             raise HTTPError(400, f"{field or 'a field name'}: {problem}", field)
     return data
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _unencodable(value) -> str | None:
@@ -384,7 +374,7 @@ def _unencodable(value) -> str | None:
     while todo:
         v = todo.pop()
         if isinstance(v, str):
-            if not _utf8(v):
+            if not is_utf8(v):
                 return "a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
         elif isinstance(v, float):
             if not math.isfinite(v):

@@ -48,7 +48,7 @@ from glm53.config import ModelConfig
 from glm53.engine.config import GROUPS, PD_TIER, DeployConfig, KVSizes, device_memory_bytes
 from glm53.engine.metrics import cp_work_metrics, summarize
 from glm53.engine.plan import Clock, Runner, WallClock
-from glm53.engine.request import Request, RequestError, RequestOutput, SamplingParams
+from glm53.engine.request import Request, RequestError, RequestOutput, SamplingParams, is_utf8
 from glm53.engine.runner import ModelRunner
 from glm53.engine.scheduler import BLOCK_USES, Scheduler, SchedulerStats
 from glm53.engine.spec_decode import SpecDecodeStats
@@ -345,7 +345,7 @@ class Engine:
             raise RequestError("max_new_tokens", f"prompt of {ids.size} tokens + max_new_tokens="
                                                  f"{params.max_new_tokens} = {total} exceeds max_model_len="
                                                  f"{self.deploy.max_model_len}")
-        if not isinstance(salt, str) or not _utf8(salt):
+        if not isinstance(salt, str) or not is_utf8(salt):
             raise RequestError("salt", f"the salt must be text UTF-8 can encode (no lone surrogates), got {salt!r}")
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests or req_id in self.finished:
@@ -666,14 +666,6 @@ class Engine:
             looked_up = out["hot_hits"] + out["hot_misses"]
             out["hot_hit_rate"] = out["hot_hits"] / looked_up if looked_up else float("nan")
         return out
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class StepError(RuntimeError):

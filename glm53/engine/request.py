@@ -12,6 +12,16 @@ import numpy as np
 SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64, as OpenAI's and vLLM's APIs take them: [lo, hi)
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (a lone surrogate from JSON's \\ud800 escapes does not): what a
+    request's strings must be before they reach a tokenizer, a hash or an error body."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class RequestError(ValueError):
     """A request the engine refuses. field: the engine's name of what is wrong (a SamplingParams field,
     "prompt_ids", "salt", "kv_peer"), so a server can name its own field for it without reading the
