@@ -511,8 +511,17 @@ def first(tiny_model, reference):
     prompts, want = reference
     eng = Engine(tiny_model, DeployConfig(**BASE, kv_transfer_config=_ktc(_p2p())))
     assert [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)] == want
+    # the last pages' stores are still on the peer tier's thread when generate returns (a loaded machine
+    # showed 34 of 36): the tests below read what A holds once they have landed
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and first_stored(eng) < eng.metrics()["kv_offload"]["cpu"]["stored_pages"]:
+        time.sleep(0.05)
     yield eng
     eng.shutdown()
+
+
+def first_stored(eng) -> int:
+    return eng.metrics()["kv_offload"]["p2p"]["stored_chunks"]
 
 
 def test_a_second_engine_fetches_every_full_page_from_the_first(tiny_model, reference, first):
