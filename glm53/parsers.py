@@ -40,10 +40,9 @@ CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
 
-_PAIR = re.compile(re.escape(KEY_START) + r"(.*?)" + re.escape(KEY_END) + r"\s*" + re.escape(VALUE_START) + r"(.*?)"
-                   + re.escape(VALUE_END), re.DOTALL)
-_OPEN_PAIR = re.compile(re.escape(KEY_START) + r"(.*?)" + re.escape(KEY_END) + r"\s*" + re.escape(VALUE_START)
-                        + r"(.*)\Z", re.DOTALL)
+_KEY = re.escape(KEY_START) + r"((?:(?!" + re.escape(KEY_END) + r").)*?)" + re.escape(KEY_END)  # one key: no </arg_key>
+_PAIR = re.compile(_KEY + r"\s*" + re.escape(VALUE_START) + r"(.*?)" + re.escape(VALUE_END), re.DOTALL)
+_OPEN_PAIR = re.compile(_KEY + r"\s*" + re.escape(VALUE_START) + r"(.*)\Z", re.DOTALL)
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -177,6 +176,8 @@ class ToolCallStream:
             if not complete:
                 inner = inner[:len(inner) - _partial_tag(inner, CALL_END)]
             name, args = self.parser.region(inner, complete)
+            if end < 0 and final and self.parser.region(inner, False)[0] is None:
+                name = None  # left open before its name ended: not a call
             stop = end + len(CALL_END) if end >= 0 else len(self.text)
             if name is None:
                 if not complete:
