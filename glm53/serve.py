@@ -721,12 +721,17 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
     def event(model: BaseModel) -> str:
         return f"data: {json.dumps(model.model_dump())}\n\n"
 
-    def chunk(c: _Choice, text: str, tok: int | None = None, reason: str | None = None, why=None) -> str:
+    def chunk(c: _Choice, text: str, tok: int | None = None, reason: str | None = None, why=None) -> str | None:
+        """None: a chat chunk that would carry nothing (its text is held back by a parser, say), as vLLM
+        skips those; with return_token_ids every token has its chunk."""
         ids = [tok] if body.return_token_ids and tok is not None else None
         if chat:
+            delta = _delta(c.chat, text, reason is not None)
+            if reason is None and ids is None and not delta.model_dump():
+                return None
             return event(ChatCompletionStreamResponse(id=rid, model=st.served_model_name, choices=[ChatChunkChoice(
-                index=c.index, delta=_delta(c.chat, text, reason is not None),
-                finish_reason=c.finish_reason() if reason is not None else None, stop_reason=why, token_ids=ids)]))
+                index=c.index, delta=delta, finish_reason=c.finish_reason() if reason is not None else None,
+                stop_reason=why, token_ids=ids)]))
         return event(CompletionStreamResponse(id=rid, model=st.served_model_name, choices=[CompletionChoice(
             index=c.index, text=text, finish_reason=reason, stop_reason=why, token_ids=ids)]))
 
@@ -747,8 +752,8 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
                 live.discard(c.index)
                 ended = c.handle.ended
                 yield chunk(c, text + ended.text, tok, ended.finish_reason, c.stop_reason(body))
-            else:
-                yield chunk(c, text, tok)
+            elif (out := chunk(c, text, tok)) is not None:
+                yield out
         if body.stream_options is not None and body.stream_options.include_usage:
             kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
             yield event(kind(id=rid, model=st.served_model_name, choices=[], usage=_usage(choices)))
