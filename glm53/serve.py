@@ -27,8 +27,11 @@ Endpoints (request and response bodies: glm53.protocol, vLLM's models):
   server-sent events, one chunk per token, `data: [DONE]` last (`stream_options.include_usage` adds a
   usage chunk). `usage.prompt_tokens_details.cached_tokens` counts prompt tokens served from a cache.
   A checkpoint's EOS ends generation unless `ignore_eos`; presets have none.
-- POST /v1/chat/completions: when the checkpoint ships a chat template (rendered with jinja2 as HF
-  does; text content parts are joined); otherwise 400.
+- POST /v1/chat/completions: the messages under the chat template (--chat-template PATH, else the
+  checkpoint's own, else the preset's glm53/templates/<preset>.jinja; rendered with jinja2 as HF does,
+  text content parts joined; `chat_template_kwargs` reach it); `tools` and `tool_choice` as vLLM takes
+  them, the output's calls parsed into `tool_calls` by --tool-call-parser (glm45, glm47) and its
+  `<think>` into `reasoning_content` by --reasoning-parser (glm45), streamed too (glm53.parsers).
 - GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version (vLLM's schemas),
   GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names), POST /reset_prefix_cache (vLLM's
   development endpoint: forget every cached prefix, between benchmark runs).
