@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["glm53", "glm53.*", "attention", "attention.*", "kvcache", "kvcache.*",
                                     "parallel", "parallel.*"]),
-    package_data={"glm53.perfmodel": ["published.json"]},  # the cited measurements the model is calibrated on
+    package_data={"glm53.perfmodel": ["published.json"],  # the cited measurements the model is calibrated on
+                  "glm53": ["templates/*.jinja"]},  # the presets' chat templates
     install_requires=[
         "jax==0.11.2",  # the lent H200 image runs 0.11.2: CPU and GPU run the same JAX
         "flax>=0.12.12,<0.13",

@@ -95,9 +95,8 @@ _UNAPPLIED_COMMON = {
 UNAPPLIED = {
     "completion": {**_UNAPPLIED_COMMON, "logprobs": _neutral(), "suffix": _neutral("")},
     "chat": {**_UNAPPLIED_COMMON, "logprobs": _neutral(False), "top_logprobs": _neutral(0),
-             "tools": _neutral([]), "tool_choice": _neutral("none"), "functions": _neutral([]),
-             "function_call": _neutral("none"), "continue_final_message": _neutral(False),
-             "chat_template": _neutral(), "chat_template_kwargs": _neutral({}), "documents": _neutral([]),
+             "functions": _neutral([]), "function_call": _neutral("none"), "parallel_tool_calls": _neutral(True),
+             "continue_final_message": _neutral(False), "chat_template": _neutral(), "documents": _neutral([]),
              "audio": _neutral(), "modalities": _neutral(["text"]), "prediction": _neutral(),
              "web_search_options": _neutral(), "reasoning_effort": _neutral()},
 }
@@ -155,14 +154,50 @@ class CompletionRequest(GenerationRequest):
     add_special_tokens: bool = True
 
 
+# the template's own inputs, which chat_template_kwargs may not replace
+TEMPLATE_INPUTS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _template_kwargs(v: dict | None) -> dict | None:
+    if v is not None and (clash := [k for k in TEMPLATE_INPUTS if k in v]):
+        raise ValueError(f"sets the template's own inputs {clash}; give them as request fields")
+    return v
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; its properties' "type" tells the parser strings
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationRequest):
-    """POST /v1/chat/completions: the messages rendered with the checkpoint's chat template."""
+    """POST /v1/chat/completions: the messages rendered with the model's chat template. tools and
+    tool_choice as vLLM takes them (glm53.serve checks them against its --enable-auto-tool-choice and
+    --tool-call-parser); chat_template_kwargs: the template's variables (enable_thinking: false turns
+    GLM-5.3's thinking off)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(default=None, ge=1)
     max_completion_tokens: Int | None = Field(default=None, ge=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
 
 
 class TextPart(OpenAIBaseModel):
@@ -170,14 +205,41 @@ class TextPart(OpenAIBaseModel):
     text: str
 
 
+def _json_object(v: str | dict) -> dict:
+    """A tool call's arguments: OpenAI sends a JSON object as a string; templates read the object."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError:
+            raise ValueError("a tool call's arguments must be a JSON object") from None
+    if not isinstance(v, dict):
+        raise ValueError("a tool call's arguments must be a JSON object")
+    return v
+
+
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: Annotated[str | dict, AfterValidator(_json_object)] = Field(default_factory=dict)
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     """One message. content: a text or a list of text parts (joined with newlines for the template, as
-    vLLM's "string" content format does); other part types (images, audio) are not served. Other keys
-    (name, tool_calls, ...) reach the template as they are."""
+    vLLM's "string" content format does); other part types (images, audio) are not served. An assistant
+    message's tool_calls reach the template with their arguments as objects (OpenAI sends JSON strings);
+    other keys (name, tool_call_id, reasoning_content, ...) reach it as they are."""
 
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
     def for_template(self) -> dict:
         out = self.model_dump(exclude_none=False)
@@ -199,6 +261,8 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
 class TokenizeChatRequest(OpenAIBaseModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatCompletionToolsParam] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
@@ -231,9 +295,22 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_drop_none)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(default=None, exclude_if=_drop_none)  # --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -246,9 +323,25 @@ class ChatChoice(BaseModel):
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_drop_none)
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Field(default=None, exclude_if=_drop_none)
+    arguments: str | None = Field(default=None, exclude_if=_drop_none)
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of tool call `index`: the first carries its id, type and name, the rest pieces of arguments."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_drop_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_drop_none)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_drop_none)
     content: str | None = Field(default=None, exclude_if=_drop_none)
+    reasoning_content: str | None = Field(default=None, exclude_if=_drop_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_drop_none)
 
 
 class ChatChunkChoice(BaseModel):

@@ -457,7 +457,8 @@ async def _tokenize(st: RouterState, body: dict, chat: bool, headers: dict) -> t
     """A decode server's /tokenize of the request's prompt (its messages, for a chat) -> (status, JSON)."""
     if chat:
         req = {"messages": body.get("messages"), "add_generation_prompt": body.get("add_generation_prompt", True),
-               "add_special_tokens": body.get("add_special_tokens", False)}
+               "add_special_tokens": body.get("add_special_tokens", False), "tools": body.get("tools"),
+               "chat_template_kwargs": body.get("chat_template_kwargs")}
     else:
         req = {"prompt": body.get("prompt"), "add_special_tokens": body.get("add_special_tokens", True)}
     _, status, answer = await _post(st, st.dec, "/tokenize", req, None, headers=headers)

@@ -27,8 +27,11 @@ Endpoints (request and response bodies: glm53.protocol, vLLM's models):
   server-sent events, one chunk per token, `data: [DONE]` last (`stream_options.include_usage` adds a
   usage chunk). `usage.prompt_tokens_details.cached_tokens` counts prompt tokens served from a cache.
   A checkpoint's EOS ends generation unless `ignore_eos`; presets have none.
-- POST /v1/chat/completions: when the checkpoint ships a chat template (rendered with jinja2 as HF
-  does; text content parts are joined); otherwise 400.
+- POST /v1/chat/completions: the messages under the chat template (--chat-template PATH, else the
+  checkpoint's own, else the preset's glm53/templates/<preset>.jinja; rendered with jinja2 as HF does,
+  text content parts joined; `chat_template_kwargs` reach it); `tools` and `tool_choice` as vLLM takes
+  them, the output's calls parsed into `tool_calls` by --tool-call-parser (glm45, glm47) and its
+  `<think>` into `reasoning_content` by --reasoning-parser (glm45), streamed too (glm53.parsers).
 - GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version (vLLM's schemas),
   GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names), POST /reset_prefix_cache (vLLM's
   development endpoint: forget every cached prefix, between benchmark runs).
@@ -74,6 +77,9 @@ from glm53.protocol import (
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     ChatMessageOut,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -87,6 +93,7 @@ from glm53.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    ToolCall,
     UsageInfo,
     VersionResponse,
     error_response,
@@ -96,6 +103,7 @@ from glm53.protocol import (
     send_error,
     unapplied_field,
 )
+from glm53.parsers import REASONING_PARSERS, THINK_START, TOOL_PARSERS, ChatOutput
 from glm53.tokenizer import TextStream, render_chat
 
 # a P/D producer answers once the prompt's pages are in its peer tier, or after this many seconds with
@@ -106,7 +114,7 @@ GREEDY_BELOW = 1e-5
 
 # ------------------------------------------------------------------------------------------- flags
 _RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "quantization", "shutdown_timeout",
-             "warmup", "api_key"}
+             "warmup", "api_key", "chat_template", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"}
 
 
 def _flag_type(annotation: str):
@@ -137,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "/reset_prefix_cache (default: $VLLM_API_KEY; unset: no key)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
                     help="seconds running requests may finish after SIGTERM before they are aborted")
+    ap.add_argument("--chat-template", default=None, metavar="PATH",
+                    help="a jinja2 chat template file for /v1/chat/completions (default: the checkpoint's own, else "
+                         "the preset's glm53/templates/<preset>.jinja, GLM-5.3's conversation format)")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='let the model decide when to call the request\'s tools (tool_choice "auto", the default when '
+                         "tools are given); needs --tool-call-parser")
+    ap.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                    help="turn the model's tool-call text into `tool_calls` (glm45 and glm47: GLM-4.5's family, "
+                         "glm53.parsers); needed by every tool_choice but none")
+    ap.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                    help="split the model's <think>...</think> into `reasoning_content` (glm45)")
     ap.add_argument("--warmup", action="store_true",
                     help="compile every bucket shape before serving (as vLLM captures its CUDA graphs at start), so "
                          "no request waits for a compilation; minutes on CPU with large limits")
@@ -201,12 +220,16 @@ class ApiKey:
 # -------------------------------------------------------------------------------------------- state
 @dataclasses.dataclass
 class ServerState:
-    """What the handlers share (app.state.server): the engine, its tokenizer and the served name."""
+    """What the handlers share (app.state.server): the engine, its tokenizer, the served name and the chat
+    output's parsers (names in glm53.parsers' TOOL_PARSERS / REASONING_PARSERS, or None)."""
 
     engine: Any  # glm53.engine.async_engine.AsyncEngine, started
     tokenizer: Any
     served_model_name: str
     metrics: Any = None  # glm53.engine.prometheus.ServingMetrics
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    reasoning_parser: str | None = None
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -304,7 +327,8 @@ async def tokenize(raw: Request):
     body = await _parse(raw, TokenizeChatRequest if is_chat else TokenizeCompletionRequest, data=data)
     st.check_model(body.model)
     if is_chat:
-        ids = await _encode(st, await _render(st, body.messages, body.add_generation_prompt), body.add_special_tokens)
+        text = await _render(st, body.messages, body.add_generation_prompt, body.tools, body.chat_template_kwargs)
+        ids = await _encode(st, text, body.add_special_tokens)
     else:
         ids = await _encode(st, body.prompt, body.add_special_tokens)
     strs = st.tokenizer.token_strs(ids) if body.return_token_strs else None
@@ -334,11 +358,53 @@ async def chat_completions(raw: Request):
     st = _state(raw)
     body = await _parse(raw, ChatCompletionRequest, "chat")
     st.check_model(body.model)
-    prompt = await _encode(st, await _render(st, body.messages, body.add_generation_prompt), body.add_special_tokens)
+    tools, parser, force = _tool_choice(st, body)
+    text = await _render(st, body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+    forced = ""
+    if force is not None:
+        suffix, forced = parser.forced(text, force or None)
+        text += suffix
+    prompt = await _encode(st, text, body.add_special_tokens)
     if not prompt or len(prompt) >= st.deploy.max_model_len:
         raise HTTPError(400, f"the rendered chat has {len(prompt)} tokens; it must have 1 to "
                              f"max_model_len - 1 = {st.deploy.max_model_len - 1}", "messages")
-    return await _generate(st, raw, body, [prompt], body.max_completion_tokens or body.max_tokens, chat=True)
+    think_open = text.endswith(THINK_START) if st.reasoning_parser else None
+    return await _generate(st, raw, body, [prompt], body.max_completion_tokens or body.max_tokens, chat=True,
+                           output=lambda: ChatOutput(think_open, parser, forced))
+
+
+def _tool_choice(st: ServerState, body: ChatCompletionRequest):
+    """The request's tools for the template, the parser of the output's calls (None: the output is content)
+    and the call the prompt forces (None: none; "": some call, tool_choice "required"; else that function's),
+    by vLLM's rules: tool_choice defaults to "auto" with tools, "none" without; "auto" needs
+    --enable-auto-tool-choice, "required" and a named function --tool-call-parser (this server has no guided
+    decoding: the prompt ends inside the call's opening tag instead, so the model can only continue it)."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise HTTPError(400, f"tool_choice {_choice_name(choice)} needs `tools`", "tool_choice")
+    if choice == "none":
+        return tools, None, None
+    parser = TOOL_PARSERS[st.tool_call_parser](tools) if st.tool_call_parser else None
+    if choice == "auto":
+        if not st.enable_auto_tool_choice or parser is None:
+            raise HTTPError(400, 'tool_choice "auto" (the default when tools are given) needs the server started with '
+                                 "--enable-auto-tool-choice and --tool-call-parser",
+                            "tool_choice" if body.tool_choice is not None else "tools")
+        return tools, parser, None
+    if parser is None:
+        raise HTTPError(400, f"tool_choice {_choice_name(choice)} needs the server started with --tool-call-parser",
+                        "tool_choice")
+    if choice == "required":
+        return tools, parser, ""
+    if choice.function.name not in {t["function"]["name"] for t in tools}:
+        raise HTTPError(400, f"tool_choice names the function {choice.function.name!r}, which is not among `tools`",
+                        "tool_choice")
+    return tools, parser, choice.function.name
+
+
+def _choice_name(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 # -------------------------------------------------------------------------------- generation: helpers
@@ -373,15 +439,19 @@ async def _encode(st: ServerState, text: str, add_special_tokens: bool) -> list[
     return await _off_loop(len(text), st.tokenizer.encode, text, add_special_tokens)
 
 
-async def _render(st: ServerState, messages, add_generation_prompt: bool) -> str:
-    """The chat's prompt text under the checkpoint's template (400 naming messages without a template or
-    when the template fails on them)."""
+async def _render(st: ServerState, messages, add_generation_prompt: bool, tools: list | None = None,
+                  kwargs: dict | None = None) -> str:
+    """The chat's prompt text under the model's template, with the request's tools and
+    chat_template_kwargs (400 naming messages without a template or when the template fails on them)."""
     if not st.tokenizer.chat_template:
         raise HTTPError(400, "this model has no chat template: use /v1/completions", "messages")
+    if tools and isinstance(tools[0], BaseModel):
+        tools = [t.model_dump(exclude_none=True) for t in tools]
     msgs = [m.for_template() for m in messages]
     size = sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
     try:
-        return await _off_loop(size, render_chat, st.tokenizer, msgs, add_generation_prompt)
+        return await _off_loop(size, lambda: render_chat(st.tokenizer, msgs, add_generation_prompt, tools,
+                                                         **(kwargs or {})))
     except Exception as e:  # noqa: BLE001 - a template error is the request's messages' fault
         raise HTTPError(400, f"the chat template failed on these messages: {e}", "messages") from None
 
@@ -452,8 +522,14 @@ class _Choice:
     prompt: list[int]
     handle: Any  # glm53.engine.async_engine.RequestHandle
     text: TextStream
+    chat: ChatOutput | None = None  # a chat's reasoning and tool calls, parsed as the text arrives
     tokens: list[int] = dataclasses.field(default_factory=list)
     out: str = ""
+
+    def finish_reason(self) -> str:
+        """vLLM's: a chat that stopped after calling tools finished "tool_calls"."""
+        reason = self.handle.ended.finish_reason
+        return "tool_calls" if reason == "stop" and self.chat is not None and self.chat.calls else reason
 
     def stop_reason(self, body) -> int | str | None:
         """vLLM's stop_reason: the stop string or stop token id that ended it; None for EOS and length."""
@@ -465,8 +541,8 @@ class _Choice:
         return last if last in (body.stop_token_ids or ()) else None
 
 
-async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: int | None, kv_peer, kv_lease
-                 ) -> list[_Choice]:
+async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: int | None, kv_peer, kv_lease,
+                 output=None) -> list[_Choice]:
     choices: list[_Choice] = []
     try:
         for i, ids in enumerate(prompts):
@@ -475,7 +551,7 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
             text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
             handle = await st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer,
                                          kv_lease=kv_lease, text=text)
-            choices.append(_Choice(i, ids, handle, text))
+            choices.append(_Choice(i, ids, handle, text, output() if output is not None else None))
     except BaseException as e:
         for c in choices:
             st.engine.abort_nowait(c.handle.req_id)
@@ -567,9 +643,10 @@ async def _produced(st: ServerState, req_id: str) -> dict:
 
 # --------------------------------------------------------------------------------- generation: answers
 async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]], max_tokens: int | None,
-                    chat: bool):
+                    chat: bool, output=None):
+    """output: makes each chat choice's ChatOutput (its parsers)."""
     produce, kv_peer, kv_lease = _pd_leg(st, body, prompts)
-    choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease)
+    choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease, output)
     rid = new_id(chat)
     if body.stream:
         return StreamingResponse(_stream(st, raw, body, choices, rid, chat), media_type="text/event-stream")
@@ -578,19 +655,35 @@ async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]
     failed = [c for c in choices if c.handle.ended.finish_reason == "error"]
     if failed:
         raise HTTPError(500, f"the engine failed while running this request: {failed[0].handle.ended.error}")
-    reasons = [(c.handle.ended.finish_reason, c.stop_reason(body)) for c in choices]
     ids = {"token_ids": None, "prompt_token_ids": None}
     if chat:
+        for c in choices:
+            c.chat.feed(c.out, final=True)
+        reasons = [(c.finish_reason(), c.stop_reason(body)) for c in choices]
         out = ChatCompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
-            ChatChoice(index=c.index, message=ChatMessageOut(content=c.out), finish_reason=reason, stop_reason=why,
+            ChatChoice(index=c.index, message=_message(c.chat), finish_reason=reason, stop_reason=why,
                        **(_ids(c) if body.return_token_ids else ids)) for c, (reason, why) in zip(choices, reasons)])
     else:
+        reasons = [(c.handle.ended.finish_reason, c.stop_reason(body)) for c in choices]
         out = CompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
             CompletionChoice(index=c.index, text=c.out, finish_reason=reason, stop_reason=why,
                              **(_ids(c) if body.return_token_ids else ids)) for c, (reason, why) in zip(choices, reasons)])
     if produce:
         out.kv_transfer_params = await _produced(st, choices[0].handle.req_id)
     return out.model_dump()
+
+
+def _message(o: ChatOutput) -> ChatMessageOut:
+    return ChatMessageOut(content=o.final_content, reasoning_content=o.reasoning_content, tool_calls=[
+        ToolCall(id=i, function=FunctionCall(name=name, arguments=args)) for i, name, args in o.calls])
+
+
+def _delta(o: ChatOutput, text: str, final: bool) -> DeltaMessage:
+    """A chat chunk's delta: what `text` completes of the reasoning, the content and the tool calls."""
+    d = o.feed(text, final)
+    calls = [DeltaToolCall(index=t.index, id=t.id, type="function" if t.id else None,
+                           function=DeltaFunctionCall(name=t.name, arguments=t.arguments)) for t in d.tool_calls]
+    return DeltaMessage(content=d.content or None, reasoning_content=d.reasoning or None, tool_calls=calls or None)
 
 
 def _ids(c: _Choice) -> dict:
@@ -631,12 +724,17 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
     def event(model: BaseModel) -> str:
         return f"data: {json.dumps(model.model_dump())}\n\n"
 
-    def chunk(c: _Choice, text: str, tok: int | None = None, reason: str | None = None, why=None) -> str:
+    def chunk(c: _Choice, text: str, tok: int | None = None, reason: str | None = None, why=None) -> str | None:
+        """None: a chat chunk that would carry nothing (its text is held back by a parser, say), as vLLM
+        skips those; with return_token_ids every token has its chunk."""
         ids = [tok] if body.return_token_ids and tok is not None else None
         if chat:
+            delta = _delta(c.chat, text, reason is not None)
+            if reason is None and ids is None and not delta.model_dump():
+                return None
             return event(ChatCompletionStreamResponse(id=rid, model=st.served_model_name, choices=[ChatChunkChoice(
-                index=c.index, delta=DeltaMessage(content=text or None), finish_reason=reason, stop_reason=why,
-                token_ids=ids)]))
+                index=c.index, delta=delta, finish_reason=c.finish_reason() if reason is not None else None,
+                stop_reason=why, token_ids=ids)]))
         return event(CompletionStreamResponse(id=rid, model=st.served_model_name, choices=[CompletionChoice(
             index=c.index, text=text, finish_reason=reason, stop_reason=why, token_ids=ids)]))
 
@@ -657,8 +755,8 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
                 live.discard(c.index)
                 ended = c.handle.ended
                 yield chunk(c, text + ended.text, tok, ended.finish_reason, c.stop_reason(body))
-            else:
-                yield chunk(c, text, tok)
+            elif (out := chunk(c, text, tok)) is not None:
+                yield out
         if body.stream_options is not None and body.stream_options.include_usage:
             kind = ChatCompletionStreamResponse if chat else CompletionStreamResponse
             yield event(kind(id=rid, model=st.served_model_name, choices=[], usage=_usage(choices)))
@@ -680,13 +778,17 @@ async def _lifespan(app: FastAPI):
 
 
 def create_app(engine, tokenizer, served_model_name: str, *, metrics=None, api_key: str | None = None,
-               max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
+               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """The FastAPI app over a started `glm53.engine.async_engine.AsyncEngine` (handlers: the module's
     `routes`, over `ServerState` in app.state.server); the app's shutdown (after uvicorn's graceful
     wait) aborts what still runs and shuts the engine down. api_key: required as a Bearer token on the
-    /v1 routes, /tokenize, /detokenize and /reset_prefix_cache (`ApiKey`)."""
+    /v1 routes, /tokenize, /detokenize and /reset_prefix_cache (`ApiKey`). The parsers: the flags'."""
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     app = FastAPI(title="glm53", version=_version(), lifespan=_lifespan)
-    app.state.server = ServerState(engine, tokenizer, served_model_name, metrics)
+    app.state.server = ServerState(engine, tokenizer, served_model_name, metrics, tool_call_parser,
+                                   enable_auto_tool_choice, reasoning_parser)
     app.include_router(routes)
     install_error_answers(app, max_request_bytes)
     if api_key:
@@ -696,7 +798,12 @@ def create_app(engine, tokenizer, served_model_name: str, *, metrics=None, api_k
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        ap.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.chat_template is not None and not os.path.isfile(args.chat_template):
+        ap.error(f"--chat-template {args.chat_template}: no such file")
     name = args.served_model_name or args.model
     # on CPU, simulate the devices the parallel sizes need (before JAX creates its backend)
     dp = args.data_parallel_size or 1
@@ -736,7 +843,9 @@ def main(argv=None) -> None:
         shapes = sum(rep.runner.warmup() for rep in engine.replicas)
         print(f"glm53.serve: compiled {shapes} bucket shapes in {time.perf_counter() - t0:.0f} s", flush=True)
     async_engine = AsyncEngine(engine).start()
-    app = create_app(async_engine, load_tokenizer(args.model), name, metrics=metrics, api_key=args.api_key)
+    app = create_app(async_engine, load_tokenizer(args.model, args.chat_template), name, metrics=metrics,
+                     api_key=args.api_key, tool_call_parser=args.tool_call_parser,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
     print(f"glm53.serve: {name} on http://{args.host}:{args.port} ({engine.deploy.max_model_len} tokens, "
           f"{engine.deploy.num_gpu_blocks} blocks, kv_policy {engine.deploy.kv_policy})", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

@@ -3,8 +3,10 @@ ids and chat template) or, for presets without one, a byte-level tokenizer (toke
 ids >= 256, the rest of a larger vocabulary, decode to U+FFFD: it only makes a preset's input and output
 readable).
 
-`load_tokenizer(model)`: a checkpoint directory -> `HFTokenizer`; a preset name -> `ByteTokenizer`.
-Both have `encode(text, add_special_tokens=False) -> [ids]`, `decode(ids) -> str` (special tokens
+`load_tokenizer(model, chat_template=None)`: a checkpoint directory -> `HFTokenizer`; a preset name ->
+`ByteTokenizer` with the preset's chat template (glm53/templates/<preset>.jinja, GLM-5.3's conversation
+format written in bytes). The chat template is `chat_template` (a file's path: vLLM's --chat-template) if
+given, else the checkpoint's own, else the preset's (a checkpoint without one: GLM-5.3's). Both have `encode(text, add_special_tokens=False) -> [ids]`, `decode(ids) -> str` (special tokens
 skipped), `token_strs(ids) -> [str]` (each id's vocabulary entry), `eos_token_ids` (tuple; () for
 presets, which have no end-of-sequence token) and `chat_template` (a jinja2 source or None).
 
@@ -78,15 +80,31 @@ def _token_text(t) -> str:
     return t.get("content", "") if isinstance(t, dict) else (t or "")
 
 
-def load_tokenizer(model: str | os.PathLike):
-    """A checkpoint directory with a tokenizer.json -> HFTokenizer; anything else (a preset) -> ByteTokenizer."""
+TEMPLATES = Path(__file__).parent / "templates"  # one chat template per preset, <preset>.jinja
+DEFAULT_TEMPLATE = "glm-5.3"
+
+
+def load_tokenizer(model: str | os.PathLike, chat_template: str | os.PathLike | None = None):
+    """A checkpoint directory with a tokenizer.json -> HFTokenizer; anything else (a preset) -> ByteTokenizer.
+    Its chat_template: the file `chat_template` if given, else the checkpoint's own, else the preset's
+    (TEMPLATES/<preset>.jinja; GLM-5.3's for a checkpoint without one or a name without a file)."""
     p = Path(model)
-    return HFTokenizer(p) if (p / "tokenizer.json").exists() else ByteTokenizer()
+    tok = HFTokenizer(p) if (p / "tokenizer.json").exists() else ByteTokenizer()
+    if chat_template is not None:
+        tok.chat_template = Path(chat_template).read_text()
+    elif not tok.chat_template:
+        own = TEMPLATES / f"{p.name}.jinja"
+        tok.chat_template = (own if own.exists() and not p.is_dir() else TEMPLATES / f"{DEFAULT_TEMPLATE}.jinja").read_text()
+    return tok
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                **kwargs) -> str:
     """The prompt text of a chat under the tokenizer's template, with the generation prompt appended unless
-    told not to (as HF's apply_chat_template renders it). ValueError without a template."""
+    told not to (as HF's apply_chat_template renders it, `tools` and the template's own variables `kwargs`,
+    e.g. enable_thinking, included). The sandbox includes only TEMPLATES' files; `tojson` writes JSON as
+    HF's does (no HTML escaping, which would turn a tool's `<` into `\\u003c`). ValueError without a
+    template."""
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template: use /v1/completions")
     import jinja2
@@ -95,11 +113,15 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     def raise_exception(msg):
         raise jinja2.exceptions.TemplateError(msg)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=jinja2.FileSystemLoader(TEMPLATES))
     env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = tojson
     return env.from_string(tokenizer.chat_template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token)
+        **kwargs, messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
 
 
 class TextStream:
