@@ -149,15 +149,22 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def small_model():
-    """The tiny preset cut to 2 layers (a full and a shared indexer layer, dense then MoE) and its MTP
-    layer: every code path of the tiny model's layers (IndexShare included) at about half its compile
-    time, for the engine and parallel tests whose subject is a policy, a layout or the runner's programs
-    rather than the model's depth (glm53.init("tiny") is the model's own tests' subject)."""
-    import glm53
+    """The tiny preset cut to 2 layers (tests/models.py) and its MTP layer: for the engine and parallel tests
+    whose subject is a policy, a layout or the runner's programs rather than the model's depth, at about
+    half the tiny model's compile time (glm53.init("tiny") is the model's own tests' subject)."""
+    from tests.models import small_model
 
-    cfg = glm53.get_preset("tiny").replace(num_hidden_layers=2, indexer_types=("full", "shared"),
-                                           mlp_layer_types=("dense", "sparse"))
-    return glm53.init(cfg, seed=0, std=0.1)
+    return small_model()
+
+
+@pytest.fixture(scope="session")
+def small_mid_model():
+    """The mid preset cut to 2 layers (tests/models.py): its 8 heads and 16 experts (the head and expert
+    splits of tensor parallelism that the tiny model's 4 heads and 8 experts never give) without its depth."""
+    import glm53
+    from tests.models import two_layers
+
+    return glm53.init(two_layers("mid"), seed=0, std=0.05)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ indexer keys live in the same CpKVCache as every layer's (under DCP sharded roun
 a prefill chunk's forward is split over the PCP ranks and its hidden states come back in token order,
 and the verify step, the MTP pass and the draft passes run in shard_maps over the mesh with the tokens
 replicated (parallel.model.verify / mtp_forward; under TP over the split weights, the MTP layer's heads
-and MLP split like every layer's: TP2, and TP2 x DCP2 with DCP reusing the two TP ranks). Against one
+and MLP split like every layer's: TP2 x DCP2, DCP reusing the two TP ranks). Against one
 device: greedy tokens equal non-speculative decoding with the MTP layer's own drafts and with oracle
 drafts that stand 0..K at a time, the drafts equal a one-device MTP engine's, and a warm engine compiles
 nothing more."""
@@ -45,11 +45,11 @@ def _record_drafts(eng) -> dict:
 @pytest.mark.multidevice
 # PCP2 x DCP2 covers what MTP adds under PCP (hidden states back in token order) and under DCP (the MTP
 # layer's KV sharded); PCP alone and DCP alone are the model tests' (test_model_cp, test_pcp, test_dcp).
-# They ran here too until 2026-12-03 (each layout compiles its own engine: 140 s a layout in CI).
+# TP2 x DCP2 splits the MTP layer's heads and MLP over the two TP ranks as TP2 alone does; TP2 alone
+# with MTP is tests/parallel/test_tp_hisparse.py's tp2_mtp3 case (each layout compiles its own engine).
 @pytest.mark.parametrize("layout", [dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
-                                    dict(tensor_parallel_size=2),
                                     dict(tensor_parallel_size=2, decode_context_parallel_size=2)],
-                         ids=["pcp2_dcp2", "tp2", "tp2_dcp2"])
+                         ids=["pcp2_dcp2", "tp2_dcp2"])
 def test_mtp_on_a_mesh_equals_one_device(small_model, layout):
     import jax
 

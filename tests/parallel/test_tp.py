@@ -8,7 +8,8 @@ the KV. TP4 (the tiny model's 4 heads, one per rank), TP4 x DCP2 and TP8 x DCP8 
 with both DCP backends and both ways of splitting the routed experts (whole experts, EP; or each
 expert's width). Engine level: TP4 x DCP2, TP4 x DP2 and TP8 x DCP8 give one device's greedy tokens, and every
 logit the engine samples from matches one device's within 1e-5 of the largest. The mid preset
-(8 heads) runs TP4, TP4 x DCP2 and TP8 x DCP8 at model level and TP4 x DP2 in the engine (slow).
+(8 heads; cut to 2 layers) runs TP4, TP4 x DCP2 and TP8 x DCP8 at model level and TP4 x DP2 in the
+engine (slow).
 """
 
 import numpy as np
@@ -94,13 +95,11 @@ def test_small_model_tp_and_tp_dcp_match_one_device(small_model):
 
 @pytest.mark.multidevice
 @pytest.mark.slow
-def test_mid_model_tp_and_tp_dcp_match_one_device():
-    """The mid preset's 8 heads: two per rank under TP4 (the split that the tiny model's 4 heads never
-    give: a rank's heads are a slice, not one head) and TP4 x DCP2, one per rank under TP8 x DCP8
-    (nothing padded); its 16 experts whole (EP4) or their widths split."""
-    import glm53
-
-    _check(glm53.init("mid", seed=0, std=0.05), [
+def test_mid_model_tp_and_tp_dcp_match_one_device(small_mid_model):
+    """The mid preset's 8 heads (its 2-layer cut, tests/conftest.py): two per rank under TP4 (the split
+    that the tiny model's 4 heads never give: a rank's heads are a slice, not one head) and TP4 x DCP2,
+    one per rank under TP8 x DCP8 (nothing padded); its 16 experts whole (EP4) or their widths split."""
+    _check(small_mid_model, [
         dict(tp=4, form="mha"),
         dict(tp=4, dcp=2, backend="ag_rs", interleave=2, ep=True),
         dict(tp=8, dcp=8, backend="a2a"),
@@ -208,14 +207,13 @@ def test_engine_tp_dcp_and_tp_dp_greedy_tokens_equal_one_device(small_model):
 
 @pytest.mark.multidevice
 @pytest.mark.slow
-def test_engine_tp4_dp2_on_the_mid_model_equals_one_device():
-    """TP4 x DP2 on the mid preset (8 heads: two per TP rank, the head split the tiny model never gives):
-    two replicas of TP4 on devices 0-3 and 4-7, one request each, give one device's greedy tokens from
-    the same logits (within 1e-5 of the largest at every generated position)."""
-    import glm53
+def test_engine_tp4_dp2_on_the_mid_model_equals_one_device(small_mid_model):
+    """TP4 x DP2 on the mid preset (its 2-layer cut; 8 heads: two per TP rank, the head split the tiny
+    model never gives): two replicas of TP4 on devices 0-3 and 4-7, one request each, give one device's
+    greedy tokens from the same logits (within 1e-5 of the largest at every generated position)."""
     from glm53 import DeployConfig, Engine
 
-    model = glm53.init("mid", seed=0, std=0.05)
+    model = small_mid_model
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, model.cfg.vocab_size, n).astype(np.int32) for n in (21, 30)]
     base = dict(block_size=BS, max_model_len=48, max_num_batched_tokens=32, max_num_seqs=1, kv_cache_dtype="float32")

@@ -60,8 +60,9 @@ def test_engine_hisparse_under_tp2_equals_full_residency(small_model, case):
     hs = dict(base, index_block_size=16, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26,
               cpu_offload_bytes=1 << 24, num_gpu_blocks=48)
     mtp = case == "tp2_mtp3"
-    if mtp:
-        hs.update(num_gpu_blocks=36, hisparse_device_buffer_size=2 * cfg.index_topk,
+    if mtp:  # two rows of 1 + K or 16 tokens, as test_hisparse's MTP engines: 8 bucket shapes, not 24
+        hs.update(max_num_batched_tokens=16, max_num_seqs=2, num_gpu_blocks=28,
+                  hisparse_device_buffer_size=2 * cfg.index_topk,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "verify": "sequential"})
     else:  # two conversations per replica, half the pool each
         hs.update(data_parallel_size=2, max_num_seqs=2, num_gpu_blocks=24)
