@@ -299,7 +299,8 @@ class ChatOutput:
 
     @property
     def final_content(self) -> str | None:
-        """The content of the whole answer: None when empty, or only whitespace beside tool calls (vLLM's)."""
-        if not self.content or (self.calls and not self.content.strip()):
+        """The content of the whole answer, as vLLM gives it: None beside tool calls when only whitespace, and
+        beside reasoning when empty; otherwise the text, "" included (an answer of no text is "", not None)."""
+        if (self.calls and not self.content.strip()) or (not self.content and self.reasoning_content is not None):
             return None
         return self.content

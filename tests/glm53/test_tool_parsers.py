@@ -189,3 +189,15 @@ def test_the_template_renders_a_tool_loop_that_the_parser_reads_back():
     assert render_chat(tok, msgs[:2], True, None, enable_thinking=False).endswith("<|assistant|></think>")
     with pytest.raises(Exception, match="role"):
         render_chat(tok, [{"role": "robot", "content": "x"}])
+
+
+def test_an_answer_of_no_text_is_empty_content_not_none():
+    """vLLM's message.content: "" for an answer with no text (the byte tokenizer decodes ids >= 256 to
+    nothing), None only beside tool calls or reasoning."""
+    for think_open in (None, False):
+        o = _output(think_open)
+        o.feed("", final=True)
+        assert o.final_content == "" and o.reasoning_content is None
+    o = _output(True)
+    o.feed("only thoughts</think>", final=True)
+    assert (o.reasoning_content, o.final_content) == ("only thoughts", None)
