@@ -335,7 +335,7 @@ def test_seeds_anywhere_in_int64_give_equal_tokens_for_equal_seeds_and_other_tok
                                              "return_token_ids": True})
         assert [t for e in events[:-1] for t in e["choices"][0].get("token_ids") or []] == a, seed
         outs[seed] = tuple(a)
-    # a server that ignored the seed (one fixed draw for all) would give one sequence; the tiny model's
+    # a server that ignored the seed (one fixed draw for all) would give one sequence; the servers' model's
     # temperature-1 draws of 5 tokens over 512 ids differ between these seeds
     assert len(set(outs.values())) == len(seeds), outs
 

@@ -16,7 +16,6 @@ import time
 import numpy as np
 import pytest
 
-import glm53
 from glm53 import DeployConfig, Engine
 from tests.glm53.test_router import servers_and_router
 from tests.glm53.test_serve import FLAGS, _free_port, _metric
@@ -31,22 +30,22 @@ def _ktc(role: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+def pd(tmp_path_factory, serving_dir):
     tmp = tmp_path_factory.mktemp("pd")
     dcp = ("--decode-context-parallel-size", "2", "--block-size", str(PAGE // 2))
     flags = {"prefill_i1": (*dcp, "--cp-kv-cache-interleave-size", "1", *MTP, "--kv-transfer-config", _ktc("kv_producer")),
              "prefill_ib": (*dcp, "--cp-kv-cache-interleave-size", str(PAGE // 2), *MTP,
                             "--kv-transfer-config", _ktc("kv_producer")),
              "decode": ("--kv-policy", "hisparse", *MTP, "--kv-transfer-config", _ktc("kv_consumer"))}
-    with servers_and_router(tmp_path_factory.mktemp("pd"), flags, ["prefill_i1"], ["decode"]) as pair:
+    with servers_and_router(tmp, serving_dir, flags, ["prefill_i1"], ["decode"]) as pair:
         yield pair
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(serving_model):
     rng = np.random.default_rng(23)
     prompts = [rng.integers(0, 512, n).tolist() for n in (41, 26, 33)]
-    eng = Engine(glm53.init("tiny", seed=0), DeployConfig(**FLAGS))
+    eng = Engine(serving_model, DeployConfig(**FLAGS))
     return prompts, [eng.generate([np.asarray(p)], max_new_tokens=8)[0].token_ids.tolist() for p in prompts]
 
 
@@ -94,7 +93,7 @@ def test_router_prefill_decode_equals_one_engine_and_the_kv_arrives(pd, referenc
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == full - PAGE
 
 
-def test_what_the_producer_cannot_give_is_computed(pd):
+def test_what_the_producer_cannot_give_is_computed(pd, serving_model):
     """A producer that is not up (its lookup times out), a prompt the named producer never prefilled, and
     a prompt that differs from a prefilled one after its first two pages (only those two come: chunks are
     named by their chained token hash and salt, never by block ids that another request could reuse)."""
@@ -105,7 +104,7 @@ def test_what_the_producer_cannot_give_is_computed(pd):
     fork = seen[:2 * PAGE] + rng.integers(0, 512, 20).tolist()
     params = _prefill(pre, seen)  # on the producer only
     dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": _free_port()}
-    eng = Engine(glm53.init("tiny", seed=0), DeployConfig(**FLAGS))
+    eng = Engine(serving_model, DeployConfig(**FLAGS))
     for prompt, ktp, got in ((other, dead, 0), (other[::-1], params, 0), (fork, params, 2 * PAGE)):
         before = _received(dec)
         out = _decode(dec, prompt, ktp)
@@ -136,7 +135,7 @@ def test_a_prefill_leg_takes_one_prompt_and_no_stream(pd):
         assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
 
 
-def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path):
+def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path, serving_model, serving_dir):
     """With the router's only prefill server down, a request is computed by the decode server (nothing
     received, the router counts a fallback); once the server is back on its port, the next request goes
     through it and its KV arrives again. Last in this file: it replaces the fixture's prefill server."""
@@ -149,12 +148,12 @@ def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path):
         time.sleep(0.2)
     before = _received(dec)
     rng = np.random.default_rng(9)
-    eng = Engine(glm53.init("tiny", seed=0), DeployConfig(**FLAGS))
+    eng = Engine(serving_model, DeployConfig(**FLAGS))
     fresh = [rng.integers(0, 512, 30).tolist() for _ in range(2)]
     code, r = router.post({"prompt": fresh[0], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == eng.generate([np.asarray(fresh[0])], 8)[0].token_ids.tolist()
     assert _received(dec) == before and router.health()["prefill_fallbacks"] == 1
-    procs["prefill_i1"] = Process("tiny", tmp_path, *old.extra, port=old.port)
+    procs["prefill_i1"] = Process(serving_dir, tmp_path, *old.extra, port=old.port)
     deadline = time.monotonic() + 60
     while not router.health()["prefill"] and time.monotonic() < deadline:
         time.sleep(0.2)

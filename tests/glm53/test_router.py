@@ -23,7 +23,6 @@ import numpy as np
 import openai
 import pytest
 
-import glm53
 from glm53 import DeployConfig, Engine
 from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from glm53.router import NoServer, Picker, PrefixIndex, Server, parse_load
@@ -164,8 +163,8 @@ class Router:
 
 
 @contextlib.contextmanager
-def servers_and_router(tmp, flags: dict, prefill: list[str], decode: list[str], events: dict | None = None,
-                       model: str = "tiny", module: str = "glm53.serve"):
+def servers_and_router(tmp, model: str, flags: dict, prefill: list[str], decode: list[str], events: dict | None = None,
+                       module: str = "glm53.serve"):
     """Start a server of `model` (a preset or a checkpoint directory) per entry of `flags` (name -> extra
     flags), at once, as `module`, and a router over the `prefill` and `decode` names (events: name ->
     KV-event port) -> (router, {name: server}); every process stops on exit."""
@@ -190,18 +189,18 @@ def servers_and_router(tmp, flags: dict, prefill: list[str], decode: list[str], 
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    """One prefill and two decode servers (the tiny weights as a checkpoint with a chat template, served by
-    tests.glm53.faulty_serve under test_serve's deployment; the decode servers publish KV events) and a
-    router that follows them."""
+def pd(tmp_path_factory, serving_model):
+    """One prefill and two decode servers (the servers' weights as a checkpoint with a chat template,
+    served by tests.glm53.faulty_serve under test_serve's deployment; the decode servers publish KV events)
+    and a router that follows them."""
     ckpt = tmp_path_factory.mktemp("ckpt")
-    save_checkpoint(glm53.init("tiny", seed=0), ckpt)
+    save_checkpoint(serving_model, ckpt)
     events = {name: _free_port() for name in ("decode0", "decode1")}
     flags = {"prefill": ()} | {n: ("--kv-events-config", json.dumps({"enable_kv_cache_events": True,
                                                                      "endpoint": f"tcp://*:{port}"}))
                                for n, port in events.items()}
-    with servers_and_router(tmp_path_factory.mktemp("pd"), flags, ["prefill"], ["decode0", "decode1"], events,
-                            model=str(ckpt), module="tests.glm53.faulty_serve") as pair:
+    with servers_and_router(tmp_path_factory.mktemp("pd"), str(ckpt), flags, ["prefill"], ["decode0", "decode1"],
+                            events, module="tests.glm53.faulty_serve") as pair:
         yield pair
 
 
@@ -212,9 +211,9 @@ def api(pd):
 
 
 @pytest.fixture(scope="module")
-def ref_engine():
+def ref_engine(serving_model):
     """One engine on the servers' weights and deployment: the tokens a request must get."""
-    return Engine(glm53.init("tiny", seed=0), DeployConfig(**FLAGS))
+    return Engine(serving_model, DeployConfig(**FLAGS))
 
 
 @pytest.fixture(scope="module")

@@ -144,8 +144,8 @@ def _metric(m: dict, name: str, **labels) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server("tiny", tmp_path_factory.mktemp("serve"), module="tests.glm53.faulty_serve", api_key=KEY)
+def server(tmp_path_factory, serving_dir):
+    s = Server(serving_dir, tmp_path_factory.mktemp("serve"), module="tests.glm53.faulty_serve", api_key=KEY)
     yield s
     s.stop()
 
@@ -157,9 +157,9 @@ def api(server):
 
 
 @pytest.fixture(scope="module")
-def prompts_and_tokens():
+def prompts_and_tokens(serving_model):
     """Five prompts and the greedy tokens `Engine.generate` gives them on the same weights and deployment."""
-    model = glm53.init("tiny", seed=0)
+    model = serving_model
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 512, n).tolist() for n in (9, 30, 3, 50, 17)]
     outs = Engine(model, DeployConfig(**FLAGS)).generate([np.asarray(p) for p in prompts], max_new_tokens=6)
@@ -217,14 +217,18 @@ def test_concurrent_clients_join_the_running_batch(server, prompts_and_tokens):
     assert [results[i] for i in range(5)] == want
 
 
-def test_chat_without_a_template_is_400_naming_messages(server):
-    """The module's server serves a preset: no tokenizer.json, so no chat template."""
+def test_chat_on_a_preset_renders_glm53s_conversation_format(server):
+    """The module's server serves a checkpoint without tokenizer.json, as a preset: the byte tokenizer and
+    GLM-5.3's chat template (glm53/templates), as /tokenize renders it and as the chat endpoint prompts
+    the model."""
+    text = "[gMASK]<sop><|system|>be brief<|user|>hi<|assistant|><think>"
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = httpx.post(server.url("/tokenize"), json={"model": NAME, "messages": msgs},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+    assert r["tokens"] == ByteTokenizer().encode(text) and r["count"] == len(text)
     client = openai.OpenAI(base_url=server.url("/v1"), api_key=KEY, max_retries=0, timeout=TIMEOUT_S)
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], stream=stream)
-        err = info.value.response.json()["error"]
-        assert err["param"] == "messages" and "chat template" in err["message"] and err["code"] == 400
+    out = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens == len(text) and out.usage.completion_tokens == 2
 
 
 def test_the_api_key_guards_the_v1_routes_and_the_tokenizer_but_not_probes(server):
@@ -305,8 +309,9 @@ def save_checkpoint(model, d: Path, eos: int | None = None):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, prompts_and_tokens):
-    """The tiny weights saved as an HF checkpoint with a byte-level tokenizer.json, an EOS id (the first
-    greedy token of some prompt that differs from the ones before it) and a chat template."""
+    """The servers' weights (tests/glm53/conftest.py) saved as an HF checkpoint with a byte-level
+    tokenizer.json, an EOS id (the first greedy token of some prompt that differs from the ones before it)
+    and a chat template."""
     prompts, want, model = prompts_and_tokens
     p, k = next((p, k) for p, w in enumerate(want) for k in range(1, len(w)) if w[k] not in w[:k])
     d = tmp_path_factory.mktemp("ckpt")

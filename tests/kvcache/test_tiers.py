@@ -19,6 +19,7 @@ import glm53
 from glm53 import DeployConfig, Engine
 from kvcache.tiers import Lookup, LoadJob, StoreJob, TierSet, chunk_key, make_tier
 from kvcache.tiers.fs import HEADER, FileTier
+from tests import models
 
 REPO = Path(__file__).resolve().parents[2]
 FP = "ab" * 32  # a fingerprint
@@ -210,18 +211,18 @@ def _ktc(root, kv_load_failure_policy="recompute", cpu=1 << 20, **fs):
 
 
 @pytest.fixture
-def runs(reference):
-    return reference
+def runs(small_reference):
+    return small_reference
 
 
 @pytest.fixture(scope="module")
-def stored(tiny_model, reference, tmp_path_factory):
+def stored(small_model, small_reference, tmp_path_factory):
     """A root holding every chunk of the reference prompts, and the metrics of the engine that stored them."""
     import shutil
 
     root = tmp_path_factory.mktemp("stored")
-    eng, out = _run(tiny_model, reference[0], root)
-    assert out == reference[1]
+    eng, out = _run(small_model, small_reference[0], root)
+    assert out == small_reference[1]
 
     def copy(dst):
         shutil.copytree(root, dst, dirs_exist_ok=True)
@@ -237,7 +238,7 @@ def _run(model, prompts, root, **kw):
     return eng, out
 
 
-def test_a_new_engine_on_the_same_root_reloads_every_full_page(tiny_model, runs, stored, tmp_path):
+def test_a_new_engine_on_the_same_root_reloads_every_full_page(small_model, runs, stored, tmp_path):
     """Engine 1 stored every full page through its host tier to the filesystem; engine 2 (empty device
     pool and host tier) loads each prompt's full pages from there and prefills only the last partial
     page: the same tokens, the hits counted in chunks and bytes. Another model's KV never meets it."""
@@ -246,7 +247,7 @@ def test_a_new_engine_on_the_same_root_reloads_every_full_page(tiny_model, runs,
     m = first.metrics()["kv_offload"]
     assert m["fs"]["stored_chunks"] == m["cpu"]["stored_pages"] == STORED
     assert m["fs"]["store_bytes"] == m["cpu"]["store_bytes"] and m["fs"]["store_failed"] == 0
-    second, out = _run(tiny_model, prompts, copy(tmp_path))
+    second, out = _run(small_model, prompts, copy(tmp_path))
     assert out == want
     m = second.metrics()["kv_offload"]
     assert m["fs"]["hits"] == m["fs"]["loaded_chunks"] == 2 * HIT_BLOCKS and m["fs"]["corrupt"] == 0
@@ -268,14 +269,14 @@ def test_a_new_engine_on_the_same_root_reloads_every_full_page(tiny_model, runs,
     # other weights of the same architecture, or another layout, name another directory
     from glm53.engine.engine import kv_fingerprint
 
-    other = glm53.init("tiny", seed=1, std=0.1)
+    other = models.small_model(seed=1)
     assert kv_fingerprint(other, second.deploy, second.sizes) != second.fingerprint
-    d = DeployConfig(**BASE, kv_transfer_config=_ktc(tmp_path), kv_cache_dtype="bfloat16").resolved(tiny_model.cfg)
-    assert kv_fingerprint(tiny_model, d, d.kv_sizes(tiny_model.cfg)) != second.fingerprint
-    assert kv_fingerprint(tiny_model, second.deploy, second.sizes) == second.fingerprint
+    d = DeployConfig(**BASE, kv_transfer_config=_ktc(tmp_path), kv_cache_dtype="bfloat16").resolved(small_model.cfg)
+    assert kv_fingerprint(small_model, d, d.kv_sizes(small_model.cfg)) != second.fingerprint
+    assert kv_fingerprint(small_model, second.deploy, second.sizes) == second.fingerprint
 
 
-def test_corrupt_chunks_are_recomputed_or_fail_by_policy(tiny_model, runs, stored, tmp_path):
+def test_corrupt_chunks_are_recomputed_or_fail_by_policy(small_model, runs, stored, tmp_path):
     prompts, want = runs
     root = stored[0](tmp_path)
     files = sorted(root.rglob("*.kv"))
@@ -283,13 +284,13 @@ def test_corrupt_chunks_are_recomputed_or_fail_by_policy(tiny_model, runs, store
         data = bytearray(p.read_bytes())
         data[-7] ^= 0xFF
         p.write_bytes(bytes(data))
-    eng, out = _run(tiny_model, prompts[:2], root)
+    eng, out = _run(small_model, prompts[:2], root)
     assert out == want[:2]
     fs = eng.metrics()["kv_offload"]["fs"]
     assert fs["corrupt"] >= 1 and fs["hits"] >= 1
     # each corrupt chunk it read was deleted, its tokens recomputed and stored again: a third engine reads
     # only whole chunks (the last full page of each prompt is never looked up, so never checked)
-    again, out = _run(tiny_model, prompts[:2], root)
+    again, out = _run(small_model, prompts[:2], root)
     assert out == want[:2] and again.metrics()["kv_offload"]["fs"]["corrupt"] == 0
     assert again.metrics()["kv_offload"]["fs"]["hits"] == 2 * sum((n - 1) // 8 for n in (37, 5))
     for p in sorted(root.rglob("*.kv"))[::2]:
@@ -297,7 +298,7 @@ def test_corrupt_chunks_are_recomputed_or_fail_by_policy(tiny_model, runs, store
         data[-7] ^= 0xFF
         p.write_bytes(bytes(data))
     with pytest.raises(RuntimeError, match="kv_load_failure_policy='fail'"):
-        _run(tiny_model, prompts[:2], root, kv_load_failure_policy="fail")
+        _run(small_model, prompts[:2], root, kv_load_failure_policy="fail")
 
 
 class _Evicting:
@@ -326,10 +327,10 @@ def _custom_tier_engine(model, cls: str, root) -> Engine:
     return Engine(model, DeployConfig(**BASE, kv_transfer_config=ktc))
 
 
-def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(tiny_model, runs, stored, tmp_path):
+def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(small_model, runs, stored, tmp_path):
     prompts, want = runs
     stored[0](tmp_path)
-    eng = _custom_tier_engine(tiny_model, "_Evicting", tmp_path)
+    eng = _custom_tier_engine(small_model, "_Evicting", tmp_path)
     assert [o.token_ids.tolist() for o in eng.generate(prompts[:1], max_new_tokens=5)] == want[:1]
     tier = eng.metrics()["kv_offload"]["evicting"]
     assert tier["lost"] >= 1 and tier["hits"] == 0
@@ -348,11 +349,11 @@ class _Busy(_Evicting):
         return Lookup.RETRY if self.asked <= 3 else self.inner.lookup(key)
 
 
-def test_retry_answers_keep_the_request_waiting_then_it_hits(tiny_model, runs, stored, tmp_path):
+def test_retry_answers_keep_the_request_waiting_then_it_hits(small_model, runs, stored, tmp_path):
     """The admission waits while the tier answers RETRY (other requests run meanwhile), then loads."""
     prompts, want = runs
     stored[0](tmp_path)
-    eng = _custom_tier_engine(tiny_model, "_Busy", tmp_path)
+    eng = _custom_tier_engine(small_model, "_Busy", tmp_path)
     assert [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)] == want
     tier = eng.metrics()["kv_offload"]["busy"]
     assert tier["retries"] == 3 and tier["hits"] == 2 * HIT_BLOCKS and tier["lost"] == tier["corrupt"] == 0
@@ -378,13 +379,13 @@ class _Held(_Evicting):
         self.held = []
 
 
-def test_aborting_a_request_that_waits_for_tier_loads_releases_its_host_pages(tiny_model, runs, stored, tmp_path):
+def test_aborting_a_request_that_waits_for_tier_loads_releases_its_host_pages(small_model, runs, stored, tmp_path):
     """A request whose prefix is loading from a tier is aborted: its pinned host pages are freed; the
     loads still land in the host tier, unpinned, where the same prompt later hits them (no second
     load); nothing stays pinned."""
     prompts, want = runs
     stored[0](tmp_path)
-    eng = _custom_tier_engine(tiny_model, "_Held", tmp_path)
+    eng = _custom_tier_engine(small_model, "_Held", tmp_path)
     tier, pol = eng.tiers[0].tiers[0], eng.scheduler.policy
     a = eng.add_request(prompts[0], glm53.SamplingParams(5))
     other = eng.add_request(prompts[1], glm53.SamplingParams(5))
@@ -424,9 +425,10 @@ import sys, json, numpy as np, glm53
 from glm53 import DeployConfig, Engine
 sys.path.insert(0, sys.argv[2])
 from tests.kvcache.test_tiers import BASE, _ktc
+from tests.models import small_model
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
-model = glm53.init("tiny", seed=0, std=0.1)
+model = small_model()
 prompts = [np.array(p, np.int32) for p in json.loads(sys.argv[3])]  # the reference prompts
 def run(ps):
     eng = Engine(model, DeployConfig(**BASE, kv_transfer_config=_ktc(sys.argv[1])))
@@ -440,7 +442,7 @@ print(json.dumps(run(prompts[2:])), flush=True)
 
 
 @pytest.mark.slow
-def test_two_engine_processes_on_one_root_both_hit(tiny_model, runs, tmp_path):
+def test_two_engine_processes_on_one_root_both_hit(small_model, runs, tmp_path):
     """Process A stores prompts 0-1; this process runs all four (hits on A's two, stores 2-3); A then runs
     2-3 and hits on what this process stored."""
     prompts, want = runs
@@ -452,7 +454,7 @@ def test_two_engine_processes_on_one_root_both_hit(tiny_model, runs, tmp_path):
     try:
         out, hits = json.loads(proc.stdout.readline())
         assert out == want[:2] and hits == 0
-        eng, out = _run(tiny_model, prompts, tmp_path)
+        eng, out = _run(small_model, prompts, tmp_path)
         assert out == want
         first = 2 * sum((n - 1) // 8 for n in (37, 5))
         assert eng.metrics()["kv_offload"]["fs"]["hits"] == first
@@ -476,25 +478,25 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(d)], check=False)
 
 
-def test_a_full_disk_fails_stores_not_requests(tiny_model, runs, small_disk):
+def test_a_full_disk_fails_stores_not_requests(small_model, runs, small_disk):
     """The disk holds a few of the 36 chunks: the rest fail with ENOSPC, every request still finishes
     with the same tokens, no partial file is left, and a second engine hits on the chunks that fit."""
     prompts, want = runs
-    first, out = _run(tiny_model, prompts, small_disk)
+    first, out = _run(small_model, prompts, small_disk)
     assert out == want
     fs = first.metrics()["kv_offload"]["fs"]
     assert fs["store_failed"] > 0 and fs["stored_chunks"] > 0
     assert fs["stored_chunks"] + fs["store_failed"] == first.metrics()["kv_offload"]["cpu"]["stored_pages"]
     assert list(small_disk.rglob("*.tmp")) == []
-    second, out = _run(tiny_model, prompts, small_disk)
+    second, out = _run(small_model, prompts, small_disk)
     assert out == want and second.metrics()["kv_offload"]["fs"]["corrupt"] == 0
 
 
-def test_host_page_bytes_round_trip_in_every_kv_format(tiny_model, tmp_path):
+def test_host_page_bytes_round_trip_in_every_kv_format(small_model, tmp_path):
     """read_host_pages / write_host_pages (what a tier stores and loads) are inverse on every array of
     both groups, fp8 MLA rows (bytes of several dtypes per row) included, and touch no other page."""
     for fmt in ("fp8_ds_mla", "bfloat16"):
-        eng = Engine(tiny_model, DeployConfig(**BASE, kv_cache_dtype=fmt, kv_transfer_config=_ktc(tmp_path / fmt)))
+        eng = Engine(small_model, DeployConfig(**BASE, kv_cache_dtype=fmt, kv_transfer_config=_ktc(tmp_path / fmt)))
         host = eng.runner.host
         rng = np.random.default_rng(0)
         for g in ("mla", "indexer"):

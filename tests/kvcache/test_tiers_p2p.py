@@ -505,11 +505,11 @@ def _generate(model, prompts, tier: dict):
 
 
 @pytest.fixture(scope="module")
-def first(tiny_model, reference):
+def first(small_model, small_reference):
     """Engine A: runs the reference prompts with a peer tier and no peers; it stays up, serving every
     chunk it stored, for the module."""
-    prompts, want = reference
-    eng = Engine(tiny_model, DeployConfig(**BASE, kv_transfer_config=_ktc(_p2p())))
+    prompts, want = small_reference
+    eng = Engine(small_model, DeployConfig(**BASE, kv_transfer_config=_ktc(_p2p())))
     assert [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)] == want
     # the last pages' stores are still on the peer tier's thread when generate returns (a loaded machine
     # showed 34 of 36): the tests below read what A holds once they have landed
@@ -524,16 +524,16 @@ def first_stored(eng) -> int:
     return eng.metrics()["kv_offload"]["p2p"]["stored_chunks"]
 
 
-def test_a_second_engine_fetches_every_full_page_from_the_first(tiny_model, reference, first):
+def test_a_second_engine_fetches_every_full_page_from_the_first(small_model, small_reference, first):
     """A stored every full page through its host tier to its peer tier; B (empty pools, A as its one peer)
     looks each prompt's pages up in one message, fetches them and prefills only the last partial page:
     the reference's tokens, the hits counted in chunks and bytes on both sides."""
-    prompts, want = reference
+    prompts, want = small_reference
     a_tier = first.tiers[0].tiers[0]
     m = first.metrics()["kv_offload"]
     assert m["p2p"]["stored_chunks"] == m["cpu"]["stored_pages"] == STORED
     assert m["p2p"]["store_bytes"] == m["cpu"]["store_bytes"]
-    second, out = _generate(tiny_model, prompts, _p2p(peers=[a_tier.address]))
+    second, out = _generate(small_model, prompts, _p2p(peers=[a_tier.address]))
     assert out == want
     p2p = second.metrics()["kv_offload"]["p2p"]
     assert p2p["hits"] == p2p["loaded_chunks"] == 2 * HIT_BLOCKS
@@ -558,11 +558,11 @@ def chunks(first, tmp_path_factory):
 
 
 @pytest.mark.parametrize("fault", ["kill", "deadline", "corrupt"])
-def test_engine_requests_survive_peer_faults(tiny_model, reference, chunks, producer, fault):
+def test_engine_requests_survive_peer_faults(small_model, small_reference, chunks, producer, fault):
     """B's one peer is a producer process holding A's chunks, and it fails: killed while sending the first
     chunk, stalled past the transfer deadline, or serving chunks whose bytes went bad. Every request
     finishes with the reference's tokens, and the counters say what happened."""
-    prompts, want = reference
+    prompts, want = small_reference
     path, count = chunks
     p = producer()
     assert p.cmd("store_file", path=str(path)) == ["ok"] * count
@@ -573,7 +573,7 @@ def test_engine_requests_survive_peer_faults(tiny_model, reference, chunks, prod
     if fault == "kill":  # SIGKILL as soon as it has sent half of a chunk
         threading.Thread(target=lambda: (p.event(timeout=120), p.signal(signal.SIGKILL)), daemon=True).start()
     tier = _p2p(peers=[p.address], lookup_timeout_s=0.5, transfer_timeout_s=60.0 if fault == "kill" else 1.0)
-    eng, out = _generate(tiny_model, prompts[:2], tier)
+    eng, out = _generate(small_model, prompts[:2], tier)
     assert out == want[:2]
     m = eng.metrics()["kv_offload"]["p2p"]
     asked = 2 * ((37 - 1) // 8)  # the 37-token prompt's full pages; the 5-token one has none
@@ -590,12 +590,13 @@ def test_engine_requests_survive_peer_faults(tiny_model, reference, chunks, prod
 _ENGINE_A = """
 import json, sys, numpy as np, jax, glm53
 from glm53 import DeployConfig, Engine
+from tests.models import small_model
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)
 tier = {"type": "p2p", "host": "127.0.0.1", "port": 0}
 ktc = {"kv_connector": "OffloadingConnector",
        "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}}
-eng = Engine(glm53.init("tiny", seed=0, std=0.1), DeployConfig(**BASE, kv_transfer_config=ktc))
+eng = Engine(small_model(), DeployConfig(**BASE, kv_transfer_config=ktc))
 prompts = [np.array(p, np.int32) for p in json.loads(sys.argv[1])]
 out = [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)]
 print(json.dumps({"out": out, "address": eng.tiers[0].tiers[0].address}), flush=True)
@@ -605,10 +606,10 @@ print(json.dumps(eng.metrics()["kv_offload"]["p2p"]), flush=True)
 
 
 @pytest.mark.slow
-def test_two_engine_processes_share_kv_through_peers(tiny_model, reference):
+def test_two_engine_processes_share_kv_through_peers(small_model, small_reference):
     """Engine A in its own process runs the prompts and serves; this process's engine, with A as its peer,
     gets every full page from it and the same tokens."""
-    prompts, want = reference
+    prompts, want = small_reference
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("GLM53_TEST_COMPILE_CACHE", "")}  # shared by peers (conftest)
     proc = subprocess.Popen([sys.executable, "-c", _ENGINE_A, json.dumps([p.tolist() for p in prompts])],
@@ -618,7 +619,7 @@ def test_two_engine_processes_share_kv_through_peers(tiny_model, reference):
     try:
         a = json.loads(lines.get(timeout=600))
         assert a["out"] == want
-        eng, out = _generate(tiny_model, prompts, _p2p(peers=[a["address"]]))
+        eng, out = _generate(small_model, prompts, _p2p(peers=[a["address"]]))
         assert out == want
         m = eng.metrics()["kv_offload"]["p2p"]
         assert m["hits"] == 2 * HIT_BLOCKS and m["misses"] == m["corrupt"] == m["lost"] == 0
