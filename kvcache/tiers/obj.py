@@ -9,7 +9,8 @@ to be in the bucket: what a listing of the fingerprint's prefix found (one async
 again every `refresh_s` seconds and after an outage, so chunks other engines store show up), what it
 stored and what it loaded. `lookup` answers under a lock, in microseconds: HIT if known; RETRY while
 the chunk's store is in flight, or while the first listing runs (at most `timeout_s` after start; then
-the index answers as it stands); MISS otherwise. Why not a HEAD per lookup, answered RETRY and resolved
+the index answers as it stands; stores wait for it as long, so that a chunk the bucket holds is not
+uploaded again); MISS otherwise. Why not a HEAD per lookup, answered RETRY and resolved
 asynchronously: the offload policy walks a prompt's pages in order, stops at the first that is not a
 HIT, and a tier sees one key per call, so each page would cost a scheduler round: a 142K-token prompt
 (2,200 pages of 64 tokens, two cache groups) would need thousands, past the policy's
@@ -223,7 +224,10 @@ class ObjectTier(TierBookkeeping):
         self._down_until = 0.0  # monotonic time until which the tier is down
         self._up = True
         self._listing = True  # a listing is running
-        self._first_listing_until = time.monotonic() + timeout_s  # lookups answer RETRY for unknown keys until
+        # until the first listing ends (or this deadline passes), lookups answer RETRY for unknown keys and
+        # stores wait: a chunk the bucket holds already is then neither recomputed nor uploaded again
+        self._first_listing_until = time.monotonic() + timeout_s
+        self._first_listing_done = threading.Event()
         self._next_list = math.inf
         self._closed = self._abort = False
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix=f"{name}-read")
@@ -407,6 +411,7 @@ class ObjectTier(TierBookkeeping):
                 self.stats.listed_chunks = len(found)
             self._listing = False
             self._first_listing_until = 0.0
+            self._first_listing_done.set()
             if not complete:  # try again once a down tier may be up again
                 self._next_list = time.monotonic() + self.down_s
             else:
@@ -443,6 +448,7 @@ class ObjectTier(TierBookkeeping):
         self._done(state, i, status)
 
     def _put(self, key: bytes, payload) -> str:
+        self._first_listing_done.wait(max(self._first_listing_until - time.monotonic(), 0.0))
         with self._lock:
             if key in self._index:  # held already: its name is its content
                 self._index.move_to_end(key)

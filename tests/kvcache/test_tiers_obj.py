@@ -249,6 +249,8 @@ def test_obj_listing_finds_other_writers_chunks_of_its_fingerprint_only(s3, buck
 
 
 def test_obj_first_listing_answers_retry_until_done(own_s3):
+    """While the first listing runs, lookups of unknown keys answer RETRY and stores wait for it: a chunk
+    the bucket holds (stored by another engine) is not uploaded again, one it lacks is."""
     bucket = own_s3.bucket("kv-listing")
     seed = _tier(own_s3, bucket)
     _store(seed, [0])
@@ -257,9 +259,13 @@ def test_obj_first_listing_answers_retry_until_done(own_s3):
     try:
         tier = ObjectTier(fingerprint=FP, bucket=bucket, endpoint_override=own_s3.url, **{**FAST, "timeout_s": 5.0})
         assert tier.lookup(_key(0)) is Lookup.RETRY and tier.lookup(_key(1)) is Lookup.RETRY
+        tier.submit_store(StoreJob(1, (_key(0), _key(2)), (_payload(0), _payload(2))))
+        time.sleep(0.2)
+        assert tier.stats.stored_chunks == 0  # waiting for the listing
     finally:
         own_s3.resume()
-    _ready(tier)
+    assert _wait(tier, "store", 1)[0].status == ("ok", "ok")
+    assert tier.stats.stored_chunks == 1 and len(_objects(own_s3, bucket)) == 2  # key 2 only was uploaded
     assert tier.lookup(_key(0)) is Lookup.HIT and tier.lookup(_key(1)) is Lookup.MISS
     tier.shutdown()
 
@@ -461,27 +467,27 @@ def _copy(src, src_bucket, dst, dst_bucket) -> None:
 
 
 @pytest.fixture(scope="module")
-def stored(tiny_model, reference, s3):
+def stored(small_model, small_reference, s3):
     """A bucket holding every chunk of the reference prompts, and the engine that stored them."""
     bucket = s3.bucket("kv-engine-stored")
-    eng = _engine(tiny_model, s3, bucket)
-    assert _gen(eng, reference[0]) == reference[1]
+    eng = _engine(small_model, s3, bucket)
+    assert _gen(eng, small_reference[0]) == small_reference[1]
     eng.shutdown()
     return bucket, eng
 
 
-def test_an_engine_stores_every_full_page_and_a_new_engine_reloads_them(tiny_model, reference, s3, stored, bucket):
+def test_an_engine_stores_every_full_page_and_a_new_engine_reloads_them(small_model, small_reference, s3, stored, bucket):
     """Engine 1 stored every full page through its host tier to the bucket; engine 2 (empty device pool
     and host tier) loads each prompt's full pages from there and prefills only the last partial page:
     the same tokens, the hits counted in chunks and bytes."""
-    prompts, want = reference
+    prompts, want = small_reference
     src, first = stored
     m = first.metrics()["kv_offload"]
     assert m["obj"]["stored_chunks"] == m["cpu"]["stored_pages"] == STORED == len(_objects(s3, src))
     assert m["obj"]["store_bytes"] == m["cpu"]["store_bytes"] and m["obj"]["store_failed"] == 0
     assert m["obj"]["io_errors"] == m["obj"]["outages"] == 0
     _copy(s3, src, s3, bucket)
-    second = _engine(tiny_model, s3, bucket)
+    second = _engine(small_model, s3, bucket)
     assert _gen(second, prompts) == want
     second.shutdown()
     m = second.metrics()["kv_offload"]
@@ -492,11 +498,11 @@ def test_an_engine_stores_every_full_page_and_a_new_engine_reloads_them(tiny_mod
     assert m["cpu"]["hits"] == HIT_BLOCKS  # then loaded host -> device
 
 
-def test_corrupt_objects_are_recomputed_and_replaced(tiny_model, reference, s3, stored, bucket):
+def test_corrupt_objects_are_recomputed_and_replaced(small_model, small_reference, s3, stored, bucket):
     """Flipped bytes in every other object and one truncated: the same tokens, each damaged object it
     read counted corrupt and deleted, its page recomputed and stored again; a third engine then reads
     only whole chunks."""
-    prompts, want = reference
+    prompts, want = small_reference
     _copy(s3, stored[0], s3, bucket)
     c = s3.client()
     for i, (name, data) in enumerate(sorted(_objects(s3, bucket).items())):
@@ -504,31 +510,31 @@ def test_corrupt_objects_are_recomputed_and_replaced(tiny_model, reference, s3, 
             data = bytearray(data)
             data[-7] ^= 0xFF
             c.put_object(Bucket=bucket, Key=name, Body=bytes(data) if i else bytes(data[:-500]))
-    eng = _engine(tiny_model, s3, bucket)
+    eng = _engine(small_model, s3, bucket)
     assert _gen(eng, prompts[:2]) == want[:2]
     eng.shutdown()
     obj = eng.metrics()["kv_offload"]["obj"]
     assert obj["corrupt"] >= 1 and obj["hits"] >= 1 and obj["corrupt"] == _obj(eng).stats.corrupt
     assert obj["stored_chunks"] == obj["corrupt"]  # the pages it recomputed, stored whole again
-    again = _engine(tiny_model, s3, bucket)
+    again = _engine(small_model, s3, bucket)
     assert _gen(again, prompts[:2]) == want[:2]
     again.shutdown()
     obj = again.metrics()["kv_offload"]["obj"]
     assert obj["corrupt"] == 0 and obj["hits"] == 2 * sum((n - 1) // 8 for n in (37, 5))
 
 
-def test_the_server_stopped_mid_run_and_restarted(tiny_model, reference, own_s3):
+def test_the_server_stopped_mid_run_and_restarted(small_model, small_reference, own_s3):
     """The bucket holds prompt 0's chunks when the engine starts. Prompt 2 runs; after its first pages
     are stored the server dies: its later pages fail to store, its tokens do not change. Prompt 0 then
     finds the tier down, or fails its loads (its chunks are in the index) and finds it down after: it
     recomputes. The server comes back empty: prompt 3's pages are stored, and a new engine hits on
     them. Every request gives the reference tokens throughout; nothing hangs, nothing corrupt is read."""
-    prompts, want = reference
+    prompts, want = small_reference
     bucket = own_s3.bucket("kv-engine-restart")
-    seed = _engine(tiny_model, own_s3, bucket)
+    seed = _engine(small_model, own_s3, bucket)
     assert _gen(seed, prompts[:1]) == want[:1]
     seed.shutdown()
-    eng = _engine(tiny_model, own_s3, bucket)
+    eng = _engine(small_model, own_s3, bucket)
     tier = _obj(eng)
     rid = eng.add_request(prompts[2], SamplingParams(max_new_tokens=5))
     for _ in range(20):  # step until the first of its pages are in the bucket
@@ -556,7 +562,7 @@ def test_the_server_stopped_mid_run_and_restarted(tiny_model, reference, own_s3)
     eng.shutdown()
     assert st.stored_chunks - before == 2 * ((20 + 4) // 8) == len(_objects(own_s3, bucket))
     assert not tier.is_down() and st.outages == 1
-    fresh = _engine(tiny_model, own_s3, bucket)
+    fresh = _engine(small_model, own_s3, bucket)
     assert _gen(fresh, prompts[3:]) == want[3:]
     fresh.shutdown()
     assert fresh.metrics()["kv_offload"]["obj"]["hits"] == 2 * ((20 - 1) // 8)
