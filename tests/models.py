@@ -11,6 +11,13 @@ def two_layers(preset: str):
                                             mlp_layer_types=("dense", "sparse"))
 
 
+def four_layers(preset: str):
+    """`preset` cut to 4 layers: full, full, shared, shared indexers (IndexShare groups of 1 and 3 layers:
+    groups of unequal length), dense then MoE (its MTP layer kept), at half the 8-layer presets' depth."""
+    return glm53.get_preset(preset).replace(num_hidden_layers=4, indexer_types=("full", "full", "shared", "shared"),
+                                            mlp_layer_types=("dense", "sparse", "sparse", "sparse"))
+
+
 def small_model(seed: int = 0):
     """tests/conftest.py's `small_model` (seed 0): the tiny preset's 2-layer cut with random weights large
     enough that logits are far from uniform."""

@@ -25,14 +25,13 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def hisparse_model():
-    """The tiny preset cut to 4 layers, full, full, shared, shared (dense then MoE): IndexShare
-    groups of 1 and 3 layers, so that rows copied per group (misses x layers of the group) are checked on
-    groups of unequal length, at half the 8-layer model's compile time."""
+    """The tiny preset cut to 4 layers (tests/models.py: IndexShare groups of 1 and 3 layers), so that rows
+    copied per group (misses x layers of the group) are checked on groups of unequal length, at half the
+    8-layer model's compile time."""
     import glm53
+    from tests.models import four_layers
 
-    cfg = glm53.get_preset("tiny").replace(num_hidden_layers=4, indexer_types=("full", "full", "shared", "shared"),
-                                           mlp_layer_types=("dense", "sparse", "sparse", "sparse"))
-    return glm53.init(cfg, seed=0, std=0.1)
+    return glm53.init(four_layers("tiny"), seed=0, std=0.1)
 
 
 @pytest.fixture(scope="module")

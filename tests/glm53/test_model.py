@@ -1,5 +1,7 @@
-"""The model's own invariants on the tiny preset: decode path == score, MHA == MQA form, chunking and
-batching do not change results, MoE dispatch is exact, MTP's cached decode equals its prefill."""
+"""The model's own invariants on the tiny preset cut to 4 layers (tests/models.py: both indexer kinds, an
+IndexShare group of 3, dense and MoE layers, the MTP layer; the 8-layer preset is HF parity's subject,
+tests/glm53/test_hf_parity.py): decode path == score, MHA == MQA form, chunking and batching do not change
+results, MoE dispatch is exact, MTP's cached decode equals its prefill."""
 
 import jax
 import jax.numpy as jnp
@@ -15,13 +17,21 @@ T = 48  # > tiny's index_topk (16): sparse selection matters
 
 
 @pytest.fixture(scope="module")
+def cut_model():
+    """This module's model: the tiny preset's 4-layer cut."""
+    from tests.models import four_layers
+
+    return glm53.init(four_layers("tiny"), seed=0, std=0.1)
+
+
+@pytest.fixture(scope="module")
 def ids():
     return np.random.default_rng(1).integers(0, 512, T).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
-def ref_logits(tiny_model, ids):
-    return glm53.score(tiny_model, ids)
+def ref_logits(cut_model, ids):
+    return glm53.score(cut_model, ids)
 
 
 def _close(a, b, ref=None):
@@ -35,32 +45,32 @@ def test_logits_are_informative(ref_logits):
     assert len(set(ref_logits.argmax(-1).tolist())) > 3
 
 
-def test_decode_path_equals_score_at_every_position(tiny_model, ids, ref_logits):
-    dec = glm53.decode_logits(tiny_model, ids, prefill_len=1)
+def test_decode_path_equals_score_at_every_position(cut_model, ids, ref_logits):
+    dec = glm53.decode_logits(cut_model, ids, prefill_len=1)
     assert _close(dec, ref_logits, ref_logits)
-    dec = glm53.decode_logits(tiny_model, ids, prefill_len=20)
+    dec = glm53.decode_logits(cut_model, ids, prefill_len=20)
     assert _close(dec, ref_logits, ref_logits)
 
 
 @pytest.mark.parametrize("form", ["mha", "mqa"])
-def test_mha_and_mqa_forms_agree(tiny_model, ids, ref_logits, form):
-    assert _close(glm53.score(tiny_model, ids, form=form), ref_logits, ref_logits)
+def test_mha_and_mqa_forms_agree(cut_model, ids, ref_logits, form):
+    assert _close(glm53.score(cut_model, ids, form=form), ref_logits, ref_logits)
 
 
 @pytest.mark.parametrize("chunk", [7, 16, 32])
-def test_chunked_prefill_is_exact(tiny_model, ids, ref_logits, chunk):
-    assert _close(glm53.score(tiny_model, ids, prefill_chunk=chunk), ref_logits, ref_logits)
+def test_chunked_prefill_is_exact(cut_model, ids, ref_logits, chunk):
+    assert _close(glm53.score(cut_model, ids, prefill_chunk=chunk), ref_logits, ref_logits)
 
 
-def test_sparsity_changes_the_result(ids, ref_logits):
+def test_sparsity_changes_the_result(cut_model, ids, ref_logits):
     # Same weights (same seed and shapes) with top-k >= T is dense attention: the logits must differ.
-    dense = glm53.init(glm53.get_preset("tiny").replace(index_topk=T), seed=0, std=0.1)
+    dense = glm53.init(cut_model.cfg.replace(index_topk=T), seed=0, std=0.1)
     assert np.abs(glm53.score(dense, ids) - ref_logits).max() > 1e-2
 
 
-def test_topk_total_order_and_causality(tiny_model, ids):
-    picked = glm53.topk_indices(tiny_model, ids)
-    cfg = tiny_model.cfg
+def test_topk_total_order_and_causality(cut_model, ids):
+    picked = glm53.topk_indices(cut_model, ids)
+    cfg = cut_model.cfg
     assert sorted(picked) == [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
     for layer, idx in picked.items():
         assert idx.shape == (T, cfg.index_topk) and idx.dtype == np.int32
@@ -72,14 +82,14 @@ def test_topk_total_order_and_causality(tiny_model, ids):
             assert np.all(row[len(valid):] == -1)  # padding comes last
 
 
-def test_batched_ragged_forward_matches_single_requests(tiny_model):
+def test_batched_ragged_forward_matches_single_requests(cut_model):
     """Three requests of different lengths share one batched prefill (padding pos -1) and batched decode
     steps in which some requests are idle; each request's logits equal its own score()."""
     rng = np.random.default_rng(2)
     lens = [40, 23, 9]
     seqs = [rng.integers(0, 512, n).astype(np.int32) for n in lens]
-    c = compiled(tiny_model)
-    cache = ContiguousKVCache.create(tiny_model.cfg, 3, 64, tiny_model.dtype, include_mtp=False)
+    c = compiled(cut_model)
+    cache = ContiguousKVCache.create(cut_model.cfg, 3, 64, cut_model.dtype, include_mtp=False)
     prefill = [30, 23, 5]  # prompt part of each request
     tok = np.zeros((3, 32), np.int32)
     pos = np.full((3, 32), -1, np.int32)
@@ -102,23 +112,23 @@ def test_batched_ragged_forward_matches_single_requests(tiny_model):
                 got[b].append(lg[b])
                 nxt[b] += 1
     for b in range(3):
-        ref = glm53.score(tiny_model, seqs[b])
+        ref = glm53.score(cut_model, seqs[b])
         assert _close(np.concatenate(got[b], 0), ref, ref), b
 
 
 @pytest.mark.parametrize("form, last_layer, topk, width", [("mqa", "shared", 16, 32), ("mqa", "full", 16, 32),
                                                            ("auto", "shared", 64, 160), ("auto", "full", 64, 160)])
-def test_last_only_forward(tiny_model, form, last_layer, topk, width):
+def test_last_only_forward(cut_model, form, last_layer, topk, width):
     """last_only: hidden [B,1,D] of each row's last real token equals the full forward's, and the cache
     holds the same KV for every token (what the engine's prefill relies on); a row of padding is ignored.
-    The tiny preset's last layer shares its selection; "full": one that selects for its one query. With
+    The model's last layer shares its selection; "full": one that selects for its one query. With
     top-k 64 and 160-token rows, "auto" runs the dense form (on CPU: >= 128 queries, window 256 <= 4 x
     64) and the last layer, with one query per row, the sparse one."""
-    cfg = tiny_model.cfg.replace(index_topk=topk)
+    cfg = cut_model.cfg.replace(index_topk=topk)
     if last_layer == "full":
         cfg = cfg.replace(indexer_types=("full",) * cfg.num_hidden_layers)
-    if cfg != tiny_model.cfg:
-        tiny_model = glm53.init(cfg, seed=0, std=0.1)
+    if cfg != cut_model.cfg:
+        cut_model = glm53.init(cfg, seed=0, std=0.1)
     if form == "auto" and jax.default_backend() == "cpu":
         assert attention_form("auto", 256, topk, width) == "mha"
         assert attention_form("auto", 256, topk, 1) == "mqa"
@@ -128,11 +138,11 @@ def test_last_only_forward(tiny_model, form, last_layer, topk, width):
     pos = np.full((4, width), -1, np.int32)
     for b, p in enumerate(prefill):
         tok[b, :p], pos[b, :p] = rng.integers(0, 512, p), np.arange(p)
-    c = compiled(tiny_model)
+    c = compiled(cut_model)
     out = {}
     for last_only in (False, True):
         window = 64 if width <= 64 else 256
-        cache = ContiguousKVCache.create(tiny_model.cfg, 4, window, tiny_model.dtype, include_mtp=False)
+        cache = ContiguousKVCache.create(cut_model.cfg, 4, window, cut_model.dtype, include_mtp=False)
         out[last_only] = c.forward(c.state, jnp.asarray(tok), jnp.asarray(pos), cache, window=window, form=form,
                                    last_only=last_only)[:2]
     (full, cache_full), (last, cache_last) = out[False], out[True]
@@ -144,19 +154,19 @@ def test_last_only_forward(tiny_model, form, last_layer, topk, width):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_generate_is_deterministic_and_validates(tiny_model, ids):
-    a = glm53.generate(tiny_model, ids[:10], 8)
-    b = glm53.generate(tiny_model, ids[:10], 8)
+def test_generate_is_deterministic_and_validates(cut_model, ids):
+    a = glm53.generate(cut_model, ids[:10], 8)
+    b = glm53.generate(cut_model, ids[:10], 8)
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
-    s1 = glm53.generate(tiny_model, ids[:10], 8, greedy=False, temperature=1.0, seed=3)
-    s2 = glm53.generate(tiny_model, ids[:10], 8, greedy=False, temperature=1.0, seed=3)
+    s1 = glm53.generate(cut_model, ids[:10], 8, greedy=False, temperature=1.0, seed=3)
+    s2 = glm53.generate(cut_model, ids[:10], 8, greedy=False, temperature=1.0, seed=3)
     np.testing.assert_array_equal(s1.token_ids, s2.token_ids)
     with pytest.raises(ValueError, match="token ids"):
-        glm53.score(tiny_model, [0, 512])
+        glm53.score(cut_model, [0, 512])
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        glm53.generate(tiny_model, ids[:10], tiny_model.cfg.max_position_embeddings)
+        glm53.generate(cut_model, ids[:10], cut_model.cfg.max_position_embeddings)
     with pytest.raises(ValueError, match="non-empty"):
-        glm53.score(tiny_model, [])
+        glm53.score(cut_model, [])
 
 
 def _dense_moe(x, idx, w, wgu, wd):
@@ -214,13 +224,13 @@ def test_grouped_routing_restricts_groups():
                                / jnp.take_along_axis(scores, idx, 1).sum(-1, keepdims=True) * 2.5), rtol=1e-5)
 
 
-def test_mtp_decode_equals_prefill(tiny_model, ids):
+def test_mtp_decode_equals_prefill(cut_model, ids):
     """The MTP layer with its own cache: one token per step gives the same hidden states as one prefill."""
-    c = compiled(tiny_model)
-    cfg = tiny_model.cfg
+    c = compiled(cut_model)
+    cfg = cut_model.cfg
 
     def run(step):
-        cache = ContiguousKVCache.create(cfg, 1, 64, tiny_model.dtype)
+        cache = ContiguousKVCache.create(cfg, 1, 64, cut_model.dtype)
         pos = np.arange(T - 1, dtype=np.int32)[None]
         h, cache, _ = c.forward(c.state, jnp.asarray(ids[None, :-1]), jnp.asarray(pos), cache, window=64)
         outs = []
@@ -237,10 +247,10 @@ def test_mtp_decode_equals_prefill(tiny_model, ids):
 
 
 @pytest.mark.slow
-def test_window_buckets_forms_and_multi_chunk_topk():
+def test_window_buckets_forms_and_multi_chunk_topk(cut_model):
     """Top-k 100 over 200 tokens in chunks of 64: the window grows 64 -> 128 -> 256, "auto" switches from
     the dense MHA form (window <= top-k) to sparse MQA, and selections of different widths are merged."""
-    model = glm53.init(glm53.get_preset("tiny").replace(index_topk=100), seed=0, std=0.1)
+    model = glm53.init(cut_model.cfg.replace(index_topk=100), seed=0, std=0.1)
     ids = np.random.default_rng(5).integers(0, 512, 200).astype(np.int32)
     ref = glm53.score(model, ids, form="mqa")  # one chunk, window 256
     assert _close(glm53.score(model, ids, prefill_chunk=64), ref)
@@ -259,25 +269,25 @@ def test_window_buckets_forms_and_multi_chunk_topk():
         assert np.all(one[layer][50, 51:] == -1) and np.all(one[layer][150] >= 0)
 
 
-def test_prefill_chunk_is_validated(tiny_model, ids):
+def test_prefill_chunk_is_validated(cut_model, ids):
     for bad in (0, -3, 2.5):
         with pytest.raises(ValueError, match="prefill_chunk"):
-            glm53.score(tiny_model, ids, prefill_chunk=bad)
+            glm53.score(cut_model, ids, prefill_chunk=bad)
 
 
-def test_mtp_wiring_matches_its_definition(tiny_model, ids):
+def test_mtp_wiring_matches_its_definition(cut_model, ids):
     """MTP hidden = shared_head.norm(Layer(eh_proj([enorm(emb(t+1)) ; hnorm(h_t)]))), emb zeroed at position 0,
     h_t the main model's final normed hidden state (checked by composing the parts by hand)."""
-    c = compiled(tiny_model)
-    cfg = tiny_model.cfg
+    c = compiled(cut_model)
+    cfg = cut_model.cfg
     n = T - 1
     pos = jnp.arange(n, dtype=jnp.int32)[None]
-    cache = ContiguousKVCache.create(cfg, 1, 64, tiny_model.dtype)
+    cache = ContiguousKVCache.create(cfg, 1, 64, cut_model.dtype)
     h, cache, _ = c.forward(c.state, jnp.asarray(ids[None, :n]), pos, cache, window=64, form="mqa")
     got, _ = c.mtp_forward(c.state, h, jnp.asarray(ids[None, 1:]), pos, cache, j=0, window=64, form="mqa")
 
-    mtp = tiny_model.mtp[0]
-    emb = np.asarray(tiny_model.embed_tokens.weight[...])[ids[1:]][None]
+    mtp = cut_model.mtp[0]
+    emb = np.asarray(cut_model.embed_tokens.weight[...])[ids[1:]][None]
     emb[:, 0] = 0.0
 
     def rms(x, w):
@@ -285,7 +295,7 @@ def test_mtp_wiring_matches_its_definition(tiny_model, ids):
 
     x = np.concatenate([rms(emb, mtp.enorm.weight[...]), rms(np.asarray(h), mtp.hnorm.weight[...])], -1)
     x = x @ np.asarray(mtp.eh_proj.weight[...])
-    fresh = ContiguousKVCache.create(cfg, 1, 64, tiny_model.dtype)
+    fresh = ContiguousKVCache.create(cfg, 1, 64, cut_model.dtype)
     layer_out, _, _ = mtp(jnp.asarray(x), pos, fresh, None, window=64, form="mqa")
     want = rms(np.asarray(layer_out), mtp.shared_head.norm.weight[...])
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
