@@ -95,13 +95,25 @@ def test_unresolved_budget_needs_reported_memory():
 
 def test_check_engine_memory_cli_on_cpu(tmp_path):
     """The device check's engine-memory step (experiments/device_check.sh) runs here too: on a device
-    without memory statistics it records the compiler's estimate and says that is all it has."""
+    without memory statistics it records the compiler's estimate and says that is all it has. What it
+    records is the run's: the deployment it was given, the tiny model's float32 weight bytes (counted here
+    from the parameters), the bucket shapes the run compiled (the whole-budget prompt's prefill and the
+    decode), and their workspace within the engine's, which is the most over every bucket shape."""
     import json
+
+    import jax
+    from flax import nnx
 
     from experiments import check_engine_memory
 
     check_engine_memory.main(["--out", str(tmp_path), "--max-model-len", "64", "--batched-tokens", "16",
                               "--max-num-seqs", "2"])
     got = json.loads((tmp_path / "results.json").read_text())
-    assert got["device_reports_memory"] is False and got["workspace_bytes_per_device"] > 0
-    assert got["weights_bytes_per_device"] > 0 and "measured_workspace_bytes" not in got and "note" in got
+    assert got["device_reports_memory"] is False and "measured_workspace_bytes" not in got and "note" in got
+    assert got["deploy"] == {"max_model_len": 64, "max_num_batched_tokens": 16, "max_num_seqs": 2,
+                             "num_gpu_blocks": 64, "kv_cache_dtype": "fp8_ds_mla"}
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(glm53.init("tiny", seed=0, std=0.1))))
+    assert got["weights_bytes_per_device"] == weights
+    widths = {w for _, w, _ in got["shapes_run"]}
+    assert {r for r, _, _ in got["shapes_run"]} == {1} and 1 in widths and max(widths) >= 15
+    assert 0 < got["workspace_bytes_of_shapes_run"] <= got["workspace_bytes_per_device"]
