@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
-import sys
 import tempfile
 import venv
 from pathlib import Path
 
 from experiments.bench_http import start_server
-from experiments.common import REPO, git_revision
+from experiments.common import git_revision
 from experiments.pd_http import _stop, start_router
 
 CLIENTS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
@@ -96,9 +94,6 @@ def run_aiperf(bin_dir: Path, url: str, tokenizer: Path, requests: int, raw: Pat
            "--artifact-dir", str(raw), "--ui-type", "none"]
     _run(cmd, raw / "client.log")
     return json.loads(next(raw.rglob("profile_export_aiperf.json")).read_text())
-
-
-LATENCY = ("ttft", "itl", "request_latency")  # the keys of each result's `latency`, in seconds
 
 
 def _dist(mean, p50, p90, p99, scale: float) -> dict:
