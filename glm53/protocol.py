@@ -117,7 +117,7 @@ def unapplied_field(kind: str, data) -> tuple[str, str] | None:
 # ---------------------------------------------------------------------------------------- requests
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
-    continuous_usage_stats: Literal[False] | None = False  # vLLM's: a usage on every chunk, not served yet
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, a usage on every chunk too
 
 
 class GenerationRequest(OpenAIBaseModel):

@@ -564,8 +564,10 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
 
 
 def _usage(choices: list[_Choice]) -> UsageInfo:
+    """The choices' usage so far: an ended choice's counts, a running one's tokens that arrived (a stream's
+    continuous_usage_stats); cached tokens are known once a choice ends."""
     prompt = sum(len(c.prompt) for c in choices)
-    out = sum(c.handle.ended.num_output_tokens for c in choices if c.handle.ended is not None)
+    out = sum(c.handle.ended.num_output_tokens if c.handle.ended is not None else len(c.tokens) for c in choices)
     cached = sum(c.handle.ended.num_cached_tokens for c in choices if c.handle.ended is not None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out,
                      prompt_tokens_details={"cached_tokens": cached})
@@ -713,8 +715,12 @@ async def _collect(st: ServerState, raw: Request, choices: list[_Choice]) -> boo
 async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], rid: str, chat: bool):
     """Server-sent events: one chunk per token (its text, its id with return_token_ids), the finishing
     chunk with finish_reason and stop_reason ("abort" or "error" on a chunk of its own when a request
-    ended without a finishing token), a usage chunk with stream_options.include_usage, `[DONE]` last."""
+    ended without a finishing token), a usage chunk with stream_options.include_usage, `[DONE]` last.
+    With include_usage and continuous_usage_stats every chunk carries the usage so far too, as vLLM's
+    (guidellm asks for it to count tokens per chunk)."""
     merged: asyncio.Queue = asyncio.Queue()
+    so = body.stream_options
+    continuous = so is not None and bool(so.include_usage) and bool(so.continuous_usage_stats)
 
     async def pump(c: _Choice):
         async for tok, text, fin in c.handle:
@@ -722,6 +728,8 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
         await merged.put((c, None, "", True))
 
     def event(model: BaseModel) -> str:
+        if continuous and model.usage is None:
+            model.usage = _usage(choices)
         return f"data: {json.dumps(model.model_dump())}\n\n"
 
     def chunk(c: _Choice, text: str, tok: int | None = None, reason: str | None = None, why=None) -> str | None:

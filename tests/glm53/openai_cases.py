@@ -276,6 +276,14 @@ def test_a_stop_string_ends_the_request_as_a_stop_in_every_mode(api, stop_cases)
     assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", stop)
     assert all(ch["finish_reason"] is None for ch in chunks[:-1])
     stops += 1
+    # continuous_usage_stats (guidellm asks for it): every chunk carries the usage so far, as vLLM's
+    events = api.sse("/v1/completions", {"prompt": p, "max_tokens": 10, "temperature": 0, "stop": stop,
+                                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert [e["usage"]["completion_tokens"] for e in events[:-1]] == [*range(1, k + 2), k + 1]
+    assert all(e["usage"]["prompt_tokens"] == len(p) for e in events[:-1])
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == text
+    stops += 1
     # the openai client's stream
     got = list(api.client.completions.create(model=api.name, prompt=p, max_tokens=10, temperature=0, stop=stop,
                                              stream=True, stream_options={"include_usage": True}))
