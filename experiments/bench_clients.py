@@ -18,7 +18,8 @@ has no EOS for random weights, so every request produces the clients' requested 
 For each client and each target ("server": the server alone; "router": the router with that server as
 both its prefill and its decode server, which then recomputes the prompt as vLLM's "recompute") the
 client sends `--requests` requests of synthetic text at a concurrency of 2, and OUT/{client}_{target}.json
-records `versions` (client, python, this repository's revision), `requests_ok`, `requests_failed` and
+records the run's header (date, machine, git commit), `versions` (the client's, jax's, python's),
+`requests_ok`, `requests_failed` and
 `latency`, the client's own summary read from the client's own output file (guidellm's benchmarks JSON,
 aiperf's profile_export_aiperf.json), in seconds. The clients' own files and the processes' logs stay
 under OUT/raw/ (not committed). A benchmark of compatibility: the figures are a tiny random model on a laptop's 2 cores.
@@ -28,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import tempfile
 import venv
 from pathlib import Path
 
 from experiments.bench_http import start_server
-from experiments.common import git_revision
+from experiments.bench_model import run_metadata
 from experiments.pd_http import _stop, start_router
 
 CLIENTS = {"guidellm": "guidellm==0.8.1", "aiperf": "aiperf==0.13.0"}
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     envs.mkdir(parents=True, exist_ok=True)
     bins = {c: client_env(envs, c) for c in args.clients}
     runners = {"guidellm": (run_guidellm, guidellm_summary), "aiperf": (run_aiperf, aiperf_summary)}
-    common = {"python": platform.python_version(), "repo_revision": git_revision()}
+    meta = run_metadata("bench_clients")  # date, machine, git commit, jax and python versions
     written = {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_checkpoint(Path(tmp) / "ckpt")
@@ -179,8 +179,8 @@ def main(argv=None) -> dict:
                 run, summary = runners[client]
                 for target, p in (("server", port), ("router", rport)):
                     raw = run(bins[client], f"http://127.0.0.1:{p}", ckpt, args.requests, out / "raw" / f"{client}_{target}")
-                    res = {"client": client, "target": target, "endpoint": "/v1/chat/completions", "stream": True,
-                           "versions": {client: _pkg_version(bins[client], client), **common},
+                    res = {**meta, "client": client, "target": target, "endpoint": "/v1/chat/completions",
+                           "stream": True, "versions": {client: _pkg_version(bins[client], client), **meta["versions"]},
                            "model": {"preset": "tiny", "seed": 0, "tokenizer": "byte-level tokenizer.json"},
                            "deploy": DEPLOY, "concurrency": CONCURRENCY, "requests": args.requests,
                            "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, **summary(raw)}
