@@ -55,17 +55,24 @@ def client_env(envs: Path, name: str) -> Path:
     return d / "bin"
 
 
-def make_checkpoint(d: Path) -> Path:
-    """The tiny preset (seed 0) saved in `d` with a byte-level tokenizer.json the clients can load."""
-    import glm53
+def byte_level_tokenizer():
+    """A tokenizers.Tokenizer whose 256 ids are the bytes (GPT-2's byte alphabet, no merges): a checkpoint's
+    tokenizer.json for the presets' byte vocabulary that HF-style clients can load."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    glm53.save_pretrained(glm53.init(glm53.get_preset("tiny"), seed=0), d)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.save(str(d / "tokenizer.json"))
+    return tok
+
+
+def make_checkpoint(d: Path) -> Path:
+    """The tiny preset (seed 0) saved in `d` with a byte-level tokenizer.json the clients can load."""
+    import glm53
+
+    glm53.save_pretrained(glm53.init(glm53.get_preset("tiny"), seed=0), d)
+    byte_level_tokenizer().save(str(d / "tokenizer.json"))
     # transformers' AutoTokenizer reads the class from here (config.json's model_type is not one it knows)
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                          "model_max_length": DEPLOY["max_model_len"]}))

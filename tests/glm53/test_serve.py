@@ -292,14 +292,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor 
 def save_checkpoint(model, d: Path, eos: int | None = None):
     """`model` saved as an HF checkpoint in `d` with a byte-level tokenizer.json, a chat template and, if
     given, an EOS id -> the tokenizer (tokenizers.Tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from experiments.bench_clients import byte_level_tokenizer
 
     glm53.save_pretrained(model, d)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok = byte_level_tokenizer()
     tok.save(str(d / "tokenizer.json"))
     if eos is not None:
         (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
