@@ -48,7 +48,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
-from kvcache.tiers import Lookup, LookupContext, TierSet, chunk_key
+from kvcache.tiers import Lookup, LookupContext, RemoteSource, TierSet, chunk_key
 from kvcache.transfer import PageCopy, TierLoad, TierStore
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -74,6 +74,13 @@ def host_pools(blocks: dict[str, int], *, eviction: str = "lru", enable_prefix_c
         raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
     return {g: ARCBlockPool(n) if eviction == "arc" else BlockPool(n, enable_prefix_caching=enable_prefix_caching)
             for g, n in blocks.items()}
+
+
+def _remote(req) -> RemoteSource | None:
+    """The request's producer of other page spans (`kv_remote`, a PageSpans a P/D consumer's engine sets
+    from kv_transfer_params) as a lookup context carries it, or None."""
+    spans = getattr(req, "kv_remote", None)
+    return None if spans is None else RemoteSource(spans, req.tokens, tuple(req.extra_keys), req.num_tokens - 1)
 
 
 def _none(key) -> None:  # the lookup of a pool that does not hash its pages
@@ -201,7 +208,8 @@ class HostTier:
         # them in one lookup message instead of one per admission attempt)
         ctx = LookupContext(req.req_id, lambda: [chunk_key(self.fingerprint, g, rb.hashes[c]) for c in range(first, max_hit)
                                                  for g in kv.groups if not (c + 1) % kv.ratio[g] and g in self.pools],
-                            peer=getattr(req, "kv_peer", None), lease=getattr(req, "kv_lease", 0))
+                            peer=getattr(req, "kv_peer", None), lease=getattr(req, "kv_lease", 0),
+                            remote=_remote(req))
         dev = kv.pool.cached.get if kv.pool.enable_prefix_caching else _none
         host = {g: (p.cached.get if p.enable_prefix_caching else _none) for g, p in self.pools.items()}
         hashes, period = rb.hashes, kv.hit_multiple

@@ -149,3 +149,44 @@ def _pad(table: np.ndarray, n: int) -> jnp.ndarray:
     out = np.full(max(n, table.size), -1, np.int32)
     out[: table.size] = table
     return jnp.asarray(out)
+
+
+# ---------------------------------------------------------------------- chunks of another page span
+def page_parts(dst_tokens: int, src_tokens: int, page: int) -> list[tuple[int, int, int]]:
+    """Which pages of `src_tokens` tokens make page `page` of `dst_tokens` tokens (both in token order from
+    token 0) -> [(source page, first token, end token within it)], in order. One part when the destination
+    page lies in one source page (a split: dst_tokens divides src_tokens, or an lcm case), k parts when it
+    is k source pages (a concat), a mix otherwise (e.g. 6-token pages from 4-token ones: page 1 is tokens
+    6..12 = source page 1's tokens 2..4 and page 2's 0..4)."""
+    if dst_tokens < 1 or src_tokens < 1 or page < 0:
+        raise ValueError(f"page_parts: tokens per page must be >= 1 and page >= 0, got {dst_tokens}, {src_tokens}, "
+                         f"{page}")
+    lo, end = page * dst_tokens, (page + 1) * dst_tokens
+    return [(j, max(lo, j * src_tokens) - j * src_tokens, min(end, (j + 1) * src_tokens) - j * src_tokens)
+            for j in range(lo // src_tokens, (end - 1) // src_tokens + 1)]
+
+
+def assemble_page(parts, row_bytes, src_tokens: int) -> np.ndarray:
+    """One canonical page from slices of canonical pages of another span (`page_parts`) -> np.uint8
+    [sum(row_bytes) x tokens]. parts: [(payload, first token, end token)], each payload a canonical page of
+    `src_tokens` tokens (np.uint8 [sum(row_bytes) x src_tokens] or any buffer: every array of the group in
+    order, `row_bytes[a]` bytes per token of array a, its rows in token order; kvcache.host.HostMemory.
+    read_host_pages). The canonical layout is array-major, so a page is not a byte range of its sources:
+    each array's rows are cut and joined on their own."""
+    row_bytes = [int(w) for w in row_bytes]
+    per_token = sum(row_bytes)
+    srcs = []
+    for payload, lo, hi in parts:
+        buf = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload.reshape(-1)
+        if buf.size != per_token * src_tokens:
+            raise ValueError(f"assemble_page: a source page has {buf.size} bytes, {src_tokens} tokens of "
+                             f"{per_token} bytes need {per_token * src_tokens}")
+        if not 0 <= lo < hi <= src_tokens:
+            raise ValueError(f"assemble_page: tokens [{lo}, {hi}) are not within a page of {src_tokens}")
+        srcs.append((buf, lo, hi))
+    out, off = [], 0
+    for w in row_bytes:
+        for buf, lo, hi in srcs:
+            out.append(buf[off: off + w * src_tokens].reshape(src_tokens, w)[lo:hi].reshape(-1))
+        off += w * src_tokens
+    return np.concatenate(out) if out else np.zeros(0, np.uint8)

@@ -58,9 +58,11 @@ import importlib
 import json
 from collections.abc import Sequence
 
-from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, SecondaryTier, StoreJob, TierStats
+from kvcache.tiers.base import (JobResult, LoadJob, Lookup, LookupContext, PageSpans, RemoteSource, SecondaryTier,
+                                StoreJob, TierStats)
 
-__all__ = ["JobResult", "LoadJob", "Lookup", "LookupContext", "SecondaryTier", "StoreJob", "TierSet", "TierStats",
+__all__ = ["JobResult", "LoadJob", "Lookup", "LookupContext", "PageSpans", "RemoteSource", "SecondaryTier", "StoreJob",
+           "TierSet", "TierStats",
            "chunk_key", "check_tier_specs", "layout_fingerprint", "make_tier"]
 
 TIER_TYPES = ("fs", "obj", "p2p", "custom")

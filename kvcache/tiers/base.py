@@ -25,13 +25,15 @@ class LookupContext:
     peer tier the request's KV is to come from (a P/D consumer's producer, from the request's
     kv_transfer_params); a peer tier asks that one alone, and tiers that are not peers ignore it.
     `lease`: that producer's lease on the request's chunks (its `remote_lease`, 0: none), which the
-    peer tier's lookup hands over to its own pin so that the fetch frees them."""
+    peer tier's lookup hands over to its own pin so that the fetch frees them. `remote`: where that
+    producer's pages span other tokens than ours, its `RemoteSource` (kvcache.tiers.remote.RelayoutTier
+    asks for the producer's chunks and assembles ours from them); None: the same chunks on both sides."""
 
-    __slots__ = ("req_id", "_keys", "_make", "peer", "lease")
+    __slots__ = ("req_id", "_keys", "_make", "peer", "lease", "remote")
 
     def __init__(self, req_id: str, keys: Sequence[bytes] | Callable[[], Sequence[bytes]] = (), *,
-                 peer: str | None = None, lease: int = 0):
-        self.req_id, self.peer, self.lease = req_id, peer, lease
+                 peer: str | None = None, lease: int = 0, remote: RemoteSource | None = None):
+        self.req_id, self.peer, self.lease, self.remote = req_id, peer, lease, remote
         self._make, self._keys = (keys, None) if callable(keys) else (None, tuple(keys))
 
     @property
@@ -39,6 +41,46 @@ class LookupContext:
         if self._keys is None:
             self._keys = tuple(self._make())
         return self._keys
+
+
+@dataclasses.dataclass(frozen=True)
+class PageSpans:
+    """How an engine cuts a request into chunks (what a chunk key depends on besides the tokens and salt):
+    its layout fingerprint (kvcache.tiers.layout_fingerprint plus the weights), the tokens of one chained
+    hash block (block_size x DCP size: kvcache.block_pool.KVCacheManager.tokens_per_block) and, per cache
+    group, the tokens of one page (a multiple of hash_block_tokens). A P/D producer announces its own in
+    kv_transfer_params, so a consumer whose pages span other tokens can name the producer's chunks."""
+
+    fingerprint: str
+    hash_block_tokens: int
+    page_tokens: tuple[tuple[str, int], ...]  # (group, tokens per page), in the engine's group order
+
+    def __post_init__(self):
+        if not isinstance(self.hash_block_tokens, int) or self.hash_block_tokens < 1:
+            raise ValueError(f"PageSpans.hash_block_tokens must be an int >= 1, got {self.hash_block_tokens!r}")
+        for g, n in self.page_tokens:
+            if not isinstance(n, int) or n < 1 or n % self.hash_block_tokens:
+                raise ValueError(f"PageSpans.page_tokens[{g!r}] must be a multiple of hash_block_tokens "
+                                 f"({self.hash_block_tokens}), got {n!r}")
+
+    def tokens(self, group: str) -> int:
+        return dict(self.page_tokens)[group]
+
+    def describe(self) -> str:
+        """The spans as an error message names them: "mla 16, indexer 16 tokens per page"."""
+        return ", ".join(f"{g} {n}" for g, n in self.page_tokens) + " tokens per page"
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteSource:
+    """A request's KV as a producer of other page spans holds it: the producer's `spans`, and the request's
+    tokens and extra keys (salt) the chained hashes cover, and how many leading tokens' KV may be taken
+    (`num_tokens`: all but the last, since a prefix hit leaves one token to compute)."""
+
+    spans: PageSpans
+    tokens: Sequence[int]
+    extra_keys: tuple
+    num_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ import pytest
 
 import glm53
 from attention.formats import IndexKeyFormat, MLARowFormat
-from kvcache.relayout import PagedLayout, canonical_rows, gather_tokens, relayout, scatter_tokens
+from kvcache.relayout import (PagedLayout, assemble_page, canonical_rows, gather_tokens, page_parts, relayout,
+                              scatter_tokens)
 from parallel.dcp import DcpLayout
 
 GLM = glm53.get_preset("glm-5.3")
@@ -111,3 +112,37 @@ def test_bad_tables_and_layouts_are_refused():
         relayout(a, layout, ok, (np.zeros((layout.num_rows, 5), np.uint32),), layout, ok, 40)
     with pytest.raises(ValueError, match="destination block table: block id 9"):
         relayout(a, layout, ok, a, layout, np.array([9, 0]), 40)
+
+
+# ------------------------------------------------------------------ chunks of another page span (issue 48)
+WIDTHS = (5, 5, 3)  # bytes per token of each array of a group (layers of unequal rows included)
+
+
+def _canonical(rows, tokens: int, page: int) -> np.ndarray:
+    """Page `page` of `tokens` tokens in the canonical layout: each array's rows in token order, in turn."""
+    return np.concatenate([r[page * tokens:(page + 1) * tokens].reshape(-1) for r in rows])
+
+
+@pytest.mark.parametrize("src,dst", [(4, 8), (4, 12), (16, 4), (8, 8), (4, 6), (6, 4), (12, 8)],
+                         ids=lambda v: str(v))
+def test_pages_of_one_span_assemble_from_pages_of_another(src, dst):
+    """Concat (a page = k source pages), split (1/k of one), the lcm cases (6 from 4, 4 from 6, 8 from 12)
+    and the identity: every full destination page equals the canonical page cut from token-order rows."""
+    rng = np.random.default_rng(src * 100 + dst)
+    n = 48
+    rows = [rng.integers(0, 256, (n, w), dtype=np.uint8) for w in WIDTHS]
+    for page in range(n // dst):
+        parts = page_parts(dst, src, page)
+        assert sum(hi - lo for _, lo, hi in parts) == dst
+        got = assemble_page([(_canonical(rows, src, j), lo, hi) for j, lo, hi in parts], WIDTHS, src)
+        np.testing.assert_array_equal(got, _canonical(rows, dst, page))
+    assert page_parts(8, 4, 1) == [(2, 0, 4), (3, 0, 4)]
+    assert page_parts(4, 16, 2) == [(0, 8, 12)]
+    assert page_parts(6, 4, 1) == [(1, 2, 4), (2, 0, 4)]
+
+
+def test_assemble_page_refuses_a_page_of_the_wrong_size():
+    with pytest.raises(ValueError, match="13 bytes need 52"):
+        assemble_page([(np.zeros(12, np.uint8), 0, 4)], WIDTHS, 4)
+    with pytest.raises(ValueError, match="not within a page"):
+        assemble_page([(np.zeros(52, np.uint8), 2, 6)], WIDTHS, 4)

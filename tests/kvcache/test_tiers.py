@@ -541,3 +541,67 @@ def test_a_store_never_names_one_host_page_twice():
     assert pol.stats.store_skipped_pages == 1 and not any(isinstance(op, TierStore) for op in ops)
     pol.host["mla"].check()
 
+
+
+# ------------------------------------------------------------ pages of another span (RelayoutTier, issue 48)
+@pytest.mark.parametrize("prod,cons", [
+    ((4, {"mla": 4, "indexer": 8}), (8, {"mla": 8, "indexer": 16})),  # ours = 2 of theirs (concat)
+    ((16, {"mla": 16, "indexer": 16}), (4, {"mla": 4, "indexer": 8})),  # ours = 1/4 or 1/2 of one (split)
+    ((6, {"mla": 6, "indexer": 12}), (4, {"mla": 4, "indexer": 8})),  # neither divides (lcm)
+], ids=["concat", "split", "lcm"])
+def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, prod, cons):
+    """A producer's chunks (its spans, its fingerprint, its chained hashes) in a filesystem tier; a
+    consumer of other spans asks for its own keys through RelayoutTier with the producer's spans in the
+    lookup context: every page of ours within the producer's full pages is a HIT and loads as the
+    canonical page cut from the same token-order rows; a page past them is a MISS; each producer chunk is
+    loaded once however many of our pages share it; without the context the lookup is the inner tier's."""
+    from kvcache.block_pool import block_hashes
+    from kvcache.tiers import LookupContext, PageSpans, RemoteSource
+    from kvcache.tiers.remote import RelayoutTier
+
+    widths = {"mla": (5, 5, 3), "indexer": (2, 2)}
+    src = PageSpans("p" * 64, prod[0], tuple(prod[1].items()))
+    own = PageSpans("c" * 64, cons[0], tuple(cons[1].items()))
+    rng = np.random.default_rng(48)
+    tokens, salt, n = rng.integers(0, 1000, 50).tolist(), ("s",), 49  # KV of all but the last token may come
+    rows = {g: [rng.integers(0, 256, (len(tokens), w), dtype=np.uint8) for w in ws] for g, ws in widths.items()}
+
+    def page(g, t, i):
+        return np.concatenate([r[i * t:(i + 1) * t].reshape(-1) for r in rows[g]])
+
+    inner = FileTier(fingerprint=src.fingerprint, root_dir=str(tmp_path))
+    hs = block_hashes(tokens, src.hash_block_tokens, salt, upto=n)
+    keys, payloads, held = [], [], {}
+    for g, t in src.page_tokens:
+        held[g] = len(hs) * src.hash_block_tokens // t * t
+        for i in range(held[g] // t):
+            keys.append(chunk_key(src.fingerprint, g, hs[(i + 1) * t // src.hash_block_tokens - 1]))
+            payloads.append(page(g, t, i))
+    inner.submit_store(StoreJob(1, tuple(keys), tuple(payloads)))
+    assert _wait(inner, "store", 1)[0].status == ("ok",) * len(keys)
+    loads = []
+    submit = inner.submit_load
+    inner.submit_load = lambda job: (loads.extend(job.keys), submit(job))[1]
+    tier = RelayoutTier(inner, own, widths)
+    ctx = LookupContext("r", (), remote=RemoteSource(src, tokens, salt, n))
+    hd = block_hashes(tokens, own.hash_block_tokens, salt, upto=n)
+    want, job = {}, 10
+    for g, t in own.page_tokens:
+        for i in range(len(hd) * own.hash_block_tokens // t):
+            key = chunk_key(own.fingerprint, g, hd[(i + 1) * t // own.hash_block_tokens - 1])
+            assert tier.lookup(key) is Lookup.MISS  # no context: the inner tier's answer (it has no such key)
+            if (i + 1) * t > held[g]:
+                assert tier.lookup(key, ctx) is Lookup.MISS, (g, i)
+                continue
+            assert tier.lookup(key, ctx) is Lookup.HIT, (g, i)
+            job += 1
+            tier.submit_load(LoadJob(job, (key,), (t * sum(widths[g]),)))
+            want[job] = page(g, t, i)
+    assert want
+    got = _wait(tier, "load", len(want))
+    assert sorted(r.job_id for r in got) == sorted(want)
+    for r in got:
+        assert r.status == ("ok",)
+        np.testing.assert_array_equal(r.payloads[0], want[r.job_id])
+    assert len(loads) == len(set(loads))  # a chunk two of our pages share is fetched once
+    tier.shutdown()
