@@ -69,6 +69,7 @@ from pydantic import BaseModel, ValidationError
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.request import SEED_RANGE, RequestError
+from kvcache.tiers import PageSpans
 from glm53.protocol import (
     MAX_REQUEST_BYTES,
     ChatChoice,
@@ -542,7 +543,7 @@ class _Choice:
 
 
 async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: int | None, kv_peer, kv_lease,
-                 output=None) -> list[_Choice]:
+                 output=None, kv_remote=None) -> list[_Choice]:
     choices: list[_Choice] = []
     try:
         for i, ids in enumerate(prompts):
@@ -550,7 +551,7 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
             params = _sampling(st, body, n, i)
             text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
             handle = await st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer,
-                                         kv_lease=kv_lease, text=text)
+                                         kv_lease=kv_lease, kv_remote=kv_remote, text=text)
             choices.append(_Choice(i, ids, handle, text, output() if output is not None else None))
     except BaseException as e:
         for c in choices:
@@ -574,11 +575,11 @@ def _usage(choices: list[_Choice]) -> UsageInfo:
 
 
 # ------------------------------------------------------------------------------ generation: P/D legs
-def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int]:
+def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int, PageSpans | None]:
     """What a request's kv_transfer_params ask of this server -> (produce: answer with the params a
     consumer needs, kv_peer: the producer to take the prompt's KV from, kv_lease: its lease on that
-    KV, 0 if none). Without the PdConnector in the matching role both are ignored (the prompt is
-    computed here, as by an aggregated server)."""
+    KV, 0 if none, kv_remote: the page spans it announced, None if none). Without the PdConnector in the
+    matching role both are ignored (the prompt is computed here, as by an aggregated server)."""
     ktp = body.kv_transfer_params or {}
     role = st.deploy.kv_role
     produce = bool(ktp.get("do_remote_decode")) and role in ("kv_producer", "kv_both")
@@ -586,7 +587,7 @@ def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int]:
         raise HTTPError(400, "kv_transfer_params.do_remote_decode takes one prompt and stream false (the prefill "
                              "leg of a P/D pair)", "kv_transfer_params")
     if not (ktp.get("do_remote_prefill") and role in ("kv_consumer", "kv_both")):
-        return produce, None, 0
+        return produce, None, 0, None
     host, port = ktp.get("remote_host"), ktp.get("remote_port")
     if not _is_host(host) or isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise HTTPError(400, f"kv_transfer_params.do_remote_prefill needs remote_host (a host name or IP address) and "
@@ -595,7 +596,29 @@ def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int]:
     if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease < 1 << 63:
         raise HTTPError(400, f"kv_transfer_params.remote_lease must be the producer's lease id (an integer >= 0), "
                              f"got {lease!r}", "kv_transfer_params")
-    return produce, f"{host}:{port}", lease
+    return produce, f"{host}:{port}", lease, _page_spans(ktp.get("remote_page_spans"))
+
+
+def _page_spans(spans) -> PageSpans | None:
+    """kv_transfer_params' remote_page_spans (`_produced`: {"fingerprint": hex, "hash_block_tokens": n,
+    "page_tokens": {group: n}}) -> kvcache.tiers.PageSpans; None when absent (a producer that says
+    nothing of its spans is taken to share ours); a 400 naming the field when malformed."""
+    if spans is None:
+        return None
+    try:
+        if not isinstance(spans, dict) or set(spans) != {"fingerprint", "hash_block_tokens", "page_tokens"}:
+            raise ValueError("it must have exactly fingerprint, hash_block_tokens and page_tokens")
+        fp, pages = spans["fingerprint"], spans["page_tokens"]
+        if not isinstance(fp, str) or not re.fullmatch(r"[0-9a-f]{64}", fp):
+            raise ValueError("fingerprint must be 64 hex digits")
+        if not isinstance(pages, dict) or not pages or not all(isinstance(g, str) for g in pages):
+            raise ValueError("page_tokens must map cache group names to tokens per page")
+        if any(isinstance(v, bool) for v in (spans["hash_block_tokens"], *pages.values())):
+            raise ValueError("tokens must be integers")
+        return PageSpans(fp, spans["hash_block_tokens"], tuple(pages.items()))
+    except ValueError as e:
+        raise HTTPError(400, f"kv_transfer_params.remote_page_spans is malformed ({e}): got {spans!a}"[:400],
+                        "kv_transfer_params") from None
 
 
 _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
@@ -637,18 +660,21 @@ async def _produced(st: ServerState, req_id: str) -> dict:
             break
         n += 1
     lease = tier.lease(keys[:held], eng.deploy.pd_lease_s)
+    spans = eng.page_spans()
     return {"do_remote_decode": False, "do_remote_prefill": True,
             "remote_engine_id": f"{st.served_model_name}@{tier.address}", "remote_host": tier.host,
             "remote_port": tier.port, "remote_num_tokens": n * tpb, "remote_lease": lease,
-            "remote_lease_s": eng.deploy.pd_lease_s}
+            "remote_lease_s": eng.deploy.pd_lease_s,
+            "remote_page_spans": {"fingerprint": spans.fingerprint, "hash_block_tokens": spans.hash_block_tokens,
+                                  "page_tokens": dict(spans.page_tokens)}}
 
 
 # --------------------------------------------------------------------------------- generation: answers
 async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]], max_tokens: int | None,
                     chat: bool, output=None):
     """output: makes each chat choice's ChatOutput (its parsers)."""
-    produce, kv_peer, kv_lease = _pd_leg(st, body, prompts)
-    choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease, output)
+    produce, kv_peer, kv_lease, kv_remote = _pd_leg(st, body, prompts)
+    choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease, output, kv_remote)
     rid = new_id(chat)
     if body.stream:
         return StreamingResponse(_stream(st, raw, body, choices, rid, chat), media_type="text/event-stream")

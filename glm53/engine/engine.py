@@ -36,6 +36,7 @@ import dataclasses
 import gc
 import hashlib
 import itertools
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -58,11 +59,15 @@ from kvcache.hisparse import HiSparsePolicy
 from kvcache.offload import OffloadPolicy
 from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
 from kvcache.block_pool import block_hashes
-from kvcache.tiers import TierSet, chunk_key, layout_fingerprint, make_tier
+from kvcache.layout import DEFAULT_INDEX_FORMAT, cache_groups
+from kvcache.tiers import PageSpans, TierSet, chunk_key, layout_fingerprint, make_tier
+from kvcache.tiers.remote import RelayoutTier
 from kvcache.transfer import TransferStats
 from parallel import mesh as parallel_mesh
 from parallel import model as parallel_model
 from parallel import tp as parallel_tp
+
+_log = logging.getLogger(__name__)
 
 
 # vLLM's kv_cache_spec_kind of GLM-5.3's cache groups: the MLA rows and the indexer keys are both
@@ -174,14 +179,19 @@ class Engine:
         if specs and runners is not None and not all(hasattr(r, "make_tiers") for r in runners):
             raise NotImplementedError("secondary KV tiers need the model runner or a runner that simulates them "
                                       "(make_tiers: glm53.engine.synthetic.SyntheticRunner, glm53.engine.sim.SimRunner)")
-        self.fingerprint = kv_fingerprint(model, d, self.sizes) if specs else ""
+        self._weights_sample = _weights_sample(model) if specs else b""
+        self._spans: dict[tuple, PageSpans] = {}  # per page tokens: the spans (fingerprint_for caches them)
+        self.fingerprint = kv_fingerprint(model, d, self.sizes, weights=self._weights_sample) if specs else ""
+        # P/D consumer: transfers refused or found empty for a reason other than "never prefilled"
+        self.kv_transfer_failed_lookups = [0] * dp
+        self._failures_logged: set = set()
         self.replicas: list[Replica] = []
         self.tiers: list[TierSet | None] = []
         for i in range(dp):
             if specs and runners is not None:  # an injected runner simulates its tiers (keys, no bytes)
                 tiers = runners[i].make_tiers(specs, self.fingerprint, replica=i)
             else:
-                tiers = TierSet([make_tier(spec, self.fingerprint, replica=i) for spec in specs]) if specs else None
+                tiers = TierSet([self._wrap(make_tier(spec, self.fingerprint, replica=i)) for spec in specs]) if specs else None
             self.tiers.append(tiers)
             policy = make_policy(d, self.sizes, tiers, self.fingerprint)
             run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers) if runners is None else runners[i]
@@ -290,6 +300,60 @@ class Engine:
         tiers = self.tiers[replica] if self.deploy.kv_role is not None else None
         return next((t for t in tiers.tiers if t.name == PD_TIER), None) if tiers is not None else None
 
+    def page_spans(self, page_tokens: dict[str, int] | None = None) -> PageSpans:
+        """How this engine's chunks cut a request (kvcache.tiers.PageSpans), or, with `page_tokens` (tokens
+        per page per cache group, multiples of this engine's hash block), how an engine of this model,
+        weights and KV dtype would cut it with those pages: the fingerprint a P/D producer of those spans
+        must announce."""
+        d = self.deploy
+        own = d.group_tokens_per_block(GROUPS)
+        tokens = dict(own) if page_tokens is None else {g: page_tokens[g] for g in GROUPS}
+        at = tuple(tokens.items())
+        if at not in self._spans:
+            # a page's bytes are its tokens' (the same row bytes whatever the span: the canonical layout)
+            pages = {g: self.sizes.page_bytes[g] // own[g] * tokens[g] for g in GROUPS}
+            fp = (self.fingerprint if tokens == own else
+                  kv_fingerprint(self.cfg, d, self.sizes, page_tokens=tokens, page_bytes=pages,
+                                 weights=self._weights_sample))
+            hash_block = tokens["mla"]  # block_size x DCP: the MLA page is one hash block
+            self._spans[at] = PageSpans(fp, hash_block, at)
+        return self._spans[at]
+
+    def remote_source(self, announced: PageSpans | None, peer: str | None, replica: int = 0) -> PageSpans | None:
+        """What a P/D consumer's request takes its prompt's KV by, given the spans its producer announced
+        (kv_transfer_params' remote_page_spans; None: not announced, the same as ours): None when they are
+        ours (our own keys name the producer's chunks), the producer's spans when only the spans differ
+        (kvcache.tiers.remote.RelayoutTier assembles our pages from its chunks). A producer whose chunks
+        cannot be ours whatever their span (another model, weights, KV dtype, MTP on one side only: the
+        fingerprint it announced is not the one this engine computes for its spans) is logged once per
+        producer and fingerprint, counted in `kv_transfer_failed_lookups`, and raises ValueError (the
+        caller computes the prompt instead)."""
+        if announced is None:
+            return None
+        tokens = dict(announced.page_tokens)
+        # ours hash blocks of block_size x DCP tokens, the MLA page; other groups' pages are multiples of it
+        ok = set(tokens) == set(GROUPS) and announced.hash_block_tokens == tokens["mla"]
+        want = self.page_spans(tokens) if ok else None
+        if want is None or want.fingerprint != announced.fingerprint:
+            self.kv_transfer_failed_lookups[replica] += 1
+            key = (peer, announced.fingerprint)
+            if key not in self._failures_logged and len(self._failures_logged) < 1024:
+                self._failures_logged.add(key)
+                _log.warning("P/D: the producer at %s holds chunks this engine cannot read (its fingerprint %s is "
+                             "not this model's, weights' and KV format's at its page spans: producer %s, consumer "
+                             "%s); prompts it prefills are computed here", peer, announced.fingerprint[:16],
+                             announced.describe(), self.page_spans().describe())
+            raise ValueError(f"the producer's KV layout ({announced.describe()}) is not this engine's model, weights "
+                             "and KV format")
+        return None if want.fingerprint == self.fingerprint else want
+
+    def _wrap(self, tier):
+        """The PdConnector's peer tier of a consumer, seen through RelayoutTier (pages of any producer's
+        spans); any other tier as it is."""
+        if tier.name != PD_TIER or self.deploy.kv_role not in ("kv_consumer", "kv_both"):
+            return tier
+        return RelayoutTier(tier, self.page_spans(), kv_row_bytes(self.cfg, self.deploy, self.sizes))
+
     def kv_transfer_received_tokens(self, replica: int) -> int:
         """Prompt tokens whose KV `replica` loaded from a P/D producer: the MLA pages the PdConnector's tier
         loaded (every page has one) times their tokens (glm53:kv_transfer_received_tokens)."""
@@ -324,10 +388,12 @@ class Engine:
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
                     salt: str = "", kv_peer: str | None = None, kv_lease: int = 0,
-                    stop_check: Callable[[int], str | None] | None = None) -> str:
+                    kv_remote: PageSpans | None = None, stop_check: Callable[[int], str | None] | None = None) -> str:
         """Queue a prompt on the replica `route(salt)` picks. kv_peer: "host:port" of the peer tier (a P/D
         producer's) its prefix lookup asks for the prompt's KV (kvcache.tiers.LookupContext.peer), kv_lease:
-        that producer's lease on it (handed over to the lookup, so the fetch frees it). stop_check: the
+        that producer's lease on it (handed over to the lookup, so the fetch frees it); kv_remote: the page
+        spans it announced (`remote_source`: a producer whose chunks this engine cannot read is counted and
+        logged, and the prompt is computed here). stop_check: the
         request's stop strings (`Request.stop_check`). Rejects (RequestError, a ValueError naming the field)
         token ids outside the vocabulary, a prompt whose tokens plus max_new_tokens exceed max_model_len
         (rather than truncating it), and a salt that is not text UTF-8 can carry (it is hashed into every
@@ -351,8 +417,14 @@ class Engine:
         if req_id in self.requests or req_id in self.finished:
             raise ValueError(f"request id {req_id!r} is already in use")
         i = self.route(salt)
+        remote = None
+        if kv_peer is not None:
+            try:
+                remote = self.remote_source(kv_remote, kv_peer, i)
+            except ValueError:
+                kv_peer, kv_lease = None, 0  # nothing of it could be ours: compute, do not ask
         req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now(), kv_peer=kv_peer,
-                      kv_lease=kv_lease, stop_check=stop_check)
+                      kv_lease=kv_lease, kv_remote=remote, stop_check=stop_check)
         self.replicas[i].scheduler.add(req)
         self.requests[req_id] = req
         self._owner[req_id] = i
@@ -694,26 +766,46 @@ def _shutdown(tiers, recorders, publishers) -> None:
         p.close()
 
 
-def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes) -> str:
+def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes, *, page_tokens: dict | None = None,
+                   page_bytes: dict | None = None, weights: bytes | None = None) -> str:
     """The secondary tiers' fingerprint of this deployment's KV bytes (kvcache.tiers.layout_fingerprint)
     and of the weights that computed them: SHA-256 over 256 values spread evenly over every weight array
     (every expert of a stacked expert array included), so two random initialisations of one preset, or
     two checkpoints of one architecture, do not share KV. A sample, not a proof: two checkpoints equal
     at every sampled value would collide (fine-tunes change every weight; name a separate root_dir for
-    checkpoints that differ only in a few)."""
+    checkpoints that differ only in a few). page_tokens / page_bytes: another page span's (a P/D
+    producer's, Engine.page_spans); weights: `_weights_sample(model)`, computed once."""
     cfg = model if isinstance(model, ModelConfig) else model.cfg
-    fp = layout_fingerprint(dataclasses.asdict(cfg), group_tokens=deploy.group_tokens_per_block(GROUPS),
-                            page_bytes=sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype)
-    h = hashlib.sha256(fp.encode())
-    if isinstance(model, nnx.Module):
-        leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
-        on_device = iter(_leaf_heads([x for _, x in leaves if not isinstance(x, np.ndarray)]))
-        # a host-loaded model's leaves are read on the host (a jit would copy every whole leaf to a device)
-        heads = [_head(x) if isinstance(x, np.ndarray) else next(on_device) for _, x in leaves]
-        for (path, x), head in zip(leaves, heads):
-            h.update(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode())
-            h.update(np.asarray(head).tobytes())
-    return h.hexdigest()
+    fp = layout_fingerprint(dataclasses.asdict(cfg), group_tokens=page_tokens or deploy.group_tokens_per_block(GROUPS),
+                            page_bytes=page_bytes or sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype)
+    return hashlib.sha256(fp.encode() + (_weights_sample(model) if weights is None else weights)).hexdigest()
+
+
+def _weights_sample(model) -> bytes:
+    """What the KV fingerprint hashes of the weights: each leaf's path, shape, dtype and `_head` (b"" for a
+    config: a simulated engine)."""
+    if not isinstance(model, nnx.Module):
+        return b""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
+    on_device = iter(_leaf_heads([x for _, x in leaves if not isinstance(x, np.ndarray)]))
+    # a host-loaded model's leaves are read on the host (a jit would copy every whole leaf to a device)
+    heads = [_head(x) if isinstance(x, np.ndarray) else next(on_device) for _, x in leaves]
+    return b"".join(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode() + np.asarray(head).tobytes()
+                    for (path, x), head in zip(leaves, heads))
+
+
+def kv_row_bytes(cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes) -> dict[str, tuple[int, ...]]:
+    """Per cache group, the bytes per token of each array of a canonical chunk (kvcache.host.HostMemory:
+    one per layer, the MTP layer's with MTP on), checked against the pages' bytes."""
+    mla, index = cache_groups(cfg, sizes.kv_cache_dtype, DEFAULT_INDEX_FORMAT[sizes.kv_cache_dtype],
+                              include_mtp=deploy.num_speculative_tokens > 0)
+    out = {g.name: (g.bytes_per_token,) * len(g.layers) for g in (mla, index)}
+    tokens = deploy.group_tokens_per_block(GROUPS)
+    for g in GROUPS:
+        if sum(out[g]) * tokens[g] != sizes.page_bytes[g]:
+            raise ValueError(f"kv_row_bytes: {g} rows of {out[g]} bytes do not make its {sizes.page_bytes[g]}-byte "
+                             f"pages of {tokens[g]} tokens")
+    return out
 
 
 def _head(x):

@@ -40,7 +40,8 @@ the engine's steps (`Engine.add_observer`). Every metric carries the labels `mod
   the mean acceptance length is 1 + accepted / drafts.
 - This project's own figures under `glm53:` (recomputed tokens, host link bytes, engine steps, XLA
   compilations in this process; with the PdConnector, `glm53:kv_transfer_received_tokens`: prompt tokens
-  whose KV a consumer loaded from a producer).
+  whose KV a consumer loaded from a producer, and `glm53:kv_transfer_failed_lookups`: requests whose
+  producer's KV it could not take for a reason other than "never prefilled", each logged once per producer).
 """
 
 from __future__ import annotations
@@ -209,6 +210,10 @@ class _Collector:
         steps = family(CounterMetricFamily, "glm53:scheduler_steps", "Scheduler steps that ran requests.")
         received = family(CounterMetricFamily, "glm53:kv_transfer_received_tokens",
                           "Prompt tokens whose KV came from a P/D producer (the PdConnector) instead of being computed.")
+        failed = family(CounterMetricFamily, "glm53:kv_transfer_failed_lookups",
+                        "P/D requests whose producer's KV this consumer could not take for a reason other than "
+                        "the producer never having prefilled it (its chunks are another model's, weights' or KV "
+                        "format's); their prompts are computed.")
         compiles = CounterMetricFamily("glm53:xla_compilations", "XLA programs compiled by this process (a warm "
                                        "server compiles none while serving).", labels=["model_name"])
         compiles.add_metric([m.model_name], m.compilations)
@@ -253,6 +258,7 @@ class _Collector:
             steps.add_metric(lv, st.steps)
             if d.kv_role is not None:
                 received.add_metric(lv, eng.kv_transfer_received_tokens(i))
+                failed.add_metric(lv, eng.kv_transfer_failed_lookups[i])
             with m._lock:
                 for reason in FINISH_REASONS:
                     success.add_metric(lv + [reason], m._success.get((i, reason), 0))
@@ -285,6 +291,7 @@ class _Collector:
                     h2d, steps, compiles)
         if d.kv_role is not None:
             yield received
+            yield failed
         if d.num_speculative_tokens:
             yield from (*spec.values(), per_pos)
         if d.kv_policy == "hisparse":

@@ -102,6 +102,8 @@ class Request:
     # P/D consumer: "host:port" of the producer's peer tier its prompt's KV comes from (kv_transfer_params)
     kv_peer: str | None = None
     kv_lease: int = 0  # and that producer's lease on them (its remote_lease; 0: none), released by our lookup
+    # and its page spans where they differ from ours (kvcache.tiers.PageSpans; None: the same chunks)
+    kv_remote: object = None
     finished_in_plan: int = -1  # Engine.plans_run of its replica when it finished (a later plan parks its KV)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
