@@ -319,15 +319,14 @@ class Engine:
             self._spans[at] = PageSpans(fp, hash_block, at)
         return self._spans[at]
 
-    def remote_source(self, announced: PageSpans | None, peer: str | None, replica: int = 0) -> PageSpans | None:
+    def remote_source(self, announced: PageSpans | None) -> PageSpans | None:
         """What a P/D consumer's request takes its prompt's KV by, given the spans its producer announced
         (kv_transfer_params' remote_page_spans; None: not announced, the same as ours): None when they are
         ours (our own keys name the producer's chunks), the producer's spans when only the spans differ
-        (kvcache.tiers.remote.RelayoutTier assembles our pages from its chunks). A producer whose chunks
-        cannot be ours whatever their span (another model, weights, KV dtype, MTP on one side only: the
-        fingerprint it announced is not the one this engine computes for its spans) is logged once per
-        producer and fingerprint, counted in `kv_transfer_failed_lookups`, and raises ValueError (the
-        caller computes the prompt instead)."""
+        (kvcache.tiers.remote.RelayoutTier assembles our pages from its chunks). ValueError, naming both
+        sides' spans, for a producer whose chunks cannot be ours whatever their span: another model,
+        weights or KV format, or MTP on one side only (the fingerprint it announced is not the one this
+        engine computes for its spans)."""
         if announced is None:
             return None
         tokens = dict(announced.page_tokens)
@@ -335,16 +334,9 @@ class Engine:
         ok = set(tokens) == set(GROUPS) and announced.hash_block_tokens == tokens["mla"]
         want = self.page_spans(tokens) if ok else None
         if want is None or want.fingerprint != announced.fingerprint:
-            self.kv_transfer_failed_lookups[replica] += 1
-            key = (peer, announced.fingerprint)
-            if key not in self._failures_logged and len(self._failures_logged) < 1024:
-                self._failures_logged.add(key)
-                _log.warning("P/D: the producer at %s holds chunks this engine cannot read (its fingerprint %s is "
-                             "not this model's, weights' and KV format's at its page spans: producer %s, consumer "
-                             "%s); prompts it prefills are computed here", peer, announced.fingerprint[:16],
-                             announced.describe(), self.page_spans().describe())
-            raise ValueError(f"the producer's KV layout ({announced.describe()}) is not this engine's model, weights "
-                             "and KV format")
+            raise ValueError(f"the producer's chunks ({announced.describe()}, fingerprint {announced.fingerprint[:16]}) "
+                             f"cannot be this engine's ({self.page_spans().describe()}): another model, weights or "
+                             "KV format, or MTP on one side only")
         return None if want.fingerprint == self.fingerprint else want
 
     def _wrap(self, tier):
@@ -377,9 +369,17 @@ class Engine:
         (kvcache.tiers.chunk_key) of the host-tier pages ending there, one per cache group). Reads only
         the finished request and the configuration, so a server thread may call it."""
         req = self.finished[req_id]
-        sch = self.replicas[self._owner[req_id]].scheduler
+        return self.chunk_keys(req.prompt_ids, req.extra_keys, upto=req.prompt_ids.size - 1,
+                               replica=self._owner[req_id])
+
+    def chunk_keys(self, token_ids, extra_keys, *, upto: int, replica: int = 0
+                   ) -> tuple[int, list[list[tuple[str, bytes]]]]:
+        """This engine's chunks of the first `upto` tokens of `token_ids` hashed with `extra_keys` (the salt):
+        (tokens per hash block, per full hash block, (group, chunk key) of the host-tier pages ending
+        there, one per cache group that has a host pool)."""
+        sch = self.replicas[replica].scheduler
         kv, pools = sch.kv, sch.policy.host_tier.pools
-        hashes = block_hashes(req.prompt_ids, kv.tokens_per_block, req.extra_keys, upto=req.prompt_ids.size - 1)
+        hashes = block_hashes(token_ids, kv.tokens_per_block, extra_keys, upto=upto)
         return kv.tokens_per_block, [[(g, chunk_key(self.fingerprint, g, h)) for g in kv.groups
                                       if not (c + 1) % kv.ratio[g] and g in pools] for c, h in enumerate(hashes)]
 
@@ -420,8 +420,14 @@ class Engine:
         remote = None
         if kv_peer is not None:
             try:
-                remote = self.remote_source(kv_remote, kv_peer, i)
-            except ValueError:
+                remote = self.remote_source(kv_remote)
+            except ValueError as e:
+                self.kv_transfer_failed_lookups[i] += 1
+                key = (kv_peer, kv_remote.fingerprint)
+                if key not in self._failures_logged and len(self._failures_logged) < 1024:  # once per producer
+                    self._failures_logged.add(key)
+                    _log.warning("P/D: the producer at %s holds chunks this engine cannot read; prompts it prefills "
+                                 "are computed here: %s", kv_peer, e)
                 kv_peer, kv_lease = None, 0  # nothing of it could be ours: compute, do not ask
         req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now(), kv_peer=kv_peer,
                       kv_lease=kv_lease, kv_remote=remote, stop_check=stop_check)

@@ -19,8 +19,14 @@ idle engine's clock jumps to the time of the work it is given. The producer's "p
 (its chunks are the bytes its host tier already holds; a NIXL-style read takes them from there), and
 its parking is priced as the offload policy's copies are.
 
-Both engines must share the chunk layout (`Engine.fingerprint`): a page must cover the same tokens on
-both sides. A DCP8 producer therefore runs block_size 8 to feed 64-token decode pages.
+The engines' pages may span different tokens (a DCP8 producer's block_size x 8 tokens, a decode rank's
+block_size): the consumer then takes each of its full pages within the producer's full pages, as the
+servers do (kvcache.tiers.remote.RelayoutTier). The relayout is priced as the producer's bytes it reads:
+each of the consumer's chunks is put into its "pd" tier at the size of the producer pages first needed
+for it (kvcache.relayout.page_parts), so a producer page that the consumer's pages use only in part is
+still read whole over the tier's read channel. The host copy that assembles a page is not priced.
+Engines whose chunks cannot be each other's (another model or KV format, MTP on one side only:
+`Engine.remote_source`) are refused with a ValueError naming both sides' page spans.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from glm53.engine.engine import Engine
 from glm53.engine.metrics import summarize
 from glm53.engine.request import SamplingParams
 from glm53.perfmodel.hardware import STORAGE, StorageSpec
+from kvcache.relayout import page_parts
 
 # the producer's own "pd" tier: its host memory, which the consumer reads (the read is priced there)
 PRODUCER_HOST = StorageSpec("the producer's host memory (read by the consumer)", read_bandwidth=math.inf,
@@ -92,10 +99,10 @@ class PdPair:
                                  f"kv_role {eng.deploy.kv_role!r}")
             if not hasattr(eng.clock, "advance"):
                 raise ValueError(f"PdPair: the {name} engine needs a VirtualClock (a simulated engine)")
-        if prefill.fingerprint != decode.fingerprint:
-            raise ValueError("PdPair: the engines' chunk layouts differ (a page must cover the same tokens and bytes "
-                             f"on both: prefill {prefill.deploy.group_tokens_per_block(('mla', 'indexer'))}, decode "
-                             f"{decode.deploy.group_tokens_per_block(('mla', 'indexer'))} tokens per page)")
+        try:
+            self.remote = decode.remote_source(prefill.page_spans())  # None: the same chunks on both sides
+        except ValueError as e:
+            raise ValueError(f"PdPair: {e}") from None
         self.prefill, self.decode = prefill, decode
         self.clock = _Clock()
         self.cfg, self.deploy = decode.cfg, decode.deploy
@@ -193,10 +200,31 @@ class PdPair:
         self._catch_up(self.decode, t)
         self.decode.add_request(prompt, params, req_id=rid, salt=salt, kv_peer="producer")
         self.decode.requests[rid].arrival_s = arrival
-        pages = self.decode.sizes.page_bytes
-        self.decode.pd_tier(self.decode.replica_of(rid)).put((k, pages[g]) for block in held for g, k in block)
+        tier = self.decode.pd_tier(self.decode.replica_of(rid))
+        if self.remote is None:
+            pages = self.decode.sizes.page_bytes
+            tier.put((k, pages[g]) for block in held for g, k in block)
+        else:
+            tier.put(self._relaid(rid, len(held) * tpb))
         self.handed_tokens += len(held) * tpb
         self.handoff_s.append(t - arrival)
+
+    def _relaid(self, rid: str, held_tokens: int) -> list[tuple[bytes, int]]:
+        """The decode engine's chunks of finished prefill `rid` that the producer's first `held_tokens`
+        tokens make, each as (its key, the bytes of the producer pages read first for it)."""
+        src, req = self.remote, self.prefill.finished[rid]
+        own = self.decode.page_spans()
+        tpb, blocks = self.decode.chunk_keys(req.prompt_ids, req.extra_keys, upto=held_tokens)
+        per_token = {g: self.prefill.sizes.page_bytes[g] // src.tokens(g) for g, _ in own.page_tokens}
+        read, out = set(), []
+        for c, block in enumerate(blocks):
+            for g, key in block:
+                tc, tp = own.tokens(g), src.tokens(g)
+                page = (c + 1) * tpb // tc - 1
+                new = {j for j, _, _ in page_parts(tc, tp, page)} - {j for gg, j in read if gg == g}
+                read |= {(g, j) for j in new}
+                out.append((key, len(new) * tp * per_token[g]))
+        return out
 
     def metrics(self, req_ids=None, window: tuple[float, float] | None = None) -> dict:
         """The decode engine's metrics over the requests (their arrival is the client's, so TTFT and

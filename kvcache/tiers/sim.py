@@ -144,10 +144,13 @@ class SimTier:
             raise RuntimeError(f"tier {self.name!r} is shut down")
         now = self._advance()
         done = now
-        for key, size in zip(job.keys, job.sizes):
+        # a held chunk is read at the bytes it was held at: the page's own, or for a P/D consumer's page
+        # assembled from a producer's pages of another span, the producer bytes read for it (`put`)
+        chunks = tuple((key, self._held.get(key, size)) for key, size in zip(job.keys, job.sizes))
+        for key, size in chunks:
             if key in self._held:
                 done = max(done, self.reads.schedule(now, size))
-        self._push(done, "load", (job.job_id, now, tuple(zip(job.keys, job.sizes))))
+        self._push(done, "load", (job.job_id, now, chunks))
 
     def get_finished_jobs(self) -> list[JobResult]:
         self._advance()

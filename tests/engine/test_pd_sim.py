@@ -2,7 +2,8 @@
 virtual clocks, driven by the closed-loop client as one engine. Every request completes; its decode leg
 starts after its prefill leg finished, and its TTFT counts both legs (the client's arrival); the decode
 engine takes from the producer exactly the prompt pages it does not hold itself, and computes no more
-than the last page's tokens of any prompt; engines whose pages cover different tokens are refused."""
+than the last page's tokens of any prompt; a decode engine of other page spans takes what the
+producer's full pages cover, and engines whose chunks cannot be each other's are refused."""
 
 import pytest
 
@@ -45,9 +46,38 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
     pair.shutdown()
 
 
-def test_pd_pair_refuses_engines_whose_pages_differ():
-    dec = DeployConfig(**COMMON, block_size=8, kv_policy="offload", cpu_offload_bytes=1 << 26)  # 8 tokens, not 16
-    with pytest.raises(ValueError, match="chunk layouts differ"):
+def test_pd_pair_takes_pages_of_another_span_and_prices_what_it_reads():
+    """A decode engine of 12-token pages behind the DCP2 producer's 16-token pages: each decode page within
+    the producer's full pages comes from it (parts of one or two producer pages), the decode engine
+    computes the rest, and its "pd" tier reads every producer page those touch, whole: more bytes than
+    it keeps where a producer page is used in part."""
+    import numpy as np
+
+    dec = DeployConfig(**COMMON, block_size=12, kv_policy="offload", cpu_offload_bytes=1 << 26)
+    pair = build_pd(CFG, PREFILL, dec)
+    assert pair.remote is not None and pair.remote.tokens("mla") == PAGE
+    rng = np.random.default_rng(48)
+    prompts = [rng.integers(0, CFG.vocab_size, n) for n in (45, 70, 9)]
+    ids = [pair.add_request(p, SamplingParams(max_new_tokens=2)) for p in prompts]
+    while pair.has_unfinished():
+        pair.step()
+    want = [(p.size - 1) // PAGE * PAGE // 12 * 12 for p in prompts]  # the producer's full pages, in 12-token pages
+    assert [pair.decode.finished[r].num_cached_tokens for r in ids] == want == [24, 60, 0]
+    assert pair.received_tokens() == sum(want)
+    tier = pair.decode.pd_tier(0)
+    per_token = sum(pair.prefill.sizes.page_bytes[g] // PAGE for g in ("mla", "indexer"))
+    assert tier.stats.load_bytes == (32 + 64) * per_token  # producer pages 0-1 for 24 tokens, 0-3 for 60
+    pair.shutdown()
+
+
+def test_pd_pair_refuses_engines_whose_chunks_cannot_be_each_others():
+    """Another KV format on the decode side (fp8 rows; the producer's are the model's dtype): no page of
+    its could be made of the producer's bytes, whatever their spans; refused at start-up, naming both
+    sides' page spans."""
+    dec = DeployConfig(**COMMON, block_size=8, kv_policy="offload", cpu_offload_bytes=1 << 26,
+                       kv_cache_dtype="fp8_ds_mla")
+    with pytest.raises(ValueError, match=r"mla 16, indexer 16 tokens per page.*cannot be this engine's \(mla 8, "
+                                         r"indexer 8 tokens per page\)"):
         build_pd(CFG, PREFILL, dec)
     with pytest.raises(ValueError, match="needs the PdConnector as kv_consumer"):
         PdPair(build_engine(CFG, pd_deploy(PREFILL, "kv_producer")), build_engine(CFG, dec))

@@ -1,14 +1,18 @@
-"""P/D disaggregation with the PdConnector, as real processes on loopback: two prefill servers
-(`kv_producer`, DCP2 with interleave 1 and with interleave = block size, MTP3) and one decode server
-(`kv_consumer`, HiSparse, MTP3) behind `python -m glm53.router`.
+"""P/D disaggregation with the PdConnector, as real processes on loopback, every server at the same
+block_size (FLAGS'), so their pages span different tokens: two prefill servers (`kv_producer`, MTP3: DCP2
+with interleave 1, 16 tokens per page, and one device, 8) and two decode servers (`kv_consumer`, MTP3:
+HiSparse on one device, 8 tokens per page, and DCP2 with interleave = block size, 16) behind
+`python -m glm53.router` and by hand.
 
 What must hold: greedy tokens equal one aggregated engine's; the decode server takes the prompt's KV
 (MLA rows, indexer keys and the MTP layer's rows, re-laid out from the producer's DCP layout into its own
-pages through the canonical chunk layout) instead of computing it, and counts it in
+pages through the canonical chunk layout, and assembled from the producer's pages where they span other
+tokens: kvcache.tiers.remote.RelayoutTier) instead of computing it, and counts it in
 `glm53:kv_transfer_received_tokens`; what cannot be had from the producer (a producer that is not up, a
 prompt it never saw, a prompt that differs after some page) is computed, never taken from another
-request; malformed kv_transfer_params (a remote_host that is no host name or IP address among them) are a
-400 and the consumer serves on."""
+request; a producer whose chunks cannot be the consumer's (another model or format) is counted in
+`glm53:kv_transfer_failed_lookups`; malformed kv_transfer_params (a remote_host that is no host name or IP
+address among them) are a 400 and the consumer serves on."""
 
 import json
 import time
@@ -21,8 +25,17 @@ from tests.glm53.test_router import servers_and_router
 from tests.glm53.test_serve import FLAGS, _free_port, _metric
 from tests.glm53.test_serve import Server as Process
 
-PAGE = FLAGS["block_size"]  # tokens per page on both sides (the producers: 4 rows per rank x DCP2)
+PAGE = FLAGS["block_size"]  # tokens per page of a one-device server; a DCP2 server's pages span 2 x PAGE
 MTP = ("--num-speculative-tokens", "3")
+SPAN = {"prefill_i1": 2 * PAGE, "prefill_1": PAGE, "decode": PAGE, "decode_dcp2": 2 * PAGE}  # tokens per MLA page
+
+
+def _expected(prompt, producer: str, consumer: str) -> int:
+    """Prompt tokens the consumer receives: its full pages of all but the last token ((len - 1) // page x
+    page, page = its tokens per MLA page), as far as the producer's full pages reach (a producer of
+    coarser pages holds less of the prompt: its last partial page is computed again)."""
+    held = (len(prompt) - 1) // SPAN[producer] * SPAN[producer]
+    return held // SPAN[consumer] * SPAN[consumer]
 
 
 def _ktc(role: str) -> str:
@@ -32,11 +45,12 @@ def _ktc(role: str) -> str:
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory, serving_dir):
     tmp = tmp_path_factory.mktemp("pd")
-    dcp = ("--decode-context-parallel-size", "2", "--block-size", str(PAGE // 2))
+    dcp = ("--decode-context-parallel-size", "2")
     flags = {"prefill_i1": (*dcp, "--cp-kv-cache-interleave-size", "1", *MTP, "--kv-transfer-config", _ktc("kv_producer")),
-             "prefill_ib": (*dcp, "--cp-kv-cache-interleave-size", str(PAGE // 2), *MTP,
-                            "--kv-transfer-config", _ktc("kv_producer")),
-             "decode": ("--kv-policy", "hisparse", *MTP, "--kv-transfer-config", _ktc("kv_consumer"))}
+             "prefill_1": (*MTP, "--kv-transfer-config", _ktc("kv_producer")),
+             "decode": ("--kv-policy", "hisparse", *MTP, "--kv-transfer-config", _ktc("kv_consumer")),
+             "decode_dcp2": (*dcp, "--cp-kv-cache-interleave-size", str(PAGE), *MTP,
+                             "--kv-transfer-config", _ktc("kv_consumer"))}
     with servers_and_router(tmp, serving_dir, flags, ["prefill_i1"], ["decode"]) as pair:
         yield pair
 
@@ -44,13 +58,17 @@ def pd(tmp_path_factory, serving_dir):
 @pytest.fixture(scope="module")
 def reference(serving_model):
     rng = np.random.default_rng(23)
-    prompts = [rng.integers(0, 512, n).tolist() for n in (41, 26, 33)]
+    prompts = [rng.integers(0, 512, n).tolist() for n in (37, 26, 33)]
     eng = Engine(serving_model, DeployConfig(**FLAGS))
     return prompts, [eng.generate([np.asarray(p)], max_new_tokens=8)[0].token_ids.tolist() for p in prompts]
 
 
 def _received(proc) -> float:
     return _metric(proc.metrics(), "glm53:kv_transfer_received_tokens_total")
+
+
+def _failed(proc) -> float:
+    return _metric(proc.metrics(), "glm53:kv_transfer_failed_lookups_total")
 
 
 def _prefill(producer, prompt) -> dict:
@@ -69,47 +87,73 @@ def _decode(consumer, prompt, params) -> dict:
 
 
 def test_router_prefill_decode_equals_one_engine_and_the_kv_arrives(pd, reference):
-    """Through the router (producer with interleave 1) and by hand (interleave = block size): every
-    full page of the prompt but the last token's comes from the producer (MLA rows, indexer keys, MTP
-    rows) and lands on the HiSparse host pool; MTP gives back the hit's last page, so that much and the
-    tail are computed on the decode server."""
+    """Through the router (the DCP2 interleave-1 producer, 16-token pages, and the one-device HiSparse
+    consumer, 8: each of its pages is half of one of the producer's) and by hand (the same producer and
+    the DCP2 consumer with interleave = block size: the same spans, other interleaves; the one-device
+    producer and the DCP2 consumer: each page of the consumer's is two of the producer's): every full
+    page of the consumer's within the producer's full pages comes from the producer (MLA rows, indexer
+    keys, MTP rows); MTP gives back the hit's last page, so that much and the tail are computed on the
+    decode server."""
     router, procs = pd
     prompts, want = reference
     dec = procs["decode"]
     before = _received(dec)
     code, r = router.post({"prompt": prompts[0], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == want[0]
-    full = (len(prompts[0]) - 1) // PAGE * PAGE
+    full = _expected(prompts[0], "prefill_i1", "decode")
+    assert full == (len(prompts[0]) - 1) // PAGE * PAGE  # the prompt's length makes both page spans agree
     assert _received(dec) - before == full
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == full - PAGE  # MTP: the hit's last page back
-    for i in (1, 2):
-        before = _received(dec)
-        params = _prefill(procs["prefill_ib"], prompts[i])
+    for i, producer, consumer in ((1, "prefill_i1", "decode_dcp2"), (2, "prefill_1", "decode_dcp2"),
+                                  (1, "prefill_i1", "decode")):
+        before, dec = _received(procs[consumer]), procs[consumer]
+        params = _prefill(procs[producer], prompts[i])
         out = _decode(dec, prompts[i], params)
-        full = (len(prompts[i]) - 1) // PAGE * PAGE
-        assert params["remote_num_tokens"] == full and params["remote_lease"] > 0
-        assert out["choices"][0]["token_ids"] == want[i]
-        assert _received(dec) - before == full
-        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == full - PAGE
+        full = _expected(prompts[i], producer, consumer)
+        assert full > 0 and params["remote_num_tokens"] == (len(prompts[i]) - 1) // SPAN[producer] * SPAN[producer]
+        assert params["remote_lease"] > 0 and params["remote_page_spans"]["page_tokens"]["mla"] == SPAN[producer]
+        assert out["choices"][0]["token_ids"] == want[i], (producer, consumer)
+        assert _received(dec) - before == full, (producer, consumer)
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == full - SPAN[consumer]
 
 
 def test_what_the_producer_cannot_give_is_computed(pd, serving_model):
     """A producer that is not up (its lookup times out), a prompt the named producer never prefilled, and
-    a prompt that differs from a prefilled one after its first two pages (only those two come: chunks are
-    named by their chained token hash and salt, never by block ids that another request could reuse)."""
+    a prompt that differs from a prefilled one after the producer's first two pages (only those come, as
+    four of the consumer's: chunks are named by their chained token hash and salt, never by block ids
+    that another request could reuse). None of these is a failed lookup."""
     _, procs = pd
-    dec, pre = procs["decode"], procs["prefill_ib"]
+    dec, pre = procs["decode"], procs["prefill_i1"]
     rng = np.random.default_rng(5)
-    seen, other = rng.integers(0, 512, 35).tolist(), rng.integers(0, 512, 27).tolist()
-    fork = seen[:2 * PAGE] + rng.integers(0, 512, 20).tolist()
+    seen, other = rng.integers(0, 512, 51).tolist(), rng.integers(0, 512, 27).tolist()
+    fork = seen[:2 * SPAN["prefill_i1"]] + rng.integers(0, 512, 20).tolist()
     params = _prefill(pre, seen)  # on the producer only
     dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": _free_port()}
     eng = Engine(serving_model, DeployConfig(**FLAGS))
-    for prompt, ktp, got in ((other, dead, 0), (other[::-1], params, 0), (fork, params, 2 * PAGE)):
+    failed = _failed(dec)
+    for prompt, ktp, got in ((other, dead, 0), (other[::-1], params, 0), (fork, params, 2 * SPAN["prefill_i1"])):
         before = _received(dec)
         out = _decode(dec, prompt, ktp)
         assert out["choices"][0]["token_ids"] == eng.generate([np.asarray(prompt)], 8)[0].token_ids.tolist()
         assert _received(dec) - before == got
+    assert _failed(dec) == failed
+
+
+def test_a_producer_of_chunks_the_consumer_cannot_read_is_counted_not_silent(pd, reference):
+    """A producer whose fingerprint is not the one the consumer computes for its page spans (another
+    model, weights, KV format, or MTP on one side only; here the fingerprint altered in its params): the
+    consumer computes the prompt, with the right tokens, and counts a failed lookup (and logs it once)."""
+    _, procs = pd
+    prompts, want = reference
+    dec = procs["decode"]
+    params = _prefill(procs["prefill_1"], prompts[2])
+    spans = params["remote_page_spans"]
+    params["remote_page_spans"] = {**spans, "fingerprint": spans["fingerprint"][::-1]}
+    before, failed = _received(dec), _failed(dec)
+    out = _decode(dec, prompts[2], params)
+    assert out["choices"][0]["token_ids"] == want[2]
+    assert _received(dec) == before and _failed(dec) == failed + 1
+    assert "holds chunks this engine cannot read" in dec.log.read_text()
 
 
 @pytest.mark.parametrize("ktp", [
@@ -120,6 +164,12 @@ def test_what_the_producer_cannot_give_is_computed(pd, serving_model):
     # remote_host: an IP address or an ASCII host name, nothing the peer tier's socket could fail to dial
     *({"do_remote_prefill": True, "remote_host": h, "remote_port": 5000}
       for h in ("\ud800", "bad host", "tcp://127.0.0.1", "127.0.0.1:5000", "-x.example", "a" * 254, "", 7)),
+    # remote_page_spans: what _produced announces, or nothing
+    *({"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5000, "remote_page_spans": sp}
+      for sp in ([8], {"fingerprint": "ab" * 32, "hash_block_tokens": 8},
+                 {"fingerprint": "xy" * 32, "hash_block_tokens": 8, "page_tokens": {"mla": 8, "indexer": 8}},
+                 {"fingerprint": "ab" * 32, "hash_block_tokens": 8, "page_tokens": {"mla": 12, "indexer": 8}},
+                 {"fingerprint": "ab" * 32, "hash_block_tokens": True, "page_tokens": {"mla": 8, "indexer": 8}})),
 ], ids=lambda ktp: ascii(ktp)[:60])
 def test_malformed_kv_transfer_params_are_400(pd, ktp):
     dec = pd[1]["decode"]
@@ -159,4 +209,4 @@ def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path, se
         time.sleep(0.2)
     code, r = router.post({"prompt": fresh[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == eng.generate([np.asarray(fresh[1])], 8)[0].token_ids.tolist()
-    assert _received(dec) - before == (len(fresh[1]) - 1) // PAGE * PAGE
+    assert _received(dec) - before == _expected(fresh[1], "prefill_i1", "decode")
