@@ -21,7 +21,9 @@ Keys. `chunk_key(fingerprint, group, block_hash)`: SHA-256 of the deployment's l
 (`layout_fingerprint`: model, tokens and bytes per page, KV dtype), the cache group and the chained block
 hash (which covers the tokens and the request's salt). Not the DCP layout: chunks are stored in a
 canonical layout (every layer's rows in token order; kvcache.relayout.canonical_rows), so engines whose
-pages cover the same tokens share chunks whatever their DCP size and interleave.
+pages cover the same tokens share chunks whatever their DCP size and interleave. An engine whose pages
+span other tokens can still read them when it knows the writer's spans (`PageSpans`: a P/D producer
+announces them): kvcache.tiers.remote.RelayoutTier names the writer's chunks and assembles its own pages.
 
 Payloads. A chunk is one page of one cache group (every layer, every DCP rank), in the canonical
 layout. A StoreJob's payloads are the runner's snapshot of the host pages (one gather out of the host
