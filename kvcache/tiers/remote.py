@@ -36,6 +36,7 @@ from kvcache.tiers import chunk_key
 from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, PageSpans, RemoteSource
 
 MAX_PLANS = 256  # requests whose key mapping is kept (an admission asks again every step until it is in)
+MAX_RECIPES = 1 << 16  # pages answered HIT and not loaded yet (a HIT the host tier had no room to load stays)
 
 
 @dataclasses.dataclass
@@ -70,7 +71,8 @@ class RelayoutTier:
             raise ValueError(f"RelayoutTier: no row_bytes for cache groups {missing}")
         self._lock = threading.Lock()
         self._plans: collections.OrderedDict[tuple, _Plan] = collections.OrderedDict()
-        self._recipes: dict[bytes, tuple] = {}  # our key -> (group, parts, the producer's spans), from a HIT
+        # our key -> (group, parts, the producer's spans), from a HIT, oldest first
+        self._recipes: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
         self._fetches: dict[bytes, _Fetch] = {}  # producer key -> its load
         self._inner_jobs: dict[int, bytes] = {}  # inner (negative) job id -> producer key
         self._outer: dict[int, tuple] = {}  # outer job -> (our key, group, parts, spans of the source)
@@ -99,6 +101,9 @@ class RelayoutTier:
             return Lookup.RETRY
         with self._lock:
             self._recipes[key] = (group, parts, remote.spans)
+            self._recipes.move_to_end(key)
+            while len(self._recipes) > MAX_RECIPES:
+                self._recipes.popitem(last=False)
         return Lookup.HIT
 
     def submit_load(self, job: LoadJob) -> None:
