@@ -160,8 +160,9 @@ def kv_budget(dep: Deployment, results: str | Path = PLAN_RESULTS) -> int:
 
 # what a simulated P/D pair (glm53.engine.pd_sim) adds to the published descriptions: pages that cover the
 # same tokens on both sides (a DCP8 engine's block of 8 rows per rank covers 64 tokens, its indexer block of
-# 128 keys per rank 1,024), and the prefill engines' sequences (a prefill engine holds a turn only while it
-# computes it)
+# 128 keys per rank 1,024: other spans are served too, with the producer pages read priced, but the published
+# figures were made with matched ones), and the prefill engines' sequences (a prefill engine holds a turn
+# only while it computes it)
 PD_DCP8_PAGES = dict(block_size=8, index_block_size=128)
 PD_PREFILL_SEQS = 32
 

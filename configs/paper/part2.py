@@ -10,7 +10,7 @@ Deployments (sweep.kv_policy names them; results carry `prefill` and `decode`):
 - "pcp_dcp+offload": the PCP8 x DCP8 x EP8 prefill and offload-only decode (64 GiB per rank).
 GLM-5.3, fp8 KV (fp8_ds_mla rows, fp8 indexer keys), 64-token pages on both sides (the DCP8 prefill
 engine runs 8-row blocks and 128-key indexer blocks, so its pages cover 64 and 1,024 tokens as the decode
-ranks' do: a page must cover the same tokens on both, docs/simulator.md "P/D"); MTP3 with
+ranks' do: matched spans, so no relayout is priced, docs/simulator.md "P/D"); MTP3 with
 acceptance fixed at 2.99 (vLLM's synthetic rule, as configs/paper/part1_mtp3.py); agentic-coding
 sessions (experiments.workloads.synthetic_trace: about 43 turns, about 444 output tokens per turn,
 > 95% prefix reuse, a salt per user). The published mean of about 142K input tokens per request cannot
