@@ -180,9 +180,9 @@ class Engine:
             raise NotImplementedError("secondary KV tiers need the model runner or a runner that simulates them "
                                       "(make_tiers: glm53.engine.synthetic.SyntheticRunner, glm53.engine.sim.SimRunner)")
         self._weights_sample = _weights_sample(model) if specs else b""
-        self._spans: dict[tuple, PageSpans] = {}  # per page tokens: the spans (fingerprint_for caches them)
+        self._spans: dict[tuple, PageSpans] = {}  # page_spans' answers by tokens per page (a few producers' spans)
         self.fingerprint = kv_fingerprint(model, d, self.sizes, weights=self._weights_sample) if specs else ""
-        # P/D consumer: transfers refused or found empty for a reason other than "never prefilled"
+        # P/D consumer, per replica: requests whose producer's chunks cannot be ours (remote_source)
         self.kv_transfer_failed_lookups = [0] * dp
         self._failures_logged: set = set()
         self.replicas: list[Replica] = []
@@ -316,6 +316,8 @@ class Engine:
                   kv_fingerprint(self.cfg, d, self.sizes, page_tokens=tokens, page_bytes=pages,
                                  weights=self._weights_sample))
             hash_block = tokens["mla"]  # block_size x DCP: the MLA page is one hash block
+            if len(self._spans) >= 64:  # requests name the spans: bounded, whatever they send
+                self._spans.clear()
             self._spans[at] = PageSpans(fp, hash_block, at)
         return self._spans[at]
 
