@@ -348,6 +348,14 @@ class Engine:
             return tier
         return RelayoutTier(tier, self.page_spans(), kv_row_bytes(self.cfg, self.deploy, self.sizes))
 
+    def kv_transfer_failed(self, replica: int) -> int:
+        """P/D requests of `replica` that got nothing from their producer for a reason other than its never
+        having prefilled them (glm53:kv_transfer_failed_lookups): its chunks cannot be ours
+        (`remote_source`), or it did not answer the lookup (not up, past its deadline, skipped after
+        missing one: the "pd" tier's `named_peer_failures`). Each is logged once per producer."""
+        tier = self.pd_tier(replica)
+        return self.kv_transfer_failed_lookups[replica] + getattr(getattr(tier, "stats", None), "named_peer_failures", 0)
+
     def kv_transfer_received_tokens(self, replica: int) -> int:
         """Prompt tokens whose KV `replica` loaded from a P/D producer: the MLA pages the PdConnector's tier
         loaded (every page has one) times their tokens (glm53:kv_transfer_received_tokens)."""

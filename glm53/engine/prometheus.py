@@ -213,7 +213,7 @@ class _Collector:
         failed = family(CounterMetricFamily, "glm53:kv_transfer_failed_lookups",
                         "P/D requests whose producer's KV this consumer could not take for a reason other than "
                         "the producer never having prefilled it (its chunks are another model's, weights' or KV "
-                        "format's); their prompts are computed.")
+                        "format's, or it did not answer); their prompts are computed.")
         compiles = CounterMetricFamily("glm53:xla_compilations", "XLA programs compiled by this process (a warm "
                                        "server compiles none while serving).", labels=["model_name"])
         compiles.add_metric([m.model_name], m.compilations)
@@ -258,7 +258,7 @@ class _Collector:
             steps.add_metric(lv, st.steps)
             if d.kv_role is not None:
                 received.add_metric(lv, eng.kv_transfer_received_tokens(i))
-                failed.add_metric(lv, eng.kv_transfer_failed_lookups[i])
+                failed.add_metric(lv, eng.kv_transfer_failed(i))
             with m._lock:
                 for reason in FINISH_REASONS:
                     success.add_metric(lv + [reason], m._success.get((i, reason), 0))

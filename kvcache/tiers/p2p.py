@@ -73,6 +73,7 @@ import collections
 import dataclasses
 import heapq
 import itertools
+import logging
 import math
 import socket
 import socketserver
@@ -103,6 +104,9 @@ FRAME = struct.Struct("<4sB32sQI")
 DATA, GONE, DONE = 0, 1, 2
 MAX_REQUEST = 64 << 20  # bytes of one FetchMsg (2M keys): more is not a request of ours
 MAX_PEERS = 256  # peers listed plus peers named by requests (each a connected socket); past it a named peer is a miss
+MAX_NOTED = 4096  # requests remembered as counted in `named_peer_failures` (each is counted once)
+
+_log = logging.getLogger(__name__)
 
 Key = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 
@@ -163,6 +167,9 @@ class PeerStats(TierStats):
     pins_expired: int = 0  # of those, released by the deadline rather than by a fetch
     lease_handovers: int = 0  # leased chunks a consumer's lookup took over from their P/D lease
     bad_messages: int = 0  # malformed control messages or fetch requests, dropped
+    # requests whose named peer (a P/D producer) did not answer their lookup: not up, past its deadline,
+    # skipped after missing one, or an address no socket reaches (each request once)
+    named_peer_failures: int = 0
     control_errors: int = 0  # exceptions the control thread caught (printed) and went on after
 
 
@@ -249,6 +256,7 @@ class _Outstanding:
     items: list  # [(key, _Answer)] in message order
     sent_at: float
     deadline: float
+    req: str = ""  # the request it asks for
 
 
 @dataclasses.dataclass(eq=False)
@@ -298,6 +306,9 @@ class PeerTier(TierBookkeeping):
         self._jobs: dict[int, _JobState] = {}
         self._outstanding: dict[int, _Outstanding] = {}  # lookup id -> what it asked (control thread only)
         self._lookup_ids = itertools.count(1)
+        self._noted: collections.OrderedDict[str, None] = collections.OrderedDict()  # requests counted failed
+        self._logged: set[str] = set()  # named peers whose failure was logged
+        self._note_lock = threading.Lock()
         # sockets: bound here, so a taken port is an error of the constructor
         self._zmq = zmq.Context()
         self._router = self._socket(zmq.ROUTER)
@@ -367,6 +378,9 @@ class PeerTier(TierBookkeeping):
             if known is not None:
                 return known
             if not self._asked(ctx, now):
+                if ctx is not None and ctx.peer is not None:
+                    self._named_peer_failed(ctx.peer, ctx.req_id, "it is skipped after missing a deadline, or "
+                                                                  "its address cannot be asked")
                 return Lookup.MISS
         ahead = ctx.keys
         if key in ahead:
@@ -675,6 +689,8 @@ class PeerTier(TierBookkeeping):
                     self._count("control_errors")
                     traceback.print_exc()
                     self._peer_failed(p, items, now)
+                    if not p.static:
+                        self._named_peer_failed(p.addr, req, "its lookup could not be sent")
 
     def _ask_peer(self, p: _Peer, req: str, lease: int, items, now: float) -> None:
         """Send `p` one LookupMsg for `items` of request `req` (connecting it first if a request named it)."""
@@ -685,6 +701,7 @@ class PeerTier(TierBookkeeping):
             except (zmq.ZMQError, UnicodeError, ValueError):  # an address that does not resolve: a miss from it
                 dealer.close()
                 self._peer_failed(p, items, now)
+                self._named_peer_failed(p.addr, req, "its address cannot be dialled")
                 return
             p.dealer = dealer
             self._poller.register(dealer, zmq.POLLIN)
@@ -694,9 +711,11 @@ class PeerTier(TierBookkeeping):
             p.dealer.send(_ENCODE.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError:  # its queue is full: it is not keeping up; a miss from it
             self._peer_failed(p, items, now)
+            if not p.static:
+                self._named_peer_failed(p.addr, req, "its queue is full")
             return
         self._count("lookup_messages")
-        self._outstanding[lid] = _Outstanding(p, items, now, now + self.lookup_timeout_s)
+        self._outstanding[lid] = _Outstanding(p, items, now, now + self.lookup_timeout_s, req)
 
     def _on_answers(self, peer: _Peer) -> None:
         while (body := _recv(peer.dealer)) is not None:
@@ -738,6 +757,25 @@ class PeerTier(TierBookkeeping):
             out = self._outstanding.pop(lid)
             self._count("lookup_timeouts")
             self._peer_failed(out.peer, out.items, now)
+            if not out.peer.static:
+                self._named_peer_failed(out.peer.addr, out.req, f"no answer within {self.lookup_timeout_s} s")
+
+    def _named_peer_failed(self, addr: str, req: str, why: str) -> None:
+        """Request `req`'s named peer `addr` (its P/D producer) gave it nothing for a reason other than not
+        holding its chunks: counted once per request (`named_peer_failures`), logged once per peer. Any
+        thread, lock held or not."""
+        with self._note_lock:
+            if req in self._noted:
+                return
+            self._noted[req] = None
+            if len(self._noted) > MAX_NOTED:
+                self._noted.popitem(last=False)
+            self.stats.named_peer_failures += 1
+            log = addr not in self._logged and len(self._logged) < MAX_PEERS
+            self._logged.add(addr)
+        if log:
+            _log.warning("peer tier %r: the peer %s named by request %s gave nothing (%s); its prompts are computed",
+                         self.name, addr, req, why)
 
     def _peer_failed(self, peer: _Peer, items, now: float) -> None:
         """`peer` missed a deadline: what it was asked is a miss from it, and it is skipped for a while."""

@@ -121,7 +121,8 @@ def test_what_the_producer_cannot_give_is_computed(pd, serving_model):
     """A producer that is not up (its lookup times out), a prompt the named producer never prefilled, and
     a prompt that differs from a prefilled one after the producer's first two pages (only those come, as
     four of the consumer's: chunks are named by their chained token hash and salt, never by block ids
-    that another request could reuse). None of these is a failed lookup."""
+    that another request could reuse). The dead producer is a failed lookup (counted and logged); a
+    producer that never saw the prompt, or the rest of it, is not."""
     _, procs = pd
     dec, pre = procs["decode"], procs["prefill_i1"]
     rng = np.random.default_rng(5)
@@ -130,13 +131,13 @@ def test_what_the_producer_cannot_give_is_computed(pd, serving_model):
     params = _prefill(pre, seen)  # on the producer only
     dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": _free_port()}
     eng = Engine(serving_model, DeployConfig(**FLAGS))
-    failed = _failed(dec)
-    for prompt, ktp, got in ((other, dead, 0), (other[::-1], params, 0), (fork, params, 2 * SPAN["prefill_i1"])):
-        before = _received(dec)
+    for prompt, ktp, got, failed in ((other, dead, 0, 1), (other[::-1], params, 0, 0),
+                                     (fork, params, 2 * SPAN["prefill_i1"], 0)):
+        before = _received(dec), _failed(dec)
         out = _decode(dec, prompt, ktp)
         assert out["choices"][0]["token_ids"] == eng.generate([np.asarray(prompt)], 8)[0].token_ids.tolist()
-        assert _received(dec) - before == got
-    assert _failed(dec) == failed
+        assert (_received(dec) - before[0], _failed(dec) - before[1]) == (got, failed)
+    assert "named by request" in dec.log.read_text() and str(dead["remote_port"]) in dec.log.read_text()
 
 
 def test_a_producer_of_chunks_the_consumer_cannot_read_is_counted_not_silent(pd, reference):

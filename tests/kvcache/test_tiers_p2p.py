@@ -230,10 +230,15 @@ def test_p2p_a_request_names_its_producer_which_leases_its_chunks(tiers):
     assert r.status == ("ok", "ok")
     np.testing.assert_array_equal(r.payloads[1], _payload(1))
     assert cons.stats.lookup_messages == 1 and prod.stats.served_chunks == 2
-    # a named peer that is not up: a miss once the lookup deadline passes, never a hang
+    assert cons.stats.named_peer_failures == 0  # its MISS for key 2 is "never stored there": not a failure
+    # a named peer that is not up: a miss once the lookup deadline passes, never a hang; counted once for
+    # the request, and once for the next request that names it while it is skipped
     gone = LookupContext("req-gone", [_key(3)], peer=f"{HOST}:{_free_port()}")
     t0 = time.monotonic()
     assert _answer(cons, 3, gone) is Lookup.MISS and time.monotonic() - t0 < 5  # by the 1 s lookup deadline
+    assert cons.lookup(_key(3), gone) is Lookup.MISS and cons.stats.named_peer_failures == 1
+    assert cons.lookup(_key(4), LookupContext("req-gone-2", [_key(4)], peer=gone.peer)) is Lookup.MISS
+    assert cons.stats.named_peer_failures == 2
 
 
 def test_p2p_a_named_peer_that_is_no_address_is_a_miss_and_the_control_thread_goes_on(tiers):
@@ -243,8 +248,9 @@ def test_p2p_a_named_peer_that_is_no_address_is_a_miss_and_the_control_thread_go
     prod = tiers()
     assert _store_here(prod, [0, 1]) == ["ok", "ok"]
     cons = tiers()
-    for peer in ("\ud800:5000", "\x00:5000"):
-        assert _answer(cons, 0, LookupContext(f"req-{peer!a}", [_key(0)], peer=peer)) is Lookup.MISS
+    for i, peer in ((5, "\ud800:5000"), (6, "\x00:5000")):
+        assert _answer(cons, i, LookupContext(f"req-{peer!a}", [_key(i)], peer=peer)) is Lookup.MISS
+    assert cons.stats.named_peer_failures == 2  # each request once
     assert _answer(cons, 1, LookupContext("req-good", [_key(1)], peer=prod.address)) is Lookup.HIT
     assert all(t.is_alive() for t in cons._threads)
     assert _load(cons, [1]).status == ("ok",)
