@@ -58,7 +58,7 @@ def test_mtp_on_a_mesh_equals_one_device(small_model, layout):
     from glm53.engine.runner import CompileCounter
 
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 512, n) for n in (37, 5, 70, 20)]
+    prompts = [rng.integers(0, 512, n) for n in (37, 5, 40, 20)]
     if not _ONE_DEVICE:  # the layouts share one device's reference (computed once per process)
         _ONE_DEVICE["want"] = [glm53.generate(small_model, p, 12).token_ids.tolist() for p in prompts]
     want = _ONE_DEVICE["want"]

@@ -73,9 +73,10 @@ def test_fp8_layers_split_over_tp_ranks_match_one_device(tiny_fp8):
         state = tp_ops.place_state(c.state, cfg, mesh, True)
         hp = tp_ops.padded(h, tp)
         x_pad = np.pad(x_o, ((0, 0), (0, (hp - h) * cfg.v_head_dim)))  # padded heads' outputs are zeros
-        o, q, kv_b, y, s = jax.shard_map(
+        # jitted: one program per mesh (run eagerly, every op of the body compiled on its own)
+        o, q, kv_b, y, s = jax.jit(jax.shard_map(
             body, mesh=mesh, in_specs=(tp_ops.state_specs(state, True), P(None, ax), P(), P()),
-            out_specs=(P(), P(ax), P(ax), P(), P()), check_vma=False)(state, x_pad, x_d, x_q)
+            out_specs=(P(), P(ax), P(ax), P(), P()), check_vma=False))(state, x_pad, x_d, x_q)
         heads = lambda a, lead: np.moveaxis(np.asarray(a), 0, -2).reshape(lead + (hp, -1))[..., :h, :]  # noqa: E731
         np.testing.assert_array_equal(heads(q, (5,)), want[1].reshape(5, h, -1))
         np.testing.assert_array_equal(heads(kv_b, (cfg.kv_lora_rank,)), want[2].reshape(cfg.kv_lora_rank, h, -1))
