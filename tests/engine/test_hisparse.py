@@ -371,16 +371,18 @@ def test_corrupt_chunks_are_recomputed_or_fail_by_policy_under_hisparse(hisparse
 
 # ------------------------------------------------------------- with MTP, on the 2-layer model (last: its
 # programs are the file's most numerous)
-# two rows of 1 + K or 16 tokens, as the MTP engines of tests/engine/test_recompilation.py (8 bucket shapes)
-MTP_BASE = dict(BASE, max_num_batched_tokens=16, max_num_seqs=2)
+# two rows of 1 + K or 16 tokens in one 64-position window: 4 bucket shapes (a window that grows under
+# MTP and HiSparse is tests/engine/test_hisparse_beyond_pool.py's mtp3 case: 64 to 1,024 positions)
+MTP_BASE = dict(BASE, max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2)
 
 
 @pytest.fixture(scope="module")
 def small_two_turns(small_model):
-    """`two_turns` on the 2-layer model (tests/engine/conftest.py): the same prompts and continuations,
+    """`two_turns` on the 2-layer model (tests/engine/conftest.py) at half the lengths (every turn within
+    64 positions: conversations 0 and 2 still end on a page boundary, 1 and 3 still append five tokens),
     full residency's greedy tokens from an engine of the MTP test's shapes without HiSparse or MTP."""
     rng = np.random.default_rng(1)
-    first = [rng.integers(0, 512, n) for n in (71, 55, 79, 45)]
+    first = [rng.integers(0, 512, n) for n in (35, 27, 39, 22)]
     full = Engine(small_model, DeployConfig(**MTP_BASE))
     ref1 = [o.token_ids.tolist() for o in full.generate(first, max_new_tokens=NEW)]
     second = [np.concatenate([p, out] + ([] if i % 2 == 0 else [rng.integers(0, 512, 5)]))
@@ -409,12 +411,12 @@ def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_wa
     first, ref1, second, ref2 = small_two_turns
     cfg = small_model.cfg
     spec = {"method": "mtp", "num_speculative_tokens": K, "verify": verify}
-    rows, blocks = (2 * cfg.index_topk, 28) if verify == "sequential" else ((1 + K) * cfg.index_topk, 40)
+    rows, blocks = (2 * cfg.index_topk, 20) if verify == "sequential" else ((1 + K) * cfg.index_topk, 28)
     eng = Engine(small_model, DeployConfig(**MTP_BASE, **HISPARSE, num_gpu_blocks=blocks, speculative_config=spec,
                                           hisparse_device_buffer_size=rows))
     runner = eng.runner
     assert runner.verify_mode == verify
-    assert len(runner.bucket_shapes()) == 2 * 2 * 2  # rows 1, 2; tokens per row 1 + K, 16; windows 64, 128
+    assert len(runner.bucket_shapes()) == 2 * 2  # rows 1, 2; tokens per row 1 + K, 16; window 64
     warm_up(eng)
     eng.scheduler.resolve.log = []
     compiles = count_compiles(eng)
@@ -430,7 +432,7 @@ def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_wa
     assert {len(toks) - 1 for step in log for nd, toks in step.values() if nd and toks} == set(range(K + 1))
     # requests arriving at random (the MTP layer's own drafts), greedy and sampled, long enough to decode
     # under pressure
-    random_arrivals(eng, 120, (40, 100), lambda n, rng: rng.integers(8, 128 - n))
+    random_arrivals(eng, 120, (20, 50), lambda n, rng: rng.integers(8, 64 - n))
     while eng.has_unfinished():
         eng.step()
     assert sum(compiles) == 0 and len(compiles) > 150, f"{sum(compiles)} compilations during the run"
