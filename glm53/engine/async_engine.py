@@ -134,7 +134,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce), text, loop, queue, fut))
+        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce), text, loop, queue,
+                      fut))
         return RequestHandle(await asyncio.wrap_future(fut), queue)
 
     async def abort(self, req_id: str) -> None:

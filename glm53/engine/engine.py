@@ -412,7 +412,8 @@ class Engine:
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
                     salt: str = "", kv_peer: str | None = None, kv_lease: int = 0,
-                    kv_remote: PageSpans | None = None, kv_produce: bool = False, stop_check: Callable[[int], str | None] | None = None) -> str:
+                    kv_remote: PageSpans | None = None, kv_produce: bool = False,
+                    stop_check: Callable[[int], str | None] | None = None) -> str:
         """Queue a prompt on the replica `route(salt)` picks. kv_peer: "host:port" of the peer tier (a P/D
         producer's) its prefix lookup asks for the prompt's KV (kvcache.tiers.LookupContext.peer), kv_lease:
         that producer's lease on it (handed over to the lookup, so the fetch frees it); kv_remote: the page

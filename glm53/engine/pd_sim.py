@@ -22,11 +22,11 @@ its parking is priced as the offload policy's copies are.
 The engines' pages may span different tokens (a DCP8 producer's block_size x 8 tokens, a decode rank's
 block_size): the consumer then takes each of its full pages below the prompt's last token, from the
 producer's full pages and the tail chunk of its last partial page (kvcache.tiers.tail_chunk, stored by
-the prefill leg's finish), as the servers do (kvcache.tiers.remote.RelayoutTier). The relayout is priced as the producer's bytes it reads:
-each of the consumer's chunks is put into its "pd" tier at the size of the producer pages first needed
-for it (kvcache.relayout.page_parts), so a producer page that the consumer's pages use only in part is
-still read whole over the tier's read channel. The host copy that assembles a page is not priced.
-Engines whose chunks cannot be each other's (another model or KV format, MTP on one side only:
+the prefill leg's finish), as the servers do (kvcache.tiers.remote.RelayoutTier). The relayout is priced as
+the producer's bytes it reads: each of the consumer's chunks is put into its "pd" tier at the size of the
+producer pages first needed for it (kvcache.relayout.page_parts), so a producer page that the consumer's pages
+use only in part is still read whole over the tier's read channel. The host copy that assembles a page is not
+priced. Engines whose chunks cannot be each other's (another model or KV format, MTP on one side only:
 `Engine.remote_source`) are refused with a ValueError naming both sides' page spans.
 """
 

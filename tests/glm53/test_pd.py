@@ -9,11 +9,11 @@ What must hold: greedy tokens equal one aggregated engine's; the decode server t
 pages through the canonical chunk layout, and assembled from the producer's pages where they span other
 tokens, its last partial page included: kvcache.tiers.remote.RelayoutTier, kvcache.tiers.tail_chunk)
 instead of computing it, and counts it in `glm53:kv_transfer_received_tokens`: (len(prompt) - 1) // page x
-page tokens, page = the consumer's tokens per MLA page, whatever the producer's; what cannot be had from the producer (a producer that is not up, a
-prompt it never saw, a prompt that differs after some page) is computed, never taken from another
-request; a producer whose chunks cannot be the consumer's (another model or format) is counted in
-`glm53:kv_transfer_failed_lookups`; malformed kv_transfer_params (a remote_host that is no host name or IP
-address among them) are a 400 and the consumer serves on."""
+page tokens, page = the consumer's tokens per MLA page, whatever the producer's; what cannot be had from
+the producer (a producer that is not up, a prompt it never saw, a prompt that differs after some page)
+is computed, never taken from another request; a producer whose chunks cannot be the consumer's (another model
+or format) is counted in `glm53:kv_transfer_failed_lookups`; malformed kv_transfer_params (a remote_host that
+is no host name or IP address among them) are a 400 and the consumer serves on."""
 
 import json
 import time
