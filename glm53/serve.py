@@ -543,7 +543,7 @@ class _Choice:
 
 
 async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: int | None, kv_peer, kv_lease,
-                 output=None, kv_remote=None) -> list[_Choice]:
+                 output=None, kv_remote=None, kv_produce: bool = False) -> list[_Choice]:
     choices: list[_Choice] = []
     try:
         for i, ids in enumerate(prompts):
@@ -551,7 +551,7 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
             params = _sampling(st, body, n, i)
             text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
             handle = await st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer,
-                                         kv_lease=kv_lease, kv_remote=kv_remote, text=text)
+                                         kv_lease=kv_lease, kv_remote=kv_remote, kv_produce=kv_produce, text=text)
             choices.append(_Choice(i, ids, handle, text, output() if output is not None else None))
     except BaseException as e:
         for c in choices:
@@ -641,12 +641,14 @@ async def _produced(st: ServerState, req_id: str) -> dict:
     """The P/D producer's answer for finished `req_id`, once its prompt's pages are parked in the
     PdConnector's peer tier (the parking runs in the engine's next plan and the tier stores
     asynchronously) or PD_STORE_WAIT_S have passed: where to fetch them, and how many leading prompt
-    tokens it holds, leased for DeployConfig.pd_lease_s."""
+    tokens it holds (all but the last once its full pages and its last partial pages, the tail chunks,
+    are held), leased for DeployConfig.pd_lease_s."""
     eng = st.engine.engine
     r = eng.replica_of(req_id)
     tier = eng.pd_tier(r)
     tpb, blocks = eng.prompt_chunk_keys(req_id)
-    keys = [k for b in blocks for _, k in b]
+    upto, tails = eng.prompt_tail_keys(req_id)
+    keys = [k for b in blocks for _, k in b] + [k for _, k in tails]
     deadline = time.monotonic() + PD_STORE_WAIT_S
     while time.monotonic() < deadline and st.engine.error is None:
         if eng.parked(req_id) and tier.held_prefix(keys) is not None:
@@ -659,11 +661,12 @@ async def _produced(st: ServerState, req_id: str) -> dict:
         if total > held:
             break
         n += 1
+    held_tokens = upto if held == len(keys) else n * tpb
     lease = tier.lease(keys[:held], eng.deploy.pd_lease_s)
     spans = eng.page_spans()
     return {"do_remote_decode": False, "do_remote_prefill": True,
             "remote_engine_id": f"{st.served_model_name}@{tier.address}", "remote_host": tier.host,
-            "remote_port": tier.port, "remote_num_tokens": n * tpb, "remote_lease": lease,
+            "remote_port": tier.port, "remote_num_tokens": held_tokens, "remote_lease": lease,
             "remote_lease_s": eng.deploy.pd_lease_s,
             "remote_page_spans": {"fingerprint": spans.fingerprint, "hash_block_tokens": spans.hash_block_tokens,
                                   "page_tokens": dict(spans.page_tokens)}}
@@ -674,7 +677,7 @@ async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]
                     chat: bool, output=None):
     """output: makes each chat choice's ChatOutput (its parsers)."""
     produce, kv_peer, kv_lease, kv_remote = _pd_leg(st, body, prompts)
-    choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease, output, kv_remote)
+    choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease, output, kv_remote, produce)
     rid = new_id(chat)
     if body.stream:
         return StreamingResponse(_stream(st, raw, body, choices, rid, chat), media_type="text/event-stream")

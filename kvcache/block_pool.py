@@ -69,6 +69,24 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: S
     return h.digest()
 
 
+_TAIL = b"glm53 partial page\0"  # no full block's hashed bytes begin so (token ids < 2^63 leave bytes 7 zero)
+
+
+def tail_hash(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str | int] = ()) -> BlockHash:
+    """Hash of a page's leading `token_ids` where the page is not full (a P/D producer's last, partial page:
+    kvcache.tiers.tail_chunk): SHA-256 over a marker, the parent hash (the chain at the page's first
+    token, or none), the token count and ids (little-endian int64) and the extra keys. The marker keeps it
+    from ever equalling a full block's `hash_block`; the count, from equalling another length's."""
+    h = hashlib.sha256(_TAIL)
+    h.update(parent or bytes(32))
+    ids = np.asarray(token_ids, dtype="<i8")
+    h.update(struct.pack("<q", ids.size) + ids.tobytes())
+    for key in extra_keys:
+        data = str(key).encode()
+        h.update(struct.pack("<q", len(data)) + data)
+    return h.digest()
+
+
 def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Sequence[str | int] = (), *,
                  known: Sequence[BlockHash] = (), upto: int | None = None) -> list[BlockHash]:
     """Hashes of every full block of a token sequence (a trailing partial block has none), or of its

@@ -48,7 +48,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
-from kvcache.tiers import Lookup, LookupContext, RemoteSource, TierSet, chunk_key
+from kvcache.tiers import Lookup, LookupContext, RemoteSource, TierSet, chunk_key, tail_chunk
 from kvcache.transfer import PageCopy, TierLoad, TierStore
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -189,6 +189,29 @@ class HostTier:
                 self.events.tier_store_planned(ck, group, key[1], infos[k], len(self.tiers))
         if blocks:
             self.outbox.append(TierStore(group, tuple(blocks), tuple(ckeys)))
+
+    def store_tail(self, kv: KVCacheManager, req) -> None:
+        """A finishing P/D prefill leg (`req.kv_produce`: the leading tokens a consumer takes): plan, for each
+        cache group whose page holding those tokens' end is partial, the copy of that device page into a
+        host page and its store to every secondary tier under `kvcache.tiers.tail_chunk`'s key. A consumer
+        whose pages are finer than ours then gets every full page of its own below kv_produce tokens
+        (docs/engine.md, P/D "Layout"). The host page is not registered (no prefix lookup can hit a
+        partial page) and is freed at once: the store snapshots it, in plan order, before anything later
+        can write it. Nothing when the host pool has no free page (the consumer computes those tokens)."""
+        n = getattr(req, "kv_produce", 0)
+        if self.tiers is None or not n or req.num_computed_tokens < n:
+            return
+        rb = kv.requests[req.req_id]
+        for g in kv.groups:
+            pool = self.pools.get(g)
+            page = kv.group_tokens_per_block[g]
+            tail = tail_chunk(self.fingerprint, g, page, kv.tokens_per_block, req.tokens, req.extra_keys, n, rb.hashes)
+            if pool is None or tail is None or pool.num_free == 0 or rb.tables[g][tail[0] // page] < 0:
+                continue
+            (hb,) = pool.allocate(1)
+            self.outbox.append(PageCopy(group=g, direction="d2h", src=(rb.tables[g][tail[0] // page],), dst=(hb,)))
+            self.outbox.append(TierStore(g, (hb,), (tail[1],)))
+            pool.free([hb])
 
     # ---------------------------------------------------------------------------------- admission
     def lookup_prefix(self, kv: KVCacheManager, req, first: int) -> PrefixLookup:

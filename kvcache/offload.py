@@ -250,6 +250,7 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
 
     def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
         self._store(kv, [req])
+        self.host_tier.store_tail(kv, req)  # a P/D prefill leg's last partial page, for finer consumers
         self.stored.pop(req.req_id, None)
 
     def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:

@@ -126,7 +126,7 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------------------------- client side
     async def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None,
-                  kv_lease: int = 0, kv_remote=None, text=None) -> RequestHandle:
+                  kv_lease: int = 0, kv_remote=None, kv_produce: bool = False, text=None) -> RequestHandle:
         """Queue a request (validated by `Engine.add_request` in the engine thread) -> its handle. text: a
         glm53.tokenizer.TextStream for its output (its stop strings end the request in the engine, and its
         text travels with the tokens); it is the engine thread's from now on. Raises what add_request raises
@@ -134,7 +134,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote), text, loop, queue, fut))
+        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce), text, loop, queue,
+                      fut))
         return RequestHandle(await asyncio.wrap_future(fut), queue)
 
     async def abort(self, req_id: str) -> None:
@@ -239,10 +240,10 @@ class AsyncEngine:
     def _apply(self, cmd) -> None:
         eng = self.engine
         if cmd[0] == "add":
-            _, prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote), text, loop, queue, fut = cmd
+            _, prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce), text, loop, queue, fut = cmd
             try:
                 rid = eng.add_request(prompt_ids, params, salt=salt, kv_peer=kv_peer, kv_lease=kv_lease,
-                                      kv_remote=kv_remote,
+                                      kv_remote=kv_remote, kv_produce=kv_produce,
                                       stop_check=text.add if text is not None else None)
             except Exception as e:  # noqa: BLE001 - the client's bad request, raised in its own task
                 fut.set_exception(e)

@@ -60,7 +60,7 @@ from kvcache.offload import OffloadPolicy
 from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
 from kvcache.block_pool import block_hashes
 from kvcache.layout import DEFAULT_INDEX_FORMAT, cache_groups
-from kvcache.tiers import PageSpans, TierSet, chunk_key, layout_fingerprint, make_tier
+from kvcache.tiers import PageSpans, TierSet, chunk_key, layout_fingerprint, make_tier, tail_chunk
 from kvcache.tiers.remote import RelayoutTier
 from kvcache.transfer import TransferStats
 from parallel import mesh as parallel_mesh
@@ -382,6 +382,20 @@ class Engine:
         return self.chunk_keys(req.prompt_ids, req.extra_keys, upto=req.prompt_ids.size - 1,
                                replica=self._owner[req_id])
 
+    def prompt_tail_keys(self, req_id: str) -> tuple[int, list[tuple[str, bytes]]]:
+        """A finished P/D prefill leg's tail chunks (kvcache.tiers.tail_chunk: what its finish stored of its
+        prompt's last partial pages, HostTier.store_tail): (the leading tokens they end at, all but the
+        prompt's last, and per cache group with a host pool whose page there is partial, (group, key)).
+        Reads only the finished request and the configuration, so a server thread may call it."""
+        req = self.finished[req_id]
+        kv = self.replicas[self._owner[req_id]].scheduler.kv
+        pools = self.replicas[self._owner[req_id]].scheduler.policy.host_tier.pools
+        n = req.prompt_ids.size - 1
+        hashes = block_hashes(req.prompt_ids, kv.tokens_per_block, req.extra_keys, upto=n)
+        tails = [(g, tail_chunk(self.fingerprint, g, kv.group_tokens_per_block[g], kv.tokens_per_block,
+                                req.prompt_ids, req.extra_keys, n, hashes)) for g in kv.groups if g in pools]
+        return n, [(g, t[1]) for g, t in tails if t is not None]
+
     def chunk_keys(self, token_ids, extra_keys, *, upto: int, replica: int = 0
                    ) -> tuple[int, list[list[tuple[str, bytes]]]]:
         """This engine's chunks of the first `upto` tokens of `token_ids` hashed with `extra_keys` (the salt):
@@ -398,12 +412,14 @@ class Engine:
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
                     salt: str = "", kv_peer: str | None = None, kv_lease: int = 0,
-                    kv_remote: PageSpans | None = None, stop_check: Callable[[int], str | None] | None = None) -> str:
+                    kv_remote: PageSpans | None = None, kv_produce: bool = False,
+                    stop_check: Callable[[int], str | None] | None = None) -> str:
         """Queue a prompt on the replica `route(salt)` picks. kv_peer: "host:port" of the peer tier (a P/D
         producer's) its prefix lookup asks for the prompt's KV (kvcache.tiers.LookupContext.peer), kv_lease:
         that producer's lease on it (handed over to the lookup, so the fetch frees it); kv_remote: the page
         spans it announced (`remote_source`: a producer whose chunks this engine cannot read is counted and
-        logged, and the prompt is computed here). stop_check: the
+        logged, and the prompt is computed here); kv_produce: it is a P/D prefill leg (its finish also stores
+        its prompt's last partial page for a consumer of finer pages: `prompt_tail_keys`). stop_check: the
         request's stop strings (`Request.stop_check`). Rejects (RequestError, a ValueError naming the field)
         token ids outside the vocabulary, a prompt whose tokens plus max_new_tokens exceed max_model_len
         (rather than truncating it), and a salt that is not text UTF-8 can carry (it is hashed into every
@@ -440,7 +456,8 @@ class Engine:
                                  "are computed here: %s", kv_peer, e)
                 kv_peer, kv_lease = None, 0  # nothing of it could be ours: compute, do not ask
         req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now(), kv_peer=kv_peer,
-                      kv_lease=kv_lease, kv_remote=remote, stop_check=stop_check)
+                      kv_lease=kv_lease, kv_remote=remote, kv_produce=ids.size - 1 if kv_produce else 0,
+                      stop_check=stop_check)
         self.replicas[i].scheduler.add(req)
         self.requests[req_id] = req
         self._owner[req_id] = i

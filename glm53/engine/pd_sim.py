@@ -20,12 +20,13 @@ idle engine's clock jumps to the time of the work it is given. The producer's "p
 its parking is priced as the offload policy's copies are.
 
 The engines' pages may span different tokens (a DCP8 producer's block_size x 8 tokens, a decode rank's
-block_size): the consumer then takes each of its full pages within the producer's full pages, as the
-servers do (kvcache.tiers.remote.RelayoutTier). The relayout is priced as the producer's bytes it reads:
-each of the consumer's chunks is put into its "pd" tier at the size of the producer pages first needed
-for it (kvcache.relayout.page_parts), so a producer page that the consumer's pages use only in part is
-still read whole over the tier's read channel. The host copy that assembles a page is not priced.
-Engines whose chunks cannot be each other's (another model or KV format, MTP on one side only:
+block_size): the consumer then takes each of its full pages below the prompt's last token, from the
+producer's full pages and the tail chunk of its last partial page (kvcache.tiers.tail_chunk, stored by
+the prefill leg's finish), as the servers do (kvcache.tiers.remote.RelayoutTier). The relayout is priced as
+the producer's bytes it reads: each of the consumer's chunks is put into its "pd" tier at the size of the
+producer pages first needed for it (kvcache.relayout.page_parts), so a producer page that the consumer's pages
+use only in part is still read whole over the tier's read channel. The host copy that assembles a page is not
+priced. Engines whose chunks cannot be each other's (another model or KV format, MTP on one side only:
 `Engine.remote_source`) are refused with a ValueError naming both sides' page spans.
 """
 
@@ -178,7 +179,7 @@ class PdPair:
         prompt, params, salt, arrival = self._req[rid]
         self._catch_up(self.prefill, t)
         leg = dataclasses.replace(params, max_new_tokens=1, min_tokens=0)
-        self.prefill.add_request(prompt, leg, req_id=rid, salt=salt)
+        self.prefill.add_request(prompt, leg, req_id=rid, salt=salt, kv_produce=True)
         self.prefill.requests[rid].arrival_s = arrival
 
     def _hand_off(self) -> None:
@@ -197,6 +198,10 @@ class PdPair:
             if not all(k in tier for _, k in block):
                 break
             held.append(block)
+        handed = len(held) * tpb
+        if self.remote is not None:  # past its full pages, the tail chunks of its last partial pages
+            upto, tails = self.prefill.prompt_tail_keys(rid)
+            handed = upto if len(held) == len(blocks) and all(k in tier for _, k in tails) else handed
         self._catch_up(self.decode, t)
         self.decode.add_request(prompt, params, req_id=rid, salt=salt, kv_peer="producer")
         self.decode.requests[rid].arrival_s = arrival
@@ -205,8 +210,8 @@ class PdPair:
             pages = self.decode.sizes.page_bytes
             tier.put((k, pages[g]) for block in held for g, k in block)
         else:
-            tier.put(self._relaid(rid, len(held) * tpb))
-        self.handed_tokens += len(held) * tpb
+            tier.put(self._relaid(rid, handed))
+        self.handed_tokens += handed
         self.handoff_s.append(t - arrival)
 
     def _relaid(self, rid: str, held_tokens: int) -> list[tuple[bytes, int]]:

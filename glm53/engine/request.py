@@ -104,6 +104,9 @@ class Request:
     kv_lease: int = 0  # and that producer's lease on them (its remote_lease; 0: none), released by our lookup
     # and its page spans where they differ from ours (kvcache.tiers.PageSpans; None: the same chunks)
     kv_remote: object = None
+    # P/D producer leg: the leading prompt tokens a consumer takes (all but the last), whose last partial
+    # page its finish also stores (kvcache.host_tier.HostTier.store_tail); 0: not a prefill leg
+    kv_produce: int = 0
     finished_in_plan: int = -1  # Engine.plans_run of its replica when it finished (a later plan parks its KV)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0

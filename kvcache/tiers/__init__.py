@@ -60,12 +60,13 @@ import importlib
 import json
 from collections.abc import Sequence
 
+from kvcache.block_pool import tail_hash
 from kvcache.tiers.base import (JobResult, LoadJob, Lookup, LookupContext, PageSpans, RemoteSource, SecondaryTier,
                                 StoreJob, TierStats)
 
 __all__ = ["JobResult", "LoadJob", "Lookup", "LookupContext", "PageSpans", "RemoteSource", "SecondaryTier", "StoreJob",
            "TierSet", "TierStats",
-           "chunk_key", "check_tier_specs", "layout_fingerprint", "make_tier"]
+           "chunk_key", "check_tier_specs", "tail_chunk", "layout_fingerprint", "make_tier"]
 
 TIER_TYPES = ("fs", "obj", "p2p", "custom")
 
@@ -87,6 +88,24 @@ def chunk_key(fingerprint: str, group: str, block_hash: bytes) -> bytes:
     h = _key_prefix(fingerprint, group).copy()  # the prefix hashed once: P/D and tier lookups key every page
     h.update(block_hash)
     return h.digest()
+
+
+def tail_chunk(fingerprint: str, group: str, page_tokens: int, hash_block_tokens: int, token_ids: Sequence[int],
+               extra_keys: Sequence[str | int], num_tokens: int, hashes: Sequence[bytes]) -> tuple[int, bytes] | None:
+    """The chunk of a request's first `num_tokens` tokens that its last page holds when that page is not
+    full: (its first token, its key), None when `num_tokens` ends on a page boundary. A P/D producer
+    stores it (kvcache.host_tier.HostTier.store_tail) so that a consumer of finer pages gets every full
+    page of its own below `num_tokens`, not only those within the producer's full pages
+    (kvcache.tiers.remote.key_plan). Its key is `chunk_key` of `kvcache.block_pool.tail_hash` over the
+    chained hash at the page's first token (`hashes`: the request's block hashes, hash blocks of
+    `hash_block_tokens`, at least that far) and the page's tokens below `num_tokens`: named from the
+    tokens and salt alone, as every chunk is, and never a full page's key. The chunk is a whole page in
+    the canonical layout whose rows past `num_tokens` are not part of it."""
+    start = num_tokens // page_tokens * page_tokens
+    if start == num_tokens:
+        return None
+    parent = hashes[start // hash_block_tokens - 1] if start else None
+    return start, chunk_key(fingerprint, group, tail_hash(parent, token_ids[start:num_tokens], extra_keys))
 
 
 @functools.lru_cache(maxsize=64)

@@ -32,7 +32,7 @@ import numpy as np
 
 from kvcache.block_pool import block_hashes
 from kvcache.relayout import assemble_page, page_parts
-from kvcache.tiers import chunk_key
+from kvcache.tiers import chunk_key, tail_chunk
 from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, PageSpans, RemoteSource
 
 MAX_PLANS = 256  # requests whose key mapping is kept (an admission asks again every step until it is in)
@@ -194,19 +194,23 @@ class RelayoutTier:
 
 def key_plan(remote: RemoteSource, own: PageSpans) -> _Plan:
     """For a request whose KV a producer of spans `remote.spans` holds: each full page of ours (spans
-    `own`) within the producer's full pages of the first `remote.num_tokens` tokens, keyed as our lookup
-    asks for it, with the producer chunks (keys) and token ranges it is made of."""
+    `own`) within the first `remote.num_tokens` tokens, keyed as our lookup asks for it, with the producer
+    chunks (keys) and token ranges it is made of: the producer's full pages, and past them its tail chunk
+    (kvcache.tiers.tail_chunk: its partial page's rows below num_tokens, which a P/D producer stores for
+    the prompt's all-but-last tokens; a producer that did not store it answers MISS for it)."""
     src, n = remote.spans, remote.num_tokens
     hs = block_hashes(remote.tokens, src.hash_block_tokens, remote.extra_keys, upto=n)
     hd = block_hashes(remote.tokens, own.hash_block_tokens, remote.extra_keys, upto=n)
     parts, src_keys = {}, {}
     for g, tc in own.page_tokens:
         tp = src.tokens(g)
-        held = len(hs) * src.hash_block_tokens // tp  # the producer's full pages of this group
-        for i in range(min(len(hd) * own.hash_block_tokens // tc, held * tp // tc)):
+        held = n // tp  # the producer's full pages of this group; past them, its tail chunk
+        tail = tail_chunk(src.fingerprint, g, tp, src.hash_block_tokens, remote.tokens, remote.extra_keys, n, hs)
+        for i in range(min(len(hd) * own.hash_block_tokens // tc, n // tc)):
             ps = []
             for j, lo, hi in page_parts(tc, tp, i):
-                k = chunk_key(src.fingerprint, g, hs[(j + 1) * tp // src.hash_block_tokens - 1])
+                k = (chunk_key(src.fingerprint, g, hs[(j + 1) * tp // src.hash_block_tokens - 1]) if j < held
+                     else tail[1])
                 ps.append((k, lo, hi))
                 src_keys[(j + 1) * tp, g] = k
             parts[chunk_key(own.fingerprint, g, hd[(i + 1) * tc // own.hash_block_tokens - 1])] = (g, ps)

@@ -47,10 +47,11 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
 
 
 def test_pd_pair_takes_pages_of_another_span_and_prices_what_it_reads():
-    """A decode engine of 12-token pages behind the DCP2 producer's 16-token pages: each decode page within
-    the producer's full pages comes from it (parts of one or two producer pages), the decode engine
-    computes the rest, and its "pd" tier reads every producer page those touch, whole: more bytes than
-    it keeps where a producer page is used in part."""
+    """A decode engine of 12-token pages behind the DCP2 producer's 16-token pages: each decode page below
+    the prompt's last token comes from it (parts of one or two producer pages, past its full pages the
+    tail chunk of its last partial page), the decode engine computes the rest, and its "pd" tier reads
+    every producer page those touch, whole: more bytes than it keeps where a producer page is used in
+    part."""
     import numpy as np
 
     dec = DeployConfig(**COMMON, block_size=12, kv_policy="offload", cpu_offload_bytes=1 << 26)
@@ -61,12 +62,13 @@ def test_pd_pair_takes_pages_of_another_span_and_prices_what_it_reads():
     ids = [pair.add_request(p, SamplingParams(max_new_tokens=2)) for p in prompts]
     while pair.has_unfinished():
         pair.step()
-    want = [(p.size - 1) // PAGE * PAGE // 12 * 12 for p in prompts]  # the producer's full pages, in 12-token pages
-    assert [pair.decode.finished[r].num_cached_tokens for r in ids] == want == [24, 60, 0]
+    want = [(p.size - 1) // 12 * 12 for p in prompts]  # all but the last token, in 12-token pages
+    assert [pair.decode.finished[r].num_cached_tokens for r in ids] == want == [36, 60, 0]
     assert pair.received_tokens() == sum(want)
     tier = pair.decode.pd_tier(0)
     per_token = sum(pair.prefill.sizes.page_bytes[g] // PAGE for g in ("mla", "indexer"))
-    assert tier.stats.load_bytes == (32 + 64) * per_token  # producer pages 0-1 for 24 tokens, 0-3 for 60
+    # producer pages 0-1 and the tail (its page 2's first 12 tokens) for 36 tokens, pages 0-3 for 60
+    assert tier.stats.load_bytes == (48 + 64) * per_token
     pair.shutdown()
 
 

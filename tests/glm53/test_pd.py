@@ -1,18 +1,19 @@
 """P/D disaggregation with the PdConnector, as real processes on loopback, every server at the same
-block_size (FLAGS'), so their pages span different tokens: two prefill servers (`kv_producer`, MTP3: DCP2
-with interleave 1, 16 tokens per page, and one device, 8) and two decode servers (`kv_consumer`, MTP3:
-HiSparse on one device, 8 tokens per page, and DCP2 with interleave = block size, 16) behind
-`python -m glm53.router` and by hand.
+block_size (FLAGS'), so their pages span different tokens: two prefill servers (`kv_producer`, MTP3: PCP2 x
+DCP2 with interleave 1 on two simulated devices, 16 tokens per page, and one device, 8) and two decode
+servers (`kv_consumer`, MTP3: HiSparse on one device, 8 tokens per page, and DCP2 with interleave = block
+size, 16) behind `python -m glm53.router` and by hand.
 
 What must hold: greedy tokens equal one aggregated engine's; the decode server takes the prompt's KV
 (MLA rows, indexer keys and the MTP layer's rows, re-laid out from the producer's DCP layout into its own
 pages through the canonical chunk layout, and assembled from the producer's pages where they span other
-tokens: kvcache.tiers.remote.RelayoutTier) instead of computing it, and counts it in
-`glm53:kv_transfer_received_tokens`; what cannot be had from the producer (a producer that is not up, a
-prompt it never saw, a prompt that differs after some page) is computed, never taken from another
-request; a producer whose chunks cannot be the consumer's (another model or format) is counted in
-`glm53:kv_transfer_failed_lookups`; malformed kv_transfer_params (a remote_host that is no host name or IP
-address among them) are a 400 and the consumer serves on."""
+tokens, its last partial page included: kvcache.tiers.remote.RelayoutTier, kvcache.tiers.tail_chunk)
+instead of computing it, and counts it in `glm53:kv_transfer_received_tokens`: (len(prompt) - 1) // page x
+page tokens, page = the consumer's tokens per MLA page, whatever the producer's; what cannot be had from
+the producer (a producer that is not up, a prompt it never saw, a prompt that differs after some page)
+is computed, never taken from another request; a producer whose chunks cannot be the consumer's (another model
+or format) is counted in `glm53:kv_transfer_failed_lookups`; malformed kv_transfer_params (a remote_host that
+is no host name or IP address among them) are a 400 and the consumer serves on."""
 
 import json
 import time
@@ -27,15 +28,14 @@ from tests.glm53.test_serve import Server as Process
 
 PAGE = FLAGS["block_size"]  # tokens per page of a one-device server; a DCP2 server's pages span 2 x PAGE
 MTP = ("--num-speculative-tokens", "3")
-SPAN = {"prefill_i1": 2 * PAGE, "prefill_1": PAGE, "decode": PAGE, "decode_dcp2": 2 * PAGE}  # tokens per MLA page
+SPAN = {"prefill_pcp": 2 * PAGE, "prefill_1": PAGE, "decode": PAGE, "decode_dcp2": 2 * PAGE}  # tokens per MLA page
 
 
-def _expected(prompt, producer: str, consumer: str) -> int:
-    """Prompt tokens the consumer receives: its full pages of all but the last token ((len - 1) // page x
-    page, page = its tokens per MLA page), as far as the producer's full pages reach (a producer of
-    coarser pages holds less of the prompt: its last partial page is computed again)."""
-    held = (len(prompt) - 1) // SPAN[producer] * SPAN[producer]
-    return held // SPAN[consumer] * SPAN[consumer]
+def _expected(prompt, consumer: str) -> int:
+    """Prompt tokens the consumer receives, whatever the producer's spans (the issue's count): its full
+    pages of all but the last token, (len - 1) // page x page, page = its tokens per MLA page. Past the
+    producer's full pages they come from its tail chunk (kvcache.tiers.tail_chunk)."""
+    return (len(prompt) - 1) // SPAN[consumer] * SPAN[consumer]
 
 
 def _ktc(role: str) -> str:
@@ -46,12 +46,14 @@ def _ktc(role: str) -> str:
 def pd(tmp_path_factory, serving_dir):
     tmp = tmp_path_factory.mktemp("pd")
     dcp = ("--decode-context-parallel-size", "2")
-    flags = {"prefill_i1": (*dcp, "--cp-kv-cache-interleave-size", "1", *MTP, "--kv-transfer-config", _ktc("kv_producer")),
+    # PCP2 x DCP2 (the issue's headline producer; PCP writes its KV in the DCP2 interleave-1 layout)
+    flags = {"prefill_pcp": ("--prefill-context-parallel-size", "2", *dcp, "--cp-kv-cache-interleave-size", "1", *MTP,
+                             "--kv-transfer-config", _ktc("kv_producer")),
              "prefill_1": (*MTP, "--kv-transfer-config", _ktc("kv_producer")),
              "decode": ("--kv-policy", "hisparse", *MTP, "--kv-transfer-config", _ktc("kv_consumer")),
              "decode_dcp2": (*dcp, "--cp-kv-cache-interleave-size", str(PAGE), *MTP,
                              "--kv-transfer-config", _ktc("kv_consumer"))}
-    with servers_and_router(tmp, serving_dir, flags, ["prefill_i1"], ["decode"]) as pair:
+    with servers_and_router(tmp, serving_dir, flags, ["prefill_pcp"], ["decode"]) as pair:
         yield pair
 
 
@@ -87,30 +89,31 @@ def _decode(consumer, prompt, params) -> dict:
 
 
 def test_router_prefill_decode_equals_one_engine_and_the_kv_arrives(pd, reference):
-    """Through the router (the DCP2 interleave-1 producer, 16-token pages, and the one-device HiSparse
+    """Through the router (the PCP2 x DCP2 interleave-1 producer, 16-token pages, and the one-device HiSparse
     consumer, 8: each of its pages is half of one of the producer's) and by hand (the same producer and
     the DCP2 consumer with interleave = block size: the same spans, other interleaves; the one-device
     producer and the DCP2 consumer: each page of the consumer's is two of the producer's): every full
-    page of the consumer's within the producer's full pages comes from the producer (MLA rows, indexer
-    keys, MTP rows); MTP gives back the hit's last page, so that much and the tail are computed on the
-    decode server."""
+    page of the consumer's below the prompt's last token comes from the producer (MLA rows, indexer keys,
+    MTP rows), those past the producer's full pages from its tail chunk; MTP gives back the hit's last
+    page, so that much and the rest are computed on the decode server."""
     router, procs = pd
     prompts, want = reference
     dec = procs["decode"]
     before = _received(dec)
     code, r = router.post({"prompt": prompts[0], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == want[0]
-    full = _expected(prompts[0], "prefill_i1", "decode")
-    assert full == (len(prompts[0]) - 1) // PAGE * PAGE  # the prompt's length makes both page spans agree
+    full = _expected(prompts[0], "decode")
     assert _received(dec) - before == full
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == full - PAGE  # MTP: the hit's last page back
-    for i, producer, consumer in ((1, "prefill_i1", "decode_dcp2"), (2, "prefill_1", "decode_dcp2"),
-                                  (1, "prefill_i1", "decode")):
+    for i, producer, consumer in ((1, "prefill_pcp", "decode_dcp2"), (2, "prefill_1", "decode_dcp2"),
+                                  (1, "prefill_pcp", "decode")):
         before, dec = _received(procs[consumer]), procs[consumer]
         params = _prefill(procs[producer], prompts[i])
         out = _decode(dec, prompts[i], params)
-        full = _expected(prompts[i], producer, consumer)
-        assert full > 0 and params["remote_num_tokens"] == (len(prompts[i]) - 1) // SPAN[producer] * SPAN[producer]
+        full = _expected(prompts[i], consumer)
+        if SPAN[producer] > SPAN[consumer]:  # 26 tokens: 24 received, 8 of them from the producer's tail chunk
+            assert full == 24 > (len(prompts[i]) - 1) // SPAN[producer] * SPAN[producer]
+        assert full > 0 and params["remote_num_tokens"] == len(prompts[i]) - 1  # full pages and tails held
         assert params["remote_lease"] > 0 and params["remote_page_spans"]["page_tokens"]["mla"] == SPAN[producer]
         assert out["choices"][0]["token_ids"] == want[i], (producer, consumer)
         assert _received(dec) - before == full, (producer, consumer)
@@ -124,15 +127,15 @@ def test_what_the_producer_cannot_give_is_computed(pd, serving_model):
     that another request could reuse). The dead producer is a failed lookup (counted and logged); a
     producer that never saw the prompt, or the rest of it, is not."""
     _, procs = pd
-    dec, pre = procs["decode"], procs["prefill_i1"]
+    dec, pre = procs["decode"], procs["prefill_pcp"]
     rng = np.random.default_rng(5)
     seen, other = rng.integers(0, 512, 51).tolist(), rng.integers(0, 512, 27).tolist()
-    fork = seen[:2 * SPAN["prefill_i1"]] + rng.integers(0, 512, 20).tolist()
+    fork = seen[:2 * SPAN["prefill_pcp"]] + rng.integers(0, 512, 20).tolist()
     params = _prefill(pre, seen)  # on the producer only
     dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": _free_port()}
     eng = Engine(serving_model, DeployConfig(**FLAGS))
     for prompt, ktp, got, failed in ((other, dead, 0, 1), (other[::-1], params, 0, 0),
-                                     (fork, params, 2 * SPAN["prefill_i1"], 0)):
+                                     (fork, params, 2 * SPAN["prefill_pcp"], 0)):
         before = _received(dec), _failed(dec)
         out = _decode(dec, prompt, ktp)
         assert out["choices"][0]["token_ids"] == eng.generate([np.asarray(prompt)], 8)[0].token_ids.tolist()
@@ -180,7 +183,7 @@ def test_malformed_kv_transfer_params_are_400(pd, ktp):
 
 
 def test_a_prefill_leg_takes_one_prompt_and_no_stream(pd):
-    pre = pd[1]["prefill_i1"]
+    pre = pd[1]["prefill_pcp"]
     for body in ({"prompt": [[1, 2, 3], [4, 5, 6]]}, {"prompt": [1, 2, 3], "stream": True}):
         code, out = pre.post("/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
@@ -192,7 +195,7 @@ def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path, se
     through it and its KV arrives again. Last in this file: it replaces the fixture's prefill server."""
     router, procs = pd
     prompts, want = reference
-    dec, old = procs["decode"], procs["prefill_i1"]
+    dec, old = procs["decode"], procs["prefill_pcp"]
     assert old.stop()
     deadline = time.monotonic() + 60
     while router.health()["prefill"] and time.monotonic() < deadline:  # the router's poll notices
@@ -204,10 +207,10 @@ def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path, se
     code, r = router.post({"prompt": fresh[0], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == eng.generate([np.asarray(fresh[0])], 8)[0].token_ids.tolist()
     assert _received(dec) == before and router.health()["prefill_fallbacks"] == 1
-    procs["prefill_i1"] = Process(serving_dir, tmp_path, *old.extra, port=old.port)
+    procs["prefill_pcp"] = Process(serving_dir, tmp_path, *old.extra, port=old.port)
     deadline = time.monotonic() + 60
     while not router.health()["prefill"] and time.monotonic() < deadline:
         time.sleep(0.2)
     code, r = router.post({"prompt": fresh[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True})
     assert code == 200 and r["choices"][0]["token_ids"] == eng.generate([np.asarray(fresh[1])], 8)[0].token_ids.tolist()
-    assert _received(dec) - before == _expected(fresh[1], "prefill_i1", "decode")
+    assert _received(dec) - before == _expected(fresh[1], "decode")

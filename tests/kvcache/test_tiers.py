@@ -549,21 +549,25 @@ def test_a_store_never_names_one_host_page_twice():
     ((16, {"mla": 16, "indexer": 16}), (4, {"mla": 4, "indexer": 8})),  # ours = 1/4 or 1/2 of one (split)
     ((6, {"mla": 6, "indexer": 12}), (4, {"mla": 4, "indexer": 8})),  # neither divides (lcm)
 ], ids=["concat", "split", "lcm"])
-def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, prod, cons):
+@pytest.mark.parametrize("tails", [False, True], ids=["full-pages", "with-tails"])
+def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, prod, cons, tails):
     """A producer's chunks (its spans, its fingerprint, its chained hashes) in a filesystem tier; a
     consumer of other spans asks for its own keys through RelayoutTier with the producer's spans in the
-    lookup context: every page of ours within the producer's full pages is a HIT and loads as the
-    canonical page cut from the same token-order rows; a page past them is a MISS; each producer chunk is
+    lookup context: every page of ours within the producer's full pages, and with the producer's tail
+    chunks (a P/D producer's last partial page, kvcache.tiers.tail_chunk) every page of ours within the
+    first n tokens, is a HIT and loads as the canonical page cut from the same token-order rows (a tail
+    chunk's rows past n are junk that must not show); a page past them is a MISS; each producer chunk is
     loaded once however many of our pages share it; without the context the lookup is the inner tier's."""
     from kvcache.block_pool import block_hashes
-    from kvcache.tiers import LookupContext, PageSpans, RemoteSource
+    from kvcache.tiers import LookupContext, PageSpans, RemoteSource, tail_chunk
     from kvcache.tiers.remote import RelayoutTier
 
     widths = {"mla": (5, 5, 3), "indexer": (2, 2)}
     src = PageSpans("p" * 64, prod[0], tuple(prod[1].items()))
     own = PageSpans("c" * 64, cons[0], tuple(cons[1].items()))
     rng = np.random.default_rng(48)
-    tokens, salt, n = rng.integers(0, 1000, 50).tolist(), ("s",), 49  # KV of all but the last token may come
+    # KV of all but the last token may come; 41 is no multiple of any span here, so a tail matters for some
+    tokens, salt, n = rng.integers(0, 1000, 42).tolist(), ("s",), 41
     rows = {g: [rng.integers(0, 256, (len(tokens), w), dtype=np.uint8) for w in ws] for g, ws in widths.items()}
 
     def page(g, t, i):
@@ -577,6 +581,14 @@ def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, p
         for i in range(held[g] // t):
             keys.append(chunk_key(src.fingerprint, g, hs[(i + 1) * t // src.hash_block_tokens - 1]))
             payloads.append(page(g, t, i))
+        tail = tail_chunk(src.fingerprint, g, t, src.hash_block_tokens, tokens, salt, n, hs) if tails else None
+        if tail is not None:  # the partial page: rows below n are KV, the rest junk no page of ours may show
+            assert tail[0] == held[g] and tail[1] not in keys
+            junk = [np.concatenate([r[tail[0]:n], rng.integers(0, 256, (tail[0] + t - n, r.shape[1]), dtype=np.uint8)])
+                    for r in rows[g]]
+            keys.append(tail[1])
+            payloads.append(np.concatenate([j.reshape(-1) for j in junk]))
+            held[g] = n
     inner.submit_store(StoreJob(1, tuple(keys), tuple(payloads)))
     assert _wait(inner, "store", 1)[0].status == ("ok",) * len(keys)
     loads = []
@@ -597,7 +609,9 @@ def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, p
             job += 1
             tier.submit_load(LoadJob(job, (key,), (t * sum(widths[g]),)))
             want[job] = page(g, t, i)
-    assert want
+    # every page of ours below n with the tails (the issue's count); without, those within the full pages
+    assert len(want) == sum((n if tails else len(hs) * src.hash_block_tokens // src.tokens(g) * src.tokens(g)) // t
+                            for g, t in own.page_tokens)
     got = _wait(tier, "load", len(want))
     assert sorted(r.job_id for r in got) == sorted(want)
     for r in got:
@@ -605,3 +619,80 @@ def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, p
         np.testing.assert_array_equal(r.payloads[0], want[r.job_id])
     assert len(loads) == len(set(loads))  # a chunk two of our pages share is fetched once
     tier.shutdown()
+
+
+def test_tail_chunk_keys_name_the_tokens_salt_and_length_and_never_a_full_page():
+    """kvcache.tiers.tail_chunk: a page's leading tokens where the page is not full. It is None on a page
+    boundary; it starts at the page's first token; its key depends on the fingerprint, group, every token
+    before its end (through the chain and its own tokens), the salt and how many tokens it holds; and it
+    is never the key of the full page its tokens begin, even when that page's tokens are the same."""
+    from kvcache.block_pool import block_hashes
+    from kvcache.tiers import tail_chunk
+
+    rng = np.random.default_rng(51)
+    tokens, salt = rng.integers(0, 1000, 40).tolist(), ("s",)
+
+    def tail(toks=tokens, n=27, ex=salt, fp="f" * 64, g="mla", page=16, hb=8):
+        return tail_chunk(fp, g, page, hb, toks, ex, n, block_hashes(toks, hb, ex, upto=n))
+
+    assert tail(n=32) is None and tail(n=16) is None and tail(n=0) is None
+    start, key = tail()
+    assert start == 16 and tail() == (16, key)  # from tokens and salt alone, the same every time
+    other = tokens[:]
+    other[3] += 1  # a token of an earlier page: another chain
+    changed = [tail(n=26), tail(n=28), tail(ex=("t",)), tail(fp="e" * 64), tail(g="indexer"), tail(toks=other)]
+    other = tokens[:]
+    other[20] += 1  # a token of the tail itself
+    changed.append(tail(toks=other))
+    assert all(c is not None and c[1] != key for c in changed) and len({c[1] for c in changed}) == len(changed)
+    other = tokens[:]
+    other[30] += 1  # past its end: not part of it
+    assert tail(toks=other) == (16, key)
+    hs = block_hashes(tokens, 8, salt)
+    full = {chunk_key("f" * 64, "mla", h) for h in hs}
+    assert not {t[1] for t in (tail(n=m, hb=8, page=8) for m in range(1, 40)) if t is not None} & full
+
+
+@pytest.mark.parametrize("produce", [26, 0], ids=["prefill-leg", "not-a-prefill-leg"])
+def test_a_prefill_legs_finish_stores_its_last_partial_pages_under_their_tail_keys(tmp_path, produce):
+    """HostTier.store_tail through the offload policy's finish: a P/D prefill leg (kv_produce = 26 of its
+    27-token prompt) copies, per cache group, the device page holding tokens up to 26 (MLA: 16-token pages,
+    page 1; indexer: 32-token pages, page 0) to a host page and stores it under kvcache.tiers.tail_chunk's
+    key, after the full pages' write-through; the host page is not registered and is free again. A request
+    that is not a prefill leg stores only its full pages."""
+    from kvcache.block_pool import KVCacheManager, block_hashes
+    from kvcache.offload import OffloadPolicy
+    from kvcache.tiers import tail_chunk
+    from kvcache.transfer import PageCopy, TierStore
+
+    class Req:
+        req_id, extra_keys, num_computed_tokens = "r", ("salt",), 0
+        tokens = list(range(100, 128))  # 27 prompt tokens and one generated
+        num_tokens = 28
+        kv_produce = produce
+
+    tiers = TierSet([FileTier(fingerprint=FP, root_dir=str(tmp_path))])
+    kv = KVCacheManager(16, 16, ("mla", "indexer"), group_tokens_per_block={"indexer": 32})
+    pol = OffloadPolicy({"mla": 4, "indexer": 4}, {"mla": 1, "indexer": 1}, tiers=tiers, fingerprint=FP)
+    pol.admit(kv, Req)
+    kv.allocate("r", 28)
+    pol.prepare(kv, Req, 28)
+    Req.num_computed_tokens = 27
+    kv.cache_full_blocks("r", Req.tokens, 27, Req.extra_keys)
+    pol.on_finish(kv, Req)
+    ops = pol.take_transfers()
+    tables = kv.requests["r"].tables
+    hs = block_hashes(Req.tokens, 16, Req.extra_keys)
+    full = TierStore("mla", (ops[0].dst[0],), (chunk_key(FP, "mla", hs[0]),))  # the one full page: MLA page 0
+    assert ops[:2] == [PageCopy("mla", "d2h", (tables["mla"][0],), ops[0].dst), full]
+    tails = ops[2:]
+    if not produce:
+        assert tails == []
+        return
+    want = {g: tail_chunk(FP, g, t, 16, Req.tokens, Req.extra_keys, 26, hs) for g, t in (("mla", 16), ("indexer", 32))}
+    assert [s for s, _ in want.values()] == [16, 0] and len(tails) == 4
+    for (copy, store), g in zip(zip(tails[::2], tails[1::2]), ("mla", "indexer")):
+        assert copy == PageCopy(g, "d2h", (tables[g][want[g][0] // kv.group_tokens_per_block[g]],), copy.dst)
+        assert store == TierStore(g, copy.dst, (want[g][1],))
+        assert pol.host[g].block_key[copy.dst[0]] is None and pol.host[g].num_free == 4
+    tiers.shutdown()
