@@ -774,7 +774,8 @@ class PeerTier(TierBookkeeping):
             log = addr not in self._logged and len(self._logged) < MAX_PEERS
             self._logged.add(addr)
         if log:
-            _log.warning("peer tier %r: the peer %s named by request %s gave nothing (%s); its prompts are computed",
+            # %a: a peer or request named by a client may hold what no log handler can encode
+            _log.warning("peer tier %r: the peer %a named by request %a gave nothing (%s); its prompts are computed",
                          self.name, addr, req, why)
 
     def _peer_failed(self, peer: _Peer, items, now: float) -> None:
