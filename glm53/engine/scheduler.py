@@ -377,14 +377,15 @@ class Scheduler:
         from kvcache.tiers import TierSet
 
         # secondary tiers are compared by what a lookup would answer (their version), not by identity; a
-        # policy's host tier (kvcache.host_tier.HostTier) by its own snapshot
+        # policy's host tier (kvcache.host_tier.HostTier) by its own snapshot (already a copy: copying its
+        # pools' state tuples again cost this check most of a simulated run's time)
         pol = {k: v.version() if isinstance(v, TierSet) else v.admission_state() if hasattr(v, "admission_state")
-               else v for k, v in vars(self.policy).items() if not is_pools(v)}
+               else copy.deepcopy(v) for k, v in vars(self.policy).items() if not is_pools(v)}
         pools = [self.kv.pool] + [p for v in vars(self.policy).values() if is_pools(v)
                                   for p in (v.values() if isinstance(v, dict) else (v,))]
         kv = ({r: (copy.deepcopy(rb.tables), rb.num_cached_blocks, len(rb.hashes)) for r, rb in self.kv.requests.items()},
               copy.deepcopy(self.kv.leases), {r: (k, list(h)) for r, (k, h) in self.kv._kept_hashes.items()})
-        return [p.state() for p in pools], kv, copy.deepcopy(pol), [r.num_computed_tokens for r in self.running]
+        return [p.state() for p in pools], kv, pol, [r.num_computed_tokens for r in self.running]
 
     def _attempt_counts(self) -> tuple[int, ...]:
         """The counters an admission attempt moves even when it fails: the device pool's prefix-cache
