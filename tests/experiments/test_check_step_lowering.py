@@ -1,4 +1,4 @@
-"""experiments/check_step_lowering on the tiny preset: the TP8 decode and prefill, TP8 HiSparse decode,
+"""experiments/check_step_lowering on the tiny preset's first 4 layers: the TP8 decode and prefill, TP8 HiSparse decode,
 TP8 x DCP8 decode, DCP8 x EP8 decode, PCP8 x DCP8 x EP8 prefill and DP8 x EP8 decode and prefill steps lower for an abstract 8 x H200 mesh on this CPU machine, with the collectives their deployments need
 and, at impl="auto" (the kernels, verified on an H200), their Pallas kernels; and the check fails when a step does not lower or lacks
 what it must have. (The full-size run is committed under results/step_lowering.)"""
@@ -9,7 +9,8 @@ import pytest
 
 from experiments import check_step_lowering as csl
 
-TINY = ["--preset", "tiny", "--window", "256", "--prefill-tokens", "64"]
+# the tiny preset's first 4 layers: full and shared indexer layers, dense and MoE MLPs, at half the lowering time
+TINY = ["--preset", "tiny", "--layers", "4", "--window", "256", "--prefill-tokens", "64"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     # its MoE layers (float weights) run as two grouped GEMMs each; the fp8-weight steps keep the loop
     from glm53.config import get_preset
 
-    moe_layers = get_preset("tiny").mlp_layer_types.count("sparse")
+    moe_layers = get_preset("tiny").mlp_layer_types[:layers].count("sparse")
     assert moe_layers > 0 and dec["grouped_gemms"] == 2 * moe_layers
     assert by["pcp8_dcp8_ep8_prefill", "auto"]["grouped_gemms"] == 0
     # TP8 prefill: the same two all-reduces per layer, now of a [1, chunk, hidden] activation
