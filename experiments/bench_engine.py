@@ -206,7 +206,8 @@ def agreement(ours: np.ndarray, theirs: np.ndarray) -> dict:
 def bench_vs_hf(args, tmp: Path) -> dict:
     import glm53
 
-    model = glm53.init(args.config, seed=0)
+    cfg = glm53.get_preset(args.config)
+    model = glm53.init(cfg if args.layers is None else cfg.first_layers(args.layers), seed=0)
     prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (args.requests, args.prompt_len))
     tuned = glm53.DeployConfig(max_model_len=args.prompt_len + args.new_tokens, max_num_seqs=args.requests,
                                max_num_batched_tokens=args.batched_tokens)
@@ -312,6 +313,8 @@ def main(argv=None):
     ap.add_argument("--sched-decode-steps", type=int, default=256)
     ap.add_argument("--sched-batched-tokens", type=int, default=8192)
     ap.add_argument("--config", default="mid", help="model preset for part B")
+    ap.add_argument("--layers", type=int, default=None, help="part B: keep the preset's first N decoder layers "
+                    "(default: all)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=32)

@@ -375,8 +375,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     cfg = get_preset(args.preset)
     if args.layers is not None:
-        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers, indexer_types=cfg.indexer_types[: args.layers],
-                                  mlp_layer_types=cfg.mlp_layer_types[: args.layers])
+        cfg = cfg.first_layers(args.layers)
     cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)  # the main model's step (MTP not in the runner)
     todo = steps(cfg, decode_rows=args.decode_rows, window=args.window, prefill_tokens=args.prefill_tokens,
                  block_size=args.block_size)

@@ -180,6 +180,14 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def first_layers(self, n: int) -> ModelConfig:
+        """The model cut to its first `n` decoder layers, each keeping its indexer and MLP type (the MTP
+        layers unchanged): what the quick runs of a benchmark or a check compile."""
+        if not 1 <= n <= self.num_hidden_layers:
+            raise ValueError(f"first_layers: n must be in [1, {self.num_hidden_layers}], got {n}")
+        return self.replace(num_hidden_layers=n, indexer_types=self.indexer_types[:n],
+                            mlp_layer_types=self.mlp_layer_types[:n])
+
 
 def make_config(
     *,

@@ -1,4 +1,5 @@
-"""The engine benchmark runs end to end on tiny settings (structure and sanity, not speed). It runs in a
+"""The engine benchmark runs end to end on tiny settings (the tiny preset's first 4 layers; structure and
+sanity, not speed). It runs in a
 subprocess so XLA can compile with cheap optimisation flags (set before JAX starts)."""
 
 import json
@@ -16,7 +17,7 @@ def test_bench_engine_tiny(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", XLA_FLAGS=FAST_COMPILE_XLA_FLAGS)
     cmd = [sys.executable, "-m", "experiments.bench_engine", "--out", str(tmp_path), "--sched-requests", "8",
            "--sched-prompt-len", "100", "--sched-decode-steps", "40", "--sched-batched-tokens", "256", "--config",
-           "tiny", "--requests", "2", "--prompt-len", "40", "--new-tokens", "5", "--batched-tokens", "128",
+           "tiny", "--layers", "4", "--requests", "2", "--prompt-len", "40", "--new-tokens", "5", "--batched-tokens", "128",
            "--skip-hf"]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -46,6 +47,7 @@ def test_bench_engine_tiny(tmp_path):
     assert len(prof["step_s"]) == prof["prefill_steps"]["steps"] + prof["decode_steps"]["steps"] == 5
     assert len(prof["per_forward"]) == prof["prefill_steps"]["forwards"] + prof["decode_steps"]["forwards"] == 5
     assert eng["deploy"]["max_model_len"] == 45 and eng["deploy"]["max_num_batched_tokens"] == 128
+    assert eng["model_config"]["num_hidden_layers"] == 4  # --layers 4: the tiny preset's first four
 
     # the same run with the defaults (DeployConfig()): the model's length, the CPU limits, the same tokens
     default = eng["default"]

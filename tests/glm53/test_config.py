@@ -141,3 +141,14 @@ def test_config_is_hashable_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.vocab_size = 3
     assert isinstance(glm53.ModelConfig, type) and isinstance(cfg, ModelConfig)
+
+
+def test_first_layers_keeps_each_layers_types_and_refuses_what_is_not_a_cut():
+    tiny = get_preset("tiny")
+    cut = tiny.first_layers(4)
+    assert (cut.num_hidden_layers, cut.indexer_types, cut.mlp_layer_types) == (
+        4, tiny.indexer_types[:4], tiny.mlp_layer_types[:4])
+    assert cut.num_nextn_predict_layers == tiny.num_nextn_predict_layers and cut.hidden_size == tiny.hidden_size
+    for n in (0, tiny.num_hidden_layers + 1):
+        with pytest.raises(ValueError, match="first_layers"):
+            tiny.first_layers(n)
