@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from attention.formats import MLA_FORMATS
 from kvcache.events import KVEventsConfig
@@ -63,6 +64,21 @@ GiB = 1 << 30
 CPU_KV_CACHE_BYTES = 4 * GiB  # vLLM's CPU backend's KV space when VLLM_CPU_KVCACHE_SPACE is unset
 
 
+def cpu_kv_cache_bytes() -> int:
+    """The KV budget on a device that reports no memory (the CPU), as vLLM's CPU backend reads it:
+    $VLLM_CPU_KVCACHE_SPACE GiB (an integer >= 0; 0 or unset: CPU_KV_CACHE_BYTES)."""
+    raw = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if not raw:
+        return CPU_KV_CACHE_BYTES
+    try:
+        gib = int(raw)
+    except ValueError:
+        gib = -1
+    if gib < 0:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB >= 0, got {raw!r}")
+    return gib * GiB if gib else CPU_KV_CACHE_BYTES
+
+
 def batch_defaults(device) -> tuple[int, int]:
     """(max_num_batched_tokens, max_num_seqs) for offline use (vLLM's LLM class, which `Engine` is) on
     `device`'s platform, after vLLM's EngineArgs.get_batch_defaults: 16,384 / 1,024 on a GPU with at least
@@ -101,7 +117,8 @@ class DeployConfig:
     max_num_batched_tokens / max_num_seqs: the scheduler's token budget per step and its limit on
         running requests. None: vLLM's defaults for offline use on this platform (`batch_defaults`).
     num_gpu_blocks: blocks in the device pool shared by all cache groups. None: what the KV memory
-        budget holds (kv_cache_memory_bytes; else 4 GiB on CPU, as vLLM's CPU backend; on a GPU
+        budget holds (kv_cache_memory_bytes; else 4 GiB on CPU, or $VLLM_CPU_KVCACHE_SPACE GiB, as vLLM's
+        CPU backend; on a GPU
         gpu_memory_utilization of its memory less the weights and the workspace of the largest step
         program, as vLLM sizes it after its profile run), but no more than
         max_num_seqs requests of max_model_len need. A block costs the bytes of the largest page of any
@@ -451,13 +468,13 @@ class DeployConfig:
         """Bytes of device memory the KV pool may take: kv_cache_memory_bytes if set; else, on a device
         that reports its memory (a GPU, `device_memory_bytes`), gpu_memory_utilization of it less
         `weights_bytes` and `workspace_bytes` (vLLM's rule: the step's activation peak, which its profile
-        run measures and `ModelRunner.step_workspace_bytes` takes from the compiler); else 4 GiB (vLLM's
-        CPU default)."""
+        run measures and `ModelRunner.step_workspace_bytes` takes from the compiler); else, on CPU, vLLM's
+        CPU backend's KV space: $VLLM_CPU_KVCACHE_SPACE GiB, 4 GiB where it is unset or 0."""
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         limit = device_memory_bytes(device)
         if not limit:
-            return CPU_KV_CACHE_BYTES
+            return cpu_kv_cache_bytes()
         return max(0, int(self.gpu_memory_utilization * limit) - weights_bytes - workspace_bytes)
 
     def budget_from_device_memory(self, device) -> bool:

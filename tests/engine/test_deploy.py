@@ -29,13 +29,24 @@ def _gpu(kind, gib):
     return types.SimpleNamespace(platform="gpu", device_kind=kind, memory_stats=lambda: {"bytes_limit": gib * GiB})
 
 
-def test_defaults_follow_the_model_and_vllm_on_this_machine():
+def test_defaults_follow_the_model_and_vllm_on_this_machine(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     d = DeployConfig().resolved(TINY)
     assert d.max_model_len == TINY.max_position_embeddings == 65_536
     assert (d.max_num_batched_tokens, d.max_num_seqs) == (8192, 256)  # vLLM's offline GPU defaults (docs/engine.md)
     # the pool: what vLLM's 4 GiB CPU KV space holds, not 256 requests of 65,536 tokens (~170 GB here)
     assert d.num_gpu_blocks == CPU_KV_CACHE_BYTES // _block_bytes(TINY) == 58_254
     assert d.is_resolved and DeployConfig(max_model_len=128).resolved(TINY).max_model_len == 128
+    # vLLM's VLLM_CPU_KVCACHE_SPACE (GiB) sets that space; 0 is the default, anything else not a whole
+    # number of GiB is named
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert DeployConfig().resolved(TINY).num_gpu_blocks == GiB // _block_bytes(TINY)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    assert DeployConfig().resolved(TINY).num_gpu_blocks == 58_254
+    for bad in ("1.5", "-2", "lots"):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB"):
+            DeployConfig().resolved(TINY)
 
 
 def test_the_pool_is_capped_at_what_the_limits_need_and_sized_from_the_budget():

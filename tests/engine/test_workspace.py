@@ -26,13 +26,18 @@ def _runner(model, d):
 
 
 def test_workspace_is_positive_grows_with_the_token_budget_and_ignores_the_pool(small_model):
-    small = _runner(small_model, _deploy(num_gpu_blocks=8)).step_workspace_bytes()
+    """Per program (the profile is the most over its programs: the next test): the whole budget's chunk at
+    the max_model_len window."""
+    r = _runner(small_model, _deploy(num_gpu_blocks=8))
+    chunk = (1, 64, r.capacity)
+    assert chunk in r.workspace_shapes()
+    small = r.step_workspace_bytes([chunk])
     assert small > 0
     # the cache is donated and aliased: a pool 8x larger leaves the workspace as it is
-    assert _runner(small_model, _deploy(num_gpu_blocks=64)).step_workspace_bytes() == small
+    assert _runner(small_model, _deploy(num_gpu_blocks=64)).step_workspace_bytes([chunk]) == small
     # a chunk of 256 tokens instead of 64: more activations at once
     wide = DeployConfig(max_model_len=256, max_num_batched_tokens=256, max_num_seqs=4, num_gpu_blocks=8)
-    assert _runner(small_model, wide).step_workspace_bytes() > small
+    assert _runner(small_model, wide).step_workspace_bytes([(1, 256, r.capacity)]) > small
 
 
 def test_workspace_covers_the_widest_groups_the_runner_forms(small_model):

@@ -502,7 +502,8 @@ def test_engine_serves_the_fp8_model(fp8_model):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 512, n) for n in (23, 9)]
     want = [glm53.generate(fp8_model, p, 4).token_ids.tolist() for p in prompts]
-    engine = glm53.Engine(fp8_model, deploy=glm53.DeployConfig(block_size=16))
+    # a pool of 8 pages, not the 4 GiB default on CPU, which only costs the time to fill it
+    engine = glm53.Engine(fp8_model, deploy=glm53.DeployConfig(block_size=16, max_model_len=64, num_gpu_blocks=8))
     outs = engine.generate([p.tolist() for p in prompts], max_new_tokens=4, greedy=True)
     assert [list(o.token_ids) for o in outs] == want
 
