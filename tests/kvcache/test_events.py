@@ -486,7 +486,7 @@ def test_a_full_queue_drops_a_batch_and_leaves_a_gap():
 
 
 @pytest.mark.slow
-def test_model_engine_with_a_filesystem_tier_publishes_its_last_stores_at_shutdown(tiny_model, tmp_path):
+def test_model_engine_with_a_filesystem_tier_publishes_its_last_stores_at_shutdown(small_model, tmp_path):
     """The one model run: the runner's host side writes the chunks and polls the tier, the engine's
     shutdown waits for the last writes and publishes them before closing the socket. The stream then
     equals the device pool, the host tier and the chunk files (test_tiers' deployment: same programs)."""
@@ -495,7 +495,7 @@ def test_model_engine_with_a_filesystem_tier_publishes_its_last_stores_at_shutdo
                           kv_events_config=_events(), kv_transfer_config={
                               "kv_connector": "OffloadingConnector",
                               "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [tier]}})
-    eng = Engine(tiny_model, deploy)
+    eng = Engine(small_model, deploy)
     sub = Sub(eng.kv_event_publishers[0])
     try:
         rng = np.random.default_rng(5)
