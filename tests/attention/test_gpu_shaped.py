@@ -255,11 +255,13 @@ def _counting(monkeypatch, resolver):
 
 
 def _hisparse_runner(impl: str):
-    """A HiSparse engine on a fresh tiny model object (fresh jitted programs) -> its model runner."""
+    """A HiSparse engine on a fresh object of the tiny preset's 2-layer cut (fresh jitted programs; a full
+    and a shared indexer layer, dense and MoE: tests/models.py) -> its model runner."""
     import glm53
     from glm53 import DeployConfig, Engine
+    from tests.models import two_layers
 
-    model = glm53.init("tiny", seed=0, std=0.1)
+    model = glm53.init(two_layers("tiny"), seed=0, std=0.1)
     deploy = DeployConfig(max_model_len=64, max_num_batched_tokens=16, max_num_seqs=2, block_size=8,
                           kv_policy="hisparse", hisparse_host_pool_bytes=1 << 24, cpu_offload_bytes=1 << 22,
                           num_gpu_blocks=24, attention_impl=impl)
@@ -294,16 +296,18 @@ def test_engine_auto_on_cpu_runs_the_references(monkeypatch):
 
 
 def test_model_logits_equal_in_both_shapes():
-    """The tiny model over a paged cache (ragged chunked prefill and batched decode), traced shaped for
-    the CPU and for a GPU on fresh model objects (sparse MLA's query blocks, the indexer's row loop and
-    dense MHA's tiles batched): the logits agree."""
+    """The tiny preset's 2-layer cut (a full and a shared indexer layer, dense and MoE) over a paged cache
+    (ragged chunked prefill and batched decode), traced shaped for the CPU and for a GPU on fresh model
+    objects (sparse MLA's query blocks, the indexer's row loop, dense MHA's tiles and the MoE's grouped
+    GEMMs batched): the logits agree."""
     import glm53
+    from tests.models import two_layers
 
     prompts = [np.random.default_rng(i).integers(0, 512, n).tolist() for i, n in enumerate((70, 23, 45))]
     out = []
     for shape in ("cpu", "gpu"):
         with shaped_for(shape):
-            model = glm53.init("tiny", seed=0, std=0.1)
+            model = glm53.init(two_layers("tiny"), seed=0, std=0.1)
             out.append(glm53.score_batch(model, prompts, kv_cache_dtype="float32", prefill_lens=[40, 23, 20],
                                          prefill_chunk=16))
     for c, g in zip(*out):
