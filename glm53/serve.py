@@ -191,11 +191,27 @@ def deploy_from_args(args: argparse.Namespace, cfg, dtype: str) -> DeployConfig:
         kv_dtype = dtype if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size,
                            include_mtp=bool(d.num_speculative_tokens))
+        sized = {}
         if given.get("kv_policy") == "hisparse" and "hisparse_host_pool_bytes" not in given:
-            given["hisparse_host_pool_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * pages["mla"]
+            sized["hisparse_host_pool_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * pages["mla"]
         if pd_default:
-            given["cpu_offload_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * sum(pages.values())
+            sized["cpu_offload_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * sum(pages.values())
+        have = host_memory_bytes()
+        if have and sum(sized.values()) > have:  # fail here, not by the OOM killer while allocating
+            flags = " and ".join("--" + k.replace("_", "-") for k in sized)
+            raise ValueError(f"the default host pools for {d.max_num_seqs} requests of {d.max_model_len} tokens "
+                             f"({', '.join(f'{k}={v:,}' for k, v in sized.items())} bytes) exceed this machine's "
+                             f"{have:,} bytes of memory: give {flags}, or lower --max-model-len / --max-num-seqs")
+        given.update(sized)
     return DeployConfig(**given)
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 # ------------------------------------------------------------------------------------------ the key

@@ -391,3 +391,25 @@ def test_sigterm_lets_running_requests_finish_then_exits(server):
     t.join(TIMEOUT_S)
     events = out["events"]
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("length", "abort")
+
+
+def test_default_host_pools_larger_than_the_machine_are_refused_with_the_flags_to_give(monkeypatch):
+    """A PdConnector or HiSparse server given no host pool size sizes it for max_num_seqs requests of
+    max_model_len; where that exceeds the machine's memory it is a ValueError naming the sizes and the
+    flags, not a process the OOM killer ends while allocating. Sized explicitly, or with limits that fit,
+    it starts as given."""
+    from glm53 import serve
+
+    cfg = glm53.get_preset("tiny")
+    pd = json.dumps({"kv_connector": "PdConnector", "kv_role": "kv_producer"})
+    monkeypatch.setattr(serve, "host_memory_bytes", lambda: 1 << 30)
+    for flags, named in ((["--kv-transfer-config", pd], "--cpu-offload-bytes"),
+                         (["--kv-policy", "hisparse"], "--hisparse-host-pool-bytes")):
+        args = serve.build_parser().parse_args(["tiny", *flags])  # 256 requests of 65,536 tokens
+        with pytest.raises(ValueError, match=f"exceed this machine's 1,073,741,824 bytes.*{named}"):
+            serve.deploy_from_args(args, cfg, "float32")
+        small = serve.build_parser().parse_args(["tiny", *flags, "--max-model-len", "4096", "--max-num-seqs", "4"])
+        d = serve.deploy_from_args(small, cfg, "float32")
+        assert 0 < (d.cpu_offload_bytes or d.hisparse_host_pool_bytes) < 1 << 30
+    given = serve.build_parser().parse_args(["tiny", "--kv-transfer-config", pd, "--cpu-offload-bytes", "1000000"])
+    assert serve.deploy_from_args(given, cfg, "float32").cpu_offload_bytes == 1_000_000
