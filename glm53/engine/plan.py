@@ -65,8 +65,9 @@ class StepPlan:
     # with no device block, HiSparse only); one entry covers kvcache.block_pool tokens_per_block tokens
     # (the group's own page size)
     block_tables: Mapping[str, tuple[tuple[int, ...], ...]]
-    # HiSparse only (else None), per row: its MLA pages' host-pool blocks and its hot-buffer lease
-    hisparse: tuple[HiSparseRow, ...] | None
+    # per row, the policy's data for its device half (KVPolicy.row_tables' second value; None for a policy
+    # without one). HiSparse: the row's MLA pages' host-pool blocks and its hot-buffer lease
+    policy_rows: tuple[HiSparseRow, ...] | None
     # KV movement the step needs, executed in order before the forward (kvcache.transfer's contract):
     # page copies to and from the host pools, offload saves and loads, hot-buffer resets
     transfers: tuple[Transfer, ...]

@@ -589,7 +589,7 @@ class ModelRunner:
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
         tokens, resolves, stages = {}, [], []
-        hs = plan.hisparse
+        hs = plan.policy_rows
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity):
             # the resolver runs only for decode rows of which some hold a hot buffer; without one every
             # selected page is on the device and the plain step reads it
@@ -627,7 +627,7 @@ class ModelRunner:
         StagingView): each leaves one StageRecord."""
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
         tokens, drafts, resolves, stages = {}, {}, [], []
-        hs = plan.hisparse
+        hs = plan.policy_rows
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity, self.verify_width):
             leased = hs is not None and width == self.verify_width and any(hs[i].lease >= 0 for i in idx)
             staged = (hs is not None and width != self.verify_width and self.stage_rows

@@ -346,9 +346,9 @@ class Scheduler:
             for g in self.kv.groups:
                 tables[g].append(row_tables[g])
             extra.append(row_extra)
-        hisparse = tuple(extra) if extra and extra[0] is not None else None
+        policy_rows = tuple(extra) if extra and extra[0] is not None else None
         return StepPlan(self.stats.steps, tuple(rows), MappingProxyType({g: tuple(t) for g, t in tables.items()}),
-                        hisparse, tuple(self.policy.take_transfers()))
+                        policy_rows, tuple(self.policy.take_transfers()))
 
     def _admission_signature(self, req: Request, budget: int) -> tuple:
         """What an admission attempt of waiting `req` under `budget` reads: its tokens (a waiting request's

@@ -179,10 +179,10 @@ class SimRunner(SyntheticRunner):
     def _miss_rows(self, plan: StepPlan) -> float:
         """Assumed HiSparse misses of a decode step: per decode row with a lease, the share of its top-k
         that falls in host-only pages (-1 in its MLA table) times the miss fraction."""
-        if plan.hisparse is None or not self.hisparse_miss_fraction:
+        if plan.policy_rows is None or not self.hisparse_miss_fraction:
             return 0.0
         k, total = self.cfg.index_topk, 0.0
-        for row, table, hs in zip(plan.rows, plan.block_tables["mla"], plan.hisparse):
+        for row, table, hs in zip(plan.rows, plan.block_tables["mla"], plan.policy_rows):
             if hs.lease < 0 or row.num_tokens != 1 + row.num_draft_tokens or not table:
                 continue
             host_only = table.count(-1) / len(table)  # -1: a page with no device block (block_table)
@@ -193,7 +193,7 @@ class SimRunner(SyntheticRunner):
         """Rows per layer a HiSparse step's prefill chunks over host-only pages stage (module docstring:
         each host-only row the chunk could select, once), over the plan's rows or those in `rows`. An
         MTP verify row (its drafts) is a decode row: it reads through the hot buffer (`_miss_rows`)."""
-        if plan.hisparse is None or not self.deploy.hisparse_stages_rows:
+        if plan.policy_rows is None or not self.deploy.hisparse_stages_rows:
             return 0.0
         k, tpb = self.cfg.index_topk, self.deploy.tokens_per_block
         total = 0.0

@@ -533,7 +533,7 @@ class ContentRunner(SyntheticRunner):
     def _tokens(self, plan: StepPlan) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         tokens, drafts = {}, {}
         for i, row in enumerate(plan.rows):
-            hs = plan.hisparse[i] if plan.hisparse is not None else None
+            hs = plan.policy_rows[i] if plan.policy_rows is not None else None
             decode = row.num_draft_tokens > 0 or row.num_tokens == 1  # the model runner's decode / verify bucket
             path = "device" if hs is None else ("resolve" if hs.lease >= 0 else "device") if decode else "staged"
             tables = {g: np.asarray(t[i], np.int64) for g, t in plan.block_tables.items()}
