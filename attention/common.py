@@ -83,15 +83,13 @@ H200_SMS = 132  # streaming multiprocessors of the GPU the kernels are tuned and
 IMPLS = ("auto", "reference", "pallas")
 
 # "auto" picks the Pallas kernels on a GPU only once they have been run and checked there
-# (experiments/device_check.sh): set after the kernel tests passed on an H200 (2026-12-04,
-# results/device_check_2026-12-04b). While False, "auto" runs the references everywhere, so a GPU user
+# (experiments/device_check.sh; the run that set it: docs/kernels.md). While False, "auto" runs the references everywhere, so a GPU user
 # never gets unverified kernels by default; impl="pallas" runs them anyway. (They are also lowered and
 # compiled for sm_90 without a GPU: experiments/check_gpu_lowering.py.)
 PALLAS_VERIFIED_ON_GPU = True
 
 # Kernels verified on the H200 but measured slower there than the GPU-shaped reference of the same op,
-# which "auto" therefore keeps: the HiSparse resolver (5.49 ms against 0.34 ms at GLM-5.3's sizes,
-# results/device_check_2026-12-04b/check_hisparse_copy). impl="pallas" still runs it.
+# which "auto" therefore keeps (the measurements: docs/kernels.md). impl="pallas" still runs them.
 SLOWER_THAN_REFERENCE_ON_GPU = frozenset({"hisparse_resolve"})
 
 

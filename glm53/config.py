@@ -246,7 +246,7 @@ def _tiny() -> ModelConfig:
 
 
 def _mid() -> ModelConfig:
-    # The mid-size config of experiments/bench_model.py (issue 2). Fields the issue leaves open are ours:
+    # The mid-size config of experiments/bench_model.py. Fields the benchmark's spec left open are ours:
     # vocab 4096, dense MLP 1024 (first layer), expert width 256, one shared expert.
     return make_config(
         vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,

@@ -191,7 +191,7 @@ def _replicated_map(method, state, args, cache: CpKVCache, *, graphdef, mesh, ex
     axis = cache.axis
     if cache.tokens_split:
         raise NotImplementedError("MTP passes and sequential verification with PCP (tokens split over the "
-                                  "context axis): issue 21 item 5, only DCP is built")
+                                  "context axis) are not built; DCP is")
     if cache.counters is not None:
         raise ValueError("the cache's counters must be None here")
     if tensor_parallel and axis != tp_ops.AXES[-1]:

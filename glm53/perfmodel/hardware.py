@@ -207,7 +207,7 @@ H200_CALIBRATED = dataclasses.replace(
 MEASURED_SPEC = Path(__file__).with_name("measured.json")
 MEASURED_PENDING = ("hardware 'h200_measured' waits for a device run: a complete `python -m experiments.bench_gpu "
                     "--slice` on an H200 committed under results/gpu_speed/<date>/, then `python -m "
-                    "experiments.calibrate --measured results/gpu_speed/<date>` (issue 45)")
+                    "experiments.calibrate --measured results/gpu_speed/<date>`")
 
 
 def _measured_spec(path: Path = MEASURED_SPEC) -> HardwareSpec | None:

@@ -1,5 +1,5 @@
 """This codebase's own GPU path, measured: the performance model's price of each row `experiments.bench_gpu`
-times on an H200, and the fit of the `h200_measured` spec on those rows (issue 45).
+times on an H200, and the fit of the `h200_measured` spec on those rows.
 
 The rows (`results/gpu_speed/<date>/results.json`; `op` and its `shape` keys are a contract):
 
