@@ -10,6 +10,10 @@ from collections.abc import Iterable
 from glm53.perfmodel.hardware import HardwareSpec
 
 DCP_GATHER = "dcp_prefill_gather"  # name of the per-layer context all-gather of a PCP x DCP prefill
+# How a step's Costs share time (`StepCost.time_s`). "none" is vLLM's schedule: its DCP collectives (the
+# PCP x DCP prefill gather, the decode query gather and LSE merge, the indexer's top-k merge) are blocking
+# calls on the compute stream between the kernels that produce and consume their data (docs/perfmodel.md,
+# "The DCP gather as vLLM schedules it"). "dcp_prefetch" is the other bound, an ablation no vLLM path runs.
 OVERLAPS = ("none", "dcp_prefetch")
 
 
@@ -179,10 +183,11 @@ class StepCost:
         return {n: total((c for c in self.parts if c.name == n), n) for n in names}
 
     def time_s(self, overlap: str = "none") -> float:
-        """Step time in seconds under an overlap assumption (see module docstring):
-        "none": every Cost runs after the previous one (sum of times).
+        """Step time in seconds under an overlap assumption (`OVERLAPS`):
+        "none": every Cost runs after the previous one (sum of times); what vLLM does, and the default.
         "dcp_prefetch": layer l's DCP context all-gather runs during layer l-1's kernels, so only
-        max(0, gather_l - kernels_{l-1}) of it shows (the first layer's gather is fully exposed)."""
+        max(0, gather_l - kernels_{l-1}) of it shows (the first layer's gather is fully exposed): a lower
+        bound for any one-layer-ahead prefetch, kept as an ablation."""
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
         if overlap == "none":

@@ -396,13 +396,27 @@ def pcp_kv_allgather(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: float, pc
     return collective(hw, "all_gather", sent, pcp, "pcp_kv_gather").at_layer(layer)
 
 
+# What a PCP x DCP prefill all-gathers per layer to attend over the whole context (`dcp_context_allgather`):
+# "fp8_rows", the cached context's cache rows as stored (MLA rows + indexer keys on full layers), what this
+# project's engine gathers (`parallel.dcp.full_copy`); "bf16_shard", vLLM's FLASHMLA_SPARSE path: each rank
+# first up-converts its own shard of the request (cached + new tokens) to bf16, then all-gathers that
+# (576 bf16 values a token, no indexer keys: vLLM's indexer scores the rank's key shard and merges top-k)
+DCP_PREFILL_GATHERS = ("fp8_rows", "bf16_shard")
+
+
 def dcp_context_allgather(cfg: ModelConfig, hw: HardwareSpec, context_tokens: float, dcp: int, layer: int,
-                          mla_format: str = "fp8_ds_mla", index_format: str = "fp8") -> Cost:
-    """Prefill inside a PCP x DCP engine: all-gather the `layer` shards of the cached context (1/dcp of
-    it on each rank, round-robin) into a temporary full copy: receives (dcp-1)/dcp of it per GPU
-    (`traffic.dcp_full_copy_bytes`)."""
-    sent = traffic.dcp_full_copy_bytes(n=dcp, local_slots=math.ceil(context_tokens / dcp),
-                                       row_bytes=_layer_kv_row_bytes(cfg, layer, mla_format, index_format))
+                          mla_format: str = "fp8_ds_mla", index_format: str = "fp8", *,
+                          form: str = "fp8_rows") -> Cost:
+    """Prefill inside a PCP x DCP engine: all-gather the `layer` shards of `context_tokens` tokens (1/dcp
+    of them on each rank, round-robin, ceil(context_tokens / dcp) slots) into a temporary full copy:
+    receives (dcp-1) x that many rows per GPU (`traffic.dcp_full_copy_bytes`). form (DCP_PREFILL_GATHERS):
+    "fp8_rows" gathers cache rows (+ indexer keys on full layers; context_tokens = the cached context),
+    "bf16_shard" up-converted bf16 rows of kv_lora + rope values (context_tokens = cached + new tokens)."""
+    if form not in DCP_PREFILL_GATHERS:
+        raise ValueError(f"dcp prefill gather form must be one of {DCP_PREFILL_GATHERS}, got {form!r}")
+    row = (BF16 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) if form == "bf16_shard"
+           else _layer_kv_row_bytes(cfg, layer, mla_format, index_format))
+    sent = traffic.dcp_full_copy_bytes(n=dcp, local_slots=math.ceil(context_tokens / dcp), row_bytes=row)
     return collective(hw, "all_gather", sent, dcp, DCP_GATHER).at_layer(layer)
 
 

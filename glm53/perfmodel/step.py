@@ -8,7 +8,8 @@ import math
 from glm53.config import ModelConfig
 from glm53.perfmodel.cost import Cost, StepCost, _kernel, all_reduce, host_copy
 from glm53.perfmodel.hardware import BF16, FP8_WEIGHT_BYTES, FP32, INDEX_BYTES, HardwareSpec
-from glm53.perfmodel.ops import (FLASHMLA_ROW_BLOCK, _layers, dcp_context_allgather, dcp_decode_merge, dcp_topk_merge,
+from glm53.perfmodel.ops import (DCP_PREFILL_GATHERS, FLASHMLA_ROW_BLOCK, _layers, dcp_context_allgather,
+                                 dcp_decode_merge, dcp_topk_merge,
                                  dense_mlp, hisparse_row_copy, indexer_scores, indexer_topk, lm_head, mla_projections,
                                  moe, pcp_kv_allgather, sparse_mla, sparse_mla_upconvert)
 
@@ -48,7 +49,8 @@ def _mean_rows(k: int, first_visible: float, count: float) -> float:
 
 def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_context: int, *, pcp: int = 1,
                  tp: int = 1, dcp: int = 1, ep: int | None = None, include_mtp: bool = True, pad_heads: bool = False,
-                 dequant: bool = True, weight_bytes: float = FP8_WEIGHT_BYTES, hisparse: bool = False) -> StepCost:
+                 dequant: bool = True, weight_bytes: float = FP8_WEIGHT_BYTES, hisparse: bool = False,
+                 dcp_gather: str = "fp8_rows") -> StepCost:
     """One prefill step of one request: `chunk_tokens` new tokens against `cached_context` cached tokens,
     on an engine of pcp * tp GPUs (one GPU's costs). Layers: the main model and (include_mtp) the MTP
     layer, which prefills the prompt too so its KV exists for drafting.
@@ -58,8 +60,12 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
       every layer is all-gathered. MoE: EP over all pcp * tp GPUs with all-to-all dispatch.
     - TP (tp > 1): every rank has all chunk tokens and heads / tp heads; the indexer is replicated (not
       split); o_proj, dense MLP and MoE outputs are all-reduced.
-    - DCP (dcp > 1; dcp <= pcp * tp): the persistent cache is sharded, so each layer first all-gathers the
-      cached context (`dcp_context_allgather`); the new chunk's KV arrives with the PCP gather.
+    - DCP (dcp > 1; dcp <= pcp * tp): the persistent cache is sharded, so each layer all-gathers the
+      context (`dcp_context_allgather`), in the form `dcp_gather` names (`ops.DCP_PREFILL_GATHERS`):
+      "fp8_rows", the cached context's cache rows and indexer keys before the indexer (the new chunk's
+      KV arrives with the PCP gather), then the whole context's up-convert; "bf16_shard" (vLLM, PCP x
+      DCP), the indexer over the rank's key shard with the DCP top-k merge, the up-convert of the rank's
+      shard of the request (cached + new tokens), the all-gather of those bf16 rows, then attention.
     Per layer: projections, [TP all-reduce], [PCP KV gather], [DCP context gather], indexer scores and
     top-k on full layers, sparse MLA, dense MLP or MoE (+ its collectives); then the lm_head for the
     request's last token. On a calibrated spec sparse MLA runs on the FlashMLA kernel vLLM picks
@@ -76,6 +82,11 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
     keys_per_query = cached_context + (chunk_tokens + 1) / 2
     rows = _mean_rows(cfg.index_topk, cached_context + 1, chunk_tokens)
     kernel = sparse_prefill_kernel("fp8_ds_mla", heads, pcp=pcp, dcp=dcp, hisparse=hisparse)
+    if dcp_gather not in DCP_PREFILL_GATHERS:
+        raise ValueError(f"dcp_gather must be one of {DCP_PREFILL_GATHERS}, got {dcp_gather!r}")
+    shard = pcp > 1 and dcp > 1 and dcp_gather == "bf16_shard"
+    seq = cached_context + chunk_tokens
+    upconvert_rows = math.ceil(seq / dcp) if shard else seq
     parts: list[Cost] = []
     for layer in _layers(cfg, include_mtp):
         parts.append(mla_projections(cfg, hw, q, layer, tp=tp, weight_bytes=weight_bytes))
@@ -83,13 +94,19 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
             parts.append(all_reduce(hw, q * cfg.hidden_size * BF16, tp, name="tp_all_reduce").at_layer(layer))
         if pcp > 1:
             parts.append(pcp_kv_allgather(cfg, hw, chunk_tokens, pcp, layer))
-        if dcp > 1 and cached_context > 0:
+        if dcp > 1 and cached_context > 0 and not shard:
             parts.append(dcp_context_allgather(cfg, hw, cached_context, dcp, layer))
         if cfg.layer_indexer_type(layer) == "full":
-            parts.append(indexer_scores(cfg, hw, q, keys_per_query, keys_read=cached_context + chunk_tokens).at_layer(layer))
+            # bf16_shard: the rank's 1/dcp of the keys is read; its score pairs are priced as before (at
+            # pcp == dcp scoring all queries over a shard is as many pairs as a rank's queries over all keys)
+            parts.append(indexer_scores(cfg, hw, q, keys_per_query, keys_read=seq / dcp if shard else seq).at_layer(layer))
             parts.append(indexer_topk(cfg, hw, q, keys_per_query).at_layer(layer))
+            if shard:
+                parts.extend(dcp_topk_merge(cfg, hw, q, dcp, layer, local_k=min(cfg.index_topk, math.ceil(seq / dcp))))
         if hw.flashmla_kernels and kernel == "prefill":
-            parts.append(sparse_mla_upconvert(cfg, hw, cached_context + chunk_tokens).at_layer(layer))
+            parts.append(sparse_mla_upconvert(cfg, hw, upconvert_rows).at_layer(layer))
+        if shard:
+            parts.append(dcp_context_allgather(cfg, hw, seq, dcp, layer, form="bf16_shard"))
         parts.append(sparse_mla(cfg, hw, q, rows, heads, pad_heads=pad_heads, dequant=dequant,
                                 kernel=kernel).at_layer(layer))
         if cfg.layer_mlp_type(layer) == "dense":
@@ -171,6 +188,9 @@ class Deployment:
     does when speculative decoding is on: it prefills with the prompt and drafts after each decode).
     hisparse: the HiSparse KV policy is on (vLLM then runs sparse-MLA prefill rows on the bf16 prefill
     kernel: `sparse_prefill_kernel`).
+    dcp_prefill_gather: what a PCP x DCP prefill all-gathers to attend over the whole context
+    (`ops.DCP_PREFILL_GATHERS`, `prefill_step`'s dcp_gather): "fp8_rows" (this project's engine) or
+    "bf16_shard" (vLLM's FLASHMLA_SPARSE path).
     verify: how an MTP verify row (1 + k tokens) is computed (glm53.engine.spec_decode, `verify_form`):
     "batched", one forward over its tokens (the weights read once), or "sequential", its positions as
     one-token passes of the target model one after another in one program (the MTP layer then runs once
@@ -188,6 +208,7 @@ class Deployment:
     include_mtp: bool = False
     hisparse: bool = False
     verify: str = "batched"
+    dcp_prefill_gather: str = "fp8_rows"
 
     def __post_init__(self):
         if min(self.tp, self.pcp, self.dcp) < 1:
@@ -200,6 +221,9 @@ class Deployment:
             raise ValueError(f"Deployment.dcp_backend must be 'ag_rs' or 'a2a', got {self.dcp_backend!r}")
         if self.verify not in ("batched", "sequential"):
             raise ValueError(f"Deployment.verify must be 'batched' or 'sequential', got {self.verify!r}")
+        if self.dcp_prefill_gather not in DCP_PREFILL_GATHERS:
+            raise ValueError(f"Deployment.dcp_prefill_gather must be one of {DCP_PREFILL_GATHERS}, "
+                             f"got {self.dcp_prefill_gather!r}")
 
     @property
     def gpus(self) -> int:
@@ -292,16 +316,22 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     # every head); a PCP x DCP prefill attends over a gathered full copy, a DCP-alone prefill like decode
     dcp_heads = min(cfg.num_attention_heads, heads * dcp) if dcp > 1 else heads
     sharded_pre = dcp > 1 and pcp == 1  # prefill over the rank's shard, merged like decode
+    # vLLM's PCP x DCP prefill: up-convert the rank's shard of each request, all-gather the bf16 rows
+    bf16_shard = dcp > 1 and pcp > 1 and dep.dcp_prefill_gather == "bf16_shard"
+    shard_rows = sum(math.ceil((r[0] + r[1]) / dcp) for r in pre) if bf16_shard else 0
+    # candidates per query in the top-k merge: a rank's keys, at most top-k (the gather's shape is the widest row's)
+    merge_k = min(k, max((math.ceil((r[0] + r[1]) / dcp) for r in pre), default=0))
     fmt = (dep.mla_format, dep.index_format)
 
-    def indexer(group: list, shard: int) -> list[Cost]:
+    def indexer(group: list, shard: int, read_shard: int = 1) -> list[Cost]:
         # one batched kernel per op; its counts are linear in each row's q and q x keys, so one call with
-        # the batch's q and its q-weighted mean key count gives the sum over rows exactly
+        # the batch's q and its q-weighted mean key count gives the sum over rows exactly. read_shard: the
+        # keys read are 1/read_shard of each row's (vLLM's PCP x DCP indexer reads the rank's key shard)
         if not group:
             return []
         q = sum(n for _, n, *_ in group) / pcp
         qk = sum(n * (start + (n + 1) / 2) for start, n, *_ in group) / (pcp * shard)
-        read = sum(start + n for start, n, *_ in group) / shard
+        read = sum(start + n for start, n, *_ in group) / (shard * read_shard)
         q_sel = sum(n * min(k, (start + (n + 1) / 2) / shard) for start, n, *_ in group) / pcp
         scores = indexer_scores(cfg, hw, q, qk / q, keys_read=read, index_format=dep.index_format)
         topk = _kernel("indexer_topk", hw, flops=0.0, hbm_bytes=qk * FP32 + q_sel * INDEX_BYTES)
@@ -342,7 +372,11 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             return out
         out = mla(dec, "sparse_mla_decode", True, dcp, dcp_heads, s_q=dec_s_q)
         if pre and hw.flashmla_kernels and pre_kernel == "prefill":
-            out.append(sparse_mla_upconvert(cfg, hw, sum(r[0] + r[1] for r in pre), mla_format=dep.mla_format))
+            rows = shard_rows if bf16_shard else sum(r[0] + r[1] for r in pre)
+            out.append(sparse_mla_upconvert(cfg, hw, rows, mla_format=dep.mla_format))
+        if bf16_shard and pre:
+            # after the up-convert that fills it, before the kernel that reads it (one gather per layer)
+            out.append(dcp_context_allgather(cfg, hw, shard_rows * dcp, dcp, -1, form="bf16_shard"))
         out += mla(pre, "sparse_mla_prefill", False, pre_shard, pre_heads, pre_kernel)
         return [c for c in out if c.time_s > 0 or c.name != "sparse_mla_upconvert"]
 
@@ -365,12 +399,14 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
         parts = list(_token_parts(cfg, hw, dep, ("head", layer, tokens), lambda: head_parts(layer)))
         if pcp > 1 and pre_tokens:
             parts.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer, *fmt))
-        if dcp > 1 and pcp > 1:
+        if dcp > 1 and pcp > 1 and not bf16_shard:
             parts += [dcp_context_allgather(cfg, hw, r[0], dcp, layer, *fmt) for r in pre if r[0] > 0]
         if full:
             parts += indexer(dec + (pre if sharded_pre else []), dcp)
             if not sharded_pre:
-                parts += indexer(pre, 1)
+                parts += indexer(pre, 1, dcp if bf16_shard else 1)
+                if bf16_shard and pre:
+                    parts.extend(dcp_topk_merge(cfg, hw, pre_tokens / pcp, dcp, local_k=merge_k))
         merged = dec + (pre if sharded_pre else [])
         parts += mla_parts()
         if dcp > 1 and merged:
@@ -412,13 +448,15 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
                 n = n_full if full else n_all - n_full
                 if pcp > 1 and pre_tokens:
                     out.append(pcp_kv_allgather(cfg, hw, pre_tokens, pcp, layer, *fmt).scaled(n))
-                if dcp > 1 and pcp > 1:
+                if dcp > 1 and pcp > 1 and not bf16_shard:
                     out += [dcp_context_allgather(cfg, hw, r[0], dcp, layer, *fmt).scaled(n) for r in pre if r[0] > 0]
         parts = [(c, n_all) for c in mla_parts()]
         if n_full:
             parts += [(c, n_full) for c in indexer(merged, dcp)]
             if not sharded_pre:
-                parts += [(c, n_full) for c in indexer(pre, 1)]
+                parts += [(c, n_full) for c in indexer(pre, 1, dcp if bf16_shard else 1)]
+                if bf16_shard and pre:
+                    parts += [(c, n_full) for c in dcp_topk_merge(cfg, hw, pre_tokens / pcp, dcp, local_k=merge_k)]
         if dcp > 1 and merged:
             q = sum(r[1] for r in merged)
             if n_full:

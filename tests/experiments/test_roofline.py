@@ -66,7 +66,7 @@ def test_the_figures_are_drawn(run):
                                ("kv_per_gpu_vs_context", (7, 4.5), ("C0", "C1", "C2", "C3", "C4")),
                                ("sparse_mla_intensity", (7, 4.5), ("C0",)),  # C1 is drawn translucent
                                ("indexer_vs_mla_flops", (11, 4.5), ("C0", "C1", "C2")),
-                               ("dcp8_prefill_overhead", (11, 4.5), ("C0", "C1", "C2"))):
+                               ("dcp8_prefill_overhead", (11, 4.5), ("C0", "C3"))):
         assert_drawn(out / f"{name}.png", size, 120, series)
 
 
@@ -98,6 +98,12 @@ def test_values_come_from_the_model(run):
     # whole KV (every layer's MLA row, every full layer's indexer key)
     for r in rows:
         assert r["dcp_gather_nvlink_bytes_per_gpu"] == r["cached_context"] * 7 // 8 * KV_BYTES
+        # vLLM's: the 7 other shards of the whole request (cached + the 2,048-token chunk) as bf16 rows of
+        # 512 + 64 values, in each of the 79 attention layers
+        assert r["dcp_gather_nvlink_bytes_per_gpu_vllm"] == (r["cached_context"] + 2048) * 7 // 8 * 1152 * 79
+    # vLLM's schedule overlaps nothing: its overhead rises with context, above the fp8_rows form's
+    assert all(a["overhead_frac_vllm"] < b["overhead_frac_vllm"] for a, b in itertools.pairwise(rows))
+    assert all(r["overhead_frac_vllm_dcp_prefetch"] < r["overhead_frac"] < r["overhead_frac_vllm"] for r in rows[-3:])
     # the longest context whose busiest rank (ceil(T / N) tokens of a round-robin shard) fits the budget:
     # 15 GiB / 54,728 B = 294,294.1 tokens per GPU
     budget = res["kv_budget_gib_per_gpu"] * 2**30

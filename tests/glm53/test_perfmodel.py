@@ -96,6 +96,54 @@ def test_dcp8_prefill_overhead_grows_with_context():
     assert prefetched[0] < 0.01  # a short context's gather hides behind the previous layer's kernels
 
 
+def test_overlap_modes_on_a_hand_built_two_layer_step():
+    """Two layers by hand (seconds): layer 0 = kernels 3 + 1, DCP gather 2, a TP all-reduce 0.5; layer 1 =
+    kernel 4, DCP gather 5, a copy 0.25. "none" (vLLM's schedule: every collective blocks the compute stream
+    between its producer and consumer) shows everything: 15.75. "dcp_prefetch" runs layer 1's gather during
+    layer 0's 4 s of kernels (the all-reduce and the copy are not kernels: they hide nothing), so 1 of its 5 s
+    shows; layer 0's gather has no layer before it and shows whole: 3 + 1 + 0.5 + 4 + 0.25 + 2 + 1 = 11.75."""
+    def c(name, kind, layer, t):
+        return pm.Cost(name, kind=kind, layer=layer, time_s=t)
+
+    step = pm.StepCost((c("mla_projections", "kernel", 0, 3.0), c(pm.DCP_GATHER, "collective", 0, 2.0),
+                        c("sparse_mla", "kernel", 0, 1.0), c("tp_all_reduce", "collective", 0, 0.5),
+                        c("kv_load", "copy", -1, 0.25), c(pm.DCP_GATHER, "collective", 1, 5.0),
+                        c("sparse_mla", "kernel", 1, 4.0)))
+    assert pm.OVERLAPS == ("none", "dcp_prefetch")
+    assert step.time_s() == step.time_s("none") == 15.75
+    assert step.time_s("dcp_prefetch") == 11.75
+    # a gather shorter than the previous layer's kernels hides entirely
+    short = pm.StepCost(step.parts[:5] + (c(pm.DCP_GATHER, "collective", 1, 3.5), step.parts[6]))
+    assert short.time_s("dcp_prefetch") == 3 + 1 + 0.5 + 0.25 + 4 + 2
+
+
+def test_vllm_pcp_dcp_prefill_gathers_the_upconverted_shard():
+    """vLLM's PCP x DCP prefill (FLASHMLA_SPARSE, docs/perfmodel.md), a 2,048-token chunk over 8,192 cached
+    tokens on PCP8 x DCP8, by hand: each rank holds ceil(10,240 / 8) = 1,280 rows of the request; it
+    up-converts them (reads 1,280 x 656 B fp8 rows, writes 1,280 x 576 bf16 values), then receives the other
+    7 ranks' 1,280 bf16 rows (7 x 1,280 x 1,152 B = 10,321,920 B, no indexer keys) in each of the 79 layers;
+    on the 22 indexer layers it gathers 7 x 1,280 candidates (fp32 score + int32 position) for each of its
+    256 queries (its keys, fewer than top-k). The fp8_rows form gathers 7 x 1,024 cached rows with keys."""
+    hw = pm.H200_CALIBRATED
+    vllm = pm.prefill_step(CFG, hw, 2048, 8192, pcp=8, dcp=8, dcp_gather="bf16_shard").by_name()
+    ours = pm.prefill_step(CFG, hw, 2048, 8192, pcp=8, dcp=8).by_name()
+    assert vllm[pm.DCP_GATHER].nvlink_bytes == 79 * 10_321_920
+    assert vllm["sparse_mla_upconvert"].hbm_bytes == 79 * 1280 * (656 + 1152)
+    assert ours["sparse_mla_upconvert"].hbm_bytes == 79 * 10_240 * (656 + 1152)
+    assert vllm["dcp_topk_gather"].nvlink_bytes == 22 * 7 * 256 * 1280 * 8
+    assert "dcp_topk_gather" not in ours
+    assert ours[pm.DCP_GATHER].nvlink_bytes == 7 * 1024 * (79 * 656 + 22 * 132)
+    dep = Deployment(pcp=8, dcp=8, expert_parallel=True, include_mtp=True, dcp_prefill_gather="bf16_shard")
+    for per_layer in (False, True):
+        got = step_cost(CFG, hw, dep, _plan(_row(8192, 2048)), per_layer=per_layer)
+        assert got.time_s() == pytest.approx(sum(v.time_s for v in vllm.values()), rel=1e-12)
+        assert got.by_name()[pm.DCP_GATHER].nvlink_bytes == pytest.approx(79 * 10_321_920)
+    with pytest.raises(ValueError, match="dcp_prefill_gather"):
+        Deployment(pcp=8, dcp=8, dcp_prefill_gather="fp8_shard")
+    with pytest.raises(ValueError, match="dcp_gather"):
+        pm.prefill_step(CFG, hw, 2048, 8192, pcp=8, dcp=8, dcp_gather="bf16")
+
+
 def _traced_full_copy_bytes(context: int, n: int, row_bytes: int) -> float:
     """Bytes one rank sends building PCP x DCP's temporary full copy (`parallel.dcp.full_copy`, the code the
     engine runs) of a `context`-token request over DCP n, rows packed as `row_bytes` bytes, from the traced
