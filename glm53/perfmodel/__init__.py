@@ -24,9 +24,9 @@ Conventions
   `memory_s = hbm_bytes / (hbm_bandwidth * hbm_efficiency)`,
   `link_s = link bytes / (one-direction link bandwidth * link efficiency)`.
 - Costs of one step run one after another (one stream, no overlap) unless the step's overlap option
-  says otherwise: `StepCost.time_s("none")` is their sum; `StepCost.time_s("dcp_prefetch")` hides each
-  layer's DCP context all-gather behind the previous layer's kernels (a lower bound for any overlap
-  scheme that prefetches one layer ahead).
+  says otherwise: `StepCost.time_s("none")` is their sum, and vLLM's schedule (its DCP collectives block
+  the compute stream); `StepCost.time_s("dcp_prefetch")` hides each layer's DCP context all-gather behind
+  the previous layer's kernels (a lower bound for any overlap scheme that prefetches one layer ahead).
 - NVLink: the datasheet's 900 GB/s per GPU counts both directions; in a collective every GPU sends and
   receives at once, so a collective's link time uses one direction (450 GB/s). `nvlink_bytes` counts the
   bytes one GPU receives (for the symmetric collectives modelled here it also sends as many).
