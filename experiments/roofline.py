@@ -168,7 +168,8 @@ def compute(cfg, hw: pm.HardwareSpec, *, kv_budget_bytes: float, chunk_tokens: i
                          "step_s_without_dcp": t0, "step_s_with_dcp8": t1, "step_s_with_dcp8_prefetch": t1p,
                          "step_s_with_dcp8_vllm": tv, "step_s_with_dcp8_vllm_prefetch": tvp,
                          "dcp_gather_s": gather.time_s, "dcp_gather_nvlink_bytes_per_gpu": gather.nvlink_bytes,
-                         "dcp_gather_s_vllm": vgather.time_s, "dcp_gather_nvlink_bytes_per_gpu_vllm": vgather.nvlink_bytes,
+                         "dcp_gather_s_vllm": vgather.time_s,
+                         "dcp_gather_nvlink_bytes_per_gpu_vllm": vgather.nvlink_bytes,
                          "without_dcp_kv_fits_budget": ctx + chunk_tokens <= fits})
         if ctx in (contexts[0], contexts[-1]):
             breakdown[str(ctx)] = {n: c.time_s for n, c in dcp.by_name().items()}
@@ -314,11 +315,13 @@ def plot(res: dict, out: Path) -> list[Path]:
     axes[0].axhline(0, color="k", lw=0.5)
     axes[0].set_ylabel("step-time overhead of DCP8 (%)")
     axes[0].set_title(f"PCP8 prefill of a {res['dcp8_prefill_overhead_setup']['chunk_tokens']:,}-token chunk: DCP8 overhead")
-    axes[1].plot(c, [1e3 * r["step_s_without_dcp"] for r in ov], "o-", color="k", label="PCP8 (whole cache on every GPU)")
-    axes[1].plot(c, [1e3 * r["step_s_with_dcp8_vllm"] for r in ov], "s-", color="C3", label="PCP8 x DCP8, vLLM's schedule")
-    axes[1].plot(c, [1e3 * r["dcp_gather_s_vllm"] for r in ov], "^:", color="C3", label="of which bf16 shard all-gathers")
-    axes[1].plot(c, [1e3 * r["step_s_with_dcp8"] for r in ov], "s-", color="C0", label="PCP8 x DCP8, fp8 rows, no overlap")
-    axes[1].plot(c, [1e3 * r["dcp_gather_s"] for r in ov], "^:", color="C0", label="of which fp8 row all-gathers")
+    axes[1].plot(c, [1e3 * r["step_s_without_dcp"] for r in ov], "o-", color="k",
+                 label="PCP8 (whole cache on every GPU)")
+    for key, gather, color, label in (("step_s_with_dcp8_vllm", "dcp_gather_s_vllm", "C3", "vLLM's schedule"),
+                                      ("step_s_with_dcp8", "dcp_gather_s", "C0", "fp8 rows, no overlap")):
+        axes[1].plot(c, [1e3 * r[key] for r in ov], "s-", color=color, label=f"PCP8 x DCP8, {label}")
+        axes[1].plot(c, [1e3 * r[gather] for r in ov], "^:", color=color,
+                     label="of which " + ("bf16 shard" if color == "C3" else "fp8 row") + " all-gathers")
     axes[1].set_ylabel("step time (ms)")
     log_axes(axes[0], y_log=False)
     log_axes(axes[1], y_plain=True)

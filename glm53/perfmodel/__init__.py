@@ -41,7 +41,8 @@ from glm53.perfmodel.cost import (DCP_GATHER, OVERLAPS, Cost, StepCost, all_gath
 from glm53.perfmodel.hardware import (BF16, FP8_WEIGHT_BYTES, FP32, H200, H200_CALIBRATED, INDEX_BYTES,
                                       PUBLISHED_KV_BUDGET_BYTES_TP8, HARDWARE, NVME_GEN4, STORAGE, GiB,
                                       HardwareSpec, StorageSpec, hardware_spec)
-from glm53.perfmodel.ops import (DCP_PREFILL_GATHERS, dcp_context_allgather, dcp_decode_merge, dcp_topk_merge, dense_mha_prefill,
+from glm53.perfmodel.ops import (DCP_PREFILL_GATHERS, dcp_context_allgather, dcp_decode_merge, dcp_topk_merge,
+                                 dense_mha_prefill,
                                  dense_mlp, expected_remote_ranks, expected_touched_experts, hisparse_row_copy,
                                  indexer_pair_flops, indexer_scores, indexer_topk, kv_bytes_by_component,
                                  kv_bytes_per_gpu, lm_head, max_context_tokens, mla_projections, moe, moe_routed_gemms,

@@ -99,7 +99,8 @@ def prefill_step(cfg: ModelConfig, hw: HardwareSpec, chunk_tokens: int, cached_c
         if cfg.layer_indexer_type(layer) == "full":
             # bf16_shard: the rank's 1/dcp of the keys is read; its score pairs are priced as before (at
             # pcp == dcp scoring all queries over a shard is as many pairs as a rank's queries over all keys)
-            parts.append(indexer_scores(cfg, hw, q, keys_per_query, keys_read=seq / dcp if shard else seq).at_layer(layer))
+            read = seq / dcp if shard else seq
+            parts.append(indexer_scores(cfg, hw, q, keys_per_query, keys_read=read).at_layer(layer))
             parts.append(indexer_topk(cfg, hw, q, keys_per_query).at_layer(layer))
             if shard:
                 parts.extend(dcp_topk_merge(cfg, hw, q, dcp, layer, local_k=min(cfg.index_topk, math.ceil(seq / dcp))))
