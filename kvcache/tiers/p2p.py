@@ -1050,6 +1050,7 @@ class _DataServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128  # the listen backlog: a burst of fetches is accepted (or refused) at once, not SYN-retried
 
     def __init__(self, addr, tier: PeerTier):
         self.tier = tier
