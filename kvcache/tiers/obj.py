@@ -583,6 +583,7 @@ class ObjectTier(TierBookkeeping):
         socket's timeout is cut to what is left, so a trickling body cannot hold the thread past it."""
         r = self._client.get_object(Bucket=self.bucket, Key=name)
         body, n = r["Body"], r.get("ContentLength")
+        sock = None
         try:
             if n is not None and int(n) != expect:
                 return None
@@ -611,6 +612,11 @@ class ObjectTier(TierBookkeeping):
                 return None
             return bytes(out)
         finally:
+            if sock is not None:  # the pooled connection's next request starts with the configured timeout
+                try:
+                    sock.settimeout(self.timeout_s)
+                except OSError:
+                    pass
             body.close()
 
 

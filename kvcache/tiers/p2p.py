@@ -48,15 +48,31 @@ request's next admission recomputes it instead of fetching it again.
 
 Framing. Control messages are msgpack (msgspec structs, validated on decode; malformed ones are counted
 and dropped). The data socket, little-endian: the request is REQUEST (b"GKVF", body length u32) and a
-msgpack FetchMsg; each answer is FRAME (b"GKVC", status u8: 0 data, 1 gone, 2 done; the 32-byte key;
-payload length u64; CRC-32 of the payload u32) and, for data, the payload. Frames come in request order,
+msgpack FetchMsg (at most MAX_FETCH_KEYS keys, MAX_REQUEST bytes: a consumer splits bigger batches); each
+answer is FRAME (b"GKVC", status u8: 0 data, 1 gone, 2 done; the 32-byte key; payload length u64;
+CRC-32 of the payload u32; a 32-byte MAC) and, for data, the payload. Frames come in request order,
 then the done frame (its length: the data frames sent). The consumer checks the magic, the key and the
-length against what it asked for, and the CRC (computed once, when the producer stored the chunk)
-against the bytes: a CRC mismatch is a "corrupt" miss; a frame it cannot trust ends the stream, the rest
-missing. No corrupt byte is returned.
+length against what it asked for, the MAC, and the CRC (both computed once, when the producer stored the
+chunk) against the bytes: a mismatch is a "corrupt" miss; a frame it cannot trust ends the stream, the
+rest missing. No corrupt or unauthenticated byte is returned.
+
+Authentication (kvcache.tiers.auth; docs/engine.md "Trust model"). With a shared secret (`secret_file`,
+else $GLM53_KV_SECRET_FILE) every control message carries an HMAC-SHA256 of its body in a domain naming
+its kind, the fetch request one too, a data frame `chunk_mac` of its key and payload, and gone and done
+frames one of their fields: a party without the secret can neither serve, fetch, pin nor release (its
+messages are counted in `auth_failures` and dropped). Without a secret the MAC fields are zeros and the
+tier refuses, at construction, any address that is not loopback (its own, its peers', its producers'),
+with one warning. Producers: a request names its producer in its context, but the tier asks only those
+the operator listed in `producers`; any other is a miss, counted in `unlisted_peers`, and nothing is
+dialled (the server refuses such a request earlier, with a 400). Bounds: at most MAX_DATA_CONNECTIONS
+fetches are served at once (more are closed at accept, `connections_refused`), each reads at most
+MAX_REQUEST + 32 bytes before its MAC is checked, by `transfer_timeout_s`; a control message past
+MAX_CONTROL_BYTES drops its sender (ZMQ's maxmsgsize); at most MAX_CONNECTED named producers hold a
+connected socket, the least recently asked closed first.
 
 Options (defaults): host, port (required; port 0 binds any free port, `PeerTier.address` names it), peers
-([]), max_bytes (1 GiB; None: unbounded), pin_s (5), lookup_timeout_s (1), transfer_timeout_s (5),
+([]), producers ([]: the "host:port" addresses requests may name), secret_file (None), max_bytes (1 GiB;
+None: unbounded), pin_s (5), lookup_timeout_s (1), transfer_timeout_s (5),
 fetch_threads (4), name ("p2p", the metrics key). Under data parallelism replica i binds port + i (as
 vLLM); a peer lists every replica it should ask.
 
@@ -66,7 +82,9 @@ KV events: its chunks are reported as medium "CPU" (this engine's memory, readab
 Threads: one control thread owns every ZMQ socket; a TCP server thread (a short-lived thread per fetch
 served); `fetch_threads` fetch threads; one store thread (copies and CRCs). `shutdown()` stops them all.
 Not built: transfers straight between host pools (RDMA / NIXL); peer discovery; persistent data
-connections; authentication (peers are trusted: the CRC catches damage, not a lying peer).
+connections; encryption (the MAC authenticates, it does not hide KV from a listener on the network);
+replay protection across lookups (a recorded answer replayed names chunks by their content keys, so it can
+make a consumer fetch, never take wrong bytes).
 """
 
 from __future__ import annotations

@@ -43,8 +43,11 @@ def _ktc(role: str, **kw) -> str:
 
 
 # the producers' KV ports (kv_port), fixed so that the consumers can list them; DEAD: listed, never up
-KV_PORTS = {"prefill_pcp": _free_port(), "prefill_1": _free_port()}
-DEAD = _free_port()
+_PORTS = set()
+while len(_PORTS) < 3:  # distinct: a port free when asked may be handed out again
+    _PORTS.add(_free_port())
+KV_PORTS = dict(zip(("prefill_pcp", "prefill_1"), sorted(_PORTS)))
+DEAD = max(_PORTS)
 PRODUCERS = {"kv_connector_extra_config": {"producers": [f"127.0.0.1:{p}" for p in (*KV_PORTS.values(), DEAD)]}}
 
 
