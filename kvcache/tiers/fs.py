@@ -13,7 +13,9 @@ pids): one owned by this process's user and older than TMP_MAX_AGE_S is deleted 
 store once that long has passed since the last sweep. A write takes milliseconds, so such a file is
 abandoned.
 
-Bad days. A root that cannot be written (a read-only mount, no permission) disables the tier with one
+Bad days. A load not finished `deadline_s` (30 s) after its submission is answered "miss"
+(kvcache.tiers.base.TierBookkeeping: a read blocked on a hung network mount cannot be interrupted, so
+its result, when it comes, is dropped). A root that cannot be written (a read-only mount, no permission) disables the tier with one
 warning: lookups miss, stores fail, and the engine starts and serves without it. A chunk that fails
 verification is deleted; one that cannot be deleted (a read-only directory) is remembered as a miss, so
 its lookups stop answering HIT. With a shared secret (`secret_file`, or $GLM53_KV_SECRET_FILE;
@@ -50,7 +52,7 @@ from kvcache.tiers.format import HEADER, SUFFIX, as_bytes, chunk_name, encode_he
 
 __all__ = ["AUTO_FRACTION", "HEADER", "FileTier", "check_options"]
 OPTIONS = {"root_dir": None, "max_bytes": "auto", "read_threads": 4, "write_threads": 4, "name": "fs",
-           "secret_file": None}
+           "secret_file": None, "deadline_s": 30.0}
 AUTO_FRACTION = 0.5  # max_bytes="auto": this fraction of (free space at start + the chunks already there)
 TMP_MAX_AGE_S = 120.0  # a temporary file this old is abandoned (its writer died): reclaimed
 MAX_UNDELETABLE = 1 << 16  # corrupt chunks remembered as misses because they could not be deleted
@@ -68,6 +70,9 @@ def check_options(opts: dict) -> None:
     if mb is not None and mb != "auto" and (not isinstance(mb, int) or isinstance(mb, bool) or mb <= 0):
         raise ValueError(f"secondary tier 'fs': max_bytes must be a positive int, 'auto' or None, got {mb!r}")
     check_secret_file(opts.get("secret_file"), "secondary tier 'fs'")
+    d = opts.get("deadline_s", OPTIONS["deadline_s"])
+    if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d < float("inf"):
+        raise ValueError(f"secondary tier 'fs': deadline_s must be a positive number of seconds, got {d!r}")
     for k in ("read_threads", "write_threads"):
         v = opts.get(k, OPTIONS[k])
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -80,10 +85,10 @@ class FileTier(TierBookkeeping):
     kv_event_locality = "LOCAL"  # KV events (kvcache.events): medium "STORAGE", a local filesystem
 
     def __init__(self, *, fingerprint: str, root_dir, max_bytes: int | str | None = "auto", read_threads: int = 4,
-                 write_threads: int = 4, name: str = "fs", secret_file=None):
+                 write_threads: int = 4, name: str = "fs", secret_file=None, deadline_s: float = 30.0):
         check_options({"root_dir": root_dir, "max_bytes": max_bytes, "read_threads": read_threads,
-                       "write_threads": write_threads, "secret_file": secret_file})
-        self.name = name
+                       "write_threads": write_threads, "secret_file": secret_file, "deadline_s": deadline_s})
+        self.name, self.deadline_s = name, float(deadline_s)
         self.root, self.fingerprint = Path(root_dir), fingerprint
         self.dir = self.root / fingerprint[:32]
         self._secret = load_secret(secret_file, who=f"secondary tier {name!r}")
@@ -192,6 +197,7 @@ class FileTier(TierBookkeeping):
             with self._lock:
                 self._finished.append(JobResult(job.job_id, "load", ("miss",) * len(job.keys), (None,) * len(job.keys)))
             return
+        self._load_due(job, self.deadline_s)  # a read blocked on a hung mount cannot hold the request longer
         self._readers.submit(self._load, job, time.perf_counter())
 
     def _note_removed(self, p: str) -> None:
@@ -289,7 +295,7 @@ class FileTier(TierBookkeeping):
                 payloads.append(data)
         with self._lock:
             self.stats.load_latency.observe(time.perf_counter() - t0)
-            self._finished.append(JobResult(job.job_id, "load", tuple(status), tuple(payloads)))
+            self._finish_load(JobResult(job.job_id, "load", tuple(status), tuple(payloads)))
 
     def _read(self, key: bytes, size: int):
         """The verified payload of `key` (np.uint8 [size]), or "miss" / "corrupt" (the file deleted)."""

@@ -92,7 +92,6 @@ class ObjTierStats(TierStats):
     outages: int = 0  # times the tier went down (an operation exhausted its attempts while the tier was up)
     down_skips: int = 0  # lookups, loads and stores answered without the network while down
     listed_chunks: int = 0  # chunks the latest complete listing found under the fingerprint's prefix
-    deadline_misses: int = 0  # loads cut by deadline_s (a miss)
 
 
 def _bad(msg: str) -> ValueError:
@@ -303,8 +302,12 @@ class ObjectTier(TierBookkeeping):
             raise RuntimeError(f"tier {self.name!r} is shut down")
         state = _Pending(job.job_id, "load", len(job.keys))
         self._finish_if_empty(state)
+        deadline = time.monotonic() + self.deadline_s  # the job's: a chunk queued behind others has less left
+        # a backstop for what the body's deadline cannot cut (a request still waiting for its headers)
+        if job.keys:
+            self._load_due(job, self.deadline_s + 2 * self.timeout_s)
         for i, (key, size) in enumerate(zip(job.keys, job.sizes)):
-            self._readers.submit(self._load_one, state, i, key, size)
+            self._readers.submit(self._load_one, state, i, key, size, deadline)
 
     def shutdown(self, wait: bool = True) -> None:
         """wait=True: finish pending stores and loads (each bounded by the retry budget; once the tier is
@@ -460,8 +463,12 @@ class ObjectTier(TierBookkeeping):
             state.left -= 1
             if not state.left:
                 getattr(self.stats, f"{state.kind}_latency").observe(time.perf_counter() - state.t0)
-                self._finished.append(JobResult(state.job_id, state.kind, tuple(state.status),
-                                                tuple(state.payloads) if state.kind == "load" else ()))
+                result = JobResult(state.job_id, state.kind, tuple(state.status),
+                                   tuple(state.payloads) if state.kind == "load" else ())
+                if state.kind == "load":
+                    self._finish_load(result)
+                else:
+                    self._finished.append(result)
 
     def _store_one(self, state: "_Pending", i: int, key: bytes, payload) -> None:
         try:
@@ -541,21 +548,20 @@ class ObjectTier(TierBookkeeping):
         except (_Failed, _Missing):
             pass
 
-    def _load_one(self, state: "_Pending", i: int, key: bytes, size: int) -> None:
+    def _load_one(self, state: "_Pending", i: int, key: bytes, size: int, deadline: float = math.inf) -> None:
         try:
-            data = self._get(key, size)
+            data = self._get(key, size, deadline)
         except Exception:  # noqa: BLE001 - an unreadable chunk is a miss, never an engine error
             with self._lock:
                 self.stats.io_errors += 1
             data = "miss"
         self._done(state, i, data if isinstance(data, str) else "ok", None if isinstance(data, str) else data)
 
-    def _get(self, key: bytes, size: int):
+    def _get(self, key: bytes, size: int, deadline: float = math.inf):
         """The verified payload of `key` (np.uint8 [size], read-only), or "miss" (not there, or the
         server unreachable: the key stays known) / "corrupt" (the object deleted)."""
         if self._skip_if_down():
             return "miss"
-        deadline = time.monotonic() + self.deadline_s
         try:
             blob = self._call(self._read_object, self.object_name(key), HEADER.size + size, deadline,
                               _deadline=deadline)

@@ -381,3 +381,22 @@ def test_a_trickling_s3_server_is_a_miss_within_its_deadline():
     finally:
         server.kill()
         server.wait(10)
+
+
+def test_a_load_past_the_fs_deadline_is_a_miss_and_its_late_result_dropped(tmp_path, monkeypatch):
+    """A read that blocks (a hung network mount; here the reader waits on an event) is answered "miss"
+    by deadline_s, counted, and the request goes on; the read's own result, when it comes, is dropped."""
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path, deadline_s=0.3)
+    tier.submit_store(StoreJob(1, (_key(1),), (_payload(1),)))
+    _wait_job(tier, "store")
+    hung, read = threading.Event(), tier._read
+    monkeypatch.setattr(tier, "_read", lambda key, size: hung.wait(30) and read(key, size))
+    tier.submit_load(LoadJob(2, (_key(1),), (N,)))
+    r = _wait_job(tier, "load", timeout=10)
+    assert r.status == ("miss",) and tier.stats.deadline_misses == 1
+    hung.set()
+    time.sleep(0.2)
+    assert tier.get_finished_jobs() == []  # the late result is not a second answer
+    tier.submit_load(LoadJob(3, (_key(1),), (N,)))  # the mount is back
+    assert _wait_job(tier, "load").status == ("ok",)
+    tier.shutdown()
