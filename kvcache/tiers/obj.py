@@ -23,9 +23,10 @@ times: transient errors (connection refused or reset, timeouts, truncated bodies
 are retried after an exponential, jittered backoff (`backoff_s * 2**i`). botocore's own retries and its
 one-second wait for "100-continue" before a PUT body are off, so this is the only retry loop and the
 bound is ours. The read timeout bounds each wait for bytes, not a body, so every load also has a
-deadline for the whole operation, `deadline_s` (default `max_attempts * 2 * timeout_s`): no attempt
-starts past it, and a body still arriving at it (a server that trickles bytes) is cut; the chunk is a
-miss, counted in `deadline_misses`, and the tier goes down as below (the server is not keeping up). A
+deadline for the whole operation, `deadline_s` (default `max_attempts * 2 * timeout_s`), from the job's
+submission: no attempt starts past it, and a body still arriving at it (a server that trickles bytes)
+is cut; the chunk is a miss, counted in `deadline_misses`, and the tier goes down as below (the server
+is not keeping up). Stores and deletes start no attempt past a deadline of their own. A
 chunk that exhausts its attempts marks the tier *down* for `down_s` seconds: lookups answer MISS, loads
 "miss" and stores "failed" at once, without the network (`down_skips`); so a dead or hung server costs
 one bounded wait per chunk in flight, then misses, never a loop. After `down_s` the next request tries
@@ -497,8 +498,9 @@ class ObjectTier(TierBookkeeping):
         data = as_bytes(payload)
         body = b"".join((encode_header(key, data, self._secret), data))
         try:
-            self._call(self._client.put_object, Bucket=self.bucket, Key=self.object_name(key), Body=body)
-        except (_Failed, _Missing):  # unreachable, or refused (no such bucket, access denied)
+            self._call(self._client.put_object, Bucket=self.bucket, Key=self.object_name(key), Body=body,
+                       _deadline=time.monotonic() + self.deadline_s)
+        except (_Failed, _Missing, _Late):  # unreachable, refused (no such bucket, access denied), too slow
             with self._lock:
                 self.stats.store_failed += 1
             return "failed"
@@ -544,8 +546,9 @@ class ObjectTier(TierBookkeeping):
 
     def _delete(self, key: bytes) -> None:
         try:
-            self._call(self._client.delete_object, Bucket=self.bucket, Key=self.object_name(key))
-        except (_Failed, _Missing):
+            self._call(self._client.delete_object, Bucket=self.bucket, Key=self.object_name(key),
+                       _deadline=time.monotonic() + self.deadline_s)
+        except (_Failed, _Missing, _Late):
             pass
 
     def _load_one(self, state: "_Pending", i: int, key: bytes, size: int, deadline: float = math.inf) -> None:

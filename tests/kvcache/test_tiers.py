@@ -18,8 +18,7 @@ import pytest
 import glm53
 from glm53 import DeployConfig, Engine
 from kvcache.tiers import Lookup, LoadJob, StoreJob, TierSet, chunk_key, make_tier
-from kvcache.tiers.fs import TMP_MAX_AGE_S
-from kvcache.tiers.fs import HEADER, FileTier
+from kvcache.tiers.fs import HEADER, TMP_MAX_AGE_S, FileTier
 from tests import models
 
 REPO = Path(__file__).resolve().parents[2]
