@@ -1,12 +1,16 @@
 """Trust at the server (issue 51 item 1), real processes on loopback: one PdConnector server (`kv_both`, the
-role that takes KV from producers) with a shared secret from $GLM53_KV_SECRET_FILE and one listed
-producer, which holds another secret.
+default role, which takes KV from producers) with a shared secret from $GLM53_KV_SECRET_FILE and no
+producers listed, and an attacker's fake producer.
 
-The attack this guards against: a client's kv_transfer_params named an address of its choosing, the server
-dialled it, took the "KV" it answered and kept it in the shared prefix cache under the prompt's hash, so a
-later victim request without transfer params got the attacker's KV. Now a request may name only a listed
-producer (anything else is a 400 naming kv_transfer_params, and nothing is dialled), and a listed one must
-prove the secret on every message and chunk."""
+The attack: a client's kv_transfer_params named an address of its choosing; the server dialled it, took
+the "KV" it answered (the CRC is the sender's, so it proves nothing) and kept it in the shared prefix
+cache under the prompt's hash, so a later victim request without transfer params or salt attended to the
+attacker's KV. The fake producer here is a real peer tier holding junk under exactly the chunk keys the
+victim's prompt has on this server (the fingerprint read from the server's own prefill-leg answer, the
+chained hashes recomputed, the sizes from the deployment), as an attacker would build it. Now a request
+may name only a listed producer: anything else is a 400 naming kv_transfer_params, nothing is dialled,
+and the victim keeps its greedy tokens. What a listed producer without the secret gets (its messages
+and chunks refused): tests/kvcache/test_tiers_trust.py."""
 
 import json
 import os
@@ -14,16 +18,41 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.glm53.test_serve import _metric
+from glm53 import DeployConfig
+from kvcache.block_pool import block_hashes
+from kvcache.tiers import chunk_key
+from tests.glm53.test_serve import FLAGS
 from tests.glm53.test_serve import Server as Process
-from tests.kvcache.test_tiers_trust import Producer
 
-# A process that accepts connections on a port and reports how many it got: the "producer" an attacker
-# names. It answers nothing; what matters is whether the server dials it at all.
+REPO = Path(__file__).resolve().parents[2]
+
+# The attacker's producer: a peer tier on loopback holding a chunk of random bytes (small normal floats)
+# under each key it is given; it reports what it was asked (pinned) and served.
+_FAKE = """
+import json, sys, time
+import numpy as np
+from kvcache.tiers import StoreJob
+from kvcache.tiers.p2p import PeerTier
+chunks = json.loads(sys.stdin.readline())
+tier = PeerTier(fingerprint="00" * 32, host="127.0.0.1", port=0, max_bytes=None)
+rng = np.random.default_rng(0)
+keys = tuple(bytes.fromhex(k) for k, _ in chunks)
+junk = tuple(rng.standard_normal(n // 4).astype(np.float32).view(np.uint8) for _, n in chunks)
+tier.submit_store(StoreJob(1, keys, junk))
+while not tier.get_finished_jobs():
+    time.sleep(0.001)
+print(tier.port, flush=True)
+for line in sys.stdin:
+    with tier._lock:
+        print(json.dumps({"pinned": tier.stats.pinned_chunks, "served": tier.stats.served_chunks}), flush=True)
+"""
+
+# A plain listener that counts the connections it accepts: the address 300 more requests name.
 _TRAP = """
 import socket, sys, threading
 s = socket.socket()
@@ -32,8 +61,7 @@ s.listen(64)
 got = []
 def serve():
     while True:
-        c, _ = s.accept()
-        got.append(1)
+        got.append(s.accept())
 threading.Thread(target=serve, daemon=True).start()
 print(s.getsockname()[1], flush=True)
 for line in sys.stdin:
@@ -41,16 +69,19 @@ for line in sys.stdin:
 """
 
 
-class Trap:
-    def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _TRAP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
+class _Proc:
+    def __init__(self, script: str, first_line: str = ""):
+        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        if first_line:
+            self.proc.stdin.write(first_line + "\n")
+            self.proc.stdin.flush()
         self.port = int(self.proc.stdout.readline())
 
-    def dialled(self) -> int:
+    def ask(self) -> str:
         self.proc.stdin.write("?\n")
         self.proc.stdin.flush()
-        return int(self.proc.stdout.readline())
+        return self.proc.stdout.readline()
 
     def close(self):
         self.proc.kill()
@@ -58,23 +89,17 @@ class Trap:
 
 
 @pytest.fixture(scope="module")
-def trusted(tmp_path_factory, serving_dir):
+def server(tmp_path_factory, serving_dir):
     tmp = tmp_path_factory.mktemp("trust")
     (tmp / "kv.secret").write_bytes(os.urandom(32).hex().encode())
-    (tmp / "other.secret").write_bytes(os.urandom(32).hex().encode())
-    listed = Producer(secret_file=str(tmp / "other.secret"))
-    ktc = {"kv_connector": "PdConnector", "kv_role": "kv_both",
-           "kv_connector_extra_config": {"producers": [listed.address]}}
+    ktc = {"kv_connector": "PdConnector", "kv_role": "kv_both"}
     os.environ["GLM53_KV_SECRET_FILE"] = str(tmp / "kv.secret")  # the server process inherits it
     try:
-        server = Process(serving_dir, tmp, "--kv-transfer-config", json.dumps(ktc))
+        proc = Process(serving_dir, tmp, "--kv-transfer-config", json.dumps(ktc))
     finally:
         del os.environ["GLM53_KV_SECRET_FILE"]
-    trap = Trap()
-    yield server, listed, trap
-    server.stop()
-    listed.close()
-    trap.close()
+    yield proc
+    proc.stop()
 
 
 def _tokens(server, prompt, **kw) -> list[int]:
@@ -84,43 +109,54 @@ def _tokens(server, prompt, **kw) -> list[int]:
     return out["choices"][0]["token_ids"]
 
 
-def test_a_client_cannot_make_the_server_dial_or_poison_the_prefix_cache(trusted):
-    """The poisoning attack: a request naming an unlisted "producer" (a live process listening there) with
-    the victim's prompt is a 400 naming kv_transfer_params; nothing dials it; the victim's later request
-    (no salt, no transfer params) gives the greedy tokens the same prompt gives under a salt of its own
-    (the reference: no cache entry of the attack's can reach it). 300 more requests, each naming another
-    unlisted peer, change nothing, and the server serves on."""
-    server, _, trap = trusted
-    prompt = np.random.default_rng(51).integers(0, 512, 40).tolist()
+def _victim_chunks(server, serving_model, prompt) -> list[tuple[str, int]]:
+    """(key hex, bytes) of every chunk the server would look up for `prompt` without a salt, as an
+    attacker derives them: the fingerprint and page spans from the server's answer to a prefill leg of
+    another salt, the chained hashes of the prompt, the page sizes of the deployment."""
+    code, out = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "cache_salt": "probe",
+                                                "kv_transfer_params": {"do_remote_decode": True}})
+    assert code == 200, out
+    spans = out["kv_transfer_params"]["remote_page_spans"]
+    sizes = DeployConfig(**FLAGS).kv_sizes(serving_model.cfg, np.dtype(serving_model.dtype).name).page_bytes
+    hb = spans["hash_block_tokens"]
+    out = []
+    for c, h in enumerate(block_hashes(prompt, hb, (), upto=len(prompt) - 1)):
+        for g, tokens in spans["page_tokens"].items():
+            if not (c + 1) % (tokens // hb):
+                out.append((chunk_key(spans["fingerprint"], g, h).hex(), sizes[g]))
+    return out
+
+
+def test_a_client_cannot_make_the_server_dial_or_poison_the_prefix_cache(server, serving_model):
+    """The poisoning attack: a request with the victim's prompt naming the fake producer, which holds junk
+    under every one of the prompt's chunk keys, is a 400 naming kv_transfer_params; the producer is never
+    asked; the victim's later request (no salt, no transfer params) gives the greedy tokens the prompt
+    gives under a salt of its own (no cache entry of the attack can reach that). 300 more requests, each
+    naming another unlisted address (a live listener's port), are 400s, nothing dials it, and the server
+    serves on with the same tokens."""
+    prompt = np.random.default_rng(51).integers(0, 512, 41).tolist()
     want = _tokens(server, prompt, cache_salt="reference")
-    attack = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": trap.port}
-    code, out = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 8, "kv_transfer_params": attack})
-    assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
-    assert _tokens(server, prompt) == want
-    def name(i):
-        named = {"do_remote_prefill": True, "remote_host": f"127.0.{i // 250}.{1 + i % 250}", "remote_port": trap.port}
-        return server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": named})
+    fake = _Proc(_FAKE, json.dumps(_victim_chunks(server, serving_model, prompt)))
+    trap = _Proc(_TRAP)
+    try:
+        attack = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": fake.port}
+        code, out = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 8, "kv_transfer_params": attack})
+        assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
+        assert _tokens(server, prompt) == want
+        assert json.loads(fake.ask()) == {"pinned": 0, "served": 0}  # never asked for anything
 
-    with ThreadPoolExecutor(8) as pool:
-        for code, out in pool.map(name, range(300)):
-            assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
-    time.sleep(0.5)  # a dial, had one been made, has reached the trap by now
-    assert trap.dialled() == 0
-    assert _tokens(server, prompt) == want
+        def name(i):
+            named = {"do_remote_prefill": True, "remote_host": f"127.0.{i // 250}.{1 + i % 250}",
+                     "remote_port": trap.port}
+            return server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": named})
 
-
-def test_a_listed_producer_without_the_secret_is_refused(trusted):
-    """The listed producer holds another secret: the server's lookups fail its MAC check (it reads none
-    and pins nothing), the server gets no answer it can verify, counts a failed lookup and computes the
-    prompt with the right tokens."""
-    server, listed, _ = trusted
-    prompt = np.random.default_rng(52).integers(0, 512, 33).tolist()
-    want = _tokens(server, prompt, cache_salt="reference")
-    failed = _metric(server.metrics(), "glm53:kv_transfer_failed_lookups_total")
-    host, port = listed.address.rsplit(":", 1)
-    params = {"do_remote_prefill": True, "remote_host": host, "remote_port": int(port)}
-    assert _tokens(server, prompt, kv_transfer_params=params) == want
-    assert _metric(server.metrics(), "glm53:kv_transfer_failed_lookups_total") == failed + 1
-    st = listed.cmd("stats")
-    assert st["auth_failures"] >= 1 and st["pinned_chunks"] == 0 and st["served_chunks"] == 0
-    assert "no shared secret" not in server.log.read_text()  # the server's tier runs authenticated
+        with ThreadPoolExecutor(8) as pool:
+            for code, out in pool.map(name, range(300)):
+                assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
+        time.sleep(0.5)  # a dial, had one been made, has reached the listener by now
+        assert int(trap.ask()) == 0
+        assert _tokens(server, prompt) == want
+    finally:
+        fake.close()
+        trap.close()
+    assert "no shared secret" not in server.log.read_text()  # its peer tier runs with the file's secret
