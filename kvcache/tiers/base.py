@@ -24,7 +24,8 @@ class LookupContext:
     so a tier that answers from local state pays nothing for it, and a tier that must ask a remote party
     sends them all in one round trip instead of one per admission attempt. `peer`: the "host:port" of the
     peer tier the request's KV is to come from (a P/D consumer's producer, from the request's
-    kv_transfer_params); a peer tier asks that one alone, and tiers that are not peers ignore it.
+    kv_transfer_params); a peer tier asks that one alone, if its operator listed it (`producers`; else
+    nobody), and tiers that are not peers ignore it.
     `lease`: that producer's lease on the request's chunks (its `remote_lease`, 0: none), which the
     peer tier's lookup hands over to its own pin so that the fetch frees them. `remote`: where that
     producer's pages span other tokens than ours, its `RemoteSource` (kvcache.tiers.remote.RelayoutTier
