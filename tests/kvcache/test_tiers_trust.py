@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcache.tiers import LoadJob, Lookup, LookupContext, StoreJob, chunk_key
+from kvcache.tiers import LoadJob, Lookup, LookupContext, StoreJob, chunk_key, make_tier
 from kvcache.tiers import fs as fs_mod
 from kvcache.tiers.fs import AUTO_FRACTION, TMP_MAX_AGE_S, FileTier
 from kvcache.tiers.p2p import MAX_DATA_CONNECTIONS, MAX_REQUEST, REQUEST, PeerTier
@@ -268,7 +268,7 @@ def test_an_unwritable_root_disables_the_tier_with_one_warning(caplog):
     the tier instead of failing the engine's start: lookups miss, stores fail, loads miss."""
     if os.access("/sys", os.W_OK) and not os.path.ismount("/sys"):
         pytest.skip("/sys is writable here")
-    tier = FileTier(fingerprint=FP, root_dir="/sys/glm53-kv-test")
+    tier = make_tier({"type": "fs", "root_dir": "/sys/glm53-kv-test"}, FP)  # as the engine builds it: no error
     assert tier.disabled and tier.max_bytes is None
     assert sum("the tier is disabled" in r.getMessage() for r in caplog.records) == 1
     assert tier.lookup(_key(1)) is Lookup.MISS
