@@ -56,22 +56,35 @@ DEPLOY = {"max_model_len": 512, "max_num_batched_tokens": 128, "max_num_seqs": 2
 DEVICES = 4  # per deployment: 2 prefill + 2 decode
 
 
-def _ktc(role: str) -> str:
-    return json.dumps({"kv_connector": "PdConnector", "kv_role": role})
+def _ktc(role: str, **kw) -> str:
+    return json.dumps({"kv_connector": "PdConnector", "kv_role": role, **kw})
 
 
 def deployments(deploy: dict) -> dict[str, dict[str, list[list[str]]]]:
-    """{name: {"prefill": [server flags...], "decode": [...]}}; each server's flags beyond `deploy`."""
+    """{name: {"prefill": [server flags...], "decode": [...]}}; each server's flags beyond `deploy`. Each
+    producer gets a KV port of its own (free now) and the consumers list them all (a consumer takes KV
+    only from the producers it lists)."""
     half = ["--block-size", str(deploy["block_size"] // 2)]  # DCP2: a page of block_size tokens over 2 ranks
-    producer, consumer = ["--kv-transfer-config", _ktc("kv_producer")], ["--kv-transfer-config", _ktc("kv_consumer")]
+
+    def producer(port: int) -> list[str]:
+        return ["--kv-transfer-config", _ktc("kv_producer", kv_port=port)]
+
+    def consumer(ports: list[int]) -> list[str]:
+        extra = {"producers": [f"127.0.0.1:{p}" for p in ports]}
+        return ["--kv-transfer-config", _ktc("kv_consumer", kv_connector_extra_config=extra)]
+
+    ports = set()
+    while len(ports) < 3:  # a port is free when asked, and may be handed out again: three distinct ones
+        ports.add(_free_port())
+    pcp, *dp = sorted(ports)
     return {
         "pcp_dcp+hisparse": {
             "prefill": [["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2",
-                         "--enable-expert-parallel", *half, *producer]],
-            "decode": [["--kv-policy", "hisparse", *consumer]] * 2},
+                         "--enable-expert-parallel", *half, *producer(pcp)]],
+            "decode": [["--kv-policy", "hisparse", *consumer([pcp])]] * 2},
         "dp+offload": {
-            "prefill": [producer] * 2,
-            "decode": [["--kv-policy", "offload", *consumer]] * 2},
+            "prefill": [producer(p) for p in dp],
+            "decode": [["--kv-policy", "offload", *consumer(dp)]] * 2},
     }
 
 

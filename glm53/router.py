@@ -24,6 +24,9 @@ A completion (one prompt per request) or chat completion goes in two legs, as vL
 2. to a decode server, the client's request with the `kv_transfer_params` the prefill answered (with
    the PdConnector, where to fetch the prompt's KV from; a server without a KV connector answers none:
    the decode server then prefills the prompt itself, vLLM's "recompute"), streamed back chunk by chunk.
+   A decode server takes KV only from the producers its `kv_connector_extra_config["producers"]` lists:
+   list there the KV address (`kv_ip:kv_port`) of every --prefill server (README "P/D"); an answer naming
+   another is refused with a 400, which the router passes on.
 
 Where a leg goes (`Picker`): a request with a `cache_salt` (a user) goes back to the server its salt
 went to last while that server is up; otherwise to the server that holds the longest prefix of the

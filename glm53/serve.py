@@ -70,6 +70,7 @@ from pydantic import BaseModel, ValidationError
 from glm53.engine.config import DeployConfig
 from glm53.engine.request import SEED_RANGE, RequestError
 from kvcache.tiers import PageSpans
+from kvcache.tiers.p2p import peer_address
 from glm53.protocol import (
     MAX_REQUEST_BYTES,
     ChatChoice,
@@ -612,7 +613,13 @@ def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int, Page
     if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease < 1 << 63:
         raise HTTPError(400, f"kv_transfer_params.remote_lease must be the producer's lease id (an integer >= 0), "
                              f"got {lease!r}", "kv_transfer_params")
-    return produce, f"{host}:{port}", lease, _page_spans(ktp.get("remote_page_spans"))
+    spans = _page_spans(ktp.get("remote_page_spans"))
+    if peer_address(f"{host}:{port}") not in {peer_address(a) for a in st.deploy.pd_producers}:
+        # refused here, before the engine sees it: a client cannot make this server dial an address
+        raise HTTPError(400, f"kv_transfer_params names the producer {host!a}:{port}, which is not one of this "
+                             "server's producers (kv_connector_extra_config producers); nothing was fetched",
+                        "kv_transfer_params")
+    return produce, f"{host}:{port}", lease, spans
 
 
 def _page_spans(spans) -> PageSpans | None:

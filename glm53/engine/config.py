@@ -328,12 +328,21 @@ class DeployConfig:
         extra = ktc.get("kv_connector_extra_config", {})
         if not isinstance(extra, dict):
             raise ValueError("DeployConfig.kv_transfer_config['kv_connector_extra_config'] must be a dict")
-        unknown = set(extra) - set(OFFLOAD_DEFAULTS) - ({"lease_s"} if pd else set())
+        unknown = set(extra) - set(OFFLOAD_DEFAULTS) - ({"lease_s", "producers"} if pd else set())
         if unknown:
             raise ValueError(f"kv_transfer_config kv_connector_extra_config: unknown keys {sorted(unknown)}")
         lease = extra.get("lease_s", PD_LEASE_S)
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease < float("inf"):
             raise ValueError(f"kv_connector_extra_config lease_s must be a positive number of seconds, got {lease!r}")
+        if pd:
+            from kvcache.tiers.p2p import check_options as check_p2p
+
+            producers = extra.get("producers", [])
+            try:
+                check_p2p({"host": "127.0.0.1", "port": 0, "producers": producers})
+            except ValueError as e:
+                raise ValueError(f"kv_connector_extra_config producers must be a list of the producers' KV addresses "
+                                 f"'host:kv_port' ({e})") from None
         opts = {**OFFLOAD_DEFAULTS, **extra}
         if pd and "cpu_bytes_to_use" not in extra and self.cpu_offload_bytes:
             opts["cpu_bytes_to_use"] = self.cpu_offload_bytes  # --cpu-offload-bytes sizes the PdConnector's host tier
@@ -385,7 +394,8 @@ class DeployConfig:
         if self.kv_role is not None:  # the PdConnector: its peer tier after the user's tiers
             pd = {**PD_DEFAULTS, **{k: ktc[k] for k in PD_DEFAULTS if k in ktc}}
             opts["secondary_tiers"] = [*opts["secondary_tiers"], {"type": "p2p", "host": pd["kv_ip"],
-                                                                  "port": pd["kv_port"], "name": PD_TIER}]
+                                                                  "port": pd["kv_port"], "name": PD_TIER,
+                                                                  "producers": list(self.pd_producers)}]
         return opts
 
     @property
@@ -393,6 +403,12 @@ class DeployConfig:
         """The PdConnector's role ("kv_producer", "kv_consumer" or "kv_both"); None without it."""
         ktc = self.kv_transfer_config or {}
         return ktc.get("kv_role") if ktc.get("kv_connector") == "PdConnector" else None
+
+    @property
+    def pd_producers(self) -> tuple[str, ...]:
+        """The producers a P/D consumer may take KV from (kv_connector_extra_config["producers"]: their
+        "host:kv_port"); a request naming any other is refused. Empty: none."""
+        return tuple((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("producers", ()))
 
     @property
     def pd_lease_s(self) -> float:

@@ -37,7 +37,10 @@ misses after a bounded wait), "p2p" (kvcache.tiers.p2p.PeerTier: an in-memory st
 engines over ZMQ control and TCP bulk sockets, and fetches from the peers it lists, with pins and
 deadlines), "custom" (any class by `module_path`). The simulator replaces every tier with a simulated one
 (kvcache.tiers.sim.SimTier: keys and sizes, jobs finishing after a modelled time on an injected clock). Tiers that store blobs share one format and one check
-(kvcache.tiers.format).
+(kvcache.tiers.format). Trust (docs/engine.md "Trust model"): with a shared secret (a tier's `secret_file`,
+or $GLM53_KV_SECRET_FILE) every chunk carries an HMAC-SHA256 of its key and bytes and every peer message
+one of its body (kvcache.tiers.auth), so nobody without the secret can put KV under a name; a peer tier
+dials only the producers its operator listed.
 
 Lookup context. `lookup(key, ctx)` gets a `LookupContext`: the request and the chunk keys its prefix walk
 may ask, in order. A tier that answers from local state ignores it; the peer tier asks its peers for all

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import enum
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -23,7 +24,8 @@ class LookupContext:
     so a tier that answers from local state pays nothing for it, and a tier that must ask a remote party
     sends them all in one round trip instead of one per admission attempt. `peer`: the "host:port" of the
     peer tier the request's KV is to come from (a P/D consumer's producer, from the request's
-    kv_transfer_params); a peer tier asks that one alone, and tiers that are not peers ignore it.
+    kv_transfer_params); a peer tier asks that one alone, if its operator listed it (`producers`; else
+    nobody), and tiers that are not peers ignore it.
     `lease`: that producer's lease on the request's chunks (its `remote_lease`, 0: none), which the
     peer tier's lookup hands over to its own pin so that the fetch frees them. `remote`: where that
     producer's pages span other tokens than ours, its `RemoteSource` (kvcache.tiers.remote.RelayoutTier
@@ -153,6 +155,7 @@ class TierStats:
     load_bytes: int = 0
     corrupt: int = 0  # chunks that failed verification on load (and were deleted)
     evicted_chunks: int = 0
+    deadline_misses: int = 0  # load jobs answered "miss" by their deadline, their work still out (TierBookkeeping)
     store_latency: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
     load_latency: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
 
@@ -175,19 +178,47 @@ class SecondaryTier(Protocol):
 
 class TierBookkeeping:
     """What the tiers built here share: a lock, the queue of finished jobs `get_finished_jobs` hands out,
-    and the log of removed chunks for KV events (`log_removals` turns it on, `take_removed` empties it;
-    a tier records a removal with `_note_removed_key` under its lock)."""
+    the log of removed chunks for KV events (`log_removals` turns it on, `take_removed` empties it;
+    a tier records a removal with `_note_removed_key` under its lock), and load deadlines.
+
+    Load deadlines: a tier that cannot interrupt its own I/O (a read blocked in the kernel on a hung
+    network filesystem, a body that arrives a byte at a time) registers each load with `_load_due`;
+    `get_finished_jobs` answers a load still out at its deadline with "miss" for every key (counted in
+    `stats.deadline_misses`), so a request waits at most that long and recomputes; the tier's own result,
+    when it comes, goes through `_finish_load` and is dropped."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._finished: collections.deque[JobResult] = collections.deque()
         self._removed: list[bytes] | None = None  # None: nobody asked (no events), so nothing is kept
+        self._due: dict[int, tuple[float, int]] = {}  # load job -> (monotonic deadline, keys)
+        self._abandoned: set[int] = set()  # load jobs answered by their deadline, their result still to come
 
     def get_finished_jobs(self) -> list[JobResult]:
         with self._lock:
+            if self._due:
+                now = time.monotonic()
+                for job, (deadline, n) in [(j, d) for j, d in self._due.items() if d[0] <= now]:
+                    del self._due[job]
+                    self._abandoned.add(job)
+                    self.stats.deadline_misses += 1
+                    self._finished.append(JobResult(job, "load", ("miss",) * n, (None,) * n))
             out = list(self._finished)
             self._finished.clear()
         return out
+
+    def _load_due(self, job: LoadJob, seconds: float) -> None:
+        """Answer `job` with misses if it has not finished `seconds` from now."""
+        with self._lock:
+            self._due[job.job_id] = (time.monotonic() + seconds, len(job.keys))
+
+    def _finish_load(self, result: JobResult) -> None:
+        """Under the lock: queue a finished load, unless its deadline answered it already."""
+        if result.job_id in self._abandoned:
+            self._abandoned.discard(result.job_id)
+            return
+        self._due.pop(result.job_id, None)
+        self._finished.append(result)
 
     def log_removals(self) -> None:
         """From now on note the key of every chunk this tier deletes or finds gone, for `take_removed`."""

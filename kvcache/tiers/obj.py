@@ -22,8 +22,11 @@ Failures. Each request has connect and read timeouts of `timeout_s` and runs up 
 times: transient errors (connection refused or reset, timeouts, truncated bodies, HTTP 5xx, throttling)
 are retried after an exponential, jittered backoff (`backoff_s * 2**i`). botocore's own retries and its
 one-second wait for "100-continue" before a PUT body are off, so this is the only retry loop and the
-bound is ours: one chunk gives up after at most `max_attempts * 2 * timeout_s` plus the backoff (the read
-timeout bounds each wait for bytes, so a server that trickles bytes is slower to give up on). A
+bound is ours. The read timeout bounds each wait for bytes, not a body, so every load also has a
+deadline for the whole operation, `deadline_s` (default `max_attempts * 2 * timeout_s`), from the job's
+submission: no attempt starts past it, and a body still arriving at it (a server that trickles bytes)
+is cut; the chunk is a miss, counted in `deadline_misses`, and the tier goes down as below (the server
+is not keeping up). Stores and deletes start no attempt past a deadline of their own. A
 chunk that exhausts its attempts marks the tier *down* for `down_s` seconds: lookups answer MISS, loads
 "miss" and stores "failed" at once, without the network (`down_skips`); so a dead or hung server costs
 one bounded wait per chunk in flight, then misses, never a loop. After `down_s` the next request tries
@@ -45,7 +48,9 @@ addressing), as a URL or as host:port with `scheme` (https by default); `region`
 (absent: boto3's default); `ca_bundle` the CA file that verifies an https endpoint's certificate.
 Ours besides vLLM's fields: `prefix` (a key prefix inside the bucket), `max_bytes`, `read_threads` /
 `write_threads`, `timeout_s`, `max_attempts`, `backoff_s`, `down_s`, `refresh_s` (None: list at start
-and after outages only) and `name` (the metrics key, "obj").
+and after outages only), `deadline_s`, `secret_file` (kvcache.tiers.auth: with a shared secret every
+object carries a MAC and one without a valid MAC is refused as corrupt, so a writer to the bucket without
+the secret cannot plant KV) and `name` (the metrics key, "obj").
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from kvcache.tiers.auth import check_secret_file, load_secret
 from kvcache.tiers.base import JobResult, LoadJob, Lookup, StoreJob, TierBookkeeping, TierStats
 from kvcache.tiers.format import HEADER, SUFFIX, as_bytes, chunk_name, decode, encode_header
 
@@ -68,7 +74,9 @@ __all__ = ["OPTIONS", "ObjTierStats", "ObjectTier", "check_options"]
 OPTIONS = {"bucket": None, "endpoint_override": None, "access_key": None, "secret_key": None,
            "session_token": None, "region": None, "scheme": None, "ca_bundle": None,  # vLLM's fields
            "prefix": "", "max_bytes": None, "read_threads": 4, "write_threads": 4, "timeout_s": 5.0,
-           "max_attempts": 3, "backoff_s": 0.1, "down_s": 10.0, "refresh_s": 60.0, "name": "obj"}
+           "max_attempts": 3, "backoff_s": 0.1, "down_s": 10.0, "refresh_s": 60.0, "name": "obj",
+           "deadline_s": None, "secret_file": None}
+READ_PIECE = 1 << 20  # bytes asked of one read of a body (a read returns what has arrived, up to this)
 SCHEMES = ("http", "https")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")  # S3's bucket naming rules (the common part)
 _NAME = re.compile(r"^([0-9a-f]{2})/([0-9a-f]{64})" + re.escape(SUFFIX) + "$")
@@ -143,6 +151,10 @@ def check_options(opts: dict) -> None:
     for k in ("timeout_s", "down_s"):
         if not _positive(opts.get(k, OPTIONS[k]), integer=False):
             raise _bad(f"{k} must be a positive number of seconds, got {opts.get(k)!r}")
+    d = opts.get("deadline_s")
+    if d is not None and not _positive(d, integer=False):
+        raise _bad(f"deadline_s must be a positive number of seconds or None (max_attempts * 2 * timeout_s), got {d!r}")
+    check_secret_file(opts.get("secret_file"), "secondary tier 'obj'")
     b = opts.get("backoff_s", OPTIONS["backoff_s"])
     if not (b == 0 or _positive(b, integer=False)):
         raise _bad(f"backoff_s must be a number of seconds >= 0, got {b!r}")
@@ -171,6 +183,10 @@ class _Failed(Exception):
     """The operation failed for good (counted in io_errors)."""
 
 
+class _Late(Exception):
+    """The operation's deadline passed (counted in deadline_misses)."""
+
+
 class _Pending:
     """A job whose chunks are running: their statuses and payloads so far, and how many are left."""
 
@@ -189,7 +205,8 @@ class ObjectTier(TierBookkeeping):
                  region: str | None = None, scheme: str | None = None, ca_bundle: str | None = None,
                  prefix: str = "", max_bytes: int | None = None, read_threads: int = 4, write_threads: int = 4,
                  timeout_s: float = 5.0, max_attempts: int = 3, backoff_s: float = 0.1, down_s: float = 10.0,
-                 refresh_s: float | None = 60.0, name: str = "obj"):
+                 refresh_s: float | None = 60.0, name: str = "obj", deadline_s: float | None = None,
+                 secret_file=None):
         opts = {k: v for k, v in locals().items() if k in OPTIONS}
         check_options(opts)
         import boto3  # here, not at module import: `import kvcache.tiers` must not need the SDK
@@ -200,6 +217,8 @@ class ObjectTier(TierBookkeeping):
         self._prefix = prefix
         self.max_bytes, self.max_attempts, self.backoff_s = max_bytes, max_attempts, backoff_s
         self.timeout_s, self.down_s, self.refresh_s = timeout_s, down_s, refresh_s
+        self.deadline_s = float(deadline_s) if deadline_s is not None else max_attempts * 2 * timeout_s
+        self._secret = load_secret(secret_file, who=f"secondary tier {name!r}")
         self.endpoint = endpoint_url(opts)
         config = Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 1},
                         max_pool_connections=read_threads + write_threads + 2,
@@ -284,8 +303,12 @@ class ObjectTier(TierBookkeeping):
             raise RuntimeError(f"tier {self.name!r} is shut down")
         state = _Pending(job.job_id, "load", len(job.keys))
         self._finish_if_empty(state)
+        deadline = time.monotonic() + self.deadline_s  # the job's: a chunk queued behind others has less left
+        # a backstop for what the body's deadline cannot cut (a request still waiting for its headers)
+        if job.keys:
+            self._load_due(job, self.deadline_s + 2 * self.timeout_s)
         for i, (key, size) in enumerate(zip(job.keys, job.sizes)):
-            self._readers.submit(self._load_one, state, i, key, size)
+            self._readers.submit(self._load_one, state, i, key, size, deadline)
 
     def shutdown(self, wait: bool = True) -> None:
         """wait=True: finish pending stores and loads (each bounded by the retry budget; once the tier is
@@ -313,21 +336,32 @@ class ObjectTier(TierBookkeeping):
             return len(self._index)
 
     # ------------------------------------------------------------------------------ requests, retries
-    def _call(self, fn, *args, **kwargs):
+    def _call(self, fn, *args, _deadline: float = math.inf, **kwargs):
         """fn(*args, **kwargs) (one S3 request; reading a body included) with the retry policy: transient
         errors are retried after a backoff up to max_attempts in all, then the tier goes down and this
-        raises _Failed; a 404 raises _Missing; any other error raises _Failed at once. A success marks
-        the tier up."""
+        raises _Failed; a 404 raises _Missing; any other error raises _Failed at once. No attempt starts
+        past `_deadline` (monotonic s): _Late, the tier down. A success marks the tier up."""
         err = None
         for attempt in range(self.max_attempts):
             if attempt:
                 if self._abort or self.is_down():  # another request found it down meanwhile: do not pile on
                     break
-                time.sleep(self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5),
+                               max(_deadline - time.monotonic(), 0.0)))
                 with self._lock:
                     self.stats.io_retries += 1
             try:
+                if time.monotonic() >= _deadline:
+                    raise _Late()
                 out = fn(*args, **kwargs)
+            except _Late:
+                with self._lock:
+                    self.stats.deadline_misses += 1
+                    if self._up and not self._abort:
+                        self.stats.outages += 1
+                    self._up = False
+                    self._down_until = max(self._down_until, time.monotonic() + self.down_s)
+                raise
             except Exception as e:  # noqa: BLE001 - sorted below: every failure is a miss or a failed store
                 kind = _classify(e)
                 if kind == "missing":
@@ -430,8 +464,12 @@ class ObjectTier(TierBookkeeping):
             state.left -= 1
             if not state.left:
                 getattr(self.stats, f"{state.kind}_latency").observe(time.perf_counter() - state.t0)
-                self._finished.append(JobResult(state.job_id, state.kind, tuple(state.status),
-                                                tuple(state.payloads) if state.kind == "load" else ()))
+                result = JobResult(state.job_id, state.kind, tuple(state.status),
+                                   tuple(state.payloads) if state.kind == "load" else ())
+                if state.kind == "load":
+                    self._finish_load(result)
+                else:
+                    self._finished.append(result)
 
     def _store_one(self, state: "_Pending", i: int, key: bytes, payload) -> None:
         try:
@@ -458,10 +496,11 @@ class ObjectTier(TierBookkeeping):
                 self.stats.store_failed += 1
             return "failed"
         data = as_bytes(payload)
-        body = b"".join((encode_header(key, data), data))
+        body = b"".join((encode_header(key, data, self._secret), data))
         try:
-            self._call(self._client.put_object, Bucket=self.bucket, Key=self.object_name(key), Body=body)
-        except (_Failed, _Missing):  # unreachable, or refused (no such bucket, access denied)
+            self._call(self._client.put_object, Bucket=self.bucket, Key=self.object_name(key), Body=body,
+                       _deadline=time.monotonic() + self.deadline_s)
+        except (_Failed, _Missing, _Late):  # unreachable, refused (no such bucket, access denied), too slow
             with self._lock:
                 self.stats.store_failed += 1
             return "failed"
@@ -507,32 +546,34 @@ class ObjectTier(TierBookkeeping):
 
     def _delete(self, key: bytes) -> None:
         try:
-            self._call(self._client.delete_object, Bucket=self.bucket, Key=self.object_name(key))
-        except (_Failed, _Missing):
+            self._call(self._client.delete_object, Bucket=self.bucket, Key=self.object_name(key),
+                       _deadline=time.monotonic() + self.deadline_s)
+        except (_Failed, _Missing, _Late):
             pass
 
-    def _load_one(self, state: "_Pending", i: int, key: bytes, size: int) -> None:
+    def _load_one(self, state: "_Pending", i: int, key: bytes, size: int, deadline: float = math.inf) -> None:
         try:
-            data = self._get(key, size)
+            data = self._get(key, size, deadline)
         except Exception:  # noqa: BLE001 - an unreadable chunk is a miss, never an engine error
             with self._lock:
                 self.stats.io_errors += 1
             data = "miss"
         self._done(state, i, data if isinstance(data, str) else "ok", None if isinstance(data, str) else data)
 
-    def _get(self, key: bytes, size: int):
+    def _get(self, key: bytes, size: int, deadline: float = math.inf):
         """The verified payload of `key` (np.uint8 [size], read-only), or "miss" (not there, or the
         server unreachable: the key stays known) / "corrupt" (the object deleted)."""
         if self._skip_if_down():
             return "miss"
         try:
-            blob = self._call(self._read_object, self.object_name(key), HEADER.size + size)
+            blob = self._call(self._read_object, self.object_name(key), HEADER.size + size, deadline,
+                              _deadline=deadline)
         except _Missing:
             self._forget(key)
             return "miss"
-        except _Failed:
+        except (_Failed, _Late):
             return "miss"
-        data = decode(blob, key, size) if blob is not None else None
+        data = decode(blob, key, size, self._secret) if blob is not None else None
         if data is None:  # wrong length, another format, another key's blob, flipped bytes
             self._forget(key)
             with self._lock:
@@ -545,15 +586,46 @@ class ObjectTier(TierBookkeeping):
             self._remember(key, HEADER.size + size)
         return data
 
-    def _read_object(self, name: str, expect: int) -> bytes | None:
-        """The object's bytes, or None when its length is not `expect` (not read: it cannot verify)."""
+    def _read_object(self, name: str, expect: int, deadline: float = math.inf) -> bytes | None:
+        """The object's bytes, or None when its length is not `expect` (not read: it cannot verify).
+        _Late when the body has not arrived by `deadline`: each read returns what has arrived and the
+        socket's timeout is cut to what is left, so a trickling body cannot hold the thread past it."""
         r = self._client.get_object(Bucket=self.bucket, Key=name)
         body, n = r["Body"], r.get("ContentLength")
+        sock = None
         try:
             if n is not None and int(n) != expect:
                 return None
-            return body.read()
+            raw = getattr(body, "_raw_stream", None)
+            if raw is None or not hasattr(raw, "read1"):
+                return body.read()
+            sock = getattr(getattr(raw, "connection", None), "sock", None)
+            out, got = bytearray(expect), 0
+            while got < expect:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _Late()
+                if sock is not None:
+                    sock.settimeout(min(self.timeout_s, left))
+                try:
+                    piece = raw.read1(min(READ_PIECE, expect - got))
+                except Exception:  # noqa: BLE001 - a timeout at the deadline is the deadline's, anything else the caller's
+                    if time.monotonic() >= deadline:
+                        raise _Late() from None
+                    raise
+                if not piece:
+                    raise ConnectionResetError(f"the body ended after {got} of {expect} bytes")  # transient: retried
+                out[got:got + len(piece)] = piece
+                got += len(piece)
+            if n is None and raw.read1(1):  # no length announced, and more than a chunk's blob
+                return None
+            return bytes(out)
         finally:
+            if sock is not None:  # the pooled connection's next request starts with the configured timeout
+                try:
+                    sock.settimeout(self.timeout_s)
+                except OSError:
+                    pass
             body.close()
 
 
@@ -574,6 +646,10 @@ def _classify(e: Exception) -> str:
     if isinstance(e, SSLError):  # a certificate the CA bundle does not verify: retrying will not help
         return "fatal"
     if isinstance(e, (ConnectionError, HTTPClientError, IncompleteReadError)):
+        return "transient"
+    from urllib3.exceptions import HTTPError as Urllib3Error
+
+    if isinstance(e, (Urllib3Error, OSError)):  # a body read below botocore: a timeout, a reset, a short body
         return "transient"
     return "fatal"
 

@@ -11,7 +11,9 @@ Roles. Every peer tier is both a producer and a consumer, on one address.
 - Consumer: it asks the control sockets in `peers` (each another tier's "host:port") for what its
   engine's prefix lookup wants, and fetches hits over their data sockets. A request that names its
   source (`LookupContext.peer`: a P/D consumer's producer, from its kv_transfer_params; the
-  PdConnector, docs/engine.md) asks that peer alone, connected on first use (at most MAX_PEERS).
+  PdConnector, docs/engine.md) asks that peer alone when the operator listed it in `producers`
+  (connected on first use; at most MAX_CONNECTED connected at once, the least recently asked closed
+  first), and nobody otherwise: a request cannot make the tier dial an address of its choosing.
   Any other request asks every peer in `peers`.
   Chunks in its own store are hits at once, with no round trip (a memory tier of its own). A fetched
   chunk goes to the host tier, not into this store: a chunk is served by the engine that computed it.
@@ -46,15 +48,31 @@ request's next admission recomputes it instead of fetching it again.
 
 Framing. Control messages are msgpack (msgspec structs, validated on decode; malformed ones are counted
 and dropped). The data socket, little-endian: the request is REQUEST (b"GKVF", body length u32) and a
-msgpack FetchMsg; each answer is FRAME (b"GKVC", status u8: 0 data, 1 gone, 2 done; the 32-byte key;
-payload length u64; CRC-32 of the payload u32) and, for data, the payload. Frames come in request order,
+msgpack FetchMsg (at most MAX_FETCH_KEYS keys, MAX_REQUEST bytes: a consumer splits bigger batches); each
+answer is FRAME (b"GKVC", status u8: 0 data, 1 gone, 2 done; the 32-byte key; payload length u64;
+CRC-32 of the payload u32; a 32-byte MAC) and, for data, the payload. Frames come in request order,
 then the done frame (its length: the data frames sent). The consumer checks the magic, the key and the
-length against what it asked for, and the CRC (computed once, when the producer stored the chunk)
-against the bytes: a CRC mismatch is a "corrupt" miss; a frame it cannot trust ends the stream, the rest
-missing. No corrupt byte is returned.
+length against what it asked for, the MAC, and the CRC (both computed once, when the producer stored the
+chunk) against the bytes: a mismatch is a "corrupt" miss; a frame it cannot trust ends the stream, the
+rest missing. No corrupt or unauthenticated byte is returned.
+
+Authentication (kvcache.tiers.auth; docs/engine.md "Trust model"). With a shared secret (`secret_file`,
+else $GLM53_KV_SECRET_FILE) every control message carries an HMAC-SHA256 of its body in a domain naming
+its kind, the fetch request one too, a data frame `chunk_mac` of its key and payload, and gone and done
+frames one of their fields: a party without the secret can neither serve, fetch, pin nor release (its
+messages are counted in `auth_failures` and dropped). Without a secret the MAC fields are zeros and the
+tier refuses, at construction, any address that is not loopback (its own, its peers', its producers'),
+with one warning. Producers: a request names its producer in its context, but the tier asks only those
+the operator listed in `producers`; any other is a miss, counted in `unlisted_peers`, and nothing is
+dialled (the server refuses such a request earlier, with a 400). Bounds: at most MAX_DATA_CONNECTIONS
+fetches are served at once (more are closed at accept, `connections_refused`), each reads at most
+MAX_REQUEST + 32 bytes before its MAC is checked, by `transfer_timeout_s`; a control message past
+MAX_CONTROL_BYTES drops its sender (ZMQ's maxmsgsize); at most MAX_CONNECTED named producers hold a
+connected socket, the least recently asked closed first.
 
 Options (defaults): host, port (required; port 0 binds any free port, `PeerTier.address` names it), peers
-([]), max_bytes (1 GiB; None: unbounded), pin_s (5), lookup_timeout_s (1), transfer_timeout_s (5),
+([]), producers ([]: the "host:port" addresses requests may name), secret_file (None), max_bytes (1 GiB;
+None: unbounded), pin_s (5), lookup_timeout_s (1), transfer_timeout_s (5),
 fetch_threads (4), name ("p2p", the metrics key). Under data parallelism replica i binds port + i (as
 vLLM); a peer lists every replica it should ask.
 
@@ -64,7 +82,9 @@ KV events: its chunks are reported as medium "CPU" (this engine's memory, readab
 Threads: one control thread owns every ZMQ socket; a TCP server thread (a short-lived thread per fetch
 served); `fetch_threads` fetch threads; one store thread (copies and CRCs). `shutdown()` stops them all.
 Not built: transfers straight between host pools (RDMA / NIXL); peer discovery; persistent data
-connections; authentication (peers are trusted: the CRC catches damage, not a lying peer).
+connections; encryption (the MAC authenticates, it does not hide KV from a listener on the network);
+replay protection across lookups (a recorded answer replayed names chunks by their content keys, so it can
+make a consumer fetch, never take wrong bytes).
 """
 
 from __future__ import annotations
@@ -72,6 +92,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import ipaddress
 import itertools
 import logging
 import math
@@ -89,10 +110,11 @@ import msgspec
 import numpy as np
 import zmq
 
+from kvcache.tiers.auth import MAC_BYTES, NO_MAC, check_secret_file, chunk_mac, chunk_ok, is_loopback, load_secret, seal, unseal
 from kvcache.tiers.base import JobResult, LoadJob, Lookup, LookupContext, StoreJob, TierBookkeeping, TierStats
 
-OPTIONS = {"host": None, "port": None, "peers": [], "max_bytes": 1 << 30, "pin_s": 5.0, "lookup_timeout_s": 1.0,
-           "transfer_timeout_s": 5.0, "fetch_threads": 4, "name": "p2p"}
+OPTIONS = {"host": None, "port": None, "peers": [], "producers": [], "max_bytes": 1 << 30, "pin_s": 5.0,
+           "lookup_timeout_s": 1.0, "transfer_timeout_s": 5.0, "fetch_threads": 4, "name": "p2p", "secret_file": None}
 DOWN_FACTOR = 10  # a peer that missed a deadline is skipped for DOWN_FACTOR x lookup_timeout_s
 # loads are dispatched once none has come for LOAD_QUIET_S (at most LOAD_WAIT_S after the first): the host
 # side submits one job per chunk, and a step's jobs should leave as one fetch per peer
@@ -100,10 +122,13 @@ LOAD_QUIET_S, LOAD_WAIT_S = 0.001, 0.005
 
 REQUEST_MAGIC, FRAME_MAGIC = b"GKVF", b"GKVC"
 REQUEST = struct.Struct("<4sI")
-FRAME = struct.Struct("<4sB32sQI")
+FRAME = struct.Struct("<4sB32sQI32s")  # magic, status, key, payload length, CRC-32, MAC (zeros without a secret)
 DATA, GONE, DONE = 0, 1, 2
-MAX_REQUEST = 64 << 20  # bytes of one FetchMsg (2M keys): more is not a request of ours
-MAX_PEERS = 256  # peers listed plus peers named by requests (each a connected socket); past it a named peer is a miss
+MAX_FETCH_KEYS = 16384  # keys of one fetch connection: a consumer splits bigger batches
+MAX_REQUEST = 1 << 20  # bytes of one FetchMsg (MAX_FETCH_KEYS keys fit): more is not a request of ours
+MAX_DATA_CONNECTIONS = 16  # fetches served at once (a thread and at most MAX_REQUEST bytes each); more are refused
+MAX_CONTROL_BYTES = 16 << 20  # one control message (ZMQ drops a peer that sends more)
+MAX_CONNECTED = 64  # named producers with a connected control socket at once, least recently asked closed first
 MAX_NOTED = 4096  # requests remembered as counted in `named_peer_failures` (each is counted once)
 
 _log = logging.getLogger(__name__)
@@ -167,6 +192,9 @@ class PeerStats(TierStats):
     pins_expired: int = 0  # of those, released by the deadline rather than by a fetch
     lease_handovers: int = 0  # leased chunks a consumer's lookup took over from their P/D lease
     bad_messages: int = 0  # malformed control messages or fetch requests, dropped
+    auth_failures: int = 0  # messages, fetch requests and chunks whose MAC did not verify (dropped; a chunk: "corrupt")
+    unlisted_peers: int = 0  # lookups naming a peer not in `producers` (a miss; nothing dialled)
+    connections_refused: int = 0  # data connections past MAX_DATA_CONNECTIONS, closed at once
     # requests whose named peer (a P/D producer) did not answer their lookup: not up, past its deadline,
     # skipped after missing one, or an address no socket reaches (each request once)
     named_peer_failures: int = 0
@@ -184,11 +212,13 @@ def check_options(opts: dict) -> None:
     port = opts.get("port")
     if not _is_int(port) or not 0 <= port <= 65535:
         raise ValueError(f"secondary tier 'p2p': port must be an int in [0, 65535] (0: any free port), got {port!r}")
-    peers = opts.get("peers", OPTIONS["peers"])
-    if not isinstance(peers, (list, tuple)):
-        raise ValueError(f"secondary tier 'p2p': peers must be a list of 'host:port' strings, got {peers!r}")
-    for p in peers:
-        _split_addr(p)
+    for field in ("peers", "producers"):
+        peers = opts.get(field, OPTIONS[field])
+        if not isinstance(peers, (list, tuple)):
+            raise ValueError(f"secondary tier 'p2p': {field} must be a list of 'host:port' strings, got {peers!r}")
+        for p in peers:
+            _split_addr(p, field)
+    check_secret_file(opts.get("secret_file"), "secondary tier 'p2p'")
     mb = opts.get("max_bytes", OPTIONS["max_bytes"])
     if mb is not None and (not _is_int(mb) or mb <= 0):
         raise ValueError(f"secondary tier 'p2p': max_bytes must be a positive int or None, got {mb!r}")
@@ -208,21 +238,34 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _split_addr(addr) -> tuple[str, int]:
+def _split_addr(addr, field: str = "peers") -> tuple[str, int]:
     host, sep, port = addr.rpartition(":") if isinstance(addr, str) else ("", "", "")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"secondary tier 'p2p': each of peers must be 'host:port' (port in [1, 65535]), got {addr!r}")
+        raise ValueError(f"secondary tier 'p2p': each of {field} must be 'host:port' (port in [1, 65535]), got {addr!r}")
     return host.strip("[]"), int(port)
+
+
+def peer_address(addr: str, field: str = "peers") -> str:
+    """The canonical form of a "host:port" peer address (host lower-cased, an IP address in its compressed
+    form, IPv6 in brackets), so that one producer listed and named by a request in two spellings is one
+    address. Host names are not resolved. ValueError when it is no such address."""
+    host, port = _split_addr(addr, field)
+    host = host.lower()
+    try:
+        host = ipaddress.ip_address(host).compressed
+    except ValueError:
+        pass
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class _Entry:
     """A stored chunk: its bytes (immutable, so a serving thread may send them while the store evicts) and
     their CRC-32."""
 
-    __slots__ = ("data", "crc")
+    __slots__ = ("data", "crc", "mac")
 
-    def __init__(self, data: bytes, crc: int):
-        self.data, self.crc = data, crc
+    def __init__(self, data: bytes, crc: int, mac: bytes = NO_MAC):
+        self.data, self.crc, self.mac = data, crc, mac
 
 
 PENDING, HIT, MISS = "pending", "hit", "miss"
@@ -248,6 +291,7 @@ class _Peer:
     static: bool = True  # listed in `peers` (asked for every request), else named by requests' contexts
     data_port: int | None = None  # from its lookup answers
     down_until: float = 0.0  # not asked before this (monotonic s): it missed a deadline
+    last_asked: float = 0.0  # monotonic s of its last LookupMsg (a named peer's socket is closed LRU first)
 
 
 @dataclasses.dataclass(eq=False)
@@ -274,14 +318,24 @@ class PeerTier(TierBookkeeping):
     # KV events (kvcache.events): its chunks sit in this engine's host memory, which peers can read
     kv_event_medium, kv_event_locality = "CPU", "LOCAL"
 
-    def __init__(self, *, fingerprint: str, host: str, port: int, peers=(),
+    def __init__(self, *, fingerprint: str, host: str, port: int, peers=(), producers=(),
                  max_bytes: int | None = OPTIONS["max_bytes"], pin_s: float = OPTIONS["pin_s"],
                  lookup_timeout_s: float = OPTIONS["lookup_timeout_s"],
                  transfer_timeout_s: float = OPTIONS["transfer_timeout_s"],
-                 fetch_threads: int = OPTIONS["fetch_threads"], name: str = "p2p"):
-        check_options({"host": host, "port": port, "peers": peers, "max_bytes": max_bytes, "pin_s": pin_s,
-                       "lookup_timeout_s": lookup_timeout_s, "transfer_timeout_s": transfer_timeout_s,
-                       "fetch_threads": fetch_threads, "name": name})
+                 fetch_threads: int = OPTIONS["fetch_threads"], name: str = "p2p", secret_file=None):
+        check_options({"host": host, "port": port, "peers": peers, "producers": producers, "max_bytes": max_bytes,
+                       "pin_s": pin_s, "lookup_timeout_s": lookup_timeout_s, "transfer_timeout_s": transfer_timeout_s,
+                       "fetch_threads": fetch_threads, "name": name, "secret_file": secret_file})
+        self._secret = load_secret(secret_file, who=f"secondary tier {name!r}")
+        if self._secret is None:
+            remote = [a for a in (f"{host}:1", *peers, *producers) if not is_loopback(_split_addr(a)[0])]
+            if remote:
+                raise ValueError(f"secondary tier {name!r}: {remote[0].rsplit(':', 1)[0]!r} is not a loopback address, "
+                                 "and peers on other addresses need a shared secret (the tier's secret_file, or "
+                                 "$GLM53_KV_SECRET_FILE)")
+            _log.warning("peer tier %r: no shared secret (secret_file, $GLM53_KV_SECRET_FILE): its peers are not "
+                         "authenticated, so it talks to loopback addresses only", name)
+        self.producers = frozenset(peer_address(a, "producers") for a in producers)
         self.name, self.fingerprint, self.host = name, fingerprint, host
         self.kv_event_ownership = name  # tells its "CPU" chunks from the offload host tier's
         self.max_bytes, self.pin_s = max_bytes, float(pin_s)
@@ -359,6 +413,8 @@ class PeerTier(TierBookkeeping):
     def _socket(self, kind) -> zmq.Socket:
         s = self._zmq.socket(kind)
         s.setsockopt(zmq.LINGER, 0)  # a close never waits for a peer that is gone
+        if kind != zmq.PAIR:
+            s.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # a bigger message drops its sender, unread
         return s
 
     # ---------------------------------------------------------------------------------- the interface
@@ -378,7 +434,7 @@ class PeerTier(TierBookkeeping):
             if known is not None:
                 return known
             if not self._asked(ctx, now):
-                if ctx is not None and ctx.peer is not None:
+                if ctx is not None and ctx.peer is not None and peer_address_or_none(ctx.peer) in self.producers:
                     self._named_peer_failed(ctx.peer, ctx.req_id, "it is skipped after missing a deadline, or "
                                                                   "its address cannot be asked")
                 return Lookup.MISS
@@ -408,16 +464,18 @@ class PeerTier(TierBookkeeping):
             return set()
         if ctx.peer is None:
             return {p.index for p in self._peers if p.static and p.down_until <= now}
-        p = self._by_addr.get(ctx.peer)
+        try:
+            addr = peer_address(ctx.peer)
+        except ValueError:
+            addr = None
+        if addr is None or addr not in self.producers:  # only the operator's producers are ever dialled
+            self.stats.unlisted_peers += 1
+            return set()
+        p = self._by_addr.get(addr)
         if p is None:
-            if ctx.peer == self.address or len(self._peers) >= MAX_PEERS:
-                return set()
-            try:
-                h, port = _split_addr(ctx.peer)
-            except ValueError:
-                return set()
-            p = self._by_addr[ctx.peer] = _Peer(len(self._peers), ctx.peer, h, port, None, static=False)
-            self._peers.append(p)
+            h, port = _split_addr(addr)
+            p = self._by_addr[addr] = _Peer(len(self._peers), addr, h, port, None, static=False)
+            self._peers.append(p)  # at most one per listed producer
         return {p.index} if p.down_until <= now else set()
 
     # ------------------------------------------------------------------------------- P/D producer
@@ -525,6 +583,7 @@ class PeerTier(TierBookkeeping):
                 return "ok"
         data = payload.tobytes() if isinstance(payload, np.ndarray) else bytes(memoryview(payload).cast("B"))
         crc = zlib.crc32(data)
+        mac = chunk_mac(self._secret, key, data) if self._secret is not None else NO_MAC  # once, as the CRC
         with self._lock:
             if key in self._store:
                 self._store.move_to_end(key)
@@ -532,7 +591,7 @@ class PeerTier(TierBookkeeping):
             if not self._make_room(len(data)):
                 self.stats.store_failed += 1
                 return "failed"
-            self._store[key] = _Entry(data, crc)
+            self._store[key] = _Entry(data, crc, mac)
             self._bytes += len(data)
             self.stats.stored_chunks += 1
             self.stats.store_bytes += len(data)
@@ -641,9 +700,22 @@ class PeerTier(TierBookkeeping):
         """Answer peers' lookups (pinning the hits) and releases."""
         while (frames := _recv(self._router, multipart=True)) is not None:
             try:
-                ident, body = frames
+                ident, wire = frames
+            except ValueError:
+                self._count("bad_messages")
+                continue
+            # a lookup and a release are told apart by their MAC's domain before anything is decoded
+            body, kind = unseal(self._secret, b"lookup", wire), LookupMsg
+            if body is None:
+                body, kind = unseal(self._secret, b"release", wire), ReleaseMsg
+            if body is None:
+                self._count("auth_failures")
+                continue
+            try:
                 msg = _SERVER_DECODE.decode(body)
-            except (ValueError, msgspec.DecodeError, msgspec.ValidationError):
+                if self._secret is not None and not isinstance(msg, kind):
+                    raise msgspec.ValidationError("the message is not of the kind its MAC names")
+            except (msgspec.DecodeError, msgspec.ValidationError):
                 self._count("bad_messages")
                 continue
             now = time.monotonic()
@@ -665,7 +737,8 @@ class PeerTier(TierBookkeeping):
                             self.stats.lease_handovers += 1
             reply = LookupRespMsg(msg.lookup_id, hits, pin, self.pin_s, self.data_port)
             try:
-                self._router.send_multipart([ident, _ENCODE.encode(reply)], zmq.NOBLOCK)
+                self._router.send_multipart([ident, seal(self._secret, b"lookup_resp", _ENCODE.encode(reply))],
+                                            zmq.NOBLOCK)
             except zmq.ZMQError:  # the consumer is gone or flooding us: its pins lapse
                 pass
 
@@ -695,6 +768,7 @@ class PeerTier(TierBookkeeping):
     def _ask_peer(self, p: _Peer, req: str, lease: int, items, now: float) -> None:
         """Send `p` one LookupMsg for `items` of request `req` (connecting it first if a request named it)."""
         if p.dealer is None:  # a peer a request named: connected here, by the thread that owns the sockets
+            self._close_idle_named()
             dealer = self._socket(zmq.DEALER)
             try:
                 dealer.connect(f"tcp://{_zmq_host(p.host)}:{p.port}")
@@ -707,8 +781,9 @@ class PeerTier(TierBookkeeping):
             self._poller.register(dealer, zmq.POLLIN)
         lid = next(self._lookup_ids)
         msg = LookupMsg(lid, req, [k for k, _ in items], lease)
+        p.last_asked = now
         try:
-            p.dealer.send(_ENCODE.encode(msg), zmq.NOBLOCK)
+            p.dealer.send(seal(self._secret, b"lookup", _ENCODE.encode(msg)), zmq.NOBLOCK)
         except zmq.ZMQError:  # its queue is full: it is not keeping up; a miss from it
             self._peer_failed(p, items, now)
             if not p.static:
@@ -717,8 +792,26 @@ class PeerTier(TierBookkeeping):
         self._count("lookup_messages")
         self._outstanding[lid] = _Outstanding(p, items, now, now + self.lookup_timeout_s, req)
 
+    def _close_idle_named(self) -> None:
+        """Keep at most MAX_CONNECTED - 1 named producers connected (control thread): close the least
+        recently asked one with no lookup out (it is connected again when a request names it next)."""
+        named = [p for p in self._peers if not p.static and p.dealer is not None]
+        if len(named) < MAX_CONNECTED:
+            return
+        busy = {o.peer.index for o in self._outstanding.values()}
+        idle = [p for p in named if p.index not in busy]
+        if idle:
+            victim = min(idle, key=lambda p: p.last_asked)
+            self._poller.unregister(victim.dealer)
+            victim.dealer.close()
+            victim.dealer = None
+
     def _on_answers(self, peer: _Peer) -> None:
-        while (body := _recv(peer.dealer)) is not None:
+        while (wire := _recv(peer.dealer)) is not None:
+            body = unseal(self._secret, b"lookup_resp", wire)
+            if body is None:
+                self._count("auth_failures")
+                continue
             try:
                 msg = _CLIENT_DECODE.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -748,7 +841,8 @@ class PeerTier(TierBookkeeping):
                         unused.append(k)
             if unused:
                 try:
-                    peer.dealer.send(_ENCODE.encode(ReleaseMsg(msg.pin, unused)), zmq.NOBLOCK)
+                    peer.dealer.send(seal(self._secret, b"release", _ENCODE.encode(ReleaseMsg(msg.pin, unused))),
+                                     zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
 
@@ -771,7 +865,7 @@ class PeerTier(TierBookkeeping):
             if len(self._noted) > MAX_NOTED:
                 self._noted.popitem(last=False)
             self.stats.named_peer_failures += 1
-            log = addr not in self._logged and len(self._logged) < MAX_PEERS
+            log = addr not in self._logged  # a listed producer: the set is bounded by the list
             self._logged.add(addr)
         if log:
             # %a: a peer or request named by a client may hold what no log handler can encode
@@ -820,8 +914,9 @@ class PeerTier(TierBookkeeping):
         for item in local:
             self._load_local(*item)
         for pi, items in groups.items():
-            self._count("fetches")
-            self._fetchers.submit(self._fetch, self._peers[pi], items)
+            for at in range(0, len(items), MAX_FETCH_KEYS):  # a producer serves at most that many per connection
+                self._count("fetches")
+                self._fetchers.submit(self._fetch, self._peers[pi], items[at:at + MAX_FETCH_KEYS])
 
     def _load_local(self, job_id: int, i: int, key: bytes, size: int, pin: int) -> None:
         with self._lock:
@@ -846,17 +941,18 @@ class PeerTier(TierBookkeeping):
                 raise ConnectionError("no data port known")
             sock = socket.create_connection((peer.host, peer.data_port), timeout=self.transfer_timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            body = _ENCODE.encode(FetchMsg([it[2] for it in items], [it[4] for it in items]))
+            body = seal(self._secret, b"fetch", _ENCODE.encode(FetchMsg([it[2] for it in items], [it[4] for it in items])))
             _send_all(sock, REQUEST.pack(REQUEST_MAGIC, len(body)) + body, deadline)
             head = bytearray(FRAME.size)
             for job_id, i, key, size, _ in items:
                 _recv_into(sock, head, deadline)
-                magic, status, k, length, crc = FRAME.unpack(head)
-                trusted = magic == FRAME_MAGIC and k == key and (status == GONE or status == DATA and length == size)
+                magic, status, k, length, crc, mac = FRAME.unpack(head)
+                trusted = magic == FRAME_MAGIC and k == key and (status == GONE and self._frame_ok(head)
+                                                                 or status == DATA and length == size)
                 if not trusted:
                     done += 1
                     self._resolve(job_id, i, key, "corrupt", None)
-                    raise _Untrusted(f"frame {FRAME.unpack(head)!r} for key {key.hex()} of {size} bytes")
+                    raise _Untrusted(f"frame {FRAME.unpack(head)[:5]!r} for key {key.hex()} of {size} bytes")
                 if status == GONE:
                     done += 1
                     self._resolve(job_id, i, key, "miss", None)
@@ -864,9 +960,13 @@ class PeerTier(TierBookkeeping):
                 out = np.empty(size, np.uint8)
                 _recv_into(sock, out, deadline)
                 done += 1
+                if not chunk_ok(self._secret, key, out, mac):  # a peer without the secret, or a forged chunk
+                    self._count("auth_failures")
+                    self._resolve(job_id, i, key, "corrupt", None)
+                    raise _Untrusted(f"the MAC of chunk {key.hex()} does not verify")
                 self._resolve(job_id, i, key, "ok" if zlib.crc32(out) == crc else "corrupt", out)
             _recv_into(sock, head, deadline)
-            if FRAME.unpack(head)[:2] != (FRAME_MAGIC, DONE):
+            if FRAME.unpack(head)[:2] != (FRAME_MAGIC, DONE) or not self._frame_ok(head):
                 raise _Untrusted("no done frame")
         except TimeoutError:
             self._count("transfer_timeouts")
@@ -907,11 +1007,17 @@ class PeerTier(TierBookkeeping):
             head = bytearray(REQUEST.size)
             _recv_into(sock, head, deadline)
             magic, n = REQUEST.unpack(head)
-            if magic != REQUEST_MAGIC or n > MAX_REQUEST:
+            if magic != REQUEST_MAGIC or n > MAX_REQUEST + MAC_BYTES:
                 raise _Untrusted("not a fetch request")
-            body = bytearray(n)
-            _recv_into(sock, body, deadline)
+            wire = bytearray(n)
+            _recv_into(sock, wire, deadline)
+            body = unseal(self._secret, b"fetch", bytes(wire))
+            if body is None:  # a peer without the secret fetches nothing
+                self._count("auth_failures")
+                return
             msg = _FETCH_DECODE.decode(body)
+            if len(msg.keys) > MAX_FETCH_KEYS:
+                raise _Untrusted("too many keys")
             if len(msg.pins) != len(msg.keys):
                 raise _Untrusted("keys and pins differ in length")
             sock.settimeout(self.transfer_timeout_s)
@@ -923,22 +1029,30 @@ class PeerTier(TierBookkeeping):
                         self._store.move_to_end(key)
                     self._release(pin, key)
                 if entry is None:
-                    sock.sendall(FRAME.pack(FRAME_MAGIC, GONE, key, 0, 0))
+                    sock.sendall(self._frame(GONE, key, 0))
                     continue
                 self._send_chunk(sock, key, entry)
                 sent += 1
                 with self._lock:
                     self.stats.served_chunks += 1
                     self.stats.served_bytes += len(entry.data)
-            sock.sendall(FRAME.pack(FRAME_MAGIC, DONE, bytes(32), sent, 0))
+            sock.sendall(self._frame(DONE, bytes(32), sent))
         except (_Untrusted, msgspec.DecodeError, msgspec.ValidationError):
             self._count("bad_messages")
         except OSError:  # the consumer went away or stalled: its pins lapse
             pass
 
     def _send_chunk(self, sock: socket.socket, key: bytes, entry: _Entry) -> None:
-        sock.sendall(FRAME.pack(FRAME_MAGIC, DATA, key, len(entry.data), entry.crc))
+        sock.sendall(FRAME.pack(FRAME_MAGIC, DATA, key, len(entry.data), entry.crc, entry.mac))
         sock.sendall(entry.data)
+
+    def _frame(self, status: int, key: bytes, length: int) -> bytes:
+        """A GONE or DONE frame, its MAC over its other fields (a forged one would end a fetch early)."""
+        head = FRAME.pack(FRAME_MAGIC, status, key, length, 0, NO_MAC)[:-MAC_BYTES]
+        return seal(self._secret, b"frame", head) if self._secret is not None else head + NO_MAC
+
+    def _frame_ok(self, head) -> bool:
+        return self._secret is None or unseal(self._secret, b"frame", bytes(head)) is not None
 
 
 class _Untrusted(Exception):
@@ -954,12 +1068,38 @@ class _DataServer(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 128  # the listen backlog: a burst of fetches is accepted (or refused) at once, not SYN-retried
 
     def __init__(self, addr, tier: PeerTier):
         self.tier = tier
+        self._slots = threading.BoundedSemaphore(MAX_DATA_CONNECTIONS)
         if ":" in addr[0]:
             self.address_family = socket.AF_INET6
         super().__init__(addr, _Handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):  # a flood of connections costs no thread and no buffer
+            self.tier._count("connections_refused")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def peer_address_or_none(addr) -> str | None:
+    try:
+        return peer_address(addr)
+    except ValueError:
+        return None
 
 
 def _zmq_host(host: str) -> str:

@@ -93,11 +93,13 @@ class SimTier:
 
     clock: () -> seconds now (the runner's view of the engine's virtual clock).
     costs: the device (TierCosts; default INSTANT: everything finishes when submitted).
-    max_bytes: capacity in bytes (None: unbounded).
+    max_bytes: capacity in bytes (None, or the filesystem tier's "auto", which a simulated device has no
+    free space to size: unbounded).
     """
 
-    def __init__(self, *, clock: Callable[[], float], costs: TierCosts = INSTANT, max_bytes: int | None = None,
+    def __init__(self, *, clock: Callable[[], float], costs: TierCosts = INSTANT, max_bytes: int | str | None = None,
                  name: str = "fs"):
+        max_bytes = None if max_bytes == "auto" else max_bytes
         if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
             raise ValueError(f"simulated tier {name!r}: max_bytes must be a positive int or None, got {max_bytes!r}")
         self.name, self.clock, self.costs, self.max_bytes = name, clock, costs, max_bytes

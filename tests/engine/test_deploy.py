@@ -151,6 +151,10 @@ def test_kv_transfer_config_is_vllms_offload_connector():
     ({**_ktc(), "kv_connector": "PdConnector", "kv_role": "kv_producer", "kv_port": 70000}, ValueError,
      "kv_port must be an int in"),
     ({**_ktc(), "kv_connector": "PdConnector", "kv_role": "kv_producer", "kv_ip": ""}, ValueError, "kv_ip must be"),
+    ({"kv_connector": "PdConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"producers": "h:1"}},
+     ValueError, "producers must be a list of the producers' KV addresses"),
+    ({"kv_connector": "PdConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"producers": ["h"]}},
+     ValueError, "producers must be a list of the producers' KV addresses 'host:kv_port'"),
     ({"kv_connector": "PdConnector", "kv_role": "kv_consumer"}, ValueError,
      "cpu_bytes_to_use must be an int > 0, got 0 \\(the PdConnector's host tier"),
     ({**_ktc(lease_s=0), "kv_connector": "PdConnector", "kv_role": "kv_producer"}, ValueError, "lease_s must be"),
@@ -169,11 +173,15 @@ def test_pd_connector_is_the_offload_connector_plus_a_peer_tier():
            "kv_connector_extra_config": {"secondary_tiers": [fs], "lease_s": 2.5}}
     d = DeployConfig(cpu_offload_bytes=1 << 20, kv_transfer_config=ktc)
     assert (d.kv_policy, d.cpu_offload_bytes, d.kv_role, d.pd_lease_s) == ("offload", 1 << 20, "kv_producer", 2.5)
-    assert d.offload_options["secondary_tiers"] == [fs, {"type": "p2p", "host": "127.0.0.1", "port": 7100, "name": "pd"}]
+    assert d.offload_options["secondary_tiers"] == [fs, {"type": "p2p", "host": "127.0.0.1", "port": 7100, "name": "pd",
+                                                         "producers": []}]
     assert "lease_s" not in d.offload_options
     c = DeployConfig(kv_transfer_config={"kv_connector": "PdConnector", "kv_role": "kv_consumer", "kv_ip": "::1",
-                                         "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}})
-    assert c.offload_options["secondary_tiers"] == [{"type": "p2p", "host": "::1", "port": 0, "name": "pd"}]
+                                         "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20,
+                                                                       "producers": ["[::1]:7100"]}})
+    assert c.offload_options["secondary_tiers"] == [{"type": "p2p", "host": "::1", "port": 0, "name": "pd",
+                                                     "producers": ["[::1]:7100"]}]
+    assert c.pd_producers == ("[::1]:7100",) and "producers" not in c.offload_options
     assert c.pd_lease_s == 30.0 and DeployConfig(kv_transfer_config=_ktc()).kv_role is None
 
 

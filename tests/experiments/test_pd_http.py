@@ -11,7 +11,7 @@ def test_each_deployment_is_four_devices_of_producers_and_consumers_with_one_pag
     specs = pd_http.deployments(pd_http.DEPLOY)
     assert set(specs) == {"pcp_dcp+hisparse", "dp+offload"}
     for name, spec in specs.items():
-        devices, page_tokens, policies = 0, set(), set()
+        devices, page_tokens, policies, kv, listed = 0, set(), set(), set(), set()
         for role, want in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             for extra in spec[role]:
                 args = serve.build_parser().parse_args(["tiny", *pd_http._server_args(pd_http.DEPLOY, extra)])
@@ -25,9 +25,13 @@ def test_each_deployment_is_four_devices_of_producers_and_consumers_with_one_pag
                 page_tokens.add(d.block_size * d.decode_context_parallel_size)
                 if role == "decode":
                     policies.add(d.kv_policy)
-                elif name.startswith("pcp_dcp"):
-                    assert (d.prefill_context_parallel_size, d.decode_context_parallel_size) == (2, 2)
-                    assert d.enable_expert_parallel
+                    listed.add(d.pd_producers)
+                else:
+                    kv.add(f"127.0.0.1:{d.kv_transfer_config['kv_port']}")
+                    if name.startswith("pcp_dcp"):
+                        assert (d.prefill_context_parallel_size, d.decode_context_parallel_size) == (2, 2)
+                        assert d.enable_expert_parallel
         assert devices == pd_http.DEVICES, name
         assert page_tokens == {pd_http.DEPLOY["block_size"]}, name
         assert policies == {"hisparse" if name.endswith("hisparse") else "offload"}, name
+        assert listed == {tuple(sorted(kv))} and len(kv) == len(spec["prefill"]), name  # every consumer lists them all

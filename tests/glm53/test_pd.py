@@ -38,8 +38,17 @@ def _expected(prompt, consumer: str) -> int:
     return (len(prompt) - 1) // SPAN[consumer] * SPAN[consumer]
 
 
-def _ktc(role: str) -> str:
-    return json.dumps({"kv_connector": "PdConnector", "kv_role": role})
+def _ktc(role: str, **kw) -> str:
+    return json.dumps({"kv_connector": "PdConnector", "kv_role": role, **kw})
+
+
+# the producers' KV ports (kv_port), fixed so that the consumers can list them; DEAD: listed, never up
+_PORTS = set()
+while len(_PORTS) < 3:  # distinct: a port free when asked may be handed out again
+    _PORTS.add(_free_port())
+KV_PORTS = dict(zip(("prefill_pcp", "prefill_1"), sorted(_PORTS)))
+DEAD = max(_PORTS)
+PRODUCERS = {"kv_connector_extra_config": {"producers": [f"127.0.0.1:{p}" for p in (*KV_PORTS.values(), DEAD)]}}
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +57,11 @@ def pd(tmp_path_factory, serving_dir):
     dcp = ("--decode-context-parallel-size", "2")
     # PCP2 x DCP2 (the issue's headline producer; PCP writes its KV in the DCP2 interleave-1 layout)
     flags = {"prefill_pcp": ("--prefill-context-parallel-size", "2", *dcp, "--cp-kv-cache-interleave-size", "1", *MTP,
-                             "--kv-transfer-config", _ktc("kv_producer")),
-             "prefill_1": (*MTP, "--kv-transfer-config", _ktc("kv_producer")),
-             "decode": ("--kv-policy", "hisparse", *MTP, "--kv-transfer-config", _ktc("kv_consumer")),
+                             "--kv-transfer-config", _ktc("kv_producer", kv_port=KV_PORTS["prefill_pcp"])),
+             "prefill_1": (*MTP, "--kv-transfer-config", _ktc("kv_producer", kv_port=KV_PORTS["prefill_1"])),
+             "decode": ("--kv-policy", "hisparse", *MTP, "--kv-transfer-config", _ktc("kv_consumer", **PRODUCERS)),
              "decode_dcp2": (*dcp, "--cp-kv-cache-interleave-size", str(PAGE), *MTP,
-                             "--kv-transfer-config", _ktc("kv_consumer"))}
+                             "--kv-transfer-config", _ktc("kv_consumer", **PRODUCERS))}
     with servers_and_router(tmp, serving_dir, flags, ["prefill_pcp"], ["decode"]) as pair:
         yield pair
 
@@ -132,7 +141,7 @@ def test_what_the_producer_cannot_give_is_computed(pd, serving_model):
     seen, other = rng.integers(0, 512, 51).tolist(), rng.integers(0, 512, 27).tolist()
     fork = seen[:2 * SPAN["prefill_pcp"]] + rng.integers(0, 512, 20).tolist()
     params = _prefill(pre, seen)  # on the producer only
-    dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": _free_port()}
+    dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": DEAD}  # listed, not up
     eng = Engine(serving_model, DeployConfig(**FLAGS))
     for prompt, ktp, got, failed in ((other, dead, 0, 1), (other[::-1], params, 0, 0),
                                      (fork, params, 2 * SPAN["prefill_pcp"], 0)):

@@ -18,7 +18,7 @@ import pytest
 import glm53
 from glm53 import DeployConfig, Engine
 from kvcache.tiers import Lookup, LoadJob, StoreJob, TierSet, chunk_key, make_tier
-from kvcache.tiers.fs import HEADER, FileTier
+from kvcache.tiers.fs import HEADER, TMP_MAX_AGE_S, FileTier
 from tests import models
 
 REPO = Path(__file__).resolve().parents[2]
@@ -162,7 +162,8 @@ for i in range(10 ** 6):
 
 def test_fs_writer_killed_mid_file_leaves_only_whole_chunks(tmp_path):
     """SIGKILL a process while it writes 8 MiB chunks: every chunk file left verifies, and a tier started
-    afterwards deletes the dead writer's temporary files."""
+    afterwards deletes the dead writer's temporary files once they are older than TMP_MAX_AGE_S (by age,
+    not by their pid: tests/kvcache/test_tiers_trust.py)."""
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), FP], stdout=subprocess.PIPE, text=True,
                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout.readline().strip() == "writing"
@@ -173,6 +174,9 @@ def test_fs_writer_killed_mid_file_leaves_only_whole_chunks(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert list(tmp_path.rglob("*.tmp"))  # it died mid-file
+    then = time.time() - TMP_MAX_AGE_S - 1
+    for p in tmp_path.rglob("*.tmp"):  # as a restart that long after finds them
+        os.utime(p, (then, then))
     tier = FileTier(fingerprint=FP, root_dir=tmp_path)
     assert list(tmp_path.rglob("*.tmp")) == []
     whole = sorted(tmp_path.rglob("*.kv"))
