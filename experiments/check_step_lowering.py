@@ -156,7 +156,7 @@ def _abstract_hisparse_view(cfg, step: Step, block_size: int, pages: int):
     a host pool of rows x pages blocks shared by the TP ranks, a hot buffer of 2 x top-k rows per request
     (kvcache.hisparse.hot_buffer_rows without MTP), hot state per IndexShare group."""
     from kvcache.hisparse import hot_buffer_rows
-    from kvcache.host import HiSparseView
+    from kvcache.views import HiSparseView
 
     r, groups = step.rows, len(cfg.full_indexer_layers)
     hot = hot_buffer_rows(None, 0, cfg.index_topk)

@@ -21,7 +21,7 @@ import numpy as np
 
 from attention.common import slot_mapping
 from attention.formats import IndexKeyFormat, MLARowFormat
-from kvcache.host import HiSparseView, StagingView
+from kvcache.views import HiSparseView, StagingView
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 from kvcache.base import default_attend, default_select, replace_layer_array
