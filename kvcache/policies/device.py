@@ -85,8 +85,8 @@ def device_half_for(kv_policy: str, deploy, sizes, *, index_topk: int):
     """The device half of the policy named `kv_policy` for a replica of `deploy` (DeployConfig) with
     `sizes` (KVSizes): the only map from a policy name to a device half."""
     if kv_policy == "hisparse":
-        from kvcache.policies.hisparse.device import HotBuffers
-        return HotBuffers(max_leases=sizes.max_leases, hot_rows=sizes.hot_rows, index_topk=index_topk,
+        from kvcache.policies.hisparse.device import HiSparseDevice
+        return HiSparseDevice(max_leases=sizes.max_leases, hot_rows=sizes.hot_rows, index_topk=index_topk,
                           k=deploy.num_speculative_tokens, stage_rows=deploy.hisparse_stages_rows,
                           tile=deploy.hisparse_prefill_tile_tokens)
     if kv_policy == "swap":

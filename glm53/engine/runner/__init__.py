@@ -5,7 +5,7 @@ mesh, and samples. `ModelRunner` composes small parts, each chosen once at start
 - a forward strategy (`forward`): one device, a context mesh (PCP / DCP) or tensor parallelism;
 - the KV policy's device half (kvcache.policies.device): the views a forward carries, and their counts;
 - sampling (`sampling`): temperature / top-p, and MTP's accept rule;
-- compilation (`compile`): warm-up of every bucket program and the workspace profile.
+- compilation (`compilation`): warm-up of every bucket program and the workspace profile.
 
 Per step it runs the plan's KV transfers (kvcache.host.HostMemory), then groups the rows by width
 bucket (1 token for decoding requests, 1 + k under MTP; powers of two from 16 up to
@@ -24,11 +24,11 @@ import numpy as np
 from attention.common import pow2_at_least
 from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig, KVSizes
-from glm53.engine.plan import PlanRow, ResolveRecord, StageRecord, StepPlan, StepResult
-from glm53.engine.runner import compile as compiling
+from glm53.engine.plan import PlanRow, StepPlan, StepResult
+from glm53.engine.runner import compilation
 from glm53.engine.runner.batch import (MIN_PREFILL_WIDTH, block_table, forward_groups, padded_rows, step_limits,
                                        width_buckets)
-from glm53.engine.runner.compile import CompileCounter
+from glm53.engine.runner.compilation import CompileCounter
 from glm53.engine.runner.forward import strategy_for
 from glm53.engine.runner.sampling import (_concat_drafts, _draft_argmax, _last_logits, _mtp_head, _position_logits,
                                           _sample, accept, last_logits, pick)
@@ -141,15 +141,15 @@ class ModelRunner:
 
     def warmup(self, shapes=None) -> int:
         """Compile the programs of `shapes` (default: every bucket) and every copy program of the KV policy
-        (`compile.warmup`). -> number of shapes run. After this a serving run compiles nothing."""
-        return compiling.warmup(self, self.bucket_shapes() if shapes is None else shapes)
+        (`compilation.warmup`). -> number of shapes run. After this a serving run compiles nothing."""
+        return compilation.warmup(self, self.bucket_shapes() if shapes is None else shapes)
 
     def workspace_shapes(self) -> list[tuple[int, int, int]]:
-        return compiling.workspace_shapes(self)
+        return compilation.workspace_shapes(self)
 
     def step_workspace_bytes(self, shapes=None) -> int:
-        """Peak device bytes of the step programs beyond their arguments (`compile.step_workspace_bytes`)."""
-        return compiling.step_workspace_bytes(self, shapes)
+        """Peak device bytes of the step programs beyond their arguments (`compilation.step_workspace_bytes`)."""
+        return compilation.step_workspace_bytes(self, shapes)
 
     def cp_work_per_rank(self, reset: bool = False) -> dict[str, np.ndarray]:
         """Context parallelism: each rank's work since the start (or the last reset) -> {name: int64 [N]}
@@ -178,8 +178,8 @@ class ModelRunner:
             tokens.update(out)
             drafts.update(new)
             res, st, nbytes = self.half.take_records(tuple(row.req_id for row in rows))
-            resolves += [ResolveRecord(x.req_ids, x.hits, x.misses, x.copied) for x in res]
-            stages += [StageRecord(x.req_ids, x.staged, x.copied) for x in st]
+            resolves += res
+            stages += st
             h2d += nbytes
         # tier loads finished by now; a step with nothing to compute waits a little for one (an engine
         # whose only waiting requests wait on tiers would otherwise spin)

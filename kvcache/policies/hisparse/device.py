@@ -16,9 +16,9 @@ from kvcache.views import HiSparseView, StagingView
 
 
 @dataclasses.dataclass(frozen=True)
-class ResolveCounts:
-    """What one decode forward's resolvers did (glm53.engine.plan.ResolveRecord's fields): per row of
-    `req_ids`, hits and misses [n, G] and rows copied host->device over all layers [n]."""
+class ResolveRecord:
+    """What one HiSparse decode forward's resolvers did: per row of `req_ids`, hits and misses [n, G]
+    (G IndexShare groups) and rows copied host->device over all layers [n]."""
 
     req_ids: tuple[str, ...]
     hits: np.ndarray
@@ -27,16 +27,17 @@ class ResolveCounts:
 
 
 @dataclasses.dataclass(frozen=True)
-class StageCounts:
-    """What one prefill forward's staging did (glm53.engine.plan.StageRecord's fields): per row, rows
-    staged [n, G] and rows copied host->device over all layers [n]."""
+class StageRecord:
+    """What one HiSparse prefill forward's row staging did (kvcache.views.StagingView): per row of
+    `req_ids`, rows staged [n, G] (per IndexShare group, distinct host rows per tile of queries summed
+    over tiles) and rows copied host->device over all layers [n]."""
 
     req_ids: tuple[str, ...]
     staged: np.ndarray
     copied: np.ndarray
 
 
-class HotBuffers:
+class HiSparseDevice:
     """HiSparse at execute time. `max_leases` hot buffers of `hot_rows` rows each (per IndexShare group);
     decode plans of `index_topk` rows per query (under MTP, `k` > 0: queries x min(top-k, window), the
     union of a batched verify's positions); prefill staging when `stage_rows`, `tile` queries per
@@ -123,14 +124,14 @@ class HotBuffers:
                     bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
                     raise RuntimeError(f"HiSparse: prefill rows selected positions with no device page or host "
                                        f"copy: {bad}")
-                stages.append(StageCounts(req_ids, staged, copied))
+                stages.append(StageRecord(req_ids, staged, copied))
             else:
                 hits, misses, copied, unserved = (np.asarray(x)[:n] for x in (view.hits, view.misses, view.copied,
                                                                                view.unserved))
                 if unserved.any():
                     bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
                     raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: {bad}")
-                resolves.append(ResolveCounts(req_ids, hits, misses, copied))
+                resolves.append(ResolveRecord(req_ids, hits, misses, copied))
             nbytes += int(copied.sum()) * self.host.row_bytes_mla
         self.views = []
         return tuple(resolves), tuple(stages), nbytes
