@@ -77,9 +77,8 @@ class HiSparseDevice:
         return self._views([], padded, decode)
 
     def _views(self, rows, r: int, decode: bool):
-        host = self.host
-
         def view(window: int, queries: int = 1):
+            host = self.host
             pages = host.host_pages("mla", self.table("mla", r, [h.host_blocks for h in rows], window))
             if not decode:  # each forward stages the host rows its queries select, `tile` queries at a time
                 groups = host.hot_state[0].shape[1] if host.hot_state is not None else 1
