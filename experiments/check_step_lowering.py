@@ -19,7 +19,7 @@ Steps (BRIEF §3's deployments, as far as `parallel/` builds them):
 - `tp8_prefill`: Part 1's prefill, one chunk of max_num_batched_tokens ending at the window on the TP8
   layout (the indexer replicated, as in vLLM, so every rank scores the whole chunk).
 - `tp8_hisparse_decode`: Part 1's HiSparse decode on the TP8 layout: requests in mixed residency read
-  through their hot buffers (`kvcache.host.HiSparseView`: the resolver, at impl="pallas" its kernel
+  through their hot buffers (`kvcache.views.HiSparseView`: the resolver, at impl="pallas" its kernel
   `hisparse_resolve`, and the row copy from the host pool), the host pool in pinned host memory shared
   by the TP ranks (its rows split over "tp", each copied row assembled by an all-reduce over them).
 - `tp8_dcp8_decode`: TP8 with DCP8 reusing the TP ranks (`parallel.tp.mesh_sizes(8, 8)`): heads split
@@ -152,11 +152,11 @@ def _sds(tree, specs, mesh):
 
 
 def _abstract_hisparse_view(cfg, step: Step, block_size: int, pages: int):
-    """HiSparse's decode view of `step.rows` requests (kvcache.host.HiSparseView, abstract): every page in
+    """HiSparse's decode view of `step.rows` requests (kvcache.views.HiSparseView, abstract): every page in
     a host pool of rows x pages blocks shared by the TP ranks, a hot buffer of 2 x top-k rows per request
     (kvcache.hisparse.hot_buffer_rows without MTP), hot state per IndexShare group."""
     from kvcache.hisparse import hot_buffer_rows
-    from kvcache.host import HiSparseView
+    from kvcache.views import HiSparseView
 
     r, groups = step.rows, len(cfg.full_indexer_layers)
     hot = hot_buffer_rows(None, 0, cfg.index_topk)

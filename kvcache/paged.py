@@ -21,7 +21,7 @@ import numpy as np
 
 from attention.common import slot_mapping
 from attention.formats import IndexKeyFormat, MLARowFormat
-from kvcache.host import HiSparseView, StagingView
+from kvcache.views import HiSparseView, StagingView
 from attention.indexer import PagedKeys
 from attention.sparse_mla import SlotRows
 from kvcache.base import default_attend, default_select, replace_layer_array
@@ -57,11 +57,11 @@ class PagedKVCache:
     block_size: int = dataclasses.field(metadata=dict(static=True))
     mla_format: MLARowFormat = dataclasses.field(metadata=dict(static=True))
     index_format: IndexKeyFormat = dataclasses.field(metadata=dict(static=True))
-    # HiSparse decode steps only: host pool, host page table and hot buffers (kvcache.host)
+    # HiSparse decode steps only: host pool, host page table and hot buffers (kvcache.views)
     hisparse: HiSparseView | None = None
     # slots per indexer-key page (0: block_size); index arrays hold num_blocks pages of this size
     index_block_size: int = dataclasses.field(default=0, metadata=dict(static=True))
-    # HiSparse prefill steps over host-only pages: the host pool and per-tile staging (kvcache.host)
+    # HiSparse prefill steps over host-only pages: the host pool and per-tile staging (kvcache.views)
     staging: StagingView | None = None
 
     @classmethod
@@ -201,7 +201,7 @@ class PagedKVCache:
     def attend(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, *, window, full, impl):
         """`KVCache.attend`. In a HiSparse prefill step over host-only pages (`staging`), the block table
         holds -1 for those pages and the selected rows found there are staged from the host pool per tile
-        of queries (kvcache.host.StagingView.attend); otherwise `default_attend`."""
+        of queries (kvcache.views.StagingView.attend, whose op is attention.staging); otherwise `default_attend`."""
         st = self.staging
         if st is None:
             return default_attend(self, layer, q_lat_BTHR, q_pe_BTHP, pos_BTK, scale, window=window, full=full,

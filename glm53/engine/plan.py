@@ -22,6 +22,7 @@ import numpy as np
 
 from glm53.engine.request import SamplingParams
 from kvcache.hisparse import HiSparseRow
+from kvcache.policies.hisparse.device import ResolveRecord, StageRecord  # StepResult's records, re-exported
 from kvcache.transfer import Transfer
 
 
@@ -71,28 +72,6 @@ class StepPlan:
     # KV movement the step needs, executed in order before the forward (kvcache.transfer's contract):
     # page copies to and from the host pools, offload saves and loads, hot-buffer resets
     transfers: tuple[Transfer, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolveRecord:
-    """What one HiSparse decode forward's resolvers did: per row of `req_ids`, hits and misses [n, G]
-    (G IndexShare groups) and rows copied host->device over all layers [n]."""
-
-    req_ids: tuple[str, ...]
-    hits: np.ndarray
-    misses: np.ndarray
-    copied: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class StageRecord:
-    """What one HiSparse prefill forward's row staging did (kvcache.host.StagingView): per row of
-    `req_ids`, rows staged [n, G] (per IndexShare group, distinct host rows per tile of queries summed
-    over tiles) and rows copied host->device over all layers [n]."""
-
-    req_ids: tuple[str, ...]
-    staged: np.ndarray
-    copied: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)

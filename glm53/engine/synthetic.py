@@ -302,7 +302,7 @@ class _Hot:
 class _RowKV:
     """What one row's forward reads from the cache in one step, the way the model runner's forward for it
     would read it. `path`: "device" (block tables only), "staged" (a HiSparse prefill chunk: a page with
-    no device block is read from its host page, kvcache.host.StagingView) or "resolve" (a HiSparse decode
+    no device block is read from its host page, kvcache.views.StagingView) or "resolve" (a HiSparse decode
     row with a hot buffer: host-only rows through the lease's hot slots, attention.hisparse)."""
 
     def __init__(self, runner: ContentRunner, row: PlanRow, tables: dict[str, np.ndarray], hs: HiSparseRow | None,

@@ -40,7 +40,7 @@ def two_turns(hisparse_model):
     a page boundary (prompt + outputs - 1 = 80 / 88 computed tokens), and their second turn continues
     generating with no new tokens: the one token left to compute decodes straight on the host-only
     prefix (no residency). 1 and 3 append five new tokens: a multi-token chunk over the host-only
-    prefix (its selected rows staged per tile, kvcache.host.StagingView)."""
+    prefix (its selected rows staged per tile, kvcache.views.StagingView)."""
     rng = np.random.default_rng(1)
     first = [rng.integers(0, 512, n) for n in (71, 55, 79, 45)]
     # full residency: the default policy with a pool that never runs out (tests/engine/test_engine.py

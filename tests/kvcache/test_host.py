@@ -167,7 +167,7 @@ def test_staging_reads_host_only_pages_per_tile_and_counts_the_distinct_rows(fmt
     one query the workspace (5 rows) is smaller than a request's host rows, so rows are evicted and
     staged again."""
     from kvcache.base import default_attend
-    from kvcache.host import StagingView
+    from kvcache.views import StagingView
 
     cache = _cache(fmt)
     full = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int32)  # two requests, 4 pages of BS rows each
@@ -227,7 +227,7 @@ def test_a_batched_verify_step_resolves_the_union_of_its_positions_selections_on
     selected rows (the values full residency reads), a position two queries select is resolved, counted
     and copied once, and the next step finds the union in the hot buffer (all hits, nothing copied)."""
     from attention.hisparse import NEVER_USED
-    from kvcache.host import HiSparseView
+    from kvcache.views import HiSparseView
     from kvcache.paged import union_selections
 
     cache = _cache()

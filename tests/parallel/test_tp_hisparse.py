@@ -106,7 +106,7 @@ def test_hisparse_staging_under_tp2_reads_what_the_device_holds(small_model):
     from jax.sharding import PartitionSpec as P
 
     from glm53.model import compiled
-    from kvcache.host import StagingView
+    from kvcache.views import StagingView
     from kvcache.paged import PagedKVCache
     from parallel import model as pmodel
     from parallel import tp as tp_ops

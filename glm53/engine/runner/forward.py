@@ -1,0 +1,270 @@
+"""Forward strategies: how one padded batch runs on a replica's devices. One class per layout, chosen
+once at start-up (`strategy_for`): `OneDevice` (weights and pool on one device), `ContextMesh` (PCP /
+DCP over a context axis, parallel.model; the PCP permutation of prefill rows lives here) and
+`TensorParallel` (a tp x cp mesh with the weights split over it, parallel.tp; DCP reuses the TP ranks).
+
+Every method takes the step's inputs as host arrays and a donated cache and returns the new cache; the
+runner decides the form and the view, the strategy only runs the programs. The programs each method
+calls are exactly those the serving path compiles (tests/engine/test_recompilation.py counts them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from glm53.model import attention_form
+from kvcache.paged import PagedKVCache
+from parallel import model as parallel_model
+from parallel import tp as parallel_tp
+from parallel.cp_cache import CpKVCache, counter_totals, zero_counters
+from parallel.mesh import make_mesh
+from parallel.pcp import PcpSplit
+
+
+@jax.jit
+def _take_tokens(hidden_RTD, order_T):
+    return hidden_RTD[:, order_T]
+
+
+@jax.jit
+def _take_rows(hidden_RTD, last_R):
+    """hidden [R, T, D] -> [R, 1, D] at each row's position last_R[r]."""
+    return jnp.take_along_axis(hidden_RTD, last_R[:, None, None], axis=1)
+
+
+class OneDevice:
+    """Weights and pool committed to one device (a data-parallel replica's own copy)."""
+
+    mesh = None
+    kv_ranks = 1
+
+    def __init__(self, runner, devices):
+        self.r = runner
+        self.device = devices[0]
+
+    def place(self, cache: PagedKVCache, state):
+        """-> (cache, weights) on this strategy's devices."""
+        return jax.device_put(cache, self.device), jax.device_put(state, self.device)
+
+    def memory(self):
+        """Shardings of host-resident and device-resident KV copies (kvcache.host.HostMemory's)."""
+        return (jax.sharding.SingleDeviceSharding(self.device, memory_kind="pinned_host"),
+                jax.sharding.SingleDeviceSharding(self.device, memory_kind="device"))
+
+    def host_share(self):
+        return None
+
+    def check_ids(self, table_mla, table_index) -> None:
+        """Block tables the pool can address (every id is, on one device)."""
+
+    def cp_work_per_rank(self, reset: bool = False) -> dict:
+        return {}
+
+    def forward(self, tok, pos, cache, window: int, form: str, *, keep_all: bool = False, lower: bool = False):
+        """One padded batch [rows, width] -> (hidden, cache). keep_all: ((hidden [rows, 1, D] of each row's
+        last token, hidden [rows, width, D]), cache), as MTP's prefill reads it. Otherwise hidden
+        [rows, 1, D] of the last real token for a prefill width (GLM53.__call__ last_only: nothing else
+        reads the others), [rows, 1, D] for a decode width. lower=True: the `jax.stages.Lowered` program."""
+        r = self.r
+        args = (r.state, jnp.asarray(tok), jnp.asarray(pos), cache)
+        if keep_all:
+            out, cache, _ = r.c.forward(*args, window=window, form=form, impl=r.deploy.attention_impl,
+                                        last_only=True, keep_all=True)
+            return out, cache
+        kw = dict(window=window, form=form, impl=r.deploy.attention_impl, last_only=tok.shape[1] > 1)
+        if lower:
+            return r.c.forward.trace(*args, **kw).lower()
+        hidden, cache, _ = r.c.forward(*args, **kw)
+        return hidden, cache
+
+    def verify(self, tok, pos, cache, window: int, form: str, batched: bool):
+        """A verify group [rows, 1 + k] -> (hidden [rows, 1 + k, D] of every position, cache): batched as one
+        forward, or sequential as 1 + k one-token steps in one program (GLM53.verify)."""
+        r = self.r
+        args = (r.state, jnp.asarray(tok), jnp.asarray(pos), cache)
+        kw = dict(window=window, form=form, impl=r.deploy.attention_impl)
+        if batched:
+            hidden, cache, _ = r.c.forward(*args, **kw)
+            return hidden, cache
+        return r.c.verify(*args, **kw)
+
+    def mtp(self, hidden, nxt, mpos, cache, window: int, form: str, per_position: bool):
+        """The MTP layer over a group (GLM53.mtp_forward, or mtp_verify one position at a time)."""
+        r = self.r
+        fn = r.c.mtp_verify if per_position else r.c.mtp_forward
+        return fn(r.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos), cache, j=0, window=window, form=form,
+                  impl=r.deploy.attention_impl)
+
+    def draft(self, h, d, pos, cache, window: int, form: str):
+        """One one-token MTP pass (a draft after the first)."""
+        r = self.r
+        return r.c.mtp_forward(r.state, h, d, jnp.asarray(pos[:, None]), cache, j=0, window=window, form=form,
+                               impl=r.deploy.attention_impl)
+
+
+class ContextMesh(OneDevice):
+    """A mesh with one context axis of max(PCP, DCP) devices (parallel.model). Under DCP a block id is a
+    page of block_size slots on every rank, so the arrays hold kv_ranks x num_blocks pages, split over
+    the axis (rank r's table is the r-th slice). Each rank's work (parallel.cp_cache.COUNTERS) comes out
+    of every forward as device arrays, folded into int64 host totals lazily (no sync on the serving
+    path)."""
+
+    tp = 1
+
+    def __init__(self, runner, devices):
+        super().__init__(runner, devices)
+        d = runner.deploy
+        self.n = d.context_parallel_size
+        self.kv_ranks = d.decode_context_parallel_size
+        self.mesh = self._mesh(devices)
+        self._zero = jax.device_put(zero_counters(self.n), NamedSharding(self.mesh, P("cp")))
+        self._pending: list[dict] = []
+        self._totals = {k: np.zeros(self.n, np.int64) for k in self._zero}
+
+    def _mesh(self, devices):
+        return make_mesh(cp=self.n, devices=devices)
+
+    def _state(self, state):
+        return parallel_model.place_state(state, self.mesh, self.r.deploy.enable_expert_parallel)
+
+    def place(self, cache, state):
+        return parallel_model.place(self.cp_cache(cache, False), self.mesh).local, self._state(state)
+
+    def memory(self):
+        # host copies of KV live with the rank that holds it (a DCP shard)
+        spec = P("cp") if self.kv_ranks > 1 else P()
+        return (NamedSharding(self.mesh, spec, memory_kind="pinned_host"),
+                NamedSharding(self.mesh, spec, memory_kind="device"))
+
+    def host_share(self):
+        """One host pool per replica, shared by its TP ranks (1/tp of it each): kvcache.host.HostMemory(shared=)."""
+        return ("tp", self.mesh.shape["tp"])
+
+    def cp_cache(self, cache: PagedKVCache, tokens_split: bool) -> CpKVCache:
+        d = self.r.deploy
+        return CpKVCache(cache, "cp", d.context_parallel_size, tokens_split=tokens_split, dcp=self.kv_ranks > 1,
+                         interleave=d.cp_kv_cache_interleave_size, backend=d.dcp_comm_backend,
+                         heads_split=self.tp > 1, gather_queries=self.tp > 1)
+
+    def _kw(self, window: int, form: str) -> dict:
+        d = self.r.deploy
+        return dict(graphdef=self.r.c.graphdef, mesh=self.mesh, window=window, form=form, impl=d.attention_impl,
+                    expert_parallel=d.enable_expert_parallel, tensor_parallel=self.tp > 1)
+
+    def _fold(self, steps: int) -> None:
+        """Add the oldest `steps` pending steps' device counters to the int64 host totals."""
+        for step in self._pending[:steps]:
+            for k, v in counter_totals(step).items():
+                self._totals[k] += v
+        del self._pending[:steps]
+
+    def cp_work_per_rank(self, reset: bool = False) -> dict[str, np.ndarray]:
+        self._fold(len(self._pending))
+        out = {k: v.copy() for k, v in self._totals.items()}
+        if reset:
+            for v in self._totals.values():
+                v[:] = 0
+        return out
+
+    def check_ids(self, table_mla, table_index) -> None:
+        """The pool's arrays hold kv_ranks x num_blocks pages, so a larger block id would address another
+        rank's slice on the host but fall off the end of this rank's shard."""
+        if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.r.num_blocks:
+            raise ValueError(f"block id beyond the pool's {self.r.num_blocks} blocks")
+
+    def forward(self, tok, pos, cache, window, form, *, keep_all=False, lower=False):
+        """As OneDevice's, hidden of every position in token order (the mesh's forward returns them all);
+        the form is decided for the step's whole width (inside shard_map a PCP rank sees only its share of
+        the tokens and "auto" would decide on that)."""
+        form = attention_form(form, window, self.r.model.cfg.index_topk, tok.shape[1])
+        if lower:
+            return self._run(tok, pos, cache, window, form, lower=True)
+        hidden, cache = self._run(tok, pos, cache, window, form)
+        if keep_all:
+            last_R = np.maximum((pos >= 0).sum(axis=1) - 1, 0)
+            return (_take_rows(hidden, jnp.asarray(last_R)), hidden), cache
+        return hidden, cache
+
+    def verify(self, tok, pos, cache, window, form, batched):
+        """DCP: queries go to the KV shards (the "mqa" form, as a decode step's)."""
+        if batched:
+            return self._run(tok, pos, cache, window, "mqa")
+        hidden, cp = parallel_model.verify(self.r.state, jnp.asarray(tok), jnp.asarray(pos), self.cp_cache(cache, False),
+                                           **self._kw(window, "mqa"))
+        return hidden, cp.local
+
+    def mtp(self, hidden, nxt, mpos, cache, window, form, per_position):
+        fn = parallel_model.mtp_verify if per_position else parallel_model.mtp_forward
+        h, cp = fn(self.r.state, hidden, jnp.asarray(nxt), jnp.asarray(mpos), self.cp_cache(cache, False),
+                   **self._kw(window, "mqa"))
+        return h, cp.local
+
+    def draft(self, h, d, pos, cache, window, form):
+        h, cp = parallel_model.mtp_forward(self.r.state, h, d, jnp.asarray(pos[:, None]), self.cp_cache(cache, False),
+                                           **self._kw(window, "mqa"))
+        return h, cp.local
+
+    def _run(self, tok, pos, cache: PagedKVCache, window: int, form: str, *, lower: bool = False):
+        """parallel.model.forward. Prefill rows (width > 1) under PCP are split into the balanced 2N-chunk
+        layout and their hidden states restored to token order; decode rows run replicated.
+
+        The split is over the group's longest chunk L (`parallel.pcp.PcpSplit(L, N)`: rank g holds chunks
+        g and 2N-1-g of every row), not over the padded bucket width W, so a chunk much shorter than its
+        bucket stays balanced; each rank's slots are padded to those of a W-token split, so the shapes
+        (and compiled programs) depend on the bucket only."""
+        d = self.r.deploy
+        split = d.prefill_context_parallel_size > 1 and tok.shape[1] > 1
+        if self.kv_ranks > 1 and not split:
+            form = "mqa"  # queries go to the KV shards; the dense form would need the whole context here
+        order = None
+        if split:
+            n, width = d.context_parallel_size, tok.shape[1]
+            slots = PcpSplit(width, n).tokens_per_rank
+            real = PcpSplit(max(int((pos >= 0).sum(axis=1).max()), 1), n).positions()  # [n, <= slots]
+            src = np.full((n, slots), -1, np.int32)
+            src[:, : real.shape[1]] = real
+            src = src.reshape(-1)  # the row-relative token each slot holds (-1 = padding)
+            tok = np.where(src >= 0, tok[:, np.maximum(src, 0)], 0)
+            pos = np.where(src >= 0, pos[:, np.maximum(src, 0)], -1)
+            order = np.zeros(width, np.int32)  # token j's slot; tokens past the longest chunk read slot 0
+            order[src[src >= 0]] = np.nonzero(src >= 0)[0]
+        args = (self.r.state, jnp.asarray(tok), jnp.asarray(pos), self.cp_cache(cache, split), self._zero)
+        if lower:
+            return parallel_model.forward.trace(*args, **self._kw(window, form)).lower()
+        hidden, cp = parallel_model.forward(*args, **self._kw(window, form))
+        self._pending.append(cp.counters)
+        if len(self._pending) > 256:
+            self._fold(len(self._pending) - 1)  # all but this step's, which may still run
+        if order is not None:
+            hidden = _take_tokens(hidden, jnp.asarray(order))
+        return hidden, cp.local
+
+
+class TensorParallel(ContextMesh):
+    """A mesh tp x cp of devices_per_replica devices (parallel.tp): DCP on its inner "cp" axis, the
+    weights split over both."""
+
+    def __init__(self, runner, devices):
+        self.tp = runner.deploy.tensor_parallel_size
+        super().__init__(runner, devices)
+
+    def _mesh(self, devices):
+        return make_mesh(**parallel_tp.mesh_sizes(self.tp, self.r.deploy.decode_context_parallel_size),
+                         devices=devices)
+
+    def _state(self, state):
+        return parallel_tp.place_state(state, self.r.model.cfg, self.mesh, self.r.deploy.enable_expert_parallel)
+
+
+def strategy_for(runner, devices) -> OneDevice:
+    """The forward strategy of `runner`'s deployment, chosen once: TP, a context mesh, or one device."""
+    d = runner.deploy
+    if d.tensor_parallel_size > 1:
+        return TensorParallel(runner, devices)
+    if d.context_parallel_size > 1:
+        return ContextMesh(runner, devices)
+    return OneDevice(runner, devices)

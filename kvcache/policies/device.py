@@ -1,0 +1,94 @@
+"""The device half of a KV policy: the arrays and copies a policy needs at execute time, behind the one
+small interface the model runner calls without knowing which policy it is.
+
+The planner half (kvcache.policy and friends) decides on block ids and records transfers; the device
+half turns the plan's per-row policy data (`StepPlan.policy_rows`) into views a forward carries in the
+paged cache, takes them back after the forward, and reports what they did. A policy with no device state
+(preempt, offload) uses `DeviceHalf` itself: every hook is a no-op.
+
+The runner's calls, in order:
+
+    half.hot_buffers(groups)          # before the host memory exists: its device-side state, or None
+    half.bind(host, table)            # kvcache.host.HostMemory, and table(group, rows, tables, window)
+    half.verify_form(spec, platform)  # MTP's verify form under this policy
+    views = half.group_views(rows, decode=, tables_mla=, padded=)   # per width group; None: plain
+    cache = half.attach(cache, views(window, queries))              # per forward of the group
+    cache = half.detach(cache)                                      # after it: the view's state back
+    resolves, stages, h2d_bytes = half.take_records(req_ids)        # the group's counts, checked
+
+`device_half_for` is the one place that maps a `kv_policy` name to a device half.
+"""
+
+from __future__ import annotations
+
+
+class DeviceHalf:
+    """A policy without device state: no views, no records, nothing extra to compile."""
+
+    def hot_buffers(self, index_groups: int):
+        """(leases, IndexShare groups, rows per lease) of device-side buffers the host memory keeps for
+        this policy (kvcache.host.HostMemory(hot=)), or None."""
+        return None
+
+    def bind(self, host, table) -> None:
+        """The replica's host memory, and `table(group, rows, tables, window)`: a padded block table."""
+        self.host = host
+
+    def verify_form(self, spec, platform: str) -> str:
+        """The MTP verify form ("sequential" | "batched") of `spec` (glm53.engine.spec_decode) here."""
+        return spec.verify_form(platform)
+
+    def group_views(self, rows, *, decode: bool, tables_mla, padded: int):
+        """For one width group (`rows`: its entries of plan.policy_rows, or None; `decode`: the decode or
+        verify bucket; `tables_mla`: its rows' MLA block tables; `padded` rows): None (the plain forward),
+        or views(window, queries=1) -> a view for each forward of the group."""
+        return None
+
+    def empty_views(self, padded: int, *, decode: bool):
+        """`group_views` of padding rows only (warm-up compiles the programs a view adds), or None."""
+        return None
+
+    def attach(self, cache, view):
+        """The paged cache carrying `view` (None: unchanged)."""
+        return cache
+
+    def detach(self, cache):
+        """A forward's cache without its view; the view's state goes back to the host memory and its
+        counts wait for `take_records`."""
+        return cache
+
+    def take_records(self, req_ids: tuple[str, ...]) -> tuple[tuple, tuple, int]:
+        """The group's views since the last call -> (ResolveRecords, StageRecords, host->device bytes);
+        raises if a view read fewer rows than selected."""
+        return (), (), 0
+
+    def warmup_blocks(self) -> dict[str, int]:
+        """Per cache group, the pages of one request whose save / load programs warm-up compiles."""
+        return {}
+
+    def end_warmup(self) -> None:
+        """Forget what warm-up's views counted."""
+
+
+class SavedCopies(DeviceHalf):
+    """Swap: no views; its save and load programs (kvcache.host.HostMemory) cover up to one request's
+    pages per group, and warm-up compiles every padded count."""
+
+    def __init__(self, blocks: dict[str, int]):
+        self.blocks = dict(blocks)
+
+    def warmup_blocks(self) -> dict[str, int]:
+        return dict(self.blocks)
+
+
+def device_half_for(kv_policy: str, deploy, sizes, *, index_topk: int):
+    """The device half of the policy named `kv_policy` for a replica of `deploy` (DeployConfig) with
+    `sizes` (KVSizes): the only map from a policy name to a device half."""
+    if kv_policy == "hisparse":
+        from kvcache.policies.hisparse.device import HiSparseDevice
+        return HiSparseDevice(max_leases=sizes.max_leases, hot_rows=sizes.hot_rows, index_topk=index_topk,
+                          k=deploy.num_speculative_tokens, stage_rows=deploy.hisparse_stages_rows,
+                          tile=deploy.hisparse_prefill_tile_tokens)
+    if kv_policy == "swap":
+        return SavedCopies({"mla": deploy.max_blocks_per_seq, "indexer": deploy.max_index_blocks_per_seq})
+    return DeviceHalf()

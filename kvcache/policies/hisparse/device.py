@@ -1,0 +1,143 @@
+"""HiSparse's device half (kvcache.policies.device's interface): a decode group whose rows hold a hot
+buffer resolves its sparse reads through a `kvcache.views.HiSparseView` (the resolver, the hot
+buffers, the per-layer row copies); a prefill group over host-only pages stages the rows its queries
+select through a `kvcache.views.StagingView`. The views borrow the host memory's MLA pools and hot
+state for one forward (the step donates them) and give them back in `detach`; their counts become the
+step's ResolveRecords and StageRecords, checked: a selected row with nowhere to read it from raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvcache.views import HiSparseView, StagingView
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolveRecord:
+    """What one HiSparse decode forward's resolvers did: per row of `req_ids`, hits and misses [n, G]
+    (G IndexShare groups) and rows copied host->device over all layers [n]."""
+
+    req_ids: tuple[str, ...]
+    hits: np.ndarray
+    misses: np.ndarray
+    copied: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRecord:
+    """What one HiSparse prefill forward's row staging did (kvcache.views.StagingView): per row of
+    `req_ids`, rows staged [n, G] (per IndexShare group, distinct host rows per tile of queries summed
+    over tiles) and rows copied host->device over all layers [n]."""
+
+    req_ids: tuple[str, ...]
+    staged: np.ndarray
+    copied: np.ndarray
+
+
+class HiSparseDevice:
+    """HiSparse at execute time. `max_leases` hot buffers of `hot_rows` rows each (per IndexShare group);
+    decode plans of `index_topk` rows per query (under MTP, `k` > 0: queries x min(top-k, window), the
+    union of a batched verify's positions); prefill staging when `stage_rows`, `tile` queries per
+    staging tile."""
+
+    def __init__(self, *, max_leases: int, hot_rows: int, index_topk: int, k: int, stage_rows: bool, tile: int):
+        self.max_leases, self.hot_rows, self.topk, self.k = max_leases, hot_rows, index_topk, k
+        self.stage_rows, self.tile = stage_rows, tile
+        self.views: list = []
+
+    def hot_buffers(self, index_groups: int):
+        return (self.max_leases, index_groups, self.hot_rows)
+
+    def bind(self, host, table) -> None:
+        self.host, self.table = host, table
+
+    def verify_form(self, spec, platform: str) -> str:
+        """Batched verify resolves one plan for the union of the 1 + k positions' selections, so the hot
+        buffer must hold it; else "auto" resolves one position at a time."""
+        return spec.verify_form(platform, hisparse=True, hot_rows=self.hot_rows, index_topk=self.topk)
+
+    def group_views(self, rows, *, decode: bool, tables_mla, padded: int):
+        """A decode group resolves only when some row holds a hot buffer (without one every selected page
+        is on the device and the plain step reads it); a prefill group stages only when some row has
+        host-only pages (-1 in its MLA table)."""
+        if rows is None:
+            return None
+        if decode and not any(h.lease >= 0 for h in rows):
+            return None
+        if not decode and not (self.stage_rows and any(-1 in t for t in tables_mla)):
+            return None
+        return self._views(rows, padded, decode)
+
+    def empty_views(self, padded: int, *, decode: bool):
+        if not decode and not self.stage_rows:
+            return None
+        return self._views([], padded, decode)
+
+    def _views(self, rows, r: int, decode: bool):
+        def view(window: int, queries: int = 1):
+            host = self.host
+            pages = host.host_pages("mla", self.table("mla", r, [h.host_blocks for h in rows], window))
+            if not decode:  # each forward stages the host rows its queries select, `tile` queries at a time
+                groups = host.hot_state[0].shape[1] if host.hot_state is not None else 1
+                return StagingView.create(host.host_tables["mla"], pages, self.tile, groups, host_axis=host.host_axis)
+            lease = np.full(r, -1, np.int32)
+            lease[: len(rows)] = [h.lease for h in rows]
+            topk = queries * min(self.topk, window) if self.k else self.topk
+            host.lru_step += 1
+            return HiSparseView.create(host.host_tables["mla"], pages, lease, *host.hot_state, host.lru_step, topk,
+                                       host_axis=host.host_axis)
+
+        return view
+
+    def attach(self, cache, view):
+        if view is None:
+            return cache
+        if isinstance(view, StagingView):
+            return dataclasses.replace(cache, staging=view)
+        return dataclasses.replace(cache, hisparse=view)
+
+    def detach(self, cache):
+        """The host tables (and hot state) go back to the host memory, the view to the group's records."""
+        if cache.staging is not None:
+            self.host.host_tables["mla"] = cache.staging.host_mla
+            self.views.append(cache.staging)
+            return dataclasses.replace(cache, staging=None)
+        if cache.hisparse is None:
+            return cache
+        view = cache.hisparse
+        self.host.host_tables["mla"] = view.host_mla
+        self.host.hot_state = (view.hot_pos, view.hot_last, view.hot_rows)
+        self.views.append(view)
+        return dataclasses.replace(cache, hisparse=None)
+
+    def take_records(self, req_ids: tuple[str, ...]):
+        resolves, stages, nbytes = [], [], 0
+        n = len(req_ids)
+        for view in self.views:
+            if isinstance(view, StagingView):
+                staged, copied, unserved = (np.asarray(x)[:n] for x in (view.staged, view.copied, view.unserved))
+                if unserved.any():  # never read fewer rows than selected without saying so
+                    bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
+                    raise RuntimeError(f"HiSparse: prefill rows selected positions with no device page or host "
+                                       f"copy: {bad}")
+                stages.append(StageRecord(req_ids, staged, copied))
+            else:
+                hits, misses, copied, unserved = (np.asarray(x)[:n] for x in (view.hits, view.misses, view.copied,
+                                                                               view.unserved))
+                if unserved.any():
+                    bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
+                    raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: {bad}")
+                resolves.append(ResolveRecord(req_ids, hits, misses, copied))
+            nbytes += int(copied.sum()) * self.host.row_bytes_mla
+        self.views = []
+        return tuple(resolves), tuple(stages), nbytes
+
+    def warmup_blocks(self) -> dict[str, int]:
+        return {}
+
+    def end_warmup(self) -> None:
+        self.views = []
+        self.host.lru_step = 0
