@@ -32,7 +32,7 @@ import numpy as np
 KEYS = ("preemptions", "offloads", "recomputed_tokens", "d2h_bytes", "h2d_bytes", "prefix_hit_rate", "hot_hits",
         "hot_misses", "hisparse_h2d_rows", "host_pool_bytes_peak", "precopied_pages", "released_pages", "lost_pages",
         "staged_pages", "parked_index_pages", "restored_index_pages", "host_prefix_pages", "leases",
-        "running_requests_mean", "residency_full_requests_mean", "residency_mixed_requests_mean",
+        "running_requests_mean_per_step", "residency_full_requests_mean", "residency_mixed_requests_mean",
         "residency_none_requests_mean", "kv_offload")
 
 
