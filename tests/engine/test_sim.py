@@ -249,7 +249,7 @@ def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_ro
     as hot-buffer misses, not as a prefill chunk staging rows; a chunk over host-only pages stages. (The
     committed part1_mtp3_1m sweep first ran with verify rows priced as chunks: 1.1e9 staged rows.)"""
     from glm53.engine.plan import PlanRow, StepPlan
-    from kvcache.hisparse import HiSparseRow
+    from kvcache.policies.hisparse import HiSparseRow
 
     mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
            "synthetic_acceptance_length": 2.99}
