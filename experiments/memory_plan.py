@@ -134,7 +134,7 @@ def _category(path) -> str:
 def weights_per_gpu(state, cfg, dep: Deployment) -> dict:
     """Bytes of weights on one GPU of `dep`, by component, from the layout functions the runner places
     weights with (module docstring). `engine_bytes_per_gpu`: what the engine's KV budget leaves out for
-    a replica today (glm53.engine.engine.weights_bytes_per_device): the same for TP and the context
+    a replica today (glm53.engine.build.weights_bytes_per_device): the same for TP and the context
     mesh; all weights for a DP replica, whose one device holds every expert (the engine does not split
     experts across DP replicas)."""
     import jax

@@ -8,11 +8,13 @@ executes them. A policy never holds device arrays, never calls a runner and neve
 scheduler, so the same decisions run against the model, a simulator or a test.
 
 The scheduler calls, per request: `admit` (take a cached prefix), `forget` (undo it: the request did not
-fit), `admission_key` (whether a retry of a request that did not fit could go differently), `extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and what to do with
-them once allocated), `make_room` (free blocks without evicting anyone), `evict` (the request gives up
-its device blocks), `saved_tokens` / `restore` (KV held outside the pool and its return), `row_tables`
-(what the runner reads for the request's row this step), `on_finish`; per step: `after_step`. It takes
-the outbox with `take_transfers` at the end of each `schedule` and `update`.
+fit), `admission_key` (whether a retry of a request that did not fit could go differently),
+`extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and what to do with them
+once allocated), `make_room` (free blocks without evicting anyone), `choose_victim` (whom to evict when
+nothing else makes room), `evict` (the request gives up its device blocks), `saved_tokens` / `restore`
+(KV held outside the pool and its return), `row_tables` (what the runner reads for the request's row
+this step), `on_finish`; per step: `after_step`. It takes the outbox with `take_transfers` at the end
+of each `schedule` and `update`.
 
 `Policy` is that protocol with every hook doing the plain thing (drop the victim's KV and recompute it:
 vLLM's recompute preemption), and the spec the engine, the deployment config and the simulator read
@@ -20,6 +22,7 @@ vLLM's recompute preemption), and the spec the engine, the deployment config and
 neutral default; a policy overrides only what it changes. The deployment config is read duck-typed
 (glm53.engine.config.DeployConfig's fields and properties): kvcache imports nothing from glm53.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

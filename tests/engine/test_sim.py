@@ -10,6 +10,7 @@ import pytest
 import glm53
 from experiments import workloads
 from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine import build as build_mod
 from glm53.engine import engine as engine_mod
 from glm53.engine import sim
 from glm53.engine.plan import StepResult, VirtualClock, WallClock
@@ -42,6 +43,7 @@ def no_model_runner(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the simulator built a ModelRunner")
     monkeypatch.setattr(engine_mod, "ModelRunner", refuse)
+    monkeypatch.setattr(build_mod, "ModelRunner", refuse)  # the profile run's
 
 
 def test_full_preset_runs_with_no_arrays(no_model_runner):

@@ -12,10 +12,15 @@ from glm53.engine.prometheus import ServingMetrics
 from kvcache.policies import REGISTRY, register_policy
 from tests.kvcache.toy_policy import EvictOldest
 
-register_policy("evict_oldest", EvictOldest)
-
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)  # as tests/engine/test_engine.py
 SMALL_POOL = dict(num_gpu_blocks=24, enable_prefix_caching=False)  # as tests/engine/test_plan.py: it preempts
+
+
+@pytest.fixture(scope="module", autouse=True)
+def evict_oldest():
+    register_policy("evict_oldest", EvictOldest)  # all a new policy needs beside its folder
+    yield
+    del REGISTRY["evict_oldest"]  # the registry as the other tests' modules expect it
 
 
 def test_the_registry_names_the_policies_and_a_registered_one_is_a_deploy_config():
