@@ -221,6 +221,10 @@ class Policy:
         its host pools when `uses_tiers`; `fingerprint`: their key prefix)."""
         return cls()
 
+    saves_requests = False
+    """Whether the planner records whole-request saves and loads (kvcache.transfer.SaveKV / LoadKV), whose
+    copies of up to max_model_len a runner compiles at warm-up."""
+
     @classmethod
     def device_half(cls, deploy, sizes) -> object | None:
         """The class of this policy's device half (the arrays and copies it needs at execute time, which the

@@ -28,6 +28,8 @@ class SwapPolicy(Policy):
     def _tables(kv: KVCacheManager, req: RequestView, tokens: int) -> dict[str, tuple[int, ...]]:
         return {g: tuple(kv.block_table(req.req_id, g)[: kv.blocks_needed(tokens, g)]) for g in kv.groups}
 
+    saves_requests = True
+
     @classmethod
     def check(cls, deploy) -> None:
         if deploy.cpu_offload_bytes <= 0:
