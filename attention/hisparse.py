@@ -17,7 +17,7 @@ free slots, and a miss never evicts a row hit or filled in the same step. BRIEF 
 `resolve_pallas` computes the same plan in a Pallas kernel without a sort; `resolve(..., impl=)` picks.
 
 The rows a plan copies move through kvcache.host (the one room where KV crosses the device/host link);
-the decode step's view that carries hot buffers and plans between layers is kvcache.host.HiSparseView.
+the decode step's view that carries hot buffers and plans between layers is kvcache.views.HiSparseView.
 """
 
 from __future__ import annotations

@@ -107,5 +107,4 @@ def staged_sparse_mqa(device_table, host_table_RM, host_rows, slots_BTK, pos_BTK
                                                        tiles(hslot, _NO_ROW), tiles(slots_BTK, -1),
                                                        tiles(read, False)))
     out = jnp.moveaxis(out, 0, 1).reshape(b, nt * tq, *out.shape[3:])[:, :t]
-    staged = jnp.sum(per_tile, axis=0)
     return out, jnp.sum(per_tile, axis=0), jnp.sum(lost, axis=(1, 2)).astype(jnp.int32)

@@ -98,7 +98,7 @@ def host_tier_rate(pages: int = 4096, tokens_per_page: int = 16, requests: int =
     """The offload policy's planning work per page: stores (after_step over requests whose pages all
     filled) and prefix lookups (admissions that hit every page on the host), in pages per second."""
     from kvcache.block_pool import KVCacheManager
-    from kvcache.offload import OffloadPolicy
+    from kvcache.policies.offload import OffloadPolicy
 
     class Req:
         def __init__(self, i, toks):

@@ -154,8 +154,8 @@ def _sds(tree, specs, mesh):
 def _abstract_hisparse_view(cfg, step: Step, block_size: int, pages: int):
     """HiSparse's decode view of `step.rows` requests (kvcache.views.HiSparseView, abstract): every page in
     a host pool of rows x pages blocks shared by the TP ranks, a hot buffer of 2 x top-k rows per request
-    (kvcache.hisparse.hot_buffer_rows without MTP), hot state per IndexShare group."""
-    from kvcache.hisparse import hot_buffer_rows
+    (kvcache.policies.hisparse.hot_buffer_rows without MTP), hot state per IndexShare group."""
+    from kvcache.policies.hisparse import hot_buffer_rows
     from kvcache.views import HiSparseView
 
     r, groups = step.rows, len(cfg.full_indexer_layers)

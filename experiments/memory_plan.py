@@ -35,7 +35,7 @@ formula and the KV budget is not an input:
   page and block bytes) turns it into blocks and tokens, and `kvcache.paged.PagedKVCache.create` (under
   jax.eval_shape) gives what the runner's arrays for those blocks take.
 - **Hot buffers**: HiSparse leases ceil(hot rows / block_size) blocks per decoding request from the pool
-  (`kvcache.hisparse.hot_buffer_rows`, counted as `DeployConfig.resolved` counts a lease): their bytes
+  (`kvcache.policies.hisparse.hot_buffer_rows`, counted as `DeployConfig.resolved` counts a lease): their bytes
   at max_num_seqs are part of the pool, not added to it.
 - **Host pools**: the published host budgets per replica (BRIEF §8), in the pages the engine allocates
   (`DeployConfig.kv_sizes`).
@@ -134,12 +134,12 @@ def _category(path) -> str:
 def weights_per_gpu(state, cfg, dep: Deployment) -> dict:
     """Bytes of weights on one GPU of `dep`, by component, from the layout functions the runner places
     weights with (module docstring). `engine_bytes_per_gpu`: what the engine's KV budget leaves out for
-    a replica today (glm53.engine.engine.weights_bytes_per_device): the same for TP and the context
+    a replica today (glm53.engine.build.weights_bytes_per_device): the same for TP and the context
     mesh; all weights for a DP replica, whose one device holds every expert (the engine does not split
     experts across DP replicas)."""
     import jax
 
-    from glm53.engine.engine import weights_bytes_per_device
+    from glm53.engine.build import weights_bytes_per_device
     from parallel import ep as parallel_ep
     from parallel import mesh as parallel_mesh
     from parallel import tp as parallel_tp
@@ -400,7 +400,7 @@ def pool_plan(dep: Deployment, cfg, budget: int) -> dict:
     import numpy as np
 
     from glm53.engine.config import GROUPS
-    from kvcache.hisparse import TAIL_PAGES, hot_buffer_rows
+    from kvcache.policies.hisparse import TAIL_PAGES, hot_buffer_rows
     from kvcache.host import new_hot_state
     from kvcache.layout import block_bytes, page_bytes
     from kvcache.paged import PagedKVCache

@@ -220,42 +220,45 @@ def make_config(
 
 
 # ------------------------------------------------------------------------------------------------- presets
+# GLM-5.3's schedule fields (make_config's arguments); the small presets are differences over it
+_GLM53 = dict(
+    vocab_size=154_880, hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
+    q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+    intermediate_size=12_288, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+    n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    index_n_heads=32, index_head_dim=128, index_topk=2048, index_topk_freq=4, index_skip_topk_offset=3,
+    first_k_dense_replace=3, num_nextn_predict_layers=1, rope_theta=8e6, max_position_embeddings=1_048_576,
+)
+# GLM-5.3's structure at toy width: 8 layers with IndexShare freq 4 / offset 3 (full, full, full, shared,
+# shared, shared, full, shared), 3 dense then MoE layers, one MTP layer. Every width is a power of two so
+# Triton-style kernels can use the same shapes. vocab 512 covers byte-level text.
+_TINY = dict(
+    vocab_size=512, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+    q_lora_rank=64, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+    index_n_heads=8, index_head_dim=32, index_topk=16, rope_theta=10_000.0, max_position_embeddings=65_536,
+)
+# The mid-size config of experiments/bench_model.py. Fields the benchmark's spec left open are ours: vocab
+# 4096, dense MLP 1024 (first layer), expert width 256, one shared expert.
+_MID = dict(
+    vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+    q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=2,
+    index_n_heads=4, index_head_dim=64, index_topk=256, first_k_dense_replace=1, num_nextn_predict_layers=0,
+    rope_theta=10_000.0, max_position_embeddings=65_536,
+)
+
+
 def _glm53() -> ModelConfig:
-    return make_config(
-        vocab_size=154_880, hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
-        q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
-        intermediate_size=12_288, moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
-        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        index_n_heads=32, index_head_dim=128, index_topk=2048, index_topk_freq=4, index_skip_topk_offset=3,
-        first_k_dense_replace=3, num_nextn_predict_layers=1, rope_theta=8e6, max_position_embeddings=1_048_576,
-    )
+    return make_config(**_GLM53)
 
 
 def _tiny() -> ModelConfig:
-    # GLM-5.3's structure at toy width: 8 layers with IndexShare freq 4 / offset 3 (full, full, full,
-    # shared, shared, shared, full, shared), 3 dense then MoE layers, one MTP layer. Every width is a power
-    # of two so Triton-style kernels can use the same shapes. vocab 512 covers byte-level text.
-    return make_config(
-        vocab_size=512, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
-        q_lora_rank=64, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        index_n_heads=8, index_head_dim=32, index_topk=16, index_topk_freq=4, index_skip_topk_offset=3,
-        first_k_dense_replace=3, num_nextn_predict_layers=1, rope_theta=10_000.0, max_position_embeddings=65_536,
-    )
+    return make_config(**{**_GLM53, **_TINY})
 
 
 def _mid() -> ModelConfig:
-    # The mid-size config of experiments/bench_model.py. Fields the benchmark's spec left open are ours:
-    # vocab 4096, dense MLP 1024 (first layer), expert width 256, one shared expert.
-    return make_config(
-        vocab_size=4096, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-        q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=16, num_experts_per_tok=2,
-        n_shared_experts=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        index_n_heads=4, index_head_dim=64, index_topk=256, index_topk_freq=4, index_skip_topk_offset=3,
-        first_k_dense_replace=1, num_nextn_predict_layers=0, rope_theta=10_000.0, max_position_embeddings=65_536,
-    )
+    return make_config(**{**_GLM53, **_MID})
 
 
 PRESETS = {"glm-5.3": _glm53, "tiny": _tiny, "mid": _mid}

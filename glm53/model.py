@@ -114,7 +114,7 @@ class GLM53(nnx.Module):
         -> (hidden [B,T,D], cache). Every step has the shapes of a one-token decode step of B rows, so on
         a backend whose kernels depend only on shapes (XLA:CPU) each position's hidden state is bitwise
         that of a decode step: an MTP verify step cannot round a greedy token differently from decoding.
-        A cache carrying HiSparse's decode view (kvcache.host.HiSparseView) resolves each position's
+        A cache carrying HiSparse's decode view (kvcache.views.HiSparseView) resolves each position's
         selections at its own step (kvcache.paged.PagedKVCache.sparse_slots): position j reads every row it
         selected before position j + 1 resolves, so a later position never evicts a hot row an earlier one
         still needs."""

@@ -18,8 +18,8 @@ Wire format (vLLM `vllm/distributed/kv_events.py`, the layout since its map enco
 What the engine reports (the media are vLLM's names):
 - "GPU": a device page's hash registered in the prefix cache (BlockStored) and dropped when its block
   is reused (BlockRemoved);
-- "CPU": pages stored into and evicted from a host pool (the offload host tier, kvcache.offload; HiSparse's
-  MLA pool and its pool of parked indexer pages, kvcache.hisparse);
+- "CPU": pages stored into and evicted from a host pool (the offload host tier, kvcache.policies.offload; HiSparse's
+  MLA pool and its pool of parked indexer pages, kvcache.policies.hisparse);
 - "STORAGE": chunks a secondary tier (kvcache.tiers) reports written, and removed when it evicts or
   deletes them (the filesystem tier: locality "LOCAL");
 - AllBlocksCleared: a reset of the engine's prefix caches (`glm53.Engine.reset_prefix_cache`).

@@ -144,7 +144,7 @@ def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
 
 @dataclasses.dataclass(frozen=True)
 class HostKV:
-    """A request's KV pages saved by the swap policy (kvcache.policy.SwapPolicy): per group, per layer,
+    """A request's KV pages saved by the swap policy (kvcache.policies.swap.SwapPolicy): per group, per layer,
     rows [padded pages x page rows, width] in pinned_host memory; `nbytes`: the bytes of its real pages."""
 
     arrays: dict[str, tuple[jax.Array, ...]]

@@ -1,6 +1,6 @@
 """The host tier: host-memory pools keyed by (cache group, chained hash), with secondary tiers behind them
 (BRIEF §7). One mechanism for both policies that keep KV in host memory: the offload host tier
-(kvcache.offload, `kv_policy="offload"`) and HiSparse (kvcache.hisparse), each with its own pools and
+(kvcache.policies.offload, `kv_policy="offload"`) and HiSparse (kvcache.policies.hisparse), each with its own pools and
 budgets, so a deployment has one host-memory system whatever its policy.
 
 What lives here (a `HostTier`, one per replica, owned by its policy):
@@ -38,7 +38,7 @@ copied, HiSparse's running requests hold their pre-copied MLA pages), what a hit
 (the offload tier and HiSparse's indexer pages are copied back at admission; HiSparse's MLA pages stay
 host-resident), and its own counters.
 
-`HostTierPolicy` is the mixin of the `kvcache.policy.KVPolicy` hooks such a policy delegates here.
+`HostTierPolicy` is the mixin of the `kvcache.policies.base.KVPolicy` hooks such a policy delegates here.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class HostTier:
 
     pools: per cache group, its host pool (`host_pools`); a group without one is never served from the
         host or the tiers.
-    outbox: the policy's list of recorded transfers (kvcache.policy.PreemptPolicy.outbox): page copies,
+    outbox: the policy's list of recorded transfers (kvcache.policies.base.Policy.outbox): page copies,
         tier stores and loads go there in decision order.
     tiers: the secondary tiers (kvcache.tiers.TierSet) or None; fingerprint: the deployment's layout
         fingerprint (chunk keys; required with tiers).
@@ -450,8 +450,8 @@ class HostTier:
 
 
 class HostTierPolicy:
-    """The kvcache.policy.KVPolicy hooks a policy with a `HostTier` (`self.host_tier`) delegates to it. Put
-    it before kvcache.policy.PreemptPolicy among the bases."""
+    """The kvcache.policies.base.KVPolicy hooks a policy with a `HostTier` (`self.host_tier`) delegates to it. Put
+    it before kvcache.policies.base.Policy among the bases."""
 
     host_tier: HostTier
     outbox: list

@@ -1,7 +1,7 @@
 """KV transfer operations: what a step plan asks its runner to move between the device pool and host
 memory, and the counters of what moved.
 
-KV policies (kvcache.policy, kvcache.hisparse) decide on the block pool and emit these operations; a
+KV policies (kvcache.policies) decide on the block pool and emit these operations; a
 runner (glm53.engine) executes them. They are plain values: a runner that holds no arrays (a simulator,
 a test) can execute them too, and the bytes an operation moves follow from the page sizes alone
 (`bytes_moved`, with kvcache.layout.page_bytes).

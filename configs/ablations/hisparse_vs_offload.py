@@ -11,7 +11,7 @@ Fixed so that it measures the mechanism, not a sizing knob:
   here, an MLA page 72 KB) while prefix hits still end on the 64-token boundaries agentic traces hash;
 - hot buffer 2 x top-k = 256 rows per request (16 blocks leased from the same pool);
 - equal host bytes for both policies (enough for every session's KV): offload gets all of it as its
-  host tier (a CPU prefix cache, kvcache.offload: vLLM's offloading baseline); HiSparse splits it into
+  host tier (a CPU prefix cache, kvcache.policies.offload: vLLM's offloading baseline); HiSparse splits it into
   its MLA pool and an ordinary offload pool for idle indexer keys;
 - concurrency 4, 8, 16, 32 (max_num_seqs 32);
 - a token budget (max_num_batched_tokens 8,192, vLLM's default for online serving) larger than a first

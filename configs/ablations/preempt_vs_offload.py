@@ -1,7 +1,7 @@
 """Ablation: what the engine does when the device KV pool runs out, on the same OpenHands-style sessions
 at 1/128 scale: preempt (drop KV, recompute it later), swap (move a victim's KV to the pinned_host pool,
 bring it back) and offload (the host tier: every full page is stored to a CPU prefix cache as it fills,
-and a preempted request or a later turn loads what the device no longer holds; kvcache.offload).
+and a preempted request or a later turn loads what the device no longer holds; kvcache.policies.offload).
 
 The device pool holds one and a half full-length sessions (129 blocks; a session reaches 43 blocks in
 each of the 2 cache groups), so two running requests outgrow it and the scheduler must evict one; the

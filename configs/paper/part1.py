@@ -11,7 +11,7 @@ point is the same config with --config.deploy.max_model_len=1048576.
 Device KV budget: BRIEF §2's ~15 GiB per GPU under TP8 (glm53.perfmodel.PUBLISHED_KV_BUDGET_BYTES_TP8),
 until the full-size issue's memory plan derives it. One token per decode step (num_speculative_tokens
 0 in every run); configs/paper/part1_mtp3.py is this sweep with MTP3 as published. `offload` is the host
-tier of tiered offloading (a CPU prefix cache, kvcache.offload; vLLM's offloading baseline); its stores
+tier of tiered offloading (a CPU prefix cache, kvcache.policies.offload; vLLM's offloading baseline); its stores
 run before the forward, not beside it.
 Every step is priced by the performance model on the H200 spec (docs/simulator.md lists what is
 assumed).

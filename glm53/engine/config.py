@@ -7,14 +7,13 @@ import os
 
 from attention.formats import MLA_FORMATS
 from kvcache.events import KVEventsConfig
-from kvcache.hisparse import device_blocks_per_request, hot_buffer_rows
 from kvcache.layout import block_bytes, page_bytes, runner_block_bytes
 from kvcache.host_tier import LOAD_FAILURE_POLICIES
-from kvcache.offload import host_tier_blocks
+from kvcache.policies import REGISTRY, policy_spec
 from kvcache.tiers import check_tier_specs
 from glm53.engine.spec_decode import SpeculativeConfig
 
-KV_POLICIES = ("preempt", "offload", "swap", "hisparse")
+KV_POLICIES = REGISTRY.keys()  # a live view: a policy registered later (register_policy) is accepted
 IMPLS = ("auto", "reference", "pallas")
 GROUPS = ("mla", "indexer")  # the engine's cache groups: MLA rows of every layer, keys of the full layers
 _POSITIVE = ("data_parallel_size", "tensor_parallel_size", "prefill_context_parallel_size",
@@ -142,16 +141,16 @@ class DeployConfig:
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (the host tier of tiered offloading: every full page is stored to a CPU prefix
         cache of cpu_offload_bytes as it fills and loaded back by a later prefix lookup,
-        kvcache.offload), "swap" (move a victim's KV to a host pool of cpu_offload_bytes and back; nothing
+        kvcache.policies.offload), "swap" (move a victim's KV to a host pool of cpu_offload_bytes and back; nothing
         is kept after a request finishes), "hisparse" (keep decoding with most
         MLA KV in a host pool of hisparse_host_pool_bytes, at least one request of max_model_len; rows
         the indexer selects come through a hot buffer of hisparse_device_buffer_size rows per request,
-        default (num_speculative_tokens + 2) x top-k, i.e. 2 x top-k without MTP; kvcache.hisparse).
+        default (num_speculative_tokens + 2) x top-k, i.e. 2 x top-k without MTP; kvcache.policies.hisparse).
         Without MTP a request may be larger than the device pool: a prefill chunk over host-only pages
         stages, per tile of hisparse_prefill_tile_tokens queries, only the rows they select (a workspace
         of at most rows x tile x top-k MLA rows per layer, outside the pool), and the pool must hold
         only a request's indexer keys, its chunk, its newest pages and a hot buffer
-        (kvcache.hisparse.device_blocks_per_request; `hisparse_stages_rows`).
+        (kvcache.policies.hisparse.device_blocks_per_request; `hisparse_stages_rows`).
     kv_transfer_config: vLLM's shape for the offload connector, {"kv_connector": "OffloadingConnector",
         "kv_role": "kv_both", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": N, "blocks_per_chunk": 1, "eviction_policy": "lru", "secondary_tiers": []}}.
@@ -160,7 +159,7 @@ class DeployConfig:
         With kv_policy="hisparse" it stays HiSparse, on the same host-memory system with two budgets:
         hisparse_host_pool_bytes for its MLA pages, cpu_bytes_to_use (the offload budget) for idle
         sessions' indexer keys; both pools write through to the secondary tiers and prefix lookups ask
-        them (kvcache.hisparse; blocks_per_chunk 1 and eviction_policy "lru" only).
+        them (kvcache.policies.hisparse; blocks_per_chunk 1 and eviction_policy "lru" only).
         secondary_tiers: [{"type": "fs", "root_dir": DIR, "max_bytes": N}, {"type": "obj", "bucket": B,
         "endpoint_override": URL} (vLLM's fields access_key, secret_key, session_token, region, scheme,
         ca_bundle too; empty credentials: the environment's; kvcache.tiers.obj), {"type": "p2p", "host": H,
@@ -237,8 +236,12 @@ class DeployConfig:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         for name, choices in _CHOICES.items():
-            if getattr(self, name) not in choices:
-                bad(name, f"one of {choices}")
+            try:
+                known = getattr(self, name) in choices  # kv_policy's: the registry's keys now
+            except TypeError:  # unhashable
+                known = False
+            if not known:
+                bad(name, f"one of {tuple(choices)}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
             bad("gpu_memory_utilization", "a number in (0, 1]")
@@ -262,20 +265,13 @@ class DeployConfig:
         if tp > 1 and (pcp > 1 or (dcp > 1 and tp % dcp)):
             raise ValueError(f"DeployConfig.tensor_parallel_size={tp} with PCP {pcp} / DCP {dcp}: DCP must divide "
                              "the TP ranks it reuses (vLLM's rule), and TP x PCP is not built")
-        if self.kv_policy == "hisparse" and self.context_parallel_size > 1:
-            raise NotImplementedError("DeployConfig.kv_policy='hisparse' with context parallelism (PCP / DCP): "
-                                      "HiSparse residency runs on one device or under tensor parallelism alone")
-        if self.kv_policy == "hisparse" and self.hisparse_host_pool_bytes <= 0:
-            raise ValueError("DeployConfig.kv_policy='hisparse' needs hisparse_host_pool_bytes > 0 (the host pool "
-                             "for MLA pages; cpu_offload_bytes sizes the separate pool for idle indexer keys)")
         if self.kv_transfer_config is not None:
             self._apply_kv_transfer_config()
         try:
             KVEventsConfig.from_dict(self.kv_events_config)
         except ValueError as e:
             raise ValueError(f"DeployConfig.{e}") from None
-        if self.kv_policy in ("offload", "swap") and self.cpu_offload_bytes <= 0:
-            raise ValueError(f"DeployConfig.kv_policy={self.kv_policy!r} needs cpu_offload_bytes > 0 (the host pool size)")
+        self.policy.check(self)  # the policy's own checks, on the policy the connector left
         self._apply_speculative_config()
 
     def _apply_speculative_config(self) -> None:
@@ -363,23 +359,16 @@ class DeployConfig:
         if ktc.get("kv_load_failure_policy", "recompute") not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_transfer_config kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got "
                              f"{ktc['kv_load_failure_policy']!r}")
-        if self.kv_policy not in ("preempt", "offload", "hisparse"):
+        spec = self.policy
+        if not spec.accepts_connector:
             raise ValueError(f"DeployConfig.kv_transfer_config (the offload connector) with kv_policy="
                              f"{self.kv_policy!r}: it is the 'offload' policy, or HiSparse's offload budget and "
                              "tiers with kv_policy='hisparse'")
         if self.cpu_offload_bytes and self.cpu_offload_bytes != n:
             raise ValueError(f"DeployConfig.cpu_offload_bytes={self.cpu_offload_bytes} and kv_transfer_config "
                              f"cpu_bytes_to_use={n} disagree")
-        if self.kv_policy == "hisparse":  # HiSparse's host pools store and load pages one at a time, LRU
-            if k != 1:
-                raise ValueError(f"kv_connector_extra_config blocks_per_chunk must be 1 with kv_policy='hisparse', "
-                                 f"got {k!r}")
-            if opts["eviction_policy"] != "lru":
-                raise ValueError("kv_connector_extra_config eviction_policy must be 'lru' with kv_policy='hisparse', "
-                                 f"got {opts['eviction_policy']!r}")
-            if opts["secondary_tiers"] and not self.enable_prefix_caching:
-                raise ValueError("DeployConfig.kv_transfer_config secondary_tiers with kv_policy='hisparse' need "
-                                 "enable_prefix_caching=True (the tiers serve prefix hits by hash)")
+        if spec.own_connector:
+            spec.check_connector(self, opts)
         else:
             object.__setattr__(self, "kv_policy", "offload")
         object.__setattr__(self, "cpu_offload_bytes", n)
@@ -449,16 +438,9 @@ class DeployConfig:
                                 max_num_seqs=self.max_num_seqs or seqs)
         if d.num_gpu_blocks is not None:
             return d
-        request = sum(-(-d.max_model_len // n) for n in d.group_tokens_per_block(GROUPS).values())
-        least = request  # blocks one request of max_model_len holds on the device at once
-        if d.kv_policy == "hisparse":  # a decoding request may also hold a hot buffer
-            lease = -(-hot_buffer_rows(d.hisparse_device_buffer_size, d.num_speculative_tokens,
-                                       cfg.index_topk) // d.block_size)
-            request += lease
-            least = device_blocks_per_request(d.max_model_len, tokens_per_block=d.tokens_per_block,
-                                              index_tokens_per_block=d.index_tokens_per_block,
-                                              chunk_tokens=d.max_num_batched_tokens, lease_blocks=lease,
-                                              stage_rows=d.hisparse_stages_rows)
+        # blocks one request of max_model_len holds on the device when running, and the fewest it can run in
+        request, least = d.policy.device_request_blocks(
+            d, cfg, sum(-(-d.max_model_len // n) for n in d.group_tokens_per_block(GROUPS).values()))
         kv_dtype = str(model_dtype) if d.kv_cache_dtype == "auto" else d.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, d.block_size, d.index_block_size, dcp=d.decode_context_parallel_size,
                            include_mtp=d.num_speculative_tokens > 0)
@@ -504,7 +486,12 @@ class DeployConfig:
         """HiSparse prefill chunks over host-only pages stage only their selected rows (kvcache.host.
         StagingView; with MTP also the MTP layer's pass and the drafts after a prompt's last chunk), so a
         request may exceed the device pool."""
-        return self.kv_policy == "hisparse"
+        return self.policy.stages_rows(self)
+
+    @property
+    def policy(self):
+        """The class of `kv_policy` in kvcache.policies.REGISTRY (its planner and spec)."""
+        return policy_spec(self.kv_policy)
 
     @property
     def devices_per_replica(self) -> int:
@@ -539,33 +526,14 @@ class DeployConfig:
 
     def kv_sizes(self, cfg, model_dtype: str = "float32") -> KVSizes:
         """This deployment's pool and page sizes for a model of `cfg` (kvcache.layout); None fields are
-        resolved first (`resolved`, on CPU). Raises ValueError for a HiSparse host pool that cannot hold
-        one request of max_model_len."""
+        resolved first (`resolved`, on CPU). Raises ValueError for host pools the policy cannot run with
+        (its `host_sizes`: e.g. a HiSparse host pool that cannot hold one request of max_model_len)."""
         if not self.is_resolved:
             return self.resolved(cfg, model_dtype).kv_sizes(cfg, model_dtype)
         kv_dtype = str(model_dtype) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
         pages = page_bytes(cfg, kv_dtype, self.block_size, self.index_block_size,
                            dcp=self.decode_context_parallel_size, include_mtp=self.num_speculative_tokens > 0)
-        if self.kv_policy == "offload":
-            tiers = host_tier_blocks(self.cpu_offload_bytes, pages, self.group_tokens_per_block(GROUPS))
-            if min(tiers.values()) < 1:
-                raise ValueError(f"DeployConfig.cpu_offload_bytes={self.cpu_offload_bytes} holds no page of some cache "
-                                 f"group ({tiers}; pages of {pages} bytes)")
-            return KVSizes(kv_dtype, self.num_gpu_blocks, pages, tiers)
-        if self.kv_policy != "hisparse":
-            return KVSizes(kv_dtype, self.num_gpu_blocks, pages, {})
-        host = {"mla": self.hisparse_host_pool_bytes // pages["mla"],
-                "indexer": self.cpu_offload_bytes // pages["indexer"]}
-        if self.kv_transfer_config is not None and host["indexer"] < 1:
-            raise ValueError(f"kv_transfer_config cpu_bytes_to_use={self.cpu_offload_bytes} holds no indexer-key page "
-                             f"({pages['indexer']} bytes) under kv_policy='hisparse'")
-        need = self.max_blocks_per_seq * pages["mla"]
-        if host["mla"] < self.max_blocks_per_seq:
-            raise ValueError(f"DeployConfig.hisparse_host_pool_bytes={self.hisparse_host_pool_bytes} must hold at least "
-                             f"one request of max_model_len={self.max_model_len}: >= {need} bytes "
-                             f"({self.max_blocks_per_seq} MLA pages of {pages['mla']} bytes)")
-        hot = hot_buffer_rows(self.hisparse_device_buffer_size, self.num_speculative_tokens, cfg.index_topk)
-        return KVSizes(kv_dtype, self.num_gpu_blocks, pages, host, hot, self.max_num_seqs)
+        return KVSizes(kv_dtype, self.num_gpu_blocks, pages, **self.policy.host_sizes(self, cfg, pages))
 
     def group_tokens_per_block(self, groups) -> dict[str, int]:
         """Per cache group, the tokens one block covers (kvcache.block_pool.KVCacheManager)."""

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
-import hashlib
 import itertools
 import logging
 import weakref
@@ -43,11 +41,12 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from glm53.config import ModelConfig
-from glm53.engine.config import GROUPS, PD_TIER, DeployConfig, KVSizes, device_memory_bytes
+from glm53.engine.build import kv_fingerprint, make_policy, profile_workspace, weights_bytes, weights_sample
+from glm53.engine.config import GROUPS, DeployConfig
 from glm53.engine.metrics import cp_work_metrics, summarize
+from glm53.engine.pd import PdQueries
 from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestError, RequestOutput, SamplingParams, is_utf8
 from glm53.engine.runner import ModelRunner
@@ -55,17 +54,8 @@ from glm53.engine.scheduler import BLOCK_USES, Scheduler, SchedulerStats
 from glm53.engine.spec_decode import SpecDecodeStats
 from glm53.model import as_token_array
 from kvcache.events import KVEventRecorder, batch, make_publisher
-from kvcache.hisparse import HiSparsePolicy
-from kvcache.offload import OffloadPolicy
-from kvcache.policy import KVPolicy, PreemptPolicy, SwapPolicy
-from kvcache.block_pool import block_hashes
-from kvcache.layout import DEFAULT_INDEX_FORMAT, cache_groups
-from kvcache.tiers import PageSpans, TierSet, chunk_key, layout_fingerprint, make_tier, tail_chunk
-from kvcache.tiers.remote import RelayoutTier
+from kvcache.tiers import PageSpans, TierSet, make_tier
 from kvcache.transfer import TransferStats
-from parallel import mesh as parallel_mesh
-from parallel import model as parallel_model
-from parallel import tp as parallel_tp
 
 _log = logging.getLogger(__name__)
 
@@ -73,26 +63,6 @@ _log = logging.getLogger(__name__)
 # vLLM's kv_cache_spec_kind of GLM-5.3's cache groups: the MLA rows and the indexer keys are both
 # MLAAttentionSpec there (the indexer cache is one 132-byte "head")
 KV_EVENT_SPEC_KINDS = {"mla": "mla_attention", "indexer": "mla_attention"}
-
-
-def make_policy(deploy: DeployConfig, sizes: KVSizes, tiers: TierSet | None = None, fingerprint: str = "") -> KVPolicy:
-    """The KV policy `deploy.kv_policy` names, sized by `sizes` (offload and HiSparse: with the secondary
-    `tiers` behind their host pools)."""
-    if deploy.kv_policy == "offload":
-        opts = deploy.offload_options
-        return OffloadPolicy(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
-                             eviction=opts["eviction_policy"], tiers=tiers, fingerprint=fingerprint,
-                             load_failure_policy=deploy.kv_load_failure_policy)
-    if deploy.kv_policy == "swap":
-        return SwapPolicy(deploy.cpu_offload_bytes, sizes.page_bytes)
-    if deploy.kv_policy == "hisparse":
-        return HiSparsePolicy(host_mla_blocks=sizes.host_blocks["mla"], host_index_blocks=sizes.host_blocks["indexer"],
-                              block_size=deploy.block_size, hot_rows=sizes.hot_rows, max_leases=sizes.max_leases,
-                              num_device_blocks=sizes.num_blocks, enable_prefix_caching=deploy.enable_prefix_caching,
-                              page_bytes=sizes.page_bytes, tiers=tiers, fingerprint=fingerprint,
-                              load_failure_policy=deploy.kv_load_failure_policy,
-                              stage_rows=deploy.hisparse_stages_rows, chunk_tokens=deploy.max_num_batched_tokens)
-    return PreemptPolicy()
 
 
 @dataclasses.dataclass
@@ -107,7 +77,7 @@ class Replica:
         return len(self.scheduler.requests)
 
 
-class Engine:
+class Engine(PdQueries):
     """Serve `model` under `deploy`. `add_request` queues a prompt; each `step` schedules and runs one
     batch per replica and returns the tokens produced; `generate` runs prompts to completion.
 
@@ -172,14 +142,14 @@ class Engine:
             self.workspace_bytes = profile_workspace(model, d, dtype, device, groups[0])
         # the model runner's arrays hold a page of every group per block id (no shared buffer yet): a pool
         # sized from a byte budget is priced at that, so it fits; injected runners keep the design's price
-        self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=_weights_bytes(model, device, d),
+        self.deploy = d = d.resolved(self.cfg, dtype, device=device, weights_bytes=weights_bytes(model, device, d),
                                      workspace_bytes=self.workspace_bytes, runner_arrays=runners is None)
         self.sizes = d.kv_sizes(self.cfg, dtype)
-        specs = d.offload_options["secondary_tiers"] if d.kv_policy in ("offload", "hisparse") else []
+        specs = d.offload_options["secondary_tiers"] if d.policy.uses_tiers else []
         if specs and runners is not None and not all(hasattr(r, "make_tiers") for r in runners):
             raise NotImplementedError("secondary KV tiers need the model runner or a runner that simulates them "
                                       "(make_tiers: glm53.engine.synthetic.SyntheticRunner, glm53.engine.sim.SimRunner)")
-        self._weights_sample = _weights_sample(model) if specs else b""
+        self._weights_sample = weights_sample(model) if specs else b""
         self._spans: dict[tuple, PageSpans] = {}  # page_spans' answers by tokens per page (a few producers' spans)
         self.fingerprint = kv_fingerprint(model, d, self.sizes, weights=self._weights_sample) if specs else ""
         # P/D consumer, per replica: requests whose producer's chunks cannot be ours (remote_source)
@@ -295,73 +265,6 @@ class Engine:
         load = [r.num_unfinished for r in self.replicas]
         return load.index(min(load))
 
-    def pd_tier(self, replica: int):
-        """The PdConnector's peer tier of `replica` (kvcache.tiers.p2p.PeerTier), None without the connector."""
-        tiers = self.tiers[replica] if self.deploy.kv_role is not None else None
-        return next((t for t in tiers.tiers if t.name == PD_TIER), None) if tiers is not None else None
-
-    def page_spans(self, page_tokens: dict[str, int] | None = None) -> PageSpans:
-        """How this engine's chunks cut a request (kvcache.tiers.PageSpans), or, with `page_tokens` (tokens
-        per page per cache group, multiples of this engine's hash block), how an engine of this model,
-        weights and KV dtype would cut it with those pages: the fingerprint a P/D producer of those spans
-        must announce."""
-        d = self.deploy
-        own = d.group_tokens_per_block(GROUPS)
-        tokens = dict(own) if page_tokens is None else {g: page_tokens[g] for g in GROUPS}
-        at = tuple(tokens.items())
-        if at not in self._spans:
-            # a page's bytes are its tokens' (the same row bytes whatever the span: the canonical layout)
-            pages = {g: self.sizes.page_bytes[g] // own[g] * tokens[g] for g in GROUPS}
-            fp = (self.fingerprint if tokens == own else
-                  kv_fingerprint(self.cfg, d, self.sizes, page_tokens=tokens, page_bytes=pages,
-                                 weights=self._weights_sample))
-            hash_block = tokens["mla"]  # block_size x DCP: the MLA page is one hash block
-            if len(self._spans) >= 64:  # requests name the spans: bounded, whatever they send
-                self._spans.clear()
-            self._spans[at] = PageSpans(fp, hash_block, at)
-        return self._spans[at]
-
-    def remote_source(self, announced: PageSpans | None) -> PageSpans | None:
-        """What a P/D consumer's request takes its prompt's KV by, given the spans its producer announced
-        (kv_transfer_params' remote_page_spans; None: not announced, the same as ours): None when they are
-        ours (our own keys name the producer's chunks), the producer's spans when only the spans differ
-        (kvcache.tiers.remote.RelayoutTier assembles our pages from its chunks). ValueError, naming both
-        sides' spans, for a producer whose chunks cannot be ours whatever their span: another model,
-        weights or KV format, or MTP on one side only (the fingerprint it announced is not the one this
-        engine computes for its spans)."""
-        if announced is None:
-            return None
-        tokens = dict(announced.page_tokens)
-        # ours hash blocks of block_size x DCP tokens, the MLA page; other groups' pages are multiples of it
-        ok = set(tokens) == set(GROUPS) and announced.hash_block_tokens == tokens["mla"]
-        want = self.page_spans(tokens) if ok else None
-        if want is None or want.fingerprint != announced.fingerprint:
-            raise ValueError(f"the producer's chunks ({announced.describe()}, fingerprint {announced.fingerprint[:16]}) "
-                             f"cannot be this engine's ({self.page_spans().describe()}): another model, weights or "
-                             "KV format, or MTP on one side only")
-        return None if want.fingerprint == self.fingerprint else want
-
-    def _wrap(self, tier):
-        """The PdConnector's peer tier of a consumer, seen through RelayoutTier (pages of any producer's
-        spans); any other tier as it is."""
-        if tier.name != PD_TIER or self.deploy.kv_role not in ("kv_consumer", "kv_both"):
-            return tier
-        return RelayoutTier(tier, self.page_spans(), kv_row_bytes(self.cfg, self.deploy, self.sizes))
-
-    def kv_transfer_failed(self, replica: int) -> int:
-        """P/D requests of `replica` that got nothing from their producer for a reason other than its never
-        having prefilled them (glm53:kv_transfer_failed_lookups): its chunks cannot be ours
-        (`remote_source`), or it did not answer the lookup (not up, past its deadline, skipped after
-        missing one: the "pd" tier's `named_peer_failures`). Each is logged once per producer."""
-        tier = self.pd_tier(replica)
-        return self.kv_transfer_failed_lookups[replica] + getattr(getattr(tier, "stats", None), "named_peer_failures", 0)
-
-    def kv_transfer_received_tokens(self, replica: int) -> int:
-        """Prompt tokens whose KV `replica` loaded from a P/D producer: the MLA pages the PdConnector's tier
-        loaded (every page has one) times their tokens (glm53:kv_transfer_received_tokens)."""
-        pages = self.replicas[replica].scheduler.policy.host_tier.loaded_pages[(PD_TIER, "mla")]
-        return pages * self.deploy.group_tokens_per_block(("mla",))["mla"]
-
     def parked(self, req_id: str) -> bool:
         """Whether finished `req_id`'s KV transfers (the parking its finish planned) have run: its replica
         ran a plan after the one it finished in, or has nothing left to run. A server thread may call it."""
@@ -372,40 +275,6 @@ class Engine:
         # transfers (has_work False) without having run them yet, and then the counters differ
         idle = not self.replicas[r].scheduler.has_work
         return idle and self._steps_begun == self._steps_ended
-
-    def prompt_chunk_keys(self, req_id: str) -> tuple[int, list[list[tuple[str, bytes]]]]:
-        """A finished request's prompt as its consumer's prefix lookup will ask for it (P/D producer):
-        (tokens per hash block, per full hash block of all but the prompt's last token, (group, chunk key)
-        (kvcache.tiers.chunk_key) of the host-tier pages ending there, one per cache group). Reads only
-        the finished request and the configuration, so a server thread may call it."""
-        req = self.finished[req_id]
-        return self.chunk_keys(req.prompt_ids, req.extra_keys, upto=req.prompt_ids.size - 1,
-                               replica=self._owner[req_id])
-
-    def prompt_tail_keys(self, req_id: str) -> tuple[int, list[tuple[str, bytes]]]:
-        """A finished P/D prefill leg's tail chunks (kvcache.tiers.tail_chunk: what its finish stored of its
-        prompt's last partial pages, HostTier.store_tail): (the leading tokens they end at, all but the
-        prompt's last, and per cache group with a host pool whose page there is partial, (group, key)).
-        Reads only the finished request and the configuration, so a server thread may call it."""
-        req = self.finished[req_id]
-        kv = self.replicas[self._owner[req_id]].scheduler.kv
-        pools = self.replicas[self._owner[req_id]].scheduler.policy.host_tier.pools
-        n = req.prompt_ids.size - 1
-        hashes = block_hashes(req.prompt_ids, kv.tokens_per_block, req.extra_keys, upto=n)
-        tails = [(g, tail_chunk(self.fingerprint, g, kv.group_tokens_per_block[g], kv.tokens_per_block,
-                                req.prompt_ids, req.extra_keys, n, hashes)) for g in kv.groups if g in pools]
-        return n, [(g, t[1]) for g, t in tails if t is not None]
-
-    def chunk_keys(self, token_ids, extra_keys, *, upto: int, replica: int = 0
-                   ) -> tuple[int, list[list[tuple[str, bytes]]]]:
-        """This engine's chunks of the first `upto` tokens of `token_ids` hashed with `extra_keys` (the salt):
-        (tokens per hash block, per full hash block, (group, chunk key) of the host-tier pages ending
-        there, one per cache group that has a host pool)."""
-        sch = self.replicas[replica].scheduler
-        kv, pools = sch.kv, sch.policy.host_tier.pools
-        hashes = block_hashes(token_ids, kv.tokens_per_block, extra_keys, upto=upto)
-        return kv.tokens_per_block, [[(g, chunk_key(self.fingerprint, g, h)) for g in kv.groups
-                                      if not (c + 1) % kv.ratio[g] and g in pools] for c, h in enumerate(hashes)]
 
     def replica_of(self, req_id: str) -> int:
         return self._owner[req_id]
@@ -754,22 +623,20 @@ class Engine:
                 for k in parts[0]}
 
     def _policy_metrics(self) -> dict:
-        """HiSparse figures, and the offload tiers' counters (`kv_offload`: under kv_policy="offload", and
-        under HiSparse with secondary tiers; with the host pools' bytes in use now and at peak); empty for
-        other policies. Summed over replicas (means of per-step counts add
-        up too; a peak is the sum of the replicas' peaks, an upper bound): hot-buffer hits and misses
-        (summed over IndexShare groups), rows copied host->device by decode steps (all layers), host pool
-        bytes in use now and at peak, mean requests per step in each residency state, the page counters."""
-        parts = [_hisparse_metrics(r.scheduler) for r in self.replicas]
+        """The policy's own figures (its `metrics`, summed over replicas: means of per-step counts add up
+        too; a peak is the sum of the replicas' peaks, an upper bound; then its `finish_metrics`), and the
+        offload tiers' counters (`kv_offload`, its `tier_metrics`: the offload host tier's, and the
+        secondary tiers behind a policy's host pools; with the host pools' bytes in use now and at peak);
+        empty for a policy without either."""
+        parts = [r.scheduler.policy.metrics(r.scheduler) for r in self.replicas]
         out = {k: sum(p[k] for p in parts) for k in parts[0]}
-        tiers = [offload_metrics(r.scheduler) for r in self.replicas]
+        tiers = [r.scheduler.policy.tier_metrics() for r in self.replicas]
         if tiers[0]:
             out["kv_offload"] = {t: {k: sum(p[t][k] for p in tiers) for k in tiers[0][t]} for t in tiers[0]}
             out["host_pool_bytes_used"] = sum(r.scheduler.policy.host_bytes_used() for r in self.replicas)
             out["host_pool_bytes_peak"] = sum(r.scheduler.policy.host_bytes_peak for r in self.replicas)
-        if "hot_hit_rate" in out:
-            looked_up = out["hot_hits"] + out["hot_misses"]
-            out["hot_hit_rate"] = out["hot_hits"] / looked_up if looked_up else float("nan")
+        if out:
+            self.deploy.policy.finish_metrics(out)
         return out
 
 
@@ -797,130 +664,3 @@ def _shutdown(tiers, recorders, publishers) -> None:
         if rec is not None and rec.events:
             p.publish(batch(rec.take(), i))
         p.close()
-
-
-def kv_fingerprint(model, deploy: DeployConfig, sizes: KVSizes, *, page_tokens: dict | None = None,
-                   page_bytes: dict | None = None, weights: bytes | None = None) -> str:
-    """The secondary tiers' fingerprint of this deployment's KV bytes (kvcache.tiers.layout_fingerprint)
-    and of the weights that computed them: SHA-256 over 256 values spread evenly over every weight array
-    (every expert of a stacked expert array included), so two random initialisations of one preset, or
-    two checkpoints of one architecture, do not share KV. A sample, not a proof: two checkpoints equal
-    at every sampled value would collide (fine-tunes change every weight; name a separate root_dir for
-    checkpoints that differ only in a few). page_tokens / page_bytes: another page span's (a P/D
-    producer's, Engine.page_spans); weights: `_weights_sample(model)`, computed once."""
-    cfg = model if isinstance(model, ModelConfig) else model.cfg
-    fp = layout_fingerprint(dataclasses.asdict(cfg), group_tokens=page_tokens or deploy.group_tokens_per_block(GROUPS),
-                            page_bytes=page_bytes or sizes.page_bytes, kv_cache_dtype=sizes.kv_cache_dtype)
-    return hashlib.sha256(fp.encode() + (_weights_sample(model) if weights is None else weights)).hexdigest()
-
-
-def _weights_sample(model) -> bytes:
-    """What the KV fingerprint hashes of the weights: each leaf's path, shape, dtype and `_head` (b"" for a
-    config: a simulated engine)."""
-    if not isinstance(model, nnx.Module):
-        return b""
-    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
-    on_device = iter(_leaf_heads([x for _, x in leaves if not isinstance(x, np.ndarray)]))
-    # a host-loaded model's leaves are read on the host (a jit would copy every whole leaf to a device)
-    heads = [_head(x) if isinstance(x, np.ndarray) else next(on_device) for _, x in leaves]
-    return b"".join(f"{jax.tree_util.keystr(path)}:{x.shape}:{x.dtype}".encode() + np.asarray(head).tobytes()
-                    for (path, x), head in zip(leaves, heads))
-
-
-def kv_row_bytes(cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes) -> dict[str, tuple[int, ...]]:
-    """Per cache group, the bytes per token of each array of a canonical chunk (kvcache.host.HostMemory:
-    one per layer, the MTP layer's with MTP on), checked against the pages' bytes."""
-    mla, index = cache_groups(cfg, sizes.kv_cache_dtype, DEFAULT_INDEX_FORMAT[sizes.kv_cache_dtype],
-                              include_mtp=deploy.num_speculative_tokens > 0)
-    out = {g.name: (g.bytes_per_token,) * len(g.layers) for g in (mla, index)}
-    tokens = deploy.group_tokens_per_block(GROUPS)
-    for g in GROUPS:
-        if sum(out[g]) * tokens[g] != sizes.page_bytes[g]:
-            raise ValueError(f"kv_row_bytes: {g} rows of {out[g]} bytes do not make its {sizes.page_bytes[g]}-byte "
-                             f"pages of {tokens[g]} tokens")
-    return out
-
-
-def _head(x):
-    """Up to 256 evenly spaced values of a weight (what the KV fingerprint hashes of it)."""
-    return x.reshape(-1)[:: max(1, x.size // 256)][:256]
-
-
-@jax.jit
-def _leaf_heads(leaves):
-    return [_head(x) for x in leaves]
-
-
-def _weights_bytes(model, device, deploy: DeployConfig) -> int:
-    """Bytes of the model's weights one device of a replica holds (all of them without tensor or expert
-    parallelism; parallel.tp.bytes_per_device under TP; under expert parallelism on a context mesh the
-    replicated weights and 1/N of the routed experts, parallel.model.state_specs); 0 where the KV budget
-    does not depend on them (a device that reports no memory: CPU)."""
-    if not device_memory_bytes(device) or not isinstance(model, nnx.Module):
-        return 0
-    return weights_bytes_per_device(nnx.state(model), model.cfg, deploy)
-
-
-def profile_workspace(model, deploy: DeployConfig, model_dtype: str, device, devices=None) -> int:
-    """The step workspace a replica of `deploy` needs per device (`ModelRunner.step_workspace_bytes`),
-    from a throwaway runner of the same deployment on a one-block pool without host pools or tiers (the
-    step programs' shapes do not depend on them). It places the weights once more, briefly: vLLM's
-    profile run costs a forward too."""
-    probe = dataclasses.replace(deploy, num_gpu_blocks=1, kv_policy="preempt", cpu_offload_bytes=0,
-                                hisparse_host_pool_bytes=0, hisparse_device_buffer_size=None,
-                                kv_transfer_config=None).resolved(model.cfg, model_dtype, device=device)
-    runner = ModelRunner(model, probe, probe.kv_sizes(model.cfg, model_dtype), devices)
-    try:
-        return runner.step_workspace_bytes()
-    finally:
-        del runner
-        gc.collect()  # its weights and pool leave the device before the serving runner places its own
-
-
-def weights_bytes_per_device(state, cfg: ModelConfig, deploy: DeployConfig) -> int:
-    """Bytes of `state` (arrays or jax.ShapeDtypeStructs: sized from shapes, nothing moves) one device of
-    a `deploy` replica holds, as the model runner places it (see `_weights_bytes`)."""
-    if deploy.tensor_parallel_size > 1:
-        return parallel_tp.bytes_per_device(state, cfg, deploy.tensor_parallel_size, deploy.enable_expert_parallel)
-    n = deploy.context_parallel_size
-    if n > 1 and deploy.enable_expert_parallel:
-        return parallel_mesh.bytes_per_device(state, parallel_model.state_specs(state, "cp", True), {"cp": n})
-    return sum(int(x.size) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state) if hasattr(x, "dtype"))
-
-
-def offload_metrics(sch: Scheduler) -> dict:
-    """The offload tiers' counters, {tier: {...}}; {} for policies without them. Under kv_policy="offload",
-    "cpu" (the host tier, in hash blocks and bytes): "hits" (loaded host -> device at admission, whatever
-    brought them to the host), "misses", "corrupt" (0: host memory is not verified), "store_bytes",
-    "load_bytes", "stored_pages", "loaded_pages", "store_skipped_pages" (HiSparse counts its host pools'
-    pages itself: `_hisparse_metrics`). Each secondary tier by name ("fs", ...; in chunks = pages and
-    bytes), under either policy: "hits" (chunks it loaded into a host pool), "misses" (lookups it answered
-    MISS), "corrupt", "lost" (gone between lookup and load), "retries", and its own "stored_chunks",
-    "store_failed", "store_bytes", "loaded_chunks", "load_bytes", "evicted_chunks", and the seconds its
-    store and load jobs took with their counts ("store_time_s", "store_jobs", "load_time_s", "load_jobs")
-    (kvcache.host_tier.HostTier.tier_metrics)."""
-    pol = sch.policy
-    if isinstance(pol, OffloadPolicy):
-        out = {"cpu": {"corrupt": 0, **dataclasses.asdict(pol.stats)}}
-    elif isinstance(pol, HiSparsePolicy) and pol.host_tier.tiers is not None:
-        out = {}
-    else:
-        return {}
-    out.update(pol.host_tier.tier_metrics())
-    return out
-
-
-def _hisparse_metrics(sch: Scheduler) -> dict:
-    pol = sch.policy
-    if not isinstance(pol, HiSparsePolicy):
-        return {}
-    rs, st = sch.resolve, pol.stats
-    steps = max(1, sch.stats.steps)
-    looked_up = rs.hot_hits + rs.hot_misses
-    out = {"hot_hits": rs.hot_hits, "hot_misses": rs.hot_misses,
-           "hot_hit_rate": rs.hot_hits / looked_up if looked_up else float("nan"), "hisparse_h2d_rows": rs.h2d_rows,
-           "staged_rows": rs.staged_rows, "staged_h2d_rows": rs.staged_h2d_rows,
-           "host_pool_bytes_used": pol.host_bytes_used(), "host_pool_bytes_peak": pol.host_bytes_peak}
-    out.update({f"residency_{k}_requests_mean": v / steps for k, v in st.residency_steps.items()})
-    out.update({k: v for k, v in dataclasses.asdict(st).items() if k != "residency_steps"})
-    return out

@@ -68,7 +68,7 @@ def pd_deploy(deploy: DeployConfig, role: str) -> DeployConfig:
     deploy.cpu_offload_bytes, and its kv_policy stays (offload, or HiSparse with its offload budget)."""
     if deploy.cpu_offload_bytes <= 0:
         raise ValueError(f"pd_deploy: the {role} needs cpu_offload_bytes > 0 (the PdConnector's host tier)")
-    policy = deploy.kv_policy if deploy.kv_policy == "hisparse" else "offload"
+    policy = deploy.kv_policy if deploy.policy.own_connector else "offload"
     ktc = {"kv_connector": "PdConnector", "kv_role": role,
            "kv_connector_extra_config": {"cpu_bytes_to_use": deploy.cpu_offload_bytes}}
     return dataclasses.replace(deploy, kv_policy=policy, kv_transfer_config=ktc)

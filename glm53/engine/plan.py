@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from glm53.engine.request import SamplingParams
-from kvcache.hisparse import HiSparseRow
+from kvcache.policies.hisparse import HiSparseRow
 from kvcache.policies.hisparse.device import ResolveRecord, StageRecord  # StepResult's records, re-exported
 from kvcache.transfer import Transfer
 

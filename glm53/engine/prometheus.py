@@ -53,7 +53,7 @@ import jax
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from glm53.engine.engine import offload_metrics
+_KINDS = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}  # a policy's series kinds
 
 # vLLM's histogram buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -217,12 +217,9 @@ class _Collector:
         compiles = CounterMetricFamily("glm53:xla_compilations", "XLA programs compiled by this process (a warm "
                                        "server compiles none while serving).", labels=["model_name"])
         compiles.add_metric([m.model_name], m.compilations)
-        hs_hits = family(CounterMetricFamily, "vllm:hisparse_cache_hits", "HiSparse hot-buffer hits.")
-        hs_misses = family(CounterMetricFamily, "vllm:hisparse_cache_misses", "HiSparse hot-buffer misses.")
-        hs_bytes = family(CounterMetricFamily, "vllm:hisparse_host_to_device_bytes",
-                          "Bytes of KV rows HiSparse copied host -> device in decode steps.")
-        hs_usage = family(GaugeMetricFamily, "vllm:hisparse_host_cache_usage_perc", "HiSparse host pool usage.")
-        off_usage = family(GaugeMetricFamily, "vllm:kv_offload_host_cache_usage_perc", "Offload host tier usage.")
+        # the policy's own series (kvcache.policies: its prometheus_series / prometheus_values)
+        spec = d.policy
+        own = {key: family(_KINDS[kind], name, doc) for key, kind, name, doc in spec.prometheus_series}
         tier = ("tier",)
         off = {k: family(CounterMetricFamily, f"vllm:kv_offload_{k}", doc, tier) for k, doc in (
             ("hits", "Blocks (host tier) or chunks (secondary tiers) served by the tier."),
@@ -231,13 +228,12 @@ class _Collector:
             ("store_bytes", "Bytes stored to the tier."), ("load_bytes", "Bytes loaded from the tier."))}
         lat = {k: family(HistogramMetricFamily, f"vllm:kv_offload_{k}_time_seconds",
                          f"Secondary-tier {k} job time in seconds.", tier) for k in ("load", "store")}
-        spec = {k: family(CounterMetricFamily, f"vllm:spec_decode_{k}", doc) for k, doc in (
+        drafts = {k: family(CounterMetricFamily, f"vllm:spec_decode_{k}", doc) for k, doc in (
             ("num_drafts", "Steps of a request that verified draft tokens."),
             ("num_draft_tokens", "Draft tokens verified."),
             ("num_accepted_tokens", "Draft tokens accepted."))}
         per_pos = family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens_per_pos",
                          "Draft tokens accepted, per draft position.", ("position",))
-        host_capacity = sum(eng.sizes.host_blocks.get(g, 0) * b for g, b in eng.sizes.page_bytes.items())
         for i, rep in enumerate(eng.replicas):
             sch, lv = rep.scheduler, [m.model_name, str(i)]
             running.add_metric(lv, len(sch.running))
@@ -264,20 +260,16 @@ class _Collector:
                     success.add_metric(lv + [reason], m._success.get((i, reason), 0))
             if d.num_speculative_tokens:
                 st = sch.spec
-                for k, fam in spec.items():
+                for k, fam in drafts.items():
                     fam.add_metric(lv, getattr(st, k))
                 for pos in range(d.num_speculative_tokens):
                     n = st.accepted_per_pos[pos] if pos < len(st.accepted_per_pos) else 0
                     per_pos.add_metric(lv + [str(pos)], n)
             pol = sch.policy
-            if d.kv_policy == "hisparse":
-                hs_hits.add_metric(lv, sch.resolve.hot_hits)
-                hs_misses.add_metric(lv, sch.resolve.hot_misses)
-                hs_bytes.add_metric(lv, sch.resolve.h2d_rows * _mla_row_bytes(eng))
-                hs_usage.add_metric(lv, pol.host_bytes_used() / host_capacity if host_capacity else 0.0)
-            if d.kv_policy == "offload":
-                off_usage.add_metric(lv, pol.host_bytes_used() / host_capacity if host_capacity else 0.0)
-            tiered = offload_metrics(sch)  # the offload tier's and its secondary tiers', or HiSparse's tiers'
+            if own:
+                for key, value in pol.prometheus_values(sch, eng).items():
+                    own[key].add_metric(lv, value)
+            tiered = pol.tier_metrics()  # the offload tier's and its secondary tiers', or HiSparse's tiers'
             for name, counts in tiered.items():
                 for k, fam in off.items():
                     fam.add_metric(lv + [name], counts.get(k, 0))
@@ -293,21 +285,11 @@ class _Collector:
             yield received
             yield failed
         if d.num_speculative_tokens:
-            yield from (*spec.values(), per_pos)
-        if d.kv_policy == "hisparse":
-            yield from (hs_hits, hs_misses, hs_bytes, hs_usage)
-        if d.kv_policy == "offload":
-            yield off_usage
-        if d.kv_policy == "offload" or d.offload_options["secondary_tiers"]:
+            yield from (*drafts.values(), per_pos)
+        yield from own.values()
+        if spec.reports_tiers(d):
             yield from off.values()
             yield from lat.values()
-
-
-def _mla_row_bytes(engine) -> float:
-    """Bytes of one layer's latent row for one token (what a HiSparse row copy moves)."""
-    cfg, d = engine.cfg, engine.deploy
-    layers = cfg.num_layers_with_mtp if d.num_speculative_tokens else cfg.num_hidden_layers  # MTP: its rows too
-    return engine.sizes.page_bytes["mla"] / (d.block_size * d.decode_context_parallel_size) / layers
 
 
 class MetricsEndpoint:

@@ -14,7 +14,7 @@ After the runner has computed the step (`update`), each request's computed-token
 request whose known tokens are all computed gets one new token sampled, its full blocks join the prefix
 cache, and it finishes at `max_new_tokens` or on a stop token (`abort` ends one from outside).
 
-The policy (kvcache.policy: `preempt`, `offload`, kvcache.hisparse: `hisparse`) decides on the block
+The policy (kvcache.policies: `preempt`, `swap`, `offload`, `hisparse`, or a registered one) decides on the block
 pool at the hooks named there and records the KV movement it needs; `schedule` returns the step as a
 frozen `glm53.engine.plan.StepPlan` carrying those transfers, and `update` takes the runner's
 `StepResult`. Transfers the policy records during `update` (pre-copy, parking a finished request) go
@@ -34,7 +34,7 @@ from glm53.engine.plan import PlanRow, ResolveRecord, StageRecord, StepPlan, Ste
 from glm53.engine.request import Request, RequestError, Status
 from glm53.engine.spec_decode import SpecDecodeStats
 from kvcache.block_pool import KVCacheManager
-from kvcache.policy import KVPolicy, PreemptPolicy
+from kvcache.policies import KVPolicy, Policy
 from kvcache.transfer import TransferStats
 
 
@@ -91,7 +91,7 @@ class Scheduler:
                                  enable_prefix_caching=deploy.enable_prefix_caching,
                                  group_tokens_per_block=deploy.group_tokens_per_block(groups),
                                  drop_last_hit=deploy.num_speculative_tokens > 0)
-        self.policy: KVPolicy = policy or PreemptPolicy()
+        self.policy: KVPolicy = policy or Policy()  # the base: recompute preemption
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -137,8 +137,7 @@ class Scheduler:
             raise RequestError("prompt_ids", f"request {req.req_id!r} of {self._max_tokens(req)} tokens needs {need} "
                                f"device blocks at once under kv_policy={self.deploy.kv_policy!r} but the pool has "
                                f"{self.kv.pool.num_blocks} (num_gpu_blocks): raise num_gpu_blocks or shorten the "
-                               "request" + ("" if self.deploy.kv_policy == "hisparse" else
-                                            "; kv_policy='hisparse' keeps most of a long request's KV in host memory"))
+                               "request" + self.policy.too_large_hint)
         self.waiting.append(req)
         self.requests[req.req_id] = req
 
@@ -242,7 +241,8 @@ class Scheduler:
                 if (m := self._shrink(req, n)) is not None:
                     n = m
                     break
-                victim = self.running[-1]
+                # the policy picks among the requests not yet scheduled this step (req first)
+                victim = self.policy.choose_victim(self.running[self.running.index(req):])
                 self._evict(victim)
                 evicted = True
                 if victim is req:

@@ -23,7 +23,7 @@ What the simulator does not know (it has no arrays), and assumes instead:
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
-- HiSparse prefill staging (a chunk over host-only pages, kvcache.host.StagingView): per chunk,
+- HiSparse prefill staging (a chunk over host-only pages, kvcache.views.StagingView): per chunk,
   min(chunk tokens x top-k, the row's host-only rows) rows per layer cross the link, i.e. every
   host-only row the chunk could select, once: exact while the chunk's distinct selections fit the
   staging workspace (tile x top-k rows), which keeps rows across tiles; more where they do not.
@@ -70,8 +70,8 @@ def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | 
                       dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
-                      include_mtp=deploy.num_speculative_tokens > 0, hisparse=deploy.kv_policy == "hisparse",
-                      verify=verify)
+                      include_mtp=deploy.num_speculative_tokens > 0, verify=verify,
+                      **deploy.policy.sim_deployment(deploy))
 
 
 class _Row(typing.NamedTuple):  # what step_cost reads of a plan row
@@ -160,8 +160,8 @@ class SimRunner(SyntheticRunner):
         self.verify_width = 1 + deploy.num_speculative_tokens if spec is not None else 0
         # the verify form the model runner computes on hw's platform (batched on a GPU unless HiSparse's
         # hot buffer cannot hold the union of a step's selections; sequential on CPU)
-        self.verify_mode = spec.verify_form(hw.platform, hisparse=deploy.kv_policy == "hisparse",
-                                            hot_rows=sizes.hot_rows, index_topk=cfg.index_topk) if spec else None
+        self.verify_mode = spec.verify_form(hw.platform, rows_limit=deploy.policy.verify_rows_limit(sizes),
+                                            index_topk=cfg.index_topk) if spec else None
         self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched")
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
@@ -177,31 +177,14 @@ class SimRunner(SyntheticRunner):
         self._limits = step_limits(deploy)
 
     def _miss_rows(self, plan: StepPlan) -> float:
-        """Assumed HiSparse misses of a decode step: per decode row with a lease, the share of its top-k
-        that falls in host-only pages (-1 in its MLA table) times the miss fraction."""
-        if plan.policy_rows is None or not self.hisparse_miss_fraction:
-            return 0.0
-        k, total = self.cfg.index_topk, 0.0
-        for row, table, hs in zip(plan.rows, plan.block_tables["mla"], plan.policy_rows):
-            if hs.lease < 0 or row.num_tokens != 1 + row.num_draft_tokens or not table:
-                continue
-            host_only = table.count(-1) / len(table)  # -1: a page with no device block (block_table)
-            total += self.hisparse_miss_fraction * min(k, row.start + 1) * host_only * row.num_tokens
-        return total
+        """Assumed hot-buffer misses of a decode step (the policy's `sim_miss_rows`: HiSparse's, per decode
+        row with a lease, the share of its top-k in host-only pages times hisparse_miss_fraction)."""
+        return self.deploy.policy.sim_miss_rows(plan, self.cfg.index_topk, self.hisparse_miss_fraction)
 
     def _stage_rows(self, plan: StepPlan, rows=None) -> float:
-        """Rows per layer a HiSparse step's prefill chunks over host-only pages stage (module docstring:
-        each host-only row the chunk could select, once), over the plan's rows or those in `rows`. An
-        MTP verify row (its drafts) is a decode row: it reads through the hot buffer (`_miss_rows`)."""
-        if plan.policy_rows is None or not self.deploy.hisparse_stages_rows:
-            return 0.0
-        k, tpb = self.cfg.index_topk, self.deploy.tokens_per_block
-        total = 0.0
-        for i in range(len(plan.rows)) if rows is None else rows:
-            row, table = plan.rows[i], plan.block_tables["mla"][i]
-            if row.num_tokens > 1 and not row.num_draft_tokens and -1 in table:
-                total += min(row.num_tokens * k, table.count(-1) * tpb)
-        return total
+        """Rows per layer a step's prefill chunks over host-only pages stage (the policy's `sim_stage_rows`;
+        module docstring), over the plan's rows or those in `rows`."""
+        return self.deploy.policy.sim_stage_rows(plan, self.deploy, self.cfg.index_topk, rows)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.clock is not None:

@@ -153,20 +153,21 @@ class SpeculativeConfig:
             return self.verify
         return "sequential" if platform == "cpu" else "batched"
 
-    def verify_form(self, platform: str, *, hisparse: bool = False, hot_rows: int = 0, index_topk: int = 0) -> str:
-        """The verify form a runner on `platform` computes: `verify_mode`, except that under HiSparse
-        (`hisparse`) a batched step resolves one plan for the union of its 1 + k positions' selections, so
-        its hot buffer (`hot_rows`) must hold (1 + k) x index_topk rows: "auto" falls back to
-        "sequential" (resolving one position at a time), "batched" is refused (ValueError). The model
-        runner computes this form and the simulator prices it."""
+    def verify_form(self, platform: str, *, rows_limit: int | None = None, index_topk: int = 0) -> str:
+        """The verify form a runner on `platform` computes: `verify_mode`, except under a policy whose
+        decode rows read through a device buffer of `rows_limit` rows (its `verify_rows_limit`: HiSparse's
+        hot buffer; None: no limit). A batched step resolves one plan for the union of its 1 + k positions'
+        selections, so the buffer must hold (1 + k) x index_topk rows: "auto" falls back to "sequential"
+        (resolving one position at a time), "batched" is refused (ValueError). The model runner computes
+        this form and the simulator prices it."""
         mode = self.verify_mode(platform)
         need = (1 + self.num_speculative_tokens) * index_topk
-        if hisparse and mode == "batched" and hot_rows < need:
+        if rows_limit is not None and mode == "batched" and rows_limit < need:
             if self.verify == "batched":
                 raise ValueError(f"speculative_config verify='batched' with kv_policy='hisparse' resolves the union "
                                  f"of {1 + self.num_speculative_tokens} positions' selections at once: the hot buffer "
                                  f"needs >= {1 + self.num_speculative_tokens} x top-k = {need} rows, got "
-                                 f"hisparse_device_buffer_size={hot_rows}")
+                                 f"hisparse_device_buffer_size={rows_limit}")
             mode = "sequential"
         return mode
 

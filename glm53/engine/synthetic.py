@@ -28,7 +28,7 @@ from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.plan import PlanRow, StepPlan, StepResult
 from glm53.engine.request import SamplingParams
 from glm53.engine.spec_decode import SpeculativeConfig
-from kvcache.hisparse import HiSparseRow
+from kvcache.policies.hisparse import HiSparseRow
 from kvcache.tiers import TierSet
 from kvcache.tiers.sim import INSTANT, SimTier, TierCosts
 from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, TierLoad, TierStore, Transfer, bytes_moved

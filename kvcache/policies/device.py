@@ -1,7 +1,7 @@
 """The device half of a KV policy: the arrays and copies a policy needs at execute time, behind the one
 small interface the model runner calls without knowing which policy it is.
 
-The planner half (kvcache.policy and friends) decides on block ids and records transfers; the device
+The planner half (kvcache.policies.<name>) decides on block ids and records transfers; the device
 half turns the plan's per-row policy data (`StepPlan.policy_rows`) into views a forward carries in the
 paged cache, takes them back after the forward, and reports what they did. A policy with no device state
 (preempt, offload) uses `DeviceHalf` itself: every hook is a no-op.
@@ -16,7 +16,8 @@ The runner's calls, in order:
     cache = half.detach(cache)                                      # after it: the view's state back
     resolves, stages, h2d_bytes = half.take_records(req_ids)        # the group's counts, checked
 
-`device_half_for` is the one place that maps a `kv_policy` name to a device half.
+A policy's spec returns its half (`kvcache.policies.base.Policy.device_half`); the runner asks
+`deploy.policy.device_half(...)`, never a policy by name.
 """
 
 from __future__ import annotations
@@ -79,16 +80,3 @@ class SavedCopies(DeviceHalf):
 
     def warmup_blocks(self) -> dict[str, int]:
         return dict(self.blocks)
-
-
-def device_half_for(kv_policy: str, deploy, sizes, *, index_topk: int):
-    """The device half of the policy named `kv_policy` for a replica of `deploy` (DeployConfig) with
-    `sizes` (KVSizes): the only map from a policy name to a device half."""
-    if kv_policy == "hisparse":
-        from kvcache.policies.hisparse.device import HiSparseDevice
-        return HiSparseDevice(max_leases=sizes.max_leases, hot_rows=sizes.hot_rows, index_topk=index_topk,
-                          k=deploy.num_speculative_tokens, stage_rows=deploy.hisparse_stages_rows,
-                          tile=deploy.hisparse_prefill_tile_tokens)
-    if kv_policy == "swap":
-        return SavedCopies({"mla": deploy.max_blocks_per_seq, "indexer": deploy.max_index_blocks_per_seq})
-    return DeviceHalf()

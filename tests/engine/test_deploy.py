@@ -9,6 +9,7 @@ import pytest
 
 import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine import build as build_mod
 from glm53.engine import engine as engine_mod
 from glm53.engine.config import CPU_KV_CACHE_BYTES, GiB, batch_defaults
 from glm53.engine.synthetic import SyntheticRunner
@@ -89,7 +90,7 @@ BAD_FIELDS = [  # (field, value, what the message must say is allowed)
     ("enable_expert_parallel", 1, "True or False"), ("enable_prefix_caching", "yes", "True or False"),
     ("sparse_mla_force_mqa", None, "True or False"),
     ("dcp_comm_backend", "ring", "one of \\('ag_rs', 'a2a'\\)"), ("kv_cache_dtype", "fp8", "one of \\('auto', "),
-    ("kv_policy", "lru", "one of \\('preempt', 'offload', 'swap', 'hisparse'\\)"),
+    ("kv_policy", "lru", "one of \\('preempt', 'offload', 'swap', 'hisparse'[,)]"),
     ("attention_impl", "triton", "one of \\('auto', 'reference', 'pallas'\\)"),
     ("gpu_memory_utilization", 0.0, "a number in \\(0, 1\\]"), ("gpu_memory_utilization", 1.5, "a number in \\(0, 1\\]"),
     ("host_link_bytes_per_s", 0, "a number > 0"),
@@ -243,6 +244,7 @@ def no_allocation(monkeypatch):
         raise AssertionError("the engine allocated a runner before rejecting its configuration")
 
     monkeypatch.setattr(engine_mod, "ModelRunner", forbidden)
+    monkeypatch.setattr(build_mod, "ModelRunner", forbidden)  # the profile run's
 
 
 @pytest.mark.parametrize("fields,match", [

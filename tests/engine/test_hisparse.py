@@ -12,7 +12,7 @@ from glm53 import DeployConfig, Engine
 from glm53.engine.request import Request, SamplingParams
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
-from kvcache.hisparse import TAIL_PAGES, HiSparsePolicy
+from kvcache.policies.hisparse import TAIL_PAGES, HiSparsePolicy
 from kvcache.transfer import PageCopy
 from tests.engine.serving_checks import check_buckets_used, count_compiles, random_arrivals, warm_up
 from tests.engine.test_mtp import K, with_oracle_drafts

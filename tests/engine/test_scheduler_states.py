@@ -34,10 +34,10 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import ContentRunner
 from kvcache.tiers.sim import TierCosts
-from kvcache.hisparse import HiSparsePolicy, device_blocks_per_request, hot_buffer_rows
+from kvcache.policies.hisparse import HiSparsePolicy, device_blocks_per_request, hot_buffer_rows
 from kvcache.layout import page_bytes
-from kvcache.offload import OffloadPolicy
-from kvcache.policy import SwapPolicy
+from kvcache.policies.offload import OffloadPolicy
+from kvcache.policies import SwapPolicy
 
 CFG = glm53.get_preset("tiny")  # only its sizes matter: no weights, no arrays
 MAX_LEN, BLOCK = 64, 4

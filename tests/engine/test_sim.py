@@ -10,6 +10,7 @@ import pytest
 import glm53
 from experiments import workloads
 from glm53 import DeployConfig, Engine, SamplingParams
+from glm53.engine import build as build_mod
 from glm53.engine import engine as engine_mod
 from glm53.engine import sim
 from glm53.engine.plan import StepResult, VirtualClock, WallClock
@@ -42,6 +43,7 @@ def no_model_runner(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the simulator built a ModelRunner")
     monkeypatch.setattr(engine_mod, "ModelRunner", refuse)
+    monkeypatch.setattr(build_mod, "ModelRunner", refuse)  # the profile run's
 
 
 def test_full_preset_runs_with_no_arrays(no_model_runner):
@@ -249,7 +251,7 @@ def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_ro
     as hot-buffer misses, not as a prefill chunk staging rows; a chunk over host-only pages stages. (The
     committed part1_mtp3_1m sweep first ran with verify rows priced as chunks: 1.1e9 staged rows.)"""
     from glm53.engine.plan import PlanRow, StepPlan
-    from kvcache.hisparse import HiSparseRow
+    from kvcache.policies.hisparse import HiSparseRow
 
     mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
            "synthetic_acceptance_length": 2.99}

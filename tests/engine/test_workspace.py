@@ -9,7 +9,7 @@ import pytest
 import glm53
 from glm53 import DeployConfig, Engine
 from glm53.engine import config as config_mod
-from glm53.engine import engine as engine_mod
+from glm53.engine import build as build_mod
 from glm53.engine.runner import ModelRunner
 from kvcache.layout import runner_block_bytes
 
@@ -57,7 +57,7 @@ def _report_memory(monkeypatch, limit):
     """Make every device report `limit` bytes (as a GPU's memory_stats does; the CPU reports none)."""
     fake = lambda device: 0 if device is None else limit  # noqa: E731
     monkeypatch.setattr(config_mod, "device_memory_bytes", fake)
-    monkeypatch.setattr(engine_mod, "device_memory_bytes", fake)
+    monkeypatch.setattr(build_mod, "device_memory_bytes", fake)
 
 
 def test_pool_from_device_memory_leaves_out_weights_and_workspace(small_model, monkeypatch):

@@ -108,7 +108,7 @@ def test_the_tiered_h200_config_puts_each_boundary_inside_the_range(tmp_path):
     import glm53
     from experiments.common import load_config
     from kvcache.block_pool import KVCacheManager
-    from kvcache.offload import host_tier_blocks
+    from kvcache.policies.offload import host_tier_blocks
 
     path = str(serve.REPO / "configs/paper/tiered_scaling_h200.py")
     cfg = load_config(path)

@@ -1,5 +1,5 @@
-"""The device half of a KV policy (kvcache.policies.device): the one map from a policy name to its
-device half, and which width groups HiSparse's half serves with a view (a decode group only when some
+"""The device half of a KV policy (kvcache.policies.device): each registered policy's half (built by its
+spec's `device_half`), and which width groups HiSparse's half serves with a view (a decode group only when some
 row holds a hot buffer, a prefill group only when some row has host-only pages). The views' numbers are
 tests/kvcache/test_host.py's and tests/engine/test_hisparse.py's; nothing here compiles."""
 
@@ -7,8 +7,9 @@ import types
 
 import pytest
 
-from kvcache.hisparse import HiSparseRow
-from kvcache.policies.device import DeviceHalf, SavedCopies, device_half_for
+from kvcache.policies import policy_spec
+from kvcache.policies.device import DeviceHalf, SavedCopies
+from kvcache.policies.hisparse import HiSparseRow
 from kvcache.policies.hisparse.device import HiSparseDevice
 
 DEPLOY = types.SimpleNamespace(num_speculative_tokens=0, hisparse_stages_rows=True, hisparse_prefill_tile_tokens=64,
@@ -19,7 +20,7 @@ SIZES = types.SimpleNamespace(max_leases=4, hot_rows=96)
 @pytest.mark.parametrize("name,kind", [("preempt", DeviceHalf), ("offload", DeviceHalf), ("swap", SavedCopies),
                                        ("hisparse", HiSparseDevice)])
 def test_each_policy_name_maps_to_its_device_half(name, kind):
-    half = device_half_for(name, DEPLOY, SIZES, index_topk=32)
+    half = policy_spec(name).device_half(DEPLOY, SIZES, index_topk=32)
     assert type(half) is kind
     blocks = {"mla": 7, "indexer": 3} if name == "swap" else {}
     assert half.warmup_blocks() == blocks

@@ -18,8 +18,8 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache import events as ev
 from kvcache.block_pool import KVCacheManager, hash_block
-from kvcache.hisparse import HiSparsePolicy
-from kvcache.offload import OffloadPolicy
+from kvcache.policies.hisparse import HiSparsePolicy
+from kvcache.policies.offload import OffloadPolicy
 from kvcache.tiers import Lookup, TierSet, chunk_key
 from kvcache.tiers.fs import FileTier
 from kvcache.transfer import TierStore

@@ -1,4 +1,4 @@
-"""The host tier of tiered offloading (kvcache.offload, kv_policy="offload"): a CPU prefix cache behind
+"""The host tier of tiered offloading (kvcache.policies.offload, kv_policy="offload"): a CPU prefix cache behind
 the device pool. Against an engine without tiers (the same greedy tokens) and with the counts asserted:
 pages stored as they fill, hits that replace recomputation after preemption and after the device cache
 lost a prefix, LRU eviction on the host, pinned pages during a load, and bytes that follow the pages."""
@@ -10,7 +10,7 @@ import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.synthetic import SyntheticRunner
 from kvcache.block_pool import ARCBlockPool, KVCacheManager, block_hashes
-from kvcache.offload import OffloadPolicy, host_tier_blocks
+from kvcache.policies.offload import OffloadPolicy, host_tier_blocks
 from kvcache.transfer import PageCopy
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)

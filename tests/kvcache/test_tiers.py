@@ -271,7 +271,7 @@ def test_a_new_engine_on_the_same_root_reloads_every_full_page(small_model, runs
     assert samples[("vllm:kv_offload_load_time_seconds_sum", "fs")] == pytest.approx(m["fs"]["load_time_s"])
     assert samples[("vllm:kv_offload_hits_total", "fs")] == m["fs"]["hits"]
     # other weights of the same architecture, or another layout, name another directory
-    from glm53.engine.engine import kv_fingerprint
+    from glm53.engine.build import kv_fingerprint
 
     other = models.small_model(seed=1)
     assert kv_fingerprint(other, second.deploy, second.sizes) != second.fingerprint
@@ -524,7 +524,7 @@ def test_a_store_never_names_one_host_page_twice():
     """With one free host page and two new full pages, one is stored and the other skipped: the copy
     lists each host page once (freeing a page as soon as it was taken would hand it out again)."""
     from kvcache.block_pool import KVCacheManager
-    from kvcache.offload import OffloadPolicy
+    from kvcache.policies.offload import OffloadPolicy
     from kvcache.transfer import PageCopy, TierStore
 
     class Req:
@@ -665,7 +665,7 @@ def test_a_prefill_legs_finish_stores_its_last_partial_pages_under_their_tail_ke
     key, after the full pages' write-through; the host page is not registered and is free again. A request
     that is not a prefill leg stores only its full pages."""
     from kvcache.block_pool import KVCacheManager, block_hashes
-    from kvcache.offload import OffloadPolicy
+    from kvcache.policies.offload import OffloadPolicy
     from kvcache.tiers import tail_chunk
     from kvcache.transfer import PageCopy, TierStore
 

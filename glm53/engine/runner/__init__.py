@@ -36,7 +36,6 @@ from glm53.engine.spec_decode import rates_array
 from glm53.model import GLM53, compiled
 from kvcache.host import HostMemory
 from kvcache.paged import PagedKVCache
-from kvcache.policies.device import device_half_for
 from parallel import tp as parallel_tp
 from parallel.mesh import make_mesh
 
@@ -74,7 +73,7 @@ class ModelRunner:
                              f"{n} devices of the context axis")
         self.devices = devices
         self.tiers = tiers  # the offload host tier's secondary tiers (kvcache.tiers.TierSet), or None
-        self.half = device_half_for(deploy.kv_policy, deploy, sizes, index_topk=model.cfg.index_topk)
+        self.half = deploy.policy.device_half(deploy, sizes, index_topk=model.cfg.index_topk)
         # MTP speculative decoding: drafts per step (0: off), the decode bucket's width, the verify form
         self.spec = deploy.speculative
         self.k = deploy.num_speculative_tokens

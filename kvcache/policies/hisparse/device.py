@@ -57,7 +57,7 @@ class HiSparseDevice:
     def verify_form(self, spec, platform: str) -> str:
         """Batched verify resolves one plan for the union of the 1 + k positions' selections, so the hot
         buffer must hold it; else "auto" resolves one position at a time."""
-        return spec.verify_form(platform, hisparse=True, hot_rows=self.hot_rows, index_topk=self.topk)
+        return spec.verify_form(platform, rows_limit=self.hot_rows, index_topk=self.topk)
 
     def group_views(self, rows, *, decode: bool, tables_mla, padded: int):
         """A decode group resolves only when some row holds a hot buffer (without one every selected page

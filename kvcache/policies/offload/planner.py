@@ -1,7 +1,7 @@
-"""Tiered KV offloading, the host tier: a CPU prefix cache behind the device pool (BRIEF §7; vLLM's
+"""kv_policy="offload": tiered KV offloading, the host tier: a CPU prefix cache behind the device pool (BRIEF §7; vLLM's
 `OffloadingConnector` with its CPU backend). `kv_policy="offload"`.
 
-A planner like every kvcache.policy: it decides on the device pool and on its own host pools and records
+A planner like every kvcache.policies policy: it decides on the device pool and on its own host pools and records
 page copies (kvcache.transfer.PageCopy) that the step's runner executes in order before the forward.
 
 Mechanics
@@ -25,7 +25,7 @@ Mechanics
 - **Preemption is recompute of what no cache holds.** An evicted request's full pages are already on the
   host (stored as they filled), so nothing is copied at eviction: when it is admitted again its prefix
   comes from the device cache where it survived and from the host otherwise; only the partial last page
-  is recomputed. This replaces the swap of `kvcache.policy.SwapPolicy` (`kv_policy="swap"`), which
+  is recomputed. This replaces the swap of `kvcache.policies.swap.SwapPolicy` (`kv_policy="swap"`), which
   copied a victim's pages out at eviction and kept nothing after a request finished.
 
 - **Secondary tiers** (kvcache.tiers): every page the host tier stores is passed on to each of them
@@ -33,7 +33,7 @@ Mechanics
   the tiers in order, page by page; pages found only in a tier are loaded into host pages reserved for
   them while the admission answers RETRY. The mechanism (pools keyed by hash, write-through, lookup,
   loads, pins, failures, abort, counts) is kvcache.host_tier's `HostTier`, which HiSparse's host pools
-  use too (kvcache.hisparse); this policy adds what the offload tier does with it: every page stored
+  use too (kvcache.policies.hisparse); this policy adds what the offload tier does with it: every page stored
   as it fills, freed once copied, and copied back to the device at admission.
 
 KV events (kvcache.events, `attach_events`): the host pools report their stores and evictions under
@@ -52,7 +52,7 @@ from collections.abc import Sequence
 
 from kvcache.block_pool import BlockInfo, KVCacheManager
 from kvcache.host_tier import LOAD_FAILURE_POLICIES, HostTier, HostTierPolicy, TierCounts, host_pools
-from kvcache.policy import PreemptPolicy, RequestView
+from kvcache.policies.base import Policy, RequestView
 from kvcache.tiers import TierSet
 from kvcache.transfer import PageCopy
 
@@ -81,8 +81,8 @@ def host_tier_blocks(capacity_bytes: int, page_bytes: dict[str, int], group_toke
     return {g: int(tokens // group_tokens[g]) for g in page_bytes}
 
 
-class OffloadPolicy(HostTierPolicy, PreemptPolicy):
-    """kv_policy="offload" (a kvcache.policy.KVPolicy): the host tier of `host_blocks` pages per cache
+class OffloadPolicy(HostTierPolicy, Policy):
+    """kv_policy="offload" (a kvcache.policies.base.KVPolicy): the host tier of `host_blocks` pages per cache
     group (`host_tier_blocks`); page_bytes: per group, the bytes of one page (kvcache.layout.page_bytes);
     blocks_per_chunk: hash blocks stored together (a chunk is stored once all of it is full); eviction:
     "lru" (a BlockPool's free queue) or "arc" (kvcache.block_pool.ARCBlockPool). The host pools and the
@@ -111,6 +111,47 @@ class OffloadPolicy(HostTierPolicy, PreemptPolicy):
         # {page: (host block, hash)} of the pages that wait for a device block and a load)
         self.pending: dict[str, tuple[int, dict[str, dict[int, tuple[int, bytes]]]]] = {}
         self.host_bytes_peak = 0
+
+    # ---------------------------------------------------------------------------------------- spec
+    accepts_connector = True
+    uses_tiers = True
+
+    @classmethod
+    def check(cls, deploy) -> None:
+        if deploy.cpu_offload_bytes <= 0:
+            raise ValueError(f"DeployConfig.kv_policy={deploy.kv_policy!r} needs cpu_offload_bytes > 0 (the host pool size)")
+
+    @classmethod
+    def host_sizes(cls, deploy, cfg, pages: dict[str, int]) -> dict:
+        tiers = host_tier_blocks(deploy.cpu_offload_bytes, pages, deploy.group_tokens_per_block(pages))
+        if min(tiers.values()) < 1:
+            raise ValueError(f"DeployConfig.cpu_offload_bytes={deploy.cpu_offload_bytes} holds no page of some cache "
+                             f"group ({tiers}; pages of {pages} bytes)")
+        return {"host_blocks": tiers}
+
+    @classmethod
+    def make(cls, deploy, sizes, tiers=None, fingerprint: str = "") -> OffloadPolicy:
+        opts = deploy.offload_options
+        return cls(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
+                   eviction=opts["eviction_policy"], tiers=tiers, fingerprint=fingerprint,
+                   load_failure_policy=deploy.kv_load_failure_policy)
+
+    def tier_metrics(self) -> dict:
+        """"cpu" (the host tier, in hash blocks and bytes): "hits" (loaded host -> device at admission,
+        whatever brought them to the host), "misses", "corrupt" (0: host memory is not verified),
+        "store_bytes", "load_bytes", "stored_pages", "loaded_pages", "store_skipped_pages"; then each
+        secondary tier by name (kvcache.host_tier.HostTier.tier_metrics)."""
+        return {"cpu": {"corrupt": 0, **dataclasses.asdict(self.stats)}, **self.host_tier.tier_metrics()}
+
+    @classmethod
+    def reports_tiers(cls, deploy) -> bool:
+        return True
+
+    prometheus_series = (("host_usage", "gauge", "vllm:kv_offload_host_cache_usage_perc", "Offload host tier usage."),)
+
+    def prometheus_values(self, sch, engine) -> dict[str, float]:
+        capacity = sum(engine.sizes.host_blocks.get(g, 0) * b for g, b in engine.sizes.page_bytes.items())
+        return {"host_usage": self.host_bytes_used() / capacity if capacity else 0.0}
 
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:

@@ -1,4 +1,5 @@
-"""KV policies: what happens to a request's KV when the device block pool runs out.
+"""KV policies: what happens to a request's KV when the device block pool runs out; the base every
+policy of kvcache.policies builds on.
 
 A policy is a planner. It decides on the block pool (`kvcache.block_pool.KVCacheManager`) and on a
 narrow view of requests (`RequestView`), and it records the KV movement its decisions need as transfer
@@ -7,16 +8,19 @@ executes them. A policy never holds device arrays, never calls a runner and neve
 scheduler, so the same decisions run against the model, a simulator or a test.
 
 The scheduler calls, per request: `admit` (take a cached prefix), `forget` (undo it: the request did not
-fit), `admission_key` (whether a retry of a request that did not fit could go differently), `extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and what to do with
-them once allocated), `make_room` (free blocks without evicting anyone), `evict` (the request gives up
-its device blocks), `saved_tokens` / `restore` (KV held outside the pool and its return), `row_tables`
-(what the runner reads for the request's row this step), `on_finish`; per step: `after_step`. It takes
-the outbox with `take_transfers` at the end of each `schedule` and `update`.
+fit), `admission_key` (whether a retry of a request that did not fit could go differently),
+`extra_blocks` / `prepare` (blocks a chunk needs beyond its new tokens' pages, and what to do with them
+once allocated), `make_room` (free blocks without evicting anyone), `choose_victim` (whom to evict when
+nothing else makes room), `evict` (the request gives up its device blocks), `saved_tokens` / `restore`
+(KV held outside the pool and its return), `row_tables` (what the runner reads for the request's row
+this step), `on_finish`; per step: `after_step`. It takes the outbox with `take_transfers` at the end
+of each `schedule` and `update`.
 
-`PreemptPolicy` drops the victim's KV (vLLM's recompute preemption); `SwapPolicy` swaps it to a host
-pool and back (`kv_policy="swap"`, the project's first offload policy, kept for comparison);
-`kvcache.offload.OffloadPolicy` is the host tier of tiered offloading, a CPU prefix cache;
-`kvcache.hisparse.HiSparsePolicy` keeps requests decoding with most of their MLA KV on the host.
+`Policy` is that protocol with every hook doing the plain thing (drop the victim's KV and recompute it:
+vLLM's recompute preemption), and the spec the engine, the deployment config and the simulator read
+(class-level hooks: config checks, sizes, construction, metrics, Prometheus series, pricing), each with a
+neutral default; a policy overrides only what it changes. The deployment config is read duck-typed
+(glm53.engine.config.DeployConfig's fields and properties): kvcache imports nothing from glm53.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvcache.block_pool import KVCacheManager
-from kvcache.transfer import LoadKV, SaveKV, Transfer
+from kvcache.transfer import Transfer
 
 
 class RequestView(Protocol):
@@ -48,7 +52,7 @@ class RequestView(Protocol):
         """Extra prefix-hash keys (the request's salt)."""
 
 
-RowTables = tuple[dict[str, tuple[int, ...]], object]  # (per cache group, the row's block table; HiSparse row or None)
+RowTables = tuple[dict[str, tuple[int, ...]], object]  # (per cache group, the row's block table; the policy's per-row data or None)
 
 
 class KVPolicy(Protocol):
@@ -110,6 +114,10 @@ class KVPolicy(Protocol):
     def make_room(self, kv: KVCacheManager, running: Sequence[RequestView], free_blocks: int) -> bool:
         """Try to reach `free_blocks` free blocks without evicting a request; -> whether anything was freed."""
 
+    def choose_victim(self, candidates: Sequence[RequestView]) -> RequestView:
+        """The request to evict when nothing else makes room for `candidates[0]`: one of `candidates`, the
+        running requests not yet scheduled this step in admission order (`candidates[0]` itself: it waits)."""
+
     def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
         """`victim` is about to give up its device blocks (the scheduler frees them right after). -> True if
         the policy saved all of its computed KV outside the pool (nothing is recomputed; it comes back
@@ -123,7 +131,7 @@ class KVPolicy(Protocol):
 
     def row_tables(self, kv: KVCacheManager, req: RequestView) -> RowTables:
         """What the runner reads for `req`'s row this step: its block table per cache group, and the
-        policy's per-row data (kvcache.hisparse.HiSparseRow, or None)."""
+        policy's per-row data (kvcache.policies.hisparse.HiSparseRow, or None)."""
 
     def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
         """The request finished; the scheduler frees its device blocks right after."""
@@ -153,9 +161,118 @@ class KVPolicy(Protocol):
         are the scheduler's)."""
 
 
-class PreemptPolicy:
-    """Drop the victim's KV and recompute it when it runs again (vLLM's recompute preemption). The base
-    of the other policies: each hook does the plain thing."""
+class Policy:
+    """Drop the victim's KV and recompute it when it runs again (vLLM's recompute preemption): each
+    planner hook does the plain thing. Also the policy's spec, read through kvcache.policies.REGISTRY by
+    the engine (glm53.engine), its config checks and the simulator: the class-level hooks below the
+    planner's, each neutral here. `deploy` in them is a glm53.engine.config.DeployConfig, `sizes` its
+    KVSizes, `cfg` the model's ModelConfig, `sch` a glm53.engine.scheduler.Scheduler (read, not imported)."""
+
+    # ------------------------------------------------------------------------------- spec: config
+    accepts_connector = False
+    """Whether the offload connector (kv_transfer_config) may be given with this policy: the deployment
+    then runs kv_policy="offload" (the connector is that policy), unless `own_connector`."""
+    own_connector = False
+    """With the connector, keep this policy: it reads the connector's budget and tiers itself (checked by
+    `check_connector`)."""
+    uses_tiers = False  # whether the connector's secondary tiers sit behind this policy's host pools
+    too_large_hint = "; kv_policy='hisparse' keeps most of a long request's KV in host memory"
+    """What the scheduler adds when it refuses a request larger than the device pool allows."""
+
+    @classmethod
+    def check(cls, deploy) -> None:
+        """Raise ValueError / NotImplementedError (naming the field) for a deployment this policy cannot run.
+        Called by DeployConfig once kv_transfer_config has been applied."""
+
+    @classmethod
+    def check_connector(cls, deploy, opts: dict) -> None:
+        """Raise ValueError for connector options (`opts`: kv_connector_extra_config over its defaults) this
+        policy cannot run with; only for an `own_connector` policy."""
+
+    @classmethod
+    def stages_rows(cls, deploy) -> bool:
+        """Whether prefill chunks over host-only pages stage only the rows they select (DeployConfig.
+        hisparse_stages_rows): a request may then exceed the device pool."""
+        return False
+
+    @classmethod
+    def device_request_blocks(cls, deploy, cfg, request: int) -> tuple[int, int]:
+        """(blocks a request of max_model_len holds in the pool when running, the fewest the pool must
+        hold for one such request to run) given `request`, every page of every group: the first caps
+        the pool at max_num_seqs such requests, the second is what the KV budget must hold."""
+        return request, request
+
+    @classmethod
+    def host_sizes(cls, deploy, cfg, pages: dict[str, int]) -> dict:
+        """The host-side fields of KVSizes (host_blocks, hot_rows, max_leases) for page bytes `pages` per
+        cache group; raises ValueError for a budget that cannot run."""
+        return {"host_blocks": {}}
+
+    @classmethod
+    def verify_rows_limit(cls, sizes) -> int | None:
+        """Rows the union of a batched MTP verify step's selections must fit in on the device
+        (glm53.engine.spec_decode.SpeculativeConfig.verify_form's rows_limit); None: no limit."""
+        return None
+
+    # ------------------------------------------------------------------------ spec: construction
+    @classmethod
+    def make(cls, deploy, sizes, tiers=None, fingerprint: str = "") -> Policy:
+        """The planner of one replica of `deploy`, sized by `sizes` (`tiers`: the secondary tiers behind
+        its host pools when `uses_tiers`; `fingerprint`: their key prefix)."""
+        return cls()
+
+    @classmethod
+    def device_half(cls, deploy, sizes, *, index_topk: int):
+        """This policy's device half for a replica of `deploy` with `sizes` (kvcache.policies.device: the
+        arrays and copies it needs at execute time, which the model runner calls without knowing the
+        policy); `index_topk`: the model's top-k. The default has none: the plain paged cache."""
+        from kvcache.policies.device import DeviceHalf
+
+        return DeviceHalf()
+
+    # ---------------------------------------------------------------------- spec: the simulator
+    @classmethod
+    def sim_deployment(cls, deploy) -> dict:
+        """Fields of the performance model's Deployment (glm53.perfmodel.step) this policy sets."""
+        return {}
+
+    @classmethod
+    def sim_miss_rows(cls, plan, topk: int, miss_fraction: float) -> float:
+        """Rows per layer a priced step's decode rows copy host -> device (assumed misses)."""
+        return 0.0
+
+    @classmethod
+    def sim_stage_rows(cls, plan, deploy, topk: int, rows=None) -> float:
+        """Rows per layer a priced step's prefill chunks stage from the host (over all the plan's rows,
+        or the indices in `rows`)."""
+        return 0.0
+
+    # -------------------------------------------------------------------- metrics (per planner)
+    def metrics(self, sch) -> dict:
+        """This replica's policy figures for Engine.metrics, each summable over replicas."""
+        return {}
+
+    @classmethod
+    def finish_metrics(cls, out: dict) -> None:
+        """Turn the replicas' summed figures (`out`, in place) into the ones that do not add up (rates)."""
+
+    def tier_metrics(self) -> dict:
+        """The offload tiers' counters, {tier: {...}}; {} for a policy without them (Engine.metrics'
+        "kv_offload"; its vllm:kv_offload_* series)."""
+        return {}
+
+    @classmethod
+    def reports_tiers(cls, deploy) -> bool:
+        """Whether the vllm:kv_offload_* series are exported for `deploy`."""
+        return False
+
+    prometheus_series: tuple[tuple[str, str, str, str], ...] = ()
+    """(key, "gauge" | "counter", series name, help) of the policy's own Prometheus series."""
+
+    def prometheus_values(self, sch, engine) -> dict[str, float]:
+        """This replica's value of each of `prometheus_series` by key (`engine`: the glm53 Engine)."""
+        return {}
+
 
     def __init__(self):
         self.outbox: list[Transfer] = []
@@ -204,6 +321,9 @@ class PreemptPolicy:
     def make_room(self, kv: KVCacheManager, running: Sequence[RequestView], free_blocks: int) -> bool:
         return False
 
+    def choose_victim(self, candidates: Sequence[RequestView]) -> RequestView:
+        return candidates[-1]  # the newest (vLLM's)
+
     def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
         return False
 
@@ -211,7 +331,7 @@ class PreemptPolicy:
         return 0
 
     def restore(self, kv: KVCacheManager, req: RequestView) -> None:
-        raise RuntimeError("the preempt policy saves no KV")
+        raise RuntimeError(f"{type(self).__name__} saves no KV")
 
     def row_tables(self, kv: KVCacheManager, req: RequestView) -> RowTables:
         return {g: tuple(kv.block_table(req.req_id, g)) for g in kv.groups}, None
@@ -239,45 +359,3 @@ class PreemptPolicy:
 
     def reset_prefix_cache(self) -> None:
         pass
-
-
-class SwapPolicy(PreemptPolicy):
-    """kv_policy="swap": the victim's computed KV (every cache group, whole pages) goes to a host pool of
-    `capacity_bytes` and all of it back before the request runs again (`SaveKV` / `LoadKV`). A victim
-    that does not fit what is left of the host pool is preempted instead (its KV dropped). Nothing is
-    kept after a request finishes (no prefix reuse from the host: that is kvcache.offload). page_bytes:
-    per cache group, the bytes of one page (kvcache.layout.page_bytes)."""
-
-    def __init__(self, capacity_bytes: int, page_bytes: dict[str, int]):
-        super().__init__()
-        if capacity_bytes <= 0:
-            raise ValueError(f"the swap policy needs a host pool of > 0 bytes, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
-        self.page_bytes = dict(page_bytes)
-        self.used_bytes = 0
-        self.saved: dict[str, tuple[int, int]] = {}  # req_id -> (tokens, bytes) held on the host
-
-    @staticmethod
-    def _tables(kv: KVCacheManager, req: RequestView, tokens: int) -> dict[str, tuple[int, ...]]:
-        return {g: tuple(kv.block_table(req.req_id, g)[: kv.blocks_needed(tokens, g)]) for g in kv.groups}
-
-    def evict(self, kv: KVCacheManager, victim: RequestView) -> bool:
-        tables = self._tables(kv, victim, victim.num_computed_tokens)
-        nbytes = sum(len(t) * self.page_bytes[g] for g, t in tables.items())
-        if nbytes == 0 or self.used_bytes + nbytes > self.capacity_bytes:
-            return False
-        self.outbox.append(SaveKV(victim.req_id, tables))
-        self.saved[victim.req_id] = (victim.num_computed_tokens, nbytes)
-        self.used_bytes += nbytes
-        return True
-
-    def saved_tokens(self, req: RequestView) -> int:
-        return self.saved[req.req_id][0] if req.req_id in self.saved else 0
-
-    def drop(self, kv: KVCacheManager, req: RequestView) -> None:
-        self.used_bytes -= self.saved.pop(req.req_id, (0, 0))[1]  # its host copy is never loaded
-
-    def restore(self, kv: KVCacheManager, req: RequestView) -> None:
-        tokens, nbytes = self.saved.pop(req.req_id)
-        self.outbox.append(LoadKV(req.req_id, self._tables(kv, req, tokens)))
-        self.used_bytes -= nbytes

@@ -1,7 +1,7 @@
 """HiSparse residency policy: keep requests decoding while most of their MLA KV lives in a host pool,
 with the rows the indexer selects served from a per-request hot buffer (BRIEF §6).
 
-A planner like every kvcache.policy: it decides on the block pools and records page copies and hot
+A planner like every kvcache.policies policy: it decides on the block pools and records page copies and hot
 buffer resets (kvcache.transfer) that the step's runner executes in order before the forward. The
 device side (the decode step's view and the row copies) is kvcache.host; the resolver op is
 attention.hisparse.
@@ -68,42 +68,10 @@ from collections.abc import Sequence
 
 from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks
 from kvcache.host_tier import HostTier, HostTierPolicy, host_pools
-from kvcache.policy import PreemptPolicy, RequestView, RowTables
+from kvcache.policies.base import RequestView, RowTables
+from kvcache.policies.hisparse.spec import TAIL_PAGES, HiSparseSpec, device_blocks_per_request
 from kvcache.tiers import TierSet
 from kvcache.transfer import PageCopy, ResetLease
-
-TAIL_PAGES = 2  # newest pages of a request that are never released
-
-
-def hot_buffer_rows(device_buffer_size: int | None, num_speculative_tokens: int, topk: int) -> int:
-    """Hot-buffer rows per request: `device_buffer_size` if given, else (num_speculative_tokens + 2) x
-    top-k (a decode step selects top-k rows per token it verifies, and one more top-k of slack keeps the
-    previous step's rows; with exactly top-k slots the LRU would thrash). At least top-k, or a step's
-    misses would not fit."""
-    rows = device_buffer_size or (num_speculative_tokens + 2) * topk
-    if rows < topk:
-        raise ValueError(f"DeployConfig.hisparse_device_buffer_size={rows} is below the model's top-k ({topk}): a "
-                         "step's misses would not fit the hot buffer")
-    return rows
-
-
-def device_blocks_per_request(num_tokens: int, *, tokens_per_block: int, index_tokens_per_block: int,
-                              chunk_tokens: int, lease_blocks: int, stage_rows: bool) -> int:
-    """Most device blocks one HiSparse request of `num_tokens` tokens holds at once.
-
-    Without row staging (`stage_rows` False: a prefill chunk reads its whole prefix from the pool) that is
-    every MLA and indexer page plus a hot buffer. With it (the model runner stages the rows a chunk's
-    queries select from the host, kvcache.host.StagingView), only what must be on the device: every
-    indexer page (a running request's keys stay there), the MLA pages of the chunk being prefilled (a
-    chunk of `chunk_tokens` may straddle one more page) and the TAIL_PAGES newest pages that are never
-    released, and the hot buffer; the MLA pages behind them live in the host pool. Shared with
-    glm53.engine.config (the KV budget must hold one request of max_model_len) and Scheduler.add."""
-    mla = -(-num_tokens // tokens_per_block)
-    index = -(-num_tokens // index_tokens_per_block)
-    if stage_rows:
-        mla = min(mla, -(-min(chunk_tokens, num_tokens) // tokens_per_block) + 1 + TAIL_PAGES)
-    return mla + index + lease_blocks
-
 
 @dataclasses.dataclass(frozen=True)
 class HiSparseRow:
@@ -140,8 +108,8 @@ class Residency:
     host_prefix: int = 0  # prompt pages admitted from the host pools, not yet counted
 
 
-class HiSparsePolicy(HostTierPolicy, PreemptPolicy):
-    """kv_policy="hisparse" (a kvcache.policy.KVPolicy): host pools of `host_mla_blocks` MLA pages and
+class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
+    """kv_policy="hisparse" (a kvcache.policies.base.KVPolicy): host pools of `host_mla_blocks` MLA pages and
     `host_index_blocks` indexer-key pages (`host_tier`, a kvcache.host_tier.HostTier, with the secondary
     `tiers` behind them; `host_mla` / `host_index` are its pools); `hot_rows`: H; `max_leases`: hot-buffer
     slots on the device; page_bytes: per cache group, the bytes of one page (kvcache.layout.page_bytes).
