@@ -194,3 +194,41 @@ def test_the_runner_is_a_package_of_small_files_that_never_names_a_policy():
     assert not named, named
     mtp = {p.name for p in files if any(w == "_execute_mtp" for _, w in _words(p.read_text()))}
     assert not mtp, mtp
+
+
+# ------------------------------------------------------------------------ the engine reaches policies only
+ENGINE = REPO / "glm53" / "engine"
+
+
+def _policy_branches(source: str) -> list[tuple[int, str]]:
+    """(line, what) of each comparison (==, !=, in, not in) with `kv_policy` as an operand and each name of
+    a registered policy's class (or a class named after a policy) in `source`'s code."""
+    from kvcache.policies import REGISTRY
+
+    classes = {c.__name__ for c in REGISTRY.values()} | {"HiSparsePolicy", "OffloadPolicy", "SwapPolicy",
+                                                        "PreemptPolicy", "HiSparseSpec", "HiSparseDevice"}
+    tree = ast.parse(source)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            operands = [node.left, *node.comparators]
+            if any(isinstance(o, ast.Attribute) and o.attr == "kv_policy" or isinstance(o, ast.Name) and o.id == "kv_policy"
+                   for o in operands):
+                out.append((node.lineno, "compares kv_policy"))
+    out += [(line, w) for line, w in _words(source) if w in classes]
+    return out
+
+
+def test_the_policy_checker_sees_a_branch_and_a_class_name():
+    assert _policy_branches("if d.kv_policy == 'swap': pass\n") and _policy_branches("x = kv_policy in ('a',)\n")
+    assert _policy_branches("from kvcache.policies.swap import SwapPolicy\n")
+    assert not _policy_branches("p = d.policy.make(d)\nname = d.kv_policy\n")
+
+
+def test_the_engine_reaches_policies_only_through_the_registry():
+    """Issue 50's check: no code under glm53/engine/ (docstrings and comments aside) compares kv_policy or
+    names a concrete policy class; the engine asks `DeployConfig.policy` (kvcache.policies.REGISTRY)."""
+    found = {str(p.relative_to(REPO)): hits for p in sorted(ENGINE.rglob("*.py"))
+             if (hits := _policy_branches(p.read_text()))}
+    assert not found, found
