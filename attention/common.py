@@ -32,12 +32,19 @@ def _ordered_int32(x_f32):
     return jnp.where(b < 0, b ^ 0x7FFFFFFF, b)
 
 
+# Widest row that `top_k` selects from on int32 keys. XLA:CPU's top-k of float32 rows has a fast
+# selection kernel whose cost grows slowly with the row; int32 keys go through a sort that compares
+# faster but grows with the whole row, so they win only on short rows (timings: docs/model.md).
+INT32_TOPK_MAX_WIDTH = 1024
+
+
 def top_k(x_f32, k: int):
     """`jax.lax.top_k` over the last axis of a float32 array -> (values, indices int32), identical results
-    (order, ties to the lowest index, +0.0 above -0.0). On XLA:CPU it runs on order-preserving int32 keys:
-    XLA:CPU's sort compares int32 keys faster than floats (docs/model.md), and the indexer takes a top-k
-    per query token of every full layer."""
-    if x_f32.dtype != jnp.float32 or gpu_shaped() or jax.default_backend() != "cpu":
+    (order, ties to the lowest index, +0.0 above -0.0). On XLA:CPU, rows of at most INT32_TOPK_MAX_WIDTH
+    values run on order-preserving int32 keys, which XLA:CPU selects from faster than floats there
+    (docs/model.md); the indexer takes a top-k per query token of every full layer."""
+    if (x_f32.dtype != jnp.float32 or x_f32.shape[-1] > INT32_TOPK_MAX_WIDTH or gpu_shaped()
+            or jax.default_backend() != "cpu"):
         return jax.lax.top_k(x_f32, k)
     keys, idx = jax.lax.top_k(_ordered_int32(x_f32), k)
     return jax.lax.bitcast_convert_type(_ordered_int32(keys), jnp.float32), idx

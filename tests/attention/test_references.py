@@ -53,6 +53,28 @@ def test_top_k_on_int_keys_equals_lax_top_k():
             np.testing.assert_array_equal(np.asarray(got_v).view(np.int32), np.asarray(want_v).view(np.int32))
 
 
+def test_top_k_uses_int_keys_only_on_short_rows():
+    """On XLA:CPU `top_k` sorts int32 keys for rows up to INT32_TOPK_MAX_WIDTH and leaves wider rows to
+    the float top-k (faster there); both give lax.top_k's result."""
+    import jax
+
+    from attention.common import INT32_TOPK_MAX_WIDTH, top_k
+
+    def topk_operand_dtypes(width):
+        x = jax.ShapeDtypeStruct((2, width), np.float32)
+        eqns = jax.make_jaxpr(lambda a: top_k(a, 4))(x).jaxpr.eqns
+        return [str(e.invars[0].aval.dtype) for e in eqns if e.primitive.name == "top_k"]
+
+    assert topk_operand_dtypes(INT32_TOPK_MAX_WIDTH) == ["int32"]
+    assert topk_operand_dtypes(INT32_TOPK_MAX_WIDTH + 1) == ["float32"]
+    x = jnp.asarray(np.random.default_rng(1).choice(np.array([0.0, -0.0, 1.0, -np.inf], np.float32),
+                                                     (3, INT32_TOPK_MAX_WIDTH + 1)))
+    got_v, got_i = top_k(x, 300)
+    want_v, want_i = jax.lax.top_k(x, 300)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v).view(np.int32), np.asarray(want_v).view(np.int32))
+
+
 def test_masked_softmax_empty_row_is_zero_not_nan():
     p, lse = masked_softmax_weights(jnp.ones((2, 3)), jnp.asarray([[True, False, True], [False, False, False]]))
     np.testing.assert_allclose(np.asarray(p), [[0.5, 0, 0.5], [0, 0, 0]])
