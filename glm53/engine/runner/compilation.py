@@ -142,8 +142,7 @@ def step_workspace_bytes(runner, shapes=None) -> int:
     (token ids, positions, block tables, sampling parameters) twice, since dispatch is asynchronous
     and the next step's are on the device while this step's temporaries are live; those an earlier
     program left on the device (the hidden rows the logits program reads, the logits sampling reads)
-    once. Without them the H200 measured a peak above XLA's figure by 131-279 KB at 8-32K-token steps
-    (docs/memory.md)."""
+    once: without them a device's peak exceeds XLA's figure (the H200 run: docs/memory.md)."""
     def nbytes(xs) -> int:
         return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in xs)
 

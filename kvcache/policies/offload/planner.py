@@ -40,7 +40,7 @@ KV events (kvcache.events, `attach_events`): the host pools report their stores 
 medium "CPU"; a store planned to the secondary tiers is registered with the recorder, which announces it
 as "STORAGE" once a tier reports it written (kvcache.tiers.TierSet.attach_events).
 
-What is not built yet (issue 20): the stores do not overlap the forward (they are plan operations, run
+What is not built yet: the stores do not overlap the forward (they are plan operations, run
 before it). Host-pool keys carry no fingerprint: a host pool lives and dies with one engine,
 whose layout is fixed.
 """
