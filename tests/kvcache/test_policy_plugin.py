@@ -10,6 +10,7 @@ from glm53 import DeployConfig, Engine
 from glm53.engine import sim
 from glm53.engine.prometheus import ServingMetrics
 from kvcache.policies import REGISTRY, register_policy
+from kvcache.policies.device import DeviceHalf
 from tests.kvcache.toy_policy import EvictOldest
 
 BASE = dict(max_model_len=128, max_num_batched_tokens=32, max_num_seqs=4, block_size=8)  # as tests/engine/test_engine.py
@@ -35,7 +36,7 @@ def test_the_registry_names_the_policies_and_a_registered_one_is_a_deploy_config
         DeployConfig(kv_policy="evict_oldest", kv_transfer_config={
             "kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}})
     assert DeployConfig(kv_policy="evict_oldest").kv_sizes(glm53.get_preset("tiny")).host_blocks == {}
-    assert EvictOldest.device_half(None, None) is None
+    assert type(EvictOldest.device_half(None, None, index_topk=16)) is DeviceHalf  # the plain paged cache
 
 
 def _outputs(eng, prompts):

@@ -484,15 +484,16 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_fails_stores_not_requests(small_model, runs, small_disk):
     """The disk holds a few of the 36 chunks: the rest fail with ENOSPC, every request still finishes
-    with the same tokens, no partial file is left, and a second engine hits on the chunks that fit."""
+    with the same tokens, no partial file is left, and a second engine hits on the chunks that fit. The
+    tier is unbounded here (max_bytes None), so the disk, not max_bytes="auto", is what fills."""
     prompts, want = runs
-    first, out = _run(small_model, prompts, small_disk)
+    first, out = _run(small_model, prompts, small_disk, max_bytes=None)
     assert out == want
     fs = first.metrics()["kv_offload"]["fs"]
     assert fs["store_failed"] > 0 and fs["stored_chunks"] > 0
     assert fs["stored_chunks"] + fs["store_failed"] == first.metrics()["kv_offload"]["cpu"]["stored_pages"]
     assert list(small_disk.rglob("*.tmp")) == []
-    second, out = _run(small_model, prompts, small_disk)
+    second, out = _run(small_model, prompts, small_disk, max_bytes=None)
     assert out == want and second.metrics()["kv_offload"]["fs"]["corrupt"] == 0
 
 
