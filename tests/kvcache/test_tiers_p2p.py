@@ -159,19 +159,6 @@ def producer():
         p.close()
 
 
-@pytest.fixture
-def tiers():
-    made = []
-
-    def make(**opts):
-        made.append(PeerTier(fingerprint=FP, host=HOST, port=0, **opts))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.shutdown(wait=False)
-
-
 def _ask(i: int) -> LookupContext:
     """The context of a request whose walk asks for chunk i alone."""
     return LookupContext(f"req-{i}", [_key(i)])

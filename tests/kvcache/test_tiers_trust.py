@@ -120,19 +120,6 @@ def procs():
         p.close()
 
 
-@pytest.fixture
-def tiers():
-    made = []
-
-    def make(**opts):
-        made.append(PeerTier(fingerprint=FP, host=HOST, port=0, **opts))
-        return made[-1]
-
-    yield make
-    for t in made:
-        t.shutdown(wait=False)
-
-
 def _named(i: int, peer: str) -> LookupContext:
     return LookupContext(f"req-{i}-{peer}", [_key(i)], peer=peer)
 
