@@ -58,6 +58,10 @@ class Ended:
     error: str | None = None
 
 
+# put on a handle's queue by `RequestHandle.end_now`: the client's side ends the stream itself
+_END_NOW = object()
+
+
 class RequestHandle:
     """One request's stream: iterate for (token, text, finished), text being what its TextStream released
     with that token ("" without one). Iteration ends after the finishing token, or without one when the
@@ -67,18 +71,31 @@ class RequestHandle:
         self.req_id = req_id
         self._queue = queue
         self.ended: Ended | None = None
+        self.num_tokens = 0  # tokens taken from the queue so far
 
     def __aiter__(self) -> AsyncIterator[tuple[int, str, bool]]:
         return self._tokens()
 
+    def end_now(self) -> None:
+        """End this stream from the client's event loop, without the engine thread (which may be inside a
+        long step, a compilation say): after the tokens already queued, iteration ends with Ended("abort")
+        counting them. The caller aborts the request in the engine too (`AsyncEngine.abort_nowait`);
+        whatever the engine sends later is not read. Call it on the handle's event loop."""
+        self._queue.put_nowait(_END_NOW)
+
     async def _tokens(self):
         while self.ended is None:
             item = await self._queue.get()
+            if item is _END_NOW:
+                self.ended = Ended("abort", self.num_tokens)
+                return
             if isinstance(item, Ended):
                 self.ended = item
                 return
+            self.num_tokens += 1
             if item[2]:  # the finishing token: its Ended follows at once (the same engine-thread pass)
-                self.ended = await self._queue.get()
+                nxt = await self._queue.get()
+                self.ended = nxt if isinstance(nxt, Ended) else Ended("abort", self.num_tokens)
             yield item
 
 
@@ -102,6 +119,9 @@ class AsyncEngine:
         self.consecutive_failures = 0  # failed steps since the last step that succeeded
         self.failed_steps = 0  # failed steps in all
         self.last_failure: BaseException | None = None  # the exception of the latest failed step
+        # requests added and not yet scheduled to run (the engine's waiting queues), as of the engine
+        # thread's last command or step; another thread reads it (the server's --max-waiting-requests)
+        self.num_waiting = 0
 
     def start(self) -> AsyncEngine:
         self._thread.start()
@@ -156,14 +176,19 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):
             self._submit(("abort", req_id, None))
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
         """Abort every live request (their streams end), stop the thread, shut the engine down (tiers,
-        event sockets). Idempotent."""
+        event sockets) -> whether it did. The thread stops between steps only: if it is still inside one
+        (a compilation, say) after `timeout_s`, this returns False leaving the engine to it (a daemon
+        thread: the process may exit meanwhile; its tiers are not flushed then). Idempotent."""
         if self._thread.is_alive():
             with contextlib.suppress(RuntimeError):  # it stopped meanwhile
                 self._submit(("stop",))
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
         self.engine.shutdown()
+        return True
 
     def _submit(self, cmd) -> None:
         with self._lock:
@@ -192,6 +217,7 @@ class AsyncEngine:
                         if isinstance(fut, concurrent.futures.Future) and not fut.done():
                             fut.set_exception(e)
                         raise
+                self.num_waiting = self._waiting()
                 if eng.has_unfinished():
                     try:
                         out = eng.step()
@@ -201,6 +227,9 @@ class AsyncEngine:
                     else:
                         self._deliver(out)
                         self.consecutive_failures = 0
+                    for rid in eng.last_finished:  # those that ended without a token (a failed KV load)
+                        self._end(rid)
+                    self.num_waiting = self._waiting()
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -210,6 +239,9 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._end(rid, Ended("error", error=f"the engine stopped: {e!r}"))
             self._close(e)
+
+    def _waiting(self) -> int:
+        return sum(len(rep.scheduler.waiting) for rep in getattr(self.engine, "replicas", ()))
 
     def _close(self, e: BaseException) -> None:
         """Take no more commands, and fail the futures of those still queued with `e`."""
@@ -249,6 +281,7 @@ class AsyncEngine:
                 fut.set_exception(e)
                 return
             self._streams[rid] = (loop, queue, text)
+            self.num_waiting += 1  # before its client learns it was added: no moment counts it nowhere
             fut.set_result(rid)
         elif cmd[0] == "reset":
             eng.reset_prefix_cache()
