@@ -119,9 +119,6 @@ class AsyncEngine:
         self.consecutive_failures = 0  # failed steps since the last step that succeeded
         self.failed_steps = 0  # failed steps in all
         self.last_failure: BaseException | None = None  # the exception of the latest failed step
-        # requests added and not yet scheduled to run (the engine's waiting queues), as of the engine
-        # thread's last command or step; another thread reads it (the server's --max-waiting-requests)
-        self.num_waiting = 0
 
     def start(self) -> AsyncEngine:
         self._thread.start()
@@ -132,6 +129,14 @@ class AsyncEngine:
         """Serving, and not MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row since the last that
         succeeded."""
         return self.error is None and not self._stop and self.consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and not scheduled to run yet (every replica's waiting queue), as of now: read
+        from another thread (the server's --max-waiting-requests) while the engine thread runs, since a
+        deque's length is one atomic read, and a long step has already taken the requests it runs off
+        the queue when it began."""
+        return sum(len(rep.scheduler.waiting) for rep in self.engine.replicas)
 
     @property
     def unhealthy_reason(self) -> str | None:
@@ -217,7 +222,6 @@ class AsyncEngine:
                         if isinstance(fut, concurrent.futures.Future) and not fut.done():
                             fut.set_exception(e)
                         raise
-                self.num_waiting = self._waiting()
                 if eng.has_unfinished():
                     try:
                         out = eng.step()
@@ -229,7 +233,6 @@ class AsyncEngine:
                         self.consecutive_failures = 0
                     for rid in eng.last_finished:  # those that ended without a token (a failed KV load)
                         self._end(rid)
-                    self.num_waiting = self._waiting()
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -239,9 +242,6 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._end(rid, Ended("error", error=f"the engine stopped: {e!r}"))
             self._close(e)
-
-    def _waiting(self) -> int:
-        return sum(len(rep.scheduler.waiting) for rep in getattr(self.engine, "replicas", ()))
 
     def _close(self, e: BaseException) -> None:
         """Take no more commands, and fail the futures of those still queued with `e`."""
@@ -281,7 +281,6 @@ class AsyncEngine:
                 fut.set_exception(e)
                 return
             self._streams[rid] = (loop, queue, text)
-            self.num_waiting += 1  # before its client learns it was added: no moment counts it nowhere
             fut.set_result(rid)
         elif cmd[0] == "reset":
             eng.reset_prefix_cache()
