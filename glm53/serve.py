@@ -274,12 +274,14 @@ class ServerState:
     draining: bool = False
     ending: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     live: set = dataclasses.field(default_factory=set)  # handles of requests whose clients wait for them
-    pending_adds: int = 0  # prompts admitted here whose engine add has not returned yet
+    pending_adds: int = 0  # prompts admitted here and not yet queued in the engine (AsyncEngine.add)
+    starting: int = 0  # requests admitted and not yet `live` (their adds on their way)
 
     def admit(self, n: int) -> None:
         """Admission of a request of `n` prompts, counted in `pending_adds` until each is added: a 503 with
-        Retry-After once the shutdown began, or when the requests waiting for the engine (its waiting
-        queues and the adds on their way) would exceed max_waiting_requests."""
+        Retry-After once the shutdown began, or when the requests waiting for the engine (its queued adds
+        and waiting queues, and the prompts admitted here not yet queued) would exceed
+        max_waiting_requests."""
         if self.draining:
             raise HTTPError(503, "the server is shutting down", headers=_RETRY)
         waiting = self.engine.num_waiting + self.pending_adds
@@ -295,14 +297,14 @@ class ServerState:
         non-streamed request is a 503), and this returns once they are (SHUTDOWN_ANSWER_S at most)."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while (self.live or self.pending_adds) and time.monotonic() < deadline:
+        while (self.live or self.starting) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.ending.set()  # adds still on their way answer 503 (`_add`)
         for handle in list(self.live):
             handle.end_now()
             self.engine.abort_nowait(handle.req_id)
         deadline = time.monotonic() + SHUTDOWN_ANSWER_S
-        while (self.live or self.pending_adds) and time.monotonic() < deadline:
+        while (self.live or self.starting) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
 
     @property
@@ -354,8 +356,11 @@ routes = APIRouter()
 
 @routes.get("/health")
 async def health(raw: Request):
-    """200 while the engine serves and its last steps did not all fail (AsyncEngine.healthy), else 503."""
+    """200 while the engine serves and its last steps did not all fail (AsyncEngine.healthy), else 503;
+    503 from SIGTERM on (a load balancer stops sending requests)."""
     st = _state(raw)
+    if st.draining:
+        return error_response(503, "the server is shutting down")
     if not st.engine.healthy:
         return error_response(503, st.engine.unhealthy_reason or "the engine is unhealthy")
     return Response(status_code=200)
@@ -628,16 +633,17 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
     choices: list[_Choice] = []
     st.admit(len(prompts))
     left = len(prompts)  # adds still counted in pending_adds
+    st.starting += 1
     try:
         for i, ids in enumerate(prompts):
             n = max_tokens if max_tokens is not None else max(1, st.deploy.max_model_len - len(ids))
             params = _sampling(st, body, n, i)
             text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
-            handle = await _add(st, st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer,
-                                                  kv_lease=kv_lease, kv_remote=kv_remote, kv_produce=kv_produce,
-                                                  text=text))
-            left -= 1
+            adding = st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer, kv_lease=kv_lease,
+                                   kv_remote=kv_remote, kv_produce=kv_produce, text=text)
+            left -= 1  # queued: counted in the engine's num_waiting from here on
             st.pending_adds -= 1
+            handle = await _add(st, adding)
             choices.append(_Choice(i, ids, handle, text, output() if output is not None else None))
     except BaseException as e:
         st.pending_adds -= left
@@ -648,6 +654,8 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
         if isinstance(e, RuntimeError):
             raise HTTPError(503, str(e)) from None
         raise
+    finally:
+        st.starting -= 1
     st.live.update(c.handle for c in choices)
     return choices
 
@@ -656,20 +664,21 @@ async def _add(st: ServerState, adding):
     """Await `adding` (an AsyncEngine.add) -> its handle; a 503 if the shutdown answers every client first
     (the engine thread may be inside a long step, not taking commands): the request, if it is added
     later, is aborted then."""
+
+    def abort(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is None:
+            st.engine.abort_nowait(t.result().req_id)
+
     task = asyncio.ensure_future(adding)
     ending = asyncio.ensure_future(st.ending.wait())
     try:
         await asyncio.wait({task, ending}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         ending.cancel()
+        if not task.done():  # the shutdown answered first, or the client went away meanwhile
+            task.add_done_callback(abort)
     if task.done():
         return task.result()
-
-    def abort(t: asyncio.Task) -> None:
-        if not t.cancelled() and t.exception() is None:
-            st.engine.abort_nowait(t.result().req_id)
-
-    task.add_done_callback(abort)
     raise HTTPError(503, "the server shut down before this request was started", headers=_RETRY)
 
 

@@ -274,7 +274,7 @@ def test_each_limit_is_a_clear_error(guarded, server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     r = _post(server, {}, "/reset_prefix_cache")
     assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError", r.text
-    from tests.glm53.faulty_serve import SLOW_S, SLOW_SEED
+    from tests.glm53.faulty_serve import SLOW_SEED
 
     with ThreadPoolExecutor(6) as pool:
         slow = pool.submit(_post, guarded, {"prompt": [7, 7, 7], "max_tokens": 1, "seed": SLOW_SEED})
@@ -317,12 +317,15 @@ def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
     """SIGTERM with a streamed and a non-streamed request in flight, both in batches with a request whose
     every step takes SLOW_S (a compilation's length), so neither can finish within the 2 s
     --shutdown-timeout: a request right after the signal is a 503 with Retry-After; by the timeout plus
-    one second the stream has ended with finish_reason "abort", its usage and [DONE], and the
+    one second the stream has ended with finish_reason "abort", its usage and [DONE] (/health is 503
+    meanwhile), and the
     non-streamed request (and the slow one) got a JSON 503; the process has exited (status -SIGTERM)
     within the timeout plus 5 s, the engine thread still inside its step."""
     import signal
 
-    from tests.glm53.faulty_serve import SLOW_S, SLOW_SEED
+    import httpx
+
+    from tests.glm53.faulty_serve import SLOW_SEED
 
     timeout = LIMITS["shutdown_timeout"]
     long = {"max_tokens": 100, "temperature": 0}
@@ -330,8 +333,6 @@ def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
     stream_started = threading.Event()
 
     def stream():
-        import httpx
-
         body = {"prompt": [5, 6, 7, 8], **long, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", guarded.url("/v1/completions"), json=body, timeout=60) as r:
             assert r.status_code == 200
@@ -357,6 +358,7 @@ def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
         time.sleep(0.2)
         late = _post(guarded, {"prompt": [1, 2], "max_tokens": 1})
         assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
+        assert httpx.get(guarded.url("/health"), timeout=30).status_code == 503  # a balancer stops routing here
         s.result()
         n, slow = n.result(), slow.result()
     try:
