@@ -118,6 +118,10 @@ GREEDY_BELOW = 1e-5
 # engine request, and a queue without a bound turns a burst into unbounded memory and latency
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_WAITING_REQUESTS = 1024
+# the engine history a server keeps (Engine.max_finished, max_timeline): a finished request holds its
+# prompt's ids (400 KB at 100k tokens), and a server runs for months
+MAX_FINISHED_KEPT = 4096
+MAX_TIMELINE_KEPT = 1 << 16
 # Retry-After (seconds) on a 503 that a later try may not get: a full queue, a server shutting down
 RETRY_AFTER_S = 1
 # after --shutdown-timeout, the clients still waiting are answered within this many seconds
@@ -1020,6 +1024,7 @@ def main(argv=None) -> None:
                          "checkpoint directory")
     deploy = deploy_from_args(args, model.cfg, args.dtype)
     engine = glm53.Engine(model, deploy)
+    engine.max_finished, engine.max_timeline = MAX_FINISHED_KEPT, MAX_TIMELINE_KEPT
     metrics = ServingMetrics(engine, model_name=name)
     if args.warmup:
         t0 = time.perf_counter()

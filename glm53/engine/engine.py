@@ -207,6 +207,10 @@ class Engine(PdQueries):
         # ids of the requests the last step finished, a finishing token or not (one whose KV failed to load
         # under kv_load_failure_policy "fail" ends with none): AsyncEngine ends their streams from it
         self.last_finished: tuple[str, ...] = ()
+        # history a long-running server bounds (None: keep all, for metrics() over a whole run): the newest
+        # finished requests kept (with their replica), and the newest timeline rows
+        self.max_finished: int | None = None
+        self.max_timeline: int | None = None
 
     def add_observer(self, observer) -> None:
         """Call `observer.on_step(engine, tokens, finished)` after every step (glm53.engine.prometheus)."""
@@ -275,9 +279,11 @@ class Engine(PdQueries):
 
     def parked(self, req_id: str) -> bool:
         """Whether finished `req_id`'s KV transfers (the parking its finish planned) have run: its replica
-        ran a plan after the one it finished in, or has nothing left to run. A server thread may call it."""
-        r = self._owner[req_id]
-        if self.plans_run[r] > self.finished[req_id].finished_in_plan:
+        ran a plan after the one it finished in, or has nothing left to run, or it was forgotten
+        (max_finished: so many requests finished after it that its plan ran long ago). A server thread may
+        call it."""
+        r, req = self._owner.get(req_id), self.finished.get(req_id)
+        if r is None or req is None or self.plans_run[r] > req.finished_in_plan:
             return True
         # nothing to run, read before the step counters: a step that began meanwhile may have taken the
         # transfers (has_work False) without having run them yet, and then the counters differ
@@ -438,11 +444,23 @@ class Engine(PdQueries):
             self._steps += 1
             self.timeline.append((t, *counts, self.clock.now()))
         self.last_finished = tuple(r.req_id for r in finished_all)
+        self._forget_history()
         for obs in self.observers:
             obs.on_step(self, out, finished_all)
         if errors:
             raise StepError(errors[0], failures, out) from errors[0]
         return out
+
+    def _forget_history(self) -> None:
+        """Drop the oldest finished requests past max_finished (and their replica) and the oldest timeline
+        rows past max_timeline (amortised: cut when twice as long)."""
+        if self.max_finished is not None:
+            while len(self.finished) > self.max_finished:
+                rid = next(iter(self.finished))
+                del self.finished[rid]
+                self._owner.pop(rid, None)
+        if self.max_timeline is not None and len(self.timeline) > 2 * self.max_timeline:
+            del self.timeline[:-self.max_timeline]
 
     def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:
         """Finish the requests of replica r's `plan`, whose execution raised `error`, with finish_reason

@@ -290,9 +290,10 @@ def test_each_limit_is_a_clear_error(guarded, server):
             assert a.headers["retry-after"] == "1" and "--max-waiting-requests 3" in a.json()["error"]["message"]
 
 
-def test_the_salt_maps_of_the_router_and_the_engine_are_bounded(monkeypatch):
+def test_the_maps_clients_grow_are_bounded(monkeypatch):
     """Salts are client-chosen strings: the router's sticky map and the engine's salt -> replica map keep
-    the most recently used MAX entries; a forgotten salt is routed as a new one."""
+    the most recently used MAX entries; a forgotten salt is routed as a new one. A server's engine keeps
+    the newest max_finished finished requests (and their replicas) and max_timeline timeline rows."""
     from glm53 import Engine, SamplingParams
     from glm53.engine import engine as engine_mod
     from glm53.engine.synthetic import SyntheticRunner
@@ -308,9 +309,15 @@ def test_the_salt_maps_of_the_router_and_the_engine_are_bounded(monkeypatch):
     monkeypatch.setattr(engine_mod, "MAX_SALTS", 4)
     d = DeployConfig(max_model_len=64, max_num_seqs=4, block_size=4, num_gpu_blocks=40)
     eng = Engine(_Model(), d, runner=SyntheticRunner(lambda row: 7))
-    for i in range(300):
-        eng.add_request([1, 2], SamplingParams(1), salt=f"salt-{i}")
-    assert list(eng._by_salt) == [f"salt-{i}" for i in range(296, 300)]
+    for i in range(12):
+        eng.add_request([1, 2], SamplingParams(4), salt=f"salt-{i}")
+    assert list(eng._by_salt) == [f"salt-{i}" for i in range(8, 12)]
+    eng.max_finished, eng.max_timeline = 5, 2
+    while eng.has_unfinished():
+        eng.step()
+    assert list(eng.finished) == [f"req-{i}" for i in range(7, 12)] and set(eng._owner) == set(eng.finished)
+    assert 0 < len(eng.timeline) <= 4 and eng._steps > 4
+    assert eng.parked("req-0")  # forgotten: finished long ago
 
 
 def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
