@@ -6,7 +6,8 @@
          -d '{"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}'
 
 Flags: `--host`, `--port`, `--served-model-name` (default: the model argument as given), `--api-key`
-(default: $VLLM_API_KEY), `--seed` (a
+(default: $VLLM_API_KEY), the limits `--max-request-bytes`, `--max-prompts-per-request` and
+`--max-waiting-requests`, `--shutdown-timeout`, `--seed` (a
 preset's random weights, as `glm53.init(preset, seed)`), `--dtype`, `--quantization fp8` (a checkpoint's fp8
 block-quantised weights kept in fp8), and one flag per `DeployConfig`
 field in vLLM's spelling (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`,
@@ -34,17 +35,23 @@ Endpoints (request and response bodies: glm53.protocol, vLLM's models):
   `<think>` into `reasoning_content` by --reasoning-parser (glm45), streamed too (glm53.parsers).
 - GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version (vLLM's schemas),
   GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names), POST /reset_prefix_cache (vLLM's
-  development endpoint: forget every cached prefix, between benchmark runs).
+  development endpoint: forget every cached prefix, between benchmark runs; routed only with
+  VLLM_SERVER_DEV_MODE=1, as vLLM's, since it empties every user's cache).
 
 Every answer other than 200 has one JSON body, {"error": {"message", "type", "param", "code"}}: 400 for a
 bad request (naming the field: wrong types or ranges, a prompt over max_model_len, token ids outside the
 vocabulary, a parameter this server does not apply set to anything but its neutral value), 401 without
-the --api-key, 404 for an unknown model or route, 405, 413 for a body over MAX_REQUEST_BYTES, 500 when
-the step that ran the request failed (streamed: finish_reason "error"), 503 once the engine has stopped.
+the --api-key, 404 for an unknown model or route, 405, 413 for a body over --max-request-bytes, 500 when
+the step that ran the request failed or its KV failed to load under kv_load_failure_policy "fail"
+(streamed: finish_reason "error"), 503 once the engine has stopped, and 503 with Retry-After when
+--max-waiting-requests are waiting or the server is shutting down.
 No request stops the engine (glm53.engine.async_engine); /health is 503 while its last steps all failed.
 A client that disconnects aborts its request (its blocks are freed at the next step boundary). SIGTERM
-stops accepting requests, lets running ones finish for up to --shutdown-timeout seconds, aborts the rest
-and shuts the engine down (uvicorn then re-raises the signal, so the exit status is that of SIGTERM).
+(`ServerState.drain`) stops admission at once (503 with Retry-After; /health 503), lets requests in flight
+run for up to --shutdown-timeout seconds, then answers every remaining client from the event loop within
+a second (streams: finish_reason "abort", usage, [DONE]; others: a JSON 503), whatever the engine thread
+is doing, shuts the engine down if it stops within a second more, and re-raises the signal (the exit
+status is that of SIGTERM).
 """
 
 from __future__ import annotations
