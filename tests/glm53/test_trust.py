@@ -278,7 +278,7 @@ def test_each_limit_is_a_clear_error(guarded, server):
 
     with ThreadPoolExecutor(6) as pool:
         slow = pool.submit(_post, guarded, {"prompt": [7, 7, 7], "max_tokens": 1, "seed": SLOW_SEED})
-        time.sleep(0.5)  # its step has begun: the engine thread takes no command until it ends
+        time.sleep(1.0)  # its step has begun: the engine thread takes no command until it ends (SLOW_S)
         rest = [pool.submit(_post, guarded, {"prompt": [1, 2, 3, i], "max_tokens": 2, "temperature": 0})
                 for i in range(5)]
         answers = [f.result() for f in rest]
@@ -335,7 +335,7 @@ def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
     from tests.glm53.faulty_serve import SLOW_SEED
 
     timeout = LIMITS["shutdown_timeout"]
-    long = {"max_tokens": 100, "temperature": 0}
+    long = {"max_tokens": 120, "temperature": 0}
     events, t = [], {}
     stream_started = threading.Event()
 
@@ -359,7 +359,11 @@ def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
         assert stream_started.wait(60)  # its first token arrived: it runs
         n = pool.submit(plain, {"prompt": [9, 10, 11], **long})
         slow = pool.submit(plain, {"prompt": [12, 13], **long, "seed": SLOW_SEED})
-        time.sleep(0.5)  # both added; the slow one's first step has begun
+        seen, still = len(events), time.monotonic()
+        while time.monotonic() - still < 1.0:  # no token for 1 s: the slow step holds the engine (for 6 s)
+            time.sleep(0.1)
+            if len(events) != seen:
+                seen, still = len(events), time.monotonic()
         sent = time.monotonic()
         guarded.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
