@@ -142,7 +142,8 @@ def start_server(preset: str, seed: int, cache_dir: str, log: Path, flags: list[
     port = _free_port()
     flags = [x for k, v in DEPLOY.items() for x in (f"--{k.replace('_', '-')}", str(v))] if flags is None else flags
     args = [sys.executable, "-m", "glm53.serve", preset, "--seed", str(seed), "--port", str(port), "--warmup", *flags]
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO)}
+    # its /reset_prefix_cache (between the warm-up and the timed run) is routed only in development mode
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir, "PYTHONPATH": str(REPO), "VLLM_SERVER_DEV_MODE": "1"}
     proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 1800  # --warmup: every bucket shape, loaded from the cache the client filled
     while time.monotonic() < deadline:

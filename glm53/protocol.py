@@ -491,15 +491,16 @@ def new_id(chat: bool) -> str:
 
 
 class HTTPError(Exception):
-    """Raised by a handler: the answer is HTTP `status` with the error body naming `param`."""
+    """Raised by a handler: the answer is HTTP `status` with the error body naming `param`, and `headers`
+    (a 503's Retry-After, say)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.headers = status, param, headers
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 async def send_error(send, status: int, message: str) -> None:
@@ -521,7 +522,7 @@ def validation_error(errors) -> JSONResponse:
 
 
 async def _on_http_error(request: Request, exc: HTTPError):
-    return error_response(exc.status, str(exc), exc.param)
+    return error_response(exc.status, str(exc), exc.param, exc.headers)
 
 
 async def _on_starlette_error(request: Request, exc: StarletteHTTPException):

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -105,6 +106,10 @@ class Server:
         return self.polled_load + self.sent
 
 
+# salts the router remembers the server of (LRU): each entry is a client-chosen string
+MAX_STICKY_SALTS = 1 << 16
+
+
 class Picker:
     """Which server of a role gets a request, among those up and healthy (those up, if none is healthy):
     the salt's server while it is among them, else the one holding the longest prefix, else the least
@@ -115,7 +120,9 @@ class Picker:
         if not servers:
             raise ValueError("Picker needs at least one server")
         self.servers = servers
-        self.sticky: dict[str, Server] = {}
+        # salt -> its server, least recently picked first; bounded (MAX_STICKY_SALTS) because clients name
+        # the salts: a salt forgotten is routed as a new one, never an error
+        self.sticky: collections.OrderedDict[str, Server] = collections.OrderedDict()
         self._turn = itertools.count()
 
     def pick(self, salt: str | None = None, exclude: set[str] | frozenset = frozenset(),
@@ -135,6 +142,9 @@ class Picker:
             chosen = min(up, key=lambda s: (s.load, s.last_pick))
         if salt:
             self.sticky[salt] = chosen
+            self.sticky.move_to_end(salt)
+            if len(self.sticky) > MAX_STICKY_SALTS:
+                self.sticky.popitem(last=False)
         chosen.sent += 1
         chosen.last_pick = next(self._turn)
         return chosen

@@ -6,7 +6,8 @@
          -d '{"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0}'
 
 Flags: `--host`, `--port`, `--served-model-name` (default: the model argument as given), `--api-key`
-(default: $VLLM_API_KEY), `--seed` (a
+(default: $VLLM_API_KEY), the limits `--max-request-bytes`, `--max-prompts-per-request` and
+`--max-waiting-requests`, `--shutdown-timeout`, `--seed` (a
 preset's random weights, as `glm53.init(preset, seed)`), `--dtype`, `--quantization fp8` (a checkpoint's fp8
 block-quantised weights kept in fp8), and one flag per `DeployConfig`
 field in vLLM's spelling (`--max-model-len`, `--max-num-seqs`, `--max-num-batched-tokens`,
@@ -34,17 +35,23 @@ Endpoints (request and response bodies: glm53.protocol, vLLM's models):
   `<think>` into `reasoning_content` by --reasoning-parser (glm45), streamed too (glm53.parsers).
 - GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /version (vLLM's schemas),
   GET /health, GET /metrics (glm53.engine.prometheus: vLLM's names), POST /reset_prefix_cache (vLLM's
-  development endpoint: forget every cached prefix, between benchmark runs).
+  development endpoint: forget every cached prefix, between benchmark runs; routed only with
+  VLLM_SERVER_DEV_MODE=1, as vLLM's, since it empties every user's cache).
 
 Every answer other than 200 has one JSON body, {"error": {"message", "type", "param", "code"}}: 400 for a
 bad request (naming the field: wrong types or ranges, a prompt over max_model_len, token ids outside the
 vocabulary, a parameter this server does not apply set to anything but its neutral value), 401 without
-the --api-key, 404 for an unknown model or route, 405, 413 for a body over MAX_REQUEST_BYTES, 500 when
-the step that ran the request failed (streamed: finish_reason "error"), 503 once the engine has stopped.
+the --api-key, 404 for an unknown model or route, 405, 413 for a body over --max-request-bytes, 500 when
+the step that ran the request failed or its KV failed to load under kv_load_failure_policy "fail"
+(streamed: finish_reason "error"), 503 once the engine has stopped, and 503 with Retry-After when
+--max-waiting-requests are waiting or the server is shutting down.
 No request stops the engine (glm53.engine.async_engine); /health is 503 while its last steps all failed.
 A client that disconnects aborts its request (its blocks are freed at the next step boundary). SIGTERM
-stops accepting requests, lets running ones finish for up to --shutdown-timeout seconds, aborts the rest
-and shuts the engine down (uvicorn then re-raises the signal, so the exit status is that of SIGTERM).
+(`ServerState.drain`) stops admission at once (503 with Retry-After; /health 503), lets requests in flight
+run for up to --shutdown-timeout seconds, then answers every remaining client from the event loop within
+a second (streams: finish_reason "abort", usage, [DONE]; others: a JSON 503), whatever the engine thread
+is doing, shuts the engine down if it stops within a second more, and re-raises the signal (the exit
+status is that of SIGTERM).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ import os
 import random
 import re
 import secrets
+import signal
 import time
 from typing import Any
 
@@ -113,9 +121,22 @@ from glm53.tokenizer import TextStream, render_chat
 PD_STORE_WAIT_S = 30.0
 # temperatures below this sample greedily (vLLM's rule: dividing logits by ~0 overflows float32)
 GREEDY_BELOW = 1e-5
+# the limits' defaults (--max-prompts-per-request, --max-waiting-requests): each prompt of a batch is an
+# engine request, and a queue without a bound turns a burst into unbounded memory and latency
+MAX_PROMPTS_PER_REQUEST = 256
+MAX_WAITING_REQUESTS = 1024
+# the engine history a server keeps (Engine.max_finished, max_timeline): a finished request holds its
+# prompt's ids (400 KB at 100k tokens), and a server runs for months
+MAX_FINISHED_KEPT = 4096
+MAX_TIMELINE_KEPT = 1 << 16
+# Retry-After (seconds) on a 503 that a later try may not get: a full queue, a server shutting down
+RETRY_AFTER_S = 1
+# after --shutdown-timeout, the clients still waiting are answered within this many seconds
+SHUTDOWN_ANSWER_S = 1.0
 
 # ------------------------------------------------------------------------------------------- flags
 _RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "quantization", "shutdown_timeout",
+             "max_request_bytes", "max_prompts_per_request", "max_waiting_requests",
              "warmup", "api_key", "chat_template", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser"}
 
 
@@ -146,7 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="require `Authorization: Bearer KEY` on the /v1 routes, /tokenize, /detokenize and "
                          "/reset_prefix_cache (default: $VLLM_API_KEY; unset: no key)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0,
-                    help="seconds running requests may finish after SIGTERM before they are aborted")
+                    help="after SIGTERM (new requests: 503 with Retry-After), seconds the requests in flight may "
+                         "run; then each is answered within a second (streams: finish_reason \"abort\", usage, "
+                         "[DONE]; others: 503) and the process exits (default: %(default)s)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                    help="a request body over this many bytes is a 413 (default: %(default)s)")
+    ap.add_argument("--max-prompts-per-request", type=int, default=MAX_PROMPTS_PER_REQUEST,
+                    help="a /v1/completions batch of more prompts is a 400 naming `prompt` (default: %(default)s)")
+    ap.add_argument("--max-waiting-requests", type=int, default=MAX_WAITING_REQUESTS,
+                    help="a request that would make more than this many requests wait for the engine (added and "
+                         "not running yet) is a 503 with Retry-After (default: %(default)s)")
     ap.add_argument("--chat-template", default=None, metavar="PATH",
                     help="a jinja2 chat template file for /v1/chat/completions (default: the checkpoint's own, else "
                          "the preset's glm53/templates/<preset>.jinja, GLM-5.3's conversation format)")
@@ -248,7 +278,45 @@ class ServerState:
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
     reasoning_parser: str | None = None
+    max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST
+    max_waiting_requests: int = MAX_WAITING_REQUESTS
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # the shutdown (`drain`): admission stopped; every client answered from here (set on the event loop)
+    draining: bool = False
+    ending: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    live: set = dataclasses.field(default_factory=set)  # handles of requests whose clients wait for them
+    pending_adds: int = 0  # prompts admitted here and not yet queued in the engine (AsyncEngine.add)
+    starting: int = 0  # requests admitted and not yet `live` (their adds on their way)
+
+    def admit(self, n: int) -> None:
+        """Admission of a request of `n` prompts, counted in `pending_adds` until each is added: a 503 with
+        Retry-After once the shutdown began, or when the requests waiting for the engine (its queued adds
+        and waiting queues, and the prompts admitted here not yet queued) would exceed
+        max_waiting_requests."""
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down", headers=_RETRY)
+        waiting = self.engine.num_waiting + self.pending_adds
+        if waiting + n > self.max_waiting_requests:
+            raise HTTPError(503, f"{waiting} requests are waiting for the engine, {n} more would exceed "
+                                 f"--max-waiting-requests {self.max_waiting_requests}", headers=_RETRY)
+        self.pending_adds += n
+
+    async def drain(self, timeout_s: float) -> None:
+        """The shutdown after SIGTERM (admission already stopped: `draining`): the requests in flight run
+        for up to `timeout_s`; then every client still waiting is answered from here, not by the engine
+        thread, which may be inside a long step (`RequestHandle.end_now`: a stream ends "abort", a
+        non-streamed request is a 503), and this returns once they are (SHUTDOWN_ANSWER_S at most)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while (self.live or self.starting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.ending.set()  # adds still on their way answer 503 (`_add`)
+        for handle in list(self.live):
+            handle.end_now()
+            self.engine.abort_nowait(handle.req_id)
+        deadline = time.monotonic() + SHUTDOWN_ANSWER_S
+        while (self.live or self.starting) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     @property
     def deploy(self) -> DeployConfig:
@@ -270,6 +338,9 @@ class ServerState:
     def card(self) -> ModelCard:
         return ModelCard(id=self.served_model_name, created=self.created, root=self.served_model_name,
                          max_model_len=self.deploy.max_model_len)
+
+
+_RETRY = {"Retry-After": str(RETRY_AFTER_S)}
 
 
 def _state(raw: Request) -> ServerState:
@@ -296,8 +367,11 @@ routes = APIRouter()
 
 @routes.get("/health")
 async def health(raw: Request):
-    """200 while the engine serves and its last steps did not all fail (AsyncEngine.healthy), else 503."""
+    """200 while the engine serves and its last steps did not all fail (AsyncEngine.healthy), else 503;
+    503 from SIGTERM on (a load balancer stops sending requests)."""
     st = _state(raw)
+    if st.draining:
+        return error_response(503, "the server is shutting down")
     if not st.engine.healthy:
         return error_response(503, st.engine.unhealthy_reason or "the engine is unhealthy")
     return Response(status_code=200)
@@ -316,9 +390,10 @@ async def prometheus(raw: Request):
     return PlainTextResponse(st.metrics.text() if st.metrics is not None else "", media_type=CONTENT_TYPE_LATEST)
 
 
-@routes.post("/reset_prefix_cache")
 async def reset_prefix_cache(raw: Request):
-    """vLLM's (development) endpoint: forget every cached prefix, e.g. between benchmark runs."""
+    """vLLM's development endpoint: forget every cached prefix, e.g. between benchmark runs. Routed only
+    with VLLM_SERVER_DEV_MODE=1, as vLLM's (`create_app`): any client could otherwise empty every other
+    user's cache."""
     await _engine_call(_state(raw).engine.reset_prefix_cache())
     return Response(status_code=200)
 
@@ -482,6 +557,9 @@ async def _prompts(st: ServerState, body: CompletionRequest) -> list[list[int]]:
         p = [p]
     if not p:
         raise HTTPError(400, "prompt must not be empty", "prompt")
+    if len(p) > st.max_prompts_per_request:
+        raise HTTPError(400, f"a batch of {len(p)} prompts is over --max-prompts-per-request "
+                             f"{st.max_prompts_per_request}", "prompt")
     out = [await _encode(st, x, body.add_special_tokens) if isinstance(x, str) else list(x) for x in p]
     limit = st.deploy.max_model_len
     for i, ids in enumerate(out):
@@ -561,16 +639,25 @@ class _Choice:
 
 async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: int | None, kv_peer, kv_lease,
                  output=None, kv_remote=None, kv_produce: bool = False) -> list[_Choice]:
+    """Admit (`ServerState.admit`) and add each prompt -> its choices, whose handles are `live` (the
+    caller discards them once it answered)."""
     choices: list[_Choice] = []
+    st.admit(len(prompts))
+    left = len(prompts)  # adds still counted in pending_adds
+    st.starting += 1
     try:
         for i, ids in enumerate(prompts):
             n = max_tokens if max_tokens is not None else max(1, st.deploy.max_model_len - len(ids))
             params = _sampling(st, body, n, i)
             text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
-            handle = await st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer,
-                                         kv_lease=kv_lease, kv_remote=kv_remote, kv_produce=kv_produce, text=text)
+            adding = st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer, kv_lease=kv_lease,
+                                   kv_remote=kv_remote, kv_produce=kv_produce, text=text)
+            left -= 1  # queued: counted in the engine's num_waiting from here on
+            st.pending_adds -= 1
+            handle = await _add(st, adding)
             choices.append(_Choice(i, ids, handle, text, output() if output is not None else None))
     except BaseException as e:
+        st.pending_adds -= left
         for c in choices:
             st.engine.abort_nowait(c.handle.req_id)
         if isinstance(e, RequestError):
@@ -578,7 +665,32 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
         if isinstance(e, RuntimeError):
             raise HTTPError(503, str(e)) from None
         raise
+    finally:
+        st.starting -= 1
+    st.live.update(c.handle for c in choices)
     return choices
+
+
+async def _add(st: ServerState, adding):
+    """Await `adding` (an AsyncEngine.add) -> its handle; a 503 if the shutdown answers every client first
+    (the engine thread may be inside a long step, not taking commands): the request, if it is added
+    later, is aborted then."""
+
+    def abort(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is None:
+            st.engine.abort_nowait(t.result().req_id)
+
+    task = asyncio.ensure_future(adding)
+    ending = asyncio.ensure_future(st.ending.wait())
+    try:
+        await asyncio.wait({task, ending}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        ending.cancel()
+        if not task.done():  # the shutdown answered first, or the client went away meanwhile
+            task.add_done_callback(abort)
+    if task.done():
+        return task.result()
+    raise HTTPError(503, "the server shut down before this request was started", headers=_RETRY)
 
 
 def _usage(choices: list[_Choice]) -> UsageInfo:
@@ -704,11 +816,17 @@ async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]
     rid = new_id(chat)
     if body.stream:
         return StreamingResponse(_stream(st, raw, body, choices, rid, chat), media_type="text/event-stream")
-    if not await _collect(st, raw, choices):
-        return Response(status_code=499)  # the client went away: its requests were aborted
+    try:
+        if not await _collect(st, raw, choices):
+            return Response(status_code=499)  # the client went away: its requests were aborted
+    finally:
+        st.live.difference_update(c.handle for c in choices)
     failed = [c for c in choices if c.handle.ended.finish_reason == "error"]
     if failed:
         raise HTTPError(500, f"the engine failed while running this request: {failed[0].handle.ended.error}")
+    if st.ending.is_set() and any(c.handle.ended.finish_reason == "abort" for c in choices):
+        raise HTTPError(503, "the server shut down before this request finished (--shutdown-timeout)",
+                        headers=_RETRY)
     ids = {"token_ids": None, "prompt_token_ids": None}
     if chat:
         for c in choices:
@@ -827,29 +945,45 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
         for c in choices:
             if c.index in live:
                 st.engine.abort_nowait(c.handle.req_id)
+        st.live.difference_update(c.handle for c in choices)
 
 
 # ------------------------------------------------------------------------------------------- the app
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI):
     yield
-    app.state.server.engine.shutdown()
-    print("glm53.serve: engine shut down", flush=True)
+    st = app.state.server
+    # after a drain the engine thread gets a moment to stop between steps, not the length of a compilation
+    if st.engine.shutdown(timeout_s=SHUTDOWN_ANSWER_S if st.draining else 30.0) is False:
+        print("glm53.serve: the engine is still inside a step; exiting without waiting for it", flush=True)
+    else:
+        print("glm53.serve: engine shut down", flush=True)
 
 
 def create_app(engine, tokenizer, served_model_name: str, *, metrics=None, api_key: str | None = None,
                max_request_bytes: int = MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
-               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None) -> FastAPI:
+               enable_auto_tool_choice: bool = False, reasoning_parser: str | None = None,
+               max_prompts_per_request: int = MAX_PROMPTS_PER_REQUEST,
+               max_waiting_requests: int = MAX_WAITING_REQUESTS, dev_mode: bool | None = None) -> FastAPI:
     """The FastAPI app over a started `glm53.engine.async_engine.AsyncEngine` (handlers: the module's
     `routes`, over `ServerState` in app.state.server); the app's shutdown (after uvicorn's graceful
     wait) aborts what still runs and shuts the engine down. api_key: required as a Bearer token on the
-    /v1 routes, /tokenize, /detokenize and /reset_prefix_cache (`ApiKey`). The parsers: the flags'."""
+    /v1 routes, /tokenize, /detokenize and /reset_prefix_cache (`ApiKey`). The parsers and limits: the
+    flags'. dev_mode (default: $VLLM_SERVER_DEV_MODE == "1"): route vLLM's development endpoint
+    POST /reset_prefix_cache (without it: 404, as vLLM)."""
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    for name, v in (("max_request_bytes", max_request_bytes), ("max_prompts_per_request", max_prompts_per_request),
+                    ("max_waiting_requests", max_waiting_requests)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
     app = FastAPI(title="glm53", version=_version(), lifespan=_lifespan)
     app.state.server = ServerState(engine, tokenizer, served_model_name, metrics, tool_call_parser,
-                                   enable_auto_tool_choice, reasoning_parser)
+                                   enable_auto_tool_choice, reasoning_parser, max_prompts_per_request,
+                                   max_waiting_requests)
     app.include_router(routes)
+    if dev_mode if dev_mode is not None else os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+        app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
     install_error_answers(app, max_request_bytes)
     if api_key:
         app.add_middleware(ApiKey, key=api_key)  # outermost: a request without the key is not even read
@@ -897,6 +1031,7 @@ def main(argv=None) -> None:
                          "checkpoint directory")
     deploy = deploy_from_args(args, model.cfg, args.dtype)
     engine = glm53.Engine(model, deploy)
+    engine.max_finished, engine.max_timeline = MAX_FINISHED_KEPT, MAX_TIMELINE_KEPT
     metrics = ServingMetrics(engine, model_name=name)
     if args.warmup:
         t0 = time.perf_counter()
@@ -905,11 +1040,47 @@ def main(argv=None) -> None:
     async_engine = AsyncEngine(engine).start()
     app = create_app(async_engine, load_tokenizer(args.model, args.chat_template), name, metrics=metrics,
                      api_key=args.api_key, tool_call_parser=args.tool_call_parser,
-                     enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
+                     max_request_bytes=args.max_request_bytes, max_prompts_per_request=args.max_prompts_per_request,
+                     max_waiting_requests=args.max_waiting_requests)
     print(f"glm53.serve: {name} on http://{args.host}:{args.port} ({engine.deploy.max_model_len} tokens, "
           f"{engine.deploy.num_gpu_blocks} blocks, kv_policy {engine.deploy.kv_policy})", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    server = _draining_server(uvicorn)(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                                      timeout_graceful_shutdown=SHUTDOWN_ANSWER_S),
+                                       app.state.server, args.shutdown_timeout)
+    server.run()
+    if server.signal is not None:  # exit as the signal would have (uvicorn.run's behaviour)
+        signal.signal(server.signal, signal.SIG_DFL)
+        signal.raise_signal(server.signal)
+
+
+def _draining_server(uvicorn):
+    """uvicorn.Server whose first SIGTERM / SIGINT starts `ServerState.drain` (the server keeps listening,
+    so new requests get their 503) and exits once it returns; a second signal exits at once (uvicorn's)."""
+
+    class DrainingServer(uvicorn.Server):
+        def __init__(self, config, state: ServerState, timeout_s: float):
+            super().__init__(config)
+            self.state, self.timeout_s = state, timeout_s
+            self.signal: int | None = None
+            self._loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.signal is not None or self._loop is None:  # a second signal, or one before serving
+                return super().handle_exit(sig, frame)
+            self.signal = sig
+            self.state.draining = True  # at once: the signal handler runs on the event loop's thread
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self) -> None:
+            await self.state.drain(self.timeout_s)
+            self.should_exit = True
+
+    return DrainingServer
 
 
 if __name__ == "__main__":

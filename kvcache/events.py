@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import queue
 import threading
@@ -125,9 +126,12 @@ class KVEventsConfig:
 
     enable_kv_cache_events: record events at all (False: nothing is recorded, no socket is opened).
     publisher: "zmq" or "null" (record, publish nothing); None: "zmq" if enabled, else "null".
-    endpoint: the PUB socket. An address with "*" (or "::"), ipc:// and inproc:// is bound, any other is
-        connected to (vLLM's rule: bind a stable address, connect to a collector). Data-parallel replica
-        i publishes on port + i (tcp; a "*" port stays "*") or on "<endpoint>_dp<i>" (inproc, ipc).
+    endpoint: the PUB socket, by default bound on 127.0.0.1:5557 (vLLM's default, tcp://*:5557, publishes
+        every cached prefix hash to every interface). An address with "*" (or "::"), a loopback host
+        (127.x, ::1, localhost), ipc:// and inproc:// is bound, any other is connected to (vLLM's rule,
+        but for loopback hosts, which vLLM connects to: bind a stable address, connect to a collector).
+        Data-parallel replica i publishes on port + i (tcp; a "*" port stays "*") or on
+        "<endpoint>_dp<i>" (inproc, ipc).
     replay_endpoint: the ROUTER socket for replays (bound; offset per replica likewise), None: none.
     buffer_steps: batches kept for replay. hwm: the PUB socket's send high-water mark (ZMQ drops
         messages past it for a slow subscriber). max_queue_size: batches waiting for the publisher
@@ -136,7 +140,7 @@ class KVEventsConfig:
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None
-    endpoint: str = "tcp://*:5557"
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None
     buffer_steps: int = 10_000
     hwm: int = 100_000
@@ -199,6 +203,20 @@ def check_endpoint(name: str, endpoint) -> None:
         host, sep, port = rest.rpartition(":")
         if not sep or not host or not (port == "*" or (port.isdigit() and 0 < int(port) < 65536)):
             raise ValueError(f"kv_events_config {name} must be {allowed}; got {endpoint!r}")
+
+
+def binds(endpoint: str) -> bool:
+    """Whether a publisher binds `endpoint` (else it connects to it): a wildcard host ("*", "::"), a
+    loopback host, ipc:// and inproc:// (KVEventsConfig.endpoint)."""
+    if endpoint.startswith(("ipc://", "inproc://")) or "*" in endpoint or "::" in endpoint:
+        return True
+    host = endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
@@ -273,7 +291,7 @@ class ZmqEventPublisher:
 
     def _open(self, sock, name: str, endpoint: str, bind: bool | None = None) -> str:
         if bind is None:
-            bind = "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            bind = binds(endpoint)
         try:
             if bind:
                 sock.bind(endpoint)

@@ -23,7 +23,8 @@ What lives here (a `HostTier`, one per replica, owned by its policy):
   after that it takes what the device and host hold. What one admission brings back is bounded by the
   host pages free for it (the host tier is the staging area); the rest is recomputed.
 - **Load failures**: a load that fails (the chunk is gone, or fails verification) frees its host page:
-  those tokens are recomputed (`kv_load_failure_policy="recompute"`), or the step raises ("fail").
+  those tokens are recomputed (`kv_load_failure_policy="recompute"`), or ("fail") the requests waiting
+  on it are reported to the scheduler, which finishes them with "error" while the engine serves on.
 - **Abort** (`drop`): a waiting request's pins are released; loads it started finish for the other
   requests waiting on them, or land in the host pool unpinned. `has_loads` stays true until every
   started load is reported, so the engine keeps stepping for them.
@@ -351,13 +352,16 @@ class HostTier:
             return True
         return False
 
-    def on_tier_results(self, results) -> None:
+    def on_tier_results(self, results) -> dict[str, str]:
         """The runner's report of finished tier loads ((job, status), ...): a loaded page joins its host
         pool (pinned for its request until that request's next admission); a failed one is freed and its
-        tokens will be recomputed ("fail": raise). Status "failed" is the engine's, for a load a failed step
-        never submitted or whose result it lost (`unreported_loads`): freed like a lost one, but neither
-        counted against the tier nor raised (the step's failure already failed its requests)."""
-        failed = []
+        tokens will be recomputed. Status "failed" is the engine's, for a load a failed step never
+        submitted or whose result it lost (`unreported_loads`): freed like a lost one, but neither counted
+        against the tier nor failing anyone (the step's failure already failed its requests).
+        -> under kv_load_failure_policy "fail", {req_id: why} for every request still waiting on a load
+        that failed (the scheduler finishes each with "error"; the engine serves on), else {}: one failed
+        chunk fails the requests that needed it, never the step."""
+        failed: dict[str, str] = {}
         for job, status in results:
             req_id, t, g, hb, h = self.jobs.pop(job)
             del self.inflight[(g, h)]
@@ -378,16 +382,19 @@ class HostTier:
                 elif status != "failed":
                     counts.lost += 1
                 pool.free([hb])
-                if status != "failed":
-                    failed.append((req_id, self.tiers.tiers[t].name, status))
+                if status != "failed" and self.load_failure_policy == "fail":
+                    why = (f"kv_load_failure_policy='fail': the load of KV chunk "
+                           f"{chunk_key(self.fingerprint, g, h).hex()} (cache group {g!r}) from secondary tier "
+                           f"{self.tiers.tiers[t].name!r} failed ({status})")
+                    for waiter in self.waiters[job]:
+                        failed.setdefault(waiter, why)
             for waiter in self.waiters.pop(job):
                 jobs = self.loading.get(waiter)
                 if jobs is not None:
                     jobs.discard(job)
                     if not jobs:
                         del self.loading[waiter]
-        if failed and self.load_failure_policy == "fail":
-            raise RuntimeError(f"secondary-tier loads failed (kv_load_failure_policy='fail'): {failed}")
+        return failed
 
     def has_loads(self) -> bool:
         """Tier loads not yet reported (their host pages stay reserved until a step reads the results)."""
@@ -474,8 +481,8 @@ class HostTierPolicy:
     def must_retry(self, req) -> bool:
         return self.host_tier.must_retry(req.req_id)
 
-    def on_tier_results(self, results) -> None:
-        self.host_tier.on_tier_results(results)
+    def on_tier_results(self, results) -> dict[str, str]:
+        return self.host_tier.on_tier_results(results)
 
     def unreported_tier_loads(self) -> tuple[int, ...]:
         return self.host_tier.unreported_loads()

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import threading
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from glm53.engine.engine import Engine, StepError
 from glm53.engine.request import SamplingParams
@@ -58,6 +58,10 @@ class Ended:
     error: str | None = None
 
 
+# put on a handle's queue by `RequestHandle.end_now`: the client's side ends the stream itself
+_END_NOW = object()
+
+
 class RequestHandle:
     """One request's stream: iterate for (token, text, finished), text being what its TextStream released
     with that token ("" without one). Iteration ends after the finishing token, or without one when the
@@ -67,18 +71,31 @@ class RequestHandle:
         self.req_id = req_id
         self._queue = queue
         self.ended: Ended | None = None
+        self.num_tokens = 0  # tokens taken from the queue so far
 
     def __aiter__(self) -> AsyncIterator[tuple[int, str, bool]]:
         return self._tokens()
 
+    def end_now(self) -> None:
+        """End this stream from the client's event loop, without the engine thread (which may be inside a
+        long step, a compilation say): after the tokens already queued, iteration ends with Ended("abort")
+        counting them. The caller aborts the request in the engine too (`AsyncEngine.abort_nowait`);
+        whatever the engine sends later is not read. Call it on the handle's event loop."""
+        self._queue.put_nowait(_END_NOW)
+
     async def _tokens(self):
         while self.ended is None:
             item = await self._queue.get()
+            if item is _END_NOW:
+                self.ended = Ended("abort", self.num_tokens)
+                return
             if isinstance(item, Ended):
                 self.ended = item
                 return
+            self.num_tokens += 1
             if item[2]:  # the finishing token: its Ended follows at once (the same engine-thread pass)
-                self.ended = await self._queue.get()
+                nxt = await self._queue.get()
+                self.ended = nxt if isinstance(nxt, Ended) else Ended("abort", self.num_tokens)
             yield item
 
 
@@ -90,6 +107,9 @@ class AsyncEngine:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self._cmds: collections.deque = collections.deque()
+        # "add" commands queued (written under _lock) and taken by the thread (written by it alone): one
+        # writer each, so neither loses an update, and the thread takes commands without the lock
+        self._adds_queued = self._adds_taken = 0
         # held while a command is queued and while the thread stops taking them, so no command is queued
         # after the thread drained the queue for the last time (its client would wait forever)
         self._lock = threading.Lock()
@@ -114,6 +134,16 @@ class AsyncEngine:
         return self.error is None and not self._stop and self.consecutive_failures < MAX_CONSECUTIVE_STEP_FAILURES
 
     @property
+    def num_waiting(self) -> int:
+        """Requests queued by `add` and not scheduled to run yet (adds the thread has not taken, and every
+        replica's waiting queue), as of now: read from another thread (the server's
+        --max-waiting-requests) while the engine thread runs, since a deque's length is one atomic read
+        and a long step has taken the requests it runs off the queue when it began. An add the thread
+        took and has not put in a queue yet (microseconds) is not counted: never one counted twice."""
+        queued = self._adds_queued - self._adds_taken
+        return queued + sum(len(rep.scheduler.waiting) for rep in self.engine.replicas)
+
+    @property
     def unhealthy_reason(self) -> str | None:
         """Why `healthy` is False (None while it is True)."""
         if self.error is not None:
@@ -125,18 +155,25 @@ class AsyncEngine:
         return None
 
     # ---------------------------------------------------------------------------------- client side
-    async def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None,
-                  kv_lease: int = 0, kv_remote=None, kv_produce: bool = False, text=None) -> RequestHandle:
-        """Queue a request (validated by `Engine.add_request` in the engine thread) -> its handle. text: a
-        glm53.tokenizer.TextStream for its output (its stop strings end the request in the engine, and its
-        text travels with the tokens); it is the engine thread's from now on. Raises what add_request raises
-        (ValueError for a bad request), or RuntimeError once the engine stopped."""
+    def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None,
+            kv_lease: int = 0, kv_remote=None, kv_produce: bool = False, text=None) -> Awaitable[RequestHandle]:
+        """Queue a request (validated by `Engine.add_request` in the engine thread) -> an awaitable of its
+        handle. It is queued (and counted in `num_waiting`) when this returns, before anything is awaited:
+        a caller's count of the requests it let in can hand over to `num_waiting` with no moment counted
+        twice. Call it on the event loop the handle is read on. text: a glm53.tokenizer.TextStream for its
+        output (its stop strings end the request in the engine, and its text travels with the tokens); it
+        is the engine thread's from now on. Raises RuntimeError once the engine stopped; the awaitable
+        raises what add_request raises (ValueError for a bad request)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce), text, loop, queue,
                       fut))
-        return RequestHandle(await asyncio.wrap_future(fut), queue)
+
+        async def handle() -> RequestHandle:
+            return RequestHandle(await asyncio.wrap_future(fut), queue)
+
+        return handle()
 
     async def abort(self, req_id: str) -> None:
         """End `req_id` if it is still running (a no-op once it finished); returns once applied."""
@@ -156,21 +193,33 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):
             self._submit(("abort", req_id, None))
 
-    def shutdown(self, timeout_s: float = 30.0) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> bool:
         """Abort every live request (their streams end), stop the thread, shut the engine down (tiers,
-        event sockets). Idempotent."""
+        event sockets) -> whether it did. The thread stops between steps only: if it is still inside one
+        (a compilation, say) after `timeout_s`, this returns False leaving the engine to it (a daemon
+        thread: the process may exit meanwhile; its tiers are not flushed then). Idempotent."""
         if self._thread.is_alive():
             with contextlib.suppress(RuntimeError):  # it stopped meanwhile
                 self._submit(("stop",))
             self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
         self.engine.shutdown()
+        return True
 
     def _submit(self, cmd) -> None:
         with self._lock:
             if self._stop or (self.error is not None):
                 raise RuntimeError(f"the engine is stopped{f': {self.error!r}' if self.error else ''}")
             self._cmds.append(cmd)
+            self._adds_queued += cmd[0] == "add"
         self._wake.set()
+
+    def _pop(self):
+        """The next command (the engine thread's)."""
+        cmd = self._cmds.popleft()
+        self._adds_taken += cmd[0] == "add"
+        return cmd
 
     # ---------------------------------------------------------------------------------- engine side
     def _run(self) -> None:
@@ -178,7 +227,7 @@ class AsyncEngine:
         try:
             while True:
                 while self._cmds:
-                    cmd = self._cmds.popleft()
+                    cmd = self._pop()
                     if cmd[0] == "stop":
                         for rid in list(eng.requests):
                             eng.abort_request(rid)
@@ -201,6 +250,8 @@ class AsyncEngine:
                     else:
                         self._deliver(out)
                         self.consecutive_failures = 0
+                    for rid in eng.last_finished:  # those that ended without a token (a failed KV load)
+                        self._end(rid)
                 else:
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
@@ -277,7 +328,7 @@ class AsyncEngine:
 
     def _fail_pending(self, e: BaseException) -> None:
         while self._cmds:
-            cmd = self._cmds.popleft()
+            cmd = self._pop()
             fut = cmd[-1] if len(cmd) > 1 else None
             if isinstance(fut, concurrent.futures.Future) and not fut.done():
                 fut.set_exception(e)

@@ -165,7 +165,8 @@ class DeployConfig:
         ca_bundle too; empty credentials: the environment's; kvcache.tiers.obj), {"type": "p2p", "host": H,
         "port": P, "peers": ["host:port", ...]} (kvcache.tiers.p2p: serves its chunks on H:P, fetches from
         the peers), {"type": "custom", "module_path": M}] (kvcache.tiers); the
-        top-level "kv_load_failure_policy" ("recompute" | "fail") says what a failed tier load does.
+        top-level "kv_load_failure_policy" says what a failed tier load does: "recompute" its tokens, or
+        "fail" the requests that needed it (finish_reason "error"; the engine serves on).
     kv_events_config: vLLM's `--kv-events-config` shape (kvcache.events.KVEventsConfig), e.g.
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
         "replay_endpoint": "tcp://*:5558", "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000,

@@ -31,6 +31,7 @@ with the replicas' running / waiting requests and free blocks (after scheduling)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -63,6 +64,8 @@ _log = logging.getLogger(__name__)
 # vLLM's kv_cache_spec_kind of GLM-5.3's cache groups: the MLA rows and the indexer keys are both
 # MLAAttentionSpec there (the indexer cache is one 132-byte "head")
 KV_EVENT_SPEC_KINDS = {"mla": "mla_attention", "indexer": "mla_attention"}
+# salts whose replica the engine remembers (LRU): each entry is a client-chosen string
+MAX_SALTS = 1 << 16
 
 
 @dataclasses.dataclass
@@ -189,7 +192,9 @@ class Engine(PdQueries):
         self.requests: dict[str, Request] = {}  # unfinished, by id
         self.finished: dict[str, Request] = {}
         self._owner: dict[str, int] = {}  # request id -> replica index
-        self._by_salt: dict[str, int] = {}  # salt -> replica that served it last
+        # salt -> the replica that served it last, least recently used first; bounded (MAX_SALTS) because
+        # clients name the salts: a salt forgotten is routed by load, as a new one
+        self._by_salt: collections.OrderedDict[str, int] = collections.OrderedDict()
         # one row per engine step that scheduled requests, after scheduling: (clock s at its start, running,
         # waiting, free device blocks, clock s at its end), summed over replicas; the end makes the running
         # requests a time series (metrics' time-weighted mean)
@@ -199,6 +204,13 @@ class Engine(PdQueries):
         self._steps_begun = self._steps_ended = 0  # `step` calls begun and returned (`parked` reads them)
         self._ids = itertools.count()
         self.observers: list = []  # each has on_step(engine, tokens, finished requests), called after every step
+        # ids of the requests the last step finished, a finishing token or not (one whose KV failed to load
+        # under kv_load_failure_policy "fail" ends with none): AsyncEngine ends their streams from it
+        self.last_finished: tuple[str, ...] = ()
+        # history a long-running server bounds (None: keep all, for metrics() over a whole run): the newest
+        # finished requests kept (with their replica), and the newest timeline rows
+        self.max_finished: int | None = None
+        self.max_timeline: int | None = None
 
     def add_observer(self, observer) -> None:
         """Call `observer.on_step(engine, tokens, finished)` after every step (glm53.engine.prometheus)."""
@@ -267,9 +279,11 @@ class Engine(PdQueries):
 
     def parked(self, req_id: str) -> bool:
         """Whether finished `req_id`'s KV transfers (the parking its finish planned) have run: its replica
-        ran a plan after the one it finished in, or has nothing left to run. A server thread may call it."""
-        r = self._owner[req_id]
-        if self.plans_run[r] > self.finished[req_id].finished_in_plan:
+        ran a plan after the one it finished in, or has nothing left to run, or it was forgotten
+        (max_finished: so many requests finished after it that its plan ran long ago). A server thread may
+        call it."""
+        r, req = self._owner.get(req_id), self.finished.get(req_id)
+        if r is None or req is None or self.plans_run[r] > req.finished_in_plan:
             return True
         # nothing to run, read before the step counters: a step that began meanwhile may have taken the
         # transfers (has_work False) without having run them yet, and then the counters differ
@@ -332,6 +346,9 @@ class Engine(PdQueries):
         self._owner[req_id] = i
         if salt:
             self._by_salt[salt] = i
+            self._by_salt.move_to_end(salt)
+            if len(self._by_salt) > MAX_SALTS:
+                self._by_salt.popitem(last=False)
         return req_id
 
     def abort_request(self, req_id: str) -> RequestOutput:
@@ -426,11 +443,24 @@ class Engine(PdQueries):
         if counted:
             self._steps += 1
             self.timeline.append((t, *counts, self.clock.now()))
+        self.last_finished = tuple(r.req_id for r in finished_all)
+        self._forget_history()
         for obs in self.observers:
             obs.on_step(self, out, finished_all)
         if errors:
             raise StepError(errors[0], failures, out) from errors[0]
         return out
+
+    def _forget_history(self) -> None:
+        """Drop the oldest finished requests past max_finished (and their replica) and the oldest timeline
+        rows past max_timeline (amortised: cut when twice as long)."""
+        if self.max_finished is not None:
+            while len(self.finished) > self.max_finished:
+                rid = next(iter(self.finished))
+                del self.finished[rid]
+                self._owner.pop(rid, None)
+        if self.max_timeline is not None and len(self.timeline) > 2 * self.max_timeline:
+            del self.timeline[:-self.max_timeline]
 
     def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:
         """Finish the requests of replica r's `plan`, whose execution raised `error`, with finish_reason
@@ -507,7 +537,9 @@ class Engine(PdQueries):
                  ) -> list[RequestOutput]:
         """Run `prompts` to completion (request i samples with seed + i); `on_token(req_id, token)` streams
         tokens as they come. -> outputs in prompt order, each with `.token_ids`. When the engine has no
-        other requests it also finishes the KV transfers the last ones left (parking their KV)."""
+        other requests it also finishes the KV transfers the last ones left (parking their KV). A request
+        that ends with "error" without its step failing (its KV failed to load under
+        kv_load_failure_policy "fail") raises RuntimeError with its error once the others are done."""
         ids = [self.add_request(p, SamplingParams(max_new_tokens, greedy, temperature, top_p, seed + i))
                for i, p in enumerate(prompts)]
         pending = set(ids)
@@ -519,8 +551,12 @@ class Engine(PdQueries):
                     on_token(rid, tok)
                 if fin:
                     pending.discard(rid)
+            pending.difference_update(self.last_finished)
         while not self.requests and self.has_unfinished():
             self.step()
+        failed = {rid: self.finished[rid].error for rid in ids if self.finished[rid].finish_reason == "error"}
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(ids)} requests failed: {failed}")
         return [self.output(rid) for rid in ids]
 
     def output(self, req_id: str) -> RequestOutput:

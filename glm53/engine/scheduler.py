@@ -478,7 +478,9 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult, now_s: float) -> list[Request]:
         """Advance after the runner executed `plan`: each row's computed-token count moves on, rows that
         sampled take their tokens, newly full blocks join the prefix cache, requests at max_new_tokens
-        finish (the policy parks or drops their KV). -> the requests that finished."""
+        finish (the policy parks or drops their KV), and under kv_load_failure_policy "fail" the waiting
+        requests whose tier loads failed finish with "error" (`Request.error` names the chunk; their host
+        pages are freed, nothing of the failed chunk is kept). -> the requests that finished."""
         self._check_result(plan, result)
         self.transfers.d2h_bytes += result.d2h_bytes
         self.transfers.h2d_bytes += result.h2d_bytes
@@ -486,8 +488,8 @@ class Scheduler:
             self.resolve.add(rec)
         for rec in result.stages:
             self.resolve.add_stage(rec)
-        if result.tier_loads:
-            self.policy.on_tier_results(result.tier_loads)
+        # kv_load_failure_policy "fail": the waiting requests whose KV failed to load end with "error" below
+        load_failed = self.policy.on_tier_results(result.tier_loads) if result.tier_loads else {}
         finished = []
         self.last_tokens = {}
         for row in plan.rows:
@@ -528,6 +530,11 @@ class Scheduler:
                 self.kv.free(req.req_id)
                 self.running.remove(req)
                 del self.requests[req.req_id]
+                finished.append(req)
+        for rid, why in load_failed.items():
+            if rid in self.requests:
+                req = self.abort(rid, now_s, reason="error")
+                req.error = why
                 finished.append(req)
         self.policy.after_step(self.kv, self.running)
         return finished

@@ -146,8 +146,10 @@ class KVPolicy(Protocol):
         """Right after `admit`: whether the lookup answered RETRY (the scheduler undoes the attempt with
         `forget` and passes the request over this step)."""
 
-    def on_tier_results(self, results) -> None:
-        """The runner's report of finished secondary-tier loads (StepResult.tier_loads)."""
+    def on_tier_results(self, results) -> dict[str, str]:
+        """The runner's report of finished secondary-tier loads (StepResult.tier_loads) -> {req_id: why}
+        for the requests a failed load fails (kv_load_failure_policy "fail"; the scheduler finishes them
+        with "error"), {} when none does."""
 
     def unreported_tier_loads(self) -> tuple[int, ...]:
         """Tier load jobs the policy waits for that no runner will report (a step raised before submitting
@@ -348,7 +350,7 @@ class Policy:
     def must_retry(self, req: RequestView) -> bool:
         return False
 
-    def on_tier_results(self, results) -> None:
+    def on_tier_results(self, results) -> dict[str, str]:
         raise RuntimeError(f"tier load results {results} for a policy without secondary tiers")
 
     def unreported_tier_loads(self) -> tuple[int, ...]:

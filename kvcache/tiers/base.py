@@ -155,7 +155,7 @@ class TierStats:
     load_bytes: int = 0
     corrupt: int = 0  # chunks that failed verification on load (and were deleted)
     evicted_chunks: int = 0
-    deadline_misses: int = 0  # load jobs answered "miss" by their deadline, their work still out (TierBookkeeping)
+    deadline_misses: int = 0  # loads answered "miss" by their deadline (TierBookkeeping); fs: writes a store never began by its own
     store_latency: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
     load_latency: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
 

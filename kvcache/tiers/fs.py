@@ -15,7 +15,8 @@ abandoned.
 
 Bad days. A load not finished `deadline_s` (30 s) after its submission is answered "miss"
 (kvcache.tiers.base.TierBookkeeping: a read blocked on a hung network mount cannot be interrupted, so
-its result, when it comes, is dropped). A root that cannot be written (a read-only mount, no permission) disables the tier with one
+its result, when it comes, is dropped); a store begins no chunk's write past `deadline_s` after its
+submission (those chunks are "failed", counted in `deadline_misses` too). A root that cannot be written (a read-only mount, no permission) disables the tier with one
 warning: lookups miss, stores fail, and the engine starts and serves without it. A chunk that fails
 verification is deleted; one that cannot be deleted (a read-only directory) is remembered as a miss, so
 its lookups stop answering HIT. With a shared secret (`secret_file`, or $GLM53_KV_SECRET_FILE;
@@ -188,7 +189,7 @@ class FileTier(TierBookkeeping):
             return
         with self._lock:
             self._inflight.update(job.keys)
-        self._writers.submit(self._store, job, time.perf_counter())
+        self._writers.submit(self._store, job, time.perf_counter(), time.monotonic() + self.deadline_s)
 
     def submit_load(self, job: LoadJob) -> None:
         if self._closed:
@@ -212,11 +213,21 @@ class FileTier(TierBookkeeping):
         self._readers.shutdown(wait=wait, cancel_futures=not wait)
 
     # ------------------------------------------------------------------------------------ the workers
-    def _store(self, job: StoreJob, t0: float) -> None:
+    def _store(self, job: StoreJob, t0: float, deadline: float) -> None:
+        """Write the job's chunks in order; none is begun past `deadline` (monotonic s, deadline_s after
+        submission): those are "failed", counted in store_failed and deadline_misses, so a store queued
+        behind writes to a hung mount gives its keys back (lookups stop answering RETRY for them) instead
+        of holding them for as long as the mount hangs."""
         self._sweep_temp()
         status = []
         for key, payload in zip(job.keys, job.payloads):
             try:
+                if time.monotonic() >= deadline:
+                    with self._lock:
+                        self.stats.store_failed += 1
+                        self.stats.deadline_misses += 1
+                    status.append("failed")
+                    continue
                 status.append(self._write(key, payload))
             except Exception:  # noqa: BLE001 - a failed write is a chunk not stored, never an engine error
                 with self._lock:

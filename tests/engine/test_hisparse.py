@@ -334,7 +334,8 @@ def test_corrupt_chunks_are_recomputed_or_fail_by_policy_under_hisparse(hisparse
     indexer page of the last one. An engine on that root loads every chunk of the prefixes, finds those
     five corrupt (deleted, their tokens recomputed), and takes the prefix up to the first of them: the
     first indexer page (16 tokens) of three prompts, nothing of the fourth; its greedy tokens are those
-    of full residency. Under kv_load_failure_policy="fail" the step raises instead."""
+    of full residency. Under kv_load_failure_policy="fail" the requests that needed those chunks end with
+    "error" instead (generate raises naming the policy once the others are done)."""
     import shutil
 
     from kvcache.block_pool import block_hashes

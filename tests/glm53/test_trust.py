@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -160,3 +161,229 @@ def test_a_client_cannot_make_the_server_dial_or_poison_the_prefix_cache(server,
         fake.close()
         trap.close()
     assert "no shared secret" not in server.log.read_text()  # its peer tier runs with the file's secret
+
+
+# --------------------------------------------------- a failed load, the limits, the shutdown (items 2-4)
+# tests.glm53.faulty_serve: glm53.serve whose steps with a row of seed SLOW_SEED take SLOW_S longer (as a
+# compilation would), which holds the engine thread while the HTTP side is watched
+LIMITS = {"max_request_bytes": 4096, "max_prompts_per_request": 2, "max_waiting_requests": 3, "shutdown_timeout": 2}
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, serving_dir):
+    """The second server of this module: the offload host tier over an fs tier under
+    kv_load_failure_policy "fail", LIMITS, and VLLM_SERVER_DEV_MODE=1 (its /reset_prefix_cache). The
+    module's last test stops it with SIGTERM."""
+    tmp = tmp_path_factory.mktemp("guarded")
+    ktc = {"kv_connector": "OffloadingConnector", "kv_load_failure_policy": "fail",
+           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20,
+                                         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp / "tier")}]}}
+    flags = [x for k, v in LIMITS.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the server process inherits it
+    try:
+        proc = Process(serving_dir, tmp, "--kv-transfer-config", json.dumps(ktc), *flags,
+                       module="tests.glm53.faulty_serve")
+    finally:
+        del os.environ["VLLM_SERVER_DEV_MODE"]
+    proc.root = tmp / "tier"
+    yield proc
+    proc.stop()
+
+
+def _post(server, body: dict | bytes, path: str = "/v1/completions"):
+    import httpx
+
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    return httpx.post(server.url(path), timeout=120, **kw)
+
+
+def _sse(server, body: dict) -> list:
+    """A streamed completion's parsed `data:` events ("[DONE]" as is)."""
+    import httpx
+
+    events = []
+    with httpx.stream("POST", server.url("/v1/completions"), json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def _stable_chunks(root: Path, before: set, timeout: float = 60.0) -> set:
+    """The chunk files written under `root` since `before`, once their count stopped changing for 1 s (the
+    write-through stores run after a request finished)."""
+    seen, since, end = set(), time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < end:
+        now = set(root.rglob("*.kv")) - before
+        if now != seen:
+            seen, since = now, time.monotonic()
+        elif seen and time.monotonic() - since > 1.0:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"no stable set of stored chunks under {root}: {len(seen)}")
+
+
+def test_a_failed_load_under_fail_fails_its_requests_only_and_the_server_serves_on(guarded):
+    """Two prompts' chunks stored in the fs tier, the prefix cache reset (dev mode), every stored chunk
+    damaged: under kv_load_failure_policy "fail" the non-streamed request for the first is a JSON 500
+    naming the policy and one of its chunks, the stream for the second ends with finish_reason "error"
+    and [DONE], and a third prompt beside them completes; /health stays 200 and the first prompt, asked
+    again, gets its greedy tokens (the damaged chunks were deleted, its KV recomputed)."""
+    rng = np.random.default_rng(512)
+    p1, p2, other = (rng.integers(0, 512, 41).tolist() for _ in range(3))
+    want = _tokens(guarded, p1)
+    chunks = _stable_chunks(guarded.root, set())
+    _tokens(guarded, p2)
+    chunks |= _stable_chunks(guarded.root, chunks)
+    assert _post(guarded, {}, "/reset_prefix_cache").status_code == 200
+    for path in chunks:
+        data = bytearray(path.read_bytes())
+        data[-7] ^= 0xFF
+        path.write_bytes(bytes(data))
+    greedy = {"max_tokens": 8, "temperature": 0}
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(_post, guarded, {"prompt": p1, **greedy})
+        second = pool.submit(_sse, guarded, {"prompt": p2, **greedy})
+        third = pool.submit(_post, guarded, {"prompt": other, **greedy, "return_token_ids": True})
+        first, second, third = first.result(), second.result(), third.result()
+    assert first.status_code == 500, first.text
+    message = first.json()["error"]["message"]
+    assert "kv_load_failure_policy='fail'" in message and "'fs'" in message, message
+    assert any(p.stem in message for p in chunks), message
+    assert second[-1] == "[DONE]" and second[-2]["choices"][0]["finish_reason"] == "error", second[-3:]
+    assert third.status_code == 200 and len(third.json()["choices"][0]["token_ids"]) == 8, third.text
+    import httpx
+
+    assert httpx.get(guarded.url("/health"), timeout=30).status_code == 200
+    assert _tokens(guarded, p1) == want
+
+
+def test_each_limit_is_a_clear_error(guarded, server):
+    """--max-request-bytes: a larger body is a 413. --max-prompts-per-request: a batch of more is a 400
+    naming `prompt` (as many is served). /reset_prefix_cache is routed only with VLLM_SERVER_DEV_MODE=1
+    (404 on the module's other server). --max-waiting-requests: while a slow step holds the engine, five
+    requests arrive; three wait, the two over the limit are 503s with Retry-After naming the flag, and
+    the three complete once the step ends."""
+    r = _post(guarded, json.dumps({"prompt": "x" * 5000, "max_tokens": 1}).encode())
+    assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError", r.text
+    r = _post(guarded, {"prompt": [[1, 2], [3, 4], [5, 6]], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "--max-prompts-per-request 2" in r.json()["error"]["message"]
+    r = _post(guarded, {"prompt": [[1, 2], [3, 4]], "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    r = _post(server, {}, "/reset_prefix_cache")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "NotFoundError", r.text
+    from tests.glm53.faulty_serve import SLOW_SEED
+
+    with ThreadPoolExecutor(6) as pool:
+        slow = pool.submit(_post, guarded, {"prompt": [7, 7, 7], "max_tokens": 1, "seed": SLOW_SEED})
+        time.sleep(1.0)  # its step has begun: the engine thread takes no command until it ends (SLOW_S)
+        rest = [pool.submit(_post, guarded, {"prompt": [1, 2, 3, i], "max_tokens": 2, "temperature": 0})
+                for i in range(5)]
+        answers = [f.result() for f in rest]
+        assert slow.result().status_code == 200
+    codes = sorted(a.status_code for a in answers)
+    assert codes == [200, 200, 200, 503, 503], [a.text for a in answers]
+    for a in answers:
+        if a.status_code == 503:
+            assert a.headers["retry-after"] == "1" and "--max-waiting-requests 3" in a.json()["error"]["message"]
+
+
+def test_the_maps_clients_grow_are_bounded(monkeypatch):
+    """Salts are client-chosen strings: the router's sticky map and the engine's salt -> replica map keep
+    the most recently used MAX entries; a forgotten salt is routed as a new one. A server's engine keeps
+    the newest max_finished finished requests (and their replicas) and max_timeline timeline rows."""
+    from glm53 import Engine, SamplingParams
+    from glm53.engine import engine as engine_mod
+    from glm53.engine.synthetic import SyntheticRunner
+    from glm53.router import Picker, Server
+    from glm53 import router as router_mod
+    from tests.engine.test_abort import _Model
+
+    monkeypatch.setattr(router_mod, "MAX_STICKY_SALTS", 4)
+    picker = Picker([Server("http://a", "decode"), Server("http://b", "decode")])
+    for i in range(300):
+        picker.pick(f"salt-{i}")
+    assert list(picker.sticky) == [f"salt-{i}" for i in range(296, 300)]
+    monkeypatch.setattr(engine_mod, "MAX_SALTS", 4)
+    d = DeployConfig(max_model_len=64, max_num_seqs=4, block_size=4, num_gpu_blocks=40)
+    eng = Engine(_Model(), d, runner=SyntheticRunner(lambda row: 7))
+    for i in range(12):
+        eng.add_request([1, 2], SamplingParams(4), salt=f"salt-{i}")
+    assert list(eng._by_salt) == [f"salt-{i}" for i in range(8, 12)]
+    eng.max_finished, eng.max_timeline = 5, 2
+    while eng.has_unfinished():
+        eng.step()
+    assert list(eng.finished) == [f"req-{i}" for i in range(7, 12)] and set(eng._owner) == set(eng.finished)
+    assert 0 < len(eng.timeline) <= 4 and eng._steps > 4
+    assert eng.parked("req-0")  # forgotten: finished long ago
+
+
+def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
+    """SIGTERM with a streamed and a non-streamed request in flight, both in batches with a request whose
+    every step takes SLOW_S (a compilation's length), so neither can finish within the 2 s
+    --shutdown-timeout: a request right after the signal is a 503 with Retry-After; by the timeout plus
+    one second the stream has ended with finish_reason "abort", its usage and [DONE] (/health is 503
+    meanwhile), and the
+    non-streamed request (and the slow one) got a JSON 503; the process has exited (status -SIGTERM)
+    within the timeout plus 5 s, the engine thread still inside its step."""
+    import signal
+
+    import httpx
+
+    from tests.glm53.faulty_serve import SLOW_SEED
+
+    timeout = LIMITS["shutdown_timeout"]
+    long = {"max_tokens": 120, "temperature": 0}
+    events, t = [], {}
+    stream_started = threading.Event()
+
+    def stream():
+        body = {"prompt": [5, 6, 7, 8], **long, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", guarded.url("/v1/completions"), json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                    stream_started.set()
+        t["stream"] = time.monotonic()
+
+    def plain(body):
+        r = _post(guarded, body)
+        t[body["prompt"][0]] = time.monotonic()
+        return r
+
+    with ThreadPoolExecutor(4) as pool:
+        s = pool.submit(stream)
+        assert stream_started.wait(60)  # its first token arrived: it runs
+        n = pool.submit(plain, {"prompt": [9, 10, 11], **long})
+        slow = pool.submit(plain, {"prompt": [12, 13], **long, "seed": SLOW_SEED})
+        seen, still = len(events), time.monotonic()
+        while time.monotonic() - still < 1.0:  # no token for 1 s: the slow step holds the engine (for 6 s)
+            time.sleep(0.1)
+            if len(events) != seen:
+                seen, still = len(events), time.monotonic()
+        sent = time.monotonic()
+        guarded.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        late = _post(guarded, {"prompt": [1, 2], "max_tokens": 1})
+        assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
+        assert httpx.get(guarded.url("/health"), timeout=30).status_code == 503  # a balancer stops routing here
+        s.result()
+        n, slow = n.result(), slow.result()
+    try:
+        guarded.proc.wait(max(0.1, timeout + 5 - (time.monotonic() - sent)))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running {time.monotonic() - sent:.1f} s after SIGTERM") from None
+    exited = time.monotonic()
+    assert guarded.proc.returncode == -signal.SIGTERM
+    for name, r in (("non-streamed", n), ("slow", slow)):
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", (name, r.text)
+    assert events[-1] == "[DONE]" and events[-3]["choices"][0]["finish_reason"] == "abort", events[-3:]
+    usage = events[-2]["usage"]
+    got = sum(1 for e in events[:-3] if e["choices"])
+    assert usage["completion_tokens"] == got and usage["prompt_tokens"] == 4, (usage, got)
+    assert all(v - sent < timeout + 1.5 for v in t.values()), {k: v - sent for k, v in t.items()}
+    assert exited - sent < timeout + 5
+    assert "still inside a step" in guarded.log.read_text()  # it did not wait for the slow step (SLOW_S)

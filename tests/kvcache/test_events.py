@@ -410,11 +410,33 @@ def test_bad_config_names_the_field(cfg, says):
 def test_vllm_defaults_and_data_parallel_ports():
     on = DeployConfig(kv_events_config={"enable_kv_cache_events": True}).kv_events
     assert (on.publisher, on.endpoint, on.replay_endpoint, on.buffer_steps, on.hwm, on.max_queue_size, on.topic) == (
-        "zmq", "tcp://*:5557", None, 10_000, 100_000, 100_000, "")
+        "zmq", "tcp://127.0.0.1:5557", None, 10_000, 100_000, 100_000, "")
     assert DeployConfig().kv_events.publisher == "null" and not DeployConfig().kv_events.publishing
     assert ev.offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert ev.offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert ev.offset_endpoint("inproc://kv", 1) == "inproc://kv_dp1" and ev.offset_endpoint(LOCAL, 3) == LOCAL
+
+
+def test_the_default_endpoint_binds_loopback_only():
+    """A departure from vLLM (whose default, tcp://*:5557, publishes on every interface): the default binds
+    127.0.0.1, and a loopback host is bound, not connected to; a wildcard, ipc:// and inproc:// are bound
+    as in vLLM, any other host connected to (a collector)."""
+    assert ev.binds(ev.KVEventsConfig().endpoint)
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://localhost:1", "tcp://[::1]:2", "tcp://*:5557", "tcp://[::]:3",
+                     "ipc:///tmp/kv", "inproc://kv"):
+        assert ev.binds(endpoint), endpoint
+    for endpoint in ("tcp://10.0.0.7:5557", "tcp://collector.example:5557"):
+        assert not ev.binds(endpoint), endpoint
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pub = ev.ZmqEventPublisher(ev.KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}"))
+    try:
+        assert [addr for _, addr in pub._bound] == [f"tcp://127.0.0.1:{port}"]  # bound, not connected to
+    finally:
+        pub.close()
 
 
 def test_a_busy_address_fails_the_engine_and_leaves_no_socket_open():

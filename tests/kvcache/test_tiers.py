@@ -323,10 +323,10 @@ class _Evicting:
         return getattr(self.inner, name)
 
 
-def _custom_tier_engine(model, cls: str, root) -> Engine:
+def _custom_tier_engine(model, cls: str, root, kv_load_failure_policy: str = "recompute") -> Engine:
     """An engine whose one secondary tier is this module's class `cls` on `root` (loaded by module_path)."""
     spec = {"type": "custom", "module_path": f"{__name__}:{cls}", "root_dir": str(root)}
-    ktc = {"kv_connector": "OffloadingConnector",
+    ktc = {"kv_connector": "OffloadingConnector", "kv_load_failure_policy": kv_load_failure_policy,
            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [spec]}}
     return Engine(model, DeployConfig(**BASE, kv_transfer_config=ktc))
 
@@ -338,6 +338,31 @@ def test_a_chunk_evicted_between_lookup_and_load_is_recomputed(small_model, runs
     assert [o.token_ids.tolist() for o in eng.generate(prompts[:1], max_new_tokens=5)] == want[:1]
     tier = eng.metrics()["kv_offload"]["evicting"]
     assert tier["lost"] >= 1 and tier["hits"] == 0
+    eng.shutdown()
+
+
+def test_a_lost_chunk_under_fail_ends_only_the_requests_that_needed_it(small_model, runs, stored, tmp_path):
+    """kv_load_failure_policy "fail", every chunk of a prompt evicted between lookup and load: that
+    request ends "error" with no token, its error naming the policy, the tier and a lost chunk; no host
+    page stays pinned or reserved for it (every host page is free), and no step raised. The request
+    beside it completes with its greedy tokens, and the engine serves on: the same prompt again finds
+    nothing in the tier and recomputes its reference tokens."""
+    prompts, want = runs
+    stored[0](tmp_path)
+    eng = _custom_tier_engine(small_model, "_Evicting", tmp_path, kv_load_failure_policy="fail")
+    a = eng.add_request(prompts[0], glm53.SamplingParams(5))
+    b = eng.add_request(prompts[1], glm53.SamplingParams(5))
+    while eng.has_unfinished():
+        eng.step()  # a StepError here would be the whole step failing
+    ra = eng.finished[a]
+    assert ra.finish_reason == "error" and ra.output_ids == [], (ra.finish_reason, ra.output_ids)
+    assert "kv_load_failure_policy='fail'" in ra.error and "'evicting'" in ra.error and "(miss)" in ra.error
+    assert eng.finished[b].finish_reason == "length" and eng.output(b).token_ids.tolist() == want[1]
+    ht = eng.scheduler.policy.host_tier
+    assert not ht.tier_pins and not ht.jobs and not ht.loading and not ht.inflight
+    assert all(p.num_free == p.num_blocks for p in ht.pools.values())
+    assert eng.metrics()["kv_offload"]["evicting"]["lost"] == 2 * ((len(prompts[0]) - 1) // 8)
+    assert [o.token_ids.tolist() for o in eng.generate(prompts[:1], max_new_tokens=5)] == want[:1]
     eng.shutdown()
 
 

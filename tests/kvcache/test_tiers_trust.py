@@ -386,3 +386,24 @@ def test_a_load_past_the_fs_deadline_is_a_miss_and_its_late_result_dropped(tmp_p
     tier.submit_load(LoadJob(3, (_key(1),), (N,)))  # the mount is back
     assert _wait_job(tier, "load").status == ("ok",)
     tier.shutdown()
+
+
+def test_a_store_begins_no_write_past_the_fs_deadline(tmp_path, monkeypatch):
+    """A store whose first write blocks (a hung mount) past deadline_s writes nothing more: its other
+    chunks are "failed", counted in store_failed and deadline_misses, and their keys are free again
+    (lookups stop answering RETRY for them); a store after the mount is back writes them."""
+    tier = FileTier(fingerprint=FP, root_dir=tmp_path, deadline_s=0.3)
+    hung, write = threading.Event(), tier._write
+    monkeypatch.setattr(tier, "_write", lambda key, data: hung.wait(30) and write(key, data))
+    keys = tuple(_key(i) for i in range(3))
+    tier.submit_store(StoreJob(1, keys, tuple(_payload(i) for i in range(3))))
+    time.sleep(0.5)  # past the deadline, the first write still blocked
+    hung.set()
+    r = _wait_job(tier, "store")
+    assert r.status == ("ok", "failed", "failed"), r.status
+    assert tier.stats.deadline_misses == 2 and tier.stats.store_failed == 2
+    assert [tier.lookup(k) for k in keys] == [Lookup.HIT, Lookup.MISS, Lookup.MISS]
+    monkeypatch.setattr(tier, "_write", write)
+    tier.submit_store(StoreJob(2, keys[1:], tuple(_payload(i) for i in (1, 2))))
+    assert _wait_job(tier, "store").status == ("ok", "ok")
+    tier.shutdown()
