@@ -292,9 +292,13 @@ class ServerState:
         """Admission of a request of `n` prompts, counted in `pending_adds` until each is added: a 503 with
         Retry-After once the shutdown began, or when the requests waiting for the engine (its queued adds
         and waiting queues, and the prompts admitted here not yet queued) would exceed
-        max_waiting_requests."""
+        max_waiting_requests; a 400 naming "prompt" for a request of more prompts than that, which no wait
+        would admit."""
         if self.draining:
             raise HTTPError(503, "the server is shutting down", headers=_RETRY)
+        if n > self.max_waiting_requests:  # could never be admitted: retrying would not help
+            raise HTTPError(400, f"{n} prompts in one request exceed --max-waiting-requests "
+                                 f"{self.max_waiting_requests}", "prompt")
         waiting = self.engine.num_waiting + self.pending_adds
         if waiting + n > self.max_waiting_requests:
             raise HTTPError(503, f"{waiting} requests are waiting for the engine, {n} more would exceed "

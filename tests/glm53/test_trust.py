@@ -387,3 +387,30 @@ def test_sigterm_stops_admission_and_answers_every_client_in_time(guarded):
     assert all(v - sent < timeout + 1.5 for v in t.values()), {k: v - sent for k, v in t.items()}
     assert exited - sent < timeout + 5
     assert "still inside a step" in guarded.log.read_text()  # it did not wait for the slow step (SLOW_S)
+
+
+def test_admission_counts_waiting_prompts():
+    """ServerState.admit, without a server: prompts admitted and not yet queued count as waiting beside
+    the engine's own; over --max-waiting-requests is a 503 with Retry-After (a wait may admit it), a single
+    request of more prompts than the limit a 400 naming `prompt` (no wait would), a draining server 503s."""
+    import types
+
+    from glm53.protocol import HTTPError
+    from glm53.serve import ServerState
+
+    engine = types.SimpleNamespace(num_waiting=2)
+    st = ServerState(engine=engine, tokenizer=None, served_model_name="m", max_waiting_requests=4)
+    st.admit(2)
+    assert st.pending_adds == 2
+    with pytest.raises(HTTPError) as e:
+        st.admit(1)
+    assert e.value.status == 503 and e.value.headers["Retry-After"] == "1"
+    with pytest.raises(HTTPError) as e:
+        st.admit(5)
+    assert e.value.status == 400 and e.value.param == "prompt" and "--max-waiting-requests 4" in str(e.value)
+    engine.num_waiting = 0
+    st.admit(2)
+    st.draining = True
+    with pytest.raises(HTTPError) as e:
+        st.admit(1)
+    assert e.value.status == 503
