@@ -44,7 +44,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from attention.common import MIN_DOT_K, pallas_interpret, pow2_at_least
+from attention.common import H200_SMS, MIN_DOT_K, pallas_interpret, pow2_at_least
 from attention.formats import FP8, GROUP, num_groups
 
 
@@ -62,6 +62,11 @@ class BlockSizes:
     block_n: output columns per program.
     num_warps: warps per program; num_stages: Triton's software-pipelining depth of the loop over the
       128-value groups (loads of the next groups overlap the current dot).
+    splits: programs that share one output tile, each summing its own run of K's groups (split-K; their
+      float32 partial products are added after the kernel); None: 1 for `grouped_gemm`, and for `gemm`
+      the fewest that give the grid a wave of `H200_SMS` programs, at most `max_splits` and the group
+      count. Why: a decode batch is one row tile, so a 2,048-wide projection is 16 programs for 132 SMs,
+      and a program streams its weight columns at a fraction of the HBM rate.
     Every block size is a power of two, block sides >= 16 (tl.dot). `CANDIDATES` are the alternatives
     experiments.bench_gpu may time on an H200."""
 
@@ -70,6 +75,8 @@ class BlockSizes:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    splits: int | None = None
+    max_splits: int = 16
 
     def __post_init__(self):
         for name in ("block_m", "max_block_m", "block_n", "num_warps"):
@@ -77,9 +84,12 @@ class BlockSizes:
             if v is None and name == "block_m":
                 continue
             _pow2(name, v)
-        s = self.num_stages
-        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
-            raise ValueError(f"BlockSizes.num_stages must be a positive int, got {s!r}")
+        for name in ("num_stages", "splits", "max_splits"):
+            s = getattr(self, name)
+            if s is None and name == "splits":
+                continue
+            if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+                raise ValueError(f"BlockSizes.{name} must be a positive int, got {s!r}")
         for name in ("block_m", "max_block_m", "block_n"):
             v = getattr(self, name)
             if v is not None and v < MIN_DOT_K:
@@ -91,10 +101,17 @@ class BlockSizes:
             return self.block_m
         return min(max(pow2_at_least(rows_per_group), MIN_DOT_K), self.max_block_m)
 
+    def split_count(self, programs: int, groups: int) -> int:
+        """splits for a grid of `programs` output tiles over `groups` 128-value groups (`gemm`)."""
+        if self.splits is not None:
+            return min(self.splits, groups)
+        want = max(1, min(-(-H200_SMS // programs), self.max_splits, groups))
+        return -(-groups // -(-groups // want))  # as many groups in each split as in the first: none empty
+
 
 # The default and alternatives: narrower column tiles (more programs for a small decode batch, which
 # otherwise leaves most of the 132 SMs idle), taller row tiles for prefill, more warps, deeper pipelines.
-CANDIDATES = (BlockSizes(), BlockSizes(block_n=64), BlockSizes(block_n=32), BlockSizes(max_block_m=128),
+CANDIDATES = (BlockSizes(), BlockSizes(block_n=64), BlockSizes(splits=1), BlockSizes(max_block_m=128),
               BlockSizes(num_warps=8), BlockSizes(num_stages=4))
 
 
@@ -120,11 +137,19 @@ def _check(xq_MK, xs_MG, wq, ws, parts: int):
 _FP8_ZERO = np.zeros((), FP8)  # masked-off loads of e4m3 tiles (an fp8 literal: Triton casts no int to fp8)
 
 
-def _kernel(m_total, k, n, bm, bn, tile_ref, xq_ref, xs_ref, wq_ref, ws_ref, sc_ref, o_ref):
-    """One (tile, column block) program. tile_ref [3, T] int32: per tile its expert, first row and rows
-    (`group_tiles`; a negative count: that many rows of zeros)."""
-    t, j = pl.program_id(0), pl.program_id(1)
+def _kernel(m_total, k, n, bm, bn, splits, tile_ref, xq_ref, xs_ref, wq_ref, ws_ref, sc_ref, o_ref):
+    """One (tile, column block, split) program. tile_ref [3, T] int32: per tile its expert, first row and
+    rows (`group_tiles`; a negative count: that many rows of zeros). o_ref [M, N], or [splits, M, N]
+    partial sums when split."""
+    t, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    per_split = -(-num_groups(k) // splits)  # static: Triton pipelines loops of a static trip count
     expert, row0, count = tile_ref[0, t], tile_ref[1, t], tile_ref[2, t]
+
+    def out_tile(ref):  # one indexer (Triton lowers no chained ones)
+        if splits > 1:
+            return ref.at[sp, pl.ds(row0, bm), pl.ds(j * bn, bn)]
+        return ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)]
+
     rows_M = jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
     row_ok = (rows_M < jnp.abs(count)) & (row0 + rows_M < m_total)
     cols_N = j * bn + jax.lax.broadcasted_iota(jnp.int32, (bn,), 0)
@@ -134,7 +159,8 @@ def _kernel(m_total, k, n, bm, bn, tile_ref, xq_ref, xs_ref, wq_ref, ws_ref, sc_
 
     @pl.when(count > 0)
     def _():
-        def group(g, acc_MN):
+        def group(i, acc_MN):
+            g = sp * per_split + i  # past the last group (the last split's tail): masked to zeros
             k_ok = g * GROUP + lanes < k
             xq = pltriton.load(xq_ref.at[pl.ds(row0, bm), pl.ds(g * GROUP, GROUP)],
                                mask=row_ok[:, None] & k_ok[None, :], other=_FP8_ZERO)
@@ -142,36 +168,39 @@ def _kernel(m_total, k, n, bm, bn, tile_ref, xq_ref, xs_ref, wq_ref, ws_ref, sc_
                                mask=k_ok[:, None] & col_ok[None, :], other=_FP8_ZERO)
             part = jax.lax.dot_general(xq.astype(jnp.bfloat16), wq.astype(jnp.bfloat16), (((1,), (0,)), ((), ())),
                                        preferred_element_type=jnp.float32)
-            xs_M = pltriton.load(xs_ref.at[pl.ds(row0, bm), g], mask=row_ok, other=0.0)
-            ws_N = ws_ref[expert, g, sc_N]
+            xs_M = pltriton.load(xs_ref.at[pl.ds(row0, bm), jnp.minimum(g, num_groups(k) - 1)],
+                                 mask=row_ok & (g < num_groups(k)), other=0.0)
+            ws_N = ws_ref[expert, jnp.minimum(g, num_groups(k) - 1), sc_N]
             return acc_MN + part * xs_M[:, None] * ws_N[None, :]
 
-        acc = jax.lax.fori_loop(0, num_groups(k), group, jnp.zeros((bm, bn), jnp.float32))
-        pltriton.store(o_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)], acc.astype(o_ref.dtype),
+        acc = jax.lax.fori_loop(0, per_split, group, jnp.zeros((bm, bn), jnp.float32))
+        pltriton.store(out_tile(o_ref), acc.astype(o_ref.dtype),
                        mask=row_ok[:, None] & col_ok[None, :])
 
     @pl.when(count < 0)
     def _():
-        pltriton.store(o_ref.at[pl.ds(row0, bm), pl.ds(j * bn, bn)], jnp.zeros((bm, bn), o_ref.dtype),
+        pltriton.store(out_tile(o_ref), jnp.zeros((bm, bn), o_ref.dtype),
                        mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _call(tiles_3T, xq_MK, xs_MG, wq_EKN, ws_EGH, parts: int, bm: int, bsz: BlockSizes, out_dtype, name: str):
+def _call(tiles_3T, xq_MK, xs_MG, wq_EKN, ws_EGH, parts: int, bm: int, splits: int, bsz: BlockSizes, out_dtype,
+          name: str):
     m, k = xq_MK.shape
     n = wq_EKN.shape[-1]
     bn = bsz.block_n
     whole = pl.BlockSpec()
-    kernel = functools.partial(_kernel, m, k, n, bm, bn)
-    return pl.pallas_call(
+    kernel = functools.partial(_kernel, m, k, n, bm, bn, splits)
+    y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(tiles_3T.shape[1], pl.cdiv(n, bn)),
+        out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n), jnp.float32 if splits > 1 else out_dtype),
+        grid=(tiles_3T.shape[1], pl.cdiv(n, bn), splits),
         in_specs=[whole] * 6,
         out_specs=whole,
         name=name,  # the kernel's name in GPU profiles
         compiler_params=pltriton.CompilerParams(num_warps=bsz.num_warps, num_stages=bsz.num_stages),
         interpret=pallas_interpret(),
     )(tiles_3T, xq_MK, xs_MG.astype(jnp.float32), wq_EKN, ws_EGH.astype(jnp.float32), scale_columns(n, parts))
+    return jnp.sum(y, axis=0).astype(out_dtype) if splits > 1 else y
 
 
 def gemm(xq_MK, xs_MG, wq_KN, ws_GH, *, parts: int = 1, block_sizes: BlockSizes | None = None,
@@ -185,7 +214,8 @@ def gemm(xq_MK, xs_MG, wq_KN, ws_GH, *, parts: int = 1, block_sizes: BlockSizes 
     tiles = pl.cdiv(m, bm)
     start = jnp.arange(tiles, dtype=jnp.int32) * bm
     tiles_3T = jnp.stack([jnp.zeros_like(start), start, jnp.minimum(m - start, bm)])
-    return _call(tiles_3T, xq_MK, xs_MG, wq_KN[None], ws_GH[None], parts, bm, bsz, out_dtype, "fp8_gemm")
+    splits = bsz.split_count(tiles * pl.cdiv(wq_KN.shape[-1], bsz.block_n), num_groups(xq_MK.shape[1]))
+    return _call(tiles_3T, xq_MK, xs_MG, wq_KN[None], ws_GH[None], parts, bm, splits, bsz, out_dtype, "fp8_gemm")
 
 
 def group_tiles(group_sizes_E, rows: int, bm: int) -> jax.Array:
@@ -225,4 +255,5 @@ def grouped_gemm(xq_MK, xs_MG, wq_EKN, ws_EGH, group_sizes_E, *, parts: int = 1,
     bsz = block_sizes or BlockSizes()
     bm = bsz.rows(-(-m // e))
     tiles_3T = group_tiles(group_sizes_E, m, bm)
-    return _call(tiles_3T, xq_MK, xs_MG, wq_EKN, ws_EGH, parts, bm, bsz, out_dtype, "fp8_grouped_gemm")
+    splits = min(bsz.splits or 1, num_groups(xq_MK.shape[1]))
+    return _call(tiles_3T, xq_MK, xs_MG, wq_EKN, ws_EGH, parts, bm, splits, bsz, out_dtype, "fp8_grouped_gemm")

@@ -30,9 +30,9 @@ def _close(y, ref):
 
 
 @pytest.mark.parametrize("m,k,n,parts,sizes", [
-    (1, 200, 96, 1, None),          # decode row, ragged K group and N block
-    (64, 256, 192, 2, None),        # gate|up of F = 96: two parts, each its own ragged block
-    (300, 130, 200, 1, fp8_gemm.BlockSizes(block_n=32, max_block_m=128)),  # 3 row tiles, 7 column tiles
+    (1, 200, 96, 1, None),          # decode row, ragged K group and N block; split-K in 2 (one group each)
+    (64, 384, 192, 2, fp8_gemm.BlockSizes(splits=2)),  # gate|up of F = 96 (two parts, ragged blocks); 2 + 1 groups
+    (300, 130, 200, 1, fp8_gemm.BlockSizes(block_n=32, max_block_m=128, splits=1)),  # 3 row tiles, 7 column tiles
 ])
 def test_gemm_equals_reference(m, k, n, parts, sizes):
     rng = np.random.default_rng(m)
@@ -131,7 +131,9 @@ def test_bad_input_names_the_field():
         fp8_matmul.ragged_matmul(jnp.ones((5, 200)), w, jnp.ones((4,), jnp.int32))
     with pytest.raises(ValueError, match="impl"):
         fp8_matmul.resolve_impl("triton")
-    for bad in (dict(block_n=48), dict(block_m=8), dict(num_warps=3), dict(num_stages=0)):
+    assert [fp8_gemm.BlockSizes().split_count(p, g) for p, g in ((1, 2), (16, 48), (5, 48), (132, 48), (2, 3))] == \
+        [2, 8, 16, 1, 3]  # a wave of 132 programs where the groups allow, no empty split
+    for bad in (dict(block_n=48), dict(block_m=8), dict(num_warps=3), dict(num_stages=0), dict(splits=0)):
         with pytest.raises(ValueError, match=f"BlockSizes.{next(iter(bad))}"):
             fp8_gemm.BlockSizes(**bad)
     assert fp8_gemm.CANDIDATES[0] == fp8_gemm.BlockSizes() and len(set(fp8_gemm.CANDIDATES)) == len(fp8_gemm.CANDIDATES) <= 6
