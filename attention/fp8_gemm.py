@@ -25,8 +25,10 @@ memory-bound shapes (decode) do not need first.
 Grouped tiles: each expert's rows are cut into ceil(rows / block_m) tiles (its last one partial), so a
 tile never spans two experts and every output row is written by exactly one program (no atomics, no
 padded copy of the activations). The grid has a static ceil(M / block_m) + E + 1 tiles, the most any
-routing needs (`group_tiles`); tiles past the used ones do nothing. Edges (M, K, N not multiples of the tile) are masked loads
-(zeros) and masked stores, so weights of any shape are read in place.
+routing needs (`group_tiles`); tiles past the used ones do nothing. Edges (M, K, N not multiples of the
+tile) are masked loads (zeros) and masked stores, so weights of any shape are read in place. A small grid
+(a decode batch's one row tile) splits K over programs (`BlockSizes.splits`), their float32 partial
+products summed after the kernel.
 
 Backend: written for Pallas' Triton lowering (jax 0.11's default GPU backend of `pallas_call`), as the
 attention kernels are: every block side a power of two, tl.dot sides >= 16, whole-array refs with
@@ -190,9 +192,10 @@ def _call(tiles_3T, xq_MK, xs_MG, wq_EKN, ws_EGH, parts: int, bm: int, splits: i
     bn = bsz.block_n
     whole = pl.BlockSpec()
     kernel = functools.partial(_kernel, m, k, n, bm, bn, splits)
+    out_shape = jax.ShapeDtypeStruct((splits, m, n), jnp.float32) if splits > 1 else jax.ShapeDtypeStruct((m, n), out_dtype)
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, m, n) if splits > 1 else (m, n), jnp.float32 if splits > 1 else out_dtype),
+        out_shape=out_shape,
         grid=(tiles_3T.shape[1], pl.cdiv(n, bn), splits),
         in_specs=[whole] * 6,
         out_specs=whole,
@@ -232,7 +235,9 @@ def group_tiles(group_sizes_E, rows: int, bm: int) -> jax.Array:
     per_E = (sizes + bm - 1) // bm
     first_E = jnp.cumsum(per_E) - per_E  # first tile of each expert
     t = jnp.arange(pl.cdiv(rows, bm) + e + 1, dtype=jnp.int32)
-    expert = jnp.clip(jnp.searchsorted(first_E + per_E, t, side="right", method="compare_all"), 0, e - 1).astype(jnp.int32)
+    # compare_all: E x tiles comparisons, no loop (a binary search lowers to a `while`)
+    expert = jnp.searchsorted(first_E + per_E, t, side="right", method="compare_all")
+    expert = jnp.clip(expert, 0, e - 1).astype(jnp.int32)
     local = t - first_E[expert]
     used = t < jnp.sum(per_E)
     total = ends[-1]

@@ -217,8 +217,8 @@ def ragged_matmul(x_AK, w: BlockFp8, group_sizes_E, *, impl: str = "auto") -> ja
     if x_AK.ndim != 2 or x_AK.shape[1] != w.q.shape[1]:
         raise ValueError(f"x has shape {list(x_AK.shape)} but the weight has {w.q.shape[1]} rows per expert")
     which = resolve_impl(impl)
-    xq, xs = quantize_activations(x_AK)
     if which == "pallas":
+        xq, xs = quantize_activations(x_AK)
         return fp8_gemm.grouped_gemm(xq, xs, w.q, w.scale, group_sizes_E, parts=w.parts)
     ends = jnp.cumsum(group_sizes_E.astype(jnp.int32))
     row = jnp.arange(x_AK.shape[0], dtype=jnp.int32)

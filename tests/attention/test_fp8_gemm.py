@@ -66,7 +66,7 @@ def test_group_tiles_cover_every_row_once_within_one_expert():
 
 def test_grouped_gemm_equals_reference_per_expert():
     """Experts with no rows, one row, several tiles; rows past sum(group_sizes) come out zero (as
-    lax.ragged_dot's); gate|up in two parts of F = 96 (ragged blocks)."""
+    lax.ragged_dot's); gate|up in two parts of F = 96 (ragged blocks); K split over two programs."""
     rng = np.random.default_rng(1)
     e, k, n, m = 4, 200, 192, 45
     w = _weight(rng, (e, k, n), parts=2)
@@ -74,7 +74,7 @@ def test_grouped_gemm_equals_reference_per_expert():
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
     xq, xs = fp8_matmul.quantize_activations(x)
     y = np.asarray(fp8_gemm.grouped_gemm(xq, xs, w.q, w.scale, jnp.asarray(sizes), parts=2,
-                                         block_sizes=fp8_gemm.BlockSizes(block_m=16)))
+                                         block_sizes=fp8_gemm.BlockSizes(block_m=16, splits=2)))  # split-K too
     off = np.concatenate([[0], np.cumsum(sizes)])
     for i in range(e):
         if sizes[i]:
