@@ -66,9 +66,11 @@ class BlockSizes:
       128-value groups (loads of the next groups overlap the current dot).
     splits: programs that share one output tile, each summing its own run of K's groups (split-K; their
       float32 partial products are added after the kernel); None: 1 for `grouped_gemm`, and for `gemm`
-      the fewest that give the grid a wave of `H200_SMS` programs, at most `max_splits` and the group
-      count. Why: a decode batch is one row tile, so a 2,048-wide projection is 16 programs for 132 SMs,
-      and a program streams its weight columns at a fraction of the HBM rate.
+      the fewest that give the grid a wave of `H200_SMS` programs, at most `max_splits`, the group count,
+      and K / (32 M), so that the partials (written and read back: 8 M N bytes per split) stay within a
+      quarter of the weight's K N bytes. Why split: a decode batch is one row tile, so a 2,048-wide
+      projection is 16 programs for 132 SMs, and a program streams its weight columns at a fraction of
+      the HBM rate.
     Every block size is a power of two, block sides >= 16 (tl.dot). `CANDIDATES` are the alternatives
     experiments.bench_gpu may time on an H200."""
 
@@ -103,16 +105,18 @@ class BlockSizes:
             return self.block_m
         return min(max(pow2_at_least(rows_per_group), MIN_DOT_K), self.max_block_m)
 
-    def split_count(self, programs: int, groups: int) -> int:
-        """splits for a grid of `programs` output tiles over `groups` 128-value groups (`gemm`)."""
+    def split_count(self, programs: int, groups: int, cap: int) -> int:
+        """splits for a grid of `programs` output tiles over `groups` 128-value groups (`gemm`), at most
+        `cap` unless set explicitly."""
         if self.splits is not None:
             return min(self.splits, groups)
-        want = max(1, min(-(-H200_SMS // programs), self.max_splits, groups))
+        want = max(1, min(-(-H200_SMS // programs), self.max_splits, groups, cap))
         return -(-groups // -(-groups // want))  # as many groups in each split as in the first: none empty
 
 
 # The default and alternatives: narrower column tiles (more programs for a small decode batch, which
-# otherwise leaves most of the 132 SMs idle), taller row tiles for prefill, more warps, deeper pipelines.
+# otherwise leaves most of the 132 SMs idle), no split-K (no partials' bytes), taller row tiles for
+# prefill, more warps (the default sits at the register cap on sm_90), deeper pipelines.
 CANDIDATES = (BlockSizes(), BlockSizes(block_n=64), BlockSizes(splits=1), BlockSizes(max_block_m=128),
               BlockSizes(num_warps=8), BlockSizes(num_stages=4))
 
@@ -217,7 +221,8 @@ def gemm(xq_MK, xs_MG, wq_KN, ws_GH, *, parts: int = 1, block_sizes: BlockSizes 
     tiles = pl.cdiv(m, bm)
     start = jnp.arange(tiles, dtype=jnp.int32) * bm
     tiles_3T = jnp.stack([jnp.zeros_like(start), start, jnp.minimum(m - start, bm)])
-    splits = bsz.split_count(tiles * pl.cdiv(wq_KN.shape[-1], bsz.block_n), num_groups(xq_MK.shape[1]))
+    k = xq_MK.shape[1]
+    splits = bsz.split_count(tiles * pl.cdiv(wq_KN.shape[-1], bsz.block_n), num_groups(k), k // (32 * m))
     return _call(tiles_3T, xq_MK, xs_MG, wq_KN[None], ws_GH[None], parts, bm, splits, bsz, out_dtype, "fp8_gemm")
 
 

@@ -131,8 +131,10 @@ def test_bad_input_names_the_field():
         fp8_matmul.ragged_matmul(jnp.ones((5, 200)), w, jnp.ones((4,), jnp.int32))
     with pytest.raises(ValueError, match="impl"):
         fp8_matmul.resolve_impl("triton")
-    assert [fp8_gemm.BlockSizes().split_count(p, g) for p, g in ((1, 2), (16, 48), (5, 48), (132, 48), (2, 3))] == \
-        [2, 8, 16, 1, 3]  # a wave of 132 programs where the groups allow, no empty split
+    # a wave of 132 programs where the groups and the partials' bytes allow, no empty split
+    assert [fp8_gemm.BlockSizes().split_count(p, g, c) for p, g, c in
+            ((1, 2, 6), (16, 48, 48), (5, 48, 48), (132, 48, 48), (2, 3, 48), (16, 48, 3), (16, 16, 0))] == \
+        [2, 8, 16, 1, 3, 3, 1]
     for bad in (dict(block_n=48), dict(block_m=8), dict(num_warps=3), dict(num_stages=0), dict(splits=0)):
         with pytest.raises(ValueError, match=f"BlockSizes.{next(iter(bad))}"):
             fp8_gemm.BlockSizes(**bad)
