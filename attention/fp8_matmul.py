@@ -15,17 +15,20 @@ KV cache's numerics). So the product is
 with every inner product of e4m3 values accumulated in float32 (a product of two e4m3 values is exact in
 float32). Results are float32 [..., N]; callers cast to their activation dtype.
 
-Two implementations compute it (`impl`):
+Three implementations compute it (`impl`):
 - "reference": the formula above as written, one fp8 x fp8 dot per K group with float32 accumulation,
   scaled per (token group, weight block) and summed in float32 (`lax.scan` over the groups). This is
   the specification, exact about the block structure (each group's dot has fp8 operands, which XLA may
   hand to fp8 tensor cores on a GPU; not measured here).
 - "dequant": the same products and scales, associated differently: both operands are dequantised per
   block to float32 and multiplied with one dot. It differs from "reference" only by float32 summation
-  order. "auto" picks it: XLA has no block-scaled fp8 GEMM, and one large dot runs far faster on
-  XLA:CPU than ceil(K/128) thin ones; the dequantised weight is a transient inside the jitted step
-  (memory holds only the fp8 blocks). On a GPU that transient and a float32 GEMM are what a Pallas
-  kernel multiplying fp8 blocks in registers would remove: the missing piece (docs/model.md).
+  order. One large dot runs far faster on XLA:CPU than ceil(K/128) thin ones; the dequantised weight is
+  a transient inside the jitted step (memory holds only the fp8 blocks).
+- "pallas": `attention.fp8_gemm`'s Triton kernels, the reference's per-group order with each weight tile
+  converted to bfloat16 in registers (no float copy of the weight in memory); the routed experts' grouped
+  form (`ragged_matmul`) runs every expert in one kernel. Off a GPU they run in interpret mode (tests).
+"auto" is "pallas" where code is shaped for a GPU (`attention.common.resolve_impl`, kernel "fp8_gemm")
+and "dequant" elsewhere.
 
 Error bound (3 mantissa bits; used by the tests): rounding to e4m3 moves a value by at most 2^-4 of
 itself (half an ulp) in the normal range, and by at most 2^-10 x scale below it (half the smallest
@@ -41,10 +44,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from attention import common, fp8_gemm
 from attention.formats import FP8, FP8_MAX, GROUP, dequantize_fp8, num_groups, quantize_fp8
 
 BLOCK = GROUP  # 128: the weight block edge and the activation group length
-IMPLS = ("auto", "reference", "dequant")
+IMPLS = ("auto", "reference", "dequant", "pallas")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"], meta_fields=["parts"])
@@ -139,25 +143,43 @@ class Dequantized:
     w: jax.Array
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForKernel:
+    """A BlockFp8 weight that `apply` multiplies with the Pallas kernel (impl "pallas"): the blocks as
+    they are, nothing converted outside the kernel."""
+
+    w: BlockFp8
+
+
 def resolve_impl(impl: str) -> str:
+    """"reference", "dequant" or "pallas" for `impl`; "auto": "pallas" where code is shaped for a GPU
+    (`attention.common.resolve_impl` of the kernel "fp8_gemm"), else "dequant"."""
     if impl not in IMPLS:
         raise ValueError(f"fp8 matmul impl must be one of {IMPLS}, got {impl!r}")
-    return "dequant" if impl == "auto" else impl
+    if impl == "auto":
+        return "pallas" if common.resolve_impl("auto", "fp8_gemm") == "pallas" else "dequant"
+    return impl
 
 
-def prepare(w: BlockFp8, impl: str = "auto") -> BlockFp8 | Dequantized:
-    """What `apply` multiplies by under `impl`: the blocks themselves ("reference") or their float32
-    dequantisation ("dequant", computed here once)."""
-    if resolve_impl(impl) == "reference":
+def prepare(w: BlockFp8, impl: str = "auto") -> BlockFp8 | Dequantized | ForKernel:
+    """What `apply` multiplies by under `impl`: the blocks themselves ("reference"), their float32
+    dequantisation ("dequant", computed here once) or the blocks marked for the kernel ("pallas")."""
+    which = resolve_impl(impl)
+    if which == "reference":
         return w
+    if which == "pallas":
+        return ForKernel(w)
     return Dequantized(w.dequantize())
 
 
-def _weight_shape(w: BlockFp8 | Dequantized) -> tuple:
+def _weight_shape(w: BlockFp8 | Dequantized | ForKernel) -> tuple:
+    if isinstance(w, ForKernel):
+        w = w.w
     return tuple(w.q.shape if isinstance(w, BlockFp8) else w.w.shape)
 
 
-def apply(x, w: BlockFp8 | Dequantized) -> jax.Array:
+def apply(x, w: BlockFp8 | Dequantized | ForKernel) -> jax.Array:
     """x [..., K] (any float dtype) times a prepared weight [K, N] -> float32 [..., N]; the activations are
     quantised per token and group of 128 here."""
     k, shape = x.shape[-1], _weight_shape(w)
@@ -168,7 +190,9 @@ def apply(x, w: BlockFp8 | Dequantized) -> jax.Array:
     xq, xs = quantize_activations(x)
     lead = x.shape[:-1]
     xq, xs = xq.reshape(-1, k), xs.reshape(-1, xs.shape[-1])
-    if isinstance(w, BlockFp8):
+    if isinstance(w, ForKernel):
+        y = fp8_gemm.gemm(xq, xs, w.w.q, w.w.scale, parts=w.w.parts)
+    elif isinstance(w, BlockFp8):
         y = jnp.concatenate([matmul_reference(xq, xs, p) for p in w.split_columns()], axis=-1)
     else:
         y = jnp.dot(dequantize_fp8(xq, xs), w.w, preferred_element_type=jnp.float32)
@@ -177,8 +201,33 @@ def apply(x, w: BlockFp8 | Dequantized) -> jax.Array:
 
 def matmul(x, w: BlockFp8, *, impl: str = "auto") -> jax.Array:
     """x [..., K] @ w [K, N] (BlockFp8) -> float32 [..., N] with the activations quantised per token and
-    group of 128 (module docstring). impl: "auto" | "reference" | "dequant"."""
+    group of 128 (module docstring). impl: "auto" | "reference" | "dequant" | "pallas"."""
     return apply(x, prepare(w, impl))
+
+
+def ragged_matmul(x_AK, w: BlockFp8, group_sizes_E, *, impl: str = "auto") -> jax.Array:
+    """Rows x [A, K] sorted by expert, group_sizes_E [E] rows per expert (as `lax.ragged_dot` takes
+    them), each row times its expert's weight w [E, K, N] (BlockFp8) -> float32 [A, N], the activations
+    quantised per row and group of 128; rows past sum(group_sizes) are zero. "pallas" ("auto" on a GPU):
+    one grouped kernel over every expert (`fp8_gemm.grouped_gemm`); otherwise the reference form, a loop
+    over the experts at trace time (E matmuls over all rows, masked: the specification, for tests)."""
+    if w.q.ndim != 3 or group_sizes_E.shape != w.q.shape[:1]:
+        raise ValueError(f"ragged_matmul takes a weight [E, K, N] and group_sizes [E], got {list(w.q.shape)} and "
+                         f"{list(group_sizes_E.shape)}")
+    if x_AK.ndim != 2 or x_AK.shape[1] != w.q.shape[1]:
+        raise ValueError(f"x has shape {list(x_AK.shape)} but the weight has {w.q.shape[1]} rows per expert")
+    which = resolve_impl(impl)
+    if which == "pallas":
+        xq, xs = quantize_activations(x_AK)
+        return fp8_gemm.grouped_gemm(xq, xs, w.q, w.scale, group_sizes_E, parts=w.parts)
+    ends = jnp.cumsum(group_sizes_E.astype(jnp.int32))
+    row = jnp.arange(x_AK.shape[0], dtype=jnp.int32)
+    expert_A = jnp.searchsorted(ends, row, side="right", method="compare_all")  # E past the groups: no expert
+    y = jnp.zeros((x_AK.shape[0], w.q.shape[-1]), jnp.float32)
+    for e in range(w.q.shape[0]):
+        we = prepare(w[e], which)
+        y = y + jnp.where((expert_A == e)[:, None], apply(x_AK, we), 0.0)
+    return y
 
 
 def matmul_reference(xq_MK, xs_MG, w: BlockFp8) -> jax.Array:

@@ -93,8 +93,9 @@ class Row:
     """One planned measurement. op: a glm53.perfmodel.measured op or "slice"; shape: its contract keys
     (slice: kind, batch, context, chunk); block_sizes: the kernel's BlockSizes (None: not a Pallas
     kernel); default: True for the kernel's default tile sizes, False for another candidate (None: no
-    tile sizes); impl: "pallas" (the kernel), "xla" (jnp code: GEMMs, MoE), "reference" or "engine" (the
-    slice)."""
+    tile sizes); impl: "pallas" (the kernel), "auto" (fp8 GEMMs, MoE: `fp8_matmul`'s impl="auto", the
+    Pallas fp8 kernels of attention.fp8_gemm at their default sizes on a GPU, XLA's dequantised dot
+    elsewhere), "reference" or "engine" (the slice)."""
 
     priority: int
     op: str
@@ -148,12 +149,12 @@ def plan_rows(cfg, *, dry_run: bool = False, with_slice: bool = False) -> list[R
     e = cfg.n_routed_experts
     for tokens, local in ((512, e // 8), (4096, e // 8), (4096, e)):
         rows.append(Row(4, "moe", dict(tokens=n("tokens", tokens), experts_local=max(1, local),
-                                       topk=cfg.num_experts_per_tok), impl="xla"))
+                                       topk=cfg.num_experts_per_tok), impl="auto"))
     for tokens in (64, 8192):
         for name in LINEARS:
             din, dout = linear_dims(cfg, name)
             rows.append(Row(5, "linear", {"tokens": n("tokens", tokens), "in": din, "out": dout, "name": name},
-                            impl="xla"))
+                            impl="auto"))
     for batch, context in ((1, 64 * K), (8, 64 * K), (128, 64 * K), (8, 1024 * K)):
         sparse(6, batch, h, context)
     for chunk in (2 * K, 8 * K):
@@ -177,8 +178,8 @@ def plan_rows(cfg, *, dry_run: bool = False, with_slice: bool = False) -> list[R
 # ---------------------------------------------------------------------------------------- estimates
 # Pessimistic fractions of peak for the device-time estimate of a row, about half what the 2026-12-04
 # H200 run measured where one exists (sparse MLA ~1% of the bf16 peak, the indexer ~0.8% of the fp8 one,
-# results/device_check_2026-12-04b); the GEMMs and the expert loop (XLA, fp8 weights dequantised per
-# call) are guesses. Compile times are guesses too: each row records its first call (`first_call_s`), so
+# results/device_check_2026-12-04b); the fp8 GEMMs and grouped experts (attention.fp8_gemm, not yet run
+# on a GPU) are guesses. Compile times are guesses too: each row records its first call (`first_call_s`), so
 # the next run can replace them.
 ESTIMATE_FRACTION = {"sparse_mla_decode": 0.005, "sparse_mla_prefill": 0.005, "indexer_decode": 0.003,
                      "indexer_prefill": 0.003, "moe": 0.02, "linear": 0.05}

@@ -30,9 +30,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from attention import gpu_aot, hisparse, indexer, sparse_mla
-from attention.formats import IndexKeyFormat, MLARowFormat
+from attention import fp8_gemm, gpu_aot, hisparse, indexer, sparse_mla
+from attention.formats import FP8, IndexKeyFormat, MLARowFormat, num_groups
 from attention.hisparse import HotBuffer, resolve_pallas
+from experiments.bench_gpu import LINEARS, linear_dims
 from experiments.bench_model import run_metadata
 from glm53.config import get_preset
 
@@ -127,6 +128,55 @@ def candidate_cases() -> dict:
     return cases
 
 
+def fp8_linear_case(tokens: int, din: int, dout: int, parts: int = 1, block_sizes=None):
+    """`fp8_gemm.gemm`: activations quantised per 128 values [tokens, din] times fp8 blocks [din, dout]."""
+    def fn(xq, xs, wq, ws):
+        return fp8_gemm.gemm(xq, xs, wq, ws, parts=parts, block_sizes=block_sizes)
+
+    gk = num_groups(din)
+    args = (_sds((tokens, din), FP8), _sds((tokens, gk), jnp.float32), _sds((din, dout), FP8),
+            _sds((gk, parts * num_groups(dout // parts)), jnp.float32))
+    return fn, args
+
+
+def fp8_experts_case(rows: int, experts: int, din: int, dout: int, parts: int = 1, block_sizes=None):
+    """`fp8_gemm.grouped_gemm`: `rows` routed rows sorted by expert times `experts` fp8 weights [din, dout]."""
+    def fn(xq, xs, wq, ws, sizes):
+        return fp8_gemm.grouped_gemm(xq, xs, wq, ws, sizes, parts=parts, block_sizes=block_sizes)
+
+    gk = num_groups(din)
+    args = (_sds((rows, din), FP8), _sds((rows, gk), jnp.float32), _sds((experts, din, dout), FP8),
+            _sds((experts, gk, parts * num_groups(dout // parts)), jnp.float32), _sds((experts,), jnp.int32))
+    return fn, args
+
+
+def fp8_cases() -> dict:
+    """name -> (fn, abstract args): the fp8 GEMM kernels at experiments.bench_gpu's linear and moe shapes
+    (every fp8 linear layer of GLM-5.3 at 64 and 8,192 tokens; EP8's 32 local experts at 512 and 4,096
+    routed rows, all 256 at 4,096; gate|up and down), the tiny preset's and the kernel tests' odd shapes,
+    and every tile candidate (`fp8_gemm.CANDIDATES`) at a decode linear and an EP8 expert shape."""
+    glm, tiny = get_preset("glm-5.3"), get_preset("tiny")
+    cases = {}
+    for name in LINEARS:
+        din, dout = linear_dims(glm, name)
+        for tokens in (64, 8192):
+            cases[f"fp8_gemm/glm-5.3/{name}/{tokens}"] = fp8_linear_case(tokens, din, dout)
+    d, f = glm.hidden_size, glm.moe_intermediate_size
+    for experts, rows in ((32, 512), (32, 4096), (256, 4096)):
+        cases[f"fp8_grouped_gemm/glm-5.3/gate_up/{experts}x{rows}"] = fp8_experts_case(rows, experts, d, 2 * f, 2)
+        cases[f"fp8_grouped_gemm/glm-5.3/down/{experts}x{rows}"] = fp8_experts_case(rows, experts, f, d)
+    td, tf = tiny.hidden_size, tiny.moe_intermediate_size
+    cases["fp8_gemm/tiny/q_a_proj/16"] = fp8_linear_case(16, td, tiny.q_lora_rank)
+    cases["fp8_grouped_gemm/tiny/gate_up/16"] = fp8_experts_case(16, tiny.n_routed_experts, td, 2 * tf, 2)
+    cases["fp8_gemm/edge/300x130x200"] = fp8_linear_case(300, 130, 200)
+    cases["fp8_grouped_gemm/edge/45x200x192"] = fp8_experts_case(45, 4, 200, 192, 2)
+    for i, bs in enumerate(fp8_gemm.CANDIDATES):
+        cases[f"fp8_gemm/glm-5.3/q_b_proj/64/candidate{i}"] = fp8_linear_case(64, *linear_dims(glm, "q_b_proj"),
+                                                                              block_sizes=bs)
+        cases[f"fp8_grouped_gemm/glm-5.3/gate_up/32x512/candidate{i}"] = fp8_experts_case(512, 32, d, 2 * f, 2, bs)
+    return cases
+
+
 def lower_all(cases: dict) -> dict:
     """name -> {"ok", "kernels": [TritonKernel]} or {"ok": False, "error"}."""
     out = {}
@@ -174,7 +224,7 @@ def main(argv=None):
     if triton_python == "none":
         triton_python = None
 
-    lowered = lower_all(kernel_cases() | candidate_cases())
+    lowered = lower_all(kernel_cases() | candidate_cases() | fp8_cases())
     compiled = {}
     if triton_python:
         with tempfile.TemporaryDirectory() as tmp:

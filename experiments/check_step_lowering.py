@@ -48,7 +48,9 @@ arguments carry the runner's shardings, so none are expected), and anything abou
 
 Exits 1 if a step fails to lower or lacks its deployment's expected collectives (TP: all-reduces;
 PCP/DCP/EP: all-gathers, reduce-scatters or all-to-alls) or, where it runs the kernels (impl="pallas", or
-"auto" once verified), its kernels; or where it runs the references, any kernel.
+"auto" once verified), its kernels; or where it runs the references, any kernel. Steps with fp8 weights
+also run the fp8 GEMM kernels (`attention.fp8_gemm`) at every attention impl: the fp8 modules keep
+their own impl, "auto", which is the kernels on a GPU.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attention import common as attention_common
-from attention import gpu_aot
+from attention import fp8_matmul, gpu_aot
 from experiments.bench_model import run_metadata
 from glm53 import fp8 as fp8_model
 from glm53.config import get_preset
@@ -302,8 +304,11 @@ def check(rec: dict, step: Step) -> list[str]:
     # indexer is a causal tiled jnp loop with no kernel yet (attention.indexer.topk_causal_blocked)
     ops = ({"sparse_mqa"} if rec.get("form") == "mqa" else set()) | (set() if step.pcp else {"index_scores"}) | (
         {"hisparse_resolve"} if step.hisparse else set())
+    # the fp8 GEMM kernels follow the fp8 modules' own impl ("auto", whatever the step's attention impl)
+    fp8_ops = {"fp8_gemm", "fp8_grouped_gemm"} if step.fp8_weights else set()
     with gpu_aot.gpu_lowering():
         want = {k for k in ops if attention_common.resolve_impl(rec["impl"], k) == "pallas"}
+        want |= {k for k in fp8_ops if fp8_matmul.resolve_impl("auto") == "pallas"}
     missing, extra = want - set(rec["kernels"]), set(rec["kernels"]) - want
     if missing:
         out.append(f"{rec['step']} impl={rec['impl']}: kernels {sorted(missing)} not in the lowered module")
@@ -326,7 +331,7 @@ def markdown(results: dict) -> str:
              "rank overflows the first; HiSparse's row copy, the largest of its sizes); `hlo` = collective ops "
              "in the lowered StableHLO (every branch). Kernels: Pallas Triton custom calls. "
              "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form with float expert weights; fp8 experts "
-             "keep the expert loop).", "",
+             "run the `fp8_grouped_gemm` kernel instead, listed with the kernels).", "",
              "| step | impl | form | lowered | trace / lower s | kernels | grouped GEMMs | collectives (count, sent per rank) | hlo ops |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results["steps"]:

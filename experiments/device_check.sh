@@ -59,7 +59,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     # matmuls to "highest"); no preallocation, so the xdist workers share the GPU
     step kernel_tests env XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" -m pytest -q -p no:cacheprovider \
         -n "${KERNEL_WORKERS:-6}" tests/attention/test_kernels.py tests/attention/test_hisparse.py \
-        tests/attention/test_merge.py
+        tests/attention/test_merge.py tests/attention/test_fp8_gemm.py
 fi
 if [ -n "${RESUME:-}" ]; then
     cp "$RESUME/results.json" "$OUT/bench/results.json" || { echo "RESUME=$RESUME has no results.json"; exit 2; }

@@ -372,8 +372,11 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     routes other ranks' assignments to local expert 0 with weight 0), which only adds blocks.
 
     The weights are float arrays or fp8_matmul.BlockFp8 (fp8 experts: gate and up blocked separately,
-    see `Fp8Experts`; `fp8_impl` picks the fp8 matmul implementation).
+    see `Fp8Experts`; `fp8_impl` picks the fp8 matmul implementation: "pallas", which "auto" is on a
+    GPU, runs `ragged_experts` over the fp8 blocks, every expert in one grouped kernel).
     """
+    if isinstance(w_gate_up_EDF2, fp8.BlockFp8) and fp8.resolve_impl(fp8_impl) == "pallas":
+        return ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, fp8_impl="pallas")
     if gpu_shaped() and not isinstance(w_gate_up_EDF2, fp8.BlockFp8):
         return ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD)
     n, d = x_ND.shape
@@ -414,21 +417,27 @@ def grouped_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, block: int =
     return out[:n].astype(x_ND.dtype)
 
 
-def ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD):
-    """`grouped_experts` as a GPU runs it (float weights): the N*k assignments sorted by expert and each
-    projection one grouped GEMM over the expert segments (`lax.ragged_dot`), no loop over experts. The
-    same result up to float summation order; what `grouped_experts` does where code is shaped for a GPU
-    (`attention.common.gpu_shaped`). fp8 block weights keep the expert loop (no block-scaled grouped
-    GEMM yet)."""
+def ragged_experts(x_ND, idx_NK, w_NK, w_gate_up_EDF2, w_down_EFD, *, fp8_impl: str = "auto"):
+    """`grouped_experts` as a GPU runs it: the N*k assignments sorted by expert and each projection one
+    grouped GEMM over the expert segments, no loop over experts: `lax.ragged_dot` for float weights,
+    `fp8_matmul.ragged_matmul` (impl `fp8_impl`; "pallas": one block-scaled fp8 kernel) for BlockFp8 ones,
+    whose products are cast to x's dtype as the expert loop's are. The same result up to float summation
+    order; what `grouped_experts` does where code is shaped for a GPU (`attention.common.gpu_shaped`)."""
     n, d = x_ND.shape
     e, k = w_gate_up_EDF2.shape[0], idx_NK.shape[1]
     flat_e = idx_NK.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     tok_A = (jnp.arange(n * k, dtype=jnp.int32) // k)[order]  # token of each expert-sorted assignment
     sizes_E = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-    gate_up_AF2 = jax.lax.ragged_dot(x_ND[tok_A], w_gate_up_EDF2, sizes_E)
+    if isinstance(w_gate_up_EDF2, fp8.BlockFp8):
+        def product(x, w):
+            return fp8.ragged_matmul(x, w, sizes_E, impl=fp8_impl).astype(x.dtype)
+    else:
+        def product(x, w):
+            return jax.lax.ragged_dot(x, w, sizes_E)
+    gate_up_AF2 = product(x_ND[tok_A], w_gate_up_EDF2)
     gate, up = jnp.split(gate_up_AF2, 2, axis=-1)
-    y_AD = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down_EFD, sizes_E)
+    y_AD = product(jax.nn.silu(gate) * up, w_down_EFD)
     y_AD = y_AD * w_NK.reshape(-1)[order][:, None].astype(y_AD.dtype)
     return jnp.zeros((n, d), y_AD.dtype).at[tok_A].add(y_AD).astype(x_ND.dtype)
 

@@ -331,11 +331,12 @@ class Fp8Slice:
       may straddle ranks. Its scale is the group's max |x| over the ranks that hold it: each rank's maxima
       per fine group are all-gathered over the TP axes (T x K/T / fine_block floats per token), so every
       rank quantises its values with the one-device scale. The caller all-reduces the partial products.
-    Only the "dequant" form ("auto") is built here: the "reference" block GEMM under straddling blocks
-    raises NotImplementedError."""
+    Only the "dequant" form is built here, and "auto" and "pallas" run it too (on a GPU too: the Pallas
+    kernel multiplies whole 128 x 128 blocks); the "reference" block GEMM under straddling blocks raises
+    NotImplementedError."""
 
     def __init__(self, linear: Fp8Linear, split: str, axes):
-        if fp8_matmul.resolve_impl(linear.impl) != "dequant":
+        if fp8_matmul.resolve_impl(linear.impl) == "reference":
             raise NotImplementedError(
                 f"tensor parallelism of an fp8 layer whose 128 x 128 blocks straddle the ranks (weight "
                 f"{list(linear.weight.shape)}) with fp8 impl {linear.impl!r}: only 'auto' / 'dequant' is built")

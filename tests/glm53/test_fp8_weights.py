@@ -156,12 +156,13 @@ def test_matmul_zero_rows_huge_range_and_bad_input():
     w = fp8_matmul.quantize_blocks(np.eye(128, 16, dtype=np.float32) * 3)
     x = np.zeros((4, 128), np.float32)
     x[1, 0], x[2, 0], x[3, 0] = 1e30, 5e-5, 1e-30
-    y = np.asarray(fp8_matmul.matmul(x, w, impl="reference"))
-    assert np.isfinite(y).all() and (y[0] == 0).all()
-    assert y[1, 0] == pytest.approx(3e30, rel=1e-6)
-    assert y[2, 0] == pytest.approx(1.5e-4, rel=2 ** -4) and y[3, 0] == 0
+    for impl in ("reference", "pallas"):  # the Pallas kernel (attention.fp8_gemm) in interpret mode too
+        y = np.asarray(fp8_matmul.matmul(x, w, impl=impl))
+        assert np.isfinite(y).all() and (y[0] == 0).all()
+        assert y[1, 0] == pytest.approx(3e30, rel=1e-6)
+        assert y[2, 0] == pytest.approx(1.5e-4, rel=2 ** -4) and y[3, 0] == 0
     with pytest.raises(ValueError, match="impl must be one of"):
-        fp8_matmul.matmul(x, w, impl="pallas")
+        fp8_matmul.matmul(x, w, impl="triton")
     w16 = fp8_matmul.BlockFp8(jnp.zeros((16, 4), jnp.float8_e4m3fn), jnp.ones((1, 1)))
     with pytest.raises(ValueError, match="x has 17 values per token but the weight has 16 rows"):
         fp8_matmul.matmul(np.zeros((2, 17), np.float32), w16)
