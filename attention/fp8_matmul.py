@@ -28,7 +28,8 @@ Three implementations compute it (`impl`):
   converted to bfloat16 in registers (no float copy of the weight in memory); the routed experts' grouped
   form (`ragged_matmul`) runs every expert in one kernel. Off a GPU they run in interpret mode (tests).
 "auto" is "pallas" where code is shaped for a GPU (`attention.common.resolve_impl`, kernel "fp8_gemm")
-and "dequant" elsewhere.
+once the kernels have been run and checked on one (`attention.common.NOT_YET_CHECKED_ON_GPU`), and
+"dequant" elsewhere.
 
 Error bound (3 mantissa bits; used by the tests): rounding to e4m3 moves a value by at most 2^-4 of
 itself (half an ulp) in the normal range, and by at most 2^-10 x scale below it (half the smallest
@@ -153,8 +154,8 @@ class ForKernel:
 
 
 def resolve_impl(impl: str) -> str:
-    """"reference", "dequant" or "pallas" for `impl`; "auto": "pallas" where code is shaped for a GPU
-    (`attention.common.resolve_impl` of the kernel "fp8_gemm"), else "dequant"."""
+    """"reference", "dequant" or "pallas" for `impl`; "auto": "pallas" where `attention.common.resolve_impl`
+    runs the kernel "fp8_gemm" (code shaped for a GPU, the kernel checked there), else "dequant"."""
     if impl not in IMPLS:
         raise ValueError(f"fp8 matmul impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":

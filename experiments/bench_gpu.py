@@ -77,6 +77,9 @@ SLICE_PREFILL = ((8 * K, 0), (8 * K, 64 * K))  # (chunk, cached context)
 # The fp8 linear layers of a decoder layer, by module name (`linear_dims`: their in and out widths).
 LINEARS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b", "indexer.wk", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
+# The fp8 GEMM rows are timed in both forms: the Pallas kernels (attention.fp8_gemm) and "auto", which
+# stays XLA's dequantised dot on a GPU until the kernels are checked there (NOT_YET_CHECKED_ON_GPU).
+FP8_IMPLS = ("pallas", "auto")
 
 
 def linear_dims(cfg, name: str) -> tuple[int, int]:
@@ -93,9 +96,10 @@ class Row:
     """One planned measurement. op: a glm53.perfmodel.measured op or "slice"; shape: its contract keys
     (slice: kind, batch, context, chunk); block_sizes: the kernel's BlockSizes (None: not a Pallas
     kernel); default: True for the kernel's default tile sizes, False for another candidate (None: no
-    tile sizes); impl: "pallas" (the kernel), "auto" (fp8 GEMMs, MoE: `fp8_matmul`'s impl="auto", the
-    Pallas fp8 kernels of attention.fp8_gemm at their default sizes on a GPU, XLA's dequantised dot
-    elsewhere), "reference" or "engine" (the slice)."""
+    tile sizes); impl: "pallas" (the kernel; for fp8 GEMMs and the MoE, attention.fp8_gemm's kernels
+    at their default sizes), "auto" (fp8 GEMMs, MoE: `fp8_matmul`'s impl="auto", which is what the model
+    runs: the kernels once checked on a GPU, XLA's dequantised dot before and elsewhere), "reference" or
+    "engine" (the slice)."""
 
     priority: int
     op: str
@@ -148,13 +152,15 @@ def plan_rows(cfg, *, dry_run: bool = False, with_slice: bool = False) -> list[R
     rows.extend(Row(3, "indexer_decode", shape, c, i == 0) for i, c in enumerate(indexer.CANDIDATES))
     e = cfg.n_routed_experts
     for tokens, local in ((512, e // 8), (4096, e // 8), (4096, e)):
-        rows.append(Row(4, "moe", dict(tokens=n("tokens", tokens), experts_local=max(1, local),
-                                       topk=cfg.num_experts_per_tok), impl="auto"))
+        for impl in FP8_IMPLS:
+            rows.append(Row(4, "moe", dict(tokens=n("tokens", tokens), experts_local=max(1, local),
+                                           topk=cfg.num_experts_per_tok), impl=impl))
     for tokens in (64, 8192):
         for name in LINEARS:
             din, dout = linear_dims(cfg, name)
-            rows.append(Row(5, "linear", {"tokens": n("tokens", tokens), "in": din, "out": dout, "name": name},
-                            impl="auto"))
+            for impl in FP8_IMPLS:
+                rows.append(Row(5, "linear", {"tokens": n("tokens", tokens), "in": din, "out": dout,
+                                              "name": name}, impl=impl))
     for batch, context in ((1, 64 * K), (8, 64 * K), (128, 64 * K), (8, 1024 * K)):
         sparse(6, batch, h, context)
     for chunk in (2 * K, 8 * K):
@@ -502,7 +508,7 @@ class Bench:
         from glm53.layers import grouped_experts
 
         def fn(x, idx, w, gq, gs, dq, ds):
-            return grouped_experts(x, idx, w, BlockFp8(gq, gs, 2), BlockFp8(dq, ds))
+            return grouped_experts(x, idx, w, BlockFp8(gq, gs, 2), BlockFp8(dq, ds), fp8_impl=row.impl)
 
         return jax.jit(fn)
 
@@ -511,11 +517,11 @@ class Bench:
 
     def _fn_linear(self, row: Row):
         """One fp8 linear layer as glm53.layers.Fp8Linear runs it: bf16 activations [tokens, in] times fp8
-        blocks [in, out] (fp8_matmul.matmul, impl "auto"), the output cast back to bf16."""
+        blocks [in, out] (fp8_matmul.matmul at the row's impl), the output cast back to bf16."""
         from attention import fp8_matmul
 
         def fn(x, q, scale):
-            return fp8_matmul.matmul(x, fp8_matmul.BlockFp8(q, scale)).astype(x.dtype)
+            return fp8_matmul.matmul(x, fp8_matmul.BlockFp8(q, scale), impl=row.impl).astype(x.dtype)
 
         return jax.jit(fn)
 

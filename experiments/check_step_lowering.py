@@ -49,8 +49,8 @@ arguments carry the runner's shardings, so none are expected), and anything abou
 Exits 1 if a step fails to lower or lacks its deployment's expected collectives (TP: all-reduces;
 PCP/DCP/EP: all-gathers, reduce-scatters or all-to-alls) or, where it runs the kernels (impl="pallas", or
 "auto" once verified), its kernels; or where it runs the references, any kernel. Steps with fp8 weights
-also run the fp8 GEMM kernels (`attention.fp8_gemm`) at every attention impl: the fp8 modules keep
-their own impl, "auto", which is the kernels on a GPU.
+run the fp8 GEMM kernels (`attention.fp8_gemm`) at every attention impl once those are checked on a GPU
+(`attention.common.NOT_YET_CHECKED_ON_GPU`): the fp8 modules keep their own impl, "auto".
 """
 
 from __future__ import annotations
@@ -331,7 +331,8 @@ def markdown(results: dict) -> str:
              "rank overflows the first; HiSparse's row copy, the largest of its sizes); `hlo` = collective ops "
              "in the lowered StableHLO (every branch). Kernels: Pallas Triton custom calls. "
              "Grouped GEMMs: `chlo.ragged_dot` ops (the MoE's GPU form with float expert weights; fp8 experts "
-             "run the `fp8_grouped_gemm` kernel instead, listed with the kernels).", "",
+             "keep the expert loop until `fp8_grouped_gemm` is checked on a GPU, then run it, listed with the "
+             "kernels).", "",
              "| step | impl | form | lowered | trace / lower s | kernels | grouped GEMMs | collectives (count, sent per rank) | hlo ops |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results["steps"]:

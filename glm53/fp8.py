@@ -110,7 +110,7 @@ def quantize(model: nnx.Module, *, modules_to_not_convert=(), impl: str = "auto"
 
 def with_impl(model: nnx.Module, impl: str) -> nnx.Module:
     """A copy of `model` (sharing its arrays) whose fp8 modules use the fp8 matmul implementation `impl`
-    ("auto", "reference", "dequant"). A copy, not an in-place change: the jitted steps of a model
+    ("auto", "reference", "dequant", "pallas"). A copy, not an in-place change: the jitted steps of a model
     (`glm53.model.compiled`) are cached per model object and keyed on its arrays, not its graph."""
     fp8_matmul.resolve_impl(impl)
     copy = nnx.merge(*nnx.split(model))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from attention import gpu_aot
+from attention import common, fp8_matmul, gpu_aot
 from glm53.config import get_preset
 from glm53.fp8 import with_impl
 from glm53.layers import MoE, Fp8Experts, Fp8Linear, Linear
@@ -67,6 +67,25 @@ def _float_arrays_of_weight_shape(text: str, shapes: set) -> list[str]:
 @pytest.fixture(scope="module")
 def cfg():
     return get_preset("glm-5.3")
+
+
+@pytest.fixture(autouse=True)
+def checked_on_gpu(monkeypatch):
+    """The lowering "auto" gives once a device run has checked the fp8 kernels on a GPU (until then
+    `attention.common.NOT_YET_CHECKED_ON_GPU` keeps "auto" on the dequantised dot: the test below)."""
+    monkeypatch.setattr(common, "NOT_YET_CHECKED_ON_GPU", common.NOT_YET_CHECKED_ON_GPU - {"fp8_gemm"})
+
+
+def test_auto_waits_for_a_gpu_check(monkeypatch):
+    """Kernels never run on a GPU are not what "auto" picks there: "dequant" while fp8_gemm is unchecked,
+    "pallas" once checked; "pallas" by name either way; never the kernels off a GPU."""
+    with gpu_aot.gpu_lowering():
+        assert fp8_matmul.resolve_impl("auto") == "pallas"  # the fixture: checked
+        monkeypatch.setattr(common, "NOT_YET_CHECKED_ON_GPU", frozenset({"fp8_gemm"}))
+        assert fp8_matmul.resolve_impl("auto") == "dequant" and fp8_matmul.resolve_impl("pallas") == "pallas"
+        assert common.resolve_impl("auto", "sparse_mqa") == "pallas"  # other kernels unaffected
+    monkeypatch.setattr(common, "NOT_YET_CHECKED_ON_GPU", frozenset())
+    assert fp8_matmul.resolve_impl("auto") == "dequant"  # not shaped for a GPU
 
 
 def _x(cfg):

@@ -136,11 +136,12 @@ def test_slice_memory_plan_fits_the_full_size_slice_and_skips_what_would_not_fit
 
 
 def _four_linear_rows(monkeypatch):
-    """Runs of four tiny fp8 linear rows (the cheapest rows), for the tests of the run's bookkeeping."""
+    """Runs of four tiny fp8 linear rows (the cheapest rows: "auto", no interpret-mode kernel), for the
+    tests of the run's bookkeeping."""
     plan = bench_gpu.plan_rows
 
     def four(cfg, **kw):
-        return [r for r in plan(cfg, **kw) if r.op == "linear"][:4]
+        return [r for r in plan(cfg, **kw) if r.op == "linear" and r.impl == "auto"][:4]
 
     monkeypatch.setattr(bench_gpu, "plan_rows", four)
 
@@ -204,8 +205,10 @@ def test_full_size_plan_and_its_device_time_estimate():
     assert len(by_op["sparse_mla_decode"]) == 4 + len(sparse_mla.CANDIDATES) - 1 + 4
     assert {(r.shape["batch"], r.shape["heads"]) for r in by_op["sparse_mla_decode"] if r.priority == 2} == {
         (32, 64), (64, 64), (32, 8), (64, 8)}
-    assert [r.shape["experts_local"] for r in by_op["moe"]] == [32, 32, 256]
-    assert len(by_op["linear"]) == 18 and len(by_op["slice"]) == 11
+    # the fp8 rows in both forms: the Pallas kernels and what "auto" runs
+    assert [(r.shape["experts_local"], r.impl) for r in by_op["moe"]] == [
+        (32, "pallas"), (32, "auto"), (32, "pallas"), (32, "auto"), (256, "pallas"), (256, "auto")]
+    assert len(by_op["linear"]) == 36 and len(by_op["slice"]) == 11
     est = {r.key(): bench_gpu.estimate_s(r, cfg, bench_gpu.REPEATS) for r in rows}
     pre = sorted(by_op["sparse_mla_prefill"], key=lambda r: r.shape["chunk"])
     assert est[pre[0].key()] < est[pre[1].key()]  # a 8K chunk costs more than a 2K one

@@ -35,17 +35,17 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
     assert set(dec["collectives"]) == {"psum"}
     assert dec["collectives"]["psum"]["count"] == 2 * layers and dec["collectives"]["psum"]["ranks"] == [8]
     assert dec["collective_ops_in_stablehlo"] == {"psum": 2 * layers}
-    # its MoE layers (float weights) run as two grouped GEMMs each; the fp8-weight steps as two grouped fp8
-    # kernels each (below), and every fp8 linear layer as an fp8 GEMM kernel
+    # its MoE layers (float weights) run as two grouped GEMMs each; the fp8-weight steps keep XLA's
+    # dequantised loop while the fp8 kernels wait for their GPU check (attention.common.NOT_YET_CHECKED_ON_GPU;
+    # their lowering "once checked" is tests/attention/test_fp8_gpu_lowering.py's)
     from glm53.config import get_preset
 
     moe_layers = get_preset("tiny").mlp_layer_types[:layers].count("sparse")
     assert moe_layers > 0 and dec["grouped_gemms"] == 2 * moe_layers
     assert by["pcp8_dcp8_ep8_prefill", "auto"]["grouped_gemms"] == 0
     for impl in ("auto", "reference", "pallas"):
-        assert by["pcp8_dcp8_ep8_prefill", impl]["kernels"]["fp8_grouped_gemm"] == 2 * moe_layers
-        # DP x EP: the experts run in each of the two dispatch rounds (the second in a branch)
-        assert by["dp8_ep8_decode", impl]["kernels"]["fp8_grouped_gemm"] == 4 * moe_layers
+        for step in ("pcp8_dcp8_ep8_prefill", "dp8_ep8_decode"):
+            assert not {"fp8_gemm", "fp8_grouped_gemm"} & set(by[step, impl]["kernels"])
     # TP8 prefill: the same two all-reduces per layer, now of a [1, chunk, hidden] activation
     pre_tp = by["tp8_prefill", "auto"]
     assert pre_tp["collectives"]["psum"]["count"] == 2 * layers and set(pre_tp["collectives"]) == {"psum"}
@@ -88,10 +88,8 @@ def test_steps_lower_with_their_collectives_and_kernels(report):
         assert 0 < cap1 < cap and a2a["conditional_sent_bytes_per_rank"] > 0
         assert abs(a2a["sent_bytes_per_rank"] * (cap - cap1) - a2a["conditional_sent_bytes_per_rank"] * cap1) <= (
             1e-6 * a2a["sent_bytes_per_rank"] * cap)
-    # impl="auto" lowers the (verified) Pallas kernels through Triton; impl="reference" runs no attention
-    # kernel (the fp8 weights' kernels follow the fp8 modules' impl)
-    assert by["tp8_decode", "reference"]["kernels"] == {}
-    assert set(by["pcp8_dcp8_ep8_prefill", "reference"]["kernels"]) == {"fp8_gemm", "fp8_grouped_gemm"}
+    # impl="auto" lowers the (verified) Pallas kernels through Triton; impl="reference" runs none
+    assert by["tp8_decode", "reference"]["kernels"] == {} and by["pcp8_dcp8_ep8_prefill", "reference"]["kernels"] == {}
     assert set(by["tp8_decode", "auto"]["kernels"]) == {"sparse_mqa", "index_scores"}
     assert "sparse_mqa" in pre["kernels"]
     assert "| tp8_decode | auto |" in md and "| tp8_decode | reference |" in md
