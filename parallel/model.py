@@ -45,8 +45,9 @@ from parallel.cp_cache import CpKVCache
 class _ExpertParallel:
     """A MoE layer's forward under expert parallelism (see the module docstring)."""
 
-    def __init__(self, moe: MoE, axis: str, tokens_split: bool, valid_BT=None):
+    def __init__(self, moe: MoE, axis: str, tokens_split: bool, valid_BT=None, rounds=None):
         self.moe, self.axis, self.tokens_split, self.valid_BT = moe, axis, tokens_split, valid_BT
+        self.rounds = rounds  # None, or the list `ep.moe_local` reports its rounds' slots to
 
     def __call__(self, x_BTD):
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -56,7 +57,7 @@ class _ExpertParallel:
         # step's (the last layer under last_only) dispatches all of them
         valid = self.valid_BT
         valid_N = valid.reshape(-1) if valid is not None and valid.shape == x_BTD.shape[:2] else None
-        return ep.moe_local(self.moe, x_ND, axis=self.axis, valid_N=valid_N).reshape(x_BTD.shape)
+        return ep.moe_local(self.moe, x_ND, axis=self.axis, valid_N=valid_N, rounds=self.rounds).reshape(x_BTD.shape)
 
 
 def cache_specs(cache: CpKVCache):
@@ -154,10 +155,11 @@ def dp_cache_specs(cache: PagedKVCache, axis: str = "dp"):
     return jax.tree.map(lambda _: P(axis), cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "axis", "last_only"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "axis", "last_only",
+                                             "count_rounds"),
                    donate_argnames=("cache",))
 def forward_dp(state, tokens, positions, cache: PagedKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
-               axis: str = "dp", last_only: bool = False):
+               axis: str = "dp", last_only: bool = False, count_rounds: bool = False):
     """N data-parallel ranks that share their routed experts (BRIEF §3's "DP8 decode ranks with EP8"):
     `GLM53.__call__` in one shard_map over `axis`, each rank on its own requests and its own KV pool
     (attention entirely local, no collective), the routed experts split over the ranks (`place_state`
@@ -166,19 +168,27 @@ def forward_dp(state, tokens, positions, cache: PagedKVCache, *, graphdef, mesh,
     inputs: tokens / positions [N * B, T] int32 (-1 = padding), cache as `dp_cache_specs` lays it out
     (donated). Every rank runs every step (a rank without work passes padding rows, as vLLM's DP ranks
     run dummy batches): the all-to-alls need all N. Equal, per rank, to one device running that rank's
-    batch alone, up to float summation order (tests/parallel/test_model_cp.py)."""
+    batch alone, up to float summation order (tests/parallel/test_model_cp.py).
+
+    count_rounds: also return int32 [N * L, 2], each rank's (first-round slots, second-round slots taken)
+    of its L MoE layers in order (`parallel.ep.moe_local`'s `rounds`; the same on every rank, since every
+    rank takes a round together), from which the engine counts the all-to-all bytes."""
     specs = dp_cache_specs(cache, axis)
 
     def body(state, tokens, positions, cache):
         model = nnx.merge(graphdef, state)
+        rounds = []
         for layer in model.layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp = _ExpertParallel(layer.mlp, axis, True, positions >= 0)
+                layer.mlp = _ExpertParallel(layer.mlp, axis, True, positions >= 0, rounds)
         hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl, last_only=last_only)
+        if count_rounds:
+            return hidden, cache, jax.numpy.stack(rounds) if rounds else jax.numpy.zeros((0, 2), jax.numpy.int32)
         return hidden, cache
 
+    out_specs = (P(axis), specs, P(axis)) if count_rounds else (P(axis), specs)
     return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axis, True), P(axis), P(axis), specs),
-                         out_specs=(P(axis), specs), check_vma=False)(state, tokens, positions, cache)
+                         out_specs=out_specs, check_vma=False)(state, tokens, positions, cache)
 
 
 def _replicated_map(method, state, args, cache: CpKVCache, *, graphdef, mesh, expert_parallel: bool,

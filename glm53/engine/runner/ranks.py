@@ -1,0 +1,93 @@
+"""One step of every DP x EP rank as one set of programs (`DeployConfig.experts_across_ranks`).
+
+Each rank has its own scheduler, so a step is N plans, one per rank (None: the rank has nothing to run).
+They run together because the ranks share the routed experts: every MoE layer's all-to-all needs all N
+ranks in the same program (`parallel.model.forward_dp`), so a rank with no rows of some width still
+passes that program padding rows (vLLM's dummy batches).
+
+- Transfers: each rank's, in plan order, on its own slice of the pool and of the host pools (rank r's
+  block b is page r x num_blocks + b of the runner's arrays, its host page h is r x host_blocks + h:
+  the slices the "dp" split puts on rank r's device and its host memory).
+- Forwards: one per width bucket present on any rank, in order of first appearance; every rank gets the
+  same number of rows R (the most any rank pads its group to, a power of two) and the widest window,
+  rank-major, so the programs are the one-device buckets with N x R rows (`ModelRunner.bucket_shapes`).
+- Sampling: once over all N x R rows; each rank's result holds its own requests' tokens.
+
+Not built here: MTP (verify and drafts on the "dp" mesh), a policy's device half with views (HiSparse)
+and secondary tiers; the engine refuses them under this layout before allocating anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from glm53.engine.plan import PlanRow, StepPlan, StepResult
+from glm53.engine.request import SamplingParams
+from glm53.engine.runner.batch import forward_groups
+from kvcache.transfer import LoadKV, PageCopy, SaveKV
+
+# a padding row: no tokens (positions all -1, nothing written), no table, never samples
+_PAD = PlanRow("", 0, np.zeros(0, np.int32), False, SamplingParams(), 0)
+
+
+def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int]):
+    """Rank `rank`'s transfer `op` (ids local to its slices) -> the same operation on the runner's arrays."""
+    dev = rank * num_blocks
+    if isinstance(op, PageCopy):
+        host = rank * host_blocks[op.group]
+        src, dst = (dev, host) if op.direction == "d2h" else (host, dev)
+        return dataclasses.replace(op, src=tuple(b + src for b in op.src), dst=tuple(b + dst for b in op.dst))
+    if isinstance(op, (SaveKV, LoadKV)):
+        return dataclasses.replace(op, blocks=tuple((g, tuple(b + dev for b in bs)) for g, bs in op.blocks))
+    raise NotImplementedError(f"{type(op).__name__} transfers under DP x EP (data_parallel_size with "
+                              "enable_expert_parallel)")
+
+
+def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult | None]:
+    """Run `plans` (one per rank, None for a rank without one) as one step of `runner` (a ModelRunner whose
+    strategy is `DataParallelExperts`) -> each rank's StepResult (None where its plan was None)."""
+    n = runner.fwd.ranks
+    if len(plans) != n:
+        raise ValueError(f"{len(plans)} plans for {n} ranks")
+    if runner.k:
+        raise NotImplementedError("MTP under DP x EP (data_parallel_size with enable_expert_parallel)")
+    host_blocks = dict(runner.sizes.host_blocks or {})
+    moved = [(0, 0)] * n
+    groups: dict[int, dict[int, tuple[list[int], int, int]]] = {}  # width -> rank -> (row indices, padded, window)
+    for r, plan in enumerate(plans):
+        if plan is None:
+            continue
+        if plan.policy_rows is not None or any(row.num_draft_tokens for row in plan.rows):
+            raise NotImplementedError("policy rows or draft tokens under DP x EP")
+        ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks) for op in plan.transfers)
+        runner.cache, d2h, h2d = runner.host.apply(ops, runner.cache)
+        moved[r] = (d2h, h2d)
+        for width, idx, padded, window in forward_groups(plan.rows, runner.max_tokens, runner.capacity,
+                                                         runner.verify_width):
+            groups.setdefault(width, {})[r] = (idx, padded, window)
+    tokens: dict[str, tuple[int, ...]] = {}
+    for width, per in groups.items():
+        rows_per_rank = max(p for _, p, _ in per.values())
+        window = max(w for _, _, w in per.values())
+        rows, t_mla, t_idx = [], [], []
+        for r in range(n):
+            idx = per[r][0] if r in per else []
+            plan = plans[r]
+            rows += [plan.rows[i] for i in idx] + [_PAD] * (rows_per_rank - len(idx))
+            t_mla += [plan.block_tables["mla"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
+            t_idx += [plan.block_tables["indexer"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
+        out, _ = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window)
+        tokens.update(out)
+    loads = runner.host.poll_tiers(wait_s=0.0)
+    results: list[StepResult | None] = []
+    for r, plan in enumerate(plans):
+        if plan is None:
+            results.append(None)
+            continue
+        mine = {row.req_id: tokens[row.req_id] for row in plan.rows if row.req_id in tokens}
+        results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r],
+                                  tier_loads=loads if r == 0 else ()))
+    return results
