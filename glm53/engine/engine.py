@@ -10,7 +10,12 @@ engine step steps every replica that has work, each with the same three calls:
 Replica i runs on devices [i * N, (i + 1) * N) of the process's devices (N =
 DeployConfig.devices_per_replica: its context axis max(PCP, DCP), or its TP ranks, which DCP reuses),
 with its own copy of the weights, block pool and host pools; replicas share nothing, so a request's
-tokens do not depend on which replica serves it (vLLM's data parallelism). Routing happens at
+tokens do not depend on which replica serves it (vLLM's data parallelism). Under DP x EP
+(DeployConfig.experts_across_ranks: one device per rank, enable_expert_parallel) the ranks share the
+routed experts: each keeps its own scheduler, but one runner drives every rank's device, and a step
+schedules every rank, runs their plans as one step (`ModelRunner.execute_ranks`: every MoE layer's
+all-to-all needs all ranks; a rank without work passes padding rows) and updates each rank with its
+own results. Routing happens at
 admission: a request with a salt (a user or session key; experiments.workloads salts every turn of a
 user's sessions) goes to the replica that served that salt before, so later turns find their prefix in
 that replica's cache; a new salt, or none, goes to the replica with the fewest unfinished requests
