@@ -55,6 +55,7 @@ from glm53.engine.pd import PdQueries
 from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestError, RequestOutput, SamplingParams, is_utf8
 from glm53.engine.runner import ModelRunner
+from glm53.engine.runner.ranks import first_round_all2all_bytes
 from glm53.engine.scheduler import BLOCK_USES, Scheduler, SchedulerStats
 from glm53.engine.spec_decode import SpecDecodeStats
 from glm53.model import as_token_array
@@ -212,6 +213,8 @@ class Engine(PdQueries):
         self._lockstep = d.experts_across_ranks and runners is None  # DP x EP: the ranks' plans run as one step
         self.dp_rank_tokens = [0] * dp  # per replica: tokens its plans scheduled
         self.dp_idle_rank_steps = 0  # over steps that computed: replicas without rows
+        self._all2all_estimate = 0  # DP x EP on injected runners: ep_all2all_bytes from the plans
+        self._itemsize = jnp.dtype(dtype).itemsize  # bytes of a hidden-state value (what the all-to-alls move)
         self._steps_begun = self._steps_ended = 0  # `step` calls begun and returned (`parked` reads them)
         self._ids = itertools.count()
         self.observers: list = []  # each has on_step(engine, tokens, finished requests), called after every step
@@ -476,6 +479,8 @@ class Engine(PdQueries):
             self.dp_rank_tokens[r] += n
         if any(rows):
             self.dp_idle_rank_steps += sum(n == 0 for n in rows)
+        if self.deploy.experts_across_ranks and not self._lockstep:  # a simulator's ranks: the plans' first rounds
+            self._all2all_estimate += first_round_all2all_bytes(plans, self.cfg, self.deploy, self._itemsize)
 
     def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:
         """Finish the requests of replica r's `plan`, whose execution raised `error`, with finish_reason
@@ -598,9 +603,9 @@ class Engine(PdQueries):
         if len(self.replicas) > 1:  # the ranks' balance: under DP x EP an idle rank still runs padding rows
             out["dp_rank_tokens"] = list(self.dp_rank_tokens)
             out["dp_idle_rank_steps"] = self.dp_idle_rank_steps
-        all2all = getattr(self.replicas[0].runner, "all2all_bytes", None)
-        if self.deploy.experts_across_ranks and all2all is not None:  # the ranks' one runner (or a simulator's)
-            out["ep_all2all_bytes"] = all2all()
+        if self.deploy.experts_across_ranks:  # measured by the ranks' one runner, else the plans' first rounds
+            out["ep_all2all_bytes"] = (self.replicas[0].runner.all2all_bytes() if self._lockstep
+                                       else self._all2all_estimate)
         weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
         if None not in weights:  # the model runner's (1/tp of the split weights under TP)
             out["weights_bytes_per_device"] = max(weights)

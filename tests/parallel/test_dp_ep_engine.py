@@ -60,6 +60,9 @@ def test_dp4_ep4_ranks_equal_one_device_each_and_compile_nothing_after_warmup(sm
     assert {r for r, _, _ in shapes} == {4, 8} and len(shapes) == 8  # every program carries all four ranks
     assert runner.warmup() == len(shapes) and runner.compiled_shapes == set(shapes)
     runner.compiled_shapes.clear()
+    # the profile run's shapes carry every rank's rows too (what a GPU's pool sizing compiles)
+    assert {r % N for r, _, _ in runner.workspace_shapes()} == {0}
+    assert runner.step_workspace_bytes(runner.workspace_shapes()[:1]) > 0
     kv = runner.cache.mla[0]
     assert len(kv.sharding.device_set) == N and kv.shape[0] == N * SHAPES["num_gpu_blocks"] * SHAPES["block_size"]
 
@@ -114,6 +117,20 @@ def test_dp4_ep4_ranks_equal_one_device_each_and_compile_nothing_after_warmup(sm
     first = sum(first_round_capacity(t, k, e_local, N) for t in tokens) * per_slot
     full = sum(t * min(k, e_local) for t in tokens) * per_slot
     assert 0 < first <= m["ep_all2all_bytes"] <= full, (first, m["ep_all2all_bytes"], full)
+
+    # the simulator, on the same layout and workload, schedules the same rows: the same per-rank figures,
+    # and the first rounds' bytes in its dtype (bfloat16 rows: 2 bytes a value)
+    from glm53.engine import sim
+
+    simulated = sim.build_engine(cfg, deploy)
+    for rid, salt, _, new in work:
+        simulated.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+    while simulated.has_unfinished():
+        simulated.step()
+    s = simulated.metrics()
+    assert s["dp_rank_tokens"] == m["dp_rank_tokens"] and s["dp_idle_rank_steps"] == m["dp_idle_rank_steps"]
+    half = sum(first_round_capacity(t, k, e_local, N) for t in tokens) * all2all_bytes_per_slot(N, cfg.hidden_size, 2)
+    assert s["ep_all2all_bytes"] == half, (s["ep_all2all_bytes"], half)
 
     # weights on a device: everything but the routed experts (the `experts` modules; the shared expert is
     # replicated), and a quarter of those

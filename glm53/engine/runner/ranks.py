@@ -26,8 +26,9 @@ import numpy as np
 
 from glm53.engine.plan import PlanRow, StepPlan, StepResult
 from glm53.engine.request import SamplingParams
-from glm53.engine.runner.batch import forward_groups
+from glm53.engine.runner.batch import forward_groups, step_limits
 from kvcache.transfer import LoadKV, PageCopy, SaveKV
+from parallel.ep import all2all_bytes_per_slot, first_round_capacity
 
 # a padding row: no tokens (positions all -1, nothing written), no table, never samples
 _PAD = PlanRow("", 0, np.zeros(0, np.int32), False, SamplingParams(), 0)
@@ -46,6 +47,41 @@ def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int]):
                               "enable_expert_parallel)")
 
 
+def rank_groups(plans: Sequence[StepPlan | None], max_tokens: int, capacity: int, verify_width: int = 0
+                ) -> dict[int, dict[int, tuple[list[int], int, int]]]:
+    """The step's forwards: width -> {rank: (indices of its rows of that width, its padded rows, its
+    window)} (`batch.forward_groups` per rank), widths in order of first appearance. The forward of a width
+    runs max(padded) rows per rank over max(window)."""
+    groups: dict[int, dict[int, tuple[list[int], int, int]]] = {}
+    for r, plan in enumerate(plans):
+        if plan is not None:
+            for width, idx, padded, window in forward_groups(plan.rows, max_tokens, capacity, verify_width):
+                groups.setdefault(width, {})[r] = (idx, padded, window)
+    return groups
+
+
+def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int) -> int:
+    """Bytes one device sends by all-to-all in the first rounds of the MoE dispatch (`parallel.ep.moe_local`)
+    when DP x EP ranks run `plans` as one step, from the plans alone: per forward of width w with R rows
+    per rank, every MoE layer dispatches R w tokens per rank, but the last layer of a prefill forward
+    only each row's last one (GLM53.__call__'s last_only). What the simulator reports as
+    `ep_all2all_bytes`; the model runner measures the same plus any second rounds (routing that
+    overflows the first round's slots)."""
+    n = len(plans)
+    max_tokens, capacity = step_limits(deploy)
+    k = deploy.num_speculative_tokens
+    last = cfg.num_hidden_layers - 1
+    e_local = cfg.n_routed_experts // n
+    slots = 0
+    for width, per in rank_groups(plans, max_tokens, capacity, 1 + k if k else 0).items():
+        rows = max(p for _, p, _ in per.values())
+        for i, kind in enumerate(cfg.mlp_layer_types):
+            if kind == "sparse":
+                tokens = rows if width > 1 + k and i == last else rows * width
+                slots += first_round_capacity(tokens, cfg.num_experts_per_tok, e_local, n)
+    return slots * all2all_bytes_per_slot(n, cfg.hidden_size, itemsize)
+
+
 def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult | None]:
     """Run `plans` (one per rank, None for a rank without one) as one step of `runner` (a ModelRunner whose
     strategy is `DataParallelExperts`) -> each rank's StepResult (None where its plan was None)."""
@@ -56,7 +92,6 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
         raise NotImplementedError("MTP under DP x EP (data_parallel_size with enable_expert_parallel)")
     host_blocks = dict(runner.sizes.host_blocks or {})
     moved = [(0, 0)] * n
-    groups: dict[int, dict[int, tuple[list[int], int, int]]] = {}  # width -> rank -> (row indices, padded, window)
     for r, plan in enumerate(plans):
         if plan is None:
             continue
@@ -65,11 +100,8 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
         ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks) for op in plan.transfers)
         runner.cache, d2h, h2d = runner.host.apply(ops, runner.cache)
         moved[r] = (d2h, h2d)
-        for width, idx, padded, window in forward_groups(plan.rows, runner.max_tokens, runner.capacity,
-                                                         runner.verify_width):
-            groups.setdefault(width, {})[r] = (idx, padded, window)
     tokens: dict[str, tuple[int, ...]] = {}
-    for width, per in groups.items():
+    for width, per in rank_groups(plans, runner.max_tokens, runner.capacity, runner.verify_width).items():
         rows_per_rank = max(p for _, p, _ in per.values())
         window = max(w for _, _, w in per.values())
         rows, t_mla, t_idx = [], [], []
