@@ -125,12 +125,10 @@ class Engine(PdQueries):
                              f"{self.cfg.n_routed_experts} do not split evenly over the {dp} ranks")
         if lockstep and runners is None:
             # a policy whose device half carries views (HiSparse) is refused by the runner's strategy
-            unbuilt = {"num_speculative_tokens": d.num_speculative_tokens,
-                       "secondary_tiers": d.offload_options["secondary_tiers"] if d.policy.uses_tiers else None}
-            unbuilt = {k: v for k, v in unbuilt.items() if v}
-            if unbuilt:
+            tiers = d.offload_options["secondary_tiers"] if d.policy.uses_tiers else None
+            if tiers:
                 raise NotImplementedError(f"DP x EP (data_parallel_size={dp} with enable_expert_parallel) does not "
-                                          f"run MTP or secondary KV tiers yet; got {unbuilt}")
+                                          f"run secondary KV tiers yet; got secondary_tiers={tiers}")
         dtype = "bfloat16" if isinstance(model, ModelConfig) else jnp.dtype(getattr(model, "dtype", jnp.float32)).name
         device = None
         if runners is None:

@@ -171,3 +171,29 @@ def test_dp4_ep4_offload_each_rank_loads_its_own_host_pages(small_model):
                                   [(f"{s}-1", first[s], 5), (f"{s}-2", second[s], 4)])
         for rid, tokens in want.items():
             assert eng.finished[rid].output_ids == tokens, rid
+
+
+@pytest.mark.multidevice
+def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(small_model):
+    """MTP with 3 drafts (CPU's sequential verify: `parallel.model.verify_dp`; the MTP layer's passes and the
+    draft chain: `mtp_forward_dp`) on two ranks: rank 0 verifies while rank 1 still prefills, then rank 1
+    alone has work (rank 0 passes padding rows through every MTP program). Each rank's greedy tokens equal
+    one device serving its requests alone with MTP3, and the MTP steps ran (drafts verified)."""
+    from glm53 import DeployConfig, Engine, SamplingParams
+
+    mtp = dict(SHAPES, num_speculative_tokens=3)
+    eng = Engine(small_model, DeployConfig(**mtp, data_parallel_size=2, enable_expert_parallel=True))
+    rng = np.random.default_rng(12)
+    vocab = small_model.cfg.vocab_size
+    work = [("a", "u0", 6, 4), ("b", "u1", 30, 9)]
+    prompts = {rid: rng.integers(0, vocab, n).astype(np.int32) for rid, _, n, _ in work}
+    for rid, salt, _, new in work:
+        eng.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.replica_of(rid) for rid, *_ in work] == [0, 1]
+    m = eng.metrics()
+    assert m["spec_num_drafts"] > 0 and m["dp_idle_rank_steps"] > 0
+    for rid, _, _, new in work:
+        want, _, _ = _serve_alone(small_model, DeployConfig(**mtp), [(rid, prompts[rid], new)])
+        assert eng.finished[rid].output_ids == want[rid], rid

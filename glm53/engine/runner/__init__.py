@@ -243,6 +243,8 @@ class ModelRunner:
         sel = np.zeros(r, np.int32)
         for i, row in enumerate(rows):
             n = stand[i]
+            if not n:  # a padding row (DP x EP: a rank with fewer rows of this width)
+                continue
             nxt[i, : n - 1] = tok[i, 1:n]
             nxt[i, n - 1] = max(final[i], 0)
             mpos[i, :n] = pos[i, :n]

@@ -284,7 +284,6 @@ class DataParallelExperts(OneDevice):
                                       "DP x EP (data_parallel_size with enable_expert_parallel)")
         self.ranks = len(devices)
         self.mesh = make_mesh(dp=self.ranks, devices=devices)
-        self._moe_layers = sum(t == "sparse" for t in runner.model.cfg.mlp_layer_types)
         self._pending: list = []  # per forward: (its MoE rounds' slots, device int32 [N L, 2]; bytes per slot)
         self._all2all = 0
 
@@ -306,41 +305,68 @@ class DataParallelExperts(OneDevice):
 
     def forward(self, tok, pos, cache, window, form, *, keep_all=False, lower=False):
         """As OneDevice's on N x R rank-major rows (hidden [N R, 1, D]: each row's last real token for a
-        prefill width). The form is the model's own "auto" choice, which each rank makes on the whole
-        width of its rows, as one device would."""
-        if keep_all:
-            raise NotImplementedError("MTP under DP x EP (data_parallel_size with enable_expert_parallel)")
+        prefill width; with keep_all also every position's). The form is the model's own "auto" choice,
+        which each rank makes on the whole width of its rows, as one device would."""
         r = self.r
         args = (r.state, jnp.asarray(tok), jnp.asarray(pos), cache)
-        kw = dict(graphdef=r.c.graphdef, mesh=self.mesh, window=window, form=form, impl=r.deploy.attention_impl,
-                  last_only=tok.shape[1] > 1)
+        kw = self._kw(window, form)
         if lower:
-            return parallel_model.forward_dp.trace(*args, **kw).lower()
-        hidden, cache, rounds = parallel_model.forward_dp(*args, **kw, count_rounds=True)
-        self._pending.append((rounds, parallel_ep.all2all_bytes_per_slot(self.ranks, hidden.shape[-1],
-                                                                          hidden.dtype.itemsize)))
+            return parallel_model.forward_dp.trace(*args, **kw, last_only=tok.shape[1] > 1).lower()
+        last_only = keep_all or tok.shape[1] > 1
+        return self._counted(parallel_model.forward_dp(*args, **kw, last_only=last_only, keep_all=keep_all,
+                                                       count_rounds=True))
+
+    def verify(self, tok, pos, cache, window, form, batched):
+        """A verify group: batched as one forward of every position, or sequential (GLM53.verify)."""
+        r = self.r
+        args = (r.state, jnp.asarray(tok), jnp.asarray(pos), cache)
+        fn = parallel_model.forward_dp if batched else parallel_model.verify_dp
+        return self._counted(fn(*args, **self._kw(window, form), count_rounds=True))
+
+    def mtp(self, hidden, nxt, mpos, cache, window, form, per_position):
+        if per_position:  # only a decode view (HiSparse) resolves per position, and none runs here
+            raise NotImplementedError("the MTP pass one position at a time under DP x EP")
+        return self._counted(parallel_model.mtp_forward_dp(self.r.state, self._rows(hidden), jnp.asarray(nxt),
+                                                           jnp.asarray(mpos), cache, **self._kw(window, form),
+                                                           count_rounds=True))
+
+    def draft(self, h, d, pos, cache, window, form):
+        return self._counted(parallel_model.mtp_forward_dp(self.r.state, self._rows(h), self._rows(d),
+                                                           jnp.asarray(pos[:, None]), cache, **self._kw(window, form),
+                                                           count_rounds=True))
+
+    def _rows(self, x):
+        """Device rows split over the ranks (a no-op for the outputs of the ranks' programs; the warm-up's
+        zeros start on one device)."""
+        return jax.device_put(x, NamedSharding(self.mesh, P("dp")))
+
+    def _kw(self, window: int, form: str) -> dict:
+        r = self.r
+        return dict(graphdef=r.c.graphdef, mesh=self.mesh, window=window, form=form, impl=r.deploy.attention_impl)
+
+    def _counted(self, out):
+        """(hidden, cache, rounds) of a program -> (hidden, cache); its rounds' slots pending as bytes."""
+        hidden, cache, rounds = out
+        h = hidden[0] if isinstance(hidden, tuple) else hidden
+        self._pending.append((rounds, parallel_ep.all2all_bytes_per_slot(self.ranks, h.shape[-1], h.dtype.itemsize)))
         if len(self._pending) > 256:
             self._fold(len(self._pending) - 1)  # all but this step's, which may still run
         return hidden, cache
 
     def _fold(self, steps: int) -> None:
         for rounds, per_slot in self._pending[:steps]:
-            self._all2all += int(np.asarray(rounds)[: self._moe_layers].sum()) * per_slot
+            mine = np.asarray(rounds)[: rounds.shape[0] // self.ranks]  # rank 0's: every rank took the same rounds
+            self._all2all += int(mine.sum()) * per_slot
         del self._pending[:steps]
 
     def all2all_bytes(self, reset: bool = False) -> int:
         """Bytes one device sent to the others by all-to-all since the start (or the last reset): every MoE
-        layer's first round and the second rounds taken (read from the forwards' device counts lazily)."""
+        layer's first round and the second rounds taken (read from the programs' device counts lazily)."""
         self._fold(len(self._pending))
         out = self._all2all
         if reset:
             self._all2all = 0
         return out
-
-    def verify(self, *args, **kw):
-        raise NotImplementedError("MTP under DP x EP (data_parallel_size with enable_expert_parallel)")
-
-    mtp = draft = verify
 
 
 def strategy_for(runner, devices) -> OneDevice:

@@ -11,10 +11,12 @@ passes that program padding rows (vLLM's dummy batches).
 - Forwards: one per width bucket present on any rank, in order of first appearance; every rank gets the
   same number of rows R (the most any rank pads its group to, a power of two) and the widest window,
   rank-major, so the programs are the one-device buckets with N x R rows (`ModelRunner.bucket_shapes`).
-- Sampling: once over all N x R rows; each rank's result holds its own requests' tokens.
+- Sampling: once over all N x R rows (under MTP the accept rule, the MTP layer's pass over the group and
+  the draft passes, each one program over every rank's rows); each rank's result holds its own
+  requests' tokens and drafts.
 
-Not built here: MTP (verify and drafts on the "dp" mesh), a policy's device half with views (HiSparse)
-and secondary tiers; the engine refuses them under this layout before allocating anything.
+Not built here: a policy's device half with views (HiSparse) and secondary tiers; the runner's strategy
+and the engine refuse them under this layout before allocating anything.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, ite
     per rank, every MoE layer dispatches R w tokens per rank, but the last layer of a prefill forward
     only each row's last one (GLM53.__call__'s last_only). What the simulator reports as
     `ep_all2all_bytes`; the model runner measures the same plus any second rounds (routing that
-    overflows the first round's slots)."""
+    overflows the first round's slots) and, under MTP, the MTP layer's passes, which this leaves out."""
     n = len(plans)
     max_tokens, capacity = step_limits(deploy)
     k = deploy.num_speculative_tokens
@@ -88,19 +90,20 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
     n = runner.fwd.ranks
     if len(plans) != n:
         raise ValueError(f"{len(plans)} plans for {n} ranks")
-    if runner.k:
-        raise NotImplementedError("MTP under DP x EP (data_parallel_size with enable_expert_parallel)")
     host_blocks = dict(runner.sizes.host_blocks or {})
     moved = [(0, 0)] * n
     for r, plan in enumerate(plans):
         if plan is None:
             continue
-        if plan.policy_rows is not None or any(row.num_draft_tokens for row in plan.rows):
-            raise NotImplementedError("policy rows or draft tokens under DP x EP")
+        if plan.policy_rows is not None:
+            raise NotImplementedError("a policy's device rows (HiSparse) under DP x EP")
+        if not runner.k and any(row.num_draft_tokens for row in plan.rows):
+            raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks) for op in plan.transfers)
         runner.cache, d2h, h2d = runner.host.apply(ops, runner.cache)
         moved[r] = (d2h, h2d)
     tokens: dict[str, tuple[int, ...]] = {}
+    drafts: dict[str, tuple[int, ...]] = {}
     for width, per in rank_groups(plans, runner.max_tokens, runner.capacity, runner.verify_width).items():
         rows_per_rank = max(p for _, p, _ in per.values())
         window = max(w for _, _, w in per.values())
@@ -111,8 +114,9 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
             rows += [plan.rows[i] for i in idx] + [_PAD] * (rows_per_rank - len(idx))
             t_mla += [plan.block_tables["mla"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
             t_idx += [plan.block_tables["indexer"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
-        out, _ = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window)
+        out, new = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window)
         tokens.update(out)
+        drafts.update(new)
     loads = runner.host.poll_tiers(wait_s=0.0)
     results: list[StepResult | None] = []
     for r, plan in enumerate(plans):
@@ -121,5 +125,6 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
             continue
         mine = {row.req_id: tokens[row.req_id] for row in plan.rows if row.req_id in tokens}
         results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r],
-                                  tier_loads=loads if r == 0 else ()))
+                                  tier_loads=loads if r == 0 else (),
+                                  drafts={rid: drafts[rid] for rid in mine if rid in drafts}))
     return results
