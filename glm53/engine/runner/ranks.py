@@ -96,7 +96,7 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
         if plan is None:
             continue
         if plan.policy_rows is not None:
-            raise NotImplementedError("a policy's device rows (HiSparse) under DP x EP")
+            raise NotImplementedError("a policy's device rows (its device half's views) under DP x EP")
         if not runner.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks) for op in plan.transfers)
