@@ -172,6 +172,8 @@ class ModelRunner:
         requests, so running them one after the other on the same cache computes exactly what one batch
         would), then sampling, and under MTP the draft passes. A group whose rows the policy's device half
         serves runs every forward with its view and leaves one record per forward."""
+        if self.fwd.ranks > 1:  # its programs carry every rank's rows
+            raise RuntimeError("a DP x EP runner runs every rank's plan together: execute_ranks")
         if not self.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
