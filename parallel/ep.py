@@ -58,7 +58,14 @@ def first_round_capacity(tokens: int, top_k: int, experts_per_rank: int, ranks: 
     return max(1, min(dispatch_capacity(tokens, top_k, experts_per_rank), math.ceil(mean + sigmas * math.sqrt(mean))))
 
 
-def moe_local(moe: MoE, x_ND, *, axis, valid_N=None, sigmas: float | None = FIRST_ROUND_SIGMAS):
+def all2all_bytes_per_slot(ranks: int, hidden_size: int, itemsize: int) -> int:
+    """Bytes one device sends to the others per dispatch slot of one round of `moe_local`: a slot is one
+    row of the [N, slots, D] send buffer per destination, of which N - 1 leave the device, twice (the row
+    out, its expert's output back), plus the int32 expert id that travels with it."""
+    return (ranks - 1) * (2 * hidden_size * itemsize + 4)
+
+
+def moe_local(moe: MoE, x_ND, *, axis, valid_N=None, sigmas: float | None = FIRST_ROUND_SIGMAS, rounds=None):
     """Expert-parallel MoE on one rank (inside `jax.shard_map` over `axis`, a name or tuple of names).
 
     `moe`: the layer with this rank's slice of the routed experts (gate_up_proj [E/N, D, 2F], down_proj
@@ -72,6 +79,9 @@ def moe_local(moe: MoE, x_ND, *, axis, valid_N=None, sigmas: float | None = FIRS
     Every dispatched assignment is computed exactly once, so the result does not depend on `sigmas`,
     which only trades buffer bytes against how often the second round runs (None: one round of the full
     capacity, the N x volume).
+
+    rounds: None, or a list this call appends one int32 [2] to: (slots of the first round, slots of the
+    second round if it ran, else 0), per destination (`all2all_bytes_per_slot` turns them into bytes).
     """
     axes = _axes(axis)
     n_ranks = math.prod(jax.lax.axis_size(a) for a in axes)
@@ -108,9 +118,13 @@ def moe_local(moe: MoE, x_ND, *, axis, valid_N=None, sigmas: float | None = FIRS
         return jnp.where(mine[:, None], back[to_A, jnp.minimum(slot, size - 1)], 0)
 
     y_AD = exchange(0, cap1)
+    second = jnp.int32(0)
     if cap1 < cap:
         overflow = jax.lax.psum(jnp.any(valid_A & (slot_A >= cap1)).astype(jnp.int32), axes) > 0
         y_AD = y_AD + jax.lax.cond(overflow, lambda: exchange(cap1, cap - cap1), lambda: jnp.zeros_like(y_AD))
+        second = overflow.astype(jnp.int32) * (cap - cap1)
+    if rounds is not None:
+        rounds.append(jnp.stack([jnp.int32(cap1), second]))
     y_AD = y_AD * w_NK.reshape(-1)[:, None].astype(y_AD.dtype)
     y_ND = jnp.sum(y_AD.reshape(n, k, d), axis=1).astype(x_ND.dtype)
     if moe.shared_experts is not None:

@@ -45,8 +45,9 @@ from parallel.cp_cache import CpKVCache
 class _ExpertParallel:
     """A MoE layer's forward under expert parallelism (see the module docstring)."""
 
-    def __init__(self, moe: MoE, axis: str, tokens_split: bool, valid_BT=None):
+    def __init__(self, moe: MoE, axis: str, tokens_split: bool, valid_BT=None, rounds=None):
         self.moe, self.axis, self.tokens_split, self.valid_BT = moe, axis, tokens_split, valid_BT
+        self.rounds = rounds  # None, or the list `ep.moe_local` reports its rounds' slots to
 
     def __call__(self, x_BTD):
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -56,7 +57,7 @@ class _ExpertParallel:
         # step's (the last layer under last_only) dispatches all of them
         valid = self.valid_BT
         valid_N = valid.reshape(-1) if valid is not None and valid.shape == x_BTD.shape[:2] else None
-        return ep.moe_local(self.moe, x_ND, axis=self.axis, valid_N=valid_N).reshape(x_BTD.shape)
+        return ep.moe_local(self.moe, x_ND, axis=self.axis, valid_N=valid_N, rounds=self.rounds).reshape(x_BTD.shape)
 
 
 def cache_specs(cache: CpKVCache):
@@ -154,10 +155,12 @@ def dp_cache_specs(cache: PagedKVCache, axis: str = "dp"):
     return jax.tree.map(lambda _: P(axis), cache)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "mesh", "window", "form", "impl", "axis", "last_only"),
-                   donate_argnames=("cache",))
+_DP_STATIC = ("graphdef", "mesh", "window", "form", "impl", "axis", "count_rounds")
+
+
+@functools.partial(jax.jit, static_argnames=_DP_STATIC + ("last_only", "keep_all"), donate_argnames=("cache",))
 def forward_dp(state, tokens, positions, cache: PagedKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
-               axis: str = "dp", last_only: bool = False):
+               axis: str = "dp", last_only: bool = False, keep_all: bool = False, count_rounds: bool = False):
     """N data-parallel ranks that share their routed experts (BRIEF §3's "DP8 decode ranks with EP8"):
     `GLM53.__call__` in one shard_map over `axis`, each rank on its own requests and its own KV pool
     (attention entirely local, no collective), the routed experts split over the ranks (`place_state`
@@ -166,19 +169,68 @@ def forward_dp(state, tokens, positions, cache: PagedKVCache, *, graphdef, mesh,
     inputs: tokens / positions [N * B, T] int32 (-1 = padding), cache as `dp_cache_specs` lays it out
     (donated). Every rank runs every step (a rank without work passes padding rows, as vLLM's DP ranks
     run dummy batches): the all-to-alls need all N. Equal, per rank, to one device running that rank's
-    batch alone, up to float summation order (tests/parallel/test_model_cp.py)."""
+    batch alone, up to float summation order (tests/parallel/test_model_cp.py). keep_all (with
+    last_only): hidden is the pair (last tokens' [N * B, 1, D], every position's [N * B, T, D]), as MTP's
+    prefill reads it.
+
+    count_rounds: also return int32 [N * L, 2], each rank's (first-round slots, second-round slots taken)
+    of the L MoE layers the program ran, in order (`parallel.ep.moe_local`'s `rounds`; the same on every
+    rank, since every rank takes a round together), from which the engine counts the all-to-all bytes."""
+    fn = lambda m, t, p, c: m(t, p, c, window=window, form=form, impl=impl, last_only=last_only,  # noqa: E731
+                              keep_all=keep_all)[:2]
+    return _dp_map(fn, state, (tokens,), positions, cache, graphdef=graphdef, mesh=mesh, axis=axis,
+                   count_rounds=count_rounds)
+
+
+@functools.partial(jax.jit, static_argnames=_DP_STATIC, donate_argnames=("cache",))
+def verify_dp(state, tokens, positions, cache: PagedKVCache, *, graphdef, mesh, window: int, form: str, impl: str,
+              axis: str = "dp", count_rounds: bool = False):
+    """`GLM53.verify` (each position a one-token decode step, lax.scan) on the ranks of `forward_dp` ->
+    (hidden [N * B, T, D], cache[, rounds]). Its rounds are counted from the shapes: each position's
+    first round per MoE layer (a second round taken inside the scan is not seen)."""
+    fn = lambda m, t, p, c: m.verify(t, p, c, window=window, form=form, impl=impl)  # noqa: E731
+    return _dp_map(fn, state, (tokens,), positions, cache, graphdef=graphdef, mesh=mesh, axis=axis,
+                   count_rounds=count_rounds, scanned=True)
+
+
+@functools.partial(jax.jit, static_argnames=_DP_STATIC, donate_argnames=("cache",))
+def mtp_forward_dp(state, h_prev, next_tokens, positions, cache: PagedKVCache, *, graphdef, mesh, window: int,
+                   form: str, impl: str, axis: str = "dp", count_rounds: bool = False):
+    """`GLM53.mtp_forward(0, ...)` on the ranks of `forward_dp` -> (hidden [N * B, T, D], cache[, rounds]):
+    the MTP layer's KV written to and read from each rank's own pool, its MoE dispatched over `axis`."""
+    fn = lambda m, h, t, p, c: m.mtp_forward(0, h, t, p, c, window=window, form=form, impl=impl)  # noqa: E731
+    return _dp_map(fn, state, (h_prev, next_tokens), positions, cache, graphdef=graphdef, mesh=mesh, axis=axis,
+                   count_rounds=count_rounds)
+
+
+def _dp_map(method, state, args, positions, cache: PagedKVCache, *, graphdef, mesh, axis: str, count_rounds: bool,
+            scanned: bool = False):
+    """`method(model, *args, positions, cache)` -> (hidden, cache) in one shard_map over `axis`, every
+    argument split on its first axis (rank-major rows), the routed experts split over the ranks and every
+    MoE layer (the MTP layer's too) dispatching the tokens at positions >= 0 by all-to-all. scanned: the
+    method runs its positions one at a time inside a lax.scan (GLM53.verify), where the rounds cannot
+    be collected: they are counted as each position's first round of each main-layer MoE."""
     specs = dp_cache_specs(cache, axis)
 
-    def body(state, tokens, positions, cache):
+    def body(state, args, positions, cache):
         model = nnx.merge(graphdef, state)
-        for layer in model.layers:
+        rounds = []
+        for layer in (*model.layers, *model.mtp):
             if isinstance(layer.mlp, MoE):
-                layer.mlp = _ExpertParallel(layer.mlp, axis, True, positions >= 0)
-        hidden, cache, _ = model(tokens, positions, cache, window=window, form=form, impl=impl, last_only=last_only)
+                layer.mlp = _ExpertParallel(layer.mlp, axis, True, positions >= 0, None if scanned else rounds)
+        hidden, cache = method(model, *args, positions, cache)
+        if scanned:
+            moes = [layer.mlp.moe for layer in model.layers if isinstance(layer.mlp, _ExpertParallel)]
+            rounds = [jax.numpy.array([positions.shape[1] * ep.first_round_capacity(
+                positions.shape[0], moe.gate.cfg.num_experts_per_tok, moe.experts.gate_up_proj.shape[0], mesh.shape[axis]), 0],
+                jax.numpy.int32) for moe in moes]
+        if count_rounds:
+            return hidden, cache, jax.numpy.stack(rounds) if rounds else jax.numpy.zeros((0, 2), jax.numpy.int32)
         return hidden, cache
 
+    out_specs = (P(axis), specs, P(axis)) if count_rounds else (P(axis), specs)
     return jax.shard_map(body, mesh=mesh, in_specs=(state_specs(state, axis, True), P(axis), P(axis), specs),
-                         out_specs=(P(axis), specs), check_vma=False)(state, tokens, positions, cache)
+                         out_specs=out_specs, check_vma=False)(state, args, positions, cache)
 
 
 def _replicated_map(method, state, args, cache: CpKVCache, *, graphdef, mesh, expert_parallel: bool,

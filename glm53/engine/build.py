@@ -84,8 +84,8 @@ def _leaf_heads(leaves):
 
 def weights_bytes(model, device, deploy: DeployConfig) -> int:
     """Bytes of the model's weights one device of a replica holds (all of them without tensor or expert
-    parallelism; parallel.tp.bytes_per_device under TP; under expert parallelism on a context mesh the
-    replicated weights and 1/N of the routed experts, parallel.model.state_specs); 0 where the KV budget
+    parallelism; parallel.tp.bytes_per_device under TP; under expert parallelism on a context mesh, or
+    over N DP x EP ranks, the replicated weights and 1/N of the routed experts, parallel.model.state_specs); 0 where the KV budget
     does not depend on them (a device that reports no memory: CPU)."""
     if not device_memory_bytes(device) or not isinstance(model, nnx.Module):
         return 0
@@ -113,6 +113,9 @@ def weights_bytes_per_device(state, cfg: ModelConfig, deploy: DeployConfig) -> i
     a `deploy` replica holds, as the model runner places it (see `weights_bytes`)."""
     if deploy.tensor_parallel_size > 1:
         return parallel_tp.bytes_per_device(state, cfg, deploy.tensor_parallel_size, deploy.enable_expert_parallel)
+    if deploy.experts_across_ranks:  # DP x EP: a rank's share of the routed experts, every other weight
+        dp = deploy.data_parallel_size
+        return parallel_mesh.bytes_per_device(state, parallel_model.state_specs(state, "dp", True), {"dp": dp})
     n = deploy.context_parallel_size
     if n > 1 and deploy.enable_expert_parallel:
         return parallel_mesh.bytes_per_device(state, parallel_model.state_specs(state, "cp", True), {"cp": n})

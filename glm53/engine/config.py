@@ -133,11 +133,14 @@ class DeployConfig:
         over the ranks) and DCP (the KV cache split round-robin over them) on one context mesh axis of
         max(PCP, DCP) devices (parallel.model); with enable_expert_parallel the routed experts are split
         over the same devices. Each is 1 or that axis size.
-    data_parallel_size: independent replicas (glm53.engine.engine), each on its own devices_per_replica devices
-        with its own scheduler and block pool; pool sizes (num_gpu_blocks, host bytes) are per replica.
-        Expert parallelism stays inside a replica: the Engine rejects enable_expert_parallel with one
-        device per replica (vLLM's DP + EP, experts shared by the DP ranks, is parallel.model.forward_dp
-        and the simulator's, not the engine's).
+    data_parallel_size: N ranks, each with its own scheduler and block pool; pool sizes (num_gpu_blocks,
+        host bytes) are per rank. Without expert parallelism across them they are independent replicas
+        (glm53.engine.engine), each on its own devices_per_replica devices with every weight. With
+        enable_expert_parallel and one device per rank (`experts_across_ranks`: vLLM's
+        `--data-parallel-size N --enable-expert-parallel`) the ranks share the routed experts, 1/N each,
+        and step in lock-step as one program (parallel.model.forward_dp); the model's routed experts must
+        split evenly over them. With TP or DCP per replica, expert parallelism stays inside each replica.
+        DP x EP with PCP is refused (not a published layout).
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (the host tier of tiered offloading: every full page is stored to a CPU prefix
         cache of cpu_offload_bytes as it fills and loaded back by a later prefix lookup,
@@ -262,6 +265,10 @@ class DeployConfig:
                 raise ValueError(f"DeployConfig.cp_kv_cache_interleave_size={self.cp_kv_cache_interleave_size} must "
                                  f"divide {name}={size}: a rank's run of interleaved tokens must not cross a block")
         # What the engine does not run yet: say so instead of silently running something else.
+        if self.data_parallel_size > 1 and self.enable_expert_parallel and pcp > 1:
+            raise ValueError(f"DeployConfig.data_parallel_size={self.data_parallel_size} with enable_expert_parallel "
+                             f"and prefill_context_parallel_size={pcp}: DP x EP with PCP is not a published layout "
+                             "(Part 2's decode ranks are one device each); drop one of them")
         tp = self.tensor_parallel_size
         if tp > 1 and (pcp > 1 or (dcp > 1 and tp % dcp)):
             raise ValueError(f"DeployConfig.tensor_parallel_size={tp} with PCP {pcp} / DCP {dcp}: DCP must divide "
@@ -499,6 +506,18 @@ class DeployConfig:
         """GPUs one replica runs on: max(TP x PCP, DCP) (DCP reuses TP ranks; on its own it is the context
         axis)."""
         return max(self.tensor_parallel_size * self.prefill_context_parallel_size, self.decode_context_parallel_size)
+
+    @property
+    def experts_across_ranks(self) -> bool:
+        """The DP x EP layout: several data-parallel ranks of one device each that share the routed
+        experts (enable_expert_parallel), so they run every step together on one mesh of
+        data_parallel_size devices (glm53.engine.engine's lock-step, parallel.model.forward_dp)."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel and self.devices_per_replica == 1
+
+    @property
+    def devices_per_runner(self) -> int:
+        """Devices one model runner drives: every rank's under DP x EP, else one replica's."""
+        return self.data_parallel_size if self.experts_across_ranks else self.devices_per_replica
 
     @property
     def context_parallel_size(self) -> int:

@@ -10,7 +10,12 @@ engine step steps every replica that has work, each with the same three calls:
 Replica i runs on devices [i * N, (i + 1) * N) of the process's devices (N =
 DeployConfig.devices_per_replica: its context axis max(PCP, DCP), or its TP ranks, which DCP reuses),
 with its own copy of the weights, block pool and host pools; replicas share nothing, so a request's
-tokens do not depend on which replica serves it (vLLM's data parallelism). Routing happens at
+tokens do not depend on which replica serves it (vLLM's data parallelism). Under DP x EP
+(DeployConfig.experts_across_ranks: one device per rank, enable_expert_parallel) the ranks share the
+routed experts: each keeps its own scheduler, but one runner drives every rank's device, and a step
+schedules every rank, runs their plans as one step (`ModelRunner.execute_ranks`: every MoE layer's
+all-to-all needs all ranks; a rank without work passes padding rows) and updates each rank with its
+own results. Routing happens at
 admission: a request with a salt (a user or session key; experiments.workloads salts every turn of a
 user's sessions) goes to the replica that served that salt before, so later turns find their prefix in
 that replica's cache; a new salt, or none, goes to the replica with the fewest unfinished requests
@@ -51,6 +56,7 @@ from glm53.engine.pd import PdQueries
 from glm53.engine.plan import Clock, Runner, WallClock
 from glm53.engine.request import Request, RequestError, RequestOutput, SamplingParams, is_utf8
 from glm53.engine.runner import ModelRunner
+from glm53.engine.runner.ranks import first_round_all2all_bytes
 from glm53.engine.scheduler import BLOCK_USES, Scheduler, SchedulerStats
 from glm53.engine.spec_decode import SpecDecodeStats
 from glm53.model import as_token_array
@@ -116,16 +122,16 @@ class Engine(PdQueries):
         if isinstance(model, ModelConfig) and runners is None:
             raise ValueError("Engine(ModelConfig): a model without weights needs a runner that runs without "
                              "them (e.g. glm53.engine.sim.SimRunner); pass runner=")
-        if runners is None and dp > 1 and d.enable_expert_parallel and n == 1:
-            # vLLM's DP + EP shares the routed experts over every DP rank; this engine's replicas are
-            # independent, so the flag would leave each one-device replica holding every expert
-            raise ValueError(f"enable_expert_parallel with data_parallel_size={dp} and one device per replica: "
-                             "the engine's data-parallel replicas are independent, so expert parallelism runs only "
-                             "over a replica's own devices (tensor_parallel_size or the context-parallel axis) and "
-                             "here would split nothing. Experts shared across DP ranks (vLLM's DP + EP) exist as "
-                             "parallel.model.forward_dp and in the simulator (runner=glm53.engine.sim.SimRunner) "
-                             "and memory plan, not in this engine: drop enable_expert_parallel, or use "
-                             "tensor_parallel_size > 1 with it")
+        lockstep = d.experts_across_ranks
+        if lockstep and self.cfg.n_routed_experts % dp:
+            raise ValueError(f"enable_expert_parallel with data_parallel_size={dp}: the model's n_routed_experts="
+                             f"{self.cfg.n_routed_experts} do not split evenly over the {dp} ranks")
+        if lockstep and runners is None:
+            # a policy whose device half carries views (HiSparse) is refused by the runner's strategy
+            tiers = d.offload_options["secondary_tiers"] if d.policy.uses_tiers else None
+            if tiers:
+                raise NotImplementedError(f"DP x EP (data_parallel_size={dp} with enable_expert_parallel) does not "
+                                          f"run secondary KV tiers yet; got secondary_tiers={tiers}")
         dtype = "bfloat16" if isinstance(model, ModelConfig) else jnp.dtype(getattr(model, "dtype", jnp.float32)).name
         device = None
         if runners is None:
@@ -137,7 +143,8 @@ class Engine(PdQueries):
                 raise ValueError(f"data_parallel_size={dp} x {n} devices per replica needs {dp * n} devices, but only "
                                  f"{len(devices)} are available (on CPU, simulate more with "
                                  f"XLA_FLAGS=--xla_force_host_platform_device_count={dp * n})")
-            groups = [devices[i * n:(i + 1) * n] for i in range(dp)]
+            # DP x EP: one runner drives every rank's device (each group names them all)
+            groups = [devices[:dp]] * dp if lockstep else [devices[i * n:(i + 1) * n] for i in range(dp)]
         # a pool sized from a GPU's memory leaves out the weights and the largest step's workspace
         # (vLLM's profile run): the workspace comes from compiling that step once on a one-block pool
         self.workspace_bytes = 0
@@ -167,7 +174,12 @@ class Engine(PdQueries):
                 tiers = TierSet([self._wrap(make_tier(spec, self.fingerprint, replica=i)) for spec in specs]) if specs else None
             self.tiers.append(tiers)
             policy = make_policy(d, self.sizes, tiers, self.fingerprint)
-            run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers) if runners is None else runners[i]
+            if runners is not None:
+                run = runners[i]
+            elif lockstep and i:
+                run = self.replicas[0].runner  # the ranks' one runner: their plans run as one step
+            else:
+                run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers)
             self.replicas.append(Replica(Scheduler(d, self.sizes.num_blocks, GROUPS, policy=policy), run))
         # KV events: a recorder per replica on every pool that caches prefixes, a publisher per replica
         events = d.kv_events
@@ -201,6 +213,11 @@ class Engine(PdQueries):
         self.timeline: list[tuple[float, int, int, int, float]] = []
         self._steps = 0
         self.plans_run = [0] * dp  # per replica: plans its runner executed (KV transfers included)
+        self._lockstep = d.experts_across_ranks and runners is None  # DP x EP: the ranks' plans run as one step
+        self.dp_rank_tokens = [0] * dp  # per replica: tokens its plans scheduled
+        self.dp_idle_rank_steps = 0  # over steps that computed: replicas without rows
+        self._all2all_estimate = 0  # DP x EP on injected runners: ep_all2all_bytes from the plans
+        self._itemsize = jnp.dtype(dtype).itemsize  # bytes of a hidden-state value (what the all-to-alls move)
         self._steps_begun = self._steps_ended = 0  # `step` calls begun and returned (`parked` reads them)
         self._ids = itertools.count()
         self.observers: list = []  # each has on_step(engine, tokens, finished requests), called after every step
@@ -383,12 +400,12 @@ class Engine(PdQueries):
         errors: list[BaseException] = []
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
         start, priced = self.clock.now(), []  # priced: the durations of simulated steps
+        plans = [None] * len(self.replicas)
         for r, rep in enumerate(self.replicas):
             sch = rep.scheduler
-            plan = None
             if sch.has_work:
                 try:
-                    plan = sch.schedule()
+                    plans[r] = sch.schedule()
                 except Exception as e:  # noqa: BLE001 - the replica's requests fail; the engine goes on if it is whole
                     errors.append(e)
                     failed = self._fail_schedule(r, e)
@@ -398,19 +415,22 @@ class Engine(PdQueries):
                     continue
                 counted |= sch.has_requests and not sch.idle_wait
                 t = self.clock.now() if t is None else t
-                for row in plan.rows:
+                for row in plans[r].rows:
                     req = sch.requests[row.req_id]
                     if req.scheduled_s is None:
                         req.scheduled_s = t
             for i, c in enumerate((len(sch.running), len(sch.waiting), sch.kv.num_free_blocks)):
                 counts[i] += c
+        if counted:
+            self._count_ranks(plans)
+        for r, (plan, result) in enumerate(zip(plans, self._execute(plans))):
             if plan is None:
                 continue
-            executed = False
+            sch = self.replicas[r].scheduler
+            self.plans_run[r] += 1  # a failed plan's transfers may have run in part; a later plan parks what it failed
             try:
-                result = rep.runner.execute(plan)
-                executed = True
-                self.plans_run[r] += 1
+                if isinstance(result, BaseException):
+                    raise result
                 if result.duration_s is not None:
                     priced.append(result.duration_s)
                     now = start + result.duration_s
@@ -418,8 +438,6 @@ class Engine(PdQueries):
                     now = self.clock.now()
                 finished = sch.update(plan, result, now)
             except Exception as e:  # noqa: BLE001 - the plan's requests fail; the engine and its other requests go on
-                if not executed:
-                    self.plans_run[r] += 1  # its transfers may have run in part; a later plan parks what it failed
                 errors.append(e)
                 failed = self._fail_plan(r, plan, e)
                 failures.update((req.req_id, e) for req in failed)
@@ -461,6 +479,36 @@ class Engine(PdQueries):
                 self._owner.pop(rid, None)
         if self.max_timeline is not None and len(self.timeline) > 2 * self.max_timeline:
             del self.timeline[:-self.max_timeline]
+
+    def _execute(self, plans: list) -> list:
+        """Run each replica's plan (None: none) -> per replica its StepResult, the exception its execution
+        raised, or None. Independent replicas run one after the other; DP x EP ranks, which share one
+        runner, run as one step (`ModelRunner.execute_ranks`), so an exception there fails every rank's plan."""
+        if self._lockstep:
+            if not any(p is not None for p in plans):
+                return plans
+            try:
+                return self.replicas[0].runner.execute_ranks(plans)
+            except Exception as e:  # noqa: BLE001 - every rank's plan fails; the engine goes on
+                return [None if p is None else e for p in plans]
+        out = []
+        for rep, plan in zip(self.replicas, plans):
+            try:
+                out.append(None if plan is None else rep.runner.execute(plan))
+            except Exception as e:  # noqa: BLE001 - this plan's requests fail; the other replicas go on
+                out.append(e)
+        return out
+
+    def _count_ranks(self, plans: list) -> None:
+        """Per rank, the tokens its plan scheduled (`dp_rank_tokens`), and the ranks without rows in a step
+        where some rank computed (`dp_idle_rank_steps`: under DP x EP each passes padding rows)."""
+        rows = [0 if p is None else sum(row.num_tokens for row in p.rows) for p in plans]
+        for r, n in enumerate(rows):
+            self.dp_rank_tokens[r] += n
+        if any(rows):
+            self.dp_idle_rank_steps += sum(n == 0 for n in rows)
+        if self.deploy.experts_across_ranks and not self._lockstep:  # a simulator's ranks: the plans' first rounds
+            self._all2all_estimate += first_round_all2all_bytes(plans, self.cfg, self.deploy, self._itemsize)
 
     def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:
         """Finish the requests of replica r's `plan`, whose execution raised `error`, with finish_reason
@@ -586,6 +634,12 @@ class Engine(PdQueries):
                                                    for r in self.replicas) for k in BLOCK_USES}
         fullest = max(self.replicas, key=lambda r: r.scheduler.device_blocks_peak).scheduler
         out["device_blocks_by_use_at_peak"] = dict(fullest.blocks_by_use_at_peak)
+        if len(self.replicas) > 1:  # the ranks' balance: under DP x EP an idle rank still runs padding rows
+            out["dp_rank_tokens"] = list(self.dp_rank_tokens)
+            out["dp_idle_rank_steps"] = self.dp_idle_rank_steps
+        if self.deploy.experts_across_ranks:  # measured by the ranks' one runner, else the plans' first rounds
+            out["ep_all2all_bytes"] = (self.replicas[0].runner.all2all_bytes() if self._lockstep
+                                       else self._all2all_estimate)
         weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
         if None not in weights:  # the model runner's (1/tp of the split weights under TP)
             out["weights_bytes_per_device"] = max(weights)

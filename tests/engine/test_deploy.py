@@ -253,12 +253,25 @@ def no_allocation(monkeypatch):
      "hisparse_host_pool_bytes=100000 must hold at least one request of max_model_len=128: >= 589824 bytes"),
     (dict(max_model_len=TINY.max_position_embeddings + 1), "max_model_len=65537 must be <= the model's"),
     (dict(max_model_len=4096, kv_cache_memory_bytes=1 << 20), "max_model_len=4096"),
-    # vLLM's DP + EP (experts shared by the DP ranks) is not what this engine's independent replicas do
-    (dict(data_parallel_size=2, enable_expert_parallel=True), "enable_expert_parallel with data_parallel_size=2"),
+    # DP x EP (the ranks share the routed experts): ranks on devices that do not exist (this process has
+    # one), experts that do not split over the ranks (the tiny model's 8 over 3), and PCP beside it
+    (dict(data_parallel_size=2, enable_expert_parallel=True), "data_parallel_size=2 x 1 devices per replica needs 2"),
+    (dict(data_parallel_size=3, enable_expert_parallel=True), "n_routed_experts=8 do not split evenly over the 3"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, prefill_context_parallel_size=2),
+     "data_parallel_size=2 with enable_expert_parallel and prefill_context_parallel_size=2"),
 ])
 def test_engine_rejects_a_configuration_before_allocating(tiny_model, no_allocation, fields, match):
     with pytest.raises(ValueError, match=match):
         Engine(tiny_model, DeployConfig(**fields))
+
+
+def test_dp_x_ep_refuses_secondary_tiers_before_allocating(tiny_model, no_allocation):
+    """Secondary tiers under DP x EP are not built (tests/parallel/test_dp_ep_engine.py runs the layout)."""
+    tiers = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "fs", "root_dir": "/nonexistent"}]}}
+    with pytest.raises(NotImplementedError, match="DP x EP .* does not run secondary KV tiers yet; got secondary_tiers"):
+        Engine(tiny_model, DeployConfig(data_parallel_size=2, enable_expert_parallel=True, max_model_len=64,
+                                        kv_transfer_config=tiers))
 
 
 def test_engine_rejects_bad_requests_before_queueing_them():

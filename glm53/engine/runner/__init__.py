@@ -25,7 +25,7 @@ from attention.common import pow2_at_least
 from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.plan import PlanRow, StepPlan, StepResult
-from glm53.engine.runner import compilation
+from glm53.engine.runner import compilation, ranks
 from glm53.engine.runner.batch import (MIN_PREFILL_WIDTH, block_table, forward_groups, padded_rows, step_limits,
                                        width_buckets)
 from glm53.engine.runner.compilation import CompileCounter
@@ -55,14 +55,14 @@ class ModelRunner:
     def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None, *, tiers=None):
         self.model, self.deploy, self.sizes = model, deploy, sizes
         self.c = compiled(model)
-        n = deploy.devices_per_replica
+        n = deploy.devices_per_runner
         if devices is None:  # this process's devices, in the order make_mesh uses
             devices = sorted(jax.local_devices(), key=lambda d: d.id)[:n]
             if len(devices) < n:
                 make_mesh(cp=n)  # raises with how to simulate more devices on CPU
         devices = list(devices)
         if len(devices) != n:
-            raise ValueError(f"a runner with devices_per_replica={n} needs {n} devices, got {len(devices)}")
+            raise ValueError(f"a runner with devices_per_runner={n} needs {n} devices, got {len(devices)}")
         experts = model.cfg.n_routed_experts
         self.tp = deploy.tensor_parallel_size  # TP pads the experts to its ranks (parallel.tp)
         if self.tp > 1:
@@ -110,8 +110,9 @@ class ModelRunner:
         host, device = self.fwd.memory()
         self.host = HostMemory(self.cache, page_rows={"mla": d.block_size, "indexer": d.index_block_size or d.block_size},
                                kv_ranks=self.kv_ranks, interleave=d.cp_kv_cache_interleave_size,
-                               num_blocks=self.num_blocks, host=host, device=device,
-                               host_blocks=sz.host_blocks or None, tiers=self.tiers, shared=self.fwd.host_share(),
+                               num_blocks=self.num_blocks * self.fwd.ranks, host=host, device=device,
+                               host_blocks={g: b * self.fwd.ranks for g, b in sz.host_blocks.items()} or None,
+                               tiers=self.tiers, shared=self.fwd.host_share(),
                                hot=self.half.hot_buffers(len(self.cache.index)))
         self.half.bind(self.host, self._table)
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
@@ -133,7 +134,7 @@ class ModelRunner:
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, window) program a serving run can use."""
-        rows = [1 << i for i in range(self.max_rows.bit_length())]
+        rows = [self.fwd.ranks << i for i in range(self.max_rows.bit_length())]  # DP x EP: N ranks' rows
         windows = sorted({window_bucket(n, self.capacity) for n in
                           (1 << i for i in range(self.capacity.bit_length() + 1))})
         return [(r, w, win) for r in rows for w in self.width_buckets() for win in windows]
@@ -150,6 +151,14 @@ class ModelRunner:
         """Peak device bytes of the step programs beyond their arguments (`compilation.step_workspace_bytes`)."""
         return compilation.step_workspace_bytes(self, shapes)
 
+    def execute_ranks(self, plans) -> list:
+        """DP x EP: one plan per rank (None: none) run as one step -> their results (`ranks.execute_ranks`)."""
+        return ranks.execute_ranks(self, plans)
+
+    def all2all_bytes(self, reset: bool = False) -> int:
+        """Bytes one device sent by the MoE's all-to-alls since the start (or the last reset); 0 without them."""
+        return self.fwd.all2all_bytes(reset)
+
     def cp_work_per_rank(self, reset: bool = False) -> dict[str, np.ndarray]:
         """Context parallelism: each rank's work since the start (or the last reset) -> {name: int64 [N]}
         (parallel.cp_cache.COUNTERS: indexer pairs scored, causal and computed, and MLA rows read);
@@ -163,6 +172,8 @@ class ModelRunner:
         requests, so running them one after the other on the same cache computes exactly what one batch
         would), then sampling, and under MTP the draft passes. A group whose rows the policy's device half
         serves runs every forward with its view and leaves one record per forward."""
+        if self.fwd.ranks > 1:  # its programs carry every rank's rows
+            raise RuntimeError("a DP x EP runner runs every rank's plan together: execute_ranks")
         if not self.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
@@ -234,6 +245,8 @@ class ModelRunner:
         sel = np.zeros(r, np.int32)
         for i, row in enumerate(rows):
             n = stand[i]
+            if not n:  # a padding row (DP x EP: a rank with fewer rows of this width)
+                continue
             nxt[i, : n - 1] = tok[i, 1:n]
             nxt[i, n - 1] = max(final[i], 0)
             mpos[i, :n] = pos[i, :n]

@@ -57,6 +57,7 @@ def warmup(runner, shapes) -> int:
         runner.cache = runner.host.warmup(runner.cache, half.warmup_blocks())
     runner.host.lru_step = 0
     runner.cp_work_per_rank(reset=True)  # warm-up steps are not serving work
+    runner.all2all_bytes(reset=True)
     return len(shapes)
 
 
@@ -124,8 +125,9 @@ def workspace_shapes(runner) -> list[tuple[int, int, int]]:
         groups.append((rows * w, rows, w))
     most = max(t for t, _, _ in groups)
     ties = [(r, w) for t, r, w in groups if t == most]
-    return sorted({(runner.max_rows, 1, full), (1, runner.max_tokens, window_bucket(runner.max_tokens, cap)),
-                   (1, runner.max_tokens, full), (*ties[0], full), (*ties[-1], full)})
+    shapes = {(runner.max_rows, 1, full), (1, runner.max_tokens, window_bucket(runner.max_tokens, cap)),
+              (1, runner.max_tokens, full), (*ties[0], full), (*ties[-1], full)}
+    return sorted((r * runner.fwd.ranks, w, win) for r, w, win in shapes)  # DP x EP: every rank's rows
 
 
 def step_workspace_bytes(runner, shapes=None) -> int:
@@ -156,7 +158,7 @@ def step_workspace_bytes(runner, shapes=None) -> int:
         inputs = (np.zeros((rows, width), np.int32), np.full((rows, width), -1, np.int32),
                   runner._table("mla", rows, [], window), runner._table("indexer", rows, [], window))
         most = max(most, peak(runner._forward(*inputs, window, lower=True), host=inputs))
-    r, cfg = runner.max_rows, runner.model.cfg
+    r, cfg = runner.max_rows * runner.fwd.ranks, runner.model.cfg
     hidden = jax.ShapeDtypeStruct((r, 1, cfg.hidden_size), jnp.dtype(runner.model.dtype))
     rows_i = jax.ShapeDtypeStruct((r,), jnp.int32)
     most = max(most, peak(_last_logits.trace(runner.c.logits, runner.state, hidden, rows_i).lower(), host=[rows_i],

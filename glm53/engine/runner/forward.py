@@ -1,7 +1,8 @@
 """Forward strategies: how one padded batch runs on a replica's devices. One class per layout, chosen
 once at start-up (`strategy_for`): `OneDevice` (weights and pool on one device), `ContextMesh` (PCP /
-DCP over a context axis, parallel.model; the PCP permutation of prefill rows lives here) and
-`TensorParallel` (a tp x cp mesh with the weights split over it, parallel.tp; DCP reuses the TP ranks).
+DCP over a context axis, parallel.model; the PCP permutation of prefill rows lives here),
+`TensorParallel` (a tp x cp mesh with the weights split over it, parallel.tp; DCP reuses the TP ranks)
+and `DataParallelExperts` (DP x EP: every rank's rows in one program over a "dp" mesh).
 
 Every method takes the step's inputs as host arrays and a donated cache and returns the new cache; the
 runner decides the form and the view, the strategy only runs the programs. The programs each method
@@ -18,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from glm53.model import attention_form
 from kvcache.paged import PagedKVCache
+from parallel import ep as parallel_ep
 from parallel import model as parallel_model
 from parallel import tp as parallel_tp
 from parallel.cp_cache import CpKVCache, counter_totals, zero_counters
@@ -41,6 +43,7 @@ class OneDevice:
 
     mesh = None
     kv_ranks = 1
+    ranks = 1  # independent ranks whose rows and pool slices one forward carries (DP x EP: N)
 
     def __init__(self, runner, devices):
         self.r = runner
@@ -63,6 +66,9 @@ class OneDevice:
 
     def cp_work_per_rank(self, reset: bool = False) -> dict:
         return {}
+
+    def all2all_bytes(self, reset: bool = False) -> int:
+        return 0
 
     def forward(self, tok, pos, cache, window: int, form: str, *, keep_all: bool = False, lower: bool = False):
         """One padded batch [rows, width] -> (hidden, cache). keep_all: ((hidden [rows, 1, D] of each row's
@@ -260,9 +266,115 @@ class TensorParallel(ContextMesh):
         return parallel_tp.place_state(state, self.r.model.cfg, self.mesh, self.r.deploy.enable_expert_parallel)
 
 
+class DataParallelExperts(OneDevice):
+    """DP x EP (`DeployConfig.experts_across_ranks`): N = data_parallel_size ranks of one device each on
+    a "dp" mesh, sharing the routed experts (1/N each, parallel.model.place_state) and running every
+    forward together (parallel.model.forward_dp: attention on each rank's own rows and pool, the MoE's
+    all-to-all dispatch over "dp").
+
+    Layout: a batch of N x R rows is rank-major (rank r's rows are [r R, (r + 1) R), padding rows where a
+    rank has fewer or none); the pool is N slices of num_blocks pages (`ranks`: block ids in a table are
+    local to its rank's slice), every pool and table array split on its first axis over "dp". The
+    runner's rows per program are therefore multiples of N (`ModelRunner.bucket_shapes`)."""
+
+    def __init__(self, runner, devices):
+        super().__init__(runner, devices)
+        if runner.half.hot_buffers(1) is not None:  # before any array: the views' mesh code is not built
+            raise NotImplementedError(f"kv_policy={runner.deploy.kv_policy!r} (a device half with hot buffers) under "
+                                      "DP x EP (data_parallel_size with enable_expert_parallel)")
+        self.ranks = len(devices)
+        self.mesh = make_mesh(dp=self.ranks, devices=devices)
+        self._pending: list = []  # per forward: (its MoE rounds' slots, device int32 [N L, 2]; bytes per slot)
+        self._all2all = 0
+
+    def place(self, cache: PagedKVCache, state):
+        """The one-rank pool `cache` tiled N times on its first axis (zeros: nothing is copied from the
+        host) and split over "dp"; weights replicated but the routed experts, split over "dp"."""
+        specs = parallel_model.dp_cache_specs(cache)
+        tile = jax.jit(lambda c: jax.tree.map(lambda a: jnp.tile(a, (self.ranks,) + (1,) * (a.ndim - 1)), c),
+                       out_shardings=jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs))
+        return tile(cache), parallel_model.place_state(state, self.mesh, True, axis="dp")
+
+    def memory(self):
+        return (NamedSharding(self.mesh, P("dp"), memory_kind="pinned_host"),
+                NamedSharding(self.mesh, P("dp"), memory_kind="device"))
+
+    def check_ids(self, table_mla, table_index) -> None:
+        if max(table_mla.max(initial=-1), table_index.max(initial=-1)) >= self.r.num_blocks:
+            raise ValueError(f"block id beyond a rank's {self.r.num_blocks} blocks")
+
+    def forward(self, tok, pos, cache, window, form, *, keep_all=False, lower=False):
+        """As OneDevice's on N x R rank-major rows (hidden [N R, 1, D]: each row's last real token for a
+        prefill width; with keep_all also every position's). The form is the model's own "auto" choice,
+        which each rank makes on the whole width of its rows, as one device would."""
+        r = self.r
+        args = (r.state, jnp.asarray(tok), jnp.asarray(pos), cache)
+        kw = self._kw(window, form)
+        if lower:
+            return parallel_model.forward_dp.trace(*args, **kw, last_only=tok.shape[1] > 1).lower()
+        last_only = keep_all or tok.shape[1] > 1
+        return self._counted(parallel_model.forward_dp(*args, **kw, last_only=last_only, keep_all=keep_all,
+                                                       count_rounds=True))
+
+    def verify(self, tok, pos, cache, window, form, batched):
+        """A verify group: batched as one forward of every position, or sequential (GLM53.verify)."""
+        r = self.r
+        args = (r.state, jnp.asarray(tok), jnp.asarray(pos), cache)
+        fn = parallel_model.forward_dp if batched else parallel_model.verify_dp
+        return self._counted(fn(*args, **self._kw(window, form), count_rounds=True))
+
+    def mtp(self, hidden, nxt, mpos, cache, window, form, per_position):
+        if per_position:  # only a decode view (HiSparse) resolves per position, and none runs here
+            raise NotImplementedError("the MTP pass one position at a time under DP x EP")
+        return self._counted(parallel_model.mtp_forward_dp(self.r.state, self._rows(hidden), jnp.asarray(nxt),
+                                                           jnp.asarray(mpos), cache, **self._kw(window, form),
+                                                           count_rounds=True))
+
+    def draft(self, h, d, pos, cache, window, form):
+        return self._counted(parallel_model.mtp_forward_dp(self.r.state, self._rows(h), self._rows(d),
+                                                           jnp.asarray(pos[:, None]), cache, **self._kw(window, form),
+                                                           count_rounds=True))
+
+    def _rows(self, x):
+        """Device rows split over the ranks (a no-op for the outputs of the ranks' programs; the warm-up's
+        zeros start on one device)."""
+        return jax.device_put(x, NamedSharding(self.mesh, P("dp")))
+
+    def _kw(self, window: int, form: str) -> dict:
+        r = self.r
+        return dict(graphdef=r.c.graphdef, mesh=self.mesh, window=window, form=form, impl=r.deploy.attention_impl)
+
+    def _counted(self, out):
+        """(hidden, cache, rounds) of a program -> (hidden, cache); its rounds' slots pending as bytes."""
+        hidden, cache, rounds = out
+        h = hidden[0] if isinstance(hidden, tuple) else hidden
+        self._pending.append((rounds, parallel_ep.all2all_bytes_per_slot(self.ranks, h.shape[-1], h.dtype.itemsize)))
+        if len(self._pending) > 256:
+            self._fold(len(self._pending) - 1)  # all but this step's, which may still run
+        return hidden, cache
+
+    def _fold(self, steps: int) -> None:
+        for rounds, per_slot in self._pending[:steps]:
+            mine = np.asarray(rounds)[: rounds.shape[0] // self.ranks]  # rank 0's: every rank took the same rounds
+            self._all2all += int(mine.sum()) * per_slot
+        del self._pending[:steps]
+
+    def all2all_bytes(self, reset: bool = False) -> int:
+        """Bytes one device sent to the others by all-to-all since the start (or the last reset): every MoE
+        layer's first round and the second rounds taken (read from the programs' device counts lazily)."""
+        self._fold(len(self._pending))
+        out = self._all2all
+        if reset:
+            self._all2all = 0
+        return out
+
+
 def strategy_for(runner, devices) -> OneDevice:
-    """The forward strategy of `runner`'s deployment, chosen once: TP, a context mesh, or one device."""
+    """The forward strategy of `runner`'s deployment, chosen once: TP, a context mesh, DP x EP, or one
+    device."""
     d = runner.deploy
+    if d.experts_across_ranks:
+        return DataParallelExperts(runner, devices)
     if d.tensor_parallel_size > 1:
         return TensorParallel(runner, devices)
     if d.context_parallel_size > 1:

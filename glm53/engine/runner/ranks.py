@@ -1,0 +1,130 @@
+"""One step of every DP x EP rank as one set of programs (`DeployConfig.experts_across_ranks`).
+
+Each rank has its own scheduler, so a step is N plans, one per rank (None: the rank has nothing to run).
+They run together because the ranks share the routed experts: every MoE layer's all-to-all needs all N
+ranks in the same program (`parallel.model.forward_dp`), so a rank with no rows of some width still
+passes that program padding rows (vLLM's dummy batches).
+
+- Transfers: each rank's, in plan order, on its own slice of the pool and of the host pools (rank r's
+  block b is page r x num_blocks + b of the runner's arrays, its host page h is r x host_blocks + h:
+  the slices the "dp" split puts on rank r's device and its host memory).
+- Forwards: one per width bucket present on any rank, in order of first appearance; every rank gets the
+  same number of rows R (the most any rank pads its group to, a power of two) and the widest window,
+  rank-major, so the programs are the one-device buckets with N x R rows (`ModelRunner.bucket_shapes`).
+- Sampling: once over all N x R rows (under MTP the accept rule, the MTP layer's pass over the group and
+  the draft passes, each one program over every rank's rows); each rank's result holds its own
+  requests' tokens and drafts.
+
+Not built here: a policy's device half with views (HiSparse) and secondary tiers; the runner's strategy
+and the engine refuse them under this layout before allocating anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from glm53.engine.plan import PlanRow, StepPlan, StepResult
+from glm53.engine.request import SamplingParams
+from glm53.engine.runner.batch import forward_groups, step_limits
+from kvcache.transfer import LoadKV, PageCopy, SaveKV
+from parallel.ep import all2all_bytes_per_slot, first_round_capacity
+
+# a padding row: no tokens (positions all -1, nothing written), no table, never samples
+_PAD = PlanRow("", 0, np.zeros(0, np.int32), False, SamplingParams(), 0)
+
+
+def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int]):
+    """Rank `rank`'s transfer `op` (ids local to its slices) -> the same operation on the runner's arrays."""
+    dev = rank * num_blocks
+    if isinstance(op, PageCopy):
+        host = rank * host_blocks[op.group]
+        src, dst = (dev, host) if op.direction == "d2h" else (host, dev)
+        return dataclasses.replace(op, src=tuple(b + src for b in op.src), dst=tuple(b + dst for b in op.dst))
+    if isinstance(op, (SaveKV, LoadKV)):
+        return dataclasses.replace(op, blocks=tuple((g, tuple(b + dev for b in bs)) for g, bs in op.blocks))
+    raise NotImplementedError(f"{type(op).__name__} transfers under DP x EP (data_parallel_size with "
+                              "enable_expert_parallel)")
+
+
+def rank_groups(plans: Sequence[StepPlan | None], max_tokens: int, capacity: int, verify_width: int = 0
+                ) -> dict[int, dict[int, tuple[list[int], int, int]]]:
+    """The step's forwards: width -> {rank: (indices of its rows of that width, its padded rows, its
+    window)} (`batch.forward_groups` per rank), widths in order of first appearance. The forward of a width
+    runs max(padded) rows per rank over max(window)."""
+    groups: dict[int, dict[int, tuple[list[int], int, int]]] = {}
+    for r, plan in enumerate(plans):
+        if plan is not None:
+            for width, idx, padded, window in forward_groups(plan.rows, max_tokens, capacity, verify_width):
+                groups.setdefault(width, {})[r] = (idx, padded, window)
+    return groups
+
+
+def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int) -> int:
+    """Bytes one device sends by all-to-all in the first rounds of the MoE dispatch (`parallel.ep.moe_local`)
+    when DP x EP ranks run `plans` as one step, from the plans alone: per forward of width w with R rows
+    per rank, every MoE layer dispatches R w tokens per rank, but the last layer of a prefill forward
+    only each row's last one (GLM53.__call__'s last_only). What the simulator reports as
+    `ep_all2all_bytes`; the model runner measures the same plus any second rounds (routing that
+    overflows the first round's slots) and, under MTP, the MTP layer's passes, which this leaves out."""
+    n = len(plans)
+    max_tokens, capacity = step_limits(deploy)
+    k = deploy.num_speculative_tokens
+    last = cfg.num_hidden_layers - 1
+    e_local = cfg.n_routed_experts // n
+    slots = 0
+    for width, per in rank_groups(plans, max_tokens, capacity, 1 + k if k else 0).items():
+        rows = max(p for _, p, _ in per.values())
+        for i, kind in enumerate(cfg.mlp_layer_types):
+            if kind == "sparse":
+                tokens = rows if width > 1 + k and i == last else rows * width
+                slots += first_round_capacity(tokens, cfg.num_experts_per_tok, e_local, n)
+    return slots * all2all_bytes_per_slot(n, cfg.hidden_size, itemsize)
+
+
+def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult | None]:
+    """Run `plans` (one per rank, None for a rank without one) as one step of `runner` (a ModelRunner whose
+    strategy is `DataParallelExperts`) -> each rank's StepResult (None where its plan was None)."""
+    n = runner.fwd.ranks
+    if len(plans) != n:
+        raise ValueError(f"{len(plans)} plans for {n} ranks")
+    host_blocks = dict(runner.sizes.host_blocks or {})
+    moved = [(0, 0)] * n
+    for r, plan in enumerate(plans):
+        if plan is None:
+            continue
+        if plan.policy_rows is not None:
+            raise NotImplementedError("a policy's device rows (its device half's views) under DP x EP")
+        if not runner.k and any(row.num_draft_tokens for row in plan.rows):
+            raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
+        ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks) for op in plan.transfers)
+        runner.cache, d2h, h2d = runner.host.apply(ops, runner.cache)
+        moved[r] = (d2h, h2d)
+    tokens: dict[str, tuple[int, ...]] = {}
+    drafts: dict[str, tuple[int, ...]] = {}
+    for width, per in rank_groups(plans, runner.max_tokens, runner.capacity, runner.verify_width).items():
+        rows_per_rank = max(p for _, p, _ in per.values())
+        window = max(w for _, _, w in per.values())
+        rows, t_mla, t_idx = [], [], []
+        for r in range(n):
+            idx = per[r][0] if r in per else []
+            plan = plans[r]
+            rows += [plan.rows[i] for i in idx] + [_PAD] * (rows_per_rank - len(idx))
+            t_mla += [plan.block_tables["mla"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
+            t_idx += [plan.block_tables["indexer"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
+        out, new = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window)
+        tokens.update(out)
+        drafts.update(new)
+    loads = runner.host.poll_tiers(wait_s=0.0)
+    results: list[StepResult | None] = []
+    for r, plan in enumerate(plans):
+        if plan is None:
+            results.append(None)
+            continue
+        mine = {row.req_id: tokens[row.req_id] for row in plan.rows if row.req_id in tokens}
+        results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r],
+                                  tier_loads=loads if r == 0 else (),
+                                  drafts={rid: drafts[rid] for rid in mine if rid in drafts}))
+    return results

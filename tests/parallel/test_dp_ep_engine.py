@@ -1,0 +1,199 @@
+"""The DP x EP engine layout (`DeployConfig(data_parallel_size=4, enable_expert_parallel=True)`, one device
+per rank): four ranks, each with its own scheduler and block pool, stepping together as one program per
+width (`parallel.model.forward_dp`) with the routed experts split over them.
+
+The subject is that sharing the experts changes nothing a rank computes: every rank's greedy tokens, and
+the tokens it scheduled, equal those of one device serving that rank's requests alone, while other ranks
+prefill, decode, preempt or idle beside it (padding rows). Warmed up, such a run compiles nothing. Under the
+offload policy each rank's host tier is its own slice of the host pools: two ranks that store and load the
+same local host pages get their own KV back.
+
+Both engines use the same shapes (the 2-layer model, test_recompilation's buckets), so the second reuses
+the first's step programs (tests/parallel/conftest.py runs this file in the shared 16-device subprocess).
+"""
+
+import numpy as np
+import pytest
+
+# rows 1, 2 per rank (4, 8 in all); tokens per row 1, 16; windows 64, 128: 8 bucket shapes. 20 blocks per
+# rank: two 40-token requests that grow past 48 tokens need 2 x 14 and one of them is preempted
+SHAPES = dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, block_size=8, num_gpu_blocks=20)
+N = 4
+
+
+def _serve_alone(model, deploy, requests):
+    """One device serving `requests` [(req_id, prompt, max_new_tokens)] alone, all queued at once ->
+    ({req_id: tokens}, tokens its plans scheduled, steps that computed)."""
+    from glm53 import Engine, SamplingParams
+
+    eng = Engine(model, deploy)
+    execute, seen = eng.runner.execute, [0, 0]
+
+    def counted(plan):
+        seen[0] += sum(row.num_tokens for row in plan.rows)
+        seen[1] += bool(plan.rows)
+        return execute(plan)
+
+    eng.runner.execute = counted
+    for rid, prompt, new in requests:
+        eng.add_request(prompt, SamplingParams(new), req_id=rid)
+    while eng.has_unfinished():
+        eng.step()
+    return {rid: eng.finished[rid].output_ids for rid, _, _ in requests}, seen[0], seen[1]
+
+
+@pytest.mark.multidevice
+def test_dp4_ep4_ranks_equal_one_device_each_and_compile_nothing_after_warmup(small_model):
+    """Rank 0 serves three requests of one salt (two run, the pool preempts one), rank 1 two of another
+    salt, rank 2 one unsalted request (the least loaded rank), rank 3 none: it passes padding rows in every
+    step. Ranks prefill while others decode, so both widths run with padding rows for some ranks."""
+    import jax
+
+    from glm53 import DeployConfig, Engine, SamplingParams
+    from glm53.engine.runner import CompileCounter
+
+    deploy = DeployConfig(**SHAPES, data_parallel_size=N, enable_expert_parallel=True)
+    eng = Engine(small_model, deploy)
+    runner = eng.replicas[0].runner
+    assert all(r.runner is runner for r in eng.replicas)
+    shapes = runner.bucket_shapes()
+    assert {r for r, _, _ in shapes} == {4, 8} and len(shapes) == 8  # every program carries all four ranks
+    assert runner.warmup() == len(shapes) and runner.compiled_shapes == set(shapes)
+    runner.compiled_shapes.clear()
+    # the profile run's shapes carry every rank's rows too (what a GPU's pool sizing compiles)
+    assert {r % N for r, _, _ in runner.workspace_shapes()} == {0}
+    assert runner.step_workspace_bytes(runner.workspace_shapes()[:1]) > 0
+    kv = runner.cache.mla[0]
+    assert len(kv.sharding.device_set) == N and kv.shape[0] == N * SHAPES["num_gpu_blocks"] * SHAPES["block_size"]
+
+    rng = np.random.default_rng(5)
+    vocab = small_model.cfg.vocab_size
+    work = [("a0", "u0", 40, 12), ("b0", "u1", 9, 6), ("a1", "u0", 38, 12), ("a2", "u0", 17, 5),
+            ("b1", "u1", 30, 4), ("c0", "", 21, 7)]
+    prompts = {rid: rng.integers(0, vocab, n).astype(np.int32) for rid, _, n, _ in work}
+    forwards = []  # per forward: (rows, tokens per row) of each rank
+    forward = runner.fwd.forward
+
+    def logged(tok, *args, **kw):
+        forwards.append((tok.shape[0] // N, tok.shape[1]))
+        return forward(tok, *args, **kw)
+
+    runner.fwd.forward = logged
+    with CompileCounter() as compiles:
+        for rid, salt, _, new in work:
+            eng.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+        while eng.has_unfinished():
+            eng.step()
+    assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+    assert runner.compiled_shapes <= set(shapes) and {w for _, w, _ in runner.compiled_shapes} == {1, 16}
+    owners = {rid: eng.replica_of(rid) for rid, *_ in work}
+    assert owners == {"a0": 0, "a1": 0, "a2": 0, "b0": 1, "b1": 1, "c0": 2}
+    assert eng.replicas[0].scheduler.stats.preemptions >= 1 and not eng.replicas[3].scheduler.stats.steps
+
+    m = eng.metrics()
+    alone = DeployConfig(**SHAPES)
+    steps = []
+    for r in range(N):
+        mine = [(rid, prompts[rid], new) for rid, _, _, new in work if owners[rid] == r]
+        want, scheduled, computed = _serve_alone(small_model, alone, mine) if mine else ({}, 0, 0)
+        for rid, tokens in want.items():
+            assert eng.finished[rid].output_ids == tokens, (r, rid)
+        assert m["dp_rank_tokens"][r] == scheduled, r
+        steps.append(computed)
+    # every rank computes in consecutive steps from the first (all requests queued at once, preempt always
+    # schedules a rank with requests): the lock-step ran max(steps) steps, the others idle for the rest
+    assert len(forwards) >= max(steps) and m["dp_idle_rank_steps"] == sum(max(steps) - s for s in steps) > 0
+
+    # all-to-all bytes per device: every MoE layer of every forward sends its first round, and at most the
+    # never-overflowing capacity over both rounds; a prefill forward's last layer dispatches only each
+    # row's last token (GLM53.__call__'s last_only)
+    from parallel.ep import all2all_bytes_per_slot, first_round_capacity
+
+    cfg = small_model.cfg
+    per_slot = all2all_bytes_per_slot(N, cfg.hidden_size, 4)
+    e_local, k, last = cfg.n_routed_experts // N, cfg.num_experts_per_tok, cfg.num_hidden_layers - 1
+    tokens = [rows if width > 1 and i == last else rows * width for rows, width in forwards
+              for i, kind in enumerate(cfg.mlp_layer_types) if kind == "sparse"]
+    first = sum(first_round_capacity(t, k, e_local, N) for t in tokens) * per_slot
+    full = sum(t * min(k, e_local) for t in tokens) * per_slot
+    assert 0 < first <= m["ep_all2all_bytes"] <= full, (first, m["ep_all2all_bytes"], full)
+
+    # the simulator, on the same layout and workload, schedules the same rows: the same per-rank figures,
+    # and the first rounds' bytes in its dtype (bfloat16 rows: 2 bytes a value)
+    from glm53.engine import sim
+
+    simulated = sim.build_engine(cfg, deploy)
+    for rid, salt, _, new in work:
+        simulated.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+    while simulated.has_unfinished():
+        simulated.step()
+    s = simulated.metrics()
+    assert s["dp_rank_tokens"] == m["dp_rank_tokens"] and s["dp_idle_rank_steps"] == m["dp_idle_rank_steps"]
+    half = sum(first_round_capacity(t, k, e_local, N) for t in tokens) * all2all_bytes_per_slot(N, cfg.hidden_size, 2)
+    assert s["ep_all2all_bytes"] == half, (s["ep_all2all_bytes"], half)
+
+    # weights on a device: everything but the routed experts (the `experts` modules; the shared expert is
+    # replicated), and a quarter of those
+    state = jax.tree_util.tree_leaves_with_path(runner.c.state)
+    experts = sum(x.nbytes for p, x in state if "experts" in [getattr(k, "key", None) for k in p])
+    total = sum(x.nbytes for _, x in state)
+    assert m["weights_bytes_per_device"] == total - experts + experts // N
+
+
+@pytest.mark.multidevice
+def test_dp4_ep4_offload_each_rank_loads_its_own_host_pages(small_model):
+    """Ranks 0 and 1 each serve a first turn, then a second turn over it with the device prefix cache off:
+    both find their first turn's pages in their host tier and load them. Both ranks' policies number their
+    host pages alike, so pages landing in a shared slice would hand one rank the other's KV."""
+    from glm53 import DeployConfig, Engine, SamplingParams
+
+    fields = dict(kv_policy="offload", cpu_offload_bytes=1 << 24, enable_prefix_caching=False)
+    eng = Engine(small_model, DeployConfig(**SHAPES, **fields, data_parallel_size=N, enable_expert_parallel=True))
+    rng = np.random.default_rng(8)
+    vocab = small_model.cfg.vocab_size
+    first = {s: rng.integers(0, vocab, n).astype(np.int32) for s, n in (("u0", 27), ("u1", 33))}
+    ids = {s: eng.add_request(p, SamplingParams(5), req_id=f"{s}-1", salt=s) for s, p in first.items()}
+    while eng.has_unfinished():
+        eng.step()
+    second = {s: np.concatenate([first[s], eng.finished[ids[s]].output_ids,
+                                 rng.integers(0, vocab, 6)]).astype(np.int32) for s in first}
+    for s, p in second.items():
+        eng.add_request(p, SamplingParams(4), req_id=f"{s}-2", salt=s)
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.replica_of(f"{s}-{t}") for s in first for t in (1, 2)] == [0, 0, 1, 1]
+    tier = eng.metrics()["kv_offload"]["cpu"]
+    assert tier["hits"] >= 2 and tier["loaded_pages"] > 0
+    for r in (0, 1):
+        assert eng.replicas[r].scheduler.transfers.h2d_bytes > 0, r
+    for s in first:
+        want, _, _ = _serve_alone(small_model, DeployConfig(**SHAPES),
+                                  [(f"{s}-1", first[s], 5), (f"{s}-2", second[s], 4)])
+        for rid, tokens in want.items():
+            assert eng.finished[rid].output_ids == tokens, rid
+
+
+@pytest.mark.multidevice
+def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(small_model):
+    """MTP with 3 drafts (CPU's sequential verify: `parallel.model.verify_dp`; the MTP layer's passes and the
+    draft chain: `mtp_forward_dp`) on two ranks: rank 0 verifies while rank 1 still prefills, then rank 1
+    alone has work (rank 0 passes padding rows through every MTP program). Each rank's greedy tokens equal
+    one device serving its requests alone with MTP3, and the MTP steps ran (drafts verified)."""
+    from glm53 import DeployConfig, Engine, SamplingParams
+
+    mtp = dict(SHAPES, num_speculative_tokens=3)
+    eng = Engine(small_model, DeployConfig(**mtp, data_parallel_size=2, enable_expert_parallel=True))
+    rng = np.random.default_rng(12)
+    vocab = small_model.cfg.vocab_size
+    work = [("a", "u0", 6, 4), ("b", "u1", 30, 9)]
+    prompts = {rid: rng.integers(0, vocab, n).astype(np.int32) for rid, _, n, _ in work}
+    for rid, salt, _, new in work:
+        eng.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+    while eng.has_unfinished():
+        eng.step()
+    assert [eng.replica_of(rid) for rid, *_ in work] == [0, 1]
+    m = eng.metrics()
+    assert m["spec_num_drafts"] > 0 and m["dp_idle_rank_steps"] > 0
+    for rid, _, _, new in work:
+        want, _, _ = _serve_alone(small_model, DeployConfig(**mtp), [(rid, prompts[rid], new)])
+        assert eng.finished[rid].output_ids == want[rid], rid
