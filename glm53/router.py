@@ -484,8 +484,10 @@ async def _two_legs(raw: Request, chat: bool):
         ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
     salt, headers = body.get("cache_salt"), _auth(raw)
     salt = salt if isinstance(salt, str) else None  # any other is the server's 400 to answer; not a routing key
+    # the prefill leg computes the prompt once for all n choices, and answers nothing a client reads
     first = {**body, "max_tokens": 1, "min_tokens": 0, "stream": False, "stream_options": None,
-             "return_token_ids": True, "kv_transfer_params": dict(PREFILL_PARAMS)}
+             "return_token_ids": True, "kv_transfer_params": dict(PREFILL_PARAMS), "n": 1, "echo": False,
+             "logprobs": False if chat else None, "top_logprobs": None}
     if chat:
         first["max_completion_tokens"] = 1
     try:

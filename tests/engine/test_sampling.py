@@ -260,3 +260,29 @@ def test_n_siblings_share_one_prefill_and_draw_their_own_tokens(engine):
     assert [o.num_cached_tokens for o in outs[1:]] == [32, 32]  # all but the last (partial) page... of 40
     assert sum(computed) == 40 + 2 * 8 + 3 * 5  # one prefill, two last pages, 5 decode steps each
     assert len({tuple(o.output_ids) for o in outs}) == 3  # their own seed streams
+
+
+def test_mtp_refuses_penalties_logit_bias_and_logprobs_naming_the_field(small_model):
+    """Under MTP the accept rule applies temperature, min_p, top_k and top_p (test_mtp.py's chi-square test);
+    a penalty, a logit_bias or logprobs are refused at add_request with the field named."""
+    from glm53.engine.synthetic import SyntheticRunner
+
+    cfg = small_model.cfg
+    d = DeployConfig(**SHAPES, num_speculative_tokens=2)
+    eng = Engine(type("M", (), {"cfg": cfg, "dtype": "float32"})(), d,
+                 runner=SyntheticRunner(lambda row: 1, page_bytes=d.kv_sizes(cfg).page_bytes, spec=d.speculative))
+    for kw, field in ((dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1.0), "frequency_penalty"),
+                      (dict(repetition_penalty=1.2), "repetition_penalty"), (dict(logit_bias=((1, 2.0),)), "logit_bias"),
+                      (dict(logprobs=0), "logprobs")):
+        with pytest.raises(RequestError, match="speculative decoding") as e:
+            eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, **kw))
+        assert e.value.field == field
+    rid = eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, top_k=5, top_p=0.9, min_p=0.1))
+    while eng.has_unfinished():
+        eng.step()
+    assert len(eng.finished[rid].output_ids) == 4
+    with pytest.raises(RequestError) as e:  # a bias token outside the vocabulary, without MTP too
+        Engine(type("M", (), {"cfg": cfg, "dtype": "float32"})(), DeployConfig(**SHAPES),
+               runner=SyntheticRunner(lambda row: 1, page_bytes=d.kv_sizes(cfg).page_bytes)).add_request(
+            [1], SamplingParams(2, logit_bias=((cfg.vocab_size, 1.0),)))
+    assert e.value.field == "logit_bias"
