@@ -294,18 +294,17 @@ class Engine(PdQueries):
         (rather than truncating it), and a salt that is not text UTF-8 can carry (it is hashed into every
         block's key at admission, inside a step). prefill_after: a live request with the same prompt (n > 1's
         first sibling): this one runs on its replica and is admitted once that one's prompt is computed, so the
-        prompt's full pages are computed once and shared through the prefix cache. Under MTP a penalty, a
-        logit_bias or logprobs are refused: the accept rule has none of them."""
+        prompt's full pages are computed once and shared through the prefix cache. Under MTP a penalty is
+        refused: it would change with every draft token, and the accept rule has none."""
         params = params or SamplingParams()
         if self.deploy.num_speculative_tokens:
             p = params
             for field, on in (("presence_penalty", p.presence_penalty != 0), ("frequency_penalty", p.frequency_penalty != 0),
-                              ("repetition_penalty", p.repetition_penalty != 1), ("logit_bias", bool(p.logit_bias)),
-                              ("logprobs", p.logprobs is not None)):
+                              ("repetition_penalty", p.repetition_penalty != 1)):
                 if on:
-                    raise RequestError(field, f"{field} is not supported with speculative decoding (MTP): the "
-                                              "accept rule verifies drafts against top-k / top-p / min-p / temperature "
-                                              "only (a penalty would change with every draft token)")
+                    raise RequestError(field, f"{field} is not supported with speculative decoding (MTP): a "
+                                              "penalty changes with every draft token, which the accept rule does "
+                                              "not follow (temperature, min_p, top_k, top_p and logit_bias it does)")
         ids = as_token_array(prompt_ids)
         cfg = self.cfg
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:

@@ -299,6 +299,17 @@ def test_mtp_greedy_equals_non_speculative(small_model, continuation):
     assert m["spec_acceptance_length_mean"] == 1 + m["spec_num_accepted_tokens"] / m["spec_num_drafts"]
     assert len(m["spec_accepted_tokens_per_pos"]) == K
     assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.pool.num_blocks
+    # logprobs and a logit_bias under MTP: every kept token has its entry, from its own position's raw logits
+    # (a greedy token is its position's most likely: rank 1), and a +100 bias makes every token
+    lp_id = eng.add_request(prompts[0], SamplingParams(5, logprobs=3))
+    bias_id = eng.add_request(prompts[1], SamplingParams(5, logit_bias=((7, 100.0),)))
+    while eng.has_unfinished():
+        eng.step()
+    r = eng.finished[lp_id]
+    assert r.output_ids == want[0] and len(r.output_logprobs) == 5
+    assert all(lp.rank == 1 and lp.top[0] == (t, lp.logprob) and len(lp.top) == 3
+               for lp, t in zip(r.output_logprobs, r.output_ids))
+    assert eng.finished[bias_id].output_ids == [7] * 5
 
 
 @pytest.mark.slow

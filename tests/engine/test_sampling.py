@@ -14,7 +14,8 @@ from glm53 import DeployConfig, Engine
 from glm53.engine.plan import PlanRow
 from glm53.engine.request import MAX_LOGIT_BIAS, Request, RequestError, SamplingParams
 from glm53.engine.runner import CompileCounter
-from glm53.engine.runner.sampling import _process, _sample, penalty_width, pick, process_arrays, row_arrays
+from glm53.engine.runner.sampling import (_position_logprobs, _process, _sample, penalty_width, penalty_widths, pick,
+                                          process_arrays, row_arrays)
 from tests.engine.sampling_ref import ref_filter, ref_process, softmax
 from tests.engine.serving_checks import count_compiles, warm_up
 
@@ -141,6 +142,20 @@ def test_logprobs_are_the_raw_log_softmax_with_rank_and_top_alternatives(fixed):
     assert toks["r2"][0] == want != int(np.argmax(logits[2]))
 
 
+def test_verify_positions_logprobs_are_each_positions_raw_log_softmax():
+    """MTP's verify step: token j's logprobs come from position j's raw logits."""
+    rng = np.random.default_rng(3)
+    raw = rng.normal(0, 2, (2, 3, V)).astype(np.float32)
+    toks = rng.integers(0, V, (2, 3)).astype(np.int32)
+    mine, rank, top_ids, top_lp = (np.asarray(x) for x in _position_logprobs(raw, toks))
+    ref = raw.astype(np.float64) - np.log(np.exp(raw.astype(np.float64)).sum(-1, keepdims=True))
+    for i in range(2):
+        for j in range(3):
+            assert mine[i, j] == pytest.approx(ref[i, j, toks[i, j]], abs=1e-5)
+            assert rank[i, j] == 1 + (ref[i, j] > ref[i, j, toks[i, j]]).sum()
+            assert top_ids[i, j].tolist() == np.argsort(-ref[i, j], kind="stable")[:20].tolist()
+
+
 def test_bad_parameters_name_their_field():
     cases = [(dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(presence_penalty=2.5), "presence_penalty"),
              (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
@@ -153,6 +168,7 @@ def test_bad_parameters_name_their_field():
         assert e.value.field == field, (kw, e.value.field)
     assert SamplingParams(4, top_k=-1).top_k == 0  # vLLM's -1 = off
     assert penalty_width(0) == 0 and penalty_width(1) == 64 and penalty_width(65) == 128
+    assert penalty_widths(128) == [0, 64, 128] and penalty_widths(100) == [0, 64, 128] and penalty_widths(1) == [0, 64]
 
 
 # ---------------------------------------------------------------------------------- through an engine
@@ -262,9 +278,9 @@ def test_n_siblings_share_one_prefill_and_draw_their_own_tokens(engine):
     assert len({tuple(o.output_ids) for o in outs}) == 3  # their own seed streams
 
 
-def test_mtp_refuses_penalties_logit_bias_and_logprobs_naming_the_field(small_model):
-    """Under MTP the accept rule applies temperature, min_p, top_k and top_p (test_mtp.py's chi-square test);
-    a penalty, a logit_bias or logprobs are refused at add_request with the field named."""
+def test_mtp_refuses_penalties_naming_the_field(small_model):
+    """Under MTP the accept rule applies temperature, min_p, top_k, top_p and logit_bias (test_mtp.py's
+    chi-square test and its greedy run with logprobs); a penalty is refused at add_request, the field named."""
     from glm53.engine.synthetic import SyntheticRunner
 
     cfg = small_model.cfg
@@ -272,12 +288,12 @@ def test_mtp_refuses_penalties_logit_bias_and_logprobs_naming_the_field(small_mo
     eng = Engine(type("M", (), {"cfg": cfg, "dtype": "float32"})(), d,
                  runner=SyntheticRunner(lambda row: 1, page_bytes=d.kv_sizes(cfg).page_bytes, spec=d.speculative))
     for kw, field in ((dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=-1.0), "frequency_penalty"),
-                      (dict(repetition_penalty=1.2), "repetition_penalty"), (dict(logit_bias=((1, 2.0),)), "logit_bias"),
-                      (dict(logprobs=0), "logprobs")):
+                      (dict(repetition_penalty=1.2), "repetition_penalty")):
         with pytest.raises(RequestError, match="speculative decoding") as e:
             eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, **kw))
         assert e.value.field == field
-    rid = eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, top_k=5, top_p=0.9, min_p=0.1))
+    rid = eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, top_k=5, top_p=0.9, min_p=0.1, logprobs=2,
+                                                    logit_bias=((3, 1.0),)))
     while eng.has_unfinished():
         eng.step()
     assert len(eng.finished[rid].output_ids) == 4

@@ -215,7 +215,8 @@ class ModelRunner:
         if decode:
             hidden = self._verify(tok, pos, t_mla, t_idx, window, view(window, queries))
             if need:
-                toks, accepted = accept(self.c.logits, self.state, hidden, rows, need, r, self.k, self.rates)
+                toks, accepted, logprobs = accept(self.c.logits, self.state, hidden, rows, need, r, self.k, self.rates)
+                self._logprobs.update(logprobs)
                 for i in need:
                     a = int(accepted[i])
                     out[rows[i].req_id] = tuple(int(t) for t in toks[i, : a + 1])

@@ -28,10 +28,10 @@ def penalty_width(n: int) -> int:
 
 
 def penalty_widths(limit: int) -> list[int]:
-    """Every penalty width a runner can meet: a row holds at most `limit` distinct tokens (min(vocab size,
-    max_model_len))."""
-    return sorted({0} | {penalty_width(n) for n in (MIN_PENALTY_WIDTH << i for i in range(limit.bit_length()))
-                         if n <= max(limit, MIN_PENALTY_WIDTH)} | {penalty_width(limit)})
+    """Every penalty width a runner can meet, 0 included: a row holds at most `limit` distinct tokens
+    (min(vocab size, max_model_len))."""
+    top = penalty_width(max(limit, 1))
+    return [0] + [MIN_PENALTY_WIDTH << i for i in range((top // MIN_PENALTY_WIDTH).bit_length())]
 
 
 @jax.jit
@@ -57,6 +57,27 @@ def _sample(raw_RV, logits_RV, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, 
         return (tok, *rules.logprobs(raw, tok, k))
 
     return jax.vmap(one)(raw_RV, logits_RV, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R, counters_R)
+
+
+@jax.jit
+def _position_logprobs(raw_RJV, toks_RJ):
+    """`glm53.engine.logits.logprobs` of token toks_RJ[r, j] at each verify position -> (logprob [R, J], rank
+    [R, J] int32, top ids [R, J, K] int32, top logprobs [R, J, K]), K = min(MAX_LOGPROBS, V)."""
+    k = min(MAX_LOGPROBS, raw_RJV.shape[-1])
+    return jax.vmap(jax.vmap(lambda raw, t: rules.logprobs(raw, t, k)))(raw_RJV, toks_RJ)
+
+
+def _entries(rows: list[PlanRow], idx: list[int], counts: list[int], mine, rank, top_ids, top_lp) -> dict[str, tuple]:
+    """{req_id: (TokenLogprobs, ...)} of the rows that ask for logprobs: row rows[j]'s first counts[j]
+    positions of host arrays [R, J(, K)] at row idx[j]."""
+    out = {}
+    for i, r, n in zip(idx, rows, counts):
+        k = r.params.logprobs
+        if k is not None:
+            out[r.req_id] = tuple(TokenLogprobs(float(mine[i, j]), int(rank[i, j]),
+                                                tuple(zip(top_ids[i, j, :k].tolist(), top_lp[i, j, :k].tolist())))
+                                  for j in range(n))
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -151,24 +172,26 @@ def pick(logits_RV, rows: list[PlanRow], idx: list[int]) -> tuple[dict[str, tupl
     toks = np.asarray(out[0])
     lps = {}
     if any(r.params.logprobs is not None for r in rows):
-        mine, rank, top_ids, top_lp = (np.asarray(x) for x in out[1:])
-        for i, r in zip(idx, rows):
-            k = r.params.logprobs
-            if k is not None:
-                lps[r.req_id] = (TokenLogprobs(float(mine[i]), int(rank[i]),
-                                               tuple(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))),)
+        lps = _entries(rows, idx, [1] * len(rows), *(np.asarray(x)[:, None] for x in out[1:]))
     return {r.req_id: (int(toks[i]),) for i, r in zip(idx, rows)}, lps
 
 
 def accept(logits_fn, state, hidden, rows: list[PlanRow], need: list[int], r: int, k: int, rates):
-    """The accept rule of a verify group (hidden [r, 1 + k, D]) -> host (tokens [r, 1 + k], accepted [r])."""
-    logits = _position_logits(logits_fn, state, hidden)
+    """The accept rule of a verify group (hidden [r, 1 + k, D]) -> host (tokens [r, 1 + k], accepted [r],
+    {req_id: (TokenLogprobs of each token it keeps, ...)} for the rows that ask for logprobs: position j's
+    raw logits for its j-th token)."""
+    logits = raw = _position_logits(logits_fn, state, hidden)
     bans = [(i, j, b) for i in need for j in range(rows[i].num_tokens)
             if (b := rows[i].params.banned(rows[i].num_generated + j))]
     if bans:  # stop tokens before min_tokens, per position: masked on the host (rare, small)
         logits = np.array(logits)
         for i, j, b in bans:
             logits[i, j, list(b)] = -np.inf
+    if any(rows[i].params.logit_bias for i in need):  # the same bias at every position (no penalty under MTP)
+        j = k + 1
+        flat = process_arrays([rows[i] for i in need for _ in range(j)], [i * j + q for i in need for q in range(j)],
+                              r * j, logits.shape[-1])
+        logits = _process(jnp.reshape(logits, (r * j, -1)), **flat).reshape(r, j, -1)
     drafts, nd = np.zeros((r, k), np.int32), np.zeros(r, np.int32)
     for i in need:
         row = rows[i]
@@ -177,7 +200,12 @@ def accept(logits_fn, state, hidden, rows: list[PlanRow], need: list[int], r: in
     a = row_arrays([rows[i] for i in need], need, r)
     toks, accepted = rejection_sample(logits, drafts, nd, a["greedy_R"], a["temps_R"], a["top_ks_R"], a["top_ps_R"],
                                       a["min_ps_R"], a["seeds_R"], a["counters_R"], rates)
-    return np.asarray(toks), np.asarray(accepted)
+    toks, accepted = np.asarray(toks), np.asarray(accepted)
+    lps = {}
+    if any(rows[i].params.logprobs is not None for i in need):
+        out = (np.asarray(x) for x in _position_logprobs(raw, toks))
+        lps = _entries([rows[i] for i in need], need, [int(accepted[i]) + 1 for i in need], *out)
+    return toks, accepted, lps
 
 
 def warm_sampling(logits_fn, state, hidden, rows: int, k: int = 0, rates=None, verify: bool = False,
@@ -191,18 +219,14 @@ def warm_sampling(logits_fn, state, hidden, rows: int, k: int = 0, rates=None, v
         rejection_sample(logits, np.zeros((rows, k), np.int32), np.zeros(rows, np.int32), np.ones(rows, bool), ones,
                          np.zeros(rows, np.int32), ones, np.zeros(rows, np.float32), np.zeros(rows, np.uint32),
                          np.zeros(rows, np.int32), rates)
+        _position_logprobs(logits, np.zeros((rows, k + 1), np.int32))[0].block_until_ready()
+        flat = jnp.reshape(logits, (rows * (k + 1), -1))
+        _process(flat, **process_arrays([], [], rows * (k + 1), flat.shape[-1])).block_until_ready()
         return
     logits = last_logits(logits_fn, state, hidden, np.zeros(rows, np.int32))
     vocab = logits.shape[-1]
     _sample(logits, logits, **row_arrays([], [], rows))[0].block_until_ready()
     for width in penalty_widths(penalty_limit) if penalty_limit else [0]:
-        key = (rows, vocab, width, logits.dtype.name)
-        if key in _warmed:
-            continue
         a = process_arrays([], [], rows, vocab)
         a["seen_RL"], a["counts_RL"] = np.full((rows, width), vocab, np.int32), np.zeros((rows, width), np.float32)
         _process(logits, **a).block_until_ready()
-        _warmed.add(key)
-
-
-_warmed: set = set()  # (rows, vocab, width, dtype) of the `_process` programs warm_sampling has run
