@@ -280,10 +280,10 @@ def test_completion_logprobs_with_n_greedy_choices(api, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_chat_logprobs_with_n_sampled_choices(api, stream):
-    """A chat with logprobs and top_logprobs 2, n=3 sampled choices (seed + choice index: their own draws,
+    """A chat with logprobs and top_logprobs 2, n=2 sampled choices (seed + choice index: their own draws,
     and the same again for the same seed): each token's entry has 2 alternatives and a logprob <= 0."""
     kw = dict(model=api.name, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5, temperature=1.0,
-              seed=11, n=3, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+              seed=11, n=2, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
 
     def run():
         if stream:
@@ -296,13 +296,13 @@ def test_chat_logprobs_with_n_sampled_choices(api, stream):
         return {c.index: (c.token_ids, c.logprobs.content) for c in r.choices}
 
     first = run()
-    assert sorted(first) == [0, 1, 2]
+    assert sorted(first) == [0, 1]
     for ids, content in first.values():
         assert len(ids) == len(content) == 5
         for e in content:
             assert e.logprob <= 0 and len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode("utf-8"))
             assert e.top_logprobs[0].token == e.token  # vLLM's order: the sampled token first
-    assert len({tuple(ids) for ids, _ in first.values()}) > 1  # three draws, not one
+    assert first[0][0] != first[1][0]  # two draws, not one
     assert {i: ids for i, (ids, _) in run().items()} == {i: ids for i, (ids, _) in first.items()}
 
 
