@@ -244,9 +244,11 @@ def _answer(r: httpx.Response) -> dict:
         return error_body(r.status_code, f"the server answered {r.status_code}: {r.text[:500]}")
 
 
-# the fields of a request that carry over to the completion that continues a broken stream elsewhere
-CONTINUE_FIELDS = ("model", "temperature", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "cache_salt",
-                   "stream_options", "user")
+# the fields of a request that carry over to the completion that continues a broken stream elsewhere: the
+# sampling rules that do not depend on which tokens are output (the penalties would count the tokens already
+# out as prompt, so a continued stream samples without them; docs/engine.md)
+CONTINUE_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "logit_bias", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "cache_salt", "stream_options", "user")
 
 
 @dataclasses.dataclass
