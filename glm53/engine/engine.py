@@ -312,6 +312,9 @@ class Engine(PdQueries):
         if any(t >= cfg.vocab_size for t in params.stop_token_ids):
             raise RequestError("stop_token_ids",
                                f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {params.stop_token_ids}")
+        if params.logprobs is not None and not all(getattr(r.runner, "gives_logprobs", False) for r in self.replicas):
+            raise RequestError("logprobs", f"logprobs need the model's logits; this engine's runner "
+                                           f"({type(self.replicas[0].runner).__name__}) computes none")
         if any(t >= cfg.vocab_size for t, _ in params.logit_bias):
             raise RequestError("logit_bias", f"logit_bias token ids must lie in [0, {cfg.vocab_size}), got "
                                              f"{sorted(t for t, _ in params.logit_bias if t >= cfg.vocab_size)[:8]}")

@@ -292,7 +292,10 @@ def test_mtp_refuses_penalties_naming_the_field(small_model):
         with pytest.raises(RequestError, match="speculative decoding") as e:
             eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, **kw))
         assert e.value.field == field
-    rid = eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, top_k=5, top_p=0.9, min_p=0.1, logprobs=2,
+    with pytest.raises(RequestError, match="SyntheticRunner") as e:  # no logits, no logprobs: refused, not ignored
+        eng.add_request([1, 2, 3], SamplingParams(4, logprobs=2))
+    assert e.value.field == "logprobs"
+    rid = eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, top_k=5, top_p=0.9, min_p=0.1,
                                                     logit_bias=((3, 1.0),)))
     while eng.has_unfinished():
         eng.step()

@@ -52,6 +52,9 @@ class ModelRunner:
     plans with. Plain decoding is MTP with k = 0: one execute path, whose verify form
     (`speculative_config["verify"]`) is an argument of the forward."""
 
+    # it computes logits, so the logprobs a request asks for (Engine.add_request refuses them elsewhere)
+    gives_logprobs = True
+
     def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None, *, tiers=None):
         self.model, self.deploy, self.sizes = model, deploy, sizes
         self.c = compiled(model)
