@@ -45,6 +45,7 @@ from glm53.engine.request import SEED_RANGE, is_utf8
 
 # request bodies above this are a 413 (a 1M-token prompt as token ids is ~8 MB of JSON)
 MAX_REQUEST_BYTES = 64 << 20
+MAX_N = 128  # choices per prompt (n): each is a request of the engine
 FLOAT32_MAX = 3.4028234663852886e38  # temperatures beyond it are infinite in the sampler's float32
 
 
@@ -80,21 +81,19 @@ def _neutral(*values):
 # the fields OpenAI's and vLLM's sampling and output APIs define that this server does not apply yet:
 # field -> whether a value means "off" (null always does)
 _UNAPPLIED_COMMON = {
-    "n": _neutral(1), "best_of": _neutral(1), "presence_penalty": _neutral(0), "frequency_penalty": _neutral(0),
-    "repetition_penalty": _neutral(1), "top_k": _neutral(0, -1), "min_p": _neutral(0), "logit_bias": _neutral({}),
-    "prompt_logprobs": _neutral(), "use_beam_search": _neutral(False), "length_penalty": _neutral(1),
+    "best_of": _neutral(1), "prompt_logprobs": _neutral(), "use_beam_search": _neutral(False), "length_penalty": _neutral(1),
     "include_stop_str_in_output": _neutral(False), "skip_special_tokens": _neutral(True),
     "spaces_between_special_tokens": _neutral(True), "truncate_prompt_tokens": _neutral(),
     "allowed_token_ids": _neutral(), "bad_words": _neutral([]), "logits_processors": _neutral(),
-    "return_tokens_as_token_ids": _neutral(False), "structured_outputs": _neutral(), "guided_json": _neutral(),
+    "structured_outputs": _neutral(), "guided_json": _neutral(),
     "guided_regex": _neutral(), "guided_choice": _neutral(), "guided_grammar": _neutral(),
     "guided_decoding_backend": _neutral(), "guided_whitespace_pattern": _neutral(), "priority": _neutral(0),
-    "response_format": lambda v: v is None or v == {"type": "text"}, "echo": _neutral(False),
+    "response_format": lambda v: v is None or v == {"type": "text"},
     "prompt_embeds": _neutral(), "vllm_xargs": _neutral(), "thinking_token_budget": _neutral(),
 }
 UNAPPLIED = {
-    "completion": {**_UNAPPLIED_COMMON, "logprobs": _neutral(), "suffix": _neutral("")},
-    "chat": {**_UNAPPLIED_COMMON, "logprobs": _neutral(False), "top_logprobs": _neutral(0),
+    "completion": {**_UNAPPLIED_COMMON, "suffix": _neutral("")},
+    "chat": {**_UNAPPLIED_COMMON, "echo": _neutral(False),
              "functions": _neutral([]), "function_call": _neutral("none"), "parallel_tool_calls": _neutral(True),
              "continue_final_message": _neutral(False), "chat_template": _neutral(), "documents": _neutral([]),
              "audio": _neutral(), "modalities": _neutral(["text"]), "prediction": _neutral(),
@@ -138,6 +137,15 @@ class GenerationRequest(OpenAIBaseModel):
     cache_salt: str | None = None
     return_token_ids: bool | None = False
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's P/D fields (glm53.serve's pd_leg)
+    # the sampler's rules (glm53.engine.request.SamplingParams checks their ranges and names the field)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
+    top_k: Int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
+    return_tokens_as_token_ids: bool | None = False
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -152,6 +160,8 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: Int | None = Field(default=16, ge=1)
     add_special_tokens: bool = True
+    logprobs: Int | None = Field(default=None, ge=0)  # the engine names values past its MAX_LOGPROBS
+    echo: bool | None = False
 
 
 # the template's own inputs, which chat_template_kwargs may not replace
@@ -198,6 +208,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
+    logprobs: bool | None = False
+    top_logprobs: Int | None = Field(default=None, ge=0)  # with logprobs; the engine names values past its limit
 
 
 class TextPart(OpenAIBaseModel):
@@ -285,10 +297,34 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": prompt tokens served from a cache}
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, offset in the choice's text, logprob, and
+    {token text: logprob} of the sampled token and the top `logprobs` alternatives."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatLogprobContent(ChatLogprob):
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobContent] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: EOS, length)
     token_ids: list[int] | None = Field(default=None, exclude_if=_drop_none)  # return_token_ids
@@ -316,7 +352,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_drop_none)
@@ -347,7 +383,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = Field(default=None, exclude_if=_drop_none)

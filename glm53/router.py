@@ -254,9 +254,11 @@ def _answer(r: httpx.Response) -> dict:
         return error_body(r.status_code, f"the server answered {r.status_code}: {r.text[:500]}")
 
 
-# the fields of a request that carry over to the completion that continues a broken stream elsewhere
-CONTINUE_FIELDS = ("model", "temperature", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "cache_salt",
-                   "stream_options", "user")
+# the fields of a request that carry over to the completion that continues a broken stream elsewhere: the
+# sampling rules that do not depend on which tokens are output (the penalties would count the tokens already
+# out as prompt, so a continued stream samples without them; docs/engine.md)
+CONTINUE_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "logit_bias", "seed", "stop", "stop_token_ids",
+                   "ignore_eos", "cache_salt", "stream_options", "user")
 
 
 @dataclasses.dataclass
@@ -494,8 +496,10 @@ async def _two_legs(raw: Request, chat: bool):
         ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
     salt, headers = body.get("cache_salt"), _auth(raw)
     salt = salt if isinstance(salt, str) else None  # any other is the server's 400 to answer; not a routing key
+    # the prefill leg computes the prompt once for all n choices, and answers nothing a client reads
     first = {**body, "max_tokens": 1, "min_tokens": 0, "stream": False, "stream_options": None,
-             "return_token_ids": True, "kv_transfer_params": dict(PREFILL_PARAMS)}
+             "return_token_ids": True, "kv_transfer_params": dict(PREFILL_PARAMS), "n": 1, "echo": False,
+             "logprobs": False if chat else None, "top_logprobs": None}
     if chat:
         first["max_completion_tokens"] = 1
     try:

@@ -24,7 +24,9 @@ Endpoints (request and response bodies: glm53.protocol, vLLM's models):
   presets), token ids, or a batch of either (one choice per prompt); `max_tokens` (16), `temperature`
   (below 1e-5 = greedy), `top_p`, `seed` (any int64), `stop` (strings: the request finishes "stop" on the
   token that completes one, the text ends before it, `stop_reason` names it), vLLM's `stop_token_ids`,
-  `ignore_eos`, `min_tokens`, `add_special_tokens`, `cache_salt`, `return_token_ids`; `stream` sends
+  `ignore_eos`, `min_tokens`, `add_special_tokens`, `cache_salt`, `return_token_ids`; the sampler's `top_k`,
+  `min_p`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`; `logprobs` (raw,
+  vLLM's order; `return_tokens_as_token_ids`), `n` choices per prompt (one prefill), `echo`; `stream` sends
   server-sent events, one chunk per token, `data: [DONE]` last (`stream_options.include_usage` adds a
   usage chunk). `usage.prompt_tokens_details.cached_tokens` counts prompt tokens served from a cache.
   A checkpoint's EOS ends generation unless `ignore_eos`; presets have none.
@@ -86,11 +88,15 @@ from glm53.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
+    ChatLogprob,
+    ChatLogprobContent,
+    ChatLogprobs,
     ChatMessageOut,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
@@ -590,24 +596,45 @@ def _field(body, engine_field: str) -> str:
             return "messages"
         if field == "max_tokens" and body.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if field == "logprobs" and body.top_logprobs is not None:
+            return "top_logprobs"
     return field
 
 
 def _sampling(st: ServerState, body, max_tokens: int, i: int):
-    """The SamplingParams of the batch's i-th prompt (seed + i: each prompt its own draws, wrapped into
-    int64)."""
-    from glm53.engine.request import SamplingParams
+    """The SamplingParams of the request's i-th choice (prompt p's choice j is i = p * n + j: seed + i, so
+    each prompt and each of its n choices its own draws, wrapped into int64). logit_bias values are clamped
+    to [-100, 100] and its keys must be token ids, as vLLM takes them."""
+    from glm53.engine.request import LOGIT_BIAS_RANGE, SamplingParams
 
     stops = tuple(body.stop_token_ids or ()) + (() if body.ignore_eos else tuple(st.tokenizer.eos_token_ids))
     lo, hi = SEED_RANGE
     seed = (body.seed + i - lo) % (hi - lo) + lo if body.seed is not None else random.getrandbits(31)
     temperature = 1.0 if body.temperature is None else body.temperature
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        if not re.fullmatch(r"\d{1,10}", key.strip()):
+            raise HTTPError(400, f"logit_bias keys must be token ids, got {key!a}"[:200], "logit_bias")
+        bias.append((int(key), min(max(value, LOGIT_BIAS_RANGE[0]), LOGIT_BIAS_RANGE[1])))
+    rules = {name: getattr(body, name) for name in ("top_k", "min_p", "presence_penalty", "frequency_penalty",
+                                                    "repetition_penalty") if getattr(body, name) is not None}
     try:
         return SamplingParams(max_tokens, greedy=temperature < GREEDY_BELOW, temperature=max(temperature, GREEDY_BELOW),
                               top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
-                              stop_token_ids=tuple(dict.fromkeys(stops)), min_tokens=body.min_tokens)
+                              stop_token_ids=tuple(dict.fromkeys(stops)), min_tokens=body.min_tokens,
+                              logit_bias=tuple(bias), logprobs=_logprobs_asked(body), **rules)
     except RequestError as e:
         raise HTTPError(400, str(e), _field(body, e.field)) from None
+
+
+def _logprobs_asked(body) -> int | None:
+    """Alternatives per token the request asks for (None: no logprobs): completions' `logprobs`, a chat's
+    `top_logprobs` (0 by default) when its `logprobs` is true."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 def _stops(body) -> list[str]:
@@ -625,6 +652,10 @@ class _Choice:
     chat: ChatOutput | None = None  # a chat's reasoning and tool calls, parsed as the text arrives
     tokens: list[int] = dataclasses.field(default_factory=list)
     out: str = ""
+    sibling: int = 0  # which of its prompt's n choices (usage counts a prompt once)
+    request: Any = None  # the engine's Request (its output_logprobs, appended before each token is delivered)
+    echo: str = ""  # completions' echo: the prompt's text, before the output
+    offset: int = 0  # completions' logprobs: the text length of the tokens so far (their text_offset)
 
     def finish_reason(self) -> str:
         """vLLM's: a chat that stopped after calling tools finished "tool_calls"."""
@@ -643,23 +674,38 @@ class _Choice:
 
 async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: int | None, kv_peer, kv_lease,
                  output=None, kv_remote=None, kv_produce: bool = False) -> list[_Choice]:
-    """Admit (`ServerState.admit`) and add each prompt -> its choices, whose handles are `live` (the
-    caller discards them once it answered)."""
+    """Admit (`ServerState.admit`) and add one engine request per prompt and choice -> the choices, whose
+    handles are `live` (the caller discards them once it answered). A prompt's n choices are siblings: the
+    2nd to n-th are admitted once the first computed the prompt, whose pages they then take from the
+    prefix cache."""
     choices: list[_Choice] = []
-    st.admit(len(prompts))
-    left = len(prompts)  # adds still counted in pending_adds
+    n = body.n
+    echoes = _echo_texts(st, body, prompts)
+    st.admit(len(prompts) * n)
+    left = len(prompts) * n  # adds still counted in pending_adds
     st.starting += 1
     try:
-        for i, ids in enumerate(prompts):
-            n = max_tokens if max_tokens is not None else max(1, st.deploy.max_model_len - len(ids))
-            params = _sampling(st, body, n, i)
-            text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
-            adding = st.engine.add(ids, params, salt=body.cache_salt or "", kv_peer=kv_peer, kv_lease=kv_lease,
-                                   kv_remote=kv_remote, kv_produce=kv_produce, text=text)
-            left -= 1  # queued: counted in the engine's num_waiting from here on
-            st.pending_adds -= 1
-            handle = await _add(st, adding)
-            choices.append(_Choice(i, ids, handle, text, output() if output is not None else None))
+        for p, ids in enumerate(prompts):
+            lead = None
+            for j in range(n):
+                i = p * n + j
+                m = max_tokens if max_tokens is not None else max(1, st.deploy.max_model_len - len(ids))
+                params = _sampling(st, body, m, i)
+                text = TextStream(st.tokenizer, _stops(body), params.stop_token_ids, body.min_tokens)
+                # a P/D consumer's first choice fetches the prompt's KV (and frees the producer's lease); its
+                # siblings take it from this server's prefix cache
+                adding = st.engine.add(ids, params, salt=body.cache_salt or "",
+                                       kv_peer=kv_peer if lead is None else None,
+                                       kv_lease=kv_lease if lead is None else 0, kv_remote=kv_remote,
+                                       kv_produce=kv_produce, text=text, prefill_after=lead)
+                left -= 1  # queued: counted in the engine's num_waiting from here on
+                st.pending_adds -= 1
+                handle = await _add(st, adding)
+                lead = lead or handle.req_id
+                eng = st.engine.engine  # a dict lookup from this thread: the engine thread only adds and moves it
+                req = eng.requests.get(handle.req_id) or eng.finished.get(handle.req_id)
+                choices.append(_Choice(i, ids, handle, text, output() if output is not None else None, sibling=j,
+                                       request=req, echo=echoes[p], offset=len(echoes[p])))
     except BaseException as e:
         st.pending_adds -= left
         for c in choices:
@@ -697,10 +743,68 @@ async def _add(st: ServerState, adding):
     raise HTTPError(503, "the server shut down before this request was started", headers=_RETRY)
 
 
+def _echo_texts(st: ServerState, body, prompts: list[list[int]]) -> list[str]:
+    """completions' echo: each prompt's text (as sent, or its token ids decoded); "" without echo. Echo with
+    logprobs would need the prompt's logprobs, which this server does not compute: a 400."""
+    if not getattr(body, "echo", False):
+        return [""] * len(prompts)
+    if body.logprobs is not None:
+        raise HTTPError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute "
+                             "(prompt_logprobs is not applied)", "echo")
+    p = body.prompt
+    if isinstance(p, str):
+        return [p]
+    if p and isinstance(p[0], str):
+        return list(p)
+    return [st.tokenizer.decode(ids) for ids in prompts]
+
+
+def _token_text(st: ServerState, body, tok: int) -> str:
+    """A token as logprobs name it: its text, or "token_id:N" with return_tokens_as_token_ids (vLLM's, so
+    tokens with equal text stay apart)."""
+    return f"token_id:{tok}" if body.return_tokens_as_token_ids else st.tokenizer.decode([tok])
+
+
+def _alternatives(st: ServerState, body, tok: int, lp) -> list[tuple[str, float]]:
+    """vLLM's order of a token's logprobs entries: the sampled token first, then the top alternatives, each
+    token once; logprobs clamped to -9999 (JSON has no -inf)."""
+    seen, out = set(), []
+    for t, v in ((tok, lp.logprob), *lp.top):
+        if t not in seen:
+            seen.add(t)
+            out.append((_token_text(st, body, t), max(v, -9999.0)))
+    return out
+
+
+def _logprobs(st: ServerState, body, c: _Choice, start: int, chat: bool):
+    """The logprobs of c's tokens from index `start` on (None when not asked): completions' OpenAI legacy
+    form (top_logprobs: the sampled token and the `logprobs` best), a chat's `content` list (top_logprobs:
+    the first `top_logprobs` entries in vLLM's order)."""
+    k = c.request.params.logprobs if c.request is not None else None
+    if k is None:
+        return None
+    toks, lps = c.tokens[start:], c.request.output_logprobs[start:len(c.tokens)]
+    if chat:
+        return ChatLogprobs(content=[ChatLogprobContent(
+            token=(text := _token_text(st, body, t)), logprob=max(lp.logprob, -9999.0),
+            bytes=list(text.encode("utf-8", errors="replace")),
+            top_logprobs=[ChatLogprob(token=a, logprob=v, bytes=list(a.encode("utf-8", errors="replace")))
+                          for a, v in _alternatives(st, body, t, lp)[:k]]) for t, lp in zip(toks, lps)])
+    out = CompletionLogprobs()
+    for t, lp in zip(toks, lps):
+        text = _token_text(st, body, t)
+        out.tokens.append(text)
+        out.token_logprobs.append(max(lp.logprob, -9999.0))
+        out.top_logprobs.append(dict(_alternatives(st, body, t, lp)[: k + 1]))
+        out.text_offset.append(c.offset)
+        c.offset += len(text)
+    return out
+
+
 def _usage(choices: list[_Choice]) -> UsageInfo:
     """The choices' usage so far: an ended choice's counts, a running one's tokens that arrived (a stream's
     continuous_usage_stats); cached tokens are known once a choice ends."""
-    prompt = sum(len(c.prompt) for c in choices)
+    prompt = sum(len(c.prompt) for c in choices if c.sibling == 0)
     out = sum(c.handle.ended.num_output_tokens if c.handle.ended is not None else len(c.tokens) for c in choices)
     cached = sum(c.handle.ended.num_cached_tokens for c in choices if c.handle.ended is not None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out,
@@ -716,9 +820,9 @@ def _pd_leg(st: ServerState, body, prompts) -> tuple[bool, str | None, int, Page
     ktp = body.kv_transfer_params or {}
     role = st.deploy.kv_role
     produce = bool(ktp.get("do_remote_decode")) and role in ("kv_producer", "kv_both")
-    if produce and (body.stream or len(prompts) != 1):
-        raise HTTPError(400, "kv_transfer_params.do_remote_decode takes one prompt and stream false (the prefill "
-                             "leg of a P/D pair)", "kv_transfer_params")
+    if produce and (body.stream or len(prompts) != 1 or body.n != 1):
+        raise HTTPError(400, "kv_transfer_params.do_remote_decode takes one prompt, n 1 and stream false (the "
+                             "prefill leg of a P/D pair)", "kv_transfer_params")
     if not (ktp.get("do_remote_prefill") and role in ("kv_consumer", "kv_both")):
         return produce, None, 0, None
     host, port = ktp.get("remote_host"), ktp.get("remote_port")
@@ -838,12 +942,14 @@ async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]
         reasons = [(c.finish_reason(), c.stop_reason(body)) for c in choices]
         out = ChatCompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
             ChatChoice(index=c.index, message=_message(c.chat), finish_reason=reason, stop_reason=why,
-                       **(_ids(c) if body.return_token_ids else ids)) for c, (reason, why) in zip(choices, reasons)])
+                       logprobs=_logprobs(st, body, c, 0, True), **(_ids(c) if body.return_token_ids else ids))
+            for c, (reason, why) in zip(choices, reasons)])
     else:
         reasons = [(c.handle.ended.finish_reason, c.stop_reason(body)) for c in choices]
         out = CompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
-            CompletionChoice(index=c.index, text=c.out, finish_reason=reason, stop_reason=why,
-                             **(_ids(c) if body.return_token_ids else ids)) for c, (reason, why) in zip(choices, reasons)])
+            CompletionChoice(index=c.index, text=c.echo + c.out, finish_reason=reason, stop_reason=why,
+                             logprobs=_logprobs(st, body, c, 0, False), **(_ids(c) if body.return_token_ids else ids))
+            for c, (reason, why) in zip(choices, reasons)])
     if produce:
         out.kv_transfer_params = await _produced(st, choices[0].handle.req_id)
     return out.model_dump()
@@ -910,15 +1016,18 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
         """None: a chat chunk that would carry nothing (its text is held back by a parser, say), as vLLM
         skips those; with return_token_ids every token has its chunk."""
         ids = [tok] if body.return_token_ids and tok is not None else None
+        lps = _logprobs(st, body, c, len(c.tokens) - 1, chat) if tok is not None else None
+        if c.echo:  # completions' echo: the prompt's text leads the choice's first chunk
+            text, c.echo = c.echo + text, ""
         if chat:
             delta = _delta(c.chat, text, reason is not None)
-            if reason is None and ids is None and not delta.model_dump():
+            if reason is None and ids is None and lps is None and not delta.model_dump():
                 return None
             return event(ChatCompletionStreamResponse(id=rid, model=st.served_model_name, choices=[ChatChunkChoice(
                 index=c.index, delta=delta, finish_reason=c.finish_reason() if reason is not None else None,
-                stop_reason=why, token_ids=ids)]))
+                stop_reason=why, token_ids=ids, logprobs=lps)]))
         return event(CompletionStreamResponse(id=rid, model=st.served_model_name, choices=[CompletionChoice(
-            index=c.index, text=text, finish_reason=reason, stop_reason=why, token_ids=ids)]))
+            index=c.index, text=text, finish_reason=reason, stop_reason=why, token_ids=ids, logprobs=lps)]))
 
     pumps = [asyncio.ensure_future(pump(c)) for c in choices]
     live = {c.index for c in choices}

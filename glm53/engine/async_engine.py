@@ -156,19 +156,21 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------------------------- client side
     def add(self, prompt_ids, params: SamplingParams, *, salt: str = "", kv_peer: str | None = None,
-            kv_lease: int = 0, kv_remote=None, kv_produce: bool = False, text=None) -> Awaitable[RequestHandle]:
+            kv_lease: int = 0, kv_remote=None, kv_produce: bool = False, text=None,
+            prefill_after: str | None = None) -> Awaitable[RequestHandle]:
         """Queue a request (validated by `Engine.add_request` in the engine thread) -> an awaitable of its
         handle. It is queued (and counted in `num_waiting`) when this returns, before anything is awaited:
         a caller's count of the requests it let in can hand over to `num_waiting` with no moment counted
         twice. Call it on the event loop the handle is read on. text: a glm53.tokenizer.TextStream for its
         output (its stop strings end the request in the engine, and its text travels with the tokens); it
-        is the engine thread's from now on. Raises RuntimeError once the engine stopped; the awaitable
-        raises what add_request raises (ValueError for a bad request)."""
+        is the engine thread's from now on. prefill_after: a sibling with the same prompt (n > 1;
+        `Engine.add_request`). Raises RuntimeError once the engine stopped; the awaitable raises what
+        add_request raises (ValueError for a bad request)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce), text, loop, queue,
-                      fut))
+        self._submit(("add", prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce, prefill_after), text,
+                      loop, queue, fut))
 
         async def handle() -> RequestHandle:
             return RequestHandle(await asyncio.wrap_future(fut), queue)
@@ -291,11 +293,11 @@ class AsyncEngine:
     def _apply(self, cmd) -> None:
         eng = self.engine
         if cmd[0] == "add":
-            _, prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce), text, loop, queue, fut = cmd
+            _, prompt_ids, params, (salt, kv_peer, kv_lease, kv_remote, kv_produce, after), text, loop, queue, fut = cmd
             try:
                 rid = eng.add_request(prompt_ids, params, salt=salt, kv_peer=kv_peer, kv_lease=kv_lease,
                                       kv_remote=kv_remote, kv_produce=kv_produce,
-                                      stop_check=text.add if text is not None else None)
+                                      stop_check=text.add if text is not None else None, prefill_after=after)
             except Exception as e:  # noqa: BLE001 - the client's bad request, raised in its own task
                 fut.set_exception(e)
                 return

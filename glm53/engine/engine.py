@@ -313,7 +313,7 @@ class Engine(PdQueries):
     def add_request(self, prompt_ids, params: SamplingParams | None = None, *, req_id: str | None = None,
                     salt: str = "", kv_peer: str | None = None, kv_lease: int = 0,
                     kv_remote: PageSpans | None = None, kv_produce: bool = False,
-                    stop_check: Callable[[int], str | None] | None = None) -> str:
+                    stop_check: Callable[[int], str | None] | None = None, prefill_after: str | None = None) -> str:
         """Queue a prompt on the replica `route(salt)` picks. kv_peer: "host:port" of the peer tier (a P/D
         producer's) its prefix lookup asks for the prompt's KV (kvcache.tiers.LookupContext.peer), kv_lease:
         that producer's lease on it (handed over to the lookup, so the fetch frees it); kv_remote: the page
@@ -323,8 +323,19 @@ class Engine(PdQueries):
         request's stop strings (`Request.stop_check`). Rejects (RequestError, a ValueError naming the field)
         token ids outside the vocabulary, a prompt whose tokens plus max_new_tokens exceed max_model_len
         (rather than truncating it), and a salt that is not text UTF-8 can carry (it is hashed into every
-        block's key at admission, inside a step)."""
+        block's key at admission, inside a step). prefill_after: a live request with the same prompt (n > 1's
+        first sibling): this one runs on its replica and is admitted once that one's prompt is computed, so the
+        prompt's full pages are computed once and shared through the prefix cache. Under MTP a penalty is
+        refused: it would change with every draft token, and the accept rule has none."""
         params = params or SamplingParams()
+        if self.deploy.num_speculative_tokens:
+            p = params
+            for field, on in (("presence_penalty", p.presence_penalty != 0), ("frequency_penalty", p.frequency_penalty != 0),
+                              ("repetition_penalty", p.repetition_penalty != 1)):
+                if on:
+                    raise RequestError(field, f"{field} is not supported with speculative decoding (MTP): a "
+                                              "penalty changes with every draft token, which the accept rule does "
+                                              "not follow (temperature, min_p, top_k, top_p and logit_bias it does)")
         ids = as_token_array(prompt_ids)
         cfg = self.cfg
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
@@ -332,6 +343,12 @@ class Engine(PdQueries):
         if any(t >= cfg.vocab_size for t in params.stop_token_ids):
             raise RequestError("stop_token_ids",
                                f"stop_token_ids must lie in [0, {cfg.vocab_size}), got {params.stop_token_ids}")
+        if params.logprobs is not None and not all(getattr(r.runner, "gives_logprobs", False) for r in self.replicas):
+            raise RequestError("logprobs", f"logprobs need the model's logits; this engine's runner "
+                                           f"({type(self.replicas[0].runner).__name__}) computes none")
+        if any(t >= cfg.vocab_size for t, _ in params.logit_bias):
+            raise RequestError("logit_bias", f"logit_bias token ids must lie in [0, {cfg.vocab_size}), got "
+                                             f"{sorted(t for t, _ in params.logit_bias if t >= cfg.vocab_size)[:8]}")
         total = ids.size + params.max_new_tokens
         if total > self.deploy.max_model_len:
             raise RequestError("max_new_tokens", f"prompt of {ids.size} tokens + max_new_tokens="
@@ -342,7 +359,7 @@ class Engine(PdQueries):
         req_id = req_id if req_id is not None else f"req-{next(self._ids)}"
         if req_id in self.requests or req_id in self.finished:
             raise ValueError(f"request id {req_id!r} is already in use")
-        i = self.route(salt)
+        i = self._owner[prefill_after] if prefill_after in self.requests else self.route(salt)
         remote = None
         if kv_peer is not None:
             try:
@@ -357,7 +374,7 @@ class Engine(PdQueries):
                 kv_peer, kv_lease = None, 0  # nothing of it could be ours: compute, do not ask
         req = Request(req_id, ids, params, salt=salt, arrival_s=self.clock.now(), kv_peer=kv_peer,
                       kv_lease=kv_lease, kv_remote=remote, kv_produce=ids.size - 1 if kv_produce else 0,
-                      stop_check=stop_check)
+                      stop_check=stop_check, prefill_after=prefill_after)
         self.replicas[i].scheduler.add(req)
         self.requests[req_id] = req
         self._owner[req_id] = i

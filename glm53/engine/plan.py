@@ -48,6 +48,10 @@ class PlanRow:
     # -1: the MTP layer pairs each position's hidden state with the token after it, so a chunk's last
     # position needs the next chunk's first token (a row that samples pairs it with the sampled token)
     next_token: int = -1
+    # with a penalty on (params.penalized) and `sample`: (the distinct token ids of the prompt and the output
+    # so far, int32 [L]; how often each occurs in the output, float32 [L]): the penalties' whole input,
+    # built per step on the host (Request.penalty_tokens), so the runner keeps no per-request state
+    penalty_tokens: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +103,8 @@ class StepResult:
     drafts: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # HiSparse prefill groups that staged host rows (their copies are in h2d_bytes)
     stages: tuple[StageRecord, ...] = ()
+    # per request that sampled with params.logprobs: one glm53.engine.request.TokenLogprobs per token
+    logprobs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
 
 class Runner(Protocol):

@@ -10,6 +10,9 @@ from collections.abc import Callable
 import numpy as np
 
 SEED_RANGE = (-(1 << 63), 1 << 63)  # seeds are int64, as OpenAI's and vLLM's APIs take them: [lo, hi)
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 64  # logit_bias entries per request: the sampler's bias arrays are [rows, MAX_LOGIT_BIAS]
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range of a bias value
 
 
 def is_utf8(text: str) -> bool:
@@ -40,7 +43,20 @@ class SamplingParams:
 
     stop_token_ids: sampling one of them finishes the request (finish_reason "stop"; the token is the
         last of its output), as vLLM's stop_token_ids and a checkpoint's EOS do. min_tokens: until that
-        many tokens are out, the stop tokens cannot be sampled (their logits are masked, vLLM's rule)."""
+        many tokens are out, the stop tokens cannot be sampled (their logits are masked, vLLM's rule).
+
+    The logit rules, vLLM's, in the order the sampler applies them (glm53.engine.logits; docs/engine.md):
+    logit_bias: ((token id, bias in [-100, 100]), ...), at most MAX_LOGIT_BIAS entries, ids unique: added
+        to the logits. repetition_penalty > 0 (1 = off): a token seen in the prompt or the output has a
+        positive logit divided by it, a negative one multiplied. frequency_penalty, presence_penalty in
+        [-2, 2] (0 = off): subtracted, x the token's count in the output / once if it is in the output.
+    Greedy rows then take the argmax; sampled rows divide by temperature, then min_p in [0, 1] (0 = off:
+        tokens below min_p x the top token's probability go), top_k (0 = off, else >= 1: tokens below the
+        k-th largest logit go, ties kept), top_p in (0, 1] (the smallest most-likely set whose mass reaches
+        top_p stays).
+    logprobs: None, or 0..MAX_LOGPROBS: each generated token comes with its log-probability, its rank and
+        that many most likely alternatives, from the model's raw logits (log-softmax before any rule:
+        vLLM's default logprobs_mode "raw_logprobs")."""
 
     max_new_tokens: int = 16
     greedy: bool = True
@@ -49,6 +65,13 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) \
@@ -68,6 +91,38 @@ class SamplingParams:
         if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_new_tokens:
             raise RequestError("min_tokens",
                                f"min_tokens must be an int in [0, max_new_tokens={self.max_new_tokens}], got {m!r}")
+        k = self.top_k
+        if not isinstance(k, int) or isinstance(k, bool) or k < -1:
+            raise RequestError("top_k", f"top_k must be an int >= 1, or 0 / -1 for off, got {k!r}")
+        object.__setattr__(self, "top_k", max(k, 0))
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 1e6:
+            raise RequestError("repetition_penalty", f"repetition_penalty must be > 0 (1 = off), got "
+                                                     f"{self.repetition_penalty!r}")
+        bias = self.logit_bias
+        ok = isinstance(bias, tuple) and all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], int) and not isinstance(e[0], bool)
+            and e[0] >= 0 and _is_number(e[1]) and LOGIT_BIAS_RANGE[0] <= e[1] <= LOGIT_BIAS_RANGE[1] for e in bias)
+        if not ok or len({t for t, _ in bias}) != len(bias):
+            raise RequestError("logit_bias", f"logit_bias must map distinct token ids >= 0 to biases in "
+                                             f"{list(LOGIT_BIAS_RANGE)}, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError("logit_bias", f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+            raise RequestError("logprobs", f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {lp!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on: the sampler then needs the row's prompt and output tokens."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether a rule changes the logits before greedy or sampling (a penalty or a logit bias)."""
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def prng_seed(self) -> int:
@@ -81,6 +136,26 @@ class SamplingParams:
     def banned(self, num_generated: int) -> tuple[int, ...]:
         """Token ids the next sample must not take, with `num_generated` tokens out so far."""
         return self.stop_token_ids if num_generated < self.min_tokens else ()
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+
+def _check_range(field: str, v, lo: float, hi: float) -> None:
+    if not _is_number(v) or not lo <= v <= hi:
+        raise RequestError(field, f"{field} must be a number in [{lo}, {hi}], got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's logprobs from the model's raw logits: its own (logprob, rank: 1 + the tokens
+    more likely than it), and the `logprobs` most likely tokens as ((token id, logprob), ...), most likely
+    first."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Status(enum.Enum):
@@ -122,6 +197,10 @@ class Request:
     # MTP: draft tokens proposed after its last step, verified by its next one (vLLM's spec_token_ids);
     # positions num_tokens .. num_tokens + len - 1. Dropped when it is preempted.
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # with params.logprobs: one TokenLogprobs per output token, in order (appended with it, in the step)
+    output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # n > 1: the sibling whose prompt KV this one waits to find in the prefix cache (one prefill for all)
+    prefill_after: str | None = None
     # stop strings (a server's detokenizer, glm53.tokenizer.TextStream.add): called with each generated
     # token in order, it returns the stop string the text now reaches (the request finishes "stop" on that
     # token, as on a stop token) or None. It runs on the engine's thread, inside the step.
@@ -149,6 +228,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.prompt_ids.size + len(self.output_ids)
+
+    def penalty_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """The penalties' input (PlanRow.penalty_tokens): the distinct ids of prompt and output, int32 [L], and
+        each one's count in the output, float32 [L]. O(context log context) per call: the price of keeping
+        no per-request state on the device."""
+        out = np.asarray(self.output_ids, np.int32)
+        ids, inverse = np.unique(np.concatenate([self.prompt_ids.astype(np.int32), out]), return_inverse=True)
+        counts = np.bincount(inverse[self.prompt_ids.size:], minlength=ids.size).astype(np.float32)
+        return ids.astype(np.int32), counts
 
     @property
     def extra_keys(self) -> tuple[str, ...]:

@@ -260,6 +260,9 @@ class Scheduler:
             if self.policy.waiting_for(req):
                 skip, waited = skip + 1, True
                 continue
+            if self._sibling_prefilling(req):  # n > 1: it takes the prompt's KV from the prefix cache after
+                skip += 1
+                continue
             before = None
             if self._unfit is not None and self._unfit[0] is req and self._unfit[1] == self._admission_signature(req, budget):
                 # it did not fit and nothing its admission reads has changed since: the retry would take
@@ -328,6 +331,13 @@ class Scheduler:
             self.stats.steps += 1
         return plan
 
+    def _sibling_prefilling(self, req: Request) -> bool:
+        """Whether `req` waits for the sibling it shares a prompt with (Request.prefill_after, n > 1) to finish
+        computing that prompt: then its full pages are in the prefix cache and `req` computes only the last
+        partial page (one prefill for all n). A sibling that is gone, or was never here, holds nothing up."""
+        lead = self.requests.get(req.prefill_after) if req.prefill_after is not None else None
+        return lead is not None and lead.num_computed_tokens < lead.prompt_ids.size
+
     def _plan(self, scheduled: list[tuple[Request, int, int]]) -> StepPlan:
         """The frozen plan of this step's rows: tokens, sampling, each row's tables from the policy, and
         every transfer the policy recorded since the last plan."""
@@ -340,8 +350,10 @@ class Scheduler:
             ids.setflags(write=False)
             end = start + n - len(drafts)
             nxt = int(req.token_slice(end, end + 1)[0]) if self.num_spec and end < req.num_tokens else -1
-            rows.append(PlanRow(req.req_id, start, ids, end == req.num_tokens, req.params, len(req.output_ids),
-                                num_draft_tokens=len(drafts), next_token=nxt))
+            sample = end == req.num_tokens
+            rows.append(PlanRow(req.req_id, start, ids, sample, req.params, len(req.output_ids),
+                                num_draft_tokens=len(drafts), next_token=nxt,
+                                penalty_tokens=req.penalty_tokens() if sample and req.params.penalized else None))
             row_tables, row_extra = self.policy.row_tables(self.kv, req)
             for g in self.kv.groups:
                 tables[g].append(row_tables[g])
@@ -503,8 +515,11 @@ class Scheduler:
             self.spec.observe(row.num_draft_tokens, accepted)
             req.spec_token_ids = []
             reason, taken = None, 0
-            for tok in toks:
+            lps = result.logprobs.get(row.req_id, ())
+            for k, tok in enumerate(toks):
                 req.output_ids.append(int(tok))
+                if k < len(lps):
+                    req.output_logprobs.append(lps[k])
                 req.token_times_s.append(now_s)
                 taken += 1
                 if req.first_token_s is None:

@@ -10,7 +10,7 @@ tokens (glm53.engine.runner). This module holds the pieces that need no model:
   `synthetic_acceptance_length` / `synthetic_acceptance_rates`, `draft_sample_method`) plus one of ours,
   `verify` (how the runner computes the verify step, see `SpeculativeConfig`).
 - `rejection_sample`: greedy rows accept a draft iff it is the target's argmax; sampled rows run
-  rejection sampling against the target distribution (temperature, top-p), with the drafts as one-hot
+  rejection sampling against the target distribution (temperature, min-p, top-k, top-p), with the drafts as one-hot
   proposals (vLLM's draft_sample_method="greedy": the MTP layer drafts by argmax), which leaves the
   output distributed exactly as the target's; synthetic rows accept a number of drafts drawn from the
   configured per-position rates whatever the tokens are (vLLM's benchmark mode: the text is meaningless,
@@ -26,6 +26,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from glm53.engine.logits import filter_sampled
 
 METHODS = ("mtp",)
 REJECTION_METHODS = ("standard", "synthetic")
@@ -184,25 +186,15 @@ def length_to_rates(length: float, k: int) -> tuple[float, ...]:
 
 
 # ------------------------------------------------------------------------------------------ accept rule
-def _filtered_logits(logits_V, temp, top_p):
-    """Logits of the distribution a sampled row draws from: temperature, then the smallest set of
-    tokens whose mass reaches top_p (the model runner's `_sample`); -inf outside it. In vocabulary order."""
-    z = logits_V / temp
-    order = jnp.argsort(-z)
-    probs = jax.nn.softmax(z[order])
-    keep_sorted = jnp.cumsum(probs) - probs < top_p
-    keep = jnp.zeros(z.shape, bool).at[order].set(keep_sorted)
-    return jnp.where(keep, z, -jnp.inf)
-
-
 @jax.jit
-def rejection_sample(logits_RJV, drafts_RK, num_drafts_R, greedy_R, temps_R, top_ps_R, seeds_R, counters_R,
-                     rates_K):
+def rejection_sample(logits_RJV, drafts_RK, num_drafts_R, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R,
+                     counters_R, rates_K):
     """The accept rule of one verify step, per row.
 
     logits_RJV: float32 [R, K+1, V], the target's logits at positions s .. s+K (stop tokens a row may not
         sample yet already at -inf). drafts_RK: int32 [R, K], the drafts at positions s+1 .. s+K (entries
-        past num_drafts_R are ignored). greedy_R: bool; temps_R / top_ps_R: float32 (sampled rows);
+        past num_drafts_R are ignored). greedy_R: bool; temps_R, top_ks_R (int32), top_ps_R, min_ps_R: the
+        sampled rows' rules (glm53.engine.logits.filter_sampled, the plain sampler's: the same target);
         seeds_R uint32 / counters_R int32: the row's PRNG key is fold_in(key(seed), counter), counter = the
         tokens it generated before this step, so no key repeats across its steps. rates_K: float32 [K],
         the synthetic unconditional rates, or a [K] array of NaN for the standard rule.
@@ -219,10 +211,11 @@ def rejection_sample(logits_RJV, drafts_RK, num_drafts_R, greedy_R, temps_R, top
     k1 = logits_RJV.shape[1]
     synthetic = ~jnp.isnan(rates_K[0]) if rates_K.shape[0] else jnp.bool_(False)
 
-    def one(logits_JV, drafts_K, nd, greedy, temp, top_p, seed, counter):
+    def one(logits_JV, drafts_K, nd, greedy, temp, top_k, top_p, min_p, seed, counter):
         base = jax.random.fold_in(jax.random.key(seed), counter)
         j = jnp.arange(k1)
-        filt_JV = jax.vmap(_filtered_logits, in_axes=(0, None, None))(logits_JV, temp, top_p)
+        logits_JV = logits_JV.astype(jnp.float32)
+        filt_JV = jax.vmap(filter_sampled, in_axes=(0, None, None, None, None))(logits_JV, temp, top_k, top_p, min_p)
         logp_JV = jax.nn.log_softmax(filt_JV, axis=-1)
         argmax_J = jnp.argmax(logits_JV, axis=-1).astype(jnp.int32)
         d = drafts_K[: k1 - 1]
@@ -246,7 +239,8 @@ def rejection_sample(logits_RJV, drafts_RK, num_drafts_R, greedy_R, temps_R, top
         tokens = jnp.where(j == accepted, nxt, tokens)
         return tokens.astype(jnp.int32), accepted
 
-    return jax.vmap(one)(logits_RJV, drafts_RK, num_drafts_R, greedy_R, temps_R, top_ps_R, seeds_R, counters_R)
+    return jax.vmap(one)(logits_RJV, drafts_RK, num_drafts_R, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R,
+                         counters_R)
 
 
 def rates_array(spec: SpeculativeConfig | None, k: int) -> np.ndarray:

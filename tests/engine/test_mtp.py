@@ -17,6 +17,7 @@ import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.runner import _last_logits, _position_logits
 from glm53.engine.spec_decode import SpecDecodeStats, length_to_rates, rejection_sample
+from tests.engine.sampling_ref import ref_filter
 from glm53.model import compiled
 from kvcache.contiguous import ContiguousKVCache
 from kvcache.paged import PagedKVCache
@@ -93,43 +94,42 @@ def test_a_checkpoint_without_mtp_weights_fails_at_engine_construction(hf_fixtur
 
 
 # ------------------------------------------------------------------------------------------- accept rule
-def _run_rule(logits_JV, drafts, n, *, greedy=False, temp=1.0, top_p=1.0, rates=None, seed=0):
+def _run_rule(logits_JV, drafts, n, *, greedy=False, temp=1.0, top_p=1.0, top_k=0, min_p=0.0, rates=None, seed=0):
     """The accept rule on n rows that all see the same target logits and drafts (different PRNG keys)."""
     k = len(drafts)
     logits = jnp.broadcast_to(jnp.asarray(logits_JV, jnp.float32), (n,) + np.shape(logits_JV))
     rates = np.full(k, np.nan, np.float32) if rates is None else np.asarray(rates, np.float32)
     toks, acc = rejection_sample(logits, np.tile(np.asarray(drafts, np.int32), (n, 1)), np.full(n, k, np.int32),
-                                 np.full(n, greedy), np.full(n, temp, np.float32), np.full(n, top_p, np.float32),
+                                 np.full(n, greedy), np.full(n, temp, np.float32), np.full(n, top_k, np.int32),
+                                 np.full(n, top_p, np.float32), np.full(n, min_p, np.float32),
                                  np.full(n, seed, np.uint32), np.arange(n, dtype=np.int32), rates)
     return np.asarray(toks), np.asarray(acc)
 
 
-def _target(logits_V, temp, top_p):
-    """The distribution a sampled row draws from (numpy): temperature, then top-p."""
-    z = np.asarray(logits_V, np.float64) / temp
-    order = np.argsort(-z, kind="stable")
-    p = np.exp(z[order] - z.max())
-    p /= p.sum()
-    keep = np.cumsum(p) - p < top_p
-    out = np.zeros_like(p)
-    out[order[keep]] = p[keep]
-    return out / out.sum()
+def _target(logits_V, temp, top_p, top_k=0, min_p=0.0):
+    """The distribution a sampled row draws from (numpy): tests/engine/test_sampling.py's reference of
+    temperature, min-p, top-k and top-p (vLLM's definitions), normalised."""
+    z = ref_filter(logits_V, temp, top_k, top_p, min_p)
+    p = np.exp(z - z.max())
+    return p / p.sum()
 
 
 def test_rejection_sampling_keeps_the_target_distribution():
     """Sampled rows: every output position is distributed as the target's distribution there (given the
     tokens before it), whatever the drafts: chi-square tests over 40,000 draws per case, a likely and an
-    unlikely draft, with temperature and top-p."""
+    unlikely draft, with temperature and top-p, and a target processed by min-p, top-k and top-p at once."""
     rng = np.random.default_rng(1)
     v, n = 8, 40_000
     logits = rng.normal(0, 1.5, (3, v)).astype(np.float32)
-    for temp, top_p in ((1.0, 1.0), (0.7, 0.9)):
-        p = [_target(lg, temp, top_p) for lg in logits]
+    for temp, top_p, top_k, min_p in ((1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (0.8, 0.95, 5, 0.1)):
+        p = [_target(lg, temp, top_p, top_k, min_p) for lg in logits]
+        if top_k:  # the processed case cuts each position's support
+            assert all((q > 0).sum() <= top_k for q in p)
         for drafts in ([int(np.argmax(p[0])), int(np.argmax(p[1]))], [int(np.argmin(logits[0])), 3]):
-            toks, acc = _run_rule(logits, drafts, n, temp=temp, top_p=top_p)
+            toks, acc = _run_rule(logits, drafts, n, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p)
             assert set(np.unique(acc)) <= {0, 1, 2}
             # position 0: always present, ~ p0
-            _chi2(toks[:, 0], p[0], f"position 0, drafts {drafts}, T={temp}, top_p={top_p}")
+            _chi2(toks[:, 0], p[0], f"position 0, drafts {drafts}, T={temp}, top_p={top_p}, top_k={top_k}, min_p={min_p}")
             # position 1 exists when draft 0 stood (output[0] == draft 0): ~ p1
             stood = acc >= 1
             assert np.all(toks[stood, 0] == drafts[0]) and np.all(toks[~stood, 0] != drafts[0])
@@ -299,6 +299,17 @@ def test_mtp_greedy_equals_non_speculative(small_model, continuation):
     assert m["spec_acceptance_length_mean"] == 1 + m["spec_num_accepted_tokens"] / m["spec_num_drafts"]
     assert len(m["spec_accepted_tokens_per_pos"]) == K
     assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.pool.num_blocks
+    # logprobs and a logit_bias under MTP: every kept token has its entry, from its own position's raw logits
+    # (a greedy token is its position's most likely: rank 1), and a +100 bias makes every token
+    lp_id = eng.add_request(prompts[0], SamplingParams(5, logprobs=3))
+    bias_id = eng.add_request(prompts[1], SamplingParams(5, logit_bias=((7, 100.0),)))
+    while eng.has_unfinished():
+        eng.step()
+    r = eng.finished[lp_id]
+    assert r.output_ids == want[0] and len(r.output_logprobs) == 5
+    assert all(lp.rank == 1 and lp.top[0] == (t, lp.logprob) and len(lp.top) == 3
+               for lp, t in zip(r.output_logprobs, r.output_ids))
+    assert eng.finished[bias_id].output_ids == [7] * 5
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ on its real processes). The servers run tests.glm53.faulty_serve, whose step fai
   nothing left running; lone UTF-16 surrogates in any text field among them (sent as JSON escapes, as
   clients other than the openai package can);
 - parameters this server does not apply are a 400 naming them, never ignored;
+- the sampler's parameters, logprobs (return_tokens_as_token_ids too), n and echo, completions and chat,
+  streamed and not;
 - a stop string ends the request as a stop (finish_reason, stop_reason, usage, [DONE]), counted under
   vllm:request_success{finished_reason="stop"};
 - int64 seeds: equal seeds, equal tokens; different seeds, different tokens;
@@ -133,11 +135,14 @@ BAD_COMPLETION = [  # (fields, the param the 400 names, status)
     ({"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "\ud800", "remote_port": 5}},
      "kv_transfer_params", 400),
     ({"model": "other"}, "model", 404),
+    # the sampler's rules out of range
+    ({"presence_penalty": 2.5}, "presence_penalty", 400), ({"frequency_penalty": -3}, "frequency_penalty", 400),
+    ({"repetition_penalty": 0}, "repetition_penalty", 400), ({"top_k": -2}, "top_k", 400),
+    ({"min_p": 1.5}, "min_p", 400), ({"logit_bias": {"x": 5}}, "logit_bias", 400),
+    ({"logit_bias": {"600": 5}}, "logit_bias", 400), ({"logprobs": 21}, "logprobs", 400), ({"n": 0}, "n", 400),
+    ({"n": 129}, "n", 400), ({"echo": True, "logprobs": 1}, "echo", 400),
     # parameters this server does not apply: a 400 naming them unless at their neutral value
-    ({"presence_penalty": 0.5}, "presence_penalty", 400), ({"frequency_penalty": 1.0}, "frequency_penalty", 400),
-    ({"repetition_penalty": 1.2}, "repetition_penalty", 400), ({"top_k": 5}, "top_k", 400),
-    ({"min_p": 0.1}, "min_p", 400), ({"logit_bias": {"1": 5}}, "logit_bias", 400), ({"logprobs": 1}, "logprobs", 400),
-    ({"n": 2}, "n", 400), ({"best_of": 2}, "best_of", 400), ({"echo": True}, "echo", 400), ({"suffix": "x"}, "suffix", 400),
+    ({"best_of": 2}, "best_of", 400), ({"suffix": "x"}, "suffix", 400),
     ({"use_beam_search": True}, "use_beam_search", 400),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output", 400),
     ({"response_format": {"type": "json_object"}}, "response_format", 400),
@@ -148,9 +153,10 @@ BAD_CHAT = [
     ({"messages": []}, "messages", 400), ({"messages": [{"content": "hi"}]}, "messages", 400),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages", 400),
     ({"max_completion_tokens": 0}, "max_completion_tokens", 400), ({"seed": 2**64}, "seed", 400),
-    ({"logprobs": True}, "logprobs", 400), ({"top_logprobs": 2}, "top_logprobs", 400),
+    ({"top_logprobs": 2}, "top_logprobs", 400), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", 400),
+    ({"echo": True}, "echo", 400),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", 400), ({"tool_choice": "auto"}, "tool_choice", 400),
-    ({"n": 3}, "n", 400), ({"continue_final_message": True}, "continue_final_message", 400),
+    ({"n": 0}, "n", 400), ({"continue_final_message": True}, "continue_final_message", 400),
     ({"chat_template": "{{ 1 }}"}, "chat_template", 400), ({"model": "other"}, "model", 404),
     ({"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages", 400), ({"stop": "\udc00"}, "stop", 400),
     ({"cache_salt": "\ud800"}, "cache_salt", 400),
@@ -228,6 +234,100 @@ def test_unapplied_parameters_at_their_neutral_values_are_served(api):
         r = httpx.post(api.base + "/v1/completions", content=raw, headers=api.headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, (raw, r.text)
     assert r.json()["error"]["param"] == "temperature"
+
+
+# ------------------------------------------------------------------------- sampling, logprobs, n, echo
+def _by_choice(chunks) -> dict:
+    """A stream's chunks -> {choice index: [its choice objects]}."""
+    out: dict = {}
+    for ch in chunks:
+        for c in ch.choices:
+            out.setdefault(c.index, []).append(c)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_with_n_greedy_choices(api, stream):
+    """n=2 greedy choices of one prompt: equal tokens, each with its logprobs (the sampled token first in
+    top_logprobs, being the most likely: rank 1), text offsets that follow the tokens' texts; usage counts
+    the prompt once; return_tokens_as_token_ids names tokens "token_id:N"."""
+    kw = dict(model=api.name, prompt=[5, 6, 7, 8], max_tokens=4, temperature=0, logprobs=3, n=2,
+              extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    if stream:
+        chunks = list(api.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        choices = {}
+        for i, cs in _by_choice(chunks).items():
+            lps = [c.logprobs for c in cs if c.logprobs is not None]
+            assert all(len(lp.tokens) == 1 for lp in lps)  # one token per chunk
+            ids = [t for c in cs for t in (getattr(c, "token_ids", None) or [])]
+            choices[i] = (ids, [x for lp in lps for x in lp.tokens], [x for lp in lps for x in lp.token_logprobs],
+                          [x for lp in lps for x in lp.top_logprobs], [x for lp in lps for x in lp.text_offset])
+    else:
+        r = api.client.completions.create(**kw)
+        usage = r.usage
+        choices = {c.index: (c.token_ids, c.logprobs.tokens, c.logprobs.token_logprobs, c.logprobs.top_logprobs,
+                             c.logprobs.text_offset) for c in r.choices}
+    assert sorted(choices) == [0, 1] and usage.prompt_tokens == 4 and usage.completion_tokens == 8
+    assert choices[0][0] == choices[1][0] and len(choices[0][0]) == 4
+    for ids, tokens, lps, tops, offsets in choices.values():
+        assert tokens == [f"token_id:{t}" for t in ids]
+        for t, lp, top in zip(ids, lps, tops):
+            assert len(top) == 3 and list(top)[0] == f"token_id:{t}" and all(k.startswith("token_id:") for k in top)
+            assert lp <= 0 and lp == top[f"token_id:{t}"] == max(top.values())
+        assert offsets == [sum(len(x) for x in tokens[:k]) for k in range(len(tokens))]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_with_n_sampled_choices(api, stream):
+    """A chat with logprobs and top_logprobs 2, n=2 sampled choices (seed + choice index: their own draws,
+    and the same again for the same seed): each token's entry has 2 alternatives and a logprob <= 0."""
+    kw = dict(model=api.name, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=5, temperature=1.0,
+              seed=11, n=2, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True, "ignore_eos": True})
+
+    def run():
+        if stream:
+            got = {}
+            for i, cs in _by_choice(api.client.chat.completions.create(**kw, stream=True)).items():
+                got[i] = ([t for c in cs for t in (getattr(c, "token_ids", None) or [])],
+                          [e for c in cs if c.logprobs is not None for e in c.logprobs.content])
+            return got
+        r = api.client.chat.completions.create(**kw)
+        return {c.index: (c.token_ids, c.logprobs.content) for c in r.choices}
+
+    first = run()
+    assert sorted(first) == [0, 1]
+    for ids, content in first.values():
+        assert len(ids) == len(content) == 5
+        for e in content:
+            assert e.logprob <= 0 and len(e.top_logprobs) == 2 and e.bytes == list(e.token.encode("utf-8"))
+            assert e.top_logprobs[0].token == e.token  # vLLM's order: the sampled token first
+    assert first[0][0] != first[1][0]  # two draws, not one
+    assert {i: ids for i, (ids, _) in run().items()} == {i: ids for i, (ids, _) in first.items()}
+
+
+def test_logit_bias_top_k_penalties_and_echo_are_applied(api):
+    """logit_bias +100 on a token makes it every greedy token; top_k=1 sampling is greedy whatever the
+    seed; a presence penalty of 2 with a repetition penalty of 3 changes the greedy output of a repeating
+    prompt; echo puts the prompt's text before the output (streamed: in the first chunk)."""
+    prompt = [9, 10, 11, 9, 10, 11, 9, 10]
+    greedy = api.completion(prompt=prompt, max_tokens=6, extra_body={"return_token_ids": True}).choices[0].token_ids
+    biased = api.completion(prompt=prompt, max_tokens=6, logit_bias={"77": 100},
+                            extra_body={"return_token_ids": True}).choices[0].token_ids
+    assert biased == [77] * 6 != greedy
+    for seed in (1, 2):
+        top1 = api.completion(prompt=prompt, max_tokens=6, temperature=1.0, seed=seed,
+                              extra_body={"top_k": 1, "return_token_ids": True}).choices[0].token_ids
+        assert top1 == greedy
+    penalized = api.completion(prompt=prompt, max_tokens=6, presence_penalty=2.0, extra_body={
+        "return_token_ids": True, "repetition_penalty": 3.0}).choices[0].token_ids
+    assert penalized != greedy
+    r = api.completion(prompt="echo me", max_tokens=2, echo=True)
+    text = api.completion(prompt="echo me", max_tokens=2).choices[0].text
+    assert r.choices[0].text == "echo me" + text
+    chunks = list(api.client.completions.create(model=api.name, prompt="echo me", max_tokens=2, temperature=0,
+                                                echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith("echo me") and "".join(c.choices[0].text for c in chunks) == r.choices[0].text
 
 
 # -------------------------------------------------------------------------------------- stop strings

@@ -4,7 +4,7 @@ mesh, and samples. `ModelRunner` composes small parts, each chosen once at start
 - batch building (`batch`): width buckets, the step's forward groups, padded rows and block tables;
 - a forward strategy (`forward`): one device, a context mesh (PCP / DCP) or tensor parallelism;
 - the KV policy's device half (kvcache.policies.device): the views a forward carries, and their counts;
-- sampling (`sampling`): temperature / top-p, and MTP's accept rule;
+- sampling (`sampling`): the logit rules, greedy or a draw, logprobs; and MTP's accept rule;
 - compilation (`compilation`): warm-up of every bucket program and the workspace profile.
 
 Per step it runs the plan's KV transfers (kvcache.host.HostMemory), then groups the rows by width
@@ -51,6 +51,9 @@ class ModelRunner:
     replica's pool, page and host-pool sizes (glm53.engine.config.KVSizes), the same numbers its policy
     plans with. Plain decoding is MTP with k = 0: one execute path, whose verify form
     (`speculative_config["verify"]`) is an argument of the forward."""
+
+    # it computes logits, so the logprobs a request asks for (Engine.add_request refuses them elsewhere)
+    gives_logprobs = True
 
     def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None, *, tiers=None):
         self.model, self.deploy, self.sizes = model, deploy, sizes
@@ -178,6 +181,7 @@ class ModelRunner:
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
         tokens, drafts, resolves, stages = {}, {}, [], []
+        self._logprobs = {}
         data = plan.policy_rows
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity, self.verify_width):
             rows = [plan.rows[i] for i in idx]
@@ -195,7 +199,7 @@ class ModelRunner:
         # whose only waiting requests wait on tiers would otherwise spin)
         loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads,
-                          drafts=drafts, stages=tuple(stages))
+                          drafts=drafts, stages=tuple(stages), logprobs=self._logprobs)
 
     def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int, window: int,
                    views=None) -> tuple[dict, dict]:
@@ -225,7 +229,8 @@ class ModelRunner:
         if decode:
             hidden = self._verify(tok, pos, t_mla, t_idx, window, view(window, queries))
             if need:
-                toks, accepted = accept(self.c.logits, self.state, hidden, rows, need, r, self.k, self.rates)
+                toks, accepted, logprobs = accept(self.c.logits, self.state, hidden, rows, need, r, self.k, self.rates)
+                self._logprobs.update(logprobs)
                 for i in need:
                     a = int(accepted[i])
                     out[rows[i].req_id] = tuple(int(t) for t in toks[i, : a + 1])
@@ -333,4 +338,7 @@ class ModelRunner:
         return last_logits(self.c.logits, state, hidden_RTD, last_R)
 
     def _pick(self, logits_RV, rows: list[PlanRow], idx: list[int]) -> dict[str, tuple[int]]:
-        return pick(logits_RV, rows, idx)
+        """`sampling.pick`'s tokens; the logprobs of rows that ask for them go to this step's result."""
+        tokens, logprobs = pick(logits_RV, rows, idx)
+        self._logprobs.update(logprobs)
+        return tokens

@@ -11,7 +11,7 @@ import numpy as np
 
 from attention.common import pow2_at_least
 from glm53.api import window_bucket
-from glm53.engine.runner.sampling import _last_logits, _sample, warm_sampling
+from glm53.engine.runner.sampling import _last_logits, _sample, row_arrays, warm_sampling
 
 
 class CompileCounter:
@@ -51,7 +51,7 @@ def warmup(runner, shapes) -> int:
         views = half.empty_views(rows, decode=width == 1)
         for view in [None] + ([views(window)] if views else []):
             hidden = runner._forward(*_padding(runner, rows, width, window), window, view)
-            warm_sampling(runner.c.logits, runner.state, hidden, rows)
+            warm_sampling(runner.c.logits, runner.state, hidden, rows, penalty_limit=_penalty_limit(runner))
     half.end_warmup()  # the warm-up views counted nothing
     if shapes:
         runner.cache = runner.host.warmup(runner.cache, half.warmup_blocks())
@@ -59,6 +59,12 @@ def warmup(runner, shapes) -> int:
     runner.cp_work_per_rank(reset=True)  # warm-up steps are not serving work
     runner.all2all_bytes(reset=True)
     return len(shapes)
+
+
+def _penalty_limit(runner) -> int:
+    """The most distinct tokens a row's penalties can see (`sampling.penalty_widths`); 0 under MTP, which
+    refuses penalties (Engine.add_request)."""
+    return 0 if runner.k else min(runner.model.cfg.vocab_size, runner.deploy.max_model_len)
 
 
 def _warmup_mtp(runner, shapes) -> None:
@@ -94,7 +100,7 @@ def _warmup_mtp(runner, shapes) -> None:
             warm_sampling(runner.c.logits, runner.state, hidden, rows, runner.k, runner.rates, verify=True)
         else:
             last, hidden = runner._forward(tok, pos, t_mla, t_idx, window, keep_all=True)
-            warm_sampling(runner.c.logits, runner.state, last, rows)
+            warm_sampling(runner.c.logits, runner.state, last, rows, penalty_limit=_penalty_limit(runner))
         runner._mtp_pass(hidden, tok, pos, t_mla, t_idx, window, np.zeros(rows, np.int32))
     for rows, window in sorted({(r, w) for r, _, w in shapes}):
         _warm_drafts(runner, rows, window)
@@ -163,9 +169,7 @@ def step_workspace_bytes(runner, shapes=None) -> int:
     rows_i = jax.ShapeDtypeStruct((r,), jnp.int32)
     most = max(most, peak(_last_logits.trace(runner.c.logits, runner.state, hidden, rows_i).lower(), host=[rows_i],
                           device=[hidden]))
-    f32 = jax.ShapeDtypeStruct((r,), jnp.float32)
     logits = jax.ShapeDtypeStruct((r, cfg.vocab_size), jnp.float32)
-    key = jax.ShapeDtypeStruct((r,), jnp.uint32)
-    return max(most, peak(_sample.trace(logits, key, rows_i, f32, f32).lower(), host=[key, rows_i, f32, f32],
+    args = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in row_arrays([], [], r).items()}
+    return max(most, peak(_sample.trace(logits, logits, **args).lower(), host=list(args.values()),
                           device=[logits]))
-

@@ -1,6 +1,8 @@
-"""Sampling: the jitted programs that turn a group's hidden states into tokens, and the host-side rules
-around them. A request samples with PRNG key fold_in(key(seed), tokens generated so far), so it samples
-the same tokens whatever it is batched with. MTP's accept rule is glm53.engine.spec_decode."""
+"""Sampling: the jitted programs that turn a group's hidden states into tokens and logprobs, and the
+host-side rules around them. A request samples with PRNG key fold_in(key(seed), tokens generated so far),
+so it samples the same tokens whatever it is batched with. Every sampling parameter is an array of the
+batch (one entry per row), so no request compiles a program of its own; the rules themselves are
+glm53.engine.logits. MTP's accept rule is glm53.engine.spec_decode."""
 
 from __future__ import annotations
 
@@ -10,24 +12,72 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention.common import pow2_at_least
+from glm53.engine import logits as rules
 from glm53.engine.plan import PlanRow
+from glm53.engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS, TokenLogprobs
 from glm53.engine.spec_decode import rejection_sample
+
+MIN_PENALTY_WIDTH = 64  # narrowest bucket of a step's distinct penalized tokens per row
+
+
+def penalty_width(n: int) -> int:
+    """Columns of the penalty arrays of a step whose widest row has `n` distinct prompt and output tokens:
+    0 (no penalties), else a power of two >= MIN_PENALTY_WIDTH (a bounded set of programs)."""
+    return 0 if n == 0 else max(MIN_PENALTY_WIDTH, pow2_at_least(n))
+
+
+def penalty_widths(limit: int) -> list[int]:
+    """Every penalty width a runner can meet, 0 included: a row holds at most `limit` distinct tokens
+    (min(vocab size, max_model_len))."""
+    top = penalty_width(max(limit, 1))
+    return [0] + [MIN_PENALTY_WIDTH << i for i in range((top // MIN_PENALTY_WIDTH).bit_length())]
 
 
 @jax.jit
-def _sample(logits_RV, seeds_R, counters_R, temps_R, top_ps_R):
-    """Temperature / top-p sampling, one PRNG key per row: fold_in(key(seed), counter)."""
+def _process(logits_RV, bias_ids_RB, bias_RB, seen_RL, counts_RL, presence_R, frequency_R, repetition_R):
+    """`glm53.engine.logits.process` per row: logit_bias, then the penalties -> [R, V] float32."""
+    return jax.vmap(rules.process)(logits_RV.astype(jnp.float32), bias_ids_RB, bias_RB, seen_RL, counts_RL,
+                                   presence_R, frequency_R, repetition_R)
 
-    def one(logits, seed, counter, temp, top_p):
+
+@jax.jit
+def _sample(raw_RV, logits_RV, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R, counters_R):
+    """One token per row: argmax of `logits_RV` (greedy rows; lowest id on ties) or a draw from
+    `glm53.engine.logits.filter_sampled` with key fold_in(key(seed), counter); and its raw logprobs from
+    `raw_RV` (the model's logits before any rule) -> (tokens [R] int32, logprob [R], rank [R] int32, top
+    ids [R, K] int32, top logprobs [R, K]), K = min(MAX_LOGPROBS, V)."""
+    k = min(MAX_LOGPROBS, raw_RV.shape[-1])
+
+    def one(raw, z, greedy, temp, top_k, top_p, min_p, seed, counter):
         key = jax.random.fold_in(jax.random.key(seed), counter)
-        z = logits / temp
-        order = jnp.argsort(-z)
-        probs = jax.nn.softmax(z[order])
-        keep = jnp.cumsum(probs) - probs < top_p  # the smallest prefix whose mass reaches top_p
-        z_sorted = jnp.where(keep, z[order], -jnp.inf)
-        return order[jax.random.categorical(key, z_sorted)]
+        z = z.astype(jnp.float32)
+        drawn = jax.random.categorical(key, rules.filter_sampled(z, temp, top_k, top_p, min_p))
+        tok = jnp.where(greedy, jnp.argmax(z), drawn).astype(jnp.int32)
+        return (tok, *rules.logprobs(raw, tok, k))
 
-    return jax.vmap(one)(logits_RV, seeds_R, counters_R, temps_R, top_ps_R)
+    return jax.vmap(one)(raw_RV, logits_RV, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R, counters_R)
+
+
+@jax.jit
+def _position_logprobs(raw_RJV, toks_RJ):
+    """`glm53.engine.logits.logprobs` of token toks_RJ[r, j] at each verify position -> (logprob [R, J], rank
+    [R, J] int32, top ids [R, J, K] int32, top logprobs [R, J, K]), K = min(MAX_LOGPROBS, V)."""
+    k = min(MAX_LOGPROBS, raw_RJV.shape[-1])
+    return jax.vmap(jax.vmap(lambda raw, t: rules.logprobs(raw, t, k)))(raw_RJV, toks_RJ)
+
+
+def _entries(rows: list[PlanRow], idx: list[int], counts: list[int], mine, rank, top_ids, top_lp) -> dict[str, tuple]:
+    """{req_id: (TokenLogprobs, ...)} of the rows that ask for logprobs: row rows[j]'s first counts[j]
+    positions of host arrays [R, J(, K)] at row idx[j]."""
+    out = {}
+    for i, r, n in zip(idx, rows, counts):
+        k = r.params.logprobs
+        if k is not None:
+            out[r.req_id] = tuple(TokenLogprobs(float(mine[i, j]), int(rank[i, j]),
+                                                tuple(zip(top_ids[i, j, :k].tolist(), top_lp[i, j, :k].tolist())))
+                                  for j in range(n))
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -71,64 +121,112 @@ def last_logits(logits_fn, state, hidden_RTD, last_R):
     return _last_logits(logits_fn, state, hidden_RTD, last_R)
 
 
-def pick(logits_RV, rows: list[PlanRow], idx: list[int]) -> dict[str, tuple[int]]:
-    """One token per row `rows[j]` from logits row idx[j]: argmax for greedy rows, `_sample` for the
-    others; stop tokens before min_tokens masked first (on the host: rare, small)."""
-    out = {}
-    sample_rows = [(i, r) for i, r in zip(idx, rows) if not r.params.greedy]
-    greedy = [(i, r) for i, r in zip(idx, rows) if r.params.greedy]
+def row_arrays(rows: list[PlanRow], idx: list[int], n: int) -> dict[str, np.ndarray]:
+    """The sampling parameters of `rows` as arrays of n rows (row rows[j] at idx[j]; the others neutral
+    padding), in `_sample`'s argument names."""
+    a = dict(greedy_R=np.ones(n, bool), temps_R=np.ones(n, np.float32), top_ks_R=np.zeros(n, np.int32),
+             top_ps_R=np.ones(n, np.float32), min_ps_R=np.zeros(n, np.float32), seeds_R=np.zeros(n, np.uint32),
+             counters_R=np.zeros(n, np.int32))
+    for i, r in zip(idx, rows):
+        p = r.params
+        a["greedy_R"][i], a["seeds_R"][i], a["counters_R"][i] = p.greedy, p.prng_seed, r.num_generated
+        if not p.greedy:
+            a["temps_R"][i], a["top_ks_R"][i], a["top_ps_R"][i], a["min_ps_R"][i] = p.temperature, p.top_k, p.top_p, p.min_p
+    return a
+
+
+def process_arrays(rows: list[PlanRow], idx: list[int], n: int, vocab: int) -> dict[str, np.ndarray]:
+    """The logit_bias and penalty arrays of `rows` (`_process`'s arguments after the logits); padding ids
+    are `vocab` (dropped by the scatters: JAX_NOTES' index -1 trap)."""
+    width = penalty_width(max((r.penalty_tokens[0].size for r in rows if r.penalty_tokens is not None), default=0))
+    a = dict(bias_ids_RB=np.full((n, MAX_LOGIT_BIAS), vocab, np.int32), bias_RB=np.zeros((n, MAX_LOGIT_BIAS), np.float32),
+             seen_RL=np.full((n, width), vocab, np.int32), counts_RL=np.zeros((n, width), np.float32),
+             presence_R=np.zeros(n, np.float32), frequency_R=np.zeros(n, np.float32), repetition_R=np.ones(n, np.float32))
+    for i, r in zip(idx, rows):
+        p = r.params
+        for j, (t, b) in enumerate(p.logit_bias):
+            a["bias_ids_RB"][i, j], a["bias_RB"][i, j] = min(t, vocab), b  # an id past the vocabulary does nothing
+        if r.penalty_tokens is not None:
+            ids, counts = r.penalty_tokens
+            a["seen_RL"][i, : ids.size], a["counts_RL"][i, : ids.size] = ids, counts
+            a["presence_R"][i], a["frequency_R"][i] = p.presence_penalty, p.frequency_penalty
+            a["repetition_R"][i] = p.repetition_penalty
+    return a
+
+
+def pick(logits_RV, rows: list[PlanRow], idx: list[int]) -> tuple[dict[str, tuple[int]], dict[str, tuple]]:
+    """One token per row `rows[j]` from logits row idx[j] -> ({req_id: (token,)}, {req_id: (TokenLogprobs,)}
+    for the rows that ask for logprobs). Stop tokens before min_tokens are masked first (on the host: rare,
+    small; not in the raw logits the logprobs come from), then logit_bias and penalties (`_process`, only
+    when a row has one), then `_sample`."""
+    raw = logits_RV
     banned = [(i, r.params.banned(r.num_generated)) for i, r in zip(idx, rows)]
     if any(b for _, b in banned):
         logits_RV = np.array(logits_RV)
         for i, b in banned:
             logits_RV[i, list(b)] = -np.inf
-    if greedy:
-        host = np.asarray(logits_RV)
-        for i, r in greedy:
-            out[r.req_id] = (int(np.argmax(host[i])),)
-    if sample_rows:
-        n = len(logits_RV)
-        seeds, counters = np.zeros(n, np.uint32), np.zeros(n, np.int32)
-        temps, top_ps = np.ones(n, np.float32), np.ones(n, np.float32)
-        for i, r in sample_rows:
-            seeds[i], counters[i] = r.params.prng_seed, r.num_generated
-            temps[i], top_ps[i] = r.params.temperature, r.params.top_p
-        toks = np.asarray(_sample(logits_RV, seeds, counters, temps, top_ps))
-        for i, r in sample_rows:
-            out[r.req_id] = (int(toks[i]),)
-    return out
+    n, vocab = logits_RV.shape
+    if any(r.params.processed for r in rows):
+        logits_RV = _process(logits_RV, **process_arrays(rows, idx, n, vocab))
+    out = _sample(raw, logits_RV, **row_arrays(rows, idx, n))
+    toks = np.asarray(out[0])
+    lps = {}
+    if any(r.params.logprobs is not None for r in rows):
+        lps = _entries(rows, idx, [1] * len(rows), *(np.asarray(x)[:, None] for x in out[1:]))
+    return {r.req_id: (int(toks[i]),) for i, r in zip(idx, rows)}, lps
 
 
 def accept(logits_fn, state, hidden, rows: list[PlanRow], need: list[int], r: int, k: int, rates):
-    """The accept rule of a verify group (hidden [r, 1 + k, D]) -> host (tokens [r, 1 + k], accepted [r])."""
-    logits = _position_logits(logits_fn, state, hidden)
+    """The accept rule of a verify group (hidden [r, 1 + k, D]) -> host (tokens [r, 1 + k], accepted [r],
+    {req_id: (TokenLogprobs of each token it keeps, ...)} for the rows that ask for logprobs: position j's
+    raw logits for its j-th token)."""
+    logits = raw = _position_logits(logits_fn, state, hidden)
     bans = [(i, j, b) for i in need for j in range(rows[i].num_tokens)
             if (b := rows[i].params.banned(rows[i].num_generated + j))]
     if bans:  # stop tokens before min_tokens, per position: masked on the host (rare, small)
         logits = np.array(logits)
         for i, j, b in bans:
             logits[i, j, list(b)] = -np.inf
+    if any(rows[i].params.logit_bias for i in need):  # the same bias at every position (no penalty under MTP)
+        j = k + 1
+        flat = process_arrays([rows[i] for i in need for _ in range(j)], [i * j + q for i in need for q in range(j)],
+                              r * j, logits.shape[-1])
+        logits = _process(jnp.reshape(logits, (r * j, -1)), **flat).reshape(r, j, -1)
     drafts, nd = np.zeros((r, k), np.int32), np.zeros(r, np.int32)
-    greedy, temps, top_ps = np.ones(r, bool), np.ones(r, np.float32), np.ones(r, np.float32)
-    seeds, counters = np.zeros(r, np.uint32), np.zeros(r, np.int32)
     for i in need:
         row = rows[i]
         nd[i] = row.num_draft_tokens
         drafts[i, : nd[i]] = row.token_ids[row.num_tokens - nd[i]:]
-        greedy[i], temps[i], top_ps[i] = row.params.greedy, row.params.temperature, row.params.top_p
-        seeds[i], counters[i] = row.params.prng_seed, row.num_generated
-    toks, accepted = rejection_sample(logits, drafts, nd, greedy, temps, top_ps, seeds, counters, rates)
-    return np.asarray(toks), np.asarray(accepted)
+    a = row_arrays([rows[i] for i in need], need, r)
+    toks, accepted = rejection_sample(logits, drafts, nd, a["greedy_R"], a["temps_R"], a["top_ks_R"], a["top_ps_R"],
+                                      a["min_ps_R"], a["seeds_R"], a["counters_R"], rates)
+    toks, accepted = np.asarray(toks), np.asarray(accepted)
+    lps = {}
+    if any(rows[i].params.logprobs is not None for i in need):
+        out = (np.asarray(x) for x in _position_logprobs(raw, toks))
+        lps = _entries([rows[i] for i in need], need, [int(accepted[i]) + 1 for i in need], *out)
+    return toks, accepted, lps
 
 
-def warm_sampling(logits_fn, state, hidden, rows: int, k: int = 0, rates=None, verify: bool = False) -> None:
-    """Compile the sampling programs of `rows` rows after `hidden`: the logits and `_sample`, or under MTP's
+def warm_sampling(logits_fn, state, hidden, rows: int, k: int = 0, rates=None, verify: bool = False,
+                  penalty_limit: int = 0) -> None:
+    """Compile the sampling programs of `rows` rows after `hidden`: the logits, `_sample` and `_process` at
+    every penalty width up to `penalty_limit` distinct tokens per row (`penalty_widths`), or under MTP's
     verify the position logits and the accept rule (padding only)."""
     ones = np.ones(rows, np.float32)
     if verify:
         logits = _position_logits(logits_fn, state, hidden)
         rejection_sample(logits, np.zeros((rows, k), np.int32), np.zeros(rows, np.int32), np.ones(rows, bool), ones,
-                         ones, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), rates)
+                         np.zeros(rows, np.int32), ones, np.zeros(rows, np.float32), np.zeros(rows, np.uint32),
+                         np.zeros(rows, np.int32), rates)
+        _position_logprobs(logits, np.zeros((rows, k + 1), np.int32))[0].block_until_ready()
+        flat = jnp.reshape(logits, (rows * (k + 1), -1))
+        _process(flat, **process_arrays([], [], rows * (k + 1), flat.shape[-1])).block_until_ready()
         return
     logits = last_logits(logits_fn, state, hidden, np.zeros(rows, np.int32))
-    _sample(logits, np.zeros(rows, np.uint32), np.zeros(rows, np.int32), ones, ones).block_until_ready()
+    vocab = logits.shape[-1]
+    _sample(logits, logits, **row_arrays([], [], rows))[0].block_until_ready()
+    for width in penalty_widths(penalty_limit) if penalty_limit else [0]:
+        a = process_arrays([], [], rows, vocab)
+        a["seen_RL"], a["counts_RL"] = np.full((rows, width), vocab, np.int32), np.zeros((rows, width), np.float32)
+        _process(logits, **a).block_until_ready()
