@@ -41,20 +41,26 @@ def _process(logits_RV, bias_ids_RB, bias_RB, seen_RL, counts_RL, presence_R, fr
                                    presence_R, frequency_R, repetition_R)
 
 
-@jax.jit
-def _sample(raw_RV, logits_RV, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R, counters_R):
+@functools.partial(jax.jit, static_argnames=("sampled", "with_logprobs"))
+def _sample(raw_RV, logits_RV, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R, counters_R, *,
+            sampled: bool = True, with_logprobs: bool = True):
     """One token per row: argmax of `logits_RV` (greedy rows; lowest id on ties) or a draw from
     `glm53.engine.logits.filter_sampled` with key fold_in(key(seed), counter); and its raw logprobs from
     `raw_RV` (the model's logits before any rule) -> (tokens [R] int32, logprob [R], rank [R] int32, top
-    ids [R, K] int32, top logprobs [R, K]), K = min(MAX_LOGPROBS, V)."""
+    ids [R, K] int32, top logprobs [R, K]), K = min(MAX_LOGPROBS, V); (tokens,) without `with_logprobs`.
+    sampled=False: every row is greedy (the filter's vocabulary sort is not traced). Why the two static
+    flags: under vmap both sides of a `where` run, and the sort and the log-softmax over the vocabulary
+    cost many times an argmax per row (docs/engine.md), while most steps are greedy without logprobs."""
     k = min(MAX_LOGPROBS, raw_RV.shape[-1])
 
     def one(raw, z, greedy, temp, top_k, top_p, min_p, seed, counter):
-        key = jax.random.fold_in(jax.random.key(seed), counter)
         z = z.astype(jnp.float32)
-        drawn = jax.random.categorical(key, rules.filter_sampled(z, temp, top_k, top_p, min_p))
-        tok = jnp.where(greedy, jnp.argmax(z), drawn).astype(jnp.int32)
-        return (tok, *rules.logprobs(raw, tok, k))
+        tok = jnp.argmax(z).astype(jnp.int32)
+        if sampled:
+            key = jax.random.fold_in(jax.random.key(seed), counter)
+            drawn = jax.random.categorical(key, rules.filter_sampled(z, temp, top_k, top_p, min_p))
+            tok = jnp.where(greedy, tok, drawn).astype(jnp.int32)
+        return (tok, *rules.logprobs(raw, tok, k)) if with_logprobs else (tok,)
 
     return jax.vmap(one)(raw_RV, logits_RV, greedy_R, temps_R, top_ks_R, top_ps_R, min_ps_R, seeds_R, counters_R)
 
@@ -168,10 +174,12 @@ def pick(logits_RV, rows: list[PlanRow], idx: list[int]) -> tuple[dict[str, tupl
     n, vocab = logits_RV.shape
     if any(r.params.processed for r in rows):
         logits_RV = _process(logits_RV, **process_arrays(rows, idx, n, vocab))
-    out = _sample(raw, logits_RV, **row_arrays(rows, idx, n))
+    with_logprobs = any(r.params.logprobs is not None for r in rows)
+    out = _sample(raw, logits_RV, **row_arrays(rows, idx, n), sampled=not all(r.params.greedy for r in rows),
+                  with_logprobs=with_logprobs)
     toks = np.asarray(out[0])
     lps = {}
-    if any(r.params.logprobs is not None for r in rows):
+    if with_logprobs:
         lps = _entries(rows, idx, [1] * len(rows), *(np.asarray(x)[:, None] for x in out[1:]))
     return {r.req_id: (int(toks[i]),) for i, r in zip(idx, rows)}, lps
 
@@ -225,7 +233,10 @@ def warm_sampling(logits_fn, state, hidden, rows: int, k: int = 0, rates=None, v
         return
     logits = last_logits(logits_fn, state, hidden, np.zeros(rows, np.int32))
     vocab = logits.shape[-1]
-    _sample(logits, logits, **row_arrays([], [], rows))[0].block_until_ready()
+    for sampled in (False, True):
+        for with_logprobs in (False, True):
+            _sample(logits, logits, **row_arrays([], [], rows), sampled=sampled,
+                    with_logprobs=with_logprobs)[0].block_until_ready()
     for width in penalty_widths(penalty_limit) if penalty_limit else [0]:
         a = process_arrays([], [], rows, vocab)
         a["seen_RL"], a["counts_RL"] = np.full((rows, width), vocab, np.int32), np.zeros((rows, width), np.float32)
