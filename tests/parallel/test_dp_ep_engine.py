@@ -21,10 +21,17 @@ SHAPES = dict(max_model_len=128, max_num_batched_tokens=16, max_num_seqs=2, bloc
 N = 4
 
 
+def _params(rid: str, new: int):
+    """b0 asks for logprobs (they travel back to its rank's result); the others are plain greedy."""
+    from glm53 import SamplingParams
+
+    return SamplingParams(new, logprobs=3 if rid == "b0" else None)
+
+
 def _serve_alone(model, deploy, requests):
     """One device serving `requests` [(req_id, prompt, max_new_tokens)] alone, all queued at once ->
-    ({req_id: tokens}, tokens its plans scheduled, steps that computed)."""
-    from glm53 import Engine, SamplingParams
+    ({req_id: finished Request}, tokens its plans scheduled, steps that computed)."""
+    from glm53 import Engine
 
     eng = Engine(model, deploy)
     execute, seen = eng.runner.execute, [0, 0]
@@ -36,10 +43,10 @@ def _serve_alone(model, deploy, requests):
 
     eng.runner.execute = counted
     for rid, prompt, new in requests:
-        eng.add_request(prompt, SamplingParams(new), req_id=rid)
+        eng.add_request(prompt, _params(rid, new), req_id=rid)
     while eng.has_unfinished():
         eng.step()
-    return {rid: eng.finished[rid].output_ids for rid, _, _ in requests}, seen[0], seen[1]
+    return {rid: eng.finished[rid] for rid, _, _ in requests}, seen[0], seen[1]
 
 
 @pytest.mark.multidevice
@@ -81,7 +88,7 @@ def test_dp4_ep4_ranks_equal_one_device_each_and_compile_nothing_after_warmup(sm
     runner.fwd.forward = logged
     with CompileCounter() as compiles:
         for rid, salt, _, new in work:
-            eng.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+            eng.add_request(prompts[rid], _params(rid, new), req_id=rid, salt=salt)
         while eng.has_unfinished():
             eng.step()
     assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
@@ -96,8 +103,13 @@ def test_dp4_ep4_ranks_equal_one_device_each_and_compile_nothing_after_warmup(sm
     for r in range(N):
         mine = [(rid, prompts[rid], new) for rid, _, _, new in work if owners[rid] == r]
         want, scheduled, computed = _serve_alone(small_model, alone, mine) if mine else ({}, 0, 0)
-        for rid, tokens in want.items():
-            assert eng.finished[rid].output_ids == tokens, (r, rid)
+        for rid, req in want.items():
+            got = eng.finished[rid]
+            assert got.output_ids == req.output_ids, (r, rid)
+            assert len(got.output_logprobs) == len(req.output_logprobs) == (len(req.output_ids) if rid == "b0" else 0)
+            for a, b in zip(got.output_logprobs, req.output_logprobs):  # equal up to float summation order
+                assert a.rank == b.rank and [t for t, _ in a.top] == [t for t, _ in b.top], rid
+                assert np.allclose([a.logprob, *(v for _, v in a.top)], [b.logprob, *(v for _, v in b.top)], atol=1e-4)
         assert m["dp_rank_tokens"][r] == scheduled, r
         steps.append(computed)
     # every rank computes in consecutive steps from the first (all requests queued at once, preempt always
@@ -169,8 +181,8 @@ def test_dp4_ep4_offload_each_rank_loads_its_own_host_pages(small_model):
     for s in first:
         want, _, _ = _serve_alone(small_model, DeployConfig(**SHAPES),
                                   [(f"{s}-1", first[s], 5), (f"{s}-2", second[s], 4)])
-        for rid, tokens in want.items():
-            assert eng.finished[rid].output_ids == tokens, rid
+        for rid, req in want.items():
+            assert eng.finished[rid].output_ids == req.output_ids, rid
 
 
 @pytest.mark.multidevice
@@ -196,4 +208,4 @@ def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(sma
     assert m["spec_num_drafts"] > 0 and m["dp_idle_rank_steps"] > 0
     for rid, _, _, new in work:
         want, _, _ = _serve_alone(small_model, DeployConfig(**mtp), [(rid, prompts[rid], new)])
-        assert eng.finished[rid].output_ids == want[rid], rid
+        assert eng.finished[rid].output_ids == want[rid].output_ids, rid

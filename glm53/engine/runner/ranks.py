@@ -13,7 +13,7 @@ passes that program padding rows (vLLM's dummy batches).
   rank-major, so the programs are the one-device buckets with N x R rows (`ModelRunner.bucket_shapes`).
 - Sampling: once over all N x R rows (under MTP the accept rule, the MTP layer's pass over the group and
   the draft passes, each one program over every rank's rows); each rank's result holds its own
-  requests' tokens and drafts.
+  requests' tokens, drafts and logprobs.
 
 Not built here: a policy's device half with views (HiSparse) and secondary tiers; the runner's strategy
 and the engine refuse them under this layout before allocating anything.
@@ -104,6 +104,7 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
         moved[r] = (d2h, h2d)
     tokens: dict[str, tuple[int, ...]] = {}
     drafts: dict[str, tuple[int, ...]] = {}
+    runner._logprobs = {}  # filled by the groups' sampling (`ModelRunner._pick`, the accept rule)
     for width, per in rank_groups(plans, runner.max_tokens, runner.capacity, runner.verify_width).items():
         rows_per_rank = max(p for _, p, _ in per.values())
         window = max(w for _, _, w in per.values())
@@ -126,5 +127,6 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
         mine = {row.req_id: tokens[row.req_id] for row in plan.rows if row.req_id in tokens}
         results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r],
                                   tier_loads=loads if r == 0 else (),
-                                  drafts={rid: drafts[rid] for rid in mine if rid in drafts}))
+                                  drafts={rid: drafts[rid] for rid in mine if rid in drafts},
+                                  logprobs={rid: runner._logprobs[rid] for rid in mine if rid in runner._logprobs}))
     return results
