@@ -91,7 +91,9 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
                  known: Sequence[BlockHash] = (), upto: int | None = None) -> list[BlockHash]:
     """Hashes of every full block of a token sequence (a trailing partial block has none), or of its
     first `upto` tokens. `known`: the hashes of its first blocks, computed before (the chain is extended
-    from them, not rehashed; only the new blocks' tokens are sliced)."""
+    from them, not rehashed; only the new blocks' tokens are sliced). Blocks whose hashes a recent call
+    computed for the same leading tokens and extra keys are taken from `_CHAINS` (the same bytes: each
+    is a hash of the parent's hash and the block's tokens, and both are equal)."""
     out, parent = list(known), (known[-1] if known else None)
     end = len(token_ids) if upto is None else min(upto, len(token_ids))
     first = len(known) * tokens_per_block
@@ -100,17 +102,65 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
         return out
     # hash_block's bytes, built once for all the new blocks (a serving run hashes millions of blocks:
     # one slice of the ids and one encoding instead of one per block)
-    data = memoryview(np.asarray(token_ids[first : first + n * tokens_per_block], dtype="<i8").tobytes())
+    ids = np.asarray(token_ids[first : first + n * tokens_per_block], dtype="<i8")
+    data = memoryview(ids.tobytes())
     extra = b"".join(struct.pack("<q", len(k)) + k for k in (str(key).encode() for key in extra_keys))
     step = 8 * tokens_per_block
     sha256 = hashlib.sha256
-    for i in range(0, n * step, step):
+    done = 0  # new blocks hashed (or taken from a recent chain)
+    if not out:  # the first block's hash names the chain in `_CHAINS`
+        h = sha256(_EMPTY)
+        h.update(data[:step])
+        h.update(extra)
+        parent = h.digest()
+        out.append(parent)
+        done = 1
+    key = (tokens_per_block, extra, out[0])
+    chain = _CHAINS.get(key)
+    have = len(out)  # blocks of the chain known here
+    if chain is not None and len(chain[1]) > have and chain[1][have - 1] == out[-1]:
+        # the same chain up to block `have`: its later blocks are ours while their tokens are ours
+        span = min(len(chain[1]), len(known) + n) * tokens_per_block
+        mine, theirs = ids[have * tokens_per_block - first : span - first], chain[0][have * tokens_per_block : span]
+        diff = np.flatnonzero(mine != theirs)
+        same = (int(diff[0]) if diff.size else mine.size) // tokens_per_block
+        out += chain[1][have : have + same]
+        done += same
+        parent = out[-1]
+    for i in range(done * step, n * step, step):
         h = sha256(parent or _EMPTY)
         h.update(data[i : i + step])
         h.update(extra)
         parent = h.digest()
         out.append(parent)
+    _remember(key, token_ids, out, chain)
     return out
+
+
+# recent chains: (tokens_per_block, extra keys' bytes, first block's hash) -> (int64 tokens of its full
+# blocks, their hashes), least recently used first. Why: a serving run hashes a request's prompt once per
+# engine that admits it (a P/D pair: three times) and again at the session's next turn, which extends it.
+_CHAINS: OrderedDict[tuple, tuple[np.ndarray, list[BlockHash]]] = OrderedDict()
+_CHAINS_MAX_TOKENS = 1 << 23  # 64 MiB of int64 tokens over all chains
+_chains_tokens = 0
+
+
+def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], old) -> None:
+    """Keep `hashes` (of token_ids' leading full blocks) as the chain under `key` unless the chain there is
+    at least as long and agrees (then it is only marked recently used)."""
+    global _chains_tokens
+    tpb = key[0]
+    if old is not None and len(old[1]) >= len(hashes) and old[1][len(hashes) - 1] == hashes[-1]:
+        _CHAINS.move_to_end(key)
+        return
+    tokens = np.array(token_ids[: len(hashes) * tpb], dtype="<i8")
+    if old is not None:
+        _chains_tokens -= old[0].size
+    _CHAINS[key] = (tokens, hashes[:])
+    _CHAINS.move_to_end(key)
+    _chains_tokens += tokens.size
+    while _chains_tokens > _CHAINS_MAX_TOKENS and len(_CHAINS) > 1:
+        _chains_tokens -= _CHAINS.popitem(last=False)[1][0].size
 
 
 class NoFreeBlocks(RuntimeError):
