@@ -116,15 +116,19 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
         out.append(parent)
         done = 1
     key = (tokens_per_block, extra, out[0])
-    chain = _CHAINS.get(key)
+    chains = _CHAINS.get(key, ())
     have = len(out)  # blocks of the chain known here
-    if chain is not None and len(chain[1]) > have and chain[1][have - 1] == out[-1]:
-        # the same chain up to block `have`: its later blocks are ours while their tokens are ours
-        span = min(len(chain[1]), len(known) + n) * tokens_per_block
-        mine, theirs = ids[have * tokens_per_block - first : span - first], chain[0][have * tokens_per_block : span]
-        diff = np.flatnonzero(mine != theirs)
-        same = (int(diff[0]) if diff.size else mine.size) // tokens_per_block
-        out += chain[1][have : have + same]
+    best, same = None, 0
+    for chain in chains:  # the recent chain that shares the most blocks with this one past `have`
+        if len(chain[1]) > have and chain[1][have - 1] == out[-1]:
+            span = min(len(chain[1]), len(known) + n) * tokens_per_block
+            mine, theirs = ids[have * tokens_per_block - first : span - first], chain[0][have * tokens_per_block : span]
+            diff = np.flatnonzero(mine != theirs)
+            k = (int(diff[0]) if diff.size else mine.size) // tokens_per_block
+            if best is None or k > same:
+                best, same = chain, k
+    if same:
+        out += best[1][have : have + same]
         done += same
         parent = out[-1]
     for i in range(done * step, n * step, step):
@@ -133,34 +137,41 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
         h.update(extra)
         parent = h.digest()
         out.append(parent)
-    _remember(key, token_ids, out, chain)
+    if not known:  # an extension (`known`: a request's next blocks) is not kept: it would copy its context
+        _remember(key, token_ids, out, best if best is not None and have + same == len(best[1]) else None)
     return out
 
 
-# recent chains: (tokens_per_block, extra keys' bytes, first block's hash) -> (int64 tokens of its full
-# blocks, their hashes), least recently used first. Why: a serving run hashes a request's prompt once per
-# engine that admits it (a P/D pair: three times) and again at the session's next turn, which extends it.
-_CHAINS: OrderedDict[tuple, tuple[np.ndarray, list[BlockHash]]] = OrderedDict()
+# recent chains: (tokens_per_block, extra keys' bytes, first block's hash) -> up to _CHAINS_PER_KEY chains
+# (int64 tokens of its full blocks, their hashes), keys least recently used first. Why: a serving run
+# hashes a request's prompt once per engine that admits it (a P/D pair: three times) and again at the
+# session's next turn, which extends it; a user's sessions and subagents share leading blocks.
+_CHAINS: OrderedDict[tuple, list[tuple[np.ndarray, list[BlockHash]]]] = OrderedDict()
+_CHAINS_PER_KEY = 8
 _CHAINS_MAX_TOKENS = 1 << 23  # 64 MiB of int64 tokens over all chains
 _chains_tokens = 0
 
 
-def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], old) -> None:
-    """Keep `hashes` (of token_ids' leading full blocks) as the chain under `key` unless the chain there is
-    at least as long and agrees (then it is only marked recently used)."""
+def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], prefix) -> None:
+    """Keep `hashes` (of token_ids' leading full blocks) among the chains under `key`, in place of
+    `prefix` (a chain there that they extend or equal); a chain there that already holds them all is
+    only marked recently used."""
     global _chains_tokens
-    tpb = key[0]
-    if old is not None and len(old[1]) >= len(hashes) and old[1][len(hashes) - 1] == hashes[-1]:
-        _CHAINS.move_to_end(key)
-        return
-    tokens = np.array(token_ids[: len(hashes) * tpb], dtype="<i8")
-    if old is not None:
-        _chains_tokens -= old[0].size
-    _CHAINS[key] = (tokens, hashes[:])
+    chains = _CHAINS.setdefault(key, [])
     _CHAINS.move_to_end(key)
+    for c in chains:
+        if len(c[1]) >= len(hashes) and c[1][len(hashes) - 1] == hashes[-1]:
+            return
+    if prefix is not None:
+        del chains[next(i for i, c in enumerate(chains) if c is prefix)]
+        _chains_tokens -= prefix[0].size
+    elif len(chains) >= _CHAINS_PER_KEY:
+        _chains_tokens -= chains.pop(0)[0].size
+    tokens = np.array(token_ids[: len(hashes) * key[0]], dtype="<i8")
+    chains.append((tokens, hashes[:]))
     _chains_tokens += tokens.size
     while _chains_tokens > _CHAINS_MAX_TOKENS and len(_CHAINS) > 1:
-        _chains_tokens -= _CHAINS.popitem(last=False)[1][0].size
+        _chains_tokens -= sum(c[0].size for c in _CHAINS.popitem(last=False)[1])
 
 
 class NoFreeBlocks(RuntimeError):

@@ -41,6 +41,7 @@ waits simulated time.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 import zlib
 
@@ -164,6 +165,8 @@ class SimRunner(SyntheticRunner):
         # the default tokens read only (request, tokens generated): `_verify` then skips cutting rows
         self._by_count = (getattr(self.token, "by_count", None) if spec is not None and spec.synthetic
                           and self.draft is self.token else None)
+        # the synthetic rates, derived once (SpeculativeConfig.acceptance_rates derives them on every read)
+        self._rates = types.SimpleNamespace(acceptance_rates=spec.acceptance_rates) if spec is not None else None
         self.cfg, self.hw, self.deploy = cfg, hw, deploy
         self.verify_width = 1 + deploy.num_speculative_tokens if spec is not None else 0
         # the verify form the model runner computes on hw's platform (batched on a GPU unless HiSparse's
@@ -192,7 +195,7 @@ class SimRunner(SyntheticRunner):
         if self._by_count is None:
             return super()._verify(row)
         nd, k = row.num_draft_tokens, self.spec.num_speculative_tokens
-        accepted = _synthetic_accepted(row, self.spec)
+        accepted = _synthetic_accepted(row, self._rates)
         if accepted is None:
             return super()._verify(row)
         given = row.token_ids[row.num_tokens - nd:][:accepted]

@@ -51,7 +51,7 @@ def test_hashes_taken_from_recent_chains_are_the_chain_hashes():
                                     upto=upto) == want
         finally:
             block_pool._CHAINS_MAX_TOKENS = 1 << 23
-    assert 0 < block_pool._chains_tokens == sum(t.size for t, _ in block_pool._CHAINS.values())
+    assert 0 < block_pool._chains_tokens == sum(t.size for cs in block_pool._CHAINS.values() for t, _ in cs)
 
 
 def test_lru_reuse_and_eviction_order():
