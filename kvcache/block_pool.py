@@ -464,8 +464,10 @@ class KVCacheManager:
         return {g: max(0, self.blocks_needed(num_tokens, g) - len(tables[g])) for g in self.groups}
 
     def missing_blocks(self, req_id: str, num_tokens: int) -> int:
-        """Blocks over all groups the request lacks to hold `num_tokens` tokens."""
-        return sum(self._missing(req_id, num_tokens).values())
+        """Blocks over all groups the request lacks to hold `num_tokens` tokens (`_missing`'s sum, without
+        its dict: the scheduler asks this for every row of every step)."""
+        tables, tpb = self.requests[req_id].tables, self.group_tokens_per_block
+        return sum(max(0, -(-num_tokens // tpb[g]) - len(tables[g])) for g in self.groups)
 
     def allocate(self, req_id: str, num_tokens: int) -> None:
         """Grow the request's tables to cover `num_tokens` tokens in every group; all or nothing
