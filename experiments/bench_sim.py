@@ -6,6 +6,7 @@ bookkeeping).
 
     python -m experiments.bench_sim --out results/bench_sim                      # both figures (an hour each run)
     python -m experiments.bench_sim --figure part2 --config.sweep.concurrency='(32,)' --out DIR
+    python -m experiments.bench_sim --figure part2 --horizon-s 300 --profile --out DIR   # where the time goes
 
 Figures (`FIGURES`): "part1" is configs/paper/part1.py at concurrency 32 under HiSparse and offload, with
 enough conversations that the closed loop is still full after an hour; "part2" is configs/paper/part2.py
@@ -21,8 +22,10 @@ else the machine runs, so the CPU seconds of the process are reported beside the
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import time
 
 from experiments import serve
@@ -57,9 +60,18 @@ class _Horizon(Exception):
     """The simulated clock passed the horizon: the run stops there."""
 
 
-def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S) -> dict:
+def _write_profile(prof: cProfile.Profile, path: str) -> None:
+    """The run's profile as text: the 40 functions with the most time of their own, then the 40 with the
+    most time including their callees (cProfile's own overhead inflates small, often-called functions)."""
+    with open(path, "w") as f:
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=f).strip_dirs().sort_stats(key).print_stats(40)
+
+
+def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profile: str | None = None) -> dict:
     """One simulated run of `cfg` under `policy` at `concurrency`, its scheduler and runners timed, until
-    the simulated clock passes `horizon_s` (or the workload ends)."""
+    the simulated clock passes `horizon_s` (or the workload ends). profile: also run it under cProfile
+    and write the profile's text there (its times are then the profiled run's)."""
     totals = {"schedule_s": 0.0, "update_s": 0.0, "price_s": 0.0}
     model, _ = serve._model(cfg.model, weights=False)
     eng = serve._engine(model, cfg, policy, "unused")
@@ -77,12 +89,20 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S) -> dic
         if e.clock.now() >= horizon_s:
             raise _Horizon
 
+    prof = cProfile.Profile() if profile else None
     t0, c0 = time.perf_counter(), time.process_time()
     try:
+        if prof is not None:
+            prof.enable()
         client.run(on_step=on_step)
     except _Horizon:
         pass
+    finally:
+        if prof is not None:
+            prof.disable()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if prof is not None:
+        _write_profile(prof, profile)
     simulated = eng.clock.now()
     eng.shutdown()
     per_step = {k.replace("_s", "_ms_per_step"): 1e3 * v / max(steps, 1) for k, v in totals.items()}
@@ -117,6 +137,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--figure", action="append", choices=sorted(FIGURES), help="repeatable (default: every figure)")
     ap.add_argument("--horizon-s", type=float, default=HORIZON_S, help="simulated seconds per run")
     ap.add_argument("--out", default="out/bench_sim")
+    ap.add_argument("--profile", action="store_true",
+                    help="run under cProfile and write OUT/profile_<figure>_<policy>_c<concurrency>.txt (slower)")
     args, overrides = ap.parse_known_args(argv)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -129,7 +151,9 @@ def main(argv=None) -> dict:
             raise ValueError(f"{path}: bench_sim needs a simulated config (runner.kind='sim')")
         for policy in cfg.sweep.kv_policy:
             for conc in cfg.sweep.concurrency:
-                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s)}
+                prof = os.path.join(out, f"profile_{figure}_{policy}_c{conc}.txt") if args.profile else None
+                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s, prof),
+                     "profiled": bool(args.profile)}
                 runs.append(r)
                 print(f"[bench_sim] {figure} {policy} c={conc}: {r['engine_steps']} steps, {r['simulated_s']:.0f} "
                       f"simulated s in {r['wall_s']:.0f} wall s / {r['cpu_s']:.0f} CPU s "

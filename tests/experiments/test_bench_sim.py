@@ -79,3 +79,14 @@ def test_bench_sim_times_every_part_of_a_step(tmp_path, monkeypatch):
     # a workload that ends before the horizon says so
     short = bench_sim.main(["--out", str(tmp_path), "--horizon-s", "1e9", *SMALL, "--config.sweep.kv_policy=('offload',)"])
     assert [r["full_hour"] for r in short["runs"]] == [False]
+
+
+def test_bench_sim_profile_names_where_the_time_went(tmp_path):
+    """--profile writes each run's profile as text, naming the scheduler and the runner's execute among
+    the functions the run spent its time in, and marks the run as profiled."""
+    res = bench_sim.main(["--out", str(tmp_path), "--horizon-s", "0.2", "--profile", *SMALL,
+                          "--config.sweep.kv_policy=('offload',)"])
+    (r,) = res["runs"]
+    assert r["profiled"] is True
+    text = (tmp_path / "profile_part1_offload_c2.txt").read_text()
+    assert "(schedule)" in text and "(execute)" in text and "tottime" in text
