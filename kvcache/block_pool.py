@@ -36,6 +36,7 @@ import itertools
 import math
 import operator
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -148,6 +149,7 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
 # session's next turn, which extends it; a user's sessions and subagents share leading blocks.
 _CHAINS: OrderedDict[tuple, list[tuple[np.ndarray, list[BlockHash]]]] = OrderedDict()
 _CHAINS_PER_KEY = 8
+_CHAINS_LOCK = threading.Lock()
 _CHAINS_MAX_TOKENS = 1 << 23  # 64 MiB of int64 tokens over all chains
 _chains_tokens = 0
 
@@ -157,21 +159,20 @@ def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], pre
     `prefix` (a chain there that they extend or equal); a chain there that already holds them all is
     only marked recently used."""
     global _chains_tokens
-    chains = _CHAINS.setdefault(key, [])
-    _CHAINS.move_to_end(key)
-    for c in chains:
-        if len(c[1]) >= len(hashes) and c[1][len(hashes) - 1] == hashes[-1]:
-            return
-    if prefix is not None:
-        del chains[next(i for i, c in enumerate(chains) if c is prefix)]
-        _chains_tokens -= prefix[0].size
-    elif len(chains) >= _CHAINS_PER_KEY:
-        _chains_tokens -= chains.pop(0)[0].size
-    tokens = np.array(token_ids[: len(hashes) * key[0]], dtype="<i8")
-    chains.append((tokens, hashes[:]))
-    _chains_tokens += tokens.size
-    while _chains_tokens > _CHAINS_MAX_TOKENS and len(_CHAINS) > 1:
-        _chains_tokens -= sum(c[0].size for c in _CHAINS.popitem(last=False)[1])
+    with _CHAINS_LOCK:  # servers hash from several threads; readers only ever see whole, unchanging chains
+        chains = _CHAINS.setdefault(key, [])
+        _CHAINS.move_to_end(key)
+        for c in chains:
+            if len(c[1]) >= len(hashes) and c[1][len(hashes) - 1] == hashes[-1]:
+                return
+        tokens = np.array(token_ids[: len(hashes) * key[0]], dtype="<i8")
+        i = next((i for i, c in enumerate(chains) if c is prefix), None)
+        if i is not None or len(chains) >= _CHAINS_PER_KEY:
+            _chains_tokens -= chains.pop(0 if i is None else i)[0].size
+        chains.append((tokens, hashes[:]))
+        _chains_tokens += tokens.size
+        while _chains_tokens > _CHAINS_MAX_TOKENS and len(_CHAINS) > 1:
+            _chains_tokens -= sum(c[0].size for c in _CHAINS.popitem(last=False)[1])
 
 
 class NoFreeBlocks(RuntimeError):
