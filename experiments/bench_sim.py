@@ -13,7 +13,10 @@ enough conversations that the closed loop is still full after an hour; "part2" i
 at concurrency 64 (its heaviest points) for its three P/D deployments, with eight sessions per user.
 Each run serves its closed loop until the simulated clock passes `--horizon-s` (3,600 s) and stops
 there; `full_hour` says whether it got there (else the workload ran out first). The issue's target is
-one simulated hour of Part 2 in under 300 wall seconds on 2 cores. Writes OUT/results.json (`runs`: one
+one simulated hour of Part 2 in under 300 wall seconds on 2 cores. `trace_sha256` hashes the
+simulated clock after every step and each replica's priced seconds (by op), assumed misses, staged rows
+and scheduler counters: a change meant only to make the simulator faster leaves it equal (compare two
+checkouts' runs over the same --horizon-s). Writes OUT/results.json (`runs`: one
 per (figure, policy, concurrency) with `figure`, `simulated_s`, `wall_s_per_simulated_hour` and
 `cpu_s_per_simulated_hour`) and OUT/table.md. A benchmark: it asserts nothing; wall times depend on what
 else the machine runs, so the CPU seconds of the process are reported beside them.
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
+import hashlib
 import json
 import os
 import pstats
@@ -82,10 +87,12 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profil
         _Timed(rep.runner, "execute", totals, "price_s")
     client = serve.make_client(eng, cfg, serve.point_sessions(cfg, concurrency), concurrency)
     steps = 0
+    trace = hashlib.sha256()  # the simulated clock after every step: a speed change must leave it alone
 
     def on_step(e):
         nonlocal steps
         steps += 1
+        trace.update(repr(e.clock.now()).encode())
         if e.clock.now() >= horizon_s:
             raise _Horizon
 
@@ -104,13 +111,17 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profil
     if prof is not None:
         _write_profile(prof, profile)
     simulated = eng.clock.now()
+    for rep in (rep for e in engines for rep in e.replicas):  # and what each replica priced and counted
+        r = rep.runner
+        trace.update(repr((r.busy_s, r.hot_miss_rows, r.staged_rows, sorted(r.time_by_op.items()),
+                           dataclasses.astuple(rep.scheduler.stats))).encode())
     eng.shutdown()
     per_step = {k.replace("_s", "_ms_per_step"): 1e3 * v / max(steps, 1) for k, v in totals.items()}
     per_step["other_ms_per_step"] = 1e3 * (wall - sum(totals.values())) / max(steps, 1)
     return {"kv_policy": policy, "concurrency": concurrency, "horizon_s": horizon_s, "simulated_s": simulated,
             "full_hour": simulated >= horizon_s, "engine_steps": steps, "wall_s": wall, "cpu_s": cpu,
             "steps_per_wall_s": steps / wall, "wall_s_per_simulated_hour": wall / simulated * 3600,
-            "cpu_s_per_simulated_hour": cpu / simulated * 3600, **per_step}
+            "cpu_s_per_simulated_hour": cpu / simulated * 3600, "trace_sha256": trace.hexdigest(), **per_step}
 
 
 def table(res: dict) -> str:
