@@ -6,13 +6,17 @@ bookkeeping).
 
     python -m experiments.bench_sim --out results/bench_sim                      # both figures (an hour each run)
     python -m experiments.bench_sim --figure part2 --config.sweep.concurrency='(32,)' --out DIR
+    python -m experiments.bench_sim --figure part2 --horizon-s 300 --profile --out DIR   # where the time goes
 
 Figures (`FIGURES`): "part1" is configs/paper/part1.py at concurrency 32 under HiSparse and offload, with
 enough conversations that the closed loop is still full after an hour; "part2" is configs/paper/part2.py
 at concurrency 64 (its heaviest points) for its three P/D deployments, with eight sessions per user.
 Each run serves its closed loop until the simulated clock passes `--horizon-s` (3,600 s) and stops
 there; `full_hour` says whether it got there (else the workload ran out first). The issue's target is
-one simulated hour of Part 2 in under 300 wall seconds on 2 cores. Writes OUT/results.json (`runs`: one
+one simulated hour of Part 2 in under 300 wall seconds on 2 cores. `trace_sha256` hashes the
+simulated clock after every step and each replica's priced seconds (by op), assumed misses, staged rows
+and scheduler counters: a change meant only to make the simulator faster leaves it equal (compare two
+checkouts' runs over the same --horizon-s). Writes OUT/results.json (`runs`: one
 per (figure, policy, concurrency) with `figure`, `simulated_s`, `wall_s_per_simulated_hour` and
 `cpu_s_per_simulated_hour`) and OUT/table.md. A benchmark: it asserts nothing; wall times depend on what
 else the machine runs, so the CPU seconds of the process are reported beside them.
@@ -21,8 +25,12 @@ else the machine runs, so the CPU seconds of the process are reported beside the
 from __future__ import annotations
 
 import argparse
+import cProfile
+import dataclasses
+import hashlib
 import json
 import os
+import pstats
 import time
 
 from experiments import serve
@@ -57,9 +65,18 @@ class _Horizon(Exception):
     """The simulated clock passed the horizon: the run stops there."""
 
 
-def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S) -> dict:
+def _write_profile(prof: cProfile.Profile, path: str) -> None:
+    """The run's profile as text: the 40 functions with the most time of their own, then the 40 with the
+    most time including their callees (cProfile's own overhead inflates small, often-called functions)."""
+    with open(path, "w") as f:
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(prof, stream=f).strip_dirs().sort_stats(key).print_stats(40)
+
+
+def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profile: str | None = None) -> dict:
     """One simulated run of `cfg` under `policy` at `concurrency`, its scheduler and runners timed, until
-    the simulated clock passes `horizon_s` (or the workload ends)."""
+    the simulated clock passes `horizon_s` (or the workload ends). profile: also run it under cProfile
+    and write the profile's text there (its times are then the profiled run's)."""
     totals = {"schedule_s": 0.0, "update_s": 0.0, "price_s": 0.0}
     model, _ = serve._model(cfg.model, weights=False)
     eng = serve._engine(model, cfg, policy, "unused")
@@ -70,27 +87,41 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S) -> dic
         _Timed(rep.runner, "execute", totals, "price_s")
     client = serve.make_client(eng, cfg, serve.point_sessions(cfg, concurrency), concurrency)
     steps = 0
+    trace = hashlib.sha256()  # the simulated clock after every step: a speed change must leave it alone
 
     def on_step(e):
         nonlocal steps
         steps += 1
+        trace.update(repr(e.clock.now()).encode())
         if e.clock.now() >= horizon_s:
             raise _Horizon
 
+    prof = cProfile.Profile() if profile else None
     t0, c0 = time.perf_counter(), time.process_time()
     try:
+        if prof is not None:
+            prof.enable()
         client.run(on_step=on_step)
     except _Horizon:
         pass
+    finally:
+        if prof is not None:
+            prof.disable()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if prof is not None:
+        _write_profile(prof, profile)
     simulated = eng.clock.now()
+    for rep in (rep for e in engines for rep in e.replicas):  # and what each replica priced and counted
+        r = rep.runner
+        trace.update(repr((r.busy_s, r.hot_miss_rows, r.staged_rows, sorted(r.time_by_op.items()),
+                           dataclasses.astuple(rep.scheduler.stats))).encode())
     eng.shutdown()
     per_step = {k.replace("_s", "_ms_per_step"): 1e3 * v / max(steps, 1) for k, v in totals.items()}
     per_step["other_ms_per_step"] = 1e3 * (wall - sum(totals.values())) / max(steps, 1)
     return {"kv_policy": policy, "concurrency": concurrency, "horizon_s": horizon_s, "simulated_s": simulated,
             "full_hour": simulated >= horizon_s, "engine_steps": steps, "wall_s": wall, "cpu_s": cpu,
             "steps_per_wall_s": steps / wall, "wall_s_per_simulated_hour": wall / simulated * 3600,
-            "cpu_s_per_simulated_hour": cpu / simulated * 3600, **per_step}
+            "cpu_s_per_simulated_hour": cpu / simulated * 3600, "trace_sha256": trace.hexdigest(), **per_step}
 
 
 def table(res: dict) -> str:
@@ -117,6 +148,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--figure", action="append", choices=sorted(FIGURES), help="repeatable (default: every figure)")
     ap.add_argument("--horizon-s", type=float, default=HORIZON_S, help="simulated seconds per run")
     ap.add_argument("--out", default="out/bench_sim")
+    ap.add_argument("--profile", action="store_true",
+                    help="run under cProfile and write OUT/profile_<figure>_<policy>_c<concurrency>.txt (slower)")
     args, overrides = ap.parse_known_args(argv)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -129,7 +162,9 @@ def main(argv=None) -> dict:
             raise ValueError(f"{path}: bench_sim needs a simulated config (runner.kind='sim')")
         for policy in cfg.sweep.kv_policy:
             for conc in cfg.sweep.concurrency:
-                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s)}
+                prof = os.path.join(out, f"profile_{figure}_{policy}_c{conc}.txt") if args.profile else None
+                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s, prof),
+                     "profiled": bool(args.profile)}
                 runs.append(r)
                 print(f"[bench_sim] {figure} {policy} c={conc}: {r['engine_steps']} steps, {r['simulated_s']:.0f} "
                       f"simulated s in {r['wall_s']:.0f} wall s / {r['cpu_s']:.0f} CPU s "

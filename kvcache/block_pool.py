@@ -36,6 +36,7 @@ import itertools
 import math
 import operator
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -91,7 +92,9 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
                  known: Sequence[BlockHash] = (), upto: int | None = None) -> list[BlockHash]:
     """Hashes of every full block of a token sequence (a trailing partial block has none), or of its
     first `upto` tokens. `known`: the hashes of its first blocks, computed before (the chain is extended
-    from them, not rehashed; only the new blocks' tokens are sliced)."""
+    from them, not rehashed; only the new blocks' tokens are sliced). Blocks whose hashes a recent call
+    computed for the same leading tokens and extra keys are taken from `_CHAINS` (the same bytes: each
+    is a hash of the parent's hash and the block's tokens, and both are equal)."""
     out, parent = list(known), (known[-1] if known else None)
     end = len(token_ids) if upto is None else min(upto, len(token_ids))
     first = len(known) * tokens_per_block
@@ -100,17 +103,76 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
         return out
     # hash_block's bytes, built once for all the new blocks (a serving run hashes millions of blocks:
     # one slice of the ids and one encoding instead of one per block)
-    data = memoryview(np.asarray(token_ids[first : first + n * tokens_per_block], dtype="<i8").tobytes())
+    ids = np.asarray(token_ids[first : first + n * tokens_per_block], dtype="<i8")
+    data = memoryview(ids.tobytes())
     extra = b"".join(struct.pack("<q", len(k)) + k for k in (str(key).encode() for key in extra_keys))
     step = 8 * tokens_per_block
     sha256 = hashlib.sha256
-    for i in range(0, n * step, step):
+    done = 0  # new blocks hashed (or taken from a recent chain)
+    if not out:  # the first block's hash names the chain in `_CHAINS`
+        h = sha256(_EMPTY)
+        h.update(data[:step])
+        h.update(extra)
+        parent = h.digest()
+        out.append(parent)
+        done = 1
+    key = (tokens_per_block, extra, out[0])
+    chains = _CHAINS.get(key, ())
+    have = len(out)  # blocks of the chain known here
+    best, same = None, 0
+    for chain in chains:  # the recent chain that shares the most blocks with this one past `have`
+        if len(chain[1]) > have and chain[1][have - 1] == out[-1]:
+            span = min(len(chain[1]), len(known) + n) * tokens_per_block
+            mine, theirs = ids[have * tokens_per_block - first : span - first], chain[0][have * tokens_per_block : span]
+            diff = np.flatnonzero(mine != theirs)
+            k = (int(diff[0]) if diff.size else mine.size) // tokens_per_block
+            if best is None or k > same:
+                best, same = chain, k
+    if same:
+        out += best[1][have : have + same]
+        done += same
+        parent = out[-1]
+    for i in range(done * step, n * step, step):
         h = sha256(parent or _EMPTY)
         h.update(data[i : i + step])
         h.update(extra)
         parent = h.digest()
         out.append(parent)
+    if not known:  # an extension (`known`: a request's next blocks) is not kept: it would copy its context
+        _remember(key, token_ids, out, best if best is not None and have + same == len(best[1]) else None)
     return out
+
+
+# recent chains: (tokens_per_block, extra keys' bytes, first block's hash) -> up to _CHAINS_PER_KEY chains
+# (int64 tokens of its full blocks, their hashes), keys least recently used first. Why: a serving run
+# hashes a request's prompt once per engine that admits it (a P/D pair: three times) and again at the
+# session's next turn, which extends it; a user's sessions and subagents share leading blocks.
+_CHAINS: OrderedDict[tuple, list[tuple[np.ndarray, list[BlockHash]]]] = OrderedDict()
+_CHAINS_PER_KEY = 8
+_CHAINS_LOCK = threading.Lock()
+_CHAINS_MAX_TOKENS = 1 << 23  # 64 MiB of int64 tokens over all chains
+_chains_tokens = 0
+
+
+def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], prefix) -> None:
+    """Keep `hashes` (of token_ids' leading full blocks) among the chains under `key`, in place of
+    `prefix` (a chain there that they extend or equal); a chain there that already holds them all is
+    only marked recently used."""
+    global _chains_tokens
+    with _CHAINS_LOCK:  # servers hash from several threads; readers only ever see whole, unchanging chains
+        chains = _CHAINS.setdefault(key, [])
+        _CHAINS.move_to_end(key)
+        for c in chains:
+            if len(c[1]) >= len(hashes) and c[1][len(hashes) - 1] == hashes[-1]:
+                return
+        tokens = np.array(token_ids[: len(hashes) * key[0]], dtype="<i8")
+        i = next((i for i, c in enumerate(chains) if c is prefix), None)
+        if i is not None or len(chains) >= _CHAINS_PER_KEY:
+            _chains_tokens -= chains.pop(0 if i is None else i)[0].size
+        chains.append((tokens, hashes[:]))
+        _chains_tokens += tokens.size
+        while _chains_tokens > _CHAINS_MAX_TOKENS and len(_CHAINS) > 1:
+            _chains_tokens -= sum(c[0].size for c in _CHAINS.popitem(last=False)[1])
 
 
 class NoFreeBlocks(RuntimeError):
@@ -403,8 +465,10 @@ class KVCacheManager:
         return {g: max(0, self.blocks_needed(num_tokens, g) - len(tables[g])) for g in self.groups}
 
     def missing_blocks(self, req_id: str, num_tokens: int) -> int:
-        """Blocks over all groups the request lacks to hold `num_tokens` tokens."""
-        return sum(self._missing(req_id, num_tokens).values())
+        """Blocks over all groups the request lacks to hold `num_tokens` tokens (`_missing`'s sum, without
+        its dict: the scheduler asks this for every row of every step)."""
+        tables, tpb = self.requests[req_id].tables, self.group_tokens_per_block
+        return sum(max(0, -(-num_tokens // tpb[g]) - len(tables[g])) for g in self.groups)
 
     def allocate(self, req_id: str, num_tokens: int) -> None:
         """Grow the request's tables to cover `num_tokens` tokens in every group; all or nothing

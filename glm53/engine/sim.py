@@ -41,6 +41,7 @@ waits simulated time.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 import zlib
 
@@ -49,7 +50,7 @@ from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.engine import Engine
 from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock
 from glm53.engine.runner import forward_groups, step_limits
-from glm53.engine.synthetic import SyntheticRunner
+from glm53.engine.synthetic import SyntheticRunner, _synthetic_accepted
 from glm53.perfmodel import H200_CALIBRATED, STORAGE, HardwareSpec, StorageSpec
 from glm53.perfmodel.cost import StepCost
 from glm53.perfmodel.step import Deployment, mtp_draft_cost, step_cost
@@ -103,9 +104,14 @@ def forward_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, rows: int,
 
 def hash_token(vocab_size: int):
     """Deterministic synthetic tokens: crc32 of (request id, tokens generated before) mod the vocabulary,
-    so a request's outputs do not depend on what it is batched with or on the process."""
+    so a request's outputs do not depend on what it is batched with or on the process. The function
+    carries `by_count(req_id, num_generated)`, the same token from the two fields it reads."""
+    def by_count(req_id: str, num_generated: int) -> int:
+        return zlib.crc32(f"{req_id}:{num_generated}".encode()) % vocab_size
+
     def token(row: PlanRow) -> int:
-        return zlib.crc32(f"{row.req_id}:{row.num_generated}".encode()) % vocab_size
+        return by_count(row.req_id, row.num_generated)
+    token.by_count = by_count
     return token
 
 
@@ -156,6 +162,11 @@ class SimRunner(SyntheticRunner):
         storage = STORAGE if tier_storage is None else tier_storage
         super().__init__(token or hash_token(cfg.vocab_size), sizes.page_bytes, record,
                          {kind: tier_costs(m) for kind, m in storage.items()}, spec=spec)
+        # the default tokens read only (request, tokens generated): `_verify` then skips cutting rows
+        self._by_count = (getattr(self.token, "by_count", None) if spec is not None and spec.synthetic
+                          and self.draft is self.token else None)
+        # the synthetic rates, derived once (SpeculativeConfig.acceptance_rates derives them on every read)
+        self._rates = types.SimpleNamespace(acceptance_rates=spec.acceptance_rates) if spec is not None else None
         self.cfg, self.hw, self.deploy = cfg, hw, deploy
         self.verify_width = 1 + deploy.num_speculative_tokens if spec is not None else 0
         # the verify form the model runner computes on hw's platform (batched on a GPU unless HiSparse's
@@ -175,6 +186,22 @@ class SimRunner(SyntheticRunner):
         self.async_dispatch, self.clock = async_dispatch, clock
         self._device_free_s = 0.0  # virtual time at which the forwards dispatched so far are done
         self._limits = step_limits(deploy)
+
+    def _verify(self, row: PlanRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """SyntheticRunner._verify with the default tokens under the synthetic acceptance rule: the
+        tokens of the rows it would cut, from their tokens-generated counts (a row cut at its known tokens
+        plus j has generated j more), without building them; the same tokens (a simulated MTP step cuts
+        every row 1 + k times, most of its pricing time before this)."""
+        if self._by_count is None:
+            return super()._verify(row)
+        nd, k = row.num_draft_tokens, self.spec.num_speculative_tokens
+        accepted = _synthetic_accepted(row, self._rates)
+        if accepted is None:
+            return super()._verify(row)
+        given = row.token_ids[row.num_tokens - nd:][:accepted]
+        g, rid = row.num_generated + accepted, row.req_id
+        out = (*(int(t) for t in given), int(self._by_count(rid, g)))
+        return out, tuple(int(self._by_count(rid, g + 1 + i)) for i in range(k))
 
     def _miss_rows(self, plan: StepPlan) -> float:
         """Assumed hot-buffer misses of a decode step (the policy's `sim_miss_rows`: HiSparse's, per decode

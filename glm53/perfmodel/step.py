@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 from glm53.config import ModelConfig
 from glm53.perfmodel.cost import Cost, StepCost, _kernel, all_reduce, host_copy
@@ -501,16 +502,14 @@ def _sequential_verify(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan
     return StepCost(tuple(parts), per_layer=per_layer)
 
 
-@dataclasses.dataclass(frozen=True)
-class _DraftRow:  # what step_cost reads of a row: one token at `start`, sampled
+class _DraftRow(typing.NamedTuple):  # what step_cost reads of a row: one token at `start`, sampled
     start: int
     num_tokens: int = 1
     num_draft_tokens: int = 0
     sample: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
-class _DraftPlan:
+class _DraftPlan(typing.NamedTuple):  # (named tuples: a simulator builds one per drafting row per step)
     rows: tuple
 
 

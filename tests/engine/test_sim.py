@@ -312,3 +312,24 @@ def test_the_simulator_prices_the_verify_form_the_runner_computes():
     assert form(hw, **small) == "sequential"  # "auto" resolves one position at a time, as the runner does
     with pytest.raises(ValueError, match="hot buffer needs"):
         form(hw, "batched", **small)
+
+
+def test_the_simulators_verify_tokens_are_the_synthetic_runners():
+    """SimRunner._verify computes its tokens from the tokens-generated counts instead of cutting rows: the
+    same accepted tokens and next drafts as SyntheticRunner._verify, row for row, with and without drafts
+    (and the cutting path when the tokens are not the default ones)."""
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+           "synthetic_acceptance_length": 2.99}
+    runner = sim.build_engine(TINY, DeployConfig(**BASE, speculative_config=mtp)).runner
+    assert runner._by_count is not None
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_new_tokens=8)
+    for i in range(300):
+        drafts = int(rng.integers(0, 4))
+        known = 1 if drafts else int(rng.integers(1, 9))
+        ids = rng.integers(0, TINY.vocab_size, known + drafts).astype(np.int32)
+        row = sim.PlanRow(f"r{i % 17}", int(rng.integers(0, 200)), ids, True, params, int(rng.integers(0, 50)),
+                          num_draft_tokens=drafts)
+        assert runner._verify(row) == SyntheticRunner._verify(runner, row)
+    custom = sim.build_engine(TINY, DeployConfig(**BASE, speculative_config=mtp), token=lambda row: 7).runner
+    assert custom._by_count is None

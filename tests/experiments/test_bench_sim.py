@@ -79,3 +79,24 @@ def test_bench_sim_times_every_part_of_a_step(tmp_path, monkeypatch):
     # a workload that ends before the horizon says so
     short = bench_sim.main(["--out", str(tmp_path), "--horizon-s", "1e9", *SMALL, "--config.sweep.kv_policy=('offload',)"])
     assert [r["full_hour"] for r in short["runs"]] == [False]
+
+
+def test_bench_sim_profile_names_where_the_time_went_and_the_trace_is_the_runs(tmp_path):
+    """--profile writes each run's profile as text, naming the scheduler and the runner's execute among
+    the functions the run spent its time in, and marks the run as profiled. `trace_sha256` is the
+    simulated run's, whatever the wall time: equal with and without the profiler, different over a
+    shorter horizon."""
+    def one(horizon, *extra):
+        res = bench_sim.main(["--out", str(tmp_path / f"{horizon}{''.join(extra)}"), "--horizon-s", str(horizon),
+                              *extra, *SMALL, "--config.sweep.kv_policy=('offload',)"])
+        (r,) = res["runs"]
+        return r
+
+    r = one(3.0, "--profile")
+    assert r["profiled"] is True
+    text = (tmp_path / "3.0--profile" / "profile_part1_offload_c2.txt").read_text()
+    assert "(schedule)" in text and "(execute)" in text and "tottime" in text
+    plain = one(3.0)
+    assert plain["profiled"] is False and plain["trace_sha256"] == r["trace_sha256"]
+    short = one(0.5)
+    assert short["engine_steps"] < r["engine_steps"] and short["trace_sha256"] != r["trace_sha256"]

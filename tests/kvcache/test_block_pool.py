@@ -18,6 +18,42 @@ def test_hashes_chain_over_parents_tokens_and_salt():
     assert hash_block(None, [1, 2]) == a[0] and len(a[0]) == 32
 
 
+def test_hashes_taken_from_recent_chains_are_the_chain_hashes():
+    """block_hashes reuses the hashes of a recent call over the same leading tokens (`_CHAINS`): over
+    random prefixes, divergences, salts, `known` and `upto`, each result equals the chain hash_block
+    computes block by block, and a chain cut short by the memory bound is only recomputed."""
+    import numpy as np
+
+    from kvcache import block_pool
+
+    def chain(tokens, tpb, salt, upto):
+        end = len(tokens) if upto is None else min(upto, len(tokens))
+        out, parent = [], None
+        for b in range(end // tpb):
+            parent = hash_block(parent, tokens[b * tpb:(b + 1) * tpb], salt)
+            out.append(parent)
+        return out
+
+    rng = np.random.default_rng(1)
+    base = rng.integers(0, 1000, 2000)
+    for bound in (block_pool._CHAINS_MAX_TOKENS, 500):
+        block_pool._CHAINS_MAX_TOKENS = bound
+        try:
+            for _ in range(200):
+                tpb, salt = int(rng.choice([2, 4, 16])), [] if rng.random() < .5 else [f"u{rng.integers(3)}"]
+                tokens = base[:int(rng.integers(0, 2000))].copy()
+                if tokens.size and rng.random() < .5:
+                    tokens[rng.integers(tokens.size)] = 5000  # diverges from the chains before
+                upto = None if rng.random() < .7 else int(rng.integers(0, 2200))
+                want = chain(tokens, tpb, salt, upto)
+                known = want[:int(rng.integers(0, len(want) + 1))] if rng.random() < .5 else []
+                assert block_hashes(list(tokens) if rng.random() < .3 else tokens, tpb, salt, known=known,
+                                    upto=upto) == want
+        finally:
+            block_pool._CHAINS_MAX_TOKENS = 1 << 23
+    assert 0 < block_pool._chains_tokens == sum(t.size for cs in block_pool._CHAINS.values() for t, _ in cs)
+
+
 def test_lru_reuse_and_eviction_order():
     pool = BlockPool(4)
     b = pool.allocate(3)

@@ -331,13 +331,17 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         Counts the request's residency state for this step."""
         st = self.state[req.req_id]
         table = list(kv.block_table(req.req_id, "mla"))
-        gen = kv.pool.generation  # `_intact`, inlined: this runs for every row of every step
-        lost = [p for p, (b, g) in st.unpinned.items() if gen[b] != g]
-        for p in lost:
-            del st.unpinned[p]
-        self.stats.lost_pages += len(lost)
-        for p, (b, _) in st.unpinned.items():
-            table[p] = b
+        if st.unpinned:
+            gen = kv.pool.generation  # `_intact`, inlined: this runs for every row of every step
+            lost = []
+            for p, (b, g) in st.unpinned.items():  # one pass: map the intact pages, note the reused ones
+                if gen[b] == g:
+                    table[p] = b
+                else:
+                    lost.append(p)
+            for p in lost:
+                del st.unpinned[p]
+            self.stats.lost_pages += len(lost)
         self._count_residency(table, st)
         tables = {"mla": tuple(table), "indexer": tuple(kv.block_table(req.req_id, "indexer"))}
         return tables, HiSparseRow(tuple(st.host), st.lease)
