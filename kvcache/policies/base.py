@@ -149,6 +149,10 @@ class KVPolicy(Protocol):
     def on_tier_results(self, results) -> None:
         """The runner's report of finished secondary-tier loads (StepResult.tier_loads)."""
 
+    def on_records(self, resolves, stages) -> None:
+        """The step's records from the policy's device half (StepResult.resolves and .stages), for its
+        metrics."""
+
     def unreported_tier_loads(self) -> tuple[int, ...]:
         """Tier load jobs the policy waits for that no runner will report (a step raised before submitting
         them or lost their results): the engine reports them to `on_tier_results` with status "failed"."""
@@ -350,6 +354,10 @@ class Policy:
 
     def on_tier_results(self, results) -> None:
         raise RuntimeError(f"tier load results {results} for a policy without secondary tiers")
+
+    def on_records(self, resolves, stages) -> None:
+        if resolves or stages:
+            raise RuntimeError("device-half records for a policy whose device half makes none")
 
     def unreported_tier_loads(self) -> tuple[int, ...]:
         return ()

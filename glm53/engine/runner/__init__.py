@@ -111,9 +111,8 @@ class ModelRunner:
         self.host = HostMemory(self.cache, page_rows={"mla": d.block_size, "indexer": d.index_block_size or d.block_size},
                                kv_ranks=self.kv_ranks, interleave=d.cp_kv_cache_interleave_size,
                                num_blocks=self.num_blocks, host=host, device=device,
-                               host_blocks=sz.host_blocks or None, tiers=self.tiers, shared=self.fwd.host_share(),
-                               hot=self.half.hot_buffers(len(self.cache.index)))
-        self.half.bind(self.host, self._table)
+                               host_blocks=sz.host_blocks or None, tiers=self.tiers, shared=self.fwd.host_share())
+        self.half.bind(self.host, self._table, index_groups=len(self.cache.index))
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
             raise RuntimeError(f"page bytes of the device arrays {self.host.page_bytes} differ from "
                                f"kvcache.layout's {sz.page_bytes}")
@@ -165,7 +164,7 @@ class ModelRunner:
         serves runs every forward with its view and leaves one record per forward."""
         if not self.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
-        self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
+        self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache, others=self.half.transfer)
         tokens, drafts, resolves, stages = {}, {}, [], []
         data = plan.policy_rows
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity, self.verify_width):
