@@ -701,3 +701,46 @@ def test_a_prefill_legs_finish_stores_its_last_partial_pages_under_their_tail_ke
         assert store == TierStore(g, copy.dst, (want[g][1],))
         assert pol.host[g].block_key[copy.dst[0]] is None and pol.host[g].num_free == 4
     tiers.shutdown()
+
+
+def test_a_hisparse_prefill_legs_finish_stores_its_last_partial_pages_too(tmp_path):
+    """The same finish under kv_policy="hisparse" (its MLA pages live in its own host pool, its indexer
+    keys in the offload pool): after parking the full pages (the MLA page 0 pre-copied and stored under
+    its chain), per cache group the device page holding tokens up to kv_produce = 26 goes to a free host
+    page and to the tiers under kvcache.tiers.tail_chunk's key, the keys a finer consumer's
+    RelayoutTier asks for past the producer's full pages; the host page is not registered."""
+    from kvcache.block_pool import KVCacheManager, block_hashes
+    from kvcache.policies.hisparse import HiSparsePolicy
+    from kvcache.tiers import tail_chunk
+    from kvcache.transfer import PageCopy, TierStore
+
+    class Req:
+        req_id, extra_keys, num_computed_tokens = "r", ("salt",), 0
+        tokens = list(range(100, 128))  # 27 prompt tokens and one generated
+        num_tokens = 28
+        kv_produce = 26
+
+    tiers = TierSet([FileTier(fingerprint=FP, root_dir=str(tmp_path))])
+    kv = KVCacheManager(16, 16, ("mla", "indexer"), group_tokens_per_block={"indexer": 32})
+    pol = HiSparsePolicy(host_mla_blocks=4, host_index_blocks=4, block_size=16, hot_rows=16, max_leases=1,
+                         num_device_blocks=16, page_bytes={"mla": 1, "indexer": 1}, tiers=tiers, fingerprint=FP)
+    pol.admit(kv, Req)
+    kv.allocate("r", 28)
+    pol.prepare(kv, Req, 28)
+    Req.num_computed_tokens = 27
+    kv.cache_full_blocks("r", Req.tokens, 27, Req.extra_keys)
+    pol.on_finish(kv, Req)
+    ops = pol.take_transfers()
+    tables = kv.requests["r"].tables
+    hs = block_hashes(Req.tokens, 16, Req.extra_keys)
+    parked, tails = ops[:-4], ops[-4:]
+    assert parked == [PageCopy("mla", "d2h", (tables["mla"][0],), parked[0].dst),
+                      TierStore("mla", parked[0].dst, (chunk_key(FP, "mla", hs[0]),))]
+    want = {g: tail_chunk(FP, g, t, 16, Req.tokens, Req.extra_keys, 26, hs) for g, t in (("mla", 16), ("indexer", 32))}
+    assert [s for s, _ in want.values()] == [16, 0]
+    for (copy, store), g in zip(zip(tails[::2], tails[1::2]), ("mla", "indexer")):
+        assert copy == PageCopy(g, "d2h", (tables[g][want[g][0] // kv.group_tokens_per_block[g]],), copy.dst)
+        assert store == TierStore(g, copy.dst, (want[g][1],))
+        assert pol.host_tier.pools[g].block_key[copy.dst[0]] is None
+    assert tails[0].dst != parked[0].dst  # the parked page 0 keeps its host page
+    tiers.shutdown()

@@ -484,6 +484,9 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
 
     def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
         self._park(kv, req)
+        # a P/D prefill leg's last partial pages, for finer consumers (HostTier.store_tail): its device
+        # page is one of the TAIL_PAGES never released, copied through a free page of the pools parked into
+        self.host_tier.store_tail(kv, req)
 
     def _park(self, kv: KVCacheManager, req: RequestView) -> None:
         self._precopy(kv, [req])
