@@ -401,7 +401,7 @@ def pool_plan(dep: Deployment, cfg, budget: int) -> dict:
 
     from glm53.engine.config import GROUPS
     from kvcache.policies.hisparse import TAIL_PAGES, hot_buffer_rows
-    from kvcache.host import new_hot_state
+    from kvcache.policies.hisparse.device import new_hot_state
     from kvcache.layout import block_bytes, page_bytes
     from kvcache.paged import PagedKVCache
 

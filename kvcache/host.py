@@ -6,8 +6,9 @@ step carries are kvcache.views; the tiers' byte layout is kvcache.tier_io).
   inside jit (the gather / scatter runs on the host, so only the selected rows cross).
 - `copy_host_rows`: a resolver plan's (host row -> device row) copies, outside jit (tests, checks).
 - `HostMemory`: one replica's host side: executes a plan's transfer operations (kvcache.transfer) in
-  order against the device cache and counts the bytes each moves; HiSparse's hot-buffer state lives
-  here too (`hot_state`, reset by `ResetLease`).
+  order against the device cache and counts the bytes each moves. An operation on a policy's own device
+  state (HiSparse's `ResetLease`) goes, in its place in that order, to the policy's device half
+  (kvcache.policies.device), which owns that state.
 
 On CPU both memory kinds are the same RAM: everything here runs, and its bytes are counted exactly,
 but their time is modelled (kvcache.transfer.TransferStats); that only the counted bytes cross a PCIe
@@ -27,10 +28,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from attention.common import pow2_at_least
-from attention.hisparse import NEVER_USED
 from kvcache.relayout import canonical_rows
 from kvcache.tier_io import TierIO, _host_gather, _host_scatter, put_host_rows
-from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, TierLoad, TierStore, Transfer
+from kvcache.transfer import LoadKV, PageCopy, SaveKV, TierLoad, TierStore, Transfer
 
 
 @jax.jit
@@ -129,19 +129,6 @@ def _scatter_rows(arr, slots, rows):
     return arr.at[jnp.where(slots >= 0, slots, arr.shape[0])].set(rows, mode="drop")  # -1: padding, dropped
 
 
-def new_hot_state(leases: int, groups: int, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """HiSparse's device state of `leases` empty hot buffers of `rows` rows (HiSparseView's hot_pos,
-    hot_last [L, G, H] and hot_rows [L, H], int32): device memory beside the KV pool, which the memory
-    plan (experiments/memory_plan.py) sizes with jax.eval_shape of this function."""
-    return (jnp.full((leases, groups, rows), -1, jnp.int32), jnp.full((leases, groups, rows), NEVER_USED, jnp.int32),
-            jnp.full((leases, rows), -1, jnp.int32))
-
-
-@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
-    return (hot_pos.at[lease].set(-1), hot_last.at[lease].set(NEVER_USED), hot_rows.at[lease].set(rows_H))
-
-
 @dataclasses.dataclass(frozen=True)
 class HostKV:
     """A request's KV pages saved by the swap policy (kvcache.policies.swap.SwapPolicy): per group, per layer,
@@ -164,7 +151,6 @@ class HostMemory(TierIO):
         device, laid out like the pool).
     host_blocks: host pools, pages per group ({"mla": N, "indexer": M}: HiSparse's pools or the offload
         host tier's; None: none).
-    hot: HiSparse's hot buffers (leases, IndexShare groups, rows per lease), device int32 state.
     tiers: the secondary tiers behind the host pools (kvcache.tiers.TierSet) or None: `TierStore` gathers
         host pages' bytes in the canonical layout (page-major: per page, each array of the group in order,
         its rows in token order: under DCP the ranks' rows are interleaved back, `interleave` tokens per
@@ -180,12 +166,11 @@ class HostMemory(TierIO):
         step's misses, spread over the ranks; the decode step gathers a miss on the rank that holds it
         (`take_shared_rows`). Page copies and tier reads are ordinary sharded programs.
 
-    `apply(ops, cache)` runs a plan's operations in order and returns the new cache with the bytes moved
-    each way (real pages only; padding to a program's width moves nothing that is counted)."""
+    `apply(ops, cache, others=)` runs a plan's operations in order and returns the new cache with the bytes
+    moved each way (real pages only; padding to a program's width moves nothing that is counted)."""
 
     def __init__(self, cache, *, page_rows: dict[str, int], kv_ranks: int, num_blocks: int, host, device,
-                 host_blocks: dict[str, int] | None = None, hot: tuple[int, int, int] | None = None,
-                 tiers=None, max_copy_pages: int = 64, interleave: int = 1,
+                 host_blocks: dict[str, int] | None = None, tiers=None, max_copy_pages: int = 64, interleave: int = 1,
                  shared: tuple[str, int] | None = None):
         self.page_rows = dict(page_rows)
         self.kv_ranks = kv_ranks
@@ -193,7 +178,7 @@ class HostMemory(TierIO):
         # rows (rank r's rows r x page_rows ... ; DCP's round robin, `interleave` tokens per rank turn)
         self.token_rows = {g: canonical_rows(kv_ranks, rows, interleave) for g, rows in self.page_rows.items()}
         self.num_blocks = num_blocks
-        self._host, self._device = host, device
+        self.host_sharding, self.device_sharding = host, device
         self.max_copy_pages = max_copy_pages
         self.page_bytes = {g: sum(a.shape[1] * a.dtype.itemsize for a in self._arrays(cache, g)) * rows * kv_ranks
                            for g, rows in self.page_rows.items()}
@@ -213,13 +198,6 @@ class HostMemory(TierIO):
         for g, n in self.host_blocks.items():
             self.host_tables[g] = tuple(jax.device_put(jnp.zeros((kv_ranks * n * self.page_rows[g], a.shape[1]), a.dtype),
                                                        pool) for a in self._arrays(cache, g))
-        self.hot_state = None
-        if hot is not None:
-            leases, groups, rows = hot
-            # committed to the device from the start, like every later version (a step's outputs): an
-            # uncommitted first version would compile the decode step once more
-            self.hot_state = tuple(jax.device_put(x, device) for x in new_hot_state(leases, groups, rows))
-        self.lru_step = 0  # the resolver's LRU clock, one tick per decode group that resolves
         self.tiers = tiers
         self._tier_loads: dict[int, tuple[str, int]] = {}  # job -> (group, host block) awaiting its bytes
 
@@ -262,8 +240,10 @@ class HostMemory(TierIO):
         return slots
 
     # ------------------------------------------------------------------------------------- operations
-    def apply(self, ops: tuple[Transfer, ...], cache):
-        """Execute `ops` in order -> (new cache, device->host bytes, host->device bytes)."""
+    def apply(self, ops: tuple[Transfer, ...], cache, others=None):
+        """Execute `ops` in order -> (new cache, device->host bytes, host->device bytes). `others(op)` runs
+        each operation on state this host side does not hold (the policy's device half: `ResetLease`), at
+        its place in the order; None: such an operation is an error."""
         d2h = h2d = 0
         for op in ops:
             if isinstance(op, PageCopy):
@@ -275,8 +255,6 @@ class HostMemory(TierIO):
             elif isinstance(op, LoadKV):
                 cache, n = self._load(cache, op)
                 h2d += n
-            elif isinstance(op, ResetLease):
-                self._reset(op)
             elif isinstance(op, TierStore):
                 for lo in range(0, len(op.keys), self.max_copy_pages):  # the warmed-up widths
                     self.tiers.store(op.keys[lo: lo + self.max_copy_pages],
@@ -285,8 +263,10 @@ class HostMemory(TierIO):
                 for job, key, hb in zip(op.jobs, op.keys, op.host_blocks):
                     self.tiers.load(op.tier, job, (key,), (self.page_bytes[op.group],))
                     self._tier_loads[job] = (op.group, hb)  # once submitted (a failed submit is never polled)
+            elif others is not None:
+                others(op)
             else:
-                raise TypeError(f"not a transfer operation: {op!r}")
+                raise TypeError(f"not a transfer operation the host side runs: {op!r}")
         return cache, d2h, h2d
 
     def _copy_pages(self, cache, op: PageCopy, *, pad_to: int | None = None):
@@ -322,8 +302,8 @@ class HostMemory(TierIO):
             slots = self._padded_slots(g, blocks)
             # on a mesh, first lay the rows out like the pool (rank r's pages on rank r; `page_slots` is
             # rank-major): device_put cannot change the layout and the memory kind in one go
-            arrays[g] = tuple(jax.device_put(jax.device_put(_gather_rows(a, slots), self._device), self._host)
-                              for a in self._arrays(cache, g))
+            arrays[g] = tuple(jax.device_put(jax.device_put(_gather_rows(a, slots), self.device_sharding),
+                                             self.host_sharding) for a in self._arrays(cache, g))
             nbytes += len(blocks) * self.page_bytes[g]
         self.saved[op.key] = HostKV(arrays, nbytes)
         return nbytes
@@ -335,22 +315,16 @@ class HostMemory(TierIO):
         fields = {}
         for g, blocks in op.blocks:
             slots = self._padded_slots(g, blocks)
-            fields[GROUP_FIELDS[g]] = tuple(_scatter_rows(a, slots, jax.device_put(h, self._device))
+            fields[GROUP_FIELDS[g]] = tuple(_scatter_rows(a, slots, jax.device_put(h, self.device_sharding))
                                             for a, h in zip(self._arrays(cache, g), saved.arrays[g]))
         return dataclasses.replace(cache, **fields), saved.nbytes
-
-    def _reset(self, op: ResetLease) -> None:
-        if self.hot_state is None:
-            raise ValueError("ResetLease without HiSparse hot buffers")
-        rows = self.page_slots("mla", op.blocks)[: self.hot_state[2].shape[1]]
-        self.hot_state = _reset_lease(*self.hot_state, op.lease, jnp.asarray(rows))
 
     # ------------------------------------------------------------------------------------------ warm-up
     def warmup(self, cache, max_blocks_per_seq: dict[str, int]):
         """Compile every copy program a serving run can use, with copies that move nothing (all slots
         -1): page copies of every width up to max_copy_pages per host pool and direction, saves and loads
-        of every padded page count up to a request's pages (max_blocks_per_seq per group), the lease
-        reset. -> cache (unchanged values)."""
+        of every padded page count up to a request's pages (max_blocks_per_seq per group), the tiers'
+        gathers and scatters. -> cache (unchanged values)."""
         for g in self.host_tables:
             for width in _widths(min(self.max_copy_pages, pow2_at_least(self.num_blocks))):
                 for direction in ("d2h", "h2d"):
@@ -359,9 +333,10 @@ class HostMemory(TierIO):
             for width in _widths(pow2_at_least(n)):
                 slots = jnp.asarray(np.full(width * self.page_rows[g] * self.kv_ranks, -1, np.int32))
                 for a in self._arrays(cache, g)[:1]:  # one program per group: its layers share a shape
-                    rows = jax.device_put(jax.device_put(_gather_rows(a, slots), self._device), self._host)
+                    rows = _gather_rows(a, slots)
+                    rows = jax.device_put(jax.device_put(rows, self.device_sharding), self.host_sharding)
                     fields = list(self._arrays(cache, g))
-                    fields[0] = _scatter_rows(fields[0], slots, jax.device_put(rows, self._device))
+                    fields[0] = _scatter_rows(fields[0], slots, jax.device_put(rows, self.device_sharding))
                     cache = dataclasses.replace(cache, **{GROUP_FIELDS[g]: tuple(fields)})
         if self.tiers is not None:  # the tier gathers and scatters, every padded width
             for g in self.host_tables:
@@ -370,9 +345,6 @@ class HostMemory(TierIO):
                     rows = _host_gather(self.host_tables[g], slots)
                     self.host_tables[g] = _host_scatter(self.host_tables[g], slots,
                                                         tuple(np.asarray(r) for r in rows))
-        if self.hot_state is not None:
-            empty = np.full(self.hot_state[2].shape[1], -1, np.int32)
-            self.hot_state = _reset_lease(*self.hot_state, 0, jnp.asarray(empty))
         return cache
 
 

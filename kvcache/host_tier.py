@@ -233,7 +233,7 @@ class HostTier:
         ctx = LookupContext(req.req_id, lambda: [chunk_key(self.fingerprint, g, rb.hashes[c]) for c in range(first, max_hit)
                                                  for g in kv.groups if not (c + 1) % kv.ratio[g] and g in self.pools],
                             peer=getattr(req, "kv_peer", None), lease=getattr(req, "kv_lease", 0),
-                            remote=_remote(req))
+                            remote=_remote(req), tokens=(req.tokens, tuple(req.extra_keys), req.num_tokens - 1))
         dev = kv.pool.cached.get if kv.pool.enable_prefix_caching else _none
         host = {g: (p.cached.get if p.enable_prefix_caching else _none) for g, p in self.pools.items()}
         hashes, period = rb.hashes, kv.hit_multiple

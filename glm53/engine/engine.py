@@ -171,7 +171,8 @@ class Engine(PdQueries):
             if specs and runners is not None:  # an injected runner simulates its tiers (keys, no bytes)
                 tiers = runners[i].make_tiers(specs, self.fingerprint, replica=i)
             else:
-                tiers = TierSet([self._wrap(make_tier(spec, self.fingerprint, replica=i)) for spec in specs]) if specs else None
+                tiers = (TierSet([self._wrap(make_tier(spec, self.fingerprint, replica=i), spec, i) for spec in specs])
+                         if specs else None)
             self.tiers.append(tiers)
             policy = make_policy(d, self.sizes, tiers, self.fingerprint)
             if runners is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from glm53.engine.build import kv_fingerprint, kv_row_bytes
 from glm53.engine.config import GROUPS, PD_TIER
 from kvcache.block_pool import block_hashes
-from kvcache.tiers import PageSpans, chunk_key, tail_chunk
+from kvcache.tiers import PageSpans, chunk_key, make_tier, read_page_tokens, tail_chunk
 from kvcache.tiers.remote import RelayoutTier
 
 
@@ -62,12 +62,30 @@ class PdQueries:
                              "KV format, or MTP on one side only")
         return None if want.fingerprint == self.fingerprint else want
 
-    def _wrap(self, tier):
-        """The PdConnector's peer tier of a consumer, seen through RelayoutTier (pages of any producer's
-        spans); any other tier as it is."""
-        if tier.name != PD_TIER or self.deploy.kv_role not in ("kv_consumer", "kv_both"):
+    def _wrap(self, tier, spec: dict | None = None, replica: int = 0):
+        """A tier seen through RelayoutTier where our pages may come from chunks of other spans: the
+        PdConnector's peer tier of a consumer (pages of any producer's spans), and a tier whose `spec`
+        lists other writers' spans (`read_page_tokens`: each becomes the PageSpans an engine of this
+        model, weights and KV dtype with those pages writes, `page_spans`, read through a second tier of
+        `spec` under that fingerprint, which never evicts); any other tier as it is."""
+        also = []
+        for i, tokens in enumerate(read_page_tokens(spec or {})):
+            if set(tokens) != set(GROUPS):
+                raise ValueError(f"secondary tier {tier.name!r}: read_page_tokens[{i}] must give the tokens per page "
+                                 f"of every cache group {list(GROUPS)}, got {tokens!r}")
+            try:
+                spans = self.page_spans(tokens)
+            except ValueError as e:  # spans no engine of this model can have (PageSpans' own check)
+                raise ValueError(f"secondary tier {tier.name!r}: read_page_tokens[{i}]={tokens!r}: {e}") from None
+            if spans.fingerprint == self.fingerprint:  # our own spans: the tier itself reads them
+                continue
+            reader = {**spec, "max_bytes": None} if spec["type"] in ("fs", "obj") else spec
+            also.append((spans, make_tier(reader, spans.fingerprint, replica=replica)))
+        pd = tier.name == PD_TIER and self.deploy.kv_role in ("kv_consumer", "kv_both")
+        if not pd and not also:
             return tier
-        return RelayoutTier(tier, self.page_spans(), kv_row_bytes(self.cfg, self.deploy, self.sizes))
+        return RelayoutTier(tier, self.page_spans(), kv_row_bytes(self.cfg, self.deploy, self.sizes),
+                            also=tuple(also))
 
     def kv_transfer_failed(self, replica: int) -> int:
         """P/D requests of `replica` that got nothing from their producer for a reason other than its never

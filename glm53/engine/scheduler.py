@@ -30,7 +30,7 @@ from types import MappingProxyType
 import numpy as np
 
 from glm53.engine.config import DeployConfig
-from glm53.engine.plan import PlanRow, ResolveRecord, StageRecord, StepPlan, StepResult
+from glm53.engine.plan import PlanRow, StepPlan, StepResult
 from glm53.engine.request import Request, RequestError, Status
 from glm53.engine.spec_decode import SpecDecodeStats
 from kvcache.block_pool import KVCacheManager
@@ -51,34 +51,6 @@ class SchedulerStats:
     steps: int = 0  # steps that scheduled requests (steps that only move KV are not counted)
 
 
-@dataclasses.dataclass
-class ResolveStats:
-    """What HiSparse decode steps' resolvers did. hot_hits / hot_misses: selected rows found in / copied
-    into a hot buffer, summed over IndexShare groups; h2d_rows: rows copied host -> device, all layers.
-    log: None, or every `glm53.engine.plan.ResolveRecord` (for tests)."""
-
-    hot_hits: int = 0
-    hot_misses: int = 0
-    h2d_rows: int = 0
-    staged_rows: int = 0  # prefill row staging: distinct rows per tile, summed over IndexShare groups
-    staged_h2d_rows: int = 0  # ... copied host -> device, all layers
-    log: list | None = None
-    stage_log: list | None = None  # None, or every `glm53.engine.plan.StageRecord` (for tests)
-
-    def add(self, rec: ResolveRecord) -> None:
-        self.hot_hits += int(rec.hits.sum())
-        self.hot_misses += int(rec.misses.sum())
-        self.h2d_rows += int(rec.copied.sum())
-        if self.log is not None:
-            self.log.append(rec)
-
-    def add_stage(self, rec: StageRecord) -> None:
-        self.staged_rows += int(rec.staged.sum())
-        self.staged_h2d_rows += int(rec.copied.sum())
-        if self.stage_log is not None:
-            self.stage_log.append(rec)
-
-
 class Scheduler:
     """Decides each step on one block pool. `requests`: the live requests by id (waiting or running)."""
 
@@ -97,7 +69,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self.transfers = TransferStats(link_bytes_per_s=deploy.host_link_bytes_per_s)
-        self.resolve = ResolveStats()
         self.lost_tokens: dict[str, int] = {}  # per request: computed tokens dropped by preemption, not yet redone
         # the head of the queue that did not fit: (request, `_admission_signature` after the attempt, the
         # counters its admission moved, `_attempt_counts`); see `schedule`
@@ -496,10 +467,8 @@ class Scheduler:
         self._check_result(plan, result)
         self.transfers.d2h_bytes += result.d2h_bytes
         self.transfers.h2d_bytes += result.h2d_bytes
-        for rec in result.resolves:
-            self.resolve.add(rec)
-        for rec in result.stages:
-            self.resolve.add_stage(rec)
+        if result.resolves or result.stages:
+            self.policy.on_records(result.resolves, result.stages)
         # kv_load_failure_policy "fail": the waiting requests whose KV failed to load end with "error" below
         load_failed = self.policy.on_tier_results(result.tier_loads) if result.tier_loads else {}
         finished = []

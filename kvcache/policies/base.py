@@ -151,6 +151,10 @@ class KVPolicy(Protocol):
         for the requests a failed load fails (kv_load_failure_policy "fail"; the scheduler finishes them
         with "error"), {} when none does."""
 
+    def on_records(self, resolves, stages) -> None:
+        """The step's records from the policy's device half (StepResult.resolves and .stages), for its
+        metrics."""
+
     def unreported_tier_loads(self) -> tuple[int, ...]:
         """Tier load jobs the policy waits for that no runner will report (a step raised before submitting
         them or lost their results): the engine reports them to `on_tier_results` with status "failed"."""
@@ -352,6 +356,10 @@ class Policy:
 
     def on_tier_results(self, results) -> dict[str, str]:
         raise RuntimeError(f"tier load results {results} for a policy without secondary tiers")
+
+    def on_records(self, resolves, stages) -> None:
+        if resolves or stages:
+            raise RuntimeError("device-half records for a policy whose device half makes none")
 
     def unreported_tier_loads(self) -> tuple[int, ...]:
         return ()

@@ -8,16 +8,19 @@ paged cache, takes them back after the forward, and reports what they did. A pol
 
 The runner's calls, in order:
 
-    half.hot_buffers(groups)          # before the host memory exists: its device-side state, or None
-    half.bind(host, table)            # kvcache.host.HostMemory, and table(group, rows, tables, window)
+    half.bind(host, table, index_groups=)   # kvcache.host.HostMemory, table(group, rows, tables, window)
     half.verify_form(spec, platform)  # MTP's verify form under this policy
+    cache = host.apply(plan.transfers, cache, others=half.transfer)  # per step: ops on the half's state
     views = half.group_views(rows, decode=, tables_mla=, padded=)   # per width group; None: plain
     cache = half.attach(cache, views(window, queries))              # per forward of the group
     cache = half.detach(cache)                                      # after it: the view's state back
     resolves, stages, h2d_bytes = half.take_records(req_ids)        # the group's counts, checked
+    half.end_warmup(); half.warmup()        # forget warm-up's counts; compile its transfer programs
 
-A policy's spec returns its half (`kvcache.policies.base.Policy.device_half`); the runner asks
-`deploy.policy.device_half(...)`, never a policy by name.
+A half owns whatever device state its policy keeps besides the paged cache (HiSparse's hot buffers), and
+runs the transfer operations on it; the host memory knows none of it. A policy's spec returns its half
+(`kvcache.policies.base.Policy.device_half`); the runner asks `deploy.policy.device_half(...)`, never a
+policy by name.
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ from __future__ import annotations
 class DeviceHalf:
     """A policy without device state: no views, no records, nothing extra to compile."""
 
-    def hot_buffers(self, index_groups: int):
-        """(leases, IndexShare groups, rows per lease) of device-side buffers the host memory keeps for
-        this policy (kvcache.host.HostMemory(hot=)), or None."""
-        return None
+    # whether `group_views` can return views (a layout whose forwards cannot carry views refuses the
+    # policy before allocating anything: DP x EP's runner)
+    has_views = False
 
-    def bind(self, host, table) -> None:
-        """The replica's host memory, and `table(group, rows, tables, window)`: a padded block table."""
+    def bind(self, host, table, *, index_groups: int) -> None:
+        """The replica's host memory, `table(group, rows, tables, window)`: a padded block table, and the
+        model's IndexShare groups (len(cache.index)); a half with device state makes it here."""
         self.host = host
+
+    def transfer(self, op) -> None:
+        """Run a plan's transfer operation that the host memory does not (one on this half's state)."""
+        raise TypeError(f"not a transfer operation this KV policy runs: {op!r}")
 
     def verify_form(self, spec, platform: str) -> str:
         """The MTP verify form ("sequential" | "batched") of `spec` (glm53.engine.spec_decode) here."""
@@ -66,6 +73,9 @@ class DeviceHalf:
     def warmup_blocks(self) -> dict[str, int]:
         """Per cache group, the pages of one request whose save / load programs warm-up compiles."""
         return {}
+
+    def warmup(self) -> None:
+        """Compile the programs of this half's own transfer operations."""
 
     def end_warmup(self) -> None:
         """Forget what warm-up's views counted."""

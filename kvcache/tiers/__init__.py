@@ -24,6 +24,8 @@ canonical layout (every layer's rows in token order; kvcache.relayout.canonical_
 pages cover the same tokens share chunks whatever their DCP size and interleave. An engine whose pages
 span other tokens can still read them when it knows the writer's spans (`PageSpans`: a P/D producer
 announces them): kvcache.tiers.remote.RelayoutTier names the writer's chunks and assembles its own pages.
+A storage tier shared by engines of other spans lists them in its spec: `read_page_tokens`, a list of
+{cache group: tokens per page} (`read_page_tokens(spec)`), tried in order where our own key misses.
 
 Payloads. A chunk is one page of one cache group (every layer, every DCP rank), in the canonical
 layout. A StoreJob's payloads are the runner's snapshot of the host pages (one gather out of the host
@@ -69,9 +71,33 @@ from kvcache.tiers.base import (JobResult, LoadJob, Lookup, LookupContext, PageS
 
 __all__ = ["JobResult", "LoadJob", "Lookup", "LookupContext", "PageSpans", "RemoteSource", "SecondaryTier", "StoreJob",
            "TierSet", "TierStats",
-           "chunk_key", "check_tier_specs", "tail_chunk", "layout_fingerprint", "make_tier"]
+           "chunk_key", "check_tier_specs", "tail_chunk", "layout_fingerprint", "make_tier", "read_page_tokens"]
 
 TIER_TYPES = ("fs", "obj", "p2p", "custom")
+READ_PAGE_TOKENS = "read_page_tokens"  # a spec key of every tier type: other writers' page spans to read
+
+
+def read_page_tokens(spec: dict) -> list[dict[str, int]]:
+    """A tier spec's `read_page_tokens`: the page spans of other engines writing the same storage that
+    this engine reads too, each {cache group: tokens per page} ([] when absent). ValueError naming the
+    key for anything else, and for a peer tier. The engine turns each into its PageSpans (the fingerprint
+    an engine of this model, weights and KV dtype with those pages writes under), opens the storage a
+    second time under that fingerprint (`make_tier`, unbounded: a reader never evicts the writer's
+    chunks) and wraps the tier in RelayoutTier."""
+    listed = spec.get(READ_PAGE_TOKENS, [])
+    if not isinstance(listed, (list, tuple)):
+        raise ValueError(f"secondary tier {spec.get('type')!r}: {READ_PAGE_TOKENS} must be a list of "
+                         f"{{cache group: tokens per page}}, got {listed!r}")
+    for i, entry in enumerate(listed):
+        if (not isinstance(entry, dict) or not entry
+                or not all(isinstance(g, str) and isinstance(n, int) and not isinstance(n, bool) and n > 0
+                           for g, n in entry.items())):
+            raise ValueError(f"secondary tier {spec.get('type')!r}: {READ_PAGE_TOKENS}[{i}] must map each cache "
+                             f"group to its tokens per page (positive ints), got {entry!r}")
+    if listed and spec.get("type") == "p2p":  # peers hold chunks of any spans and name them per request (P/D)
+        raise ValueError(f"secondary tier 'p2p': {READ_PAGE_TOKENS} is for storage tiers (fs, obj, custom), whose "
+                         "writers' chunks sit under each writer's fingerprint")
+    return [dict(e) for e in listed]
 
 
 def layout_fingerprint(model_cfg: dict, *, group_tokens: dict, page_bytes: dict, kv_cache_dtype: str) -> str:
@@ -120,6 +146,7 @@ def make_tier(spec: dict, fingerprint: str, replica: int = 0) -> SecondaryTier:
     """A tier from one entry of kv_connector_extra_config's secondary_tiers, for data-parallel replica
     `replica` (a peer tier binds port + replica, as vLLM's does)."""
     check_tier_specs([spec])
+    spec = {k: v for k, v in spec.items() if k != READ_PAGE_TOKENS}  # the engine's (RelayoutTier), not the tier's
     kind = spec.get("type")
     if kind == "fs":
         from kvcache.tiers.fs import FileTier
@@ -156,6 +183,8 @@ def check_tier_specs(specs) -> None:
     for s in specs:
         if not isinstance(s, dict) or s.get("type") not in TIER_TYPES:
             raise ValueError(f"secondary tier type must be one of {TIER_TYPES} (a dict with 'type'), got {s!r}")
+        read_page_tokens(s)
+        s = {k: v for k, v in s.items() if k != READ_PAGE_TOKENS}
         if s["type"] == "fs":
             from kvcache.tiers.fs import check_options
 

@@ -29,13 +29,16 @@ class LookupContext:
     `lease`: that producer's lease on the request's chunks (its `remote_lease`, 0: none), which the
     peer tier's lookup hands over to its own pin so that the fetch frees them. `remote`: where that
     producer's pages span other tokens than ours, its `RemoteSource` (kvcache.tiers.remote.RelayoutTier
-    asks for the producer's chunks and assembles ours from them); None: the same chunks on both sides."""
+    asks for the producer's chunks and assembles ours from them); None: the same chunks on both sides.
+    `tokens`: the request's (token ids, extra keys, leading tokens whose KV may be taken), what a tier
+    needs to name the chunks of writers of other page spans (RelayoutTier's `also`); None: not given."""
 
-    __slots__ = ("req_id", "_keys", "_make", "peer", "lease", "remote")
+    __slots__ = ("req_id", "_keys", "_make", "peer", "lease", "remote", "tokens")
 
     def __init__(self, req_id: str, keys: Sequence[bytes] | Callable[[], Sequence[bytes]] = (), *,
-                 peer: str | None = None, lease: int = 0, remote: RemoteSource | None = None):
-        self.req_id, self.peer, self.lease, self.remote = req_id, peer, lease, remote
+                 peer: str | None = None, lease: int = 0, remote: RemoteSource | None = None,
+                 tokens: tuple[Sequence[int], tuple, int] | None = None):
+        self.req_id, self.peer, self.lease, self.remote, self.tokens = req_id, peer, lease, remote, tokens
         self._make, self._keys = (keys, None) if callable(keys) else (None, tuple(keys))
 
     @property

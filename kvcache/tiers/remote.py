@@ -15,7 +15,11 @@ PdConnector's peer tier) and, for a lookup whose context names the producer's sp
   still asks the producer once per request;
 - loads each producer chunk once however many of our pages share it, and assembles each of our pages
   (kvcache.relayout.assemble_page) when its parts have arrived: "ok" only when every part is.
-A lookup without `remote` goes to the inner tier unchanged (the same spans on both sides).
+A lookup without `remote` goes to the inner tier unchanged (the same spans on both sides), and where the
+inner tier misses, to the writers listed in `also` in order (a storage tier's `read_page_tokens`: engines
+of those spans write the same directory or bucket, each under its own fingerprint, so each comes with a
+tier reading that fingerprint's chunks; the request's tokens come with the context, so each listed
+writer's chunks are named and assembled exactly as a producer's are).
 
 The keys stay `chunk_key(fingerprint, group, chained hash)` on both sides: nothing new to authenticate,
 a chunk is the producer's as it stored it. Everything else (name, stats, a peer tier's lease and
@@ -61,10 +65,13 @@ class _Fetch:
 class RelayoutTier:
     """`inner` (a SecondaryTier) seen through our page spans `own`; `row_bytes`: per cache group, the bytes
     per token of each array of the group in the canonical layout's order (kvcache.host.HostMemory: one per
-    layer, the MTP layer's last)."""
+    layer, the MTP layer's last); `also`: other writers to try, in order, for a page the inner tier does not
+    hold under our key (a lookup whose context carries the request's `tokens`): (their spans, a tier that
+    reads their chunks), whose loads this tier submits and polls, and shuts down with the inner one."""
 
-    def __init__(self, inner, own: PageSpans, row_bytes: dict[str, tuple[int, ...]]):
+    def __init__(self, inner, own: PageSpans, row_bytes: dict[str, tuple[int, ...]], also: tuple = ()):
         self.inner, self.own = inner, own
+        self.also = tuple((sp, t) for sp, t in also if sp.fingerprint != own.fingerprint)  # ours: the inner tier
         self.row_bytes = {g: tuple(int(w) for w in ws) for g, ws in row_bytes.items()}
         missing = [g for g, _ in own.page_tokens if g not in self.row_bytes]
         if missing:
@@ -74,7 +81,7 @@ class RelayoutTier:
         # our key -> (group, parts, the producer's spans), from a HIT, oldest first
         self._recipes: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
         self._fetches: dict[bytes, _Fetch] = {}  # producer key -> its load
-        self._inner_jobs: dict[int, bytes] = {}  # inner (negative) job id -> producer key
+        self._inner_jobs: dict[int, bytes] = {}  # inner (negative) job id -> producer key (on any reading tier)
         self._outer: dict[int, tuple] = {}  # outer job -> (our key, group, parts, spans of the source)
         self._ids = 0
         self._finished: list[JobResult] = []
@@ -87,20 +94,31 @@ class RelayoutTier:
     # ------------------------------------------------------------------------------- the interface
     def lookup(self, key: bytes, ctx: LookupContext | None = None) -> Lookup:
         remote = ctx.remote if ctx is not None else None
-        if remote is None:
-            return self.inner.lookup(key, ctx)
-        plan = self._plan(ctx)
+        if remote is not None:
+            return self._lookup_from(key, ctx, remote, self.inner)
+        answer = self.inner.lookup(key, ctx)
+        if answer is not Lookup.MISS or not self.also or ctx is None or ctx.tokens is None:
+            return answer
+        for spans, tier in self.also:  # a writer of other spans, named from the request's tokens and salt
+            answer = self._lookup_from(key, ctx, RemoteSource(spans, *ctx.tokens), tier)
+            if answer is not Lookup.MISS:
+                return answer
+        return Lookup.MISS
+
+    def _lookup_from(self, key: bytes, ctx: LookupContext, remote: RemoteSource, tier) -> Lookup:
+        """Our page `key` as chunks of `remote`'s spans: HIT when `tier` holds every part."""
+        plan = self._plan(ctx, remote)
         found = plan.parts.get(key)
         if found is None:  # a page of ours past the producer's full pages: it cannot have it
             return Lookup.MISS
         group, parts = found
-        answers = [self.inner.lookup(k, plan.ctx) for k, _, _ in parts]
+        answers = [tier.lookup(k, plan.ctx) for k, _, _ in parts]
         if Lookup.MISS in answers:
             return Lookup.MISS
         if Lookup.RETRY in answers:
             return Lookup.RETRY
         with self._lock:
-            self._recipes[key] = (group, parts, remote.spans)
+            self._recipes[key] = (group, parts, remote.spans, tier)
             self._recipes.move_to_end(key)
             while len(self._recipes) > MAX_RECIPES:
                 self._recipes.popitem(last=False)
@@ -113,7 +131,7 @@ class RelayoutTier:
             return self.inner.submit_load(job)
         if len(job.keys) != 1 or recipes[0] is None:
             raise ValueError("RelayoutTier: a load of pages assembled from another page span takes one key per job")
-        group, parts, spans = recipes[0]
+        group, parts, spans, tier = recipes[0]
         start = []
         with self._lock:
             self._outer[job.job_id] = (job.keys[0], group, parts, spans)
@@ -126,12 +144,15 @@ class RelayoutTier:
                     start.append((self._ids, k, spans.tokens(group) * sum(self.row_bytes[group])))
                 f.waiting.add(job.job_id)
         for inner_id, k, size in start:
-            self.inner.submit_load(LoadJob(inner_id, (k,), (size,)))
+            tier.submit_load(LoadJob(inner_id, (k,), (size,)))
         self._complete()
 
     def get_finished_jobs(self) -> list[JobResult]:
         out = []
-        for r in self.inner.get_finished_jobs():
+        finished = list(self.inner.get_finished_jobs())
+        for _, tier in self.also:
+            finished += tier.get_finished_jobs()
+        for r in finished:
             if r.kind == "load" and r.job_id < 0:
                 with self._lock:
                     k = self._inner_jobs.pop(r.job_id)
@@ -150,6 +171,8 @@ class RelayoutTier:
 
     def shutdown(self, wait: bool = True) -> None:
         self.inner.shutdown(wait=wait)
+        for _, tier in self.also:
+            tier.shutdown(wait=wait)
 
     # ------------------------------------------------------------------------------------ internals
     def _complete(self) -> None:
@@ -175,8 +198,7 @@ class RelayoutTier:
                         if not f.waiting:
                             del self._fetches[k]
 
-    def _plan(self, ctx: LookupContext) -> _Plan:
-        remote: RemoteSource = ctx.remote
+    def _plan(self, ctx: LookupContext, remote: RemoteSource) -> _Plan:
         at = (ctx.req_id, remote.spans, remote.num_tokens)
         with self._lock:
             plan = self._plans.get(at)

@@ -57,13 +57,13 @@ def two_turns(hisparse_model):
 def test_mixed_and_no_residency_match_full_residency(hisparse_model, two_turns, pool_history):
     first, ref1, second, ref2 = two_turns
     eng = Engine(hisparse_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=48))
-    eng.scheduler.resolve.log = []
+    eng.scheduler.policy.resolve.log = []
     assert [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=NEW)] == ref1
     # between turns other sessions reuse the device pool; dropping its prefix cache does the same here,
     # so turn 2 finds its prefixes only in the host pools
     eng.scheduler.kv.pool.reset_prefix_cache()
     assert [o.token_ids.tolist() for o in eng.generate(second, max_new_tokens=NEW)] == ref2
-    pol, res = eng.scheduler.policy, eng.scheduler.resolve
+    pol, res = eng.scheduler.policy, eng.scheduler.policy.resolve
     st = pol.stats
     assert st.residency_steps["mixed"] > 0 and st.residency_steps["none"] > 0
     assert st.released_pages > 0 and st.lost_pages > 0  # released pages whose blocks were reused
@@ -110,13 +110,13 @@ def test_room_in_the_pool_means_no_host_to_device_copies(hisparse_model, two_tur
     first, ref1, _, _ = two_turns
     # the same pool (so the same compiled programs), two requests: 40 of its 48 blocks, above the watermark
     eng = Engine(hisparse_model, DeployConfig(**BASE, **HISPARSE, num_gpu_blocks=48))
-    eng.scheduler.resolve.log = []
+    eng.scheduler.policy.resolve.log = []
     assert [o.token_ids.tolist() for o in eng.generate(first[:2], max_new_tokens=NEW)] == ref1[:2]
-    assert eng.scheduler.resolve.log == [] and eng.runner.host.lru_step == 0  # no decode step ran the resolver
+    assert eng.scheduler.policy.resolve.log == [] and eng.runner.half.lru_step == 0  # no decode step ran the resolver
     st = eng.scheduler.policy.stats
     assert st.precopied_pages > 0  # sealed pages still go to the host (pre-copy)
     assert st.released_pages == 0 and st.leases == 0 and eng.scheduler.transfers.h2d_bytes == 0
-    assert eng.scheduler.resolve.hot_misses == 0 and st.residency_steps["mixed"] == 0
+    assert eng.scheduler.policy.resolve.hot_misses == 0 and st.residency_steps["mixed"] == 0
 
 
 # --------------------------------------------------------------------------- the policy without a model
@@ -290,7 +290,7 @@ def test_a_new_engine_serves_the_next_turns_from_the_tier(hisparse_model, two_tu
     # (a request preempted and admitted again takes its parked prefix back once more)
     assert st.host_prefix_pages >= sum(hits) // 8 and st.restored_index_pages >= sum(hits) // 16
     # host-only prefixes: decoded, and the chunks over them staged the rows they select
-    assert st.residency_steps["none"] > 0 and two.scheduler.resolve.staged_rows > 0
+    assert st.residency_steps["none"] > 0 and two.scheduler.policy.resolve.staged_rows > 0
     pol = two.scheduler.policy
     assert not pol.host_tier.tier_pins and not pol.host_tier.jobs and not pol.state
     assert all(p.num_free == p.num_blocks for p in pol.host_tier.pools.values())
@@ -419,7 +419,7 @@ def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_wa
     assert runner.verify_mode == verify
     assert len(runner.bucket_shapes()) == 2 * 2  # rows 1, 2; tokens per row 1 + K, 16; window 64
     warm_up(eng)
-    eng.scheduler.resolve.log = []
+    eng.scheduler.policy.resolve.log = []
     compiles = count_compiles(eng)
     want = {}
     log = with_oracle_drafts(eng, want)
@@ -438,7 +438,7 @@ def test_mtp_under_hisparse_matches_full_residency_and_compiles_nothing_after_wa
         eng.step()
     assert sum(compiles) == 0 and len(compiles) > 150, f"{sum(compiles)} compilations during the run"
 
-    pol, res = eng.scheduler.policy, eng.scheduler.resolve
+    pol, res = eng.scheduler.policy, eng.scheduler.policy.resolve
     st = pol.stats
     assert st.released_pages > 0 and st.residency_steps["mixed"] > 0 and st.precopied_pages > 0
     assert st.leases > 0 and st.parked_index_pages > 0

@@ -61,7 +61,7 @@ def _check_transfers(eng, before: dict, after: dict) -> None:
 
 def _snapshot(eng) -> dict:
     m = eng.metrics() if eng.finished else {}
-    st, rs = eng.scheduler.policy.stats, eng.scheduler.resolve
+    st, rs = eng.scheduler.policy.stats, eng.scheduler.policy.resolve
     return {"h2d_bytes": eng.scheduler.transfers.h2d_bytes, "staged_pages": st.staged_pages,
             "restored_index_pages": st.restored_index_pages, "staged_h2d_rows": rs.staged_h2d_rows,
             "hisparse_h2d_rows": rs.h2d_rows, "peak": m.get("device_blocks_peak", 0)}
@@ -79,7 +79,7 @@ def _check_stage_log(eng, small_model, spec=None) -> None:
     full = [i for i in cfg.full_indexer_layers if i < cfg.num_hidden_layers]
     per_group = np.diff(full + [cfg.num_hidden_layers])
     tile = eng.deploy.hisparse_prefill_tile_tokens
-    log = eng.scheduler.resolve.stage_log
+    log = eng.scheduler.policy.resolve.stage_log
     assert log
     if spec:
         mtp = [rec for rec in log if rec.staged[:, :-1].sum() == 0]  # the MTP layer's passes
@@ -113,7 +113,7 @@ def test_a_conversation_four_times_the_pool_matches_full_residency(small_model, 
     kv = eng.scheduler.kv
     total = long_prompt.size + NEW
     assert kv.blocks_needed_all(total) >= 4 * POOL  # the conversation's KV over the pool
-    eng.scheduler.resolve.stage_log = []
+    eng.scheduler.policy.resolve.stage_log = []
     history = np.zeros(0, np.int64)
     for i, turn in enumerate(_turns(small_model.cfg.vocab_size)):
         history = np.concatenate([history, turn])
@@ -137,7 +137,7 @@ def test_a_conversation_four_times_the_pool_matches_full_residency(small_model, 
 
     # the whole conversation as one prompt: its prefill releases its own sealed pages as it goes
     eng = Engine(small_model, deploy)
-    eng.scheduler.resolve.stage_log = []
+    eng.scheduler.policy.resolve.stage_log = []
     before = _snapshot(eng)
     assert eng.generate([long_prompt], max_new_tokens=NEW)[0].token_ids.tolist() == long_out
     _check_transfers(eng, before, _snapshot(eng))

@@ -90,7 +90,7 @@ def test_pool_equals_what_the_engine_allocates(tiny_model):
     assert nbytes((run.cache.mla, run.cache.index)) == plan["engine_kv_arrays_bytes_per_gpu"] <= budget
     per_block = plan["engine_kv_arrays_bytes_per_gpu"] // plan["engine_num_gpu_blocks"]
     assert plan["runner_kv_arrays_bytes_per_gpu"] == plan["kv_pool_blocks"] * per_block > budget
-    assert nbytes(run.host.hot_state) == plan["hisparse_state_bytes_per_gpu"]
+    assert nbytes(run.half.hot_state) == plan["hisparse_state_bytes_per_gpu"]
     assert nbytes(run.host.host_tables) == plan["host_pool_bytes"]
     hot = plan["hot_buffers"]["num_speculative_tokens=0"]
     assert hot["rows"] == run.sizes.hot_rows

@@ -1,11 +1,20 @@
 """The device half of a KV policy (kvcache.policies.device): each registered policy's half (built by its
 spec's `device_half`), and which width groups HiSparse's half serves with a view (a decode group only when some
-row holds a hot buffer, a prefill group only when some row has host-only pages). The views' numbers are
-tests/kvcache/test_host.py's and tests/engine/test_hisparse.py's; nothing here compiles."""
+row holds a hot buffer, a prefill group only when some row has host-only pages), and HiSparse's half as the
+one owner of its hot buffers: it makes them and runs `ResetLease` on them, the host memory knows neither.
+The views' numbers are tests/kvcache/test_host.py's and tests/engine/test_hisparse.py's; only the lease
+reset compiles here."""
 
 import types
 
+import jax
+import numpy as np
 import pytest
+
+import glm53
+from kvcache.host import HostMemory
+from kvcache.paged import PagedKVCache
+from kvcache.transfer import ResetLease
 
 from kvcache.policies import policy_spec
 from kvcache.policies.device import DeviceHalf, SavedCopies
@@ -24,7 +33,6 @@ def test_each_policy_name_maps_to_its_device_half(name, kind):
     assert type(half) is kind
     blocks = {"mla": 7, "indexer": 3} if name == "swap" else {}
     assert half.warmup_blocks() == blocks
-    assert half.hot_buffers(2) == ((4, 2, 96) if name == "hisparse" else None)
 
 
 def test_a_half_without_device_state_serves_no_group_and_records_nothing():
@@ -49,3 +57,32 @@ def test_hisparse_views_only_the_groups_that_need_them():
     plain = HiSparseDevice(max_leases=4, hot_rows=96, index_topk=32, k=0, stage_rows=False, tile=64)
     assert plain.group_views([leased], decode=False, tables_mla=[(-1, 2)], padded=1) is None
     assert plain.empty_views(2, decode=False) is None
+
+
+def test_hisparse_half_owns_its_hot_buffers_and_runs_the_lease_reset():
+    dev = jax.devices()[0]
+    bs, nb = 4, 12
+    cache = PagedKVCache.create(glm53.get_preset("tiny"), nb, bs, np.full((1, 4), -1, np.int32),
+                                kv_cache_dtype="float32", include_mtp=False, index_block_size=8,
+                                index_block_table=np.full((1, 2), -1, np.int32))
+    host = HostMemory(cache, page_rows={"mla": bs, "indexer": 8}, kv_ranks=1, num_blocks=nb,
+                      host=jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host"),
+                      device=jax.sharding.SingleDeviceSharding(dev, memory_kind="device"), host_blocks={"mla": 2})
+    assert not hasattr(host, "hot_state")
+    half = HiSparseDevice(max_leases=2, hot_rows=8, index_topk=4, k=0, stage_rows=True, tile=64)
+    half.bind(host, None, index_groups=len(cache.index))
+    pos, last, rows = half.hot_state
+    assert pos.shape == last.shape == (2, len(cache.index), 8) and rows.shape == (2, 8)
+    assert all(x.sharding.memory_kind == "device" for x in half.hot_state)  # committed: no extra compile later
+    dirty = (pos.at[1].set(3), last.at[1].set(7), rows)
+    half.hot_state = dirty
+    # the reset runs in plan order among the host's own operations, on the half's state
+    _, d2h, h2d = host.apply((ResetLease(1, (6, 2)),), cache, others=half.transfer)
+    pos, last, rows = (np.asarray(x) for x in half.hot_state)
+    assert (d2h, h2d) == (0, 0)
+    assert rows[1].tolist() == [24, 25, 26, 27, 8, 9, 10, 11] and (rows[0] == -1).all()  # block b: slots 4b..4b+3
+    assert (pos == -1).all() and (last == np.iinfo(np.int32).min).all()
+    with pytest.raises(TypeError, match="ResetLease"):  # a host side alone runs no policy's operation
+        host.apply((ResetLease(0, (1,)),), cache)
+    with pytest.raises(TypeError, match="ResetLease"):  # nor does a policy without device state
+        DeviceHalf().transfer(ResetLease(0, (1,)))

@@ -14,7 +14,7 @@ from kvcache import host as host_mod
 from kvcache.host import HostMemory, copy_host_rows
 from kvcache.layout import page_bytes
 from kvcache.paged import PagedKVCache
-from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, bytes_moved
+from kvcache.transfer import LoadKV, PageCopy, SaveKV, bytes_moved
 
 DEV = jax.devices()[0]
 HOST = jax.sharding.SingleDeviceSharding(DEV, memory_kind="pinned_host")
@@ -64,7 +64,7 @@ def _cache(fmt="float32"):
 
 def _memory(cache, max_copy_pages=64, host_blocks=None):
     return HostMemory(cache, page_rows={"mla": BS, "indexer": IBS}, kv_ranks=1, num_blocks=NUM_BLOCKS, host=HOST,
-                      device=DEVICE, host_blocks=host_blocks, hot=(2, len(cache.index), 8), max_copy_pages=max_copy_pages)
+                      device=DEVICE, host_blocks=host_blocks, max_copy_pages=max_copy_pages)
 
 
 def _pages(arrays, blocks, rows):
@@ -132,16 +132,6 @@ def test_offload_save_and_load_restore_the_pages_into_new_blocks():
             np.testing.assert_array_equal(a[list(dst)], b[list(src)])
             keep = [i for i in range(NUM_BLOCKS) if i not in dst]
             np.testing.assert_array_equal(a[keep], b[keep])
-
-
-def test_reset_lease_points_the_slot_at_its_blocks_and_empties_it():
-    cache = _cache()
-    mem = _memory(cache, host_blocks={"mla": 2, "indexer": 1})
-    cache, d2h, h2d = mem.apply((ResetLease(1, (6, 2)),), cache)
-    pos, last, rows = (np.asarray(x) for x in mem.hot_state)
-    assert (d2h, h2d) == (0, 0)
-    assert rows[1].tolist() == [24, 25, 26, 27, 8, 9, 10, 11] and (rows[0] == -1).all()
-    assert (pos == -1).all() and (last == np.iinfo(np.int32).min).all()
 
 
 def _host_copies(cache, full, host_table):

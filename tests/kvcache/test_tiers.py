@@ -280,6 +280,31 @@ def test_a_new_engine_on_the_same_root_reloads_every_full_page(small_model, runs
     assert kv_fingerprint(small_model, second.deploy, second.sizes) == second.fingerprint
 
 
+def test_an_engine_of_other_page_spans_reads_the_root_through_read_page_tokens(small_model, runs, stored, tmp_path):
+    """The root engine 1 wrote with 8-token pages, read by an engine of 16-token pages (block_size 16: the
+    spans, and so the chunks, of a DCP2 engine with block_size 8, whose fingerprint is the same) that lists
+    the writer's spans (`read_page_tokens`): each of its pages within a prompt's all-but-last tokens is
+    assembled from two of the writer's chunks, the same greedy tokens. Its own keys name nothing there."""
+    prompts, want = runs
+    read = [{"mla": 8, "indexer": 8}]
+    kw = dict(BASE, block_size=16)
+    eng = Engine(small_model, DeployConfig(**kw, kv_transfer_config=_ktc(stored[0](tmp_path), read_page_tokens=read)))
+    out = [o.token_ids.tolist() for o in eng.generate(prompts, max_new_tokens=5)]
+    eng.shutdown()
+    assert out == want
+    pages = sum((n - 1) // 16 for n in (37, 5, 70, 20))
+    assert eng.scheduler.stats.prefix_hit_tokens == 16 * pages
+    m = eng.metrics()["kv_offload"]["fs"]
+    assert m["hits"] == 2 * pages and m["loaded_chunks"] == 0  # every page assembled, none under our own keys
+    ((spans, reader),) = eng.tiers[0].tiers[0].also  # the root opened under the writer's fingerprint
+    assert spans.fingerprint == stored[1].fingerprint
+    assert reader.stats.loaded_chunks == 2 * 2 * pages and reader.stats.corrupt == 0  # two per page and group
+    from glm53.engine.build import kv_fingerprint
+
+    dcp2 = DeployConfig(**BASE, decode_context_parallel_size=2).resolved(small_model.cfg)
+    assert kv_fingerprint(small_model, dcp2, dcp2.kv_sizes(small_model.cfg)) == eng.fingerprint != stored[1].fingerprint
+
+
 def test_corrupt_chunks_are_recomputed_or_fail_by_policy(small_model, runs, stored, tmp_path):
     prompts, want = runs
     root = stored[0](tmp_path)
@@ -580,14 +605,17 @@ def test_a_store_never_names_one_host_page_twice():
     ((6, {"mla": 6, "indexer": 12}), (4, {"mla": 4, "indexer": 8})),  # neither divides (lcm)
 ], ids=["concat", "split", "lcm"])
 @pytest.mark.parametrize("tails", [False, True], ids=["full-pages", "with-tails"])
-def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, prod, cons, tails):
+@pytest.mark.parametrize("how", ["pd", "listed"])
+def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, prod, cons, tails, how):
     """A producer's chunks (its spans, its fingerprint, its chained hashes) in a filesystem tier; a
     consumer of other spans asks for its own keys through RelayoutTier with the producer's spans in the
-    lookup context: every page of ours within the producer's full pages, and with the producer's tail
-    chunks (a P/D producer's last partial page, kvcache.tiers.tail_chunk) every page of ours within the
-    first n tokens, is a HIT and loads as the canonical page cut from the same token-order rows (a tail
-    chunk's rows past n are junk that must not show); a page past them is a MISS; each producer chunk is
-    loaded once however many of our pages share it; without the context the lookup is the inner tier's."""
+    lookup context ("pd": a P/D producer's RemoteSource) or listed on the tier ("listed": a storage tier's
+    read_page_tokens, the request's tokens in the context): every page of ours within the producer's full
+    pages, and with the producer's tail chunks (a P/D producer's last partial page,
+    kvcache.tiers.tail_chunk) every page of ours within the first n tokens, is a HIT and loads as the
+    canonical page cut from the same token-order rows (a tail chunk's rows past n are junk that must not
+    show); a page past them is a MISS; each producer chunk is loaded once however many of our pages share
+    it; without the context the lookup is the inner tier's."""
     from kvcache.block_pool import block_hashes
     from kvcache.tiers import LookupContext, PageSpans, RemoteSource, tail_chunk
     from kvcache.tiers.remote import RelayoutTier
@@ -624,8 +652,15 @@ def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, p
     loads = []
     submit = inner.submit_load
     inner.submit_load = lambda job: (loads.extend(job.keys), submit(job))[1]
-    tier = RelayoutTier(inner, own, widths)
-    ctx = LookupContext("r", (), remote=RemoteSource(src, tokens, salt, n))
+    if how == "pd":
+        tier = RelayoutTier(inner, own, widths)
+        ctx = LookupContext("r", (), remote=RemoteSource(src, tokens, salt, n))
+    else:  # a writer of other spans listed first, which holds nothing of this request: tried, then the next
+        other = PageSpans("q" * 64, prod[0], tuple(prod[1].items()))
+        mine = FileTier(fingerprint=own.fingerprint, root_dir=str(tmp_path))  # our own chunks: none
+        tier = RelayoutTier(mine, own, widths, also=((other, FileTier(fingerprint=other.fingerprint,
+                                                                      root_dir=str(tmp_path))), (src, inner)))
+        ctx = LookupContext("r", (), tokens=(tokens, salt, n))
     hd = block_hashes(tokens, own.hash_block_tokens, salt, upto=n)
     want, job = {}, 10
     for g, t in own.page_tokens:
@@ -649,6 +684,40 @@ def test_relayout_tier_assembles_our_pages_from_another_spans_chunks(tmp_path, p
         np.testing.assert_array_equal(r.payloads[0], want[r.job_id])
     assert len(loads) == len(set(loads))  # a chunk two of our pages share is fetched once
     tier.shutdown()
+
+
+def test_a_listed_span_is_tried_only_where_our_own_key_misses_and_the_option_is_checked(tmp_path):
+    """RelayoutTier(also=): a page the storage holds under our own key is the inner tier's HIT and loads
+    as stored (no relayout); the listed spans are not tried without the request's tokens in the context.
+    `read_page_tokens` is the engine's option of any tier type: checked with the tier specs, never
+    handed to the tier itself."""
+    from kvcache.tiers import LookupContext, PageSpans, check_tier_specs, read_page_tokens
+    from kvcache.tiers.remote import RelayoutTier
+
+    own, src = PageSpans("c" * 64, 8, (("mla", 8),)), PageSpans("p" * 64, 4, (("mla", 4),))
+    inner = FileTier(fingerprint=own.fingerprint, root_dir=str(tmp_path))
+    reader = FileTier(fingerprint=src.fingerprint, root_dir=str(tmp_path))
+    _store(inner, [1])
+    tier = RelayoutTier(inner, own, {"mla": (8,)}, also=((src, reader), (own, inner)))
+    assert tier.also == ((src, reader),)  # our own spans are the inner tier's keys
+    ctx = LookupContext("r", (), tokens=(list(range(20)), (), 19))
+    assert tier.lookup(_key(1), ctx) is Lookup.HIT and not tier._plans  # our key: no plan, no relayout
+    tier.submit_load(LoadJob(7, (_key(1),), (4096,)))
+    (got,) = _wait(tier, "load", 1)
+    np.testing.assert_array_equal(got.payloads[0], _payload(1))
+    assert tier.lookup(_key(2), LookupContext("r", ())) is Lookup.MISS and not tier._plans  # no tokens: not tried
+    assert tier.lookup(_key(2), ctx) is Lookup.MISS and tier._plans  # tried, and the writer has nothing
+    tier.shutdown()
+    spec = {"type": "fs", "root_dir": str(tmp_path), "read_page_tokens": [{"mla": 8, "indexer": 8}]}
+    check_tier_specs([spec])
+    assert read_page_tokens(spec) == [{"mla": 8, "indexer": 8}] and read_page_tokens({"type": "fs"}) == []
+    t = make_tier(spec, "f" * 64)  # FileTier refuses unknown keys: the option stayed with the engine
+    t.shutdown()
+    for bad in ({"mla": 8}, [{"mla": 0}], [{"mla": "8"}], [{}], [8]):
+        with pytest.raises(ValueError, match="read_page_tokens"):
+            check_tier_specs([{**spec, "read_page_tokens": bad}])
+    with pytest.raises(ValueError, match="read_page_tokens is for storage tiers"):
+        check_tier_specs([{"type": "p2p", "read_page_tokens": [{"mla": 8, "indexer": 8}]}])
 
 
 def test_tail_chunk_keys_name_the_tokens_salt_and_length_and_never_a_full_page():
@@ -725,4 +794,47 @@ def test_a_prefill_legs_finish_stores_its_last_partial_pages_under_their_tail_ke
         assert copy == PageCopy(g, "d2h", (tables[g][want[g][0] // kv.group_tokens_per_block[g]],), copy.dst)
         assert store == TierStore(g, copy.dst, (want[g][1],))
         assert pol.host[g].block_key[copy.dst[0]] is None and pol.host[g].num_free == 4
+    tiers.shutdown()
+
+
+def test_a_hisparse_prefill_legs_finish_stores_its_last_partial_pages_too(tmp_path):
+    """The same finish under kv_policy="hisparse" (its MLA pages live in its own host pool, its indexer
+    keys in the offload pool): after parking the full pages (the MLA page 0 pre-copied and stored under
+    its chain), per cache group the device page holding tokens up to kv_produce = 26 goes to a free host
+    page and to the tiers under kvcache.tiers.tail_chunk's key, the keys a finer consumer's
+    RelayoutTier asks for past the producer's full pages; the host page is not registered."""
+    from kvcache.block_pool import KVCacheManager, block_hashes
+    from kvcache.policies.hisparse import HiSparsePolicy
+    from kvcache.tiers import tail_chunk
+    from kvcache.transfer import PageCopy, TierStore
+
+    class Req:
+        req_id, extra_keys, num_computed_tokens = "r", ("salt",), 0
+        tokens = list(range(100, 128))  # 27 prompt tokens and one generated
+        num_tokens = 28
+        kv_produce = 26
+
+    tiers = TierSet([FileTier(fingerprint=FP, root_dir=str(tmp_path))])
+    kv = KVCacheManager(16, 16, ("mla", "indexer"), group_tokens_per_block={"indexer": 32})
+    pol = HiSparsePolicy(host_mla_blocks=4, host_index_blocks=4, block_size=16, hot_rows=16, max_leases=1,
+                         num_device_blocks=16, page_bytes={"mla": 1, "indexer": 1}, tiers=tiers, fingerprint=FP)
+    pol.admit(kv, Req)
+    kv.allocate("r", 28)
+    pol.prepare(kv, Req, 28)
+    Req.num_computed_tokens = 27
+    kv.cache_full_blocks("r", Req.tokens, 27, Req.extra_keys)
+    pol.on_finish(kv, Req)
+    ops = pol.take_transfers()
+    tables = kv.requests["r"].tables
+    hs = block_hashes(Req.tokens, 16, Req.extra_keys)
+    parked, tails = ops[:-4], ops[-4:]
+    assert parked == [PageCopy("mla", "d2h", (tables["mla"][0],), parked[0].dst),
+                      TierStore("mla", parked[0].dst, (chunk_key(FP, "mla", hs[0]),))]
+    want = {g: tail_chunk(FP, g, t, 16, Req.tokens, Req.extra_keys, 26, hs) for g, t in (("mla", 16), ("indexer", 32))}
+    assert [s for s, _ in want.values()] == [16, 0]
+    for (copy, store), g in zip(zip(tails[::2], tails[1::2]), ("mla", "indexer")):
+        assert copy == PageCopy(g, "d2h", (tables[g][want[g][0] // kv.group_tokens_per_block[g]],), copy.dst)
+        assert store == TierStore(g, copy.dst, (want[g][1],))
+        assert pol.host_tier.pools[g].block_key[copy.dst[0]] is None
+    assert tails[0].dst != parked[0].dst  # the parked page 0 keeps its host page
     tiers.shutdown()

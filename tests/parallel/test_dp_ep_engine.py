@@ -209,3 +209,15 @@ def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(sma
     for rid, _, _, new in work:
         want, _, _ = _serve_alone(small_model, DeployConfig(**mtp), [(rid, prompts[rid], new)])
         assert eng.finished[rid].output_ids == want[rid].output_ids, rid
+
+
+@pytest.mark.multidevice
+def test_a_policy_with_views_is_refused_before_any_array(small_model):
+    """HiSparse's device half carries views into the forward, whose mesh code under DP x EP is not built:
+    refused at construction, naming the policy and the layout."""
+    from glm53 import DeployConfig, Engine
+
+    deploy = DeployConfig(**SHAPES, data_parallel_size=2, enable_expert_parallel=True, kv_policy="hisparse",
+                          hisparse_host_pool_bytes=1 << 26)
+    with pytest.raises(NotImplementedError, match="kv_policy='hisparse'.*DP x EP"):
+        Engine(small_model, deploy)

@@ -19,7 +19,7 @@ def _two_turns(model, deploy, first, extra, *, reset: bool):
 
     eng = Engine(model, deploy)
     for rep in eng.replicas:
-        rep.scheduler.resolve.log = []
+        rep.scheduler.policy.resolve.log = []
     out1 = [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=10)]
     if reset:
         for rep in eng.replicas:
@@ -72,7 +72,7 @@ def test_engine_hisparse_under_tp2_equals_full_residency(small_model, case):
     per_group = np.diff([i for i in cfg.full_indexer_layers if i < layers] + [layers])
     devices = []
     for rep in eng.replicas:
-        pol, res = rep.scheduler.policy, rep.scheduler.resolve
+        pol, res = rep.scheduler.policy, rep.scheduler.policy.resolve
         assert pol.stats.released_pages > 0 and pol.stats.residency_steps["mixed"] > 0
         assert res.hot_hits > 0 and res.hot_misses > 0 and res.staged_rows > 0
         for rec in res.log:

@@ -115,9 +115,8 @@ class ModelRunner:
                                kv_ranks=self.kv_ranks, interleave=d.cp_kv_cache_interleave_size,
                                num_blocks=self.num_blocks * self.fwd.ranks, host=host, device=device,
                                host_blocks={g: b * self.fwd.ranks for g, b in sz.host_blocks.items()} or None,
-                               tiers=self.tiers, shared=self.fwd.host_share(),
-                               hot=self.half.hot_buffers(len(self.cache.index)))
-        self.half.bind(self.host, self._table)
+                               tiers=self.tiers, shared=self.fwd.host_share())
+        self.half.bind(self.host, self._table, index_groups=len(self.cache.index))
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
             raise RuntimeError(f"page bytes of the device arrays {self.host.page_bytes} differ from "
                                f"kvcache.layout's {sz.page_bytes}")
@@ -179,7 +178,7 @@ class ModelRunner:
             raise RuntimeError("a DP x EP runner runs every rank's plan together: execute_ranks")
         if not self.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
-        self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache)
+        self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache, others=self.half.transfer)
         tokens, drafts, resolves, stages = {}, {}, [], []
         self._logprobs = {}
         data = plan.policy_rows

@@ -55,7 +55,7 @@ def warmup(runner, shapes) -> int:
     half.end_warmup()  # the warm-up views counted nothing
     if shapes:
         runner.cache = runner.host.warmup(runner.cache, half.warmup_blocks())
-    runner.host.lru_step = 0
+        half.warmup()
     runner.cp_work_per_rank(reset=True)  # warm-up steps are not serving work
     runner.all2all_bytes(reset=True)
     return len(shapes)

@@ -279,8 +279,8 @@ class DataParallelExperts(OneDevice):
 
     def __init__(self, runner, devices):
         super().__init__(runner, devices)
-        if runner.half.hot_buffers(1) is not None:  # before any array: the views' mesh code is not built
-            raise NotImplementedError(f"kv_policy={runner.deploy.kv_policy!r} (a device half with hot buffers) under "
+        if runner.half.has_views:  # before any array: the views' mesh code is not built
+            raise NotImplementedError(f"kv_policy={runner.deploy.kv_policy!r} (a device half with views) under "
                                       "DP x EP (data_parallel_size with enable_expert_parallel)")
         self.ranks = len(devices)
         self.mesh = make_mesh(dp=self.ranks, devices=devices)

@@ -1,18 +1,38 @@
-"""HiSparse's device half (kvcache.policies.device's interface): a decode group whose rows hold a hot
-buffer resolves its sparse reads through a `kvcache.views.HiSparseView` (the resolver, the hot
-buffers, the per-layer row copies); a prefill group over host-only pages stages the rows its queries
-select through a `kvcache.views.StagingView`. The views borrow the host memory's MLA pools and hot
-state for one forward (the step donates them) and give them back in `detach`; their counts become the
-step's ResolveRecords and StageRecords, checked: a selected row with nowhere to read it from raises.
+"""HiSparse's device half (kvcache.policies.device's interface), the one owner of its device state: the
+hot buffers (`hot_state`, made by `new_hot_state`, pointed at a request's blocks by `ResetLease`) and
+the resolver's LRU clock. A decode group whose rows hold a hot buffer resolves its sparse reads through
+a `kvcache.views.HiSparseView` (the resolver, the hot buffers, the per-layer row copies); a prefill group
+over host-only pages stages the rows its queries select through a `kvcache.views.StagingView`. The views
+borrow the host memory's MLA pools and this half's hot state for one forward (the step donates them) and
+give them back in `detach`; their counts become the step's ResolveRecords and StageRecords, checked: a
+selected row with nowhere to read it from raises. The planner sums them (spec.py's `ResolveStats`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from attention.hisparse import NEVER_USED
+from kvcache.transfer import ResetLease
 from kvcache.views import HiSparseView, StagingView
+
+
+def new_hot_state(leases: int, groups: int, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """HiSparse's device state of `leases` empty hot buffers of `rows` rows (HiSparseView's hot_pos,
+    hot_last [L, G, H] and hot_rows [L, H], int32): device memory beside the KV pool, which the memory
+    plan (experiments/memory_plan.py) sizes with jax.eval_shape of this function."""
+    return (jnp.full((leases, groups, rows), -1, jnp.int32), jnp.full((leases, groups, rows), NEVER_USED, jnp.int32),
+            jnp.full((leases, rows), -1, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+def _reset_lease(hot_pos, hot_last, hot_rows, lease, rows_H):
+    return (hot_pos.at[lease].set(-1), hot_last.at[lease].set(NEVER_USED), hot_rows.at[lease].set(rows_H))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +63,30 @@ class HiSparseDevice:
     union of a batched verify's positions); prefill staging when `stage_rows`, `tile` queries per
     staging tile."""
 
+    has_views = True  # `kvcache.policies.device.DeviceHalf.has_views`
+
     def __init__(self, *, max_leases: int, hot_rows: int, index_topk: int, k: int, stage_rows: bool, tile: int):
         self.max_leases, self.hot_rows, self.topk, self.k = max_leases, hot_rows, index_topk, k
         self.stage_rows, self.tile = stage_rows, tile
         self.views: list = []
+        self.hot_state = None  # (hot_pos, hot_last, hot_rows), made by `bind`
+        self.lru_step = 0  # the resolver's LRU clock, one tick per decode group that resolves
 
-    def hot_buffers(self, index_groups: int):
-        return (self.max_leases, index_groups, self.hot_rows)
+    def bind(self, host, table, *, index_groups: int) -> None:
+        """Also makes the hot buffers, `index_groups` IndexShare groups each, on the host memory's device
+        sharding: committed there from the start like every later version (a step's outputs), since an
+        uncommitted first version would compile the decode step once more."""
+        self.host, self.table, self.groups = host, table, index_groups
+        self.hot_state = tuple(jax.device_put(x, host.device_sharding)
+                               for x in new_hot_state(self.max_leases, index_groups, self.hot_rows))
 
-    def bind(self, host, table) -> None:
-        self.host, self.table = host, table
+    def transfer(self, op) -> None:
+        """`ResetLease`: hot buffer `op.lease` emptied and pointed at the MLA slots of `op.blocks` (its first
+        `hot_rows`)."""
+        if not isinstance(op, ResetLease):
+            raise TypeError(f"not a transfer operation HiSparse's device half runs: {op!r}")
+        rows = self.host.page_slots("mla", op.blocks)[: self.hot_rows]
+        self.hot_state = _reset_lease(*self.hot_state, op.lease, jnp.asarray(rows))
 
     def verify_form(self, spec, platform: str) -> str:
         """Batched verify resolves one plan for the union of the 1 + k positions' selections, so the hot
@@ -81,13 +115,13 @@ class HiSparseDevice:
             host = self.host
             pages = host.host_pages("mla", self.table("mla", r, [h.host_blocks for h in rows], window))
             if not decode:  # each forward stages the host rows its queries select, `tile` queries at a time
-                groups = host.hot_state[0].shape[1] if host.hot_state is not None else 1
-                return StagingView.create(host.host_tables["mla"], pages, self.tile, groups, host_axis=host.host_axis)
+                return StagingView.create(host.host_tables["mla"], pages, self.tile, self.groups,
+                                          host_axis=host.host_axis)
             lease = np.full(r, -1, np.int32)
             lease[: len(rows)] = [h.lease for h in rows]
             topk = queries * min(self.topk, window) if self.k else self.topk
-            host.lru_step += 1
-            return HiSparseView.create(host.host_tables["mla"], pages, lease, *host.hot_state, host.lru_step, topk,
+            self.lru_step += 1
+            return HiSparseView.create(host.host_tables["mla"], pages, lease, *self.hot_state, self.lru_step, topk,
                                        host_axis=host.host_axis)
 
         return view
@@ -100,7 +134,8 @@ class HiSparseDevice:
         return dataclasses.replace(cache, hisparse=view)
 
     def detach(self, cache):
-        """The host tables (and hot state) go back to the host memory, the view to the group's records."""
+        """The host tables go back to the host memory, the hot state to this half, the view to the group's
+        records."""
         if cache.staging is not None:
             self.host.host_tables["mla"] = cache.staging.host_mla
             self.views.append(cache.staging)
@@ -109,7 +144,7 @@ class HiSparseDevice:
             return cache
         view = cache.hisparse
         self.host.host_tables["mla"] = view.host_mla
-        self.host.hot_state = (view.hot_pos, view.hot_last, view.hot_rows)
+        self.hot_state = (view.hot_pos, view.hot_last, view.hot_rows)
         self.views.append(view)
         return dataclasses.replace(cache, hisparse=None)
 
@@ -138,6 +173,11 @@ class HiSparseDevice:
     def warmup_blocks(self) -> dict[str, int]:
         return {}
 
+    def warmup(self) -> None:
+        """Compiles the lease reset: slot 0 reset to no rows, the state it starts in."""
+        empty = np.full(self.hot_rows, -1, np.int32)
+        self.hot_state = _reset_lease(*self.hot_state, 0, jnp.asarray(empty))
+
     def end_warmup(self) -> None:
         self.views = []
-        self.host.lru_step = 0
+        self.lru_step = 0

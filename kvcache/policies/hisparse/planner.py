@@ -69,7 +69,7 @@ from collections.abc import Sequence
 from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks
 from kvcache.host_tier import HostTier, HostTierPolicy, host_pools
 from kvcache.policies.base import RequestView, RowTables
-from kvcache.policies.hisparse.spec import TAIL_PAGES, HiSparseSpec, device_blocks_per_request
+from kvcache.policies.hisparse.spec import TAIL_PAGES, HiSparseSpec, ResolveStats, device_blocks_per_request
 from kvcache.tiers import TierSet
 from kvcache.transfer import PageCopy, ResetLease
 
@@ -139,6 +139,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         self.watermark = max(self.lease_blocks, num_device_blocks // 10)
         self.state: dict[str, Residency] = {}
         self.stats = HiSparseStats()
+        self.resolve = ResolveStats()  # the device half's records, summed (`on_records`)
         self.page_bytes = page_bytes or {"mla": 0, "indexer": 0}  # bytes of one host page per group
         self.host_bytes_peak = 0
 
@@ -487,6 +488,9 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
 
     def on_finish(self, kv: KVCacheManager, req: RequestView) -> None:
         self._park(kv, req)
+        # a P/D prefill leg's last partial pages, for finer consumers (HostTier.store_tail): its device
+        # page is one of the TAIL_PAGES never released, copied through a free page of the pools parked into
+        self.host_tier.store_tail(kv, req)
 
     def _park(self, kv: KVCacheManager, req: RequestView) -> None:
         self._precopy(kv, [req])

@@ -42,9 +42,40 @@ def device_blocks_per_request(num_tokens: int, *, tokens_per_block: int, index_t
     return mla + index + lease_blocks
 
 
+@dataclasses.dataclass
+class ResolveStats:
+    """The sums of HiSparse's records (device.py's ResolveRecord and StageRecord), which the scheduler hands
+    to the planner (`on_records`): the one source of its resolver figures. hot_hits / hot_misses:
+    selected rows found in / copied into a hot buffer by decode steps, summed over IndexShare groups;
+    h2d_rows: rows they copied host -> device, all layers; staged_rows / staged_h2d_rows: the same for
+    prefill row staging (distinct rows per tile). log / stage_log: None, or every ResolveRecord /
+    StageRecord (for tests)."""
+
+    hot_hits: int = 0
+    hot_misses: int = 0
+    h2d_rows: int = 0
+    staged_rows: int = 0
+    staged_h2d_rows: int = 0
+    log: list | None = None
+    stage_log: list | None = None
+
+    def add(self, rec) -> None:
+        self.hot_hits += int(rec.hits.sum())
+        self.hot_misses += int(rec.misses.sum())
+        self.h2d_rows += int(rec.copied.sum())
+        if self.log is not None:
+            self.log.append(rec)
+
+    def add_stage(self, rec) -> None:
+        self.staged_rows += int(rec.staged.sum())
+        self.staged_h2d_rows += int(rec.copied.sum())
+        if self.stage_log is not None:
+            self.stage_log.append(rec)
+
+
 class HiSparseSpec(Policy):
     """The class-level hooks of kv_policy="hisparse" (kvcache.policies.base.Policy's), and its metrics
-    (read from the planner's `stats`, `host_bytes_used` and `host_bytes_peak`)."""
+    (read from the planner's `resolve`, `stats`, `host_bytes_used` and `host_bytes_peak`)."""
 
     accepts_connector = True
     own_connector = True  # its idle indexer keys take the connector's budget; its pools, the tiers
@@ -157,11 +188,17 @@ class HiSparseSpec(Policy):
                 total += min(row.num_tokens * topk, table.count(-1) * tpb)
         return total
 
+    def on_records(self, resolves, stages) -> None:
+        for rec in resolves:
+            self.resolve.add(rec)
+        for rec in stages:
+            self.resolve.add_stage(rec)
+
     def metrics(self, sch) -> dict:
-        """Hot-buffer hits and misses (summed over IndexShare groups; the scheduler's ResolveStats), rows
-        copied host -> device by decode steps (all layers) and staged, host pool bytes in use now and at
-        peak, mean requests per step in each residency state, the page counters (HiSparseStats)."""
-        rs, st = sch.resolve, self.stats
+        """Hot-buffer hits and misses (summed over IndexShare groups; `resolve`), rows copied host ->
+        device by decode steps (all layers) and staged, host pool bytes in use now and at peak, mean
+        requests per step in each residency state, the page counters (HiSparseStats)."""
+        rs, st = self.resolve, self.stats
         steps = max(1, sch.stats.steps)
         looked_up = rs.hot_hits + rs.hot_misses
         out = {"hot_hits": rs.hot_hits, "hot_misses": rs.hot_misses,
@@ -194,8 +231,8 @@ class HiSparseSpec(Policy):
 
     def prometheus_values(self, sch, engine) -> dict[str, float]:
         capacity = sum(engine.sizes.host_blocks.get(g, 0) * b for g, b in engine.sizes.page_bytes.items())
-        return {"hot_hits": sch.resolve.hot_hits, "hot_misses": sch.resolve.hot_misses,
-                "h2d_bytes": sch.resolve.h2d_rows * _mla_row_bytes(engine),
+        return {"hot_hits": self.resolve.hot_hits, "hot_misses": self.resolve.hot_misses,
+                "h2d_bytes": self.resolve.h2d_rows * _mla_row_bytes(engine),
                 "host_usage": self.host_bytes_used() / capacity if capacity else 0.0}
 
 
