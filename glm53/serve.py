@@ -139,6 +139,7 @@ MAX_TIMELINE_KEPT = 1 << 16
 RETRY_AFTER_S = 1
 # after --shutdown-timeout, the clients still waiting are answered within this many seconds
 SHUTDOWN_ANSWER_S = 1.0
+SHUTDOWN_FLUSH_S = 2.0  # after a drain: what the tiers' pending stores get before the process exits
 
 # ------------------------------------------------------------------------------------------- flags
 _RESERVED = {"host", "port", "served_model_name", "seed", "dtype", "quantization", "shutdown_timeout",
@@ -182,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a /v1/completions batch of more prompts is a 400 naming `prompt` (default: %(default)s)")
     ap.add_argument("--max-waiting-requests", type=int, default=MAX_WAITING_REQUESTS,
                     help="a request that would make more than this many requests wait for the engine (added and "
-                         "not running yet) is a 503 with Retry-After (default: %(default)s)")
+                         "not running yet) is a 503 with Retry-After; one of more prompts than this, which no wait "
+                         "would admit, a 400 naming `prompt` (default: %(default)s)")
     ap.add_argument("--chat-template", default=None, metavar="PATH",
                     help="a jinja2 chat template file for /v1/chat/completions (default: the checkpoint's own, else "
                          "the preset's glm53/templates/<preset>.jinja, GLM-5.3's conversation format)")
@@ -923,7 +925,7 @@ async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]
     choices = await _start(st, body, prompts, max_tokens, kv_peer, kv_lease, output, kv_remote, produce)
     rid = new_id(chat)
     if body.stream:
-        return StreamingResponse(_stream(st, raw, body, choices, rid, chat), media_type="text/event-stream")
+        return _Stream(st, choices, _stream(st, raw, body, choices, rid, chat))
     try:
         if not await _collect(st, raw, choices):
             return Response(status_code=499)  # the client went away: its requests were aborted
@@ -990,6 +992,25 @@ async def _collect(st: ServerState, raw: Request, choices: list[_Choice]) -> boo
             return False
     collect.result()
     return True
+
+
+class _Stream(StreamingResponse):
+    """An event stream whose requests are aborted (those still running) and forgotten (`ServerState.live`)
+    however the response ends: also when the client went away before its first chunk, where Starlette
+    cancels the response before it ever starts `_stream`, whose own cleanup then never runs."""
+
+    def __init__(self, st: ServerState, choices: list[_Choice], content):
+        super().__init__(content, media_type="text/event-stream")
+        self._st, self._choices = st, choices
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for c in self._choices:
+                if c.handle.ended is None:  # not read to its end here (a no-op in the engine if it finished)
+                    self._st.engine.abort_nowait(c.handle.req_id)
+            self._st.live.difference_update(c.handle for c in self._choices)
 
 
 async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], rid: str, chat: bool):
@@ -1066,9 +1087,12 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
 async def _lifespan(app: FastAPI):
     yield
     st = app.state.server
-    # after a drain the engine thread gets a moment to stop between steps, not the length of a compilation
-    if st.engine.shutdown(timeout_s=SHUTDOWN_ANSWER_S if st.draining else 30.0) is False:
-        print("glm53.serve: the engine is still inside a step; exiting without waiting for it", flush=True)
+    # after a drain the engine thread gets a moment to stop between steps, not the length of a compilation,
+    # and the tiers' flush a bounded one (timeout + 1 s answering + 1 s stopping + this < timeout + 5 s)
+    if st.engine.shutdown(timeout_s=SHUTDOWN_ANSWER_S if st.draining else 30.0,
+                          flush_s=SHUTDOWN_FLUSH_S if st.draining else None) is False:
+        print("glm53.serve: the engine is still inside a step or flushing its tiers; exiting without waiting "
+              "for it", flush=True)
     else:
         print("glm53.serve: engine shut down", flush=True)
 

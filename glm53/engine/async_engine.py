@@ -195,19 +195,27 @@ class AsyncEngine:
         with contextlib.suppress(RuntimeError):
             self._submit(("abort", req_id, None))
 
-    def shutdown(self, timeout_s: float = 30.0) -> bool:
+    def shutdown(self, timeout_s: float = 30.0, flush_s: float | None = None) -> bool:
         """Abort every live request (their streams end), stop the thread, shut the engine down (tiers,
         event sockets) -> whether it did. The thread stops between steps only: if it is still inside one
         (a compilation, say) after `timeout_s`, this returns False leaving the engine to it (a daemon
-        thread: the process may exit meanwhile; its tiers are not flushed then). Idempotent."""
+        thread: the process may exit meanwhile; its tiers are not flushed then). flush_s: a bound on the
+        engine's own shutdown (the tiers' pending stores, a hung mount's included), run in a daemon thread;
+        False if it is still running then (what it had not stored is lost, never half-written: chunks
+        appear by rename or whole PUT). Idempotent."""
         if self._thread.is_alive():
             with contextlib.suppress(RuntimeError):  # it stopped meanwhile
                 self._submit(("stop",))
             self._thread.join(timeout_s)
             if self._thread.is_alive():
                 return False
-        self.engine.shutdown()
-        return True
+        if flush_s is None:
+            self.engine.shutdown()
+            return True
+        flush = threading.Thread(target=self.engine.shutdown, name="glm53-engine-shutdown", daemon=True)
+        flush.start()
+        flush.join(flush_s)
+        return not flush.is_alive()
 
     def _submit(self, cmd) -> None:
         with self._lock:

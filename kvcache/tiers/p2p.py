@@ -67,8 +67,10 @@ the operator listed in `producers`; any other is a miss, counted in `unlisted_pe
 dialled (the server refuses such a request earlier, with a 400). Bounds: at most MAX_DATA_CONNECTIONS
 fetches are served at once (more are closed at accept, `connections_refused`), each reads at most
 MAX_REQUEST + 32 bytes before its MAC is checked, by `transfer_timeout_s`; a control message past
-MAX_CONTROL_BYTES drops its sender (ZMQ's maxmsgsize); at most MAX_CONNECTED named producers hold a
-connected socket, the least recently asked closed first.
+MAX_CONTROL_BYTES drops its sender (ZMQ's maxmsgsize) and one connection queues at most CONTROL_QUEUE
+unread messages (ZMQ's receive high-water mark; the number of control connections is not bounded: see
+docs/engine.md's "Trust model"); at most MAX_CONNECTED named producers hold a connected socket, the least
+recently asked closed first.
 
 Options (defaults): host, port (required; port 0 binds any free port, `PeerTier.address` names it), peers
 ([]), producers ([]: the "host:port" addresses requests may name), secret_file (None), max_bytes (1 GiB;
@@ -128,6 +130,7 @@ MAX_FETCH_KEYS = 16384  # keys of one fetch connection: a consumer splits bigger
 MAX_REQUEST = 1 << 20  # bytes of one FetchMsg (MAX_FETCH_KEYS keys fit): more is not a request of ours
 MAX_DATA_CONNECTIONS = 16  # fetches served at once (a thread and at most MAX_REQUEST bytes each); more are refused
 MAX_CONTROL_BYTES = 16 << 20  # one control message (ZMQ drops a peer that sends more)
+CONTROL_QUEUE = 8  # control messages one connection may have queued unread (ZMQ's receive high-water mark)
 MAX_CONNECTED = 64  # named producers with a connected control socket at once, least recently asked closed first
 MAX_NOTED = 4096  # requests remembered as counted in `named_peer_failures` (each is counted once)
 
@@ -415,6 +418,8 @@ class PeerTier(TierBookkeeping):
         s.setsockopt(zmq.LINGER, 0)  # a close never waits for a peer that is gone
         if kind != zmq.PAIR:
             s.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # a bigger message drops its sender, unread
+            # what one connection may queue unread before its sender blocks (ZMQ's default is 1,000 messages)
+            s.setsockopt(zmq.RCVHWM, CONTROL_QUEUE)
         return s
 
     # ---------------------------------------------------------------------------------- the interface

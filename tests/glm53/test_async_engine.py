@@ -355,3 +355,22 @@ def test_text_stream_holds_back_what_may_still_become_a_stop_string():
     for b in "ab".encode() + e[:1]:
         t.add(b)
     assert "".join(t.take() for _ in range(3)) + t.flush() == "ab\ufffd"  # the flush gives what was held
+
+
+def test_shutdown_bounds_the_engines_flush():
+    """After a drain the server bounds the engine's own shutdown (the tiers' pending stores: a hung mount
+    never returns): `shutdown(flush_s=)` returns False once the bound passes, without waiting for it."""
+    import threading
+    import time
+
+    d = DeployConfig(max_model_len=64, block_size=8, num_gpu_blocks=16)
+    eng = Engine(_Model(), d, runner=SyntheticRunner(lambda row: 7))
+    hung = threading.Event()
+    eng.shutdown = lambda: hung.wait(60)  # a tier flush that does not return
+    ae = AsyncEngine(eng).start()
+    t0 = time.monotonic()
+    assert ae.shutdown(timeout_s=5.0, flush_s=0.3) is False
+    assert time.monotonic() - t0 < 3.0
+    hung.set()
+    ok = AsyncEngine(Engine(_Model(), d, runner=SyntheticRunner(lambda row: 7))).start()
+    assert ok.shutdown(timeout_s=5.0, flush_s=5.0) is True  # a flush within the bound: done

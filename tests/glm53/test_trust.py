@@ -414,3 +414,41 @@ def test_admission_counts_waiting_prompts():
     with pytest.raises(HTTPError) as e:
         st.admit(1)
     assert e.value.status == 503
+
+
+def test_a_stream_whose_client_left_before_its_first_chunk_is_aborted_and_forgotten():
+    """Starlette cancels an event stream whose client disconnects before it starts (ASGI spec < 2.4: a
+    disconnect listener beside the body), so the body generator's own cleanup never runs: the response
+    (`serve._Stream`) aborts the requests still running and drops their handles from `ServerState.live`
+    (which would otherwise grow with every such client and hold every drain for its whole timeout)."""
+    import asyncio
+    import types
+
+    from glm53.serve import ServerState, _Stream
+
+    aborted = []
+    engine = types.SimpleNamespace(abort_nowait=aborted.append)
+    st = ServerState(engine=engine, tokenizer=None, served_model_name="m")
+    class Handle:  # hashable, as RequestHandle is
+        def __init__(self, req_id, ended):
+            self.req_id, self.ended = req_id, ended
+
+    done, running = Handle("done", object()), Handle("running", None)
+    choices = [types.SimpleNamespace(handle=h) for h in (done, running)]
+    st.live.update((done, running))
+    started = []
+
+    async def body():
+        started.append(True)
+        await asyncio.sleep(3600)
+        yield "never"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):  # the response's start is still on its way when the client leaves
+        await asyncio.sleep(3600)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(_Stream(st, choices, body())(scope, receive, send))
+    assert aborted == ["running"] and st.live == set() and not started
