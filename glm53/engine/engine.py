@@ -214,7 +214,8 @@ class Engine(PdQueries):
         self.timeline: list[tuple[float, int, int, int, float]] = []
         self._steps = 0
         self.plans_run = [0] * dp  # per replica: plans its runner executed (KV transfers included)
-        self._lockstep = d.experts_across_ranks and runners is None  # DP x EP: the ranks' plans run as one step
+        # DP x EP: the ranks' plans run as one step (the model runner's, or a simulator's that prices them so)
+        self._lockstep = d.experts_across_ranks and (runners is None or hasattr(runners[0], "execute_ranks"))
         self.dp_rank_tokens = [0] * dp  # per replica: tokens its plans scheduled
         self.dp_idle_rank_steps = 0  # over steps that computed: replicas without rows
         self._all2all_estimate = 0  # DP x EP on injected runners: ep_all2all_bytes from the plans
@@ -525,7 +526,7 @@ class Engine(PdQueries):
             self.dp_rank_tokens[r] += n
         if any(rows):
             self.dp_idle_rank_steps += sum(n == 0 for n in rows)
-        if self.deploy.experts_across_ranks and not self._lockstep:  # a simulator's ranks: the plans' first rounds
+        if self.deploy.experts_across_ranks and not self._lockstep:  # injected ranks run one by one: the plans' first rounds
             self._all2all_estimate += first_round_all2all_bytes(plans, self.cfg, self.deploy, self._itemsize)
 
     def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:

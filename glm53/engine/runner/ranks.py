@@ -62,25 +62,29 @@ def rank_groups(plans: Sequence[StepPlan | None], max_tokens: int, capacity: int
     return groups
 
 
+def forward_first_round_slots(cfg, ranks: int, width: int, rows: int, prefill: bool) -> list[int]:
+    """Per MoE layer of one DP x EP forward of `rows` rows per rank of `width` tokens, the slots per
+    destination of its dispatch's first round (`parallel.ep.first_round_capacity`): every MoE layer
+    dispatches rows x width tokens per rank, but the last layer of a prefill forward only each row's last
+    one (GLM53.__call__'s last_only). x `parallel.ep.all2all_bytes_per_slot`: the bytes one device sends."""
+    last = cfg.num_hidden_layers - 1
+    e_local = cfg.n_routed_experts // ranks
+    return [first_round_capacity(rows if prefill and i == last else rows * width, cfg.num_experts_per_tok, e_local, ranks)
+            for i, kind in enumerate(cfg.mlp_layer_types) if kind == "sparse"]
+
+
 def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int) -> int:
     """Bytes one device sends by all-to-all in the first rounds of the MoE dispatch (`parallel.ep.moe_local`)
     when DP x EP ranks run `plans` as one step, from the plans alone: per forward of width w with R rows
-    per rank, every MoE layer dispatches R w tokens per rank, but the last layer of a prefill forward
-    only each row's last one (GLM53.__call__'s last_only). What the simulator reports as
-    `ep_all2all_bytes`; the model runner measures the same plus any second rounds (routing that
-    overflows the first round's slots) and, under MTP, the MTP layer's passes, which this leaves out."""
+    per rank, `forward_first_round_slots`. What the simulator reports as `ep_all2all_bytes`; the model
+    runner measures the same plus any second rounds (routing that overflows the first round's slots) and,
+    under MTP, the MTP layer's passes, which this leaves out."""
     n = len(plans)
     max_tokens, capacity = step_limits(deploy)
     k = deploy.num_speculative_tokens
-    last = cfg.num_hidden_layers - 1
-    e_local = cfg.n_routed_experts // n
     slots = 0
     for width, per in rank_groups(plans, max_tokens, capacity, 1 + k if k else 0).items():
-        rows = max(p for _, p, _ in per.values())
-        for i, kind in enumerate(cfg.mlp_layer_types):
-            if kind == "sparse":
-                tokens = rows if width > 1 + k and i == last else rows * width
-                slots += first_round_capacity(tokens, cfg.num_experts_per_tok, e_local, n)
+        slots += sum(forward_first_round_slots(cfg, n, width, max(p for _, p, _ in per.values()), width > 1 + k))
     return slots * all2all_bytes_per_slot(n, cfg.hidden_size, itemsize)
 
 
