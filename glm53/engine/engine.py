@@ -126,12 +126,6 @@ class Engine(PdQueries):
         if lockstep and self.cfg.n_routed_experts % dp:
             raise ValueError(f"enable_expert_parallel with data_parallel_size={dp}: the model's n_routed_experts="
                              f"{self.cfg.n_routed_experts} do not split evenly over the {dp} ranks")
-        if lockstep and runners is None:
-            # a policy whose device half carries views (HiSparse) is refused by the runner's strategy
-            tiers = d.offload_options["secondary_tiers"] if d.policy.uses_tiers else None
-            if tiers:
-                raise NotImplementedError(f"DP x EP (data_parallel_size={dp} with enable_expert_parallel) does not "
-                                          f"run secondary KV tiers yet; got secondary_tiers={tiers}")
         dtype = "bfloat16" if isinstance(model, ModelConfig) else jnp.dtype(getattr(model, "dtype", jnp.float32)).name
         device = None
         if runners is None:
@@ -182,6 +176,8 @@ class Engine(PdQueries):
             else:
                 run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers)
             self.replicas.append(Replica(Scheduler(d, self.sizes.num_blocks, GROUPS, policy=policy), run))
+        if lockstep and runners is None and specs:  # DP x EP: each rank's transfers run on its own tiers
+            self.replicas[0].runner.rank_tiers = list(self.tiers)
         # KV events: a recorder per replica on every pool that caches prefixes, a publisher per replica
         events = d.kv_events
         self._events: list[KVEventRecorder | None] = [None] * dp

@@ -186,6 +186,45 @@ def test_dp4_ep4_offload_each_rank_loads_its_own_host_pages(small_model):
 
 
 @pytest.mark.multidevice
+def test_dp4_ep4_ranks_store_to_and_load_from_their_own_secondary_tiers(small_model, tmp_path):
+    """Offload with a filesystem tier behind each rank's host tier (the ranks' tiers share its directory,
+    as independent replicas' do). What one device stored, ranks 0 and 1 load from the tier into their own
+    host pages (their host tiers start empty; each rank's jobs come back in its own result) and continue
+    with one device's greedy tokens; what the ranks store, one device loads back, with the same tokens."""
+    from glm53 import DeployConfig, Engine, SamplingParams
+
+    def deploy(root, **layout):
+        ktc = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+            "cpu_bytes_to_use": 1 << 24, "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}}
+        return DeployConfig(**SHAPES, **layout, kv_transfer_config=ktc)
+
+    dp_ep = dict(data_parallel_size=N, enable_expert_parallel=True)
+    rng = np.random.default_rng(9)
+    prompts = {s: rng.integers(0, small_model.cfg.vocab_size, n).astype(np.int32) for s, n in (("u0", 41), ("u1", 33))}
+    pages = sum(2 * ((len(p) - 1) // SHAPES["block_size"]) for p in prompts.values())  # full pages, both groups
+
+    def run(eng):  # the salts (part of the chunks' keys) route u0 to rank 0 and u1 to rank 1
+        for s, p in prompts.items():
+            eng.add_request(p, SamplingParams(4), req_id=s, salt=s)
+        while eng.has_unfinished():
+            eng.step()
+        assert [eng.replica_of(s) for s in prompts] == ([0, 1] if len(eng.replicas) > 1 else [0, 0])
+        return {s: eng.finished[s].output_ids for s in prompts}
+
+    want = run(Engine(small_model, DeployConfig(**SHAPES)))
+    for writer, reader, root in ((dict(), dp_ep, tmp_path / "a"), (dp_ep, dict(), tmp_path / "b")):
+        w = Engine(small_model, deploy(root, **writer))
+        run(w)
+        w.shutdown()
+        r = Engine(small_model, deploy(root, **reader))
+        assert r.fingerprint == w.fingerprint
+        assert run(r) == want, (writer, reader)
+        fs = r.metrics()["kv_offload"]["fs"]
+        assert fs["hits"] == pages and fs["corrupt"] == 0, (writer, reader, fs)
+        r.shutdown()
+
+
+@pytest.mark.multidevice
 def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(small_model):
     """MTP with 3 drafts (CPU's sequential verify: `parallel.model.verify_dp`; the MTP layer's passes and the
     draft chain: `mtp_forward_dp`) on two ranks: rank 0 verifies while rank 1 still prefills, then rank 1
