@@ -28,6 +28,10 @@ What the simulator does not know (it has no arrays), and assumes instead:
   host-only row the chunk could select, once: exact while the chunk's distinct selections fit the
   staging workspace (tile x top-k rows), which keeps rows across tiles; more where they do not.
 
+DP x EP ranks (`DeployConfig.experts_across_ranks`) are priced as the engine runs them: one lock-step
+over every rank's plan, each rank at the step's padded rows, with the MoE's all-to-alls
+(`SimRunner.execute_ranks`).
+
 Secondary tiers (the offload host tier's filesystem tier and the like) are simulated
 (kvcache.tiers.sim.SimTier, made by `SyntheticRunner.make_tiers`): the same offload policy, RETRY
 admissions and TierStore / TierLoad operations, with each store and load finishing after its modelled
@@ -388,11 +392,9 @@ class SimRunner(SyntheticRunner):
                 segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2),
                                  True))
         times = [(cost.time_s(), waits) for cost, waits in segments]
-        seconds = 0.0
-        for r, run in enumerate(ranks):
+        for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)
             run._book(segments[1:])
-            t = run._timed(times, has_rows)
-            seconds = t if r == 0 else seconds
+        seconds = [run._timed(times, has_rows) for run in ranks][0]  # the same work on every rank
         out: list[StepResult | None] = []
         for r, (plan, res) in enumerate(zip(plans, results)):
             if plan is None:
