@@ -9,7 +9,9 @@ tests/glm53/test_pd.py and priced at H200 scale by configs/paper/part2.py):
 - `pcp_dcp+hisparse`: one prefill server on 2 devices (PCP2 x DCP2, EP2; `kv_producer`) and two decode
   servers of one device each (`--kv-policy hisparse`, `kv_consumer`): the published Part 2 shape.
 - `dp+offload`: two prefill servers of one device each (`kv_producer`) and two decode servers with the
-  offload policy (`kv_consumer`).
+  offload policy (`kv_consumer`); with `--decode-layout dp_ep`, one decode server of two DP ranks that
+  share the routed experts instead (`--data-parallel-size 2 --enable-expert-parallel`; results.json's
+  `decode_layout` records which).
 Both sides use the PdConnector: the decode servers take each prompt's KV from the producer that
 prefilled it (counted in `glm53:kv_transfer_received_tokens`) instead of computing it. The producers'
 pages hold `block_size` tokens over their DCP ranks, as the consumers' do.
@@ -60,10 +62,18 @@ def _ktc(role: str, **kw) -> str:
     return json.dumps({"kv_connector": "PdConnector", "kv_role": role, **kw})
 
 
-def deployments(deploy: dict) -> dict[str, dict[str, list[list[str]]]]:
+DECODE_LAYOUTS = ("replicas", "dp_ep")
+
+
+def deployments(deploy: dict, decode_layout: str = "replicas") -> dict[str, dict[str, list[list[str]]]]:
     """{name: {"prefill": [server flags...], "decode": [...]}}; each server's flags beyond `deploy`. Each
     producer gets a KV port of its own (free now) and the consumers list them all (a consumer takes KV
-    only from the producers it lists)."""
+    only from the producers it lists). decode_layout: "replicas", two decode servers of one device each,
+    or "dp_ep", one decode server of two DP ranks sharing the routed experts (`--data-parallel-size 2
+    --enable-expert-parallel`, the published decode node's layout; each rank its own host tier and P/D
+    tier); HiSparse does not run under DP x EP yet, so that layout offers `dp+offload` only."""
+    if decode_layout not in DECODE_LAYOUTS:
+        raise ValueError(f"decode_layout must be one of {DECODE_LAYOUTS}, got {decode_layout!r}")
     half = ["--block-size", str(deploy["block_size"] // 2)]  # DCP2: a page of block_size tokens over 2 ranks
 
     def producer(port: int) -> list[str]:
@@ -77,6 +87,11 @@ def deployments(deploy: dict) -> dict[str, dict[str, list[list[str]]]]:
     while len(ports) < 3:  # a port is free when asked, and may be handed out again: three distinct ones
         ports.add(_free_port())
     pcp, *dp = sorted(ports)
+    if decode_layout == "dp_ep":
+        return {"dp+offload": {
+            "prefill": [producer(p) for p in dp],
+            "decode": [["--data-parallel-size", "2", "--enable-expert-parallel", "--kv-policy", "offload",
+                        *consumer(dp)]]}}
     return {
         "pcp_dcp+hisparse": {
             "prefill": [["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2",
@@ -193,7 +208,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="out/pd_http")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deployments", nargs="+", default=list(deployments(DEPLOY)), choices=list(deployments(DEPLOY)))
+    ap.add_argument("--deployments", nargs="+", default=None, choices=list(deployments(DEPLOY)),
+                    help="default: every deployment the decode layout offers")
+    ap.add_argument("--decode-layout", default="replicas", choices=DECODE_LAYOUTS,
+                    help="decode side: two one-device servers (replicas) or one DP2 x EP2 server (dp_ep)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=float, default=8, help="median turns per session")
@@ -202,6 +220,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", default=None,
                     help="JAX compilation cache the servers share (default: a fresh temporary directory)")
     args = ap.parse_args(argv)
+    offered = list(deployments(DEPLOY, args.decode_layout))
+    args.deployments = args.deployments or offered
+    if set(args.deployments) - set(offered):
+        ap.error(f"--decode-layout {args.decode_layout} offers --deployments {' '.join(offered)} "
+                 f"(HiSparse does not run under DP x EP yet)")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     import glm53
@@ -214,7 +237,7 @@ def main(argv=None) -> dict:
     # the servers inherit these: compile at -O0 (as the tests do) and keep every program in the cache
     os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    specs = deployments(DEPLOY)
+    specs = deployments(DEPLOY, args.decode_layout)
     runs = []
     for c in args.concurrency:
         tokens = {}
@@ -234,6 +257,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "pd_http", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
               "machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "preset": args.preset, "deploy": DEPLOY,
               "deployments": {n: specs[n] for n in args.deployments}, "devices_per_deployment": DEVICES,
+              "decode_layout": args.decode_layout,
               "workload": {"kind": "synthetic", "sessions": args.sessions, "median_turns": args.turns,
                            "scale": args.scale, "mean_output_tokens": args.output_tokens, "think_time_scale": 0.0,
                            **workloads.trace_stats(sessions)},

@@ -126,12 +126,6 @@ class Engine(PdQueries):
         if lockstep and self.cfg.n_routed_experts % dp:
             raise ValueError(f"enable_expert_parallel with data_parallel_size={dp}: the model's n_routed_experts="
                              f"{self.cfg.n_routed_experts} do not split evenly over the {dp} ranks")
-        if lockstep and runners is None:
-            # a policy whose device half carries views (HiSparse) is refused by the runner's strategy
-            tiers = d.offload_options["secondary_tiers"] if d.policy.uses_tiers else None
-            if tiers:
-                raise NotImplementedError(f"DP x EP (data_parallel_size={dp} with enable_expert_parallel) does not "
-                                          f"run secondary KV tiers yet; got secondary_tiers={tiers}")
         dtype = "bfloat16" if isinstance(model, ModelConfig) else jnp.dtype(getattr(model, "dtype", jnp.float32)).name
         device = None
         if runners is None:
@@ -182,6 +176,8 @@ class Engine(PdQueries):
             else:
                 run = ModelRunner(model, d, self.sizes, groups[i], tiers=tiers)
             self.replicas.append(Replica(Scheduler(d, self.sizes.num_blocks, GROUPS, policy=policy), run))
+        if lockstep and runners is None and specs:  # DP x EP: each rank's transfers run on its own tiers
+            self.replicas[0].runner.rank_tiers = list(self.tiers)
         # KV events: a recorder per replica on every pool that caches prefixes, a publisher per replica
         events = d.kv_events
         self._events: list[KVEventRecorder | None] = [None] * dp
@@ -214,7 +210,8 @@ class Engine(PdQueries):
         self.timeline: list[tuple[float, int, int, int, float]] = []
         self._steps = 0
         self.plans_run = [0] * dp  # per replica: plans its runner executed (KV transfers included)
-        self._lockstep = d.experts_across_ranks and runners is None  # DP x EP: the ranks' plans run as one step
+        # DP x EP: the ranks' plans run as one step (the model runner's, or a simulator's that prices them so)
+        self._lockstep = d.experts_across_ranks and (runners is None or hasattr(runners[0], "execute_ranks"))
         self.dp_rank_tokens = [0] * dp  # per replica: tokens its plans scheduled
         self.dp_idle_rank_steps = 0  # over steps that computed: replicas without rows
         self._all2all_estimate = 0  # DP x EP on injected runners: ep_all2all_bytes from the plans
@@ -525,7 +522,7 @@ class Engine(PdQueries):
             self.dp_rank_tokens[r] += n
         if any(rows):
             self.dp_idle_rank_steps += sum(n == 0 for n in rows)
-        if self.deploy.experts_across_ranks and not self._lockstep:  # a simulator's ranks: the plans' first rounds
+        if self.deploy.experts_across_ranks and not self._lockstep:  # injected ranks run one by one: the plans' first rounds
             self._all2all_estimate += first_round_all2all_bytes(plans, self.cfg, self.deploy, self._itemsize)
 
     def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:

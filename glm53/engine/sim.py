@@ -28,6 +28,10 @@ What the simulator does not know (it has no arrays), and assumes instead:
   host-only row the chunk could select, once: exact while the chunk's distinct selections fit the
   staging workspace (tile x top-k rows), which keeps rows across tiles; more where they do not.
 
+DP x EP ranks (`DeployConfig.experts_across_ranks`) are priced as the engine runs them: one lock-step
+over every rank's plan, each rank at the step's padded rows, with the MoE's all-to-alls
+(`SimRunner.execute_ranks`).
+
 Secondary tiers (the offload host tier's filesystem tier and the like) are simulated
 (kvcache.tiers.sim.SimTier, made by `SyntheticRunner.make_tiers`): the same offload policy, RETRY
 admissions and TierStore / TierLoad operations, with each store and load finishing after its modelled
@@ -41,22 +45,28 @@ waits simulated time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 import zlib
 
+from flax import nnx
+
 from glm53.config import ModelConfig
+from glm53.engine.build import weights_bytes_per_device
 from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.engine import Engine
 from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock
 from glm53.engine.runner import forward_groups, step_limits
+from glm53.engine.runner.ranks import forward_first_round_slots, rank_groups
 from glm53.engine.synthetic import SyntheticRunner, _synthetic_accepted
 from glm53.perfmodel import H200_CALIBRATED, STORAGE, HardwareSpec, StorageSpec
-from glm53.perfmodel.cost import StepCost
+from glm53.perfmodel.cost import StepCost, all_to_all
 from glm53.perfmodel.step import Deployment, mtp_draft_cost, step_cost
 from kvcache.layout import DEFAULT_INDEX_FORMAT
 from kvcache.tiers.sim import TierCosts
 from kvcache.transfer import ResetLease, TierLoad, TierStore
+from parallel.ep import all2all_bytes_per_slot
 
 SIM_DTYPE = "bfloat16"  # what "auto" KV means for a model without weights (the checkpoints' dtype)
 
@@ -72,6 +82,7 @@ def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | 
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
                       include_mtp=deploy.num_speculative_tokens > 0, verify=verify,
+                      dp=deploy.data_parallel_size if deploy.experts_across_ranks else 1,
                       **deploy.policy.sim_deployment(deploy))
 
 
@@ -113,6 +124,16 @@ def hash_token(vocab_size: int):
         return by_count(row.req_id, row.num_generated)
     token.by_count = by_count
     return token
+
+
+@functools.lru_cache(maxsize=8)
+def _weights_per_device(cfg: ModelConfig, ranks: int, weight_bytes: float | None) -> int:
+    """`SimRunner.weights_bytes_per_device` from the model's shapes (nothing is allocated)."""
+    from glm53 import fp8, weights  # the model's structure: only a DP x EP simulation asks for it
+    dtype = {None: "bfloat16", 2: "bfloat16", 4: "float32"}[weight_bytes]
+    fp8_modules = fp8.eligible_modules(weights.abstract_model(cfg, dtype)) if weight_bytes is None else ()
+    state = nnx.state(weights.abstract_model(cfg, dtype, fp8_modules))
+    return weights_bytes_per_device(state, cfg, DeployConfig(data_parallel_size=ranks, enable_expert_parallel=True))
 
 
 class SimRunner(SyntheticRunner):
@@ -186,6 +207,14 @@ class SimRunner(SyntheticRunner):
         self.async_dispatch, self.clock = async_dispatch, clock
         self._device_free_s = 0.0  # virtual time at which the forwards dispatched so far are done
         self._limits = step_limits(deploy)
+        # DP x EP: the ranks' runners (build_engine links them on rank 0's), the bytes a hidden-state value
+        # takes on the all-to-alls (the activations: float32 for a float32 model, else bfloat16)
+        self.ranks: list[SimRunner] = [self]
+        self.dp_ranks = deploy.data_parallel_size if deploy.experts_across_ranks else 1
+        self.itemsize = 4 if weight_bytes == 4 else 2
+        self._slot_bytes = all2all_bytes_per_slot(self.dp_ranks, cfg.hidden_size, self.itemsize)
+        self._all2all = 0
+        self._weight_bytes = weight_bytes
 
     def _verify(self, row: PlanRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """SyntheticRunner._verify with the default tokens under the synthetic acceptance rule: the
@@ -242,10 +271,22 @@ class SimRunner(SyntheticRunner):
             drafting = [r.start + r.num_tokens for r in plan.rows if r.sample]
             if drafting and self.verify_width:
                 segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, drafting, self.verify_width - 2), True))
+        self._book(segments)
+        seconds = self._timed([(cost.time_s(), waits) for cost, waits in segments], bool(plan.rows))
+        self.hot_miss_rows += misses
+        self.staged_rows += staged
+        seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
+        return dataclasses.replace(res, duration_s=seconds, tier_loads=loads)
+
+    def _book(self, segments) -> None:
+        """Add a step's costs [(StepCost, waits)] to time_by_op."""
         for cost, _ in segments:
             for c in cost.parts:
                 self.time_by_op[c.name] = self.time_by_op.get(c.name, 0.0) + c.time_s
-        times = [(cost.time_s(), waits) for cost, waits in segments]
+
+    def _timed(self, times: list[tuple[float, bool]], has_rows: bool) -> float:
+        """A step's seconds from its device work in execution order [(seconds, whether the host waits for
+        its results)] and the host parts (class docstring: async_dispatch); adds to busy_s."""
         work = sum(t for t, _ in times)
         if self.async_dispatch:
             # the host part first, then each forward queues behind the device's earlier work; the step
@@ -257,17 +298,111 @@ class SimRunner(SyntheticRunner):
             t = max(dispatched, self._device_free_s)
             for seconds, waits in times:
                 t += seconds
-                if waits or not plan.rows:
+                if waits or not has_rows:
                     done = max(done, t)
             self._device_free_s = t
             seconds = done - now
         else:
             seconds = work + self.step_overhead_s + self.host_overlap_s
         self.busy_s += work + self.step_overhead_s + self.host_overlap_s
-        self.hot_miss_rows += misses
-        self.staged_rows += staged
-        seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
-        return dataclasses.replace(res, duration_s=seconds, tier_loads=loads)
+        return seconds
+
+    def all2all_cost(self, width: int, rows: int) -> StepCost:
+        """DP x EP: the MoE all-to-alls of one lock-step forward of `rows` rows per rank of `width` tokens,
+        per MoE layer the first round's three (the rows out, their expert ids, the results back), each one
+        device's share of `forward_first_round_slots` x the bytes a slot carries on it
+        (`parallel.ep.all2all_bytes_per_slot`: the same bytes `ep_all2all_bytes` counts)."""
+        n, d = self.dp_ranks, self.cfg.hidden_size
+        prefill = width > (self.verify_width or 1)
+        parts = []
+        for slots in forward_first_round_slots(self.cfg, n, width, rows, prefill):
+            sent = slots * (n - 1)
+            parts += [all_to_all(self.hw, sent * d * self.itemsize, n, "ep_dispatch"),
+                      all_to_all(self.hw, sent * 4, n, "ep_expert_ids"),
+                      all_to_all(self.hw, sent * d * self.itemsize, n, "ep_combine")]
+        return StepCost(tuple(p for p in parts if p.time_s > 0))
+
+    @functools.cached_property
+    def weights_bytes_per_device(self) -> int | None:
+        """DP x EP: bytes of weights one device holds, as the model runner places them (the replicated
+        weights and 1/N of the routed experts: `glm53.engine.build.weights_bytes_per_device`), for the
+        weights `weight_bytes` names (None: the FP8 checkpoint's fp8 modules, the rest bfloat16; 4: float32;
+        2: bfloat16); None for any other layout or weight size (not reported)."""
+        if not self.deploy.experts_across_ranks or self._weight_bytes not in (None, 2, 4):
+            return None
+        return _weights_per_device(self.cfg, self.dp_ranks, self._weight_bytes)
+
+    def all2all_bytes(self) -> int:
+        """DP x EP: bytes one device sent by all-to-all over the run (the first rounds of the main forwards:
+        `glm53.engine.runner.ranks.first_round_all2all_bytes`), as `Engine.metrics`' ep_all2all_bytes."""
+        return self._all2all
+
+    def execute_ranks(self, plans: typing.Sequence[StepPlan | None]) -> list[StepResult | None]:
+        """DP x EP (`DeployConfig.experts_across_ranks`; build_engine links the ranks' runners): every
+        rank's plan priced as one lock-step, as `glm53.engine.runner.ranks.execute_ranks` runs it -> each
+        rank's StepResult (None where its plan is None), each carrying the step's price.
+
+        Each rank completes its own transfers on its own runner (tokens, tier jobs, bytes); the step is the
+        slowest rank's transfers (each GPU its own link), then per width bucket present on any rank
+        (`ranks.rank_groups`) one forward that every rank runs at the same padded rows and the widest window
+        (a rank without such rows passes padding rows, which cost as much as real ones), `forward_cost`
+        under `Deployment.dp` (a rank's tokens, its 1/N of the experts), plus its all-to-alls
+        (`all2all_cost`) and, under MTP, its draft passes; then the host parts as in `execute`. HiSparse
+        misses and staging are each group's slowest rank's. The all-to-alls of the MTP layer's passes are
+        not priced (nor counted in ep_all2all_bytes)."""
+        ranks = self.ranks
+        if len(plans) != len(ranks):
+            raise ValueError(f"{len(plans)} plans for {len(ranks)} ranks")
+        if self.clock is not None:
+            for run in ranks:
+                run._t = max(run._t, self.clock.now())
+        results: list[StepResult | None] = [None] * len(ranks)
+        transfers = []
+        for r, plan in enumerate(plans):
+            if plan is not None:
+                run = ranks[r]
+                results[r] = run._run(plan)
+                moves = sum(1 for op in plan.transfers if not isinstance(op, (ResetLease, TierStore, TierLoad)))
+                cost = step_cost(self.cfg, self.hw, self.dep, _Rows(()), d2h_bytes=results[r].d2h_bytes,
+                                 h2d_bytes=results[r].h2d_bytes, host_transfers=moves)
+                run._book([(cost, False)])
+                transfers.append(cost)
+        segments = [(max(transfers, key=StepCost.time_s, default=StepCost(())), False)]
+        has_rows = False
+        for width, per in rank_groups(plans, *self._limits, self.verify_width).items():
+            rows = max(p for _, p, _ in per.values())
+            window = max(w for _, _, w in per.values())
+            sample = any(plans[r].rows[i].sample for r, (idx, _, _) in per.items() for i in idx)
+            has_rows = True
+            verify = width == (self.verify_width or 1)
+            extra = []  # per rank with rows here: its hot-buffer misses (verify) or staged prefill rows
+            for r, (idx, _, _) in per.items():
+                run = ranks[r]
+                extra.append(run._miss_rows(plans[r]) if verify else run._stage_rows(plans[r], idx))
+                if verify:
+                    run.hot_miss_rows += extra[-1]
+                else:
+                    run.staged_rows += extra[-1]
+            fwd = forward_cost(self.cfg, self.hw, self.dep, rows, width, window, sample=sample,
+                               hot_miss_rows=max(extra), drafts=width - 1 if verify else 0)
+            segments.append((StepCost(fwd.parts + self.all2all_cost(width, rows).parts), sample))
+            self._all2all += sum(forward_first_round_slots(self.cfg, self.dp_ranks, width, rows,
+                                                           width > (self.verify_width or 1))) * self._slot_bytes
+            if sample and self.verify_width:  # the group's draft passes, on every rank's padded rows
+                segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2),
+                                 True))
+        times = [(cost.time_s(), waits) for cost, waits in segments]
+        for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)
+            run._book(segments[1:])
+        seconds = [run._timed(times, has_rows) for run in ranks][0]  # the same work on every rank
+        out: list[StepResult | None] = []
+        for r, (plan, res) in enumerate(zip(plans, results)):
+            if plan is None:
+                out.append(None)
+                continue
+            took, loads = ranks[r]._end_step(plan, seconds)  # a rank without rows waits for its tiers
+            out.append(dataclasses.replace(res, duration_s=took, tier_loads=loads))
+        return out
 
 
 def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: HardwareSpec = H200_CALIBRATED, **runner_kw) -> Engine:
@@ -280,4 +415,6 @@ def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: Hardw
     sizes = d.kv_sizes(cfg, SIM_DTYPE)
     clock = VirtualClock()
     runners = [SimRunner(cfg, d, sizes, hw, clock=clock, **runner_kw) for _ in range(d.data_parallel_size)]
+    if d.experts_across_ranks:  # DP x EP: rank 0's runner prices every rank's plan as one step
+        runners[0].ranks = runners
     return Engine(cfg, d, runner=runners, clock=clock)

@@ -197,6 +197,10 @@ class Deployment:
     "batched", one forward over its tokens (the weights read once), or "sequential", its positions as
     one-token passes of the target model one after another in one program (the MTP layer then runs once
     over the step's tokens, or per position under HiSparse, which resolves each position's selection).
+    dp: data-parallel attention ranks of one GPU each that split the routed experts (DP x EP, vLLM's
+    `--data-parallel-size N --enable-expert-parallel`): a step's tokens are one rank's, its MoE runs the
+    rank's 1/dp of the experts, and step_cost leaves out the MoE's all-to-alls, whose bytes depend on every
+    rank's rows (the caller prices them from the lock-step's padded rows: glm53.engine.sim).
     """
 
     tp: int = 1
@@ -211,8 +215,13 @@ class Deployment:
     hisparse: bool = False
     verify: str = "batched"
     dcp_prefill_gather: str = "fp8_rows"
+    dp: int = 1
 
     def __post_init__(self):
+        if self.dp < 1 or (self.dp > 1 and (not self.expert_parallel or max(self.tp, self.pcp, self.dcp) > 1)):
+            raise ValueError(f"Deployment.dp={self.dp}: DP x EP ranks need expert_parallel and one GPU each "
+                             f"(tp = pcp = dcp = 1), got expert_parallel={self.expert_parallel}, tp={self.tp}, "
+                             f"pcp={self.pcp}, dcp={self.dcp}")
         if min(self.tp, self.pcp, self.dcp) < 1:
             raise ValueError(f"Deployment: tp, pcp, dcp must be >= 1, got {self.tp}, {self.pcp}, {self.dcp}")
         if self.tp > 1 and self.pcp > 1:
@@ -235,6 +244,8 @@ class Deployment:
     @property
     def ep(self) -> int:
         """Ranks the routed experts are split over."""
+        if self.dp > 1:
+            return self.dp
         return self.gpus if (self.expert_parallel or self.tp > 1) else 1
 
 
@@ -394,7 +405,9 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             if tp > 1:
                 parts.append(all_reduce(hw, tokens * cfg.hidden_size * BF16, tp, name="tp_all_reduce"))
             return parts
-        return list(moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes))
+        parts = moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes)
+        # DP x EP: the all-to-alls move every rank's padded rows, priced by the caller (Deployment.dp)
+        return [c for c in parts if dep.dp == 1 or c.name not in ("moe_dispatch", "moe_combine")]
 
     def layer_parts(layer: int) -> list[Cost]:
         full = cfg.layer_indexer_type(layer) == "full"

@@ -265,15 +265,6 @@ def test_engine_rejects_a_configuration_before_allocating(tiny_model, no_allocat
         Engine(tiny_model, DeployConfig(**fields))
 
 
-def test_dp_x_ep_refuses_secondary_tiers_before_allocating(tiny_model, no_allocation):
-    """Secondary tiers under DP x EP are not built (tests/parallel/test_dp_ep_engine.py runs the layout)."""
-    tiers = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
-        "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{"type": "fs", "root_dir": "/nonexistent"}]}}
-    with pytest.raises(NotImplementedError, match="DP x EP .* does not run secondary KV tiers yet; got secondary_tiers"):
-        Engine(tiny_model, DeployConfig(data_parallel_size=2, enable_expert_parallel=True, max_model_len=64,
-                                        kv_transfer_config=tiers))
-
-
 def test_engine_rejects_bad_requests_before_queueing_them():
     eng = Engine(types.SimpleNamespace(cfg=TINY, dtype="float32"),
                  DeployConfig(max_model_len=128, max_num_seqs=2, block_size=8, num_gpu_blocks=10),

@@ -333,3 +333,81 @@ def test_the_simulators_verify_tokens_are_the_synthetic_runners():
         assert runner._verify(row) == SyntheticRunner._verify(runner, row)
     custom = sim.build_engine(TINY, DeployConfig(**BASE, speculative_config=mtp), token=lambda row: 7).runner
     assert custom._by_count is None
+
+
+def test_dp_ep_ranks_are_priced_as_one_lock_step_with_their_all_to_alls():
+    """DP2 x EP2, one step built by hand: rank 0 decodes two rows, rank 1 prefills a 16-token chunk.
+    The step runs every width on both ranks at the most rows any rank pads to and the widest window, so
+    its price is, per forward, the one-rank forward of those padded rows (a rank's tokens, half the
+    experts, no all-to-all of its own) plus, per MoE layer, the first round's three all-to-alls of
+    slots x (N - 1) rows: hidden states out, int32 expert ids, results back. A rank that idles in a width
+    costs as much: the same step with rank 1 idle is priced as the decode forward alone, and a rank 1
+    decoding one shorter row instead changes nothing."""
+    from glm53.engine.plan import PlanRow, StepPlan
+    from glm53.perfmodel import all_to_all
+    from parallel.ep import first_round_capacity
+
+    deploy = DeployConfig(**BASE, num_gpu_blocks=64, data_parallel_size=2, enable_expert_parallel=True)
+    eng = sim.build_engine(TINY, deploy)
+    runner, hw = eng.replicas[0].runner, H200_CALIBRATED
+    assert runner.ranks == [r.runner for r in eng.replicas] and runner.dep.dp == runner.dep.ep == 2
+    assert not [c for c in sim.forward_cost(TINY, hw, runner.dep, 2, 1, 64).parts if c.name.startswith("moe_dis")]
+
+    def row(rid, start, n, sample=True):
+        return PlanRow(rid, start, np.ones(n, np.int32), sample, SamplingParams(4), 0)
+
+    def plan(*rows):
+        tables = tuple(tuple(range(-(-(r.start + r.num_tokens) // 8))) for r in rows)
+        return StepPlan(0, rows, {"mla": tables, "indexer": tables}, None, ())
+
+    decode, chunk = plan(row("a", 40, 1), row("b", 70, 1)), plan(row("c", 0, 16, sample=False))
+    limits = step_limits(eng.deploy)
+    (w_dec, _, rows_dec, win_dec), = forward_groups(decode.rows, *limits)
+    (w_pre, _, rows_pre, win_pre), = forward_groups(chunk.rows, *limits)
+    assert (w_dec, rows_dec, w_pre, rows_pre) == (1, 2, 16, 1)
+
+    d, k, e_local = TINY.hidden_size, TINY.num_experts_per_tok, TINY.n_routed_experts // 2
+    moe_layers = [i for i, kind in enumerate(TINY.mlp_layer_types) if kind == "sparse"]
+
+    def a2a(tokens_per_layer):  # one forward's all-to-alls, per MoE layer: slots to the one other rank
+        slots = [first_round_capacity(t, k, e_local, 2) for t in tokens_per_layer]
+        return sum(2 * all_to_all(hw, s * d * 2, 2).time_s + all_to_all(hw, s * 4, 2).time_s for s in slots), slots
+
+    dec_a2a, dec_slots = a2a([rows_dec * w_dec] * len(moe_layers))
+    # a prefill forward's last layer (an MoE layer in TINY) dispatches each row's last token only
+    pre_a2a, pre_slots = a2a([rows_pre if i == TINY.num_hidden_layers - 1 else rows_pre * w_pre for i in moe_layers])
+    dec_s = sim.forward_cost(TINY, hw, runner.dep, rows_dec, w_dec, win_dec).time_s() + dec_a2a
+    pre_s = sim.forward_cost(TINY, hw, runner.dep, rows_pre, w_pre, win_pre, sample=False).time_s() + pre_a2a
+    assert dec_a2a > 0 and pre_a2a > 0
+
+    out = runner.execute_ranks([decode, chunk])
+    assert [r.duration_s for r in out] == [pytest.approx(dec_s + pre_s)] * 2
+    assert set(out[0].tokens) == {"a", "b"} and not out[1].tokens
+    assert runner.all2all_bytes() == (sum(dec_slots) + sum(pre_slots)) * (2 * d * 2 + 4)
+    # idle ranks pass padding rows: rank 1 idle, or decoding one shorter row, prices the same decode forward
+    idle = runner.execute_ranks([decode, None])
+    assert idle[0].duration_s == pytest.approx(dec_s) and idle[1] is None
+    both = runner.execute_ranks([decode, plan(row("d", 9, 1))])
+    assert [r.duration_s for r in both] == [pytest.approx(dec_s)] * 2
+
+
+def test_dp_ep_simulation_reports_the_engines_rank_metrics():
+    """A simulated DP2 x EP2 run advances its clock by one price per lock-step (the ranks' runners are
+    busy for the same steps) and reports the rank figures and a rank's weights (the replicated ones and
+    half of the routed experts, from the model's shapes)."""
+    from glm53 import weights
+    from glm53.engine.build import weights_bytes_per_device
+    from flax import nnx
+
+    deploy = DeployConfig(**BASE, num_gpu_blocks=64, data_parallel_size=2, enable_expert_parallel=True)
+    eng = sim.build_engine(TINY, deploy, weight_bytes=4)
+    eng.generate(_prompts(3), max_new_tokens=6)
+    m = eng.metrics()
+    busy = [r.runner.busy_s for r in eng.replicas]
+    assert busy[0] == pytest.approx(busy[1]) and eng.clock.now() == pytest.approx(busy[0])
+    assert m["ep_all2all_bytes"] == eng.replicas[0].runner.all2all_bytes() > 0
+    state = nnx.state(weights.abstract_model(TINY, "float32"))
+    whole = weights_bytes_per_device(state, TINY, DeployConfig())
+    experts = sum(int(np.prod(x.shape)) * 4 for p, x in jax.tree_util.tree_leaves_with_path(state)
+                  if "experts" in [getattr(q, "key", None) for q in p])
+    assert m["weights_bytes_per_device"] == whole - experts // 2

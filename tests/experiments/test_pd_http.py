@@ -1,15 +1,18 @@
 """experiments.pd_http's deployments are what the servers it starts build (the full benchmark starts 5
 processes per point and runs for most of an hour; results/paper/part2_laptop holds a committed run)."""
 
+import pytest
+
 import glm53
 from experiments import pd_http
 from glm53 import serve
 
 
-def test_each_deployment_is_four_devices_of_producers_and_consumers_with_one_page_size():
+@pytest.mark.parametrize("layout", pd_http.DECODE_LAYOUTS)
+def test_each_deployment_is_four_devices_of_producers_and_consumers_with_one_page_size(layout):
     cfg = glm53.get_preset("tiny")
-    specs = pd_http.deployments(pd_http.DEPLOY)
-    assert set(specs) == {"pcp_dcp+hisparse", "dp+offload"}
+    specs = pd_http.deployments(pd_http.DEPLOY, layout)
+    assert set(specs) == ({"pcp_dcp+hisparse", "dp+offload"} if layout == "replicas" else {"dp+offload"})
     for name, spec in specs.items():
         devices, page_tokens, policies, kv, listed = 0, set(), set(), set(), set()
         for role, want in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
@@ -24,6 +27,8 @@ def test_each_deployment_is_four_devices_of_producers_and_consumers_with_one_pag
                 # a chunk (a page) must cover the same tokens on producer and consumer to be shared
                 page_tokens.add(d.block_size * d.decode_context_parallel_size)
                 if role == "decode":
+                    # dp_ep: one server of two ranks that share the experts, else one-device servers
+                    assert (d.experts_across_ranks, d.data_parallel_size) == ((True, 2) if layout == "dp_ep" else (False, 1))
                     policies.add(d.kv_policy)
                     listed.add(d.pd_producers)
                 else:

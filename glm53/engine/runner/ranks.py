@@ -15,12 +15,16 @@ passes that program padding rows (vLLM's dummy batches).
   the draft passes, each one program over every rank's rows); each rank's result holds its own
   requests' tokens, drafts and logprobs.
 
-Not built here: a policy's device half with views (HiSparse) and secondary tiers; the runner's strategy
-and the engine refuse them under this layout before allocating anything.
+- Secondary tiers: each rank's own (`ModelRunner.rank_tiers`, set by the engine): its stores go to its
+  tiers, its loads come from them, its finished loads back in its result under its own job ids.
+
+Not built here: a policy's device half with views (HiSparse); the runner's strategy refuses it under this
+layout before allocating anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
@@ -29,15 +33,17 @@ import numpy as np
 from glm53.engine.plan import PlanRow, StepPlan, StepResult
 from glm53.engine.request import SamplingParams
 from glm53.engine.runner.batch import forward_groups, step_limits
-from kvcache.transfer import LoadKV, PageCopy, SaveKV
+from kvcache.transfer import LoadKV, PageCopy, SaveKV, TierLoad, TierStore
 from parallel.ep import all2all_bytes_per_slot, first_round_capacity
 
 # a padding row: no tokens (positions all -1, nothing written), no table, never samples
 _PAD = PlanRow("", 0, np.zeros(0, np.int32), False, SamplingParams(), 0)
 
 
-def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int]):
-    """Rank `rank`'s transfer `op` (ids local to its slices) -> the same operation on the runner's arrays."""
+def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int], ranks: int = 1):
+    """Rank `rank`'s transfer `op` (ids local to its slices) -> the same operation on the runner's arrays.
+    A secondary-tier load's job ids become job x ranks + rank (`rank_job`): the ranks' policies number
+    their jobs independently, the runner tracks them in one table."""
     dev = rank * num_blocks
     if isinstance(op, PageCopy):
         host = rank * host_blocks[op.group]
@@ -45,8 +51,35 @@ def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int]):
         return dataclasses.replace(op, src=tuple(b + src for b in op.src), dst=tuple(b + dst for b in op.dst))
     if isinstance(op, (SaveKV, LoadKV)):
         return dataclasses.replace(op, blocks=tuple((g, tuple(b + dev for b in bs)) for g, bs in op.blocks))
+    if isinstance(op, (TierStore, TierLoad)):
+        host = rank * host_blocks[op.group]
+        op = dataclasses.replace(op, host_blocks=tuple(b + host for b in op.host_blocks))
+        if isinstance(op, TierLoad):
+            op = dataclasses.replace(op, jobs=tuple(rank_job(j, rank, ranks) for j in op.jobs))
+        return op
     raise NotImplementedError(f"{type(op).__name__} transfers under DP x EP (data_parallel_size with "
                               "enable_expert_parallel)")
+
+
+def rank_job(job: int, rank: int, ranks: int) -> int:
+    """Rank `rank`'s tier job `job` as the runner names it (one table for every rank's jobs)."""
+    return job * ranks + rank
+
+
+@contextlib.contextmanager
+def rank_tiers(host, tiers, rank: int):
+    """`host` (the runner's HostMemory) with rank `rank`'s secondary tiers (`tiers`: one TierSet per rank,
+    `ModelRunner.rank_tiers`; None: the runner's own) while the block runs: a rank's stores go to its own
+    tiers and its loads come from them."""
+    if tiers is None:
+        yield host
+        return
+    own = host.tiers
+    host.tiers = tiers[rank]
+    try:
+        yield host
+    finally:
+        host.tiers = own
 
 
 def rank_groups(plans: Sequence[StepPlan | None], max_tokens: int, capacity: int, verify_width: int = 0
@@ -62,25 +95,29 @@ def rank_groups(plans: Sequence[StepPlan | None], max_tokens: int, capacity: int
     return groups
 
 
+def forward_first_round_slots(cfg, ranks: int, width: int, rows: int, prefill: bool) -> list[int]:
+    """Per MoE layer of one DP x EP forward of `rows` rows per rank of `width` tokens, the slots per
+    destination of its dispatch's first round (`parallel.ep.first_round_capacity`): every MoE layer
+    dispatches rows x width tokens per rank, but the last layer of a prefill forward only each row's last
+    one (GLM53.__call__'s last_only). x `parallel.ep.all2all_bytes_per_slot`: the bytes one device sends."""
+    last = cfg.num_hidden_layers - 1
+    e_local = cfg.n_routed_experts // ranks
+    return [first_round_capacity(rows if prefill and i == last else rows * width, cfg.num_experts_per_tok, e_local, ranks)
+            for i, kind in enumerate(cfg.mlp_layer_types) if kind == "sparse"]
+
+
 def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int) -> int:
     """Bytes one device sends by all-to-all in the first rounds of the MoE dispatch (`parallel.ep.moe_local`)
     when DP x EP ranks run `plans` as one step, from the plans alone: per forward of width w with R rows
-    per rank, every MoE layer dispatches R w tokens per rank, but the last layer of a prefill forward
-    only each row's last one (GLM53.__call__'s last_only). What the simulator reports as
-    `ep_all2all_bytes`; the model runner measures the same plus any second rounds (routing that
-    overflows the first round's slots) and, under MTP, the MTP layer's passes, which this leaves out."""
+    per rank, `forward_first_round_slots`. What the simulator reports as `ep_all2all_bytes`; the model
+    runner measures the same plus any second rounds (routing that overflows the first round's slots) and,
+    under MTP, the MTP layer's passes, which this leaves out."""
     n = len(plans)
     max_tokens, capacity = step_limits(deploy)
     k = deploy.num_speculative_tokens
-    last = cfg.num_hidden_layers - 1
-    e_local = cfg.n_routed_experts // n
     slots = 0
     for width, per in rank_groups(plans, max_tokens, capacity, 1 + k if k else 0).items():
-        rows = max(p for _, p, _ in per.values())
-        for i, kind in enumerate(cfg.mlp_layer_types):
-            if kind == "sparse":
-                tokens = rows if width > 1 + k and i == last else rows * width
-                slots += first_round_capacity(tokens, cfg.num_experts_per_tok, e_local, n)
+        slots += sum(forward_first_round_slots(cfg, n, width, max(p for _, p, _ in per.values()), width > 1 + k))
     return slots * all2all_bytes_per_slot(n, cfg.hidden_size, itemsize)
 
 
@@ -91,6 +128,7 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
     if len(plans) != n:
         raise ValueError(f"{len(plans)} plans for {n} ranks")
     host_blocks = dict(runner.sizes.host_blocks or {})
+    tiers = getattr(runner, "rank_tiers", None)  # each rank's secondary tiers (the engine's), or None
     moved = [(0, 0)] * n
     for r, plan in enumerate(plans):
         if plan is None:
@@ -99,8 +137,9 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
             raise NotImplementedError("a policy's device rows (its device half's views) under DP x EP")
         if not runner.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
-        ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks) for op in plan.transfers)
-        runner.cache, d2h, h2d = runner.host.apply(ops, runner.cache)
+        ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks, n) for op in plan.transfers)
+        with rank_tiers(runner.host, tiers, r) as host:
+            runner.cache, d2h, h2d = host.apply(ops, runner.cache)
         moved[r] = (d2h, h2d)
     tokens: dict[str, tuple[int, ...]] = {}
     drafts: dict[str, tuple[int, ...]] = {}
@@ -118,7 +157,14 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
         out, new = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window)
         tokens.update(out)
         drafts.update(new)
-    loads = runner.host.poll_tiers(wait_s=0.0)
+    # each rank's finished tier loads under its own job ids; when no rank computed, wait a little for
+    # them (an engine whose only waiting requests wait on tiers would otherwise spin)
+    idle = not any(p is not None and p.rows for p in plans)
+    loads = [()] * n
+    for r in range(n if tiers is not None else 1):
+        with rank_tiers(runner.host, tiers, r) as host:
+            loads[r] = tuple(((j - r) // n if tiers is not None else j, status)
+                             for j, status in host.poll_tiers(wait_s=0.02 / n if idle else 0.0))
     results: list[StepResult | None] = []
     for r, plan in enumerate(plans):
         if plan is None:
@@ -126,7 +172,7 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
             continue
         mine = {row.req_id: tokens[row.req_id] for row in plan.rows if row.req_id in tokens}
         results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r],
-                                  tier_loads=loads if r == 0 else (),
+                                  tier_loads=loads[r],
                                   drafts={rid: drafts[rid] for rid in mine if rid in drafts},
                                   logprobs={rid: runner._logprobs[rid] for rid in mine if rid in runner._logprobs}))
     return results
