@@ -8,7 +8,7 @@ on its real processes). The servers run tests.glm53.faulty_serve, whose step fai
   clients other than the openai package can);
 - parameters this server does not apply are a 400 naming them, never ignored;
 - the sampler's parameters, logprobs (return_tokens_as_token_ids too), n and echo, completions and chat,
-  streamed and not; prompt_logprobs and echo with logprobs (a 400 naming the field through the P/D router);
+  streamed and not; prompt_logprobs and echo with logprobs;
 - a stop string ends the request as a stop (finish_reason, stop_reason, usage, [DONE]), counted under
   vllm:request_success{finished_reason="stop"};
 - int64 seeds: equal seeds, equal tokens; different seeds, different tokens;
@@ -335,15 +335,8 @@ def test_prompt_logprobs_and_echo_with_logprobs(api):
     rank, decoded_token}} of the token and its top alternatives; a prompt extended by its own greedy output
     gives those tokens the logprobs their decode gave them (the prefill and decode paths agree); echo with
     logprobs puts the prompt's entries (the first null) before the output's, whole and streamed alike;
-    chat's prompt_logprobs sit on the response. A stream cannot carry prompt_logprobs > 0 (vLLM's 400);
-    a disaggregated (router) request computes no prompt: a 400 naming the field."""
+    chat's prompt_logprobs sit on the response. A stream cannot carry prompt_logprobs > 0 (vLLM's 400)."""
     prompt = [5, 9, 14, 3, 8, 8, 2, 30, 7]
-    if api.kind == "router":
-        _check_error(_status_error(lambda: api.completion(prompt=prompt, extra_body={"prompt_logprobs": 2})), 400,
-                     "prompt_logprobs")
-        _check_error(_status_error(lambda: api.completion(prompt=prompt, logprobs=1, echo=True)), 400, "echo")
-        api.idle()
-        return
     out = api.completion(prompt=prompt, max_tokens=3, logprobs=2, extra_body={"return_token_ids": True}).choices[0]
     full = prompt + out.token_ids[:2]
     plp = api.completion(prompt=full, max_tokens=1, extra_body={"prompt_logprobs": 3}).choices[0].prompt_logprobs
