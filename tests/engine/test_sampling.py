@@ -16,7 +16,7 @@ from glm53.engine.request import MAX_LOGIT_BIAS, Request, RequestError, Sampling
 from glm53.engine.runner import CompileCounter
 from glm53.engine.runner.sampling import (_position_logprobs, _process, _sample, penalty_width, penalty_widths, pick,
                                           process_arrays, row_arrays)
-from tests.engine.sampling_ref import ref_filter, ref_process, softmax
+from tests.engine.sampling_ref import check_prompt_logprobs, ref_filter, ref_process, softmax
 from tests.engine.serving_checks import count_compiles
 
 V = 64
@@ -316,18 +316,6 @@ def test_mtp_refuses_penalties_naming_the_field(small_model):
     assert e.value.field == "logit_bias"
 
 
-def _ref_prompt_logprobs(logits_TV, prompt):
-    """vLLM's prompt logprobs from full-sequence logits, float64: prompt token q (q >= 1) -> (its raw
-    logprob given tokens < q, its rank, the log-softmax row it comes from)."""
-    out = []
-    for q in range(1, len(prompt)):
-        z = logits_TV[q - 1].astype(np.float64)
-        lp = z - z.max() - np.log(np.exp(z - z.max()).sum())
-        t = int(prompt[q])
-        out.append((lp[t], int((lp > lp[t]).sum()) + 1, lp))
-    return out
-
-
 def test_prompt_logprobs_equal_the_full_sequence_reference(engine, small_model):
     """Prompt logprobs computed chunk by chunk (16-token chunks; prompts of 40 and 23 tokens batched with a
     request without them) equal the log-softmax of `glm53.score`'s full-sequence logits: each prompt token's
@@ -355,17 +343,7 @@ def test_prompt_logprobs_equal_the_full_sequence_reference(engine, small_model):
     assert sum(compiles) == 0, compiles
     assert eng.finished[ids[2]].prompt_logprobs == []
     for rid, prompt, k in ((ids[0], prompts[0], 5), (ids[1], prompts[1], 0), (again, prompts[0], 5)):
-        got = eng.finished[rid].prompt_logprobs
-        ref = _ref_prompt_logprobs(np.asarray(glm53.score(small_model, prompt)), prompt)
-        assert len(got) == len(ref) == prompt.size - 1
-        for q, (g, (lp, rank, row)) in enumerate(zip(got, ref), start=1):
-            assert g.logprob == pytest.approx(lp, abs=2e-3), q
-            near = np.abs(row - lp) < 2e-3  # tokens within rounding of it may swap ranks
-            assert rank - near.sum() < g.rank <= rank + near.sum(), q
-            assert len(g.top) == k
-            for t, v in g.top:
-                assert v == pytest.approx(row[t], abs=2e-3)
-                assert v >= np.sort(row)[-k] - 2e-3  # among the k most likely
+        check_prompt_logprobs(eng.finished[rid].prompt_logprobs, np.asarray(glm53.score(small_model, prompt)), prompt, k)
     assert eng.finished[again].num_cached_tokens == 0
 
 
