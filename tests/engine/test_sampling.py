@@ -304,6 +304,9 @@ def test_mtp_refuses_penalties_naming_the_field(small_model):
     with pytest.raises(RequestError, match="SyntheticRunner") as e:  # no logits, no logprobs: refused, not ignored
         eng.add_request([1, 2, 3], SamplingParams(4, logprobs=2))
     assert e.value.field == "logprobs"
+    with pytest.raises(RequestError, match="SyntheticRunner") as e:
+        eng.add_request([1, 2, 3], SamplingParams(4, prompt_logprobs=0))
+    assert e.value.field == "prompt_logprobs"
     rid = eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, top_k=5, top_p=0.9, min_p=0.1,
                                                     logit_bias=((3, 1.0),)))
     while eng.has_unfinished():
@@ -345,6 +348,25 @@ def test_prompt_logprobs_equal_the_full_sequence_reference(engine, small_model):
     for rid, prompt, k in ((ids[0], prompts[0], 5), (ids[1], prompts[1], 0), (again, prompts[0], 5)):
         check_prompt_logprobs(eng.finished[rid].prompt_logprobs, np.asarray(glm53.score(small_model, prompt)), prompt, k)
     assert eng.finished[again].num_cached_tokens == 0
+
+
+def test_prompt_logprobs_survive_preemption(engine, small_model):
+    """Two 70-token prompts with 20 tokens each overfill the 28-block pool: one is preempted and computed
+    again (from its own cached pages or from scratch); its prompt logprobs are each token's once, still the
+    reference's."""
+    import glm53
+
+    eng = engine
+    while eng.has_unfinished():
+        eng.step()
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 512, 70).astype(np.int32) for _ in range(2)]
+    ids = [eng.add_request(p, SamplingParams(20, prompt_logprobs=1)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    assert sum(eng.finished[rid].num_preemptions for rid in ids) >= 1
+    for rid, prompt in zip(ids, prompts):
+        check_prompt_logprobs(eng.finished[rid].prompt_logprobs, np.asarray(glm53.score(small_model, prompt)), prompt, 1)
 
 
 def test_prompt_logprobs_out_of_range_name_the_field():
