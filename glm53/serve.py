@@ -697,8 +697,9 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
     choices: list[_Choice] = []
     n = body.n
     if kv_peer is not None or kv_produce:  # a P/D leg: the consumer does not compute the prompt it fetches
-        field = "prompt_logprobs" if body.prompt_logprobs is not None else "echo" if _prompt_logprobs_asked(body) is not None else None
-        if field is not None:
+        asked = body.prompt_logprobs is not None or _prompt_logprobs_asked(body) is not None
+        field = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+        if asked:
             raise HTTPError(400, f"{field} needs the prompt's logprobs, which a disaggregated prefill/decode "
                                  "request (kv_transfer_params) does not compute on one server", field)
     echoes = _echo_texts(st, body, prompts)
