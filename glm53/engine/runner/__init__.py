@@ -151,8 +151,9 @@ class ModelRunner:
     def warmup(self, shapes=None, *, prompt_logprobs: bool = False) -> int:
         """Compile the programs of `shapes` (default: every bucket) and every copy program of the KV policy
         (`compilation.warmup`); with `prompt_logprobs` also each shape's programs for requests that ask for
-        them (the prefill forward that keeps every position, the position logits and logprobs: about as
-        many compilations again, so only a runner that will serve them pays). -> number of shapes run.
+        them (per prefill shape a second forward, the one that keeps every position; per (rows, width) the
+        position logits and logprobs), which only a runner that will serve them need pay for. -> number of
+        shapes run.
         After this a serving run compiles nothing."""
         return compilation.warmup(self, self.bucket_shapes() if shapes is None else shapes,
                                   prompt_logprobs=prompt_logprobs)

@@ -106,7 +106,7 @@ def _warmup_mtp(runner, shapes, prompt_logprobs: bool = False) -> None:
         else:
             last, hidden = runner._forward(tok, pos, t_mla, t_idx, window, keep_all=True)
             warm_sampling(runner.c.logits, runner.state, last, rows, penalty_limit=_penalty_limit(runner))
-        if prompt_logprobs:  # the verify width's position programs are warm_sampling's already
+        if prompt_logprobs:  # the group's hidden holds every position at either width
             warm_prompt_logprobs(runner.c.logits, runner.state, hidden)
         runner._mtp_pass(hidden, tok, pos, t_mla, t_idx, window, np.zeros(rows, np.int32))
     for rows, window in sorted({(r, w) for r, _, w in shapes}):
