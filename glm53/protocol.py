@@ -81,7 +81,7 @@ def _neutral(*values):
 # the fields OpenAI's and vLLM's sampling and output APIs define that this server does not apply yet:
 # field -> whether a value means "off" (null always does)
 _UNAPPLIED_COMMON = {
-    "best_of": _neutral(1), "prompt_logprobs": _neutral(), "use_beam_search": _neutral(False), "length_penalty": _neutral(1),
+    "best_of": _neutral(1), "use_beam_search": _neutral(False), "length_penalty": _neutral(1),
     "include_stop_str_in_output": _neutral(False), "skip_special_tokens": _neutral(True),
     "spaces_between_special_tokens": _neutral(True), "truncate_prompt_tokens": _neutral(),
     "allowed_token_ids": _neutral(), "bad_words": _neutral([]), "logits_processors": _neutral(),
@@ -146,6 +146,7 @@ class GenerationRequest(OpenAIBaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
     return_tokens_as_token_ids: bool | None = False
+    prompt_logprobs: Int | None = Field(default=None, ge=0)  # the engine names values past its MAX_LOGPROBS
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -307,6 +308,18 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of a prompt token or an alternative to it (`prompt_logprobs`: per prompt token after the
+    first, {token id: PromptLogprob} of the token itself and its top alternatives)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatLogprob(BaseModel):
     token: str
     logprob: float = -9999.0
@@ -329,6 +342,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it (None: EOS, length)
     token_ids: list[int] | None = Field(default=None, exclude_if=_drop_none)  # return_token_ids
     prompt_token_ids: list[int] | None = Field(default=None, exclude_if=_drop_none)
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_drop_none)  # vLLM's, whole answers
 
 
 class FunctionCall(BaseModel):
@@ -420,6 +434,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=_drop_none)  # vLLM's: one prompt
     kv_transfer_params: dict[str, Any] | None = Field(default=None, exclude_if=_drop_none)
 
 

@@ -92,6 +92,7 @@ from glm53.protocol import (
     ChatLogprobContent,
     ChatLogprobs,
     ChatMessageOut,
+    PromptLogprob,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
@@ -624,7 +625,8 @@ def _sampling(st: ServerState, body, max_tokens: int, i: int):
         return SamplingParams(max_tokens, greedy=temperature < GREEDY_BELOW, temperature=max(temperature, GREEDY_BELOW),
                               top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
                               stop_token_ids=tuple(dict.fromkeys(stops)), min_tokens=body.min_tokens,
-                              logit_bias=tuple(bias), logprobs=_logprobs_asked(body), **rules)
+                              logit_bias=tuple(bias), logprobs=_logprobs_asked(body),
+                              prompt_logprobs=_prompt_logprobs_asked(body), **rules)
     except RequestError as e:
         raise HTTPError(400, str(e), _field(body, e.field)) from None
 
@@ -637,6 +639,20 @@ def _logprobs_asked(body) -> int | None:
             raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+def _prompt_logprobs_asked(body) -> int | None:
+    """Alternatives per prompt token the engine computes (None: no prompt logprobs), vLLM's: `prompt_logprobs`,
+    else with completions' echo and logprobs the `logprobs` count (the prompt's entries lead the choice's
+    logprobs). A stream has no place for them: prompt_logprobs > 0 with stream is a 400, 0 is not computed."""
+    k = body.prompt_logprobs
+    if body.stream and k:
+        raise HTTPError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
+    if body.stream:
+        k = None
+    if k is None and not isinstance(body, ChatCompletionRequest) and body.echo and body.logprobs is not None:
+        k = body.logprobs
+    return k
 
 
 def _stops(body) -> list[str]:
@@ -682,6 +698,12 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
     prefix cache."""
     choices: list[_Choice] = []
     n = body.n
+    if kv_peer is not None or kv_produce:  # a P/D leg: the consumer does not compute the prompt it fetches
+        asked = body.prompt_logprobs is not None or _prompt_logprobs_asked(body) is not None
+        field = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+        if asked:
+            raise HTTPError(400, f"{field} needs the prompt's logprobs, which a disaggregated prefill/decode "
+                                 "request (kv_transfer_params) does not compute on one server", field)
     echoes = _echo_texts(st, body, prompts)
     st.admit(len(prompts) * n)
     left = len(prompts) * n  # adds still counted in pending_adds
@@ -699,7 +721,9 @@ async def _start(st: ServerState, body, prompts: list[list[int]], max_tokens: in
                 adding = st.engine.add(ids, params, salt=body.cache_salt or "",
                                        kv_peer=kv_peer if lead is None else None,
                                        kv_lease=kv_lease if lead is None else 0, kv_remote=kv_remote,
-                                       kv_produce=kv_produce, text=text, prefill_after=lead)
+                                       kv_produce=kv_produce, text=text,
+                                       # a choice computing prompt logprobs shares no pages: nothing to wait for
+                                       prefill_after=lead if params.prompt_logprobs is None else None)
                 left -= 1  # queued: counted in the engine's num_waiting from here on
                 st.pending_adds -= 1
                 handle = await _add(st, adding)
@@ -746,13 +770,10 @@ async def _add(st: ServerState, adding):
 
 
 def _echo_texts(st: ServerState, body, prompts: list[list[int]]) -> list[str]:
-    """completions' echo: each prompt's text (as sent, or its token ids decoded); "" without echo. Echo with
-    logprobs would need the prompt's logprobs, which this server does not compute: a 400."""
+    """completions' echo: each prompt's text (as sent, or its token ids decoded); "" without echo. With
+    logprobs the prompt's entries lead the choice's logprobs (`_echo_logprobs`)."""
     if not getattr(body, "echo", False):
         return [""] * len(prompts)
-    if body.logprobs is not None:
-        raise HTTPError(400, "echo with logprobs needs the prompt's logprobs, which this server does not compute "
-                             "(prompt_logprobs is not applied)", "echo")
     p = body.prompt
     if isinstance(p, str):
         return [p]
@@ -776,6 +797,47 @@ def _alternatives(st: ServerState, body, tok: int, lp) -> list[tuple[str, float]
             seen.add(t)
             out.append((_token_text(st, body, t), max(v, -9999.0)))
     return out
+
+
+def _prompt_logprobs(st: ServerState, c: _Choice):
+    """vLLM's `prompt_logprobs` of c's prompt (None when the engine computed none): None for the first token,
+    then per token {token id: PromptLogprob} of the token itself (its rank) and its top alternatives (ranks
+    1..k), each token once; logprobs clamped to -9999."""
+    req = c.request
+    if req is None or req.params.prompt_logprobs is None:
+        return None
+    out: list = [None]
+    for tok, lp in zip(c.prompt[1:], req.prompt_logprobs):
+        entry = {str(tok): PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                                         decoded_token=st.tokenizer.decode([tok]))}
+        for rank, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(str(t), PromptLogprob(logprob=max(v, -9999.0), rank=rank,
+                                                   decoded_token=st.tokenizer.decode([t])))
+        out.append(entry)
+    return out
+
+
+def _echo_logprobs(st: ServerState, body, c: _Choice) -> CompletionLogprobs:
+    """completions' echo with logprobs: the prompt tokens' entries, vLLM's (the first token's logprob and
+    top_logprobs null, text offsets from 0), from the prompt logprobs the engine computed for the choice."""
+    k = body.logprobs
+    out, offset = CompletionLogprobs(), 0
+    lps = [None, *c.request.prompt_logprobs]
+    for t, lp in zip(c.prompt, lps):
+        text = _token_text(st, body, t)
+        out.tokens.append(text)
+        out.token_logprobs.append(None if lp is None else max(lp.logprob, -9999.0))
+        out.top_logprobs.append(None if lp is None else dict(_alternatives(st, body, t, lp)[: k + 1]))
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def _join_logprobs(head: CompletionLogprobs, tail: CompletionLogprobs | None) -> CompletionLogprobs:
+    if tail is not None:
+        for f in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(head, f).extend(getattr(tail, f))
+    return head
 
 
 def _logprobs(st: ServerState, body, c: _Choice, start: int, chat: bool):
@@ -945,16 +1007,23 @@ async def _generate(st: ServerState, raw: Request, body, prompts: list[list[int]
         out = ChatCompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
             ChatChoice(index=c.index, message=_message(c.chat), finish_reason=reason, stop_reason=why,
                        logprobs=_logprobs(st, body, c, 0, True), **(_ids(c) if body.return_token_ids else ids))
-            for c, (reason, why) in zip(choices, reasons)])
+            for c, (reason, why) in zip(choices, reasons)], prompt_logprobs=_prompt_logprobs(st, choices[0]))
     else:
         reasons = [(c.handle.ended.finish_reason, c.stop_reason(body)) for c in choices]
         out = CompletionResponse(id=rid, model=st.served_model_name, usage=_usage(choices), choices=[
             CompletionChoice(index=c.index, text=c.echo + c.out, finish_reason=reason, stop_reason=why,
-                             logprobs=_logprobs(st, body, c, 0, False), **(_ids(c) if body.return_token_ids else ids))
+                             logprobs=_completion_logprobs(st, body, c), prompt_logprobs=_prompt_logprobs(st, c),
+                             **(_ids(c) if body.return_token_ids else ids))
             for c, (reason, why) in zip(choices, reasons)])
     if produce:
         out.kv_transfer_params = await _produced(st, choices[0].handle.req_id)
     return out.model_dump()
+
+
+def _completion_logprobs(st: ServerState, body, c: _Choice):
+    """A whole completion choice's logprobs: with echo the prompt's entries, then the output's."""
+    lps = _logprobs(st, body, c, 0, False)
+    return _join_logprobs(_echo_logprobs(st, body, c), lps) if lps is not None and body.echo else lps
 
 
 def _message(o: ChatOutput) -> ChatMessageOut:
@@ -1038,7 +1107,9 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
         skips those; with return_token_ids every token has its chunk."""
         ids = [tok] if body.return_token_ids and tok is not None else None
         lps = _logprobs(st, body, c, len(c.tokens) - 1, chat) if tok is not None else None
-        if c.echo:  # completions' echo: the prompt's text leads the choice's first chunk
+        if c.echo:  # completions' echo: the prompt's text (and its logprobs) lead the choice's first chunk
+            if lps is not None:
+                lps = _join_logprobs(_echo_logprobs(st, body, c), lps)
             text, c.echo = c.echo + text, ""
         if chat:
             delta = _delta(c.chat, text, reason is not None)
@@ -1172,7 +1243,7 @@ def main(argv=None) -> None:
     metrics = ServingMetrics(engine, model_name=name)
     if args.warmup:
         t0 = time.perf_counter()
-        shapes = sum(rep.runner.warmup() for rep in engine.replicas)
+        shapes = sum(rep.runner.warmup(prompt_logprobs=True) for rep in engine.replicas)
         print(f"glm53.serve: compiled {shapes} bucket shapes in {time.perf_counter() - t0:.0f} s", flush=True)
     async_engine = AsyncEngine(engine).start()
     app = create_app(async_engine, load_tokenizer(args.model, args.chat_template), name, metrics=metrics,

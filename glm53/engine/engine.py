@@ -344,6 +344,11 @@ class Engine(PdQueries):
         if params.logprobs is not None and not all(getattr(r.runner, "gives_logprobs", False) for r in self.replicas):
             raise RequestError("logprobs", f"logprobs need the model's logits; this engine's runner "
                                            f"({type(self.replicas[0].runner).__name__}) computes none")
+        if params.prompt_logprobs is not None and not all(getattr(r.runner, "gives_prompt_logprobs", False)
+                                                          for r in self.replicas):
+            raise RequestError("prompt_logprobs", f"prompt_logprobs need every prompt position's logits; this "
+                                                  f"engine's runner ({type(self.replicas[0].runner).__name__}, or "
+                                                  f"DP x EP ranks) computes none")
         if any(t >= cfg.vocab_size for t, _ in params.logit_bias):
             raise RequestError("logit_bias", f"logit_bias token ids must lie in [0, {cfg.vocab_size}), got "
                                              f"{sorted(t for t, _ in params.logit_bias if t >= cfg.vocab_size)[:8]}")

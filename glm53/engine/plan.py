@@ -52,6 +52,10 @@ class PlanRow:
     # so far, int32 [L]; how often each occurs in the output, float32 [L]): the penalties' whole input,
     # built per step on the host (Request.penalty_tokens), so the runner keeps no per-request state
     penalty_tokens: tuple[np.ndarray, np.ndarray] | None = None
+    # with params.prompt_logprobs and a chunk holding prompt positions before the last: the prompt's size, so
+    # the runner gives logprobs to the prompt tokens start + 1 .. min(start + num_tokens, prompt_len - 1)
+    # (the chunk's last target is next_token); 0 otherwise
+    prompt_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +109,8 @@ class StepResult:
     stages: tuple[StageRecord, ...] = ()
     # per request that sampled with params.logprobs: one glm53.engine.request.TokenLogprobs per token
     logprobs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    # per row with PlanRow.prompt_len: (q, (TokenLogprobs, ...)): prompt tokens q, q + 1, ... given those before
+    prompt_logprobs: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
 
 class Runner(Protocol):

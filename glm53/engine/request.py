@@ -56,7 +56,11 @@ class SamplingParams:
         top_p stays).
     logprobs: None, or 0..MAX_LOGPROBS: each generated token comes with its log-probability, its rank and
         that many most likely alternatives, from the model's raw logits (log-softmax before any rule:
-        vLLM's default logprobs_mode "raw_logprobs")."""
+        vLLM's default logprobs_mode "raw_logprobs").
+    prompt_logprobs: None, or 0..MAX_LOGPROBS: each prompt token after the first comes with its raw logprob
+        given the tokens before it, its rank and that many alternatives (`Request.prompt_logprobs`). Such a
+        request takes nothing from the prefix cache (`Request.extra_keys`): a cached token's logits were
+        never computed for it."""
 
     max_new_tokens: int = 16
     greedy: bool = True
@@ -72,6 +76,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) \
@@ -113,6 +118,10 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
             raise RequestError("logprobs", f"logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {lp!r}")
+        lp = self.prompt_logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_LOGPROBS):
+            raise RequestError("prompt_logprobs",
+                               f"prompt_logprobs must be an int in [0, {MAX_LOGPROBS}] or None, got {lp!r}")
 
     @property
     def penalized(self) -> bool:
@@ -199,6 +208,9 @@ class Request:
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     # with params.logprobs: one TokenLogprobs per output token, in order (appended with it, in the step)
     output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # with params.prompt_logprobs: entry q - 1 is prompt token q's TokenLogprobs (q = 1 .. prompt size - 1),
+    # filled chunk by chunk as the prefill runs (a chunk computed again after preemption adds nothing)
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     # n > 1: the sibling whose prompt KV this one waits to find in the prefix cache (one prefill for all)
     prefill_after: str | None = None
     # stop strings (a server's detokenizer, glm53.tokenizer.TextStream.add): called with each generated
@@ -240,7 +252,11 @@ class Request:
 
     @property
     def extra_keys(self) -> tuple[str, ...]:
-        return (self.salt,) if self.salt else ()
+        """The prefix cache's extra hash keys: the salt, and for a request with prompt_logprobs its own id, so
+        its lookup finds nothing (every prompt position's logits get computed, as vLLM skips the prefix
+        cache for it) and no other request shares its pages."""
+        keys = (self.salt,) if self.salt else ()
+        return keys + (f"prompt_logprobs:{self.req_id}",) if self.params.prompt_logprobs is not None else keys
 
     def check_stop(self) -> str | None:
         """Why the request is done after the token just appended: "stop" (a stop token, or `stop_check`

@@ -320,11 +320,14 @@ class Scheduler:
                 ids = np.concatenate([ids, np.asarray(drafts, np.int32)])
             ids.setflags(write=False)
             end = start + n - len(drafts)
-            nxt = int(req.token_slice(end, end + 1)[0]) if self.num_spec and end < req.num_tokens else -1
+            p = req.prompt_ids.size
+            prompt_len = p if req.params.prompt_logprobs is not None and start < p - 1 else 0
+            nxt = int(req.token_slice(end, end + 1)[0]) if (self.num_spec or prompt_len) and end < req.num_tokens else -1
             sample = end == req.num_tokens
             rows.append(PlanRow(req.req_id, start, ids, sample, req.params, len(req.output_ids),
                                 num_draft_tokens=len(drafts), next_token=nxt,
-                                penalty_tokens=req.penalty_tokens() if sample and req.params.penalized else None))
+                                penalty_tokens=req.penalty_tokens() if sample and req.params.penalized else None,
+                                prompt_len=prompt_len))
             row_tables, row_extra = self.policy.row_tables(self.kv, req)
             for g in self.kv.groups:
                 tables[g].append(row_tables[g])
@@ -484,6 +487,10 @@ class Scheduler:
             self.spec.observe(row.num_draft_tokens, accepted)
             req.spec_token_ids = []
             reason, taken = None, 0
+            if row.req_id in result.prompt_logprobs:
+                q, entries = result.prompt_logprobs[row.req_id]
+                have = len(req.prompt_logprobs)  # entries for prompt tokens 1 .. have; a recomputed chunk repeats some
+                req.prompt_logprobs.extend(entries[max(have + 1 - q, 0):] if q <= have + 1 else ())
             lps = result.logprobs.get(row.req_id, ())
             for k, tok in enumerate(toks):
                 req.output_ids.append(int(tok))

@@ -44,3 +44,20 @@ def ref_filter(z, temperature, top_k, top_p, min_p):
     drop[-1] = False
     z[order[drop]] = -np.inf
     return z
+
+
+def check_prompt_logprobs(got, logits_TV, prompt, k: int, tol: float = 2e-3) -> None:
+    """`got` (Request.prompt_logprobs) against vLLM's definition on full-sequence logits [T, V]: prompt token
+    q (q >= 1) has the raw logprob of log_softmax(logits[q - 1]), its rank (tokens within `tol` of it may
+    swap places) and k alternatives, each among the k most likely."""
+    assert len(got) == len(prompt) - 1
+    for q, g in enumerate(got, start=1):
+        z = logits_TV[q - 1].astype(np.float64)
+        row = z - z.max() - np.log(np.exp(z - z.max()).sum())
+        lp = row[int(prompt[q])]
+        assert abs(g.logprob - lp) <= tol, (q, g.logprob, lp)
+        rank, near = int((row > lp).sum()) + 1, int((np.abs(row - lp) < tol).sum())
+        assert rank - near < g.rank <= rank + near, q
+        assert len(g.top) == k
+        for t, v in g.top:
+            assert abs(v - row[t]) <= tol and v >= np.sort(row)[-k] - tol, (q, t)

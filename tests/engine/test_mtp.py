@@ -17,7 +17,7 @@ import glm53
 from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine.runner import _last_logits, _position_logits
 from glm53.engine.spec_decode import SpecDecodeStats, length_to_rates, rejection_sample
-from tests.engine.sampling_ref import ref_filter
+from tests.engine.sampling_ref import check_prompt_logprobs, ref_filter
 from glm53.model import compiled
 from kvcache.contiguous import ContiguousKVCache
 from kvcache.paged import PagedKVCache
@@ -310,6 +310,13 @@ def test_mtp_greedy_equals_non_speculative(small_model, continuation):
     assert all(lp.rank == 1 and lp.top[0] == (t, lp.logprob) and len(lp.top) == 3
                for lp, t in zip(r.output_logprobs, r.output_ids))
     assert eng.finished[bias_id].output_ids == [7] * 5
+    # prompt logprobs under MTP: its prefill's every-position hidden states, chunk by chunk (70 tokens in 16s)
+    pl_id = eng.add_request(prompts[2], SamplingParams(5, prompt_logprobs=2))
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.finished[pl_id].output_ids == want[2]
+    check_prompt_logprobs(eng.finished[pl_id].prompt_logprobs, np.asarray(glm53.score(small_model, prompts[2])),
+                          prompts[2], 2)
 
 
 @pytest.mark.slow

@@ -16,8 +16,8 @@ from glm53.engine.request import MAX_LOGIT_BIAS, Request, RequestError, Sampling
 from glm53.engine.runner import CompileCounter
 from glm53.engine.runner.sampling import (_position_logprobs, _process, _sample, penalty_width, penalty_widths, pick,
                                           process_arrays, row_arrays)
-from tests.engine.sampling_ref import ref_filter, ref_process, softmax
-from tests.engine.serving_checks import count_compiles, warm_up
+from tests.engine.sampling_ref import check_prompt_logprobs, ref_filter, ref_process, softmax
+from tests.engine.serving_checks import count_compiles
 
 V = 64
 
@@ -181,18 +181,21 @@ def _mixed(rng, step: int) -> SamplingParams:
               top_k=int(rng.choice([0, 1, 5, 40])), top_p=float(rng.choice([1.0, 0.9, 0.5])),
               min_p=float(rng.choice([0.0, 0.05])), presence_penalty=float(rng.choice([0.0, 0.7])),
               frequency_penalty=float(rng.choice([0.0, -0.4, 1.2])), repetition_penalty=float(rng.choice([1.0, 1.5, 0.8])),
-              logprobs=rng.choice([None, 0, 5, 20]))
+              logprobs=rng.choice([None, 0, 5, 20]), prompt_logprobs=rng.choice([None, None, 0, 4]))
     if rng.random() < 0.5:
         ids = rng.choice(512, int(rng.integers(1, MAX_LOGIT_BIAS + 1)), replace=False)
         kw["logit_bias"] = tuple((int(t), float(rng.uniform(-100, 100))) for t in ids)
-    kw["logprobs"] = None if kw["logprobs"] is None else int(kw["logprobs"])
+    for f in ("logprobs", "prompt_logprobs"):
+        kw[f] = None if kw[f] is None else int(kw[f])
     return SamplingParams(int(rng.integers(1, 12)), **kw)
 
 
 @pytest.fixture(scope="module")
 def engine(small_model):
     eng = Engine(small_model, DeployConfig(**SHAPES))
-    warm_up(eng)
+    runner = eng.runner
+    assert runner.warmup(prompt_logprobs=True) == len(runner.bucket_shapes())
+    runner.compiled_shapes.clear()
     return eng
 
 
@@ -246,7 +249,13 @@ def test_every_token_is_the_references_and_200_steps_compile_nothing(engine):
                 assert lp.logprob == pytest.approx(ref[tok], abs=1e-4) and len(lp.top) == p.logprobs
                 kinds["logprobs"] += 1
         assert len(r.output_logprobs) == (len(r.output_ids) if p.logprobs is not None else 0)
-    assert min(kinds.values()) >= 10 and len(kinds) == 3, kinds
+        if p.prompt_logprobs is not None:  # their values: test_prompt_logprobs_equal_the_full_sequence_reference
+            assert len(r.prompt_logprobs) == r.prompt_ids.size - 1
+            assert all(len(e.top) == p.prompt_logprobs for e in r.prompt_logprobs)
+            kinds["prompt_logprobs"] += 1
+        else:
+            assert r.prompt_logprobs == []
+    assert min(kinds.values()) >= 10 and len(kinds) == 4, kinds
 
 
 def test_n_siblings_share_one_prefill_and_draw_their_own_tokens(engine):
@@ -295,6 +304,9 @@ def test_mtp_refuses_penalties_naming_the_field(small_model):
     with pytest.raises(RequestError, match="SyntheticRunner") as e:  # no logits, no logprobs: refused, not ignored
         eng.add_request([1, 2, 3], SamplingParams(4, logprobs=2))
     assert e.value.field == "logprobs"
+    with pytest.raises(RequestError, match="SyntheticRunner") as e:
+        eng.add_request([1, 2, 3], SamplingParams(4, prompt_logprobs=0))
+    assert e.value.field == "prompt_logprobs"
     rid = eng.add_request([1, 2, 3], SamplingParams(4, greedy=False, top_k=5, top_p=0.9, min_p=0.1,
                                                     logit_bias=((3, 1.0),)))
     while eng.has_unfinished():
@@ -305,3 +317,60 @@ def test_mtp_refuses_penalties_naming_the_field(small_model):
                runner=SyntheticRunner(lambda row: 1, page_bytes=d.kv_sizes(cfg).page_bytes)).add_request(
             [1], SamplingParams(2, logit_bias=((cfg.vocab_size, 1.0),)))
     assert e.value.field == "logit_bias"
+
+
+def test_prompt_logprobs_equal_the_full_sequence_reference(engine, small_model):
+    """Prompt logprobs computed chunk by chunk (16-token chunks; prompts of 40 and 23 tokens batched with a
+    request without them) equal the log-softmax of `glm53.score`'s full-sequence logits: each prompt token's
+    logprob and rank, and its k alternatives; a second identical request computes them again rather than
+    taking the first's pages from the prefix cache; nothing compiles."""
+    import glm53
+
+    eng = engine
+    while eng.has_unfinished():
+        eng.step()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 512, 40).astype(np.int32), rng.integers(0, 512, 23).astype(np.int32)]
+    compiles = count_compiles(eng)
+    try:
+        ids = [eng.add_request(prompts[0], SamplingParams(3, prompt_logprobs=5)),
+               eng.add_request(prompts[1], SamplingParams(2, prompt_logprobs=0, logprobs=2)),
+               eng.add_request(prompts[0][:20], SamplingParams(2))]
+        while eng.has_unfinished():
+            eng.step()
+        again = eng.add_request(prompts[0], SamplingParams(1, prompt_logprobs=5))
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.runner.execute = type(eng.runner).execute.__get__(eng.runner)
+    assert sum(compiles) == 0, compiles
+    assert eng.finished[ids[2]].prompt_logprobs == []
+    for rid, prompt, k in ((ids[0], prompts[0], 5), (ids[1], prompts[1], 0), (again, prompts[0], 5)):
+        check_prompt_logprobs(eng.finished[rid].prompt_logprobs, np.asarray(glm53.score(small_model, prompt)), prompt, k)
+    assert eng.finished[again].num_cached_tokens == 0
+
+
+def test_prompt_logprobs_survive_preemption(engine, small_model):
+    """Two 70-token prompts with 20 tokens each overfill the 28-block pool: one is preempted and computed
+    again (from its own cached pages or from scratch); its prompt logprobs are each token's once, still the
+    reference's."""
+    import glm53
+
+    eng = engine
+    while eng.has_unfinished():
+        eng.step()
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 512, 70).astype(np.int32) for _ in range(2)]
+    ids = [eng.add_request(p, SamplingParams(20, prompt_logprobs=1)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    assert sum(eng.finished[rid].num_preemptions for rid in ids) >= 1
+    for rid, prompt in zip(ids, prompts):
+        check_prompt_logprobs(eng.finished[rid].prompt_logprobs, np.asarray(glm53.score(small_model, prompt)), prompt, 1)
+
+
+def test_prompt_logprobs_out_of_range_name_the_field():
+    for bad in (-1, 21, 2.0, True):
+        with pytest.raises(RequestError) as e:
+            SamplingParams(4, prompt_logprobs=bad)
+        assert e.value.field == "prompt_logprobs"

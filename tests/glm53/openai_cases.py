@@ -8,7 +8,7 @@ on its real processes). The servers run tests.glm53.faulty_serve, whose step fai
   clients other than the openai package can);
 - parameters this server does not apply are a 400 naming them, never ignored;
 - the sampler's parameters, logprobs (return_tokens_as_token_ids too), n and echo, completions and chat,
-  streamed and not;
+  streamed and not; prompt_logprobs and echo with logprobs;
 - a stop string ends the request as a stop (finish_reason, stop_reason, usage, [DONE]), counted under
   vllm:request_success{finished_reason="stop"};
 - int64 seeds: equal seeds, equal tokens; different seeds, different tokens;
@@ -140,13 +140,13 @@ BAD_COMPLETION = [  # (fields, the param the 400 names, status)
     ({"repetition_penalty": 0}, "repetition_penalty", 400), ({"top_k": -2}, "top_k", 400),
     ({"min_p": 1.5}, "min_p", 400), ({"logit_bias": {"x": 5}}, "logit_bias", 400),
     ({"logit_bias": {"600": 5}}, "logit_bias", 400), ({"logprobs": 21}, "logprobs", 400), ({"n": 0}, "n", 400),
-    ({"n": 129}, "n", 400), ({"echo": True, "logprobs": 1}, "echo", 400),
+    ({"n": 129}, "n", 400), ({"prompt_logprobs": 21}, "prompt_logprobs", 400),
     # parameters this server does not apply: a 400 naming them unless at their neutral value
     ({"best_of": 2}, "best_of", 400), ({"suffix": "x"}, "suffix", 400),
     ({"use_beam_search": True}, "use_beam_search", 400),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output", 400),
     ({"response_format": {"type": "json_object"}}, "response_format", 400),
-    ({"structured_outputs": {"json": {}}}, "structured_outputs", 400), ({"prompt_logprobs": 1}, "prompt_logprobs", 400),
+    ({"structured_outputs": {"json": {}}}, "structured_outputs", 400),
     ({"allowed_token_ids": [1]}, "allowed_token_ids", 400), ({"skip_special_tokens": False}, "skip_special_tokens", 400),
 ]
 BAD_CHAT = [
@@ -328,6 +328,51 @@ def test_logit_bias_top_k_penalties_and_echo_are_applied(api):
     chunks = list(api.client.completions.create(model=api.name, prompt="echo me", max_tokens=2, temperature=0,
                                                 echo=True, stream=True))
     assert chunks[0].choices[0].text.startswith("echo me") and "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(api):
+    """vLLM's prompt_logprobs (extra_body): null for the first prompt token, then per token {id: {logprob,
+    rank, decoded_token}} of the token and its top alternatives; a prompt extended by its own greedy output
+    gives those tokens the logprobs their decode gave them (the prefill and decode paths agree); echo with
+    logprobs puts the prompt's entries (the first null) before the output's, whole and streamed alike;
+    chat's prompt_logprobs sit on the response. A stream cannot carry prompt_logprobs > 0 (vLLM's 400)."""
+    prompt = [5, 9, 14, 3, 8, 8, 2, 30, 7]
+    out = api.completion(prompt=prompt, max_tokens=3, logprobs=2, extra_body={"return_token_ids": True}).choices[0]
+    full = prompt + out.token_ids[:2]
+    plp = api.completion(prompt=full, max_tokens=1, extra_body={"prompt_logprobs": 3}).choices[0].prompt_logprobs
+    assert len(plp) == len(full) and plp[0] is None
+    for q in range(1, len(full)):
+        entry = plp[q]
+        mine = entry[str(full[q])]
+        top = sorted(entry.values(), key=lambda e: e["rank"])
+        assert [e["rank"] for e in top[:3]] == [1, 2, 3] and (len(entry) == 3 or len(entry) == 4 and mine["rank"] > 3)
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(top, top[1:])) and mine["logprob"] <= 0
+    detok = api.root.post("/detokenize", cast_to=object, body={"tokens": [full[1]]})["prompt"]
+    assert plp[1][str(full[1])]["decoded_token"] == detok
+    for j in range(2):  # the output's tokens, as prompt tokens of the longer request
+        assert plp[len(prompt) + j][str(full[len(prompt) + j])]["logprob"] == pytest.approx(
+            out.logprobs.token_logprobs[j], abs=2e-3)
+    whole = api.completion(prompt=prompt, max_tokens=3, logprobs=2, echo=True).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(prompt) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[: len(prompt)] == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(prompt))]
+    for q in range(1, len(prompt)):
+        assert lp.token_logprobs[q] == pytest.approx(plp[q][str(prompt[q])]["logprob"], abs=2e-3)
+        assert len(lp.top_logprobs[q]) <= 3 and lp.tokens[q] in lp.top_logprobs[q]
+    assert lp.token_logprobs[len(prompt):] == pytest.approx(out.logprobs.token_logprobs, abs=2e-3)
+    assert len(whole.prompt_logprobs) == len(prompt)  # echo with logprobs computes them, as vLLM's
+    chunks = list(api.client.completions.create(model=api.name, prompt=prompt, max_tokens=3, temperature=0,
+                                                logprobs=2, echo=True, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    e = _status_error(lambda: api.completion(prompt=prompt, stream=True, extra_body={"prompt_logprobs": 1}))
+    _check_error(e, 400, "prompt_logprobs")
+    chat = api.client.chat.completions.create(model=api.name, messages=[{"role": "user", "content": "hi"}],
+                                              max_completion_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens and chat.prompt_logprobs[0] is None
+    assert all(len(e) == 1 for e in chat.prompt_logprobs[1:])  # 0 alternatives: the token alone
+    api.idle()
 
 
 # -------------------------------------------------------------------------------------- stop strings

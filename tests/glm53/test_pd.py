@@ -196,6 +196,13 @@ def test_a_prefill_leg_takes_one_prompt_and_no_stream(pd):
     for body in ({"prompt": [[1, 2, 3], [4, 5, 6]]}, {"prompt": [1, 2, 3], "stream": True}):
         code, out = pre.post("/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         assert code == 400 and out["error"]["param"] == "kv_transfer_params", out
+    # prompt logprobs: a consumer computes no prompt it fetches, so neither leg takes them (named, before any fetch)
+    dead = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": DEAD}
+    for server, body, field in ((pre, {"prompt_logprobs": 1, "kv_transfer_params": {"do_remote_decode": True}},
+                                 "prompt_logprobs"),
+                                (pd[1]["decode"], {"echo": True, "logprobs": 1, "kv_transfer_params": dead}, "echo")):
+        code, out = server.post("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 1, **body})
+        assert code == 400 and out["error"]["param"] == field, out
 
 
 def test_a_prefill_server_restarted_loses_no_request(pd, reference, tmp_path, serving_model, serving_dir):

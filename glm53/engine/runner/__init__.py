@@ -31,7 +31,7 @@ from glm53.engine.runner.batch import (MIN_PREFILL_WIDTH, block_table, forward_g
 from glm53.engine.runner.compilation import CompileCounter
 from glm53.engine.runner.forward import strategy_for
 from glm53.engine.runner.sampling import (_concat_drafts, _draft_argmax, _last_logits, _mtp_head, _position_logits,
-                                          _sample, accept, last_logits, pick)
+                                          _sample, accept, last_logits, pick, prompt_logprobs)
 from glm53.engine.spec_decode import rates_array
 from glm53.model import GLM53, compiled
 from kvcache.host import HostMemory
@@ -54,6 +54,12 @@ class ModelRunner:
 
     # it computes logits, so the logprobs a request asks for (Engine.add_request refuses them elsewhere)
     gives_logprobs = True
+
+    @property
+    def gives_prompt_logprobs(self) -> bool:
+        """Whether it computes prompt logprobs (Engine.add_request refuses them elsewhere): not yet under DP x
+        EP, whose steps (`ranks.execute_ranks`) carry no prompt logprobs."""
+        return self.fwd.ranks == 1
 
     def __init__(self, model: GLM53, deploy: DeployConfig, sizes: KVSizes, devices=None, *, tiers=None):
         self.model, self.deploy, self.sizes = model, deploy, sizes
@@ -85,6 +91,7 @@ class ModelRunner:
         self.verify_width = 1 + self.k if self.k else 0
         self.verify_mode = self.half.verify_form(self.spec, devices[0].platform) if self.k else None
         self.rates = rates_array(self.spec, self.k)
+        self._logprobs, self._prompt_logprobs = {}, {}  # the step's, by request (`execute`)
         self.compiled_shapes: set[tuple] = set()  # (rows, tokens, window): one program each
         self.staging_shapes: set[tuple] = set()  # ... run with a prefill group's view
         self.compiled_draft_shapes: set[tuple] = set()  # (rows, window) of the MTP layer's one-token passes
@@ -141,10 +148,15 @@ class ModelRunner:
                           (1 << i for i in range(self.capacity.bit_length() + 1))})
         return [(r, w, win) for r in rows for w in self.width_buckets() for win in windows]
 
-    def warmup(self, shapes=None) -> int:
+    def warmup(self, shapes=None, *, prompt_logprobs: bool = False) -> int:
         """Compile the programs of `shapes` (default: every bucket) and every copy program of the KV policy
-        (`compilation.warmup`). -> number of shapes run. After this a serving run compiles nothing."""
-        return compilation.warmup(self, self.bucket_shapes() if shapes is None else shapes)
+        (`compilation.warmup`); with `prompt_logprobs` also each shape's programs for requests that ask for
+        them (per prefill shape a second forward, the one that keeps every position; per (rows, width) the
+        position logits and logprobs), which only a runner that will serve them need pay for. -> number of
+        shapes run.
+        After this a serving run compiles nothing."""
+        return compilation.warmup(self, self.bucket_shapes() if shapes is None else shapes,
+                                  prompt_logprobs=prompt_logprobs)
 
     def workspace_shapes(self) -> list[tuple[int, int, int]]:
         return compilation.workspace_shapes(self)
@@ -180,7 +192,7 @@ class ModelRunner:
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         self.cache, d2h, h2d = self.host.apply(plan.transfers, self.cache, others=self.half.transfer)
         tokens, drafts, resolves, stages = {}, {}, [], []
-        self._logprobs = {}
+        self._logprobs, self._prompt_logprobs = {}, {}
         data = plan.policy_rows
         for width, idx, padded, window in forward_groups(plan.rows, self.max_tokens, self.capacity, self.verify_width):
             rows = [plan.rows[i] for i in idx]
@@ -198,7 +210,8 @@ class ModelRunner:
         # whose only waiting requests wait on tiers would otherwise spin)
         loads = self.host.poll_tiers(wait_s=0.0 if plan.rows else 0.02)
         return StepResult(tokens, frozenset(range(len(plan.transfers))), d2h, h2d, tuple(resolves), loads,
-                          drafts=drafts, stages=tuple(stages), logprobs=self._logprobs)
+                          drafts=drafts, stages=tuple(stages), logprobs=self._logprobs,
+                          prompt_logprobs=self._prompt_logprobs)
 
     def _run_group(self, rows: list[PlanRow], tables_mla, tables_index, width: int, r: int, window: int,
                    views=None) -> tuple[dict, dict]:
@@ -216,17 +229,27 @@ class ModelRunner:
         def view(win, q=1):
             return None if views is None else views(win, q)
 
+        prompt = any(row.prompt_len for row in rows)  # rows asking for prompt logprobs
         if not self.k:
-            hidden = self._forward(tok, pos, t_mla, t_idx, window, view(window))
+            if prompt and width > 1:  # every position's hidden state too; `last` is the last_only form's
+                last, hidden = self._forward(tok, pos, t_mla, t_idx, window, view(window), keep_all=True)
+                self._prompt_logprobs.update(prompt_logprobs(self.c.logits, self.state, hidden, rows))
+                at = np.zeros(r, np.int32)
+            else:
+                last = hidden = self._forward(tok, pos, t_mla, t_idx, window, view(window))
+                if prompt:  # a one-token chunk: its hidden state is every position's
+                    self._prompt_logprobs.update(prompt_logprobs(self.c.logits, self.state, hidden, rows))
+                at = np.array([row.num_tokens - 1 for row in rows] + [0] * (r - len(rows)), np.int32)
             if not need:
                 return {}, {}
-            last = np.array([row.num_tokens - 1 for row in rows] + [0] * (r - len(rows)), np.int32)
-            return self._pick(self._last_logits(self.state, hidden, last), [rows[i] for i in need], need), {}
+            return self._pick(self._last_logits(self.state, last, at), [rows[i] for i in need], need), {}
         out = {}
         stand = [row.num_tokens for row in rows]  # per row: positions whose KV stands (from the row's start)
         final = [row.next_token for row in rows]  # ... and the token after the last of them
         if decode:
             hidden = self._verify(tok, pos, t_mla, t_idx, window, view(window, queries))
+            if prompt:  # a short prompt chunk in the verify group: hidden holds every position
+                self._prompt_logprobs.update(prompt_logprobs(self.c.logits, self.state, hidden, rows))
             if need:
                 toks, accepted, logprobs = accept(self.c.logits, self.state, hidden, rows, need, r, self.k, self.rates)
                 self._logprobs.update(logprobs)
@@ -237,6 +260,8 @@ class ModelRunner:
                     final[i] = int(toks[i, a])
         else:
             last, hidden = self._forward(tok, pos, t_mla, t_idx, window, view(window), keep_all=True)
+            if prompt:
+                self._prompt_logprobs.update(prompt_logprobs(self.c.logits, self.state, hidden, rows))
             if need:
                 picked = self._pick(self._last_logits(self.state, last, np.zeros(r, np.int32)),
                                     [rows[i] for i in need], need)

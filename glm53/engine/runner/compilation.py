@@ -11,7 +11,7 @@ import numpy as np
 
 from attention.common import pow2_at_least
 from glm53.api import window_bucket
-from glm53.engine.runner.sampling import _last_logits, _sample, row_arrays, warm_sampling
+from glm53.engine.runner.sampling import _last_logits, _sample, row_arrays, warm_prompt_logprobs, warm_sampling
 
 
 class CompileCounter:
@@ -38,20 +38,25 @@ def _padding(runner, rows: int, width: int, window: int):
             runner._table("mla", rows, [], window), runner._table("indexer", rows, [], window))
 
 
-def warmup(runner, shapes) -> int:
+def warmup(runner, shapes, *, prompt_logprobs: bool = False) -> int:
     """Compile the programs of `shapes` by running padding-only steps, which write nothing (every slot is
     -1), and every copy program of the KV policy (kvcache.host); a policy's device half adds its views'
     programs (each decode shape, and each prefill shape it stages, also runs with an empty view). ->
     number of shapes run. After this a serving run compiles nothing (tests/engine counts compilations
-    under every policy)."""
+    under every policy). `prompt_logprobs`: also the programs of rows that ask for them
+    (`ModelRunner._run_group`: a prefill width's keep_all forward, and each shape's position logits)."""
     half = runner.half
     if runner.k:
-        _warmup_mtp(runner, shapes)
+        _warmup_mtp(runner, shapes, prompt_logprobs)
     for rows, width, window in ([] if runner.k else shapes):
         views = half.empty_views(rows, decode=width == 1)
         for view in [None] + ([views(window)] if views else []):
             hidden = runner._forward(*_padding(runner, rows, width, window), window, view)
             warm_sampling(runner.c.logits, runner.state, hidden, rows, penalty_limit=_penalty_limit(runner))
+            if prompt_logprobs:
+                if width > 1:
+                    _, hidden = runner._forward(*_padding(runner, rows, width, window), window, view, keep_all=True)
+                warm_prompt_logprobs(runner.c.logits, runner.state, hidden)
     half.end_warmup()  # the warm-up views counted nothing
     if shapes:
         runner.cache = runner.host.warmup(runner.cache, half.warmup_blocks())
@@ -67,7 +72,7 @@ def _penalty_limit(runner) -> int:
     return 0 if runner.k else min(runner.model.cfg.vocab_size, runner.deploy.max_model_len)
 
 
-def _warmup_mtp(runner, shapes) -> None:
+def _warmup_mtp(runner, shapes, prompt_logprobs: bool = False) -> None:
     """`warmup` under MTP: per shape the programs `_run_group` runs (the verify or keep_all forward, the
     logits, the accept rule or sampling, the MTP pass over the group, the first draft), then the
     one-token draft passes for every (rows, window) the shapes name; with a device half's views also the
@@ -101,6 +106,8 @@ def _warmup_mtp(runner, shapes) -> None:
         else:
             last, hidden = runner._forward(tok, pos, t_mla, t_idx, window, keep_all=True)
             warm_sampling(runner.c.logits, runner.state, last, rows, penalty_limit=_penalty_limit(runner))
+        if prompt_logprobs:  # the group's hidden holds every position at either width
+            warm_prompt_logprobs(runner.c.logits, runner.state, hidden)
         runner._mtp_pass(hidden, tok, pos, t_mla, t_idx, window, np.zeros(rows, np.int32))
     for rows, window in sorted({(r, w) for r, _, w in shapes}):
         _warm_drafts(runner, rows, window)

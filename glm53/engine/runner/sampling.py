@@ -73,17 +73,46 @@ def _position_logprobs(raw_RJV, toks_RJ):
     return jax.vmap(jax.vmap(lambda raw, t: rules.logprobs(raw, t, k)))(raw_RJV, toks_RJ)
 
 
-def _entries(rows: list[PlanRow], idx: list[int], counts: list[int], mine, rank, top_ids, top_lp) -> dict[str, tuple]:
-    """{req_id: (TokenLogprobs, ...)} of the rows that ask for logprobs: row rows[j]'s first counts[j]
-    positions of host arrays [R, J(, K)] at row idx[j]."""
+def _entries(rows: list[PlanRow], idx: list[int], counts: list[int], mine, rank, top_ids, top_lp,
+             field: str = "logprobs") -> dict[str, tuple]:
+    """{req_id: (TokenLogprobs, ...)} of the rows that ask for logprobs (`field` of their params: logprobs or
+    prompt_logprobs): row rows[j]'s first counts[j] positions of host arrays [R, J(, K)] at row idx[j]."""
     out = {}
     for i, r, n in zip(idx, rows, counts):
-        k = r.params.logprobs
+        k = getattr(r.params, field)
         if k is not None:
             out[r.req_id] = tuple(TokenLogprobs(float(mine[i, j]), int(rank[i, j]),
                                                 tuple(zip(top_ids[i, j, :k].tolist(), top_lp[i, j, :k].tolist())))
                                   for j in range(n))
     return out
+
+
+def prompt_logprobs(logits_fn, state, hidden_RWD, rows: list[PlanRow]) -> dict[str, tuple]:
+    """The prompt logprobs of a prefill group's rows with `PlanRow.prompt_len` (row i of `rows` is row i of
+    hidden_RWD [R, W, D], every position's hidden state) -> {req_id: (q, (TokenLogprobs, ...))}: position j
+    of the row's chunk gives prompt token q + j (q = start + 1) its raw logprob given the tokens before it
+    (the chunk's next token, then `next_token` for its last position), up to prompt token prompt_len - 1.
+    Two programs per (rows, width), `_position_logits` and `_position_logprobs`, which the warm-up compiles
+    (`warm_prompt_logprobs`)."""
+    r, w = hidden_RWD.shape[:2]
+    toks, counts, asking = np.zeros((r, w), np.int32), [], []
+    for i, row in enumerate(rows):
+        if not row.prompt_len:
+            continue
+        n = min(row.num_tokens, row.prompt_len - 1 - row.start)
+        toks[i, : n] = np.append(row.token_ids[1:], max(row.next_token, 0))[:n]
+        asking.append(i)
+        counts.append(n)
+    raw = _position_logits(logits_fn, state, hidden_RWD)
+    out = _entries([rows[i] for i in asking], asking, counts, *(np.asarray(x) for x in _position_logprobs(raw, toks)),
+                   field="prompt_logprobs")
+    return {rows[i].req_id: (rows[i].start + 1, out[rows[i].req_id]) for i in asking}
+
+
+def warm_prompt_logprobs(logits_fn, state, hidden_RWD) -> None:
+    """Compile `prompt_logprobs`' programs for hidden_RWD's (rows, width)."""
+    raw = _position_logits(logits_fn, state, hidden_RWD)
+    _position_logprobs(raw, np.zeros(hidden_RWD.shape[:2], np.int32))[0].block_until_ready()
 
 
 @functools.partial(jax.jit, static_argnums=0)
