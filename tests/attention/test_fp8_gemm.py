@@ -106,9 +106,16 @@ def test_fp8_experts_pallas_equal_the_expert_loop():
     _close(*ys)
 
 
-def test_auto_is_the_kernel_only_where_gpu_shaped():
+def test_auto_is_the_kernel_only_where_gpu_shaped(monkeypatch):
+    """Once checked on a GPU (attention.common.NOT_YET_CHECKED_ON_GPU without "fp8_gemm"), "auto" is the
+    kernel where code is shaped for one; until then the dequantised dot there too."""
+    from attention import common
+
     assert fp8_matmul.resolve_impl("auto") == "dequant"  # this machine: CPU, the exactness tests' path
     with shaped_for("gpu"):
+        assert fp8_matmul.resolve_impl("auto") == ("dequant" if "fp8_gemm" in common.NOT_YET_CHECKED_ON_GPU
+                                                   else "pallas")
+        monkeypatch.setattr(common, "NOT_YET_CHECKED_ON_GPU", common.NOT_YET_CHECKED_ON_GPU - {"fp8_gemm"})
         assert fp8_matmul.resolve_impl("auto") == "pallas"
         assert isinstance(fp8_matmul.prepare(fp8_matmul.quantize_blocks(jnp.ones((8, 8))), "auto"), fp8_matmul.ForKernel)
     with shaped_for("cpu"):

@@ -18,8 +18,9 @@ def _two_turns(model, deploy, first, extra, *, reset: bool):
     from glm53 import Engine
 
     eng = Engine(model, deploy)
-    for rep in eng.replicas:
-        rep.scheduler.policy.resolve.log = []
+    for rep in eng.replicas:  # HiSparse's resolver records (full residency's policy keeps none)
+        if hasattr(rep.scheduler.policy, "resolve"):
+            rep.scheduler.policy.resolve.log = []
     out1 = [o.token_ids.tolist() for o in eng.generate(first, max_new_tokens=10)]
     if reset:
         for rep in eng.replicas:
