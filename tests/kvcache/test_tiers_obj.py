@@ -487,7 +487,9 @@ def test_an_engine_stores_every_full_page_and_a_new_engine_reloads_them(small_mo
     assert m["obj"]["store_bytes"] == m["cpu"]["store_bytes"] and m["obj"]["store_failed"] == 0
     assert m["obj"]["io_errors"] == m["obj"]["outages"] == 0
     _copy(s3, src, s3, bucket)
-    second = _engine(small_model, s3, bucket)
+    # the counts are the subject, not the time bounds: FAST's 1 s would let a loaded machine's first
+    # listing (lookups answer from it) or a load outlast its bound, and those pages be recomputed
+    second = _engine(small_model, s3, bucket, timeout_s=10.0)
     assert _gen(second, prompts) == want
     second.shutdown()
     m = second.metrics()["kv_offload"]
