@@ -759,7 +759,7 @@ def test_a_prefill_legs_finish_stores_its_last_partial_pages_under_their_tail_ke
     page 1; indexer: 32-token pages, page 0) to a host page and stores it under kvcache.tiers.tail_chunk's
     key, after the full pages' write-through; the host page is not registered and is free again. A request
     that is not a prefill leg stores only its full pages."""
-    from kvcache.block_pool import KVCacheManager, block_hashes
+    from kvcache.block_pool import KVCacheManager
     from kvcache.policies.offload import OffloadPolicy
     from kvcache.tiers import tail_chunk
     from kvcache.transfer import PageCopy, TierStore
@@ -773,15 +773,7 @@ def test_a_prefill_legs_finish_stores_its_last_partial_pages_under_their_tail_ke
     tiers = TierSet([FileTier(fingerprint=FP, root_dir=str(tmp_path))])
     kv = KVCacheManager(16, 16, ("mla", "indexer"), group_tokens_per_block={"indexer": 32})
     pol = OffloadPolicy({"mla": 4, "indexer": 4}, {"mla": 1, "indexer": 1}, tiers=tiers, fingerprint=FP)
-    pol.admit(kv, Req)
-    kv.allocate("r", 28)
-    pol.prepare(kv, Req, 28)
-    Req.num_computed_tokens = 27
-    kv.cache_full_blocks("r", Req.tokens, 27, Req.extra_keys)
-    pol.on_finish(kv, Req)
-    ops = pol.take_transfers()
-    tables = kv.requests["r"].tables
-    hs = block_hashes(Req.tokens, 16, Req.extra_keys)
+    ops, tables, hs = _prefill_leg_finishes(pol, kv, Req)
     full = TierStore("mla", (ops[0].dst[0],), (chunk_key(FP, "mla", hs[0]),))  # the one full page: MLA page 0
     assert ops[:2] == [PageCopy("mla", "d2h", (tables["mla"][0],), ops[0].dst), full]
     tails = ops[2:]
@@ -797,13 +789,27 @@ def test_a_prefill_legs_finish_stores_its_last_partial_pages_under_their_tail_ke
     tiers.shutdown()
 
 
+def _prefill_leg_finishes(pol, kv, req):
+    """`req` (28 tokens, 27 computed) admitted, prefilled and finished under `pol` on `kv` -> (the
+    transfers its finish planned, its block tables, its chained hashes at 16 tokens per block)."""
+    from kvcache.block_pool import block_hashes
+
+    pol.admit(kv, req)
+    kv.allocate("r", 28)
+    pol.prepare(kv, req, 28)
+    req.num_computed_tokens = 27
+    kv.cache_full_blocks("r", req.tokens, 27, req.extra_keys)
+    pol.on_finish(kv, req)
+    return pol.take_transfers(), kv.requests["r"].tables, block_hashes(req.tokens, 16, req.extra_keys)
+
+
 def test_a_hisparse_prefill_legs_finish_stores_its_last_partial_pages_too(tmp_path):
     """The same finish under kv_policy="hisparse" (its MLA pages live in its own host pool, its indexer
     keys in the offload pool): after parking the full pages (the MLA page 0 pre-copied and stored under
     its chain), per cache group the device page holding tokens up to kv_produce = 26 goes to a free host
     page and to the tiers under kvcache.tiers.tail_chunk's key, the keys a finer consumer's
     RelayoutTier asks for past the producer's full pages; the host page is not registered."""
-    from kvcache.block_pool import KVCacheManager, block_hashes
+    from kvcache.block_pool import KVCacheManager
     from kvcache.policies.hisparse import HiSparsePolicy
     from kvcache.tiers import tail_chunk
     from kvcache.transfer import PageCopy, TierStore
@@ -818,15 +824,7 @@ def test_a_hisparse_prefill_legs_finish_stores_its_last_partial_pages_too(tmp_pa
     kv = KVCacheManager(16, 16, ("mla", "indexer"), group_tokens_per_block={"indexer": 32})
     pol = HiSparsePolicy(host_mla_blocks=4, host_index_blocks=4, block_size=16, hot_rows=16, max_leases=1,
                          num_device_blocks=16, page_bytes={"mla": 1, "indexer": 1}, tiers=tiers, fingerprint=FP)
-    pol.admit(kv, Req)
-    kv.allocate("r", 28)
-    pol.prepare(kv, Req, 28)
-    Req.num_computed_tokens = 27
-    kv.cache_full_blocks("r", Req.tokens, 27, Req.extra_keys)
-    pol.on_finish(kv, Req)
-    ops = pol.take_transfers()
-    tables = kv.requests["r"].tables
-    hs = block_hashes(Req.tokens, 16, Req.extra_keys)
+    ops, tables, hs = _prefill_leg_finishes(pol, kv, Req)
     parked, tails = ops[:-4], ops[-4:]
     assert parked == [PageCopy("mla", "d2h", (tables["mla"][0],), parked[0].dst),
                       TierStore("mla", parked[0].dst, (chunk_key(FP, "mla", hs[0]),))]
