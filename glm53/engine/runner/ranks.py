@@ -18,8 +18,10 @@ passes that program padding rows (vLLM's dummy batches).
 - Secondary tiers: each rank's own (`ModelRunner.rank_tiers`, set by the engine): its stores go to its
   tiers, its loads come from them, its finished loads back in its result under its own job ids.
 
-Not built here: a policy's device half with views (HiSparse); the runner's strategy refuses it under this
-layout before allocating anything.
+- A policy's device half (HiSparse): one half serves every rank (`DeviceHalf.bind(ranks=N)`); a rank's
+  lease resets run on its own hot buffers (`transfer(op, rank)`), a group's views carry every rank's rows
+  (each rank's host blocks and leases local to its slices), and each rank's resolve and staging counts
+  come back in its own result (`take_rank_records`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from glm53.engine.plan import PlanRow, StepPlan, StepResult
 from glm53.engine.request import SamplingParams
 from glm53.engine.runner.batch import forward_groups, step_limits
-from kvcache.transfer import LoadKV, PageCopy, SaveKV, TierLoad, TierStore
+from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, TierLoad, TierStore
 from parallel.ep import all2all_bytes_per_slot, first_round_capacity
 
 # a padding row: no tokens (positions all -1, nothing written), no table, never samples
@@ -51,6 +53,8 @@ def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int], 
         return dataclasses.replace(op, src=tuple(b + src for b in op.src), dst=tuple(b + dst for b in op.dst))
     if isinstance(op, (SaveKV, LoadKV)):
         return dataclasses.replace(op, blocks=tuple((g, tuple(b + dev for b in bs)) for g, bs in op.blocks))
+    if isinstance(op, ResetLease):  # lease and blocks stay local: the device half runs it on rank `rank`'s
+        return op
     if isinstance(op, (TierStore, TierLoad)):
         host = rank * host_blocks[op.group]
         op = dataclasses.replace(op, host_blocks=tuple(b + host for b in op.host_blocks))
@@ -133,30 +137,43 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
     for r, plan in enumerate(plans):
         if plan is None:
             continue
-        if plan.policy_rows is not None:
-            raise NotImplementedError("a policy's device rows (its device half's views) under DP x EP")
         if not runner.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks, n) for op in plan.transfers)
         with rank_tiers(runner.host, tiers, r) as host:
-            runner.cache, d2h, h2d = host.apply(ops, runner.cache)
+            runner.cache, d2h, h2d = host.apply(ops, runner.cache,
+                                                others=lambda op, r=r: runner.half.transfer(op, rank=r))
         moved[r] = (d2h, h2d)
+    resolves: list[list] = [[] for _ in range(n)]
+    stages: list[list] = [[] for _ in range(n)]
     tokens: dict[str, tuple[int, ...]] = {}
     drafts: dict[str, tuple[int, ...]] = {}
     runner._logprobs = {}  # filled by the groups' sampling (`ModelRunner._pick`, the accept rule)
     for width, per in rank_groups(plans, runner.max_tokens, runner.capacity, runner.verify_width).items():
         rows_per_rank = max(p for _, p, _ in per.values())
         window = max(w for _, _, w in per.values())
-        rows, t_mla, t_idx = [], [], []
+        rows, t_mla, t_idx, data = [], [], [], []
         for r in range(n):
             idx = per[r][0] if r in per else []
             plan = plans[r]
-            rows += [plan.rows[i] for i in idx] + [_PAD] * (rows_per_rank - len(idx))
-            t_mla += [plan.block_tables["mla"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
-            t_idx += [plan.block_tables["indexer"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
-        out, new = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window)
+            pad = rows_per_rank - len(idx)
+            rows += [plan.rows[i] for i in idx] + [_PAD] * pad
+            t_mla += [plan.block_tables["mla"][i] for i in idx] + [()] * pad
+            t_idx += [plan.block_tables["indexer"][i] for i in idx] + [()] * pad
+            own = plan.policy_rows if idx else None
+            data += [None if own is None else own[i] for i in idx] + [None] * pad
+        views = runner.half.group_views(data if any(h is not None for h in data) else None,
+                                        decode=width == (runner.verify_width or 1), tables_mla=t_mla,
+                                        padded=n * rows_per_rank)
+        out, new = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window, views)
         tokens.update(out)
         drafts.update(new)
+        parts = [(tuple(rows[r * rows_per_rank + j].req_id for j in range(len(per[r][0]) if r in per else 0)),
+                  r * rows_per_rank) for r in range(n)]
+        for r, (res, st, nbytes) in enumerate(runner.half.take_rank_records(parts)):
+            resolves[r] += res
+            stages[r] += st
+            moved[r] = (moved[r][0], moved[r][1] + nbytes)
     # each rank's finished tier loads under its own job ids; when no rank computed, wait a little for
     # them (an engine whose only waiting requests wait on tiers would otherwise spin)
     idle = not any(p is not None and p.rows for p in plans)
@@ -171,8 +188,8 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
             results.append(None)
             continue
         mine = {row.req_id: tokens[row.req_id] for row in plan.rows if row.req_id in tokens}
-        results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r],
-                                  tier_loads=loads[r],
+        results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r], tuple(resolves[r]),
+                                  tier_loads=loads[r], stages=tuple(stages[r]),
                                   drafts={rid: drafts[rid] for rid in mine if rid in drafts},
                                   logprobs={rid: runner._logprobs[rid] for rid in mine if rid in runner._logprobs}))
     return results
