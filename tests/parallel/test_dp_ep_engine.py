@@ -230,7 +230,9 @@ def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(sma
     """MTP with 3 drafts (CPU's sequential verify: `parallel.model.verify_dp`; the MTP layer's passes and the
     draft chain: `mtp_forward_dp`) on two ranks: rank 0 verifies while rank 1 still prefills, then rank 1
     alone has work (rank 0 passes padding rows through every MTP program). Each rank's greedy tokens equal
-    one device serving its requests alone with MTP3, and the MTP steps ran (drafts verified)."""
+    one device serving its requests alone with MTP3, and the MTP steps ran (drafts verified). Then, with a
+    deterministic synthetic acceptance, the simulator's all-to-all bytes (MTP passes included) equal the
+    engine's."""
     from glm53 import DeployConfig, Engine, SamplingParams
 
     mtp = dict(SHAPES, num_speculative_tokens=3)
@@ -249,6 +251,28 @@ def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(sma
     for rid, _, _, new in work:
         want, _, _ = _serve_alone(small_model, DeployConfig(**mtp), [(rid, prompts[rid], new)])
         assert eng.finished[rid].output_ids == want[rid].output_ids, rid
+
+    # the simulator counts (and prices) the MTP programs' all-to-alls too: under a deterministic synthetic
+    # acceptance (the first two drafts always stand, the third never) the engine and the simulator
+    # schedule the same rows, and the bytes the engine's programs report (the verify forwards, the MTP
+    # layer's passes, the draft passes) are the simulator's (this workload never overflows a first round)
+    from glm53.engine import sim
+
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_length": 3.0, "verify": "sequential"}
+    deploy = DeployConfig(**SHAPES, speculative_config=spec, data_parallel_size=2, enable_expert_parallel=True)
+    runs = []
+    for e in (Engine(small_model, deploy), sim.build_engine(small_model.cfg, deploy, weight_bytes=4)):
+        for rid, salt, _, new in work:
+            e.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+        while e.has_unfinished():
+            e.step()
+        runs.append(e.metrics())
+    got, simulated = runs
+    assert got["spec_num_drafts"] > 0 and simulated["spec_num_drafts"] == got["spec_num_drafts"]
+    assert simulated["dp_rank_tokens"] == got["dp_rank_tokens"]
+    assert simulated["ep_all2all_bytes"] == got["ep_all2all_bytes"], (simulated["ep_all2all_bytes"],
+                                                                      got["ep_all2all_bytes"])
 
 
 # HiSparse under pressure: a hot buffer of 16 rows (top-k's 2 blocks, test_recompilation's) and 14 blocks per

@@ -99,29 +99,66 @@ def rank_groups(plans: Sequence[StepPlan | None], max_tokens: int, capacity: int
     return groups
 
 
-def forward_first_round_slots(cfg, ranks: int, width: int, rows: int, prefill: bool) -> list[int]:
-    """Per MoE layer of one DP x EP forward of `rows` rows per rank of `width` tokens, the slots per
-    destination of its dispatch's first round (`parallel.ep.first_round_capacity`): every MoE layer
-    dispatches rows x width tokens per rank, but the last layer of a prefill forward only each row's last
-    one (GLM53.__call__'s last_only). x `parallel.ep.all2all_bytes_per_slot`: the bytes one device sends."""
-    last = cfg.num_hidden_layers - 1
+def group_first_round_slots(cfg, ranks: int, width: int, rows: int, *, k: int = 0, sequential: bool = False,
+                            views: bool = False, drafts: bool = False) -> tuple[list[int], list[int]]:
+    """The MoE dispatches of one DP x EP width group of `rows` rows per rank of `width` tokens, each as its
+    first round's slots per destination (`parallel.ep.first_round_capacity` of the tokens it dispatches per
+    rank) -> (the group's forward and, under MTP (`k` drafts), the MTP layer's pass over it; the k - 1
+    draft passes, when some row samples: `drafts`), as the model runner's programs count them:
+    - the forward: every main MoE layer dispatches rows x width tokens, but the last layer of a prefill
+      forward only each row's last one (GLM53.__call__'s last_only), and under MTP also every position
+      (keep_all runs that layer on them too); a verify forward in the `sequential` form (`verify_dp`) is
+      width one-token steps, each dispatching rows tokens;
+    - the MTP pass: rows x width tokens, or in a sequential verify group with HiSparse's `views` one
+      position at a time (`mtp_verify_dp`), width x rows;
+    - each draft pass: rows tokens.
+    x `parallel.ep.all2all_bytes_per_slot`: the bytes one device sends."""
     e_local = cfg.n_routed_experts // ranks
-    return [first_round_capacity(rows if prefill and i == last else rows * width, cfg.num_experts_per_tok, e_local, ranks)
-            for i, kind in enumerate(cfg.mlp_layer_types) if kind == "sparse"]
+
+    def cap(tokens: int) -> int:
+        return first_round_capacity(tokens, cfg.num_experts_per_tok, e_local, ranks)
+
+    prefill = width > (1 + k if k else 1)
+    stepwise = not prefill and k > 0 and sequential  # the verify group's positions one at a time
+    last = cfg.num_hidden_layers - 1
+    out = []
+    for i, kind in enumerate(cfg.mlp_layer_types):
+        if kind != "sparse":
+            continue
+        if prefill and i == last:
+            out += [cap(rows * width), cap(rows)] if k else [cap(rows)]
+        else:
+            out.append(width * cap(rows) if stepwise else cap(rows * width))
+    if not k:
+        return out, []
+    out.append(width * cap(rows) if stepwise and views else cap(rows * width))  # the MTP layer's MoE
+    return out, [cap(rows)] * (k - 1) if drafts else []
 
 
-def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int) -> int:
+def group_has_leases(plans: Sequence[StepPlan | None], per) -> bool:
+    """Whether some row of a width group (`per`: rank_groups' entry) holds a HiSparse hot-buffer lease, so
+    its decode forwards carry a view (`HiSparseDevice.group_views`)."""
+    return any(getattr(plans[r].policy_rows[i], "lease", -1) >= 0 for r, (idx, _, _) in per.items()
+               if plans[r].policy_rows is not None for i in idx)
+
+
+def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int,
+                              verify_mode: str = "batched") -> int:
     """Bytes one device sends by all-to-all in the first rounds of the MoE dispatch (`parallel.ep.moe_local`)
-    when DP x EP ranks run `plans` as one step, from the plans alone: per forward of width w with R rows
-    per rank, `forward_first_round_slots`. What the simulator reports as `ep_all2all_bytes`; the model
-    runner measures the same plus any second rounds (routing that overflows the first round's slots) and,
-    under MTP, the MTP layer's passes, which this leaves out."""
+    when DP x EP ranks run `plans` as one step, from the plans alone: per width group,
+    `group_first_round_slots` (under MTP its MTP pass and draft passes too; `verify_mode`: the runner's
+    verify form). What the simulator reports as `ep_all2all_bytes`; the model runner measures the same
+    plus any second rounds (routing that overflows the first round's slots) outside a sequential scan."""
     n = len(plans)
     max_tokens, capacity = step_limits(deploy)
     k = deploy.num_speculative_tokens
     slots = 0
     for width, per in rank_groups(plans, max_tokens, capacity, 1 + k if k else 0).items():
-        slots += sum(forward_first_round_slots(cfg, n, width, max(p for _, p, _ in per.values()), width > 1 + k))
+        fwd, drafts = group_first_round_slots(
+            cfg, n, width, max(p for _, p, _ in per.values()), k=k, sequential=verify_mode == "sequential",
+            views=group_has_leases(plans, per),
+            drafts=any(plans[r].rows[i].sample for r, (idx, _, _) in per.items() for i in idx))
+        slots += sum(fwd) + sum(drafts)
     return slots * all2all_bytes_per_slot(n, cfg.hidden_size, itemsize)
 
 
