@@ -13,12 +13,14 @@ Tensor parallelism (`tensor_parallel=True`, `parallel.tp`): the weights are spli
 all-reduce over them, and the cache (`CpKVCache(gather_queries=True, heads_split=True)`) is replicated
 over "tp" and, under DCP, split over "cp". Tokens are replicated (no PCP under TP).
 
-MTP (`verify`, `mtp_forward`): the sequential verify step and the MTP layer's passes run in the same
+MTP (`verify`, `mtp_forward`, `mtp_verify`; on DP x EP ranks `verify_dp`, `mtp_forward_dp`,
+`mtp_verify_dp`): the sequential verify step and the MTP layer's passes run in the same
 kind of shard_map with the tokens replicated, under DCP and under TP (`tensor_parallel=True`: the MTP
 layer's heads and MLP split like every layer's).
 
 Data parallelism with expert parallelism (`forward_dp`): N ranks on a "dp" axis, each with its own
-requests and KV pool, sharing the routed experts (all-to-all dispatch); no other weight is split.
+requests and KV pool (and under HiSparse its own host pool, hot buffers and resolver clock, the views
+split over the ranks), sharing the routed experts (all-to-all dispatch); no other weight is split.
 
 Token layouts (`CpKVCache.tokens_split`): split, tokens [B, N * Tl] in the `parallel.pcp.PcpSplit`
 order (rank-major; each rank's Tl = 2C tokens of every row), sharded on axis 1; or replicated, [B, T] on
@@ -149,10 +151,33 @@ def forward(state, tokens, positions, cache: CpKVCache, counters=None, *, graphd
 def dp_cache_specs(cache: PagedKVCache, axis: str = "dp"):
     """PartitionSpecs of the caches of `forward_dp`'s ranks held as one global PagedKVCache: every array
     split on its first axis over `axis` (rank r's pool is the r-th slice of each KV array, its requests
-    the r-th slice of the block tables' rows; page ids in a table are local to its rank's pool)."""
-    if cache.hisparse is not None or cache.staging is not None:
-        raise NotImplementedError("HiSparse views under data parallelism with expert parallelism")
+    the r-th slice of the block tables' rows; page ids in a table are local to its rank's pool). HiSparse's
+    views (`kvcache.views`) alike: each rank's host pool slice, hot buffers and rows; their scalars (the
+    LRU clock, the copy branch) one per rank, [N] (`_dp_views`)."""
+    for view in (cache.hisparse, cache.staging):
+        if view is not None and view.host_axis is not None:
+            raise NotImplementedError("a host pool shared by several devices under data parallelism with "
+                                      "expert parallelism (each rank holds its own)")
     return jax.tree.map(lambda _: P(axis), cache)
+
+
+def _dp_views(cache: PagedKVCache, ranks: int) -> PagedKVCache:
+    """The global cache with its HiSparse view's scalars made one per rank ([N]; a scalar is every rank's),
+    so that `dp_cache_specs` splits them like every other field."""
+    if cache.hisparse is None:
+        return cache
+    v = cache.hisparse
+    per_rank = {k: jax.numpy.broadcast_to(getattr(v, k), (ranks,)) for k in ("step", "copy_branch")}
+    return dataclasses.replace(cache, hisparse=dataclasses.replace(v, **per_rank))
+
+
+def _rank_views(cache: PagedKVCache, inside: bool) -> PagedKVCache:
+    """Inside the ranks' shard_map: a rank's view scalars [1] -> scalars (`inside`), or back."""
+    if cache.hisparse is None:
+        return cache
+    v = cache.hisparse
+    f = (lambda x: x[0]) if inside else (lambda x: x[None])  # noqa: E731
+    return dataclasses.replace(cache, hisparse=dataclasses.replace(v, step=f(v.step), copy_branch=f(v.copy_branch)))
 
 
 _DP_STATIC = ("graphdef", "mesh", "window", "form", "impl", "axis", "count_rounds")
@@ -203,24 +228,41 @@ def mtp_forward_dp(state, h_prev, next_tokens, positions, cache: PagedKVCache, *
                    count_rounds=count_rounds)
 
 
+@functools.partial(jax.jit, static_argnames=_DP_STATIC, donate_argnames=("cache",))
+def mtp_verify_dp(state, h_prev, next_tokens, positions, cache: PagedKVCache, *, graphdef, mesh, window: int,
+                  form: str, impl: str, axis: str = "dp", count_rounds: bool = False):
+    """`GLM53.mtp_verify(0, ...)` (the MTP pass one position at a time, lax.scan: HiSparse's sequential
+    verify, each position resolving its own selection) on the ranks of `forward_dp` -> (hidden
+    [N * B, T, D], cache[, rounds]); its rounds counted from the shapes as `verify_dp`'s (the MTP layer's
+    MoE, each position's first round)."""
+    fn = lambda m, h, t, p, c: m.mtp_verify(0, h, t, p, c, window=window, form=form, impl=impl)  # noqa: E731
+    return _dp_map(fn, state, (h_prev, next_tokens), positions, cache, graphdef=graphdef, mesh=mesh, axis=axis,
+                   count_rounds=count_rounds, scanned="mtp")
+
+
 def _dp_map(method, state, args, positions, cache: PagedKVCache, *, graphdef, mesh, axis: str, count_rounds: bool,
-            scanned: bool = False):
+            scanned: str | bool = False):
     """`method(model, *args, positions, cache)` -> (hidden, cache) in one shard_map over `axis`, every
     argument split on its first axis (rank-major rows), the routed experts split over the ranks and every
     MoE layer (the MTP layer's too) dispatching the tokens at positions >= 0 by all-to-all. scanned: the
-    method runs its positions one at a time inside a lax.scan (GLM53.verify), where the rounds cannot
-    be collected: they are counted as each position's first round of each main-layer MoE."""
+    method runs its positions one at a time inside a lax.scan (True: GLM53.verify over the main layers;
+    "mtp": GLM53.mtp_verify over the MTP layer), where the rounds cannot be collected: they are counted as
+    each position's first round of each of those layers' MoEs."""
+    cache = _dp_views(cache, mesh.shape[axis])
     specs = dp_cache_specs(cache, axis)
 
     def body(state, args, positions, cache):
+        cache = _rank_views(cache, True)
         model = nnx.merge(graphdef, state)
         rounds = []
         for layer in (*model.layers, *model.mtp):
             if isinstance(layer.mlp, MoE):
                 layer.mlp = _ExpertParallel(layer.mlp, axis, True, positions >= 0, None if scanned else rounds)
         hidden, cache = method(model, *args, positions, cache)
+        cache = _rank_views(cache, False)
         if scanned:
-            moes = [layer.mlp.moe for layer in model.layers if isinstance(layer.mlp, _ExpertParallel)]
+            scan_layers = model.mtp if scanned == "mtp" else model.layers
+            moes = [layer.mlp.moe for layer in scan_layers if isinstance(layer.mlp, _ExpertParallel)]
             rounds = [jax.numpy.array([positions.shape[1] * ep.first_round_capacity(
                 positions.shape[0], moe.gate.cfg.num_experts_per_tok, moe.experts.gate_up_proj.shape[0], mesh.shape[axis]), 0],
                 jax.numpy.int32) for moe in moes]

@@ -58,7 +58,7 @@ from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.engine import Engine
 from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock
 from glm53.engine.runner import forward_groups, step_limits
-from glm53.engine.runner.ranks import forward_first_round_slots, rank_groups
+from glm53.engine.runner.ranks import group_first_round_slots, group_has_leases, rank_groups
 from glm53.engine.synthetic import SyntheticRunner, _synthetic_accepted
 from glm53.perfmodel import H200_CALIBRATED, STORAGE, HardwareSpec, StorageSpec
 from glm53.perfmodel.cost import StepCost, all_to_all
@@ -307,15 +307,14 @@ class SimRunner(SyntheticRunner):
         self.busy_s += work + self.step_overhead_s + self.host_overlap_s
         return seconds
 
-    def all2all_cost(self, width: int, rows: int) -> StepCost:
-        """DP x EP: the MoE all-to-alls of one lock-step forward of `rows` rows per rank of `width` tokens,
-        per MoE layer the first round's three (the rows out, their expert ids, the results back), each one
-        device's share of `forward_first_round_slots` x the bytes a slot carries on it
-        (`parallel.ep.all2all_bytes_per_slot`: the same bytes `ep_all2all_bytes` counts)."""
+    def all2all_cost(self, dispatches) -> StepCost:
+        """DP x EP: the MoE all-to-alls of lock-step programs, per MoE dispatch in `dispatches` (its first
+        round's slots per destination: `ranks.group_first_round_slots`) the first round's three (the rows
+        out, their expert ids, the results back), each one device's share of its slots x the bytes a slot
+        carries on it (`parallel.ep.all2all_bytes_per_slot`: the same bytes `ep_all2all_bytes` counts)."""
         n, d = self.dp_ranks, self.cfg.hidden_size
-        prefill = width > (self.verify_width or 1)
         parts = []
-        for slots in forward_first_round_slots(self.cfg, n, width, rows, prefill):
+        for slots in dispatches:
             sent = slots * (n - 1)
             parts += [all_to_all(self.hw, sent * d * self.itemsize, n, "ep_dispatch"),
                       all_to_all(self.hw, sent * 4, n, "ep_expert_ids"),
@@ -333,8 +332,9 @@ class SimRunner(SyntheticRunner):
         return _weights_per_device(self.cfg, self.dp_ranks, self._weight_bytes)
 
     def all2all_bytes(self) -> int:
-        """DP x EP: bytes one device sent by all-to-all over the run (the first rounds of the main forwards:
-        `glm53.engine.runner.ranks.first_round_all2all_bytes`), as `Engine.metrics`' ep_all2all_bytes."""
+        """DP x EP: bytes one device sent by all-to-all over the run (the first rounds of every program's MoE
+        dispatches, under MTP the MTP layer's passes too: `glm53.engine.runner.ranks.group_first_round_slots`),
+        as `Engine.metrics`' ep_all2all_bytes."""
         return self._all2all
 
     def execute_ranks(self, plans: typing.Sequence[StepPlan | None]) -> list[StepResult | None]:
@@ -347,9 +347,8 @@ class SimRunner(SyntheticRunner):
         (`ranks.rank_groups`) one forward that every rank runs at the same padded rows and the widest window
         (a rank without such rows passes padding rows, which cost as much as real ones), `forward_cost`
         under `Deployment.dp` (a rank's tokens, its 1/N of the experts), plus its all-to-alls
-        (`all2all_cost`) and, under MTP, its draft passes; then the host parts as in `execute`. HiSparse
-        misses and staging are each group's slowest rank's. The all-to-alls of the MTP layer's passes are
-        not priced (nor counted in ep_all2all_bytes)."""
+        (`all2all_cost`) and, under MTP, its MTP pass's all-to-alls and its draft passes with theirs; then
+        the host parts as in `execute`. HiSparse misses and staging are each group's slowest rank's."""
         ranks = self.ranks
         if len(plans) != len(ranks):
             raise ValueError(f"{len(plans)} plans for {len(ranks)} ranks")
@@ -385,12 +384,15 @@ class SimRunner(SyntheticRunner):
                     run.staged_rows += extra[-1]
             fwd = forward_cost(self.cfg, self.hw, self.dep, rows, width, window, sample=sample,
                                hot_miss_rows=max(extra), drafts=width - 1 if verify else 0)
-            segments.append((StepCost(fwd.parts + self.all2all_cost(width, rows).parts), sample))
-            self._all2all += sum(forward_first_round_slots(self.cfg, self.dp_ranks, width, rows,
-                                                           width > (self.verify_width or 1))) * self._slot_bytes
+            k = self.verify_width - 1 if self.verify_width else 0
+            main, drafts = group_first_round_slots(
+                self.cfg, self.dp_ranks, width, rows, k=k, sequential=self.verify_mode == "sequential",
+                views=verify and group_has_leases(plans, per), drafts=sample)
+            segments.append((StepCost(fwd.parts + self.all2all_cost(main).parts), sample))
+            self._all2all += (sum(main) + sum(drafts)) * self._slot_bytes
             if sample and self.verify_width:  # the group's draft passes, on every rank's padded rows
-                segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2),
-                                 True))
+                draft = mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2)
+                segments.append((StepCost(draft.parts + self.all2all_cost(drafts).parts, per_layer=False), True))
         times = [(cost.time_s(), waits) for cost, waits in segments]
         for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)
             run._book(segments[1:])

@@ -8,13 +8,17 @@ paged cache, takes them back after the forward, and reports what they did. A pol
 
 The runner's calls, in order:
 
-    half.bind(host, table, index_groups=)   # kvcache.host.HostMemory, table(group, rows, tables, window)
+    half.bind(host, table, index_groups=, ranks=)  # kvcache.host.HostMemory, table(group, rows, tables, window)
     half.verify_form(spec, platform)  # MTP's verify form under this policy
     cache = host.apply(plan.transfers, cache, others=half.transfer)  # per step: ops on the half's state
     views = half.group_views(rows, decode=, tables_mla=, padded=)   # per width group; None: plain
     cache = half.attach(cache, views(window, queries))              # per forward of the group
     cache = half.detach(cache)                                      # after it: the view's state back
     resolves, stages, h2d_bytes = half.take_records(req_ids)        # the group's counts, checked
+    [(resolves, stages, h2d_bytes), ...] = half.take_rank_records(parts)  # DP x EP: per rank's rows
+
+Under DP x EP one half serves every rank (`ranks` > 1): a rank's transfers run with `transfer(op, rank)`,
+a group's rows are every rank's, rank-major, and its counts come back per rank.
     half.end_warmup(); half.warmup()        # forget warm-up's counts; compile its transfer programs
 
 A half owns whatever device state its policy keeps besides the paged cache (HiSparse's hot buffers), and
@@ -30,16 +34,18 @@ class DeviceHalf:
     """A policy without device state: no views, no records, nothing extra to compile."""
 
     # whether `group_views` can return views (a layout whose forwards cannot carry views refuses the
-    # policy before allocating anything: DP x EP's runner)
+    # policy before allocating anything)
     has_views = False
 
-    def bind(self, host, table, *, index_groups: int) -> None:
+    def bind(self, host, table, *, index_groups: int, ranks: int = 1) -> None:
         """The replica's host memory, `table(group, rows, tables, window)`: a padded block table, and the
-        model's IndexShare groups (len(cache.index)); a half with device state makes it here."""
+        model's IndexShare groups (len(cache.index)); `ranks`: the DP x EP ranks it serves (each its own
+        planner, pool slice and host slice); a half with device state makes it here, per rank."""
         self.host = host
 
-    def transfer(self, op) -> None:
-        """Run a plan's transfer operation that the host memory does not (one on this half's state)."""
+    def transfer(self, op, rank: int = 0) -> None:
+        """Run rank `rank`'s plan's transfer operation that the host memory does not (one on this half's
+        state)."""
         raise TypeError(f"not a transfer operation this KV policy runs: {op!r}")
 
     def verify_form(self, spec, platform: str) -> str:
@@ -69,6 +75,11 @@ class DeviceHalf:
         """The group's views since the last call -> (ResolveRecords, StageRecords, host->device bytes);
         raises if a view read fewer rows than selected."""
         return (), (), 0
+
+    def take_rank_records(self, parts) -> list[tuple[tuple, tuple, int]]:
+        """`take_records` per DP x EP rank: parts [(req_ids, the rank's first row in the group)] in rank
+        order -> one (ResolveRecords, StageRecords, host->device bytes) per rank."""
+        return [((), (), 0) for _ in parts]
 
     def warmup_blocks(self) -> dict[str, int]:
         """Per cache group, the pages of one request whose save / load programs warm-up compiles."""

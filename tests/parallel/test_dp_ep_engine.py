@@ -6,7 +6,8 @@ The subject is that sharing the experts changes nothing a rank computes: every r
 the tokens it scheduled, equal those of one device serving that rank's requests alone, while other ranks
 prefill, decode, preempt or idle beside it (padding rows). Warmed up, such a run compiles nothing. Under the
 offload policy each rank's host tier is its own slice of the host pools: two ranks that store and load the
-same local host pages get their own KV back.
+same local host pages get their own KV back. Under HiSparse each rank resolves on its own hot buffers and
+host slice, and its tokens and resolver counts are one device's.
 
 Both engines use the same shapes (the 2-layer model, test_recompilation's buckets), so the second reuses
 the first's step programs (tests/parallel/conftest.py runs this file in the shared 16-device subprocess).
@@ -229,7 +230,9 @@ def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(sma
     """MTP with 3 drafts (CPU's sequential verify: `parallel.model.verify_dp`; the MTP layer's passes and the
     draft chain: `mtp_forward_dp`) on two ranks: rank 0 verifies while rank 1 still prefills, then rank 1
     alone has work (rank 0 passes padding rows through every MTP program). Each rank's greedy tokens equal
-    one device serving its requests alone with MTP3, and the MTP steps ran (drafts verified)."""
+    one device serving its requests alone with MTP3, and the MTP steps ran (drafts verified). Then, with a
+    deterministic synthetic acceptance, the simulator's all-to-all bytes (MTP passes included) equal the
+    engine's."""
     from glm53 import DeployConfig, Engine, SamplingParams
 
     mtp = dict(SHAPES, num_speculative_tokens=3)
@@ -249,14 +252,97 @@ def test_dp2_ep2_mtp3_verify_and_drafts_on_the_dp_mesh_equal_one_device_each(sma
         want, _, _ = _serve_alone(small_model, DeployConfig(**mtp), [(rid, prompts[rid], new)])
         assert eng.finished[rid].output_ids == want[rid].output_ids, rid
 
+    # the simulator counts (and prices) the MTP programs' all-to-alls too: under a deterministic synthetic
+    # acceptance (the first two drafts always stand, the third never) the engine and the simulator
+    # schedule the same rows, and the bytes the engine's programs report (the verify forwards, the MTP
+    # layer's passes, the draft passes) are the simulator's (this workload never overflows a first round)
+    from glm53.engine import sim
+
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_length": 3.0, "verify": "sequential"}
+    deploy = DeployConfig(**SHAPES, speculative_config=spec, data_parallel_size=2, enable_expert_parallel=True)
+    runs = []
+    for e in (Engine(small_model, deploy), sim.build_engine(small_model.cfg, deploy, weight_bytes=4)):
+        for rid, salt, _, new in work:
+            e.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+        while e.has_unfinished():
+            e.step()
+        runs.append(e.metrics())
+    got, simulated = runs
+    assert got["spec_num_drafts"] > 0 and simulated["spec_num_drafts"] == got["spec_num_drafts"]
+    assert simulated["dp_rank_tokens"] == got["dp_rank_tokens"]
+    assert simulated["ep_all2all_bytes"] == got["ep_all2all_bytes"], (simulated["ep_all2all_bytes"],
+                                                                      got["ep_all2all_bytes"])
+
+
+# HiSparse under pressure: a hot buffer of 16 rows (top-k's 2 blocks, test_recompilation's) and 14 blocks per
+# rank, so both ranks release pages and resolve misses from their host pools, and rank 0 (two requests)
+# stages host rows into a prefill chunk
+HISPARSE = dict(SHAPES, num_gpu_blocks=14, kv_policy="hisparse", hisparse_host_pool_bytes=1 << 26,
+                cpu_offload_bytes=1 << 24, index_block_size=16, hisparse_device_buffer_size=16)
+
+
+def _hisparse_run(eng, work, prompts):
+    """`work` [(req_id, salt, new tokens)] queued at once on `eng` -> each replica's resolver counts
+    (hot hits, hot misses, staged rows, host->device bytes), its records checked: rows copied = misses x
+    layers per IndexShare group."""
+    for rep in eng.replicas:
+        rep.scheduler.policy.resolve.log = []
+    for rid, salt, new in work:
+        eng.add_request(prompts[rid], _params(rid, new), req_id=rid, salt=salt)
+    while eng.has_unfinished():
+        eng.step()
+    cfg = eng.replicas[0].runner.model.cfg
+    layers = cfg.num_layers_with_mtp if eng.replicas[0].runner.k else cfg.num_hidden_layers
+    per_group = np.diff([i for i in cfg.full_indexer_layers if i < layers] + [layers])
+    counts = []
+    for rep in eng.replicas:
+        res = rep.scheduler.policy.resolve
+        for rec in res.log:
+            np.testing.assert_array_equal(rec.copied, rec.misses @ per_group)
+        rep.scheduler.kv.check()
+        counts.append((res.hot_hits, res.hot_misses, res.staged_rows, rep.scheduler.transfers.h2d_bytes))
+    return counts
+
 
 @pytest.mark.multidevice
-def test_a_policy_with_views_is_refused_before_any_array(small_model):
-    """HiSparse's device half carries views into the forward, whose mesh code under DP x EP is not built:
-    refused at construction, naming the policy and the layout."""
+@pytest.mark.parametrize("case", ["plain", "mtp3"])
+def test_dp2_ep2_hisparse_each_rank_resolves_on_its_own_hot_buffers_as_one_device(small_model, case):
+    """HiSparse per rank (each rank's hot buffers, host pool slice and LRU clock, the views split over "dp"):
+    rank 0 serves two requests and rank 1 one, under a pool small enough that both release pages and
+    resolve misses from their host pools (without MTP rank 0 also stages host rows into a prefill chunk). Each rank's
+    greedy tokens and logprobs, and its hits, misses, staged rows and host->device bytes, equal one device
+    serving that rank's requests alone with the same config: the ranks' resolvers neither see nor disturb
+    each other (a rank runs the other's views as padding where it has nothing to resolve).
+    - plain: decode views (`forward_dp`) and staging views.
+    - mtp3: MTP with 3 drafts (CPU's sequential verify, `verify_dp`; the MTP layer's pass one position at
+      a time, `mtp_verify_dp`; the draft passes, `mtp_forward_dp`), every pass resolving through the view."""
     from glm53 import DeployConfig, Engine
 
-    deploy = DeployConfig(**SHAPES, data_parallel_size=2, enable_expert_parallel=True, kv_policy="hisparse",
-                          hisparse_host_pool_bytes=1 << 26)
-    with pytest.raises(NotImplementedError, match="kv_policy='hisparse'.*DP x EP"):
-        Engine(small_model, deploy)
+    fields = dict(HISPARSE, num_speculative_tokens=3) if case == "mtp3" else HISPARSE
+    rng = np.random.default_rng(3)
+    work = [("a0", "u0", 60, 12), ("a1", "u0", 50, 12), ("b0", "u1", 70, 12)]
+    prompts = {rid: rng.integers(0, small_model.cfg.vocab_size, n).astype(np.int32) for rid, _, n, _ in work}
+    eng = Engine(small_model, DeployConfig(**fields, data_parallel_size=2, enable_expert_parallel=True))
+    got = _hisparse_run(eng, [(rid, salt, new) for rid, salt, _, new in work], prompts)
+    owners = [eng.replica_of(rid) for rid, *_ in work]
+    assert owners == [0, 0, 1]
+    if case == "mtp3":
+        assert all(rep.scheduler.spec.num_drafts > 0 for rep in eng.replicas)
+    for r in range(2):
+        hits, misses, staged, h2d = got[r]
+        assert misses > 0 and h2d > 0 and eng.replicas[r].scheduler.policy.stats.released_pages > 0, (r, got[r])
+        one = Engine(small_model, DeployConfig(**fields))
+        want = _hisparse_run(one, [(rid, "", new) for (rid, _, _, new), o in zip(work, owners) if o == r], prompts)
+        assert got[r] == want[0], (r, got[r], want[0])
+        for rid, o in zip(prompts, owners):
+            if o != r:
+                continue
+            a, b = eng.finished[rid], one.finished[rid]
+            assert a.output_ids == b.output_ids, rid
+            assert len(a.output_logprobs) == len(b.output_logprobs) == (len(b.output_ids) if rid == "b0" else 0)
+            for x, y in zip(a.output_logprobs, b.output_logprobs):  # equal up to float summation order
+                assert x.rank == y.rank and [t for t, _ in x.top] == [t for t, _ in y.top], rid
+                assert np.allclose([x.logprob, *(v for _, v in x.top)], [y.logprob, *(v for _, v in y.top)], atol=1e-4)
+    if case == "plain":
+        assert got[0][2] > 0  # rank 0 staged host rows into a prefill chunk

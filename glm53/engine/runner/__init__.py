@@ -123,7 +123,7 @@ class ModelRunner:
                                num_blocks=self.num_blocks * self.fwd.ranks, host=host, device=device,
                                host_blocks={g: b * self.fwd.ranks for g, b in sz.host_blocks.items()} or None,
                                tiers=self.tiers, shared=self.fwd.host_share())
-        self.half.bind(self.host, self._table, index_groups=len(self.cache.index))
+        self.half.bind(self.host, self._table, index_groups=len(self.cache.index), ranks=self.fwd.ranks)
         if self.host.page_bytes != sz.page_bytes:  # the policy plans in kvcache.layout's page sizes
             raise RuntimeError(f"page bytes of the device arrays {self.host.page_bytes} differ from "
                                f"kvcache.layout's {sz.page_bytes}")

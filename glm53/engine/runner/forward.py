@@ -275,13 +275,12 @@ class DataParallelExperts(OneDevice):
     Layout: a batch of N x R rows is rank-major (rank r's rows are [r R, (r + 1) R), padding rows where a
     rank has fewer or none); the pool is N slices of num_blocks pages (`ranks`: block ids in a table are
     local to its rank's slice), every pool and table array split on its first axis over "dp". The
-    runner's rows per program are therefore multiples of N (`ModelRunner.bucket_shapes`)."""
+    runner's rows per program are therefore multiples of N (`ModelRunner.bucket_shapes`). A policy's
+    views (HiSparse) travel in the cache split the same way (`parallel.model.dp_cache_specs`): each rank
+    resolves and stages against its own host slice and hot buffers."""
 
     def __init__(self, runner, devices):
         super().__init__(runner, devices)
-        if runner.half.has_views:  # before any array: the views' mesh code is not built
-            raise NotImplementedError(f"kv_policy={runner.deploy.kv_policy!r} (a device half with views) under "
-                                      "DP x EP (data_parallel_size with enable_expert_parallel)")
         self.ranks = len(devices)
         self.mesh = make_mesh(dp=self.ranks, devices=devices)
         self._pending: list = []  # per forward: (its MoE rounds' slots, device int32 [N L, 2]; bytes per slot)
@@ -324,11 +323,9 @@ class DataParallelExperts(OneDevice):
         return self._counted(fn(*args, **self._kw(window, form), count_rounds=True))
 
     def mtp(self, hidden, nxt, mpos, cache, window, form, per_position):
-        if per_position:  # only a decode view (HiSparse) resolves per position, and none runs here
-            raise NotImplementedError("the MTP pass one position at a time under DP x EP")
-        return self._counted(parallel_model.mtp_forward_dp(self.r.state, self._rows(hidden), jnp.asarray(nxt),
-                                                           jnp.asarray(mpos), cache, **self._kw(window, form),
-                                                           count_rounds=True))
+        fn = parallel_model.mtp_verify_dp if per_position else parallel_model.mtp_forward_dp
+        return self._counted(fn(self.r.state, self._rows(hidden), jnp.asarray(nxt), jnp.asarray(mpos), cache,
+                                **self._kw(window, form), count_rounds=True))
 
     def draft(self, h, d, pos, cache, window, form):
         return self._counted(parallel_model.mtp_forward_dp(self.r.state, self._rows(h), self._rows(d),

@@ -18,8 +18,10 @@ passes that program padding rows (vLLM's dummy batches).
 - Secondary tiers: each rank's own (`ModelRunner.rank_tiers`, set by the engine): its stores go to its
   tiers, its loads come from them, its finished loads back in its result under its own job ids.
 
-Not built here: a policy's device half with views (HiSparse); the runner's strategy refuses it under this
-layout before allocating anything.
+- A policy's device half (HiSparse): one half serves every rank (`DeviceHalf.bind(ranks=N)`); a rank's
+  lease resets run on its own hot buffers (`transfer(op, rank)`), a group's views carry every rank's rows
+  (each rank's host blocks and leases local to its slices), and each rank's resolve and staging counts
+  come back in its own result (`take_rank_records`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 from glm53.engine.plan import PlanRow, StepPlan, StepResult
 from glm53.engine.request import SamplingParams
 from glm53.engine.runner.batch import forward_groups, step_limits
-from kvcache.transfer import LoadKV, PageCopy, SaveKV, TierLoad, TierStore
+from kvcache.transfer import LoadKV, PageCopy, ResetLease, SaveKV, TierLoad, TierStore
 from parallel.ep import all2all_bytes_per_slot, first_round_capacity
 
 # a padding row: no tokens (positions all -1, nothing written), no table, never samples
@@ -51,6 +53,8 @@ def shift_transfer(op, rank: int, num_blocks: int, host_blocks: dict[str, int], 
         return dataclasses.replace(op, src=tuple(b + src for b in op.src), dst=tuple(b + dst for b in op.dst))
     if isinstance(op, (SaveKV, LoadKV)):
         return dataclasses.replace(op, blocks=tuple((g, tuple(b + dev for b in bs)) for g, bs in op.blocks))
+    if isinstance(op, ResetLease):  # lease and blocks stay local: the device half runs it on rank `rank`'s
+        return op
     if isinstance(op, (TierStore, TierLoad)):
         host = rank * host_blocks[op.group]
         op = dataclasses.replace(op, host_blocks=tuple(b + host for b in op.host_blocks))
@@ -95,29 +99,66 @@ def rank_groups(plans: Sequence[StepPlan | None], max_tokens: int, capacity: int
     return groups
 
 
-def forward_first_round_slots(cfg, ranks: int, width: int, rows: int, prefill: bool) -> list[int]:
-    """Per MoE layer of one DP x EP forward of `rows` rows per rank of `width` tokens, the slots per
-    destination of its dispatch's first round (`parallel.ep.first_round_capacity`): every MoE layer
-    dispatches rows x width tokens per rank, but the last layer of a prefill forward only each row's last
-    one (GLM53.__call__'s last_only). x `parallel.ep.all2all_bytes_per_slot`: the bytes one device sends."""
-    last = cfg.num_hidden_layers - 1
+def group_first_round_slots(cfg, ranks: int, width: int, rows: int, *, k: int = 0, sequential: bool = False,
+                            views: bool = False, drafts: bool = False) -> tuple[list[int], list[int]]:
+    """The MoE dispatches of one DP x EP width group of `rows` rows per rank of `width` tokens, each as its
+    first round's slots per destination (`parallel.ep.first_round_capacity` of the tokens it dispatches per
+    rank) -> (the group's forward and, under MTP (`k` drafts), the MTP layer's pass over it; the k - 1
+    draft passes, when some row samples: `drafts`), as the model runner's programs count them:
+    - the forward: every main MoE layer dispatches rows x width tokens, but the last layer of a prefill
+      forward only each row's last one (GLM53.__call__'s last_only), and under MTP also every position
+      (keep_all runs that layer on them too); a verify forward in the `sequential` form (`verify_dp`) is
+      width one-token steps, each dispatching rows tokens;
+    - the MTP pass: rows x width tokens, or in a sequential verify group with HiSparse's `views` one
+      position at a time (`mtp_verify_dp`), width x rows;
+    - each draft pass: rows tokens.
+    x `parallel.ep.all2all_bytes_per_slot`: the bytes one device sends."""
     e_local = cfg.n_routed_experts // ranks
-    return [first_round_capacity(rows if prefill and i == last else rows * width, cfg.num_experts_per_tok, e_local, ranks)
-            for i, kind in enumerate(cfg.mlp_layer_types) if kind == "sparse"]
+
+    def cap(tokens: int) -> int:
+        return first_round_capacity(tokens, cfg.num_experts_per_tok, e_local, ranks)
+
+    prefill = width > (1 + k if k else 1)
+    stepwise = not prefill and k > 0 and sequential  # the verify group's positions one at a time
+    last = cfg.num_hidden_layers - 1
+    out = []
+    for i, kind in enumerate(cfg.mlp_layer_types):
+        if kind != "sparse":
+            continue
+        if prefill and i == last:
+            out += [cap(rows * width), cap(rows)] if k else [cap(rows)]
+        else:
+            out.append(width * cap(rows) if stepwise else cap(rows * width))
+    if not k:
+        return out, []
+    out.append(width * cap(rows) if stepwise and views else cap(rows * width))  # the MTP layer's MoE
+    return out, [cap(rows)] * (k - 1) if drafts else []
 
 
-def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int) -> int:
+def group_has_leases(plans: Sequence[StepPlan | None], per) -> bool:
+    """Whether some row of a width group (`per`: rank_groups' entry) holds a HiSparse hot-buffer lease, so
+    its decode forwards carry a view (`HiSparseDevice.group_views`)."""
+    return any(getattr(plans[r].policy_rows[i], "lease", -1) >= 0 for r, (idx, _, _) in per.items()
+               if plans[r].policy_rows is not None for i in idx)
+
+
+def first_round_all2all_bytes(plans: Sequence[StepPlan | None], cfg, deploy, itemsize: int,
+                              verify_mode: str = "batched") -> int:
     """Bytes one device sends by all-to-all in the first rounds of the MoE dispatch (`parallel.ep.moe_local`)
-    when DP x EP ranks run `plans` as one step, from the plans alone: per forward of width w with R rows
-    per rank, `forward_first_round_slots`. What the simulator reports as `ep_all2all_bytes`; the model
-    runner measures the same plus any second rounds (routing that overflows the first round's slots) and,
-    under MTP, the MTP layer's passes, which this leaves out."""
+    when DP x EP ranks run `plans` as one step, from the plans alone: per width group,
+    `group_first_round_slots` (under MTP its MTP pass and draft passes too; `verify_mode`: the runner's
+    verify form). What the simulator reports as `ep_all2all_bytes`; the model runner measures the same
+    plus any second rounds (routing that overflows the first round's slots) outside a sequential scan."""
     n = len(plans)
     max_tokens, capacity = step_limits(deploy)
     k = deploy.num_speculative_tokens
     slots = 0
     for width, per in rank_groups(plans, max_tokens, capacity, 1 + k if k else 0).items():
-        slots += sum(forward_first_round_slots(cfg, n, width, max(p for _, p, _ in per.values()), width > 1 + k))
+        fwd, drafts = group_first_round_slots(
+            cfg, n, width, max(p for _, p, _ in per.values()), k=k, sequential=verify_mode == "sequential",
+            views=group_has_leases(plans, per),
+            drafts=any(plans[r].rows[i].sample for r, (idx, _, _) in per.items() for i in idx))
+        slots += sum(fwd) + sum(drafts)
     return slots * all2all_bytes_per_slot(n, cfg.hidden_size, itemsize)
 
 
@@ -133,30 +174,43 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
     for r, plan in enumerate(plans):
         if plan is None:
             continue
-        if plan.policy_rows is not None:
-            raise NotImplementedError("a policy's device rows (its device half's views) under DP x EP")
         if not runner.k and any(row.num_draft_tokens for row in plan.rows):
             raise ValueError("a plan with draft tokens for a runner without MTP (DeployConfig.speculative_config)")
         ops = tuple(shift_transfer(op, r, runner.num_blocks, host_blocks, n) for op in plan.transfers)
         with rank_tiers(runner.host, tiers, r) as host:
-            runner.cache, d2h, h2d = host.apply(ops, runner.cache)
+            runner.cache, d2h, h2d = host.apply(ops, runner.cache,
+                                                others=lambda op, r=r: runner.half.transfer(op, rank=r))
         moved[r] = (d2h, h2d)
+    resolves: list[list] = [[] for _ in range(n)]
+    stages: list[list] = [[] for _ in range(n)]
     tokens: dict[str, tuple[int, ...]] = {}
     drafts: dict[str, tuple[int, ...]] = {}
     runner._logprobs = {}  # filled by the groups' sampling (`ModelRunner._pick`, the accept rule)
     for width, per in rank_groups(plans, runner.max_tokens, runner.capacity, runner.verify_width).items():
         rows_per_rank = max(p for _, p, _ in per.values())
         window = max(w for _, _, w in per.values())
-        rows, t_mla, t_idx = [], [], []
+        rows, t_mla, t_idx, data = [], [], [], []
         for r in range(n):
             idx = per[r][0] if r in per else []
             plan = plans[r]
-            rows += [plan.rows[i] for i in idx] + [_PAD] * (rows_per_rank - len(idx))
-            t_mla += [plan.block_tables["mla"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
-            t_idx += [plan.block_tables["indexer"][i] for i in idx] + [()] * (rows_per_rank - len(idx))
-        out, new = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window)
+            pad = rows_per_rank - len(idx)
+            rows += [plan.rows[i] for i in idx] + [_PAD] * pad
+            t_mla += [plan.block_tables["mla"][i] for i in idx] + [()] * pad
+            t_idx += [plan.block_tables["indexer"][i] for i in idx] + [()] * pad
+            own = plan.policy_rows if idx else None
+            data += [None if own is None else own[i] for i in idx] + [None] * pad
+        views = runner.half.group_views(data if any(h is not None for h in data) else None,
+                                        decode=width == (runner.verify_width or 1), tables_mla=t_mla,
+                                        padded=n * rows_per_rank)
+        out, new = runner._run_group(rows, t_mla, t_idx, width, n * rows_per_rank, window, views)
         tokens.update(out)
         drafts.update(new)
+        parts = [(tuple(rows[r * rows_per_rank + j].req_id for j in range(len(per[r][0]) if r in per else 0)),
+                  r * rows_per_rank) for r in range(n)]
+        for r, (res, st, nbytes) in enumerate(runner.half.take_rank_records(parts)):
+            resolves[r] += res
+            stages[r] += st
+            moved[r] = (moved[r][0], moved[r][1] + nbytes)
     # each rank's finished tier loads under its own job ids; when no rank computed, wait a little for
     # them (an engine whose only waiting requests wait on tiers would otherwise spin)
     idle = not any(p is not None and p.rows for p in plans)
@@ -171,8 +225,8 @@ def execute_ranks(runner, plans: Sequence[StepPlan | None]) -> list[StepResult |
             results.append(None)
             continue
         mine = {row.req_id: tokens[row.req_id] for row in plan.rows if row.req_id in tokens}
-        results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r],
-                                  tier_loads=loads[r],
+        results.append(StepResult(mine, frozenset(range(len(plan.transfers))), *moved[r], tuple(resolves[r]),
+                                  tier_loads=loads[r], stages=tuple(stages[r]),
                                   drafts={rid: drafts[rid] for rid in mine if rid in drafts},
                                   logprobs={rid: runner._logprobs[rid] for rid in mine if rid in runner._logprobs}))
     return results

@@ -6,6 +6,12 @@ over host-only pages stages the rows its queries select through a `kvcache.views
 borrow the host memory's MLA pools and this half's hot state for one forward (the step donates them) and
 give them back in `detach`; their counts become the step's ResolveRecords and StageRecords, checked: a
 selected row with nowhere to read it from raises. The planner sums them (spec.py's `ResolveStats`).
+
+Under DP x EP (`bind(ranks=N)`) one half serves N ranks that each have their own planner: N x max_leases
+hot buffers split over "dp" (rank r's lease l is buffer r x max_leases + l, its rows local slots of its
+own pool slice), one LRU clock per rank, and a group's rows rank-major (`group_views` gets None for a
+padding row). A rank resolves (ticks its clock) or stages only where one device serving its rows alone
+would, and only such a rank gets records (`take_rank_records`).
 """
 
 from __future__ import annotations
@@ -69,24 +75,29 @@ class HiSparseDevice:
         self.max_leases, self.hot_rows, self.topk, self.k = max_leases, hot_rows, index_topk, k
         self.stage_rows, self.tile = stage_rows, tile
         self.views: list = []
+        self._made: list = []  # per view made, in order (as `views`): per rank, whether it resolves or stages
         self.hot_state = None  # (hot_pos, hot_last, hot_rows), made by `bind`
-        self.lru_step = 0  # the resolver's LRU clock, one tick per decode group that resolves
+        self.ranks = 1
+        self.lru_step = np.zeros(1, np.int64)  # per rank, the resolver's LRU clock: a tick per group it resolves
 
-    def bind(self, host, table, *, index_groups: int) -> None:
+    def bind(self, host, table, *, index_groups: int, ranks: int = 1) -> None:
         """Also makes the hot buffers, `index_groups` IndexShare groups each, on the host memory's device
         sharding: committed there from the start like every later version (a step's outputs), since an
-        uncommitted first version would compile the decode step once more."""
-        self.host, self.table, self.groups = host, table, index_groups
+        uncommitted first version would compile the decode step once more. `ranks` > 1 (DP x EP): each
+        rank's max_leases buffers, rank-major, split over the ranks like the pool."""
+        self.host, self.table, self.groups, self.ranks = host, table, index_groups, ranks
+        self.lru_step = np.zeros(ranks, np.int64)
         self.hot_state = tuple(jax.device_put(x, host.device_sharding)
-                               for x in new_hot_state(self.max_leases, index_groups, self.hot_rows))
+                               for x in new_hot_state(self.max_leases * ranks, index_groups, self.hot_rows))
 
-    def transfer(self, op) -> None:
-        """`ResetLease`: hot buffer `op.lease` emptied and pointed at the MLA slots of `op.blocks` (its first
-        `hot_rows`)."""
+    def transfer(self, op, rank: int = 0) -> None:
+        """`ResetLease` of rank `rank`'s planner: its hot buffer `op.lease` emptied and pointed at the MLA slots
+        of `op.blocks` (its first `hot_rows`; block ids and slots local to the rank's pool slice, as the
+        forward reads them inside the ranks' shard_map)."""
         if not isinstance(op, ResetLease):
             raise TypeError(f"not a transfer operation HiSparse's device half runs: {op!r}")
         rows = self.host.page_slots("mla", op.blocks)[: self.hot_rows]
-        self.hot_state = _reset_lease(*self.hot_state, op.lease, jnp.asarray(rows))
+        self.hot_state = _reset_lease(*self.hot_state, rank * self.max_leases + op.lease, jnp.asarray(rows))
 
     def verify_form(self, spec, platform: str) -> str:
         """Batched verify resolves one plan for the union of the 1 + k positions' selections, so the hot
@@ -96,33 +107,51 @@ class HiSparseDevice:
     def group_views(self, rows, *, decode: bool, tables_mla, padded: int):
         """A decode group resolves only when some row holds a hot buffer (without one every selected page
         is on the device and the plain step reads it); a prefill group stages only when some row has
-        host-only pages (-1 in its MLA table)."""
+        host-only pages (-1 in its MLA table). Under DP x EP `rows` and `tables_mla` are the `padded` rows
+        of every rank, rank-major (None / () for a padding row): the group gets views when some rank
+        would on its own, and the ranks that would not run them as padding would (no tick, no record)."""
         if rows is None:
             return None
-        if decode and not any(h.lease >= 0 for h in rows):
+        per = padded // self.ranks
+        active = []
+        for r in range(self.ranks):
+            mine, tables = rows[r * per: (r + 1) * per], tables_mla[r * per: (r + 1) * per]
+            if decode:
+                active.append(any(h is not None and h.lease >= 0 for h in mine))
+            else:
+                active.append(self.stage_rows and any(-1 in t for t in tables))
+        if not any(active):
             return None
-        if not decode and not (self.stage_rows and any(-1 in t for t in tables_mla)):
-            return None
-        return self._views(rows, padded, decode)
+        return self._views(rows, padded, decode, np.array(active))
 
     def empty_views(self, padded: int, *, decode: bool):
         if not decode and not self.stage_rows:
             return None
-        return self._views([], padded, decode)
+        return self._views([], padded, decode, np.zeros(self.ranks, bool))
 
-    def _views(self, rows, r: int, decode: bool):
+    def _views(self, rows, r: int, decode: bool, active):
+        """views(window, queries) of a group of `r` padded rows (`rows`: the policy rows of the first ones,
+        None for padding rows); `active`: per rank, whether it resolves or stages (its clock ticks, its
+        counts become records)."""
+        host_blocks = [() if h is None else h.host_blocks for h in rows]
+
         def view(window: int, queries: int = 1):
             host = self.host
-            pages = host.host_pages("mla", self.table("mla", r, [h.host_blocks for h in rows], window))
+            pages = host.host_pages("mla", self.table("mla", r, host_blocks, window))
             if not decode:  # each forward stages the host rows its queries select, `tile` queries at a time
-                return StagingView.create(host.host_tables["mla"], pages, self.tile, self.groups,
-                                          host_axis=host.host_axis)
-            lease = np.full(r, -1, np.int32)
-            lease[: len(rows)] = [h.lease for h in rows]
-            topk = queries * min(self.topk, window) if self.k else self.topk
-            self.lru_step += 1
-            return HiSparseView.create(host.host_tables["mla"], pages, lease, *self.hot_state, self.lru_step, topk,
+                v = StagingView.create(host.host_tables["mla"], pages, self.tile, self.groups,
                                        host_axis=host.host_axis)
+            else:
+                lease = np.full(r, -1, np.int32)
+                lease[: len(rows)] = [-1 if h is None else h.lease for h in rows]
+                topk = queries * min(self.topk, window) if self.k else self.topk
+                self.lru_step += active
+                # one device: the scalar clock; ranks: one per rank, split with the rows (parallel.model)
+                step = self.lru_step[0] if self.ranks == 1 else self.lru_step.astype(np.int32)
+                v = HiSparseView.create(host.host_tables["mla"], pages, lease, *self.hot_state, step, topk,
+                                        host_axis=host.host_axis)
+            self._made.append(active)
+            return v
 
         return view
 
@@ -149,26 +178,39 @@ class HiSparseDevice:
         return dataclasses.replace(cache, hisparse=None)
 
     def take_records(self, req_ids: tuple[str, ...]):
-        resolves, stages, nbytes = [], [], 0
-        n = len(req_ids)
-        for view in self.views:
-            if isinstance(view, StagingView):
-                staged, copied, unserved = (np.asarray(x)[:n] for x in (view.staged, view.copied, view.unserved))
-                if unserved.any():  # never read fewer rows than selected without saying so
-                    bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
-                    raise RuntimeError(f"HiSparse: prefill rows selected positions with no device page or host "
-                                       f"copy: {bad}")
-                stages.append(StageRecord(req_ids, staged, copied))
-            else:
-                hits, misses, copied, unserved = (np.asarray(x)[:n] for x in (view.hits, view.misses, view.copied,
-                                                                               view.unserved))
-                if unserved.any():
-                    bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
-                    raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: {bad}")
-                resolves.append(ResolveRecord(req_ids, hits, misses, copied))
-            nbytes += int(copied.sum()) * self.host.row_bytes_mla
+        return self.take_rank_records([(req_ids, 0)])[0]
+
+    def take_rank_records(self, parts):
+        """`take_records` per rank of the group's views: `parts` [(req_ids, first row)], one per rank in
+        rank order (the rank's rows are the len(req_ids) from its first row of the padded batch) -> per
+        rank (resolves, stages, host->device bytes), only of the views in which that rank was active."""
+        out = []
+        for rank, (req_ids, at) in enumerate(parts):
+            resolves, stages, nbytes = [], [], 0
+            rows = slice(at, at + len(req_ids))
+            for view, active in zip(self.views, self._made):
+                if not active[rank]:
+                    continue
+                if isinstance(view, StagingView):
+                    staged, copied, unserved = (np.asarray(x)[rows] for x in (view.staged, view.copied, view.unserved))
+                    if unserved.any():  # never read fewer rows than selected without saying so
+                        bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
+                        raise RuntimeError(f"HiSparse: prefill rows selected positions with no device page or "
+                                           f"host copy: {bad}")
+                    stages.append(StageRecord(req_ids, staged, copied))
+                else:
+                    hits, misses, copied, unserved = (np.asarray(x)[rows] for x in (view.hits, view.misses,
+                                                                                     view.copied, view.unserved))
+                    if unserved.any():
+                        bad = {r: int(u) for r, u in zip(req_ids, unserved) if u}
+                        raise RuntimeError(f"HiSparse: selected rows with no device page, host copy or hot slot: "
+                                           f"{bad}")
+                    resolves.append(ResolveRecord(req_ids, hits, misses, copied))
+                nbytes += int(copied.sum()) * self.host.row_bytes_mla
+            out.append((tuple(resolves), tuple(stages), nbytes))
         self.views = []
-        return tuple(resolves), tuple(stages), nbytes
+        self._made = []
+        return out
 
     def warmup_blocks(self) -> dict[str, int]:
         return {}
@@ -180,4 +222,5 @@ class HiSparseDevice:
 
     def end_warmup(self) -> None:
         self.views = []
-        self.lru_step = 0
+        self._made = []
+        self.lru_step[:] = 0
