@@ -7,11 +7,13 @@ Deployments (a preset's random weights, 4 simulated devices each; no MTP: its wa
 programs per bucket shape, which on 2 cores cost more than a whole point; MTP over P/D is tested in
 tests/glm53/test_pd.py and priced at H200 scale by configs/paper/part2.py):
 - `pcp_dcp+hisparse`: one prefill server on 2 devices (PCP2 x DCP2, EP2; `kv_producer`) and two decode
-  servers of one device each (`--kv-policy hisparse`, `kv_consumer`): the published Part 2 shape.
-- `dp+offload`: two prefill servers of one device each (`kv_producer`) and two decode servers with the
-  offload policy (`kv_consumer`); with `--decode-layout dp_ep`, one decode server of two DP ranks that
-  share the routed experts instead (`--data-parallel-size 2 --enable-expert-parallel`; results.json's
-  `decode_layout` records which).
+  devices with `--kv-policy hisparse` (`kv_consumer`): the published Part 2 shape.
+- `dp+offload`: two prefill servers of one device each (`kv_producer`) and two decode devices with the
+  offload policy (`kv_consumer`).
+The two decode devices are two servers of one device each (`--decode-layout replicas`, the default) or,
+with `--decode-layout dp_ep`, one decode server of two DP ranks that share the routed experts
+(`--data-parallel-size 2 --enable-expert-parallel`: the published decode node's layout; results.json's
+`decode_layout` records which).
 Both sides use the PdConnector: the decode servers take each prompt's KV from the producer that
 prefilled it (counted in `glm53:kv_transfer_received_tokens`) instead of computing it. The producers'
 pages hold `block_size` tokens over their DCP ranks, as the consumers' do.
@@ -71,7 +73,7 @@ def deployments(deploy: dict, decode_layout: str = "replicas") -> dict[str, dict
     only from the producers it lists). decode_layout: "replicas", two decode servers of one device each,
     or "dp_ep", one decode server of two DP ranks sharing the routed experts (`--data-parallel-size 2
     --enable-expert-parallel`, the published decode node's layout; each rank its own host tier and P/D
-    tier); HiSparse does not run under DP x EP yet, so that layout offers `dp+offload` only."""
+    tier and, under HiSparse, its own hot buffers and host pool)."""
     if decode_layout not in DECODE_LAYOUTS:
         raise ValueError(f"decode_layout must be one of {DECODE_LAYOUTS}, got {decode_layout!r}")
     half = ["--block-size", str(deploy["block_size"] // 2)]  # DCP2: a page of block_size tokens over 2 ranks
@@ -87,19 +89,19 @@ def deployments(deploy: dict, decode_layout: str = "replicas") -> dict[str, dict
     while len(ports) < 3:  # a port is free when asked, and may be handed out again: three distinct ones
         ports.add(_free_port())
     pcp, *dp = sorted(ports)
-    if decode_layout == "dp_ep":
-        return {"dp+offload": {
-            "prefill": [producer(p) for p in dp],
-            "decode": [["--data-parallel-size", "2", "--enable-expert-parallel", "--kv-policy", "offload",
-                        *consumer(dp)]]}}
+    def decode(policy: str, ports: list[int]) -> list[list[str]]:
+        if decode_layout == "dp_ep":
+            return [["--data-parallel-size", "2", "--enable-expert-parallel", "--kv-policy", policy, *consumer(ports)]]
+        return [["--kv-policy", policy, *consumer(ports)]] * 2
+
     return {
         "pcp_dcp+hisparse": {
             "prefill": [["--prefill-context-parallel-size", "2", "--decode-context-parallel-size", "2",
                          "--enable-expert-parallel", *half, *producer(pcp)]],
-            "decode": [["--kv-policy", "hisparse", *consumer([pcp])]] * 2},
+            "decode": decode("hisparse", [pcp])},
         "dp+offload": {
             "prefill": [producer(p) for p in dp],
-            "decode": [["--kv-policy", "offload", *consumer(dp)]] * 2},
+            "decode": decode("offload", dp)},
     }
 
 
@@ -209,7 +211,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deployments", nargs="+", default=None, choices=list(deployments(DEPLOY)),
-                    help="default: every deployment the decode layout offers")
+                    help="default: both")
     ap.add_argument("--decode-layout", default="replicas", choices=DECODE_LAYOUTS,
                     help="decode side: two one-device servers (replicas) or one DP2 x EP2 server (dp_ep)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
@@ -220,11 +222,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--cache-dir", default=None,
                     help="JAX compilation cache the servers share (default: a fresh temporary directory)")
     args = ap.parse_args(argv)
-    offered = list(deployments(DEPLOY, args.decode_layout))
-    args.deployments = args.deployments or offered
-    if set(args.deployments) - set(offered):
-        ap.error(f"--decode-layout {args.decode_layout} offers --deployments {' '.join(offered)} "
-                 f"(HiSparse does not run under DP x EP yet)")
+    args.deployments = args.deployments or list(deployments(DEPLOY))
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     import glm53
