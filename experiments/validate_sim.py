@@ -190,6 +190,20 @@ def _real(cfg, model, policy: str, conc: int, forwards: bool = False) -> tuple[d
     return m, logs[0]
 
 
+def shared_host(hw, overhead: float, overlap: float, devices: int) -> tuple:
+    """(spec, step overhead s, host overlap s) of one of `devices` simulated CPU devices that share this
+    host: every rate divided by `devices` and every fixed time multiplied by it. The real engine runs
+    them on the same cores (DP replicas one after another, a mesh's device programs side by side on one
+    thread pool), so a step that keeps each of N devices busy takes N times the host's time for one;
+    the simulator prices devices that run in parallel. Exact when the devices carry equal work."""
+    if devices == 1:
+        return hw, overhead, overlap
+    return (dataclasses.replace(
+        hw, bf16_flops=hw.bf16_flops / devices, fp8_flops=hw.fp8_flops / devices,
+        hbm_bandwidth=hw.hbm_bandwidth / devices, host_link_bandwidth=hw.host_link_bandwidth / devices,
+        forward_latency_s=hw.forward_latency_s * devices), overhead * devices, overlap * devices)
+
+
 def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0) -> dict:
     from glm53.engine import sim
 
@@ -199,9 +213,10 @@ def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0)
     def engine(model, c, kv_policy, tier_root=""):
         d = serve._deploy(c, kv_policy, tier_root or "unused")  # a simulated filesystem tier writes nothing
         d = dataclasses.replace(d, kv_cache_dtype="float32" if d.kv_cache_dtype == "auto" else d.kv_cache_dtype)
-        return sim.build_engine(model, d, hw, step_overhead_s=overhead, weight_bytes=WEIGHT_BYTES,
+        spec, before, beside = shared_host(hw, overhead, overlap, d.data_parallel_size * d.devices_per_replica)
+        return sim.build_engine(model, d, spec, step_overhead_s=before, weight_bytes=WEIGHT_BYTES,
                                 hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True,
-                                host_overlap_s=overlap, tier_storage=serve._tier_storage(c))
+                                host_overlap_s=beside, tier_storage=serve._tier_storage(c))
 
     serve._engine = engine
     try:
@@ -355,7 +370,10 @@ def table(res: dict) -> str:
              f"default's own; {f['shapes']} shapes) and the serve default's {f['steps']} steps: {f['flops'] / 1e9:.1f} GFLOP/s, "
              f"{f['bandwidth'] / 1e9:.1f} GB/s, forward latency {f['forward_latency_s'] * 1e3:.2f} ms, host time per step "
              f"{f['step_overhead_s'] * 1e3:.2f} ms before its forwards and {f['host_overlap_s'] * 1e3:.2f} ms beside them; "
-             f"per-shape |error| mean {f['forward_abs_rel_error_mean']:.1%}.", "",
+             f"per-shape |error| mean {f['forward_abs_rel_error_mean']:.1%}"
+             + (f" (the spec of the run in {res['fit_from']})" if res.get("fit_from") else "")
+             + "".join(f"; points of {m['from']} ({m['date']}, {m['git_revision']}) merged" for m in res.get("merged", []))
+             + ".", "",
              "rel error = simulated / real - 1. Counts must be equal (the schedule does not depend on time).", "",
              "| config | policy | c | bound | role | TTFT p50 | TPOT mean | throughput/device | running | counts equal |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -30,6 +30,22 @@ def test_the_fit_recovers_the_spec_that_priced_the_forwards():
     assert f["forward_abs_rel_error_mean"] < 1e-6 and f["shapes"] == len(shapes)
 
 
+def test_devices_that_share_the_host_take_its_time_times_their_number():
+    """DP8 and PCP8 x DCP8 run 8 simulated devices on this host's cores: each device is priced at 1/8 of
+    the fitted host, so a forward of one device costs 8 times the host's and so do its host parts."""
+    cfg = glm53.get_preset("tiny")
+    deploy = DeployConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64,
+                          kv_cache_dtype="float32").resolved(cfg, "float32")
+    dep = sim.deployment(deploy, "float32", vs.WEIGHT_BYTES)
+    host = vs.cpu_spec(1e10, 3e10, 4e-3)
+    assert vs.shared_host(host, 5e-4, 2e-3, 1) == (host, 5e-4, 2e-3)
+    one, before, beside = vs.shared_host(host, 5e-4, 2e-3, 8)
+    assert (before, beside) == pytest.approx((4e-3, 1.6e-2))
+    for shape in ((1, 1, 64), (4, 1, 512), (1, 64, 512), (4, 16, 256)):  # compute- and memory-bound shapes
+        assert sim.forward_cost(cfg, one, dep, *shape).time_s() == pytest.approx(
+            8 * sim.forward_cost(cfg, host, dep, *shape).time_s())
+
+
 def _point(role, errors, equal=True, config="smoke"):
     return {"role": role, "config": config, "kv_policy": "preempt", "concurrency": 1,
             "rel_error": dict(zip(vs.METRICS, errors)), "counts_equal": equal, "counts_real": {}, "counts_sim": {}}
