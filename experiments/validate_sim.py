@@ -42,8 +42,9 @@ Writes OUT/results.json (the fitted spec, the fit's error on its own forwards an
 with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
 points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
 counts equal; `complete`: the fit's points and every HELD_OUT config ran, none with an `--override`;
-rewritten after every point) and OUT/table.md (the validation table). A benchmark: it asserts nothing (tests/experiments/test_validate_sim.py bounds the
-committed run's `mape`, requires `counts_equal` and every HELD_OUT config: `check`).
+rewritten after every point) and OUT/table.md (the validation table). A benchmark: it asserts
+nothing (tests/experiments/test_validate_sim.py bounds the committed run's `mape`, requires
+`counts_equal` and every HELD_OUT config: `check`).
 """
 
 from __future__ import annotations
@@ -311,13 +312,23 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
 
 
 def summary(points: list[dict]) -> dict:
-    """{"mape": {metric: mean |simulated / real - 1| over the held-out points (fractions), for
-    MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real, "complete":
+    """{"mape": {metric: mean |simulated / real - 1| over the held-out points where the metric is
+    defined (fractions), for MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real, "complete":
     whether the points cover the fit and every HELD_OUT config, none run with an extra override} (mape nan
     without held-out points)."""
     held = [p for p in points if p["role"] == "held out"]
-    mape = {k: float(np.mean([abs(p["rel_error"][k]) for p in held])) if held else float("nan") for k in MAPE_METRICS}
+    mape = {k: float(np.mean(v)) if (v := _defined(held, k)) else float("nan") for k in MAPE_METRICS}
     return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points), "complete": not missing(points)}
+
+
+def rel_error(sim: float, real: float) -> float:
+    """sim / real - 1; nan where the metric is undefined both ways (TPOT of one-token outputs: `summary`
+    leaves it out), inf where only one side defines it (a divergence, never left out)."""
+    if np.isnan(sim) and np.isnan(real):
+        return float("nan")
+    if np.isnan(sim) or np.isnan(real):
+        return float("inf")
+    return sim / real - 1
 
 
 def missing(points: list[dict]) -> list[str]:
@@ -362,6 +373,16 @@ def _bound(steps) -> str:
     return "prefill-bound" if pre > 0.5 * sum(s[-1] for s in steps) else "decode-bound"
 
 
+def _defined(points, k) -> list[float]:
+    """|error| of metric k at the points where it is defined (`rel_error`)."""
+    return [abs(p["rel_error"][k]) for p in points if not np.isnan(p["rel_error"][k])]
+
+
+def _median_abs(points, k) -> float:
+    v = _defined(points, k)
+    return statistics.median(v) if v else float("nan")
+
+
 def table(res: dict) -> str:
     f = res["cpu_spec_fit"]
     lines = ["# The simulator against the real engine at laptop scale", "",
@@ -380,21 +401,21 @@ def table(res: dict) -> str:
     for p in res["points"]:
         e = p["rel_error"]
         lines.append(f"| {p['config']} | {p['kv_policy']} | {p['concurrency']} | {p['bound']} | {p['role']} | "
-                     + " | ".join(f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
+                     + " | ".join("n/a" if np.isnan(e[k]) else f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
     held = [p for p in res["points"] if p["role"] == "held out"]
     if held:
         lines += ["", "MAPE over the held-out points: " + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
                   + f"; counts equal at every point: {'yes' if res['counts_equal'] else 'NO'}"]
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
-            f"{k} {statistics.median(abs(p['rel_error'][k]) for p in held):.1%}" for k in METRICS)
-            + "; within 25%: " + ", ".join(f"{k} {sum(abs(p['rel_error'][k]) <= 0.25 for p in held)}/{len(held)}"
-                                          for k in METRICS)]
+            f"{k} {_median_abs(held, k):.1%}" for k in METRICS)
+            + "; within 25%: " + ", ".join(f"{k} {sum(abs(p['rel_error'][k]) <= 0.25 for p in held)}/"
+                                          f"{len(_defined(held, k))}" for k in METRICS)]
     for bound in ("prefill-bound", "decode-bound"):
         pts = [p for p in res["points"] if p["bound"] == bound and p["role"] == "held out"]
         if pts:
             lines.append("")
             lines.append(f"{bound}, held out ({len(pts)} points): median |error| " + ", ".join(
-                f"{k} {statistics.median(abs(p['rel_error'][k]) for p in pts):.1%}" for k in METRICS))
+                f"{k} {_median_abs(pts, k):.1%}" for k in METRICS))
     return "\n".join(lines) + "\n"
 
 
@@ -508,7 +529,7 @@ def main(argv=None) -> dict:
         res_points.append({
             "config": name, "kv_policy": policy, "concurrency": conc, "role": role, "bound": _bound(log.steps),
             "real": {k: m[k] for k in METRICS}, "sim": {k: s[k] for k in METRICS},
-            "rel_error": {k: s[k] / m[k] - 1 for k in METRICS}, "counts_real": counts_real, "counts_sim": counts_sim,
+            "rel_error": {k: rel_error(s[k], m[k]) for k in METRICS}, "counts_real": counts_real, "counts_sim": counts_sim,
             "counts_equal": counts_real == counts_sim, "real_wall_s": m["wall_s"], "overrides": list(extra)})
         print(f"[validate_sim] {name} {policy} c={conc}: " + ", ".join(
             f"{k} {res_points[-1]['rel_error'][k]:+.1%}" for k in METRICS) + f"; counts equal {counts_real == counts_sim}",

@@ -47,7 +47,7 @@ def test_devices_that_share_the_host_take_its_time_times_their_number():
 
 
 def _point(role, errors, equal=True, config="smoke"):
-    return {"role": role, "config": config, "kv_policy": "preempt", "concurrency": 1,
+    return {"role": role, "config": config, "kv_policy": "preempt", "concurrency": 1, "bound": "decode-bound",
             "rel_error": dict(zip(vs.METRICS, errors)), "counts_equal": equal, "counts_real": {}, "counts_sim": {}}
 
 
@@ -66,6 +66,21 @@ def _run(errors=(0.1, 0.1, 0.1, 0.0), equal=True, skip=()):
     points = [_point("fit", errors, config=vs.TRAIN[0])]
     points += [_point("held out", errors, equal, name) for name, *_ in vs.HELD_OUT if name not in skip]
     return {"points": points, **vs.summary(points)}
+
+
+def test_a_metric_undefined_both_ways_is_left_out_and_one_side_only_is_an_error():
+    """TPOT of one-token outputs is nan on both sides (tiered_scaling): out of the mape; nan on one side
+    only is a divergence (inf), which no bound passes."""
+    nan = float("nan")
+    assert vs.rel_error(1.5, 1.0) == pytest.approx(0.5) and vs.rel_error(nan, 2.0) == float("inf")
+    points = [_point("held out", (0.1, vs.rel_error(nan, nan), 0.2, 0.0)), _point("held out", (0.3, 0.2, 0.0, 0.0))]
+    assert vs.summary(points)["mape"] == pytest.approx({"ttft_median_s": 0.2, "tpot_mean_s": 0.2,
+                                                       "throughput_tok_s_per_device": 0.1})
+    points[0]["rel_error"]["tpot_mean_s"] = vs.rel_error(0.01, nan)
+    assert vs.summary(points)["mape"]["tpot_mean_s"] == float("inf")
+    assert "nan" not in vs.table({**_run(), "points": points, "date": "d", "git_revision": "r", "machine": {
+        "cpu": "c", "cpu_count": 2}, "cpu_spec_fit": dict.fromkeys(("shapes", "steps", "flops", "bandwidth",
+        "forward_latency_s", "step_overhead_s", "host_overlap_s", "forward_abs_rel_error_mean"), 1.0)})
 
 
 def test_check_fails_a_run_above_the_bound_with_unequal_counts_or_partial():
