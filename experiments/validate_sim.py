@@ -2,7 +2,14 @@
 
     python -m experiments.validate_sim --out results/validate_sim             # hours on 2 idle cores
     python -m experiments.validate_sim --only smoke,tiered_scaling --out DIR   # held-out configs by name
+    python -m experiments.validate_sim --only dp8 --fit-from DIR --out DIR2    # DIR's fitted spec, no refit
+    python -m experiments.validate_sim --summarize DIR --merge DIR2,DIR3       # DIR's points + theirs
     python -m experiments.validate_sim --summarize results/validate_sim        # mape / table from its points
+
+A run in parts: one invocation fits the spec (and runs what --only names), the others take that spec
+(`--fit-from`) and run the rest, and `--summarize DIR --merge ...` gathers their points into DIR (runs
+with different specs refuse to merge). `--override` shrinks a point (a smaller concurrency, say) to check
+that it runs and that its counts are equal; such points do not make a run complete.
 
 1. Calibrate a CPU HardwareSpec on this machine from the model runner's own forward timings: a grid of
    forward programs of the serve default's model (rows 1 and 4; 1 to 1,024 tokens per row; attention
@@ -34,9 +41,10 @@
 Writes OUT/results.json (the fitted spec, the fit's error on its own forwards and steps, every point
 with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
 points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
-counts equal; rewritten after every point, `complete` says whether all ran) and OUT/table.md (the
-validation table). A benchmark: it asserts nothing (tests/experiments/test_validate_sim.py bounds the
-committed run's `mape` and requires `counts_equal`).
+counts equal; `complete`: the fit's points and every HELD_OUT config ran, none with an `--override`;
+rewritten after every point) and OUT/table.md (the validation table). A benchmark: it asserts
+nothing (tests/experiments/test_validate_sim.py bounds the committed run's `mape`, requires
+`counts_equal` and every HELD_OUT config: `check`).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device", "runni
 MAPE_METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device")  # `summary`'s mape
 COUNTS = ("preemptions", "prefix_hit_rate", "engine_steps", "output_tokens")
 TRAIN = ("serve_default", None, ())
+MAPE_BOUND = 0.25  # the largest committed MAPE of each metric the test accepts
 _MTP3 = "configs/ablations/hisparse_vs_offload_mtp3.py"
 
 
@@ -95,48 +104,72 @@ def cpu_spec(flops: float, bandwidth: float, forward_latency_s: float = 0.0):
 
 
 class StepLog:
-    """Wraps an engine so each step's plan, transfers and wall time are recorded; with `forwards=True`
+    """Wraps an engine so each step's plans, transfers and wall time are recorded; with `forwards=True`
     each forward program is also waited for and timed (its shape and seconds in `forwards`), and so is
     the step (calibration only: a serving engine does not wait for a forward whose logits it does not
-    need)."""
+    need).
+
+    The hooks: `Engine.step` (the step's wall time) and each replica runner's public `execute` (DP x EP:
+    replica 0's `execute_ranks`, which runs every rank's plan), so every replica's plan of a step is seen;
+    the forward timing wraps `ModelRunner._forward`, the one call every non-MTP forward of
+    `ModelRunner.execute` goes through (the calibration serves the serve default: one device, no MTP)."""
 
     def __init__(self, eng, forwards: bool = False):
         import jax
 
-        self.steps: list[tuple] = []  # (plan, d2h bytes, h2d bytes, transfers, wall s)
+        self.steps: list[tuple] = []  # (plans, d2h bytes, h2d bytes, transfers, wall s): plans of every replica
         self.forwards: list[tuple] = []  # (step index, rows, width, window, s)
         self.before_forwards: dict[int, float] = {}  # step index -> host seconds before its first forward
-        rep = eng.replicas[0]
-        runner = rep.runner
-        execute, step, forward = runner.execute, eng.step, runner._forward
-        last: dict = {}
+        step = eng.step
+        last: dict = {"plans": [], "res": []}
 
-        def timed_execute(plan):
-            res = execute(plan)
-            last["plan"], last["res"] = plan, res
-            return res
+        def wrap(runner, name):
+            run = getattr(runner, name)
 
-        def timed_forward(tok, pos, table_mla, table_index, window, hisparse=None):
-            t0 = time.perf_counter()
-            self.before_forwards.setdefault(len(self.steps), t0 - last["t0"])
-            out = jax.block_until_ready(forward(tok, pos, table_mla, table_index, window, hisparse))
-            self.forwards.append((len(self.steps), tok.shape[0], tok.shape[1], window, time.perf_counter() - t0))
-            return out
+            def timed(plan):
+                res = run(plan)
+                plans, results = (plan, res) if name == "execute_ranks" else ([plan], [res])
+                last["plans"] += [p for p in plans if p is not None]
+                last["res"] += [r for r in results if r is not None]
+                return res
+
+            setattr(runner, name, timed)
+
+        runners = [rep.runner for rep in eng.replicas]
+        if eng._lockstep:
+            wrap(runners[0], "execute_ranks")
+        else:
+            for runner in runners:
+                wrap(runner, "execute")
 
         def timed_step():
-            last.clear()
+            last["plans"], last["res"] = [], []
             t0 = last["t0"] = time.perf_counter()
             out = step()
             if forwards:
-                jax.block_until_ready(runner.cache)
+                jax.block_until_ready([r.cache for r in runners])
             dt = time.perf_counter() - t0
-            if "plan" in last:
-                self.steps.append((last["plan"], last["res"].d2h_bytes, last["res"].h2d_bytes,
-                                   len(last["plan"].transfers), dt))
+            if last["plans"]:
+                self.steps.append((tuple(last["plans"]), sum(r.d2h_bytes for r in last["res"]),
+                                   sum(r.h2d_bytes for r in last["res"]),
+                                   sum(len(p.transfers) for p in last["plans"]), dt))
             return out
 
-        runner.execute, eng.step = timed_execute, timed_step
+        eng.step = timed_step
         if forwards:
+            if len(runners) != 1 or runners[0].k:
+                raise ValueError("StepLog(forwards=True) times one runner without MTP (the calibration's serve default)")
+            runner = runners[0]
+            forward = runner._forward
+
+            def timed_forward(tok, pos, *a, **k):
+                t0 = time.perf_counter()
+                self.before_forwards.setdefault(len(self.steps), t0 - last["t0"])
+                out = jax.block_until_ready(forward(tok, pos, *a, **k))
+                window = a[2] if len(a) > 2 else k["window"]
+                self.forwards.append((len(self.steps), tok.shape[0], tok.shape[1], window, time.perf_counter() - t0))
+                return out
+
             runner._forward = timed_forward
 
 
@@ -158,18 +191,33 @@ def _real(cfg, model, policy: str, conc: int, forwards: bool = False) -> tuple[d
     return m, logs[0]
 
 
+def shared_host(hw, overhead: float, overlap: float, devices: int) -> tuple:
+    """(spec, step overhead s, host overlap s) of one of `devices` simulated CPU devices that share this
+    host: every rate divided by `devices` and every fixed time multiplied by it. The real engine runs
+    them on the same cores (DP replicas one after another, a mesh's device programs side by side on one
+    thread pool), so a step that keeps each of N devices busy takes N times the host's time for one;
+    the simulator prices devices that run in parallel. Exact when the devices carry equal work."""
+    if devices == 1:
+        return hw, overhead, overlap
+    return (dataclasses.replace(
+        hw, bf16_flops=hw.bf16_flops / devices, fp8_flops=hw.fp8_flops / devices,
+        hbm_bandwidth=hw.hbm_bandwidth / devices, host_link_bandwidth=hw.host_link_bandwidth / devices,
+        forward_latency_s=hw.forward_latency_s * devices), overhead * devices, overlap * devices)
+
+
 def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0) -> dict:
     from glm53.engine import sim
 
     sim_cfg, _ = serve._model(cfg.model, weights=False)
     make = serve._engine
 
-    def engine(model, c, kv_policy):
-        d = serve._deploy(c, kv_policy)
+    def engine(model, c, kv_policy, tier_root=""):
+        d = serve._deploy(c, kv_policy, tier_root or "unused")  # a simulated filesystem tier writes nothing
         d = dataclasses.replace(d, kv_cache_dtype="float32" if d.kv_cache_dtype == "auto" else d.kv_cache_dtype)
-        return sim.build_engine(model, d, hw, step_overhead_s=overhead, weight_bytes=WEIGHT_BYTES,
+        spec, before, beside = shared_host(hw, overhead, overlap, d.data_parallel_size * d.devices_per_replica)
+        return sim.build_engine(model, d, spec, step_overhead_s=before, weight_bytes=WEIGHT_BYTES,
                                 hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True,
-                                host_overlap_s=overlap)
+                                host_overlap_s=beside, tier_storage=serve._tier_storage(c))
 
     serve._engine = engine
     try:
@@ -264,17 +312,75 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
 
 
 def summary(points: list[dict]) -> dict:
-    """{"mape": {metric: mean |simulated / real - 1| over the held-out points (fractions), for
-    MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real} (mape nan
+    """{"mape": {metric: mean |simulated / real - 1| over the held-out points where the metric is
+    defined (fractions), for MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real, "complete":
+    whether the points cover the fit and every HELD_OUT config, none run with an extra override} (mape nan
     without held-out points)."""
     held = [p for p in points if p["role"] == "held out"]
-    mape = {k: float(np.mean([abs(p["rel_error"][k]) for p in held])) if held else float("nan") for k in MAPE_METRICS}
-    return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points)}
+    mape = {k: float(np.mean(v)) if (v := _defined(held, k)) else float("nan") for k in MAPE_METRICS}
+    return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points), "complete": not missing(points)}
+
+
+def rel_error(sim: float, real: float) -> float:
+    """sim / real - 1; nan where the metric is undefined both ways (TPOT of one-token outputs: `summary`
+    leaves it out), inf where only one side defines it (a divergence, never left out)."""
+    if np.isnan(sim) and np.isnan(real):
+        return float("nan")
+    if np.isnan(sim) or np.isnan(real):
+        return float("inf")
+    return sim / real - 1
+
+
+def missing(points: list[dict]) -> list[str]:
+    """What a run's points lack to be the full validation: the fit's points, each HELD_OUT config by name,
+    and points run with extra overrides (`--override`), which are not the held-out configs as committed."""
+    ran = {p["config"] for p in points if not p.get("overrides")}
+    return ([] if any(p["role"] == "fit" for p in points) else [TRAIN[0]]) + [
+        h[0] for h in HELD_OUT if h[0] not in ran] + sorted(
+        {f"{p['config']} (with {p['overrides']})" for p in points if p.get("overrides")})
+
+
+def check(res: dict, bound: float = MAPE_BOUND) -> list[str]:
+    """Why a validation run `res` (results.json) does not pass: its summary fields differ from what its
+    points give, a MAPE above `bound` (or not a number), counts that differ, a HELD_OUT config it did not
+    run -> problems ([] when it passes)."""
+    problems = []
+    got = summary(res["points"])
+    if {k: res.get(k) for k in got} != got:
+        problems.append(f"mape / counts_equal / complete {[res.get(k) for k in got]} are not its points' {list(got.values())}")
+    problems += [f"mape {k} = {v!r} > {bound}" for k, v in got["mape"].items() if not v <= bound]
+    problems += [f"counts differ: {p['config']} {p['kv_policy']} c={p['concurrency']}: real {p['counts_real']}, "
+                 f"simulated {p['counts_sim']}" for p in res["points"] if not p["counts_equal"]]
+    problems += [f"not run: {m}" for m in missing(res["points"])]
+    return problems
+
+
+def merge(res: dict, other: dict, name: str = "other") -> dict:
+    """`res` with the points of run `other` added (a point of the same config, policy, concurrency and role
+    replaces res's); both must carry the same fitted CPU spec (their simulated sides priced alike)."""
+    if other["cpu_spec_fit"] != res["cpu_spec_fit"]:
+        raise ValueError(f"--merge {name}: its cpu_spec_fit differs from the run it merges into (run it with "
+                         "--fit-from that run)")
+    key = lambda p: (p["config"], p["kv_policy"], p["concurrency"], p["role"])  # noqa: E731
+    new = {key(p) for p in other["points"]}
+    return {**res, "points": [p for p in res["points"] if key(p) not in new] + other["points"],
+            "merged": [*res.get("merged", []), {"from": name, "date": other["date"],
+                                                "git_revision": other["git_revision"]}]}
 
 
 def _bound(steps) -> str:
-    pre = sum(s[-1] for s in steps if any(r.num_tokens > 1 + r.num_draft_tokens for r in s[0].rows))
+    pre = sum(s[-1] for s in steps if any(r.num_tokens > 1 + r.num_draft_tokens for p in s[0] for r in p.rows))
     return "prefill-bound" if pre > 0.5 * sum(s[-1] for s in steps) else "decode-bound"
+
+
+def _defined(points, k) -> list[float]:
+    """|error| of metric k at the points where it is defined (`rel_error`)."""
+    return [abs(p["rel_error"][k]) for p in points if not np.isnan(p["rel_error"][k])]
+
+
+def _median_abs(points, k) -> float:
+    v = _defined(points, k)
+    return statistics.median(v) if v else float("nan")
 
 
 def table(res: dict) -> str:
@@ -285,29 +391,51 @@ def table(res: dict) -> str:
              f"default's own; {f['shapes']} shapes) and the serve default's {f['steps']} steps: {f['flops'] / 1e9:.1f} GFLOP/s, "
              f"{f['bandwidth'] / 1e9:.1f} GB/s, forward latency {f['forward_latency_s'] * 1e3:.2f} ms, host time per step "
              f"{f['step_overhead_s'] * 1e3:.2f} ms before its forwards and {f['host_overlap_s'] * 1e3:.2f} ms beside them; "
-             f"per-shape |error| mean {f['forward_abs_rel_error_mean']:.1%}.", "",
+             f"per-shape |error| mean {f['forward_abs_rel_error_mean']:.1%}"
+             + (f" (the spec of the run in {res['fit_from']})" if res.get("fit_from") else "")
+             + "".join(f"; points of {m['from']} ({m['date']}, {m['git_revision']}) merged" for m in res.get("merged", []))
+             + ".", "",
              "rel error = simulated / real - 1. Counts must be equal (the schedule does not depend on time).", "",
              "| config | policy | c | bound | role | TTFT p50 | TPOT mean | throughput/device | running | counts equal |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for p in res["points"]:
         e = p["rel_error"]
         lines.append(f"| {p['config']} | {p['kv_policy']} | {p['concurrency']} | {p['bound']} | {p['role']} | "
-                     + " | ".join(f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
+                     + " | ".join("n/a" if np.isnan(e[k]) else f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
     held = [p for p in res["points"] if p["role"] == "held out"]
     if held:
         lines += ["", "MAPE over the held-out points: " + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
                   + f"; counts equal at every point: {'yes' if res['counts_equal'] else 'NO'}"]
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
-            f"{k} {statistics.median(abs(p['rel_error'][k]) for p in held):.1%}" for k in METRICS)
-            + "; within 25%: " + ", ".join(f"{k} {sum(abs(p['rel_error'][k]) <= 0.25 for p in held)}/{len(held)}"
-                                          for k in METRICS)]
+            f"{k} {_median_abs(held, k):.1%}" for k in METRICS)
+            + "; within 25%: " + ", ".join(f"{k} {sum(abs(p['rel_error'][k]) <= 0.25 for p in held)}/"
+                                          f"{len(_defined(held, k))}" for k in METRICS)]
     for bound in ("prefill-bound", "decode-bound"):
         pts = [p for p in res["points"] if p["bound"] == bound and p["role"] == "held out"]
         if pts:
             lines.append("")
             lines.append(f"{bound}, held out ({len(pts)} points): median |error| " + ", ".join(
-                f"{k} {statistics.median(abs(p['rel_error'][k]) for p in pts):.1%}" for k in METRICS))
+                f"{k} {_median_abs(pts, k):.1%}" for k in METRICS))
     return "\n".join(lines) + "\n"
+
+
+def calibrate(train_points) -> dict:
+    """The CPU spec fit (`fit`) on the calibration grid and the forwards and steps of the serve default's
+    points `train_points` ((cfg, policy, concurrency, metrics, StepLog with forwards timed, role))."""
+    cfg0 = train_points[0][0]
+    model0, _ = serve._model(cfg0.model)
+    sim_model, _ = serve._model(cfg0.model, weights=False)
+    deploy = serve._deploy(cfg0, cfg0.sweep.kv_policy[0])
+    deploy0 = dataclasses.replace(deploy, kv_cache_dtype="float32").resolved(sim_model, "float32")
+    print("[validate_sim] timing the calibration grid", flush=True)
+    times = time_forward_grid(model0, deploy)
+    logs = [p[4] for p in train_points]
+    served: dict[tuple, list[float]] = {}
+    for log in logs:
+        for _, rows, width, window, s in log.forwards:
+            served.setdefault((rows, width, window), []).append(s)
+    times.update({k: statistics.median(v) for k, v in served.items()})  # the serving rig's own shapes
+    return fit(sim_model, deploy0, times, logs)
 
 
 def main(argv=None) -> dict:
@@ -318,11 +446,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="out/validate_sim", help="directory for the results")
     ap.add_argument("--only", default="", help=f"held-out configs to run, comma-separated (of {[h[0] for h in HELD_OUT]})")
     ap.add_argument("--summarize", default="", metavar="DIR",
-                    help="recompute DIR/results.json's mape and counts_equal and DIR/table.md from its points; run nothing")
+                    help="recompute DIR/results.json's mape, counts_equal and complete and DIR/table.md from its points "
+                         "(with --merge, after adding the points of other runs); run nothing")
+    ap.add_argument("--merge", default="", metavar="DIR,...",
+                    help="with --summarize: add these runs' points to DIR's (a point run again replaces DIR's); "
+                         "each run must carry the same fitted CPU spec")
+    ap.add_argument("--fit-from", default="", metavar="DIR",
+                    help="take the CPU spec fitted by the run in DIR (its results.json) instead of fitting it: no "
+                         "serve-default points, no grid; its held-out points can then be merged into DIR")
+    ap.add_argument("--override", action="append", default=[], metavar="--config.FIELD=VALUE",
+                    help="an extra config override for every held-out config run (e.g. a smaller concurrency); the "
+                         "points record it, and a run with any is not complete")
     args = ap.parse_args(argv)
+    if args.merge and not args.summarize:
+        ap.error("--merge needs --summarize DIR")
     if args.summarize:
         path = Path(args.summarize) / "results.json"
         res = json.loads(path.read_text())
+        for other in (d for d in args.merge.split(",") if d):
+            res = merge(res, json.loads((Path(other) / "results.json").read_text()), other)
         res.update(summary(res["points"]))
         path.write_text(json.dumps(res, indent=1, default=str))
         (path.parent / "table.md").write_text(table(res))
@@ -334,6 +476,7 @@ def main(argv=None) -> dict:
     held_out = [h for h in HELD_OUT if not only or h[0] in only]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    fitted = json.loads((Path(args.fit_from) / "results.json").read_text()) if args.fit_from else None
     from parallel.mesh import set_cpu_device_count
 
     set_cpu_device_count(DEVICES)  # before JAX starts: the multi-device configs' meshes
@@ -348,26 +491,16 @@ def main(argv=None) -> dict:
                 m, log = _real(cfg, model, policy, conc, forwards=role == "fit")
                 yield cfg, policy, conc, m, log, role
 
-    train_points = list(points(*TRAIN, "fit"))
-    cfg0 = train_points[0][0]
-    model0, _ = serve._model(cfg0.model)
-    sim_model, _ = serve._model(cfg0.model, weights=False)
-    deploy = serve._deploy(cfg0, cfg0.sweep.kv_policy[0])
-    deploy0 = dataclasses.replace(deploy, kv_cache_dtype="float32").resolved(sim_model, "float32")
-    print("[validate_sim] timing the calibration grid", flush=True)
-    times = time_forward_grid(model0, deploy)
-    logs = [p[4] for p in train_points]
-    served: dict[tuple, list[float]] = {}
-    for log in logs:
-        for _, rows, width, window, s in log.forwards:
-            served.setdefault((rows, width, window), []).append(s)
-    times.update({k: statistics.median(v) for k, v in served.items()})  # the serving rig's own shapes
-    f = fit(sim_model, deploy0, times, logs)
+    if fitted is None:
+        train_points = list(points(*TRAIN, "fit"))
+        f = calibrate(train_points)
+    else:
+        train_points, f = [], fitted["cpu_spec_fit"]
     hw = cpu_spec(f["flops"], f["bandwidth"], f["forward_latency_s"])
     print(f"[validate_sim] CPU spec: {f['flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.1f} GB/s, forward "
           f"{f['forward_latency_s'] * 1e3:.2f} ms, host {f['step_overhead_s'] * 1e3:.2f} ms before the forwards and "
-          f"{f['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| {f['forward_abs_rel_error_mean']:.1%}",
-          flush=True)
+          f"{f['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| {f['forward_abs_rel_error_mean']:.1%}"
+          + (f" (fitted by {args.fit_from})" if fitted else ""), flush=True)
 
     res_points = []
     meta = {"benchmark": "validate_sim", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
@@ -377,35 +510,38 @@ def main(argv=None) -> dict:
                     "held-out ones run as served; HiSparse misses are exact in the real run and 0 in the simulator "
                     "(the sim's miss knob is off); the simulator prices the runner's padded forwards"}
 
-    def save(complete: bool) -> dict:
+    if fitted is not None:
+        meta["fit_from"] = args.fit_from
+
+    def save() -> dict:
         """results.json and table.md after every point (atomically): a run that stops keeps what it measured."""
-        res = {**meta, "points": res_points, "complete": complete, **summary(res_points)}
+        res = {**meta, "points": res_points, **summary(res_points)}
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(res, indent=1, default=str))
         os.replace(tmp, out / "results.json")
         (out / "table.md").write_text(table(res))
         return res
 
-    def compare(name, cfg, policy, conc, m, log, role):
+    def compare(name, cfg, policy, conc, m, log, role, extra=()):
         s = _sim(cfg, policy, conc, hw, f["step_overhead_s"], f["host_overlap_s"])
         counts_real = {k: m.get(k) for k in COUNTS}
         counts_sim = {k: s.get(k) for k in COUNTS}
         res_points.append({
             "config": name, "kv_policy": policy, "concurrency": conc, "role": role, "bound": _bound(log.steps),
             "real": {k: m[k] for k in METRICS}, "sim": {k: s[k] for k in METRICS},
-            "rel_error": {k: s[k] / m[k] - 1 for k in METRICS}, "counts_real": counts_real, "counts_sim": counts_sim,
-            "counts_equal": counts_real == counts_sim, "real_wall_s": m["wall_s"]})
+            "rel_error": {k: rel_error(s[k], m[k]) for k in METRICS}, "counts_real": counts_real, "counts_sim": counts_sim,
+            "counts_equal": counts_real == counts_sim, "real_wall_s": m["wall_s"], "overrides": list(extra)})
         print(f"[validate_sim] {name} {policy} c={conc}: " + ", ".join(
             f"{k} {res_points[-1]['rel_error'][k]:+.1%}" for k in METRICS) + f"; counts equal {counts_real == counts_sim}",
             flush=True)
-        save(False)
+        save()
 
     for cfg, policy, conc, m, log, role in train_points:
         compare(TRAIN[0], cfg, policy, conc, m, log, "fit")
     for name, path, overrides in held_out:
-        for cfg, policy, conc, m, log, _ in points(name, path, overrides, "held out"):
-            compare(name, cfg, policy, conc, m, log, "held out")
-    res = save(True)
+        for cfg, policy, conc, m, log, _ in points(name, path, (*overrides, *args.override), "held out"):
+            compare(name, cfg, policy, conc, m, log, "held out", args.override)
+    res = save()
     print(table(res))
     return res
 

