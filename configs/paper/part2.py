@@ -24,8 +24,8 @@ starts at t = 0 on cold caches, and 600 s is longer than a session lasts at any 
 sessions in the window started at staggered times. The closed loop keeps all `concurrency` sessions
 running over warm-up and window (a point fails if its pool runs short: serve more sessions); it stops
 when the requests in flight at the window's end have finished and does not run the drain. Every point
-draws its sessions from one trace of SESSIONS sessions (and their subagents), more than the busiest
-point starts in 70 minutes (docs/simulator.md "Part 2 at H200 scale").
+draws its sessions from one trace of SESSIONS sessions (and their subagents), about twice what the
+busiest point starts in 70 minutes (docs/simulator.md "Part 2 at H200 scale").
 
 Every engine runs Part 2's 8,192 batched tokens (experiments.deployments.PART2_BATCHED_TOKENS: vLLM's
 API-server default on an H100 / H200; the brief gives no Part 2 batch limits, and at Part 1's 32,768 a
@@ -48,7 +48,7 @@ from experiments.deployments import PART2_BATCHED_TOKENS, PART2_PAIRS, part2_pd_
 
 WINDOW_S = 3_600.0  # the published points are an hour each
 WARMUP_S = 600.0
-SESSIONS = 384  # top-level sessions (about 780 with subagents); points take them in order
+SESSIONS = 512  # top-level sessions (about 1,040 with subagents); points take them in order
 
 MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
         "synthetic_acceptance_length": 2.99}
