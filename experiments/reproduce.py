@@ -86,12 +86,21 @@ PART2_PUBLISHED = (
     "prefill-bound (up to ~c32)", "beyond c32 HiSparse decode pulls ahead, nearly doubling throughput at c64")
 PD_HTTP_KEYS = ("kv_policy", "concurrency", "throughput_tok_s_per_device", "interactivity_p90_e2e_tok_s_user",
                 "ttft_median_s", "tpot_mean_s", "kv_transfer_received_tokens", "decode_h2d_bytes", "tokens_equal")
-PART2_QUICK = ("--config.sweep.concurrency=(8,)", "--config.workload.median_turns=4.0",
-               "--config.workload.mean_input=20000.0")
+# --quick's one c32 point of each part, so the quick report shows each published comparison's direction:
+# Part 1 serves 32 conversations of 2 turns (all at once); Part 2 a short window of short sessions, with
+# enough of them that the pool stays full over it
+PART1_QUICK = ("--config.sweep.concurrency=(32,)", "--config.workload.sessions=32")
+PART2_QUICK = ("--config.sweep.concurrency=(32,)", "--config.workload.median_turns=4.0",
+               "--config.workload.mean_input=20000.0", "--config.workload.sessions=192",
+               "--config.sweep.window_warmup_s=30.0", "--config.sweep.window_s=120.0")
+# Part 2 at 1M under --quick: c8 until the pool first runs short (no hour, no warm-up)
+PART2_1M_QUICK = ("--config.sweep.concurrency=(8,)", "--config.workload.median_turns=4.0",
+                  "--config.sweep.window_warmup_s=0.0", "--config.sweep.window_s=0.0")
 PART2_NOTE = ("P/D in the simulator (glm53.engine.pd_sim): the decode ranks read the producer's chunks over a 43 GB/s "
               "RDMA NIC each; at 142K the mean input is 80K tokens (the published 142K mean cannot run under a 142K "
-              "limit); each point is measured over its steady window, while all `concurrency` sessions run "
-              "(sweep.measure = 'steady')")
+              "limit); each point is measured over a simulated hour while all `concurrency` sessions run, after a "
+              "600 s warm-up (sweep.measure = 'steady', sweep.window_s, sweep.window_warmup_s; --quick: 120 s after "
+              "30 s)")
 DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
 ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
 
@@ -183,16 +192,25 @@ MANIFEST: tuple[Entry, ...] = (
                "are H200 prices of the tiny model"),
     # ------------------------------------------------------------------ H200 scale, simulated
     Entry("part1_142k", "Part 1: throughput vs interactivity, running requests (142K limit)", "sim", "BRIEF §8",
-          PART1_PUBLISHED, "serve", PART1, quick=("--config.sweep.concurrency=(1, 8)",),
-          committed="results/paper/part1", doc="docs/simulator.md", compare=SERVE_KEYS, note=NO_MTP),
+          PART1_PUBLISHED, "serve", PART1, quick=PART1_QUICK,
+          committed="results/paper/part1", doc="docs/simulator.md", compare=SERVE_KEYS,
+          note=NO_MTP + " Each point serves the 128 conversations start to end (sweep.measure = 'full'); --quick "
+                        "serves 32 of 2 turns at c32"),
     Entry("part1_1m", "Part 1 at a 1M context limit (HiSparse; offload cannot hold a 1M request)", "sim", "BRIEF §8",
           PART1_PUBLISHED, "serve", PART1,
           overrides=("--config.deploy.max_model_len=1048576", "--config.sweep.kv_policy=('hisparse',)"),
           quick=("--config.sweep.concurrency=(1, 8)",), committed="results/paper/part1_1m", doc="docs/simulator.md",
           compare=SERVE_KEYS,
-          note=NO_MTP + " Offload is not swept: a 1M request needs 17,408 blocks at once and the 15 GiB TP8 pool "
-               "has 4,918, so Engine refuses it; HiSparse needs its indexer keys, a chunk, its newest pages "
-               "and a hot buffer (1,603 blocks)"),
+          note=NO_MTP + " The published conversations (they end at 86K tokens) under a 1M limit; sessions that grow "
+               "toward 1M are part1_1m_growing. Offload is not swept: a 1M request needs 17,408 blocks at once and "
+               "the 15 GiB TP8 pool has 4,918, so Engine refuses it; HiSparse needs its indexer keys, a chunk, its "
+               "newest pages and a hot buffer (1,603 blocks)"),
+    Entry("part1_1m_growing", "Ablation: Part 1 at a 1M limit with conversations that grow toward 1M tokens "
+          "(80,960 new tokens a turn instead of 753; HiSparse)", "sim", "BRIEF §8 (not a published workload)", (),
+          "serve", "configs/paper/part1_1m_growing.py", quick=("--config.sweep.concurrency=(1, 8)",),
+          doc="docs/simulator.md", compare=SERVE_KEYS,
+          note=NO_MTP + " Not the published Part 1 workload (that is part1_1m): the last of 13 turns reaches "
+               "1,048,540 tokens. Its full sweep is not committed yet (results/paper/part1_1m_growing)"),
     Entry("part1_mtp3", "Part 1 with MTP3 (synthetic acceptance length 2.99), 142K limit", "sim", "BRIEF §8",
           PART1_PUBLISHED, "serve", PART1_MTP3, quick=("--config.sweep.concurrency=(1, 8)",),
           committed="results/paper/part1_mtp3", doc="docs/simulator.md", compare=SERVE_KEYS + MTP_KEYS,
@@ -268,7 +286,7 @@ MANIFEST: tuple[Entry, ...] = (
                "(KV received over the PdConnector, equal greedy tokens), not H200 speed (that is part2_pd_142k)"),
     Entry("part2_pd_1m", "Part 2 at 1M context: PCP8 x DCP8 prefill + DP8 HiSparse decode, c8-c32", "sim",
           "BRIEF §8 Part 2", ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",),
-          "serve", "configs/paper/part2_1m.py", quick=("--config.sweep.concurrency=(8,)", "--config.workload.median_turns=4.0"),
+          "serve", "configs/paper/part2_1m.py", quick=PART2_1M_QUICK,
           committed="results/paper/part2_1m", doc="docs/simulator.md", compare=PD_KEYS,
           note="every engine at 8,192 batched tokens (the PCP8 x DCP8 x EP8 pool is 15.93 GiB there, 2.3 GiB at "
                "32,768: results/memory_plan); the decode ranks' 64 GiB host split 52 + 12 GiB (a 1M request's MLA "
@@ -360,8 +378,10 @@ def report(entries: list[tuple[Entry, dict]], out: Path, quick: bool, meta: dict
              f"{meta['wall_s']:.0f} s. `python -m experiments.reproduce --out {out}{' --quick' if quick else ''}`.", "",
              "Simulated entries run the real scheduler and policies at GLM-5.3 scale on the calibrated H200 spec "
              "(docs/simulator.md lists what is assumed)." + (
-                 " Under --quick they serve a short window (8 sessions, 2 turns, few concurrency points): "
-                 "the mechanisms and the direction of each comparison, not the published sweep." if quick else ""),
+                 " Under --quick they serve a short window (8 sessions, 2 turns, few concurrency points; Part 1 "
+                 "and Part 2 one c32 point each, 32 conversations of 2 turns and 120 simulated seconds of short "
+                 "sessions): the mechanisms and the direction of each comparison, not the published sweep."
+                 if quick else ""),
              "", "| figure | kind | status | doc | waits for |", "|---|---|---|---|---|"]
     for e, r in entries:
         lines.append(f"| [{e.id}](#{e.id}) | {e.kind} | {r['status']} | {e.doc or '-'} | {e.waits_for or '-'} |")

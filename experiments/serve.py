@@ -60,14 +60,20 @@ def default_config() -> ConfigDict:
                                data_parallel_size=1, prefill_context_parallel_size=1, decode_context_parallel_size=1,
                                dcp_comm_backend="ag_rs", cp_kv_cache_interleave_size=1,
                                enable_expert_parallel=False, tensor_parallel_size=1, kv_cache_memory_bytes=0))
+    # openhands_later_input: the new input tokens of each OpenHands turn after the first (BRIEF §8: 753)
     c.workload = ConfigDict(dict(kind="openhands", sessions=8, scale=1 / 128, turns=13, trace_path="",
-                                 median_turns=43.0, mean_input=142_000.0, think_time_scale=0.0, seed=0))
+                                 median_turns=43.0, mean_input=142_000.0, think_time_scale=0.0, seed=0,
+                                 openhands_later_input=753))
     # sessions_per_user: serve concurrency x this many sessions (0: all the workload's)
     # measure: "full" reports the whole run, drain included (the closed loop's last sessions finishing with
     # fewer and fewer beside them); "steady" stops when the drain begins and reports its window
     # (`steady_window_s`: from the start to the first time a freed slot finds no session to take it;
     # ClosedLoopClient.run)
-    c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4), sessions_per_user=0, measure="full"))
+    # window_warmup_s, window_s (simulated seconds, measure "steady" only): the window starts window_warmup_s
+    # after the start (every session starts at once, on cold caches) and, with window_s > 0, lasts
+    # window_s; the pool must stay full over both (the point fails otherwise: serve more sessions)
+    c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4), sessions_per_user=0, measure="full",
+                              window_warmup_s=0.0, window_s=0.0))
     # P/D deployments (simulator only): a sweep entry naming one of these runs a prefill and a decode engine
     # coupled by the PdConnector (glm53.engine.pd_sim): {name: {"prefill": {DeployConfig fields over
     # `deploy`}, "decode": {...}}}; each side's kv_policy is its own ("offload", or "hisparse" on decode)
@@ -89,7 +95,8 @@ def default_config() -> ConfigDict:
 def build_sessions(w: ConfigDict, max_model_len: int | None = None) -> list[workloads.Session]:
     """The workload's sessions; synthetic sessions end at `max_model_len` (workloads.synthetic_trace)."""
     if w.kind == "openhands":
-        return workloads.openhands_sessions(w.sessions, scale=w.scale, turns=w.turns)
+        return workloads.openhands_sessions(w.sessions, scale=w.scale, turns=w.turns,
+                                            later_input=w.get("openhands_later_input", 753))
     if w.kind == "synthetic":
         return workloads.synthetic_trace(w.sessions, seed=w.seed, scale=w.scale, median_turns=w.median_turns,
                                          mean_input=w.get("mean_input", 142_000.0), max_context=max_model_len)
@@ -257,9 +264,15 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     measure = cfg.sweep.measure
     if measure not in ("full", "steady"):
         raise ValueError(f"sweep.measure must be 'full' or 'steady', got {measure!r}")
+    warmup_s, window_s = cfg.sweep.get("window_warmup_s", 0.0), cfg.sweep.get("window_s", 0.0)
+    if (warmup_s or window_s) and measure != "steady":
+        raise ValueError(f"sweep.window_warmup_s={warmup_s} / sweep.window_s={window_s} bound a steady window: "
+                         "they need sweep.measure='steady'")
     t0 = time.perf_counter()
     with CompileCounter() as compiles:
-        res = client.run(on_step=on_step, stop_at_drain=measure == "steady")
+        # a pool that runs short inside the window is ClosedLoopClient's ValueError ("serve more sessions":
+        # workload.sessions, sweep.sessions_per_user)
+        res = client.run(on_step=on_step, stop_at_drain=measure == "steady", warmup_s=warmup_s, window_s=window_s)
     wall = time.perf_counter() - t0
     bar.close()
     eng.shutdown()
@@ -268,7 +281,8 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
         m = eng.metrics([r for r in res.request_ids if r in eng.finished], window=res.steady_window)
     else:
         m = eng.metrics(res.request_ids)
-    m.update(measure=measure, steady_window_s=list(res.steady_window) if res.steady_window else None)
+    m.update(measure=measure, steady_window_s=list(res.steady_window) if res.steady_window else None,
+             window_warmup_s=warmup_s, window_s=window_s, sessions_started=res.sessions_started)
     pd = _pd_deployment(cfg, kv_policy)
     if pd is not None:  # what follows reads the decode engine; the pair's own figures are in m already
         m.update(prefill=pd.get("prefill_name", "prefill"), decode=pd.get("decode_name", "decode"),

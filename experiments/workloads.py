@@ -443,11 +443,13 @@ class ClientResult:
     request_ids: list[str]  # every request the client sent, in order
     sessions_done: int
     steps: int  # engine steps the client ran (a step may only move KV; the final drain is not counted)
-    # (start, saturated until) on the engine clock: from the run's start to the first time a slot of the
+    # (start, end) on the engine clock. By default from the run's start to the first time a slot of the
     # pool fell free with no session to take it (none left, or only subagents whose parents have not
-    # reached their branch point); from then on fewer than `concurrency` sessions run. None when the
-    # first fill already fell short (no more eligible sessions than concurrency): no steady part.
+    # reached their branch point); from then on fewer than `concurrency` sessions run. With run()'s
+    # warmup_s / window_s: (start + warmup_s, start + warmup_s + window_s), all of it saturated. None when
+    # the first fill already fell short (no more eligible sessions than concurrency): no steady part.
     steady_window: tuple[float, float] | None = None
+    sessions_started: int = 0  # sessions that sent at least one request
 
 
 class ClosedLoopClient:
@@ -495,14 +497,23 @@ class ClosedLoopClient:
         new = self.rng.integers(0, self.vocab_size, t.input_tokens, dtype=np.int32)
         return new if live.context is None else np.concatenate([live.context, new])
 
-    def run(self, on_step: Callable[[object], None] | None = None, stop_at_drain: bool = False) -> ClientResult:
+    def run(self, on_step: Callable[[object], None] | None = None, stop_at_drain: bool = False,
+            warmup_s: float = 0.0, window_s: float = 0.0) -> ClientResult:
         """Run every session to its end. on_step(engine) is called after each engine step.
 
         stop_at_drain: at the end of `ClientResult.steady_window` (the pool first ran short), stop once
         every request in flight then has finished, instead of running the drain, in which fewer and
         fewer sessions are left (with heavy-tailed session lengths and subagents waiting on their parents
         it can be most of a run; docs/simulator.md "Part 2"). Requests sent after the window may be
-        unfinished: the engine is the caller's to shut down."""
+        unfinished: the engine is the caller's to shut down.
+        warmup_s, window_s (simulated seconds, need stop_at_drain): the window starts warmup_s after the
+        run's start (its first requests all arrive at once, with cold caches) and, with window_s > 0,
+        lasts window_s: the run stops there as at the drain. The pool must stay full over all of it
+        (ValueError naming the time it ran short otherwise: serve more sessions)."""
+        if (warmup_s or window_s) and not stop_at_drain:
+            raise ValueError("warmup_s / window_s measure a steady window: they need stop_at_drain=True")
+        if warmup_s < 0 or window_s < 0:
+            raise ValueError(f"warmup_s and window_s must be >= 0, got {warmup_s}, {window_s}")
         eng, clock = self.engine, self.engine.clock
         self.done_turns = {}
         pending = list(self.sessions)
@@ -511,8 +522,18 @@ class ClosedLoopClient:
         sent: list[str] = []
         steps = done = 0
         start = clock.now()
+        begin, end = start + warmup_s, start + warmup_s + window_s if window_s else None
         window, before_end = None, set()  # requests in flight when the window ended
         filled = False  # the first fill is done
+        started = 0
+
+        def short() -> tuple[float, float]:  # the pool ran short now: the window up to here
+            if (warmup_s or window_s) and clock.now() < (begin if end is None else end):
+                raise ValueError(f"the pool of {self.concurrency} ran short of sessions at "
+                                 f"t={clock.now() - start:.1f} s, before the end of the warm-up ({warmup_s:g} s) "
+                                 f"and window ({window_s:g} s): serve more sessions")
+            return begin, clock.now()
+
         while pending or active:
             while len(active) < self.concurrency:
                 nxt = next((s for s in pending if self._eligible(s)), None)
@@ -526,10 +547,12 @@ class ClosedLoopClient:
                 if not saturated and stop_at_drain:
                     raise ValueError(f"stop_at_drain: {len(active)} eligible sessions at concurrency "
                                      f"{self.concurrency}: no steady part; run more sessions than concurrency")
+            elif end is not None and window is None and clock.now() >= end:
+                window, before_end = (begin, end), set(by_req)
             elif saturated and window is None and len(active) < self.concurrency:
-                window, before_end = (start, clock.now()), set(by_req)
+                window, before_end = short(), set(by_req)
             if stop_at_drain and window is not None and before_end.isdisjoint(by_req):
-                return ClientResult(sent, done, steps, window)
+                return ClientResult(sent, done, steps, window, started)
             now = clock.now()
             for live in active:
                 if live.in_flight is None and live.ready_s <= now:
@@ -542,6 +565,7 @@ class ClosedLoopClient:
                     live.in_flight = rid
                     by_req[rid] = live
                     sent.append(rid)
+                    started += live.turn == 0
             if not eng.has_unfinished():
                 waits = [lv.ready_s for lv in active if lv.in_flight is None]
                 if not waits:
@@ -573,6 +597,8 @@ class ClosedLoopClient:
             steps += 1
             if on_step is not None:
                 on_step(eng)
+        if window is None and filled and saturated:  # every slot was busy until the last sessions ended together
+            window = short()
         while eng.has_unfinished():  # no request left: the last KV transfers (parking the last turns) run
             eng.step()
-        return ClientResult(sent, done, steps, window)
+        return ClientResult(sent, done, steps, window, started)

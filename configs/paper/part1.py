@@ -3,10 +3,12 @@
 GLM-5.3 on one 8 x H200 node, TP8, fp8 KV cache (fp8_ds_mla rows, fp8 indexer keys, 64-token blocks),
 max_num_batched_tokens 32,768, max_num_seqs 256, prefix caching on; OpenHands sessions (13 turns;
 74,160 first-turn tokens, 753 new tokens per later turn, 220 output tokens), 128 conversations;
-concurrency 1, 8, 16, 24, 32; HiSparse (384 GiB HiSparse host pool + 128 GiB offload pool for idle
+concurrency 1, 8, 16, 24, 32, each point serving all 128 conversations start to end (its window is those
+conversations: `sweep.measure = "full"`); HiSparse (384 GiB HiSparse host pool + 128 GiB offload pool for idle
 indexer keys) against offload (512 GiB): experiments.deployments' "tp8_hisparse" and "tp8_offload", whose
 layout (64-token MLA pages, 1,024-token indexer pages) and batch limits this config takes. Context limit 142K (142,000 tokens, vLLM's "142k"); the 1M
-point is the same config with --config.deploy.max_model_len=1048576.
+point is the same config (the same conversations) with --config.deploy.max_model_len=1048576; sessions
+that grow toward 1M tokens are a separate ablation, configs/paper/part1_1m_growing.py.
 
 Device KV budget: BRIEF §2's ~15 GiB per GPU under TP8 (glm53.perfmodel.PUBLISHED_KV_BUDGET_BYTES_TP8),
 until the full-size issue's memory plan derives it. One token per decode step (num_speculative_tokens
@@ -46,5 +48,8 @@ def get_config():
     c.workload.turns = 13
     c.sweep.kv_policy = ("hisparse", "offload")
     c.sweep.concurrency = (1, 8, 16, 24, 32)
+    # the published workload is the window: every point serves all 128 conversations to their end
+    c.sweep.sessions_per_user = 0
+    c.sweep.measure = "full"
     c.warmup = "none"
     return c

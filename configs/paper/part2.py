@@ -18,9 +18,14 @@ run under a 142K limit (a session's prompts grow to about 1.7x their mean), so a
 80K (prompts grow to about 133K; a session, or a subagent, that reaches the limit ends there) and at 1M
 it is the published 142K.
 
-Each point is measured over its steady window (sweep.measure = "steady", experiments/serve.py): from
-the start until the closed loop first cannot fill a free slot; the drain after it is not run. Four
-sessions per slot keep that window long (docs/simulator.md "Part 2 at H200 scale").
+Each point is measured over a full simulated hour of steady state (sweep.measure = "steady",
+window_s = 3,600) after a warm-up of WARMUP_S = 600 simulated seconds that is not counted: every session
+starts at t = 0 on cold caches, and 600 s is longer than a session lasts at any point of the sweep, so the
+sessions in the window started at staggered times. The closed loop keeps all `concurrency` sessions
+running over warm-up and window (a point fails if its pool runs short: serve more sessions); it stops
+when the requests in flight at the window's end have finished and does not run the drain. Every point
+draws its sessions from one trace of SESSIONS sessions (and their subagents), about twice what the
+busiest point starts in 70 minutes (docs/simulator.md "Part 2 at H200 scale").
 
 Every engine runs Part 2's 8,192 batched tokens (experiments.deployments.PART2_BATCHED_TOKENS: vLLM's
 API-server default on an H100 / H200; the brief gives no Part 2 batch limits, and at Part 1's 32,768 a
@@ -41,6 +46,10 @@ from pathlib import Path
 from experiments.common import load_config
 from experiments.deployments import PART2_BATCHED_TOKENS, PART2_PAIRS, part2_pd_deployments
 
+WINDOW_S = 3_600.0  # the published points are an hour each
+WARMUP_S = 600.0
+SESSIONS = 512  # top-level sessions (about 1,040 with subagents); points take them in order
+
 MTP3 = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
         "synthetic_acceptance_length": 2.99}
 
@@ -55,15 +64,17 @@ def get_config():
     c.policy_deploy = {}
     c.pd.deployments = part2_pd_deployments(d.max_model_len)
     c.workload.kind = "synthetic"
-    c.workload.sessions = 128
+    c.workload.sessions = SESSIONS
     c.workload.scale = 1.0
     c.workload.median_turns = 43.0
     c.workload.mean_input = 80_000.0
     c.sweep.kv_policy = tuple(PART2_PAIRS)
     c.sweep.concurrency = (8, 16, 32, 48, 64)
-    # each point: 4 sessions per concurrency slot, measured over the window in which all `concurrency`
-    # sessions run (sweep.measure "steady"): with ~43-turn, heavy-tailed sessions and subagents that wait
-    # on their parents, the drain after it was most of a full run (c=64: 25 of 64 running on average)
-    c.sweep.sessions_per_user = 4
+    # each point: an hour while all `concurrency` sessions run, after a warm-up (sweep.measure "steady"): with
+    # ~43-turn, heavy-tailed sessions and subagents that wait on their parents, the drain after the pool
+    # first runs short was most of a full run (c=64: 25 of 64 running on average)
+    c.sweep.sessions_per_user = 0
     c.sweep.measure = "steady"
+    c.sweep.window_warmup_s = WARMUP_S
+    c.sweep.window_s = WINDOW_S
     return c

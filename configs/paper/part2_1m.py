@@ -14,7 +14,8 @@ configs/paper/part2.py's deployments, with what 1M changes:
 Only "pcp_dcp+hisparse" is swept: the engine refuses the other two at 1M, each with the reason
 (tests/engine/test_pd_sim.py checks it): a DP8 prefill rank's pool (15.59 GiB) holds 5,111 of the
 17,408 blocks of one 1M request, and an offload decode rank (15.59 GiB, no DCP) cannot hold one either.
-Concurrency 8 to 32, as published.
+Concurrency 8 to 32, as published; each point measured as part2.py's: an hour of steady state after a
+600 s warm-up, its sessions drawn from one trace.
 
     python -m experiments.serve --config configs/paper/part2_1m.py --out results/paper/part2_1m
 """

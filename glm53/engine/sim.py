@@ -72,16 +72,18 @@ SIM_DTYPE = "bfloat16"  # what "auto" KV means for a model without weights (the 
 
 
 def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | None = None,
-               verify: str = "batched") -> Deployment:
+               verify: str = "batched", dcp_prefill_gather: str = "fp8_rows") -> Deployment:
     """The performance model's view of one replica of `deploy` (kv_cache_dtype resolved, KVSizes').
     weight_bytes: bytes per matmul weight (None: the FP8 checkpoint's). verify: the MTP verify form its
-    runner computes (SpeculativeConfig.verify_form)."""
+    runner computes (SpeculativeConfig.verify_form). dcp_prefill_gather: what a PCP x DCP prefill gathers
+    (Deployment.dcp_prefill_gather)."""
     extra = {} if weight_bytes is None else {"weight_bytes": weight_bytes}
     return Deployment(**extra, tp=deploy.tensor_parallel_size, pcp=deploy.prefill_context_parallel_size,
                       dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
                       include_mtp=deploy.num_speculative_tokens > 0, verify=verify,
+                      dcp_prefill_gather=dcp_prefill_gather,
                       dp=deploy.data_parallel_size if deploy.experts_across_ranks else 1,
                       **deploy.policy.sim_deployment(deploy))
 
@@ -194,7 +196,10 @@ class SimRunner(SyntheticRunner):
         # hot buffer cannot hold the union of a step's selections; sequential on CPU)
         self.verify_mode = spec.verify_form(hw.platform, rows_limit=deploy.policy.verify_rows_limit(sizes),
                                             index_topk=cfg.index_topk) if spec else None
-        self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched")
+        # on a GPU spec the PCP x DCP prefill gathers as vLLM's FLASHMLA_SPARSE path does (each rank's shard
+        # up-converted to bf16); the CPU spec prices this project's engine, which gathers fp8 rows
+        self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched",
+                              "bf16_shard" if hw.flashmla_kernels else "fp8_rows")
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0

@@ -100,6 +100,8 @@ def test_at_1m_only_pcp_dcp_prefill_with_hisparse_decode_can_be_built():
     pair = serve._engine(model, cfg, "pcp_dcp+hisparse")
     assert pair.prefill.deploy.prefill_context_parallel_size == 8 and pair.decode.deploy.kv_policy == "hisparse"
     assert pair.prefill.deploy.max_model_len == pair.decode.deploy.max_model_len == 1_048_576
+    # on the H200 spec the PCP x DCP prefill is priced gathering as vLLM does (bf16 shards), not fp8 rows
+    assert pair.prefill.replicas[0].runner.dep.dcp_prefill_gather == "bf16_shard"
     for name in ("dp+hisparse", "pcp_dcp+offload"):
         with pytest.raises(ValueError, match="fewer than one request of max_model_len=1048576"):
             serve._engine(model, cfg, name)

@@ -92,3 +92,63 @@ def test_an_unknown_figure_id_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         reproduce.main(["--out", str(tmp_path), "--only", "no_such_figure"])
     assert "unknown figure ids ['no_such_figure']" in capsys.readouterr().err
+
+
+def _quick_status(e: reproduce.Entry) -> str:
+    """The status --quick gives an entry of this kind (reproduce._run_entry)."""
+    return {"not_built": "not built", "real_heavy": "redrawn from committed" if e.experiment != "memory_plan"
+            else "ran (step programs' memory analyses reused", "sim": "ran (short window)"}.get(e.kind, "ran")
+
+
+def test_the_committed_quick_report_matches_the_manifest():
+    """results/reproduce_quick is the manifest as it is: the same entries in the same order with the same
+    kinds, a not-built entry reported not built and every built one run (or redrawn) as --quick runs its
+    kind, nothing failed; report.md's table says the same as reproduce.json. Adding, building or
+    retiring an entry without rerunning `python -m experiments.reproduce --out results/reproduce_quick
+    --quick` fails here."""
+    committed = json.loads((REPO / "results/reproduce_quick/reproduce.json").read_text())
+    assert committed["quick"] is True
+    figures = committed["figures"]
+    assert [(f["id"], f["kind"]) for f in figures] == [(e.id, e.kind) for e in reproduce.MANIFEST]
+    rows = {}
+    for line in (REPO / "results/reproduce_quick/report.md").read_text().splitlines():
+        if line.startswith("| [") and "](#" in line:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0].split("]")[0][1:]] = (cells[1], cells[2])
+    assert list(rows) == [e.id for e in reproduce.MANIFEST]
+    for e, f in zip(reproduce.MANIFEST, figures):
+        assert f["status"].startswith(_quick_status(e)), (e.id, e.kind, f["status"])
+        assert rows[e.id] == (e.kind, f["status"]), e.id
+        if e.kind == "not_built":
+            assert f["waits_for"] == e.waits_for, e.id
+        elif e.kind == "sim":  # what ran is the entry's config with its overrides and --quick's
+            assert f["argv"][:2] == ["--config", e.config] and f["runs"], e.id
+            assert f["argv"][-len(e.quick or reproduce.QUICK_SIM):] == list(e.quick or reproduce.QUICK_SIM), e.id
+
+
+def test_windows_and_workloads_of_the_published_parts():
+    """Part 1 serves the published workload whole (128 conversations of 13 turns: 74,160 first-turn
+    tokens, 753 later, 220 out; the window is those conversations), at 142K and at 1M alike; the
+    conversations that grow toward 1M are the separately labelled part1_1m_growing; each Part 2 point is
+    an hour of steady state after a warm-up; --quick keeps one c32 point of each part."""
+    by_id = {e.id: e for e in reproduce.MANIFEST}
+
+    def cfg(e, quick=False):
+        extra = [*reproduce.QUICK_SIM, *e.quick] if quick else []
+        return load_config(str(REPO / e.config), [*e.overrides, *extra])
+
+    p1, p1m, grow = cfg(by_id["part1_142k"]), cfg(by_id["part1_1m"]), cfg(by_id["part1_1m_growing"])
+    sessions = serve.build_sessions(p1.workload, p1.deploy.max_model_len)
+    assert len(sessions) == 128 and p1.sweep.measure == "full" and p1.sweep.sessions_per_user == 0
+    assert {tuple((t.input_tokens, t.output_tokens) for t in s.turns) for s in sessions} == {
+        ((74_160, 220),) + ((753, 220),) * 12}
+    assert p1m.deploy.max_model_len == grow.deploy.max_model_len == 1_048_576
+    assert serve.build_sessions(p1m.workload, p1m.deploy.max_model_len) == sessions
+    grown = serve.build_sessions(grow.workload, grow.deploy.max_model_len)
+    assert len(grown) == 128 and {len(s.turns) for s in grown} == {13}
+    assert 1_048_576 - 64 * 12 < max(s.max_context_tokens() for s in grown) <= 1_048_576
+    for i in ("part2_pd_142k", "part2_pd_1m"):
+        c = cfg(by_id[i])
+        assert (c.sweep.measure, c.sweep.window_s, c.sweep.window_warmup_s) == ("steady", 3600.0, 600.0), i
+    for i in ("part1_142k", "part2_pd_142k"):
+        assert tuple(cfg(by_id[i], quick=True).sweep.concurrency) == (32,), i

@@ -138,7 +138,7 @@ def test_steady_measure_stops_at_the_drain_and_reports_its_window(tmp_path):
     args = ["--config", str(serve.REPO / "configs/paper/part2.py"), "--no-progress", "--compile-cache", "",
             "--config.workload.sessions=6", "--config.workload.scale=0.015625", "--config.workload.median_turns=4.0",
             "--config.sweep.concurrency=(2,)", "--config.sweep.kv_policy=('pcp_dcp+hisparse',)",
-            "--config.sweep.sessions_per_user=3"]
+            "--config.sweep.sessions_per_user=3", "--config.sweep.window_warmup_s=0.0", "--config.sweep.window_s=0.0"]
     full = serve.main(args + ["--out", str(tmp_path / "full"), "--config.sweep.measure=full"])
     steady = serve.main(args + ["--out", str(tmp_path / "steady"), "--config.sweep.measure=steady"])
     assert full["measure"] == "full" and steady["measure"] == "steady"
@@ -150,3 +150,19 @@ def test_steady_measure_stops_at_the_drain_and_reports_its_window(tmp_path):
     assert steady["running_requests_mean"] > full["running_requests_mean"]
     with pytest.raises(ValueError, match="measure"):
         serve.main(args + ["--out", str(tmp_path / "bad"), "--config.sweep.measure=steadyish"])
+    # a window after a warm-up, both inside the pool's full part: the figures are that window's, recorded with
+    # the point, and the run stops once the requests in flight at its end have finished
+    w0, w = round(t1 / 4, 3), round(t1 / 2, 3)
+    win = serve.main(args + ["--out", str(tmp_path / "win"), "--config.sweep.measure=steady",
+                             f"--config.sweep.window_warmup_s={w0}", f"--config.sweep.window_s={w}"])
+    assert win["steady_window_s"] == [w0, w0 + w] and win["duration_s"] == pytest.approx(w)
+    assert (win["window_warmup_s"], win["window_s"]) == (w0, w)
+    assert (steady["window_warmup_s"], steady["window_s"]) == (0, 0)
+    assert w0 + w <= win["simulated_s"] < steady["simulated_s"] and 0 < win["requests"] < steady["requests"]
+    assert 0 < win["sessions_started"] <= steady["sessions_started"] <= 6
+    with pytest.raises(ValueError, match="need sweep.measure='steady'"):
+        serve.main(args + ["--out", str(tmp_path / "bad"), "--config.sweep.measure=full",
+                           f"--config.sweep.window_s={w}"])
+    with pytest.raises(ValueError, match="ran short of sessions"):  # the pool runs short at t1, inside this window
+        serve.main(args + ["--out", str(tmp_path / "short"), "--config.sweep.measure=steady",
+                           f"--config.sweep.window_s={t1 * 2}"])

@@ -185,6 +185,31 @@ def test_closed_loop_client_steady_window_and_stop_at_drain():
                                make_params=lambda n: n).run().steady_window is None
 
 
+def test_closed_loop_client_window_after_a_warm_up():
+    """warmup_s / window_s: the window is (warm-up, warm-up + window) on the engine clock, the run stops
+    once the requests in flight at its end have finished, and a pool that runs short of sessions inside
+    it is an error (the window would not be steady)."""
+    t = wl.Turn
+    one = lambda i: wl.Session(f"s{i}", f"u{i}", (t(64, 2, 0.0, (1,)),), "trace")  # noqa: E731  2 steps each
+    make = lambda n: wl.ClosedLoopClient(FakeEngine(), [one(i) for i in range(n)], concurrency=2,  # noqa: E731
+                                         vocab_size=50, make_params=lambda n: n)
+    # pairs of sessions start at t = 0, 2, 4, ...; at t=5 the window (1, 5) ends with s4, s5 in flight
+    # (sent at 4); they finish at 6 and the run stops there: s6 and s7 took the slots but sent nothing
+    c = make(12)
+    res = c.run(stop_at_drain=True, warmup_s=1.0, window_s=4.0)
+    assert res.steady_window == (1.0, 5.0) and c.engine.clock.now() == 6.0
+    assert len(res.request_ids) == 6 and res.sessions_started == 6 and res.sessions_done == 6
+    # a warm-up alone: from its end to where the pool ran short (12 sessions: the last pair starts at 10
+    # and ends at 12, when no session is left)
+    assert make(12).run(stop_at_drain=True, warmup_s=3.0).steady_window == (3.0, 12.0)
+    with pytest.raises(ValueError, match=r"ran short of sessions at t=6.0 s"):  # 6 sessions last to t=6
+        make(6).run(stop_at_drain=True, warmup_s=1.0, window_s=6.0)
+    with pytest.raises(ValueError, match="ran short of sessions at t=2.0 s, before the end of the warm-up"):
+        make(3).run(stop_at_drain=True, warmup_s=3.0)
+    with pytest.raises(ValueError, match="need stop_at_drain"):
+        make(12).run(window_s=4.0)
+
+
 def test_client_rejects_sessions_over_the_admission_limit():
     with pytest.raises(ValueError, match="max_model_len"):
         wl.ClosedLoopClient(FakeEngine(), wl.openhands_sessions(1, scale=1 / 100), 1, vocab_size=10,
