@@ -143,6 +143,10 @@ class SimRunner(SyntheticRunner):
     step_overhead_s: fixed time per step beyond the kernels (launch, scheduling, sampling; default 0: an
         *assumption* until calibrated).
     hisparse_miss_fraction: see the module docstring (*assumed*).
+    expert_load_imbalance: routing skew, the busiest EP rank's routed tokens over the mean (default 1.0:
+        balanced); prices that rank's grouped expert GEMMs (and, outside DP x EP, its all-to-alls:
+        `Deployment.expert_load_imbalance`). The DP x EP all-to-alls (`all2all_cost`) move the engine's
+        fixed capacity slots, which a skew does not change.
     weight_bytes: bytes per matmul weight parameter (None: the FP8 checkpoint; 4 for a float32 model).
     pad_like_runner: price the shapes this project's model runner executes instead of the plan's own
         work: one forward per width bucket (`glm53.engine.runner.forward_groups`), each of its padded
@@ -169,7 +173,7 @@ class SimRunner(SyntheticRunner):
                  step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, weight_bytes: float | None = None,
                  token=None, record: bool = False, pad_like_runner: bool = False, async_dispatch: bool = False,
                  host_overlap_s: float = 0.0, clock: VirtualClock | None = None,
-                 tier_storage: typing.Mapping[str, StorageSpec] | None = None):
+                 tier_storage: typing.Mapping[str, StorageSpec] | None = None, expert_load_imbalance: float = 1.0):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
         if not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1:
@@ -194,7 +198,8 @@ class SimRunner(SyntheticRunner):
         # hot buffer cannot hold the union of a step's selections; sequential on CPU)
         self.verify_mode = spec.verify_form(hw.platform, rows_limit=deploy.policy.verify_rows_limit(sizes),
                                             index_topk=cfg.index_topk) if spec else None
-        self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched")
+        self.dep = dataclasses.replace(deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched"),
+                                       expert_load_imbalance=expert_load_imbalance)
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0
