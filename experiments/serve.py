@@ -67,7 +67,10 @@ def default_config() -> ConfigDict:
     # fewer and fewer beside them); "steady" stops when the drain begins and reports its window
     # (`steady_window_s`: from the start to the first time a freed slot finds no session to take it;
     # ClosedLoopClient.run)
-    c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4), sessions_per_user=0, measure="full"))
+    # window_s: measure at most this many (simulated) seconds from the start, then stop once the requests in
+    # flight have finished (0: no limit; ClosedLoopClient.run): a long sweep cut to a window that fits
+    c.sweep = ConfigDict(dict(kv_policy=("preempt",), concurrency=(1, 2, 4), sessions_per_user=0, measure="full",
+                              window_s=0.0))
     # P/D deployments (simulator only): a sweep entry naming one of these runs a prefill and a decode engine
     # coupled by the PdConnector (glm53.engine.pd_sim): {name: {"prefill": {DeployConfig fields over
     # `deploy`}, "decode": {...}}}; each side's kv_policy is its own ("offload", or "hisparse" on decode)
@@ -260,17 +263,21 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
     if measure not in ("full", "steady"):
         raise ValueError(f"sweep.measure must be 'full' or 'steady', got {measure!r}")
     t0 = time.perf_counter()
+    window_s = cfg.sweep.get("window_s", 0.0) or None
+    if window_s is not None and not window_s > 0:
+        raise ValueError(f"sweep.window_s must be > 0 (or 0: no window), got {window_s!r}")
     with CompileCounter() as compiles:
-        res = client.run(on_step=on_step, stop_at_drain=measure == "steady")
+        res = client.run(on_step=on_step, stop_at_drain=measure == "steady", window_s=window_s)
     wall = time.perf_counter() - t0
     bar.close()
     eng.shutdown()
     tiers.cleanup()
-    if measure == "steady":  # the figures over the steady window; requests sent after it are left unfinished
+    if measure == "steady" or (window_s and res.steady_window):  # over the window; later requests left unfinished
         m = eng.metrics([r for r in res.request_ids if r in eng.finished], window=res.steady_window)
     else:
         m = eng.metrics(res.request_ids)
-    m.update(measure=measure, steady_window_s=list(res.steady_window) if res.steady_window else None)
+    m.update(measure=measure, steady_window_s=list(res.steady_window) if res.steady_window else None,
+             window_limit_s=window_s)
     pd = _pd_deployment(cfg, kv_policy)
     if pd is not None:  # what follows reads the decode engine; the pair's own figures are in m already
         m.update(prefill=pd.get("prefill_name", "prefill"), decode=pd.get("decode_name", "decode"),

@@ -495,14 +495,19 @@ class ClosedLoopClient:
         new = self.rng.integers(0, self.vocab_size, t.input_tokens, dtype=np.int32)
         return new if live.context is None else np.concatenate([live.context, new])
 
-    def run(self, on_step: Callable[[object], None] | None = None, stop_at_drain: bool = False) -> ClientResult:
+    def run(self, on_step: Callable[[object], None] | None = None, stop_at_drain: bool = False,
+            window_s: float | None = None) -> ClientResult:
         """Run every session to its end. on_step(engine) is called after each engine step.
 
         stop_at_drain: at the end of `ClientResult.steady_window` (the pool first ran short), stop once
         every request in flight then has finished, instead of running the drain, in which fewer and
         fewer sessions are left (with heavy-tailed session lengths and subagents waiting on their parents
         it can be most of a run; docs/simulator.md "Part 2"). Requests sent after the window may be
-        unfinished: the engine is the caller's to shut down."""
+        unfinished: the engine is the caller's to shut down.
+
+        window_s: end the window (`ClientResult.steady_window`) at most this many clock seconds after the
+        start, and stop as stop_at_drain does once the requests in flight then have finished (a run cut
+        to a window that fits; the figures over it are the caller's, `Engine.metrics(window=...)`)."""
         eng, clock = self.engine, self.engine.clock
         self.done_turns = {}
         pending = list(self.sessions)
@@ -528,7 +533,9 @@ class ClosedLoopClient:
                                      f"{self.concurrency}: no steady part; run more sessions than concurrency")
             elif saturated and window is None and len(active) < self.concurrency:
                 window, before_end = (start, clock.now()), set(by_req)
-            if stop_at_drain and window is not None and before_end.isdisjoint(by_req):
+            if window_s is not None and window is None and clock.now() - start >= window_s:
+                window, before_end = (start, start + window_s), set(by_req)
+            if (stop_at_drain or window_s is not None) and window is not None and before_end.isdisjoint(by_req):
                 return ClientResult(sent, done, steps, window)
             now = clock.now()
             for live in active:
