@@ -42,7 +42,9 @@ GiB = 1 << 30
 PART1, PART2 = "configs/paper/part1.py", "configs/paper/part2.py"
 ENTRY_KEYS = ("running_requests_mean", "throughput_tok_s_per_gpu", "interactivity_tok_s_user")
 EXTRA_KEYS = ("interactivity_p90_e2e_tok_s_user", "ttft_median_s", "tpot_mean_s", "requests", "simulated_s",
-              "steady_window_s", "wall_s", "device_kv_budget_bytes_per_gpu", "num_gpu_blocks", "preemptions")
+              "steady_window_s", "wall_s", "engine_steps", "device_kv_budget_bytes_per_gpu", "num_gpu_blocks",
+              "preemptions", "sim_hot_miss_rows", "assumed_hisparse_miss_fraction", "assumed_step_overhead_s",
+              "assumed_expert_load_imbalance")
 # vLLM RFC 6854 (published.json "step_overheads"): about 4 ms of GPU bubble per decode step in its profiled trace
 # (5-13 ms stated), before multi-step and asynchronous scheduling: an upper end for today's vLLM
 CITED_STEP_OVERHEAD_S = 4e-3
@@ -59,13 +61,17 @@ class Figure:
     policies: tuple[str, ...]
     overrides: tuple[str, ...] = ()
     experts_on_ranks: bool = False  # EP: whole experts per rank (a routing skew unbalances the GPUs)
+    quick: tuple[str, ...] = ()  # further overrides under --quick
+    quick_concurrency: int | None = None
 
 
 FIGURES = {
     "part1": Figure(PART1, 32, ("hisparse", "offload")),
     # the published 1M point is HiSparse alone (offload cannot hold a 1M request: reproduce's part1_1m)
     "part1_1m": Figure(PART1, 32, ("hisparse",), ("--config.deploy.max_model_len=1048576",)),
-    "part2": Figure(PART2, 64, ("pcp_dcp+hisparse",), experts_on_ranks=True),
+    "part2": Figure(PART2, 64, ("pcp_dcp+hisparse",), experts_on_ranks=True,
+                    quick=("--config.workload.median_turns=4.0", "--config.workload.mean_input=20000.0"),
+                    quick_concurrency=8),
 }
 
 
@@ -105,13 +111,17 @@ def applies(knob: str, fig: Figure, policy: str) -> bool:
     return True
 
 
-def base_config(fig: Figure, policy: str, window_s: float):
+def base_config(fig: Figure, policy: str, window_s: float, quick: bool = False):
     """The published config of one (figure, policy) at its concurrency, cut to `window_s` simulated seconds."""
-    cfg = load_config(str(REPO / fig.config), fig.overrides)
+    cfg = load_config(str(REPO / fig.config), fig.overrides + (fig.quick if quick else ()))
     cfg.sweep.kv_policy = (policy,)
-    cfg.sweep.concurrency = (fig.concurrency,)
+    cfg.sweep.concurrency = (concurrency(fig, quick),)
     cfg.sweep.window_s = float(window_s)
     return cfg
+
+
+def concurrency(fig: Figure, quick: bool) -> int:
+    return fig.quick_concurrency if quick and fig.quick_concurrency else fig.concurrency
 
 
 def kv_budgets(cfg, policy: str) -> tuple[int, int]:
@@ -175,24 +185,23 @@ def point_key(fname: str, policy: str, knob: str, value, is_default: bool) -> st
     return f"{fname}|{policy}|default" if is_default else f"{fname}|{policy}|{knob}={value!r}"
 
 
-def run_point(fname: str, policy: str, knob: str, value, is_default: bool, window_s: float) -> dict:
+def run_point(fname: str, policy: str, knob: str, value, is_default: bool, window_s: float, quick: bool = False) -> dict:
     """One simulated serve point -> its metrics (experiments.serve.run_one)."""
     from experiments import serve
 
     fig = FIGURES[fname]
-    cfg = base_config(fig, policy, window_s)
+    cfg = base_config(fig, policy, window_s, quick)
     if not is_default:
         if knob == "kv_budget":
             set_kv_budget(cfg, policy, value)
         else:
             cfg.runner[RUNNER_KEY[knob]] = float(value)
     model, _ = serve._model(cfg.model, weights=False)
-    return serve.run_one(model, cfg, policy, fig.concurrency, progress=False)
+    return serve.run_one(model, cfg, policy, concurrency(fig, quick), progress=False)
 
 
 def entry(knob: str, fname: str, policy: str, value, is_default: bool, m: dict) -> dict:
-    fig = FIGURES[fname]
-    return {"value": value, "figure": fname, "concurrency": fig.concurrency, "kv_policy": policy,
+    return {"value": value, "figure": fname, "concurrency": m["concurrency"], "kv_policy": policy,
             **{k: m.get(k) for k in ENTRY_KEYS}, "default": is_default, "max_model_len": m.get("max_model_len"),
             **{k: m.get(k) for k in EXTRA_KEYS}}
 
@@ -287,7 +296,7 @@ def run(out: Path, figures=tuple(FIGURES), knobs=tuple(KNOBS), *, window_s: floa
             break
         t = time.perf_counter()
         runs[key] = entry(knob, fname, policy, value, is_default,
-                          run_point(fname, policy, knob, value, is_default, window_s)) | {"key": key}
+                          run_point(fname, policy, knob, value, is_default, window_s, quick)) | {"key": key}
         save()
         log(f"{key}: {time.perf_counter() - t:.0f} s wall; throughput {runs[key]['throughput_tok_s_per_gpu']:.0f} "
             f"tok/s/GPU, interactivity {runs[key]['interactivity_tok_s_user']:.1f} tok/s/user")
@@ -303,11 +312,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--figures", default=",".join(FIGURES), help=f"comma-separated, from {list(FIGURES)}")
     ap.add_argument("--window-s", type=float, default=300.0, help="simulated seconds measured per point")
     ap.add_argument("--budget-s", type=float, default=None, help="start no point after this much wall time")
-    ap.add_argument("--quick", action="store_true", help="Part 1 at 142K only, one value per knob, 60 s window")
+    ap.add_argument("--quick", action="store_true", help="one value per knob, 60 s window: Part 1 at 142K (expert_skew: "
+                                                           "Part 2 at c8 with short sessions)")
     a = ap.parse_args(argv)
     figures, window = a.figures.split(","), a.window_s
     if a.quick:
-        figures, window = ["part1"], 60.0
+        figures, window = (["part2"] if a.knobs == "expert_skew" else ["part1"]), 60.0
     return run(Path(a.out), figures, a.knobs.split(","), window_s=window, quick=a.quick, budget_s=a.budget_s)
 
 
