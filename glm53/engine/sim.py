@@ -23,6 +23,8 @@ What the simulator does not know (it has no arrays), and assumes instead:
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
+- expert routing: balanced across EP ranks unless `expert_load_imbalance` (the busiest rank's routed
+  tokens over the mean) says otherwise;
 - HiSparse prefill staging (a chunk over host-only pages, kvcache.views.StagingView): per chunk,
   min(chunk tokens x top-k, the row's host-only rows) rows per layer cross the link, i.e. every
   host-only row the chunk could select, once: exact while the chunk's distinct selections fit the
