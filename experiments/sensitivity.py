@@ -84,9 +84,9 @@ class Knob:
 
 
 KNOBS = {
-    "hisparse_miss_fraction": Knob(0.1, (0.02, 0.3), "assumed (docs/simulator.md): no indexer scores at "
+    "hisparse_miss_fraction": Knob(0.1, (0.02, 0.05, 0.2, 0.3), "assumed (docs/simulator.md): no indexer scores at "
                                    "scale to measure the resolver's hit rate"),
-    "step_overhead_s": Knob(0.0, (1e-3, 2e-3, CITED_STEP_OVERHEAD_S),
+    "step_overhead_s": Knob(0.0, (0.5e-3, 1e-3, 2e-3, CITED_STEP_OVERHEAD_S),
                             "assumed 0; cited: vLLM RFC 6854's profiled ~4 ms GPU bubble per decode step (5-13 ms "
                             "stated; before multi-step and asynchronous scheduling), glm53/perfmodel/published.json",
                             (CITED_STEP_OVERHEAD_S,)),
