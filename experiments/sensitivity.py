@@ -23,7 +23,8 @@ Writes OUT/results.json: {"knobs": {knob: [{"value", "figure", "concurrency", "k
 "running_requests_mean", "throughput_tok_s_per_gpu", "interactivity_tok_s_user", ...}]}, "knob_info" (each
 knob's default, its source, the values cited), "window_s", "complete", "missing" (points not run yet),
 date / commit / machine}, and OUT/<knob>.png (throughput and interactivity vs the knob, the default and the
-cited values marked), OUT/table.md (each value's change from the default). Results are saved after each point and a rerun skips the points already there.
+cited values marked), OUT/table.md (each value's change from the default). Results are saved after each
+point and a rerun skips the points already there.
 """
 
 from __future__ import annotations

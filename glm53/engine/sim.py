@@ -200,8 +200,8 @@ class SimRunner(SyntheticRunner):
         # hot buffer cannot hold the union of a step's selections; sequential on CPU)
         self.verify_mode = spec.verify_form(hw.platform, rows_limit=deploy.policy.verify_rows_limit(sizes),
                                             index_topk=cfg.index_topk) if spec else None
-        self.dep = dataclasses.replace(deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched"),
-                                       expert_load_imbalance=expert_load_imbalance)
+        dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched")
+        self.dep = dataclasses.replace(dep, expert_load_imbalance=expert_load_imbalance)
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0

@@ -62,7 +62,8 @@ def test_the_reproduce_entry_waits_for_the_measured_spec_then_runs_both(tmp_path
         assert reproduce.MANIFEST[[e.id for e in reproduce.MANIFEST].index(reproduce.MEASURED_ID)] == entry
         r = reproduce._run_entry(entry, tmp_path / entry.id, True, {})
         assert r["status"] == "not built" and "issue 45" in r["waits_for"]
-    monkeypatch.setitem(hw_mod.HARDWARE, "h200_measured", dataclasses.replace(H200_CALIBRATED, **_NO_GROUPED_FIT, **TRUE))
+    monkeypatch.setitem(hw_mod.HARDWARE, "h200_measured",
+                        dataclasses.replace(H200_CALIBRATED, **_NO_GROUPED_FIT, **TRUE))
     entry = reproduce.measured_entry()
     assert entry.kind == "sim" and entry.hardware == ("h200", "h200_measured")
     assert "--config.sweep.concurrency=(32,)" in entry.overrides
