@@ -30,7 +30,7 @@ from experiments.common import REPO, cpu_name, git_revision
 from glm53.perfmodel import calibration as cal
 
 
-def table(gemm: dict, coll: dict, mla: dict, host: dict, idx: dict) -> str:
+def table(gemm: dict, coll: dict, mla: dict, host: dict, idx: dict, moe: dict | None = None) -> str:
     """The validation table in markdown: rel_error = predicted time / measured time - 1."""
     out = ["# Kernels and links: the calibrated model against published measurements", "",
            "`rel_error` = predicted time / measured time - 1 (negative: the model is faster than measured). "
@@ -41,6 +41,11 @@ def table(gemm: dict, coll: dict, mla: dict, host: dict, idx: dict) -> str:
             shape = f"{r['kind']} g={r['groups']} m={r['m']} n={r['n']} k={r['k']}"
             out.append(f"| FP8 GEMM (DeepGEMM, H800) | {shape} | {r['measured_us']:.1f} us | {r['predicted_us']:.1f} us "
                        f"| {r['rel_error']:+.1%} | {role} |")
+    for role, rows in (("fit", (moe or {}).get("train_rows", ())), ("held out", (moe or {}).get("holdout_rows", ()))):
+        for r in rows:
+            shape = f"{r['kind']} g={r['groups']} m={r['m']} n={r['n']} k={r['k']}"
+            out.append(f"| grouped FP8 GEMM, MoE fit (DeepGEMM, H800) | {shape} | {r['measured_us']:.1f} us | "
+                       f"{r['predicted_us']:.1f} us | {r['rel_error']:+.1%} | {role} |")
     for fam, f in coll["families"].items():
         for r in f["train_rows"]:
             out.append(f"| {fam} ({r['source']}) | {r['op']} | {r['busbw_gbps']:.0f} GB/s bus | (fit: eff "
@@ -164,18 +169,22 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=time.strftime("%Y-%m-%d"), git_revision=git_revision(),
                 machine={"cpu": cpu_name(), "cpu_count": os.cpu_count()})
-    res = {"gemm": cal.calibrate_gemm(), "collectives": cal.calibrate_collectives(),
+    res = {"gemm": cal.calibrate_gemm(), "moe_gemm": cal.calibrate_moe_gemm(), "collectives": cal.calibrate_collectives(),
            "sparse_mla": cal.calibrate_sparse_mla(), "indexer": cal.calibrate_indexer(),
            "host_copy": cal.check_host_copy(),
            "calibrated_spec": {"fields": cal.calibrated_fields(), "spec": "glm53.perfmodel.H200_CALIBRATED"}}
     for name, r in res.items():
         (out / f"{name}.json").write_text(json.dumps({**r, **meta}, indent=1))
     (out / "table.md").write_text(table(res["gemm"], res["collectives"], res["sparse_mla"], res["host_copy"],
-                                        res["indexer"]))
+                                        res["indexer"], res["moe_gemm"]))
     f = res["gemm"]["fit"]
     print(f"FP8 GEMM (DeepGEMM, H800): compute_eff {f['compute_eff']:.2f}, memory_eff {f['memory_eff']:.2f}, "
           f"launch {f['launch_s'] * 1e6:.1f} us; holdout |error| mean {res['gemm']['holdout_mean_abs_rel_error']:.1%}, "
           f"max {res['gemm']['holdout_max_abs_rel_error']:.1%} ({len(res['gemm']['holdout_rows'])} rows)")
+    f = res["moe_gemm"]["fit"]
+    print(f"grouped FP8 GEMM (MoE): compute_eff {f['compute_eff']:.2f}, memory_eff {f['memory_eff']:.2f}, exposed "
+          f"{f['exposed']:.1f}, launch {f['launch_s'] * 1e6:.1f} us; holdout |error| mean "
+          f"{res['moe_gemm']['holdout_mean_abs_rel_error']:.1%}, max {res['moe_gemm']['holdout_max_abs_rel_error']:.1%}")
     for fam, v in res["collectives"]["families"].items():
         print(f"{fam}: link efficiency {v['efficiency']:.2f} (held-out max |error| "
               f"{'-' if v['holdout_max_abs_rel_error'] is None else format(v['holdout_max_abs_rel_error'], '.1%')})")
@@ -187,7 +196,7 @@ def main(argv=None) -> dict:
           f"{i['fit']['indexer_latency_s'] * 1e6:.1f} us; held-out |error| mean {i['holdout_mean_abs_rel_error']:.1%}, "
           f"max {i['holdout_max_abs_rel_error']:.1%} ({len(i['holdout_rows'])} rows)")
     print(f"host copies: max |error| {res['host_copy']['max_abs_rel_error']:.1%}")
-    print(f"wrote {out}/{{gemm,collectives,sparse_mla,indexer,host_copy,calibrated_spec}}.json and table.md")
+    print(f"wrote {out}/{{gemm,moe_gemm,collectives,sparse_mla,indexer,host_copy,calibrated_spec}}.json and table.md")
     return res
 
 

@@ -101,6 +101,8 @@ PART2_NOTE = ("P/D in the simulator (glm53.engine.pd_sim): the decode ranks read
               "limit); each point is measured over a simulated hour while all `concurrency` sessions run, after a "
               "600 s warm-up (sweep.measure = 'steady', sweep.window_s, sweep.window_warmup_s; --quick: 120 s after "
               "30 s)")
+SENSITIVITY_KEYS = ("value", "figure", "kv_policy", "concurrency", "throughput_tok_s_per_gpu", "interactivity_tok_s_user",
+                    "running_requests_mean")
 DCP_TP8 = ("--config.deploy.decode_context_parallel_size=8", "--config.sweep.kv_policy=('offload',)")
 ABLATION_WINDOW = ("--config.sweep.concurrency=(8,)",)
 
@@ -293,6 +295,11 @@ MANIFEST: tuple[Entry, ...] = (
                "pages are 50.6 GiB). The engine refuses DP8 prefill and offload decode at 1M "
                "(tests/engine/test_pd_sim.py), so only pcp_dcp+hisparse is swept"),
     measured_entry(),
+    *(Entry(f"sensitivity_{knob}", f"Sensitivity of Part 1 (c32, 142K and 1M) and Part 2 (c64) to {knob}", "sim",
+            "issue 53 item 2", (), "sensitivity", doc="docs/simulator.md", compare=SENSITIVITY_KEYS,
+            note="each point over a window of simulated time (experiments.sensitivity); --quick: Part 1 at 142K, "
+                 "the default and one other value, a 60 s window")
+      for knob in ("hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew")),
     # ------------------------------------------------------------------ not built yet
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),
@@ -340,6 +347,13 @@ def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
         (out / "results.json").write_text(json.dumps(res, indent=1))
         return {"status": f"redrawn from committed {e.committed}/results.json ({res.get('date', '?')}, "
                           f"commit {str(res.get('git_revision', '?'))[:10]})", "runs": _runs(res, e)}
+    if e.experiment == "sensitivity":  # one knob of the sweep, its own runs
+        from experiments import sensitivity
+
+        knob = e.id.removeprefix("sensitivity_")
+        res = sensitivity.main(["--out", str(out), "--knobs", knob, *(["--quick"] if quick else [])])
+        return {"status": "ran" + (" (short window)" if quick else ""),
+                "runs": [{k: r.get(k) for k in e.compare} for r in res["knobs"][knob]]}
     if e.experiment == "pd_http":  # its own processes (router, prefill and decode servers)
         from experiments import pd_http
 

@@ -23,6 +23,8 @@ What the simulator does not know (it has no arrays), and assumes instead:
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
+- expert routing: balanced across EP ranks unless `expert_load_imbalance` (the busiest rank's routed
+  tokens over the mean) says otherwise;
 - HiSparse prefill staging (a chunk over host-only pages, kvcache.views.StagingView): per chunk,
   min(chunk tokens x top-k, the row's host-only rows) rows per layer cross the link, i.e. every
   host-only row the chunk could select, once: exact while the chunk's distinct selections fit the
@@ -145,6 +147,10 @@ class SimRunner(SyntheticRunner):
     step_overhead_s: fixed time per step beyond the kernels (launch, scheduling, sampling; default 0: an
         *assumption* until calibrated).
     hisparse_miss_fraction: see the module docstring (*assumed*).
+    expert_load_imbalance: routing skew, the busiest EP rank's routed tokens over the mean (default 1.0:
+        balanced); prices that rank's grouped expert GEMMs (and, outside DP x EP, its all-to-alls:
+        `Deployment.expert_load_imbalance`). The DP x EP all-to-alls (`all2all_cost`) move the engine's
+        fixed capacity slots, which a skew does not change.
     weight_bytes: bytes per matmul weight parameter (None: the FP8 checkpoint; 4 for a float32 model).
     pad_like_runner: price the shapes this project's model runner executes instead of the plan's own
         work: one forward per width bucket (`glm53.engine.runner.forward_groups`), each of its padded
@@ -171,7 +177,7 @@ class SimRunner(SyntheticRunner):
                  step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, weight_bytes: float | None = None,
                  token=None, record: bool = False, pad_like_runner: bool = False, async_dispatch: bool = False,
                  host_overlap_s: float = 0.0, clock: VirtualClock | None = None,
-                 tier_storage: typing.Mapping[str, StorageSpec] | None = None):
+                 tier_storage: typing.Mapping[str, StorageSpec] | None = None, expert_load_imbalance: float = 1.0):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
         if not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1:
@@ -198,8 +204,9 @@ class SimRunner(SyntheticRunner):
                                             index_topk=cfg.index_topk) if spec else None
         # on a GPU spec the PCP x DCP prefill gathers as vLLM's FLASHMLA_SPARSE path does (each rank's shard
         # up-converted to bf16); the CPU spec prices this project's engine, which gathers fp8 rows
-        self.dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched",
-                              "bf16_shard" if hw.flashmla_kernels else "fp8_rows")
+        dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched",
+                         "bf16_shard" if hw.flashmla_kernels else "fp8_rows")
+        self.dep = dataclasses.replace(dep, expert_load_imbalance=expert_load_imbalance)
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0

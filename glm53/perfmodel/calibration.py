@@ -2,7 +2,8 @@
 
 Each op family gets a small physical model whose few parameters are fitted on some rows of a published
 table and checked on the others (never on an end-to-end serving figure). So far: FP8 GEMMs (DeepGEMM's
-H800 table: dense, grouped-contiguous and grouped-masked shapes of DeepSeek-V3 inference).
+H800 table: dense, grouped-contiguous and grouped-masked shapes of DeepSeek-V3 inference), and the
+routed experts' grouped GEMMs on that table's grouped rows alone (`calibrate_moe_gemm`).
 
 Every comparison reports rel_error = predicted time / measured time - 1 (for a bandwidth or FLOP rate:
 measured rate / predicted rate - 1). `calibrated_fields()` collects the fitted values that
@@ -146,6 +147,73 @@ def calibrate_gemm(published: dict | None = None) -> dict:
             "fit": dataclasses.asdict(fit), "train_rows": report(train), "holdout_rows": held,
             "holdout_mean_abs_rel_error": sum(abs(r["rel_error"]) for r in held) / len(held),
             "holdout_max_abs_rel_error": max(abs(r["rel_error"]) for r in held)}
+
+
+# ------------------------------------------------------------------------------- grouped (MoE) GEMMs
+MOE_EXPOSED = np.arange(0, 11) / 10
+# the held-out grouped rows: the middle group count of each layout (masked 2 x 512, contiguous 8 x 4,096), so
+# the fit sees both shapes (n 4,096 / k 7,168 and n 7,168 / k 2,048) and both ends of the group counts
+MOE_HOLDOUT = (("grouped_masked", 2), ("grouped_contiguous", 8))
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmFit:
+    compute_eff: float
+    memory_eff: float
+    launch_s: float
+    exposed: float
+
+    def time_s(self, row: GemmRow, flops_peak: float = H800_FP8_FLOPS, hbm: float = H800_HBM_BYTES_PER_S) -> float:
+        c, m = row.flops / (flops_peak * self.compute_eff), row.bytes / (hbm * self.memory_eff)
+        return max(c, m) + self.exposed * min(c, m) + self.launch_s
+
+
+def fit_grouped_gemm(rows: list[GemmRow]) -> GroupedGemmFit:
+    """`cost._grouped_gemm`'s four constants, least mean |log(predicted / measured)| over the grid
+    (efficiencies in steps of 0.01, exposed fraction in steps of 0.1, fixed time in steps of 0.5 us); ties
+    go to the first in (compute, memory, exposed, fixed time) order, the grids ascending."""
+    meas = np.array([r.measured_s for r in rows])
+    flops = np.array([r.flops for r in rows]) / H800_FP8_FLOPS
+    byts = np.array([r.bytes for r in rows]) / H800_HBM_BYTES_PER_S
+    ce, me, ex, lat = GEMM_EFFICIENCIES, GEMM_EFFICIENCIES, MOE_EXPOSED, GEMM_LAUNCHES_S
+    best = (math.inf, 0, 0, 0, 0)
+    for i, c in enumerate(ce):
+        comp = flops / c  # [R]
+        mem = byts[None, :] / me[:, None]  # [M, R]
+        hi, lo = np.maximum(comp[None], mem), np.minimum(comp[None], mem)
+        pred = hi[:, None, None, :] + ex[None, :, None, None] * lo[:, None, None, :] + lat[None, None, :, None]
+        err = np.abs(np.log(pred / meas)).mean(-1)  # [M, X, T]
+        j, k, t = np.unravel_index(int(np.argmin(err)), err.shape)
+        if err[j, k, t] < best[0]:
+            best = (float(err[j, k, t]), i, j, k, t)
+    _, i, j, k, t = best
+    return GroupedGemmFit(float(ce[i]), float(me[j]), float(lat[t]), float(ex[k]))
+
+
+def calibrate_moe_gemm(published: dict | None = None) -> dict:
+    """The routed experts' grouped GEMMs fitted on DeepGEMM's grouped rows (contiguous and masked: the
+    masked ones are MoE decode, a few tokens per expert), the `MOE_HOLDOUT` rows held out; beside it, what
+    the dense fit (`calibrate_gemm`, which priced the experts before) gives on every grouped row."""
+    rows = [r for r in gemm_rows(published) if r.kind != "dense"]
+    test = [r for r in rows if (r.kind, r.groups) in MOE_HOLDOUT]
+    train = [r for r in rows if (r.kind, r.groups) not in MOE_HOLDOUT]
+    fit = fit_grouped_gemm(train)
+    dense = GemmFit(**calibrate_gemm(published)["fit"])
+
+    def report(rs):
+        return [{"kind": r.kind, "groups": r.groups, "m": r.m, "n": r.n, "k": r.k, "measured_us": r.measured_s * 1e6,
+                 "predicted_us": fit.time_s(r) * 1e6, "rel_error": fit.time_s(r) / r.measured_s - 1,
+                 "dense_fit_rel_error": dense.time_s(r) / r.measured_s - 1} for r in rs]
+
+    held = report(test)
+    return {"model": "max(C, M) + exposed x min(C, M) + launch_s; C = flops / (fp8_peak x compute_eff), "
+                     "M = bytes / (hbm x memory_eff)",
+            "hardware": "H800 SXM5 (DeepGEMM README at commit 327ec92)", "fit": dataclasses.asdict(fit),
+            "holdout": [f"{k} groups={g}" for k, g in MOE_HOLDOUT], "train_rows": report(train), "holdout_rows": held,
+            "holdout_mean_abs_rel_error": sum(abs(r["rel_error"]) for r in held) / len(held),
+            "holdout_max_abs_rel_error": max(abs(r["rel_error"]) for r in held),
+            "dense_fit_mean_abs_rel_error_all_grouped_rows": float(np.mean(
+                [abs(dense.time_s(r) / r.measured_s - 1) for r in rows]))}
 
 
 # ------------------------------------------------------------------------------------------ collectives
@@ -406,7 +474,9 @@ def calibrated_fields(published: dict | None = None) -> dict:
     fams = calibrate_collectives(published)["families"]
     mla = calibrate_sparse_mla(published)["fit"]
     idx = calibrate_indexer(published)["fit"]
-    return {"gemm_efficiency": g["compute_eff"], "gemm_memory_efficiency": g["memory_eff"],
+    moe = calibrate_moe_gemm(published)["fit"]
+    return {"moe_gemm_efficiency": moe["compute_eff"], "moe_gemm_memory_efficiency": moe["memory_eff"],
+            "moe_gemm_latency_s": moe["launch_s"], "moe_gemm_exposed_fraction": moe["exposed"],"gemm_efficiency": g["compute_eff"], "gemm_memory_efficiency": g["memory_eff"],
             "gemm_latency_s": g["launch_s"], "all_to_all_efficiency": fams["all_to_all"]["efficiency"],
             "nvlink_efficiency": fams["all_gather"]["efficiency"],
             "all_reduce_efficiency": fams["all_reduce"]["efficiency"], **mla, **idx}

@@ -100,6 +100,17 @@ def _gemm(name: str, hw: HardwareSpec, *, flops: float, hbm_bytes: float, dtype:
                 memory_s=memory_s, latency_s=lat, time_s=max(compute_s, memory_s) + lat)
 
 
+def _grouped_gemm(name: str, hw: HardwareSpec, *, flops: float, hbm_bytes: float, dtype: str = "bf16") -> Cost:
+    """One grouped GEMM kernel (the routed experts): max(C, M) + exposed x min(C, M) + fixed time, with C and M
+    at hw's grouped-GEMM efficiencies (`HardwareSpec.moe_gemm`; the dense `_gemm` where the spec has none)."""
+    ce, me, lat, exposed = hw.moe_gemm()
+    compute_s = flops / (hw.peak_flops(dtype) * ce)
+    memory_s = hbm_bytes / (hw.hbm_bandwidth * me)
+    return Cost(name=name, kind="kernel", flops=flops, useful_flops=flops, hbm_bytes=hbm_bytes, compute_s=compute_s,
+                memory_s=memory_s, latency_s=lat,
+                time_s=max(compute_s, memory_s) + exposed * min(compute_s, memory_s) + lat)
+
+
 def _collective(name: str, hw: HardwareSpec, *, recv_bytes: float, hbm_bytes: float, n: int,
                 op: str = "all_gather") -> Cost:
     if n <= 1 or recv_bytes <= 0:

@@ -83,6 +83,11 @@ class HardwareSpec:
         The bf16 sparse prefill kernel runs at sparse_attention_efficiency in that model.
       indexer_efficiency / indexer_latency_s: fp8 MQA-logits (lightning indexer) compute fraction of the fp8
         peak and fixed time per call (default matmul_efficiency, 0).
+      moe_gemm_efficiency / moe_gemm_memory_efficiency / moe_gemm_latency_s / moe_gemm_exposed_fraction: the
+        routed experts' grouped GEMMs (`cost._grouped_gemm`), priced max(C, M) + exposed x min(C, M) +
+        latency: a grouped kernel streams a weight matrix per group, and the fit on DeepGEMM's grouped rows
+        finds part of the shorter of compute and weight streaming not hidden behind the other. None: the
+        dense GEMM's roofline (gemm_eff, gemm_latency_s, nothing exposed).
     """
 
     name: str = "H200 SXM"
@@ -118,6 +123,10 @@ class HardwareSpec:
     sparse_decode_overhead_blocks: int = 5
     indexer_efficiency: float | None = None
     indexer_latency_s: float = 0.0
+    moe_gemm_efficiency: float | None = None
+    moe_gemm_memory_efficiency: float | None = None
+    moe_gemm_latency_s: float | None = None
+    moe_gemm_exposed_fraction: float | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -129,7 +138,7 @@ class HardwareSpec:
                     raise ValueError(f"HardwareSpec.{f.name} must be >= 0, got {v!r}")
             elif not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"HardwareSpec.{f.name} must be positive, got {v!r}")
-            if f.name.endswith("efficiency") and v > 1:
+            if (f.name.endswith("efficiency") or f.name.endswith("fraction")) and v > 1:
                 raise ValueError(f"HardwareSpec.{f.name} is a fraction of peak, must be <= 1, got {v!r}")
 
     @property
@@ -141,6 +150,13 @@ class HardwareSpec:
         """(compute, memory) efficiency of a GEMM kernel."""
         return (self.matmul_efficiency if self.gemm_efficiency is None else self.gemm_efficiency,
                 self.hbm_efficiency if self.gemm_memory_efficiency is None else self.gemm_memory_efficiency)
+
+    def moe_gemm(self) -> tuple[float, float, float, float]:
+        """(compute efficiency, memory efficiency, fixed time s, exposed fraction) of a grouped expert GEMM."""
+        if self.moe_gemm_efficiency is None:
+            return (*self.gemm_eff(), self.gemm_latency_s, 0.0)
+        return (self.moe_gemm_efficiency, self.moe_gemm_memory_efficiency, self.moe_gemm_latency_s or 0.0,
+                self.moe_gemm_exposed_fraction or 0.0)
 
     def link_eff(self, collective: str) -> float:
         """Link efficiency of a collective: "all_to_all" | "all_reduce" | anything else (all-gather,
@@ -183,7 +199,9 @@ H200 = HardwareSpec()
 # what `calibration.calibrated_fields()` computes, checked by tests/glm53/test_calibration.py; sources
 # in published.json and docs/perfmodel_sources.md):
 # - GEMMs: roofline + fixed time fitted on half of DeepGEMM's H800 FP8 table (held-out error: see
-#   results/calibration/gemm.json);
+#   results/calibration/gemm.json); the routed experts' grouped GEMMs: their own fit on DeepGEMM's grouped
+#   rows (contiguous and masked), with part of the shorter of compute and weight streaming exposed
+#   (results/calibration/moe_gemm.json);
 # - all-to-all: DeepEP's intranode NVLink dispatch / combine bandwidths (H100, H20), median of half;
 # - all-gather / reduce-scatter: the NCCL maintainer's expected ring bus bandwidth on 8 x H100 (370 GB/s);
 # - all-reduce: NVLS bus bandwidth measured on 8 x H200 (475 GB/s) exceeds the ring model's link bound,
@@ -198,7 +216,8 @@ H200 = HardwareSpec()
 H200_CALIBRATED = dataclasses.replace(
     H200, name="H200 SXM (calibrated)", gemm_efficiency=0.68, gemm_memory_efficiency=1.0, gemm_latency_s=4.5e-6,
     all_to_all_efficiency=0.73, nvlink_efficiency=0.82, all_reduce_efficiency=1.0,
-    sparse_decode_efficiency=0.865, sparse_decode_latency_s=12.6e-6, indexer_efficiency=0.59, indexer_latency_s=13e-6)
+    sparse_decode_efficiency=0.865, sparse_decode_latency_s=12.6e-6, indexer_efficiency=0.59, indexer_latency_s=13e-6,
+    moe_gemm_efficiency=0.72, moe_gemm_memory_efficiency=1.0, moe_gemm_latency_s=6e-6, moe_gemm_exposed_fraction=0.4)
 
 # H200 with the efficiencies of this codebase's own kernels, fitted on a committed H200 run of
 # experiments.bench_gpu (glm53.perfmodel.measured.fit_measured; the kernel rows fit, the slice rows check).
@@ -213,8 +232,10 @@ MEASURED_PENDING = ("hardware 'h200_measured' waits for a device run: a complete
 def _measured_spec(path: Path = MEASURED_SPEC) -> HardwareSpec | None:
     if not path.exists():
         return None
+    # its one GEMM fit prices the routed experts too: the published grouped fit is dropped (measured.fit_measured)
     return dataclasses.replace(H200_CALIBRATED, name="H200 SXM (measured: this codebase's kernels)",
-                               **json.loads(path.read_text())["fields"])
+                               moe_gemm_efficiency=None, moe_gemm_memory_efficiency=None, moe_gemm_latency_s=None,
+                               moe_gemm_exposed_fraction=None, **json.loads(path.read_text())["fields"])
 
 
 H200_MEASURED = _measured_spec()

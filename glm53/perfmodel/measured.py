@@ -196,9 +196,15 @@ def fit_rows(results: dict) -> list[dict]:
             and r.get("default", True) and r["op"] != "hisparse_resolve"]
 
 
+# the "gemm" family's fields price the routed experts too (its ops include "moe"): a measured spec drops the
+# published grouped-GEMM fit (HardwareSpec.moe_gemm_*) so that one fit covers both
+_NO_GROUPED_FIT = dict(moe_gemm_efficiency=None, moe_gemm_memory_efficiency=None, moe_gemm_latency_s=None,
+                       moe_gemm_exposed_fraction=None)
+
+
 def _unit_spec(base: HardwareSpec) -> HardwareSpec:
     """`base` with every fitted efficiency at 1 and every fitted fixed time at 0."""
-    fields = {}
+    fields = dict(_NO_GROUPED_FIT)
     for fam in FAMILIES.values():
         fields[fam["compute"]] = 1.0
         if fam["memory"]:
@@ -259,7 +265,7 @@ def fit_measured(results: dict, cfg: ModelConfig, base: HardwareSpec) -> dict:
         fit = fit_family(cfg, mine, name, base)
         families[name] = {"status": "fitted", **fit}
         fields.update(fit["fields"])
-    spec = dataclasses.replace(base, name="H200 SXM (measured: this codebase's kernels)", **fields)
+    spec = dataclasses.replace(base, name="H200 SXM (measured: this codebase's kernels)", **_NO_GROUPED_FIT, **fields)
     kernel_rows = []
     for r in rows:
         pred = kernel_cost(cfg, spec, r["op"], r["shape"]).time_s

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from glm53.config import ModelConfig
 from glm53.perfmodel import traffic
-from glm53.perfmodel.cost import DCP_GATHER, Cost, _gemm, _kernel, all_reduce, all_to_all, collective, host_copy, total
+from glm53.perfmodel.cost import DCP_GATHER, Cost, _gemm, _grouped_gemm, _kernel, all_reduce, all_to_all, collective, host_copy, total
 from glm53.perfmodel.hardware import BF16, FP8_WEIGHT_BYTES, FP32, H200, INDEX_BYTES, HardwareSpec
 from kvcache.layout import cache_groups, index_key_bytes, kv_bytes_per_token, mla_row_bytes
 
@@ -305,24 +305,30 @@ def expected_remote_ranks(cfg: ModelConfig, ep: int) -> float:
 
 
 def moe_routed_gemms(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *,
-                     replicated_tokens: bool = False, weight_bytes: float = FP8_WEIGHT_BYTES) -> tuple[Cost, Cost]:
+                     replicated_tokens: bool = False, weight_bytes: float = FP8_WEIGHT_BYTES,
+                     load_imbalance: float = 1.0) -> tuple[Cost, Cost]:
     """The routed experts of one EP rank (n_routed_experts / ep of them) as two grouped GEMMs over the
     touched experts: gate + up [hidden -> 2 x moe_intermediate], then down; `moe` below sums them. The
-    rank computes its share of the group's assignments (tokens x top-k / ep, balanced routing) and reads
-    every touched local expert's weights once (`expected_touched_experts`)."""
+    rank computes its share of the group's assignments (tokens x top-k / ep x `load_imbalance`) and reads
+    every touched local expert's weights once (`expected_touched_experts` of those assignments).
+    load_imbalance >= 1: the busiest rank's assignments over the mean (1: balanced routing); the step
+    waits for that rank, so it is the one priced. Each GEMM is `cost._grouped_gemm`."""
+    if not load_imbalance >= 1:
+        raise ValueError(f"moe_routed_gemms: load_imbalance must be >= 1 (the busiest rank over the mean), "
+                         f"got {load_imbalance!r}")
     d, f, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     group_tokens = tokens_per_rank if replicated_tokens else tokens_per_rank * ep
-    assignments = group_tokens * k / ep
-    touched = expected_touched_experts(cfg, group_tokens, ep)
+    assignments = group_tokens * k / ep * load_imbalance
+    touched = expected_touched_experts(cfg, group_tokens * load_imbalance, ep)
     dt = "fp8" if weight_bytes < BF16 else "bf16"
-    return tuple(_gemm("moe_experts", hw, flops=2 * assignments * din * dout, dtype=dt,
-                       hbm_bytes=touched * din * dout * weight_bytes + assignments * BF16 * (din + dout))
+    return tuple(_grouped_gemm("moe_experts", hw, flops=2 * assignments * din * dout, dtype=dt,
+                               hbm_bytes=touched * din * dout * weight_bytes + assignments * BF16 * (din + dout))
                  for din, dout in ((d, 2 * f), (f, d)))
 
 
 def moe(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *, replicated_tokens: bool = False,
         weight_bytes: float = FP8_WEIGHT_BYTES, dispatch_bytes_per_value: float = 1 + FP32 / 128,
-        combine_bytes_per_value: float = BF16, layer: int = -1) -> tuple[Cost, ...]:
+        combine_bytes_per_value: float = BF16, layer: int = -1, load_imbalance: float = 1.0) -> tuple[Cost, ...]:
     """One MoE layer with expert parallelism over `ep` ranks (each holds n_routed_experts / ep experts).
 
     `replicated_tokens=False` (PCP or DP attention): every rank has its own `tokens_per_rank` tokens; the
@@ -334,11 +340,13 @@ def moe(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *, 
 
     Routed-expert weights are read once per step for every *touched* local expert
     (`expected_touched_experts`): at small batch the layer is bound by these reads, not by FLOPs.
+    load_imbalance: the busiest EP rank's routed tokens over the mean (`moe_routed_gemms`); it receives and
+    returns that many times the mean all-to-all bytes too.
     Returns (router, routed experts, shared expert, dispatch, combine) Costs, tagged with `layer`.
     """
     d, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
     routed = total(moe_routed_gemms(cfg, hw, tokens_per_rank, ep, replicated_tokens=replicated_tokens,
-                                    weight_bytes=weight_bytes), "moe_experts")
+                                    weight_bytes=weight_bytes, load_imbalance=load_imbalance), "moe_experts")
     routed = dataclasses.replace(routed, kind="kernel")
     router = _kernel("moe_router", hw, flops=2 * tokens_per_rank * d * e,
                      hbm_bytes=d * e * FP32 + tokens_per_rank * (BF16 * d + FP32 * e))
@@ -351,7 +359,7 @@ def moe(cfg: ModelConfig, hw: HardwareSpec, tokens_per_rank: float, ep: int, *, 
         dispatch = Cost("moe_dispatch", kind="collective")
         combine = all_reduce(hw, tokens_per_rank * d * BF16, ep, name="moe_combine")
     else:
-        remote = tokens_per_rank * expected_remote_ranks(cfg, ep)
+        remote = tokens_per_rank * expected_remote_ranks(cfg, ep) * load_imbalance
         dispatch = all_to_all(hw, remote * d * dispatch_bytes_per_value, ep, name="moe_dispatch")
         combine = all_to_all(hw, remote * d * combine_bytes_per_value, ep, name="moe_combine")
     return tuple(c.at_layer(layer) for c in (router, routed, shared, dispatch, combine))

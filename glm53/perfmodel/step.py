@@ -201,6 +201,10 @@ class Deployment:
     `--data-parallel-size N --enable-expert-parallel`): a step's tokens are one rank's, its MoE runs the
     rank's 1/dp of the experts, and step_cost leaves out the MoE's all-to-alls, whose bytes depend on every
     rank's rows (the caller prices them from the lock-step's padded rows: glm53.engine.sim).
+    expert_load_imbalance: routing skew, the busiest rank's routed tokens over the mean (>= 1; 1: balanced,
+    the default). It prices the busiest rank's experts and all-to-alls (`ops.moe`) wherever whole experts
+    sit on ranks (expert_parallel, or dp > 1: `moe_load_imbalance`); under TP alone each GPU holds a slice
+    of every expert, so a skew between experts leaves the GPUs balanced.
     """
 
     tp: int = 1
@@ -216,8 +220,12 @@ class Deployment:
     verify: str = "batched"
     dcp_prefill_gather: str = "fp8_rows"
     dp: int = 1
+    expert_load_imbalance: float = 1.0
 
     def __post_init__(self):
+        if not self.expert_load_imbalance >= 1:
+            raise ValueError(f"Deployment.expert_load_imbalance must be >= 1 (the busiest rank's routed tokens over "
+                             f"the mean), got {self.expert_load_imbalance!r}")
         if self.dp < 1 or (self.dp > 1 and (not self.expert_parallel or max(self.tp, self.pcp, self.dcp) > 1)):
             raise ValueError(f"Deployment.dp={self.dp}: DP x EP ranks need expert_parallel and one GPU each "
                              f"(tp = pcp = dcp = 1), got expert_parallel={self.expert_parallel}, tp={self.tp}, "
@@ -240,6 +248,11 @@ class Deployment:
     def gpus(self) -> int:
         """GPUs of one replica."""
         return max(self.tp * self.pcp, self.dcp)
+
+    @property
+    def moe_load_imbalance(self) -> float:
+        """The routing skew the MoE is priced at: expert_load_imbalance where whole experts sit on ranks."""
+        return self.expert_load_imbalance if (self.expert_parallel or self.dp > 1) and self.ep > 1 else 1.0
 
     @property
     def ep(self) -> int:
@@ -405,7 +418,8 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             if tp > 1:
                 parts.append(all_reduce(hw, tokens * cfg.hidden_size * BF16, tp, name="tp_all_reduce"))
             return parts
-        parts = moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes)
+        parts = moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes,
+                    load_imbalance=dep.moe_load_imbalance)
         # DP x EP: the all-to-alls move every rank's padded rows, priced by the caller (Deployment.dp)
         return [c for c in parts if dep.dp == 1 or c.name not in ("moe_dispatch", "moe_combine")]
 

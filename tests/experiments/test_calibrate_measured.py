@@ -11,11 +11,12 @@ import pytest
 from experiments import calibrate, reproduce
 from glm53.perfmodel import H200_CALIBRATED
 from glm53.perfmodel import hardware as hw_mod
+from glm53.perfmodel.measured import _NO_GROUPED_FIT  # a measured spec prices the experts with its one GEMM fit
 from tests.glm53.test_measured import TRUE, results  # a run whose rows a known spec priced
 
 
 def _run_dir(tmp_path, **changes) -> Path:
-    res = results(dataclasses.replace(H200_CALIBRATED, **TRUE))
+    res = results(dataclasses.replace(H200_CALIBRATED, **_NO_GROUPED_FIT, **TRUE))
     res.update({"date": "2026-12-05", "git_revision": "abc", "dry_run": False, **changes})
     d = tmp_path / "run"
     d.mkdir()
@@ -61,7 +62,8 @@ def test_the_reproduce_entry_waits_for_the_measured_spec_then_runs_both(tmp_path
         assert reproduce.MANIFEST[[e.id for e in reproduce.MANIFEST].index(reproduce.MEASURED_ID)] == entry
         r = reproduce._run_entry(entry, tmp_path / entry.id, True, {})
         assert r["status"] == "not built" and "issue 45" in r["waits_for"]
-    monkeypatch.setitem(hw_mod.HARDWARE, "h200_measured", dataclasses.replace(H200_CALIBRATED, **TRUE))
+    monkeypatch.setitem(hw_mod.HARDWARE, "h200_measured",
+                        dataclasses.replace(H200_CALIBRATED, **_NO_GROUPED_FIT, **TRUE))
     entry = reproduce.measured_entry()
     assert entry.kind == "sim" and entry.hardware == ("h200", "h200_measured")
     assert "--config.sweep.concurrency=(32,)" in entry.overrides

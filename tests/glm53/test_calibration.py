@@ -7,6 +7,7 @@ import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from glm53.perfmodel import calibration as cal
@@ -190,14 +191,15 @@ def test_the_datasheet_spec_prices_gemms_as_before():
         assert c.time_s == pytest.approx(fit.time_s(r, H200.fp8_flops, H200.hbm_bandwidth), rel=1e-9), r
 
 
-@pytest.mark.parametrize("name", ["collectives", "sparse_mla", "indexer", "host_copy", "calibrated_spec"])
+@pytest.mark.parametrize("name", ["collectives", "sparse_mla", "indexer", "host_copy", "calibrated_spec", "moe_gemm"])
 def test_the_other_committed_calibrations_are_current(name):
     committed = json.loads((REPO / f"results/calibration/{name}.json").read_text())
     now = {"collectives": cal.calibrate_collectives, "sparse_mla": cal.calibrate_sparse_mla,
            "indexer": cal.calibrate_indexer, "host_copy": cal.check_host_copy,
-           "calibrated_spec": lambda: {"fields": cal.calibrated_fields()}}[name]()
+           "calibrated_spec": lambda: {"fields": cal.calibrated_fields()}, "moe_gemm": cal.calibrate_moe_gemm}[name]()
     keys = {"collectives": ("families",), "sparse_mla": ("fit", "train_rows", "holdout_rows"),
-            "indexer": ("fit", "train_rows", "holdout_rows"), "host_copy": ("rows",), "calibrated_spec": ("fields",)}[name]
+            "indexer": ("fit", "train_rows", "holdout_rows"), "host_copy": ("rows",), "calibrated_spec": ("fields",),
+            "moe_gemm": ("fit", "train_rows", "holdout_rows")}[name]
     for key in keys:
         assert json.loads(json.dumps(now[key])) == committed[key]
 
@@ -215,3 +217,40 @@ def test_the_nvme_medium_is_the_published_storage_rows():
     assert abs(fio["gbps"] * 1e9 / NVME_GEN4.read_bandwidth - 1) < 0.06
     bound_s = fio["latency_us_min"] * 1e-6 - fio["chunk_bytes"] / (fio["gbps"] * 1e9)
     assert NVME_GEN4.read_latency_s <= bound_s and NVME_GEN4.write_latency_s <= bound_s
+
+
+def test_the_grouped_gemm_fit_is_the_best_on_its_grid_and_holds_out_the_middle_group_counts():
+    """The MoE grouped-GEMM fit: trained without the masked 2-group and contiguous 8-group rows, it prices
+    them within 5% (the dense fit, which priced the experts before, is 15-27% fast on the masked rows)."""
+    res = cal.calibrate_moe_gemm()
+    rows = [r for r in cal.gemm_rows() if r.kind != "dense"]
+    train = [r for r in rows if (r.kind, r.groups) not in cal.MOE_HOLDOUT]
+    assert len(res["holdout_rows"]) == 4 and len(res["train_rows"]) == len(train) == 6
+    fit = cal.GroupedGemmFit(**res["fit"])
+
+    def err(f):
+        return np.mean([abs(np.log(f.time_s(r) / r.measured_s)) for r in train])
+
+    for field, step in (("compute_eff", 0.01), ("memory_eff", 0.01), ("exposed", 0.1), ("launch_s", 0.5e-6)):
+        for d in (-step, step):
+            v = getattr(fit, field) + d
+            if 0 <= v <= (1 if field != "launch_s" else 10e-6) and (field == "launch_s" or field == "exposed" or v >= 0.3):
+                assert err(dataclasses.replace(fit, **{field: v})) >= err(fit) - 1e-12
+    assert res["holdout_max_abs_rel_error"] < 0.05
+    masked = [r for r in res["train_rows"] + res["holdout_rows"] if r["kind"] == "grouped_masked" and r["groups"] > 1]
+    assert max(r["dense_fit_rel_error"] for r in masked) < -0.14  # what the refit corrects
+
+
+def test_the_calibrated_spec_prices_expert_gemms_with_the_grouped_fit():
+    """A grouped GEMM on H200_CALIBRATED: max(C, M) + 0.4 min(C, M) + 6 us at the grouped efficiencies; the
+    datasheet spec keeps the dense roofline (nothing exposed)."""
+    from glm53.perfmodel import H200, H200_CALIBRATED as HW
+    from glm53.perfmodel.cost import _gemm, _grouped_gemm
+
+    flops, hbm = 2 * 256 * 4096 * 7168 * 4, 4 * (4096 * 7168 + 256 * 7168 + 2 * 256 * 4096)
+    c, m = flops / (HW.fp8_flops * HW.moe_gemm_efficiency), hbm / (HW.hbm_bandwidth * HW.moe_gemm_memory_efficiency)
+    got = _grouped_gemm("moe_experts", HW, flops=flops, hbm_bytes=hbm, dtype="fp8")
+    assert got.time_s == pytest.approx(max(c, m) + HW.moe_gemm_exposed_fraction * min(c, m) + HW.moe_gemm_latency_s)
+    assert got.time_s > _gemm("x", HW, flops=flops, hbm_bytes=hbm, dtype="fp8").time_s
+    assert _grouped_gemm("x", H200, flops=flops, hbm_bytes=hbm, dtype="fp8").time_s == pytest.approx(
+        _gemm("x", H200, flops=flops, hbm_bytes=hbm, dtype="fp8").time_s)

@@ -47,8 +47,8 @@ def results(spec, *, slice_scale=1.0, extra=()):
 
 
 @pytest.fixture(scope="module")
-def true_spec():
-    return dataclasses.replace(H200_CALIBRATED, **TRUE)
+def true_spec():  # a measured spec prices the experts with its one GEMM fit (no published grouped fit)
+    return dataclasses.replace(H200_CALIBRATED, **M._NO_GROUPED_FIT, **TRUE)
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +116,12 @@ def test_h200_measured_exists_only_from_a_committed_run():
 
 
 def test_a_registered_spec_is_the_calibrated_one_with_the_fitted_fields(tmp_path):
+    """... less the published grouped-GEMM fit: the measured GEMM fit prices the experts (fit_measured)."""
     path = tmp_path / "measured.json"
     path.write_text(json.dumps({"source": "results/gpu_speed/x", "fields": TRUE}))
     spec = hw_mod._measured_spec(path)
-    assert dataclasses.replace(spec, name=H200_CALIBRATED.name) == dataclasses.replace(H200_CALIBRATED, **TRUE)
+    assert dataclasses.replace(spec, name=H200_CALIBRATED.name) == dataclasses.replace(
+        H200_CALIBRATED, **M._NO_GROUPED_FIT, **TRUE)
     assert hw_mod._measured_spec(tmp_path / "absent.json") is None
     with pytest.raises(ValueError, match="hardware must be one of"):
         hardware_spec("h100")

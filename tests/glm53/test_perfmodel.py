@@ -430,3 +430,41 @@ def test_vllm_kernel_choice_and_the_mixed_batch_call():
     assert mixed["sparse_mla_prefill"].useful_flops == pytest.approx(pre.useful_flops)
     sep = step_cost(CFG, hw, Deployment(tp=8, hisparse=True), _plan(*rows)).by_name()
     assert "sparse_mla_upconvert" in sep and sep["sparse_mla_decode"].time_s == pytest.approx(dec.time_s)
+
+
+def test_expert_load_imbalance_prices_the_busiest_ranks_experts_and_all_to_alls():
+    """A hand-built PCP8 x EP8 prefill step (one row of 2,048 tokens): under a skew of 2 the busiest rank
+    computes twice the mean's expert assignments (twice the FLOPs and compute time; the weights it
+    reads grow less) and receives twice the dispatch bytes, so every all-to-all's link time doubles; a TP8 step (experts width-sharded, every GPU holds a slice of each) does not move, nor does a
+    skew of 1."""
+    import dataclasses
+    import types
+
+    from glm53.config import get_preset
+    from glm53.perfmodel import H200_CALIBRATED as HW
+    from glm53.perfmodel.step import Deployment, step_cost
+
+    cfg = get_preset("glm-5.3")
+    row = types.SimpleNamespace(start=0, num_tokens=2048, num_draft_tokens=0, sample=True)
+    rows = types.SimpleNamespace(rows=(row,))
+
+    def by_name(dep):
+        out = {}
+        for c in step_cost(cfg, HW, dep, rows).parts:
+            out.setdefault(c.name, []).append(c)
+        return out
+
+    ep = Deployment(pcp=8, dcp=8, expert_parallel=True)
+    flat, skew = by_name(ep), by_name(dataclasses.replace(ep, expert_load_imbalance=2.0))
+    assert sum(c.flops for c in skew["moe_experts"]) == pytest.approx(2 * sum(c.flops for c in flat["moe_experts"]))
+    assert sum(c.compute_s for c in skew["moe_experts"]) == pytest.approx(
+        2 * sum(c.compute_s for c in flat["moe_experts"]))
+    assert sum(c.time_s for c in skew["moe_experts"]) > 1.1 * sum(c.time_s for c in flat["moe_experts"])
+    for name in ("moe_dispatch", "moe_combine"):
+        assert [c.link_s for c in skew[name]] == pytest.approx([2 * c.link_s for c in flat[name]])
+    assert by_name(dataclasses.replace(ep, expert_load_imbalance=1.0)) == flat
+    tp = Deployment(tp=8)
+    assert step_cost(cfg, HW, dataclasses.replace(tp, expert_load_imbalance=2.0), rows).time_s() == pytest.approx(
+        step_cost(cfg, HW, tp, rows).time_s())
+    with pytest.raises(ValueError, match="expert_load_imbalance"):
+        Deployment(expert_load_imbalance=0.5)

@@ -1,0 +1,74 @@
+"""experiments.sensitivity on a tiny window: each knob reaches the point it sweeps, the results take the
+issue's form, the default point is shared, and a rerun resumes instead of running again."""
+
+import dataclasses
+import json
+
+import pytest
+
+from experiments import sensitivity as S
+
+ISSUE_KEYS = {"value", "figure", "concurrency", "kv_policy", "running_requests_mean", "throughput_tok_s_per_gpu",
+              "interactivity_tok_s_user"}
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """Part 1 at 142K, HiSparse only, the default and each knob's last value, over 20 simulated seconds."""
+    out = tmp_path_factory.mktemp("sensitivity")
+    figures = dict(S.FIGURES, part1=dataclasses.replace(S.FIGURES["part1"], policies=("hisparse",)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(S, "FIGURES", figures)
+        res = S.run(out, ["part1"], list(S.KNOBS), window_s=20.0, quick=True, log=lambda *_: None)
+    return out, res, figures
+
+
+def test_each_knob_reaches_its_point(swept):
+    out, res, _ = swept
+    k = res["knobs"]
+    assert set(k) == {"hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew"}
+    assert res["complete"] and not res["missing"] and res["window_s"] == 20.0
+    for rows in k.values():
+        assert all(ISSUE_KEYS <= set(r) for r in rows)
+        assert all(r["steady_window_s"] == [0.0, 20.0] for r in rows)  # every point cut to the window
+    by = {knob: {r["default"]: r for r in rows} for knob, rows in k.items() if rows}
+    miss = by["hisparse_miss_fraction"]
+    assert (miss[True]["value"], miss[False]["value"]) == (0.1, 0.3)
+    assert (miss[True]["assumed_hisparse_miss_fraction"], miss[False]["assumed_hisparse_miss_fraction"]) == (0.1, 0.3)
+    over = by["step_overhead_s"]
+    assert (over[True]["value"], over[False]["value"]) == (0.0, S.CITED_STEP_OVERHEAD_S)
+    # 4 ms more per step: each decode token of the same requests waits that much longer
+    assert over[False]["tpot_mean_s"] > over[True]["tpot_mean_s"] + 3e-3
+    kv = by["kv_budget"]
+    assert kv[True]["value"] == 15 << 30 and kv[False]["value"] > 23 << 30  # BRIEF's and the memory plan's
+    for r in kv.values():  # the pool takes the budget, to within a block
+        assert 0 <= r["value"] - r["device_kv_budget_bytes_per_gpu"] < r["value"] / r["num_gpu_blocks"]
+    assert kv[False]["num_gpu_blocks"] > kv[True]["num_gpu_blocks"]
+    assert k["expert_skew"] == [] and "TP8" in res["not_run"]["expert_skew"]  # Part 1: no EP
+    # one run serves every knob's default point
+    defaults = [r for rows in k.values() for r in rows if r["default"] and r["figure"] == "part1"]
+    assert len({json.dumps({x: r[x] for x in ISSUE_KEYS - {"value"}}) for r in defaults}) == 1
+    assert all((out / f"{knob}.png").is_file() for knob in ("hisparse_miss_fraction", "step_overhead_s", "kv_budget"))
+    assert json.loads((out / "results.json").read_text())["knobs"] == json.loads(json.dumps(k))
+
+
+def test_a_rerun_resumes_and_a_cut_run_lists_what_is_missing(swept, monkeypatch):
+    out, res, figures = swept
+    monkeypatch.setattr(S, "FIGURES", figures)
+
+    def boom(*a, **k):
+        raise AssertionError("a point already in results.json ran again")
+
+    monkeypatch.setattr(S, "run_point", boom)
+    again = S.run(out, ["part1"], list(S.KNOBS), window_s=20.0, quick=True, log=lambda *_: None)
+    assert again["knobs"] == res["knobs"]
+    cut = S.run(out / "other", ["part1"], ["step_overhead_s"], window_s=20.0, quick=True, budget_s=-1.0)
+    assert not cut["complete"] and len(cut["missing"]) == 2 and cut["knobs"]["step_overhead_s"] == []
+
+
+def test_knobs_act_only_where_they_can():
+    p1, p2 = S.FIGURES["part1"], S.FIGURES["part2"]
+    assert not S.applies("hisparse_miss_fraction", p1, "offload") and S.applies("hisparse_miss_fraction", p1, "hisparse")
+    assert not S.applies("expert_skew", p1, "hisparse") and S.applies("expert_skew", p2, "pcp_dcp+hisparse")
+    with pytest.raises(ValueError, match="knob 'nope'"):
+        S.run(None, ["part1"], ["nope"])
