@@ -8,11 +8,12 @@ from glm53 import SamplingParams
 from glm53.engine.runner import CompileCounter
 
 
-def warm_up(eng) -> None:
-    """Compile every bucket shape and copy program of the runner; from here on `compiled_shapes` holds
-    only what the run itself uses."""
+def warm_up(eng, prompt_logprobs: bool = False) -> None:
+    """Compile every bucket shape and copy program of the runner (with `prompt_logprobs` also the programs
+    of rows that ask for them, as `glm53.serve` warms up); from here on `compiled_shapes` holds only what
+    the run itself uses."""
     runner = eng.runner
-    assert runner.warmup() == len(runner.bucket_shapes())
+    assert runner.warmup(prompt_logprobs=prompt_logprobs) == len(runner.bucket_shapes())
     assert runner.compiled_shapes == set(runner.bucket_shapes())
     runner.compiled_shapes.clear()
 

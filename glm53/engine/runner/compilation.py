@@ -50,12 +50,15 @@ def warmup(runner, shapes, *, prompt_logprobs: bool = False) -> int:
         _warmup_mtp(runner, shapes, prompt_logprobs)
     for rows, width, window in ([] if runner.k else shapes):
         views = half.empty_views(rows, decode=width == 1)
-        for view in [None] + ([views(window)] if views else []):
-            hidden = runner._forward(*_padding(runner, rows, width, window), window, view)
+        # a view is made for each forward: a forward donates the arrays its view carries (detach takes
+        # the returned ones back), so a view must not serve twice
+        for view_of in [lambda: None] + ([lambda: views(window)] if views else []):
+            hidden = runner._forward(*_padding(runner, rows, width, window), window, view_of())
             warm_sampling(runner.c.logits, runner.state, hidden, rows, penalty_limit=_penalty_limit(runner))
             if prompt_logprobs:
                 if width > 1:
-                    _, hidden = runner._forward(*_padding(runner, rows, width, window), window, view, keep_all=True)
+                    _, hidden = runner._forward(*_padding(runner, rows, width, window), window, view_of(),
+                                                keep_all=True)
                 warm_prompt_logprobs(runner.c.logits, runner.state, hidden)
     half.end_warmup()  # the warm-up views counted nothing
     if shapes:
