@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
@@ -103,6 +104,19 @@ class PrefixLookup:
     pages: list
     retry: bool = False
     pins: list = dataclasses.field(default_factory=list)
+    columns: dict | None = None  # per group, its entries of `pages` in order (None: not built; `by_group`)
+
+    def by_group(self) -> dict[str, list]:
+        """Per group, its (group, where, block) entries of `pages`, in order (one group's pages end every
+        ratio-th hash block: the j-th of group g of ratio r ends at the first such block past the device
+        hit, plus j x r)."""
+        if self.columns is None:
+            cols: dict[str, list] = {}
+            for pages in self.pages:
+                for p in pages:
+                    cols.setdefault(p[0], []).append(p)
+            self.columns = cols
+        return self.columns
 
 
 class HostTier:
@@ -240,7 +254,15 @@ class HostTier:
         # per (c + 1) mod the period: the groups with a page ending at hash block c, in kv.groups order
         ending = [tuple(g for g in kv.groups if not r % kv.ratio[g]) for r in range(period)]
         tiered = None  # the first index into `found` with a page only a tier holds
-        for c in range(first, max_hit):
+        # the leading hash blocks whose pages the device or host pools all hold, by C-level lookups per
+        # group (a long context walks thousands of blocks at each admission attempt); the loop below then
+        # goes on from the first block with a page neither holds, so its tiers are asked exactly as before
+        first_missing, columns = self._pool_walk(kv, dev, host, hashes, first, max_hit)
+        if first_missing > first:
+            take = {g: iter(col).__next__ for g, col in columns.items()}
+            found = [[take[g]() for g in ending[(c + 1) % period]] for c in range(first, first_missing)]
+        fast = max(first_missing - first, 0)  # blocks of `found` the pool walk gave
+        for c in range(first_missing, max_hit):
             h, pages = hashes[c], []
             for g in ending[(c + 1) % period]:
                 key = (g, h)
@@ -277,7 +299,33 @@ class HostTier:
         # the device hit gave back, so dropping the walk's last page drops the whole hit's last page
         if kv.drop_last_hit and keep:
             keep -= kv.hit_multiple
-        return PrefixLookup(found[:keep], False, pins)
+        cols = None
+        if keep <= fast:  # the pool walk's columns, cut to the pages ending before block first + keep
+            cols = {g: col[: (first + keep) // kv.ratio[g] - first // kv.ratio[g]] for g, col in columns.items()}
+        return PrefixLookup(found[:keep], False, pins, cols)
+
+    @staticmethod
+    def _pool_walk(kv: KVCacheManager, dev, host: dict, hashes: Sequence[bytes], first: int, max_hit: int
+                   ) -> tuple[int, dict[str, list]]:
+        """`lookup_prefix`'s walk over the device and host pools alone: -> (the first hash block in
+        [first, max_hit) with a page that neither pool holds, else max_hit; per group its pages ending at
+        the hash blocks before it, (group, "device" | "host", block) in order). Reads nothing but the
+        pools' hash indexes (no side effect), so looking past the first miss changes nothing."""
+        columns, stop = {}, max_hit
+        for g in kv.groups:
+            r = kv.ratio[g]
+            c0 = -(-(first + 1) // r) * r - 1  # the first hash block >= first that ends a page of g
+            keys = list(zip(itertools.repeat(g), hashes[c0:max_hit:r]))
+            on_dev = list(map(dev, keys))
+            look = host.get(g, _none)
+            col = [(g, "device", d) if d is not None else (g, "host", h) if (h := look(k)) is not None else None
+                   for d, k in zip(on_dev, keys)]
+            if None in col:
+                j = col.index(None)
+                stop = min(stop, c0 + j * r)
+                del col[j:]
+            columns[g] = col
+        return stop, columns
 
     def release(self, pins: Sequence[tuple[str, int]]) -> None:
         """Unpin host pages (`PrefixLookup.pins`), once the admission holds the ones it uses."""
