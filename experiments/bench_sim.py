@@ -67,7 +67,9 @@ class _Horizon(Exception):
 
 def _write_profile(prof: cProfile.Profile, path: str) -> None:
     """The run's profile as text: the 40 functions with the most time of their own, then the 40 with the
-    most time including their callees (cProfile's own overhead inflates small, often-called functions)."""
+    most time including their callees (cProfile's own overhead inflates small, often-called functions);
+    the raw stats beside it (path + ".prof", for pstats' callers and callees)."""
+    prof.dump_stats(path + ".prof")
     with open(path, "w") as f:
         for key in ("tottime", "cumulative"):
             pstats.Stats(prof, stream=f).strip_dirs().sort_stats(key).print_stats(40)

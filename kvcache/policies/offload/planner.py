@@ -190,8 +190,8 @@ class OffloadPolicy(HostTierPolicy, Policy):
             self.host[g].touch(blocks)  # pinned until its load is recorded
         kv.pool.touch(device)
         self.host_tier.release(found.pins)
-        self.pending[req.req_id] = (i + (len(found.pages) if dev is None else dev), pend)
-        rb.num_cached_blocks = i + len(found.pages)
+        self.pending[req.req_id] = (i + (found.blocks if dev is None else dev), pend)
+        rb.num_cached_blocks = i + found.blocks
         return rb.num_cached_blocks * kv.tokens_per_block
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
