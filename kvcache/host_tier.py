@@ -328,10 +328,9 @@ class HostTier:
             r = kv.ratio[g]
             c0 = -(-(first + 1) // r) * r - 1  # the first hash block >= first that ends a page of g
             keys = list(zip(itertools.repeat(g), hashes[c0:max_hit:r]))
-            on_dev = list(map(dev, keys))
-            look = host.get(g, _none)
-            col = [(g, "device", d) if d is not None else (g, "host", h) if (h := look(k)) is not None else None
-                   for d, k in zip(on_dev, keys)]
+            on_dev, on_host = map(dev, keys), map(host.get(g, _none), keys)
+            col = [(g, "device", d) if d is not None else (g, "host", h) if h is not None else None
+                   for d, h in zip(on_dev, on_host)]
             if None in col:
                 j = col.index(None)
                 stop = min(stop, c0 + j * r)
