@@ -1,8 +1,8 @@
 """Speed of the simulator (issue 19 item 8, issue 53 item 1): wall and CPU seconds per simulated hour of
 the published figures' simulations, measured over one full simulated hour (not extrapolated), with
 simulated steps per wall second and where a step's wall time goes (scheduling, update, the runner's
-execute: pricing and its synthetic tokens, and the rest: the engine's, the P/D pair's and the client's
-bookkeeping).
+execute, or execute_ranks for DP x EP ranks: pricing and its synthetic tokens, and the rest: the
+engine's, the P/D pair's and the client's bookkeeping).
 
     python -m experiments.bench_sim --out results/bench_sim                      # both figures (an hour each run)
     python -m experiments.bench_sim --figure part2 --config.sweep.concurrency='(32,)' --out DIR
@@ -67,7 +67,9 @@ class _Horizon(Exception):
 
 def _write_profile(prof: cProfile.Profile, path: str) -> None:
     """The run's profile as text: the 40 functions with the most time of their own, then the 40 with the
-    most time including their callees (cProfile's own overhead inflates small, often-called functions)."""
+    most time including their callees (cProfile's own overhead inflates small, often-called functions);
+    the raw stats beside it (path + ".prof", for pstats' callers and callees)."""
+    prof.dump_stats(path + ".prof")
     with open(path, "w") as f:
         for key in ("tottime", "cumulative"):
             pstats.Stats(prof, stream=f).strip_dirs().sort_stats(key).print_stats(40)
@@ -85,6 +87,8 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profil
         _Timed(rep.scheduler, "schedule", totals, "schedule_s")
         _Timed(rep.scheduler, "update", totals, "update_s")
         _Timed(rep.runner, "execute", totals, "price_s")
+        if hasattr(rep.runner, "execute_ranks"):  # DP x EP: the engine prices a lock-step on rank 0's runner
+            _Timed(rep.runner, "execute_ranks", totals, "price_s")
     client = serve.make_client(eng, cfg, serve.point_sessions(cfg, concurrency), concurrency)
     steps = 0
     trace = hashlib.sha256()  # the simulated clock after every step: a speed change must leave it alone

@@ -260,15 +260,19 @@ class BlockPool:
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference to each block. Blocks reaching 0 join the free queue in the given order
         (callers pass a request's blocks last first, so its tail, the least shared part, goes first)."""
-        for b in blocks:
-            if self.ref_count[b] <= 0:
-                raise RuntimeError(f"block {b} freed more often than it was referenced (double free)")
+        ref = self.ref_count
+        if blocks and min(map(ref.__getitem__, blocks)) <= 0:  # checked before anything changes
+            b = next(b for b in blocks if ref[b] <= 0)
+            raise RuntimeError(f"block {b} freed more often than it was referenced (double free)")
         self.version += len(blocks) > 0
-        for b in blocks:
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.free_queue[b] = None
-                self._cached_free += self.block_key[b] is not None
+        free_queue, block_key, cached = self.free_queue, self.block_key, 0
+        for b in blocks:  # locals: a failed admission frees thousands of prefix blocks, every step
+            n = ref[b] - 1
+            ref[b] = n
+            if n == 0:
+                free_queue[b] = None
+                cached += block_key[b] is not None
+        self._cached_free += cached
 
     def lookup(self, group: str, h: BlockHash) -> int | None:
         """The cached block holding prefix hash `h` in `group`, or None. Does not take a reference."""
@@ -279,11 +283,13 @@ class BlockPool:
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference to cached blocks (a prefix hit); a free one leaves the free queue."""
         self.version += len(blocks) > 0
+        ref, free_queue, block_key, cached = self.ref_count, self.free_queue, self.block_key, 0
         for b in blocks:
-            if self.ref_count[b] == 0:
-                del self.free_queue[b]
-                self._cached_free -= self.block_key[b] is not None
-            self.ref_count[b] += 1
+            if ref[b] == 0:
+                del free_queue[b]
+                cached += block_key[b] is not None
+            ref[b] += 1
+        self._cached_free -= cached
 
     def cache(self, group: str, block: int, h: BlockHash, info: BlockInfo | None = None) -> None:
         """Record that referenced `block` now holds the full block with prefix hash `h` in `group`.

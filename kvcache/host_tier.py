@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
@@ -88,21 +89,42 @@ def _none(key) -> None:  # the lookup of a pool that does not hash its pages
     return None
 
 
-@dataclasses.dataclass
 class PrefixLookup:
     """The answer of `HostTier.lookup_prefix`.
 
     pages: per hash block from the device-pool hit on, the pages of every group ending there, as
         (group, "device" | "host", block); it ends on a page boundary of every group (a multiple of
-        KVCacheManager.hit_multiple blocks). Empty when `retry`.
+        KVCacheManager.hit_multiple blocks). Empty when `retry`. Built on first use when the lookup gave
+        `columns` (the admissions read those).
+    blocks: len(pages), the hash blocks it covers.
     retry: tier loads are under way (or a tier answered RETRY): the admission must wait (`must_retry`).
     pins: host pages pinned for this request by earlier rounds; `release` them once the admission holds
         what it uses.
     """
 
-    pages: list
-    retry: bool = False
-    pins: list = dataclasses.field(default_factory=list)
+    def __init__(self, pages: list | None, retry: bool = False, pins: list | None = None,
+                 columns: dict | None = None, *, blocks: int | None = None, build=None):
+        self._pages, self._build, self.columns = pages, build, columns
+        self.retry, self.pins = retry, [] if pins is None else pins
+        self.blocks = len(pages) if pages is not None else blocks
+
+    @property
+    def pages(self) -> list:
+        if self._pages is None:
+            self._pages = self._build()
+        return self._pages
+
+    def by_group(self) -> dict[str, list]:
+        """Per group, its (group, where, block) entries of `pages`, in order (one group's pages end every
+        ratio-th hash block: the j-th of group g of ratio r ends at the first such block past the device
+        hit, plus j x r)."""
+        if self.columns is None:
+            cols: dict[str, list] = {}
+            for pages in self.pages:
+                for p in pages:
+                    cols.setdefault(p[0], []).append(p)
+            self.columns = cols
+        return self.columns
 
 
 class HostTier:
@@ -239,8 +261,19 @@ class HostTier:
         hashes, period = rb.hashes, kv.hit_multiple
         # per (c + 1) mod the period: the groups with a page ending at hash block c, in kv.groups order
         ending = [tuple(g for g in kv.groups if not r % kv.ratio[g]) for r in range(period)]
-        tiered = None  # the first index into `found` with a page only a tier holds
-        for c in range(first, max_hit):
+        tiered = None  # the first hash block (from `first`) with a page only a tier holds
+        # the leading hash blocks whose pages the device or host pools all hold, by C-level lookups per
+        # group (a long context walks thousands of blocks at each admission attempt): their pages are
+        # `columns`, laid out per hash block only when asked (`leading`); the loop below goes on from the
+        # first block with a page neither holds (into `found`), so its tiers are asked exactly as before
+        first_missing, columns = self._pool_walk(kv, dev, host, hashes, first, max_hit)
+        fast = max(first_missing - first, 0)
+
+        def leading(n: int = fast) -> list:  # the pages of the walk's first n (<= fast) hash blocks
+            take = {g: iter(col).__next__ for g, col in columns.items()}
+            return [[take[g]() for g in ending[(c + 1) % period]] for c in range(first, first + n)]
+
+        for c in range(first_missing, max_hit):
             h, pages = hashes[c], []
             for g in ending[(c + 1) % period]:
                 key = (g, h)
@@ -249,7 +282,7 @@ class HostTier:
                 elif g in host and (b := host[g](key)) is not None:
                     pages.append((g, "host", b))
                 elif ask and g in self.pools and self._ask_tiers(g, h, pages, ctx):
-                    tiered = len(found) if tiered is None else tiered
+                    tiered = fast + len(found) if tiered is None else tiered
                 else:
                     retry |= bool(pages) and pages[-1] == "retry"
                     break
@@ -258,26 +291,52 @@ class HostTier:
                 continue
             break
         if ask and (retry or tiered is not None):
-            started = self._start_loads(kv, req, first, found)
+            walked = leading() + found
+            started = self._start_loads(kv, req, first, walked)
             if started or retry:
                 rounds = self.tier_rounds if started else self.retry_rounds
                 rounds[req.req_id] = rounds.get(req.req_id, 0) + 1
                 self._retry.add(req.req_id)
                 # what earlier rounds loaded and what this walk found on the host stay pinned for the next
                 # attempt (else the loads just reserved could evict them, and the next round miss them)
-                hits = [(g, b) for p in found for g, where, b in p if where == "host"]
+                hits = [(g, b) for p in walked for g, where, b in p if where == "host"]
                 for g, b in hits:
                     self.pools[g].touch([b])
                 self.tier_pins.setdefault(req.req_id, [])[:0] = pins + hits
                 return PrefixLookup([], True)
         # what the device and the host hold: up to the first page that only a tier has
-        cut = len(found) if tiered is None else tiered
+        cut = fast + len(found) if tiered is None else tiered
         keep = cut - cut % kv.hit_multiple  # a hit ends on a page boundary of every group
         # MTP: the hit gives back its last page (KVCacheManager.drop_last_hit). The walk began at the page
         # the device hit gave back, so dropping the walk's last page drops the whole hit's last page
         if kv.drop_last_hit and keep:
             keep -= kv.hit_multiple
-        return PrefixLookup(found[:keep], False, pins)
+        if keep <= fast:  # the pool walk's columns, cut to the pages ending before block first + keep
+            cols = {g: col[: (first + keep) // kv.ratio[g] - first // kv.ratio[g]] for g, col in columns.items()}
+            return PrefixLookup(None, False, pins, cols, blocks=keep, build=lambda: leading(keep))
+        return PrefixLookup((leading() + found)[:keep], False, pins)
+
+    @staticmethod
+    def _pool_walk(kv: KVCacheManager, dev, host: dict, hashes: Sequence[bytes], first: int, max_hit: int
+                   ) -> tuple[int, dict[str, list]]:
+        """`lookup_prefix`'s walk over the device and host pools alone: -> (the first hash block in
+        [first, max_hit) with a page that neither pool holds, else max_hit; per group its pages ending at
+        the hash blocks before it, (group, "device" | "host", block) in order). Reads nothing but the
+        pools' hash indexes (no side effect), so looking past the first miss changes nothing."""
+        columns, stop = {}, max_hit
+        for g in kv.groups:
+            r = kv.ratio[g]
+            c0 = -(-(first + 1) // r) * r - 1  # the first hash block >= first that ends a page of g
+            keys = list(zip(itertools.repeat(g), hashes[c0:max_hit:r]))
+            on_dev, on_host = map(dev, keys), map(host.get(g, _none), keys)
+            col = [(g, "device", d) if d is not None else (g, "host", h) if h is not None else None
+                   for d, h in zip(on_dev, on_host)]
+            if None in col:
+                j = col.index(None)
+                stop = min(stop, c0 + j * r)
+                del col[j:]
+            columns[g] = col
+        return stop, columns
 
     def release(self, pins: Sequence[tuple[str, int]]) -> None:
         """Unpin host pages (`PrefixLookup.pins`), once the admission holds the ones it uses."""

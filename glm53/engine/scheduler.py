@@ -315,12 +315,15 @@ class Scheduler:
         rows, tables, extra = [], {g: [] for g in self.kv.groups}, []
         for req, start, n in scheduled:
             drafts = req.spec_token_ids if start + n > req.num_tokens else []
-            ids = np.array(req.token_slice(start, start + n - len(drafts)), np.int32)  # its own read-only copy
-            if drafts:
-                ids = np.concatenate([ids, np.asarray(drafts, np.int32)])
-            ids.setflags(write=False)
             end = start + n - len(drafts)
             p = req.prompt_ids.size
+            if start >= p:  # a decoding row: its generated tokens and drafts, one list (Request.token_slice's)
+                ids = np.array(req.output_ids[start - p : end - p] + drafts, np.int32)  # its own read-only copy
+            else:
+                ids = np.array(req.token_slice(start, end), np.int32)
+                if drafts:
+                    ids = np.concatenate([ids, np.asarray(drafts, np.int32)])
+            ids.setflags(write=False)
             prompt_len = p if req.params.prompt_logprobs is not None and start < p - 1 else 0
             nxt = int(req.token_slice(end, end + 1)[0]) if (self.num_spec or prompt_len) and end < req.num_tokens else -1
             sample = end == req.num_tokens

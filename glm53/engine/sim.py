@@ -226,6 +226,9 @@ class SimRunner(SyntheticRunner):
         self.itemsize = 4 if weight_bytes == 4 else 2
         self._slot_bytes = all2all_bytes_per_slot(self.dp_ranks, cfg.hidden_size, self.itemsize)
         self._all2all = 0
+        # (width, rows) -> (all2all_cost, bytes one device sends): a DP x EP step prices the same few
+        # shapes over and over (decode: width 1 + k at most max_num_seqs rows); bounded (prefill widths vary)
+        self._a2a: dict[tuple[int, ...], StepCost] = {}
         self._weight_bytes = weight_bytes
 
     def _verify(self, row: PlanRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -290,11 +293,13 @@ class SimRunner(SyntheticRunner):
         seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
         return dataclasses.replace(res, duration_s=seconds, tier_loads=loads)
 
-    def _book(self, segments) -> None:
-        """Add a step's costs [(StepCost, waits)] to time_by_op."""
-        for cost, _ in segments:
-            for c in cost.parts:
-                self.time_by_op[c.name] = self.time_by_op.get(c.name, 0.0) + c.time_s
+    def _book(self, segments, pairs=None) -> None:
+        """Add a step's costs [(StepCost, waits)] to time_by_op, part by part in order (pairs: their
+        (name, seconds), when the caller books the same segments on several ranks)."""
+        tbo = self.time_by_op
+        get = tbo.get
+        for name, t in (_pairs(segments) if pairs is None else pairs):
+            tbo[name] = get(name, 0.0) + t
 
     def _timed(self, times: list[tuple[float, bool]], has_rows: bool) -> float:
         """A step's seconds from its device work in execution order [(seconds, whether the host waits for
@@ -323,7 +328,12 @@ class SimRunner(SyntheticRunner):
         """DP x EP: the MoE all-to-alls of lock-step programs, per MoE dispatch in `dispatches` (its first
         round's slots per destination: `ranks.group_first_round_slots`) the first round's three (the rows
         out, their expert ids, the results back), each one device's share of its slots x the bytes a slot
-        carries on it (`parallel.ep.all2all_bytes_per_slot`: the same bytes `ep_all2all_bytes` counts)."""
+        carries on it (`parallel.ep.all2all_bytes_per_slot`: the same bytes `ep_all2all_bytes` counts);
+        memoised per dispatch list (a serving run repeats a few shapes)."""
+        key = tuple(dispatches)
+        hit = self._a2a.get(key)
+        if hit is not None:
+            return hit
         n, d = self.dp_ranks, self.cfg.hidden_size
         parts = []
         for slots in dispatches:
@@ -331,7 +341,10 @@ class SimRunner(SyntheticRunner):
             parts += [all_to_all(self.hw, sent * d * self.itemsize, n, "ep_dispatch"),
                       all_to_all(self.hw, sent * 4, n, "ep_expert_ids"),
                       all_to_all(self.hw, sent * d * self.itemsize, n, "ep_combine")]
-        return StepCost(tuple(p for p in parts if p.time_s > 0))
+        if len(self._a2a) >= 4096:
+            self._a2a.clear()
+        out = self._a2a[key] = StepCost(tuple(p for p in parts if p.time_s > 0))
+        return out
 
     @functools.cached_property
     def weights_bytes_per_device(self) -> int | None:
@@ -406,8 +419,9 @@ class SimRunner(SyntheticRunner):
                 draft = mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2)
                 segments.append((StepCost(draft.parts + self.all2all_cost(drafts).parts, per_layer=False), True))
         times = [(cost.time_s(), waits) for cost, waits in segments]
+        pairs = _pairs(segments[1:])
         for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)
-            run._book(segments[1:])
+            run._book(segments[1:], pairs)
         seconds = [run._timed(times, has_rows) for run in ranks][0]  # the same work on every rank
         out: list[StepResult | None] = []
         for r, (plan, res) in enumerate(zip(plans, results)):
@@ -417,6 +431,11 @@ class SimRunner(SyntheticRunner):
             took, loads = ranks[r]._end_step(plan, seconds)  # a rank without rows waits for its tiers
             out.append(dataclasses.replace(res, duration_s=took, tier_loads=loads))
         return out
+
+
+def _pairs(segments) -> list[tuple[str, float]]:
+    """(name, seconds) of every part of [(StepCost, waits)], in order."""
+    return [(c.name, c.time_s) for cost, _ in segments for c in cost.parts]
 
 
 def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: HardwareSpec = H200_CALIBRATED, **runner_kw) -> Engine:

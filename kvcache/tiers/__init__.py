@@ -111,6 +111,7 @@ def layout_fingerprint(model_cfg: dict, *, group_tokens: dict, page_bytes: dict,
     return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()
 
 
+@functools.lru_cache(maxsize=1 << 18)  # a page is keyed at its store, each lookup and each P/D hand-off (~200 B each)
 def chunk_key(fingerprint: str, group: str, block_hash: bytes) -> bytes:
     """The 32-byte key of one chunk (one page of `group` ending at the hash block `block_hash`):
     SHA-256 of fingerprint, NUL, group, NUL, block hash."""

@@ -114,6 +114,49 @@ def test_skipped_admission_retries_change_nothing(pool_history, monkeypatch, pol
     assert len(pool_history.take()) < len(verified_events)  # the skipped retries' touch / free pairs
 
 
+@pytest.mark.parametrize("policy", ["offload", "hisparse"])
+def test_the_host_tiers_prefix_walk_is_the_page_by_page_walk(monkeypatch, policy):
+    """`HostTier.lookup_prefix` walks the device and host pools by whole-group lookups (`_pool_walk`): its
+    pages are the page-by-page walk's (per hash block the groups ending there, each on the device, else on
+    the host, up to the first page neither holds; no secondary tier here), cut to a page boundary, and
+    its per-group columns (which the policies' admissions read) are its pages'."""
+    from kvcache.host_tier import HostTier
+
+    real, found = HostTier.lookup_prefix, []
+
+    def checked(self, kv, req, first):
+        rb = kv.requests[req.req_id]
+        want = []
+        for c in range(first, min((req.num_tokens - 1) // kv.tokens_per_block, len(rb.hashes))):
+            pages = []
+            for g in (g for g in kv.groups if not (c + 1) % kv.ratio[g]):
+                b, where = kv.pool.cached.get((g, rb.hashes[c])), "device"
+                if b is None and g in self.pools:
+                    b, where = self.pools[g].cached.get((g, rb.hashes[c])), "host"
+                if b is None:
+                    break
+                pages.append((g, where, b))
+            else:
+                want.append(pages)
+                continue
+            break
+        out = real(self, kv, req, first)
+        assert out.pages == want[: len(out.pages)] and len(want) - len(out.pages) < 2 * kv.hit_multiple
+        cols = {}
+        for p in (p for pages in out.pages for p in pages):
+            cols.setdefault(p[0], []).append(p)
+        assert {g: c for g, c in out.by_group().items() if c} == cols
+        found.extend(p for pages in out.pages for p in pages)
+        return out
+
+    monkeypatch.setattr(HostTier, "lookup_prefix", checked)
+    eng = sim.build_engine(TINY, DeployConfig(**BASE, **POLICIES[policy]))
+    prompts = _prompts(10)
+    eng.generate(prompts + [np.concatenate([p, p[:9]]) for p in prompts[:5]], max_new_tokens=24)
+    kinds = {w for _, w, _ in found}  # host pages were walked (and, under offload, device pages past the hit)
+    assert "host" in kinds and (policy != "offload" or "device" in kinds)
+
+
 def test_the_glm53_pool_holds_what_its_bytes_hold():
     """A block id is one page of one cache group and costs the larger page (kvcache.layout.block_bytes):
     with 1,024-token indexer pages (Part 1's config) the 15 GiB TP8 pool holds within 1% of the tokens

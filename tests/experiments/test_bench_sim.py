@@ -3,6 +3,7 @@ the runner's execute) are disjoint, inside the run's wall time and once per engi
 the first step past its horizon; the files say what ran."""
 
 import json
+import pstats
 import time
 
 import pytest
@@ -96,6 +97,8 @@ def test_bench_sim_profile_names_where_the_time_went_and_the_trace_is_the_runs(t
     assert r["profiled"] is True
     text = (tmp_path / "3.0--profile" / "profile_part1_offload_c2.txt").read_text()
     assert "(schedule)" in text and "(execute)" in text and "tottime" in text
+    raw = pstats.Stats(str(tmp_path / "3.0--profile" / "profile_part1_offload_c2.txt.prof"))  # the raw stats too
+    assert any(name == "schedule" for _, _, name in raw.stats)
     plain = one(3.0)
     assert plain["profiled"] is False and plain["trace_sha256"] == r["trace_sha256"]
     short = one(0.5)

@@ -159,14 +159,13 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         st.host = [self._host_ref(self.host_mla, "mla", h) for h in rb.hashes[:i]]
         # per hash block (device block, host block) of its MLA page, per indexer page likewise; a device
         # MLA page's host copy is looked up too (the resolver reads host rows once the page is released)
-        mla, index = [], []
-        for c, pages in enumerate(found.pages, start=i):
-            for g, where, b in pages:
-                dev, host = (b, None) if where == "device" else (None, b)
-                if g == "mla":
-                    mla.append((dev, host if dev is None else self.host_mla.lookup("mla", rb.hashes[c])))
-                else:
-                    index.append((dev, host))
+        # group by group (the j-th MLA page of the walk ends at hash block c0 + j r, r its ratio)
+        cols, look, hashes, r = found.by_group(), self.host_mla.lookup, rb.hashes, kv.ratio["mla"]
+        c0 = -(-(i + 1) // r) * r - 1
+        mla = [(b, look("mla", hashes[c0 + j * r])) if where == "device" else (None, b)
+               for j, (_, where, b) in enumerate(cols.get("mla", ()))]
+        index = [(b, None) if where == "device" else (None, b)
+                 for g in kv.groups if g != "mla" for _, where, b in cols.get(g, ())]
         rb.tables["mla"].extend(-1 if dev_m is None else dev_m for dev_m, _ in mla)
         st.host.extend(-1 if host_m is None else host_m for _, host_m in mla)
         kv.pool.touch([dev_m for dev_m, _ in mla if dev_m is not None])  # one call each: this runs per block

@@ -164,27 +164,35 @@ class OffloadPolicy(HostTierPolicy, Policy):
             self.pending[req.req_id] = (i, {})
             return n
         device, pend, pinned = [], {}, {}
+        tables, hashes = rb.tables, rb.hashes
+        # group by group (the walk is thousands of pages long; one group's pages do not interact with
+        # another's): its device pages join its table, its host pages wait there as -1 for a device block
+        # and a load. `pend` lists the groups in the order the walk met their first host page.
+        firsts = []  # (hash block of the group's first host page, the group's index, group, its pend, its pins)
+        # device: (hash block, group's index, block) of the device pages
+        for gi, (g, col) in enumerate((g, found.by_group().get(g)) for g in kv.groups):
+            if not col:
+                continue
+            r, table = kv.ratio[g], tables[g]
+            c0, base = -(-(i + 1) // r) * r - 1, len(table)  # the hash block its first page ends at
+            table.extend([b if where == "device" else -1 for _, where, b in col])
+            device += [(c0 + j * r, gi, p[2]) for j, p in enumerate(col) if p[1] == "device"]
+            hosts = [j for j, p in enumerate(col) if p[1] != "device"]
+            if hosts:
+                firsts.append((c0 + hosts[0] * r, gi, g, {base + j: (col[j][2], hashes[c0 + j * r]) for j in hosts},
+                               [col[j][2] for j in hosts]))
+        firsts.sort()
+        for _, _, g, pages, pins in firsts:
+            pend[g], pinned[g] = pages, pins
         # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
         # pages (the page the device hit gave back, kept when more follows it)
-        dev = None
-        tables, hashes = rb.tables, rb.hashes
-        for c, pages in enumerate(found.pages, start=i):
-            for g, where, b in pages:
-                table = tables[g]
-                if where == "device":
-                    device.append(b)
-                    table.append(b)
-                else:
-                    pend.setdefault(g, {})[len(table)] = (b, hashes[c])
-                    pinned.setdefault(g, []).append(b)
-                    table.append(-1)
-                    dev = c - i if dev is None else dev
+        dev = firsts[0][0] - i if firsts else None
         for g, blocks in pinned.items():
             self.host[g].touch(blocks)  # pinned until its load is recorded
-        kv.pool.touch(device)
+        kv.pool.touch([b for _, _, b in sorted(device)])  # in the walk's order, hash block by hash block
         self.host_tier.release(found.pins)
-        self.pending[req.req_id] = (i + (len(found.pages) if dev is None else dev), pend)
-        rb.num_cached_blocks = i + len(found.pages)
+        self.pending[req.req_id] = (i + (found.blocks if dev is None else dev), pend)
+        rb.num_cached_blocks = i + found.blocks
         return rb.num_cached_blocks * kv.tokens_per_block
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
