@@ -312,7 +312,7 @@ def run(out: Path, figures=tuple(FIGURES), knobs=tuple(KNOBS), *, window_s: floa
                             "expert_skew": "Part 1 (TP8: every GPU holds a slice of each expert, balanced under "
                                            "any skew)"},
                    window="each point: the published config at its concurrency from the start for at most window_s "
-                          "simulated seconds (serve's sweep.window_s), the requests in flight then finished; "
+                          "simulated seconds (serve's steady window: sweep.window_s), the requests in flight then finished; "
                           "figures over that window",
                    date=time.strftime("%Y-%m-%d"), git_revision=git_revision(),
                    machine={"cpu": cpu_name(), "cpu_count": os.cpu_count()}, runs=runs)
