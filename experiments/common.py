@@ -22,9 +22,9 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-# XLA:CPU maps about 6 memory regions per loaded executable and keeps them while JAX's caches hold it; a
-# long-lived process (an xdist worker, a long sweep) compiles tens of thousands of programs and crosses the
-# kernel's vm.max_map_count (65,530 here), after which XLA segfaults or aborts inside a compile
+# XLA:CPU maps memory regions for every loaded executable (about 3 per compiled kernel) and keeps them
+# while JAX's caches hold it; a long-lived process (an xdist worker, a long sweep) compiles thousands of
+# programs and crosses the kernel's vm.max_map_count (65,530 here), after which XLA segfaults or aborts inside a compile
 # ("LLVM compilation error: Cannot allocate memory"; docs/testing.md).
 MAX_MAPS = 20_000
 
@@ -41,19 +41,12 @@ def with_fast_compile(xla_flags: str) -> str:
     return f"{xla_flags} {FAST_COMPILE_XLA_FLAGS}".strip()
 
 
-def memory_maps() -> int:
-    """Memory mappings this process holds (0 where /proc is missing: no such limit to watch)."""
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return sum(1 for _ in f)
-    except OSError:
-        return 0
-
-
 def bound_memory_maps(limit: int = MAX_MAPS) -> bool:
     """Drop JAX's caches (their executables and mappings) once the process holds more than `limit`
     mappings -> whether it did. Call it between units of work (tests, sweep points): what comes next
     compiles its programs again."""
+    from glm53.engine.runner.compilation import memory_maps  # imports JAX: not before the caller's XLA_FLAGS
+
     if memory_maps() <= limit:
         return False
     import gc

@@ -117,3 +117,20 @@ def test_a_program_loaded_from_the_persistent_cache_counts_as_a_compilation(tmp_
         seen.append(out.stdout.split()[-4:])
     # the first run compiled the program, the second loaded it from disk: one compilation each
     assert seen == [["compiles", "1", "hits", "0"], ["compiles", "1", "hits", "1"]], seen
+
+
+def test_warmup_stops_with_a_clear_error_before_the_memory_map_limit(small_model, monkeypatch):
+    """XLA:CPU aborts a compile once the process crosses vm.max_map_count (each compiled kernel holds
+    about 3 mappings); warm-up checks before each shape and raises an error that names the limit and what
+    to change, instead of dying inside LLVM. Here the limit is set just below what the process holds (the
+    programs may already be in this worker's caches, so the warm-up need not add any mappings)."""
+    from glm53.engine.runner import compilation
+
+    eng = Engine(small_model, DeployConfig(**SHAPES))
+    held = compilation.memory_maps()
+    assert held > 0  # /proc is here: the check has something to read
+    monkeypatch.setattr(compilation, "max_map_count", lambda: int(held / compilation.MAPS_HEADROOM) - 1)
+    with pytest.raises(RuntimeError, match=r"after 0 of 8 bucket shapes.*vm\.max_map_count.*max_model_len"):
+        eng.runner.warmup()
+    monkeypatch.setattr(compilation, "max_map_count", lambda: 10 * held)  # far from it: the warm-up runs
+    assert eng.runner.warmup() == 8

@@ -1,8 +1,9 @@
-"""`python -m glm53.serve CHECKPOINT --data-parallel-size 4 --enable-expert-parallel` on four simulated
-devices (XLA_FLAGS in the server's environment): the DP x EP layout served as a real process on loopback.
-Concurrent requests through the official openai client spread over the ranks, which step together with
-the routed experts split over them, and each completion's greedy tokens equal one device's
-(`Engine.generate` on the same weights and shapes). One server for the module: tests/glm53/test_serve.py's
+"""`python -m glm53.serve CHECKPOINT --data-parallel-size 4 --enable-expert-parallel --kv-policy hisparse`
+on four simulated devices (XLA_FLAGS in the server's environment): the published decode node's layout
+served as a real process on loopback, each rank with its own HiSparse hot buffers and host pool (and the
+server's warm-up of their view programs). Concurrent requests through the official openai client spread
+over the ranks, which step together with the routed experts split over them, and each completion's greedy
+tokens equal one device's with every page resident (`Engine.generate` on the same weights and shapes). One server for the module: tests/glm53/test_serve.py's
 `Server`, its flags and the session's compilation cache."""
 
 import os
@@ -28,7 +29,7 @@ def dp_ep_server(tmp_path_factory, serving_dir):
     os.environ["XLA_FLAGS"] = f"{before or ''} --xla_force_host_platform_device_count={RANKS}".strip()
     try:
         s = Server(serving_dir, tmp_path_factory.mktemp("dp_ep_serve"), "--data-parallel-size", str(RANKS),
-                   "--enable-expert-parallel")
+                   "--enable-expert-parallel", "--kv-policy", "hisparse")
     finally:
         if before is None:
             del os.environ["XLA_FLAGS"]

@@ -14,6 +14,41 @@ from glm53.api import window_bucket
 from glm53.engine.runner.sampling import _last_logits, _sample, row_arrays, warm_prompt_logprobs, warm_sampling
 
 
+def memory_maps() -> int:
+    """Memory mappings this process holds (0 where /proc is missing: no such limit to watch)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+def max_map_count() -> int | None:
+    """The kernel's limit on one process's memory mappings (vm.max_map_count), None where unknown."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+# XLA:CPU maps about 3 regions per compiled kernel (a forward program holds hundreds) and aborts a compile
+# past vm.max_map_count; warm-up stops short of it with an error that says so (docs/testing.md)
+MAPS_HEADROOM = 0.9
+
+
+def check_memory_maps(done: int, total: int) -> None:
+    """Raise before XLA would abort: the process holds more than MAPS_HEADROOM of vm.max_map_count after
+    `done` of `total` warm-up shapes."""
+    limit, held = max_map_count(), memory_maps()
+    if limit and held > MAPS_HEADROOM * limit:
+        raise RuntimeError(
+            f"warm-up holds {held} memory mappings after {done} of {total} bucket shapes, near the kernel's "
+            f"vm.max_map_count ({limit}), past which XLA aborts a compile: raise it (sysctl -w "
+            f"vm.max_map_count=262144) or serve fewer bucket shapes (smaller max_model_len, "
+            f"max_num_batched_tokens or max_num_seqs)")
+
+
 class CompileCounter:
     """Context manager counting XLA compilations (JAX's backend-compile events) while active: `.count`."""
 
@@ -48,7 +83,8 @@ def warmup(runner, shapes, *, prompt_logprobs: bool = False) -> int:
     half = runner.half
     if runner.k:
         _warmup_mtp(runner, shapes, prompt_logprobs)
-    for rows, width, window in ([] if runner.k else shapes):
+    for done, (rows, width, window) in enumerate([] if runner.k else shapes):
+        check_memory_maps(done, len(shapes))
         views = half.empty_views(rows, decode=width == 1)
         # a view is made for each forward: a forward donates the arrays its view carries (detach takes
         # the returned ones back), so a view must not serve twice
@@ -83,7 +119,8 @@ def _warmup_mtp(runner, shapes, prompt_logprobs: bool = False) -> None:
     passes with each. Padding only: nothing is written (and no lease: the views resolve nothing)."""
     half, vw = runner.half, runner.verify_width
     queries = vw if runner.verify_mode == "batched" else 1
-    for rows, width, window in shapes:
+    for done, (rows, width, window) in enumerate(shapes):
+        check_memory_maps(done, len(shapes))
         views = half.empty_views(rows, decode=width == vw)
         if views is None:
             continue
@@ -101,7 +138,8 @@ def _warmup_mtp(runner, shapes, prompt_logprobs: bool = False) -> None:
             if views is not None:
                 _warm_drafts(runner, rows, window, views(window))
     half.end_warmup()
-    for rows, width, window in shapes:
+    for done, (rows, width, window) in enumerate(shapes):
+        check_memory_maps(done, len(shapes))
         tok, pos, t_mla, t_idx = _padding(runner, rows, width, window)
         if width == vw:
             hidden = runner._verify(tok, pos, t_mla, t_idx, window)
