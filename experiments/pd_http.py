@@ -10,10 +10,16 @@ tests/glm53/test_pd.py and priced at H200 scale by configs/paper/part2.py):
   devices with `--kv-policy hisparse` (`kv_consumer`): the published Part 2 shape.
 - `dp+offload`: two prefill servers of one device each (`kv_producer`) and two decode devices with the
   offload policy (`kv_consumer`).
-The two decode devices are two servers of one device each (`--decode-layout replicas`, the default) or,
-with `--decode-layout dp_ep`, one decode server of two DP ranks that share the routed experts
-(`--data-parallel-size 2 --enable-expert-parallel`: the published decode node's layout; results.json's
-`decode_layout` records which).
+The two decode devices are one decode server of two DP ranks that share the routed experts
+(`--decode-layout dp_ep`, the default: `--data-parallel-size 2 --enable-expert-parallel`, the published
+decode node's layout) or two servers of one device each (`--decode-layout replicas`); results.json's
+`decode_layout` records which.
+
+Every server compiles its bucket shapes before it answers, and on CPU each compiled kernel holds memory
+mappings: the HiSparse decode server of two DP ranks holds about 80,000 (docs/testing.md), past the
+kernel's default `vm.max_map_count` of 65,530, so the run first checks for `MIN_MAP_COUNT` (and says
+how to raise it: `sysctl -w vm.max_map_count=262144`, the default on several current distributions
+being 1,048,576).
 Both sides use the PdConnector: the decode servers take each prompt's KV from the producer that
 prefilled it (counted in `glm53:kv_transfer_received_tokens`) instead of computing it. The producers'
 pages hold `block_size` tokens over their DCP ranks, as the consumers' do.
@@ -64,16 +70,17 @@ def _ktc(role: str, **kw) -> str:
     return json.dumps({"kv_connector": "PdConnector", "kv_role": role, **kw})
 
 
-DECODE_LAYOUTS = ("replicas", "dp_ep")
+DECODE_LAYOUTS = ("dp_ep", "replicas")
+MIN_MAP_COUNT = 131_072  # vm.max_map_count the decode servers' warm-up needs (module docstring)
 
 
-def deployments(deploy: dict, decode_layout: str = "replicas") -> dict[str, dict[str, list[list[str]]]]:
+def deployments(deploy: dict, decode_layout: str = "dp_ep") -> dict[str, dict[str, list[list[str]]]]:
     """{name: {"prefill": [server flags...], "decode": [...]}}; each server's flags beyond `deploy`. Each
     producer gets a KV port of its own (free now) and the consumers list them all (a consumer takes KV
-    only from the producers it lists). decode_layout: "replicas", two decode servers of one device each,
-    or "dp_ep", one decode server of two DP ranks sharing the routed experts (`--data-parallel-size 2
-    --enable-expert-parallel`, the published decode node's layout; each rank its own host tier and P/D
-    tier and, under HiSparse, its own hot buffers and host pool)."""
+    only from the producers it lists). decode_layout: "dp_ep", one decode server of two DP ranks sharing
+    the routed experts (`--data-parallel-size 2 --enable-expert-parallel`, the published decode node's
+    layout; each rank its own host tier and P/D tier and, under HiSparse, its own hot buffers and host
+    pool), or "replicas", two decode servers of one device each."""
     if decode_layout not in DECODE_LAYOUTS:
         raise ValueError(f"decode_layout must be one of {DECODE_LAYOUTS}, got {decode_layout!r}")
     half = ["--block-size", str(deploy["block_size"] // 2)]  # DCP2: a page of block_size tokens over 2 ranks
@@ -212,8 +219,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deployments", nargs="+", default=None, choices=list(deployments(DEPLOY)),
                     help="default: both")
-    ap.add_argument("--decode-layout", default="replicas", choices=DECODE_LAYOUTS,
-                    help="decode side: two one-device servers (replicas) or one DP2 x EP2 server (dp_ep)")
+    ap.add_argument("--decode-layout", default="dp_ep", choices=DECODE_LAYOUTS,
+                    help="decode side: one DP2 x EP2 server, as published (dp_ep), or two one-device servers (replicas)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--sessions", type=int, default=16)
     ap.add_argument("--turns", type=float, default=8, help="median turns per session")
@@ -223,6 +230,13 @@ def main(argv=None) -> dict:
                     help="JAX compilation cache the servers share (default: a fresh temporary directory)")
     args = ap.parse_args(argv)
     args.deployments = args.deployments or list(deployments(DEPLOY))
+    from glm53.engine.runner.compilation import max_map_count
+
+    limit = max_map_count()
+    if limit is not None and limit < MIN_MAP_COUNT:
+        raise SystemExit(f"experiments.pd_http: vm.max_map_count is {limit}; its servers' warm-up needs about "
+                         f"{MIN_MAP_COUNT} memory mappings (each compiled XLA:CPU kernel holds some): raise it "
+                         f"(sudo sysctl -w vm.max_map_count=262144) and run again")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     import glm53
@@ -255,7 +269,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "pd_http", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
               "machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "preset": args.preset, "deploy": DEPLOY,
               "deployments": {n: specs[n] for n in args.deployments}, "devices_per_deployment": DEVICES,
-              "decode_layout": args.decode_layout,
+              "decode_layout": args.decode_layout, "vm_max_map_count": limit,
               "workload": {"kind": "synthetic", "sessions": args.sessions, "median_turns": args.turns,
                            "scale": args.scale, "mean_output_tokens": args.output_tokens, "think_time_scale": 0.0,
                            **workloads.trace_stats(sessions)},

@@ -343,8 +343,7 @@ def warm_up(model, cfg: ConfigDict) -> float:
     for policy in cfg.sweep.kv_policy:
         with tempfile.TemporaryDirectory() as root:
             eng = glm53.Engine(model, _deploy(cfg, policy, root))
-            for replica in eng.replicas:
-                replica.runner.warmup()  # each data-parallel replica compiles for its own devices
+            eng.warmup()  # each data-parallel replica compiles for its own devices
             eng.shutdown()
     return time.perf_counter() - t0
 

@@ -79,6 +79,7 @@ from pydantic import BaseModel, ValidationError
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.request import SEED_RANGE, RequestError
+from glm53.engine.runner.compilation import memory_maps
 from kvcache.tiers import PageSpans
 from kvcache.tiers.p2p import peer_address
 from glm53.protocol import (
@@ -1243,8 +1244,9 @@ def main(argv=None) -> None:
     metrics = ServingMetrics(engine, model_name=name)
     if args.warmup:
         t0 = time.perf_counter()
-        shapes = sum(rep.runner.warmup(prompt_logprobs=True) for rep in engine.replicas)
-        print(f"glm53.serve: compiled {shapes} bucket shapes in {time.perf_counter() - t0:.0f} s", flush=True)
+        shapes = engine.warmup(prompt_logprobs=True)
+        print(f"glm53.serve: compiled {shapes} bucket shapes in {time.perf_counter() - t0:.0f} s "
+              f"({memory_maps()} memory mappings held)", flush=True)
     async_engine = AsyncEngine(engine).start()
     app = create_app(async_engine, load_tokenizer(args.model, args.chat_template), name, metrics=metrics,
                      api_key=args.api_key, tool_call_parser=args.tool_call_parser,

@@ -284,6 +284,12 @@ class Engine(PdQueries):
     def num_devices(self) -> int:
         return self.deploy.data_parallel_size * self.deploy.devices_per_replica
 
+    def warmup(self, *, prompt_logprobs: bool = False) -> int:
+        """Compile every bucket shape of each distinct runner (`ModelRunner.warmup`: independent replicas
+        each for their own devices; DP x EP ranks share one runner, warmed once) -> shapes run."""
+        runners = list({id(r.runner): r.runner for r in self.replicas}.values())
+        return sum(r.warmup(prompt_logprobs=prompt_logprobs) for r in runners)
+
     # -------------------------------------------------------------------------------------- requests
     def route(self, salt: str) -> int:
         """The replica a new request with `salt` goes to."""

@@ -454,3 +454,48 @@ def test_dp_ep_simulation_reports_the_engines_rank_metrics():
     experts = sum(int(np.prod(x.shape)) * 4 for p, x in jax.tree_util.tree_leaves_with_path(state)
                   if "experts" in [getattr(q, "key", None) for q in p])
     assert m["weights_bytes_per_device"] == whole - experts // 2
+
+
+@pytest.mark.parametrize("limits", [dict(max_num_batched_tokens=128, max_num_seqs=2),
+                                    dict(max_num_batched_tokens=100, max_num_seqs=4),
+                                    dict(max_num_batched_tokens=64, max_num_seqs=8, mtp=True)])
+def test_every_forward_a_step_forms_is_a_bucket_shape(limits):
+    """`bucket_shapes` (what warm-up compiles) leaves out the (rows, width, window) groups no step can
+    form: a prefill width with more rows than its shortest rows fit in the budget, or a window narrower
+    than those rows. Every group that serving forms under pressure (long prompts chunked beside decode
+    rows, prefix hits, preemption; a budget that is not a power of two; MTP's verify rows) is still one
+    of them, and the pruning leaves shapes out at these limits."""
+    from glm53.engine.runner.batch import bucket_shapes
+
+    mtp = limits.pop("mtp", False)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_length": 2.5} if mtp else None
+    deploy = DeployConfig(max_model_len=512, block_size=16, num_gpu_blocks=64, speculative_config=spec, **limits)
+    eng = sim.build_engine(TINY, deploy)
+    vw = eng.runner.verify_width
+    shapes = set(bucket_shapes(eng.deploy, vw))
+    seen = set()
+    execute = eng.runner.execute
+
+    def record(plan):
+        seen.update((padded, width, window) for width, _, padded, window
+                    in forward_groups(plan.rows, *step_limits(eng.deploy), vw))
+        return execute(plan)
+
+    eng.runner.execute = record
+    rng = np.random.default_rng(0)
+    shared = rng.integers(0, TINY.vocab_size, 96)
+    for i, n in enumerate(rng.integers(2, 400, 40)):
+        prompt = np.concatenate([shared[: n // 2], rng.integers(0, TINY.vocab_size, n - n // 2)]) if i % 3 else \
+            rng.integers(0, TINY.vocab_size, n)
+        eng.add_request(prompt, SamplingParams(max_new_tokens=int(rng.integers(1, 40))), req_id=str(i))
+        if i % 4 == 3:
+            for _ in range(int(rng.integers(0, 6))):
+                eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert seen <= shapes, sorted(seen - shapes)
+    assert len({w for _, w, _ in seen}) == len({w for _, w, _ in shapes})  # every width was formed
+    widths, windows = sorted({w for _, w, _ in shapes}), sorted({win for *_, win in shapes})
+    max_rows = 1 << (deploy.max_num_seqs - 1).bit_length()
+    assert len(shapes) < len(widths) * len(windows) * max_rows.bit_length()

@@ -346,3 +346,29 @@ def test_dp2_ep2_hisparse_each_rank_resolves_on_its_own_hot_buffers_as_one_devic
                 assert np.allclose([x.logprob, *(v for _, v in x.top)], [y.logprob, *(v for _, v in y.top)], atol=1e-4)
     if case == "plain":
         assert got[0][2] > 0  # rank 0 staged host rows into a prefill chunk
+        # the simulator, on the same layout and requests, runs the same HiSparse schedule: each rank's
+        # tokens, its idle steps, its page counters (pages pre-copied, released, staged; leases; steps in
+        # each residency state: a scheduler's decisions, which do not depend on what the resolver found),
+        # and the first rounds' all-to-all
+        # bytes (no rank overflows one here). Its misses and staged rows are priced from
+        # hisparse_miss_fraction and the top-k, not resolved, so they are not compared.
+        import dataclasses
+
+        from glm53 import SamplingParams
+        from glm53.engine import sim
+
+        m = eng.metrics()
+        # float32 KV as the engine's (the simulator's "auto" is bf16: half the bytes each copy moves)
+        deploy = dataclasses.replace(eng.deploy, kv_cache_dtype="float32")
+        simulated = sim.build_engine(small_model.cfg, deploy, weight_bytes=4)
+        for rid, salt, _, new in work:
+            simulated.add_request(prompts[rid], SamplingParams(new), req_id=rid, salt=salt)
+        while simulated.has_unfinished():
+            simulated.step()
+        s = simulated.metrics()
+        assert [simulated.replica_of(rid) for rid, *_ in work] == owners
+        for key in ("dp_rank_tokens", "dp_idle_rank_steps", "ep_all2all_bytes", "preemptions", "d2h_bytes"):
+            assert s[key] == m[key], (key, s[key], m[key])
+        for r in range(2):
+            a, b = simulated.replicas[r].scheduler.policy.stats, eng.replicas[r].scheduler.policy.stats
+            assert dataclasses.asdict(a) == dataclasses.asdict(b) and b.released_pages > 0, (r, a, b)

@@ -26,8 +26,8 @@ from glm53.api import window_bucket
 from glm53.engine.config import DeployConfig, KVSizes
 from glm53.engine.plan import PlanRow, StepPlan, StepResult
 from glm53.engine.runner import compilation, ranks
-from glm53.engine.runner.batch import (MIN_PREFILL_WIDTH, block_table, forward_groups, padded_rows, step_limits,
-                                       width_buckets)
+from glm53.engine.runner.batch import (MIN_PREFILL_WIDTH, block_table, bucket_shapes, forward_groups, padded_rows,
+                                       step_limits, width_buckets)
 from glm53.engine.runner.compilation import CompileCounter
 from glm53.engine.runner.forward import strategy_for
 from glm53.engine.runner.sampling import (_concat_drafts, _draft_argmax, _last_logits, _mtp_head, _position_logits,
@@ -142,11 +142,9 @@ class ModelRunner:
         return width_buckets(self.max_tokens, self.verify_width)
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (rows, tokens per row, window) program a serving run can use."""
-        rows = [self.fwd.ranks << i for i in range(self.max_rows.bit_length())]  # DP x EP: N ranks' rows
-        windows = sorted({window_bucket(n, self.capacity) for n in
-                          (1 << i for i in range(self.capacity.bit_length() + 1))})
-        return [(r, w, win) for r in rows for w in self.width_buckets() for win in windows]
+        """Every (rows, tokens per row, window) program a serving run can use (`batch.bucket_shapes`; DP x
+        EP: N ranks' rows)."""
+        return bucket_shapes(self.deploy, self.verify_width, self.fwd.ranks)
 
     def warmup(self, shapes=None, *, prompt_logprobs: bool = False) -> int:
         """Compile the programs of `shapes` (default: every bucket) and every copy program of the KV policy

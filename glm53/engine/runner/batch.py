@@ -25,6 +25,39 @@ def width_buckets(max_tokens: int, verify_width: int = 0) -> list[int]:
     return [verify_width or 1] + prefill
 
 
+def shortest_row(width: int, widths: list[int]) -> int:
+    """Fewest tokens of a row in a forward group of `width` (`forward_groups`): a prefill width holds
+    rows of more than the next narrower width's tokens (2 or more in the narrowest prefill bucket, whose
+    one-token rows decode or verify); the decode (or verify) bucket rows of 1."""
+    return 1 if width == widths[0] else 2 if width == widths[1] else width // 2 + 1
+
+
+def group_rows_limit(width: int, widths: list[int], budget: int, max_num_seqs: int) -> int:
+    """The most rows a forward group of `width` tokens per row can hold before padding: max_num_seqs,
+    and in a prefill width no more than the step's token budget holds of its shortest rows."""
+    if width == widths[0]:
+        return max_num_seqs
+    return max(1, min(max_num_seqs, budget // shortest_row(width, widths)))
+
+
+def bucket_shapes(deploy: DeployConfig, verify_width: int = 0, ranks: int = 1) -> list[tuple[int, int, int]]:
+    """Every (rows, tokens per row, window) program a runner of the resolved `deploy` can run
+    (`forward_groups` of any step the scheduler can form, ranks x rows under DP x EP): rows padded to
+    powers of two up to max_num_seqs', windows `window_bucket`s up to the block tables' positions,
+    except the groups no step forms: a prefill width with more rows than `group_rows_limit`, or a window
+    narrower than its rows' fewest tokens."""
+    max_tokens, capacity = step_limits(deploy)
+    widths = width_buckets(max_tokens, verify_width)
+    windows = sorted({window_bucket(1 << i, capacity) for i in range(capacity.bit_length() + 1)})
+    shapes = []
+    for w in widths:
+        most = pow2_at_least(group_rows_limit(w, widths, deploy.max_num_batched_tokens, deploy.max_num_seqs))
+        narrowest = window_bucket(shortest_row(w, widths), capacity)
+        shapes += [(ranks * r, w, win) for r in (1 << i for i in range(most.bit_length()))
+                   for win in windows if win >= narrowest]
+    return sorted(shapes)
+
+
 def step_limits(deploy: DeployConfig) -> tuple[int, int]:
     """(widest row bucket, positions a block table addresses) of a runner of the resolved `deploy`: no
     chunk is wider than the budget or than a whole request; max_model_len rounded up to whole pages."""

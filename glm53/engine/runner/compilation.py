@@ -11,6 +11,7 @@ import numpy as np
 
 from attention.common import pow2_at_least
 from glm53.api import window_bucket
+from glm53.engine.runner.batch import group_rows_limit
 from glm53.engine.runner.sampling import _last_logits, _sample, row_arrays, warm_prompt_logprobs, warm_sampling
 
 
@@ -169,13 +170,12 @@ def workspace_shapes(runner) -> list[tuple[int, int, int]]:
     `forward_groups` can form: a group of width w holds rows of more than w / 2 tokens (2 in the
     narrowest bucket), so at most budget // (w / 2 + 1) of them, padded to a power of two, up to
     about twice the budget in all (the narrowest and the widest such width stand for their ties)."""
-    cap, budget = runner.capacity, runner.deploy.max_num_batched_tokens
+    cap, d = runner.capacity, runner.deploy
     full = window_bucket(cap, cap)
-    prefill = runner.width_buckets()[1:]
+    widths = runner.width_buckets()
     groups = []
-    for w in prefill:
-        per_row = 2 if w == prefill[0] else w // 2 + 1
-        rows = min(runner.max_rows, pow2_at_least(max(1, min(runner.deploy.max_num_seqs, budget // per_row))))
+    for w in widths[1:]:
+        rows = pow2_at_least(group_rows_limit(w, widths, d.max_num_batched_tokens, d.max_num_seqs))
         groups.append((rows * w, rows, w))
     most = max(t for t, _, _ in groups)
     ties = [(r, w) for t, r, w in groups if t == most]
