@@ -32,9 +32,10 @@ that it runs and that its counts are equal; such points do not make a run comple
    preempt_vs_offload; HiSparse: hisparse_vs_offload at concurrency 4 and 8, its 16 and 32 points take
    half an hour of real time), the host tier and a filesystem tier (tiered_scaling at 16 and 64
    conversations), MTP3 under each verify form (the runner's sequential, CPU's default, and batched),
-   DP8 and PCP8 x DCP8 x EP8 on 8 simulated devices. Per point: median TTFT, mean TPOT, throughput per
-   device, running requests, and the counts that do not depend on time (preemptions, prefix hits, engine
-   steps), which must be equal: without think time the schedule is a function of the requests. Each
+   DP8, DP8 x EP8 (ranks sharing their experts) and PCP8 x DCP8 x EP8 on 8 simulated devices. Per
+   point: median TTFT, mean TPOT, throughput per device, running requests, and the counts that do not
+   depend on time (preemptions, prefix hits, engine steps; under DP each rank's scheduled tokens and
+   idle steps), which must be equal: without think time the schedule is a function of the requests. Each
    point is called prefill-bound or decode-bound by where its real step time went. Not here: P/D over
    HTTP (experiments.pd_http), whose counts depend on wall-clock routing, has no simulated twin yet.
 
@@ -63,7 +64,8 @@ from experiments.common import cpu_name, git_revision, load_config
 
 METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device", "running_requests_mean")
 MAPE_METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device")  # `summary`'s mape
-COUNTS = ("preemptions", "prefix_hit_rate", "engine_steps", "output_tokens")
+# schedule counts (absent on both sides where the layout has no DP ranks)
+COUNTS = ("preemptions", "prefix_hit_rate", "engine_steps", "output_tokens", "dp_rank_tokens", "dp_idle_rank_steps")
 TRAIN = ("serve_default", None, ())
 MAPE_BOUND = 0.25  # the largest committed MAPE of each metric the test accepts
 _MTP3 = "configs/ablations/hisparse_vs_offload_mtp3.py"
@@ -83,6 +85,7 @@ HELD_OUT = (("smoke", "configs/smoke.py", ()),
             ("mtp3_sequential", _MTP3, ("--config.sweep.concurrency=(4,)", _verify("sequential"))),
             ("mtp3_batched", _MTP3, ("--config.sweep.concurrency=(4,)", _verify("batched"))),
             ("dp8", "configs/deployments/dp8.py", ()),
+            ("dp8_ep8", "configs/deployments/dp8_ep8.py", ()),
             ("pcp8_dcp8", "configs/deployments/pcp8_dcp8.py", ()))
 DEVICES = 8  # simulated CPU devices of the process: the DP8 and PCP8 x DCP8 configs need them
 WEIGHT_BYTES = 4  # float32 weights on CPU

@@ -2,9 +2,9 @@
 baseline that BRIEF §7 compares PCP x DCP against, serving 8 OpenHands-style sessions of 4 turns at 1/128
 scale, one per user at concurrency 8.
 
-Each replica holds the whole model (routed experts included: expert parallelism across replicas is not
-built) and its own KV pool; a user's turns stick to one replica (its prefix cache). On CPU the replicas
-step one after the other, so this measures the pipeline, not speed.
+Each replica holds the whole model (routed experts included; configs/deployments/dp8_ep8.py splits them
+over the ranks) and its own KV pool; a user's turns stick to one replica (its prefix cache). On CPU the
+replicas step one after the other, so this measures the pipeline, not speed.
 
     python -m experiments.serve --config configs/deployments/dp8.py --out out/dp8
 """
