@@ -16,10 +16,10 @@ decode node's layout) or two servers of one device each (`--decode-layout replic
 `decode_layout` records which.
 
 Every server compiles its bucket shapes before it answers, and on CPU each compiled kernel holds memory
-mappings: the HiSparse decode server of two DP ranks holds about 80,000 (docs/testing.md), past the
-kernel's default `vm.max_map_count` of 65,530, so the run first checks for `MIN_MAP_COUNT` (and says
-how to raise it: `sysctl -w vm.max_map_count=262144`, the default on several current distributions
-being 1,048,576).
+mappings: the HiSparse decode server of two DP ranks holds about 129,000 after its warm-up
+(docs/testing.md), twice the kernel's default `vm.max_map_count` of 65,530, so the run first checks for
+`MIN_MAP_COUNT` (and says how to raise it: `sysctl -w vm.max_map_count=262144`; several current
+distributions default to 1,048,576).
 Both sides use the PdConnector: the decode servers take each prompt's KV from the producer that
 prefilled it (counted in `glm53:kv_transfer_received_tokens`) instead of computing it. The producers'
 pages hold `block_size` tokens over their DCP ranks, as the consumers' do.
@@ -71,7 +71,7 @@ def _ktc(role: str, **kw) -> str:
 
 
 DECODE_LAYOUTS = ("dp_ep", "replicas")
-MIN_MAP_COUNT = 131_072  # vm.max_map_count the decode servers' warm-up needs (module docstring)
+MIN_MAP_COUNT = 262_144  # vm.max_map_count the decode servers' warm-up needs, with room (module docstring)
 
 
 def deployments(deploy: dict, decode_layout: str = "dp_ep") -> dict[str, dict[str, list[list[str]]]]:
@@ -234,9 +234,9 @@ def main(argv=None) -> dict:
 
     limit = max_map_count()
     if limit is not None and limit < MIN_MAP_COUNT:
-        raise SystemExit(f"experiments.pd_http: vm.max_map_count is {limit}; its servers' warm-up needs about "
-                         f"{MIN_MAP_COUNT} memory mappings (each compiled XLA:CPU kernel holds some): raise it "
-                         f"(sudo sysctl -w vm.max_map_count=262144) and run again")
+        raise SystemExit(f"experiments.pd_http: vm.max_map_count is {limit}, under the {MIN_MAP_COUNT} its servers' "
+                         f"warm-up needs (each compiled XLA:CPU kernel holds memory mappings): raise it "
+                         f"(sudo sysctl -w vm.max_map_count={MIN_MAP_COUNT}) and run again")
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     import glm53
