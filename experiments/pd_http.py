@@ -1,7 +1,7 @@
 """Part 2 at laptop scale over HTTP (issue 23 item 5): two P/D deployments as real processes on loopback,
 driven through `python -m glm53.router` by the closed-loop agentic client.
 
-    python -m experiments.pd_http --out results/paper/part2_laptop     # ~40 minutes on 2 cores
+    python -m experiments.pd_http --out results/paper/part2_laptop     # about an hour on 2 cores
 
 Deployments (a preset's random weights, 4 simulated devices each; no MTP: its warm-up compiles several
 programs per bucket shape, which on 2 cores cost more than a whole point; MTP over P/D is tested in
@@ -37,7 +37,8 @@ wall time: TTFT median / p90, TPOT, interactivity, P90 end-to-end per-user tok/s
 over all 4 devices), and what the servers counted: prompt tokens the decode servers received from a
 producer and the prefix-cache hits on each role, the decode servers' host <-> device bytes and
 HiSparse hot-buffer hits and misses, preemptions, XLA compilations after warm-up (should be 0), and the
-router's `prefill_fallbacks` and `resends` (should be 0). At concurrency 1 the sessions' greedy tokens
+router's `prefill_fallbacks` and `resends` (should be 0). results.json is rewritten after every point
+(`complete`: every point ran). At concurrency 1 the sessions' greedy tokens
 must be the same on both deployments (`tokens_equal`): P/D and HiSparse change the speed, never the
 tokens. A benchmark: it asserts nothing about speed, and on a laptop the five
 processes share its cores (the numbers compare the deployments' mechanisms, not H200 speed: for that,
@@ -251,6 +252,20 @@ def main(argv=None) -> dict:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     specs = deployments(DEPLOY, args.decode_layout)
     runs = []
+    result = {"benchmark": "pd_http", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
+              "machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "preset": args.preset, "deploy": DEPLOY,
+              "deployments": {n: specs[n] for n in args.deployments}, "devices_per_deployment": DEVICES,
+              "decode_layout": args.decode_layout, "vm_max_map_count": limit,
+              "workload": {"kind": "synthetic", "sessions": args.sessions, "median_turns": args.turns,
+                           "scale": args.scale, "mean_output_tokens": args.output_tokens, "think_time_scale": 0.0,
+                           **workloads.trace_stats(sessions)},
+              "complete": False, "runs": runs}
+
+    def save():  # after every point: a run that stops keeps the points it measured
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out / "results.json")
+
     for c in args.concurrency:
         tokens = {}
         for name in args.deployments:
@@ -262,19 +277,13 @@ def main(argv=None) -> dict:
                   f"{m['ttft_median_s'] * 1e3:.0f} ms, TPOT {m['tpot_mean_s'] * 1e3:.1f} ms, received "
                   f"{m['kv_transfer_received_tokens']} of {m['decode_prompt_tokens']} prompt tokens, "
                   f"{m['compilations_after_warmup']} compilations", flush=True)
+            save()
         if c == 1 and len(tokens) > 1:
             equal = len({json.dumps(t) for t in tokens.values()}) == 1
             for r in runs[-len(tokens):]:
                 r["tokens_equal"] = equal
-    result = {"benchmark": "pd_http", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
-              "machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "preset": args.preset, "deploy": DEPLOY,
-              "deployments": {n: specs[n] for n in args.deployments}, "devices_per_deployment": DEVICES,
-              "decode_layout": args.decode_layout, "vm_max_map_count": limit,
-              "workload": {"kind": "synthetic", "sessions": args.sessions, "median_turns": args.turns,
-                           "scale": args.scale, "mean_output_tokens": args.output_tokens, "think_time_scale": 0.0,
-                           **workloads.trace_stats(sessions)},
-              "runs": runs}
-    (out / "results.json").write_text(json.dumps(result, indent=1))
+    result["complete"] = True
+    save()
     plot(result, out / "pd_http.png")
     return result
 

@@ -42,8 +42,9 @@ leg knows the token ids when the prompt is given as ids (and looks them up only 
 engine could hash, in [0, 2^63); any other prompt goes on, for the server to refuse); the decode leg
 always does (the prefill leg returns them). Load is the running + waiting requests each server's /metrics
 reported at the last poll (every --poll-interval seconds) plus the requests this router sent it since;
-the same poll reads its /health. A server whose poll fails is down until a poll succeeds; one that
-answers 503 (its /health, or a request) is unhealthy until its /health answers 200.
+the same poll reads its /health. A server whose poll fails is down until a poll succeeds (one that only
+answers late, MISSED_POLLS polls in a row); one that answers 503 (its /health, or a request) is unhealthy
+until its /health answers 200.
 
 A decode server that dies does not lose the request: before any token the request is sent again to
 another decode server; mid-stream the router sends the prompt's token ids followed by the tokens already
@@ -95,7 +96,8 @@ class NoServer(RuntimeError):
 class Server:
     url: str
     role: str  # "prefill" or "decode"
-    up: bool = True  # it answered its last poll (and no request since found it unreachable)
+    up: bool = True  # it answered a recent poll (and no request since found it unreachable)
+    late_polls: int = 0  # polls in a row it did not answer in time (MISSED_POLLS of them: down)
     healthy: bool = True  # its /health answered 200 at the last poll (and no request since got a 503)
     polled_load: float = 0.0  # running + waiting at the last poll
     sent: int = 0  # requests this router sent since that poll
@@ -297,21 +299,35 @@ def _auth(raw: Request) -> dict:
     return {"authorization": key} if key else {}
 
 
-async def _poll_forever(st: RouterState) -> None:
-    """Every poll_interval_s: each server's /health (healthy: 200) and its load from /metrics (up: both
-    answered; a server whose engine stopped still serves /metrics, so /health is what tells)."""
-    while True:
-        async def one(s: Server):
-            timeout = max(st.poll_interval_s, 1.0)
-            try:
-                health, metrics = await asyncio.gather(st.client.get(s.url + "/health", timeout=timeout),
-                                                       st.client.get(s.url + "/metrics", timeout=timeout))
-                metrics.raise_for_status()
-                s.polled_load, s.sent, s.up, s.healthy = parse_load(metrics.text), 0, True, health.status_code == 200
-            except (httpx.HTTPError, ValueError):
-                s.up = False
+# polls in a row a server may answer late before it is down: a server busy with a long step (or on
+# cores it shares) answers slowly but is not gone; a refused connection or a bad answer is down at once
+MISSED_POLLS = 3
 
-        await asyncio.gather(*(one(s) for s in st.everyone))
+
+async def poll(st: RouterState) -> None:
+    """One poll of every server: its /health (healthy: 200) and its load from /metrics (up: both answered;
+    a server whose engine stopped still serves /metrics, so /health is what tells). A server that does
+    not answer within the poll's timeout keeps its state until MISSED_POLLS polls in a row were late."""
+    async def one(s: Server):
+        timeout = max(st.poll_interval_s, 1.0)
+        try:
+            health, metrics = await asyncio.gather(st.client.get(s.url + "/health", timeout=timeout),
+                                                   st.client.get(s.url + "/metrics", timeout=timeout))
+            metrics.raise_for_status()
+            s.polled_load, s.sent, s.up, s.healthy = parse_load(metrics.text), 0, True, health.status_code == 200
+            s.late_polls = 0
+        except httpx.TimeoutException:
+            s.late_polls += 1
+            s.up = s.up and s.late_polls < MISSED_POLLS
+        except (httpx.HTTPError, ValueError):
+            s.up = False
+
+    await asyncio.gather(*(one(s) for s in st.everyone))
+
+
+async def _poll_forever(st: RouterState) -> None:
+    while True:
+        await poll(st)
         await asyncio.sleep(st.poll_interval_s)
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from glm53 import DeployConfig, Engine
 from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
-from glm53.router import NoServer, Picker, PrefixIndex, Server, parse_load
+from glm53.router import MISSED_POLLS, NoServer, Picker, PrefixIndex, RouterState, Server, parse_load, poll
 from kvcache.block_pool import block_hashes
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from tests.glm53.openai_cases import *  # noqa: F403 - the shared cases run against this module's `api`
@@ -53,6 +53,47 @@ def test_picker_salt_sticks_load_decides_ties_take_turns():
     a.up = b.up = False
     with pytest.raises(NoServer, match="no decode server is up"):
         p.pick()
+
+
+def test_a_server_that_answers_its_polls_late_stays_up_until_it_misses_several_in_a_row():
+    """The poll (`glm53.router.poll`, httpx's mock transport as the servers): a decode server busy with
+    long steps answers /health late; the only decode server of a deployment must not be dropped for one
+    late answer (every request would get a 503), only after MISSED_POLLS late polls in a row, and an
+    answer in time brings it back and resets the count. A refused connection is down at once."""
+    import asyncio
+
+    behaviour = {"http://slow": "late", "http://gone": "refused"}
+
+    def handler(request):
+        mode = behaviour.get(f"{request.url.scheme}://{request.url.host}", "ok")
+        if mode == "late":
+            raise httpx.ReadTimeout("late", request=request)
+        if mode == "refused":
+            raise httpx.ConnectError("refused", request=request)
+        body = "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n" if request.url.path == "/metrics" else "{}"
+        return httpx.Response(200, text=body)
+
+    slow, gone, pre = Server("http://slow", "decode"), Server("http://gone", "decode"), Server("http://p", "prefill")
+    st = RouterState(Picker([pre]), Picker([slow, gone]), PrefixIndex(), {}, 0.5, 10.0,
+                     client=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+
+    async def polls(n):
+        for _ in range(n):
+            await poll(st)
+
+    asyncio.run(polls(MISSED_POLLS - 1))
+    assert slow.up and slow.late_polls == MISSED_POLLS - 1 and not gone.up and pre.up and pre.polled_load == 3
+    assert st.dec.pick().url == "http://slow"
+    asyncio.run(polls(1))
+    assert not slow.up
+    with pytest.raises(NoServer, match="no decode server is up"):
+        st.dec.pick()
+    behaviour["http://slow"] = "ok"
+    asyncio.run(polls(1))
+    assert slow.up and slow.late_polls == 0 and slow.polled_load == 3
+    behaviour["http://slow"] = "late"
+    asyncio.run(polls(MISSED_POLLS - 1))
+    assert slow.up  # the count starts again after an answer in time
 
 
 def test_picker_leaves_unhealthy_servers_out_while_a_healthy_one_is_up():
