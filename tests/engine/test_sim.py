@@ -467,6 +467,7 @@ def test_every_forward_a_step_forms_is_a_bucket_shape(limits):
     of them, and the pruning leaves shapes out at these limits."""
     from glm53.engine.runner.batch import bucket_shapes
 
+    limits = dict(limits)  # pytest's parameter, shared between runs: not changed here
     mtp = limits.pop("mtp", False)
     spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
             "synthetic_acceptance_length": 2.5} if mtp else None
