@@ -37,8 +37,9 @@ wall time: TTFT median / p90, TPOT, interactivity, P90 end-to-end per-user tok/s
 over all 4 devices), and what the servers counted: prompt tokens the decode servers received from a
 producer and the prefix-cache hits on each role, the decode servers' host <-> device bytes and
 HiSparse hot-buffer hits and misses, preemptions, XLA compilations after warm-up (should be 0), and the
-router's `prefill_fallbacks` and `resends` (should be 0). results.json is rewritten after every point
-(`complete`: every point ran). At concurrency 1 the sessions' greedy tokens
+router's `prefill_fallbacks` and `resends` (should be 0). results.json and table.md (the points side by
+side) are rewritten after every point (`complete`: every point ran); `--redraw DIR` rewrites table.md
+and pd_http.png from DIR/results.json. At concurrency 1 the sessions' greedy tokens
 must be the same on both deployments (`tokens_equal`): P/D and HiSparse change the speed, never the
 tokens. A benchmark: it asserts nothing about speed, and on a laptop the five
 processes share its cores (the numbers compare the deployments' mechanisms, not H200 speed: for that,
@@ -229,7 +230,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-tokens", type=int, default=48, help="mean output tokens per turn")
     ap.add_argument("--cache-dir", default=None,
                     help="JAX compilation cache the servers share (default: a fresh temporary directory)")
+    ap.add_argument("--redraw", metavar="DIR", default=None,
+                    help="run nothing: rewrite DIR's table.md and pd_http.png from its results.json")
     args = ap.parse_args(argv)
+    if args.redraw:
+        result = json.loads((Path(args.redraw) / "results.json").read_text())
+        (Path(args.redraw) / "table.md").write_text(table(result))
+        if result["runs"]:
+            plot(result, Path(args.redraw) / "pd_http.png")
+        return result
     args.deployments = args.deployments or list(deployments(DEPLOY))
     from glm53.engine.runner.compilation import max_map_count
 
@@ -265,6 +274,7 @@ def main(argv=None) -> dict:
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(result, indent=1))
         os.replace(tmp, out / "results.json")
+        (out / "table.md").write_text(table(result))
 
     for c in args.concurrency:
         tokens = {}
@@ -286,6 +296,49 @@ def main(argv=None) -> dict:
     save()
     plot(result, out / "pd_http.png")
     return result
+
+
+# table.md's rows: (label, results key, format of one value)
+TABLE_ROWS = (
+    ("throughput, tok/s per device", "throughput_tok_s_per_device", "{:.0f}"),
+    ("P90 e2e tok/s per user", "interactivity_p90_e2e_tok_s_user", "{:.0f}"),
+    ("TTFT median, ms", "ttft_median_s", "ms"),
+    ("TPOT mean, ms", "tpot_mean_s", "ms1"),
+    ("decode prompt tokens received from a producer", "kv_transfer_received_tokens", "{:,}"),
+    ("decode prompt tokens", "decode_prompt_tokens", "{:,}"),
+    ("decode prefix-cache hit rate", "decode_prefix_hit_rate", "%"),
+    ("decode host->device MB", "decode_h2d_bytes", "MB"),
+    ("hot-buffer hits / misses", ("hisparse_hot_hits", "hisparse_hot_misses"), "{:,} / {:,}"),
+    ("preemptions", "preemptions", "{}"),
+    ("compilations after warm-up", "compilations_after_warmup", "{}"),
+    ("router prefill fallbacks / resends", ("prefill_fallbacks", "resends"), "{} / {}"),
+    ("greedy tokens equal across deployments", "tokens_equal", "{}"),
+)
+
+
+def table(result: dict) -> str:
+    """The runs of a results.json side by side, one column per (concurrency, deployment), as markdown (a
+    results.json without `complete` predates the key and was written only when every point had run)."""
+    runs = result["runs"]
+    head = (f"pd_http, {result['preset']}, decode layout {result.get('decode_layout', 'replicas')}: "
+            f"{result['date']}, {result['git_revision'][:12]}, {result['machine']['cpu']} "
+            f"({result['machine']['cores']} cores){'' if result.get('complete', True) else '; incomplete: a run that stopped'}\n\n")
+    if not runs:
+        return head
+    lines = ["| | " + " | ".join(f"c{r['concurrency']} {r['kv_policy']}" for r in runs) + " |",
+             "|---" * (len(runs) + 1) + "|"]
+    for label, key, fmt in TABLE_ROWS:
+        cells = []
+        for r in runs:
+            keys = key if isinstance(key, tuple) else (key,)
+            if not all(k in r for k in keys) or (keys[0].startswith("hisparse") and not r[keys[0]] + r[keys[-1]]):
+                cells.append("")
+                continue
+            v = [r[k] for k in keys]
+            cells.append({"ms": f"{v[0] * 1e3:.0f}", "ms1": f"{v[0] * 1e3:.1f}", "%": f"{v[0]:.1%}",
+                          "MB": f"{v[0] / 1e6:.0f}"}.get(fmt) or fmt.format(*v))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:

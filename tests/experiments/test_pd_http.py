@@ -40,3 +40,32 @@ def test_each_deployment_is_four_devices_of_producers_and_consumers_with_one_pag
         assert page_tokens == {pd_http.DEPLOY["block_size"]}, name
         assert policies == {"hisparse" if name.endswith("hisparse") else "offload"}, name
         assert listed == {tuple(sorted(kv))} and len(kv) == len(spec["prefill"]), name  # every consumer lists them all
+
+
+def test_redraw_tabulates_each_point_of_a_results_file(tmp_path):
+    """`--redraw DIR` rewrites table.md and the figure from DIR/results.json alone: one column per point, each
+    value in its unit, HiSparse's hot-buffer counts left blank where the decode policy has none."""
+    import json
+
+    run = dict(concurrency=1, throughput_tok_s_per_device=95.4, interactivity_p90_e2e_tok_s_user=70.2,
+               ttft_median_s=0.1164, tpot_mean_s=0.01463, kv_transfer_received_tokens=9168,
+               decode_prompt_tokens=34056, decode_prefix_hit_rate=0.9664, decode_h2d_bytes=260_017_600,
+               preemptions=0, compilations_after_warmup=0, prefill_fallbacks=0, resends=2)
+    result = {"preset": "tiny", "decode_layout": "dp_ep", "date": "2026-12-06", "git_revision": "0123456789abcdef",
+              "machine": {"cpu": "cpu", "cores": 2}, "deployments": {"pcp_dcp+hisparse": {}, "dp+offload": {}},
+              "complete": False,
+              "runs": [dict(run, kv_policy="pcp_dcp+hisparse", hisparse_hot_hits=163470, hisparse_hot_misses=161246),
+                       dict(run, kv_policy="dp+offload", hisparse_hot_hits=0, hisparse_hot_misses=0, tpot_mean_s=0.013)]}
+    (tmp_path / "results.json").write_text(json.dumps(result))
+    pd_http.main(["--redraw", str(tmp_path)])
+    text = (tmp_path / "table.md").read_text()
+    assert "decode layout dp_ep" in text and "0123456789ab," in text and "incomplete" in text
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+             if line.startswith("| ") and not line.startswith("| |")]
+    rows = {label: values for label, *values in cells}
+    assert rows["TTFT median, ms"] == ["116", "116"] and rows["TPOT mean, ms"] == ["14.6", "13.0"]
+    assert rows["decode host->device MB"] == ["260", "260"] and rows["decode prefix-cache hit rate"] == ["96.6%"] * 2
+    assert rows["hot-buffer hits / misses"] == ["163,470 / 161,246", ""]
+    assert rows["router prefill fallbacks / resends"] == ["0 / 2", "0 / 2"]
+    assert rows["greedy tokens equal across deployments"] == ["", ""]  # only concurrency 1 of a full run has it
+    assert (tmp_path / "pd_http.png").stat().st_size > 0
