@@ -237,10 +237,11 @@ def deploy_from_args(args: argparse.Namespace, cfg, dtype: str) -> DeployConfig:
             sized["hisparse_host_pool_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * pages["mla"]
         if pd_default:
             sized["cpu_offload_bytes"] = d.max_num_seqs * d.max_blocks_per_seq * sum(pages.values())
-        have = host_memory_bytes()
-        if have and sum(sized.values()) > have:  # fail here, not by the OOM killer while allocating
+        have, ranks = host_memory_bytes(), d.data_parallel_size  # every DP rank allocates its own host pools
+        if have and sum(sized.values()) * ranks > have:  # fail here, not by the OOM killer while allocating
             flags = " and ".join("--" + k.replace("_", "-") for k in sized)
-            raise ValueError(f"the default host pools for {d.max_num_seqs} requests of {d.max_model_len} tokens "
+            each = f" on each of {ranks} data-parallel ranks" if ranks > 1 else ""
+            raise ValueError(f"the default host pools for {d.max_num_seqs} requests of {d.max_model_len} tokens{each} "
                              f"({', '.join(f'{k}={v:,}' for k, v in sized.items())} bytes) exceed this machine's "
                              f"{have:,} bytes of memory: give {flags}, or lower --max-model-len / --max-num-seqs")
         given.update(sized)

@@ -536,6 +536,14 @@ class Engine(PdQueries):
         if self.deploy.experts_across_ranks and not self._lockstep:  # injected ranks run one by one: the plans' first rounds
             self._all2all_estimate += first_round_all2all_bytes(plans, self.cfg, self.deploy, self._itemsize)
 
+    def ep_all2all_bytes(self) -> int:
+        """DP x EP (`DeployConfig.experts_across_ranks`): the bytes one device sent through the MoE
+        all-to-alls over the run, as the ranks' one runner measured them (an injected runner that steps
+        the ranks one by one: the plans' first rounds); 0 for any other layout."""
+        if not self.deploy.experts_across_ranks:
+            return 0
+        return self.replicas[0].runner.all2all_bytes() if self._lockstep else self._all2all_estimate
+
     def _fail_plan(self, r: int, plan, error: BaseException) -> list[Request]:
         """Finish the requests of replica r's `plan`, whose execution raised `error`, with finish_reason
         "error" (Scheduler.abort: their device blocks go back to the pool; what earlier steps computed and
@@ -663,9 +671,8 @@ class Engine(PdQueries):
         if len(self.replicas) > 1:  # the ranks' balance: under DP x EP an idle rank still runs padding rows
             out["dp_rank_tokens"] = list(self.dp_rank_tokens)
             out["dp_idle_rank_steps"] = self.dp_idle_rank_steps
-        if self.deploy.experts_across_ranks:  # measured by the ranks' one runner, else the plans' first rounds
-            out["ep_all2all_bytes"] = (self.replicas[0].runner.all2all_bytes() if self._lockstep
-                                       else self._all2all_estimate)
+        if self.deploy.experts_across_ranks:
+            out["ep_all2all_bytes"] = self.ep_all2all_bytes()
         weights = [getattr(r.runner, "weights_bytes_per_device", None) for r in self.replicas]
         if None not in weights:  # the model runner's (1/tp of the split weights under TP)
             out["weights_bytes_per_device"] = max(weights)

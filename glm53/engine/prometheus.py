@@ -41,7 +41,9 @@ the engine's steps (`Engine.add_observer`). Every metric carries the labels `mod
 - This project's own figures under `glm53:` (recomputed tokens, host link bytes, engine steps, XLA
   compilations in this process; with the PdConnector, `glm53:kv_transfer_received_tokens`: prompt tokens
   whose KV a consumer loaded from a producer, and `glm53:kv_transfer_failed_lookups`: requests whose
-  producer's KV it could not take for a reason other than "never prefilled", each logged once per producer).
+  producer's KV it could not take for a reason other than "never prefilled", each logged once per producer;
+  with data-parallel ranks that share the routed experts, `glm53:ep_all2all_bytes`: the bytes one device
+  sent through the MoE all-to-alls).
 """
 
 from __future__ import annotations
@@ -217,6 +219,12 @@ class _Collector:
         compiles = CounterMetricFamily("glm53:xla_compilations", "XLA programs compiled by this process (a warm "
                                        "server compiles none while serving).", labels=["model_name"])
         compiles.add_metric([m.model_name], m.compilations)
+        a2a = None
+        if d.experts_across_ranks:  # the ranks share one runner and its devices: one figure, no engine label
+            a2a = CounterMetricFamily("glm53:ep_all2all_bytes", "Bytes one device sent through the MoE "
+                                      "all-to-alls of data-parallel ranks that share the routed experts.",
+                                      labels=["model_name"])
+            a2a.add_metric([m.model_name], eng.ep_all2all_bytes())
         # the policy's own series (kvcache.policies: its prometheus_series / prometheus_values)
         spec = d.policy
         own = {key: family(_KINDS[kind], name, doc) for key, kind, name, doc in spec.prometheus_series}
@@ -281,6 +289,8 @@ class _Collector:
                             fam.add_metric(lv + [t.name], h.prometheus_buckets(), h.sum)
         yield from (running, waiting, usage, info, queries, hits, preempt, prompt, gen, success, recomputed, d2h,
                     h2d, steps, compiles)
+        if a2a is not None:
+            yield a2a
         if d.kv_role is not None:
             yield received
             yield failed

@@ -436,19 +436,35 @@ def test_dp_ep_ranks_are_priced_as_one_lock_step_with_their_all_to_alls():
 
 def test_dp_ep_simulation_reports_the_engines_rank_metrics():
     """A simulated DP2 x EP2 run advances its clock by one price per lock-step (the ranks' runners are
-    busy for the same steps) and reports the rank figures and a rank's weights (the replicated ones and
-    half of the routed experts, from the model's shapes)."""
+    busy for the same steps) and reports the rank figures (each rank's tokens: its requests' prompts and
+    all but their last sampled token; the ranks that idled in a step where another computed) and a rank's
+    weights (the replicated ones and half of the routed experts, from the model's shapes)."""
     from glm53 import weights
     from glm53.engine.build import weights_bytes_per_device
     from flax import nnx
 
     deploy = DeployConfig(**BASE, num_gpu_blocks=64, data_parallel_size=2, enable_expert_parallel=True)
     eng = sim.build_engine(TINY, deploy, weight_bytes=4)
-    eng.generate(_prompts(3), max_new_tokens=6)
+    prompts = _prompts(3)
+    steps = []  # per lock-step: which ranks had rows
+    execute = eng.replicas[0].runner.execute_ranks
+
+    def counted(plans):
+        steps.append([p is not None and bool(p.rows) for p in plans])
+        return execute(plans)
+
+    eng.replicas[0].runner.execute_ranks = counted
+    ids = [eng.add_request(p, SamplingParams(6)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
     m = eng.metrics()
     busy = [r.runner.busy_s for r in eng.replicas]
     assert busy[0] == pytest.approx(busy[1]) and eng.clock.now() == pytest.approx(busy[0])
-    assert m["ep_all2all_bytes"] == eng.replicas[0].runner.all2all_bytes() > 0
+    owner = [eng.replica_of(i) for i in ids]
+    assert sorted(set(owner)) == [0, 1]  # both ranks serve
+    assert m["dp_rank_tokens"] == [sum(p.size + 5 for p, o in zip(prompts, owner) if o == r) for r in range(2)]
+    assert m["dp_idle_rank_steps"] == sum(len(s) - sum(s) for s in steps if any(s)) > 0
+    assert m["ep_all2all_bytes"] > 0
     state = nnx.state(weights.abstract_model(TINY, "float32"))
     whole = weights_bytes_per_device(state, TINY, DeployConfig())
     experts = sum(int(np.prod(x.shape)) * 4 for p, x in jax.tree_util.tree_leaves_with_path(state)

@@ -70,3 +70,8 @@ def test_concurrent_requests_over_four_dp_ep_ranks_equal_one_device(dp_ep_server
     per_rank = {s.labels["engine"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                 if s.name == "vllm:generation_tokens_total"}
     assert sum(per_rank.values()) == 6 * len(prompts) and sum(v > 0 for v in per_rank.values()) >= 2, per_rank
+    # and they stepped together with the routed experts split over them: tokens went through the all-to-alls
+    # (independent replicas would dispatch nothing and report no such series)
+    a2a = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+           if s.name == "glm53:ep_all2all_bytes_total"]
+    assert len(a2a) == 1 and a2a[0] > 0, a2a

@@ -413,3 +413,14 @@ def test_default_host_pools_larger_than_the_machine_are_refused_with_the_flags_t
         assert 0 < (d.cpu_offload_bytes or d.hisparse_host_pool_bytes) < 1 << 30
     given = serve.build_parser().parse_args(["tiny", "--kv-transfer-config", pd, "--cpu-offload-bytes", "1000000"])
     assert serve.deploy_from_args(given, cfg, "float32").cpu_offload_bytes == 1_000_000
+    # each data-parallel rank allocates its own pools: four ranks of a size that fits once do not fit
+    small = ["tiny", "--kv-policy", "hisparse", "--max-model-len", "4096", "--max-num-seqs", "4"]
+    per_rank = serve.deploy_from_args(serve.build_parser().parse_args(small), cfg, "float32").hisparse_host_pool_bytes
+    monkeypatch.setattr(serve, "host_memory_bytes", lambda: per_rank * 5 // 2)
+    for dp in ("2", "4"):
+        args = serve.build_parser().parse_args([*small, "--data-parallel-size", dp, "--enable-expert-parallel"])
+        if dp == "2":
+            assert serve.deploy_from_args(args, cfg, "float32").hisparse_host_pool_bytes == per_rank
+        else:
+            with pytest.raises(ValueError, match="on each of 4 data-parallel ranks"):
+                serve.deploy_from_args(args, cfg, "float32")

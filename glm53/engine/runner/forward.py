@@ -11,6 +11,8 @@ calls are exactly those the serving path compiles (tests/engine/test_recompilati
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -285,6 +287,7 @@ class DataParallelExperts(OneDevice):
         self.mesh = make_mesh(dp=self.ranks, devices=devices)
         self._pending: list = []  # per forward: (its MoE rounds' slots, device int32 [N L, 2]; bytes per slot)
         self._all2all = 0
+        self._count_lock = threading.Lock()  # a server's /metrics reads the count beside the stepping thread
 
     def place(self, cache: PagedKVCache, state):
         """The one-rank pool `cache` tiled N times on its first axis (zeros: nothing is copied from the
@@ -345,9 +348,10 @@ class DataParallelExperts(OneDevice):
         """(hidden, cache, rounds) of a program -> (hidden, cache); its rounds' slots pending as bytes."""
         hidden, cache, rounds = out
         h = hidden[0] if isinstance(hidden, tuple) else hidden
-        self._pending.append((rounds, parallel_ep.all2all_bytes_per_slot(self.ranks, h.shape[-1], h.dtype.itemsize)))
-        if len(self._pending) > 256:
-            self._fold(len(self._pending) - 1)  # all but this step's, which may still run
+        with self._count_lock:
+            self._pending.append((rounds, parallel_ep.all2all_bytes_per_slot(self.ranks, h.shape[-1], h.dtype.itemsize)))
+            if len(self._pending) > 256:
+                self._fold(len(self._pending) - 1)  # all but this step's, which may still run
         return hidden, cache
 
     def _fold(self, steps: int) -> None:
@@ -359,10 +363,11 @@ class DataParallelExperts(OneDevice):
     def all2all_bytes(self, reset: bool = False) -> int:
         """Bytes one device sent to the others by all-to-all since the start (or the last reset): every MoE
         layer's first round and the second rounds taken (read from the programs' device counts lazily)."""
-        self._fold(len(self._pending))
-        out = self._all2all
-        if reset:
-            self._all2all = 0
+        with self._count_lock:
+            self._fold(len(self._pending))
+            out = self._all2all
+            if reset:
+                self._all2all = 0
         return out
 
 
