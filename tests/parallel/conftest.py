@@ -93,14 +93,13 @@ def _in_child() -> bool:
 
 
 def pytest_runtest_logreport(report):
-    """In the subprocess: record each phase's outcome for the parent."""
+    """In the subprocess: record each phase's outcome and seconds for the parent."""
     path = os.environ.get(ENV_REPORT)
     if not (_in_child() and path):
         return
-    if report.when == "call" or report.outcome != "passed":
-        with open(path, "a") as f:
-            f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                                "text": report.longreprtext}) + "\n")
+    with open(path, "a") as f:
+        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                            "text": report.longreprtext, "duration": report.duration}) + "\n")
 
 
 def _start_child(nodeids: list[str] | None = None) -> None:
@@ -123,7 +122,7 @@ def _start_child(nodeids: list[str] | None = None) -> None:
 
 def _collect_child() -> dict:
     """Wait for the subprocess (killed, with its process group, CHILD_TIMEOUT_S after it started)
-    -> {nodeid: (outcome, text)}."""
+    -> {nodeid: (outcome, text, seconds of its phases there)}."""
     proc, tmp, started = _child
     killed = ""
     try:
@@ -138,12 +137,24 @@ def _collect_child() -> dict:
     if report.exists():
         for line in report.read_text().splitlines():
             r = json.loads(line)
-            prev = results.get(r["nodeid"])
-            if prev is None or prev[0] == "passed":  # a failure or skip in any phase wins
-                results[r["nodeid"]] = (r["outcome"], r["text"])
+            prev = results.get(r["nodeid"], ("passed", "", 0.0))
+            outcome, text = (r["outcome"], r["text"]) if prev[0] == "passed" else prev[:2]  # a failure or skip wins
+            results[r["nodeid"]] = (outcome, text, prev[2] + r["duration"])
     tmp.cleanup()
-    results["__output__"] = ("", output)
+    results["__output__"] = ("", output, 0.0)
     return results
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A multidevice test's call phase reports its twin's seconds in the subprocess (all its phases), not
+    this process's wait: `--durations` and tests/durations.json then show each multidevice test's cost
+    instead of charging the whole subprocess to the first test that waits for it."""
+    outcome = yield
+    if call.when == "call" and _child_results is not None and item.get_closest_marker("multidevice"):
+        twin = _child_results.get(item.nodeid)
+        if twin is not None:
+            outcome.get_result().duration = twin[2]
 
 
 def pytest_unconfigure(config):
@@ -175,7 +186,7 @@ def pytest_pyfunc_call(pyfuncitem):
         _start_child()
     if _child_results is None:
         _child_results = _collect_child()
-    outcome, text = _child_results.get(pyfuncitem.nodeid, (None, ""))
+    outcome, text, _ = _child_results.get(pyfuncitem.nodeid, (None, "", 0.0))
     if outcome == "passed":
         return True
     if outcome == "skipped":
