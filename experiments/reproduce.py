@@ -284,7 +284,8 @@ MANIFEST: tuple[Entry, ...] = (
     Entry("part2_pd_laptop", "Part 2 at laptop scale over HTTP: PCP2 x DCP2 prefill + HiSparse decode vs DP prefill "
           "+ offload decode, router + prefill + decode processes, c1-c4", "real_heavy", "BRIEF §8 Part 2",
           PART2_PUBLISHED, "pd_http", committed="results/paper/part2_laptop", doc="docs/engine.md", compare=PD_HTTP_KEYS,
-          note="the tiny model on 4 simulated devices sharing 2 cores with 5 processes: it shows the mechanisms "
+          note="the tiny model on 4 simulated devices (the decode side one DP2 x EP2 server) sharing 2 cores "
+                    "with 3-4 processes: it shows the mechanisms "
                "(KV received over the PdConnector, equal greedy tokens), not H200 speed (that is part2_pd_142k)"),
     Entry("part2_pd_1m", "Part 2 at 1M context: PCP8 x DCP8 prefill + DP8 HiSparse decode, c8-c32", "sim",
           "BRIEF §8 Part 2", ("only PCP x DCP prefill + HiSparse decode can serve a 1M request at all",),

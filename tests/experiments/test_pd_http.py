@@ -1,5 +1,5 @@
-"""experiments.pd_http's deployments are what the servers it starts build (the full benchmark starts 5
-processes per point and runs for most of an hour; results/paper/part2_laptop holds a committed run)."""
+"""experiments.pd_http's deployments are what the servers it starts build (the full benchmark starts 3-4
+processes per point and runs for about an hour; results/paper/part2_laptop holds a committed run)."""
 
 import pytest
 
@@ -69,3 +69,25 @@ def test_redraw_tabulates_each_point_of_a_results_file(tmp_path):
     assert rows["router prefill fallbacks / resends"] == ["0 / 2", "0 / 2"]
     assert rows["greedy tokens equal across deployments"] == ["", ""]  # only concurrency 1 of a full run has it
     assert (tmp_path / "pd_http.png").stat().st_size > 0
+
+
+def test_the_committed_run_is_complete_with_the_published_decode_layout():
+    """results/paper/part2_laptop (what docs/engine.md and reproduce's part2_pd_laptop read): every point of
+    both deployments, the decode side as DP2 x EP2, each point's KV received over the PdConnector with
+    nothing compiled after warm-up, and equal greedy tokens across the deployments at concurrency 1."""
+    import json
+
+    from experiments.common import REPO
+
+    res = json.loads((REPO / "results/paper/part2_laptop/results.json").read_text())
+    assert res["complete"] is True and res["decode_layout"] == "dp_ep"
+    dp_ep = ["--data-parallel-size", "2", "--enable-expert-parallel", "--kv-policy"]
+    assert {n: [x[:4] for x in spec["decode"]] for n, spec in res["deployments"].items()} == {
+        n: [dp_ep] for n in pd_http.deployments(pd_http.DEPLOY)}
+    runs = res["runs"]
+    assert sorted((r["kv_policy"], r["concurrency"]) for r in runs) == sorted(
+        (n, c) for n in res["deployments"] for c in (1, 2, 4))
+    assert all(r["kv_transfer_received_tokens"] > 0 and r["compilations_after_warmup"] == 0 and r["resends"] == 0
+               for r in runs)
+    assert [r["tokens_equal"] for r in runs if r["concurrency"] == 1] == [True, True]
+    assert (REPO / "results/paper/part2_laptop/table.md").read_text() == pd_http.table(res)
