@@ -298,21 +298,24 @@ def main(argv=None) -> dict:
     return result
 
 
-# table.md's rows: (label, results key, format of one value)
+# table.md's rows: (label, the results keys a cell reads, their values -> the cell; "" where a point
+# does not have them)
 TABLE_ROWS = (
-    ("throughput, tok/s per device", "throughput_tok_s_per_device", "{:.0f}"),
-    ("P90 e2e tok/s per user", "interactivity_p90_e2e_tok_s_user", "{:.0f}"),
-    ("TTFT median, ms", "ttft_median_s", "ms"),
-    ("TPOT mean, ms", "tpot_mean_s", "ms1"),
-    ("decode prompt tokens received from a producer", "kv_transfer_received_tokens", "{:,}"),
-    ("decode prompt tokens", "decode_prompt_tokens", "{:,}"),
-    ("decode prefix-cache hit rate", "decode_prefix_hit_rate", "%"),
-    ("decode host->device MB", "decode_h2d_bytes", "MB"),
-    ("hot-buffer hits / misses", ("hisparse_hot_hits", "hisparse_hot_misses"), "{:,} / {:,}"),
-    ("preemptions", "preemptions", "{}"),
-    ("compilations after warm-up", "compilations_after_warmup", "{}"),
-    ("router prefill fallbacks / resends", ("prefill_fallbacks", "resends"), "{} / {}"),
-    ("greedy tokens equal across deployments", "tokens_equal", "{}"),
+    ("throughput, tok/s per device", ("throughput_tok_s_per_device",), "{:.0f}".format),
+    ("P90 e2e tok/s per user", ("interactivity_p90_e2e_tok_s_user",), "{:.0f}".format),
+    ("TTFT median, ms", ("ttft_median_s",), lambda s: f"{s * 1e3:.0f}"),
+    ("TPOT mean, ms", ("tpot_mean_s",), lambda s: f"{s * 1e3:.1f}"),
+    ("decode prompt tokens received from a producer", ("kv_transfer_received_tokens",), "{:,}".format),
+    ("decode prompt tokens", ("decode_prompt_tokens",), "{:,}".format),
+    ("decode prefix-cache hit rate", ("decode_prefix_hit_rate",), "{:.1%}".format),
+    ("decode host->device MB", ("decode_h2d_bytes",), lambda b: f"{b / 1e6:.0f}"),
+    # offload decode servers have no hot buffer: both counts 0
+    ("hot-buffer hits / misses", ("hisparse_hot_hits", "hisparse_hot_misses"),
+     lambda h, m: f"{h:,} / {m:,}" if h + m else ""),
+    ("preemptions", ("preemptions",), str),
+    ("compilations after warm-up", ("compilations_after_warmup",), str),
+    ("router prefill fallbacks / resends", ("prefill_fallbacks", "resends"), "{} / {}".format),
+    ("greedy tokens equal across deployments", ("tokens_equal",), str),
 )
 
 
@@ -327,16 +330,8 @@ def table(result: dict) -> str:
         return head
     lines = ["| | " + " | ".join(f"c{r['concurrency']} {r['kv_policy']}" for r in runs) + " |",
              "|---" * (len(runs) + 1) + "|"]
-    for label, key, fmt in TABLE_ROWS:
-        cells = []
-        for r in runs:
-            keys = key if isinstance(key, tuple) else (key,)
-            if not all(k in r for k in keys) or (keys[0].startswith("hisparse") and not r[keys[0]] + r[keys[-1]]):
-                cells.append("")
-                continue
-            v = [r[k] for k in keys]
-            cells.append({"ms": f"{v[0] * 1e3:.0f}", "ms1": f"{v[0] * 1e3:.1f}", "%": f"{v[0]:.1%}",
-                          "MB": f"{v[0] / 1e6:.0f}"}.get(fmt) or fmt.format(*v))
+    for label, keys, cell in TABLE_ROWS:
+        cells = [cell(*(r[k] for k in keys)) if all(k in r for k in keys) else "" for r in runs]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
 
