@@ -25,7 +25,11 @@ that it runs and that its counts are equal; such points do not make a run comple
    (scheduling, block tables: `step_overhead_s`, the median) and the rest of its non-forward time
    (sampling, bookkeeping: `host_overlap_s`, the median). The simulator dispatches like the runner
    (`SimRunner(async_dispatch=True)`): the host time after dispatch runs beside the forwards, and a
-   step waits only for the last forward it samples from.
+   step waits only for the last forward it samples from. A second fit, the same way, prices DP x EP
+   (`lockstep`): its own grid of lock-step programs (every rank's rows in one program over the 8
+   devices, `LOCKSTEP_GRID`) and the serve default's workload served on DP8 x EP8 ranks at concurrency 4
+   (`TRAIN_LOCKSTEP`): the ranks' device computations share the host's cores and a step schedules every
+   rank but samples once, which one device's spec divided by 8 (`shared_host`) misprices.
 2. Re-run held-out configs (`HELD_OUT`) both ways, real (warmed: compile time excluded; nothing waited
    for beyond what the engine waits for) and simulated on the fitted spec (same deploy, float32 KV and
    weights, so the same pools and the same schedule): the KV policies (preempt, swap, offload: smoke,
@@ -67,6 +71,11 @@ MAPE_METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device")  
 # schedule counts (absent on both sides where the layout has no DP ranks)
 COUNTS = ("preemptions", "prefix_hit_rate", "engine_steps", "output_tokens", "dp_rank_tokens", "dp_idle_rank_steps")
 TRAIN = ("serve_default", None, ())
+# the lock-step fit's points (`shared_host`): the serve default's workload on the held-out DP x EP layout's
+# ranks (not its workload: dp8_ep8 serves 4 turns at concurrency 8 with 2 rows per rank)
+TRAIN_LOCKSTEP = ("serve_default_dp8_ep8", None, ("--config.deploy.data_parallel_size=8",
+                                                  "--config.deploy.enable_expert_parallel=True",
+                                                  "--config.sweep.concurrency=(4,)"))
 MAPE_BOUND = 0.25  # the largest committed MAPE of each metric the test accepts
 _MTP3 = "configs/ablations/hisparse_vs_offload_mtp3.py"
 
@@ -121,7 +130,7 @@ class StepLog:
         import jax
 
         self.steps: list[tuple] = []  # (plans, d2h bytes, h2d bytes, transfers, wall s): plans of every replica
-        self.forwards: list[tuple] = []  # (step index, rows, width, window, s)
+        self.forwards: list[tuple] = []  # (step index, rows (per rank under DP x EP), width, window, s)
         self.before_forwards: dict[int, float] = {}  # step index -> host seconds before its first forward
         step = eng.step
         last: dict = {"plans": [], "res": []}
@@ -160,17 +169,19 @@ class StepLog:
 
         eng.step = timed_step
         if forwards:
-            if len(runners) != 1 or runners[0].k:
-                raise ValueError("StepLog(forwards=True) times one runner without MTP (the calibration's serve default)")
+            if (len(runners) != 1 and not eng._lockstep) or runners[0].k:
+                raise ValueError("StepLog(forwards=True) times one runner without MTP (the calibration's serve "
+                                 "default, on one device or as DP x EP ranks)")
             runner = runners[0]
-            forward = runner._forward
+            forward, ranks = runner._forward, runner.fwd.ranks
 
             def timed_forward(tok, pos, *a, **k):
                 t0 = time.perf_counter()
                 self.before_forwards.setdefault(len(self.steps), t0 - last["t0"])
                 out = jax.block_until_ready(forward(tok, pos, *a, **k))
                 window = a[2] if len(a) > 2 else k["window"]
-                self.forwards.append((len(self.steps), tok.shape[0], tok.shape[1], window, time.perf_counter() - t0))
+                self.forwards.append((len(self.steps), tok.shape[0] // ranks, tok.shape[1], window,
+                                      time.perf_counter() - t0))
                 return out
 
             runner._forward = timed_forward
@@ -194,21 +205,36 @@ def _real(cfg, model, policy: str, conc: int, forwards: bool = False) -> tuple[d
     return m, logs[0]
 
 
-def shared_host(hw, overhead: float, overlap: float, devices: int) -> tuple:
+def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dict | None = None) -> tuple:
     """(spec, step overhead s, host overlap s) of one of `devices` simulated CPU devices that share this
     host: every rate divided by `devices` and every fixed time multiplied by it. The real engine runs
     them on the same cores (DP replicas one after another, a mesh's device programs side by side on one
     thread pool), so a step that keeps each of N devices busy takes N times the host's time for one;
-    the simulator prices devices that run in parallel. Exact when the devices carry equal work."""
+    the simulator prices devices that run in parallel. Exact when the devices carry equal work.
+
+    `lockstep` (the lock-step fit, `calibrate` on TRAIN_LOCKSTEP, for a DP x EP layout of its `devices`
+    ranks): its rates, fixed time per program and host parts instead, each timed on that layout (programs
+    that run every rank's rows at once over the ranks' devices, and steps that schedule every rank but
+    sample once), where one device's rates / N and host parts x N misprice it; the host link still / N
+    (the ranks' copies share this DRAM)."""
     if devices == 1:
         return hw, overhead, overlap
+    if lockstep is not None:
+        if lockstep["devices"] != devices:
+            raise ValueError(f"the lock-step fit is for {lockstep['devices']} ranks, not {devices}")
+        return (dataclasses.replace(
+            hw, bf16_flops=lockstep["flops"], fp8_flops=lockstep["flops"], hbm_bandwidth=lockstep["bandwidth"],
+            host_link_bandwidth=hw.host_link_bandwidth / devices, forward_latency_s=lockstep["forward_latency_s"]),
+            lockstep["step_overhead_s"], lockstep["host_overlap_s"])
     return (dataclasses.replace(
         hw, bf16_flops=hw.bf16_flops / devices, fp8_flops=hw.fp8_flops / devices,
         hbm_bandwidth=hw.hbm_bandwidth / devices, host_link_bandwidth=hw.host_link_bandwidth / devices,
         forward_latency_s=hw.forward_latency_s * devices), overhead * devices, overlap * devices)
 
 
-def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0) -> dict:
+def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0, lockstep: dict | None = None) -> dict:
+    """The simulated twin of a real point; `lockstep`: the lock-step fit, which prices DP x EP layouts of
+    its ranks (`shared_host`)."""
     from glm53.engine import sim
 
     sim_cfg, _ = serve._model(cfg.model, weights=False)
@@ -217,7 +243,8 @@ def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0)
     def engine(model, c, kv_policy, tier_root=""):
         d = serve._deploy(c, kv_policy, tier_root or "unused")  # a simulated filesystem tier writes nothing
         d = dataclasses.replace(d, kv_cache_dtype="float32" if d.kv_cache_dtype == "auto" else d.kv_cache_dtype)
-        spec, before, beside = shared_host(hw, overhead, overlap, d.data_parallel_size * d.devices_per_replica)
+        ls = lockstep if d.experts_across_ranks else None
+        spec, before, beside = shared_host(hw, overhead, overlap, d.data_parallel_size * d.devices_per_replica, ls)
         return sim.build_engine(model, d, spec, step_overhead_s=before, weight_bytes=WEIGHT_BYTES,
                                 hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True,
                                 host_overlap_s=beside, tier_storage=serve._tier_storage(c))
@@ -244,36 +271,44 @@ GRID_WINDOWS = (64, 512, 2048, 8192)
 GRID_REPEATS = 3
 
 
-def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS) -> dict[tuple[int, int, int], float]:
+def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS, widths=GRID_WIDTHS,
+                      windows=GRID_WINDOWS) -> dict[tuple[int, int, int], float]:
     """Median seconds of each grid forward (rows, width, window) on a model runner of `deploy` widened to
-    the grid (8,192-token windows, 1,024-token rows), each program compiled first; every row reads and
-    writes the same pages (the timing does not depend on what they hold)."""
+    the grid (its widest window, its widest rows), each program compiled first; every row reads and writes
+    the same pages (the timing does not depend on what they hold). Under DP x EP `rows` are per rank: the
+    program runs ranks x rows rows, every rank the same (the lock-step a step of equal ranks runs)."""
     import jax
     import numpy as np
 
     import glm53
 
-    d = dataclasses.replace(deploy, max_model_len=max(GRID_WINDOWS), max_num_batched_tokens=max(GRID_WIDTHS),
-                            max_num_seqs=max(GRID_ROWS), num_gpu_blocks=2 * max(GRID_WINDOWS) // deploy.block_size)
+    d = dataclasses.replace(deploy, max_model_len=max(windows), max_num_batched_tokens=max(widths),
+                            max_num_seqs=max(rows), num_gpu_blocks=2 * max(windows) // deploy.block_size)
     runner = glm53.Engine(model, d).replicas[0].runner
+    ranks = runner.fwd.ranks
     out = {}
-    for rows in GRID_ROWS:
-        for width in GRID_WIDTHS:
-            for window in GRID_WINDOWS:
+    for r in rows:
+        n = r * ranks
+        for width in widths:
+            for window in windows:
                 if width > window:
                     continue
-                tok = np.zeros((rows, width), np.int32)
-                pos = np.tile(np.arange(window - width, window, dtype=np.int32), (rows, 1))
-                mla = runner._table("mla", rows, [list(range(window // runner.deploy.tokens_per_block))] * rows, window)
-                idx = runner._table("indexer", rows, [list(range(-(-window // runner.deploy.index_tokens_per_block)))] * rows,
+                tok = np.zeros((n, width), np.int32)
+                pos = np.tile(np.arange(window - width, window, dtype=np.int32), (n, 1))
+                mla = runner._table("mla", n, [list(range(window // runner.deploy.tokens_per_block))] * n, window)
+                idx = runner._table("indexer", n, [list(range(-(-window // runner.deploy.index_tokens_per_block)))] * n,
                                     window)
                 times = []
                 for i in range(repeats + 1):  # the first run compiles
                     t0 = time.perf_counter()
                     jax.block_until_ready(runner._forward(tok, pos, mla, idx, window))
                     times.append(time.perf_counter() - t0)
-                out[(rows, width, window)] = statistics.median(times[1:])
+                out[(r, width, window)] = statistics.median(times[1:])
     return out
+# the lock-step grid: DP x EP programs (every rank's rows in one program over the ranks' devices) at the
+# shapes a DP8 x EP8 serve default runs: rows per rank, widths up to its budget, windows up to its
+# max_model_len
+LOCKSTEP_GRID = dict(rows=(1, 2), widths=(1, 16, 64, 256), windows=(64, 256, 1024))
 
 
 def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) -> dict:
@@ -335,10 +370,12 @@ def rel_error(sim: float, real: float) -> float:
 
 
 def missing(points: list[dict]) -> list[str]:
-    """What a run's points lack to be the full validation: the fit's points, each HELD_OUT config by name,
+    """What a run's points lack to be the full validation: the fits' points (one device's and the lock-step's),
+    each HELD_OUT config by name,
     and points run with extra overrides (`--override`), which are not the held-out configs as committed."""
     ran = {p["config"] for p in points if not p.get("overrides")}
-    return ([] if any(p["role"] == "fit" for p in points) else [TRAIN[0]]) + [
+    fits = {p["config"] for p in points if p["role"] == "fit"}
+    return [t[0] for t in (TRAIN, TRAIN_LOCKSTEP) if t[0] not in fits] + [
         h[0] for h in HELD_OUT if h[0] not in ran] + sorted(
         {f"{p['config']} (with {p['overrides']})" for p in points if p.get("overrides")})
 
@@ -422,23 +459,56 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def calibrate(train_points) -> dict:
-    """The CPU spec fit (`fit`) on the calibration grid and the forwards and steps of the serve default's
-    points `train_points` ((cfg, policy, concurrency, metrics, StepLog with forwards timed, role))."""
-    cfg0 = train_points[0][0]
+def time_lockstep_grid() -> dict[tuple[int, int, int], float]:
+    """`time_forward_grid` on TRAIN_LOCKSTEP's DP x EP layout at LOCKSTEP_GRID, in a fresh process that
+    does not use the persistent compilation cache: its 8-device programs, loaded from that cache, stopped
+    in their MoE all-to-all with 6 of 8 devices arrived (XLA's CPU rendezvous aborts the process;
+    docs/simulator.md "Validation at laptop scale")."""
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from experiments import validate_sim as v; "
+            "json.dump([[*k, t] for k, t in v._lockstep_grid_here().items()], sys.stdout)")
+    env = {**os.environ, "PYTHONPATH": str(serve.REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=serve.REPO, env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"the lock-step grid failed (exit {out.returncode}): {out.stderr[-2000:]}")
+    return {(r, w, win): t for r, w, win, t in json.loads(out.stdout)}
+
+
+def _lockstep_grid_here() -> dict[tuple[int, int, int], float]:
+    from parallel.mesh import set_cpu_device_count
+
+    set_cpu_device_count(DEVICES)  # before JAX starts
+    cfg = load_config(TRAIN_LOCKSTEP[1], list(TRAIN_LOCKSTEP[2]), default=serve.default_config)
+    model, _ = serve._model(cfg.model)
+    return time_forward_grid(model, serve._deploy(cfg, cfg.sweep.kv_policy[0]), **LOCKSTEP_GRID)
+
+
+def calibrate(train_points, grid=time_forward_grid) -> dict:
+    """The CPU spec fit (`fit`) on a calibration grid (`grid(model, deploy)`: `time_forward_grid`, one
+    device's, or `time_lockstep_grid`) and the forwards and steps of the fit's points `train_points`
+    ((cfg, policy, concurrency, metrics, StepLog with forwards timed, role)), on their config's deploy:
+    one device for TRAIN, DP x EP ranks for TRAIN_LOCKSTEP (then rows are per rank and the fit carries
+    `devices`, the ranks)."""
+    cfg0, policy = train_points[0][0], train_points[0][1]
     model0, _ = serve._model(cfg0.model)
     sim_model, _ = serve._model(cfg0.model, weights=False)
-    deploy = serve._deploy(cfg0, cfg0.sweep.kv_policy[0])
+    deploy = serve._deploy(cfg0, policy)
     deploy0 = dataclasses.replace(deploy, kv_cache_dtype="float32").resolved(sim_model, "float32")
-    print("[validate_sim] timing the calibration grid", flush=True)
-    times = time_forward_grid(model0, deploy)
+    print(f"[validate_sim] timing the calibration grid ({deploy.data_parallel_size} x {deploy.devices_per_replica} "
+          f"devices)", flush=True)
+    times = grid(model0, deploy)
     logs = [p[4] for p in train_points]
     served: dict[tuple, list[float]] = {}
     for log in logs:
         for _, rows, width, window, s in log.forwards:
             served.setdefault((rows, width, window), []).append(s)
     times.update({k: statistics.median(v) for k, v in served.items()})  # the serving rig's own shapes
-    return fit(sim_model, deploy0, times, logs)
+    out = fit(sim_model, deploy0, times, logs)
+    if deploy.experts_across_ranks:
+        out["devices"] = deploy.data_parallel_size
+    return out
 
 
 def main(argv=None) -> dict:
@@ -495,15 +565,27 @@ def main(argv=None) -> dict:
                 yield cfg, policy, conc, m, log, role
 
     if fitted is None:
-        train_points = list(points(*TRAIN, "fit"))
-        f = calibrate(train_points)
+        one = list(points(*TRAIN, "fit"))
+        f = calibrate(one)
+        lock = list(points(*TRAIN_LOCKSTEP, "fit"))
+        f["lockstep"] = calibrate(lock, lambda model, deploy: time_lockstep_grid())
+        fit_points = [(TRAIN[0], p) for p in one] + [(TRAIN_LOCKSTEP[0], p) for p in lock]
     else:
-        train_points, f = [], fitted["cpu_spec_fit"]
+        fit_points, f = [], fitted["cpu_spec_fit"]
     hw = cpu_spec(f["flops"], f["bandwidth"], f["forward_latency_s"])
+    lockstep = f.get("lockstep")
     print(f"[validate_sim] CPU spec: {f['flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.1f} GB/s, forward "
           f"{f['forward_latency_s'] * 1e3:.2f} ms, host {f['step_overhead_s'] * 1e3:.2f} ms before the forwards and "
           f"{f['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| {f['forward_abs_rel_error_mean']:.1%}"
           + (f" (fitted by {args.fit_from})" if fitted else ""), flush=True)
+    if lockstep is not None:
+        ls = lockstep
+        print(f"[validate_sim] lock-step spec ({ls['devices']} ranks): {ls['flops'] / 1e9:.1f} GFLOP/s, "
+              f"{ls['bandwidth'] / 1e9:.1f} GB/s, forward {ls['forward_latency_s'] * 1e3:.2f} ms, host "
+              f"{ls['step_overhead_s'] * 1e3:.2f} ms before the forwards and {ls['host_overlap_s'] * 1e3:.2f} ms beside "
+              f"them; per-shape |error| {ls['forward_abs_rel_error_mean']:.1%}", flush=True)
+    else:
+        print("[validate_sim] no lock-step fit: a DP x EP layout is priced on 1/N of the host (shared_host)", flush=True)
 
     res_points = []
     meta = {"benchmark": "validate_sim", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
@@ -526,7 +608,7 @@ def main(argv=None) -> dict:
         return res
 
     def compare(name, cfg, policy, conc, m, log, role, extra=()):
-        s = _sim(cfg, policy, conc, hw, f["step_overhead_s"], f["host_overlap_s"])
+        s = _sim(cfg, policy, conc, hw, f["step_overhead_s"], f["host_overlap_s"], lockstep)
         counts_real = {k: m.get(k) for k in COUNTS}
         counts_sim = {k: s.get(k) for k in COUNTS}
         res_points.append({
@@ -539,8 +621,8 @@ def main(argv=None) -> dict:
             flush=True)
         save()
 
-    for cfg, policy, conc, m, log, role in train_points:
-        compare(TRAIN[0], cfg, policy, conc, m, log, "fit")
+    for name, (cfg, policy, conc, m, log, _) in fit_points:
+        compare(name, cfg, policy, conc, m, log, "fit")
     for name, path, overrides in held_out:
         for cfg, policy, conc, m, log, _ in points(name, path, (*overrides, *args.override), "held out"):
             compare(name, cfg, policy, conc, m, log, "held out", args.override)

@@ -46,6 +46,34 @@ def test_devices_that_share_the_host_take_its_time_times_their_number():
             8 * sim.forward_cost(cfg, host, dep, *shape).time_s())
 
 
+def test_a_dp_ep_layout_is_priced_on_the_lock_step_fit():
+    """DP8 x EP8 runs every rank's rows in one program over the 8 devices (their computations overlap on
+    the host's cores) and samples once per step: with a lock-step fit, a forward costs what that fit
+    prices per rank and the host parts are the fit's, not one device's rates / 8 and host parts x 8."""
+    cfg = glm53.get_preset("tiny")
+    deploy = DeployConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=2, num_gpu_blocks=64,
+                          kv_cache_dtype="float32", data_parallel_size=8, enable_expert_parallel=True
+                          ).resolved(cfg, "float32")
+    dep = sim.deployment(deploy, "float32", vs.WEIGHT_BYTES)
+    host = vs.cpu_spec(1e10, 3e10, 4e-3)
+    lock = vs.cpu_spec(10 ** 9.5, 1e10, 2e-2)  # rates on the fit's grid
+    fit = {"flops": 10 ** 9.5, "bandwidth": 1e10, "forward_latency_s": 2e-2, "step_overhead_s": 1e-3,
+           "host_overlap_s": 3e-3, "devices": 8}
+    spec, before, beside = vs.shared_host(host, 5e-4, 2e-3, 8, fit)
+    assert (before, beside) == (1e-3, 3e-3) and spec.host_link_bandwidth == host.host_link_bandwidth / 8
+    for shape in ((1, 1, 64), (2, 1, 512), (1, 64, 512), (2, 16, 256)):
+        assert sim.forward_cost(cfg, spec, dep, *shape).time_s() == pytest.approx(
+            sim.forward_cost(cfg, lock, dep, *shape).time_s())
+    with pytest.raises(ValueError, match="8 ranks, not 4"):
+        vs.shared_host(host, 5e-4, 2e-3, 4, fit)
+    # the fit recovers it from DP x EP forward times (rows per rank), as it does one device's
+    shapes = [(r, w, win) for r in (1, 2) for w in (1, 16, 64) for win in (64, 256, 512)]
+    times = {k: sim.forward_cost(cfg, lock, dep, *k).time_s() for k in shapes}
+    got = vs.fit(cfg, deploy, times)
+    assert (got["flops"], got["bandwidth"]) == pytest.approx((10 ** 9.5, 1e10))
+    assert got["forward_latency_s"] == pytest.approx(2e-2, rel=1e-6)
+
+
 def _point(role, errors, equal=True, config="smoke"):
     return {"role": role, "config": config, "kv_policy": "preempt", "concurrency": 1, "bound": "decode-bound",
             "rel_error": dict(zip(vs.METRICS, errors)), "counts_equal": equal, "counts_real": {}, "counts_sim": {}}
@@ -63,7 +91,7 @@ def test_summary_is_the_mean_absolute_error_of_the_held_out_points():
 def _run(errors=(0.1, 0.1, 0.1, 0.0), equal=True, skip=()):
     """A hand-made results.json: a fit point and one held-out point per HELD_OUT config (but `skip`), each
     with `errors`, its summary fields from `summary`."""
-    points = [_point("fit", errors, config=vs.TRAIN[0])]
+    points = [_point("fit", errors, config=vs.TRAIN[0]), _point("fit", errors, config=vs.TRAIN_LOCKSTEP[0])]
     points += [_point("held out", errors, equal, name) for name, *_ in vs.HELD_OUT if name not in skip]
     return {"points": points, **vs.summary(points)}
 
@@ -106,7 +134,7 @@ def test_merge_adds_points_of_runs_with_the_same_spec_only():
     b["points"] = [p for p in b["points"] if p["config"] == "dp8"]
     m = vs.merge(a, b, "b")
     m.update(vs.summary(m["points"]))
-    assert vs.check(m) == [] and len(m["points"]) == len(vs.HELD_OUT) + 1
+    assert vs.check(m) == [] and len(m["points"]) == len(vs.HELD_OUT) + 2  # and the two fits' points
     assert len(vs.merge(m, b)["points"]) == len(m["points"])  # a point run again replaces the old one
     with pytest.raises(ValueError, match="cpu_spec_fit"):
         vs.merge(a, {**b, "cpu_spec_fit": {"flops": 2.0}})
