@@ -140,8 +140,6 @@ def test_merge_adds_points_of_runs_with_the_same_spec_only():
         vs.merge(a, {**b, "cpu_spec_fit": {"flops": 2.0}})
 
 
-@pytest.mark.xfail(strict=True, reason="the committed run (2026-12-01) predates tiers, MTP3, DP8, DP8 x EP8 and "
-                                       "PCP8 x DCP8; it passes once the full rerun is committed (then drop this mark)")
 def test_the_committed_validation_is_complete_within_25_percent_with_equal_counts():
     """results/validate_sim: the simulator against real laptop runs, every HELD_OUT config run, each
     metric's MAPE at most 0.25, every count equal, its summary fields those of its points."""
