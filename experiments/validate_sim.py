@@ -305,6 +305,8 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
                     times.append(time.perf_counter() - t0)
                 out[(r, width, window)] = statistics.median(times[1:])
     return out
+
+
 # the lock-step grid: DP x EP programs (every rank's rows in one program over the ranks' devices) at the
 # shapes a DP8 x EP8 serve default runs: rows per rank, widths up to its budget, windows up to its
 # max_model_len
@@ -370,9 +372,9 @@ def rel_error(sim: float, real: float) -> float:
 
 
 def missing(points: list[dict]) -> list[str]:
-    """What a run's points lack to be the full validation: the fits' points (one device's and the lock-step's),
-    each HELD_OUT config by name,
-    and points run with extra overrides (`--override`), which are not the held-out configs as committed."""
+    """What a run's points lack to be the full validation: the fits' points (one device's and the
+    lock-step's), each HELD_OUT config by name, and points run with extra overrides (`--override`), which
+    are not the held-out configs as committed."""
     ran = {p["config"] for p in points if not p.get("overrides")}
     fits = {p["config"] for p in points if p["role"] == "fit"}
     return [t[0] for t in (TRAIN, TRAIN_LOCKSTEP) if t[0] not in fits] + [
@@ -477,6 +479,7 @@ def time_lockstep_grid() -> dict[tuple[int, int, int], float]:
 
 
 def _lockstep_grid_here() -> dict[tuple[int, int, int], float]:
+    """`time_lockstep_grid`'s child: the grid in this (fresh) process, on DEVICES CPU devices."""
     from parallel.mesh import set_cpu_device_count
 
     set_cpu_device_count(DEVICES)  # before JAX starts
