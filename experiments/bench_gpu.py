@@ -428,7 +428,7 @@ class Bench:
         key = json.dumps([row.op, row.shape], sort_keys=True)
         if self._inputs is None or self._inputs[0] != key:  # a shape's tile candidates share their inputs
             self._inputs = None
-            gc.collect()
+            self.collect()
             self._inputs = (key, getattr(self, f"_inputs_{row.op}")(row.shape))
         out.update(time_call(getattr(self, f"_fn_{row.op}")(row), self._inputs[1], self.repeats))
         cost = M.kernel_cost(self.cfg, self.hw, row.op, row.shape)
@@ -443,7 +443,14 @@ class Bench:
 
     def release_inputs(self) -> None:
         self._inputs = None
-        gc.collect()
+        self.collect()
+
+    def collect(self) -> None:
+        """Free device buffers held only by reference cycles (a failed row's traceback) before the next
+        row allocates. Not in a dry run: its buffers are kilobytes, while a full collection walks every
+        object JAX's caches hold, once per row (docs/testing.md)."""
+        if not self.dry_run:
+            gc.collect()
 
     def _fmt(self):
         from attention.formats import IndexKeyFormat, MLARowFormat
@@ -778,7 +785,7 @@ def run(out: Path, *, with_slice: bool, dry_run: bool, deadline_s: float | None,
         rec.update(seq=seq, estimate_s=est)  # seq: the row's place in the planned (priority) order
         (results["slice"]["rows"] if row.op == "slice" else results["kernels"]).append(rec)
         _write(path, results)
-        gc.collect()
+        bench.collect()
     keys = {_row_key(r, kernel=True) for r in results["kernels"]} | {_row_key(r, kernel=False)
                                                                       for r in results["slice"]["rows"]}
     results["complete"] = stopped is None and all(r.key() in keys for r in plan)
