@@ -158,6 +158,15 @@ def kv_budget(dep: Deployment, results: str | Path = PLAN_RESULTS) -> int:
     return int(budget)
 
 
+def part1_kv_budgets(max_model_len: int = LIMITS[0], results: str | Path = PLAN_RESULTS) -> tuple[int, int]:
+    """Part 1's device KV budgets per GPU (bytes), as the memory plan derives them: (the TP8 offload
+    deployment's, which any policy without HiSparse gets on that node; the TP8 HiSparse one's: the same
+    less HiSparse's resolver state)."""
+    return tuple(kv_budget(published(name, max_model_len=max_model_len,
+                                     max_num_batched_tokens=PART1_LIMITS["max_num_batched_tokens"]), results)
+                 for name in ("tp8_offload", "tp8_hisparse"))
+
+
 # what a simulated P/D pair (glm53.engine.pd_sim) adds to the published descriptions: pages that cover the
 # same tokens on both sides (a DCP8 engine's block of 8 rows per rank covers 64 tokens, its indexer block of
 # 128 keys per rank 1,024: other spans are served too, with the producer pages read priced, but the published

@@ -33,6 +33,7 @@ import traceback
 from pathlib import Path
 
 from experiments.common import REPO, cpu_name, git_revision
+from experiments.deployments import part1_kv_budgets
 from glm53.config import get_preset
 
 GLM53_LAYERS = get_preset("glm-5.3").num_hidden_layers  # the IndexShare-off ablation makes every one "full"
@@ -68,6 +69,7 @@ SERVE_KEYS = ("kv_policy", "concurrency", "max_model_len", "throughput_tok_s_per
               "ttft_median_s", "running_requests_mean", "preemptions", "prefix_hit_rate")
 PART1 = "configs/paper/part1.py"
 PART1_MTP3 = "configs/paper/part1_mtp3.py"
+PART1_KV_BUDGETS = part1_kv_budgets()  # (offload's, HiSparse's): what configs/paper/part1.py takes
 MTP_KEYS = ("spec_acceptance_length_mean", "spec_acceptance_rate_per_pos")
 TIERED_H200 = "configs/paper/tiered_scaling_h200.py"
 PART1_PUBLISHED = (
@@ -205,7 +207,7 @@ MANIFEST: tuple[Entry, ...] = (
           compare=SERVE_KEYS,
           note=NO_MTP + " The published conversations (they end at 86K tokens) under a 1M limit; sessions that grow "
                "toward 1M are part1_1m_growing. Offload is not swept: a 1M request needs 17,408 blocks at once and "
-               "the 15 GiB TP8 pool has 4,918, so Engine refuses it; HiSparse needs its indexer keys, a chunk, its "
+               "the TP8 pool (the memory plan's 23.7 GiB per GPU) has 7,781, so Engine refuses it; HiSparse needs its indexer keys, a chunk, its "
                "newest pages and a hot buffer (1,603 blocks)"),
     Entry("part1_1m_growing", "Ablation: Part 1 at a 1M limit with conversations that grow toward 1M tokens "
           "(80,960 new tokens a turn instead of 753; HiSparse)", "sim", "BRIEF §8 (not a published workload)", (),
@@ -227,7 +229,7 @@ MANIFEST: tuple[Entry, ...] = (
           note="as part1_mtp3 at a 1M limit: a prefill chunk over host-only pages, the MTP layer's pass over it "
                "and the drafts after a prompt's last chunk stage only the rows they select, so a 1M request "
                "needs its indexer keys, a chunk, its newest pages and a (3 + 2) x top-k hot buffer on the "
-               "device, not all of its KV (17,408 of the 4,918 blocks)"),
+               "device, not all of its KV (17,408 blocks against the pool's 7,628)"),
     Entry("tiered_offload_scaling_sim", "Tiered offload scaling at GLM-5.3 / H200 scale: recompute / device / + host "
           "/ + host + filesystem (one NVMe SSD), 16-256 conversations", "sim", "BRIEF §7", TIERED_PUBLISHED, "serve",
           TIERED_H200, quick=("--config.workload.sessions=256", "--config.workload.turns=4",
@@ -248,8 +250,10 @@ MANIFEST: tuple[Entry, ...] = (
           overrides=("--config.sweep.kv_policy=('hisparse',)",
                      "--config.policy_deploy.hisparse.hisparse_host_pool_bytes=206158430208"),
           quick=ABLATION_WINDOW, doc="docs/engine.md", compare=SERVE_KEYS),
-    Entry("ablation_device_pool", "Device KV budget doubled (30 GiB per GPU)", "sim", "BRIEF §2", (), "serve", PART1,
-          overrides=("--config.deploy.kv_cache_memory_bytes=32212254720",), quick=ABLATION_WINDOW,
+    Entry("ablation_device_pool", "Device KV budget doubled (2 x the memory plan's, per GPU)", "sim", "BRIEF §2", (),
+          "serve", PART1, overrides=("--config.deploy.kv_cache_memory_bytes=%d" % (2 * PART1_KV_BUDGETS[0]),
+                                     "--config.policy_deploy.hisparse.kv_cache_memory_bytes=%d" % (2 * PART1_KV_BUDGETS[1])),
+          quick=ABLATION_WINDOW,
           doc="docs/simulator.md", compare=SERVE_KEYS),
     Entry("ablation_dcp_backend_ag_rs", "TP8 x DCP8 decode, ag_rs merge (offload policy)", "sim", "BRIEF §5", (),
           "serve", PART1, overrides=DCP_TP8 + ("--config.deploy.dcp_comm_backend='ag_rs'",), quick=ABLATION_WINDOW,
@@ -261,7 +265,7 @@ MANIFEST: tuple[Entry, ...] = (
           "serve", PART1, overrides=("--config.deploy.tensor_parallel_size=1", "--config.deploy.data_parallel_size=8",
                                      "--config.deploy.enable_expert_parallel=True", "--config.sweep.kv_policy=('offload',)"),
           quick=ABLATION_WINDOW, doc="docs/parallel.md", compare=SERVE_KEYS,
-          note="each rank keeps the TP8 KV budget (15 GiB): the memory plan of the full-size issue will size it"),
+          note="each rank keeps Part 1's TP8 KV budget (the memory plan's 23.7 GiB), not a DP8 rank's (the plan's DP8 rows)"),
     Entry("ablation_pcp8_dcp8", "PCP8 x DCP8 x EP8 instead of TP8 (offload policy)", "sim", "BRIEF §4-5, §8", (),
           "serve", PART1, overrides=("--config.deploy.tensor_parallel_size=1",
                                      "--config.deploy.prefill_context_parallel_size=8",
@@ -275,7 +279,7 @@ MANIFEST: tuple[Entry, ...] = (
           quick=ABLATION_WINDOW, doc="docs/perfmodel.md", compare=SERVE_KEYS,
           note="with every layer's indexer keys a 1,024-token indexer page (78 x 1,024 x 132 B = 10.5 MB) would be "
                "3x an MLA page, so this run uses 256-token indexer pages (2.6 MB; a block is the larger page, "
-               "3.27 MB): a 142K request takes 2,774 of the 4,918 blocks"),
+               "3.27 MB): a 142K request takes 2,774 of the 7,726 blocks"),
     # ------------------------------------------------------------------ P/D (issue 23), simulated
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "sim", "BRIEF §8 Part 2",

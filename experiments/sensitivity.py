@@ -8,8 +8,8 @@ Sweeps, on the published configs (configs/paper/part1.py at concurrency 32, 142K
 - `hisparse_miss_fraction` (runner.hisparse_miss_fraction, 0.02-0.3; assumed 0.1): HiSparse points only;
 - `step_overhead_s` (runner.step_overhead_s, 0-2 ms and vLLM RFC 6854's profiled 4 ms per decode step,
   glm53/perfmodel/published.json; assumed 0);
-- `kv_budget` (deploy.kv_cache_memory_bytes: BRIEF's 15 GiB per GPU and the memory plan's derivation for
-  the deployment, experiments.deployments.kv_budget; Part 1's configs take 15 GiB, Part 2's the plan's);
+- `kv_budget` (the device KV budget per GPU, kv_cache_memory_bytes: the memory plan's derivation for the
+  deployment, experiments.deployments.kv_budget, which both figures' configs take, and BRIEF's 15 GiB);
 - `expert_skew` (runner.expert_load_imbalance: balanced, and the busiest EP rank's routed tokens over the mean
   as TensorRT-LLM measured for DeepSeek-R1 on 32 GPUs, with and without EPLB); only where whole experts
   sit on ranks (Part 2's EP8): under TP8 (Part 1) every GPU holds a slice of each expert, so a skew
@@ -91,9 +91,9 @@ KNOBS = {
                             "assumed 0; cited: vLLM RFC 6854's profiled ~4 ms GPU bubble per decode step (5-13 ms "
                             "stated; before multi-step and asynchronous scheduling), glm53/perfmodel/published.json",
                             (CITED_STEP_OVERHEAD_S,)),
-    "kv_budget": Knob(None, (), "BRIEF §2's 15 GiB per GPU (Part 1's configs) and the memory plan's derivation "
-                      "(experiments.deployments.kv_budget: usable HBM - weights - workspace [- HiSparse state]; "
-                      "Part 2's configs)"),
+    "kv_budget": Knob(None, (), "derived: the memory plan's budget for each deployment, which the configs take "
+                      "(experiments.deployments.kv_budget: usable HBM - weights - workspace [- HiSparse state]); "
+                      "cited: BRIEF §2's ~15 GiB per GPU at TP8"),
     "expert_skew": Knob(1.0, (EPLB_SKEW, NO_EPLB_SKEW),
                         "balanced (1.0) assumed; cited: TensorRT-LLM large-scale EP blog part 1, Table 1 (DeepSeek-R1, "
                         "EP32): busiest rank / mean 2.56 without EPLB, 1.11 with it (EP8 averages 32 experts per "
@@ -126,25 +126,24 @@ def concurrency(fig: Figure, quick: bool) -> int:
 
 
 def kv_budgets(cfg, policy: str) -> tuple[int, int]:
-    """(the config's own device KV budget per GPU, the other of 15 GiB and the memory plan's derivation) of a
-    point: Part 1 takes 15 GiB, a P/D pair (Part 2) the plan's per side (the decode side's is reported)."""
-    from experiments.deployments import kv_budget, published
-
+    """(the config's own device KV budget per GPU, BRIEF §2's 15 GiB) of a point: both figures' configs
+    take the memory plan's derivation, Part 1 per policy (`policy_deploy`), a P/D pair (Part 2) per side
+    (the decode side's is reported)."""
     pd = cfg.pd.deployments.get(policy)
     if pd is not None:
         return int(pd["decode"]["kv_cache_memory_bytes"]), PUBLISHED_KV_BUDGET_BYTES_TP8
-    own = cfg.policy_deploy[policy]
-    name = {"hisparse": "tp8_hisparse", "offload": "tp8_offload"}[own.get("kv_policy", policy)]
-    derived = kv_budget(published(name, max_model_len=cfg.deploy.max_model_len))
-    return int(cfg.deploy.kv_cache_memory_bytes), derived
+    own = cfg.policy_deploy.get(policy, {}).get("kv_cache_memory_bytes") or cfg.deploy.kv_cache_memory_bytes
+    return int(own), PUBLISHED_KV_BUDGET_BYTES_TP8
 
 
 def set_kv_budget(cfg, policy: str, value: int) -> None:
-    """The point's device KV budget per GPU: Part 1's deploy field; a P/D pair's two sides at 15 GiB (its
-    configs' own budgets are the plan's, per side)."""
+    """The point's device KV budget per GPU: Part 1's deploy field and the policy's own, where it has one
+    (HiSparse); a P/D pair's two sides at 15 GiB (its configs' own budgets are the plan's, per side)."""
     pd = cfg.pd.deployments.get(policy)
     if pd is None:
         cfg.deploy.kv_cache_memory_bytes = int(value)
+        if "kv_cache_memory_bytes" in cfg.policy_deploy.get(policy, {}):
+            cfg.policy_deploy[policy]["kv_cache_memory_bytes"] = int(value)
     elif value == PUBLISHED_KV_BUDGET_BYTES_TP8:
         for side in ("prefill", "decode"):
             pd[side]["kv_cache_memory_bytes"] = int(value)

@@ -10,9 +10,14 @@ layout (64-token MLA pages, 1,024-token indexer pages) and batch limits this con
 point is the same config (the same conversations) with --config.deploy.max_model_len=1048576; sessions
 that grow toward 1M tokens are a separate ablation, configs/paper/part1_1m_growing.py.
 
-Device KV budget: BRIEF §2's ~15 GiB per GPU under TP8 (glm53.perfmodel.PUBLISHED_KV_BUDGET_BYTES_TP8),
-until the full-size issue's memory plan derives it. One token per decode step (num_speculative_tokens
-0 in every run); configs/paper/part1_mtp3.py is this sweep with MTP3 as published. `offload` is the host
+Device KV budget per GPU: the memory plan's derivation (experiments.deployments.kv_budget: usable HBM - fp8
+weights - the step's workspace, from results/memory_plan; the same at either limit, since the workspace
+follows the batched tokens): `deploy.kv_cache_memory_bytes` is the offload deployment's (23.73 GiB, what
+any policy without HiSparse gets here) and HiSparse's own field in `policy_deploy` is that less its
+resolver state (23.56 GiB), so a run that sets the budget sets both:
+--config.deploy.kv_cache_memory_bytes=B --config.policy_deploy.hisparse.kv_cache_memory_bytes=B.
+BRIEF §2's published ~15 GiB (glm53.perfmodel.PUBLISHED_KV_BUDGET_BYTES_TP8) is the other value of
+experiments.sensitivity's kv_budget sweep. One token per decode step (num_speculative_tokens 0 in every run); configs/paper/part1_mtp3.py is this sweep with MTP3 as published. `offload` is the host
 tier of tiered offloading (a CPU prefix cache, kvcache.policies.offload; vLLM's offloading baseline); its stores
 run before the forward, not beside it.
 Every step is priced by the performance model on the H200 spec (docs/simulator.md lists what is
@@ -21,9 +26,10 @@ assumed).
     python -m experiments.serve --config configs/paper/part1.py --out results/paper/part1
 """
 
-from experiments.deployments import LAYOUT, PART1_LIMITS, fields
+from experiments.deployments import LAYOUT, PART1_LIMITS, fields, part1_kv_budgets
 from experiments.serve import default_config
-from glm53.perfmodel import PUBLISHED_KV_BUDGET_BYTES_TP8
+
+MAX_MODEL_LEN = 142_000
 
 
 def get_config():
@@ -39,8 +45,8 @@ def get_config():
     offload.pop("tensor_parallel_size")
     d.update(LAYOUT)
     d.update(PART1_LIMITS)
-    d.max_model_len = 142_000
-    d.kv_cache_memory_bytes = PUBLISHED_KV_BUDGET_BYTES_TP8
+    d.max_model_len = MAX_MODEL_LEN
+    d.kv_cache_memory_bytes, hisparse["kv_cache_memory_bytes"] = part1_kv_budgets(MAX_MODEL_LEN)
     c.policy_deploy = {hisparse.pop("kv_policy"): hisparse, offload.pop("kv_policy"): offload}
     c.workload.kind = "openhands"
     c.workload.sessions = 128

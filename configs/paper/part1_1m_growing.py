@@ -6,7 +6,7 @@ The same deployment, 128 conversations of 13 turns with the published first turn
 output tokens per turn, but each later turn adds OPENHANDS_LATER_INPUT new tokens instead of 753, so the
 last turn's prompt and output end just under max_model_len (1,048,576): the context a conversation
 carries grows by about 81K tokens a turn. HiSparse only: offload cannot hold a 1M request (17,408 blocks
-at once against the TP8 pool's 4,918; Engine refuses it).
+at once against the TP8 pool's 7,781; Engine refuses it).
 
     python -m experiments.serve --config configs/paper/part1_1m_growing.py --out results/paper/part1_1m_growing
 """

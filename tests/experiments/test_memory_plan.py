@@ -185,6 +185,11 @@ def test_published_deployments_are_described_once():
     for name in ("tp8_hisparse", "tp8_offload"):
         own = D.fields(name)
         assert part1.deploy.tensor_parallel_size == own.pop("tensor_parallel_size")
-        assert part1.policy_deploy[own.pop("kv_policy")].to_dict() == own
+        got = part1.policy_deploy[own.pop("kv_policy")].to_dict()
+        # the memory plan's budget, one at 142K and at 1M; HiSparse's own, the others' the deploy field
+        budgets = {D.kv_budget(D.published(name, max_model_len=limit, max_num_batched_tokens=32_768)) for limit in D.LIMITS}
+        assert got.pop("kv_cache_memory_bytes", part1.deploy.kv_cache_memory_bytes) == budgets.pop() and not budgets
+        assert got == own
+    assert part1.policy_deploy.hisparse.kv_cache_memory_bytes < part1.deploy.kv_cache_memory_bytes
     with pytest.raises(ValueError, match="unknown published deployment"):
         D.fields("tp16")

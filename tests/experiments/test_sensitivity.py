@@ -40,10 +40,10 @@ def test_each_knob_reaches_its_point(swept):
     # 4 ms more per step: each decode token of the same requests waits that much longer
     assert over[False]["tpot_mean_s"] > over[True]["tpot_mean_s"] + 3e-3
     kv = by["kv_budget"]
-    assert kv[True]["value"] == 15 << 30 and kv[False]["value"] > 23 << 30  # BRIEF's and the memory plan's
+    assert kv[True]["value"] > 23 << 30 and kv[False]["value"] == 15 << 30  # the memory plan's (default), BRIEF's
     for r in kv.values():  # the pool takes the budget, to within a block
         assert 0 <= r["value"] - r["device_kv_budget_bytes_per_gpu"] < r["value"] / r["num_gpu_blocks"]
-    assert kv[False]["num_gpu_blocks"] > kv[True]["num_gpu_blocks"]
+    assert kv[True]["num_gpu_blocks"] > kv[False]["num_gpu_blocks"]
     assert k["expert_skew"] == [] and "TP8" in res["not_run"]["expert_skew"]  # Part 1: no EP
     # one run serves every knob's default point
     defaults = [r for rows in k.values() for r in rows if r["default"] and r["figure"] == "part1"]
