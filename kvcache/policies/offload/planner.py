@@ -155,12 +155,22 @@ class OffloadPolicy(HostTierPolicy, Policy):
 
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
-        n = kv.admit(req.req_id, req.tokens, req.extra_keys)
+        return self.admit_if(kv, req, None)
+
+    def admit_if(self, kv: KVCacheManager, req: RequestView, fits) -> int | None:
+        """`admit`, asking `fits` (the scheduler's, see KVPolicy.admit_if) before taking anything: its
+        device hit, the device pages of its walk and the host pages to load are found and entered in its
+        tables and `pending` without a reference. Given back when it does not fit (one `requeue` per pool
+        instead of a touch and a free), taken as `admit` takes it otherwise. Not asked when the lookup
+        answered RETRY or handed over pins (host pages pinned by an earlier round, released here): those
+        attempts go the full way."""
+        n = kv.admit(req.req_id, req.tokens, req.extra_keys, take=False)
         rb = kv.requests[req.req_id]
         self.stored[req.req_id] = {g: 0 for g in kv.groups}
         i = n // kv.tokens_per_block
         found = self.host_tier.lookup_prefix(kv, req, i)
         if found.retry:  # tier loads under way: the scheduler forgets this attempt (`must_retry`)
+            kv.take(req.req_id)
             self.pending[req.req_id] = (i, {})
             return n
         device, pend, pinned = [], {}, {}
@@ -187,13 +197,22 @@ class OffloadPolicy(HostTierPolicy, Policy):
         # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
         # pages (the page the device hit gave back, kept when more follows it)
         dev = firsts[0][0] - i if firsts else None
+        self.pending[req.req_id] = (i + (found.blocks if dev is None else dev), pend)
+        rb.num_cached_blocks = i + found.blocks
+        computed = rb.num_cached_blocks * kv.tokens_per_block
+        if fits is not None and not found.pins and not fits(computed, kv.free_in_tables(req.req_id)):
+            # what the touches below and then `forget` and KVCacheManager.free(keep_hashes=True) would leave
+            for g, blocks in pinned.items():
+                self.host[g].requeue(blocks)
+            del self.pending[req.req_id], self.stored[req.req_id]
+            kv.give_back(req.req_id)
+            return None
+        kv.take(req.req_id)
         for g, blocks in pinned.items():
             self.host[g].touch(blocks)  # pinned until its load is recorded
         kv.pool.touch([b for _, _, b in sorted(device)])  # in the walk's order, hash block by hash block
         self.host_tier.release(found.pins)
-        self.pending[req.req_id] = (i + (found.blocks if dev is None else dev), pend)
-        rb.num_cached_blocks = i + found.blocks
-        return rb.num_cached_blocks * kv.tokens_per_block
+        return computed
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         for g, pages in self.pending.pop(req.req_id, (0, {}))[1].items():
