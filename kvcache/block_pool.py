@@ -47,6 +47,17 @@ BlockHash = bytes
 _EMPTY = b""
 _IS_BLOCK = functools.partial(operator.is_not, None)  # a hash index lookup that found a block
 _IS_BLOCK_ID = functools.partial(operator.le, 0)  # a block table entry naming a block (-1: none)
+_ENTRY = {None: -1}.get  # (block or None, the same) -> the block, or -1 for None
+
+
+def table_entries(blocks: Sequence[int | None]) -> map:
+    """Block table entries for looked-up blocks (`BlockPool.lookup`'s answers): each block, -1 for None."""
+    return map(_ENTRY, blocks, blocks)
+
+
+def found(blocks: Sequence[int | None]) -> list[int]:
+    """The blocks among lookup answers (the None dropped), in order."""
+    return list(filter(_IS_BLOCK, blocks))
 
 
 class BlockInfo(NamedTuple):
@@ -292,6 +303,12 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return None
         return self.cached.get((group, h))
+
+    def lookup_all(self, group: str, hashes: Sequence[BlockHash]) -> list[int | None]:
+        """`lookup` of each of `hashes`, in one C-level pass."""
+        if not self.enable_prefix_caching:
+            return [None] * len(hashes)
+        return list(map(self.cached.get, zip(itertools.repeat(group), hashes)))
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference to cached blocks (a prefix hit); a free one leaves the free queue."""

@@ -48,13 +48,18 @@ whose layout is fixed.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import operator
 from collections.abc import Sequence
 
-from kvcache.block_pool import BlockInfo, KVCacheManager
+from kvcache.block_pool import BlockInfo, KVCacheManager, table_entries
 from kvcache.host_tier import LOAD_FAILURE_POLICIES, HostTier, HostTierPolicy, TierCounts, host_pools
 from kvcache.policies.base import Policy, RequestView
 from kvcache.tiers import TierSet
 from kvcache.transfer import PageCopy
+
+_IS_NONE = functools.partial(operator.is_, None)
 
 __all__ = ["LOAD_FAILURE_POLICIES", "OffloadPolicy", "OffloadStats", "TierCounts", "host_tier_blocks"]
 
@@ -71,6 +76,17 @@ class OffloadStats:
     store_bytes: int = 0
     load_bytes: int = 0
     store_skipped_pages: int = 0  # full pages not stored: every host page was pinned by a pending load
+
+
+def _walk_order(kv: KVCacheManager, split: dict, first: int) -> list[int]:
+    """The device pages of a prefix walk from hash block `first` (`PrefixLookup.split`) in the walk's order:
+    hash block by hash block, the groups ending at one in kv.groups order."""
+    pages = []
+    for gi, g in enumerate(kv.groups):
+        r = kv.ratio[g]
+        c0 = -(-(first + 1) // r) * r - 1  # the hash block its first page ends at
+        pages += [(c0 + j * r, gi, b) for j, b in enumerate(split.get(g, ((), ()))[0]) if b is not None]
+    return [b for _, _, b in sorted(pages)]
 
 
 def host_tier_blocks(capacity_bytes: int, page_bytes: dict[str, int], group_tokens: dict[str, int]) -> dict[str, int]:
@@ -173,24 +189,24 @@ class OffloadPolicy(HostTierPolicy, Policy):
             kv.take(req.req_id)
             self.pending[req.req_id] = (i, {})
             return n
-        device, pend, pinned = [], {}, {}
-        tables, hashes = rb.tables, rb.hashes
+        pend, pinned = {}, {}
+        tables, hashes, split = rb.tables, rb.hashes, found.split()
         # group by group (the walk is thousands of pages long; one group's pages do not interact with
-        # another's): its device pages join its table, its host pages wait there as -1 for a device block
-        # and a load. `pend` lists the groups in the order the walk met their first host page.
+        # another's), C-level loops over its pages: its device pages join its table, its host pages wait
+        # there as -1 for a device block and a load. `pend` lists the groups in the order the walk met
+        # their first host page.
         firsts = []  # (hash block of the group's first host page, the group's index, group, its pend, its pins)
-        # device: (hash block, group's index, block) of the device pages
-        for gi, (g, col) in enumerate((g, found.by_group().get(g)) for g in kv.groups):
-            if not col:
+        for gi, g in enumerate(kv.groups):
+            dev_col, host_col = split.get(g, ((), ()))
+            if not dev_col:
                 continue
             r, table = kv.ratio[g], tables[g]
             c0, base = -(-(i + 1) // r) * r - 1, len(table)  # the hash block its first page ends at
-            table.extend([b if where == "device" else -1 for _, where, b in col])
-            device += [(c0 + j * r, gi, p[2]) for j, p in enumerate(col) if p[1] == "device"]
-            hosts = [j for j, p in enumerate(col) if p[1] != "device"]
-            if hosts:
-                firsts.append((c0 + hosts[0] * r, gi, g, {base + j: (col[j][2], hashes[c0 + j * r]) for j in hosts},
-                               [col[j][2] for j in hosts]))
+            table.extend(table_entries(dev_col))
+            if host_col:
+                hosts = list(itertools.compress(range(len(dev_col)), map(_IS_NONE, dev_col)))
+                firsts.append((c0 + hosts[0] * r, gi, g,
+                               {base + j: (hb, hashes[c0 + j * r]) for j, hb in zip(hosts, host_col)}, host_col))
         firsts.sort()
         for _, _, g, pages, pins in firsts:
             pend[g], pinned[g] = pages, pins
@@ -210,7 +226,7 @@ class OffloadPolicy(HostTierPolicy, Policy):
         kv.take(req.req_id)
         for g, blocks in pinned.items():
             self.host[g].touch(blocks)  # pinned until its load is recorded
-        kv.pool.touch([b for _, _, b in sorted(device)])  # in the walk's order, hash block by hash block
+        kv.pool.touch(_walk_order(kv, split, i))
         self.host_tier.release(found.pins)
         return computed
 
