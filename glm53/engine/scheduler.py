@@ -39,6 +39,7 @@ from kvcache.transfer import TransferStats
 
 
 _RETRY = object()  # `Scheduler._attempt`: the admission's lookup answered RETRY
+_GAVE_BACK = object()  # `Scheduler._attempt`: it did not fit, found before it took anything (KVPolicy.admit_if)
 BLOCK_USES = ("indexer", "mla_decoding", "mla_prefilling", "hot_buffers")  # `Scheduler._count_blocks`
 
 
@@ -253,7 +254,8 @@ class Scheduler:
                 pool_stats.queries, pool_stats.hits = queries, hits  # counted when it is admitted
                 skip, waited = skip + 1, True
                 continue
-            if n is None:  # it did not fit; admit again when there is room
+            gave_back = n is _GAVE_BACK
+            if n is None or gave_back:  # it did not fit; admit again when there is room
                 delta = tuple(a - b for a, b in zip(self._attempt_counts(), counts))
                 if before is not None:
                     self._check_retry(before, delta)
@@ -262,9 +264,9 @@ class Scheduler:
                 # known to be repeatable: it is retried, not skipped
                 self._unfit = None if self.policy.admission_acted else (req, self._admission_signature(req, budget),
                                                                         delta)
-                if self.verify_skipped_admissions and before is None and self._unfit is not None:
-                    # the retry a later step may skip, run now: it fails again and changes nothing (this
-                    # checks an attempt the policy gave back before taking anything against the full one)
+                if self.verify_skipped_admissions and gave_back and self._unfit is not None:
+                    # the policy gave it back before taking anything: the full attempt, run now from the
+                    # state it left, fails too and changes nothing (what a skipped retry is checked for)
                     before, counts = self._admission_state(), self._attempt_counts()
                     if self._attempt(req, budget, saved, ask=False) is not None:
                         raise AssertionError(f"step {self.stats.steps}: {req.req_id!r} was given back but fits")
@@ -298,8 +300,9 @@ class Scheduler:
         """One admission attempt of waiting `req` under `budget` (`saved`: the policy's saved tokens for it)
         -> the tokens of its first chunk, now in its tables and the policy's (`_target`'s blocks not yet
         allocated); None: it did not fit and gave back what it took (only the counters of its lookups
-        moved); _RETRY: its lookup answered RETRY (forgotten; it waits for tier loads). ask: let the policy
-        ask whether it fits before it takes anything (`KVPolicy.admit_if`), else the full way."""
+        moved); _GAVE_BACK: likewise, found by the policy before it took anything; _RETRY: its lookup
+        answered RETRY (forgotten; it waits for tier loads). ask: let the policy ask whether it fits
+        before it takes anything (`KVPolicy.admit_if`), else the full way."""
         self.policy.admission_acted = False
         if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
             self.kv.admit(req.req_id, req.tokens, req.extra_keys, use_prefix_cache=False)
@@ -308,7 +311,7 @@ class Scheduler:
             computed = self.policy.admit_if(self.kv, req, self._fits_first_chunk(req, budget) if ask else None)
             if computed is None:  # given back before it took anything
                 req.num_computed_tokens = 0
-                return None
+                return _GAVE_BACK
             req.num_computed_tokens = computed
         if self.policy.must_retry(req):
             self.policy.forget(self.kv, req)
