@@ -37,7 +37,7 @@ import math
 import operator
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -46,6 +46,18 @@ import numpy as np
 BlockHash = bytes
 _EMPTY = b""
 _IS_BLOCK = functools.partial(operator.is_not, None)  # a hash index lookup that found a block
+_IS_BLOCK_ID = functools.partial(operator.le, 0)  # a block table entry naming a block (-1: none)
+_ENTRY = {None: -1}.get  # (block or None, the same) -> the block, or -1 for None
+
+
+def table_entries(blocks: Sequence[int | None]) -> map:
+    """Block table entries for looked-up blocks (`BlockPool.lookup`'s answers): each block, -1 for None."""
+    return map(_ENTRY, blocks, blocks)
+
+
+def found(blocks: Sequence[int | None]) -> list[int]:
+    """The blocks among lookup answers (the None dropped), in order."""
+    return list(filter(_IS_BLOCK, blocks))
 
 
 class BlockInfo(NamedTuple):
@@ -274,11 +286,29 @@ class BlockPool:
                 cached += block_key[b] is not None
         self._cached_free += cached
 
+    def requeue(self, blocks: Sequence[int]) -> None:
+        """The state `touch(blocks)` then `free(blocks)` leaves, in one pass (an admission given back before it
+        took anything: `KVCacheManager.give_back`). Ref counts and the hash index stay as they are; each
+        free block among `blocks` moves to the end of the free queue, in this order (touch takes free blocks
+        out of the queue whatever its order, free puts them back in its own; a block listed twice ends up
+        where its last mention puts it, as with touch and free)."""
+        if not blocks:
+            return
+        self.version += 2  # a touch and a free
+        queue = self.free_queue
+        deque(map(queue.move_to_end, filter(queue.__contains__, blocks)), 0)  # a C-level loop
+
     def lookup(self, group: str, h: BlockHash) -> int | None:
         """The cached block holding prefix hash `h` in `group`, or None. Does not take a reference."""
         if not self.enable_prefix_caching:
             return None
         return self.cached.get((group, h))
+
+    def lookup_all(self, group: str, hashes: Sequence[BlockHash]) -> list[int | None]:
+        """`lookup` of each of `hashes`, in one C-level pass."""
+        if not self.enable_prefix_caching:
+            return [None] * len(hashes)
+        return list(map(self.cached.get, zip(itertools.repeat(group), hashes)))
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference to cached blocks (a prefix hit); a free one leaves the free queue."""
@@ -423,11 +453,13 @@ class KVCacheManager:
         return BlockInfo(parent, token_ids[page * n:(page + 1) * n], tuple(rb.extra_keys))
 
     def admit(self, req_id: str, token_ids: Sequence[int], extra_keys: Sequence[str | int] = (), *,
-              use_prefix_cache: bool = True) -> int:
+              use_prefix_cache: bool = True, take: bool = True) -> int:
         """Start tracking a request and take its longest cached prefix (every group must hold its pages
         for the hit to count). -> number of prompt tokens whose KV is already cached (a multiple of
         tokens_per_block x hit_multiple, and < len(token_ids) so at least one token is computed to
-        produce logits). use_prefix_cache=False: take nothing (the caller restores the KV itself)."""
+        produce logits). use_prefix_cache=False: take nothing (the caller restores the KV itself).
+        take=False: the hit is in the request's tables but holds no reference yet: the caller either
+        takes it (`take`) or gives the admission back (`give_back`) before the pool is used otherwise."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already admitted")
         kept = self._kept_hashes.pop(req_id, None)  # a request admitted before: its tokens only grew
@@ -455,13 +487,37 @@ class KVCacheManager:
         if self.drop_last_hit and n_chunks:
             n_chunks -= self.hit_multiple
         tables = {g: found[g][: n_chunks // self.ratio[g]] for g in self.groups}
-        for g in self.groups:
-            self.pool.touch(tables[g])
+        if take:
+            for g in self.groups:
+                self.pool.touch(tables[g])
         self.pool.stats.hits += n_chunks
         n = n_chunks * self.tokens_per_block
         self.requests[req_id] = RequestBlocks(tables, hashes, num_cached_blocks=n_chunks, num_computed_tokens_hit=n,
                                               extra_keys=tuple(extra_keys))
         return n
+
+    def take(self, req_id: str) -> None:
+        """Take the prefix hit of a request admitted with take=False: what `admit` would have touched."""
+        rb, tpb = self.requests[req_id], self.group_tokens_per_block
+        for g in self.groups:
+            self.pool.touch(rb.tables[g][: rb.num_computed_tokens_hit // tpb[g]])
+
+    def give_back(self, req_id: str) -> None:
+        """Forget a request admitted with take=False before anything was taken for it: its tables hold its
+        hit and pages the caller found for it (-1: none on the device), none of them referenced for it.
+        The pool ends up as taking each of those blocks and then `free(req_id, keep_hashes=True)` would
+        leave it (`BlockPool.requeue` in free's order: each group's blocks last first), in one pass. (The
+        manager's pool is a plain BlockPool, where the order of the touches moves nothing.)"""
+        rb = self.requests.pop(req_id)
+        self._kept_hashes[req_id] = (tuple(rb.extra_keys), rb.hashes)
+        self.pool.requeue(list(itertools.chain.from_iterable(filter(_IS_BLOCK_ID, reversed(rb.tables[g]))
+                                                             for g in self.groups)))
+
+    def free_in_tables(self, req_id: str) -> int:
+        """Blocks of the request's tables that are in the free queue: those that taking them (an admission
+        made with take=False) would take out of it. Each counts once."""
+        queue = self.pool.free_queue
+        return len(set(filter(queue.__contains__, itertools.chain.from_iterable(self.requests[req_id].tables.values()))))
 
     def can_allocate(self, req_id: str, num_tokens: int) -> bool:
         return self.missing_blocks(req_id, num_tokens) <= self.pool.num_free
@@ -625,6 +681,11 @@ class ARCBlockPool(BlockPool):
                 self.t2[b] = None
             elif b in self.t2:
                 self.t2.move_to_end(b)
+
+    def requeue(self, blocks: Sequence[int]) -> None:
+        # a touch moves blocks between T1 and T2 in its order, and a free adds blank ones to `_blank`: both
+        self.touch(blocks)
+        self.free(blocks)
 
     def cache(self, group: str, block: int, h: BlockHash, info: BlockInfo | None = None) -> None:
         before = self.block_key[block]

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
+import operator
 from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
@@ -95,7 +97,7 @@ class PrefixLookup:
     pages: per hash block from the device-pool hit on, the pages of every group ending there, as
         (group, "device" | "host", block); it ends on a page boundary of every group (a multiple of
         KVCacheManager.hit_multiple blocks). Empty when `retry`. Built on first use when the lookup gave
-        `columns` (the admissions read those).
+        `split` (the admissions read that).
     blocks: len(pages), the hash blocks it covers.
     retry: tier loads are under way (or a tier answered RETRY): the admission must wait (`must_retry`).
     pins: host pages pinned for this request by earlier rounds; `release` them once the admission holds
@@ -103,8 +105,8 @@ class PrefixLookup:
     """
 
     def __init__(self, pages: list | None, retry: bool = False, pins: list | None = None,
-                 columns: dict | None = None, *, blocks: int | None = None, build=None):
-        self._pages, self._build, self.columns = pages, build, columns
+                 split: dict | None = None, *, blocks: int | None = None, build=None):
+        self._pages, self._build, self._split, self.columns = pages, build, split, None
         self.retry, self.pins = retry, [] if pins is None else pins
         self.blocks = len(pages) if pages is not None else blocks
 
@@ -114,17 +116,37 @@ class PrefixLookup:
             self._pages = self._build()
         return self._pages
 
+    def split(self) -> dict[str, tuple[list, list]]:
+        """Per group with pages, its pages of `pages` in order as two lists: the device block of each (None
+        where the device does not hold it), and the host blocks of those the device does not hold. One
+        group's pages end every ratio-th hash block: the j-th of group g of ratio r ends at the first such
+        block past the device hit, plus j x r."""
+        if self._split is None:
+            self._split = {g: ([b if where == "device" else None for _, where, b in col],
+                               [b for _, where, b in col if where != "device"]) for g, col in self.by_group().items()}
+        return self._split
+
     def by_group(self) -> dict[str, list]:
-        """Per group, its (group, where, block) entries of `pages`, in order (one group's pages end every
-        ratio-th hash block: the j-th of group g of ratio r ends at the first such block past the device
-        hit, plus j x r)."""
+        """Per group, its (group, where, block) entries of `pages`, in order (`split`'s order)."""
         if self.columns is None:
-            cols: dict[str, list] = {}
-            for pages in self.pages:
-                for p in pages:
-                    cols.setdefault(p[0], []).append(p)
-            self.columns = cols
+            if self._split is not None:
+                self.columns = {g: _entries(g, *col) for g, col in self._split.items()}
+            else:
+                cols: dict[str, list] = {}
+                for pages in self.pages:
+                    for p in pages:
+                        cols.setdefault(p[0], []).append(p)
+                self.columns = cols
         return self.columns
+
+
+def _entries(g: str, dev: list, host: list) -> list:
+    """A group's (group, where, block) entries from its `PrefixLookup.split` columns."""
+    on_host = iter(host).__next__
+    return [(g, "device", d) if d is not None else (g, "host", on_host()) for d in dev]
+
+
+_IS_NONE = functools.partial(operator.is_, None)
 
 
 class HostTier:
@@ -264,13 +286,14 @@ class HostTier:
         tiered = None  # the first hash block (from `first`) with a page only a tier holds
         # the leading hash blocks whose pages the device or host pools all hold, by C-level lookups per
         # group (a long context walks thousands of blocks at each admission attempt): their pages are
-        # `columns`, laid out per hash block only when asked (`leading`); the loop below goes on from the
-        # first block with a page neither holds (into `found`), so its tiers are asked exactly as before
+        # `columns` (per group, `PrefixLookup.split`'s two lists), laid out per hash block only when asked
+        # (`leading`); the loop below goes on from the first block with a page neither holds (into
+        # `found`), so its tiers are asked exactly as before
         first_missing, columns = self._pool_walk(kv, dev, host, hashes, first, max_hit)
         fast = max(first_missing - first, 0)
 
         def leading(n: int = fast) -> list:  # the pages of the walk's first n (<= fast) hash blocks
-            take = {g: iter(col).__next__ for g, col in columns.items()}
+            take = {g: iter(_entries(g, *col)).__next__ for g, col in columns.items()}
             return [[take[g]() for g in ending[(c + 1) % period]] for c in range(first, first + n)]
 
         for c in range(first_missing, max_hit):
@@ -312,30 +335,33 @@ class HostTier:
         if kv.drop_last_hit and keep:
             keep -= kv.hit_multiple
         if keep <= fast:  # the pool walk's columns, cut to the pages ending before block first + keep
-            cols = {g: col[: (first + keep) // kv.ratio[g] - first // kv.ratio[g]] for g, col in columns.items()}
+            cols = {}
+            for g, (dev_col, host_col) in columns.items():
+                if cut := (first + keep) // kv.ratio[g] - first // kv.ratio[g]:
+                    cols[g] = (dev_col := dev_col[:cut], host_col[: dev_col.count(None)])
             return PrefixLookup(None, False, pins, cols, blocks=keep, build=lambda: leading(keep))
         return PrefixLookup((leading() + found)[:keep], False, pins)
 
     @staticmethod
     def _pool_walk(kv: KVCacheManager, dev, host: dict, hashes: Sequence[bytes], first: int, max_hit: int
-                   ) -> tuple[int, dict[str, list]]:
+                   ) -> tuple[int, dict[str, tuple[list, list]]]:
         """`lookup_prefix`'s walk over the device and host pools alone: -> (the first hash block in
         [first, max_hit) with a page that neither pool holds, else max_hit; per group its pages ending at
-        the hash blocks before it, (group, "device" | "host", block) in order). Reads nothing but the
-        pools' hash indexes (no side effect), so looking past the first miss changes nothing."""
+        the hash blocks before it, as `PrefixLookup.split` lists them: each page's device block or None,
+        and the host blocks of those the device does not hold). Reads nothing but the pools' hash indexes
+        (no side effect), so looking past the first miss changes nothing; C-level loops only."""
         columns, stop = {}, max_hit
         for g in kv.groups:
             r = kv.ratio[g]
             c0 = -(-(first + 1) // r) * r - 1  # the first hash block >= first that ends a page of g
             keys = list(zip(itertools.repeat(g), hashes[c0:max_hit:r]))
-            on_dev, on_host = map(dev, keys), map(host.get(g, _none), keys)
-            col = [(g, "device", d) if d is not None else (g, "host", h) if h is not None else None
-                   for d, h in zip(on_dev, on_host)]
-            if None in col:
-                j = col.index(None)
-                stop = min(stop, c0 + j * r)
-                del col[j:]
-            columns[g] = col
+            on_dev, on_host = list(map(dev, keys)), list(map(host.get(g, _none), keys))
+            # the first page neither holds
+            j = next(itertools.compress(itertools.count(), map(operator.and_, map(_IS_NONE, on_dev),
+                                                               map(_IS_NONE, on_host))), len(keys))
+            stop = min(stop, c0 + j * r) if j < len(keys) else stop
+            del on_dev[j:]
+            columns[g] = (on_dev, list(itertools.compress(on_host, map(_IS_NONE, on_dev))))
         return stop, columns
 
     def release(self, pins: Sequence[tuple[str, int]]) -> None:

@@ -38,6 +38,8 @@ from kvcache.policies import KVPolicy, Policy
 from kvcache.transfer import TransferStats
 
 
+_RETRY = object()  # `Scheduler._attempt`: the admission's lookup answered RETRY
+_GAVE_BACK = object()  # `Scheduler._attempt`: it did not fit, found before it took anything (KVPolicy.admit_if)
 BLOCK_USES = ("indexer", "mla_decoding", "mla_prefilling", "hot_buffers")  # `Scheduler._count_blocks`
 
 
@@ -246,38 +248,30 @@ class Scheduler:
             pool_stats = self.kv.pool.stats
             queries, hits = pool_stats.queries, pool_stats.hits
             counts = self._attempt_counts()
-            self.policy.admission_acted = False
             saved = self.policy.saved_tokens(req)
-            if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
-                self.kv.admit(req.req_id, req.tokens, req.extra_keys, use_prefix_cache=False)
-                req.num_computed_tokens = saved
-            else:
-                req.num_computed_tokens = self.policy.admit(self.kv, req)
-            if self.policy.must_retry(req):  # the lookup answered RETRY: loads from a tier are under way
-                self.policy.forget(self.kv, req)
-                self.kv.free(req.req_id, keep_hashes=True)
-                req.num_computed_tokens = 0
+            n = self._attempt(req, budget, saved, ask=before is None)
+            if n is _RETRY:  # the lookup answered RETRY: loads from a tier are under way
                 pool_stats.queries, pool_stats.hits = queries, hits  # counted when it is admitted
                 skip, waited = skip + 1, True
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            reserve = self.policy.admission_reserve(self.kv, [*self.running, req])
-            while not self._fits(req, n, reserve) and self.policy.make_room(self.kv, self.running,
-                                                                            self._need(req, n) + reserve):
-                pass
-            if not self._fits(req, n, reserve) and (m := self._shrink(req, n, reserve)) is not None:
-                n = m
-            if not self._fits(req, n, reserve):
-                self.policy.forget(self.kv, req)
-                self.kv.free(req.req_id, keep_hashes=True)  # give back the prefix hit; admit again when there is room
-                req.num_computed_tokens = 0
+            gave_back = n is _GAVE_BACK
+            if n is None or gave_back:  # it did not fit; admit again when there is room
                 delta = tuple(a - b for a, b in zip(self._attempt_counts(), counts))
                 if before is not None:
-                    self._check_skip(before, delta)
+                    self._check_retry(before, delta)
+                    self.skipped_admissions += 1
                 # an attempt whose policy moved KV for it (HiSparse unpinning a long cached prefix) is not
                 # known to be repeatable: it is retried, not skipped
                 self._unfit = None if self.policy.admission_acted else (req, self._admission_signature(req, budget),
                                                                         delta)
+                if self.verify_skipped_admissions and gave_back and self._unfit is not None:
+                    # the policy gave it back before taking anything: the full attempt, run now from the
+                    # state it left, fails too and changes nothing (what a skipped retry is checked for)
+                    before, counts = self._admission_state(), self._attempt_counts()
+                    if self._attempt(req, budget, saved, ask=False) is not None:
+                        raise AssertionError(f"step {self.stats.steps}: {req.req_id!r} was given back but fits")
+                    self._check_retry(before, tuple(a - b for a, b in zip(self._attempt_counts(), counts)), keep=False)
+                    self._unfit = (req, self._admission_signature(req, budget), delta)  # versions moved by the check
                 break
             if before is not None:
                 raise AssertionError(f"step {self.stats.steps}: a skipped admission of {req.req_id!r} would have succeeded")
@@ -301,6 +295,56 @@ class Scheduler:
         if counted:
             self.stats.steps += 1
         return plan
+
+    def _attempt(self, req: Request, budget: int, saved: int, *, ask: bool) -> int | None | object:
+        """One admission attempt of waiting `req` under `budget` (`saved`: the policy's saved tokens for it)
+        -> the tokens of its first chunk, now in its tables and the policy's (`_target`'s blocks not yet
+        allocated); None: it did not fit and gave back what it took (only the counters of its lookups
+        moved); _GAVE_BACK: likewise, found by the policy before it took anything; _RETRY: its lookup
+        answered RETRY (forgotten; it waits for tier loads). ask: let the policy ask whether it fits
+        before it takes anything (`KVPolicy.admit_if`), else the full way."""
+        self.policy.admission_acted = False
+        if saved:  # its KV waits in host memory: no prefix lookup, it all comes back
+            self.kv.admit(req.req_id, req.tokens, req.extra_keys, use_prefix_cache=False)
+            req.num_computed_tokens = saved
+        else:
+            computed = self.policy.admit_if(self.kv, req, self._fits_first_chunk(req, budget) if ask else None)
+            if computed is None:  # given back before it took anything
+                req.num_computed_tokens = 0
+                return _GAVE_BACK
+            req.num_computed_tokens = computed
+        if self.policy.must_retry(req):
+            self.policy.forget(self.kv, req)
+            self.kv.free(req.req_id, keep_hashes=True)
+            req.num_computed_tokens = 0
+            return _RETRY
+        n, reserve = self._first_chunk(req, budget)
+        while not self._fits(req, n, reserve) and self.policy.make_room(self.kv, self.running,
+                                                                        self._need(req, n) + reserve):
+            pass
+        if not self._fits(req, n, reserve) and (m := self._shrink(req, n, reserve)) is not None:
+            n = m
+        if not self._fits(req, n, reserve):
+            self.policy.forget(self.kv, req)
+            self.kv.free(req.req_id, keep_hashes=True)  # give back the prefix hit
+            req.num_computed_tokens = 0
+            return None
+        return n
+
+    def _first_chunk(self, req: Request, budget: int) -> tuple[int, int]:
+        """An admitted request's first chunk under `budget`, and the free blocks admitting it must leave."""
+        return (min(req.num_tokens - req.num_computed_tokens, budget),
+                self.policy.admission_reserve(self.kv, [*self.running, req]))
+
+    def _fits_first_chunk(self, req: Request, budget: int):
+        """The test `KVPolicy.admit_if` asks: whether the first chunk of `req`, with `computed` tokens cached,
+        fits once its touches have taken `taken` free blocks (the check `_attempt` makes after a full
+        admission, on the state it would have then)."""
+        def fits(computed: int, taken: int) -> bool:
+            req.num_computed_tokens = computed
+            n, reserve = self._first_chunk(req, budget)
+            return self._fits(req, n, reserve + taken)
+        return fits
 
     def _sibling_prefilling(self, req: Request) -> bool:
         """Whether `req` waits for the sibling it shares a prompt with (Request.prefill_after, n > 1) to finish
@@ -389,15 +433,19 @@ class Scheduler:
         st.hits += sign * delta[1]
         self.policy.add_admission_counts(tuple(sign * d for d in delta[2:]))
 
-    def _check_skip(self, before: tuple, delta: tuple[int, ...]) -> None:
+    def _check_retry(self, before: tuple, delta: tuple[int, ...], *, keep: bool = True) -> None:
+        """A retry of the failed attempt `_unfit` names ran from state `before` and moved the counters by
+        `delta`: check that it moved them as that attempt did and changed nothing else. keep: its counts
+        stay (it stands for a retry the run without the check skips), else they are taken out again."""
         self._add_attempt_counts(delta, -1)  # the one thing a retry moves: compare without it
         try:
             after = self._admission_state()
         finally:
-            self._add_attempt_counts(delta)
+            if keep:
+                self._add_attempt_counts(delta)
         if delta != self._unfit[2] or after != before:
-            raise AssertionError(f"step {self.stats.steps}: a skipped admission would have changed the state")
-        self.skipped_admissions += 1
+            raise AssertionError(f"step {self.stats.steps}: a retry of {self._unfit[0].req_id!r}'s failed admission "
+                                 "would have changed the state")
 
     def _need(self, req: Request, n: int) -> int:
         """Free blocks a chunk of n tokens of `req` needs."""

@@ -65,6 +65,15 @@ class KVPolicy(Protocol):
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
         """Start tracking a newly admitted request; -> prompt tokens whose KV is already available."""
 
+    def admit_if(self, kv: KVCacheManager, req: RequestView, fits) -> int | None:
+        """`admit`, for a policy that can tell before it takes anything that the request will not fit: it
+        may ask `fits(computed_tokens, taken)` (the scheduler's test of the first chunk, with `taken` free
+        device blocks fewer: those its touches would take out of the free queue) once the request's tables
+        and `extra_blocks` read as after `admit`, no reference taken yet. On no it leaves every pool, table
+        and its own state as `admit`, `forget` and `KVCacheManager.free(keep_hashes=True)` would, moves the
+        counters `admit` moves, and -> None. Only a policy whose `make_room` never acts at admission and
+        whose chunks never shrink may ask, so that no is final. The default admits and asks nothing."""
+
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         """Undo `admit` (the request did not fit after all)."""
 
@@ -293,6 +302,9 @@ class Policy:
 
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
         return kv.admit(req.req_id, req.tokens, req.extra_keys)
+
+    def admit_if(self, kv: KVCacheManager, req: RequestView, fits) -> int | None:
+        return self.admit(kv, req)
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         pass

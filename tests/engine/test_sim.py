@@ -114,6 +114,42 @@ def test_skipped_admission_retries_change_nothing(pool_history, monkeypatch, pol
     assert len(pool_history.take()) < len(verified_events)  # the skipped retries' touch / free pairs
 
 
+def test_an_offload_admission_given_back_before_it_takes_anything_is_the_full_attempt(monkeypatch):
+    """The offload policy asks whether a waiting request fits before it takes anything (`KVPolicy.admit_if`)
+    and, when it does not, gives it back in one pass per pool (`BlockPool.requeue`) instead of touching its
+    prefix on the device and host pools, failing the fit test and freeing it all. A run whose attempts all go
+    the full way has the same pools (ref counts, free-queue order, hash index) after every schedule, and the
+    same tokens and counters."""
+    from kvcache.block_pool import KVCacheManager
+
+    deploy = DeployConfig(**BASE, **POLICIES["offload"])
+    given_back = []
+    give_back = KVCacheManager.give_back
+    monkeypatch.setattr(KVCacheManager, "give_back", lambda self, rid: given_back.append(rid) or give_back(self, rid))
+    schedule = Scheduler.schedule
+
+    def run():
+        states = []
+
+        def recorded(sch):
+            plan = schedule(sch)
+            states.append([p.state() for p in (sch.kv.pool, *sch.policy.host.values())])
+            return plan
+
+        monkeypatch.setattr(Scheduler, "schedule", recorded)
+        eng = sim.build_engine(TINY, deploy)
+        outs = eng.generate(_prompts(10), max_new_tokens=24)
+        m = eng.metrics()
+        return ([o.token_ids.tolist() for o in outs], states, {k: m[k] for k in ("preemptions", "prefix_hit_rate",
+                                                                               "h2d_bytes", "d2h_bytes")})
+
+    fast = run()
+    assert len(given_back) > 5
+    monkeypatch.setattr(Scheduler, "_fits_first_chunk", lambda self, req, budget: None)  # nothing asked: the full way
+    n = len(given_back)
+    assert run() == fast and len(given_back) == n
+
+
 @pytest.mark.parametrize("policy", ["offload", "hisparse"])
 def test_the_host_tiers_prefix_walk_is_the_page_by_page_walk(monkeypatch, policy):
     """`HostTier.lookup_prefix` walks the device and host pools by whole-group lookups (`_pool_walk`): its

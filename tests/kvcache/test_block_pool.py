@@ -1,6 +1,8 @@
 """Block pool and KV-cache manager: invariants under random operation sequences (hypothesis), prefix
 reuse, salts, LRU eviction order and all-or-nothing allocation."""
 
+import copy
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -161,6 +163,23 @@ class ManagerMachine(RuleBasedStateMachine):
         else:
             with pytest.raises(NoFreeBlocks):
                 self.m.allocate(rid, len(new))
+
+    @rule(prefix=st.integers(0, 2), length=st.integers(1, 7), salt=st.sampled_from(["a", "b"]))
+    def admit_and_give_back(self, prefix, length, salt):
+        """An admission made with take=False and given back leaves the pool as taking its hit and freeing
+        it (keep_hashes) does, and `free_in_tables` counts the free blocks the take uses up. (Not for ARC:
+        its touches move blocks within T1 / T2 in take's order; a manager's pool is a plain BlockPool.)"""
+        if isinstance(self.m.pool, ARCBlockPool):
+            return
+        rid = f"r{self.n}"
+        self.n += 1
+        toks = [prefix] * 3 + list(range(length))
+        full = copy.deepcopy(self.m)
+        assert self.m.admit(rid, toks, [salt], take=False) == full.admit(rid, toks, [salt])
+        assert self.m.num_free_blocks - self.m.free_in_tables(rid) == full.num_free_blocks
+        self.m.give_back(rid)
+        full.free(rid, keep_hashes=True)
+        assert self.m.pool.state() == full.pool.state() and self.m._kept_hashes == full._kept_hashes
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

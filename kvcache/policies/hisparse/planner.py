@@ -66,7 +66,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks
+from kvcache.block_pool import BlockPool, KVCacheManager, NoFreeBlocks, table_entries
+from kvcache.block_pool import found as found_blocks
 from kvcache.host_tier import HostTier, HostTierPolicy, host_pools
 from kvcache.policies.base import RequestView, RowTables
 from kvcache.policies.hisparse.spec import TAIL_PAGES, HiSparseSpec, ResolveStats, device_blocks_per_request
@@ -160,16 +161,22 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         # per hash block (device block, host block) of its MLA page, per indexer page likewise; a device
         # MLA page's host copy is looked up too (the resolver reads host rows once the page is released)
         # group by group (the j-th MLA page of the walk ends at hash block c0 + j r, r its ratio)
-        cols, look, hashes, r = found.by_group(), self.host_mla.lookup, rb.hashes, kv.ratio["mla"]
+        # (C-level passes over the MLA pages: a long context walks thousands)
+        split, hashes, r = found.split(), rb.hashes, kv.ratio["mla"]
         c0 = -(-(i + 1) // r) * r - 1
-        mla = [(b, look("mla", hashes[c0 + j * r])) if where == "device" else (None, b)
-               for j, (_, where, b) in enumerate(cols.get("mla", ()))]
-        index = [(b, None) if where == "device" else (None, b)
-                 for g in kv.groups if g != "mla" for _, where, b in cols.get(g, ())]
-        rb.tables["mla"].extend(-1 if dev_m is None else dev_m for dev_m, _ in mla)
-        st.host.extend(-1 if host_m is None else host_m for _, host_m in mla)
-        kv.pool.touch([dev_m for dev_m, _ in mla if dev_m is not None])  # one call each: this runs per block
-        self.host_mla.touch([host_m for _, host_m in mla if host_m is not None])
+        dev_mla = split.get("mla", ((), ()))[0]
+        # each MLA page's host copy: a page found on the host is the walk's host hit, its key's lookup
+        host_mla = self.host_mla.lookup_all("mla", hashes[c0 : c0 + len(dev_mla) * r : r])
+        index = []
+        for g in kv.groups:
+            if g != "mla":
+                dev_col, host_col = split.get(g, ((), ()))
+                on_host = iter(host_col).__next__
+                index += [(b, None) if b is not None else (None, on_host()) for b in dev_col]
+        rb.tables["mla"].extend(table_entries(dev_mla))
+        st.host.extend(table_entries(host_mla))
+        kv.pool.touch(found_blocks(dev_mla))  # one call each: this runs per block
+        self.host_mla.touch(found_blocks(host_mla))
         for dev_i, host_i in index:
             rb.tables["indexer"].append(-1 if dev_i is None else dev_i)
             if dev_i is None:
@@ -178,7 +185,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
             else:
                 kv.pool.touch([dev_i])
         self.host_tier.release(found.pins)
-        i += len(mla)
+        i += len(dev_mla)
         rb.num_cached_blocks = i
         st.host_prefix = i - n // kv.tokens_per_block  # counted once the request is in (prepare)
         if self.stage_rows:

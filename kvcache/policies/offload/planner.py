@@ -48,13 +48,18 @@ whose layout is fixed.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import operator
 from collections.abc import Sequence
 
-from kvcache.block_pool import BlockInfo, KVCacheManager
+from kvcache.block_pool import BlockInfo, KVCacheManager, table_entries
 from kvcache.host_tier import LOAD_FAILURE_POLICIES, HostTier, HostTierPolicy, TierCounts, host_pools
 from kvcache.policies.base import Policy, RequestView
 from kvcache.tiers import TierSet
 from kvcache.transfer import PageCopy
+
+_IS_NONE = functools.partial(operator.is_, None)
 
 __all__ = ["LOAD_FAILURE_POLICIES", "OffloadPolicy", "OffloadStats", "TierCounts", "host_tier_blocks"]
 
@@ -71,6 +76,17 @@ class OffloadStats:
     store_bytes: int = 0
     load_bytes: int = 0
     store_skipped_pages: int = 0  # full pages not stored: every host page was pinned by a pending load
+
+
+def _walk_order(kv: KVCacheManager, split: dict, first: int) -> list[int]:
+    """The device pages of a prefix walk from hash block `first` (`PrefixLookup.split`) in the walk's order:
+    hash block by hash block, the groups ending at one in kv.groups order."""
+    pages = []
+    for gi, g in enumerate(kv.groups):
+        r = kv.ratio[g]
+        c0 = -(-(first + 1) // r) * r - 1  # the hash block its first page ends at
+        pages += [(c0 + j * r, gi, b) for j, b in enumerate(split.get(g, ((), ()))[0]) if b is not None]
+    return [b for _, _, b in sorted(pages)]
 
 
 def host_tier_blocks(capacity_bytes: int, page_bytes: dict[str, int], group_tokens: dict[str, int]) -> dict[str, int]:
@@ -155,45 +171,64 @@ class OffloadPolicy(HostTierPolicy, Policy):
 
     # ------------------------------------------------------------------------------------- admission
     def admit(self, kv: KVCacheManager, req: RequestView) -> int:
-        n = kv.admit(req.req_id, req.tokens, req.extra_keys)
+        return self.admit_if(kv, req, None)
+
+    def admit_if(self, kv: KVCacheManager, req: RequestView, fits) -> int | None:
+        """`admit`, asking `fits` (the scheduler's, see KVPolicy.admit_if) before taking anything: its
+        device hit, the device pages of its walk and the host pages to load are found and entered in its
+        tables and `pending` without a reference. Given back when it does not fit (one `requeue` per pool
+        instead of a touch and a free), taken as `admit` takes it otherwise. Not asked when the lookup
+        answered RETRY or handed over pins (host pages pinned by an earlier round, released here): those
+        attempts go the full way."""
+        n = kv.admit(req.req_id, req.tokens, req.extra_keys, take=False)
         rb = kv.requests[req.req_id]
         self.stored[req.req_id] = {g: 0 for g in kv.groups}
         i = n // kv.tokens_per_block
         found = self.host_tier.lookup_prefix(kv, req, i)
         if found.retry:  # tier loads under way: the scheduler forgets this attempt (`must_retry`)
+            kv.take(req.req_id)
             self.pending[req.req_id] = (i, {})
             return n
-        device, pend, pinned = [], {}, {}
-        tables, hashes = rb.tables, rb.hashes
+        pend, pinned = {}, {}
+        tables, hashes, split = rb.tables, rb.hashes, found.split()
         # group by group (the walk is thousands of pages long; one group's pages do not interact with
-        # another's): its device pages join its table, its host pages wait there as -1 for a device block
-        # and a load. `pend` lists the groups in the order the walk met their first host page.
+        # another's), C-level loops over its pages: its device pages join its table, its host pages wait
+        # there as -1 for a device block and a load. `pend` lists the groups in the order the walk met
+        # their first host page.
         firsts = []  # (hash block of the group's first host page, the group's index, group, its pend, its pins)
-        # device: (hash block, group's index, block) of the device pages
-        for gi, (g, col) in enumerate((g, found.by_group().get(g)) for g in kv.groups):
-            if not col:
+        for gi, g in enumerate(kv.groups):
+            dev_col, host_col = split.get(g, ((), ()))
+            if not dev_col:
                 continue
             r, table = kv.ratio[g], tables[g]
             c0, base = -(-(i + 1) // r) * r - 1, len(table)  # the hash block its first page ends at
-            table.extend([b if where == "device" else -1 for _, where, b in col])
-            device += [(c0 + j * r, gi, p[2]) for j, p in enumerate(col) if p[1] == "device"]
-            hosts = [j for j, p in enumerate(col) if p[1] != "device"]
-            if hosts:
-                firsts.append((c0 + hosts[0] * r, gi, g, {base + j: (col[j][2], hashes[c0 + j * r]) for j in hosts},
-                               [col[j][2] for j in hosts]))
+            table.extend(table_entries(dev_col))
+            if host_col:
+                hosts = list(itertools.compress(range(len(dev_col)), map(_IS_NONE, dev_col)))
+                firsts.append((c0 + hosts[0] * r, gi, g,
+                               {base + j: (hb, hashes[c0 + j * r]) for j, hb in zip(hosts, host_col)}, host_col))
         firsts.sort()
         for _, _, g, pages, pins in firsts:
             pend[g], pinned[g] = pages, pins
         # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
         # pages (the page the device hit gave back, kept when more follows it)
         dev = firsts[0][0] - i if firsts else None
-        for g, blocks in pinned.items():
-            self.host[g].touch(blocks)  # pinned until its load is recorded
-        kv.pool.touch([b for _, _, b in sorted(device)])  # in the walk's order, hash block by hash block
-        self.host_tier.release(found.pins)
         self.pending[req.req_id] = (i + (found.blocks if dev is None else dev), pend)
         rb.num_cached_blocks = i + found.blocks
-        return rb.num_cached_blocks * kv.tokens_per_block
+        computed = rb.num_cached_blocks * kv.tokens_per_block
+        if fits is not None and not found.pins and not fits(computed, kv.free_in_tables(req.req_id)):
+            # what the touches below and then `forget` and KVCacheManager.free(keep_hashes=True) would leave
+            for g, blocks in pinned.items():
+                self.host[g].requeue(blocks)
+            del self.pending[req.req_id], self.stored[req.req_id]
+            kv.give_back(req.req_id)
+            return None
+        kv.take(req.req_id)
+        for g, blocks in pinned.items():
+            self.host[g].touch(blocks)  # pinned until its load is recorded
+        kv.pool.touch(_walk_order(kv, split, i))
+        self.host_tier.release(found.pins)
+        return computed
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         for g, pages in self.pending.pop(req.req_id, (0, {}))[1].items():
