@@ -226,9 +226,9 @@ class SimRunner(SyntheticRunner):
         self.itemsize = 4 if weight_bytes == 4 else 2
         self._slot_bytes = all2all_bytes_per_slot(self.dp_ranks, cfg.hidden_size, self.itemsize)
         self._all2all = 0
-        # (width, rows) -> (all2all_cost, bytes one device sends): a DP x EP step prices the same few
-        # shapes over and over (decode: width 1 + k at most max_num_seqs rows); bounded (prefill widths vary)
-        self._a2a: dict[tuple[int, ...], StepCost] = {}
+        # `_memo`'s prices: a DP x EP step prices the same few shapes over and over (decode: width 1 + k
+        # at most max_num_seqs rows, windows in buckets); bounded (prefill widths vary)
+        self._priced: dict[tuple, typing.Any] = {}
         self._weight_bytes = weight_bytes
 
     def _verify(self, row: PlanRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -330,21 +330,29 @@ class SimRunner(SyntheticRunner):
         out, their expert ids, the results back), each one device's share of its slots x the bytes a slot
         carries on it (`parallel.ep.all2all_bytes_per_slot`: the same bytes `ep_all2all_bytes` counts);
         memoised per dispatch list (a serving run repeats a few shapes)."""
-        key = tuple(dispatches)
-        hit = self._a2a.get(key)
-        if hit is not None:
-            return hit
-        n, d = self.dp_ranks, self.cfg.hidden_size
-        parts = []
-        for slots in dispatches:
-            sent = slots * (n - 1)
-            parts += [all_to_all(self.hw, sent * d * self.itemsize, n, "ep_dispatch"),
-                      all_to_all(self.hw, sent * 4, n, "ep_expert_ids"),
-                      all_to_all(self.hw, sent * d * self.itemsize, n, "ep_combine")]
-        if len(self._a2a) >= 4096:
-            self._a2a.clear()
-        out = self._a2a[key] = StepCost(tuple(p for p in parts if p.time_s > 0))
-        return out
+        def build():
+            n, d = self.dp_ranks, self.cfg.hidden_size
+            parts = []
+            for slots in dispatches:
+                sent = slots * (n - 1)
+                parts += [all_to_all(self.hw, sent * d * self.itemsize, n, "ep_dispatch"),
+                          all_to_all(self.hw, sent * 4, n, "ep_expert_ids"),
+                          all_to_all(self.hw, sent * d * self.itemsize, n, "ep_combine")]
+            return StepCost(tuple(p for p in parts if p.time_s > 0))
+        return self._memo(("all2all", *dispatches), build)
+
+    def _memo(self, key: tuple, build: typing.Callable[[], typing.Any]) -> typing.Any:
+        """build(), kept under `key` (at most 4096 kept; then forgotten all at once). The contract: `key`
+        names everything build reads that can change during a run (its first item names the price; the
+        runner's cfg, hw and dep are fixed), and build is pure, so a kept price is the one build would
+        return again, exactly (the same floats, the same parts in the same order): memoised pricing
+        changes no decision and no booked time. Callers do not mutate what it returns."""
+        hit = self._priced.get(key)
+        if hit is None:
+            if len(self._priced) >= 4096:
+                self._priced.clear()
+            hit = self._priced[key] = build()
+        return hit
 
     @functools.cached_property
     def weights_bytes_per_device(self) -> int | None:
@@ -387,9 +395,11 @@ class SimRunner(SyntheticRunner):
                 run = ranks[r]
                 results[r] = run._run(plan)
                 moves = sum(1 for op in plan.transfers if not isinstance(op, (ResetLease, TierStore, TierLoad)))
-                cost = step_cost(self.cfg, self.hw, self.dep, _Rows(()), d2h_bytes=results[r].d2h_bytes,
-                                 h2d_bytes=results[r].h2d_bytes, host_transfers=moves)
-                run._book([(cost, False)])
+                d2h, h2d = results[r].d2h_bytes, results[r].h2d_bytes
+                cost = self._memo(("transfers", d2h, h2d, moves), lambda: step_cost(
+                    self.cfg, self.hw, self.dep, _Rows(()), d2h_bytes=d2h, h2d_bytes=h2d, host_transfers=moves))
+                if cost.parts:  # (a rank that moved nothing books nothing)
+                    run._book([(cost, False)])
                 transfers.append(cost)
         segments = [(max(transfers, key=StepCost.time_s, default=StepCost(())), False)]
         has_rows = False
@@ -407,17 +417,20 @@ class SimRunner(SyntheticRunner):
                     run.hot_miss_rows += extra[-1]
                 else:
                     run.staged_rows += extra[-1]
-            fwd = forward_cost(self.cfg, self.hw, self.dep, rows, width, window, sample=sample,
-                               hot_miss_rows=max(extra), drafts=width - 1 if verify else 0)
+            hot, drafted = max(extra), width - 1 if verify else 0
             k = self.verify_width - 1 if self.verify_width else 0
-            main, drafts = group_first_round_slots(
+            views = verify and group_has_leases(plans, per)
+            main, drafts = self._memo(("slots", width, rows, views, sample), lambda: group_first_round_slots(
                 self.cfg, self.dp_ranks, width, rows, k=k, sequential=self.verify_mode == "sequential",
-                views=verify and group_has_leases(plans, per), drafts=sample)
-            segments.append((StepCost(fwd.parts + self.all2all_cost(main).parts), sample))
+                views=views, drafts=sample))
+            segments.append((self._memo(("forward", rows, width, window, sample, hot, drafted, *main), lambda: StepCost(
+                forward_cost(self.cfg, self.hw, self.dep, rows, width, window, sample=sample, hot_miss_rows=hot,
+                             drafts=drafted).parts + self.all2all_cost(main).parts)), sample))
             self._all2all += (sum(main) + sum(drafts)) * self._slot_bytes
             if sample and self.verify_width:  # the group's draft passes, on every rank's padded rows
-                draft = mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2)
-                segments.append((StepCost(draft.parts + self.all2all_cost(drafts).parts, per_layer=False), True))
+                segments.append((self._memo(("draft", rows, window, *drafts), lambda: StepCost(
+                    mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2).parts
+                    + self.all2all_cost(drafts).parts, per_layer=False)), True))
         times = [(cost.time_s(), waits) for cost, waits in segments]
         pairs = _pairs(segments[1:])
         for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)

@@ -337,8 +337,9 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         host-only here, before the step reads it), the indexer table, and the row's host pages and lease.
         Counts the request's residency state for this step."""
         st = self.state[req.req_id]
-        table = list(kv.block_table(req.req_id, "mla"))
+        table = kv.block_table(req.req_id, "mla")  # read only, unless unpinned pages map into a copy
         if st.unpinned:
+            table = list(table)
             gen = kv.pool.generation  # `_intact`, inlined: this runs for every row of every step
             lost = []
             for p, (b, g) in st.unpinned.items():  # one pass: map the intact pages, note the reused ones
