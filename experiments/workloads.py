@@ -434,6 +434,9 @@ class _Live:
     session: Session
     turn: int = 0
     context: np.ndarray | None = None  # append mode: every token so far
+    # trace mode: the hash ids of the last prompt built and all their blocks' tokens (read-only), which the
+    # next turn's prompt starts with wherever its ids do
+    blocks: tuple[np.ndarray, np.ndarray] | None = None
     ready_s: float = 0.0
     in_flight: str | None = None
 
@@ -492,7 +495,21 @@ class ClosedLoopClient:
     def _prompt(self, live: _Live) -> np.ndarray:
         t = live.session.turns[live.turn]
         if live.session.mode == "trace":
-            toks = np.concatenate([block_tokens(h, self.vocab_size) for h in t.hash_ids])
+            # the blocks the last turn's prompt shares with this one are taken from it, not rebuilt: a
+            # session's turns extend one another, and a block's tokens cost a generator each (the same
+            # tokens either way)
+            ids = np.asarray(t.hash_ids, np.int64)
+            shared, parts = 0, []
+            if live.blocks is not None:
+                prev_ids, prev = live.blocks
+                m = min(ids.size, prev_ids.size)
+                same = ids[:m] == prev_ids[:m]
+                shared = m if same.all() else int(np.argmin(same))  # the leading ids the two prompts share
+                parts.append(prev[: shared * TRACE_BLOCK_TOKENS])
+            parts += [block_tokens(int(h), self.vocab_size) for h in ids[shared:]]
+            toks = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+            toks.setflags(write=False)
+            live.blocks = (ids, toks)
             return toks[: t.input_tokens]
         new = self.rng.integers(0, self.vocab_size, t.input_tokens, dtype=np.int32)
         return new if live.context is None else np.concatenate([live.context, new])

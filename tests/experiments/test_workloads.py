@@ -139,6 +139,23 @@ def test_closed_loop_client_append_sessions_carry_outputs_and_respect_concurrenc
             assert np.array_equal(p1[: p0.size], p0) and p1.size == p0.size + 1 + 1
 
 
+def test_closed_loop_client_trace_prompts_are_their_blocks_tokens():
+    """A trace turn's prompt is its hash ids' block tokens cut to input_tokens, whatever the previous turn
+    sent: the client reuses the blocks a turn shares with the previous one (a prefix, none, or part of
+    one that diverges), and a prompt it sent is not changed by the next."""
+    turns = [wl.Turn(130, 1, hash_ids=(1, 2, 3)), wl.Turn(250, 1, hash_ids=(1, 2, 3, 4)),
+             wl.Turn(200, 1, hash_ids=(1, 9, 3, 4)), wl.Turn(60, 1, hash_ids=(5,)), wl.Turn(190, 1, hash_ids=(5, 6, 7))]
+    sessions = [wl.Session("s", "user0", tuple(turns), mode="trace")]
+    eng, sent = FakeEngine(), []
+    add = eng.add_request
+    eng.add_request = lambda prompt, params, salt="": (sent.append(prompt), add(prompt, params, salt))[1]
+    wl.ClosedLoopClient(eng, sessions, concurrency=1, vocab_size=1000, make_params=lambda n: n).run()
+    assert len(sent) == len(turns)
+    for prompt, t in zip(sent, turns):  # the arrays as sent, read after every later turn was built
+        want = np.concatenate([wl.block_tokens(h, 1000) for h in t.hash_ids])[: t.input_tokens]
+        assert prompt.dtype == want.dtype and np.array_equal(prompt, want)
+
+
 def test_closed_loop_client_think_time_and_subagent_order():
     t = wl.Turn
     parent = wl.Session("p", "alice", (t(64, 2, 0.0, (1,)), t(128, 2, 5.0, (1, 2)), t(192, 2, 5.0, (1, 2, 3))), "trace")
