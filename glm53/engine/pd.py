@@ -6,6 +6,8 @@ the peer tier's counters. They read the engine's configuration, its fingerprint 
 
 from __future__ import annotations
 
+import functools
+
 from glm53.engine.build import kv_fingerprint, kv_row_bytes
 from glm53.engine.config import GROUPS, PD_TIER
 from kvcache.block_pool import block_hashes
@@ -132,5 +134,11 @@ class PdQueries:
         sch = self.replicas[replica].scheduler
         kv, pools = sch.kv, sch.policy.host_tier.pools
         hashes = block_hashes(token_ids, kv.tokens_per_block, extra_keys, upto=upto)
-        return kv.tokens_per_block, [[(g, chunk_key(self.fingerprint, g, h)) for g in kv.groups
-                                      if not (c + 1) % kv.ratio[g] and g in pools] for c, h in enumerate(hashes)]
+        out: list[list[tuple[str, bytes]]] = [[] for _ in hashes]
+        for g in kv.groups:  # group by group, so each block's list keeps kv.groups' order
+            if g in pools:
+                r = kv.ratio[g]
+                keys = map(functools.partial(chunk_key, self.fingerprint, g), hashes[r - 1 :: r])
+                for c, key in zip(range(r - 1, len(hashes), r), keys):
+                    out[c].append((g, key))
+        return kv.tokens_per_block, out

@@ -193,15 +193,16 @@ class PdPair:
         prompt, params, salt, arrival = self._req.pop(rid)
         tier = self.prefill.pd_tier(self.prefill.replica_of(rid))
         tpb, blocks = self.prefill.prompt_chunk_keys(rid)
+        has = tier.held_now()
         held = []
         for block in blocks:  # the leading hash blocks whose every page the producer holds
-            if not all(k in tier for _, k in block):
+            if not all([k in has for _, k in block]):
                 break
             held.append(block)
         handed = len(held) * tpb
         if self.remote is not None:  # past its full pages, the tail chunks of its last partial pages
             upto, tails = self.prefill.prompt_tail_keys(rid)
-            handed = upto if len(held) == len(blocks) and all(k in tier for _, k in tails) else handed
+            handed = upto if len(held) == len(blocks) and all(k in has for _, k in tails) else handed
         self._catch_up(self.decode, t)
         self.decode.add_request(prompt, params, req_id=rid, salt=salt, kv_peer="producer")
         self.decode.requests[rid].arrival_s = arrival

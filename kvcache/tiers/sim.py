@@ -225,6 +225,12 @@ class SimTier:
         self._advance()
         return key in self._held
 
+    def held_now(self):
+        """The keys held at clock() (a live, read-only view: valid while neither the clock nor the tier
+        moves). For a caller that tests many keys at one instant (`in` advances the clock per key)."""
+        self._advance()
+        return self._held.keys()
+
     # ---------------------------------------------------------------------------------------- inside
     def _push(self, t: float, kind: str, data) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, data))
