@@ -115,8 +115,8 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
         return out
     # hash_block's bytes, built once for all the new blocks (a serving run hashes millions of blocks:
     # one slice of the ids and one encoding instead of one per block)
-    ids = np.asarray(token_ids[first : first + n * tokens_per_block], dtype="<i8")
-    data = memoryview(ids.tobytes())
+    ids = np.ascontiguousarray(token_ids[first : first + n * tokens_per_block], dtype="<i8")
+    data = memoryview(ids).cast("B")  # no copy: sha256 reads the array's buffer
     extra = b"".join(struct.pack("<q", len(k)) + k for k in (str(key).encode() for key in extra_keys))
     step = 8 * tokens_per_block
     sha256 = hashlib.sha256
