@@ -289,7 +289,10 @@ class HostTier:
         # `columns` (per group, `PrefixLookup.split`'s two lists), laid out per hash block only when asked
         # (`leading`); the loop below goes on from the first block with a page neither holds (into
         # `found`), so its tiers are asked exactly as before
-        first_missing, columns = self._pool_walk(kv, dev, host, hashes, first, max_hit)
+        walk = functools.partial(self._pool_walk, kv, dev, host, hashes, first, max_hit)
+        first_missing, columns = (walk() if rb.walk is None else
+                                  rb.walk.memo("host tier", (first, max_hit), (kv.pool, *self.pools.values()), walk,
+                                               kv.verify_walks))
         fast = max(first_missing - first, 0)
 
         def leading(n: int = fast) -> list:  # the pages of the walk's first n (<= fast) hash blocks
@@ -348,8 +351,9 @@ class HostTier:
         """`lookup_prefix`'s walk over the device and host pools alone: -> (the first hash block in
         [first, max_hit) with a page that neither pool holds, else max_hit; per group its pages ending at
         the hash blocks before it, as `PrefixLookup.split` lists them: each page's device block or None,
-        and the host blocks of those the device does not hold). Reads nothing but the pools' hash indexes
-        (no side effect), so looking past the first miss changes nothing; C-level loops only."""
+        and the host blocks of those the device does not hold). Reads nothing but the pools' index entries
+        of `hashes` (no side effect), so looking past the first miss changes nothing, and a request's
+        PrefixWalk may remember it (its callers never change the columns); C-level loops only."""
         columns, stop = {}, max_hit
         for g in kv.groups:
             r = kv.ratio[g]
