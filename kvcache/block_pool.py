@@ -257,7 +257,7 @@ class BlockPool:
 
     # index changes the log behind `index_changes` keeps at most (then its older half goes): a memo of
     # lookups older than that is walked again
-    index_log_max = 1 << 16
+    index_log_max = 1 << 14
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True):
         if not isinstance(num_blocks, int) or num_blocks < 1:
