@@ -191,6 +191,55 @@ class NoFreeBlocks(RuntimeError):
     """The pool cannot satisfy an allocation; nothing was allocated."""
 
 
+class PrefixWalk:
+    """Memos of the walks of one request's prefix through pools' hash indexes, kept between its admission
+    attempts: a waiting request that does not fit is tried again step after step, while the indexes mostly
+    change at other requests' pages.
+
+    `hashes`: the request's block hashes (the list object; such lists are never changed in place) the walks
+    looked up. A memo is named for its walk, keyed by the walk's other arguments (`args`), and names the
+    pools it read. Contract of a walk: it reads nothing of those pools but the index entries of some of
+    `hashes` (under any group: `BlockPool.cached`, the block each key names) and returns a value its caller
+    never changes. Then the memo is exact: while none of those pools registered or dropped an entry of
+    one of `hashes` since the memo was taken (`BlockPool.index_changes`), every lookup the walk made would
+    answer alike, so the walk would return an equal value. A pool whose log no longer reaches back to
+    the memo, or an entry of one of `hashes` that changed, makes `memo` walk again."""
+
+    __slots__ = ("hashes", "_keys", "_memos")
+
+    def __init__(self, hashes: Sequence[BlockHash]):
+        self.hashes = hashes
+        self._keys: frozenset | None = None  # set(hashes), built at the first memo
+        self._memos: dict[str, tuple] = {}  # name -> (args, pools, their index epochs when checked, value)
+
+    def memo(self, name: str, args: tuple, pools: Sequence[BlockPool], walk, verify: bool = False):
+        """The value of `walk()` (a walk over `pools` as the class docstring says; `args`: whatever else
+        it depends on), remembered under `name` while it holds. verify: walk anyway and check the memo
+        against it (raises AssertionError on a difference)."""
+        if self._keys is None:
+            self._keys = frozenset(self.hashes)
+        memo = self._memos.get(name)
+        if memo is not None and memo[0] == args and self._unchanged(memo[1], memo[2]):
+            if not verify:
+                return memo[3]
+            if (value := walk()) != memo[3]:
+                raise AssertionError(f"the memo of walk {name!r} {args} differs from a fresh walk")
+        else:
+            value = walk()
+        self._memos[name] = (args, tuple(pools), [p.index_epoch for p in pools], value)
+        return value
+
+    def _unchanged(self, pools: Sequence[BlockPool], epochs: list[int]) -> bool:
+        """Whether no pool of `pools` changed an index entry of a hash of ours since its epoch in `epochs`
+        (moved on to now where it did not: the next check reads only later changes)."""
+        for k, pool in enumerate(pools):
+            changed = pool.index_changes(epochs[k])
+            if changed is None or not self._keys.isdisjoint(changed):
+                return False
+            epochs[k] = pool.index_epoch
+        return True
+
+
 @dataclasses.dataclass
 class PoolStats:
     allocated: int = 0  # blocks handed out by `allocate`
@@ -205,6 +254,10 @@ class BlockPool:
     A block's key in the hash index is (group, hash): equal prefixes in different cache groups are
     different blocks.
     """
+
+    # index changes the log behind `index_changes` keeps at most (then its older half goes): a memo of
+    # lookups older than that is walked again
+    index_log_max = 1 << 14
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True):
         if not isinstance(num_blocks, int) or num_blocks < 1:
@@ -223,6 +276,10 @@ class BlockPool:
         # moves on every change of ref counts, the free queue or the hash index (not on lookups or empty
         # calls): a caller that saw a version knows nothing in the pool changed while it has not moved
         self.version = 0
+        # the hashes whose index entry was registered or dropped, in order, the oldest trimmed past
+        # index_log_max; `_index_base`: the index epoch (`index_epoch`) of its first entry
+        self._index_log: list[BlockHash] = []
+        self._index_base = 0
         self.events = None  # a KV event sink (kvcache.events.KVEventRecorder) or None: events off
         self.medium = "GPU"  # the medium the events name
 
@@ -239,6 +296,25 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def index_epoch(self) -> int:
+        """Changes of the hash index so far (entries registered or dropped; a reset counts as one)."""
+        return self._index_base + len(self._index_log)
+
+    def index_changes(self, since: int) -> list[BlockHash] | None:
+        """The hashes (of any group) whose index entry was registered or dropped since `index_epoch` was
+        `since`, in order, possibly repeated; None when the log does not reach back that far (trimmed, or
+        a `reset_prefix_cache` since: any entry may have changed). What a memo of lookups checks
+        (`PrefixWalk`)."""
+        i = since - self._index_base
+        return self._index_log[i:] if i >= 0 else None
+
+    def _trim_index_log(self) -> None:
+        """Drop the older half of the index log (once it holds more than index_log_max entries)."""
+        log = self._index_log
+        self._index_base += len(log) // 2
+        del log[: len(log) // 2]
+
+    @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold a cached prefix (reclaimable, reused least recently freed first)."""
         return self._cached_free
@@ -249,12 +325,14 @@ class BlockPool:
             raise NoFreeBlocks(f"need {n} blocks, {len(self.free_queue)} free of {self.num_blocks}")
         out = []
         self.version += n > 0
+        log = self._index_log
         for _ in range(n):
             b = self._next_free()
             key = self.block_key[b]
             if key is not None:  # a cached block is reused: it no longer holds that prefix
                 self._cached_free -= 1
                 del self.cached[key]
+                log.append(key[1])
                 self.block_key[b] = None
                 self.stats.evicted += 1
                 if self.events is not None:
@@ -263,6 +341,8 @@ class BlockPool:
             self.generation[b] += 1
             out.append(b)
         self.stats.allocated += n
+        if len(log) > self.index_log_max:
+            self._trim_index_log()
         return out
 
     def _next_free(self) -> int:
@@ -333,6 +413,9 @@ class BlockPool:
         if key not in self.cached:
             self.cached[key] = block
             self.block_key[block] = key
+            self._index_log.append(h)
+            if len(self._index_log) > self.index_log_max:
+                self._trim_index_log()
             self.version += 1
             if self.events is not None:
                 if info is None:
@@ -350,6 +433,7 @@ class BlockPool:
             self.block_key[b] = None
             del self.cached[key]
         self._cached_free = 0
+        self._index_base, self._index_log = self.index_epoch + 1, []  # every entry may have changed
 
     def state(self) -> tuple:
         """Everything the pool's decisions depend on (ref counts, free queue order, hash index, generations,
@@ -379,6 +463,7 @@ class RequestBlocks:
     num_cached_blocks: int = 0  # leading hash chunks (tokens_per_block each) registered in / served from the cache
     num_computed_tokens_hit: int = 0  # tokens whose KV came from the prefix cache at admission
     extra_keys: tuple = ()  # the prefix-hash keys the hashes were made with
+    walk: PrefixWalk | None = None  # while it is being admitted: the memos of its prefix walks (`admit`)
 
 
 class KVCacheManager:
@@ -425,6 +510,11 @@ class KVCacheManager:
         self.leases: dict[str, list[int]] = {}  # per request: blocks held outside its tables (HiSparse hot buffer)
         # per request freed with keep_hashes: (extra keys, hashes of its full blocks) until it is admitted again
         self._kept_hashes: dict[str, tuple[tuple, list[BlockHash]]] = {}
+        # per request there whose walk memos are for those hashes: its PrefixWalk (a waiting request's next
+        # admission attempt walks only what changed; kept and dropped with its kept hashes)
+        self._walks: dict[str, PrefixWalk] = {}
+        # check every walk memo a lookup uses against a fresh walk (set by Scheduler.verify_skipped_admissions)
+        self.verify_walks = False
 
     def blocks_needed(self, num_tokens: int, group: str | None = None) -> int:
         """Pages of `group` (default: a tokens_per_block group) that hold num_tokens tokens."""
@@ -463,24 +553,25 @@ class KVCacheManager:
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already admitted")
         kept = self._kept_hashes.pop(req_id, None)  # a request admitted before: its tokens only grew
+        walk = self._walks.pop(req_id, None)
         known = kept[1] if kept is not None and kept[0] == tuple(extra_keys) else ()
         full = len(token_ids) // self.tokens_per_block
         if len(known) == full:  # nothing new to hash: the kept list is this admission's (no one else holds it)
             hashes = known
         else:
             hashes = block_hashes(token_ids, self.tokens_per_block, extra_keys, known=known[:full])
+        if walk is None or walk.hashes is not hashes:
+            walk = PrefixWalk(hashes)
         max_hit = (len(token_ids) - 1) // self.tokens_per_block if use_prefix_cache else 0
         # the walk over hash chunks [0, max_hit) that stops at the first chunk where a page of some group
         # ending there is not cached, done per group: the pages of group g end at chunks r - 1, 2r - 1, ...
         # (r = ratio[g]); the leading run of cached ones is found by one lookup per page
-        found: dict[str, list[int]] = {}
+        found = walk.memo("device hit", (max_hit,), (self.pool,), functools.partial(self._hit_walk, hashes, max_hit),
+                          self.verify_walks) if max_hit else self._hit_walk(hashes, max_hit)
         n_chunks = max_hit  # chunks [0, n_chunks) are covered by found pages of every group
-        cached = self.pool.cached if self.pool.enable_prefix_caching else {}
         for g in self.groups:
             r = self.ratio[g]
-            keys = hashes[r - 1 : max_hit : r]
-            found[g] = list(itertools.takewhile(_IS_BLOCK, map(cached.get, zip(itertools.repeat(g), keys))))
-            if len(found[g]) < len(keys):
+            if len(found[g]) < max_hit // r:  # of its max_hit // r pages ending before max_hit
                 n_chunks = min(n_chunks, (len(found[g]) + 1) * r - 1)  # the chunk that ends the missing page
         self.pool.stats.queries += n_chunks + (n_chunks < max_hit)  # chunks looked at, the failing one too
         n_chunks -= n_chunks % self.hit_multiple
@@ -493,8 +584,19 @@ class KVCacheManager:
         self.pool.stats.hits += n_chunks
         n = n_chunks * self.tokens_per_block
         self.requests[req_id] = RequestBlocks(tables, hashes, num_cached_blocks=n_chunks, num_computed_tokens_hit=n,
-                                              extra_keys=tuple(extra_keys))
+                                              extra_keys=tuple(extra_keys), walk=walk)
         return n
+
+    def _hit_walk(self, hashes: Sequence[BlockHash], max_hit: int) -> dict[str, list[int]]:
+        """`admit`'s lookups: per group, the blocks of its leading cached pages ending before hash chunk
+        `max_hit` (a PrefixWalk walk: it reads the pool's index entries of `hashes` only)."""
+        cached = self.pool.cached if self.pool.enable_prefix_caching else {}
+        found = {}
+        for g in self.groups:
+            r = self.ratio[g]
+            keys = zip(itertools.repeat(g), hashes[r - 1 : max_hit : r])
+            found[g] = list(itertools.takewhile(_IS_BLOCK, map(cached.get, keys)))
+        return found
 
     def take(self, req_id: str) -> None:
         """Take the prefix hit of a request admitted with take=False: what `admit` would have touched."""
@@ -509,7 +611,7 @@ class KVCacheManager:
         leave it (`BlockPool.requeue` in free's order: each group's blocks last first), in one pass. (The
         manager's pool is a plain BlockPool, where the order of the touches moves nothing.)"""
         rb = self.requests.pop(req_id)
-        self._kept_hashes[req_id] = (tuple(rb.extra_keys), rb.hashes)
+        self._keep_hashes(req_id, rb)
         self.pool.requeue(list(itertools.chain.from_iterable(filter(_IS_BLOCK_ID, reversed(rb.tables[g]))
                                                              for g in self.groups)))
 
@@ -537,6 +639,7 @@ class KVCacheManager:
         (raises NoFreeBlocks, leaving the pool unchanged)."""
         missing = self._missing(req_id, num_tokens)
         fresh = self.pool.allocate(sum(missing.values()))
+        self.requests[req_id].walk = None  # it is in: its walk memos are not wanted again
         for g in self.groups:
             self.requests[req_id].tables[g].extend(fresh[: missing[g]])
             fresh = fresh[missing[g]:]
@@ -565,14 +668,22 @@ class KVCacheManager:
         that admission extends them instead of rehashing its whole context."""
         rb = self.requests.pop(req_id)
         if keep_hashes:
-            self._kept_hashes[req_id] = (tuple(rb.extra_keys), rb.hashes)
+            self._keep_hashes(req_id, rb)
         for g in self.groups:
             self.pool.free([b for b in reversed(rb.tables[g]) if b >= 0])
         self.end_lease(req_id)
 
+    def _keep_hashes(self, req_id: str, rb: RequestBlocks) -> None:
+        """Keep the hashes of a request leaving its tables for its next admission, with its walk memos while
+        they are for those hashes."""
+        self._kept_hashes[req_id] = (tuple(rb.extra_keys), rb.hashes)
+        if rb.walk is not None and rb.walk.hashes is rb.hashes:
+            self._walks[req_id] = rb.walk
+
     def drop_kept_hashes(self, req_id: str) -> None:
         """A request freed with keep_hashes will not come back (aborted while waiting)."""
         self._kept_hashes.pop(req_id, None)
+        self._walks.pop(req_id, None)
 
     def lease(self, req_id: str, n: int) -> list[int]:
         """n blocks for the request outside its tables (a hot buffer), held until `end_lease` / `free`."""
@@ -620,6 +731,7 @@ class KVCacheManager:
             for b in blocks:
                 holders[b] += 1
         assert holders == self.pool.ref_count, "ref counts differ from the request tables (leak or double count)"
+        assert self._walks.keys() <= self._kept_hashes.keys(), "walk memos of requests that will not come back"
 
 
 class ARCBlockPool(BlockPool):

@@ -97,18 +97,24 @@ class PrefixLookup:
     pages: per hash block from the device-pool hit on, the pages of every group ending there, as
         (group, "device" | "host", block); it ends on a page boundary of every group (a multiple of
         KVCacheManager.hit_multiple blocks). Empty when `retry`. Built on first use when the lookup gave
-        `split` (the admissions read that).
+        `cut` (the admissions read `split`).
     blocks: len(pages), the hash blocks it covers.
     retry: tier loads are under way (or a tier answered RETRY): the admission must wait (`must_retry`).
     pins: host pages pinned for this request by earlier rounds; `release` them once the admission holds
         what it uses.
+    cut: builds `split` (then `pages` is built from `build`, on first use).
+    from_pools: `split` is the device and host pools' walk cut to `blocks` (given `cut`): a function of
+        those pools' index entries of the request's hashes, the hash block it starts at, the request's
+        token count and `blocks` alone, so a caller may remember what it derives from it in the request's
+        PrefixWalk (kvcache.block_pool).
     """
 
-    def __init__(self, pages: list | None, retry: bool = False, pins: list | None = None,
-                 split: dict | None = None, *, blocks: int | None = None, build=None):
-        self._pages, self._build, self._split, self.columns = pages, build, split, None
+    def __init__(self, pages: list | None, retry: bool = False, pins: list | None = None, *,
+                 blocks: int | None = None, build=None, cut=None):
+        self._pages, self._build, self._split, self._cut, self.columns = pages, build, None, cut, None
         self.retry, self.pins = retry, [] if pins is None else pins
         self.blocks = len(pages) if pages is not None else blocks
+        self.from_pools = cut is not None
 
     @property
     def pages(self) -> list:
@@ -122,15 +128,16 @@ class PrefixLookup:
         group's pages end every ratio-th hash block: the j-th of group g of ratio r ends at the first such
         block past the device hit, plus j x r."""
         if self._split is None:
-            self._split = {g: ([b if where == "device" else None for _, where, b in col],
-                               [b for _, where, b in col if where != "device"]) for g, col in self.by_group().items()}
+            self._split = self._cut() if self._cut is not None else {
+                g: ([b if where == "device" else None for _, where, b in col],
+                    [b for _, where, b in col if where != "device"]) for g, col in self.by_group().items()}
         return self._split
 
     def by_group(self) -> dict[str, list]:
         """Per group, its (group, where, block) entries of `pages`, in order (`split`'s order)."""
         if self.columns is None:
-            if self._split is not None:
-                self.columns = {g: _entries(g, *col) for g, col in self._split.items()}
+            if self._split is not None or self._cut is not None:
+                self.columns = {g: _entries(g, *col) for g, col in self.split().items()}
             else:
                 cols: dict[str, list] = {}
                 for pages in self.pages:
@@ -289,7 +296,10 @@ class HostTier:
         # `columns` (per group, `PrefixLookup.split`'s two lists), laid out per hash block only when asked
         # (`leading`); the loop below goes on from the first block with a page neither holds (into
         # `found`), so its tiers are asked exactly as before
-        first_missing, columns = self._pool_walk(kv, dev, host, hashes, first, max_hit)
+        walk = functools.partial(self._pool_walk, kv, dev, host, hashes, first, max_hit)
+        first_missing, columns = (walk() if rb.walk is None else
+                                  rb.walk.memo("host tier", (first, max_hit), (kv.pool, *self.pools.values()), walk,
+                                               kv.verify_walks))
         fast = max(first_missing - first, 0)
 
         def leading(n: int = fast) -> list:  # the pages of the walk's first n (<= fast) hash blocks
@@ -335,11 +345,14 @@ class HostTier:
         if kv.drop_last_hit and keep:
             keep -= kv.hit_multiple
         if keep <= fast:  # the pool walk's columns, cut to the pages ending before block first + keep
-            cols = {}
-            for g, (dev_col, host_col) in columns.items():
-                if cut := (first + keep) // kv.ratio[g] - first // kv.ratio[g]:
-                    cols[g] = (dev_col := dev_col[:cut], host_col[: dev_col.count(None)])
-            return PrefixLookup(None, False, pins, cols, blocks=keep, build=lambda: leading(keep))
+            def cut_columns() -> dict[str, tuple[list, list]]:
+                cols = {}
+                for g, (dev_col, host_col) in columns.items():
+                    if cut := (first + keep) // kv.ratio[g] - first // kv.ratio[g]:
+                        cols[g] = (dev_col := dev_col[:cut], host_col[: dev_col.count(None)])
+                return cols
+
+            return PrefixLookup(None, False, pins, blocks=keep, build=lambda: leading(keep), cut=cut_columns)
         return PrefixLookup((leading() + found)[:keep], False, pins)
 
     @staticmethod
@@ -348,8 +361,9 @@ class HostTier:
         """`lookup_prefix`'s walk over the device and host pools alone: -> (the first hash block in
         [first, max_hit) with a page that neither pool holds, else max_hit; per group its pages ending at
         the hash blocks before it, as `PrefixLookup.split` lists them: each page's device block or None,
-        and the host blocks of those the device does not hold). Reads nothing but the pools' hash indexes
-        (no side effect), so looking past the first miss changes nothing; C-level loops only."""
+        and the host blocks of those the device does not hold). Reads nothing but the pools' index entries
+        of `hashes` (no side effect), so looking past the first miss changes nothing, and a request's
+        PrefixWalk may remember it (its callers never change the columns); C-level loops only."""
         columns, stop = {}, max_hit
         for g in kv.groups:
             r = kv.ratio[g]

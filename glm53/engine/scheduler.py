@@ -193,6 +193,7 @@ class Scheduler:
         return failed
 
     def schedule(self) -> StepPlan:
+        self.kv.verify_walks = self.verify_skipped_admissions  # the checks cover the walk memos (PrefixWalk) too
         counted = self.has_requests
         budget = self.deploy.max_num_batched_tokens
         out: list[tuple[Request, int, int]] = []  # (request, start, tokens incl. drafts)

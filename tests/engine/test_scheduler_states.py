@@ -35,6 +35,7 @@ from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import ContentRunner
 from kvcache.tiers.sim import TierCosts
 from kvcache.policies.hisparse import HiSparsePolicy, device_blocks_per_request, hot_buffer_rows
+from kvcache.block_pool import BlockPool
 from kvcache.layout import page_bytes
 from kvcache.policies.offload import OffloadPolicy
 from kvcache.policies import SwapPolicy
@@ -66,13 +67,17 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(["preempt", "offload", "swap", "hisparse", "hisparse"]), caching=st.booleans(),
                 arc=st.booleans(), tier=st.sampled_from([None, None, 0, 2]),
-                mtp=st.sampled_from([None, None, "standard", "synthetic"]), first=FIRST, **SIZES)
-    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp, first):
-        self._setup(policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp)
+                mtp=st.sampled_from([None, None, "standard", "synthetic"]), short_log=st.booleans(), first=FIRST,
+                **SIZES)
+    def setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp,
+              short_log, first):
+        self._setup(policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp,
+                    short_log)
         for r in first:
             self.arrive(**r)
 
-    def _setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp=None):
+    def _setup(self, policy, seqs, budget, pool_scale, host_scale, caching, index_ratio, hot_rows, arc, tier, mtp=None,
+               short_log=False):
         fields = dict(max_model_len=MAX_LEN, max_num_batched_tokens=budget, max_num_seqs=seqs, block_size=BLOCK,
                       index_block_size=BLOCK * index_ratio, enable_prefix_caching=caching, kv_policy=policy)
         if mtp:
@@ -126,6 +131,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.runner = self.runner_class(CFG, resolved, resolved.kv_sizes(CFG), tier_costs=costs,
                                         draft_error_rate=0.25 if mtp == "standard" else 0.0)
         self.engine = Engine(_Model(), self.deploy, runner=self.runner)
+        if short_log:  # pools log 2 index changes: admission walk memos (PrefixWalk) older than that walk again
+            sch = self.engine.scheduler
+            for v in [sch.kv.pool, *vars(sch.policy).values()]:
+                for pool in v.values() if isinstance(v, dict) else (v,):
+                    if isinstance(pool, BlockPool):
+                        pool.index_log_max = 2
         event(f"policy {policy}" + (f", MTP {mtp}" if mtp else "") + (", a tier" if tier is not None else ""))
         self.rng = np.random.default_rng(0)
         self.prefixes = [self.rng.integers(0, 512, 40) for _ in range(3)]

@@ -132,6 +132,7 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.m = KVCacheManager(12, 2, groups=("mla", "indexer"))
         self.tokens: dict[str, list[int]] = {}
+        self.given: dict[str, tuple[list[int], str]] = {}  # given back, waiting to be admitted again
         self.n = 0
 
     @rule(prefix=st.integers(0, 2), length=st.integers(1, 7), salt=st.sampled_from(["a", "b"]))
@@ -180,6 +181,41 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.give_back(rid)
         full.free(rid, keep_hashes=True)
         assert self.m.pool.state() == full.pool.state() and self.m._kept_hashes == full._kept_hashes
+        self.given[rid] = (toks, salt)
+
+    @precondition(lambda self: self.given)
+    @rule(data=st.data(), give_back=st.booleans())
+    def admit_again(self, data, give_back):
+        """A given-back request admitted again walks its prefix from its memo (`PrefixWalk`) where the pool
+        changed no index entry of its hashes since: it finds what a fresh walk finds, after other requests'
+        admissions, growth, caching, frees and resets that did and did not touch its pages (on a small
+        index log, trimmed past older memos too)."""
+        rid = data.draw(st.sampled_from(sorted(self.given)))
+        toks, salt = self.given[rid]
+        fresh = copy.deepcopy(self.m)
+        fresh._walks.clear()
+        assert rid in self.m._walks
+        assert self.m.admit(rid, toks, [salt], take=False) == fresh.admit(rid, toks, [salt], take=False)
+        assert self.m.requests[rid].tables == fresh.requests[rid].tables
+        if give_back:
+            self.m.give_back(rid)
+            fresh.give_back(rid)
+            assert self.m.pool.state() == fresh.pool.state() and self.m._kept_hashes == fresh._kept_hashes
+            return
+        self.m.take(rid)  # in: it runs like any admitted request
+        del self.given[rid]
+        try:
+            self.m.allocate(rid, len(toks))
+        except NoFreeBlocks:
+            self.m.free(rid)
+            return
+        assert self.m.requests[rid].walk is None
+        self.tokens[rid] = (toks, salt, 0)
+        self.m.cache_full_blocks(rid, toks, len(toks), [salt])
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.m.pool.reset_prefix_cache()
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -199,7 +235,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         for rid in list(self.tokens):
             self.m.free(rid)
-        assert self.m.num_free_blocks == self.m.pool.num_blocks
+        for rid in self.given:
+            self.m.drop_kept_hashes(rid)
+        assert self.m.num_free_blocks == self.m.pool.num_blocks and not self.m._walks
 
 
 TestManagerMachine = ManagerMachine.TestCase
@@ -216,6 +254,56 @@ class LargeIndexPagesMachine(ManagerMachine):
 
 TestLargeIndexPagesMachine = LargeIndexPagesMachine.TestCase
 TestLargeIndexPagesMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+class ShortIndexLogMachine(LargeIndexPagesMachine):
+    """The same operations with an index log of 3 changes: walk memos older than it are walked again."""
+
+    def __init__(self):
+        super().__init__()
+        self.m.pool.index_log_max = 3
+
+
+TestShortIndexLogMachine = ShortIndexLogMachine.TestCase
+TestShortIndexLogMachine.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
+def test_index_changes_and_walk_memos():
+    """A pool logs the hashes whose index entry changes (`index_changes`), back to `index_log_max` changes
+    and never across a reset; a PrefixWalk memo is used while none of its hashes changed, walked again
+    otherwise, and checked against a fresh walk under verify."""
+    from kvcache.block_pool import PrefixWalk
+
+    pool = BlockPool(4)
+    pool.index_log_max = 3
+    e0 = pool.index_epoch
+    a = pool.allocate(2)
+    pool.cache("mla", a[0], b"A")
+    pool.cache("mla", a[1], b"B")
+    assert pool.index_changes(e0) == [b"A", b"B"] and pool.index_changes(pool.index_epoch) == []
+    pool.free(a)
+    walk, calls = PrefixWalk([b"A", b"C"]), []
+
+    def lookup():
+        calls.append(1)
+        return [pool.lookup("mla", b"A"), pool.lookup("mla", b"C")]
+
+    assert walk.memo("w", (), (pool,), lookup) == [a[0], None] and len(calls) == 1
+    e1 = pool.index_epoch
+    pool.allocate(1)  # hands out block 2 or 3 (never cached): no index change
+    c = pool.allocate(1)[0]
+    pool.cache("mla", c, b"D")  # a hash the walk did not look up
+    assert walk.memo("w", (), (pool,), lookup) == [a[0], None] and len(calls) == 1
+    with pytest.raises(AssertionError, match="differs"):  # verify walks again and compares
+        walk.memo("w", (), (pool,), lambda: [None, None], verify=True)
+    pool.free([c])
+    pool.allocate(3)  # reuses the cached blocks: drops A, B and D
+    assert pool.index_changes(e1) is None  # trimmed (4 changes since e1 on a log of 3)
+    assert walk.memo("w", (), (pool,), lookup) == [None, None] and len(calls) == 2
+    assert walk.memo("w", (1,), (pool,), lookup) == [None, None] and len(calls) == 3  # other args: walked
+    e2 = pool.index_epoch
+    pool.reset_prefix_cache()
+    assert pool.index_changes(e2) is None and pool.index_changes(pool.index_epoch) == []
 
 
 def test_larger_indexer_pages_cost_fewer_blocks_and_align_prefix_hits():

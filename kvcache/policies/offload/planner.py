@@ -189,31 +189,14 @@ class OffloadPolicy(HostTierPolicy, Policy):
             kv.take(req.req_id)
             self.pending[req.req_id] = (i, {})
             return n
-        pend, pinned = {}, {}
-        tables, hashes, split = rb.tables, rb.hashes, found.split()
-        # group by group (the walk is thousands of pages long; one group's pages do not interact with
-        # another's), C-level loops over its pages: its device pages join its table, its host pages wait
-        # there as -1 for a device block and a load. `pend` lists the groups in the order the walk met
-        # their first host page.
-        firsts = []  # (hash block of the group's first host page, the group's index, group, its pend, its pins)
-        for gi, g in enumerate(kv.groups):
-            dev_col, host_col = split.get(g, ((), ()))
-            if not dev_col:
-                continue
-            r, table = kv.ratio[g], tables[g]
-            c0, base = -(-(i + 1) // r) * r - 1, len(table)  # the hash block its first page ends at
-            table.extend(table_entries(dev_col))
-            if host_col:
-                hosts = list(itertools.compress(range(len(dev_col)), map(_IS_NONE, dev_col)))
-                firsts.append((c0 + hosts[0] * r, gi, g,
-                               {base + j: (hb, hashes[c0 + j * r]) for j, hb in zip(hosts, host_col)}, host_col))
-        firsts.sort()
-        for _, _, g, pages, pins in firsts:
-            pend[g], pinned[g] = pages, pins
-        # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
-        # pages (the page the device hit gave back, kept when more follows it)
-        dev = firsts[0][0] - i if firsts else None
-        self.pending[req.req_id] = (i + (found.blocks if dev is None else dev), pend)
+        walk = functools.partial(self._walk_pages, kv, rb.hashes, i, found)
+        if found.from_pools and rb.walk is not None:  # a function of the pools' index entries of its hashes
+            walk = functools.partial(rb.walk.memo, "offload pages", (i, found.blocks, req.num_tokens),
+                                     (kv.pool, *self.host.values()), walk, kv.verify_walks)
+        entries, pend, pinned, dev = walk()
+        for g, e in entries.items():
+            rb.tables[g].extend(e)
+        self.pending[req.req_id] = (i + (found.blocks if dev is None else dev), dict(pend))
         rb.num_cached_blocks = i + found.blocks
         computed = rb.num_cached_blocks * kv.tokens_per_block
         if fits is not None and not found.pins and not fits(computed, kv.free_in_tables(req.req_id)):
@@ -226,9 +209,41 @@ class OffloadPolicy(HostTierPolicy, Policy):
         kv.take(req.req_id)
         for g, blocks in pinned.items():
             self.host[g].touch(blocks)  # pinned until its load is recorded
-        kv.pool.touch(_walk_order(kv, split, i))
+        kv.pool.touch(_walk_order(kv, found.split(), i))
         self.host_tier.release(found.pins)
         return computed
+
+    @staticmethod
+    def _walk_pages(kv: KVCacheManager, hashes, i: int, found) -> tuple[dict, dict, dict, int | None]:
+        """What `admit_if` makes of the pages of a prefix lookup `found` past a device hit of `i` hash blocks
+        (the request's tables hold its hit): -> (per group, the entries its table gets: its device pages'
+        blocks, -1 for a host page that waits for a device block and a load; `pend`: per group, {page:
+        (host block, hash)} of those, the groups in the order the walk met their first host page; per
+        group its host blocks in order, to pin; the hash blocks past the device hit the walk's leading
+        device pages cover, None without host pages). Reads only `found`, `hashes` and the groups' ratios
+        (a PrefixWalk walk when `found.from_pools`); the caller changes none of it."""
+        split = found.split()
+        # group by group (the walk is thousands of pages long; one group's pages do not interact with
+        # another's), C-level loops over its pages
+        entries = {}
+        firsts = []  # (hash block of the group's first host page, the group's index, group, its pend, its pins)
+        for gi, g in enumerate(kv.groups):
+            dev_col, host_col = split.get(g, ((), ()))
+            if not dev_col:
+                continue
+            r = kv.ratio[g]
+            c0, base = -(-(i + 1) // r) * r - 1, i // r  # the hash block its first page ends at; its table's length
+            entries[g] = list(table_entries(dev_col))
+            if host_col:
+                hosts = list(itertools.compress(range(len(dev_col)), map(_IS_NONE, dev_col)))
+                firsts.append((c0 + hosts[0] * r, gi, g,
+                               {base + j: (hb, hashes[c0 + j * r]) for j, hb in zip(hosts, host_col)}, host_col))
+        firsts.sort()
+        pend = {g: pages for _, _, g, pages, _ in firsts}
+        pinned = {g: pins for _, _, g, _, pins in firsts}
+        # chunks the device held: the device hit and, under MTP (drop_last_hit), the walk's leading device
+        # pages (the page the device hit gave back, kept when more follows it)
+        return entries, pend, pinned, firsts[0][0] - i if firsts else None
 
     def forget(self, kv: KVCacheManager, req: RequestView) -> None:
         for g, pages in self.pending.pop(req.req_id, (0, {}))[1].items():
