@@ -81,6 +81,10 @@ class Scheduler:
         self.blocks_by_use_sum = dict.fromkeys(BLOCK_USES, 0)
         self.blocks_by_use_at_peak = dict.fromkeys(BLOCK_USES, 0)
         self.block_samples = 0
+        # `_count_blocks`' last count per (running request, group): (a copy of the table, its entries that
+        # name a block). A table equal to the copy (a list comparison: mostly identical entries, much
+        # cheaper than counting the -1 among them) holds as many.
+        self._held: dict[tuple[str, str], tuple[list[int], int]] = {}
         self.idle_wait = False  # the last step scheduled nothing because its waiting requests wait for tier loads
         self.num_spec = deploy.num_speculative_tokens  # MTP drafts per step (0: no speculative decoding)
         self.spec = SpecDecodeStats()
@@ -458,16 +462,16 @@ class Scheduler:
         still prefilling (their chunks and the prefix they keep); hot buffers (leases); a block that
         requests share counts once per holder (the pool's count of blocks in use counts it once)."""
         by = dict.fromkeys(BLOCK_USES, 0)
+        requests, last, held = self.kv.requests, self._held, {}
         for r in self.running:
-            tables = self.kv.requests[r.req_id].tables
-            for g, t in tables.items():
-                n = len(t) - t.count(-1)
-                if g != "mla":
-                    by["indexer"] += n
-                elif r.num_tokens - r.num_computed_tokens > 1:
-                    by["mla_prefilling"] += n
-                else:
-                    by["mla_decoding"] += n
+            mla_use = "mla_prefilling" if r.num_tokens - r.num_computed_tokens > 1 else "mla_decoding"
+            for g, t in requests[r.req_id].tables.items():
+                seen = last.get((r.req_id, g))
+                if seen is None or seen[0] != t:
+                    seen = (list(t), len(t) - t.count(-1))
+                held[r.req_id, g] = seen
+                by[mla_use if g == "mla" else "indexer"] += seen[1]
+        self._held = held
         by["hot_buffers"] = sum(len(b) for b in self.kv.leases.values())
         used = self.kv.pool.num_blocks - self.kv.num_free_blocks
         if used > self.device_blocks_peak or not self.block_samples:

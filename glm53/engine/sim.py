@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import types
 import typing
 import zlib
@@ -293,13 +294,18 @@ class SimRunner(SyntheticRunner):
         seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
         return dataclasses.replace(res, duration_s=seconds, tier_loads=loads)
 
-    def _book(self, segments, pairs=None) -> None:
-        """Add a step's costs [(StepCost, waits)] to time_by_op, part by part in order (pairs: their
-        (name, seconds), when the caller books the same segments on several ranks)."""
+    def _book(self, segments, by_name=None) -> None:
+        """Add a step's costs [(StepCost, waits)] to time_by_op, part by part in order (by_name: their
+        `_by_name`, when the caller books the same segments on several ranks)."""
         tbo = self.time_by_op
         get = tbo.get
-        for name, t in (_pairs(segments) if pairs is None else pairs):
-            tbo[name] = get(name, 0.0) + t
+        if by_name is None:
+            for cost, _ in segments:
+                for c in cost.parts:
+                    tbo[c.name] = get(c.name, 0.0) + c.time_s
+            return
+        for name, times in by_name:
+            tbo[name] = functools.reduce(operator.add, times, get(name, 0.0))
 
     def _timed(self, times: list[tuple[float, bool]], has_rows: bool) -> float:
         """A step's seconds from its device work in execution order [(seconds, whether the host waits for
@@ -432,9 +438,9 @@ class SimRunner(SyntheticRunner):
                     mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2).parts
                     + self.all2all_cost(drafts).parts, per_layer=False)), True))
         times = [(cost.time_s(), waits) for cost, waits in segments]
-        pairs = _pairs(segments[1:])
+        by_name = _by_name(segments[1:])
         for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)
-            run._book(segments[1:], pairs)
+            run._book(segments[1:], by_name)
         seconds = [run._timed(times, has_rows) for run in ranks][0]  # the same work on every rank
         out: list[StepResult | None] = []
         for r, (plan, res) in enumerate(zip(plans, results)):
@@ -446,9 +452,20 @@ class SimRunner(SyntheticRunner):
         return out
 
 
-def _pairs(segments) -> list[tuple[str, float]]:
-    """(name, seconds) of every part of [(StepCost, waits)], in order."""
-    return [(c.name, c.time_s) for cost, _ in segments for c in cost.parts]
+def _by_name(segments) -> list[tuple[str, list[float]]]:
+    """The seconds of every part of [(StepCost, waits)] by name: [(name, [seconds, in order])], names in
+    the order of their first part. Booking a name's seconds one after the other onto its running total
+    (`SimRunner._book`) makes the same float additions in the same order as booking part by part (the
+    additions to different names do not interact), and enters new names in the same order."""
+    out: dict[str, list[float]] = {}
+    for cost, _ in segments:
+        for c in cost.parts:
+            times = out.get(c.name)
+            if times is None:
+                out[c.name] = [c.time_s]
+            else:
+                times.append(c.time_s)
+    return list(out.items())
 
 
 def build_engine(cfg: ModelConfig, deploy: DeployConfig | None = None, hw: HardwareSpec = H200_CALIBRATED, **runner_kw) -> Engine:

@@ -107,6 +107,12 @@ class Residency:
     lease: int = -1  # hot-buffer lease slot, -1: none
     pending_index: dict[int, int] = dataclasses.field(default_factory=dict)  # page -> host indexer block
     host_prefix: int = 0  # prompt pages admitted from the host pools, not yet counted
+    # changes made in place (not appends) to the request's MLA or indexer table entries, `host` entries or
+    # `unpinned`: every one is made by the planner, which counts it here (`HiSparsePolicy.row_tables`)
+    writes: int = 0
+    # `row_tables`' last answer: (MLA table, indexer table, (their lengths, len(host), writes, lease), the
+    # row's MLA and indexer tables, its HiSparseRow, its residency state)
+    snapshot: tuple | None = None
 
 
 class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
@@ -210,9 +216,16 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         self._precopy(kv, [req], pages=len(table))  # cached pages whose host copy the host pool evicted
         for p in [p for p in pinned if p < len(st.host) and st.host[p] >= 0
                   and kv.pool.ref_count[table[p]] == 1][: len(pinned) - cap]:
-            b = kv.release(req.req_id, "mla", p)
-            st.unpinned[p] = (b, kv.pool.generation[b])
+            self._unpin(kv, req.req_id, st, p)
             self.stats.released_pages += 1
+
+    @staticmethod
+    def _unpin(kv: KVCacheManager, req_id: str, st: Residency, page: int) -> None:
+        """Give MLA page `page`'s device block back to the pool; its rows stay readable there until the pool
+        hands the block out again (the block's generation moves)."""
+        b = kv.release(req_id, "mla", page)
+        st.unpinned[page] = (b, kv.pool.generation[b])
+        st.writes += 1
 
     @staticmethod
     def _host_ref(pool: BlockPool | None, group: str, h) -> int:
@@ -293,6 +306,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         self.stats.host_prefix_pages += st.host_prefix
         st.host_prefix = 0
         if st.pending_index:
+            st.writes += 1
             pages = sorted(st.pending_index)
             blocks = kv.pool.allocate(len(pages))
             self.outbox.append(PageCopy("indexer", "h2d", [st.pending_index[p] for p in pages], blocks))
@@ -305,6 +319,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         if self._prefill_chunk(req, num_tokens) and self.stage_rows:
             pass  # host-only pages stay there: the runner stages the rows the chunk selects
         elif self._prefill_chunk(req, num_tokens):
+            st.writes += 1
             for p in [p for p in st.unpinned if self._intact(kv, st, p)]:  # take intact pages back: no copy
                 b, _ = st.unpinned.pop(p)
                 kv.pool.touch([b])
@@ -335,33 +350,47 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
     def row_tables(self, kv: KVCacheManager, req: RequestView) -> RowTables:
         """The MLA table with intact unpinned pages mapped to their old blocks (a reused one becomes
         host-only here, before the step reads it), the indexer table, and the row's host pages and lease.
-        Counts the request's residency state for this step."""
-        st = self.state[req.req_id]
-        table = kv.block_table(req.req_id, "mla")  # read only, unless unpinned pages map into a copy
-        if st.unpinned:
-            table = list(table)
-            gen = kv.pool.generation  # `_intact`, inlined: this runs for every row of every step
-            lost = []
-            for p, (b, g) in st.unpinned.items():  # one pass: map the intact pages, note the reused ones
-                if gen[b] == g:
-                    table[p] = b
-                else:
-                    lost.append(p)
-            for p in lost:
-                del st.unpinned[p]
-            self.stats.lost_pages += len(lost)
-        self._count_residency(table, st)
-        tables = {"mla": tuple(table), "indexer": tuple(kv.block_table(req.req_id, "indexer"))}
-        return tables, HiSparseRow(tuple(st.host), st.lease)
+        Counts the request's residency state for this step.
 
-    def _count_residency(self, table: list[int], st: Residency) -> None:
+        The answer is a function of the request's two tables, its host pages, its unpinned pages (those
+        still intact) and its lease. Between steps the tables and host pages change only by appends
+        (`KVCacheManager.allocate`, `_precopy`) or by the planner's own writes in place, which it counts in
+        `Residency.writes`; so while the tables are the same lists, of the same lengths as the last
+        answer's, with as many host pages, the same count of writes and the same lease, and no unpinned
+        page was reused since, the last answer (`Residency.snapshot`: immutable tuples) is this step's."""
+        st = self.state[req.req_id]
+        rb = kv.requests[req.req_id]
+        mla, index = rb.tables["mla"], rb.tables["indexer"]
+        if st.unpinned:
+            gen = kv.pool.generation  # `_intact`, inlined: this runs for every row of every step
+            lost = [p for p, (b, g) in st.unpinned.items() if gen[b] != g]
+            if lost:  # their blocks were reused: host-only from now on
+                for p in lost:
+                    del st.unpinned[p]
+                self.stats.lost_pages += len(lost)
+                st.writes += 1
+        key = (len(mla), len(index), len(st.host), st.writes, st.lease)
+        snap = st.snapshot
+        if snap is None or snap[0] is not mla or snap[1] is not index or snap[2] != key:
+            table = mla  # read only, unless unpinned pages map into a copy
+            if st.unpinned:
+                table = list(mla)
+                for p, (b, _) in st.unpinned.items():  # every one intact (the reused ones are gone above)
+                    table[p] = b
+            table = tuple(table)
+            snap = st.snapshot = (mla, index, key, table, tuple(index), HiSparseRow(tuple(st.host), st.lease),
+                                  self._residency(table, st))
+        self.stats.residency_steps[snap[6]] += 1
+        return {"mla": snap[3], "indexer": snap[4]}, snap[5]
+
+    @staticmethod
+    def _residency(table: Sequence[int], st: Residency) -> str:
         """table: this step's MLA table (intact unpinned pages mapped). full: no sealed page released or
         host-only; none: every sealed page host-only; mixed: the rest."""
         sealed = table[: len(st.host)]
         host_only = sealed.count(-1)  # the only negative entry (KVCacheManager.block_table), counted in C
-        state = "full" if not host_only and not st.unpinned else ("none" if sealed and host_only == len(sealed)
-                                                                   else "mixed")
-        self.stats.residency_steps[state] += 1
+        return "full" if not host_only and not st.unpinned else ("none" if sealed and host_only == len(sealed)
+                                                                 else "mixed")
 
     # ------------------------------------------------------------------------------- after each step
     def after_step(self, kv: KVCacheManager, running: Sequence[RequestView]) -> None:
@@ -388,6 +417,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
                         n_full = p  # (not releasable); retried after the next step
                         break
                     st.host[p] = hb
+                    st.writes += 1
                     info = None
                     if p < len(rb.hashes):
                         info = kv.page_info(rb, req.tokens, "mla", p) if self.host_mla.events is not None else None
@@ -464,8 +494,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
                 if short > len(pages):  # an earlier request's lease took the free blocks counted above
                     continue
                 for p in pages[:short]:
-                    b = kv.release(req.req_id, "mla", p)
-                    st.unpinned[p] = (b, kv.pool.generation[b])
+                    self._unpin(kv, req.req_id, st, p)
                 self.stats.released_pages += short
                 pages = pages[short:]
                 self._lease(kv, req.req_id, st)
@@ -474,8 +503,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
             for i, p in enumerate(pages):
                 if i >= must and kv.num_free_blocks >= free_blocks:
                     break
-                b = kv.release(req.req_id, "mla", p)
-                st.unpinned[p] = (b, kv.pool.generation[b])
+                self._unpin(kv, req.req_id, st, p)
                 self.stats.released_pages += 1
                 released = True
         return released

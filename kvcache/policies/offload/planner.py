@@ -295,19 +295,24 @@ class OffloadPolicy(HostTierPolicy, Policy):
         one page, kept under the later key)."""
         copies: dict[str, tuple[list[int], list[int], list[BlockInfo]]] = {}
         events = self.host_tier.events is not None
+        ratio = kv.ratio
         for req in reqs:
             rb, done = kv.requests[req.req_id], self.stored[req.req_id]
             chunks = rb.num_cached_blocks - rb.num_cached_blocks % self.blocks_per_chunk
             for g in kv.groups:
+                r = ratio[g]
+                full = chunks // r
+                if done[g] >= full:  # nothing newly full (most steps of a decoding request)
+                    continue
                 pool, table = self.host[g], rb.tables[g]
-                full = chunks // kv.ratio[g]
+                lookup = pool.lookup
                 # pages already on the host become the most recently used (a touch and a free each),
                 # in runs between allocations: a run's order in the free queue is the pages' order, as
                 # one at a time, and the allocation after it must see them moved
                 fresh: list[int] = []
-                for j in range(done[g], full):
-                    h = rb.hashes[kv.page_hash_index(g, j)]
-                    hb = pool.lookup(g, h)
+                # page j's hash is its last hash block's (KVCacheManager.page_hash_index: (j + 1) r - 1)
+                for j, h in enumerate(rb.hashes[(done[g] + 1) * r - 1 : full * r : r], done[g]):
+                    hb = lookup(g, h)
                     if hb is None:
                         if table[j] < 0 or pool.num_free == 0:
                             self.stats.store_skipped_pages += table[j] >= 0
@@ -328,7 +333,7 @@ class OffloadPolicy(HostTierPolicy, Policy):
                 if fresh:
                     pool.touch(fresh)
                     pool.free(fresh)
-                done[g] = max(done[g], full)
+                done[g] = full
         for g, (src, dst, infos) in copies.items():
             self.host[g].free(dst)
             self.host_tier.copy_out(g, src, dst, infos)  # write-through: the host pages, once written, to every tier
