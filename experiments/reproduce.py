@@ -305,7 +305,7 @@ MANIFEST: tuple[Entry, ...] = (
             "issue 53 item 2", (), "sensitivity", doc="docs/simulator.md", compare=SENSITIVITY_KEYS,
             note="each point over a window of simulated time (experiments.sensitivity); --quick: Part 1 at 142K, "
                  "the default and one other value, a 60 s window")
-      for knob in ("hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew")),
+      for knob in ("hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew", "host_copy_overlap")),
     # ------------------------------------------------------------------ not built yet
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
           "not_built", "BRIEF §2", ("54,596 bytes per token with index_share_for_mtp_iteration",),

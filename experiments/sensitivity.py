@@ -10,6 +10,8 @@ Sweeps, on the published configs (configs/paper/part1.py at concurrency 32, 142K
   glm53/perfmodel/published.json; assumed 0);
 - `kv_budget` (the device KV budget per GPU, kv_cache_memory_bytes: the memory plan's derivation for the
   deployment, experiments.deployments.kv_budget, which both figures' configs take, and BRIEF's 15 GiB);
+- `host_copy_overlap` (runner.host_copy_overlap: the fraction of a step's host <-> device KV copies hidden
+  behind its forward; assumed 0, serial as the runners execute them; 0.5 and 1);
 - `expert_skew` (runner.expert_load_imbalance: balanced, and the busiest EP rank's routed tokens over the mean
   as TensorRT-LLM measured for DeepSeek-R1 on 32 GPUs, with and without EPLB); only where whole experts
   sit on ranks (Part 2's EP8): under TP8 (Part 1) every GPU holds a slice of each expert, so a skew
@@ -45,7 +47,7 @@ ENTRY_KEYS = ("running_requests_mean", "throughput_tok_s_per_gpu", "interactivit
 EXTRA_KEYS = ("interactivity_p90_e2e_tok_s_user", "ttft_median_s", "tpot_mean_s", "requests", "simulated_s",
               "steady_window_s", "wall_s", "engine_steps", "device_kv_budget_bytes_per_gpu", "num_gpu_blocks",
               "preemptions", "sim_hot_miss_rows", "assumed_hisparse_miss_fraction", "assumed_step_overhead_s",
-              "assumed_expert_load_imbalance")
+              "assumed_expert_load_imbalance", "assumed_host_copy_overlap")
 # vLLM RFC 6854 (published.json "step_overheads"): about 4 ms of GPU bubble per decode step in its profiled trace
 # (5-13 ms stated), before multi-step and asynchronous scheduling: an upper end for today's vLLM
 CITED_STEP_OVERHEAD_S = 4e-3
@@ -99,8 +101,12 @@ KNOBS = {
                         "EP32): busiest rank / mean 2.56 without EPLB, 1.11 with it (EP8 averages 32 experts per "
                         "rank, so its skew is likely lower)", (EPLB_SKEW, NO_EPLB_SKEW)),
 }
+KNOBS["host_copy_overlap"] = Knob(
+    0.0, (0.5, 1.0), "assumed 0: a step's host <-> device KV copies (offload loads and stores, HiSparse pre-copies) "
+    "run before its forward, as this project's runners execute them; 1: all of them beside the forward, up to its "
+    "length (vLLM's offloading connector copies on a CUDA stream of its own): the bound the other way")
 RUNNER_KEY = {"hisparse_miss_fraction": "hisparse_miss_fraction", "step_overhead_s": "step_overhead_s",
-              "expert_skew": "expert_load_imbalance"}
+              "expert_skew": "expert_load_imbalance", "host_copy_overlap": "host_copy_overlap"}
 
 
 def applies(knob: str, fig: Figure, policy: str) -> bool:

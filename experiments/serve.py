@@ -84,8 +84,9 @@ def default_config() -> ConfigDict:
     # tier_bandwidth_scale: multiplies the read and write bandwidth of every simulated secondary tier's medium
     # (glm53.perfmodel.STORAGE; "fs": one NVMe SSD), for asking how fast the storage must be
     # expert_load_imbalance: the busiest EP rank's routed tokens over the mean (1.0: balanced; glm53.engine.sim)
+    # host_copy_overlap: the fraction of a step's host <-> device KV copies hidden behind its forward (0: serial)
     c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1,
-                               tier_bandwidth_scale=1.0, expert_load_imbalance=1.0))
+                               tier_bandwidth_scale=1.0, expert_load_imbalance=1.0, host_copy_overlap=0.0))
     # "replay": serve each sweep point once untimed first (the schedule is deterministic without think
     # time, so the measured run reuses its programs); "buckets": compile every bucket shape up front
     # (exact, slower: rows x widths x windows programs); "none": compile as they go
@@ -173,7 +174,8 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
         return build_pd(model, _deploy(cfg, kv_policy, own=pd["prefill"]), _deploy(cfg, kv_policy, own=pd["decode"]),
                         _hardware(r.hardware), step_overhead_s=r.step_overhead_s,
                         hisparse_miss_fraction=r.hisparse_miss_fraction, tier_storage=_tier_storage(cfg),
-                        expert_load_imbalance=r.get("expert_load_imbalance", 1.0))
+                        expert_load_imbalance=r.get("expert_load_imbalance", 1.0),
+                        host_copy_overlap=r.get("host_copy_overlap", 0.0))
     if not simulated(cfg):
         return glm53.Engine(model, _deploy(cfg, kv_policy, tier_root))
     from glm53.engine import sim
@@ -182,7 +184,8 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
     # a filesystem tier is simulated (kvcache.tiers.sim): its root_dir is never written
     return sim.build_engine(model, _deploy(cfg, kv_policy, tier_root or "unused"), _hardware(r.hardware),
                             step_overhead_s=r.step_overhead_s, hisparse_miss_fraction=r.hisparse_miss_fraction,
-                            tier_storage=_tier_storage(cfg), expert_load_imbalance=r.get("expert_load_imbalance", 1.0))
+                            tier_storage=_tier_storage(cfg), expert_load_imbalance=r.get("expert_load_imbalance", 1.0),
+                            host_copy_overlap=r.get("host_copy_overlap", 0.0))
 
 
 def _tier_storage(cfg: ConfigDict) -> dict:
@@ -314,6 +317,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
                  assumed_hisparse_miss_fraction=cfg.runner.hisparse_miss_fraction,
                  assumed_step_overhead_s=cfg.runner.step_overhead_s,
                  assumed_expert_load_imbalance=cfg.runner.get("expert_load_imbalance", 1.0),
+                 assumed_host_copy_overlap=cfg.runner.get("host_copy_overlap", 0.0),
                  sim_hot_miss_rows=sum(r.runner.hot_miss_rows for r in eng.replicas),
                  sim_staged_rows=sum(r.runner.staged_rows for r in eng.replicas))
         tiers = [t for r in eng.replicas if r.runner.tiers is not None for t in r.runner.tiers.tiers]

@@ -141,6 +141,10 @@ def _weights_per_device(cfg: ModelConfig, ranks: int, weight_bytes: float | None
     return weights_bytes_per_device(state, cfg, DeployConfig(data_parallel_size=ranks, enable_expert_parallel=True))
 
 
+# the cost names of a step's host <-> device KV copies (glm53.perfmodel.step.step_cost), which
+# SimRunner.host_copy_overlap may hide behind the forward
+HOST_COPIES = ("kv_load", "kv_store")
+
 class SimRunner(SyntheticRunner):
     """`glm53.engine.plan.Runner` that prices each plan on `hw` (one GPU of a replica of `deploy`).
 
@@ -167,6 +171,11 @@ class SimRunner(SyntheticRunner):
         (a forward whose rows sample nothing is not waited for: the next step waits behind it). Needs
         `clock` (the engine's VirtualClock; build_engine passes it). Off (the default), a step is its
         host parts plus its priced work.
+    host_copy_overlap: the fraction (0-1) of a step's host <-> device KV copies (the parts named in
+        `HOST_COPIES`: the offload tier's loads and stores, HiSparse's pre-copies) that runs beside its
+        forward instead of before it, hidden up to the forward's length (default 0: serial, as this
+        project's runners execute them; 1 bounds vLLM's connector, whose copies run on their own stream).
+        The copies stay booked in time_by_op at their full time; the step is shorter by what is hidden.
     tier_storage: per secondary-tier type, the medium its simulated tier runs on (glm53.perfmodel.STORAGE
         by default: "fs" on one NVMe SSD); a type without one cannot be simulated. Tier jobs follow the
         engine's `clock` (without one, the runner's own sum of step times).
@@ -178,12 +187,15 @@ class SimRunner(SyntheticRunner):
                  step_overhead_s: float = 0.0, hisparse_miss_fraction: float = 0.1, weight_bytes: float | None = None,
                  token=None, record: bool = False, pad_like_runner: bool = False, async_dispatch: bool = False,
                  host_overlap_s: float = 0.0, clock: VirtualClock | None = None,
-                 tier_storage: typing.Mapping[str, StorageSpec] | None = None, expert_load_imbalance: float = 1.0):
+                 tier_storage: typing.Mapping[str, StorageSpec] | None = None, expert_load_imbalance: float = 1.0,
+                 host_copy_overlap: float = 0.0):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
-        if not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1:
-            raise ValueError(f"SimRunner: step_overhead_s and host_overlap_s must be >= 0 and hisparse_miss_fraction "
-                             f"in [0, 1], got {step_overhead_s!r}, {host_overlap_s!r}, {hisparse_miss_fraction!r}")
+        if (not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1
+                or not 0 <= host_copy_overlap <= 1):
+            raise ValueError(f"SimRunner: step_overhead_s and host_overlap_s must be >= 0, hisparse_miss_fraction and "
+                             f"host_copy_overlap in [0, 1], got {step_overhead_s!r}, {host_overlap_s!r}, "
+                             f"{hisparse_miss_fraction!r}, {host_copy_overlap!r}")
         spec = deploy.speculative
         if spec is not None and not spec.synthetic:
             raise ValueError("SimRunner: the simulator has no draft model to measure acceptance with: give "
@@ -209,6 +221,7 @@ class SimRunner(SyntheticRunner):
                          "bf16_shard" if hw.flashmla_kernels else "fp8_rows")
         self.dep = dataclasses.replace(dep, expert_load_imbalance=expert_load_imbalance)
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
+        self.host_copy_overlap = host_copy_overlap
         self.hisparse_miss_fraction = hisparse_miss_fraction
         self.busy_s = 0.0
         self.time_by_op: dict[str, float] = {}
@@ -288,7 +301,7 @@ class SimRunner(SyntheticRunner):
             if drafting and self.verify_width:
                 segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, drafting, self.verify_width - 2), True))
         self._book(segments)
-        seconds = self._timed([(cost.time_s(), waits) for cost, waits in segments], bool(plan.rows))
+        seconds = self._timed(self._segment_times(segments), bool(plan.rows))
         self.hot_miss_rows += misses
         self.staged_rows += staged
         seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
@@ -306,6 +319,18 @@ class SimRunner(SyntheticRunner):
             return
         for name, times in by_name:
             tbo[name] = functools.reduce(operator.add, times, get(name, 0.0))
+
+    def _segment_times(self, segments) -> list[tuple[float, bool]]:
+        """[(seconds, waits)] of a step's device work [(StepCost, waits)] in execution order, the first
+        segment (the one that holds the step's host copies, `HOST_COPIES`) shortened by what
+        host_copy_overlap hides of them behind the rest of the step's work."""
+        times = [(cost.time_s(), waits) for cost, waits in segments]
+        if self.host_copy_overlap and segments:
+            copies = sum(c.time_s for c in segments[0][0].parts if c.name in HOST_COPIES)
+            if copies:
+                hidden = min(self.host_copy_overlap * copies, sum(t for t, _ in times) - copies)
+                times[0] = (times[0][0] - hidden, times[0][1])
+        return times
 
     def _timed(self, times: list[tuple[float, bool]], has_rows: bool) -> float:
         """A step's seconds from its device work in execution order [(seconds, whether the host waits for
@@ -437,7 +462,7 @@ class SimRunner(SyntheticRunner):
                 segments.append((self._memo(("draft", rows, window, *drafts), lambda: StepCost(
                     mtp_draft_cost(self.cfg, self.hw, self.dep, [window] * rows, self.verify_width - 2).parts
                     + self.all2all_cost(drafts).parts, per_layer=False)), True))
-        times = [(cost.time_s(), waits) for cost, waits in segments]
+        times = self._segment_times(segments)
         by_name = _by_name(segments[1:])
         for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)
             run._book(segments[1:], by_name)

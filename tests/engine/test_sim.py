@@ -246,6 +246,41 @@ def test_a_priced_step_is_the_perf_models_price_of_its_plan():
         sch.update(plan, res, eng.clock.now())
 
 
+def test_host_copy_overlap_hides_a_steps_copies_behind_its_forward():
+    """runner host_copy_overlap: that fraction of a step's KV copies (kv_load, kv_store) runs beside its
+    forward, hidden up to the forward's length: the same schedule and the same booked op times, each step
+    shorter by exactly min(overlap x copies, the rest of its work)."""
+    runs = {}
+    for overlap in (0.0, 0.5, 1.0):
+        eng = sim.build_engine(TINY, DeployConfig(**BASE, **POLICIES["offload"]), host_copy_overlap=overlap)
+        steps, runner = [], eng.runner
+        execute = runner.execute
+
+        def timed(plan, execute=execute, runner=runner, steps=steps):
+            before = sum(runner.time_by_op.get(k, 0.0) for k in sim.HOST_COPIES)
+            res = execute(plan)
+            copies = sum(runner.time_by_op.get(k, 0.0) for k in sim.HOST_COPIES) - before
+            steps.append(([r.req_id for r in plan.rows], copies, res.duration_s))
+            return res
+
+        runner.execute = timed
+        eng.generate(_prompts(), max_new_tokens=24)
+        runs[overlap] = steps, dict(runner.time_by_op)
+    serial, ops = runs[0.0]
+    assert sum(c for _, c, _ in serial) > 0
+    hidden_somewhere = False
+    for overlap in (0.5, 1.0):
+        steps, their_ops = runs[overlap]
+        assert their_ops == ops and [s[0] for s in steps] == [s[0] for s in serial]
+        for (_, copies, d0), (_, _, d) in zip(serial, steps):
+            hidden = min(overlap * copies, d0 - copies)
+            assert d == pytest.approx(d0 - hidden, rel=1e-12, abs=1e-15)
+            hidden_somewhere |= hidden > 0
+    assert hidden_somewhere
+    with pytest.raises(ValueError, match="host_copy_overlap"):
+        sim.build_engine(TINY, DeployConfig(**BASE, **POLICIES["offload"]), host_copy_overlap=1.5)
+
+
 def test_padded_pricing_prices_the_runners_forwards():
     """pad_like_runner=True: a step costs one forward per width bucket the model runner would run (its
     padded rows, its window, one forward latency each), and never less than the plan's own work."""

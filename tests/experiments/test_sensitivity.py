@@ -26,7 +26,7 @@ def swept(tmp_path_factory):
 def test_each_knob_reaches_its_point(swept):
     out, res, _ = swept
     k = res["knobs"]
-    assert set(k) == {"hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew"}
+    assert set(k) == {"hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew", "host_copy_overlap"}
     assert res["complete"] and not res["missing"] and res["window_s"] == 20.0
     for rows in k.values():
         assert all(ISSUE_KEYS <= set(r) for r in rows)
@@ -39,6 +39,11 @@ def test_each_knob_reaches_its_point(swept):
     assert (over[True]["value"], over[False]["value"]) == (0.0, S.CITED_STEP_OVERHEAD_S)
     # 4 ms more per step: each decode token of the same requests waits that much longer
     assert over[False]["tpot_mean_s"] > over[True]["tpot_mean_s"] + 3e-3
+    copies = by["host_copy_overlap"]
+    assert (copies[True]["value"], copies[False]["value"]) == (0.0, 1.0)
+    assert copies[False]["assumed_host_copy_overlap"] == 1.0
+    # HiSparse's pre-copies hidden behind the forwards: the same requests' steps are shorter
+    assert copies[False]["tpot_mean_s"] < copies[True]["tpot_mean_s"]
     kv = by["kv_budget"]
     assert kv[True]["value"] > 23 << 30 and kv[False]["value"] == 15 << 30  # the memory plan's (default), BRIEF's
     for r in kv.values():  # the pool takes the budget, to within a block
@@ -48,7 +53,8 @@ def test_each_knob_reaches_its_point(swept):
     # one run serves every knob's default point
     defaults = [r for rows in k.values() for r in rows if r["default"] and r["figure"] == "part1"]
     assert len({json.dumps({x: r[x] for x in ISSUE_KEYS - {"value"}}) for r in defaults}) == 1
-    assert all((out / f"{knob}.png").is_file() for knob in ("hisparse_miss_fraction", "step_overhead_s", "kv_budget"))
+    assert all((out / f"{knob}.png").is_file()
+               for knob in ("hisparse_miss_fraction", "step_overhead_s", "kv_budget", "host_copy_overlap"))
     assert json.loads((out / "results.json").read_text())["knobs"] == json.loads(json.dumps(k))
 
 
