@@ -525,7 +525,9 @@ def _resumed(path: Path, cfg) -> list[dict]:
     if not path.exists():
         return []
     old = json.loads(path.read_text())
-    if old.get("config") != json.loads(json.dumps(cfg.to_dict(), default=_jsonable)):
+    now = json.loads(json.dumps(cfg.to_dict(), default=_jsonable))
+    if old.get("config") != _without_new_defaults(now, old.get("config"),
+                                                  json.loads(json.dumps(default_config().to_dict(), default=_jsonable))):
         raise SystemExit(f"--resume: {path} was measured with another config; move it away or drop --resume")
     runs = old["runs"]
     for r in runs:
@@ -534,6 +536,22 @@ def _resumed(path: Path, cfg) -> list[dict]:
         r.setdefault("process", None)
     print(f"resuming {path}: {len(runs)} point(s) kept")
     return runs
+
+
+def _without_new_defaults(now, old, default):
+    """`now` (a config as plain dicts) less the keys `old` lacks whose value is the built-in default's: a
+    knob added after `old` was measured, left at its default, does not change what a point measures."""
+    if not isinstance(now, dict) or not isinstance(old, dict):
+        return now
+    out = {}
+    for k, v in now.items():
+        if k not in old:
+            if isinstance(default, dict) and k in default and default[k] == v:
+                continue
+            out[k] = v
+        else:
+            out[k] = _without_new_defaults(v, old[k], default.get(k) if isinstance(default, dict) else None)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,3 +169,24 @@ def test_steady_measure_stops_at_the_drain_and_reports_its_window(tmp_path):
     with pytest.raises(ValueError, match="ran short of sessions"):  # the pool runs short at t1, inside this window
         serve.main(args + ["--out", str(tmp_path / "short"), "--config.sweep.measure=steady",
                            f"--config.sweep.window_s={t1 * 2}"])
+
+
+def test_resume_takes_a_file_from_before_a_knob_added_at_its_default(tmp_path):
+    """--resume keeps the points of a results.json measured before a config key existed, when the current
+    config leaves that key at the built-in default; any other difference, or the new key set otherwise,
+    refuses."""
+    from experiments import serve
+
+    cfg = serve.default_config()
+    old = json.loads(json.dumps(cfg.to_dict(), default=serve._jsonable))
+    del old["runner"]["host_copy_overlap"]  # a file from before the knob
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"config": old, "runs": [{"kv_policy": "preempt", "concurrency": 1}]}))
+    assert [r["kv_policy"] for r in serve._resumed(path, cfg)] == ["preempt"]
+    cfg.runner.host_copy_overlap = 0.5
+    with pytest.raises(SystemExit, match="another config"):
+        serve._resumed(path, cfg)
+    cfg = serve.default_config()
+    cfg.runner.step_overhead_s = 1e-3
+    with pytest.raises(SystemExit, match="another config"):
+        serve._resumed(path, cfg)
