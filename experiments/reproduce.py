@@ -214,8 +214,7 @@ MANIFEST: tuple[Entry, ...] = (
           "serve", "configs/paper/part1_1m_growing.py", quick=("--config.sweep.concurrency=(1, 8)",),
           doc="docs/simulator.md", compare=SERVE_KEYS,
           note=NO_MTP + " Not the published Part 1 workload (that is part1_1m): the last of 13 turns reaches "
-               "1,048,540 tokens. results/paper/part1_1m_growing holds c1-c24 of its sweep (complete: false; --resume "
-               "runs c32)"),
+               "1,048,540 tokens"),
     Entry("part1_mtp3", "Part 1 with MTP3 (synthetic acceptance length 2.99), 142K limit", "sim", "BRIEF §8",
           PART1_PUBLISHED, "serve", PART1_MTP3, quick=("--config.sweep.concurrency=(1, 8)",),
           committed="results/paper/part1_mtp3", doc="docs/simulator.md", compare=SERVE_KEYS + MTP_KEYS,
