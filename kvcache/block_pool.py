@@ -781,6 +781,8 @@ class ARCBlockPool(BlockPool):
 
     def free(self, blocks: Sequence[int]) -> None:
         super().free(blocks)
+        if len(set(blocks)) < len(blocks):  # a block listed twice reaches 0 at its last mention (as one free per block)
+            blocks = list(dict.fromkeys(reversed(blocks)))[::-1]
         for b in blocks:
             if self.ref_count[b] == 0 and self.block_key[b] is None:
                 self._blank[b] = None

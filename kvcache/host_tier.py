@@ -21,7 +21,8 @@ What lives here (a `HostTier`, one per replica, owned by its policy):
   loads just reserved cannot evict them. A chunk two requests need is loaded once (`inflight`). At most
   `max_tier_rounds` admissions of one request start loads, and `max_retry_rounds` wait on RETRY alone;
   after that it takes what the device and host hold. What one admission brings back is bounded by the
-  host pages free for it (the host tier is the staging area); the rest is recomputed.
+  host pages free for it (the host tier is the staging area); the rest is recomputed, counted (the
+  tier's `unstaged`, at the admission that is taken) and logged once per host tier.
 - **Load failures**: a load that fails (the chunk is gone, or fails verification) frees its host page:
   those tokens are recomputed (`kv_load_failure_policy="recompute"`), or ("fail") the requests waiting
   on it are reported to the scheduler, which finishes them with "error" while the engine serves on.
@@ -48,12 +49,15 @@ import collections
 import dataclasses
 import functools
 import itertools
+import logging
 import operator
 from collections.abc import Sequence
 
 from kvcache.block_pool import ARCBlockPool, BlockInfo, BlockPool, KVCacheManager
 from kvcache.tiers import Lookup, LookupContext, RemoteSource, TierSet, chunk_key, tail_chunk
 from kvcache.transfer import PageCopy, TierLoad, TierStore
+
+_log = logging.getLogger(__name__)
 
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 EVICTION_POLICIES = ("lru", "arc")
@@ -68,6 +72,9 @@ class TierCounts:
     corrupt: int = 0  # loads that failed verification (the tier dropped the chunk; its tokens recomputed)
     lost: int = 0  # loads of a chunk that was gone by then (evicted between lookup and load)
     retries: int = 0  # lookups it answered RETRY
+    # hash blocks an admission computed although the walk found them held, from the first page only this
+    # tier held on: no host page was free to load that page into (the host tier is the staging area)
+    unstaged: int = 0
 
 
 def host_pools(blocks: dict[str, int], *, eviction: str = "lru", enable_prefix_caching: bool = True
@@ -85,6 +92,15 @@ def _remote(req) -> RemoteSource | None:
     from kv_transfer_params) as a lookup context carries it, or None."""
     spans = getattr(req, "kv_remote", None)
     return None if spans is None else RemoteSource(spans, req.tokens, tuple(req.extra_keys), req.num_tokens - 1)
+
+
+def _by_pool(pages: Sequence[tuple[str, int]]) -> dict[str, list[int]]:
+    """(group, host block) pairs -> per group its blocks, in the pairs' order (a pool's free and touch of
+    a list are those of its blocks one at a time, in order; pools do not interact)."""
+    out: dict[str, list[int]] = {}
+    for g, b in pages:
+        out.setdefault(g, []).append(b)
+    return out
 
 
 def _none(key) -> None:  # the lookup of a pool that does not hash its pages
@@ -186,11 +202,14 @@ class HostTier:
         self.loading: dict[str, set[int]] = {}  # request -> its tier loads not yet reported
         self.jobs: dict[int, tuple[str, int, str, int, bytes]] = {}  # job -> (request, tier, group, host block, hash)
         self.tier_pins: dict[str, list[tuple[str, int]]] = {}  # request -> host pages pinned for its next admission
+        # request -> (tier index, hash blocks) its last lookup left to compute for want of a free host page
+        self._unstaged: dict[str, tuple[int, int]] = {}
         self.tier_rounds: dict[str, int] = {}  # request -> admissions that started tier loads
         self.retry_rounds: dict[str, int] = {}  # request -> admissions that waited on a tier's RETRY only
         self.inflight: dict[tuple[str, bytes], int] = {}  # (group, hash) -> the job loading it
         self.waiters: dict[int, set[str]] = {}  # job -> the requests waiting for it
         self._retry: set[str] = set()  # requests whose last admission answered RETRY
+        self._unstaged_logged = False
         self.events = None  # the KV event sink (kvcache.events.KVEventRecorder), None: events off
         self._job_info: dict[int, BlockInfo] = {}  # tier load job -> its page's event payload (events on)
 
@@ -315,7 +334,8 @@ class HostTier:
                 elif g in host and (b := host[g](key)) is not None:
                     pages.append((g, "host", b))
                 elif ask and g in self.pools and self._ask_tiers(g, h, pages, ctx):
-                    tiered = fast + len(found) if tiered is None else tiered
+                    if tiered is None:
+                        tiered, tiered_by = fast + len(found), pages[-1][1]
                 else:
                     retry |= bool(pages) and pages[-1] == "retry"
                     break
@@ -333,10 +353,14 @@ class HostTier:
                 # what earlier rounds loaded and what this walk found on the host stay pinned for the next
                 # attempt (else the loads just reserved could evict them, and the next round miss them)
                 hits = [(g, b) for p in walked for g, where, b in p if where == "host"]
-                for g, b in hits:
-                    self.pools[g].touch([b])
+                for g, blocks in _by_pool(hits).items():  # one call per pool: each pool sees its pages in order
+                    self.pools[g].touch(blocks)
                 self.tier_pins.setdefault(req.req_id, [])[:0] = pins + hits
                 return PrefixLookup([], True)
+        if tiered is not None:  # no load started: no host page was free for the first tier-only page
+            self._unstaged[req.req_id] = (tiered_by, fast + len(found) - tiered)
+        else:
+            self._unstaged.pop(req.req_id, None)
         # what the device and the host hold: up to the first page that only a tier has
         cut = fast + len(found) if tiered is None else tiered
         keep = cut - cut % kv.hit_multiple  # a hit ends on a page boundary of every group
@@ -380,11 +404,20 @@ class HostTier:
 
     def release(self, pins: Sequence[tuple[str, int]]) -> None:
         """Unpin host pages (`PrefixLookup.pins`), once the admission holds the ones it uses."""
-        for g, hb in pins:
-            self.pools[g].free([hb])
+        for g, blocks in _by_pool(pins).items():  # as one free per page: each pool sees its pages in order
+            self.pools[g].free(blocks)
 
     def admitted(self, req_id: str) -> None:
-        """`req_id` is in: a later preemption may ask the tiers again from scratch."""
+        """`req_id` is in: a later preemption may ask the tiers again from scratch. What its last lookup left to
+        compute for want of a free host page is counted now (`TierCounts.unstaged`)."""
+        tier, blocks = self._unstaged.pop(req_id, (0, 0))
+        if blocks:
+            name = self.tiers.tiers[tier].name
+            self.tier_counts[name].unstaged += blocks
+            if not self._unstaged_logged:
+                self._unstaged_logged = True
+                _log.warning("host tier: an admission computes %d hash blocks that tier %r held: no host page was "
+                             "free to load them into (counted as the tier's 'unstaged'; logged once)", blocks, name)
         self.tier_rounds.pop(req_id, None)
         self.retry_rounds.pop(req_id, None)
 
@@ -514,6 +547,7 @@ class HostTier:
         the requests also waiting on them, or land in the host pool unpinned."""
         self.release(self.tier_pins.pop(req_id, []))
         self.loading.pop(req_id, None)
+        self._unstaged.pop(req_id, None)
         for waiting in self.waiters.values():
             waiting.discard(req_id)
         self._retry.discard(req_id)

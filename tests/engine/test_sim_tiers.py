@@ -25,6 +25,7 @@ LENGTHS = (37, 5, 70, 20)
 STORED = 2 * sum((n + 4) // 8 for n in LENGTHS)  # full pages once each request is done, both groups
 HIT_BLOCKS = sum((n - 1) // 8 for n in LENGTHS)  # full pages short of each prompt's last token
 INSTANT = {"fs": StorageSpec("instant", math.inf, math.inf, 0.0, 0.0)}
+TINY_PAGE_BYTES = {"mla": 18432, "indexer": 2048}  # the tiny model's page of each group (block_size 8)
 
 
 def _ktc(cpu=1 << 20, **fs):
@@ -107,6 +108,27 @@ def test_a_retry_admission_waits_simulated_time_until_the_store_lands():
     assert fs["retries"] > 0 and fs["hits"] == 2 * HIT_BLOCKS
     assert eng.clock.now() >= pending > eng.runner.busy_s
     eng.shutdown()
+
+
+@pytest.mark.parametrize("host_pages", [2, 3, 64])
+def test_what_a_full_host_tier_cannot_stage_is_computed_counted_and_logged(host_pages, caplog):
+    """One page a step (8 batched tokens), so pass 1 stores every full page whatever the host tier's size.
+    Pass 2 loads through a host tier of `host_pages` pages per group: each round's loads stay pinned until
+    the admission, so a small one fills and the rest of the prompt is computed. Every full page short of a
+    prompt's last token is then either a hit or counted in the tier's `unstaged` (hash blocks), and the
+    first such admission is logged."""
+    page = sum(TINY_PAGE_BYTES.values())
+    deploy = DeployConfig(**{**BASE, "max_num_batched_tokens": 8}, kv_transfer_config=_ktc(cpu=host_pages * page))
+    eng = sim.build_engine(TINY, deploy, tier_storage=INSTANT)
+    assert eng.sizes.host_blocks == {"mla": host_pages, "indexer": host_pages}
+    with caplog.at_level("WARNING", logger="kvcache.host_tier"):
+        first, second, hit_tokens = _two_passes(eng, _prompts())
+    assert first["cpu"]["stored_pages"] == STORED
+    unstaged = second["fs"]["unstaged"]
+    assert hit_tokens + 8 * unstaged == 8 * HIT_BLOCKS
+    assert (unstaged > 0) == (host_pages < 8)  # the longest prompt has 8 full pages short of its last token
+    logged = [r for r in caplog.records if "no host page was free" in r.getMessage()]
+    assert len(logged) == (unstaged > 0)
 
 
 def test_runners_that_cannot_simulate_tiers_are_refused():

@@ -4,7 +4,7 @@ reuse, salts, LRU eviction order and all-or-nothing allocation."""
 import copy
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -381,3 +381,35 @@ def test_arc_adapts_its_target_on_ghost_hits():
         _store(pool, b"x%d" % i)
     assert pool.lookup("mla", b"A") is not None
     pool.check()
+
+
+@pytest.mark.parametrize("arc", [False, True])
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=12), st.randoms(use_true_random=False))
+@settings(max_examples=60, deadline=None)
+def test_a_list_frees_and_touches_as_one_call_per_block(arc, order, rnd):
+    """free(blocks) and touch(blocks) leave the pool as free([b]) / touch([b]) for each b in order would,
+    a block listed twice included (HostTier.release and its pinning batch a request's pages per pool)."""
+    def pools():
+        made = []
+        for _ in range(2):
+            pool = ARCBlockPool(6) if arc else BlockPool(6)
+            blocks = pool.allocate(6)
+            for b in blocks[:3]:
+                pool.cache("mla", b, b"h%d" % b)
+            pool.touch(blocks)  # every block referenced twice, so any list of up to two mentions frees
+            made.append(pool)
+        return made
+
+    order = [b for b in order if order.count(b) <= 2]
+    one, each = pools()
+    one.free(order)
+    for b in order:
+        each.free([b])
+    assert one.state() == each.state() and list(one.free_queue) == list(each.free_queue)
+    if arc:
+        assert list(one._blank) == list(each._blank)
+    free = [b for b in rnd.sample(order, len(order)) if one.ref_count[b] == 0]
+    one.touch(free + free[:1])
+    for b in free + free[:1]:
+        each.touch([b])
+    assert one.state() == each.state() and list(one.free_queue) == list(each.free_queue)

@@ -42,6 +42,27 @@ def device_blocks_per_request(num_tokens: int, *, tokens_per_block: int, index_t
     return mla + index + lease_blocks
 
 
+# id(table) -> (the table, its share of host-only pages): HiSparse hands the same immutable table to every
+# step while the row's residency stands still (`row_tables`' snapshot), so a long row's pages are counted
+# once, not at every step (docs/simulator.md "Speed"). The entry keeps its table alive, so an id in it is
+# that table's.
+_HOST_ONLY: dict[int, tuple[tuple, float]] = {}
+
+
+def _host_only_share(table) -> float:
+    """The share of -1 (a page with no device block, KVCacheManager.block_table) in an MLA table."""
+    if type(table) is not tuple:
+        return table.count(-1) / len(table)
+    hit = _HOST_ONLY.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    if len(_HOST_ONLY) >= 2048:
+        _HOST_ONLY.clear()
+    share = table.count(-1) / len(table)
+    _HOST_ONLY[id(table)] = (table, share)
+    return share
+
+
 @dataclasses.dataclass
 class ResolveStats:
     """The sums of HiSparse's records (device.py's ResolveRecord and StageRecord), which the scheduler hands
@@ -170,7 +191,7 @@ class HiSparseSpec(Policy):
         for row, table, hs in zip(plan.rows, plan.block_tables["mla"], plan.policy_rows):
             if hs.lease < 0 or row.num_tokens != 1 + row.num_draft_tokens or not table:
                 continue
-            host_only = table.count(-1) / len(table)  # -1: a page with no device block (block_table)
+            host_only = _host_only_share(table)
             total += miss_fraction * min(topk, row.start + 1) * host_only * row.num_tokens
         return total
 
