@@ -57,7 +57,8 @@ def default_config() -> ConfigDict:
                                kv_cache_dtype="auto", num_gpu_blocks=0, cpu_offload_bytes=0,
                                hisparse_host_pool_bytes=0, hisparse_device_buffer_size=0, index_block_size=0,
                                enable_prefix_caching=True, attention_impl="auto", host_link_bytes_per_s=50e9,
-                               data_parallel_size=1, prefill_context_parallel_size=1, decode_context_parallel_size=1,
+                               data_parallel_size=1, dp_routing="salt", prefill_context_parallel_size=1,
+                               decode_context_parallel_size=1,
                                dcp_comm_backend="ag_rs", cp_kv_cache_interleave_size=1,
                                enable_expert_parallel=False, tensor_parallel_size=1, kv_cache_memory_bytes=0))
     # openhands_later_input: the new input tokens of each OpenHands turn after the first (BRIEF §8: 753)

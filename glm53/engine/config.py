@@ -44,8 +44,9 @@ class KVSizes:
     max_leases: int = 0
 
 
-_CHOICES = {"dcp_comm_backend": ("ag_rs", "a2a"), "kv_cache_dtype": ("auto", *MLA_FORMATS), "kv_policy": KV_POLICIES,
-            "attention_impl": IMPLS}
+DP_ROUTING = ("salt", "load")  # DeployConfig.dp_routing
+_CHOICES = {"dcp_comm_backend": ("ag_rs", "a2a"), "dp_routing": DP_ROUTING, "kv_cache_dtype": ("auto", *MLA_FORMATS),
+            "kv_policy": KV_POLICIES, "attention_impl": IMPLS}
 
 
 # the offload connector's options (kv_transfer_config's kv_connector_extra_config) and their defaults
@@ -141,6 +142,11 @@ class DeployConfig:
         and step in lock-step as one program (parallel.model.forward_dp); the model's routed experts must
         split evenly over them. With TP or DCP per replica, expert parallelism stays inside each replica.
         DP x EP with PCP is refused (not a published layout).
+    dp_routing: how `Engine.route` picks the DP rank of a new request. "salt": the rank that took the
+        last request with its salt (one user's requests share a rank, for its prefix hits), else the rank
+        with the fewest unfinished requests. "load": vLLM's internal DP load balancer (its API server's
+        `DPLBAsyncMPClient`): the least 4 x waiting + running, the lowest rank on ties, no affinity (vLLM
+        reads counts the ranks publish every 100 ms; this reads them at the request).
     kv_policy: what happens when the pool runs out: "preempt" (drop the victim's KV, recompute it
         later), "offload" (the host tier of tiered offloading: every full page is stored to a CPU prefix
         cache of cpu_offload_bytes as it fills and loaded back by a later prefix lookup,
@@ -190,6 +196,7 @@ class DeployConfig:
     """
 
     data_parallel_size: int = 1
+    dp_routing: str = "salt"
     tensor_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     decode_context_parallel_size: int = 1

@@ -292,7 +292,10 @@ class Engine(PdQueries):
 
     # -------------------------------------------------------------------------------------- requests
     def route(self, salt: str) -> int:
-        """The replica a new request with `salt` goes to."""
+        """The replica a new request with `salt` goes to (DeployConfig.dp_routing)."""
+        if self.deploy.dp_routing == "load":
+            score = [4 * len(r.scheduler.waiting) + len(r.scheduler.running) for r in self.replicas]
+            return score.index(min(score))
         if salt and salt in self._by_salt:
             return self._by_salt[salt]
         load = [r.num_unfinished for r in self.replicas]

@@ -89,7 +89,7 @@ BAD_FIELDS = [  # (field, value, what the message must say is allowed)
     ("num_speculative_tokens", -1, "an int >= 0"),
     ("enable_expert_parallel", 1, "True or False"), ("enable_prefix_caching", "yes", "True or False"),
     ("sparse_mla_force_mqa", None, "True or False"),
-    ("dcp_comm_backend", "ring", "one of \\('ag_rs', 'a2a'\\)"), ("kv_cache_dtype", "fp8", "one of \\('auto', "),
+    ("dcp_comm_backend", "ring", "one of \\('ag_rs', 'a2a'\\)"), ("dp_routing", "sticky", "one of \\('salt', 'load'\\)"), ("kv_cache_dtype", "fp8", "one of \\('auto', "),
     ("kv_policy", "lru", "one of \\('preempt', 'offload', 'swap', 'hisparse'[,)]"),
     ("attention_impl", "triton", "one of \\('auto', 'reference', 'pallas'\\)"),
     ("gpu_memory_utilization", 0.0, "a number in \\(0, 1\\]"), ("gpu_memory_utilization", 1.5, "a number in \\(0, 1\\]"),

@@ -232,6 +232,20 @@ def test_replicas_run_in_parallel_on_the_virtual_clock():
     assert max(busy) <= eng.clock.now() < sum(busy)
 
 
+@pytest.mark.parametrize("routing", ["salt", "load"])
+def test_dp_routing_keeps_a_salt_on_its_rank_or_balances_by_vllms_score(routing):
+    """"salt": a user's later requests go to the rank that took its first, however loaded; "load": vLLM's
+    DP load balancer, the least 4 x waiting + running (lowest rank on ties), whatever the salt."""
+    eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64, data_parallel_size=3, dp_routing=routing))
+    p = _prompts(1)[0]
+    first = [eng.replica_of(eng.add_request(p, SamplingParams(max_new_tokens=4), salt=f"u{i}")) for i in range(3)]
+    assert first == [0, 1, 2]  # an empty engine: the least loaded, lowest first
+    eng.step()  # each rank runs its request: running 1, waiting 0
+    eng.add_request(p, SamplingParams(max_new_tokens=4), req_id="w", salt="u9")  # waiting on rank 0: score 5
+    again = [eng.replica_of(eng.add_request(p, SamplingParams(max_new_tokens=4), salt="u0")) for _ in range(2)]
+    assert again == ([0, 0] if routing == "salt" else [1, 2])
+
+
 def test_a_priced_step_is_the_perf_models_price_of_its_plan():
     """The runner's duration for a plan is step_cost's time of that plan on the default (calibrated)
     spec plus the fixed overhead."""
