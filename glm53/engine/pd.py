@@ -7,12 +7,16 @@ the peer tier's counters. They read the engine's configuration, its fingerprint 
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 
 from glm53.engine.build import kv_fingerprint, kv_row_bytes
 from glm53.engine.config import GROUPS, PD_TIER
 from kvcache.block_pool import block_hashes
 from kvcache.tiers import PageSpans, chunk_key, make_tier, read_page_tokens, tail_chunk
 from kvcache.tiers.remote import RelayoutTier
+
+CHUNK_KEYS_MEMO = 256  # salts whose last prompt's chunk keys `chunk_keys` keeps (per engine)
 
 
 class PdQueries:
@@ -134,11 +138,22 @@ class PdQueries:
         sch = self.replicas[replica].scheduler
         kv, pools = sch.kv, sch.policy.host_tier.pools
         hashes = block_hashes(token_ids, kv.tokens_per_block, extra_keys, upto=upto)
-        out: list[list[tuple[str, bytes]]] = [[] for _ in hashes]
+        # a session's next prompt shares its leading blocks with the last one keyed under its salt: those
+        # blocks' keys are taken from it (a C-level compare of the hashes, mostly the same bytes objects)
+        memo, at = self.__dict__.setdefault("_chunk_keys_memo", {}), (replica, tuple(extra_keys))
+        last_hashes, last = memo.get(at, ((), []))
+        same = next(itertools.compress(itertools.count(), map(operator.ne, last_hashes, hashes)),
+                    min(len(last_hashes), len(hashes)))
+        out: list[list[tuple[str, bytes]]] = last[:same] + [[] for _ in range(same, len(hashes))]
         for g in kv.groups:  # group by group, so each block's list keeps kv.groups' order
             if g in pools:
                 r = kv.ratio[g]
-                keys = map(functools.partial(chunk_key, self.fingerprint, g), hashes[r - 1 :: r])
-                for c, key in zip(range(r - 1, len(hashes), r), keys):
+                c0 = same + (r - 1 - same) % r  # the first block from `same` on that ends a page of g
+                keys = map(functools.partial(chunk_key, self.fingerprint, g), hashes[c0::r])
+                for c, key in zip(range(c0, len(hashes), r), keys):
                     out[c].append((g, key))
+        memo.pop(at, None)
+        memo[at] = (hashes, out)
+        if len(memo) > CHUNK_KEYS_MEMO:
+            del memo[next(iter(memo))]  # the salt keyed least recently
         return kv.tokens_per_block, out

@@ -105,3 +105,30 @@ def test_at_1m_only_pcp_dcp_prefill_with_hisparse_decode_can_be_built():
     for name in ("dp+hisparse", "pcp_dcp+offload"):
         with pytest.raises(ValueError, match="fewer than one request of max_model_len=1048576"):
             serve._engine(model, cfg, name)
+
+
+def test_chunk_keys_taken_from_the_salts_last_prompt_equal_keys_computed_afresh():
+    """`chunk_keys` reuses the keys of the blocks a prompt shares with the last prompt of its salt: a
+    longer prompt, a shorter one, one that diverges, another salt all get, per full hash block, the key of
+    each group's page ending there (kvcache.tiers.chunk_key of the block's hash)."""
+    import numpy as np
+
+    from kvcache.block_pool import block_hashes
+    from kvcache.tiers import chunk_key
+
+    eng = build_engine(CFG, DeployConfig(**COMMON, block_size=8, index_block_size=32, kv_policy="offload",
+                                         cpu_offload_bytes=1 << 26))
+    kv = eng.scheduler.kv
+    assert kv.ratio == {"mla": 1, "indexer": 4}  # an indexer page ends every 4th hash block
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, CFG.vocab_size, 600)
+    b = np.concatenate([a[:300], rng.integers(0, CFG.vocab_size, 300)])
+    for tokens, salt in [(a[:200], "u1"), (a, "u1"), (a[:130], "u1"), (b, "u1"), (a, "u2"), (a, "u1")]:
+        n = tokens.size - 1
+        tpb, got = eng.chunk_keys(tokens, (salt,), upto=n)
+        hashes = block_hashes(tokens, 8, (salt,), upto=n)
+        want = [[(g, chunk_key(eng.fingerprint, g, h)) for g in kv.groups if (c + 1) % kv.ratio[g] == 0]
+                for c, h in enumerate(hashes)]
+        assert tpb == 8 and got == want and len(got) == n // 8
+    assert len(eng._chunk_keys_memo) == 2  # one entry per salt
+    eng.shutdown()
