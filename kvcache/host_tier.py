@@ -344,15 +344,22 @@ class HostTier:
                 continue
             break
         if ask and (retry or tiered is not None):
-            walked = leading() + found
-            started = self._start_loads(kv, req, first, walked)
+            # the pool walk's leading pages are the device's and the host's: nothing to load there
+            started = self._start_loads(kv, req, first + fast, found)
             if started or retry:
                 rounds = self.tier_rounds if started else self.retry_rounds
                 rounds[req.req_id] = rounds.get(req.req_id, 0) + 1
                 self._retry.add(req.req_id)
                 # what earlier rounds loaded and what this walk found on the host stay pinned for the next
-                # attempt (else the loads just reserved could evict them, and the next round miss them)
-                hits = [(g, b) for p in walked for g, where, b in p if where == "host"]
+                # attempt (else the loads just reserved could evict them, and the next round miss them):
+                # per group, the host pages of its leading pages ending before block first + fast, then
+                # those of `found`, in the walk's order (a pool's order is all that its touch and its
+                # later `release` read)
+                hits = []
+                for g, (dev_col, host_col) in columns.items():
+                    k = (first + fast) // kv.ratio[g] - first // kv.ratio[g]  # its pages ending in that span
+                    hits.extend(zip(itertools.repeat(g), host_col[: dev_col[:k].count(None)]))
+                hits.extend((g, b) for p in found for g, where, b in p if where == "host")
                 for g, blocks in _by_pool(hits).items():  # one call per pool: each pool sees its pages in order
                     self.pools[g].touch(blocks)
                 self.tier_pins.setdefault(req.req_id, [])[:0] = pins + hits
