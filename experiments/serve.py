@@ -78,7 +78,8 @@ def default_config() -> ConfigDict:
     # P/D deployments (simulator only): a sweep entry naming one of these runs a prefill and a decode engine
     # coupled by the PdConnector (glm53.engine.pd_sim): {name: {"prefill": {DeployConfig fields over
     # `deploy`}, "decode": {...}}}; each side's kv_policy is its own ("offload", or "hisparse" on decode)
-    c.pd = ConfigDict(dict(deployments={}))
+    # consumer_waits: a decode side waits for host pages to stage its producer's KV rather than compute it
+    c.pd = ConfigDict(dict(deployments={}, consumer_waits=False))
     # "model": run the model; "sim": price each step with the performance model on `hardware` (a name in
     # glm53.perfmodel.HARDWARE) on a virtual clock; step_overhead_s and hisparse_miss_fraction are the
     # simulator's assumptions (glm53.engine.sim)
@@ -176,7 +177,8 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
                         _hardware(r.hardware), step_overhead_s=r.step_overhead_s,
                         hisparse_miss_fraction=r.hisparse_miss_fraction, tier_storage=_tier_storage(cfg),
                         expert_load_imbalance=r.get("expert_load_imbalance", 1.0),
-                        host_copy_overlap=r.get("host_copy_overlap", 0.0))
+                        host_copy_overlap=r.get("host_copy_overlap", 0.0),
+                        consumer_waits=cfg.pd.get("consumer_waits", False))
     if not simulated(cfg):
         return glm53.Engine(model, _deploy(cfg, kv_policy, tier_root))
     from glm53.engine import sim

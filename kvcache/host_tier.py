@@ -181,11 +181,15 @@ class HostTier:
         tier stores and loads go there in decision order.
     tiers: the secondary tiers (kvcache.tiers.TierSet) or None; fingerprint: the deployment's layout
         fingerprint (chunk keys; required with tiers).
+    peer_waits: a request whose lookup names a peer (a P/D consumer's, `LookupContext.peer`) waits, as a
+        RETRY, while no host page is free to load its next tier-only page into, instead of computing what
+        the tiers hold (vLLM's decode waits for blocks); at most `max_retry_rounds` attempts, then it
+        computes it (counted in `unstaged` like any other).
     """
 
     def __init__(self, pools: dict[str, BlockPool], *, outbox: list, tiers: TierSet | None = None,
                  fingerprint: str = "", load_failure_policy: str = "recompute", max_tier_rounds: int = 16,
-                 max_retry_rounds: int = 512):
+                 max_retry_rounds: int = 512, peer_waits: bool = False):
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
         if tiers is not None and len(tiers) and not fingerprint:
@@ -197,6 +201,7 @@ class HostTier:
         self.load_failure_policy = load_failure_policy
         self.max_tier_rounds = max_tier_rounds
         self.max_retry_rounds = max_retry_rounds
+        self.peer_waits = peer_waits
         self.tier_counts = {t.name: TierCounts() for t in self.tiers.tiers} if self.tiers else {}
         self.loaded_pages: collections.Counter[tuple[str, str]] = collections.Counter()  # (tier, group) -> pages loaded
         self.loading: dict[str, set[int]] = {}  # request -> its tier loads not yet reported
@@ -346,7 +351,12 @@ class HostTier:
         if ask and (retry or tiered is not None):
             # the pool walk's leading pages are the device's and the host's: nothing to load there
             started = self._start_loads(kv, req, first + fast, found)
-            if started or retry:
+            waits = not (started or retry) and self.peer_waits and ctx.peer is not None
+            if waits:  # what it would compute now, were this its last round
+                self._unstaged[req.req_id] = (tiered_by, fast + len(found) - tiered)
+            elif started or retry:
+                self._unstaged.pop(req.req_id, None)
+            if started or retry or waits:
                 rounds = self.tier_rounds if started else self.retry_rounds
                 rounds[req.req_id] = rounds.get(req.req_id, 0) + 1
                 self._retry.add(req.req_id)
@@ -366,8 +376,9 @@ class HostTier:
                 return PrefixLookup([], True)
         if tiered is not None:  # no load started: no host page was free for the first tier-only page
             self._unstaged[req.req_id] = (tiered_by, fast + len(found) - tiered)
-        else:
+        elif ask:  # the tiers hold nothing past what the pools hold
             self._unstaged.pop(req.req_id, None)
+        # (not asked: its rounds are spent, and what its last waiting round found it computes now)
         # what the device and the host hold: up to the first page that only a tier has
         cut = fast + len(found) if tiered is None else tiered
         keep = cut - cut % kv.hit_multiple  # a hit ends on a page boundary of every group

@@ -339,12 +339,15 @@ class DeployConfig:
         extra = ktc.get("kv_connector_extra_config", {})
         if not isinstance(extra, dict):
             raise ValueError("DeployConfig.kv_transfer_config['kv_connector_extra_config'] must be a dict")
-        unknown = set(extra) - set(OFFLOAD_DEFAULTS) - ({"lease_s", "producers"} if pd else set())
+        unknown = set(extra) - set(OFFLOAD_DEFAULTS) - ({"lease_s", "producers", "consumer_waits"} if pd else set())
         if unknown:
             raise ValueError(f"kv_transfer_config kv_connector_extra_config: unknown keys {sorted(unknown)}")
         lease = extra.get("lease_s", PD_LEASE_S)
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease < float("inf"):
             raise ValueError(f"kv_connector_extra_config lease_s must be a positive number of seconds, got {lease!r}")
+        if not isinstance(extra.get("consumer_waits", False), bool):
+            raise ValueError(f"kv_connector_extra_config consumer_waits must be True or False, got "
+                             f"{extra['consumer_waits']!r}")
         if pd:
             from kvcache.tiers.p2p import check_options as check_p2p
 
@@ -413,6 +416,13 @@ class DeployConfig:
         """The producers a P/D consumer may take KV from (kv_connector_extra_config["producers"]: their
         "host:kv_port"); a request naming any other is refused. Empty: none."""
         return tuple((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("producers", ()))
+
+    @property
+    def pd_consumer_waits(self) -> bool:
+        """Whether a P/D consumer's request waits for free host pages to stage its producer's KV in, rather
+        than compute what it cannot stage (kv_connector_extra_config["consumer_waits"]; default False:
+        computed, counted as the "pd" tier's `unstaged`; kvcache.host_tier.HostTier's peer_waits)."""
+        return bool((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("consumer_waits", False))
 
     @property
     def pd_lease_s(self) -> float:

@@ -160,6 +160,9 @@ def test_kv_transfer_config_is_vllms_offload_connector():
      "cpu_bytes_to_use must be an int > 0, got 0 \\(the PdConnector's host tier"),
     ({**_ktc(lease_s=0), "kv_connector": "PdConnector", "kv_role": "kv_producer"}, ValueError, "lease_s must be"),
     (_ktc(lease_s=5), ValueError, "unknown keys \\['lease_s'\\]"),
+    ({**_ktc(consumer_waits="yes"), "kv_connector": "PdConnector", "kv_role": "kv_consumer"}, ValueError,
+     "consumer_waits must be True or False"),
+    (_ktc(consumer_waits=True), ValueError, "unknown keys \\['consumer_waits'\\]"),
 ])
 def test_kv_transfer_config_bad_input(ktc, err, match):
     with pytest.raises(err, match=match):

@@ -132,3 +132,27 @@ def test_chunk_keys_taken_from_the_salts_last_prompt_equal_keys_computed_afresh(
         assert tpb == 8 and got == want and len(got) == n // 8
     assert len(eng._chunk_keys_memo) == 2  # one entry per salt
     eng.shutdown()
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_consumer_short_of_host_pages_computes_the_handed_kv_or_waits_for_pages(waits):
+    """HiSparse decode ranks whose host pools hold one request of max_model_len and a bit: while running
+    requests fill a pool, the next prompt's producer pages cannot be staged. Without consumer_waits the
+    rank computes them (counted as the "pd" tier's `unstaged`, some requests below their full pages);
+    with it the request waits for pages and every request takes all its full pages from the producer."""
+    dec = DeployConfig(**COMMON, block_size=PAGE, data_parallel_size=2, kv_policy="hisparse",
+                       hisparse_host_pool_bytes=2_400_000, cpu_offload_bytes=1 << 24)
+    pair = build_pd(CFG, PREFILL, dec, consumer_waits=waits)
+    assert pair.decode.deploy.pd_consumer_waits == waits
+    sessions = workloads.openhands_sessions(6, scale=1 / 128, turns=4)
+    client = workloads.ClosedLoopClient(pair, sessions, 3, vocab_size=CFG.vocab_size, salt_prefix="user:",
+                                        make_params=lambda n: SamplingParams(max_new_tokens=n), max_model_len=1024)
+    res = client.run()
+    assert res.sessions_done == len(sessions)
+    short = 0
+    for rid in res.request_ids:
+        d = pair.decode.finished[rid]
+        short += d.num_cached_tokens < (d.prompt_ids.size - 1) // PAGE * PAGE
+    unstaged = pair.decode.metrics()["kv_offload"]["pd"]["unstaged"]
+    assert (unstaged, short) == (0, 0) if waits else (unstaged > 0 and short > 0)
+    pair.shutdown()

@@ -119,13 +119,15 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
     """kv_policy="hisparse" (a kvcache.policies.base.KVPolicy): host pools of `host_mla_blocks` MLA pages and
     `host_index_blocks` indexer-key pages (`host_tier`, a kvcache.host_tier.HostTier, with the secondary
     `tiers` behind them; `host_mla` / `host_index` are its pools); `hot_rows`: H; `max_leases`: hot-buffer
-    slots on the device; page_bytes: per cache group, the bytes of one page (kvcache.layout.page_bytes).
+    slots on the device; page_bytes: per cache group, the bytes of one page (kvcache.layout.page_bytes);
+    peer_waits: HostTier's.
     Tiers serve prefix hits by hash, so they need enable_prefix_caching."""
 
     def __init__(self, *, host_mla_blocks: int, host_index_blocks: int, block_size: int, hot_rows: int,
                  max_leases: int, num_device_blocks: int, enable_prefix_caching: bool = True,
                  page_bytes: dict[str, int] | None = None, tiers: TierSet | None = None, fingerprint: str = "",
-                 load_failure_policy: str = "recompute", stage_rows: bool = False, chunk_tokens: int = 0):
+                 load_failure_policy: str = "recompute", stage_rows: bool = False, chunk_tokens: int = 0,
+                 peer_waits: bool = False):
         super().__init__()
         if host_mla_blocks < 1:
             raise ValueError("HiSparse needs a host pool of at least one MLA page (hisparse_host_pool_bytes)")
@@ -138,7 +140,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
         blocks = {"mla": host_mla_blocks, **({"indexer": host_index_blocks} if host_index_blocks > 0 else {})}
         pools = host_pools(blocks, enable_prefix_caching=enable_prefix_caching)
         self.host_tier = HostTier(pools, outbox=self.outbox, tiers=tiers, fingerprint=fingerprint,
-                                  load_failure_policy=load_failure_policy)
+                                  load_failure_policy=load_failure_policy, peer_waits=peer_waits)
         self.host_mla: BlockPool = pools["mla"]
         self.host_index: BlockPool | None = pools.get("indexer")
         self.lease_blocks = -(-hot_rows // block_size)

@@ -101,12 +101,14 @@ class OffloadPolicy(HostTierPolicy, Policy):
     """kv_policy="offload" (a kvcache.policies.base.KVPolicy): the host tier of `host_blocks` pages per cache
     group (`host_tier_blocks`); page_bytes: per group, the bytes of one page (kvcache.layout.page_bytes);
     blocks_per_chunk: hash blocks stored together (a chunk is stored once all of it is full); eviction:
-    "lru" (a BlockPool's free queue) or "arc" (kvcache.block_pool.ARCBlockPool). The host pools and the
-    secondary tiers behind them are `host_tier` (kvcache.host_tier.HostTier); `host` is its pools."""
+    "lru" (a BlockPool's free queue) or "arc" (kvcache.block_pool.ARCBlockPool); peer_waits: HostTier's. The
+    host pools and the secondary tiers behind them are `host_tier` (kvcache.host_tier.HostTier); `host` is
+    its pools."""
 
     def __init__(self, host_blocks: dict[str, int], page_bytes: dict[str, int], *, blocks_per_chunk: int = 1,
                  eviction: str = "lru", tiers: TierSet | None = None, fingerprint: str = "",
-                 load_failure_policy: str = "recompute", max_tier_rounds: int = 16, max_retry_rounds: int = 512):
+                 load_failure_policy: str = "recompute", max_tier_rounds: int = 16, max_retry_rounds: int = 512,
+                 peer_waits: bool = False):
         super().__init__()
         if not host_blocks or min(host_blocks.values()) < 1:
             raise ValueError(f"the offload host tier needs at least one page per cache group, got {host_blocks} "
@@ -118,7 +120,7 @@ class OffloadPolicy(HostTierPolicy, Policy):
         self.host = host_pools(host_blocks, eviction=eviction)
         self.host_tier = HostTier(self.host, outbox=self.outbox, tiers=tiers, fingerprint=fingerprint,
                                   load_failure_policy=load_failure_policy, max_tier_rounds=max_tier_rounds,
-                                  max_retry_rounds=max_retry_rounds)
+                                  max_retry_rounds=max_retry_rounds, peer_waits=peer_waits)
         self.page_bytes = dict(page_bytes)
         self.blocks_per_chunk = blocks_per_chunk
         self.stats = OffloadStats()
@@ -150,7 +152,7 @@ class OffloadPolicy(HostTierPolicy, Policy):
         opts = deploy.offload_options
         return cls(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
                    eviction=opts["eviction_policy"], tiers=tiers, fingerprint=fingerprint,
-                   load_failure_policy=deploy.kv_load_failure_policy)
+                   load_failure_policy=deploy.kv_load_failure_policy, peer_waits=deploy.pd_consumer_waits)
 
     def tier_metrics(self) -> dict:
         """"cpu" (the host tier, in hash blocks and bytes): "hits" (loaded host -> device at admission,
