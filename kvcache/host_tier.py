@@ -181,15 +181,16 @@ class HostTier:
         tier stores and loads go there in decision order.
     tiers: the secondary tiers (kvcache.tiers.TierSet) or None; fingerprint: the deployment's layout
         fingerprint (chunk keys; required with tiers).
-    peer_waits: a request whose lookup names a peer (a P/D consumer's, `LookupContext.peer`) waits, as a
-        RETRY, while no host page is free to load its next tier-only page into, instead of computing what
-        the tiers hold (vLLM's decode waits for blocks); at most `max_retry_rounds` attempts, then it
-        computes it (counted in `unstaged` like any other).
+    peer_waits: the name of a tier (the P/D connector's peer tier) or None: a request whose lookup names a
+        peer (a P/D consumer's, `LookupContext.peer`) waits, as a RETRY, while no host page is free to load
+        its next page that only that tier holds, instead of computing what the tier holds (vLLM's decode
+        waits for blocks); at most `max_retry_rounds` attempts, then it computes it (counted in `unstaged`
+        like any other).
     """
 
     def __init__(self, pools: dict[str, BlockPool], *, outbox: list, tiers: TierSet | None = None,
                  fingerprint: str = "", load_failure_policy: str = "recompute", max_tier_rounds: int = 16,
-                 max_retry_rounds: int = 512, peer_waits: bool = False):
+                 max_retry_rounds: int = 512, peer_waits: str | None = None):
         if load_failure_policy not in LOAD_FAILURE_POLICIES:
             raise ValueError(f"kv_load_failure_policy must be one of {LOAD_FAILURE_POLICIES}, got {load_failure_policy!r}")
         if tiers is not None and len(tiers) and not fingerprint:
@@ -215,6 +216,7 @@ class HostTier:
         self.waiters: dict[int, set[str]] = {}  # job -> the requests waiting for it
         self._retry: set[str] = set()  # requests whose last admission answered RETRY
         self._unstaged_logged = False
+        self._short: tuple[int, int] | None = None  # `_start_loads`' last stop for want of a host page
         self.events = None  # the KV event sink (kvcache.events.KVEventRecorder), None: events off
         self._job_info: dict[int, BlockInfo] = {}  # tier load job -> its page's event payload (events on)
 
@@ -351,9 +353,14 @@ class HostTier:
         if ask and (retry or tiered is not None):
             # the pool walk's leading pages are the device's and the host's: nothing to load there
             started = self._start_loads(kv, req, first + fast, found)
-            waits = not (started or retry) and self.peer_waits and ctx.peer is not None
-            if waits:  # what it would compute now, were this its last round
+            waits = (not (started or retry) and ctx.peer is not None and self.peer_waits is not None
+                     and self.tiers.tiers[tiered_by].name == self.peer_waits)
+            # what it would compute, were this its last round (its rounds may run out): from the first
+            # tier-only page this round found no host page for
+            if waits:
                 self._unstaged[req.req_id] = (tiered_by, fast + len(found) - tiered)
+            elif started and self._short is not None:
+                self._unstaged[req.req_id] = (self._short[0], first + fast + len(found) - self._short[1])
             elif started or retry:
                 self._unstaged.pop(req.req_id, None)
             if started or retry or waits:
@@ -370,6 +377,9 @@ class HostTier:
                     k = (first + fast) // kv.ratio[g] - first // kv.ratio[g]  # its pages ending in that span
                     hits.extend(zip(itertools.repeat(g), host_col[: dev_col[:k].count(None)]))
                 hits.extend((g, b) for p in found for g, where, b in p if where == "host")
+                if waits:  # a page is pinned once however many rounds the request waits (each pin is a reference)
+                    held = set(pins)
+                    hits = [p for p in hits if p not in held]
                 for g, blocks in _by_pool(hits).items():  # one call per pool: each pool sees its pages in order
                     self.pools[g].touch(blocks)
                 self.tier_pins.setdefault(req.req_id, [])[:0] = pins + hits
@@ -423,7 +433,12 @@ class HostTier:
     def release(self, pins: Sequence[tuple[str, int]]) -> None:
         """Unpin host pages (`PrefixLookup.pins`), once the admission holds the ones it uses."""
         for g, blocks in _by_pool(pins).items():  # as one free per page: each pool sees its pages in order
-            self.pools[g].free(blocks)
+            pool = self.pools[g]
+            if len(set(blocks)) < len(blocks):  # a page pinned twice: never freed more often than referenced
+                b = next((b for b, n in collections.Counter(blocks).items() if n > pool.ref_count[b]), None)
+                if b is not None:
+                    raise RuntimeError(f"host page {b} of {g!r} unpinned more often than it was pinned (double free)")
+            pool.free(blocks)
 
     def admitted(self, req_id: str) -> None:
         """`req_id` is in: a later preemption may ask the tiers again from scratch. What its last lookup left to
@@ -435,7 +450,8 @@ class HostTier:
             if not self._unstaged_logged:
                 self._unstaged_logged = True
                 _log.warning("host tier: an admission computes %d hash blocks that tier %r held: no host page was "
-                             "free to load them into (counted as the tier's 'unstaged'; logged once)", blocks, name)
+                             "free to load them into (counted as the tier's 'unstaged'; logged once per host tier)",
+                             blocks, name)
         self.tier_rounds.pop(req_id, None)
         self.retry_rounds.pop(req_id, None)
 
@@ -459,6 +475,7 @@ class HostTier:
         load is already bringing is waited for, not loaded twice. -> whether the request now waits."""
         loads: dict[tuple[int, str], tuple[list, list, list]] = {}
         jobs = self.loading.setdefault(req.req_id, set())
+        self._short = None  # (tier, hash block) of the first tier-only page no host page was free for
         for c, pages in enumerate(found, start=first):
             for g, where, _ in pages:
                 if isinstance(where, str):
@@ -470,6 +487,7 @@ class HostTier:
                     continue
                 pool = self.pools[g]
                 if pool.num_free == 0:
+                    self._short = (where, c)
                     break
                 hb = pool.allocate(1)[0]  # reserved (referenced, no key) until the load is reported
                 job = self.tiers.new_job()

@@ -425,6 +425,12 @@ class DeployConfig:
         return bool((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("consumer_waits", False))
 
     @property
+    def pd_wait_tier(self) -> str | None:
+        """The tier whose pages a P/D consumer's request waits for host pages to stage (PD_TIER) under
+        `pd_consumer_waits`, else None (kvcache.host_tier.HostTier's peer_waits)."""
+        return PD_TIER if self.kv_role is not None and self.pd_consumer_waits else None
+
+    @property
     def pd_lease_s(self) -> float:
         """Seconds a P/D producer holds a finished request's chunks for its consumer (kvcache.tiers.p2p.PeerTier.lease)."""
         return float((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("lease_s", PD_LEASE_S))

@@ -6,6 +6,7 @@ the peer tier's counters. They read the engine's configuration, its fingerprint 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
@@ -111,7 +112,8 @@ class PdQueries:
         """A finished request's prompt as its consumer's prefix lookup will ask for it (P/D producer):
         (tokens per hash block, per full hash block of all but the prompt's last token, (group, chunk key)
         (kvcache.tiers.chunk_key) of the host-tier pages ending there, one per cache group). Reads only
-        the finished request and the configuration, so a server thread may call it."""
+        the finished request and the configuration (and `chunk_keys`' memo, whose updates a concurrent
+        caller tolerates), so a server thread may call it."""
         req = self.finished[req_id]
         return self.chunk_keys(req.prompt_ids, req.extra_keys, upto=req.prompt_ids.size - 1,
                                replica=self._owner[req_id])
@@ -134,7 +136,8 @@ class PdQueries:
                    ) -> tuple[int, list[list[tuple[str, bytes]]]]:
         """This engine's chunks of the first `upto` tokens of `token_ids` hashed with `extra_keys` (the salt):
         (tokens per hash block, per full hash block, (group, chunk key) of the host-tier pages ending
-        there, one per cache group that has a host pool)."""
+        there, one per cache group that has a host pool). The per-block lists are shared with the memo
+        of the salt's last prompt (and earlier answers): callers read them only."""
         sch = self.replicas[replica].scheduler
         kv, pools = sch.kv, sch.policy.host_tier.pools
         hashes = block_hashes(token_ids, kv.tokens_per_block, extra_keys, upto=upto)
@@ -154,6 +157,7 @@ class PdQueries:
                     out[c].append((g, key))
         memo.pop(at, None)
         memo[at] = (hashes, out)
-        if len(memo) > CHUNK_KEYS_MEMO:
-            del memo[next(iter(memo))]  # the salt keyed least recently
+        if len(memo) > CHUNK_KEYS_MEMO:  # the salt keyed least recently (tolerant of a concurrent caller)
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                memo.pop(next(iter(memo)), None)
         return kv.tokens_per_block, out

@@ -110,17 +110,19 @@ def test_a_retry_admission_waits_simulated_time_until_the_store_lands():
     eng.shutdown()
 
 
-@pytest.mark.parametrize("host_pages", [2, 3, 64])
-def test_what_a_full_host_tier_cannot_stage_is_computed_counted_and_logged(host_pages, caplog):
+@pytest.mark.parametrize("host_pages,rounds", [(2, 16), (3, 16), (64, 16), (2, 1), (3, 1)])
+def test_what_a_full_host_tier_cannot_stage_is_computed_counted_and_logged(host_pages, rounds, caplog):
     """One page a step (8 batched tokens), so pass 1 stores every full page whatever the host tier's size.
     Pass 2 loads through a host tier of `host_pages` pages per group: each round's loads stay pinned until
-    the admission, so a small one fills and the rest of the prompt is computed. Every full page short of a
+    the admission, so a small one fills and the rest of the prompt is computed, whether the next round
+    finds no host page or the request's load rounds (`rounds`) run out first. Every full page short of a
     prompt's last token is then either a hit or counted in the tier's `unstaged` (hash blocks), and the
     first such admission is logged."""
     page = sum(TINY_PAGE_BYTES.values())
     deploy = DeployConfig(**{**BASE, "max_num_batched_tokens": 8}, kv_transfer_config=_ktc(cpu=host_pages * page))
     eng = sim.build_engine(TINY, deploy, tier_storage=INSTANT)
     assert eng.sizes.host_blocks == {"mla": host_pages, "indexer": host_pages}
+    eng.scheduler.policy.host_tier.max_tier_rounds = rounds
     with caplog.at_level("WARNING", logger="kvcache.host_tier"):
         first, second, hit_tokens = _two_passes(eng, _prompts())
     assert first["cpu"]["stored_pages"] == STORED

@@ -127,7 +127,7 @@ class HiSparsePolicy(HostTierPolicy, HiSparseSpec):
                  max_leases: int, num_device_blocks: int, enable_prefix_caching: bool = True,
                  page_bytes: dict[str, int] | None = None, tiers: TierSet | None = None, fingerprint: str = "",
                  load_failure_policy: str = "recompute", stage_rows: bool = False, chunk_tokens: int = 0,
-                 peer_waits: bool = False):
+                 peer_waits: str | None = None):
         super().__init__()
         if host_mla_blocks < 1:
             raise ValueError("HiSparse needs a host pool of at least one MLA page (hisparse_host_pool_bytes)")

@@ -167,7 +167,7 @@ class HiSparseSpec(Policy):
                    num_device_blocks=sizes.num_blocks, enable_prefix_caching=deploy.enable_prefix_caching,
                    page_bytes=sizes.page_bytes, tiers=tiers, fingerprint=fingerprint,
                    load_failure_policy=deploy.kv_load_failure_policy, stage_rows=cls.stages_rows(deploy),
-                   chunk_tokens=deploy.max_num_batched_tokens, peer_waits=deploy.pd_consumer_waits)
+                   chunk_tokens=deploy.max_num_batched_tokens, peer_waits=deploy.pd_wait_tier)
 
     @classmethod
     def device_half(cls, deploy, sizes, *, index_topk: int):

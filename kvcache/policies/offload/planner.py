@@ -108,7 +108,7 @@ class OffloadPolicy(HostTierPolicy, Policy):
     def __init__(self, host_blocks: dict[str, int], page_bytes: dict[str, int], *, blocks_per_chunk: int = 1,
                  eviction: str = "lru", tiers: TierSet | None = None, fingerprint: str = "",
                  load_failure_policy: str = "recompute", max_tier_rounds: int = 16, max_retry_rounds: int = 512,
-                 peer_waits: bool = False):
+                 peer_waits: str | None = None):
         super().__init__()
         if not host_blocks or min(host_blocks.values()) < 1:
             raise ValueError(f"the offload host tier needs at least one page per cache group, got {host_blocks} "
@@ -152,7 +152,7 @@ class OffloadPolicy(HostTierPolicy, Policy):
         opts = deploy.offload_options
         return cls(sizes.host_blocks, sizes.page_bytes, blocks_per_chunk=opts["blocks_per_chunk"],
                    eviction=opts["eviction_policy"], tiers=tiers, fingerprint=fingerprint,
-                   load_failure_policy=deploy.kv_load_failure_policy, peer_waits=deploy.pd_consumer_waits)
+                   load_failure_policy=deploy.kv_load_failure_policy, peer_waits=deploy.pd_wait_tier)
 
     def tier_metrics(self) -> dict:
         """"cpu" (the host tier, in hash blocks and bytes): "hits" (loaded host -> device at admission,
