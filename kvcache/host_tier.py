@@ -216,7 +216,6 @@ class HostTier:
         self.waiters: dict[int, set[str]] = {}  # job -> the requests waiting for it
         self._retry: set[str] = set()  # requests whose last admission answered RETRY
         self._unstaged_logged = False
-        self._short: tuple[int, int] | None = None  # `_start_loads`' last stop for want of a host page
         self.events = None  # the KV event sink (kvcache.events.KVEventRecorder), None: events off
         self._job_info: dict[int, BlockInfo] = {}  # tier load job -> its page's event payload (events on)
 
@@ -352,15 +351,15 @@ class HostTier:
             break
         if ask and (retry or tiered is not None):
             # the pool walk's leading pages are the device's and the host's: nothing to load there
-            started = self._start_loads(kv, req, first + fast, found)
+            started, short = self._start_loads(kv, req, first + fast, found)
             waits = (not (started or retry) and ctx.peer is not None and self.peer_waits is not None
                      and self.tiers.tiers[tiered_by].name == self.peer_waits)
             # what it would compute, were this its last round (its rounds may run out): from the first
             # tier-only page this round found no host page for
             if waits:
                 self._unstaged[req.req_id] = (tiered_by, fast + len(found) - tiered)
-            elif started and self._short is not None:
-                self._unstaged[req.req_id] = (self._short[0], first + fast + len(found) - self._short[1])
+            elif started and short is not None:
+                self._unstaged[req.req_id] = (short[0], first + fast + len(found) - short[1])
             elif started or retry:
                 self._unstaged.pop(req.req_id, None)
             if started or retry or waits:
@@ -469,13 +468,14 @@ class HostTier:
             pages.append("retry")
         return False
 
-    def _start_loads(self, kv: KVCacheManager, req, first: int, found: list) -> bool:
+    def _start_loads(self, kv: KVCacheManager, req, first: int, found: list) -> tuple[bool, tuple[int, int] | None]:
         """Reserve host pages for the tier-only pages of `found` (hash blocks from `first`) and plan their
         loads (one TierLoad per tier and group), as far as free host pages go; a page another request's
-        load is already bringing is waited for, not loaded twice. -> whether the request now waits."""
+        load is already bringing is waited for, not loaded twice. -> (whether the request now waits, and
+        (tier, hash block) of the first tier-only page no host page was free for, else None)."""
         loads: dict[tuple[int, str], tuple[list, list, list]] = {}
         jobs = self.loading.setdefault(req.req_id, set())
-        self._short = None  # (tier, hash block) of the first tier-only page no host page was free for
+        short = None  # (tier, hash block) of the first tier-only page no host page was free for
         for c, pages in enumerate(found, start=first):
             for g, where, _ in pages:
                 if isinstance(where, str):
@@ -487,7 +487,7 @@ class HostTier:
                     continue
                 pool = self.pools[g]
                 if pool.num_free == 0:
-                    self._short = (where, c)
+                    short = (where, c)
                     break
                 hb = pool.allocate(1)[0]  # reserved (referenced, no key) until the load is reported
                 job = self.tiers.new_job()
@@ -509,7 +509,7 @@ class HostTier:
             self.outbox.append(TierLoad(t, g, tuple(keys), tuple(blocks), tuple(ids)))
         if not jobs:
             del self.loading[req.req_id]
-        return bool(jobs)
+        return bool(jobs), short
 
     def waiting_for(self, req_id: str) -> bool:
         return req_id in self.loading
