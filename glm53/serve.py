@@ -867,12 +867,15 @@ def _logprobs(st: ServerState, body, c: _Choice, start: int, chat: bool):
     return out
 
 
-def _usage(choices: list[_Choice]) -> UsageInfo:
+def _usage(choices: list[_Choice], live=frozenset()) -> UsageInfo:
     """The choices' usage so far: an ended choice's counts, a running one's tokens that arrived (a stream's
-    continuous_usage_stats); cached tokens are known once a choice ends."""
+    continuous_usage_stats); cached tokens are known once a choice ends. live: the indices of the choices
+    whose end the stream has not sent yet; they count what was sent, even where the engine (another
+    thread) has already ended them, so each chunk's usage counts exactly the tokens sent up to it."""
+    ended = [c.handle.ended if c.index not in live else None for c in choices]
     prompt = sum(len(c.prompt) for c in choices if c.sibling == 0)
-    out = sum(c.handle.ended.num_output_tokens if c.handle.ended is not None else len(c.tokens) for c in choices)
-    cached = sum(c.handle.ended.num_cached_tokens for c in choices if c.handle.ended is not None)
+    out = sum(e.num_output_tokens if e is not None else len(c.tokens) for c, e in zip(choices, ended))
+    cached = sum(e.num_cached_tokens for e in ended if e is not None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=out, total_tokens=prompt + out,
                      prompt_tokens_details={"cached_tokens": cached})
 
@@ -1101,7 +1104,7 @@ async def _stream(st: ServerState, raw: Request, body, choices: list[_Choice], r
 
     def event(model: BaseModel) -> str:
         if continuous and model.usage is None:
-            model.usage = _usage(choices)
+            model.usage = _usage(choices, live)
         return f"data: {json.dumps(model.model_dump())}\n\n"
 
     def chunk(c: _Choice, text: str, tok: int | None = None, reason: str | None = None, why=None) -> str | None:

@@ -424,3 +424,21 @@ def test_default_host_pools_larger_than_the_machine_are_refused_with_the_flags_t
         else:
             with pytest.raises(ValueError, match="on each of 4 data-parallel ranks"):
                 serve.deploy_from_args(args, cfg, "float32")
+
+
+def test_continuous_usage_counts_what_was_sent_even_when_the_engine_has_already_ended_the_request():
+    """The engine runs in its own thread: it may end a request (a stop string two tokens on) before the
+    stream has sent the first token's chunk. That chunk's continuous usage counts the one token sent, not
+    the ended request's two; once the stream has sent the end (the choice no longer live) the ended
+    request's counts are the usage."""
+    import types
+
+    from glm53 import serve
+
+    ended = types.SimpleNamespace(num_output_tokens=2, num_cached_tokens=16)
+    c = serve._Choice(index=0, prompt=list(range(20)), handle=types.SimpleNamespace(ended=ended), text=None,
+                      tokens=[7])
+    u = serve._usage([c], live={0})
+    assert (u.completion_tokens, u.prompt_tokens, u.prompt_tokens_details["cached_tokens"]) == (1, 20, 0)
+    u = serve._usage([c])
+    assert (u.completion_tokens, u.total_tokens, u.prompt_tokens_details["cached_tokens"]) == (2, 22, 16)
