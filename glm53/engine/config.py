@@ -345,7 +345,7 @@ class DeployConfig:
         lease = extra.get("lease_s", PD_LEASE_S)
         if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease < float("inf"):
             raise ValueError(f"kv_connector_extra_config lease_s must be a positive number of seconds, got {lease!r}")
-        if not isinstance(extra.get("consumer_waits", False), bool):
+        if not isinstance(extra.get("consumer_waits", True), bool):
             raise ValueError(f"kv_connector_extra_config consumer_waits must be True or False, got "
                              f"{extra['consumer_waits']!r}")
         if pd:
@@ -420,9 +420,10 @@ class DeployConfig:
     @property
     def pd_consumer_waits(self) -> bool:
         """Whether a P/D consumer's request waits for free host pages to stage its producer's KV in, rather
-        than compute what it cannot stage (kv_connector_extra_config["consumer_waits"]; default False:
-        computed, counted as the "pd" tier's `unstaged`; kvcache.host_tier.HostTier's peer_waits)."""
-        return bool((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("consumer_waits", False))
+        than compute what it cannot stage (kv_connector_extra_config["consumer_waits"]; default True, as a
+        vLLM decode instance keeps a remote-prefill request waiting until its blocks can be allocated;
+        False: computed, counted as the "pd" tier's `unstaged`; kvcache.host_tier.HostTier's peer_waits)."""
+        return bool((self.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("consumer_waits", True))
 
     @property
     def pd_wait_tier(self) -> str | None:

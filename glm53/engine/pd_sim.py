@@ -63,7 +63,7 @@ class _Clock:
         self.t += max(0.0, seconds)
 
 
-def pd_deploy(deploy: DeployConfig, role: str, *, consumer_waits: bool = False) -> DeployConfig:
+def pd_deploy(deploy: DeployConfig, role: str, *, consumer_waits: bool = True) -> DeployConfig:
     """`deploy` with the PdConnector in `role` ("kv_producer" / "kv_consumer"); its host tier is
     deploy.cpu_offload_bytes, and its kv_policy stays (offload, or HiSparse with its offload budget).
     consumer_waits: the connector's key of that name (DeployConfig.pd_consumer_waits)."""
@@ -72,16 +72,16 @@ def pd_deploy(deploy: DeployConfig, role: str, *, consumer_waits: bool = False) 
     policy = deploy.kv_policy if deploy.policy.own_connector else "offload"
     ktc = {"kv_connector": "PdConnector", "kv_role": role,
            "kv_connector_extra_config": {"cpu_bytes_to_use": deploy.cpu_offload_bytes,
-                                         **({"consumer_waits": True} if consumer_waits else {})}}
+                                         **({} if consumer_waits else {"consumer_waits": False})}}
     return dataclasses.replace(deploy, kv_policy=policy, kv_transfer_config=ktc)
 
 
-def build_pd(cfg, prefill: DeployConfig, decode: DeployConfig, hw=None, *, consumer_waits: bool = False,
+def build_pd(cfg, prefill: DeployConfig, decode: DeployConfig, hw=None, *, consumer_waits: bool = True,
              **runner_kw) -> PdPair:
     """A PdPair of simulated engines (glm53.engine.sim.build_engine) for `prefill` and `decode`, each given
     the PdConnector's role; the decode side reads the producer over `runner_kw["tier_storage"]["p2p"]`
     (default glm53.perfmodel.RDMA_CX7). consumer_waits: the decode side waits for host pages to stage
-    the producer's KV rather than compute it (DeployConfig.pd_consumer_waits)."""
+    the producer's KV rather than compute it (DeployConfig.pd_consumer_waits; False computes it)."""
     from glm53.engine.sim import build_engine
 
     kw = {} if hw is None else {"hw": hw}
