@@ -621,7 +621,7 @@ class HostTier:
 
         return ([p.state() for p in self.pools.values()], self.key()[1],
                 copy.deepcopy((self.loading, self.jobs, self.tier_pins, self.tier_rounds, self.retry_rounds,
-                               self.inflight, self.waiters, self._retry,
+                               self.inflight, self.waiters, self._retry, self._unstaged,
                                {k: dataclasses.astuple(c) for k, c in self.tier_counts.items()})))
 
 
