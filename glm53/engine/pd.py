@@ -17,7 +17,9 @@ from kvcache.block_pool import block_hashes
 from kvcache.tiers import PageSpans, chunk_key, make_tier, read_page_tokens, tail_chunk
 from kvcache.tiers.remote import RelayoutTier
 
-CHUNK_KEYS_MEMO = 256  # salts whose last prompt's chunk keys `chunk_keys` keeps (per engine)
+CHUNK_KEYS_MEMO = 256  # salts whose last prompt's chunk keys `chunk_keys` keeps (per engine) ...
+# ... and the hash blocks they hold at most (about 300 bytes each: 1 << 19 is c32 of 1M-token contexts)
+CHUNK_KEYS_MEMO_BLOCKS = 1 << 19
 
 
 class PdQueries:
@@ -157,7 +159,9 @@ class PdQueries:
                     out[c].append((g, key))
         memo.pop(at, None)
         memo[at] = (hashes, out)
-        if len(memo) > CHUNK_KEYS_MEMO:  # the salt keyed least recently (tolerant of a concurrent caller)
-            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+        # the salts keyed least recently go first, the newest stays (tolerant of a concurrent caller)
+        with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+            while len(memo) > 1 and (len(memo) > CHUNK_KEYS_MEMO
+                                     or sum(len(h) for h, _ in memo.values()) > CHUNK_KEYS_MEMO_BLOCKS):
                 memo.pop(next(iter(memo)), None)
         return kv.tokens_per_block, out

@@ -107,12 +107,13 @@ def test_at_1m_only_pcp_dcp_prefill_with_hisparse_decode_can_be_built():
             serve._engine(model, cfg, name)
 
 
-def test_chunk_keys_taken_from_the_salts_last_prompt_equal_keys_computed_afresh():
+def test_chunk_keys_taken_from_the_salts_last_prompt_equal_keys_computed_afresh(monkeypatch):
     """`chunk_keys` reuses the keys of the blocks a prompt shares with the last prompt of its salt: a
     longer prompt, a shorter one, one that diverges, another salt all get, per full hash block, the key of
     each group's page ending there (kvcache.tiers.chunk_key of the block's hash)."""
     import numpy as np
 
+    from glm53.engine import pd
     from kvcache.block_pool import block_hashes
     from kvcache.tiers import chunk_key
 
@@ -131,6 +132,14 @@ def test_chunk_keys_taken_from_the_salts_last_prompt_equal_keys_computed_afresh(
                 for c, h in enumerate(hashes)]
         assert tpb == 8 and got == want and len(got) == n // 8
     assert len(eng._chunk_keys_memo) == 2  # one entry per salt
+    # bounded by the hash blocks it holds: a third salt's 74 blocks over a cap of 150 push out the salt
+    # keyed least recently (u2's 74), and a prompt over the cap alone is kept alone (the newest stays)
+    monkeypatch.setattr(pd, "CHUNK_KEYS_MEMO_BLOCKS", 150)
+    eng.chunk_keys(a, ("u3",), upto=599)
+    assert list(eng._chunk_keys_memo) == [(0, ("u1",)), (0, ("u3",))]
+    monkeypatch.setattr(pd, "CHUNK_KEYS_MEMO_BLOCKS", 50)
+    tpb, got = eng.chunk_keys(a, ("u1",), upto=599)
+    assert list(eng._chunk_keys_memo) == [(0, ("u1",))] and len(got) == 74
     eng.shutdown()
 
 

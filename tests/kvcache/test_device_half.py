@@ -86,3 +86,21 @@ def test_hisparse_half_owns_its_hot_buffers_and_runs_the_lease_reset():
         host.apply((ResetLease(0, (1,)),), cache)
     with pytest.raises(TypeError, match="ResetLease"):  # nor does a policy without device state
         DeviceHalf().transfer(ResetLease(0, (1,)))
+
+
+def test_the_host_only_share_memo_equals_a_fresh_count_and_stays_bounded(monkeypatch):
+    """HiSparse's assumed misses read each MLA table's share of host-only pages (-1) through a memo keyed
+    by the immutable snapshot: a tuple's share, a list's (never memoised) and a new tuple's are each the
+    fresh count, and the memo is cleared before it holds more table entries than its bound."""
+    from kvcache.policies.hisparse import spec
+
+    monkeypatch.setattr(spec, "_HOST_ONLY", {})
+    monkeypatch.setattr(spec, "_HOST_ONLY_HELD", [0])
+    monkeypatch.setattr(spec, "HOST_ONLY_MAX_HELD", 25)
+    tables = [tuple([-1] * k + [7] * (10 - k)) for k in range(4)]
+    for t in tables[:2]:
+        assert spec._host_only_share(t) == t.count(-1) / 10
+    assert spec._host_only_share(tables[1]) == 0.1 and len(spec._HOST_ONLY) == 2
+    assert spec._host_only_share(list(tables[3])) == 0.3 and len(spec._HOST_ONLY) == 2
+    assert spec._host_only_share(tables[2]) == 0.2  # 30 entries would exceed 25: cleared, then this one
+    assert list(spec._HOST_ONLY) == [id(tables[2])] and spec._HOST_ONLY_HELD == [10]

@@ -45,8 +45,11 @@ def device_blocks_per_request(num_tokens: int, *, tokens_per_block: int, index_t
 # id(table) -> (the table, its share of host-only pages): HiSparse hands the same immutable table to every
 # step while the row's residency stands still (`row_tables`' snapshot), so a long row's pages are counted
 # once, not at every step (docs/simulator.md "Speed"). The entry keeps its table alive, so an id in it is
-# that table's.
+# that table's. Bounded by entries and by the table entries they hold (1 << 22: 32 MiB of references, about
+# 250 rows of 1M-token contexts), cleared whole when either is reached.
 _HOST_ONLY: dict[int, tuple[tuple, float]] = {}
+_HOST_ONLY_HELD = [0]  # table entries the memo holds
+HOST_ONLY_MAX_TABLES, HOST_ONLY_MAX_HELD = 2048, 1 << 22
 
 
 def _host_only_share(table) -> float:
@@ -56,10 +59,12 @@ def _host_only_share(table) -> float:
     hit = _HOST_ONLY.get(id(table))
     if hit is not None and hit[0] is table:
         return hit[1]
-    if len(_HOST_ONLY) >= 2048:
+    if len(_HOST_ONLY) >= HOST_ONLY_MAX_TABLES or _HOST_ONLY_HELD[0] + len(table) > HOST_ONLY_MAX_HELD:
         _HOST_ONLY.clear()
+        _HOST_ONLY_HELD[0] = 0
     share = table.count(-1) / len(table)
     _HOST_ONLY[id(table)] = (table, share)
+    _HOST_ONLY_HELD[0] += len(table)
     return share
 
 
