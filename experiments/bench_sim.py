@@ -7,6 +7,7 @@ engine's, the P/D pair's and the client's bookkeeping).
     python -m experiments.bench_sim --out results/bench_sim                      # both figures (an hour each run)
     python -m experiments.bench_sim --figure part2 --config.sweep.concurrency='(32,)' --out DIR
     python -m experiments.bench_sim --figure part2 --horizon-s 300 --profile --out DIR   # where the time goes
+    python -m experiments.bench_sim --figure part2 --horizon-s 2400 --profile --profile-from-s 1800 --out DIR
 
 Figures (`FIGURES`): "part1" is configs/paper/part1.py at concurrency 32 under HiSparse and offload, with
 enough conversations that the closed loop is still full after an hour; "part2" is configs/paper/part2.py
@@ -75,10 +76,12 @@ def _write_profile(prof: cProfile.Profile, path: str) -> None:
             pstats.Stats(prof, stream=f).strip_dirs().sort_stats(key).print_stats(40)
 
 
-def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profile: str | None = None) -> dict:
+def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profile: str | None = None,
+        profile_from_s: float = 0.0) -> dict:
     """One simulated run of `cfg` under `policy` at `concurrency`, its scheduler and runners timed, until
     the simulated clock passes `horizon_s` (or the workload ends). profile: also run it under cProfile
-    and write the profile's text there (its times are then the profiled run's)."""
+    and write the profile's text there (its times are then the profiled run's), from the first step that
+    ends at or after `profile_from_s` simulated seconds (a steady state's profile, without the warm-up)."""
     totals = {"schedule_s": 0.0, "update_s": 0.0, "price_s": 0.0}
     model, _ = serve._model(cfg.model, weights=False)
     eng = serve._engine(model, cfg, policy, "unused")
@@ -94,17 +97,21 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profil
     trace = hashlib.sha256()  # the simulated clock after every step: a speed change must leave it alone
 
     def on_step(e):
-        nonlocal steps
+        nonlocal steps, profiling
         steps += 1
         trace.update(repr(e.clock.now()).encode())
         if e.clock.now() >= horizon_s:
             raise _Horizon
+        if prof is not None and not profiling and e.clock.now() >= profile_from_s:
+            prof.enable()
+            profiling = True
 
-    prof = cProfile.Profile() if profile else None
+    prof, profiling = (cProfile.Profile() if profile else None), False
     t0, c0 = time.perf_counter(), time.process_time()
     try:
-        if prof is not None:
+        if prof is not None and profile_from_s <= 0:
             prof.enable()
+            profiling = True
         client.run(on_step=on_step)
     except _Horizon:
         pass
@@ -112,7 +119,7 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profil
         if prof is not None:
             prof.disable()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    if prof is not None:
+    if profiling:
         _write_profile(prof, profile)
     simulated = eng.clock.now()
     for rep in (rep for e in engines for rep in e.replicas):  # and what each replica priced and counted
@@ -154,6 +161,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="out/bench_sim")
     ap.add_argument("--profile", action="store_true",
                     help="run under cProfile and write OUT/profile_<figure>_<policy>_c<concurrency>.txt (slower)")
+    ap.add_argument("--profile-from-s", type=float, default=0.0,
+                    help="with --profile: profile from this simulated second on (skip the warm-up)")
     args, overrides = ap.parse_known_args(argv)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -167,7 +176,7 @@ def main(argv=None) -> dict:
         for policy in cfg.sweep.kv_policy:
             for conc in cfg.sweep.concurrency:
                 prof = os.path.join(out, f"profile_{figure}_{policy}_c{conc}.txt") if args.profile else None
-                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s, prof),
+                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s, prof, args.profile_from_s),
                      "profiled": bool(args.profile)}
                 runs.append(r)
                 print(f"[bench_sim] {figure} {policy} c={conc}: {r['engine_steps']} steps, {r['simulated_s']:.0f} "

@@ -84,7 +84,8 @@ def test_bench_sim_times_every_part_of_a_step(tmp_path, monkeypatch):
 
 def test_bench_sim_profile_names_where_the_time_went_and_the_trace_is_the_runs(tmp_path):
     """--profile writes each run's profile as text, naming the scheduler and the runner's execute among
-    the functions the run spent its time in, and marks the run as profiled. `trace_sha256` is the
+    the functions the run spent its time in, and marks the run as profiled; --profile-from-s profiles the
+    steps from that simulated second on. `trace_sha256` is the
     simulated run's, whatever the wall time: equal with and without the profiler, different over a
     shorter horizon."""
     def one(horizon, *extra):
@@ -101,5 +102,14 @@ def test_bench_sim_profile_names_where_the_time_went_and_the_trace_is_the_runs(t
     assert any(name == "schedule" for _, _, name in raw.stats)
     plain = one(3.0)
     assert plain["profiled"] is False and plain["trace_sha256"] == r["trace_sha256"]
+    # --profile-from-s: the steps from that simulated second on only (a steady state without the warm-up)
+    late = one(3.0, "--profile", "--profile-from-s", "0.4")
+    raw_late = pstats.Stats(str(tmp_path / "3.0--profile--profile-from-s0.4" / "profile_part1_offload_c2.txt.prof"))
+
+    def schedules(st):
+        return sum(v[1] for (_, _, name), v in st.stats.items() if name == "schedule")
+
+    assert 0 < schedules(raw_late) < schedules(raw) == r["engine_steps"]
+    assert late["trace_sha256"] == r["trace_sha256"]
     short = one(0.5)
     assert short["engine_steps"] < r["engine_steps"] and short["trace_sha256"] != r["trace_sha256"]
