@@ -176,8 +176,8 @@ def main(argv=None) -> dict:
         for policy in cfg.sweep.kv_policy:
             for conc in cfg.sweep.concurrency:
                 prof = os.path.join(out, f"profile_{figure}_{policy}_c{conc}.txt") if args.profile else None
-                r = {"figure": figure, "config": path, **run(cfg, policy, conc, args.horizon_s, prof, args.profile_from_s),
-                     "profiled": bool(args.profile)}
+                r = {"figure": figure, "config": path,
+                     **run(cfg, policy, conc, args.horizon_s, prof, args.profile_from_s), "profiled": bool(args.profile)}
                 runs.append(r)
                 print(f"[bench_sim] {figure} {policy} c={conc}: {r['engine_steps']} steps, {r['simulated_s']:.0f} "
                       f"simulated s in {r['wall_s']:.0f} wall s / {r['cpu_s']:.0f} CPU s "
