@@ -420,13 +420,16 @@ class HostTier:
             r = kv.ratio[g]
             c0 = -(-(first + 1) // r) * r - 1  # the first hash block >= first that ends a page of g
             keys = list(zip(itertools.repeat(g), hashes[c0:max_hit:r]))
-            on_dev, on_host = list(map(dev, keys)), list(map(host.get(g, _none), keys))
-            # the first page neither holds
-            j = next(itertools.compress(itertools.count(), map(operator.and_, map(_IS_NONE, on_dev),
-                                                               map(_IS_NONE, on_host))), len(keys))
+            on_dev = list(map(dev, keys))
+            # the host is asked only for the pages the device does not hold (positions `off`), in order
+            off = list(itertools.compress(itertools.count(), map(_IS_NONE, on_dev)))
+            on_host = list(map(host.get(g, _none), map(keys.__getitem__, off)))
+            # the first page neither holds: the first of `off` the host does not hold either
+            k = next(itertools.compress(itertools.count(), map(_IS_NONE, on_host)), None)
+            j = len(keys) if k is None else off[k]
             stop = min(stop, c0 + j * r) if j < len(keys) else stop
             del on_dev[j:]
-            columns[g] = (on_dev, list(itertools.compress(on_host, map(_IS_NONE, on_dev))))
+            columns[g] = (on_dev, on_host if k is None else on_host[:k])
         return stop, columns
 
     def release(self, pins: Sequence[tuple[str, int]]) -> None:
