@@ -151,7 +151,10 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int, extra_keys: Se
         parent = h.digest()
         out.append(parent)
     if not known:  # an extension (`known`: a request's next blocks) is not kept: it would copy its context
-        _remember(key, token_ids, out, best if best is not None and have + same == len(best[1]) else None)
+        # `ids` are then exactly the chain's tokens; kept as they are where they are a converted copy
+        # (not a view of the caller's array, which the caller may change)
+        _remember(key, token_ids, out, best if best is not None and have + same == len(best[1]) else None,
+                  ids if ids.base is None else None)
     return out
 
 
@@ -166,10 +169,12 @@ _CHAINS_MAX_TOKENS = 1 << 23  # 64 MiB of int64 tokens over all chains
 _chains_tokens = 0
 
 
-def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], prefix) -> None:
+def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], prefix,
+              tokens: np.ndarray | None = None) -> None:
     """Keep `hashes` (of token_ids' leading full blocks) among the chains under `key`, in place of
     `prefix` (a chain there that they extend or equal); a chain there that already holds them all is
-    only marked recently used."""
+    only marked recently used. tokens: those blocks' tokens as an int64 array no one else changes (kept
+    as they are), else copied from token_ids."""
     global _chains_tokens
     with _CHAINS_LOCK:  # servers hash from several threads; readers only ever see whole, unchanging chains
         chains = _CHAINS.setdefault(key, [])
@@ -177,7 +182,8 @@ def _remember(key: tuple, token_ids: Sequence[int], hashes: list[BlockHash], pre
         for c in chains:
             if len(c[1]) >= len(hashes) and c[1][len(hashes) - 1] == hashes[-1]:
                 return
-        tokens = np.array(token_ids[: len(hashes) * key[0]], dtype="<i8")
+        if tokens is None:
+            tokens = np.array(token_ids[: len(hashes) * key[0]], dtype="<i8")
         i = next((i for i, c in enumerate(chains) if c is prefix), None)
         if i is not None or len(chains) >= _CHAINS_PER_KEY:
             _chains_tokens -= chains.pop(0 if i is None else i)[0].size

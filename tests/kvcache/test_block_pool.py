@@ -56,6 +56,25 @@ def test_hashes_taken_from_recent_chains_are_the_chain_hashes():
     assert 0 < block_pool._chains_tokens == sum(t.size for cs in block_pool._CHAINS.values() for t, _ in cs)
 
 
+def test_a_kept_chain_does_not_change_with_the_callers_tokens():
+    """A chain `block_hashes` keeps is its own copy of the tokens: a caller that changes its array after the
+    call (int64, hashed through a view of it; int32 and lists, through a converted copy) cannot make a later
+    call reuse hashes of tokens it no longer has."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for make in (lambda a: a.astype(np.int64), lambda a: a.astype(np.int32), lambda a: [int(t) for t in a]):
+        orig = rng.integers(0, 1000, 64)
+        tokens = make(orig)
+        first = block_hashes(tokens, 4, ["kept-chain"])
+        tokens[10] = 5000  # the caller reuses its buffer
+        assert block_hashes(orig.copy(), 4, ["kept-chain"]) == first
+        changed = orig.copy()
+        changed[10] = 5000
+        assert block_hashes(changed, 4, ["kept-chain"])[:2] == first[:2]
+        assert block_hashes(changed, 4, ["kept-chain"])[2] != first[2]
+
+
 def test_lru_reuse_and_eviction_order():
     pool = BlockPool(4)
     b = pool.allocate(3)
