@@ -521,6 +521,11 @@ def main(argv=None) -> dict:
     return results
 
 
+# config keys whose default changed after they were added, each with the behaviour a results.json that
+# predates the key was measured with (a file without pd.consumer_waits computed what it could not stage)
+DEFAULTS_BEFORE_KEY = {("pd", "consumer_waits"): False}
+
+
 def _resumed(path: Path, cfg) -> list[dict]:
     """The runs of an earlier results.json of this config (none if there is no file); each keeps the code
     revision and date it was measured with (`git_revision`, `date`). `process`: the pid of the sweep process
@@ -530,6 +535,9 @@ def _resumed(path: Path, cfg) -> list[dict]:
         return []
     old = json.loads(path.read_text())
     now = json.loads(json.dumps(cfg.to_dict(), default=_jsonable))
+    for (section, key), value in DEFAULTS_BEFORE_KEY.items():  # what a file from before the key ran with
+        if isinstance(old.get("config", {}).get(section), dict):
+            old["config"][section].setdefault(key, value)
     if old.get("config") != _without_new_defaults(now, old.get("config"),
                                                   json.loads(json.dumps(default_config().to_dict(), default=_jsonable))):
         raise SystemExit(f"--resume: {path} was measured with another config; move it away or drop --resume")

@@ -174,7 +174,7 @@ def test_steady_measure_stops_at_the_drain_and_reports_its_window(tmp_path):
 def test_resume_takes_a_file_from_before_a_knob_added_at_its_default(tmp_path):
     """--resume keeps the points of a results.json measured before a config key existed, when the current
     config leaves that key at the built-in default; any other difference, or the new key set otherwise,
-    refuses."""
+    refuses. A key whose default changed later stands, in a file without it, for its default before."""
     from experiments import serve
 
     cfg = serve.default_config()
@@ -190,3 +190,11 @@ def test_resume_takes_a_file_from_before_a_knob_added_at_its_default(tmp_path):
     cfg.runner.step_overhead_s = 1e-3
     with pytest.raises(SystemExit, match="another config"):
         serve._resumed(path, cfg)
+    # a key whose default changed: a file from before it ran the old behaviour, which only that value keeps
+    del old["pd"]["consumer_waits"]
+    path.write_text(json.dumps({"config": old, "runs": [{"kv_policy": "preempt", "concurrency": 1}]}))
+    with pytest.raises(SystemExit, match="another config"):
+        serve._resumed(path, serve.default_config())
+    cfg = serve.default_config()
+    cfg.pd.consumer_waits = False
+    assert [r["kv_policy"] for r in serve._resumed(path, cfg)] == ["preempt"]
