@@ -429,6 +429,32 @@ class BlockPool:
                                      "the page's BlockInfo")
                 self.events.stored(self.medium, group, h, info)
 
+    def cache_all(self, group: str, blocks: Sequence[int], hashes: Sequence[BlockHash],
+                  infos: Sequence[BlockInfo] | None = None) -> None:
+        """`cache(group, blocks[k], hashes[k], infos[k])` for each k in order, in one pass (a P/D hand-off
+        or a host load enters thousands of pages at once). infos: required while an event sink is attached."""
+        if type(self).cache is not BlockPool.cache or self.events is not None:  # ARC's lists, events: one at a time
+            for k, (b, h) in enumerate(zip(blocks, hashes)):
+                self.cache(group, b, h, None if infos is None else infos[k])
+            return
+        if not self.enable_prefix_caching:
+            return
+        ref, block_key, cached, log, most = self.ref_count, self.block_key, self.cached, self._index_log, self.index_log_max
+        for b, h in zip(blocks, hashes):
+            if block_key[b] is not None:
+                continue
+            if ref[b] <= 0:
+                raise RuntimeError(f"block {b} is not referenced: cannot cache it")
+            key = (group, h)
+            if key not in cached:
+                cached[key] = b
+                block_key[b] = key
+                log.append(h)
+                self.version += 1
+                if len(log) > most:  # as `cache` trims: the log's base moves exactly as one call at a time
+                    self._trim_index_log()
+                    log = self._index_log
+
     def reset_prefix_cache(self) -> None:
         """Drop every hash (referenced blocks stay with their holders, unhashed; free ones become blank)."""
         if self.events is not None:

@@ -32,10 +32,12 @@ priced. Engines whose chunks cannot be each other's (another model or KV format,
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import itertools
 import math
+import operator
 
 from glm53.engine.config import DeployConfig
 from glm53.engine.engine import Engine
@@ -47,6 +49,9 @@ from kvcache.relayout import page_parts
 # the producer's own "pd" tier: its host memory, which the consumer reads (the read is priced there)
 PRODUCER_HOST = StorageSpec("the producer's host memory (read by the consumer)", read_bandwidth=math.inf,
                             write_bandwidth=math.inf, read_latency_s=0.0, write_latency_s=0.0)
+
+
+_GROUP, _KEY = operator.itemgetter(0), operator.itemgetter(1)  # of a (group, chunk key) pair
 
 
 class _Clock:
@@ -199,11 +204,11 @@ class PdPair:
         tier = self.prefill.pd_tier(self.prefill.replica_of(rid))
         tpb, blocks = self.prefill.prompt_chunk_keys(rid)
         has = tier.held_now()
-        held = []
-        for block in blocks:  # the leading hash blocks whose every page the producer holds
-            if not all([k in has for _, k in block]):
-                break
-            held.append(block)
+        # the leading hash blocks whose every page the producer holds: up to the block of the first key it
+        # does not hold (C-level loops over the prompt's keys)
+        missing = map(operator.not_, map(has.__contains__, map(_KEY, itertools.chain.from_iterable(blocks))))
+        first = next(itertools.compress(itertools.count(), missing), None)
+        held = blocks if first is None else blocks[:bisect.bisect_right(list(itertools.accumulate(map(len, blocks))), first)]
         handed = len(held) * tpb
         if self.remote is not None:  # past its full pages, the tail chunks of its last partial pages
             upto, tails = self.prefill.prompt_tail_keys(rid)
@@ -214,7 +219,8 @@ class PdPair:
         tier = self.decode.pd_tier(self.decode.replica_of(rid))
         if self.remote is None:
             pages = self.decode.sizes.page_bytes
-            tier.put((k, pages[g]) for block in held for g, k in block)
+            pairs = list(itertools.chain.from_iterable(held))
+            tier.put(zip(map(_KEY, pairs), map(pages.__getitem__, map(_GROUP, pairs))))
         else:
             tier.put(self._relaid(rid, handed))
         self.handed_tokens += handed

@@ -201,11 +201,14 @@ class SimTier:
         this tier (the consumer's peer tier) then reads on its read channel. Each becomes a HIT at once,
         the most recently used; capacity as for a landing store."""
         self._advance()
+        held, added = self._held, 0
         for key, size in chunks:
-            if key not in self._held:
-                self._held[key] = size
-                self._bytes += size
-            self._held.move_to_end(key)
+            if key in held:
+                held.move_to_end(key)
+            else:  # (a new key is the most recent already)
+                held[key] = size
+                added += size
+        self._bytes += added
         self._version += 1
         while self.max_bytes is not None and self._bytes > self.max_bytes and len(self._held) > 1:
             _, n = self._held.popitem(last=False)

@@ -432,3 +432,26 @@ def test_a_list_frees_and_touches_as_one_call_per_block(arc, order, rnd):
     for b in free + free[:1]:
         each.touch([b])
     assert one.state() == each.state() and list(one.free_queue) == list(each.free_queue)
+
+
+@pytest.mark.parametrize("arc", [False, True])
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5)), max_size=14))
+@settings(max_examples=60, deadline=None)
+def test_cache_all_is_cache_one_page_at_a_time(arc, pages):
+    """cache_all(g, blocks, hashes) leaves the pool (index, its change log and its trims, version) as
+    cache(g, b, h) for each pair in order would: a block cached twice, a hash another block holds."""
+    def pool():
+        p = ARCBlockPool(8) if arc else BlockPool(8)
+        p.index_log_max = 3  # trimmed inside the call
+        p.allocate(8)
+        return p
+
+    one, each = pool(), pool()
+    one.cache_all("mla", [b for b, _ in pages], [b"h%d" % h for _, h in pages])
+    for b, h in pages:
+        each.cache("mla", b, b"h%d" % h)
+    assert one.state() == each.state() and one.cached == each.cached
+    assert (one._index_log, one._index_base, one.version) == (each._index_log, each._index_base, each.version)
+    with pytest.raises(RuntimeError, match="not referenced"):
+        blank = BlockPool(2)
+        blank.cache_all("mla", [0], [b"h"])

@@ -184,6 +184,73 @@ def test_host_tier_is_lru_and_pins_pages_it_is_loading():
         p.check()
 
 
+class _StoreOnePageAtATime(OffloadPolicy):
+    """The host store as the docstring of OffloadPolicy._store states it, one page at a time: a lookup, then
+    a hit touched and freed (in runs between allocations) or one host page allocated and keyed."""
+
+    def _store(self, kv, reqs):
+        copies = {}
+        for req in reqs:
+            rb, done = kv.requests[req.req_id], self.stored[req.req_id]
+            chunks = rb.num_cached_blocks - rb.num_cached_blocks % self.blocks_per_chunk
+            for g in kv.groups:
+                r, pool, table = kv.ratio[g], self.host[g], rb.tables[g]
+                full, fresh = chunks // r, []
+                for j in range(done[g], full):
+                    h = rb.hashes[(j + 1) * r - 1]
+                    hb = pool.lookup(g, h)
+                    if hb is not None:
+                        fresh.append(hb)
+                        continue
+                    if table[j] < 0 or pool.num_free == 0:
+                        self.stats.store_skipped_pages += table[j] >= 0
+                        continue
+                    if fresh:
+                        pool.touch(fresh)
+                        pool.free(fresh)
+                        fresh = []
+                    hb = pool.allocate(1)[0]
+                    pool.cache(g, hb, h)
+                    src, dst, infos = copies.setdefault(g, ([], [], []))
+                    src.append(table[j]), dst.append(hb), infos.append(None)
+                if fresh:
+                    pool.touch(fresh)
+                    pool.free(fresh)
+                done[g] = max(done[g], full)
+        for g, (src, dst, infos) in copies.items():
+            self.host[g].free(dst)
+            self.host_tier.copy_out(g, src, dst, infos)
+            self.stats.stored_pages += len(src)
+            self.stats.store_bytes += len(src) * self.page_bytes[g]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+@pytest.mark.parametrize("seed", range(24))
+def test_the_host_store_is_one_page_at_a_time(eviction, seed):
+    """OffloadPolicy._store looks a call's pages up at once and allocates consecutive misses in one call;
+    it leaves the host pools, the copies and the counts as one page at a time does, where an allocation
+    takes the LRU page that holds a later page of the same call, pinned pages leave no page free, and
+    requests share prefixes (a two-letter alphabet)."""
+    rng = np.random.default_rng(seed)
+    sides = []
+    for cls in (OffloadPolicy, _StoreOnePageAtATime):
+        kv = KVCacheManager(256, 2, ("mla", "indexer"), group_tokens_per_block={"indexer": 4},
+                            enable_prefix_caching=False)
+        sides.append((kv, cls({"mla": 5, "indexer": 3}, {"mla": 100, "indexer": 10}, eviction=eviction)))
+    draws = [(rng.integers(0, 2, int(rng.integers(3, 24))), rng.random() < 0.3) for _ in range(30)]
+    for k, (tokens, keep) in enumerate(draws):
+        views = []
+        for kv, pol in sides:
+            req = _Req(f"r{k}", tokens)
+            _run_to_full(kv, pol, req)
+            if not keep:  # else it stays admitted: what it loaded stays pinned until it finishes
+                pol.on_finish(kv, req)
+                kv.free(req.req_id)
+            views.append(([p.state() for p in pol.host.values()], pol.take_transfers(), pol.stats))
+        assert views[0] == views[1], f"request {k}"
+    assert sides[0][1].stats.store_skipped_pages > 0 and sides[0][1].host["mla"].stats.evicted > 0
+
+
 def test_host_tier_sizes_split_the_budget_by_bytes_per_token():
     # MLA pages of 8 tokens x 1,000 B, indexer pages of 32 tokens x 400 B: 125 + 12.5 B per token
     blocks = host_tier_blocks(137_500, {"mla": 1000, "indexer": 400}, {"mla": 8, "indexer": 32})

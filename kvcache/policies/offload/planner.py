@@ -53,7 +53,7 @@ import itertools
 import operator
 from collections.abc import Sequence
 
-from kvcache.block_pool import BlockInfo, KVCacheManager, table_entries
+from kvcache.block_pool import BlockInfo, BlockPool, KVCacheManager, table_entries
 from kvcache.host_tier import LOAD_FAILURE_POLICIES, HostTier, HostTierPolicy, TierCounts, host_pools
 from kvcache.policies.base import Policy, RequestView
 from kvcache.tiers import TierSet
@@ -269,17 +269,18 @@ class OffloadPolicy(HostTierPolicy, Policy):
         self.host_tier.admitted(req.req_id)
         device_chunks, pend = self.pending.pop(req.req_id)
         rb = kv.requests[req.req_id]
-        fresh = iter(kv.pool.allocate(sum(len(p) for p in pend.values())))
+        fresh = kv.pool.allocate(sum(len(p) for p in pend.values()))
         events = kv.pool.events is not None
+        k = 0
         for g, pages in pend.items():
-            src, dst = [], []
-            for page, (hb, h) in pages.items():
-                b = next(fresh)
-                rb.tables[g][page] = b
-                # a full page again: later requests hit it on the device
-                kv.pool.cache(g, b, h, kv.page_info(rb, req.tokens, g, page) if events else None)
-                src.append(hb)
-                dst.append(b)
+            dst = fresh[k:k + len(pages)]
+            k += len(pages)
+            table = rb.tables[g]
+            for page, b in zip(pages, dst):
+                table[page] = b
+            src, hashes = zip(*pages.values()) if pages else ((), ())
+            # full pages again: later requests hit them on the device
+            kv.pool.cache_all(g, dst, hashes, [kv.page_info(rb, req.tokens, g, p) for p in pages] if events else None)
             self.host[g].free(src)  # unpinned: the copy below runs before any later store can take them
             self.outbox.append(PageCopy(g, "h2d", tuple(src), tuple(dst)))
             self.stats.loaded_pages += len(src)
@@ -307,31 +308,53 @@ class OffloadPolicy(HostTierPolicy, Policy):
                 if done[g] >= full:  # nothing newly full (most steps of a decoding request)
                     continue
                 pool, table = self.host[g], rb.tables[g]
-                lookup = pool.lookup
-                # pages already on the host become the most recently used (a touch and a free each),
-                # in runs between allocations: a run's order in the free queue is the pages' order, as
-                # one at a time, and the allocation after it must see them moved
-                fresh: list[int] = []
                 # page j's hash is its last hash block's (KVCacheManager.page_hash_index: (j + 1) r - 1)
-                for j, h in enumerate(rb.hashes[(done[g] + 1) * r - 1 : full * r : r], done[g]):
-                    hb = lookup(g, h)
-                    if hb is None:
-                        if table[j] < 0 or pool.num_free == 0:
-                            self.stats.store_skipped_pages += table[j] >= 0
+                hashes = rb.hashes[(done[g] + 1) * r - 1 : full * r : r]
+
+                def place(pages: list[int]) -> None:
+                    # host pages for `pages` (the least recently used ones, their old keys dropped), keyed
+                    blocks = pool.allocate(len(pages))
+                    hs = [hashes[j - done[g]] for j in pages]
+                    new = [kv.page_info(rb, req.tokens, g, j) for j in pages] if events else None
+                    pool.cache_all(g, blocks, hs, new)
+                    src, dst, infos = copies.setdefault(g, ([], [], []))
+                    src.extend(table[j] for j in pages)
+                    dst.extend(blocks)
+                    infos.extend(new if events else [None] * len(pages))
+
+                # as one page at a time: a lookup, then either a hit (touched and freed: the most recently
+                # used, in runs between allocations, so that a run's order in the free queue is the pages'
+                # order and the allocation after it sees them moved) or a host page allocated and keyed.
+                # The lookups are made up front: a hit stays one unless an allocation before it took its
+                # page (checked when it comes); a miss stays one (only its own page is keyed under its hash).
+                # A plain pool's consecutive allocations are made in one call (the same pages, in order);
+                # an ARC pool's next page depends on what `cache` recorded, so it allocates one at a time
+                batch = type(pool) is BlockPool
+                key_of, avail = pool.block_key, pool.num_free  # (a touch and a free leave num_free as it is)
+                fresh: list[int] = []
+                need: list[int] = []
+                for j, h, hb in zip(itertools.count(done[g]), hashes, pool.lookup_all(g, hashes)):
+                    if hb is not None:
+                        if need:
+                            place(need)
+                            need = []
+                        if key_of[hb] == (g, h):
+                            fresh.append(hb)
                             continue
-                        if fresh:
-                            pool.touch(fresh)
-                            pool.free(fresh)
-                            fresh = []
-                        hb = pool.allocate(1)[0]  # the least recently used host page, its old key dropped
-                        info = kv.page_info(rb, req.tokens, g, j) if events else None
-                        pool.cache(g, hb, h, info)
-                        src, dst, infos = copies.setdefault(g, ([], [], []))
-                        src.append(table[j])
-                        dst.append(hb)
-                        infos.append(info)
-                    else:
-                        fresh.append(hb)
+                    if table[j] < 0 or avail == 0:
+                        self.stats.store_skipped_pages += table[j] >= 0
+                        continue
+                    if fresh:
+                        pool.touch(fresh)
+                        pool.free(fresh)
+                        fresh = []
+                    avail -= 1
+                    need.append(j)
+                    if not batch:
+                        place(need)
+                        need = []
+                if need:
+                    place(need)
                 if fresh:
                     pool.touch(fresh)
                     pool.free(fresh)
