@@ -49,6 +49,7 @@ configs/paper/part2.py in the simulator).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -211,6 +212,72 @@ def run_deployment(name: str, spec: dict, deploy: dict, sessions, concurrency: i
         return m, [o.token_ids.tolist() for o in outs]
     finally:
         _stop(([router] if router else []) + list(procs.values()))
+
+
+def server_deploys(spec: dict, preset: str, deploy: dict = DEPLOY) -> dict[str, list]:
+    """{"prefill": [...], "decode": [...]}: each server's DeployConfig, as `python -m glm53.serve` makes
+    it from the flags `deployments` gives it (glm53.serve.deploy_from_args, float32 weights)."""
+    import glm53
+    from glm53.serve import build_parser, deploy_from_args
+
+    cfg = glm53.get_preset(preset)
+    parse = build_parser().parse_args
+    return {role: [deploy_from_args(parse([preset, *_server_args(deploy, extra)]), cfg, "float32") for extra in flags]
+            for role, flags in spec.items()}
+
+
+HOST_SHARING = ("alone", "shared")  # the twin's bounds on how the servers share this machine's cores
+
+
+def twin(spec: dict, sessions, concurrency: int, *, preset: str, fit: dict, host: str, deploy: dict = DEPLOY) -> dict:
+    """The simulated twin of one point of `run_deployment` (timings only; its counts depend on wall-clock
+    routing): the deployment's servers as `server_deploys` makes them, one PdPair (glm53.engine.pd_sim)
+    of a prefill engine (the producers as its data-parallel replicas: one server of two devices, or two
+    of one) and a decode engine (the decode server, or the two as replicas), float32 KV and weights,
+    priced on the CPU spec `fit` (`experiments.validate_sim`'s cpu_spec_fit) as validate_sim prices its
+    points (the runner's padded forwards, async dispatch, exact HiSparse misses not modelled: 0), served
+    by the same closed-loop client -> the client-side metrics `run_deployment` reports.
+
+    The servers are processes on one machine. `host` bounds what the simulator does not model, how they
+    share its cores: "alone" prices each engine's devices on the whole host (`validate_sim.shared_host`
+    over its own 2 devices: exact when one server works at a time), "shared" prices every device on a
+    quarter of it (the deployment's 4 devices: exact when all of them work at once)."""
+    import glm53
+    from experiments.validate_sim import WEIGHT_BYTES, cpu_spec, shared_host
+    from glm53.engine.metrics import summarize
+    from glm53.engine.pd_sim import build_pd
+
+    if host not in HOST_SHARING:
+        raise ValueError(f"host must be one of {HOST_SHARING}, got {host!r}")
+    made = server_deploys(spec, preset, deploy)
+
+    def engine_deploy(role: str):
+        # the role's servers as one engine: a server of several ranks as it is, one-device servers as replicas
+        # (pd_deploy gives each its PdConnector role; the servers' own connector configs differ in ports only)
+        ds = [dataclasses.replace(d, kv_transfer_config=None,
+                                  kv_cache_dtype="float32" if d.kv_cache_dtype == "auto" else d.kv_cache_dtype)
+              for d in made[role]]
+        if len(ds) > 1:
+            if any(d != ds[0] for d in ds) or ds[0].data_parallel_size != 1:
+                raise ValueError(f"twin: the {role} servers differ, or have ranks of their own: {ds}")
+            return dataclasses.replace(ds[0], data_parallel_size=len(ds))
+        return ds[0]
+
+    pre, dec = engine_deploy("prefill"), engine_deploy("decode")
+    devices = {d.data_parallel_size * d.devices_per_replica for d in (pre, dec)}
+    if len(devices) != 1:
+        raise ValueError(f"twin: the prefill and decode engines have {devices} devices; one spec prices both")
+    hw = cpu_spec(fit["flops"], fit["bandwidth"], fit["forward_latency_s"])
+    hw, before, beside = shared_host(hw, fit["step_overhead_s"], fit["host_overlap_s"],
+                                     devices.pop() if host == "alone" else DEVICES)
+    pair = build_pd(glm53.get_preset(preset), pre, dec, hw, step_overhead_s=before, host_overlap_s=beside,
+                    weight_bytes=WEIGHT_BYTES, hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True)
+    ids, wall = run_point(pair, sessions, concurrency, pair.cfg.vocab_size, deploy["max_model_len"])
+    outs = [pair.decode.output(r) for r in ids]
+    m = summarize(outs, duration_s=max(o.finish_s for o in outs) - min(o.arrival_s for o in outs), num_devices=DEVICES)
+    del m["running_requests_mean"], m["running_requests_mean_per_step"]  # as the HTTP client reports
+    m.update(host=host, kv_transfer_received_tokens=pair.received_tokens(), sim_wall_s=wall)
+    return m
 
 
 def main(argv=None) -> dict:

@@ -40,14 +40,19 @@ that it runs and that its counts are equal; such points do not make a run comple
    point: median TTFT, mean TPOT, throughput per device, running requests, and the counts that do not
    depend on time (preemptions, prefix hits, engine steps; under DP each rank's scheduled tokens and
    idle steps), which must be equal: without think time the schedule is a function of the requests. Each
-   point is called prefill-bound or decode-bound by where its real step time went. Not here: P/D over
-   HTTP (experiments.pd_http), whose counts depend on wall-clock routing, has no simulated twin yet.
+   point is called prefill-bound or decode-bound by where its real step time went.
+3. P/D over HTTP, timings only (`--pd-http`, `pd_http_comparison`): the points of a committed
+   experiments.pd_http run (its servers, router and client are processes on this machine; an hour of
+   real time, so it is run on its own) against their simulated twins (`experiments.pd_http.twin`: the
+   servers' own DeployConfigs as one PdPair) on the fitted spec. Its counts are not compared (they
+   depend on wall-clock routing), and it is not in `mape`: the simulator does not model processes
+   sharing cores, so the twin is priced under two bounds that bracket it (`pd_http.HOST_SHARING`).
 
 Writes OUT/results.json (the fitted spec, the fit's error on its own forwards and steps, every point
 with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
 points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
 counts equal; `complete`: the fit's points and every HELD_OUT config ran, none with an `--override`;
-rewritten after every point) and OUT/table.md (the validation table). A benchmark: it asserts
+`pd_http`: item 3's comparison; rewritten after every point) and OUT/table.md (the validation table). A benchmark: it asserts
 nothing (tests/experiments/test_validate_sim.py bounds the committed run's `mape`, requires
 `counts_equal` and every HELD_OUT config: `check`).
 """
@@ -371,6 +376,53 @@ def rel_error(sim: float, real: float) -> float:
     return sim / real - 1
 
 
+PD_HTTP_REAL = "results/paper/part2_laptop"  # the committed P/D-over-HTTP run (experiments.pd_http) compared
+
+
+def _pd_http_run(path: str) -> dict:
+    """The results.json of the pd_http run in `path` (relative to the working directory, else to the repo)."""
+    p = Path(path)
+    if not p.is_absolute() and not p.exists():
+        p = serve.REPO / p
+    return json.loads((p / "results.json").read_text())
+
+
+def pd_http_comparison(real: dict, fit: dict, source: str = PD_HTTP_REAL) -> dict:
+    """P/D over HTTP, timings only: each point of `real` (an experiments.pd_http results.json, whose
+    servers, router and client ran as processes on this machine) against its simulated twin
+    (`experiments.pd_http.twin`) priced on the CPU spec `fit`, under both of the twin's bounds on how
+    the processes share the cores (`pd_http.HOST_SHARING`: "alone", each engine on the whole host;
+    "shared", every device on a quarter of it). Its counts are not compared: which producer and decode
+    rank a request meets, and so what each holds, depends on wall-clock routing. -> {"real": where the run
+    is and its date / revision, "points": [{deployment, concurrency, real, sim: {bound: metrics},
+    rel_error: {bound: {metric: simulated / real - 1}}, between: {metric: the real value lies between the
+    bounds}}], "mape": {bound: {metric: mean |rel error|}}, "between": the fraction of (point, metric)
+    pairs the bounds bracket}."""
+    from experiments import pd_http, workloads
+
+    w = real["workload"]
+    sessions = workloads.synthetic_trace(w["sessions"], scale=w["scale"], median_turns=w["median_turns"],
+                                         mean_output=w["mean_output_tokens"] / w["scale"], think_mean_s=0.0,
+                                         subagent_prob=0.0, max_context=real["deploy"]["max_model_len"])
+    specs = pd_http.deployments(real["deploy"], real.get("decode_layout", "replicas"))
+    points = []
+    for r in real["runs"]:
+        sims = {host: pd_http.twin(specs[r["kv_policy"]], sessions, r["concurrency"], preset=real["preset"], fit=fit,
+                                   host=host, deploy=real["deploy"]) for host in pd_http.HOST_SHARING}
+        err = {host: {k: rel_error(m[k], r[k]) for k in MAPE_METRICS} for host, m in sims.items()}
+        lo, hi = (sims[h] for h in pd_http.HOST_SHARING)
+        points.append({"deployment": r["kv_policy"], "concurrency": r["concurrency"],
+                       "real": {k: r[k] for k in MAPE_METRICS},
+                       "sim": {h: {k: m[k] for k in MAPE_METRICS} for h, m in sims.items()}, "rel_error": err,
+                       "between": {k: min(lo[k], hi[k]) <= r[k] <= max(lo[k], hi[k]) for k in MAPE_METRICS}})
+    mape = {h: {k: float(np.mean([abs(p["rel_error"][h][k]) for p in points])) for k in MAPE_METRICS}
+            for h in pd_http.HOST_SHARING}
+    pairs = [b for p in points for b in p["between"].values()]
+    return {"real": {"dir": source, "date": real["date"], "git_revision": real["git_revision"],
+                     "decode_layout": real.get("decode_layout", "replicas")},
+            "twin_git_revision": git_revision(), "points": points, "mape": mape, "between": sum(pairs) / max(len(pairs), 1)}
+
+
 def missing(points: list[dict]) -> list[str]:
     """What a run's points lack to be the full validation: the fits' points (one device's and the
     lock-step's), each HELD_OUT config by name, and points run with extra overrides (`--override`), which
@@ -458,6 +510,23 @@ def table(res: dict) -> str:
             lines.append("")
             lines.append(f"{bound}, held out ({len(pts)} points): median |error| " + ", ".join(
                 f"{k} {_median_abs(pts, k):.1%}" for k in METRICS))
+    if res.get("pd_http"):
+        pd = res["pd_http"]
+        lines += ["", "## P/D over HTTP (timings only)", "",
+                  f"The real side is {pd['real']['dir']} ({pd['real']['date']}, {pd['real']['git_revision'][:12]}, "
+                  f"decode layout {pd['real']['decode_layout']}): prefill and decode servers, router and client as "
+                  "processes on this machine. The simulated twin (experiments.pd_http.twin) does not model how "
+                  "they share its cores; it is priced two ways: each engine alone on the host, and every device "
+                  "sharing it. rel error = simulated / real - 1; * marks a real value the two bracket.", "",
+                  "| deployment | c | TTFT p50 alone | shared | TPOT mean alone | shared | throughput/device alone | shared |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for p in pd["points"]:
+            cells = [f"{p['rel_error'][h][k]:+.0%}" + ("*" if h == "shared" and p["between"][k] else "")
+                     for k in MAPE_METRICS for h in ("alone", "shared")]
+            lines.append(f"| {p['deployment']} | {p['concurrency']} | " + " | ".join(cells) + " |")
+        lines += ["", "MAPE: " + "; ".join(f"{h}: " + ", ".join(f"{k} {v:.1%}" for k, v in m.items())
+                                             for h, m in pd["mape"].items())
+                  + f". The bounds bracket {pd['between']:.0%} of the real values."]
     return "\n".join(lines) + "\n"
 
 
@@ -530,6 +599,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--fit-from", default="", metavar="DIR",
                     help="take the CPU spec fitted by the run in DIR (its results.json) instead of fitting it: no "
                          "serve-default points, no grid; its held-out points can then be merged into DIR")
+    ap.add_argument("--pd-http", default=PD_HTTP_REAL, metavar="DIR",
+                    help="the experiments.pd_http run (its results.json) whose points are compared with their "
+                         "simulated twins, timings only (`pd_http` in results.json; with --summarize, recomputed "
+                         "on DIR's spec); '' for none (default: %(default)s)")
     ap.add_argument("--override", action="append", default=[], metavar="--config.FIELD=VALUE",
                     help="an extra config override for every held-out config run (e.g. a smaller concurrency); the "
                          "points record it, and a run with any is not complete")
@@ -542,6 +615,8 @@ def main(argv=None) -> dict:
         for other in (d for d in args.merge.split(",") if d):
             res = merge(res, json.loads((Path(other) / "results.json").read_text()), other)
         res.update(summary(res["points"]))
+        if args.pd_http:
+            res["pd_http"] = pd_http_comparison(_pd_http_run(args.pd_http), res["cpu_spec_fit"], args.pd_http)
         path.write_text(json.dumps(res, indent=1, default=str))
         (path.parent / "table.md").write_text(table(res))
         return res
@@ -629,6 +704,9 @@ def main(argv=None) -> dict:
     for name, path, overrides in held_out:
         for cfg, policy, conc, m, log, _ in points(name, path, (*overrides, *args.override), "held out"):
             compare(name, cfg, policy, conc, m, log, "held out", args.override)
+    if args.pd_http:
+        print(f"[validate_sim] P/D over HTTP: {args.pd_http} against its simulated twins", flush=True)
+        meta["pd_http"] = pd_http_comparison(_pd_http_run(args.pd_http), f, args.pd_http)
     res = save()
     print(table(res))
     return res

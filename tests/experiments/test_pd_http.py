@@ -5,7 +5,6 @@ import pytest
 
 import glm53
 from experiments import pd_http
-from glm53 import serve
 
 
 @pytest.mark.parametrize("layout", pd_http.DECODE_LAYOUTS)
@@ -15,10 +14,11 @@ def test_each_deployment_is_four_devices_of_producers_and_consumers_with_one_pag
     assert set(specs) == {"pcp_dcp+hisparse", "dp+offload"}
     for name, spec in specs.items():
         devices, page_tokens, policies, kv, listed = 0, set(), set(), set(), set()
+        made = pd_http.server_deploys(spec, "tiny")
         for role, want in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-            for extra in spec[role]:
-                args = serve.build_parser().parse_args(["tiny", *pd_http._server_args(pd_http.DEPLOY, extra)])
-                d = serve.deploy_from_args(args, cfg, "float32").resolved(cfg, "float32")
+            assert len(made[role]) == len(spec[role])
+            for d in made[role]:
+                d = d.resolved(cfg, "float32")
                 assert d.kv_role == want and d.kv_transfer_config["kv_connector"] == "PdConnector"
                 assert (d.max_model_len, d.max_num_seqs, d.max_num_batched_tokens) == (
                     pd_http.DEPLOY["max_model_len"], pd_http.DEPLOY["max_num_seqs"],
@@ -91,3 +91,32 @@ def test_the_committed_run_is_complete_with_the_published_decode_layout():
                for r in runs)
     assert [r["tokens_equal"] for r in runs if r["concurrency"] == 1] == [True, True]
     assert (REPO / "results/paper/part2_laptop/table.md").read_text() == pd_http.table(res)
+
+
+def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
+    """experiments.pd_http.twin (validate_sim's P/D-over-HTTP comparison): at concurrency 1 nothing depends on
+    wall-clock routing, so the twin of each deployment serves the committed real run's requests and output
+    tokens and its decode side receives exactly the prompt tokens the real decode servers received from a
+    producer; pricing every device on a quarter of the host ("shared") instead of each engine's two on
+    all of it ("alone") makes each decode step take about twice as long."""
+    import json
+
+    from experiments import validate_sim, workloads
+    from experiments.common import REPO
+
+    real = json.loads((REPO / validate_sim.PD_HTTP_REAL / "results.json").read_text())
+    fit = json.loads((REPO / "results/validate_sim/results.json").read_text())["cpu_spec_fit"]
+    w = real["workload"]
+    sessions = workloads.synthetic_trace(w["sessions"], scale=w["scale"], median_turns=w["median_turns"],
+                                         mean_output=w["mean_output_tokens"] / w["scale"], think_mean_s=0.0,
+                                         subagent_prob=0.0, max_context=real["deploy"]["max_model_len"])
+    specs = pd_http.deployments(real["deploy"], real["decode_layout"])
+    for r in (r for r in real["runs"] if r["concurrency"] == 1):
+        got = {h: pd_http.twin(specs[r["kv_policy"]], sessions, 1, preset=real["preset"], fit=fit, host=h,
+                               deploy=real["deploy"]) for h in pd_http.HOST_SHARING}
+        for m in got.values():
+            assert (m["requests"], m["output_tokens"], m["kv_transfer_received_tokens"]) == (
+                r["requests"], r["output_tokens"], r["kv_transfer_received_tokens"]), r["kv_policy"]
+        assert 1.8 < got["shared"]["tpot_mean_s"] / got["alone"]["tpot_mean_s"] < 2.05
+    with pytest.raises(ValueError, match="host must be one of"):
+        pd_http.twin(specs["dp+offload"], sessions, 1, preset=real["preset"], fit=fit, host="half")

@@ -158,3 +158,41 @@ def test_every_held_out_config_loads():
             d = vs.serve._deploy(cfg, policy, "unused")
             if name.startswith("mtp3_"):
                 assert d.speculative.verify == name.split("_")[1]
+
+
+def test_the_committed_pd_http_comparison_is_the_twins_of_its_real_run():
+    """results/validate_sim's `pd_http` (P/D over HTTP, timings only) is what `pd_http_comparison` makes of
+    the committed pd_http run on the committed spec: its concurrency-1 points priced again equal, and its
+    mape and bracket fraction are its points'. Not stale, and not a hand-made figure."""
+    import json
+
+    import numpy as np
+
+    from experiments import pd_http, workloads
+    from experiments.common import REPO
+
+    res = json.loads((REPO / "results/validate_sim/results.json").read_text())
+    pd = res["pd_http"]
+    real = json.loads((REPO / pd["real"]["dir"] / "results.json").read_text())
+    assert (pd["real"]["git_revision"], pd["real"]["date"]) == (real["git_revision"], real["date"])
+    assert sorted((p["deployment"], p["concurrency"]) for p in pd["points"]) == sorted(
+        (r["kv_policy"], r["concurrency"]) for r in real["runs"])
+    w = real["workload"]
+    sessions = workloads.synthetic_trace(w["sessions"], scale=w["scale"], median_turns=w["median_turns"],
+                                         mean_output=w["mean_output_tokens"] / w["scale"], think_mean_s=0.0,
+                                         subagent_prob=0.0, max_context=real["deploy"]["max_model_len"])
+    specs = pd_http.deployments(real["deploy"], real["decode_layout"])
+    for p in (p for p in pd["points"] if p["concurrency"] == 1):
+        m = pd_http.twin(specs[p["deployment"]], sessions, 1, preset=real["preset"], fit=res["cpu_spec_fit"],
+                         host="shared", deploy=real["deploy"])
+        assert {k: m[k] for k in vs.MAPE_METRICS} == pytest.approx(p["sim"]["shared"], rel=1e-9)
+    for p in pd["points"]:
+        r = next(r for r in real["runs"] if (r["kv_policy"], r["concurrency"]) == (p["deployment"], p["concurrency"]))
+        assert p["real"] == {k: r[k] for k in vs.MAPE_METRICS}
+        assert p["rel_error"] == {h: {k: vs.rel_error(p["sim"][h][k], r[k]) for k in vs.MAPE_METRICS}
+                                  for h in pd_http.HOST_SHARING}
+    assert pd["mape"] == {h: {k: pytest.approx(float(np.mean([abs(p["rel_error"][h][k]) for p in pd["points"]])))
+                              for k in vs.MAPE_METRICS} for h in pd_http.HOST_SHARING}
+    pairs = [(min(p["sim"]["alone"][k], p["sim"]["shared"][k]) <= p["real"][k]
+              <= max(p["sim"]["alone"][k], p["sim"]["shared"][k])) for p in pd["points"] for k in vs.MAPE_METRICS]
+    assert pd["between"] == pytest.approx(sum(pairs) / len(pairs))
