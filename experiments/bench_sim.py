@@ -82,6 +82,8 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profil
     the simulated clock passes `horizon_s` (or the workload ends). profile: also run it under cProfile
     and write the profile's text there (its times are then the profiled run's), from the first step that
     ends at or after `profile_from_s` simulated seconds (a steady state's profile, without the warm-up)."""
+    from glm53.engine.sim import fewer_collections
+
     totals = {"schedule_s": 0.0, "update_s": 0.0, "price_s": 0.0}
     model, _ = serve._model(cfg.model, weights=False)
     eng = serve._engine(model, cfg, policy, "unused")
@@ -112,7 +114,8 @@ def run(cfg, policy: str, concurrency: int, horizon_s: float = HORIZON_S, profil
         if prof is not None and profile_from_s <= 0:
             prof.enable()
             profiling = True
-        client.run(on_step=on_step)
+        with fewer_collections():  # as experiments.serve runs the simulator
+            client.run(on_step=on_step)
     except _Horizon:
         pass
     finally:

@@ -29,6 +29,7 @@ only the first run of a config pays for compiling.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -251,6 +252,16 @@ def make_client(eng, cfg: ConfigDict, sessions, concurrency: int) -> workloads.C
         salt_prefix="user:", max_model_len=eng.deploy.max_model_len)
 
 
+def _collections(cfg: ConfigDict):
+    """The garbage collector's setting for a point: the simulator's (glm53.engine.sim.fewer_collections),
+    or as it is where the model runs."""
+    if not simulated(cfg):
+        return contextlib.nullcontext()
+    from glm53.engine.sim import fewer_collections
+
+    return fewer_collections()
+
+
 def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporter=None, progress=True) -> dict:
     """One sweep point on a fresh engine: the workload at `concurrency` -> metrics dict."""
     from glm53.engine.runner import CompileCounter
@@ -278,7 +289,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
         raise ValueError(f"sweep.window_warmup_s={warmup_s} / sweep.window_s={window_s} bound a steady window: "
                          "they need sweep.measure='steady'")
     t0 = time.perf_counter()
-    with CompileCounter() as compiles:
+    with CompileCounter() as compiles, _collections(cfg):
         # a pool that runs short inside the window is ClosedLoopClient's ValueError ("serve more sessions":
         # workload.sessions, sweep.sessions_per_user)
         res = client.run(on_step=on_step, stop_at_drain=measure == "steady", warmup_s=warmup_s, window_s=window_s)

@@ -46,8 +46,10 @@ waits simulated time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import operator
 import types
 import typing
@@ -106,6 +108,25 @@ def tier_costs(storage: StorageSpec) -> TierCosts:
     """A simulated tier's device costs from a perfmodel StorageSpec."""
     return TierCosts(read_bytes_per_s=storage.read_bandwidth, write_bytes_per_s=storage.write_bandwidth,
                      read_latency_s=storage.read_latency_s, write_latency_s=storage.write_latency_s)
+
+
+# CPython's cyclic collector's thresholds while a simulation runs (`fewer_collections`)
+SIM_GC_THRESHOLDS = (100_000, 50, 100)
+
+
+@contextlib.contextmanager
+def fewer_collections(thresholds: tuple[int, int, int] = SIM_GC_THRESHOLDS):
+    """Run the block inside with the cyclic garbage collector's thresholds at `thresholds` (then restore
+    them). A simulated serving run allocates millions of small objects that live for the run (block
+    hashes, page lists, plans); at CPython's defaults (700, 10, 10) the collector runs every few hundred
+    allocations and keeps re-scanning them (docs/simulator.md "Speed"). Objects freed by reference
+    counting are freed as before; only cycles wait longer. Changes no decision of the simulation."""
+    old = gc.get_threshold()
+    gc.set_threshold(*thresholds)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 def forward_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, rows: int, width: int, window: int, *,

@@ -601,3 +601,16 @@ def test_every_forward_a_step_forms_is_a_bucket_shape(limits):
     widths, windows = sorted({w for _, w, _ in shapes}), sorted({win for *_, win in shapes})
     max_rows = 1 << (deploy.max_num_seqs - 1).bit_length()
     assert len(shapes) < len(widths) * len(windows) * max_rows.bit_length()
+
+
+def test_fewer_collections_sets_the_thresholds_inside_and_restores_them_after_an_error():
+    import gc
+
+    from glm53.engine.sim import SIM_GC_THRESHOLDS, fewer_collections
+
+    before = gc.get_threshold()
+    with pytest.raises(KeyError):
+        with fewer_collections():
+            assert gc.get_threshold() == SIM_GC_THRESHOLDS != before
+            raise KeyError("x")
+    assert gc.get_threshold() == before
