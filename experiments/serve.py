@@ -89,8 +89,11 @@ def default_config() -> ConfigDict:
     # (glm53.perfmodel.STORAGE; "fs": one NVMe SSD), for asking how fast the storage must be
     # expert_load_imbalance: the busiest EP rank's routed tokens over the mean (1.0: balanced; glm53.engine.sim)
     # host_copy_overlap: the fraction of a step's host <-> device KV copies hidden behind its forward (0: serial)
+    # dp_pacing: how DP x EP ranks are priced, "lockstep" (this project's engine: one forward per width on
+    # every rank's padded rows) or "vllm" (vLLM on Hopper: each rank its own forward, experts on real tokens)
     c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1,
-                               tier_bandwidth_scale=1.0, expert_load_imbalance=1.0, host_copy_overlap=0.0))
+                               tier_bandwidth_scale=1.0, expert_load_imbalance=1.0, host_copy_overlap=0.0,
+                               dp_pacing="lockstep"))
     # "replay": serve each sweep point once untimed first (the schedule is deterministic without think
     # time, so the measured run reuses its programs); "buckets": compile every bucket shape up front
     # (exact, slower: rows x widths x windows programs); "none": compile as they go
@@ -179,7 +182,7 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
                         _hardware(r.hardware), step_overhead_s=r.step_overhead_s,
                         hisparse_miss_fraction=r.hisparse_miss_fraction, tier_storage=_tier_storage(cfg),
                         expert_load_imbalance=r.get("expert_load_imbalance", 1.0),
-                        host_copy_overlap=r.get("host_copy_overlap", 0.0),
+                        host_copy_overlap=r.get("host_copy_overlap", 0.0), dp_pacing=r.get("dp_pacing", "lockstep"),
                         consumer_waits=cfg.pd.get("consumer_waits", True))
     if not simulated(cfg):
         return glm53.Engine(model, _deploy(cfg, kv_policy, tier_root))
@@ -190,7 +193,7 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
     return sim.build_engine(model, _deploy(cfg, kv_policy, tier_root or "unused"), _hardware(r.hardware),
                             step_overhead_s=r.step_overhead_s, hisparse_miss_fraction=r.hisparse_miss_fraction,
                             tier_storage=_tier_storage(cfg), expert_load_imbalance=r.get("expert_load_imbalance", 1.0),
-                            host_copy_overlap=r.get("host_copy_overlap", 0.0))
+                            host_copy_overlap=r.get("host_copy_overlap", 0.0), dp_pacing=r.get("dp_pacing", "lockstep"))
 
 
 def _tier_storage(cfg: ConfigDict) -> dict:
@@ -333,6 +336,7 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
                  assumed_step_overhead_s=cfg.runner.step_overhead_s,
                  assumed_expert_load_imbalance=cfg.runner.get("expert_load_imbalance", 1.0),
                  assumed_host_copy_overlap=cfg.runner.get("host_copy_overlap", 0.0),
+                 assumed_dp_pacing=cfg.runner.get("dp_pacing", "lockstep"),
                  sim_hot_miss_rows=sum(r.runner.hot_miss_rows for r in eng.replicas),
                  sim_staged_rows=sum(r.runner.staged_rows for r in eng.replicas))
         tiers = [t for r in eng.replicas if r.runner.tiers is not None for t in r.runner.tiers.tiers]

@@ -67,7 +67,8 @@ from glm53.engine.runner.ranks import group_first_round_slots, group_has_leases,
 from glm53.engine.synthetic import SyntheticRunner, _synthetic_accepted
 from glm53.perfmodel import H200_CALIBRATED, STORAGE, HardwareSpec, StorageSpec
 from glm53.perfmodel.cost import StepCost, all_to_all
-from glm53.perfmodel.step import Deployment, mtp_draft_cost, step_cost
+from glm53.perfmodel.ops import expected_remote_ranks, moe
+from glm53.perfmodel.step import Deployment, moe_layers, mtp_draft_cost, step_cost
 from kvcache.layout import DEFAULT_INDEX_FORMAT
 from kvcache.tiers.sim import TierCosts
 from kvcache.transfer import ResetLease, TierLoad, TierStore
@@ -162,6 +163,8 @@ def _weights_per_device(cfg: ModelConfig, ranks: int, weight_bytes: float | None
     return weights_bytes_per_device(state, cfg, DeployConfig(data_parallel_size=ranks, enable_expert_parallel=True))
 
 
+DP_PACINGS = ("lockstep", "vllm")  # SimRunner.dp_pacing
+
 # the cost names of a step's host <-> device KV copies (glm53.perfmodel.step.step_cost), which
 # SimRunner.host_copy_overlap may hide behind the forward
 HOST_COPIES = ("kv_load", "kv_store")
@@ -192,6 +195,12 @@ class SimRunner(SyntheticRunner):
         (a forward whose rows sample nothing is not waited for: the next step waits behind it). Needs
         `clock` (the engine's VirtualClock; build_engine passes it). Off (the default), a step is its
         host parts plus its priced work.
+    dp_pacing: how DP x EP ranks (`execute_ranks`) are priced: "lockstep" (the default), as this project's
+        engine runs them (one forward per width bucket present on any rank, every rank at the padded rows,
+        the experts on the padded rows); "vllm", as vLLM 0.34 runs them on Hopper (each rank one forward
+        of its own rows, the step at the slowest rank's pace; the routed experts on every rank's real
+        tokens, 1/N each; all-to-alls of real tokens, fp8 out and bf16 back, sized by the busiest sender;
+        docs/simulator.md "DP x EP pacing"). Ignored without DP x EP ranks.
     host_copy_overlap: the fraction (0-1) of a step's host <-> device KV copies (the parts named in
         `HOST_COPIES`: the offload tier's loads and stores, HiSparse's pre-copies) that runs beside its
         forward instead of before it, hidden up to the forward's length (default 0: serial, as this
@@ -209,7 +218,7 @@ class SimRunner(SyntheticRunner):
                  token=None, record: bool = False, pad_like_runner: bool = False, async_dispatch: bool = False,
                  host_overlap_s: float = 0.0, clock: VirtualClock | None = None,
                  tier_storage: typing.Mapping[str, StorageSpec] | None = None, expert_load_imbalance: float = 1.0,
-                 host_copy_overlap: float = 0.0):
+                 host_copy_overlap: float = 0.0, dp_pacing: str = "lockstep"):
         if not deploy.is_resolved:
             raise ValueError("SimRunner: give the resolved DeployConfig (DeployConfig.resolved / Engine.deploy)")
         if (not (step_overhead_s >= 0 and host_overlap_s >= 0) or not 0 <= hisparse_miss_fraction <= 1
@@ -217,6 +226,9 @@ class SimRunner(SyntheticRunner):
             raise ValueError(f"SimRunner: step_overhead_s and host_overlap_s must be >= 0, hisparse_miss_fraction and "
                              f"host_copy_overlap in [0, 1], got {step_overhead_s!r}, {host_overlap_s!r}, "
                              f"{hisparse_miss_fraction!r}, {host_copy_overlap!r}")
+        if dp_pacing not in DP_PACINGS:
+            raise ValueError(f"SimRunner: dp_pacing must be one of {DP_PACINGS}, got {dp_pacing!r}")
+        self.dp_pacing = dp_pacing
         spec = deploy.speculative
         if spec is not None and not spec.synthetic:
             raise ValueError("SimRunner: the simulator has no draft model to measure acceptance with: give "
@@ -455,7 +467,10 @@ class SimRunner(SyntheticRunner):
                 transfers.append(cost)
         segments = [(max(transfers, key=StepCost.time_s, default=StepCost(())), False)]
         has_rows = False
-        for width, per in rank_groups(plans, *self._limits, self.verify_width).items():
+        if self.dp_pacing == "vllm":
+            has_rows = self._vllm_forward(plans, segments)
+        groups = rank_groups(plans, *self._limits, self.verify_width) if self.dp_pacing == "lockstep" else {}
+        for width, per in groups.items():
             rows = max(p for _, p, _ in per.values())
             window = max(w for _, _, w in per.values())
             sample = any(plans[r].rows[i].sample for r, (idx, _, _) in per.items() for i in idx)
@@ -496,6 +511,51 @@ class SimRunner(SyntheticRunner):
             took, loads = ranks[r]._end_step(plan, seconds)  # a rank without rows waits for its tiers
             out.append(dataclasses.replace(res, duration_s=took, tier_loads=loads))
         return out
+
+
+    def _vllm_forward(self, plans: typing.Sequence[StepPlan | None], segments: list) -> bool:
+        """`execute_ranks`' forwards under dp_pacing="vllm", appended to `segments` -> whether any rank had
+        rows. Each rank with rows runs one forward of its own rows (`step_cost` of its plan, with its
+        hot-buffer misses and staged rows); the step lasts as long as the slowest rank's forward without
+        its routed experts, plus the experts of every rank's real tokens (each GPU 1/N of them: a rank
+        of their mean, as `step_cost` prices it), plus the all-to-alls of the busiest sender's tokens
+        (`ops.moe`: fp8 dispatch, bf16 combine; padding rows skip the experts, as vLLM's do), per MoE
+        layer; then, under MTP, the slowest rank's draft passes over its own sampled rows. Ranks
+        without rows (vLLM's dummy batches) cost no more than the slowest rank."""
+        ranks, n = self.ranks, self.dp_ranks
+        busy = [(r, p) for r, p in enumerate(plans) if p is not None and p.rows]
+        if not busy:
+            return False
+        own, drafts, tokens = [], [], []
+        for r, plan in busy:
+            run = ranks[r]
+            misses, staged = run._miss_rows(plan), run._stage_rows(plan)
+            run.hot_miss_rows += misses
+            run.staged_rows += staged
+            cost = step_cost(self.cfg, self.hw, self.dep, plan, hot_miss_rows=misses + staged)
+            own.append(StepCost(tuple(c for c in cost.parts if c.name != "moe_experts")))
+            tokens.append(sum(row.num_tokens for row in plan.rows))
+            drafting = [row.start + row.num_tokens for row in plan.rows if row.sample]
+            if drafting and self.verify_width:
+                drafts.append(mtp_draft_cost(self.cfg, self.hw, self.dep, drafting, self.verify_width - 2))
+        mean, busiest = sum(tokens) / n, max(tokens)
+
+        def shared() -> tuple:  # per MoE layer: the experts of the mean rank's tokens, the busiest sender's all-to-alls
+            dep, layers = self.dep, moe_layers(self.cfg, self.dep.include_mtp)
+            kw = dict(weight_bytes=dep.weight_bytes, load_imbalance=dep.moe_load_imbalance)
+            experts = moe(self.cfg, self.hw, mean, n, **kw)[1]
+            a2a = moe(self.cfg, self.hw, busiest, n, **kw)[3:]
+            return tuple(c.scaled(layers) for c in (experts, *a2a) if c.time_s > 0)
+
+        common = self._memo(("vllm moe", mean, busiest), shared)
+        sample = any(row.sample for _, p in busy for row in p.rows)
+        segments.append((StepCost(max(own, key=StepCost.time_s).parts + common), sample))
+        if drafts:
+            segments.append((max(drafts, key=StepCost.time_s), True))
+        # bytes one device sent: its mean share of the real tokens' dispatch (fp8 + scales) and combine (bf16)
+        remote = mean * expected_remote_ranks(self.cfg, n) * moe_layers(self.cfg, self.dep.include_mtp)
+        self._all2all += int(remote * self.cfg.hidden_size * (1 + 4 / 128 + 2))
+        return True
 
 
 def _by_name(segments) -> list[tuple[str, list[float]]]:

@@ -300,6 +300,11 @@ def _layer_kinds(cfg: ModelConfig, include_mtp: bool) -> tuple[tuple[tuple, int,
     return entry[1]
 
 
+def moe_layers(cfg: ModelConfig, include_mtp: bool) -> int:
+    """Layers with a routed-expert MLP (the MTP layers too where include_mtp)."""
+    return sum(n for kind, _, n in _layer_kinds(cfg, include_mtp) if kind[1] != "dense")
+
+
 def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_bytes: float = 0,
               h2d_bytes: float = 0, host_transfers: int = 0, hot_miss_rows: float = 0,
               per_layer: bool = False, only_mtp: bool = False) -> StepCost:

@@ -519,6 +519,69 @@ def test_dp_ep_ranks_are_priced_as_one_lock_step_with_their_all_to_alls():
     assert [r.duration_s for r in both] == [pytest.approx(dec_s)] * 2
 
 
+def test_vllm_dp_pacing_prices_each_ranks_own_forward_and_the_experts_on_real_tokens():
+    """dp_pacing="vllm" (vLLM 0.34 on Hopper): the same hand-built DP2 x EP2 step (rank 0 decodes two rows,
+    rank 1 prefills a 16-token chunk) costs the slower rank's own unpadded forward without its routed
+    experts, plus the experts of the two ranks' 18 real tokens (each GPU a rank of their mean, 9) and,
+    per MoE layer, the busiest sender's (16 tokens) fp8 dispatch and bf16 combine. Which rank holds which
+    rows does not matter, a rank with fewer rows moves the experts' share only, the lock-step's price of
+    the same step is higher (its experts run every padded row of every width), and the schedule of a
+    served workload is the lock-step's with a shorter clock."""
+    from glm53.engine.plan import PlanRow, StepPlan
+    from glm53.perfmodel.ops import moe
+    from glm53.perfmodel.step import moe_layers
+
+    deploy = DeployConfig(**BASE, num_gpu_blocks=64, data_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="dp_pacing must be one of"):
+        sim.build_engine(TINY, deploy, dp_pacing="fast")
+    eng = sim.build_engine(TINY, deploy, dp_pacing="vllm")
+    runner, hw = eng.replicas[0].runner, H200_CALIBRATED
+    dep = runner.dep
+
+    def row(rid, start, n, sample=True):
+        return PlanRow(rid, start, np.ones(n, np.int32), sample, SamplingParams(4), 0)
+
+    def plan(*rows):
+        tables = tuple(tuple(range(-(-(r.start + r.num_tokens) // 8))) for r in rows)
+        return StepPlan(0, rows, {"mla": tables, "indexer": tables}, None, ())
+
+    decode, chunk = plan(row("a", 40, 1), row("b", 70, 1)), plan(row("c", 0, 16, sample=False))
+
+    def own(p):  # a rank's forward of its own rows, its routed experts left out
+        return sum(c.time_s for c in step_cost(TINY, hw, dep, p).parts if c.name != "moe_experts")
+
+    layers = moe_layers(TINY, False)
+    assert layers == sum(kind == "sparse" for kind in TINY.mlp_layer_types) > 0
+
+    def shared(mean, busiest):  # per MoE layer: the experts of a rank of the mean tokens, the busiest sender's a2a
+        return layers * (moe(TINY, hw, mean, 2)[1].time_s + sum(c.time_s for c in moe(TINY, hw, busiest, 2)[3:]))
+
+    want = max(own(decode), own(chunk)) + shared(9, 16)
+    assert own(decode) != own(chunk) and shared(9, 16) > 0
+    assert [r.duration_s for r in runner.execute_ranks([decode, chunk])] == [pytest.approx(want)] * 2
+    assert [r.duration_s for r in runner.execute_ranks([chunk, decode])] == [pytest.approx(want)] * 2
+    shorter = plan(row("d", 9, 1))  # rank 0's rows fewer: 17 real tokens
+    assert runner.execute_ranks([shorter, chunk])[1].duration_s == pytest.approx(
+        max(own(shorter), own(chunk)) + shared(8.5, 16))
+    lock = sim.build_engine(TINY, deploy).replicas[0].runner
+    assert lock.execute_ranks([decode, chunk])[0].duration_s > want
+    # served: the same schedule (no think time), priced faster
+    runs = {}
+    for pacing in sim.DP_PACINGS:
+        e = sim.build_engine(TINY, deploy, weight_bytes=4, dp_pacing=pacing)
+        for p in _prompts(5):
+            e.add_request(p, SamplingParams(6))
+        steps = 0
+        while e.has_unfinished():
+            e.step()
+            steps += 1
+        m = e.metrics()
+        runs[pacing] = ((steps, *(m[k] for k in ("output_tokens", "dp_rank_tokens", "dp_idle_rank_steps"))),
+                        e.clock.now(), m["ep_all2all_bytes"])
+    assert runs["vllm"][0] == runs["lockstep"][0]
+    assert 0 < runs["vllm"][1] < runs["lockstep"][1] and runs["vllm"][2] > 0
+
+
 def test_dp_ep_simulation_reports_the_engines_rank_metrics():
     """A simulated DP2 x EP2 run advances its clock by one price per lock-step (the ranks' runners are
     busy for the same steps) and reports the rank figures (each rank's tokens: its requests' prompts and
