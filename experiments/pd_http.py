@@ -214,6 +214,20 @@ def run_deployment(name: str, spec: dict, deploy: dict, sessions, concurrency: i
         _stop(([router] if router else []) + list(procs.values()))
 
 
+def make_sessions(n: int, scale: float, median_turns: float, output_tokens: float, max_context: int) -> list:
+    """The workload of a run (module docstring): `n` agentic-coding sessions of `synthetic_trace`, lengths
+    times `scale`, `output_tokens` mean output tokens per turn, no think time, no subagents."""
+    return workloads.synthetic_trace(n, scale=scale, median_turns=median_turns, mean_output=output_tokens / scale,
+                                     think_mean_s=0.0, subagent_prob=0.0, max_context=max_context)
+
+
+def sessions_of(result: dict) -> list:
+    """The sessions the run of a results.json served (its `workload` and `deploy`)."""
+    w = result["workload"]
+    return make_sessions(w["sessions"], w["scale"], w["median_turns"], w["mean_output_tokens"],
+                         result["deploy"]["max_model_len"])
+
+
 def server_deploys(spec: dict, preset: str, deploy: dict = DEPLOY) -> dict[str, list]:
     """{"prefill": [...], "decode": [...]}: each server's DeployConfig, as `python -m glm53.serve` makes
     it from the flags `deployments` gives it (glm53.serve.deploy_from_args, float32 weights)."""
@@ -319,9 +333,7 @@ def main(argv=None) -> dict:
     import glm53
 
     vocab = glm53.init(args.preset, seed=args.seed).cfg.vocab_size
-    sessions = workloads.synthetic_trace(args.sessions, scale=args.scale, median_turns=args.turns,
-                                         mean_output=args.output_tokens / args.scale, think_mean_s=0.0,
-                                         subagent_prob=0.0, max_context=DEPLOY["max_model_len"])
+    sessions = make_sessions(args.sessions, args.scale, args.turns, args.output_tokens, DEPLOY["max_model_len"])
     cache = args.cache_dir or tempfile.mkdtemp(prefix="pd-http-jax-cache-")
     # the servers inherit these: compile at -O0 (as the tests do) and keep every program in the cache
     os.environ["XLA_FLAGS"] = with_fast_compile(os.environ.get("XLA_FLAGS", ""))

@@ -52,9 +52,9 @@ Writes OUT/results.json (the fitted spec, the fit's error on its own forwards an
 with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
 points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
 counts equal; `complete`: the fit's points and every HELD_OUT config ran, none with an `--override`;
-`pd_http`: item 3's comparison; rewritten after every point) and OUT/table.md (the validation table). A benchmark: it asserts
-nothing (tests/experiments/test_validate_sim.py bounds the committed run's `mape`, requires
-`counts_equal` and every HELD_OUT config: `check`).
+`pd_http`: item 3's comparison; rewritten after every point) and OUT/table.md (the validation
+table). A benchmark: it asserts nothing (tests/experiments/test_validate_sim.py bounds the committed
+run's `mape`, requires `counts_equal` and every HELD_OUT config: `check`).
 """
 
 from __future__ import annotations
@@ -398,12 +398,9 @@ def pd_http_comparison(real: dict, fit: dict, source: str = PD_HTTP_REAL) -> dic
     rel_error: {bound: {metric: simulated / real - 1}}, between: {metric: the real value lies between the
     bounds}}], "mape": {bound: {metric: mean |rel error|}}, "between": the fraction of (point, metric)
     pairs the bounds bracket}."""
-    from experiments import pd_http, workloads
+    from experiments import pd_http
 
-    w = real["workload"]
-    sessions = workloads.synthetic_trace(w["sessions"], scale=w["scale"], median_turns=w["median_turns"],
-                                         mean_output=w["mean_output_tokens"] / w["scale"], think_mean_s=0.0,
-                                         subagent_prob=0.0, max_context=real["deploy"]["max_model_len"])
+    sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real.get("decode_layout", "replicas"))
     points = []
     for r in real["runs"]:

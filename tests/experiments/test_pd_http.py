@@ -101,15 +101,12 @@ def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
     all of it ("alone") makes each decode step take about twice as long."""
     import json
 
-    from experiments import validate_sim, workloads
+    from experiments import validate_sim
     from experiments.common import REPO
 
     real = json.loads((REPO / validate_sim.PD_HTTP_REAL / "results.json").read_text())
     fit = json.loads((REPO / "results/validate_sim/results.json").read_text())["cpu_spec_fit"]
-    w = real["workload"]
-    sessions = workloads.synthetic_trace(w["sessions"], scale=w["scale"], median_turns=w["median_turns"],
-                                         mean_output=w["mean_output_tokens"] / w["scale"], think_mean_s=0.0,
-                                         subagent_prob=0.0, max_context=real["deploy"]["max_model_len"])
+    sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real["decode_layout"])
     for r in (r for r in real["runs"] if r["concurrency"] == 1):
         got = {h: pd_http.twin(specs[r["kv_policy"]], sessions, 1, preset=real["preset"], fit=fit, host=h,

@@ -168,7 +168,7 @@ def test_the_committed_pd_http_comparison_is_the_twins_of_its_real_run():
 
     import numpy as np
 
-    from experiments import pd_http, workloads
+    from experiments import pd_http
     from experiments.common import REPO
 
     res = json.loads((REPO / "results/validate_sim/results.json").read_text())
@@ -177,10 +177,7 @@ def test_the_committed_pd_http_comparison_is_the_twins_of_its_real_run():
     assert (pd["real"]["git_revision"], pd["real"]["date"]) == (real["git_revision"], real["date"])
     assert sorted((p["deployment"], p["concurrency"]) for p in pd["points"]) == sorted(
         (r["kv_policy"], r["concurrency"]) for r in real["runs"])
-    w = real["workload"]
-    sessions = workloads.synthetic_trace(w["sessions"], scale=w["scale"], median_turns=w["median_turns"],
-                                         mean_output=w["mean_output_tokens"] / w["scale"], think_mean_s=0.0,
-                                         subagent_prob=0.0, max_context=real["deploy"]["max_model_len"])
+    sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real["decode_layout"])
     for p in (p for p in pd["points"] if p["concurrency"] == 1):
         m = pd_http.twin(specs[p["deployment"]], sessions, 1, preset=real["preset"], fit=res["cpu_spec_fit"],
