@@ -243,21 +243,23 @@ def server_deploys(spec: dict, preset: str, deploy: dict = DEPLOY) -> dict[str, 
 HOST_SHARING = ("alone", "shared")  # the twin's bounds on how the servers share this machine's cores
 
 
-def twin(spec: dict, sessions, concurrency: int, *, preset: str, fit: dict, host: str, deploy: dict = DEPLOY) -> dict:
+def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, host: str, deploy: dict = DEPLOY,
+         weight_bytes: int = 4) -> dict:
     """The simulated twin of one point of `run_deployment` (timings only; its counts depend on wall-clock
     routing): the deployment's servers as `server_deploys` makes them, one PdPair (glm53.engine.pd_sim)
     of a prefill engine (the producers as its data-parallel replicas: one server of two devices, or two
     of one) and a decode engine (the decode server, or the two as replicas), float32 KV and weights,
-    priced on the CPU spec `fit` (`experiments.validate_sim`'s cpu_spec_fit) as validate_sim prices its
-    points (the runner's padded forwards, async dispatch, exact HiSparse misses not modelled: 0), served
-    by the same closed-loop client -> the client-side metrics `run_deployment` reports.
+    priced on a fitted CPU spec as experiments.validate_sim prices its points (the runner's padded
+    forwards, async dispatch, exact HiSparse misses not modelled: 0), served
+    by the same closed-loop client -> the client-side metrics `run_deployment` reports. host_specs:
+    devices -> (HardwareSpec, step_overhead_s, host_overlap_s) of one of that many devices sharing this
+    host (`experiments.validate_sim.host_specs` of a fitted spec); weight_bytes: 4, the servers' float32.
 
     The servers are processes on one machine. `host` bounds what the simulator does not model, how they
-    share its cores: "alone" prices each engine's devices on the whole host (`validate_sim.shared_host`
-    over its own 2 devices: exact when one server works at a time), "shared" prices every device on a
-    quarter of it (the deployment's 4 devices: exact when all of them work at once)."""
+    share its cores: "alone" prices each engine's devices on the whole host (host_specs of its own 2
+    devices: exact when one server works at a time), "shared" prices every device on a quarter of it
+    (the deployment's 4 devices: exact when all of them work at once)."""
     import glm53
-    from experiments.validate_sim import WEIGHT_BYTES, cpu_spec, shared_host
     from glm53.engine.metrics import summarize
     from glm53.engine.pd_sim import build_pd
 
@@ -281,11 +283,9 @@ def twin(spec: dict, sessions, concurrency: int, *, preset: str, fit: dict, host
     devices = {d.data_parallel_size * d.devices_per_replica for d in (pre, dec)}
     if len(devices) != 1:
         raise ValueError(f"twin: the prefill and decode engines have {devices} devices; one spec prices both")
-    hw = cpu_spec(fit["flops"], fit["bandwidth"], fit["forward_latency_s"])
-    hw, before, beside = shared_host(hw, fit["step_overhead_s"], fit["host_overlap_s"],
-                                     devices.pop() if host == "alone" else DEVICES)
+    hw, before, beside = host_specs(devices.pop() if host == "alone" else DEVICES)
     pair = build_pd(glm53.get_preset(preset), pre, dec, hw, step_overhead_s=before, host_overlap_s=beside,
-                    weight_bytes=WEIGHT_BYTES, hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True)
+                    weight_bytes=weight_bytes, hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True)
     ids, wall = run_point(pair, sessions, concurrency, pair.cfg.vocab_size, deploy["max_model_len"])
     outs = [pair.decode.output(r) for r in ids]
     m = summarize(outs, duration_s=max(o.finish_s for o in outs) - min(o.arrival_s for o in outs), num_devices=DEVICES)

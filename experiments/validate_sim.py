@@ -60,6 +60,7 @@ run's `mape`, requires `counts_equal` and every HELD_OUT config: `check`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -237,6 +238,13 @@ def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dic
         forward_latency_s=hw.forward_latency_s * devices), overhead * devices, overlap * devices)
 
 
+def host_specs(fit: dict):
+    """devices -> `shared_host` of the CPU spec fitted as `fit` (cpu_spec_fit) for that many devices sharing
+    this host, without the lock-step fit: what prices pd_http's twin (`experiments.pd_http.twin`)."""
+    return functools.partial(shared_host, cpu_spec(fit["flops"], fit["bandwidth"], fit["forward_latency_s"]),
+                             fit["step_overhead_s"], fit["host_overlap_s"])
+
+
 def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0, lockstep: dict | None = None) -> dict:
     """The simulated twin of a real point; `lockstep`: the lock-step fit, which prices DP x EP layouts of
     its ranks (`shared_host`)."""
@@ -404,8 +412,9 @@ def pd_http_comparison(real: dict, fit: dict, source: str = PD_HTTP_REAL) -> dic
     specs = pd_http.deployments(real["deploy"], real.get("decode_layout", "replicas"))
     points = []
     for r in real["runs"]:
-        sims = {host: pd_http.twin(specs[r["kv_policy"]], sessions, r["concurrency"], preset=real["preset"], fit=fit,
-                                   host=host, deploy=real["deploy"]) for host in pd_http.HOST_SHARING}
+        sims = {host: pd_http.twin(specs[r["kv_policy"]], sessions, r["concurrency"], preset=real["preset"],
+                                   host_specs=host_specs(fit), host=host, deploy=real["deploy"], weight_bytes=WEIGHT_BYTES)
+                for host in pd_http.HOST_SHARING}
         err = {host: {k: rel_error(m[k], r[k]) for k in MAPE_METRICS} for host, m in sims.items()}
         lo, hi = (sims[h] for h in pd_http.HOST_SHARING)
         points.append({"deployment": r["kv_policy"], "concurrency": r["concurrency"],

@@ -109,11 +109,13 @@ def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real["decode_layout"])
     for r in (r for r in real["runs"] if r["concurrency"] == 1):
-        got = {h: pd_http.twin(specs[r["kv_policy"]], sessions, 1, preset=real["preset"], fit=fit, host=h,
-                               deploy=real["deploy"]) for h in pd_http.HOST_SHARING}
+        got = {h: pd_http.twin(specs[r["kv_policy"]], sessions, 1, preset=real["preset"],
+                               host_specs=validate_sim.host_specs(fit), host=h, deploy=real["deploy"])
+               for h in pd_http.HOST_SHARING}
         for m in got.values():
             assert (m["requests"], m["output_tokens"], m["kv_transfer_received_tokens"]) == (
                 r["requests"], r["output_tokens"], r["kv_transfer_received_tokens"]), r["kv_policy"]
         assert 1.8 < got["shared"]["tpot_mean_s"] / got["alone"]["tpot_mean_s"] < 2.05
     with pytest.raises(ValueError, match="host must be one of"):
-        pd_http.twin(specs["dp+offload"], sessions, 1, preset=real["preset"], fit=fit, host="half")
+        pd_http.twin(specs["dp+offload"], sessions, 1, preset=real["preset"], host_specs=validate_sim.host_specs(fit),
+                     host="half")

@@ -180,8 +180,8 @@ def test_the_committed_pd_http_comparison_is_the_twins_of_its_real_run():
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real["decode_layout"])
     for p in (p for p in pd["points"] if p["concurrency"] == 1):
-        m = pd_http.twin(specs[p["deployment"]], sessions, 1, preset=real["preset"], fit=res["cpu_spec_fit"],
-                         host="shared", deploy=real["deploy"])
+        m = pd_http.twin(specs[p["deployment"]], sessions, 1, preset=real["preset"],
+                         host_specs=vs.host_specs(res["cpu_spec_fit"]), host="shared", deploy=real["deploy"])
         assert {k: m[k] for k in vs.MAPE_METRICS} == pytest.approx(p["sim"]["shared"], rel=1e-9)
     for p in pd["points"]:
         r = next(r for r in real["runs"] if (r["kv_policy"], r["concurrency"]) == (p["deployment"], p["concurrency"]))
