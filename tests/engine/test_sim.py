@@ -13,7 +13,7 @@ from glm53 import DeployConfig, Engine, SamplingParams
 from glm53.engine import build as build_mod
 from glm53.engine import engine as engine_mod
 from glm53.engine import sim
-from glm53.engine.plan import StepResult, VirtualClock, WallClock
+from glm53.engine.plan import PlanRow, StepPlan, StepResult, VirtualClock, WallClock
 from glm53.engine.runner import forward_groups, step_limits
 from glm53.engine.scheduler import Scheduler
 from glm53.engine.synthetic import SyntheticRunner
@@ -378,7 +378,6 @@ def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_ro
     """Under MTP a verify row (its last token and drafts) over host-only pages is a decode row: it is priced
     as hot-buffer misses, not as a prefill chunk staging rows; a chunk over host-only pages stages. (The
     committed part1_mtp3_1m sweep first ran with verify rows priced as chunks: 1.1e9 staged rows.)"""
-    from glm53.engine.plan import PlanRow, StepPlan
     from kvcache.policies.hisparse import HiSparseRow
 
     mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
@@ -463,6 +462,20 @@ def test_the_simulators_verify_tokens_are_the_synthetic_runners():
     assert custom._by_count is None
 
 
+def _row(rid, start, n, sample=True):
+    return PlanRow(rid, start, np.ones(n, np.int32), sample, SamplingParams(4), 0)
+
+
+def _plan(*rows):
+    tables = tuple(tuple(range(-(-(r.start + r.num_tokens) // 8))) for r in rows)
+    return StepPlan(0, rows, {"mla": tables, "indexer": tables}, None, ())
+
+
+def _dp_ep_step():
+    """The DP2 x EP2 step the pacing tests price: rank 0 decodes two rows, rank 1 prefills a 16-token chunk."""
+    return _plan(_row("a", 40, 1), _row("b", 70, 1)), _plan(_row("c", 0, 16, sample=False))
+
+
 def test_dp_ep_ranks_are_priced_as_one_lock_step_with_their_all_to_alls():
     """DP2 x EP2, one step built by hand: rank 0 decodes two rows, rank 1 prefills a 16-token chunk.
     The step runs every width on both ranks at the most rows any rank pads to and the widest window, so
@@ -471,7 +484,6 @@ def test_dp_ep_ranks_are_priced_as_one_lock_step_with_their_all_to_alls():
     slots x (N - 1) rows: hidden states out, int32 expert ids, results back. A rank that idles in a width
     costs as much: the same step with rank 1 idle is priced as the decode forward alone, and a rank 1
     decoding one shorter row instead changes nothing."""
-    from glm53.engine.plan import PlanRow, StepPlan
     from glm53.perfmodel import all_to_all
     from parallel.ep import first_round_capacity
 
@@ -481,14 +493,7 @@ def test_dp_ep_ranks_are_priced_as_one_lock_step_with_their_all_to_alls():
     assert runner.ranks == [r.runner for r in eng.replicas] and runner.dep.dp == runner.dep.ep == 2
     assert not [c for c in sim.forward_cost(TINY, hw, runner.dep, 2, 1, 64).parts if c.name.startswith("moe_dis")]
 
-    def row(rid, start, n, sample=True):
-        return PlanRow(rid, start, np.ones(n, np.int32), sample, SamplingParams(4), 0)
-
-    def plan(*rows):
-        tables = tuple(tuple(range(-(-(r.start + r.num_tokens) // 8))) for r in rows)
-        return StepPlan(0, rows, {"mla": tables, "indexer": tables}, None, ())
-
-    decode, chunk = plan(row("a", 40, 1), row("b", 70, 1)), plan(row("c", 0, 16, sample=False))
+    decode, chunk = _dp_ep_step()
     limits = step_limits(eng.deploy)
     (w_dec, _, rows_dec, win_dec), = forward_groups(decode.rows, *limits)
     (w_pre, _, rows_pre, win_pre), = forward_groups(chunk.rows, *limits)
@@ -515,7 +520,7 @@ def test_dp_ep_ranks_are_priced_as_one_lock_step_with_their_all_to_alls():
     # idle ranks pass padding rows: rank 1 idle, or decoding one shorter row, prices the same decode forward
     idle = runner.execute_ranks([decode, None])
     assert idle[0].duration_s == pytest.approx(dec_s) and idle[1] is None
-    both = runner.execute_ranks([decode, plan(row("d", 9, 1))])
+    both = runner.execute_ranks([decode, _plan(_row("d", 9, 1))])
     assert [r.duration_s for r in both] == [pytest.approx(dec_s)] * 2
 
 
@@ -527,7 +532,6 @@ def test_vllm_dp_pacing_prices_each_ranks_own_forward_and_the_experts_on_real_to
     rows does not matter, a rank with fewer rows moves the experts' share only, the lock-step's price of
     the same step is higher (its experts run every padded row of every width), and the schedule of a
     served workload is the lock-step's with a shorter clock."""
-    from glm53.engine.plan import PlanRow, StepPlan
     from glm53.perfmodel.ops import moe
     from glm53.perfmodel.step import moe_layers
 
@@ -538,14 +542,7 @@ def test_vllm_dp_pacing_prices_each_ranks_own_forward_and_the_experts_on_real_to
     runner, hw = eng.replicas[0].runner, H200_CALIBRATED
     dep = runner.dep
 
-    def row(rid, start, n, sample=True):
-        return PlanRow(rid, start, np.ones(n, np.int32), sample, SamplingParams(4), 0)
-
-    def plan(*rows):
-        tables = tuple(tuple(range(-(-(r.start + r.num_tokens) // 8))) for r in rows)
-        return StepPlan(0, rows, {"mla": tables, "indexer": tables}, None, ())
-
-    decode, chunk = plan(row("a", 40, 1), row("b", 70, 1)), plan(row("c", 0, 16, sample=False))
+    decode, chunk = _dp_ep_step()
 
     def own(p):  # a rank's forward of its own rows, its routed experts left out
         return sum(c.time_s for c in step_cost(TINY, hw, dep, p).parts if c.name != "moe_experts")
@@ -560,7 +557,7 @@ def test_vllm_dp_pacing_prices_each_ranks_own_forward_and_the_experts_on_real_to
     assert own(decode) != own(chunk) and shared(9, 16) > 0
     assert [r.duration_s for r in runner.execute_ranks([decode, chunk])] == [pytest.approx(want)] * 2
     assert [r.duration_s for r in runner.execute_ranks([chunk, decode])] == [pytest.approx(want)] * 2
-    shorter = plan(row("d", 9, 1))  # rank 0's rows fewer: 17 real tokens
+    shorter = _plan(_row("d", 9, 1))  # rank 0's rows fewer: 17 real tokens
     assert runner.execute_ranks([shorter, chunk])[1].duration_s == pytest.approx(
         max(own(shorter), own(chunk)) + shared(8.5, 16))
     lock = sim.build_engine(TINY, deploy).replicas[0].runner
