@@ -153,6 +153,11 @@ def table(res: dict) -> str:
                      f"{r['cpu_s']:.0f} | {r['wall_s_per_simulated_hour']:.0f} | {r['cpu_s_per_simulated_hour']:.0f} | "
                      f"{r['schedule_ms_per_step']:.2f} | {r['update_ms_per_step']:.2f} | {r['price_ms_per_step']:.2f} | "
                      f"{r['other_ms_per_step']:.2f} |")
+    if res.get("previous"):  # a rerun of the same runs on newer code (merged by hand, as the command says)
+        p = res["previous"]
+        lines += ["", f"The same runs at {p['git_revision'][:7]} ({p['date']}), wall s per simulated hour: "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in p["wall_s_per_simulated_hour"].items())
+                  + f"; every run's trace equal to this one's: {'yes' if p['trace_sha256_equal'] else 'NO'}."]
     return "\n".join(lines) + "\n"
 
 
