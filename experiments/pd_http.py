@@ -240,7 +240,9 @@ def server_deploys(spec: dict, preset: str, deploy: dict = DEPLOY) -> dict[str, 
             for role, flags in spec.items()}
 
 
-HOST_SHARING = ("alone", "shared")  # the twin's bounds on how the servers share this machine's cores
+# how the twin prices the servers' sharing of this machine's cores: "contended" (the model), and the two
+# bounds around it, "alone" and "shared" (`twin`)
+HOST_SHARING = ("contended", "alone", "shared")
 
 
 def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, host: str, deploy: dict = DEPLOY,
@@ -255,13 +257,16 @@ def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, hos
     devices -> (HardwareSpec, step_overhead_s, host_overlap_s) of one of that many devices sharing this
     host (`experiments.validate_sim.host_specs` of a fitted spec); weight_bytes: 4, the servers' float32.
 
-    The servers are processes on one machine. `host` bounds what the simulator does not model, how they
-    share its cores: "alone" prices each engine's devices on the whole host (host_specs of its own 2
-    devices: exact when one server works at a time), "shared" prices every device on a quarter of it
-    (the deployment's 4 devices: exact when all of them work at once)."""
+    The servers are processes on one machine and share its cores; `host` says how the twin prices that:
+    "contended" prices each step of an engine on the whole host (host_specs of its own devices) when the
+    other engine is idle at the step's start, and on the deployment's share of it (host_specs of all its
+    devices) when the other is still busy then (`pd_sim.busy_until`); a step keeps the price it started
+    with. "alone" and "shared" are its bounds, each engine always alone on the host (exact when one
+    server works at a time) and always sharing it (exact when both work all the time). The client,
+    router and HTTP are not priced in any of them."""
     import glm53
     from glm53.engine.metrics import summarize
-    from glm53.engine.pd_sim import build_pd
+    from glm53.engine.pd_sim import build_pd, busy_until, sim_runners
 
     if host not in HOST_SHARING:
         raise ValueError(f"host must be one of {HOST_SHARING}, got {host!r}")
@@ -283,9 +288,17 @@ def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, hos
     devices = {d.data_parallel_size * d.devices_per_replica for d in (pre, dec)}
     if len(devices) != 1:
         raise ValueError(f"twin: the prefill and decode engines have {devices} devices; one spec prices both")
-    hw, before, beside = host_specs(devices.pop() if host == "alone" else DEVICES)
+    alone, shared = host_specs(devices.pop()), host_specs(DEVICES)
+
+    def contend(engine, other):  # the step about to run: on the shared host while the other engine works
+        spec = shared if busy_until(other) > engine.clock.now() else alone
+        for runner in sim_runners(engine):
+            runner.set_host(*spec)
+
+    hw, before, beside = alone if host == "alone" else shared
     pair = build_pd(glm53.get_preset(preset), pre, dec, hw, step_overhead_s=before, host_overlap_s=beside,
-                    weight_bytes=weight_bytes, hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True)
+                    weight_bytes=weight_bytes, hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True,
+                    before_step=contend if host == "contended" else None)
     ids, wall = run_point(pair, sessions, concurrency, pair.cfg.vocab_size, deploy["max_model_len"])
     outs = [pair.decode.output(r) for r in ids]
     m = summarize(outs, duration_s=max(o.finish_s for o in outs) - min(o.arrival_s for o in outs), num_devices=DEVICES)
@@ -343,7 +356,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "pd_http", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
               "machine": {"cpu": cpu_name(), "cores": os.cpu_count()}, "preset": args.preset, "deploy": DEPLOY,
               "deployments": {n: specs[n] for n in args.deployments}, "devices_per_deployment": DEVICES,
-              "decode_layout": args.decode_layout, "vm_max_map_count": limit,
+              "decode_layout": args.decode_layout, "vm_max_map_count": limit, "xla_flags": os.environ["XLA_FLAGS"],
               "workload": {"kind": "synthetic", "sessions": args.sessions, "median_turns": args.turns,
                            "scale": args.scale, "mean_output_tokens": args.output_tokens, "think_time_scale": 0.0,
                            **workloads.trace_stats(sessions)},

@@ -44,15 +44,17 @@ that it runs and that its counts are equal; such points do not make a run comple
 3. P/D over HTTP, timings only (`--pd-http`, `pd_http_comparison`): the points of a committed
    experiments.pd_http run (its servers, router and client are processes on this machine; an hour of
    real time, so it is run on its own) against their simulated twins (`experiments.pd_http.twin`: the
-   servers' own DeployConfigs as one PdPair) on the fitted spec. Its counts are not compared (they
-   depend on wall-clock routing), and it is not in `mape`: the simulator does not model processes
-   sharing cores, so the twin is priced under two bounds that bracket it (`pd_http.HOST_SHARING`).
+   servers' own DeployConfigs as one PdPair), on one device's spec fitted as in 1 but with its programs
+   compiled under the flags the servers compiled with (`pd_http_fit`; pd_http's servers compile at -O0).
+   The processes share the cores: the twin prices a step on the shared host while the other engine is
+   busy ("contended"), and its errors join `mape`; each engine always alone and always sharing are its
+   bounds. Its counts are not compared (they depend on wall-clock routing).
 
 Writes OUT/results.json (the fitted spec, the fit's error on its own forwards and steps, every point
 with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
-points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
+points and item 3's "contended" twins of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
 counts equal; `complete`: the fit's points and every HELD_OUT config ran, none with an `--override`;
-`pd_http`: item 3's comparison; rewritten after every point) and OUT/table.md (the validation
+`pd_http`: item 3's comparison, with its spec; rewritten after every point) and OUT/table.md (the validation
 table). A benchmark: it asserts nothing (tests/experiments/test_validate_sim.py bounds the committed
 run's `mape`, requires `counts_equal` and every HELD_OUT config: `check`).
 """
@@ -364,12 +366,14 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
     return best
 
 
-def summary(points: list[dict]) -> dict:
+def summary(points: list[dict], pd_http: dict | None = None) -> dict:
     """{"mape": {metric: mean |simulated / real - 1| over the held-out points where the metric is
-    defined (fractions), for MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real, "complete":
-    whether the points cover the fit and every HELD_OUT config, none run with an extra override} (mape nan
-    without held-out points)."""
+    defined (fractions), for MAPE_METRICS, and over the points of `pd_http` (`pd_http_comparison`, its
+    "contended" twins), "counts_equal": whether every point's counts are equal, simulated and real,
+    "complete": whether the points cover the fit and every HELD_OUT config, none run with an extra override}
+    (mape nan without held-out points)."""
     held = [p for p in points if p["role"] == "held out"]
+    held += [{"rel_error": p["rel_error"]["contended"]} for p in (pd_http or {}).get("points", ())]
     mape = {k: float(np.mean(v)) if (v := _defined(held, k)) else float("nan") for k in MAPE_METRICS}
     return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points), "complete": not missing(points)}
 
@@ -398,16 +402,20 @@ def _pd_http_run(path: str) -> dict:
 def pd_http_comparison(real: dict, fit: dict, source: str = PD_HTTP_REAL) -> dict:
     """P/D over HTTP, timings only: each point of `real` (an experiments.pd_http results.json, whose
     servers, router and client ran as processes on this machine) against its simulated twin
-    (`experiments.pd_http.twin`) priced on the CPU spec `fit`, under both of the twin's bounds on how
-    the processes share the cores (`pd_http.HOST_SHARING`: "alone", each engine on the whole host;
-    "shared", every device on a quarter of it). Its counts are not compared: which producer and decode
+    (`experiments.pd_http.twin`) priced on the CPU spec `fit`, which must be fitted at the compile flags
+    the real servers ran with (`pd_http_flags`; `fit_compiled_with`), under each of the twin's ways of
+    pricing how the processes share the cores (`pd_http.HOST_SHARING`: "contended", the model, whose errors
+    join `mape`; "alone" and "shared", its bounds). Its counts are not compared: which producer and decode
     rank a request meets, and so what each holds, depends on wall-clock routing. -> {"real": where the run
-    is and its date / revision, "points": [{deployment, concurrency, real, sim: {bound: metrics},
-    rel_error: {bound: {metric: simulated / real - 1}}, between: {metric: the real value lies between the
-    bounds}}], "mape": {bound: {metric: mean |rel error|}}, "between": the fraction of (point, metric)
-    pairs the bounds bracket}."""
+    is and its date / revision, "cpu_spec_fit": `fit`, "points": [{deployment, concurrency, real, sim:
+    {host: metrics}, rel_error: {host: {metric: simulated / real - 1}}, between: {metric: the real value
+    lies between the bounds}}], "mape": {host: {metric: mean |rel error|}}, "between": the fraction of
+    (point, metric) pairs the bounds bracket}."""
     from experiments import pd_http
 
+    if fit.get("xla_flags") != pd_http_flags(real):
+        raise ValueError(f"pd_http_comparison: the spec was fitted under XLA_FLAGS={fit.get('xla_flags')!r}, the real "
+                         f"servers compiled under {pd_http_flags(real)!r}: fit it with fit_compiled_with")
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real.get("decode_layout", "replicas"))
     points = []
@@ -416,7 +424,7 @@ def pd_http_comparison(real: dict, fit: dict, source: str = PD_HTTP_REAL) -> dic
                                    host_specs=host_specs(fit), host=host, deploy=real["deploy"], weight_bytes=WEIGHT_BYTES)
                 for host in pd_http.HOST_SHARING}
         err = {host: {k: rel_error(m[k], r[k]) for k in MAPE_METRICS} for host, m in sims.items()}
-        lo, hi = (sims[h] for h in pd_http.HOST_SHARING)
+        lo, hi = sims["alone"], sims["shared"]
         points.append({"deployment": r["kv_policy"], "concurrency": r["concurrency"],
                        "real": {k: r[k] for k in MAPE_METRICS},
                        "sim": {h: {k: m[k] for k in MAPE_METRICS} for h, m in sims.items()}, "rel_error": err,
@@ -425,8 +433,28 @@ def pd_http_comparison(real: dict, fit: dict, source: str = PD_HTTP_REAL) -> dic
             for h in pd_http.HOST_SHARING}
     pairs = [b for p in points for b in p["between"].values()]
     return {"real": {"dir": source, "date": real["date"], "git_revision": real["git_revision"],
-                     "decode_layout": real.get("decode_layout", "replicas")},
+                     "decode_layout": real.get("decode_layout", "replicas")}, "cpu_spec_fit": fit,
             "twin_git_revision": git_revision(), "points": points, "mape": mape, "between": sum(pairs) / max(len(pairs), 1)}
+
+
+def pd_http_fit(real: dict, previous: dict | None = None) -> dict:
+    """The CPU spec that prices the twins of the pd_http run `real`: `previous`'s (an earlier
+    `pd_http_comparison`) where it was fitted under the flags `real`'s servers compiled with, else a fit
+    under them (`fit_compiled_with`: minutes)."""
+    flags = pd_http_flags(real)
+    if previous and previous.get("cpu_spec_fit", {}).get("xla_flags") == flags:
+        return previous["cpu_spec_fit"]
+    print(f"[validate_sim] fitting the CPU spec under the pd_http servers' XLA_FLAGS={flags!r}", flush=True)
+    return fit_compiled_with(flags)
+
+
+def pd_http_flags(real: dict) -> str:
+    """The XLA_FLAGS a pd_http run's servers compiled under (its `xla_flags`; a run that predates the key
+    compiled them at -O0, FAST_COMPILE_XLA_FLAGS, as pd_http always has), without the device count."""
+    from experiments.common import FAST_COMPILE_XLA_FLAGS
+
+    flags = real.get("xla_flags", FAST_COMPILE_XLA_FLAGS).split()
+    return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def missing(points: list[dict]) -> list[str]:
@@ -445,7 +473,7 @@ def check(res: dict, bound: float = MAPE_BOUND) -> list[str]:
     points give, a MAPE above `bound` (or not a number), counts that differ, a HELD_OUT config it did not
     run -> problems ([] when it passes)."""
     problems = []
-    got = summary(res["points"])
+    got = summary(res["points"], res.get("pd_http"))
     if {k: res.get(k) for k in got} != got:
         problems.append(f"mape / counts_equal / complete {[res.get(k) for k in got]} are not its points' {list(got.values())}")
     problems += [f"mape {k} = {v!r} > {bound}" for k, v in got["mape"].items() if not v <= bound]
@@ -504,7 +532,9 @@ def table(res: dict) -> str:
                      + " | ".join("n/a" if np.isnan(e[k]) else f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
     held = [p for p in res["points"] if p["role"] == "held out"]
     if held:
-        lines += ["", "MAPE over the held-out points: " + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
+        lines += ["", "MAPE over the held-out points" + (" and the P/D-over-HTTP points (contended, below)"
+                                                          if res.get("pd_http") else "") + ": "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
                   + f"; counts equal at every point: {'yes' if res['counts_equal'] else 'NO'}"]
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
             f"{k} {_median_abs(held, k):.1%}" for k in METRICS)
@@ -517,21 +547,29 @@ def table(res: dict) -> str:
             lines.append(f"{bound}, held out ({len(pts)} points): median |error| " + ", ".join(
                 f"{k} {_median_abs(pts, k):.1%}" for k in METRICS))
     if res.get("pd_http"):
-        pd = res["pd_http"]
+        pd, hosts = res["pd_http"], ("contended", "alone", "shared")
+        pf = pd["cpu_spec_fit"]
         lines += ["", "## P/D over HTTP (timings only)", "",
                   f"The real side is {pd['real']['dir']} ({pd['real']['date']}, {pd['real']['git_revision'][:12]}, "
                   f"decode layout {pd['real']['decode_layout']}): prefill and decode servers, router and client as "
-                  "processes on this machine. The simulated twin (experiments.pd_http.twin) does not model how "
-                  "they share its cores; it is priced two ways: each engine alone on the host, and every device "
-                  "sharing it. rel error = simulated / real - 1; * marks a real value the two bracket.", "",
-                  "| deployment | c | TTFT p50 alone | shared | TPOT mean alone | shared | throughput/device alone | shared |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "processes on this machine, the servers compiled under XLA_FLAGS "
+                  f"`{pf['xla_flags']}`. Its simulated twin (experiments.pd_http.twin) is priced on one device's spec "
+                  f"fitted under the same flags ({pf['flops'] / 1e9:.1f} GFLOP/s, {pf['bandwidth'] / 1e9:.1f} GB/s, "
+                  f"forward latency {pf['forward_latency_s'] * 1e3:.2f} ms, host {pf['step_overhead_s'] * 1e3:.2f} ms "
+                  f"before the forwards and {pf['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| "
+                  f"{pf['forward_abs_rel_error_mean']:.1%}), three ways: contended (a step priced on the shared host "
+                  "while the other engine is busy, alone otherwise: the model, in the MAPE above), alone (each "
+                  "engine always on the whole host) and shared (every device always on a quarter of it). "
+                  "rel error = simulated / real - 1; * marks a real value the two bounds bracket.", "",
+                  "| deployment | c | " + " | ".join(f"{m} {h}" for m in ("TTFT p50", "TPOT mean", "throughput/device")
+                                                      for h in hosts) + " |",
+                  "|---|---|" + "---|" * 9]
         for p in pd["points"]:
-            cells = [f"{p['rel_error'][h][k]:+.0%}" + ("*" if h == "shared" and p["between"][k] else "")
-                     for k in MAPE_METRICS for h in ("alone", "shared")]
+            cells = [f"{p['rel_error'][h][k]:+.0%}" + ("*" if h == "contended" and p["between"][k] else "")
+                     for k in MAPE_METRICS for h in hosts]
             lines.append(f"| {p['deployment']} | {p['concurrency']} | " + " | ".join(cells) + " |")
-        lines += ["", "MAPE: " + "; ".join(f"{h}: " + ", ".join(f"{k} {v:.1%}" for k, v in m.items())
-                                             for h, m in pd["mape"].items())
+        lines += ["", "MAPE: " + "; ".join(f"{h}: " + ", ".join(f"{k} {v:.1%}" for k, v in pd["mape"][h].items())
+                                             for h in hosts)
                   + f". The bounds bracket {pd['between']:.0%} of the real values."]
     return "\n".join(lines) + "\n"
 
@@ -561,6 +599,34 @@ def _lockstep_grid_here() -> dict[tuple[int, int, int], float]:
     cfg = load_config(TRAIN_LOCKSTEP[1], list(TRAIN_LOCKSTEP[2]), default=serve.default_config)
     model, _ = serve._model(cfg.model)
     return time_forward_grid(model, serve._deploy(cfg, cfg.sweep.kv_policy[0]), **LOCKSTEP_GRID)
+
+
+def fit_compiled_with(xla_flags: str) -> dict:
+    """One device's CPU spec fit (`calibrate` on TRAIN's points and the forward grid), its programs compiled
+    under `xla_flags` (an XLA_FLAGS value: the compile level of a real run to price, e.g. pd_http's servers'
+    -O0), in a fresh process (the flags act when JAX starts) without the persistent compilation cache."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fit.json"
+        code = f"from experiments import validate_sim as v; v._fit_here({str(path)!r})"
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        env.update(XLA_FLAGS=xla_flags, PYTHONPATH=str(serve.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        out = subprocess.run([sys.executable, "-c", code], cwd=serve.REPO, env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"the fit under XLA_FLAGS={xla_flags!r} failed (exit {out.returncode}): {out.stderr[-2000:]}")
+        return {**json.loads(path.read_text()), "xla_flags": xla_flags}
+
+
+def _fit_here(path: str) -> None:
+    """`fit_compiled_with`'s child: TRAIN's points served (each forward timed) and the fit, written to `path`."""
+    cfg = load_config(TRAIN[1], list(TRAIN[2]), default=serve.default_config)
+    model, _ = serve._model(cfg.model)
+    points = [(cfg, policy, conc, *_real(cfg, model, policy, conc, forwards=True), "fit")
+              for policy in cfg.sweep.kv_policy for conc in cfg.sweep.concurrency]
+    Path(path).write_text(json.dumps(calibrate(points), default=float))
 
 
 def calibrate(train_points, grid=time_forward_grid) -> dict:
@@ -598,7 +664,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default="", help=f"held-out configs to run, comma-separated (of {[h[0] for h in HELD_OUT]})")
     ap.add_argument("--summarize", default="", metavar="DIR",
                     help="recompute DIR/results.json's mape, counts_equal and complete and DIR/table.md from its points "
-                         "(with --merge, after adding the points of other runs); run nothing")
+                         "(with --merge, after adding the points of other runs); run no real point (the P/D "
+                         "twins' spec is fitted, minutes, where DIR has none for the pd_http run's compile flags)")
     ap.add_argument("--merge", default="", metavar="DIR,...",
                     help="with --summarize: add these runs' points to DIR's (a point run again replaces DIR's); "
                          "each run must carry the same fitted CPU spec")
@@ -607,8 +674,8 @@ def main(argv=None) -> dict:
                          "serve-default points, no grid; its held-out points can then be merged into DIR")
     ap.add_argument("--pd-http", default=PD_HTTP_REAL, metavar="DIR",
                     help="the experiments.pd_http run (its results.json) whose points are compared with their "
-                         "simulated twins, timings only (`pd_http` in results.json; with --summarize, recomputed "
-                         "on DIR's spec); '' for none (default: %(default)s)")
+                         "simulated twins, timings only (`pd_http` in results.json, in `mape`; with --summarize, "
+                         "recomputed on the spec DIR's pd_http was fitted for it); '' for none (default: %(default)s)")
     ap.add_argument("--override", action="append", default=[], metavar="--config.FIELD=VALUE",
                     help="an extra config override for every held-out config run (e.g. a smaller concurrency); the "
                          "points record it, and a run with any is not complete")
@@ -620,9 +687,10 @@ def main(argv=None) -> dict:
         res = json.loads(path.read_text())
         for other in (d for d in args.merge.split(",") if d):
             res = merge(res, json.loads((Path(other) / "results.json").read_text()), other)
-        res.update(summary(res["points"]))
         if args.pd_http:
-            res["pd_http"] = pd_http_comparison(_pd_http_run(args.pd_http), res["cpu_spec_fit"], args.pd_http)
+            real = _pd_http_run(args.pd_http)
+            res["pd_http"] = pd_http_comparison(real, pd_http_fit(real, res.get("pd_http")), args.pd_http)
+        res.update(summary(res["points"], res.get("pd_http")))
         path.write_text(json.dumps(res, indent=1, default=str))
         (path.parent / "table.md").write_text(table(res))
         return res
@@ -684,7 +752,7 @@ def main(argv=None) -> dict:
 
     def save() -> dict:
         """results.json and table.md after every point (atomically): a run that stops keeps what it measured."""
-        res = {**meta, "points": res_points, **summary(res_points)}
+        res = {**meta, "points": res_points, **summary(res_points, meta.get("pd_http"))}
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(res, indent=1, default=str))
         os.replace(tmp, out / "results.json")
@@ -712,7 +780,8 @@ def main(argv=None) -> dict:
             compare(name, cfg, policy, conc, m, log, "held out", args.override)
     if args.pd_http:
         print(f"[validate_sim] P/D over HTTP: {args.pd_http} against its simulated twins", flush=True)
-        meta["pd_http"] = pd_http_comparison(_pd_http_run(args.pd_http), f, args.pd_http)
+        real = _pd_http_run(args.pd_http)
+        meta["pd_http"] = pd_http_comparison(real, pd_http_fit(real), args.pd_http)
     res = save()
     print(table(res))
     return res

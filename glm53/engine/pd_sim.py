@@ -81,12 +81,24 @@ def pd_deploy(deploy: DeployConfig, role: str, *, consumer_waits: bool = True) -
     return dataclasses.replace(deploy, kv_policy=policy, kv_transfer_config=ktc)
 
 
+def sim_runners(engine: Engine) -> list:
+    """A simulated engine's SimRunners, each once (DP x EP ranks share one runner, which holds the ranks')."""
+    return list({id(r): r for rep in engine.replicas for r in rep.runner.ranks}.values())
+
+
+def busy_until(engine: Engine) -> float:
+    """The virtual time until which a simulated engine works: where its last step's host part ended (its
+    clock) or, under async dispatch, where the forwards it dispatched end (`SimRunner.device_free_s`)."""
+    return max(engine.clock.now(), *(r.device_free_s for r in sim_runners(engine)))
+
+
 def build_pd(cfg, prefill: DeployConfig, decode: DeployConfig, hw=None, *, consumer_waits: bool = True,
-             **runner_kw) -> PdPair:
+             before_step=None, **runner_kw) -> PdPair:
     """A PdPair of simulated engines (glm53.engine.sim.build_engine) for `prefill` and `decode`, each given
     the PdConnector's role; the decode side reads the producer over `runner_kw["tier_storage"]["p2p"]`
     (default glm53.perfmodel.RDMA_CX7). consumer_waits: the decode side waits for host pages to stage
-    the producer's KV rather than compute it (DeployConfig.pd_consumer_waits; False computes it)."""
+    the producer's KV rather than compute it (DeployConfig.pd_consumer_waits; False computes it).
+    before_step: PdPair's."""
     from glm53.engine.sim import build_engine
 
     kw = {} if hw is None else {"hw": hw}
@@ -95,14 +107,16 @@ def build_pd(cfg, prefill: DeployConfig, decode: DeployConfig, hw=None, *, consu
                        **kw, **runner_kw)
     dec = build_engine(cfg, pd_deploy(decode, "kv_consumer", consumer_waits=consumer_waits), tier_storage=storage,
                        **kw, **runner_kw)
-    return PdPair(pre, dec)
+    return PdPair(pre, dec, before_step=before_step)
 
 
 class PdPair:
     """A prefill and a decode engine as one (see the module docstring). Request ids are the client's in
-    both engines."""
+    both engines. before_step(engine, other): called before each step of either engine, at its clock,
+    with the other engine (which may still be busy then: `busy_until`); it may change how the step is
+    priced (`SimRunner.set_host`), never what it schedules."""
 
-    def __init__(self, prefill: Engine, decode: Engine):
+    def __init__(self, prefill: Engine, decode: Engine, *, before_step=None):
         for name, eng, roles in (("prefill", prefill, ("kv_producer", "kv_both")),
                                  ("decode", decode, ("kv_consumer", "kv_both"))):
             if eng.deploy.kv_role not in roles:
@@ -115,6 +129,7 @@ class PdPair:
         except ValueError as e:
             raise ValueError(f"PdPair: {e}") from None
         self.prefill, self.decode = prefill, decode
+        self.before_step = before_step
         self.clock = _Clock()
         self.cfg, self.deploy = decode.cfg, decode.deploy
         self._ids, self._seq = itertools.count(), itertools.count()
@@ -170,6 +185,8 @@ class PdPair:
             elif kind == "to_decode":
                 self._deliver_decode(*heapq.heappop(self._to_decode))
             elif kind == "prefill":
+                if self.before_step is not None:
+                    self.before_step(self.prefill, self.decode)
                 for rid, _, fin in self.prefill.step():
                     if fin:
                         self._parking[rid] = None
@@ -177,6 +194,8 @@ class PdPair:
                 self._hand_off()
                 return []
             else:
+                if self.before_step is not None:
+                    self.before_step(self.decode, self.prefill)
                 out = self.decode.step()
                 self.clock.t = self.decode.clock.now()
                 return out

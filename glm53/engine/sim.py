@@ -276,6 +276,7 @@ class SimRunner(SyntheticRunner):
         # `_memo`'s prices: a DP x EP step prices the same few shapes over and over (decode: width 1 + k
         # at most max_num_seqs rows, windows in buckets); bounded (prefill widths vary)
         self._priced: dict[tuple, typing.Any] = {}
+        self._priced_on: dict[HardwareSpec, dict] = {}  # set_host: each spec's kept prices
         self._weight_bytes = weight_bytes
 
     def _verify(self, row: PlanRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -405,10 +406,32 @@ class SimRunner(SyntheticRunner):
             return StepCost(tuple(p for p in parts if p.time_s > 0))
         return self._memo(("all2all", *dispatches), build)
 
+    def set_host(self, hw: HardwareSpec, step_overhead_s: float, host_overlap_s: float) -> None:
+        """Price the steps from now on on `hw` with these host parts (as the constructor's): for engines
+        whose devices share one host with another engine's, so that their speed depends on what the other
+        is doing (experiments.pd_http.twin). `hw` keeps the platform (the verify form depends on it); each
+        spec keeps its own memoised prices."""
+        if hw.platform != self.hw.platform:
+            raise ValueError(f"SimRunner.set_host: the platform stays {self.hw.platform!r}, got {hw.platform!r}")
+        if not (step_overhead_s >= 0 and host_overlap_s >= 0):
+            raise ValueError(f"SimRunner.set_host: step_overhead_s and host_overlap_s must be >= 0, got "
+                             f"{step_overhead_s!r}, {host_overlap_s!r}")
+        if hw != self.hw:
+            self._priced_on[self.hw] = self._priced
+            self._priced = self._priced_on.pop(hw, {})
+            self.hw = hw
+        self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
+
+    @property
+    def device_free_s(self) -> float:
+        """Under async_dispatch, the virtual time at which the forwards dispatched so far are done (0 before
+        the first; without async_dispatch a step's work ends with the step)."""
+        return self._device_free_s
+
     def _memo(self, key: tuple, build: typing.Callable[[], typing.Any]) -> typing.Any:
         """build(), kept under `key` (at most 4096 kept; then forgotten all at once). The contract: `key`
         names everything build reads that can change during a run (its first item names the price; the
-        runner's cfg, hw and dep are fixed), and build is pure, so a kept price is the one build would
+        runner's cfg and dep are fixed, and each hw keeps its own: `set_host`), and build is pure, so a kept price is the one build would
         return again, exactly (the same floats, the same parts in the same order): memoised pricing
         changes no decision and no booked time. Callers do not mutate what it returns."""
         hit = self._priced.get(key)

@@ -11,6 +11,7 @@ import glm53
 from experiments import workloads
 from glm53 import DeployConfig, SamplingParams
 from glm53.engine.pd_sim import PdPair, build_pd, pd_deploy
+from glm53.engine import sim
 from glm53.engine.sim import build_engine
 
 CFG = glm53.get_preset("tiny")
@@ -165,3 +166,62 @@ def test_a_consumer_short_of_host_pages_computes_the_handed_kv_or_waits_for_page
     unstaged = pair.decode.metrics()["kv_offload"]["pd"]["unstaged"]
     assert (unstaged, short) == (0, 0) if waits else (unstaged > 0 and short > 0)
     pair.shutdown()
+
+
+def test_before_step_prices_each_step_of_either_engine_on_the_spec_it_sets():
+    """PdPair's before_step runs before every step of each engine, with the other engine; a hook that sets
+    every runner to spec B (SimRunner.set_host) serves exactly what a pair built on B serves, so a step is
+    priced on what the hook set, and each spec keeps its own memoised prices; at concurrency 3 the hook
+    sees the other engine both busy (`busy_until` past the step's start) and idle."""
+    import dataclasses
+
+    from glm53.engine.pd_sim import busy_until, sim_runners
+    from glm53.perfmodel import H200_CALIBRATED
+
+    slow = dataclasses.replace(H200_CALIBRATED, bf16_flops=H200_CALIBRATED.bf16_flops / 3,
+                               hbm_bandwidth=H200_CALIBRATED.hbm_bandwidth / 3)
+    dec = DeployConfig(**COMMON, block_size=PAGE, data_parallel_size=2, enable_expert_parallel=True,
+                       kv_policy="offload", cpu_offload_bytes=1 << 26)
+    sessions = workloads.openhands_sessions(6, scale=1 / 128, turns=3)
+
+    def serve(hw, hook=None):
+        pair = build_pd(CFG, PREFILL, dec, hw, before_step=hook, step_overhead_s=2e-4, host_overlap_s=1e-4,
+                        async_dispatch=True)
+        client = workloads.ClosedLoopClient(pair, sessions, 3, vocab_size=CFG.vocab_size, salt_prefix="user:",
+                                            make_params=lambda n: SamplingParams(max_new_tokens=n), max_model_len=1024)
+        ids = client.run().request_ids
+        return pair, {k: v for k, v in pair.metrics(ids).items() if isinstance(v, (int, float))}
+
+    calls, busy = {"prefill": 0, "decode": 0}, set()
+
+    def to_slow(engine, other):
+        calls["prefill" if engine.deploy.kv_role == "kv_producer" else "decode"] += 1
+        busy.add(busy_until(other) > engine.clock.now())
+        for r in sim_runners(engine):
+            r.set_host(slow, 2e-4, 1e-4)
+
+    def alternate(engine, other):  # either spec in turn
+        turn.append(None)
+        for r in sim_runners(engine):
+            r.set_host(slow if len(turn) % 2 else H200_CALIBRATED, 2e-4, 1e-4)
+
+    _, want = serve(slow)
+    pair, got = serve(H200_CALIBRATED, to_slow)
+    assert got == want
+    assert calls == {"prefill": pair.prefill._steps_begun, "decode": pair.decode._steps_begun}
+    assert busy == {True, False}
+    _, fast = serve(H200_CALIBRATED)
+    assert fast["tpot_mean_s"] < want["tpot_mean_s"]
+    # each spec keeps its own memoised prices: switching specs every step prices as if nothing were kept
+    turn = []
+    _, kept = serve(H200_CALIBRATED, alternate)
+    turn = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sim.SimRunner, "_memo", lambda self, key, build: build())
+        _, unkept = serve(H200_CALIBRATED, alternate)
+    assert kept == unkept and fast["tpot_mean_s"] < kept["tpot_mean_s"] < want["tpot_mean_s"]
+    runner = sim_runners(pair.decode)[0]
+    with pytest.raises(ValueError, match="platform"):
+        runner.set_host(dataclasses.replace(slow, platform="cpu"), 0.0, 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        runner.set_host(slow, -1.0, 0.0)

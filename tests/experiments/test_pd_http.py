@@ -98,14 +98,15 @@ def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
     wall-clock routing, so the twin of each deployment serves the committed real run's requests and output
     tokens and its decode side receives exactly the prompt tokens the real decode servers received from a
     producer; pricing every device on a quarter of the host ("shared") instead of each engine's two on
-    all of it ("alone") makes each decode step take about twice as long."""
+    all of it ("alone") makes each decode step take about twice as long, and the model between them
+    ("contended") is no faster than "alone" and no slower than "shared"."""
     import json
 
     from experiments import validate_sim
     from experiments.common import REPO
 
     real = json.loads((REPO / validate_sim.PD_HTTP_REAL / "results.json").read_text())
-    fit = json.loads((REPO / "results/validate_sim/results.json").read_text())["cpu_spec_fit"]
+    fit = json.loads((REPO / "results/validate_sim/results.json").read_text())["pd_http"]["cpu_spec_fit"]
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real["decode_layout"])
     for r in (r for r in real["runs"] if r["concurrency"] == 1):
@@ -116,6 +117,8 @@ def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
             assert (m["requests"], m["output_tokens"], m["kv_transfer_received_tokens"]) == (
                 r["requests"], r["output_tokens"], r["kv_transfer_received_tokens"]), r["kv_policy"]
         assert 1.8 < got["shared"]["tpot_mean_s"] / got["alone"]["tpot_mean_s"] < 2.05
+        for k in ("ttft_median_s", "tpot_mean_s"):
+            assert got["alone"][k] <= got["contended"][k] <= got["shared"][k], k
     with pytest.raises(ValueError, match="host must be one of"):
         pd_http.twin(specs["dp+offload"], sessions, 1, preset=real["preset"], host_specs=validate_sim.host_specs(fit),
                      host="half")
