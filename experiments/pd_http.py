@@ -260,8 +260,10 @@ def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, hos
     The servers are processes on one machine and share its cores; `host` says how the twin prices that:
     "contended" prices each step of an engine on the whole host (host_specs of its own devices) when the
     other engine is idle at the step's start, and on the deployment's share of it (host_specs of all its
-    devices) when the other is still busy then (`pd_sim.busy_until`); a step keeps the price it started
-    with. "alone" and "shared" are its bounds, each engine always alone on the host (exact when one
+    devices) when the other is still working then (`pd_sim.busy_until`) and has work left; a step keeps
+    the price it started with. (An engine with nothing left counts as idle while its last step's host
+    part ends: without that rule, at concurrency 1 each turn's prefill, sent when the last token is out,
+    was priced shared for the decode server's last 2.5 ms of bookkeeping.) "alone" and "shared" are its bounds, each engine always alone on the host (exact when one
     server works at a time) and always sharing it (exact when both work all the time). The client,
     router and HTTP are not priced in any of them."""
     import glm53
@@ -291,7 +293,7 @@ def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, hos
     alone, shared = host_specs(devices.pop()), host_specs(DEVICES)
 
     def contend(engine, other):  # the step about to run: on the shared host while the other engine works
-        spec = shared if busy_until(other) > engine.clock.now() else alone
+        spec = shared if other.has_unfinished() and busy_until(other) > engine.clock.now() else alone
         for runner in sim_runners(engine):
             runner.set_host(*spec)
 

@@ -45,14 +45,15 @@ that it runs and that its counts are equal; such points do not make a run comple
    experiments.pd_http run (its servers, router and client are processes on this machine; an hour of
    real time, so it is run on its own) against their simulated twins (`experiments.pd_http.twin`: the
    servers' own DeployConfigs as one PdPair), on one device's spec fitted as in 1 but with its programs
-   compiled under the flags the servers compiled with (`pd_http_fit`; pd_http's servers compile at -O0).
-   The processes share the cores: the twin prices a step on the shared host while the other engine is
-   busy ("contended"), and its errors join `mape`; each engine always alone and always sharing are its
-   bounds. Its counts are not compared (they depend on wall-clock routing).
+   compiled under the flags the servers compiled with (`pd_http_fits`; pd_http's servers compile at -O0),
+   one twin per fit kept for that run. The processes share the cores: the twin prices a step on the
+   shared host while the other engine is busy ("contended"); each engine always alone and always sharing
+   are its bounds. Its counts are not compared (they depend on wall-clock routing). Not in `mape`: fits of
+   the same code an hour apart on this machine moved the twin's TPOT by half (docs/simulator.md).
 
 Writes OUT/results.json (the fitted spec, the fit's error on its own forwards and steps, every point
 with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
-points and item 3's "contended" twins of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
+points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
 counts equal; `complete`: the fit's points and every HELD_OUT config ran, none with an `--override`;
 `pd_http`: item 3's comparison, with its spec; rewritten after every point) and OUT/table.md (the validation
 table). A benchmark: it asserts nothing (tests/experiments/test_validate_sim.py bounds the committed
@@ -366,14 +367,12 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
     return best
 
 
-def summary(points: list[dict], pd_http: dict | None = None) -> dict:
+def summary(points: list[dict]) -> dict:
     """{"mape": {metric: mean |simulated / real - 1| over the held-out points where the metric is
-    defined (fractions), for MAPE_METRICS, and over the points of `pd_http` (`pd_http_comparison`, its
-    "contended" twins), "counts_equal": whether every point's counts are equal, simulated and real,
-    "complete": whether the points cover the fit and every HELD_OUT config, none run with an extra override}
-    (mape nan without held-out points)."""
+    defined (fractions), for MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real, "complete":
+    whether the points cover the fit and every HELD_OUT config, none run with an extra override} (mape nan
+    without held-out points)."""
     held = [p for p in points if p["role"] == "held out"]
-    held += [{"rel_error": p["rel_error"]["contended"]} for p in (pd_http or {}).get("points", ())]
     mape = {k: float(np.mean(v)) if (v := _defined(held, k)) else float("nan") for k in MAPE_METRICS}
     return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points), "complete": not missing(points)}
 
@@ -399,53 +398,58 @@ def _pd_http_run(path: str) -> dict:
     return json.loads((p / "results.json").read_text())
 
 
-def pd_http_comparison(real: dict, fit: dict, source: str = PD_HTTP_REAL) -> dict:
+def pd_http_comparison(real: dict, fits: dict[str, dict], source: str = PD_HTTP_REAL) -> dict:
     """P/D over HTTP, timings only: each point of `real` (an experiments.pd_http results.json, whose
     servers, router and client ran as processes on this machine) against its simulated twin
-    (`experiments.pd_http.twin`) priced on the CPU spec `fit`, which must be fitted at the compile flags
-    the real servers ran with (`pd_http_flags`; `fit_compiled_with`), under each of the twin's ways of
-    pricing how the processes share the cores (`pd_http.HOST_SHARING`: "contended", the model, whose errors
-    join `mape`; "alone" and "shared", its bounds). Its counts are not compared: which producer and decode
-    rank a request meets, and so what each holds, depends on wall-clock routing. -> {"real": where the run
-    is and its date / revision, "cpu_spec_fit": `fit`, "points": [{deployment, concurrency, real, sim:
-    {host: metrics}, rel_error: {host: {metric: simulated / real - 1}}, between: {metric: the real value
-    lies between the bounds}}], "mape": {host: {metric: mean |rel error|}}, "between": the fraction of
-    (point, metric) pairs the bounds bracket}."""
+    (`experiments.pd_http.twin`) priced on each CPU spec of `fits` ({when it was fitted: fit}), each
+    fitted under the compile flags the real servers ran with (`pd_http_flags`; `fit_compiled_with`), under
+    each of the twin's ways of pricing how the processes share the cores (`pd_http.HOST_SHARING`:
+    "contended", the model; "alone" and "shared", its bounds). Its counts are not compared: which producer
+    and decode rank a request meets, and so what each holds, depends on wall-clock routing. -> {"real":
+    where the run is and its date / revision, "cpu_spec_fits": `fits`, "points": [{deployment,
+    concurrency, real, sim: {fit: {host: metrics}}, rel_error: {fit: {host: {metric: simulated / real -
+    1}}}, between: {fit: {metric: the real value lies between the bounds}}}], "mape": {fit: {host: {metric:
+    mean |rel error|}}}, "between": {fit: the fraction of (point, metric) pairs the bounds bracket}}."""
     from experiments import pd_http
 
-    if fit.get("xla_flags") != pd_http_flags(real):
-        raise ValueError(f"pd_http_comparison: the spec was fitted under XLA_FLAGS={fit.get('xla_flags')!r}, the real "
-                         f"servers compiled under {pd_http_flags(real)!r}: fit it with fit_compiled_with")
+    for when, fit in fits.items():
+        if fit.get("xla_flags") != pd_http_flags(real):
+            raise ValueError(f"pd_http_comparison: the spec of {when} was fitted under XLA_FLAGS={fit.get('xla_flags')!r}, "
+                             f"the real servers compiled under {pd_http_flags(real)!r}: fit it with fit_compiled_with")
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real.get("decode_layout", "replicas"))
     points = []
     for r in real["runs"]:
-        sims = {host: pd_http.twin(specs[r["kv_policy"]], sessions, r["concurrency"], preset=real["preset"],
-                                   host_specs=host_specs(fit), host=host, deploy=real["deploy"], weight_bytes=WEIGHT_BYTES)
-                for host in pd_http.HOST_SHARING}
-        err = {host: {k: rel_error(m[k], r[k]) for k in MAPE_METRICS} for host, m in sims.items()}
-        lo, hi = sims["alone"], sims["shared"]
+        sims = {when: {host: pd_http.twin(specs[r["kv_policy"]], sessions, r["concurrency"], preset=real["preset"],
+                                          host_specs=host_specs(fit), host=host, deploy=real["deploy"],
+                                          weight_bytes=WEIGHT_BYTES)
+                       for host in pd_http.HOST_SHARING} for when, fit in fits.items()}
         points.append({"deployment": r["kv_policy"], "concurrency": r["concurrency"],
                        "real": {k: r[k] for k in MAPE_METRICS},
-                       "sim": {h: {k: m[k] for k in MAPE_METRICS} for h, m in sims.items()}, "rel_error": err,
-                       "between": {k: min(lo[k], hi[k]) <= r[k] <= max(lo[k], hi[k]) for k in MAPE_METRICS}})
-    mape = {h: {k: float(np.mean([abs(p["rel_error"][h][k]) for p in points])) for k in MAPE_METRICS}
-            for h in pd_http.HOST_SHARING}
-    pairs = [b for p in points for b in p["between"].values()]
+                       "sim": {w: {h: {k: m[k] for k in MAPE_METRICS} for h, m in by.items()} for w, by in sims.items()},
+                       "rel_error": {w: {h: {k: rel_error(m[k], r[k]) for k in MAPE_METRICS} for h, m in by.items()}
+                                     for w, by in sims.items()},
+                       "between": {w: {k: min(by["alone"][k], by["shared"][k]) <= r[k]
+                                       <= max(by["alone"][k], by["shared"][k]) for k in MAPE_METRICS}
+                                   for w, by in sims.items()}})
+    mape = {w: {h: {k: float(np.mean([abs(p["rel_error"][w][h][k]) for p in points])) for k in MAPE_METRICS}
+                for h in pd_http.HOST_SHARING} for w in fits}
+    between = {w: float(np.mean([b for p in points for b in p["between"][w].values()])) for w in fits}
     return {"real": {"dir": source, "date": real["date"], "git_revision": real["git_revision"],
-                     "decode_layout": real.get("decode_layout", "replicas")}, "cpu_spec_fit": fit,
-            "twin_git_revision": git_revision(), "points": points, "mape": mape, "between": sum(pairs) / max(len(pairs), 1)}
+                     "decode_layout": real.get("decode_layout", "replicas")}, "cpu_spec_fits": fits,
+            "twin_git_revision": git_revision(), "points": points, "mape": mape, "between": between}
 
 
-def pd_http_fit(real: dict, previous: dict | None = None) -> dict:
-    """The CPU spec that prices the twins of the pd_http run `real`: `previous`'s (an earlier
-    `pd_http_comparison`) where it was fitted under the flags `real`'s servers compiled with, else a fit
-    under them (`fit_compiled_with`: minutes)."""
+def pd_http_fits(real: dict, previous: dict | None = None) -> dict[str, dict]:
+    """The CPU specs that price the twins of the pd_http run `real`, by when each was fitted: `previous`'s
+    (an earlier `pd_http_comparison`) for the same real run, else one fitted now under the flags its
+    servers compiled with (`fit_compiled_with`: minutes)."""
+    if previous and (previous["real"]["git_revision"], previous["real"]["date"]) == (real["git_revision"], real["date"]):
+        return previous["cpu_spec_fits"]
     flags = pd_http_flags(real)
-    if previous and previous.get("cpu_spec_fit", {}).get("xla_flags") == flags:
-        return previous["cpu_spec_fit"]
     print(f"[validate_sim] fitting the CPU spec under the pd_http servers' XLA_FLAGS={flags!r}", flush=True)
-    return fit_compiled_with(flags)
+    fit = fit_compiled_with(flags)
+    return {fit["fitted_at"]: fit}
 
 
 def pd_http_flags(real: dict) -> str:
@@ -473,7 +477,7 @@ def check(res: dict, bound: float = MAPE_BOUND) -> list[str]:
     points give, a MAPE above `bound` (or not a number), counts that differ, a HELD_OUT config it did not
     run -> problems ([] when it passes)."""
     problems = []
-    got = summary(res["points"], res.get("pd_http"))
+    got = summary(res["points"])
     if {k: res.get(k) for k in got} != got:
         problems.append(f"mape / counts_equal / complete {[res.get(k) for k in got]} are not its points' {list(got.values())}")
     problems += [f"mape {k} = {v!r} > {bound}" for k, v in got["mape"].items() if not v <= bound]
@@ -532,9 +536,7 @@ def table(res: dict) -> str:
                      + " | ".join("n/a" if np.isnan(e[k]) else f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
     held = [p for p in res["points"] if p["role"] == "held out"]
     if held:
-        lines += ["", "MAPE over the held-out points" + (" and the P/D-over-HTTP points (contended, below)"
-                                                          if res.get("pd_http") else "") + ": "
-                  + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
+        lines += ["", "MAPE over the held-out points: " + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
                   + f"; counts equal at every point: {'yes' if res['counts_equal'] else 'NO'}"]
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
             f"{k} {_median_abs(held, k):.1%}" for k in METRICS)
@@ -548,29 +550,32 @@ def table(res: dict) -> str:
                 f"{k} {_median_abs(pts, k):.1%}" for k in METRICS))
     if res.get("pd_http"):
         pd, hosts = res["pd_http"], ("contended", "alone", "shared")
-        pf = pd["cpu_spec_fit"]
-        lines += ["", "## P/D over HTTP (timings only)", "",
+        fits = pd["cpu_spec_fits"]
+        lines += ["", "## P/D over HTTP (timings only, not in the MAPE above)", "",
                   f"The real side is {pd['real']['dir']} ({pd['real']['date']}, {pd['real']['git_revision'][:12]}, "
                   f"decode layout {pd['real']['decode_layout']}): prefill and decode servers, router and client as "
                   "processes on this machine, the servers compiled under XLA_FLAGS "
-                  f"`{pf['xla_flags']}`. Its simulated twin (experiments.pd_http.twin) is priced on one device's spec "
-                  f"fitted under the same flags ({pf['flops'] / 1e9:.1f} GFLOP/s, {pf['bandwidth'] / 1e9:.1f} GB/s, "
-                  f"forward latency {pf['forward_latency_s'] * 1e3:.2f} ms, host {pf['step_overhead_s'] * 1e3:.2f} ms "
-                  f"before the forwards and {pf['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| "
-                  f"{pf['forward_abs_rel_error_mean']:.1%}), three ways: contended (a step priced on the shared host "
-                  "while the other engine is busy, alone otherwise: the model, in the MAPE above), alone (each "
-                  "engine always on the whole host) and shared (every device always on a quarter of it). "
-                  "rel error = simulated / real - 1; * marks a real value the two bounds bracket.", "",
-                  "| deployment | c | " + " | ".join(f"{m} {h}" for m in ("TTFT p50", "TPOT mean", "throughput/device")
-                                                      for h in hosts) + " |",
-                  "|---|---|" + "---|" * 9]
-        for p in pd["points"]:
-            cells = [f"{p['rel_error'][h][k]:+.0%}" + ("*" if h == "contended" and p["between"][k] else "")
-                     for k in MAPE_METRICS for h in hosts]
-            lines.append(f"| {p['deployment']} | {p['concurrency']} | " + " | ".join(cells) + " |")
-        lines += ["", "MAPE: " + "; ".join(f"{h}: " + ", ".join(f"{k} {v:.1%}" for k, v in pd["mape"][h].items())
-                                             for h in hosts)
-                  + f". The bounds bracket {pd['between']:.0%} of the real values."]
+                  f"`{next(iter(fits.values()))['xla_flags']}`. Its simulated twin (experiments.pd_http.twin) is "
+                  "priced on one device's spec fitted under the same flags, once per fit below, three ways: "
+                  "contended (a step priced on the shared host while the other engine works, alone otherwise: "
+                  "the model), alone (each engine always on the whole host) and shared (every device always on a "
+                  "quarter of it). rel error = simulated / real - 1; * marks a real value the two bounds bracket.", ""]
+        for w, f in fits.items():
+            lines += [f"Fitted at {w}: {f['flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.2f} GB/s, forward latency "
+                      f"{f['forward_latency_s'] * 1e3:.2f} ms, host {f['step_overhead_s'] * 1e3:.2f} ms before the "
+                      f"forwards and {f['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| "
+                      f"{f['forward_abs_rel_error_mean']:.1%}.", "",
+                      "| deployment | c | " + " | ".join(f"{m} {h}" for m in ("TTFT p50", "TPOT mean", "throughput/device")
+                                                          for h in hosts) + " |",
+                      "|---|---|" + "---|" * 9]
+            for p in pd["points"]:
+                cells = [f"{p['rel_error'][w][h][k]:+.0%}" + ("*" if h == "contended" and p["between"][w][k] else "")
+                         for k in MAPE_METRICS for h in hosts]
+                lines.append(f"| {p['deployment']} | {p['concurrency']} | " + " | ".join(cells) + " |")
+            lines += ["", "MAPE: " + "; ".join(f"{h}: " + ", ".join(f"{k} {v:.1%}" for k, v in pd["mape"][w][h].items())
+                                                 for h in hosts)
+                      + f". The bounds bracket {pd['between'][w]:.0%} of the real values.", ""]
+        lines.pop()
     return "\n".join(lines) + "\n"
 
 
@@ -617,7 +622,8 @@ def fit_compiled_with(xla_flags: str) -> dict:
         out = subprocess.run([sys.executable, "-c", code], cwd=serve.REPO, env=env, capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"the fit under XLA_FLAGS={xla_flags!r} failed (exit {out.returncode}): {out.stderr[-2000:]}")
-        return {**json.loads(path.read_text()), "xla_flags": xla_flags}
+        return {**json.loads(path.read_text()), "xla_flags": xla_flags,
+                "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _fit_here(path: str) -> None:
@@ -689,8 +695,8 @@ def main(argv=None) -> dict:
             res = merge(res, json.loads((Path(other) / "results.json").read_text()), other)
         if args.pd_http:
             real = _pd_http_run(args.pd_http)
-            res["pd_http"] = pd_http_comparison(real, pd_http_fit(real, res.get("pd_http")), args.pd_http)
-        res.update(summary(res["points"], res.get("pd_http")))
+            res["pd_http"] = pd_http_comparison(real, pd_http_fits(real, res.get("pd_http")), args.pd_http)
+        res.update(summary(res["points"]))
         path.write_text(json.dumps(res, indent=1, default=str))
         (path.parent / "table.md").write_text(table(res))
         return res
@@ -752,7 +758,7 @@ def main(argv=None) -> dict:
 
     def save() -> dict:
         """results.json and table.md after every point (atomically): a run that stops keeps what it measured."""
-        res = {**meta, "points": res_points, **summary(res_points, meta.get("pd_http"))}
+        res = {**meta, "points": res_points, **summary(res_points)}
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(res, indent=1, default=str))
         os.replace(tmp, out / "results.json")
@@ -781,7 +787,7 @@ def main(argv=None) -> dict:
     if args.pd_http:
         print(f"[validate_sim] P/D over HTTP: {args.pd_http} against its simulated twins", flush=True)
         real = _pd_http_run(args.pd_http)
-        meta["pd_http"] = pd_http_comparison(real, pd_http_fit(real), args.pd_http)
+        meta["pd_http"] = pd_http_comparison(real, pd_http_fits(real), args.pd_http)
     res = save()
     print(table(res))
     return res

@@ -106,7 +106,8 @@ def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
     from experiments.common import REPO
 
     real = json.loads((REPO / validate_sim.PD_HTTP_REAL / "results.json").read_text())
-    fit = json.loads((REPO / "results/validate_sim/results.json").read_text())["pd_http"]["cpu_spec_fit"]
+    fits = json.loads((REPO / "results/validate_sim/results.json").read_text())["pd_http"]["cpu_spec_fits"]
+    fit = next(iter(fits.values()))
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real["decode_layout"])
     for r in (r for r in real["runs"] if r["concurrency"] == 1):
