@@ -263,9 +263,9 @@ def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, hos
     devices) when the other is still working then (`pd_sim.busy_until`) and has work left; a step keeps
     the price it started with. (An engine with nothing left counts as idle while its last step's host
     part ends: without that rule, at concurrency 1 each turn's prefill, sent when the last token is out,
-    was priced shared for the decode server's last 2.5 ms of bookkeeping.) "alone" and "shared" are its bounds, each engine always alone on the host (exact when one
-    server works at a time) and always sharing it (exact when both work all the time). The client,
-    router and HTTP are not priced in any of them."""
+    was priced shared for the decode server's last 2.5 ms of bookkeeping.) "alone" and "shared" are its
+    bounds, each engine always alone on the host (exact when one server works at a time) and always
+    sharing it (exact when both work all the time). The client, router and HTTP are not priced in any."""
     import glm53
     from glm53.engine.metrics import summarize
     from glm53.engine.pd_sim import build_pd, busy_until, sim_runners

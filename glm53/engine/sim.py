@@ -431,9 +431,10 @@ class SimRunner(SyntheticRunner):
     def _memo(self, key: tuple, build: typing.Callable[[], typing.Any]) -> typing.Any:
         """build(), kept under `key` (at most 4096 kept; then forgotten all at once). The contract: `key`
         names everything build reads that can change during a run (its first item names the price; the
-        runner's cfg and dep are fixed, and each hw keeps its own: `set_host`), and build is pure, so a kept price is the one build would
-        return again, exactly (the same floats, the same parts in the same order): memoised pricing
-        changes no decision and no booked time. Callers do not mutate what it returns."""
+        runner's cfg and dep are fixed, and each hw keeps its own: `set_host`), and build is pure, so a
+        kept price is the one build would return again, exactly (the same floats, the same parts in the
+        same order): memoised pricing changes no decision and no booked time. Callers do not mutate what
+        it returns."""
         hit = self._priced.get(key)
         if hit is None:
             if len(self._priced) >= 4096:
