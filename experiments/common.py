@@ -41,6 +41,12 @@ def with_fast_compile(xla_flags: str) -> str:
     return f"{xla_flags} {FAST_COMPILE_XLA_FLAGS}".strip()
 
 
+def compile_flags(xla_flags: str) -> str:
+    """`xla_flags` (an XLA_FLAGS value) without the simulated device count: the flags that decide how
+    programs compile (a CPU spec fitted under them prices programs compiled under them)."""
+    return " ".join(f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def bound_memory_maps(limit: int = MAX_MAPS) -> bool:
     """Drop JAX's caches (their executables and mappings) once the process holds more than `limit`
     mappings -> whether it did. Call it between units of work (tests, sweep points): what comes next

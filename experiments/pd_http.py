@@ -2,6 +2,8 @@
 driven through `python -m glm53.router` by the closed-loop agentic client.
 
     python -m experiments.pd_http --out results/paper/part2_laptop     # about an hour on 2 cores
+    python -m experiments.pd_http --fit-each-point --out DIR            # and the simulator's spec fitted
+                                                                        # before each point (validate_sim)
 
 Deployments (a preset's random weights, 4 simulated devices each; no MTP: its warm-up compiles several
 programs per bucket shape, which on 2 cores cost more than a whole point; MTP over P/D is tested in
@@ -63,7 +65,7 @@ from pathlib import Path
 
 from experiments import workloads
 from experiments.bench_http import HttpEngine, _free_port, run_point, scrape_metrics, start_server
-from experiments.common import REPO, cpu_name, git_revision, with_fast_compile
+from experiments.common import REPO, compile_flags, cpu_name, git_revision, with_fast_compile
 
 DEPLOY = {"max_model_len": 512, "max_num_batched_tokens": 128, "max_num_seqs": 2, "block_size": 16}
 DEVICES = 4  # per deployment: 2 prefill + 2 decode
@@ -214,6 +216,21 @@ def run_deployment(name: str, spec: dict, deploy: dict, sessions, concurrency: i
         _stop(([router] if router else []) + list(procs.values()))
 
 
+def fit_under(xla_flags: str) -> dict:
+    """`experiments.validate_sim.fit_compiled_with(xla_flags)`, run in a child process (validate_sim prices
+    this module's twins, so this module does not import it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fit.json"
+        code = ("import json, sys; from experiments import validate_sim as v; "
+                "json.dump(v.fit_compiled_with(sys.argv[1]), open(sys.argv[2], 'w'))")
+        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        out = subprocess.run([sys.executable, "-c", code, xla_flags, str(path)], cwd=REPO, env=env,
+                             capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"pd_http: the CPU spec fit failed (exit {out.returncode}): {out.stderr[-2000:]}")
+        return json.loads(path.read_text())
+
+
 def make_sessions(n: int, scale: float, median_turns: float, output_tokens: float, max_context: int) -> list:
     """The workload of a run (module docstring): `n` agentic-coding sessions of `synthetic_trace`, lengths
     times `scale`, `output_tokens` mean output tokens per turn, no think time, no subagents."""
@@ -326,6 +343,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--output-tokens", type=int, default=48, help="mean output tokens per turn")
     ap.add_argument("--cache-dir", default=None,
                     help="JAX compilation cache the servers share (default: a fresh temporary directory)")
+    ap.add_argument("--fit-each-point", action="store_true",
+                    help="before each point, fit the CPU spec its simulated twin is priced on, under the servers' XLA "
+                         "flags (experiments.validate_sim.fit_compiled_with, 3-4 minutes a point), so that the twin "
+                         "and the point see the machine at the same speed (`cpu_spec_fit` per run)")
     ap.add_argument("--redraw", metavar="DIR", default=None,
                     help="run nothing: rewrite DIR's table.md and pd_http.png from its results.json")
     args = ap.parse_args(argv)
@@ -373,10 +394,12 @@ def main(argv=None) -> dict:
     for c in args.concurrency:
         tokens = {}
         for name in args.deployments:
+            fit = fit_under(compile_flags(os.environ["XLA_FLAGS"])) if args.fit_each_point else None
             t0 = time.perf_counter()
             m, tokens[name] = run_deployment(name, specs[name], DEPLOY, sessions, c, preset=args.preset, seed=args.seed,
                                              vocab=vocab, cache=cache, logs=out / "logs")
-            runs.append({"kv_policy": name, "concurrency": c, "point_wall_s": time.perf_counter() - t0, **m})
+            runs.append({"kv_policy": name, "concurrency": c, "point_wall_s": time.perf_counter() - t0, **m,
+                         **({"cpu_spec_fit": fit} if fit else {})})
             print(f"{name} c={c}: {m['throughput_tok_s_per_device']:.0f} tok/s/device, TTFT p50 "
                   f"{m['ttft_median_s'] * 1e3:.0f} ms, TPOT {m['tpot_mean_s'] * 1e3:.1f} ms, received "
                   f"{m['kv_transfer_received_tokens']} of {m['decode_prompt_tokens']} prompt tokens, "

@@ -46,7 +46,8 @@ that it runs and that its counts are equal; such points do not make a run comple
    real time, so it is run on its own) against their simulated twins (`experiments.pd_http.twin`: the
    servers' own DeployConfigs as one PdPair), on one device's spec fitted as in 1 but with its programs
    compiled under the flags the servers compiled with (`pd_http_fits`; pd_http's servers compile at -O0),
-   one twin per fit kept for that run. The processes share the cores: the twin prices a step on the
+   one twin per fit kept for that run (a run of `pd_http --fit-each-point` prices each point on the fit
+   made just before it). The processes share the cores: the twin prices a step on the
    shared host while the other engine is busy ("contended"); each engine always alone and always sharing
    are its bounds. Its counts are not compared (they depend on wall-clock routing). Not in `mape`: fits of
    the same code an hour apart on this machine moved the twin's TPOT by half (docs/simulator.md).
@@ -387,6 +388,7 @@ def rel_error(sim: float, real: float) -> float:
     return sim / real - 1
 
 
+EACH_POINT = "before each point"  # pd_http_fits' name for the fits a pd_http --fit-each-point run made
 PD_HTTP_REAL = "results/paper/part2_laptop"  # the committed P/D-over-HTTP run (experiments.pd_http) compared
 
 
@@ -401,8 +403,9 @@ def _pd_http_run(path: str) -> dict:
 def pd_http_comparison(real: dict, fits: dict[str, dict], source: str = PD_HTTP_REAL) -> dict:
     """P/D over HTTP, timings only: each point of `real` (an experiments.pd_http results.json, whose
     servers, router and client ran as processes on this machine) against its simulated twin
-    (`experiments.pd_http.twin`) priced on each CPU spec of `fits` ({when it was fitted: fit}), each
-    fitted under the compile flags the real servers ran with (`pd_http_flags`; `fit_compiled_with`), under
+    (`experiments.pd_http.twin`) priced on each CPU spec of `fits` ({when it was fitted: fit}; a fit
+    {"per_point": True, ...} stands for each run's own `cpu_spec_fit`, made just before it: pd_http
+    --fit-each-point), each fitted under the compile flags the real servers ran with (`pd_http_flags`), under
     each of the twin's ways of pricing how the processes share the cores (`pd_http.HOST_SHARING`:
     "contended", the model; "alone" and "shared", its bounds). Its counts are not compared: which producer
     and decode rank a request meets, and so what each holds, depends on wall-clock routing. -> {"real":
@@ -412,16 +415,21 @@ def pd_http_comparison(real: dict, fits: dict[str, dict], source: str = PD_HTTP_
     mean |rel error|}}}, "between": {fit: the fraction of (point, metric) pairs the bounds bracket}}."""
     from experiments import pd_http
 
+    def spec(r, fit):  # the fit that prices the twin of run r
+        return r["cpu_spec_fit"] if fit.get("per_point") else fit
+
     for when, fit in fits.items():
-        if fit.get("xla_flags") != pd_http_flags(real):
-            raise ValueError(f"pd_http_comparison: the spec of {when} was fitted under XLA_FLAGS={fit.get('xla_flags')!r}, "
-                             f"the real servers compiled under {pd_http_flags(real)!r}: fit it with fit_compiled_with")
+        for r in real["runs"]:
+            if spec(r, fit).get("xla_flags") != pd_http_flags(real):
+                raise ValueError(f"pd_http_comparison: the spec of {when} was fitted under XLA_FLAGS="
+                                 f"{spec(r, fit).get('xla_flags')!r}, the real servers compiled under "
+                                 f"{pd_http_flags(real)!r}: fit it with fit_compiled_with")
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real.get("decode_layout", "replicas"))
     points = []
     for r in real["runs"]:
         sims = {when: {host: pd_http.twin(specs[r["kv_policy"]], sessions, r["concurrency"], preset=real["preset"],
-                                          host_specs=host_specs(fit), host=host, deploy=real["deploy"],
+                                          host_specs=host_specs(spec(r, fit)), host=host, deploy=real["deploy"],
                                           weight_bytes=WEIGHT_BYTES)
                        for host in pd_http.HOST_SHARING} for when, fit in fits.items()}
         points.append({"deployment": r["kv_policy"], "concurrency": r["concurrency"],
@@ -441,9 +449,12 @@ def pd_http_comparison(real: dict, fits: dict[str, dict], source: str = PD_HTTP_
 
 
 def pd_http_fits(real: dict, previous: dict | None = None) -> dict[str, dict]:
-    """The CPU specs that price the twins of the pd_http run `real`, by when each was fitted: `previous`'s
-    (an earlier `pd_http_comparison`) for the same real run, else one fitted now under the flags its
-    servers compiled with (`fit_compiled_with`: minutes)."""
+    """The CPU specs that price the twins of the pd_http run `real`, by when each was fitted: the fit each
+    point made just before it ran (pd_http --fit-each-point: the protocol that sees the machine at the
+    point's speed), else `previous`'s (an earlier `pd_http_comparison`) for the same real run, else one
+    fitted now under the flags its servers compiled with (`fit_compiled_with`: minutes)."""
+    if real["runs"] and all("cpu_spec_fit" in r for r in real["runs"]):
+        return {EACH_POINT: {"per_point": True, "xla_flags": pd_http_flags(real)}}
     if previous and (previous["real"]["git_revision"], previous["real"]["date"]) == (real["git_revision"], real["date"]):
         return previous["cpu_spec_fits"]
     flags = pd_http_flags(real)
@@ -455,10 +466,9 @@ def pd_http_fits(real: dict, previous: dict | None = None) -> dict[str, dict]:
 def pd_http_flags(real: dict) -> str:
     """The XLA_FLAGS a pd_http run's servers compiled under (its `xla_flags`; a run that predates the key
     compiled them at -O0, FAST_COMPILE_XLA_FLAGS, as pd_http always has), without the device count."""
-    from experiments.common import FAST_COMPILE_XLA_FLAGS
+    from experiments.common import FAST_COMPILE_XLA_FLAGS, compile_flags
 
-    flags = real.get("xla_flags", FAST_COMPILE_XLA_FLAGS).split()
-    return " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
+    return compile_flags(real.get("xla_flags", FAST_COMPILE_XLA_FLAGS))
 
 
 def missing(points: list[dict]) -> list[str]:
@@ -561,10 +571,12 @@ def table(res: dict) -> str:
                   "the model), alone (each engine always on the whole host) and shared (every device always on a "
                   "quarter of it). rel error = simulated / real - 1; * marks a real value the two bounds bracket.", ""]
         for w, f in fits.items():
-            lines += [f"Fitted at {w}: {f['flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.2f} GB/s, forward latency "
-                      f"{f['forward_latency_s'] * 1e3:.2f} ms, host {f['step_overhead_s'] * 1e3:.2f} ms before the "
-                      f"forwards and {f['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| "
-                      f"{f['forward_abs_rel_error_mean']:.1%}.", "",
+            lines += [("Fitted before each point, each point priced on its own fit (the real run's `cpu_spec_fit`)."
+                       if f.get("per_point") else
+                       f"Fitted at {w}: {f['flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.2f} GB/s, forward latency "
+                       f"{f['forward_latency_s'] * 1e3:.2f} ms, host {f['step_overhead_s'] * 1e3:.2f} ms before the "
+                       f"forwards and {f['host_overlap_s'] * 1e3:.2f} ms beside them; per-shape |error| "
+                       f"{f['forward_abs_rel_error_mean']:.1%}."), "",
                       "| deployment | c | " + " | ".join(f"{m} {h}" for m in ("TTFT p50", "TPOT mean", "throughput/device")
                                                           for h in hosts) + " |",
                       "|---|---|" + "---|" * 9]

@@ -104,7 +104,7 @@ def test_the_pd_http_twins_need_a_spec_fitted_at_the_servers_compile_flags():
     assert vs.pd_http_flags({}) == FAST_COMPILE_XLA_FLAGS
     assert vs.pd_http_flags({"xla_flags": "--xla_force_host_platform_device_count=8 --a=1"}) == "--a=1"
     with pytest.raises(ValueError, match="fit it with fit_compiled_with"):
-        vs.pd_http_comparison({"xla_flags": ""}, {"t": {"xla_flags": FAST_COMPILE_XLA_FLAGS}})
+        vs.pd_http_comparison({"xla_flags": "", "runs": [{}]}, {"t": {"xla_flags": FAST_COMPILE_XLA_FLAGS}})
 
 
 def test_a_metric_undefined_both_ways_is_left_out_and_one_side_only_is_an_error():
@@ -209,3 +209,26 @@ def test_the_committed_pd_http_comparison_is_the_twins_of_its_real_run():
         pairs = [(min(p["sim"][w]["alone"][k], p["sim"][w]["shared"][k]) <= p["real"][k]
                   <= max(p["sim"][w]["alone"][k], p["sim"][w]["shared"][k])) for p in pd["points"] for k in vs.MAPE_METRICS]
         assert pd["between"][w] == pytest.approx(sum(pairs) / len(pairs))
+
+
+def test_a_pd_http_run_that_fitted_before_each_point_prices_each_point_on_its_own_fit():
+    """pd_http --fit-each-point keeps a fit per run (`cpu_spec_fit`): `pd_http_fits` then takes those
+    (and fits nothing), and `pd_http_comparison` prices each point on its own fit, here the committed
+    concurrency-1 runs each with another of the committed fits, equal to pricing each run on that fit."""
+    import json
+
+    from experiments.common import REPO
+
+    res = json.loads((REPO / "results/validate_sim/results.json").read_text())
+    real = json.loads((REPO / vs.PD_HTTP_REAL / "results.json").read_text())
+    fits = list(res["pd_http"]["cpu_spec_fits"].values())
+    c1 = [r for r in real["runs"] if r["concurrency"] == 1]
+    runs = [{**r, "cpu_spec_fit": fits[i % len(fits)]} for i, r in enumerate(c1)]
+    own = {**real, "runs": runs}
+    assert vs.pd_http_fits(own) == {vs.EACH_POINT: {"per_point": True, "xla_flags": vs.pd_http_flags(real)}}
+    got = vs.pd_http_comparison(own, vs.pd_http_fits(own))
+    for r, p in zip(runs, got["points"]):
+        one = vs.pd_http_comparison({**real, "runs": [r]}, {"f": r["cpu_spec_fit"]})["points"][0]
+        assert p["sim"][vs.EACH_POINT] == one["sim"]["f"]
+    assert fits[0] != fits[1] and got["points"][0]["sim"] != got["points"][1]["sim"]
+    assert "Fitted before each point" in vs.table({**res, "pd_http": got})
