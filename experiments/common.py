@@ -41,6 +41,12 @@ def with_fast_compile(xla_flags: str) -> str:
     return f"{xla_flags} {FAST_COMPILE_XLA_FLAGS}".strip()
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a Python child that imports this checkout (REPO first on its
+    PYTHONPATH), with `extra` set."""
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+
+
 def compile_flags(xla_flags: str) -> str:
     """`xla_flags` (an XLA_FLAGS value) without the simulated device count: the flags that decide how
     programs compile (a CPU spec fitted under them prices programs compiled under them)."""

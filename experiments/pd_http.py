@@ -65,7 +65,7 @@ from pathlib import Path
 
 from experiments import workloads
 from experiments.bench_http import HttpEngine, _free_port, run_point, scrape_metrics, start_server
-from experiments.common import REPO, compile_flags, cpu_name, git_revision, with_fast_compile
+from experiments.common import REPO, child_env, compile_flags, cpu_name, git_revision, with_fast_compile
 
 DEPLOY = {"max_model_len": 512, "max_num_batched_tokens": 128, "max_num_seqs": 2, "block_size": 16}
 DEVICES = 4  # per deployment: 2 prefill + 2 decode
@@ -223,8 +223,7 @@ def fit_under(xla_flags: str) -> dict:
         path = Path(tmp) / "fit.json"
         code = ("import json, sys; from experiments import validate_sim as v; "
                 "json.dump(v.fit_compiled_with(sys.argv[1]), open(sys.argv[2], 'w'))")
-        env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        out = subprocess.run([sys.executable, "-c", code, xla_flags, str(path)], cwd=REPO, env=env,
+        out = subprocess.run([sys.executable, "-c", code, xla_flags, str(path)], cwd=REPO, env=child_env(),
                              capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"pd_http: the CPU spec fit failed (exit {out.returncode}): {out.stderr[-2000:]}")

@@ -74,7 +74,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments import serve
-from experiments.common import cpu_name, git_revision, load_config
+from experiments.common import child_env, cpu_name, git_revision, load_config
 
 METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device", "running_requests_mean")
 MAPE_METRICS = ("ttft_median_s", "tpot_mean_s", "throughput_tok_s_per_device")  # `summary`'s mape
@@ -601,8 +601,7 @@ def time_lockstep_grid() -> dict[tuple[int, int, int], float]:
 
     code = ("import json, sys; from experiments import validate_sim as v; "
             "json.dump([[*k, t] for k, t in v._lockstep_grid_here().items()], sys.stdout)")
-    env = {**os.environ, "PYTHONPATH": str(serve.REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, "-c", code], cwd=serve.REPO, env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=serve.REPO, env=child_env(), capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"the lock-step grid failed (exit {out.returncode}): {out.stderr[-2000:]}")
     return {(r, w, win): t for r, w, win, t in json.loads(out.stdout)}
@@ -629,8 +628,8 @@ def fit_compiled_with(xla_flags: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fit.json"
         code = f"from experiments import validate_sim as v; v._fit_here({str(path)!r})"
-        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-        env.update(XLA_FLAGS=xla_flags, PYTHONPATH=str(serve.REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = child_env(XLA_FLAGS=xla_flags)
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
         out = subprocess.run([sys.executable, "-c", code], cwd=serve.REPO, env=env, capture_output=True, text=True)
         if out.returncode:
             raise RuntimeError(f"the fit under XLA_FLAGS={xla_flags!r} failed (exit {out.returncode}): {out.stderr[-2000:]}")
