@@ -17,13 +17,16 @@ Sweeps, on the published configs (configs/paper/part1.py at concurrency 32, 142K
   sit on ranks (Part 2's EP8): under TP8 (Part 1) every GPU holds a slice of each expert, so a skew
   leaves the GPUs balanced and the points would repeat the default's.
 A point whose knob cannot act on it (a miss fraction without HiSparse, a skew without EP) is not run.
-Every point is one `experiments.serve.run_one` over at most `--window-s` simulated seconds from the start
-(`sweep.measure="steady"`, `sweep.window_s`: then the requests in flight finish and the figures are over
-the window), so a sweep fits in a session; the default point of each (figure, policy) is run once and shared by every knob.
+Every point is one `experiments.serve.run_one`. Part 1's points run over at most `--window-s` simulated
+seconds from the start (`sweep.measure="steady"`, `sweep.window_s`: then the requests in flight finish and
+the figures are over the window); Part 2's over the published hour of steady state its config measures
+(600 s of warm-up, then 3,600 s: `Figure.own_window`), since a short window from the start moves its
+figures by more than most knobs do (`--quick` cuts it to the short window too). The default point of each
+(figure, policy) is run once and shared by every knob.
 
 Writes OUT/results.json: {"knobs": {knob: [{"value", "figure", "concurrency", "kv_policy",
 "running_requests_mean", "throughput_tok_s_per_gpu", "interactivity_tok_s_user", ...}]}, "knob_info" (each
-knob's default, its source, the values cited), "window_s", "complete", "missing" (points not run yet),
+knob's default, its source, the values cited), "window_s", "windows" (each figure's), "complete", "missing" (points not run yet),
 date / commit / machine}, and OUT/<knob>.png (throughput and interactivity vs the knob, the default and the
 cited values marked), OUT/table.md (each value's change from the default). Results are saved after each
 point and a rerun skips the points already there.
@@ -66,6 +69,7 @@ class Figure:
     experts_on_ranks: bool = False  # EP: whole experts per rank (a routing skew unbalances the GPUs)
     quick: tuple[str, ...] = ()  # further overrides under --quick
     quick_concurrency: int | None = None
+    own_window: bool = False  # measured over the config's own steady window, not `window_s` (unless quick)
 
 
 FIGURES = {
@@ -74,7 +78,7 @@ FIGURES = {
     "part1_1m": Figure(PART1, 32, ("hisparse",), ("--config.deploy.max_model_len=1048576",)),
     "part2": Figure(PART2, 64, ("pcp_dcp+hisparse",), experts_on_ranks=True,
                     quick=("--config.workload.median_turns=4.0", "--config.workload.mean_input=20000.0"),
-                    quick_concurrency=8),
+                    quick_concurrency=8, own_window=True),
 }
 
 
@@ -119,12 +123,25 @@ def applies(knob: str, fig: Figure, policy: str) -> bool:
 
 
 def base_config(fig: Figure, policy: str, window_s: float, quick: bool = False):
-    """The published config of one (figure, policy) at its concurrency, cut to `window_s` simulated seconds."""
+    """The published config of one (figure, policy) at its concurrency, over `window(fig, window_s, quick)`."""
     cfg = load_config(str(REPO / fig.config), fig.overrides + (fig.quick if quick else ()))
     cfg.sweep.kv_policy = (policy,)
     cfg.sweep.concurrency = (concurrency(fig, quick),)
-    cfg.sweep.measure, cfg.sweep.window_warmup_s, cfg.sweep.window_s = "steady", 0.0, float(window_s)
+    cfg.sweep.measure = "steady"
+    cfg.sweep.window_warmup_s, cfg.sweep.window_s = window(fig, window_s, quick, cfg)
     return cfg
+
+
+def window(fig: Figure, window_s: float, quick: bool, cfg=None) -> tuple[float, float]:
+    """(warm-up, window) in simulated seconds of a figure's points: its config's own steady window where
+    `fig.own_window` (and not quick), else `window_s` from the start. A point's `steady_window_s` is
+    [warm-up, warm-up + window] (serve's closed loop keeps the pool full over both or fails)."""
+    if fig.own_window and not quick:
+        cfg = cfg if cfg is not None else load_config(str(REPO / fig.config), fig.overrides)
+        if cfg.sweep.measure != "steady" or not cfg.sweep.window_s:
+            raise ValueError(f"{fig.config} measures no steady window of its own")
+        return float(cfg.sweep.window_warmup_s), float(cfg.sweep.window_s)
+    return 0.0, float(window_s)
 
 
 def concurrency(fig: Figure, quick: bool) -> int:
@@ -245,8 +262,7 @@ def plot(res: dict, out: Path) -> list[Path]:
             ax.set_title(title)
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"{knob}: dotted = default, dashed = cited; window {res['window_s']:.0f} simulated s",
-                     fontsize=9)
+        fig.suptitle(f"{knob}: dotted = default, dashed = cited; windows: {windows_text(res)}", fontsize=9)
         fig.tight_layout()
         path = out / f"{knob}.png"
         fig.savefig(path, dpi=110)
@@ -255,10 +271,15 @@ def plot(res: dict, out: Path) -> list[Path]:
     return files
 
 
+def windows_text(res: dict) -> str:
+    """The figures' windows of a results.json, e.g. "part1 0-300 s, part2 600-4200 s" (simulated)."""
+    return ", ".join(f"{f} {a:.0f}-{b:.0f} s" for f, (a, b) in res["windows"].items())
+
+
 def table(res: dict) -> str:
     """results.json as markdown: per knob and (figure, policy), each value's figures and their change from the
     default point's."""
-    out = [f"# Sensitivity of the simulated published points (window {res['window_s']:.0f} simulated s per point)", "",
+    out = [f"# Sensitivity of the simulated published points (windows in simulated time: {windows_text(res)})", "",
            "Generated by `python -m experiments.sensitivity`; change = value / default - 1."
            + ("" if res["complete"] else f" Incomplete: {len(res['missing'])} points not run (results.json "
                                           "`missing`)."), ""]
@@ -287,7 +308,8 @@ def table(res: dict) -> str:
 
 def run(out: Path, figures=tuple(FIGURES), knobs=tuple(KNOBS), *, window_s: float = 300.0, quick: bool = False,
         budget_s: float | None = None, log=print) -> dict:
-    """Run the sweep's points into out/results.json (resuming what is there for the same window) -> results.
+    """Run the sweep's points into out/results.json (resuming those of its runs measured over the window their
+    figure takes now) -> results.
     budget_s: stop starting points after this much wall time (the rest listed as missing)."""
     for f in figures:
         if f not in FIGURES:
@@ -298,8 +320,10 @@ def run(out: Path, figures=tuple(FIGURES), knobs=tuple(KNOBS), *, window_s: floa
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    runs = old.get("runs", {}) if old.get("window_s") == window_s else {}
     todo = points(figures, knobs, quick)
+    spans = {f: window(FIGURES[f], window_s, quick) for f in dict.fromkeys(p[1] for p in todo)}
+    runs = {k: r for k, r in old.get("runs", {}).items()
+            if r["figure"] not in spans or r.get("steady_window_s") == [spans[r["figure"]][0], sum(spans[r["figure"]])]}
     t0 = time.perf_counter()
 
     def save() -> dict:
@@ -311,14 +335,16 @@ def run(out: Path, figures=tuple(FIGURES), knobs=tuple(KNOBS), *, window_s: floa
             else:
                 res["knobs"][knob].append(entry(knob, fname, policy, value, is_default, m))
         res.update(complete=not res["missing"], window_s=window_s, quick=quick,
+                   windows={f: [a, a + w] for f, (a, w) in spans.items()},
                    knob_info={k: {"default": v.default, "source": v.source, "cited": list(v.cited)}
                               for k, v in KNOBS.items()},
                    not_run={"hisparse_miss_fraction": "offload points (no hot buffer)",
                             "expert_skew": "Part 1 (TP8: every GPU holds a slice of each expert, balanced under "
                                            "any skew)"},
-                   window="each point: the published config at its concurrency from the start for at most window_s "
-                          "simulated seconds (serve's steady window: sweep.window_s), the requests in flight then finished; "
-                          "figures over that window",
+                   window="each point: the published config at its concurrency over its figure's window (`windows`, "
+                          "simulated s: serve's steady window, the pool kept full over warm-up and window; Part 1 from "
+                          "the start for window_s, Part 2 its config's published hour after its warm-up), the requests "
+                          "in flight then finished; figures over the window",
                    date=time.strftime("%Y-%m-%d"), git_revision=git_revision(),
                    machine={"cpu": cpu_name(), "cpu_count": os.cpu_count()}, runs=runs)
         path.write_text(json.dumps(res, indent=1))

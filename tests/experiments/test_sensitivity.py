@@ -27,7 +27,7 @@ def test_each_knob_reaches_its_point(swept):
     out, res, _ = swept
     k = res["knobs"]
     assert set(k) == {"hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew", "host_copy_overlap"}
-    assert res["complete"] and not res["missing"] and res["window_s"] == 20.0
+    assert res["complete"] and not res["missing"] and res["window_s"] == 20.0 and res["windows"] == {"part1": [0.0, 20.0]}
     for rows in k.values():
         assert all(ISSUE_KEYS <= set(r) for r in rows)
         assert all(r["steady_window_s"] == [0.0, 20.0] for r in rows)  # every point cut to the window
@@ -70,6 +70,28 @@ def test_a_rerun_resumes_and_a_cut_run_lists_what_is_missing(swept, monkeypatch)
     assert again["knobs"] == res["knobs"]
     cut = S.run(out / "other", ["part1"], ["step_overhead_s"], window_s=20.0, quick=True, budget_s=-1.0)
     assert not cut["complete"] and len(cut["missing"]) == 2 and cut["knobs"]["step_overhead_s"] == []
+
+
+def test_part2_is_measured_over_its_published_hour_and_a_run_over_another_window_is_run_again(swept, monkeypatch):
+    # Part 2's points take its config's steady window (600 s warm-up, then the hour), not window_s; --quick cuts it
+    assert S.window(S.FIGURES["part2"], 300.0, False) == (600.0, 3600.0)
+    assert S.window(S.FIGURES["part2"], 60.0, True) == (0.0, 60.0)
+    assert S.window(S.FIGURES["part1"], 300.0, False) == (0.0, 300.0)
+    cfg = S.base_config(S.FIGURES["part2"], "pcp_dcp+hisparse", 300.0)
+    assert (cfg.sweep.measure, cfg.sweep.window_warmup_s, cfg.sweep.window_s) == ("steady", 600.0, 3600.0)
+    # a stored run whose measured window is not its figure's current one is not reused
+    out, res, figures = swept
+    moved = out / "moved"
+    moved.mkdir()
+    stored = json.loads((out / "results.json").read_text())
+    stale = "part1|hisparse|step_overhead_s=0.004"
+    stored["runs"][stale]["steady_window_s"] = [0.0, 300.0]
+    (moved / "results.json").write_text(json.dumps(stored))
+    monkeypatch.setattr(S, "FIGURES", figures)
+    ran = []
+    monkeypatch.setattr(S, "run_point", lambda *a, **k: ran.append(a[:4]) or res["knobs"]["step_overhead_s"][1])
+    S.run(moved, ["part1"], list(S.KNOBS), window_s=20.0, quick=True, log=lambda *_: None)
+    assert ran == [("part1", "hisparse", "step_overhead_s", S.CITED_STEP_OVERHEAD_S)]
 
 
 def test_knobs_act_only_where_they_can():
