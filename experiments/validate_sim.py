@@ -49,12 +49,13 @@ that it runs and that its counts are equal; such points do not make a run comple
    one twin per fit kept for that run (a run of `pd_http --fit-each-point` prices each point on the fit
    made just before it). The processes share the cores: the twin prices a step on the
    shared host while the other engine is busy ("contended"); each engine always alone and always sharing
-   are its bounds. Its counts are not compared (they depend on wall-clock routing). Not in `mape`: fits of
+   are its bounds. Its counts are not compared (they depend on wall-clock routing). Its "contended"
+   timings count in `mape` only where each point was priced on its own fit (`pd_http_errors`): fits of
    the same code an hour apart on this machine moved the twin's TPOT by half (docs/simulator.md).
 
 Writes OUT/results.json (the fitted spec, the fit's error on its own forwards and steps, every point
 with real, simulated and relative error; `mape`: the mean |simulated / real - 1| over the held-out
-points of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
+points (and item 3's, where they count) of median TTFT, mean TPOT and throughput per device, fractions; `counts_equal`: every point's
 counts equal; `complete`: the fit's points and every HELD_OUT config ran, none with an `--override`;
 `pd_http`: item 3's comparison, with its spec; rewritten after every point) and OUT/table.md (the validation
 table). A benchmark: it asserts nothing (tests/experiments/test_validate_sim.py bounds the committed
@@ -368,14 +369,26 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
     return best
 
 
-def summary(points: list[dict]) -> dict:
-    """{"mape": {metric: mean |simulated / real - 1| over the held-out points where the metric is
-    defined (fractions), for MAPE_METRICS}, "counts_equal": whether every point's counts are equal, simulated and real, "complete":
-    whether the points cover the fit and every HELD_OUT config, none run with an extra override} (mape nan
-    without held-out points)."""
-    held = [p for p in points if p["role"] == "held out"]
-    mape = {k: float(np.mean(v)) if (v := _defined(held, k)) else float("nan") for k in MAPE_METRICS}
+def summary(points: list[dict], pd_http: dict | None = None) -> dict:
+    """{"mape": {metric: mean |simulated / real - 1| over the held-out points and the P/D-over-HTTP points
+    that count (`pd_http_errors`), where the metric is defined (fractions), for MAPE_METRICS}, "counts_equal":
+    whether every point's counts are equal, simulated and real (P/D over HTTP is compared for timings
+    only), "complete": whether the points cover the fit and every HELD_OUT config, none run with an extra
+    override} (mape nan without such points)."""
+    held = [p["rel_error"] for p in points if p["role"] == "held out"] + pd_http_errors(pd_http)
+    mape = {k: float(np.mean(v)) if (v := [abs(e[k]) for e in held if not np.isnan(e[k])]) else float("nan")
+            for k in MAPE_METRICS}
     return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points), "complete": not missing(points)}
+
+
+def pd_http_errors(pd_http: dict | None) -> list[dict]:
+    """The rel errors of P/D over HTTP that count in `mape`: each point's "contended" twin priced on the
+    CPU spec fitted just before that point ran (`EACH_POINT`, pd_http --fit-each-point). A comparison
+    without per-point fits counts for nothing: a fit made once, before or after an hour of real points on
+    this machine, prices them at another speed (docs/simulator.md, "P/D over HTTP")."""
+    if not pd_http or EACH_POINT not in pd_http["cpu_spec_fits"]:
+        return []
+    return [p["rel_error"][EACH_POINT]["contended"] for p in pd_http["points"]]
 
 
 def rel_error(sim: float, real: float) -> float:
@@ -487,7 +500,7 @@ def check(res: dict, bound: float = MAPE_BOUND) -> list[str]:
     points give, a MAPE above `bound` (or not a number), counts that differ, a HELD_OUT config it did not
     run -> problems ([] when it passes)."""
     problems = []
-    got = summary(res["points"])
+    got = summary(res["points"], res.get("pd_http"))
     if {k: res.get(k) for k in got} != got:
         problems.append(f"mape / counts_equal / complete {[res.get(k) for k in got]} are not its points' {list(got.values())}")
     problems += [f"mape {k} = {v!r} > {bound}" for k, v in got["mape"].items() if not v <= bound]
@@ -546,7 +559,11 @@ def table(res: dict) -> str:
                      + " | ".join("n/a" if np.isnan(e[k]) else f"{e[k]:+.1%}" for k in METRICS) + f" | {'yes' if p['counts_equal'] else 'NO'} |")
     held = [p for p in res["points"] if p["role"] == "held out"]
     if held:
-        lines += ["", "MAPE over the held-out points: " + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
+        pd_n = len(pd_http_errors(res.get("pd_http")))
+        lines += ["", f"MAPE over the held-out points{f' and the {pd_n} of P/D over HTTP (below)' if pd_n else ''}: "
+                  + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
+                  + (" (the held-out points alone: " + ", ".join(f"{k} {v:.1%}" for k, v in summary(res["points"])
+                                                                  ["mape"].items()) + ")" if pd_n else "")
                   + f"; counts equal at every point: {'yes' if res['counts_equal'] else 'NO'}"]
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
             f"{k} {_median_abs(held, k):.1%}" for k in METRICS)
@@ -561,7 +578,9 @@ def table(res: dict) -> str:
     if res.get("pd_http"):
         pd, hosts = res["pd_http"], ("contended", "alone", "shared")
         fits = pd["cpu_spec_fits"]
-        lines += ["", "## P/D over HTTP (timings only, not in the MAPE above)", "",
+        counted = ("in the MAPE above: the contended twin, each point on its own fit" if pd_http_errors(pd) else
+                   "not in the MAPE above: no per-point fits")
+        lines += ["", f"## P/D over HTTP (timings only; {counted})", "",
                   f"The real side is {pd['real']['dir']} ({pd['real']['date']}, {pd['real']['git_revision'][:12]}, "
                   f"decode layout {pd['real']['decode_layout']}): prefill and decode servers, router and client as "
                   "processes on this machine, the servers compiled under XLA_FLAGS "
@@ -691,8 +710,9 @@ def main(argv=None) -> dict:
                          "serve-default points, no grid; its held-out points can then be merged into DIR")
     ap.add_argument("--pd-http", default=PD_HTTP_REAL, metavar="DIR",
                     help="the experiments.pd_http run (its results.json) whose points are compared with their "
-                         "simulated twins, timings only (`pd_http` in results.json, in `mape`; with --summarize, "
-                         "recomputed on the spec DIR's pd_http was fitted for it); '' for none (default: %(default)s)")
+                         "simulated twins, timings only (`pd_http` in results.json; in `mape` where each point was priced "
+                         "on its own fit, pd_http --fit-each-point; with --summarize, recomputed on the specs "
+                         "DIR's pd_http was priced on); '' for none (default: %(default)s)")
     ap.add_argument("--override", action="append", default=[], metavar="--config.FIELD=VALUE",
                     help="an extra config override for every held-out config run (e.g. a smaller concurrency); the "
                          "points record it, and a run with any is not complete")
@@ -707,7 +727,7 @@ def main(argv=None) -> dict:
         if args.pd_http:
             real = _pd_http_run(args.pd_http)
             res["pd_http"] = pd_http_comparison(real, pd_http_fits(real, res.get("pd_http")), args.pd_http)
-        res.update(summary(res["points"]))
+        res.update(summary(res["points"], res.get("pd_http")))
         path.write_text(json.dumps(res, indent=1, default=str))
         (path.parent / "table.md").write_text(table(res))
         return res
@@ -769,7 +789,7 @@ def main(argv=None) -> dict:
 
     def save() -> dict:
         """results.json and table.md after every point (atomically): a run that stops keeps what it measured."""
-        res = {**meta, "points": res_points, **summary(res_points)}
+        res = {**meta, "points": res_points, **summary(res_points, meta.get("pd_http"))}
         tmp = out / "results.json.tmp"
         tmp.write_text(json.dumps(res, indent=1, default=str))
         os.replace(tmp, out / "results.json")

@@ -108,13 +108,12 @@ def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
     from experiments.common import REPO
 
     real = json.loads((REPO / validate_sim.PD_HTTP_REAL / "results.json").read_text())
-    fits = json.loads((REPO / "results/validate_sim/results.json").read_text())["pd_http"]["cpu_spec_fits"]
-    fit = next(iter(fits.values()))
     sessions = pd_http.sessions_of(real)
     specs = pd_http.deployments(real["deploy"], real["decode_layout"])
+    fit = {(r["kv_policy"], r["concurrency"]): r["cpu_spec_fit"] for r in real["runs"]}  # pd_http --fit-each-point
     for r in (r for r in real["runs"] if r["concurrency"] == 1):
         got = {h: pd_http.twin(specs[r["kv_policy"]], sessions, 1, preset=real["preset"],
-                               host_specs=validate_sim.host_specs(fit), host=h, deploy=real["deploy"])
+                               host_specs=validate_sim.host_specs(r["cpu_spec_fit"]), host=h, deploy=real["deploy"])
                for h in pd_http.HOST_SHARING}
         for m in got.values():
             assert (m["requests"], m["output_tokens"], m["kv_transfer_received_tokens"]) == (
@@ -123,10 +122,10 @@ def test_the_twin_at_concurrency_1_serves_what_the_committed_servers_served():
         assert {k: v for k, v in got["contended"].items() if k not in ("host", "sim_wall_s")} == {
             k: v for k, v in got["alone"].items() if k not in ("host", "sim_wall_s")}
     got = {h: pd_http.twin(specs["dp+offload"], sessions, 4, preset=real["preset"],
-                           host_specs=validate_sim.host_specs(fit), host=h, deploy=real["deploy"])
+                           host_specs=validate_sim.host_specs(fit["dp+offload", 4]), host=h, deploy=real["deploy"])
            for h in pd_http.HOST_SHARING}
     for k in ("ttft_median_s", "tpot_mean_s"):
         assert got["alone"][k] < got["contended"][k] < got["shared"][k], k
     with pytest.raises(ValueError, match="host must be one of"):
-        pd_http.twin(specs["dp+offload"], sessions, 1, preset=real["preset"], host_specs=validate_sim.host_specs(fit),
-                     host="half")
+        pd_http.twin(specs["dp+offload"], sessions, 1, preset=real["preset"],
+                     host_specs=validate_sim.host_specs(fit["dp+offload", 1]), host="half")

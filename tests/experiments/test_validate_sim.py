@@ -194,9 +194,11 @@ def test_the_committed_pd_http_comparison_is_the_twins_of_its_real_run():
     fits = pd["cpu_spec_fits"]
     assert fits and {f["xla_flags"] for f in fits.values()} == {vs.pd_http_flags(real)}
     for p in (p for p in pd["points"] if p["concurrency"] == 1):
+        r = next(r for r in real["runs"] if (r["kv_policy"], r["concurrency"]) == (p["deployment"], 1))
         for w, fit in fits.items():
-            m = pd_http.twin(specs[p["deployment"]], sessions, 1, preset=real["preset"], host_specs=vs.host_specs(fit),
-                             host="contended", deploy=real["deploy"])
+            m = pd_http.twin(specs[p["deployment"]], sessions, 1, preset=real["preset"], deploy=real["deploy"],
+                             host_specs=vs.host_specs(r["cpu_spec_fit"] if fit.get("per_point") else fit),
+                             host="contended")
             assert {k: m[k] for k in vs.MAPE_METRICS} == pytest.approx(p["sim"][w]["contended"], rel=1e-9)
     for p in pd["points"]:
         r = next(r for r in real["runs"] if (r["kv_policy"], r["concurrency"]) == (p["deployment"], p["concurrency"]))
@@ -213,22 +215,39 @@ def test_the_committed_pd_http_comparison_is_the_twins_of_its_real_run():
 
 def test_a_pd_http_run_that_fitted_before_each_point_prices_each_point_on_its_own_fit():
     """pd_http --fit-each-point keeps a fit per run (`cpu_spec_fit`): `pd_http_fits` then takes those
-    (and fits nothing), and `pd_http_comparison` prices each point on its own fit, here the committed
-    concurrency-1 runs each with another of the committed fits, equal to pricing each run on that fit."""
+    (and fits nothing), and `pd_http_comparison` prices each point on its own fit: the committed run's
+    concurrency-1 points, made with different fits, each equal to pricing that run alone on its fit."""
     import json
 
     from experiments.common import REPO
 
     res = json.loads((REPO / "results/validate_sim/results.json").read_text())
     real = json.loads((REPO / vs.PD_HTTP_REAL / "results.json").read_text())
-    fits = list(res["pd_http"]["cpu_spec_fits"].values())
     c1 = [r for r in real["runs"] if r["concurrency"] == 1]
-    runs = [{**r, "cpu_spec_fit": fits[i % len(fits)]} for i, r in enumerate(c1)]
-    own = {**real, "runs": runs}
+    own = {**real, "runs": c1}
     assert vs.pd_http_fits(own) == {vs.EACH_POINT: {"per_point": True, "xla_flags": vs.pd_http_flags(real)}}
     got = vs.pd_http_comparison(own, vs.pd_http_fits(own))
-    for r, p in zip(runs, got["points"]):
+    for r, p in zip(c1, got["points"]):
         one = vs.pd_http_comparison({**real, "runs": [r]}, {"f": r["cpu_spec_fit"]})["points"][0]
         assert p["sim"][vs.EACH_POINT] == one["sim"]["f"]
-    assert fits[0] != fits[1] and got["points"][0]["sim"] != got["points"][1]["sim"]
+    assert c1[0]["cpu_spec_fit"] != c1[1]["cpu_spec_fit"]
     assert "Fitted before each point" in vs.table({**res, "pd_http": got})
+
+
+def test_pd_http_counts_in_the_mape_only_when_each_point_was_priced_on_its_own_fit():
+    """`mape` averages the held-out points with P/D over HTTP's contended twins where each point had its own
+    fit (EACH_POINT); a comparison on fits made once counts for nothing; `check` bounds the mean of both."""
+    points = [_point("held out", (0.1, 0.1, 0.1, 0.0)), _point("held out", (-0.1, 0.1, 0.1, 0.0))]
+
+    def pd(fit: str, err: float) -> dict:
+        e = {h: dict.fromkeys(vs.MAPE_METRICS, err if h == "contended" else 9.0) for h in ("contended", "alone", "shared")}
+        return {"cpu_spec_fits": {fit: {}}, "points": [{"rel_error": {fit: e}}] * 2}
+
+    assert vs.summary(points, pd(vs.EACH_POINT, -0.5))["mape"] == pytest.approx(dict.fromkeys(vs.MAPE_METRICS, 0.3))
+    assert vs.summary(points, pd("2026-12-07T00:57Z", -0.5))["mape"] == vs.summary(points)["mape"]
+    run = _run()
+    n = len(vs.HELD_OUT)
+    run["pd_http"] = pd(vs.EACH_POINT, (0.26 * (n + 2) - 0.1 * n) / 2)  # the mean of both: 0.26
+    assert vs.check(run)[0].startswith("mape")  # its summary fields are not its points' either
+    run.update(vs.summary(run["points"], run["pd_http"]))
+    assert [c.split(" = ")[0] for c in vs.check(run)] == [f"mape {k}" for k in vs.MAPE_METRICS]
