@@ -362,7 +362,7 @@ def _run_entry(e: Entry, out: Path, quick: bool, cache: dict) -> dict:
     if e.experiment == "pd_http":  # its own processes (router, prefill and decode servers)
         from experiments import pd_http
 
-        return {"status": "ran", "runs": _runs(pd_http.main(["--out", str(out)]), e)}
+        return {"status": "ran", "runs": _runs(pd_http.main(["--out", str(out), "--fit-each-point"]), e)}
     from experiments import serve
 
     argv = ["--config", e.config, "--out", str(out), "--no-progress", *e.overrides]

@@ -273,7 +273,8 @@ def plot(res: dict, out: Path) -> list[Path]:
 
 def windows_text(res: dict) -> str:
     """The figures' windows of a results.json, e.g. "part1 0-300 s, part2 600-4200 s" (simulated)."""
-    return ", ".join(f"{f} {a:.0f}-{b:.0f} s" for f, (a, b) in res["windows"].items())
+    windows = res.get("windows") or {"every figure": [0.0, res["window_s"]]}  # a run before per-figure windows
+    return ", ".join(f"{f} {a:.0f}-{b:.0f} s" for f, (a, b) in windows.items())
 
 
 def table(res: dict) -> str:
@@ -323,7 +324,8 @@ def run(out: Path, figures=tuple(FIGURES), knobs=tuple(KNOBS), *, window_s: floa
     todo = points(figures, knobs, quick)
     spans = {f: window(FIGURES[f], window_s, quick) for f in dict.fromkeys(p[1] for p in todo)}
     runs = {k: r for k, r in old.get("runs", {}).items()
-            if r["figure"] not in spans or r.get("steady_window_s") == [spans[r["figure"]][0], sum(spans[r["figure"]])]}
+            if r["figure"] not in spans or (r.get("steady_window_s") == [spans[r["figure"]][0], sum(spans[r["figure"]])]
+                                            and r["concurrency"] == concurrency(FIGURES[r["figure"]], quick))}
     t0 = time.perf_counter()
 
     def save() -> dict:

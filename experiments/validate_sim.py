@@ -560,10 +560,11 @@ def table(res: dict) -> str:
     held = [p for p in res["points"] if p["role"] == "held out"]
     if held:
         pd_n = len(pd_http_errors(res.get("pd_http")))
+        alone = (lambda m: ", ".join(f"{k} {v:.1%}" for k, v in m.items()))  # noqa: E731
         lines += ["", f"MAPE over the held-out points{f' and the {pd_n} of P/D over HTTP (below)' if pd_n else ''}: "
-                  + ", ".join(f"{k} {v:.1%}" for k, v in res["mape"].items())
-                  + (" (the held-out points alone: " + ", ".join(f"{k} {v:.1%}" for k, v in summary(res["points"])
-                                                                  ["mape"].items()) + ")" if pd_n else "")
+                  + alone(res["mape"])
+                  + (f" (the held-out points alone: {alone(summary(res['points'])['mape'])}; P/D over HTTP alone: "
+                     f"{alone(res['pd_http']['mape'][EACH_POINT]['contended'])})" if pd_n else "")
                   + f"; counts equal at every point: {'yes' if res['counts_equal'] else 'NO'}"]
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
             f"{k} {_median_abs(held, k):.1%}" for k in METRICS)
