@@ -336,9 +336,9 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
     shapes `times` ({(rows, width, window): seconds}); from the steps of `logs` (StepLogs with forwards
     timed), the step overhead as the median host time before a step's first forward and the host
     overlap as the median of the rest of its non-forward time (see module docstring)."""
-    from glm53.engine.sim import deployment
+    from glm53.engine.sim import step_layout
 
-    dep = deployment(deploy, "float32", WEIGHT_BYTES)
+    dep = step_layout(deploy, "float32", WEIGHT_BYTES)
     shapes = sorted(times)
     wall = np.array([times[k] for k in shapes])
     best = None
@@ -376,8 +376,7 @@ def summary(points: list[dict], pd_http: dict | None = None) -> dict:
     only), "complete": whether the points cover the fit and every HELD_OUT config, none run with an extra
     override} (mape nan without such points)."""
     held = [p["rel_error"] for p in points if p["role"] == "held out"] + pd_http_errors(pd_http)
-    mape = {k: float(np.mean(v)) if (v := [abs(e[k]) for e in held if not np.isnan(e[k])]) else float("nan")
-            for k in MAPE_METRICS}
+    mape = {k: float(np.mean(v)) if (v := _defined(held, k)) else float("nan") for k in MAPE_METRICS}
     return {"mape": mape, "counts_equal": all(p["counts_equal"] for p in points), "complete": not missing(points)}
 
 
@@ -528,13 +527,13 @@ def _bound(steps) -> str:
     return "prefill-bound" if pre > 0.5 * sum(s[-1] for s in steps) else "decode-bound"
 
 
-def _defined(points, k) -> list[float]:
-    """|error| of metric k at the points where it is defined (`rel_error`)."""
-    return [abs(p["rel_error"][k]) for p in points if not np.isnan(p["rel_error"][k])]
+def _defined(errors, k) -> list[float]:
+    """|error| of metric k in `errors` (points' `rel_error` dicts) where it is defined (`rel_error`)."""
+    return [abs(e[k]) for e in errors if not np.isnan(e[k])]
 
 
 def _median_abs(points, k) -> float:
-    v = _defined(points, k)
+    v = _defined([p["rel_error"] for p in points], k)
     return statistics.median(v) if v else float("nan")
 
 
@@ -569,7 +568,7 @@ def table(res: dict) -> str:
         lines += ["", f"All held-out points ({len(held)}): median |error| " + ", ".join(
             f"{k} {_median_abs(held, k):.1%}" for k in METRICS)
             + "; within 25%: " + ", ".join(f"{k} {sum(abs(p['rel_error'][k]) <= 0.25 for p in held)}/"
-                                          f"{len(_defined(held, k))}" for k in METRICS)]
+                                          f"{len(_defined([p['rel_error'] for p in held], k))}" for k in METRICS)]
     for bound in ("prefill-bound", "decode-bound"):
         pts = [p for p in res["points"] if p["bound"] == bound and p["role"] == "held out"]
         if pts:

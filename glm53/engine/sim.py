@@ -18,8 +18,8 @@ What the simulator does not know (it has no arrays), and assumes instead:
   verify row is priced in the form the model runner computes it on the priced hardware's platform
   (SpeculativeConfig.verify_form: batched on a GPU, sequential on CPU, sequential under HiSparse with
   a hot buffer too small for the union of 1 + k positions' selections): a decode row of 1 + k tokens,
-  or 1 + k one-token passes (`Deployment.verify`), with the MTP layer over the step's tokens
-  (`Deployment.include_mtp`), plus the k - 1 one-token draft passes (`glm53.perfmodel.step.mtp_draft_cost`);
+  or 1 + k one-token passes (`StepLayout.verify`), with the MTP layer over the step's tokens
+  (`StepLayout.include_mtp`), plus the k - 1 one-token draft passes (`glm53.perfmodel.step.mtp_draft_cost`);
 - HiSparse hot-buffer misses: a decode row with host-only pages misses `hisparse_miss_fraction` of the
   top-k rows it selects from them (selections spread over the context in proportion to its pages);
   an *assumption*, reported with every simulated run, until the resolver's hit rate is measured at scale.
@@ -68,7 +68,7 @@ from glm53.engine.synthetic import SyntheticRunner, _synthetic_accepted
 from glm53.perfmodel import H200_CALIBRATED, STORAGE, HardwareSpec, StorageSpec
 from glm53.perfmodel.cost import StepCost, all_to_all
 from glm53.perfmodel.ops import expected_remote_ranks, moe
-from glm53.perfmodel.step import Deployment, moe_layers, mtp_draft_cost, step_cost
+from glm53.perfmodel.step import StepLayout, moe_layers, mtp_draft_cost, step_cost
 from kvcache.layout import DEFAULT_INDEX_FORMAT
 from kvcache.tiers.sim import TierCosts
 from kvcache.transfer import ResetLease, TierLoad, TierStore
@@ -77,21 +77,21 @@ from parallel.ep import all2all_bytes_per_slot
 SIM_DTYPE = "bfloat16"  # what "auto" KV means for a model without weights (the checkpoints' dtype)
 
 
-def deployment(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | None = None,
-               verify: str = "batched", dcp_prefill_gather: str = "fp8_rows") -> Deployment:
+def step_layout(deploy: DeployConfig, kv_cache_dtype: str, weight_bytes: float | None = None,
+                verify: str = "batched", dcp_prefill_gather: str = "fp8_rows") -> StepLayout:
     """The performance model's view of one replica of `deploy` (kv_cache_dtype resolved, KVSizes').
     weight_bytes: bytes per matmul weight (None: the FP8 checkpoint's). verify: the MTP verify form its
     runner computes (SpeculativeConfig.verify_form). dcp_prefill_gather: what a PCP x DCP prefill gathers
-    (Deployment.dcp_prefill_gather)."""
+    (StepLayout.dcp_prefill_gather)."""
     extra = {} if weight_bytes is None else {"weight_bytes": weight_bytes}
-    return Deployment(**extra, tp=deploy.tensor_parallel_size, pcp=deploy.prefill_context_parallel_size,
+    return StepLayout(**extra, tp=deploy.tensor_parallel_size, pcp=deploy.prefill_context_parallel_size,
                       dcp=deploy.decode_context_parallel_size, expert_parallel=deploy.enable_expert_parallel,
                       dcp_backend=deploy.dcp_comm_backend, mla_format=kv_cache_dtype,
                       index_format=DEFAULT_INDEX_FORMAT[kv_cache_dtype],
                       include_mtp=deploy.num_speculative_tokens > 0, verify=verify,
                       dcp_prefill_gather=dcp_prefill_gather,
                       dp=deploy.data_parallel_size if deploy.experts_across_ranks else 1,
-                      **deploy.policy.sim_deployment(deploy))
+                      **deploy.policy.sim_layout(deploy))
 
 
 class _Row(typing.NamedTuple):  # what step_cost reads of a plan row
@@ -130,7 +130,7 @@ def fewer_collections(thresholds: tuple[int, int, int] = SIM_GC_THRESHOLDS):
         gc.set_threshold(*old)
 
 
-def forward_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, rows: int, width: int, window: int, *,
+def forward_cost(cfg: ModelConfig, hw: HardwareSpec, dep: StepLayout, rows: int, width: int, window: int, *,
                  sample: bool = True, hot_miss_rows: float = 0, drafts: int = 0) -> StepCost:
     """One padded forward of the model runner (`glm53.engine.runner.forward_groups`): `rows` rows of
     `width` tokens each against a `window`-position attention window (what the padded program computes,
@@ -178,7 +178,7 @@ class SimRunner(SyntheticRunner):
     hisparse_miss_fraction: see the module docstring (*assumed*).
     expert_load_imbalance: routing skew, the busiest EP rank's routed tokens over the mean (default 1.0:
         balanced); prices that rank's grouped expert GEMMs (and, outside DP x EP, its all-to-alls:
-        `Deployment.expert_load_imbalance`). The DP x EP all-to-alls (`all2all_cost`) move the engine's
+        `StepLayout.expert_load_imbalance`). The DP x EP all-to-alls (`all2all_cost`) move the engine's
         fixed capacity slots, which a skew does not change.
     weight_bytes: bytes per matmul weight parameter (None: the FP8 checkpoint; 4 for a float32 model).
     pad_like_runner: price the shapes this project's model runner executes instead of the plan's own
@@ -250,7 +250,7 @@ class SimRunner(SyntheticRunner):
                                             index_topk=cfg.index_topk) if spec else None
         # on a GPU spec the PCP x DCP prefill gathers as vLLM's FLASHMLA_SPARSE path does (each rank's shard
         # up-converted to bf16); the CPU spec prices this project's engine, which gathers fp8 rows
-        dep = deployment(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched",
+        dep = step_layout(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched",
                          "bf16_shard" if hw.flashmla_kernels else "fp8_rows")
         self.dep = dataclasses.replace(dep, expert_load_imbalance=expert_load_imbalance)
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
@@ -467,7 +467,7 @@ class SimRunner(SyntheticRunner):
         slowest rank's transfers (each GPU its own link), then per width bucket present on any rank
         (`ranks.rank_groups`) one forward that every rank runs at the same padded rows and the widest window
         (a rank without such rows passes padding rows, which cost as much as real ones), `forward_cost`
-        under `Deployment.dp` (a rank's tokens, its 1/N of the experts), plus its all-to-alls
+        under `StepLayout.dp` (a rank's tokens, its 1/N of the experts), plus its all-to-alls
         (`all2all_cost`) and, under MTP, its MTP pass's all-to-alls and its draft passes with theirs; then
         the host parts as in `execute`. HiSparse misses and staging are each group's slowest rank's."""
         ranks = self.ranks

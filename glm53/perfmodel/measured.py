@@ -35,7 +35,7 @@ from glm53.perfmodel.calibration import fit_roofline
 from glm53.perfmodel.cost import Cost, _kernel, total
 from glm53.perfmodel.hardware import FP8_WEIGHT_BYTES, FP32, INDEX_BYTES, HardwareSpec
 from glm53.perfmodel.ops import _matmuls, indexer_scores, moe_routed_gemms, sparse_mla, sparse_mla_upconvert
-from glm53.perfmodel.step import Deployment, _mean_rows, sparse_prefill_kernel, step_cost
+from glm53.perfmodel.step import StepLayout, _mean_rows, sparse_prefill_kernel, step_cost
 
 OPS = ("sparse_mla_decode", "sparse_mla_prefill", "indexer_decode", "indexer_prefill", "moe", "linear",
        "hisparse_resolve")
@@ -160,10 +160,10 @@ def slice_plan(kind: str, batch: int, context: int, chunk: int) -> SlicePlan:
     return SlicePlan(tuple(SliceRow(context, n) for _ in range(batch)))
 
 
-def slice_cost(cfg: ModelConfig, hw: HardwareSpec, plan, dep: Deployment | None = None) -> float:
+def slice_cost(cfg: ModelConfig, hw: HardwareSpec, plan, dep: StepLayout | None = None) -> float:
     """Seconds `step_cost` prices for one step of `plan` (a StepPlan, or `slice_plan`'s) on the sliced model
-    `cfg` (`slice_config`) on one GPU: fp8_ds_mla rows, fp8 keys and weights (the default Deployment)."""
-    return step_cost(cfg, hw, dep or Deployment(), plan).time_s()
+    `cfg` (`slice_config`) on one GPU: fp8_ds_mla rows, fp8 keys and weights (the default StepLayout)."""
+    return step_cost(cfg, hw, dep or StepLayout(), plan).time_s()
 
 
 # -------------------------------------------------------------------------------------------------- the fit

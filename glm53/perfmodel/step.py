@@ -177,7 +177,7 @@ def decode_step(cfg: ModelConfig, hw: HardwareSpec, batch: int, context: int, *,
 
 # ------------------------------------------------------------------------------------ a scheduler's plan
 @dataclasses.dataclass(frozen=True)
-class Deployment:
+class StepLayout:
     """How one replica's GPUs share a step: the performance model's view of a DeployConfig.
 
     tp: tensor parallel (heads and dense weights split; tokens replicated). pcp: prefill context
@@ -224,24 +224,24 @@ class Deployment:
 
     def __post_init__(self):
         if not self.expert_load_imbalance >= 1:
-            raise ValueError(f"Deployment.expert_load_imbalance must be >= 1 (the busiest rank's routed tokens over "
+            raise ValueError(f"StepLayout.expert_load_imbalance must be >= 1 (the busiest rank's routed tokens over "
                              f"the mean), got {self.expert_load_imbalance!r}")
         if self.dp < 1 or (self.dp > 1 and (not self.expert_parallel or max(self.tp, self.pcp, self.dcp) > 1)):
-            raise ValueError(f"Deployment.dp={self.dp}: DP x EP ranks need expert_parallel and one GPU each "
+            raise ValueError(f"StepLayout.dp={self.dp}: DP x EP ranks need expert_parallel and one GPU each "
                              f"(tp = pcp = dcp = 1), got expert_parallel={self.expert_parallel}, tp={self.tp}, "
                              f"pcp={self.pcp}, dcp={self.dcp}")
         if min(self.tp, self.pcp, self.dcp) < 1:
-            raise ValueError(f"Deployment: tp, pcp, dcp must be >= 1, got {self.tp}, {self.pcp}, {self.dcp}")
+            raise ValueError(f"StepLayout: tp, pcp, dcp must be >= 1, got {self.tp}, {self.pcp}, {self.dcp}")
         if self.tp > 1 and self.pcp > 1:
-            raise ValueError("Deployment: TP and PCP together are not modelled (tp > 1 and pcp > 1)")
+            raise ValueError("StepLayout: TP and PCP together are not modelled (tp > 1 and pcp > 1)")
         if self.dcp > 1 and (self.tp * self.pcp) % self.dcp and self.tp * self.pcp != 1:
-            raise ValueError(f"Deployment: dcp={self.dcp} must divide tp x pcp = {self.tp * self.pcp} (or run alone)")
+            raise ValueError(f"StepLayout: dcp={self.dcp} must divide tp x pcp = {self.tp * self.pcp} (or run alone)")
         if self.dcp_backend not in ("ag_rs", "a2a"):
-            raise ValueError(f"Deployment.dcp_backend must be 'ag_rs' or 'a2a', got {self.dcp_backend!r}")
+            raise ValueError(f"StepLayout.dcp_backend must be 'ag_rs' or 'a2a', got {self.dcp_backend!r}")
         if self.verify not in ("batched", "sequential"):
-            raise ValueError(f"Deployment.verify must be 'batched' or 'sequential', got {self.verify!r}")
+            raise ValueError(f"StepLayout.verify must be 'batched' or 'sequential', got {self.verify!r}")
         if self.dcp_prefill_gather not in DCP_PREFILL_GATHERS:
-            raise ValueError(f"Deployment.dcp_prefill_gather must be one of {DCP_PREFILL_GATHERS}, "
+            raise ValueError(f"StepLayout.dcp_prefill_gather must be one of {DCP_PREFILL_GATHERS}, "
                              f"got {self.dcp_prefill_gather!r}")
 
     @property
@@ -269,7 +269,7 @@ _TOKEN_PARTS: dict[tuple[int, int, int], tuple] = {}
 _LAYER_KINDS: dict[tuple[int, bool], tuple] = {}
 
 
-def _token_parts(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, key: tuple, make) -> tuple[Cost, ...]:
+def _token_parts(cfg: ModelConfig, hw: HardwareSpec, dep: StepLayout, key: tuple, make) -> tuple[Cost, ...]:
     ids = (id(cfg), id(hw), id(dep))
     entry = _TOKEN_PARTS.get(ids)
     if entry is None:
@@ -305,7 +305,7 @@ def moe_layers(cfg: ModelConfig, include_mtp: bool) -> int:
     return sum(n for kind, _, n in _layer_kinds(cfg, include_mtp) if kind[1] != "dense")
 
 
-def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_bytes: float = 0,
+def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: StepLayout, plan, *, d2h_bytes: float = 0,
               h2d_bytes: float = 0, host_transfers: int = 0, hot_miss_rows: float = 0,
               per_layer: bool = False, only_mtp: bool = False) -> StepCost:
     """One GPU's costs for a scheduler's mixed step: `plan.rows` (anything with `start`, `num_tokens`,
@@ -425,7 +425,7 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
             return parts
         parts = moe(cfg, hw, tokens, dep.ep, replicated_tokens=replicated, weight_bytes=dep.weight_bytes,
                     load_imbalance=dep.moe_load_imbalance)
-        # DP x EP: the all-to-alls move every rank's padded rows, priced by the caller (Deployment.dp)
+        # DP x EP: the all-to-alls move every rank's padded rows, priced by the caller (StepLayout.dp)
         return [c for c in parts if dep.dp == 1 or c.name not in ("moe_dispatch", "moe_combine")]
 
     def layer_parts(layer: int) -> list[Cost]:
@@ -509,7 +509,7 @@ def step_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, *, d2h_
     return StepCost(tuple(out), per_layer=per_layer)
 
 
-def _sequential_verify(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, plan, per_layer: bool, kw: dict) -> StepCost:
+def _sequential_verify(cfg: ModelConfig, hw: HardwareSpec, dep: StepLayout, plan, per_layer: bool, kw: dict) -> StepCost:
     """`step_cost` of a step with MTP verify rows under dep.verify == "sequential" (the runner's
     `verify="sequential"`): the target model's one-token passes over the verify rows' positions one after
     another (pass j: each verify row's position start + j; the step's other rows join pass 0), their
@@ -545,7 +545,7 @@ class _DraftPlan(typing.NamedTuple):  # (named tuples: a simulator builds one pe
     rows: tuple
 
 
-def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, contexts, passes: int) -> StepCost:
+def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: StepLayout, contexts, passes: int) -> StepCost:
     """The MTP layer's one-token draft passes after a step (speculative decoding with k drafts runs
     k - 1 of them: the first draft comes from the MTP pass over the step's own tokens, which `step_cost`
     prices with include_mtp): `passes` passes over one token per drafting row, row i at context
@@ -559,10 +559,10 @@ def mtp_draft_cost(cfg: ModelConfig, hw: HardwareSpec, dep: Deployment, contexts
     return StepCost(tuple(c.scaled(passes, "mtp_draft_" + c.name, -1) for c in parts), per_layer=False)
 
 
-_DERIVED: dict[tuple, Deployment] = {}
+_DERIVED: dict[tuple, StepLayout] = {}
 
 
-def _derived(dep: Deployment, **changes) -> Deployment:
+def _derived(dep: StepLayout, **changes) -> StepLayout:
     """dataclasses.replace(dep, **changes), one object per (dep, changes): step_cost memoizes by the
     deployment's identity."""
     key = (dep, tuple(sorted(changes.items())))

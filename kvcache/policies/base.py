@@ -247,8 +247,8 @@ class Policy:
 
     # ---------------------------------------------------------------------- spec: the simulator
     @classmethod
-    def sim_deployment(cls, deploy) -> dict:
-        """Fields of the performance model's Deployment (glm53.perfmodel.step) this policy sets."""
+    def sim_layout(cls, deploy) -> dict:
+        """Fields of the performance model's StepLayout (glm53.perfmodel.step) this policy sets."""
         return {}
 
     @classmethod

@@ -407,7 +407,7 @@ def test_the_simulator_prices_the_verify_form_the_runner_computes():
     against plain one-token decode rows; batched is one forward over the 1 + k tokens."""
     import types
 
-    from glm53.perfmodel.step import Deployment
+    from glm53.perfmodel.step import StepLayout
 
     cfg, hw = glm53.get_preset("glm-5.3"), H200_CALIBRATED
 
@@ -415,13 +415,13 @@ def test_the_simulator_prices_the_verify_form_the_runner_computes():
         return types.SimpleNamespace(start=start, num_tokens=n, num_draft_tokens=drafts, sample=True)
 
     verify = types.SimpleNamespace(rows=(row(9_996, 4, 3),) * 8)
-    seq, bat = (step_cost(cfg, hw, Deployment(tp=8, verify=v), verify).time_s() for v in ("sequential", "batched"))
-    passes = sum(step_cost(cfg, hw, Deployment(tp=8), types.SimpleNamespace(rows=(row(9_996 + j, 1),) * 8)).time_s()
+    seq, bat = (step_cost(cfg, hw, StepLayout(tp=8, verify=v), verify).time_s() for v in ("sequential", "batched"))
+    passes = sum(step_cost(cfg, hw, StepLayout(tp=8), types.SimpleNamespace(rows=(row(9_996 + j, 1),) * 8)).time_s()
                  for j in range(4))
     assert seq == pytest.approx(passes, rel=1e-12)
     assert seq > 2 * bat  # eight rows: each pass re-reads the weights a batched forward reads once
     with pytest.raises(ValueError, match="verify"):
-        Deployment(verify="auto")
+        StepLayout(verify="auto")
 
     mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
            "synthetic_acceptance_length": 2.99}

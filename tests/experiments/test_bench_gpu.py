@@ -16,7 +16,7 @@ from experiments import bench_gpu
 from glm53.config import get_preset
 from glm53.perfmodel import FP8_WEIGHT_BYTES, HARDWARE
 from glm53.perfmodel import measured as M
-from glm53.perfmodel.step import Deployment, step_cost
+from glm53.perfmodel.step import StepLayout, step_cost
 from glm53.perfmodel.studies import weight_bytes_per_gpu
 
 TINY = get_preset("tiny")
@@ -74,16 +74,16 @@ def test_priced_s_is_the_perf_models_price_of_the_same_shape(dry):
                        num_nextn_predict_layers=0)
     row = next(r for r in res["kernels"] if r["op"] == "sparse_mla_decode" and r["shape"]["batch"] == 4)
     s = row["shape"]
-    parts = step_cost(one, hw, Deployment(), M.slice_plan("decode", s["batch"], s["context"], 1)).by_name()
+    parts = step_cost(one, hw, StepLayout(), M.slice_plan("decode", s["batch"], s["context"], 1)).by_name()
     assert row["priced_s"] == pytest.approx(parts["sparse_mla_decode"].time_s, rel=1e-12)
     idx = next(r for r in res["kernels"] if r["op"] == "indexer_decode" and r.get("default"))
     s = idx["shape"]
-    parts = step_cost(one, hw, Deployment(), M.slice_plan("decode", s["batch"], s["keys"] - 1, 1)).by_name()
+    parts = step_cost(one, hw, StepLayout(), M.slice_plan("decode", s["batch"], s["keys"] - 1, 1)).by_name()
     assert idx["priced_s"] == pytest.approx(parts["indexer_scores"].time_s + parts["indexer_topk"].time_s, rel=1e-12)
     sliced = M.slice_config(TINY)
     for r in res["slice"]["rows"]:
         plan = M.slice_plan(r["kind"], r["batch"], r["context"], r["chunk"])
-        assert r["priced_s"] == pytest.approx(step_cost(sliced, hw, Deployment(), plan).time_s(), rel=1e-12)
+        assert r["priced_s"] == pytest.approx(step_cost(sliced, hw, StepLayout(), plan).time_s(), rel=1e-12)
         assert r["ratio"] == pytest.approx(r["measured_s"] / r["priced_s"], rel=1e-12)
     for r in res["kernels"]:
         if r["op"] == "hisparse_resolve":

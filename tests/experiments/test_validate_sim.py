@@ -15,7 +15,7 @@ def test_the_fit_recovers_the_spec_that_priced_the_forwards():
     cfg = glm53.get_preset("tiny")
     deploy = DeployConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64,
                           kv_cache_dtype="float32").resolved(cfg, "float32")
-    dep = sim.deployment(deploy, "float32", vs.WEIGHT_BYTES)
+    dep = sim.step_layout(deploy, "float32", vs.WEIGHT_BYTES)
     true = vs.cpu_spec(1e10, 1e10, 4e-3)
     shapes = [(r, w, win) for r in (1, 4) for w in (1, 16, 64) for win in (64, 256, 512)]
     forwards = [(i, *k, sim.forward_cost(cfg, true, dep, *k).time_s()) for i, k in enumerate(shapes)]
@@ -36,7 +36,7 @@ def test_devices_that_share_the_host_take_its_time_times_their_number():
     cfg = glm53.get_preset("tiny")
     deploy = DeployConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks=64,
                           kv_cache_dtype="float32").resolved(cfg, "float32")
-    dep = sim.deployment(deploy, "float32", vs.WEIGHT_BYTES)
+    dep = sim.step_layout(deploy, "float32", vs.WEIGHT_BYTES)
     host = vs.cpu_spec(1e10, 3e10, 4e-3)
     assert vs.shared_host(host, 5e-4, 2e-3, 1) == (host, 5e-4, 2e-3)
     one, before, beside = vs.shared_host(host, 5e-4, 2e-3, 8)
@@ -54,7 +54,7 @@ def test_a_dp_ep_layout_is_priced_on_the_lock_step_fit():
     deploy = DeployConfig(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=2, num_gpu_blocks=64,
                           kv_cache_dtype="float32", data_parallel_size=8, enable_expert_parallel=True
                           ).resolved(cfg, "float32")
-    dep = sim.deployment(deploy, "float32", vs.WEIGHT_BYTES)
+    dep = sim.step_layout(deploy, "float32", vs.WEIGHT_BYTES)
     host = vs.cpu_spec(1e10, 3e10, 4e-3)
     lock = vs.cpu_spec(10 ** 9.5, 1e10, 2e-2)  # rates on the fit's grid
     fit = {"flops": 10 ** 9.5, "bandwidth": 1e10, "forward_latency_s": 2e-2, "step_overhead_s": 1e-3,

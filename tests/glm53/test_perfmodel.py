@@ -9,7 +9,7 @@ import pytest
 
 from glm53 import perfmodel as pm
 from glm53.config import get_preset
-from glm53.perfmodel.step import Deployment, _mean_rows, step_cost
+from glm53.perfmodel.step import StepLayout, _mean_rows, step_cost
 from kvcache.layout import kv_bytes_per_token
 
 CFG = get_preset("glm-5.3")
@@ -133,13 +133,13 @@ def test_vllm_pcp_dcp_prefill_gathers_the_upconverted_shard():
     assert vllm["dcp_topk_gather"].nvlink_bytes == 22 * 7 * 256 * 1280 * 8
     assert "dcp_topk_gather" not in ours
     assert ours[pm.DCP_GATHER].nvlink_bytes == 7 * 1024 * (79 * 656 + 22 * 132)
-    dep = Deployment(pcp=8, dcp=8, expert_parallel=True, include_mtp=True, dcp_prefill_gather="bf16_shard")
+    dep = StepLayout(pcp=8, dcp=8, expert_parallel=True, include_mtp=True, dcp_prefill_gather="bf16_shard")
     for per_layer in (False, True):
         got = step_cost(CFG, hw, dep, _plan(_row(8192, 2048)), per_layer=per_layer)
         assert got.time_s() == pytest.approx(sum(v.time_s for v in vllm.values()), rel=1e-12)
         assert got.by_name()[pm.DCP_GATHER].nvlink_bytes == pytest.approx(79 * 10_321_920)
     with pytest.raises(ValueError, match="dcp_prefill_gather"):
-        Deployment(pcp=8, dcp=8, dcp_prefill_gather="fp8_shard")
+        StepLayout(pcp=8, dcp=8, dcp_prefill_gather="fp8_shard")
     with pytest.raises(ValueError, match="dcp_gather"):
         pm.prefill_step(CFG, hw, 2048, 8192, pcp=8, dcp=8, dcp_gather="bf16")
 
@@ -326,13 +326,13 @@ def _plan(*rows):
 def test_step_cost_of_a_uniform_decode_batch_is_decode_step(tp, dcp):
     """decode_step prices a batch at one context; a plan of 32 rows at that context is the same work (a
     decode row at position c sees c + 1 keys: decode_step's context)."""
-    got = step_cost(CFG, pm.H200, Deployment(tp=tp, dcp=dcp), _plan(*[_row(9_999, 1)] * 32)).time_s()
+    got = step_cost(CFG, pm.H200, StepLayout(tp=tp, dcp=dcp), _plan(*[_row(9_999, 1)] * 32)).time_s()
     assert got == pytest.approx(pm.decode_step(CFG, pm.H200, 32, 10_000, tp=tp, dcp=dcp).time_s(), rel=1e-12)
 
 
 @pytest.mark.parametrize("pcp,dcp,cached", [(1, 1, 5_000), (8, 1, 0), (8, 8, 100_000)])
 def test_step_cost_of_one_chunk_is_prefill_step(pcp, dcp, cached):
-    dep = Deployment(pcp=pcp, dcp=dcp, expert_parallel=True, include_mtp=True)
+    dep = StepLayout(pcp=pcp, dcp=dcp, expert_parallel=True, include_mtp=True)
     got = step_cost(CFG, pm.H200, dep, _plan(_row(cached, 2048))).time_s()
     assert got == pytest.approx(pm.prefill_step(CFG, pm.H200, 2048, cached, pcp=pcp, dcp=dcp).time_s(), rel=1e-12)
 
@@ -341,7 +341,7 @@ def test_step_cost_counts_every_query_of_a_mixed_batch():
     """Sparse-MLA useful FLOPs of a mixed batch, against a loop over every query token: a token at
     position p attends min(top-k, p + 1) rows with every head."""
     rows = [_row(0, 3000), _row(1500, 700, sample=False), _row(40_000, 1), _row(7, 1), _row(2047, 2)]
-    c = step_cost(CFG, pm.H200, Deployment(tp=8), _plan(*rows))
+    c = step_cost(CFG, pm.H200, StepLayout(tp=8), _plan(*rows))
     per_row_head = 2 * (CFG.kv_lora_rank + CFG.qk_rope_head_dim) + 2 * CFG.kv_lora_rank
     brute = sum(min(CFG.index_topk, p + 1) for r in rows for p in range(r.start, r.start + r.num_tokens))
     mla = sum(v.useful_flops for k, v in c.by_name().items() if k.startswith("sparse_mla"))
@@ -356,7 +356,7 @@ def test_step_cost_counts_every_query_of_a_mixed_batch():
 
 def test_step_cost_per_layer_and_per_kind_agree_and_transfers_add_link_time():
     rows = [_row(50_000, 1)] * 8 + [_row(0, 4096)]
-    dep = Deployment(pcp=8, dcp=8, expert_parallel=True)
+    dep = StepLayout(pcp=8, dcp=8, expert_parallel=True)
     fast = step_cost(CFG, pm.H200, dep, _plan(*rows))
     slow = step_cost(CFG, pm.H200, dep, _plan(*rows), per_layer=True)
     assert fast.time_s() == pytest.approx(slow.time_s(), rel=1e-12)
@@ -368,7 +368,7 @@ def test_step_cost_per_layer_and_per_kind_agree_and_transfers_add_link_time():
     assert extra == pytest.approx(6e9 / pm.H200.host_link_bandwidth + 2 * 3 * pm.H200.host_copy_latency_s)
     assert step_cost(CFG, pm.H200, dep, _plan()).time_s() == 0.0
     with pytest.raises(ValueError, match="dcp=3"):
-        Deployment(tp=8, dcp=3)
+        StepLayout(tp=8, dcp=3)
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -393,13 +393,13 @@ def test_a_collective_priced_from_its_sent_bytes_is_the_one_priced_from_its_oper
 # -------------------------------------------------------- FlashMLA kernels on the calibrated spec
 @pytest.mark.parametrize("tp,dcp", [(1, 1), (8, 1), (8, 8)])
 def test_calibrated_step_cost_of_a_uniform_decode_batch_is_decode_step(tp, dcp):
-    got = step_cost(CFG, pm.H200_CALIBRATED, Deployment(tp=tp, dcp=dcp), _plan(*[_row(9_999, 1)] * 32)).time_s()
+    got = step_cost(CFG, pm.H200_CALIBRATED, StepLayout(tp=tp, dcp=dcp), _plan(*[_row(9_999, 1)] * 32)).time_s()
     assert got == pytest.approx(pm.decode_step(CFG, pm.H200_CALIBRATED, 32, 10_000, tp=tp, dcp=dcp).time_s(), rel=1e-12)
 
 
 @pytest.mark.parametrize("pcp,tp,dcp,cached", [(1, 1, 1, 5_000), (1, 8, 1, 70_000), (8, 1, 1, 0), (8, 1, 8, 100_000)])
 def test_calibrated_step_cost_of_one_chunk_is_prefill_step(pcp, tp, dcp, cached):
-    dep = Deployment(pcp=pcp, tp=tp, dcp=dcp, expert_parallel=True, include_mtp=True)
+    dep = StepLayout(pcp=pcp, tp=tp, dcp=dcp, expert_parallel=True, include_mtp=True)
     got = step_cost(CFG, pm.H200_CALIBRATED, dep, _plan(_row(cached, 2048)))
     want = pm.prefill_step(CFG, pm.H200_CALIBRATED, 2048, cached, pcp=pcp, tp=tp, dcp=dcp)
     assert got.time_s() == pytest.approx(want.time_s(), rel=1e-12)
@@ -420,15 +420,15 @@ def test_vllm_kernel_choice_and_the_mixed_batch_call():
     assert pm.sparse_prefill_kernel("bfloat16", 8) == "prefill"
     hw = pm.H200_CALIBRATED
     rows = [_row(80_000, 1)] * 8 + [_row(70_000, 2048)]
-    mixed = step_cost(CFG, hw, Deployment(tp=8), _plan(*rows)).by_name()
-    dec = step_cost(CFG, hw, Deployment(tp=8), _plan(*rows[:8])).by_name()["sparse_mla_decode"]
-    pre = step_cost(CFG, hw, Deployment(tp=8), _plan(rows[8])).by_name()["sparse_mla_prefill"]
+    mixed = step_cost(CFG, hw, StepLayout(tp=8), _plan(*rows)).by_name()
+    dec = step_cost(CFG, hw, StepLayout(tp=8), _plan(*rows[:8])).by_name()["sparse_mla_decode"]
+    pre = step_cost(CFG, hw, StepLayout(tp=8), _plan(rows[8])).by_name()["sparse_mla_prefill"]
     together = mixed["sparse_mla_decode"].time_s + mixed["sparse_mla_prefill"].time_s
     # one kernel call: one fixed time per layer instead of two, the work shared
     assert together == pytest.approx(dec.time_s + pre.time_s - CFG.num_hidden_layers * hw.sparse_decode_latency_s,
                                      rel=0.01)
     assert mixed["sparse_mla_prefill"].useful_flops == pytest.approx(pre.useful_flops)
-    sep = step_cost(CFG, hw, Deployment(tp=8, hisparse=True), _plan(*rows)).by_name()
+    sep = step_cost(CFG, hw, StepLayout(tp=8, hisparse=True), _plan(*rows)).by_name()
     assert "sparse_mla_upconvert" in sep and sep["sparse_mla_decode"].time_s == pytest.approx(dec.time_s)
 
 
@@ -442,7 +442,7 @@ def test_expert_load_imbalance_prices_the_busiest_ranks_experts_and_all_to_alls(
 
     from glm53.config import get_preset
     from glm53.perfmodel import H200_CALIBRATED as HW
-    from glm53.perfmodel.step import Deployment, step_cost
+    from glm53.perfmodel.step import StepLayout, step_cost
 
     cfg = get_preset("glm-5.3")
     row = types.SimpleNamespace(start=0, num_tokens=2048, num_draft_tokens=0, sample=True)
@@ -454,7 +454,7 @@ def test_expert_load_imbalance_prices_the_busiest_ranks_experts_and_all_to_alls(
             out.setdefault(c.name, []).append(c)
         return out
 
-    ep = Deployment(pcp=8, dcp=8, expert_parallel=True)
+    ep = StepLayout(pcp=8, dcp=8, expert_parallel=True)
     flat, skew = by_name(ep), by_name(dataclasses.replace(ep, expert_load_imbalance=2.0))
     assert sum(c.flops for c in skew["moe_experts"]) == pytest.approx(2 * sum(c.flops for c in flat["moe_experts"]))
     assert sum(c.compute_s for c in skew["moe_experts"]) == pytest.approx(
@@ -463,8 +463,8 @@ def test_expert_load_imbalance_prices_the_busiest_ranks_experts_and_all_to_alls(
     for name in ("moe_dispatch", "moe_combine"):
         assert [c.link_s for c in skew[name]] == pytest.approx([2 * c.link_s for c in flat[name]])
     assert by_name(dataclasses.replace(ep, expert_load_imbalance=1.0)) == flat
-    tp = Deployment(tp=8)
+    tp = StepLayout(tp=8)
     assert step_cost(cfg, HW, dataclasses.replace(tp, expert_load_imbalance=2.0), rows).time_s() == pytest.approx(
         step_cost(cfg, HW, tp, rows).time_s())
     with pytest.raises(ValueError, match="expert_load_imbalance"):
-        Deployment(expert_load_imbalance=0.5)
+        StepLayout(expert_load_imbalance=0.5)

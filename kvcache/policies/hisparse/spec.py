@@ -183,7 +183,7 @@ class HiSparseSpec(Policy):
                               tile=deploy.hisparse_prefill_tile_tokens)
 
     @classmethod
-    def sim_deployment(cls, deploy) -> dict:
+    def sim_layout(cls, deploy) -> dict:
         return {"hisparse": True}
 
     @classmethod
