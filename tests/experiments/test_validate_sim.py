@@ -163,6 +163,16 @@ def test_the_committed_validation_is_complete_within_25_percent_with_equal_count
     assert len(vs.pd_http_errors(res["pd_http"])) == len(real["runs"]) == 6
 
 
+def test_the_committed_rerun_at_head_is_recorded_as_it_came_out():
+    """results/validate_sim/rerun_2026-12-07: the same command rerun at a later commit on the same machine.
+    `check` says what docs/simulator.md says of it: its summary fields are its points' (not hand-made),
+    it misses the TPOT bound, and nothing else."""
+    import json
+
+    res = json.loads((vs.serve.REPO / "results/validate_sim/rerun_2026-12-07/results.json").read_text())
+    assert [c.split(" = ")[0] for c in vs.check(res)] == ["mape tpot_mean_s"]
+
+
 def test_every_held_out_config_loads():
     from experiments.common import load_config
 
