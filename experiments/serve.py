@@ -329,7 +329,10 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
         for r in eng.replicas:
             for k, v in r.runner.time_by_op.items():
                 ops[k] = ops.get(k, 0.0) + v
+        # sim_step_mean_s: this engine's mean step in simulated seconds (its timeline: one row per step that
+        # scheduled requests, from scheduling to the clock after it), what a fixed per-step cost is read against
         m.update(simulated_s=eng.clock.now(), busy_frac=max(busy) / max(eng.clock.now(), 1e-12),
+                 sim_step_mean_s=sum(r[4] - r[0] for r in eng.timeline) / max(len(eng.timeline), 1),
                  hardware=cfg.runner.hardware, sim_steps_per_wall_s=res.steps / max(wall, 1e-9),
                  sim_time_by_op_s=dict(sorted(ops.items(), key=lambda kv: -kv[1])),
                  assumed_hisparse_miss_fraction=cfg.runner.hisparse_miss_fraction,

@@ -102,6 +102,13 @@ def test_the_paper_config_runs_in_the_simulator_and_repeats_exactly(tmp_path):
     wall = ("wall_s", "sim_steps_per_wall_s")
     same = [json.dumps({k: v for k, v in r.items() if k not in wall}, sort_keys=True) for r in a]  # NaN == NaN
     assert same == [json.dumps({k: v for k, v in r.items() if k not in wall}, sort_keys=True) for r in b]
+    # a fixed per-step cost lengthens each step by itself: the schedule is the same (it does not depend on
+    # time), so the mean step (sim_step_mean_s) grows by exactly that much
+    c = serve.main(args + ["--out", str(tmp_path / "c"), "--config.runner.step_overhead_s=0.01",
+                           "--config.sweep.concurrency=(3,)", "--config.sweep.kv_policy=('offload',)"])["runs"]
+    base = next(r for r in a if (r["kv_policy"], r["concurrency"]) == ("offload", 3))
+    assert c[0]["engine_steps"] == base["engine_steps"] and base["sim_step_mean_s"] > 0
+    assert c[0]["sim_step_mean_s"] - base["sim_step_mean_s"] == pytest.approx(0.01, rel=1e-6)
 
 
 def test_the_tiered_h200_config_puts_each_boundary_inside_the_range(tmp_path):
