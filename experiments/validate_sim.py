@@ -286,7 +286,9 @@ def _forward_price(cfg_model, dep, hw, shape) -> float:
 GRID_ROWS = (1, 4)
 GRID_WIDTHS = (1, 16, 64, 256, 1024)
 GRID_WINDOWS = (64, 512, 2048, 8192)
-GRID_REPEATS = 3
+# timings of each grid shape, taken in rounds over the whole grid (docs/simulator.md, "Timing the grid":
+# why in rounds, and why this many)
+GRID_REPEATS = 9
 
 
 def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS, widths=GRID_WIDTHS,
@@ -294,7 +296,11 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
     """Median seconds of each grid forward (rows, width, window) on a model runner of `deploy` widened to
     the grid (its widest window, its widest rows), each program compiled first; every row reads and writes
     the same pages (the timing does not depend on what they hold). Under DP x EP `rows` are per rank: the
-    program runs ranks x rows rows, every rank the same (the lock-step a step of equal ranks runs)."""
+    program runs ranks x rows rows, every rank the same (the lock-step a step of equal ranks runs).
+
+    The shapes are timed in `repeats` rounds, each running every shape once: this machine's speed drifts
+    over seconds, and a shape timed in one block would carry the drift of its moment as its own cost;
+    spread over rounds, the drift is common to every shape, which the fit's rates absorb."""
     import jax
     import numpy as np
 
@@ -304,7 +310,7 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
                             max_num_seqs=max(rows), num_gpu_blocks=2 * max(windows) // deploy.block_size)
     runner = glm53.Engine(model, d).replicas[0].runner
     ranks = runner.fwd.ranks
-    out = {}
+    args = {}
     for r in rows:
         n = r * ranks
         for width in widths:
@@ -316,13 +322,20 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
                 mla = runner._table("mla", n, [list(range(window // runner.deploy.tokens_per_block))] * n, window)
                 idx = runner._table("indexer", n, [list(range(-(-window // runner.deploy.index_tokens_per_block)))] * n,
                                     window)
-                times = []
-                for i in range(repeats + 1):  # the first run compiles
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(runner._forward(tok, pos, mla, idx, window))
-                    times.append(time.perf_counter() - t0)
-                out[(r, width, window)] = statistics.median(times[1:])
-    return out
+                args[(r, width, window)] = (tok, pos, mla, idx, window)
+
+    def seconds(shape) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(runner._forward(*args[shape]))
+        return time.perf_counter() - t0
+
+    for shape in args:  # compiles
+        seconds(shape)
+    times = {shape: [] for shape in args}
+    for _ in range(repeats):
+        for shape in args:
+            times[shape].append(seconds(shape))
+    return {shape: statistics.median(t) for shape, t in times.items()}
 
 
 # the lock-step grid: DP x EP programs (every rank's rows in one program over the ranks' devices) at the
