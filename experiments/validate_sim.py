@@ -5,6 +5,8 @@
     python -m experiments.validate_sim --only dp8 --fit-from DIR --out DIR2    # DIR's fitted spec, no refit
     python -m experiments.validate_sim --summarize DIR --merge DIR2,DIR3       # DIR's points + theirs
     python -m experiments.validate_sim --summarize results/validate_sim        # mape / table from its points
+    python -m experiments.validate_sim --summarize DIR --reprice               # its simulated side priced again
+    python -m experiments.validate_sim --grid-spread --out results/validate_sim  # the grid's timing noise
 
 A run in parts: one invocation fits the spec (and runs what --only names), the others take that spec
 (`--fit-from`) and run the rest, and `--summarize DIR --merge ...` gathers their points into DIR (runs
@@ -292,7 +294,7 @@ GRID_REPEATS = 9
 
 
 def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS, widths=GRID_WIDTHS,
-                      windows=GRID_WINDOWS) -> dict[tuple[int, int, int], float]:
+                      windows=GRID_WINDOWS, in_rounds: bool = True) -> dict[tuple[int, int, int], float]:
     """Median seconds of each grid forward (rows, width, window) on a model runner of `deploy` widened to
     the grid (its widest window, its widest rows), each program compiled first; every row reads and writes
     the same pages (the timing does not depend on what they hold). Under DP x EP `rows` are per rank: the
@@ -300,7 +302,8 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
 
     The shapes are timed in `repeats` rounds, each running every shape once: this machine's speed drifts
     over seconds, and a shape timed in one block would carry the drift of its moment as its own cost;
-    spread over rounds, the drift is common to every shape, which the fit's rates absorb."""
+    spread over rounds, the drift is common to every shape, which the fit's rates absorb. `in_rounds=False`
+    times each shape's runs back to back instead (the calibration before rounds; `grid_spread` compares)."""
     import jax
     import numpy as np
 
@@ -331,11 +334,42 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
 
     for shape in args:  # compiles
         seconds(shape)
+    if not in_rounds:
+        return {shape: statistics.median([seconds(shape) for _ in range(repeats)]) for shape in args}
     times = {shape: [] for shape in args}
     for _ in range(repeats):
         for shape in args:
             times[shape].append(seconds(shape))
     return {shape: statistics.median(t) for shape, t in times.items()}
+
+
+# grid_spread's timing protocols: (name, runs of each shape, in rounds)
+GRID_PROTOCOLS = (("3 back to back", 3, False), ("9 back to back", 9, False), ("9 rounds", GRID_REPEATS, True),
+                  ("21 rounds", 21, True))
+
+
+def grid_spread(protocols=GRID_PROTOCOLS) -> dict:
+    """How much the calibration grid's per-shape timings move between two timings of it one after the
+    other, under each timing protocol ((name, runs, in rounds): `time_forward_grid`), on the fit's model
+    and deploy (TRAIN) -> {name: {"log_ratio_abs_mean", "log_ratio_abs_max": of each shape's time in the
+    second timing over the first, after removing the median log ratio (a speed change common to every
+    shape, which the fit's rates absorb), "common_ratio", "seconds"}}. Compiled before the first timing."""
+    cfg = load_config(TRAIN[1], list(TRAIN[2]), default=serve.default_config)
+    model, _ = serve._model(cfg.model)
+    deploy = serve._deploy(cfg, cfg.sweep.kv_policy[0])
+    out = {}
+    for name, runs, rounds in protocols:
+        t0 = time.perf_counter()
+        a, b = (time_forward_grid(model, deploy, runs, in_rounds=rounds) for _ in range(2))
+        r = np.log(np.array([b[k] / a[k] for k in a]))
+        dev = np.abs(r - np.median(r))
+        out[name] = {"runs": runs, "in_rounds": rounds, "shapes": len(r), "common_ratio": float(np.exp(np.median(r))),
+                     "log_ratio_abs_mean": float(dev.mean()), "log_ratio_abs_max": float(dev.max()),
+                     "seconds": time.perf_counter() - t0}
+        print(f"[validate_sim] grid spread, {name}: {out[name]['log_ratio_abs_mean']:.3f} mean |log ratio| per "
+              f"shape (max {out[name]['log_ratio_abs_max']:.3f}; common ratio {out[name]['common_ratio']:.3f})",
+              flush=True)
+    return out
 
 
 # the lock-step grid: DP x EP programs (every rank's rows in one program over the ranks' devices) at the
@@ -380,6 +414,30 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
                 forward_rel_error={f"{r}x{w}@{win}": float(p / t - 1) for (r, w, win), p, t in zip(shapes, pred, wall)},
                 forward_abs_rel_error_mean=float(np.mean(np.abs(pred / wall - 1))))
     return best
+
+
+def _with_sim(point: dict, cfg, fit: dict) -> dict:
+    """`point` (its config, policy, concurrency, real metrics and counts) with its simulated side priced on
+    the CPU spec `fit` (cpu_spec_fit): "sim", "rel_error", "counts_sim", "counts_equal"."""
+    s = _sim(cfg, point["kv_policy"], point["concurrency"], cpu_spec(fit["flops"], fit["bandwidth"],
+             fit["forward_latency_s"]), fit["step_overhead_s"], fit["host_overlap_s"], fit.get("lockstep"))
+    counts_sim = {k: s.get(k) for k in COUNTS}
+    return {**point, "sim": {k: s[k] for k in METRICS},
+            "rel_error": {k: rel_error(s[k], point["real"][k]) for k in METRICS}, "counts_sim": counts_sim,
+            "counts_equal": point["counts_real"] == counts_sim}
+
+
+def reprice(res: dict) -> dict:
+    """Validation run `res` (results.json) with every point's simulated side priced again by the simulator
+    as it is now, on the run's own fitted spec (the real side kept), and its summary fields recomputed: a
+    run whose pricing has since changed, brought up to date without its hour of real runs (`--reprice`)."""
+    configs = {name: (path, overrides) for name, path, overrides in (TRAIN, TRAIN_LOCKSTEP, *HELD_OUT)}
+    points = []
+    for p in res["points"]:
+        path, overrides = configs[p["config"]]
+        cfg = load_config(path, [*overrides, *p["overrides"]], default=serve.default_config)
+        points.append(_with_sim(p, cfg, res["cpu_spec_fit"]))
+    return {**res, "points": points, **summary(points, res.get("pd_http"))}
 
 
 def summary(points: list[dict], pd_http: dict | None = None) -> dict:
@@ -729,14 +787,30 @@ def main(argv=None) -> dict:
     ap.add_argument("--override", action="append", default=[], metavar="--config.FIELD=VALUE",
                     help="an extra config override for every held-out config run (e.g. a smaller concurrency); the "
                          "points record it, and a run with any is not complete")
+    ap.add_argument("--reprice", action="store_true",
+                    help="with --summarize: price every point's simulated side again with the simulator as it is now, "
+                         "on the run's own fitted spec (seconds; the real side kept): a run whose pricing changed since")
+    ap.add_argument("--grid-spread", action="store_true",
+                    help="only time the calibration grid twice under each timing protocol (GRID_PROTOCOLS) and write "
+                         "how far its per-shape timings move between the two to OUT/grid_spread.json (minutes)")
     args = ap.parse_args(argv)
-    if args.merge and not args.summarize:
-        ap.error("--merge needs --summarize DIR")
+    if args.grid_spread:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        res = {"benchmark": "validate_sim --grid-spread", "date": time.strftime("%Y-%m-%d"),
+               "git_revision": git_revision(), "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()},
+               "protocols": grid_spread()}
+        (out / "grid_spread.json").write_text(json.dumps(res, indent=1))
+        return res
+    if (args.merge or args.reprice) and not args.summarize:
+        ap.error("--merge and --reprice need --summarize DIR")
     if args.summarize:
         path = Path(args.summarize) / "results.json"
         res = json.loads(path.read_text())
         for other in (d for d in args.merge.split(",") if d):
             res = merge(res, json.loads((Path(other) / "results.json").read_text()), other)
+        if args.reprice:
+            res = reprice(res)
         if args.pd_http:
             real = _pd_http_run(args.pd_http)
             res["pd_http"] = pd_http_comparison(real, pd_http_fits(real, res.get("pd_http")), args.pd_http)
@@ -810,14 +884,12 @@ def main(argv=None) -> dict:
         return res
 
     def compare(name, cfg, policy, conc, m, log, role, extra=()):
-        s = _sim(cfg, policy, conc, hw, f["step_overhead_s"], f["host_overlap_s"], lockstep)
         counts_real = {k: m.get(k) for k in COUNTS}
-        counts_sim = {k: s.get(k) for k in COUNTS}
-        res_points.append({
+        res_points.append(_with_sim({
             "config": name, "kv_policy": policy, "concurrency": conc, "role": role, "bound": _bound(log.steps),
-            "real": {k: m[k] for k in METRICS}, "sim": {k: s[k] for k in METRICS},
-            "rel_error": {k: rel_error(s[k], m[k]) for k in METRICS}, "counts_real": counts_real, "counts_sim": counts_sim,
-            "counts_equal": counts_real == counts_sim, "real_wall_s": m["wall_s"], "overrides": list(extra)})
+            "real": {k: m[k] for k in METRICS}, "counts_real": counts_real, "real_wall_s": m["wall_s"],
+            "overrides": list(extra)}, cfg, f))
+        counts_sim = res_points[-1]["counts_sim"]
         print(f"[validate_sim] {name} {policy} c={conc}: " + ", ".join(
             f"{k} {res_points[-1]['rel_error'][k]:+.1%}" for k in METRICS) + f"; counts equal {counts_real == counts_sim}",
             flush=True)

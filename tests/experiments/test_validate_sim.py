@@ -163,14 +163,47 @@ def test_the_committed_validation_is_complete_within_25_percent_with_equal_count
     assert len(vs.pd_http_errors(res["pd_http"])) == len(real["runs"]) == 6
 
 
-def test_the_committed_rerun_at_head_is_recorded_as_it_came_out():
-    """results/validate_sim/rerun_2026-12-07: the same command rerun at a later commit on the same machine.
-    `check` says what docs/simulator.md says of it: its summary fields are its points' (not hand-made),
-    it misses the TPOT bound, and nothing else."""
+@pytest.mark.parametrize("run, problems", [("rerun_78ba069", ["mape tpot_mean_s"]), ("rerun_a6a02ec", [])])
+def test_each_committed_rerun_is_recorded_as_it_came_out(run, problems):
+    """results/validate_sim/rerun_*: the same command rerun at later commits on the same machine, kept
+    beside the first run whether or not they pass. `check` says what docs/simulator.md says of each: its
+    summary fields are its points' (not hand-made), and it misses the bound on `problems` and nothing else."""
     import json
 
-    res = json.loads((vs.serve.REPO / "results/validate_sim/rerun_2026-12-07/results.json").read_text())
-    assert [c.split(" = ")[0] for c in vs.check(res)] == ["mape tpot_mean_s"]
+    res = json.loads((vs.serve.REPO / "results/validate_sim" / run / "results.json").read_text())
+    assert [c.split(" = ")[0] for c in vs.check(res)] == problems
+
+
+@pytest.mark.parametrize("run", ["", "rerun_78ba069", "rerun_a6a02ec"])
+def test_each_committed_runs_simulated_side_is_what_the_simulator_prices_now(run):
+    """Every point of each committed validation run, priced again on its run's own fit by the simulator as
+    it is now (`reprice`), gives its committed simulated figures and counts: no committed run is stale
+    (a change to the pricing fails here; `--summarize DIR --reprice` brings a run up to date)."""
+    import json
+
+    res = json.loads((vs.serve.REPO / "results/validate_sim" / run / "results.json").read_text())
+    again = vs.reprice(res)
+    assert json.dumps(again["points"], sort_keys=True) == json.dumps(res["points"], sort_keys=True)  # NaN == NaN
+    assert {k: again[k] for k in ("mape", "counts_equal")} == {k: res[k] for k in ("mape", "counts_equal")}
+
+
+def test_grid_spread_reads_each_shapes_move_net_of_the_common_one(monkeypatch):
+    """`grid_spread`: a second timing twice as slow on every shape moves no shape on its own; one shape 4x
+    slower among them moves by log 2, whatever the protocol passed on to `time_forward_grid`."""
+    import math
+
+    timings, seen = iter([{"a": 1.0, "b": 1.0, "c": 1.0}, {"a": 2.0, "b": 2.0, "c": 4.0}] * 2), []
+
+    def fake(model, deploy, runs, in_rounds):
+        seen.append((runs, in_rounds))
+        return next(timings)
+
+    monkeypatch.setattr(vs, "time_forward_grid", fake)
+    got = vs.grid_spread((("p", 5, False), ("q", 7, True)))
+    assert seen == [(5, False), (5, False), (7, True), (7, True)]
+    assert got["p"]["common_ratio"] == pytest.approx(2.0)
+    assert got["p"]["log_ratio_abs_mean"] == pytest.approx(math.log(2) / 3)
+    assert got["q"]["log_ratio_abs_max"] == pytest.approx(math.log(2))
 
 
 def test_every_held_out_config_loads():
