@@ -251,7 +251,7 @@ class SimRunner(SyntheticRunner):
         # on a GPU spec the PCP x DCP prefill gathers as vLLM's FLASHMLA_SPARSE path does (each rank's shard
         # up-converted to bf16); the CPU spec prices this project's engine, which gathers fp8 rows
         dep = step_layout(deploy, sizes.kv_cache_dtype, weight_bytes, self.verify_mode or "batched",
-                         "bf16_shard" if hw.flashmla_kernels else "fp8_rows")
+                          "bf16_shard" if hw.flashmla_kernels else "fp8_rows")
         self.dep = dataclasses.replace(dep, expert_load_imbalance=expert_load_imbalance)
         self.step_overhead_s, self.host_overlap_s = step_overhead_s, host_overlap_s
         self.host_copy_overlap = host_copy_overlap
