@@ -163,7 +163,8 @@ def test_the_committed_validation_is_complete_within_25_percent_with_equal_count
     assert len(vs.pd_http_errors(res["pd_http"])) == len(real["runs"]) == 6
 
 
-@pytest.mark.parametrize("run, problems", [("rerun_78ba069", ["mape tpot_mean_s"]), ("rerun_a6a02ec", [])])
+@pytest.mark.parametrize("run, problems", [("rerun_78ba069", ["mape tpot_mean_s"]), ("rerun_a6a02ec", []),
+                                          ("rerun_01182cc", [])])
 def test_each_committed_rerun_is_recorded_as_it_came_out(run, problems):
     """results/validate_sim/rerun_*: the same command rerun at later commits on the same machine, kept
     beside the first run whether or not they pass. `check` says what docs/simulator.md says of each: its
@@ -174,7 +175,7 @@ def test_each_committed_rerun_is_recorded_as_it_came_out(run, problems):
     assert [c.split(" = ")[0] for c in vs.check(res)] == problems
 
 
-@pytest.mark.parametrize("run", ["", "rerun_78ba069", "rerun_a6a02ec"])
+@pytest.mark.parametrize("run", ["", "rerun_78ba069", "rerun_a6a02ec", "rerun_01182cc"])
 def test_each_committed_runs_simulated_side_is_what_the_simulator_prices_now(run):
     """Every point of each committed validation run, priced again on its run's own fit by the simulator as
     it is now (`reprice`), gives its committed simulated figures and counts: no committed run is stale
