@@ -128,6 +128,17 @@ def cpu_spec(flops: float, bandwidth: float, forward_latency_s: float = 0.0):
         collective_latency_s=0.0, host_copy_latency_s=0.0, head_granularity=1, forward_latency_s=forward_latency_s)
 
 
+def fitted_spec(fit: dict):
+    """The CPU spec of a fit (`fit`'s dict, a run's cpu_spec_fit): `cpu_spec` of its rates and latency."""
+    return cpu_spec(fit["flops"], fit["bandwidth"], fit["forward_latency_s"])
+
+
+def _stamp(benchmark: str) -> dict:
+    """What a results.json of this module says of its run: benchmark, date, git revision, machine."""
+    return {"benchmark": benchmark, "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
+            "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}}
+
+
 class StepLog:
     """Wraps an engine so each step's plans, transfers and wall time are recorded; with `forwards=True`
     each forward program is also waited for and timed (its shape and seconds in `forwards`), and so is
@@ -248,7 +259,7 @@ def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dic
 def host_specs(fit: dict):
     """devices -> `shared_host` of the CPU spec fitted as `fit` (cpu_spec_fit) for that many devices sharing
     this host, without the lock-step fit: what prices pd_http's twin (`experiments.pd_http.twin`)."""
-    return functools.partial(shared_host, cpu_spec(fit["flops"], fit["bandwidth"], fit["forward_latency_s"]),
+    return functools.partial(shared_host, fitted_spec(fit),
                              fit["step_overhead_s"], fit["host_overlap_s"])
 
 
@@ -396,7 +407,7 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
             err = float(np.mean(np.abs(np.log((kern + a) / wall))))
             if best is None or err < best["mean_abs_log_error"]:
                 best = {"flops": float(f), "bandwidth": float(b), "forward_latency_s": a, "mean_abs_log_error": err}
-    hw = cpu_spec(best["flops"], best["bandwidth"], best["forward_latency_s"])
+    hw = fitted_spec(best)
     pred = np.array([_forward_price(cfg_model, dep, hw, k) for k in shapes])
     before, after = [], []  # host seconds of a step before its first forward, and the rest of its host time
     for log in logs:
@@ -419,8 +430,8 @@ def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) ->
 def _with_sim(point: dict, cfg, fit: dict) -> dict:
     """`point` (its config, policy, concurrency, real metrics and counts) with its simulated side priced on
     the CPU spec `fit` (cpu_spec_fit): "sim", "rel_error", "counts_sim", "counts_equal"."""
-    s = _sim(cfg, point["kv_policy"], point["concurrency"], cpu_spec(fit["flops"], fit["bandwidth"],
-             fit["forward_latency_s"]), fit["step_overhead_s"], fit["host_overlap_s"], fit.get("lockstep"))
+    s = _sim(cfg, point["kv_policy"], point["concurrency"], fitted_spec(fit), fit["step_overhead_s"],
+             fit["host_overlap_s"], fit.get("lockstep"))
     counts_sim = {k: s.get(k) for k in COUNTS}
     return {**point, "sim": {k: s[k] for k in METRICS},
             "rel_error": {k: rel_error(s[k], point["real"][k]) for k in METRICS}, "counts_sim": counts_sim,
@@ -797,9 +808,7 @@ def main(argv=None) -> dict:
     if args.grid_spread:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        res = {"benchmark": "validate_sim --grid-spread", "date": time.strftime("%Y-%m-%d"),
-               "git_revision": git_revision(), "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()},
-               "protocols": grid_spread()}
+        res = {**_stamp("validate_sim --grid-spread"), "protocols": grid_spread()}
         (out / "grid_spread.json").write_text(json.dumps(res, indent=1))
         return res
     if (args.merge or args.reprice) and not args.summarize:
@@ -848,7 +857,7 @@ def main(argv=None) -> dict:
         fit_points = [(TRAIN[0], p) for p in one] + [(TRAIN_LOCKSTEP[0], p) for p in lock]
     else:
         fit_points, f = [], fitted["cpu_spec_fit"]
-    hw = cpu_spec(f["flops"], f["bandwidth"], f["forward_latency_s"])
+    hw = fitted_spec(f)
     lockstep = f.get("lockstep")
     print(f"[validate_sim] CPU spec: {f['flops'] / 1e9:.1f} GFLOP/s, {f['bandwidth'] / 1e9:.1f} GB/s, forward "
           f"{f['forward_latency_s'] * 1e3:.2f} ms, host {f['step_overhead_s'] * 1e3:.2f} ms before the forwards and "
@@ -864,8 +873,7 @@ def main(argv=None) -> dict:
         print("[validate_sim] no lock-step fit: a DP x EP layout is priced on 1/N of the host (shared_host)", flush=True)
 
     res_points = []
-    meta = {"benchmark": "validate_sim", "date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(),
-            "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "cpu_spec_fit": f,
+    meta = {**_stamp("validate_sim"), "cpu_spec_fit": f,
             "cpu_spec": dataclasses.asdict(hw), "metrics": METRICS, "counts": COUNTS,
             "note": "real runs warmed (a first untimed pass compiles); the fit points wait for every forward, the "
                     "held-out ones run as served; HiSparse misses are exact in the real run and 0 in the simulator "
@@ -889,10 +897,9 @@ def main(argv=None) -> dict:
             "config": name, "kv_policy": policy, "concurrency": conc, "role": role, "bound": _bound(log.steps),
             "real": {k: m[k] for k in METRICS}, "counts_real": counts_real, "real_wall_s": m["wall_s"],
             "overrides": list(extra)}, cfg, f))
-        counts_sim = res_points[-1]["counts_sim"]
         print(f"[validate_sim] {name} {policy} c={conc}: " + ", ".join(
-            f"{k} {res_points[-1]['rel_error'][k]:+.1%}" for k in METRICS) + f"; counts equal {counts_real == counts_sim}",
-            flush=True)
+            f"{k} {res_points[-1]['rel_error'][k]:+.1%}" for k in METRICS)
+            + f"; counts equal {res_points[-1]['counts_equal']}", flush=True)
         save()
 
     for name, (cfg, policy, conc, m, log, _) in fit_points:
