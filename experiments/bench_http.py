@@ -35,7 +35,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ import numpy as np
 from experiments import workloads
 from experiments.common import REPO, cpu_name, git_revision
 from glm53.engine.plan import WallClock
+from parallel.launch import free_port
 
 DEPLOY = {"max_model_len": 1024, "max_num_batched_tokens": 256, "max_num_seqs": 4, "block_size": 16}
 METRICS = ("ttft_median_s", "ttft_p90_s", "tpot_mean_s", "throughput_tok_s_per_device", "interactivity_tok_s_user",
@@ -129,17 +129,11 @@ class HttpEngine:
                               tuple(self.records[r]["times"]), 0) for r in ids]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(preset: str, seed: int, cache_dir: str, log: Path, flags: list[str] | None = None
                  ) -> tuple[subprocess.Popen, int]:
     """`python -m glm53.serve PRESET --warmup` on a free port with `flags` (default: DEPLOY's), its
     compilation cache in `cache_dir` -> (process, port) once /health answers."""
-    port = _free_port()
+    port = free_port()
     flags = [x for k, v in DEPLOY.items() for x in (f"--{k.replace('_', '-')}", str(v))] if flags is None else flags
     args = [sys.executable, "-m", "glm53.serve", preset, "--seed", str(seed), "--port", str(port), "--warmup", *flags]
     # its /reset_prefix_cache (between the warm-up and the timed run) is routed only in development mode

@@ -64,8 +64,9 @@ import urllib.request
 from pathlib import Path
 
 from experiments import workloads
-from experiments.bench_http import HttpEngine, _free_port, run_point, scrape_metrics, start_server
+from experiments.bench_http import HttpEngine, run_point, scrape_metrics, start_server
 from experiments.common import REPO, child_env, compile_flags, cpu_name, git_revision, with_fast_compile
+from parallel.launch import free_port
 
 DEPLOY = {"max_model_len": 512, "max_num_batched_tokens": 128, "max_num_seqs": 2, "block_size": 16}
 DEVICES = 4  # per deployment: 2 prefill + 2 decode
@@ -99,7 +100,7 @@ def deployments(deploy: dict, decode_layout: str = "dp_ep") -> dict[str, dict[st
 
     ports = set()
     while len(ports) < 3:  # a port is free when asked, and may be handed out again: three distinct ones
-        ports.add(_free_port())
+        ports.add(free_port())
     pcp, *dp = sorted(ports)
     def decode(policy: str, ports: list[int]) -> list[list[str]]:
         if decode_layout == "dp_ep":
@@ -125,7 +126,7 @@ def _server_args(deploy: dict, extra: list[str]) -> list[str]:
 
 
 def start_router(prefill: list[int], decode: list[int], log: Path) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "glm53.router", "--port", str(port), "--poll-interval", "0.5",
             "--prefill", *[f"http://127.0.0.1:{p}" for p in prefill], "--decode", *[f"http://127.0.0.1:{p}" for p in decode]]
     with open(log, "w") as f:

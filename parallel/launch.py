@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,8 +50,34 @@ class LaunchError(RuntimeError):
         self.results = results
 
 
+def _ephemeral_low() -> int | None:
+    """The lowest port the kernel hands out on its own (Linux's ip_local_port_range), None where unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; another program could still take it)."""
+    """A TCP port on `host` that was free a moment ago, for a process started next to bind.
+
+    Taken below the kernel's ephemeral range where that range is known and leaves room (12,000 ports under
+    it, at random): the kernel gives ephemeral ports to every outgoing connection and every bind to port 0
+    (ZMQ's random ports, other servers), so a port taken from that range can be handed to someone else in the
+    seconds before its process binds it; below the range only another caller of this function can take it.
+    Elsewhere the OS picks one (bind to port 0)."""
+    low = _ephemeral_low()
+    if low is not None and low > 12000 + 1024:
+        rng = random.SystemRandom()
+        for _ in range(200):
+            port = rng.randrange(low - 12000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:  # in use (or lingering in TIME_WAIT): try another
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

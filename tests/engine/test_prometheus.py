@@ -3,7 +3,6 @@ that agree with the engine's own per-request record (a priced runner on a virtua
 exact)."""
 
 import dataclasses
-import socket
 import urllib.request
 
 import numpy as np
@@ -23,6 +22,7 @@ from glm53.engine.prometheus import (
     ServingMetrics,
 )
 from glm53.engine.synthetic import SyntheticRunner
+from parallel.launch import free_port
 
 TINY = glm53.get_preset("tiny")
 STEP_S = 0.25
@@ -153,9 +153,7 @@ def test_names_types_and_values_follow_the_engine():
 
 def test_endpoint_serves_the_attached_engine_over_http():
     endpoint = MetricsEndpoint()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server, thread = endpoint.serve(port)
     try:
         url = f"http://127.0.0.1:{port}/metrics"

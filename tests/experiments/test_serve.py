@@ -3,7 +3,6 @@ file, results.json with the contract keys, the sweep plot, and the live Promethe
 
 import importlib.util
 import json
-import socket
 import urllib.request
 
 import pytest
@@ -11,16 +10,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from experiments import serve
 from experiments import workloads as wl
+from parallel.launch import free_port
 
 KEYS = ("throughput_tok_s_per_device", "interactivity_tok_s_user", "interactivity_p90_e2e_tok_s_user", "ttft_median_s",
         "tpot_mean_s", "running_requests_mean", "preemptions", "recomputed_tokens", "d2h_bytes", "h2d_bytes",
         "prefix_hit_rate")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -29,7 +23,7 @@ def test_serve_sweep_writes_results_plot_and_metrics(tmp_path):
     sessions = [wl.Session(f"s{i}", f"user{i}", (t(40, 4, 0.0, (10 * i,)), t(80, 4, 0.0, (10 * i, 10 * i + 1))),
                            "trace") for i in range(3)]
     wl.save_trace(sessions, tmp_path / "trace.json")
-    port = _free_port()
+    port = free_port()
     args = ["--config", str(serve.REPO / "configs/smoke.py"), "--out", str(tmp_path / "out"), "--no-progress",
             "--metrics-port", str(port), "--compile-cache", "", "--config.model.layers=2",
             "--config.workload.kind=trace", f"--config.workload.trace_path={tmp_path / 'trace.json'}",

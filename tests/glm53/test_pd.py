@@ -23,7 +23,8 @@ import pytest
 
 from glm53 import DeployConfig, Engine
 from tests.glm53.test_router import servers_and_router
-from tests.glm53.test_serve import FLAGS, _free_port, _metric
+from parallel.launch import free_port
+from tests.glm53.test_serve import FLAGS, _metric
 from tests.glm53.test_serve import Server as Process
 
 PAGE = FLAGS["block_size"]  # tokens per page of a one-device server; a DCP2 server's pages span 2 x PAGE
@@ -45,7 +46,7 @@ def _ktc(role: str, **kw) -> str:
 # the producers' KV ports (kv_port), fixed so that the consumers can list them; DEAD: listed, never up
 _PORTS = set()
 while len(_PORTS) < 3:  # distinct: a port free when asked may be handed out again
-    _PORTS.add(_free_port())
+    _PORTS.add(free_port())
 KV_PORTS = dict(zip(("prefill_pcp", "prefill_1"), sorted(_PORTS)))
 DEAD = max(_PORTS)
 PRODUCERS = {"kv_connector_extra_config": {"producers": [f"127.0.0.1:{p}" for p in (*KV_PORTS.values(), DEAD)]}}

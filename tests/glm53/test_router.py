@@ -28,10 +28,11 @@ from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from glm53.router import MISSED_POLLS, NoServer, Picker, PrefixIndex, RouterState, Server, parse_load, poll
 from kvcache.block_pool import block_hashes
 from kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from parallel.launch import free_port
 from tests.glm53.openai_cases import *  # noqa: F403 - the shared cases run against this module's `api`
 from tests.glm53.faulty_serve import FAULT_PROMPT
 from tests.glm53.openai_cases import Api
-from tests.glm53.test_serve import FLAGS, NAME, REPO, TIMEOUT_S, _free_port, save_checkpoint
+from tests.glm53.test_serve import FLAGS, NAME, REPO, TIMEOUT_S, save_checkpoint
 from tests.glm53.test_serve import Server as Process
 
 
@@ -147,7 +148,7 @@ def test_parse_load_sums_running_and_waiting():
 
 class Router:
     def __init__(self, tmp, prefill: list[str], decode: list[str], events: dict[str, str]):
-        self.port = _free_port()
+        self.port = free_port()
         self.log = tmp / "router.log"
         args = [sys.executable, "-m", "glm53.router", "--port", str(self.port), "--poll-interval", "0.5",
                 "--prefill", *prefill, "--decode", *decode,
@@ -210,15 +211,22 @@ def servers_and_router(tmp, model: str, flags: dict, prefill: list[str], decode:
     flags), at once, as `module`, and a router over the `prefill` and `decode` names (events: name ->
     KV-event port) -> (router, {name: server}); every process stops on exit."""
     procs: dict = {}
-    threads = [threading.Thread(target=lambda n=n: procs.__setitem__(n, Process(model, tmp, *flags[n], module=module)))
-               for n in flags]
+    failed: dict = {}
+
+    def start(name):
+        try:
+            procs[name] = Process(model, tmp, *flags[name], module=module)
+        except Exception as e:  # noqa: BLE001 - reported below, with the server's log
+            failed[name] = e
+
+    threads = [threading.Thread(target=start, args=(n,)) for n in flags]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     try:
-        if len(procs) != len(flags):
-            raise RuntimeError("a server did not start (its log is in the test's tmp dir)")
+        if failed:
+            raise RuntimeError("servers did not start: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
         router = Router(tmp, [procs[n].url("") for n in prefill], [procs[n].url("") for n in decode],
                         {procs[n].url(""): f"tcp://127.0.0.1:{port}" for n, port in (events or {}).items()})
         yield router, procs
@@ -236,7 +244,7 @@ def pd(tmp_path_factory, serving_model):
     and a router that follows them."""
     ckpt = tmp_path_factory.mktemp("ckpt")
     save_checkpoint(serving_model, ckpt)
-    events = {name: _free_port() for name in ("decode0", "decode1")}
+    events = {name: free_port() for name in ("decode0", "decode1")}
     flags = {"prefill": ()} | {n: ("--kv-events-config", json.dumps({"enable_kv_cache_events": True,
                                                                      "endpoint": f"tcp://*:{port}"}))
                                for n, port in events.items()}

@@ -29,6 +29,7 @@ import glm53
 from glm53 import DeployConfig, Engine
 from glm53.engine.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
 from glm53.tokenizer import ByteTokenizer
+from parallel.launch import free_port
 from tests.glm53.openai_cases import *  # noqa: F403 - the shared cases run against this module's `api`
 from tests.glm53.faulty_serve import FAULT_PROMPT
 from tests.glm53.openai_cases import TIMEOUT_S, Api
@@ -40,19 +41,13 @@ NAME = "tiny-test"
 KEY = "test-key"  # the module server's API key (given as VLLM_API_KEY)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A server process on a free port (or `port`): `module` (glm53.serve, or tests.glm53.faulty_serve whose
     step fails for FAULT_PROMPT) serving `model` under FLAGS and `extra` flags; `api_key` as VLLM_API_KEY."""
 
     def __init__(self, model: str, tmp: Path, *extra: str, port: int | None = None, module: str = "glm53.serve",
                  api_key: str | None = None):
-        self.port, self.extra, self.module, self.api_key = port or _free_port(), extra, module, api_key
+        self.port, self.extra, self.module, self.api_key = port or free_port(), extra, module, api_key
         self.log = tmp / f"server-{self.port}.log"
         args = [sys.executable, "-m", module, model, "--port", str(self.port), "--served-model-name", NAME,
                 *[x for k, v in FLAGS.items() for x in (f"--{k.replace('_', '-')}", str(v))], *extra]

@@ -23,6 +23,7 @@ from kvcache.policies.offload import OffloadPolicy
 from kvcache.tiers import Lookup, TierSet, chunk_key
 from kvcache.tiers.fs import FileTier
 from kvcache.transfer import TierStore
+from parallel.launch import free_port
 
 TINY = glm53.get_preset("tiny")
 MODEL = types.SimpleNamespace(cfg=TINY, dtype="float32")  # the synthetic runner needs no weights
@@ -427,11 +428,7 @@ def test_the_default_endpoint_binds_loopback_only():
         assert ev.binds(endpoint), endpoint
     for endpoint in ("tcp://10.0.0.7:5557", "tcp://collector.example:5557"):
         assert not ev.binds(endpoint), endpoint
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     pub = ev.ZmqEventPublisher(ev.KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{port}"))
     try:
         assert [addr for _, addr in pub._bound] == [f"tcp://127.0.0.1:{port}"]  # bound, not connected to

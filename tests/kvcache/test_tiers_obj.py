@@ -7,8 +7,6 @@ whatever the server did, with the counters saying what happened."""
 
 import itertools
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,8 @@ from kvcache.tiers import Lookup, LoadJob, StoreJob, make_tier
 from kvcache.tiers.format import HEADER, chunk_name
 from kvcache.tiers.fs import FileTier
 from kvcache.tiers.obj import ObjectTier
+from parallel.launch import free_port
+from tests import processes
 from tests.kvcache.test_tiers import BASE, FP, HIT_BLOCKS, STORED, _key, _load, _payload, _store, _wait
 
 # fast failure settings for tests: a dead server is found out in well under a second
@@ -34,9 +34,7 @@ class MotoServer:
     """`python -m moto.server` on a free loopback port, in its own process."""
 
     def __init__(self, log_dir):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"moto-{self.port}.log"
         self.proc = None
@@ -62,15 +60,15 @@ class MotoServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)  # a paused server dies too
+            processes.resume(self.proc)  # a paused server dies too
             self.proc.kill()
             self.proc.wait(10)
 
     def pause(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
+        processes.pause(self.proc)
 
     def resume(self) -> None:
-        self.proc.send_signal(signal.SIGCONT)
+        processes.resume(self.proc)
 
     def client(self):
         return boto3.session.Session().client("s3", endpoint_url=self.url, region_name="us-east-1")

@@ -23,6 +23,8 @@ import zmq
 from glm53 import DeployConfig, Engine
 from kvcache.tiers import LoadJob, Lookup, LookupContext, StoreJob, TierSet, chunk_key, make_tier
 from kvcache.tiers.p2p import FRAME, REQUEST, PeerTier
+from parallel.launch import free_port
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[2]
 FP = "ab" * 32
@@ -140,6 +142,12 @@ class Producer:
     def signal(self, sig):
         self.proc.send_signal(sig)
 
+    def pause(self):
+        processes.pause(self.proc)
+
+    def resume(self):
+        processes.resume(self.proc)
+
     def close(self):
         if self.proc.poll() is None:
             self.proc.kill()
@@ -220,7 +228,7 @@ def test_p2p_a_request_names_its_producer_which_leases_its_chunks(tiers):
     assert _store_here(prod, [6], job_id=3) == ["failed"]  # every chunk leased: no room
     time.sleep(0.4)  # the short lease lapsed
     assert _store_here(prod, [7], job_id=4) == ["ok"] and prod.held_prefix([_key(0), _key(1), _key(7)]) == 3
-    gone_addr = f"{HOST}:{_free_port()}"
+    gone_addr = f"{HOST}:{free_port()}"
     cons = tiers(producers=[prod.address, gone_addr])  # no static peers; the producers requests may name
     assert cons.lookup(_key(0), _ask(0)) is Lookup.MISS and cons.stats.lookup_messages == 0
     named = LookupContext("req-pd", [_key(0), _key(1), _key(2)], peer=prod.address)
@@ -368,7 +376,7 @@ def test_p2p_missed_deadlines_are_misses(producer, tiers):
     assert r.status == ("miss", "miss") and time.monotonic() - t0 < 5
     assert t.stats.transfer_timeouts == 1
     assert t.lookup(_key(0), _ask(0)) is Lookup.MISS  # a failed load is not fetched again at once
-    p.signal(signal.SIGSTOP)
+    p.pause()
     try:
         fresh = tiers(peers=[p.address], lookup_timeout_s=0.3)
         assert fresh.lookup(_key(1), _ask(1)) is Lookup.RETRY
@@ -376,7 +384,7 @@ def test_p2p_missed_deadlines_are_misses(producer, tiers):
         assert _answer(fresh, 1) is Lookup.MISS and time.monotonic() - t0 < 5
         assert fresh.stats.lookup_timeouts == 1
     finally:
-        p.signal(signal.SIGCONT)
+        p.resume()
 
 
 def test_p2p_corrupted_payload_is_a_corrupt_miss(producer, tiers):
@@ -443,7 +451,7 @@ def test_p2p_kv_events_announce_stores_and_evictions_without_pins(tiers):
         def tier_removed(self, tier, keys):
             self.removed += keys
 
-    t = tiers(max_bytes=2 * N, peers=[f"{HOST}:{_free_port()}"])  # nobody there: a bare lookup must not ask
+    t = tiers(max_bytes=2 * N, peers=[f"{HOST}:{free_port()}"])  # nobody there: a bare lookup must not ask
     assert (t.kv_event_medium, t.kv_event_locality, t.kv_event_ownership) == ("CPU", "LOCAL", "p2p")
     ts, sink = TierSet([t]), Sink()
     ts.attach_events(sink)
@@ -456,12 +464,6 @@ def test_p2p_kv_events_announce_stores_and_evictions_without_pins(tiers):
             time.sleep(0.002)
     assert sink.stored == [(_key(i), True) for i in range(3)] and sink.removed == [_key(0)]
     assert not t._pinned and t.stats.lookup_messages == 0 and t.stats.evicted_chunks == 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def test_p2p_options_are_checked():
