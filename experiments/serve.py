@@ -319,6 +319,8 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
              runner="sim" if simulated(cfg) else "model", max_model_len=d.max_model_len,
              num_speculative_tokens=d.num_speculative_tokens,
              deployment=_describe(d), throughput_tok_s_per_gpu=m["throughput_tok_s_per_device"],
+             # over the measured window (steady) or the whole run; the decode node's under P/D
+             step_mix=step_mix(eng.timeline, res.steady_window if measure == "steady" else None),
              # the bytes the pool takes: the shared buffer's price in the simulator, the runner's arrays
              # (a page of every group per block) where the model runs
              device_kv_budget_bytes_per_gpu=int(d.num_gpu_blocks * (block_bytes if simulated(cfg) else runner_block_bytes)(
@@ -349,6 +351,22 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
                                        for t in tiers}
             m["assumed_tier_storage"] = {k: dataclasses.asdict(v) for k, v in _tier_storage(cfg).items()}
     return m
+
+
+def step_mix(timeline, window: tuple[float, float] | None = None) -> dict:
+    """An engine's steps split by what they carry: "decode_only" (every row one token and its drafts) and
+    "with_prefill" (some row a prompt chunk), each {"steps", "mean_s", "time_s"}, with_prefill also
+    "prefill_tokens_mean"; over the steps starting inside `window` (engine clock s; None: every step).
+    Why: a step's mean hides its mix; a fixed per-step cost lengthens each decode-only step by itself,
+    while prefill-carrying steps may merge (fewer, each with more prompt tokens)."""
+    rows = [r for r in timeline if window is None or window[0] <= r[0] < window[1]]
+    out = {}
+    for kind, rows_k in (("decode_only", [r for r in rows if not r[5]]), ("with_prefill", [r for r in rows if r[5]])):
+        time_s = sum(r[4] - r[0] for r in rows_k)
+        out[kind] = {"steps": len(rows_k), "mean_s": time_s / len(rows_k) if rows_k else None, "time_s": time_s}
+    prefill = [r for r in rows if r[5]]
+    out["with_prefill"]["prefill_tokens_mean"] = sum(r[5] for r in prefill) / len(prefill) if prefill else None
+    return out
 
 
 def _describe(d) -> str:

@@ -205,9 +205,10 @@ class Engine(PdQueries):
         # clients name the salts: a salt forgotten is routed by load, as a new one
         self._by_salt: collections.OrderedDict[str, int] = collections.OrderedDict()
         # one row per engine step that scheduled requests, after scheduling: (clock s at its start, running,
-        # waiting, free device blocks, clock s at its end), summed over replicas; the end makes the running
-        # requests a time series (metrics' time-weighted mean)
-        self.timeline: list[tuple[float, int, int, int, float]] = []
+        # waiting, free device blocks, clock s at its end, prefill tokens), summed over replicas; the end makes
+        # the running requests a time series (metrics' time-weighted mean); prefill tokens: those of rows that
+        # are not a decode row (one token and its drafts), 0 for a decode-only step
+        self.timeline: list[tuple[float, int, int, int, float, int]] = []
         self._steps = 0
         self.plans_run = [0] * dp  # per replica: plans its runner executed (KV transfers included)
         # DP x EP: the ranks' plans run as one step (the model runner's, or a simulator's that prices them so)
@@ -489,7 +490,9 @@ class Engine(PdQueries):
             advance(max(priced))
         if counted:
             self._steps += 1
-            self.timeline.append((t, *counts, self.clock.now()))
+            prefill = sum(row.num_tokens for p in plans if p is not None for row in p.rows
+                          if row.num_tokens != 1 + row.num_draft_tokens)
+            self.timeline.append((t, *counts, self.clock.now(), prefill))
         self.last_finished = tuple(r.req_id for r in finished_all)
         self._forget_history()
         for obs in self.observers:

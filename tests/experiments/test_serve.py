@@ -103,6 +103,14 @@ def test_the_paper_config_runs_in_the_simulator_and_repeats_exactly(tmp_path):
     base = next(r for r in a if (r["kv_policy"], r["concurrency"]) == ("offload", 3))
     assert c[0]["engine_steps"] == base["engine_steps"] and base["sim_step_mean_s"] > 0
     assert c[0]["sim_step_mean_s"] - base["sim_step_mean_s"] == pytest.approx(0.01, rel=1e-6)
+    # and so does each step of either kind (step_mix: the same steps, here over the whole run)
+    mix, mix0 = c[0]["step_mix"], base["step_mix"]
+    assert mix0["decode_only"]["steps"] > 0 and mix0["with_prefill"]["steps"] > 0
+    assert sum(k["steps"] for k in mix0.values()) == base["engine_steps"]
+    for kind in ("decode_only", "with_prefill"):
+        assert mix[kind]["steps"] == mix0[kind]["steps"]
+        assert mix[kind]["mean_s"] - mix0[kind]["mean_s"] == pytest.approx(0.01, rel=1e-6)
+    assert mix["with_prefill"]["prefill_tokens_mean"] == mix0["with_prefill"]["prefill_tokens_mean"] > 1
 
 
 def test_the_tiered_h200_config_puts_each_boundary_inside_the_range(tmp_path):
@@ -199,3 +207,17 @@ def test_resume_takes_a_file_from_before_a_knob_added_at_its_default(tmp_path):
     cfg = serve.default_config()
     cfg.pd.consumer_waits = False
     assert [r["kv_policy"] for r in serve._resumed(path, cfg)] == ["preempt"]
+
+
+def test_step_mix_splits_the_steps_of_a_window_by_what_they_carry():
+    """step_mix on a hand-built timeline (start, running, waiting, free blocks, end, prefill tokens): the
+    steps starting inside the window, decode-only (0 prefill tokens) apart from prefill-carrying ones."""
+    timeline = [(0.0, 2, 0, 9, 0.5, 0), (0.5, 2, 1, 9, 1.5, 100), (1.5, 2, 0, 9, 2.0, 0), (2.0, 3, 0, 8, 4.0, 50),
+                (4.0, 3, 0, 8, 4.25, 0)]
+    assert serve.step_mix(timeline, (0.4, 2.5)) == {
+        "decode_only": {"steps": 1, "mean_s": 0.5, "time_s": 0.5},
+        "with_prefill": {"steps": 2, "mean_s": 1.5, "time_s": 3.0, "prefill_tokens_mean": 75.0}}
+    whole = serve.step_mix(timeline)
+    assert whole["decode_only"] == {"steps": 3, "mean_s": 1.25 / 3, "time_s": 1.25}
+    assert serve.step_mix(timeline, (5.0, 6.0))["with_prefill"] == {"steps": 0, "mean_s": None, "time_s": 0,
+                                                                   "prefill_tokens_mean": None}
