@@ -314,8 +314,8 @@ def twin(spec: dict, sessions, concurrency: int, *, preset: str, host_specs, hos
         for runner in sim_runners(engine):
             runner.set_host(*spec)
 
-    hw, before, beside = alone if host == "alone" else shared
-    pair = build_pd(glm53.get_preset(preset), pre, dec, hw, step_overhead_s=before, host_overlap_s=beside,
+    hw, before, after = alone if host == "alone" else shared
+    pair = build_pd(glm53.get_preset(preset), pre, dec, hw, step_overhead_s=before, host_overlap_s=after,
                     weight_bytes=weight_bytes, hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True,
                     before_step=contend if host == "contended" else None)
     ids, wall = run_point(pair, sessions, concurrency, pair.cfg.vocab_size, deploy["max_model_len"])

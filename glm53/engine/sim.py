@@ -186,15 +186,17 @@ class SimRunner(SyntheticRunner):
         rows at its full width against the group's whole attention window (the padded program computes
         that much), hw.forward_latency_s per forward. For validating the simulator against the real
         engine on CPU (experiments/validate_sim.py); an H200 deployment runs unpadded kernels.
-    host_overlap_s: host time per step after its forwards are dispatched (sampling, bookkeeping;
-        default 0): serial like step_overhead_s, except under async_dispatch, where it overlaps them.
+    host_overlap_s: host time per step after its forwards are dispatched (the sampling program, the
+        tokens' bookkeeping; default 0): serial like step_overhead_s; under async_dispatch it overlaps
+        only the forwards the step does not wait for.
     async_dispatch: model the model runner's asynchronous dispatch: the host part before dispatch
         (step_overhead_s) runs while earlier forwards still compute, a step's transfers and forwards
-        queue behind them in order, the rest of its host part (host_overlap_s) runs beside them, and
-        the step returns when its host part is done and the last forward it samples from has finished
-        (a forward whose rows sample nothing is not waited for: the next step waits behind it). Needs
-        `clock` (the engine's VirtualClock; build_engine passes it). Off (the default), a step is its
-        host parts plus its priced work.
+        queue behind them in order, and the rest of its host part (host_overlap_s) starts once the last
+        forward it samples from has finished (sampling reads that forward's result and the update reads
+        the tokens; the host waits for them), the step returning when it is done. A forward whose rows
+        sample nothing is not waited for: the next step waits behind it, and a step that samples nothing
+        returns host_overlap_s after its dispatch. Needs `clock` (the engine's VirtualClock;
+        build_engine passes it). Off (the default), a step is its host parts plus its priced work.
     dp_pacing: how DP x EP ranks (`execute_ranks`) are priced: "lockstep" (the default), as this project's
         engine runs them (one forward per width bucket present on any rank, every rank at the padded rows,
         the experts on the padded rows); "vllm", as vLLM 0.34 runs them on Hopper (each rank one forward
@@ -371,19 +373,18 @@ class SimRunner(SyntheticRunner):
         its results)] and the host parts (class docstring: async_dispatch); adds to busy_s."""
         work = sum(t for t, _ in times)
         if self.async_dispatch:
-            # the host part first, then each forward queues behind the device's earlier work; the step
-            # returns once its host part is done and the last forward it samples from has finished
-            # (a step without rows waits for its transfers)
+            # the host part first, then each forward queues behind the device's earlier work; the rest of
+            # the host part follows the last forward the step samples from (a step without rows waits for
+            # its transfers), or the dispatch where it waits for none
             now = self.clock.now()
-            dispatched = now + self.step_overhead_s
-            done = dispatched + self.host_overlap_s
+            dispatched = waited = now + self.step_overhead_s
             t = max(dispatched, self._device_free_s)
             for seconds, waits in times:
                 t += seconds
                 if waits or not has_rows:
-                    done = max(done, t)
+                    waited = t
             self._device_free_s = t
-            seconds = done - now
+            seconds = waited + self.host_overlap_s - now
         else:
             seconds = work + self.step_overhead_s + self.host_overlap_s
         self.busy_s += work + self.step_overhead_s + self.host_overlap_s

@@ -19,14 +19,17 @@ def test_the_fit_recovers_the_spec_that_priced_the_forwards():
     true = vs.cpu_spec(1e10, 1e10, 4e-3)
     shapes = [(r, w, win) for r in (1, 4) for w in (1, 16, 64) for win in (64, 256, 512)]
     forwards = [(i, *k, sim.forward_cost(cfg, true, dep, *k).time_s()) for i, k in enumerate(shapes)]
-    # one forward per step, 0.5 ms of host time before it and 1.5 ms after it
+    # one forward per step, 0.5 ms of host time before it and 1.5 ms after it, 0.2 ms between steps
     steps = [(None, 0, 0, 0, f[-1] + 2e-3) for f in forwards]
     times = {k: f[-1] for k, f in zip(shapes, forwards)}
-    log = types.SimpleNamespace(forwards=forwards, steps=steps, before_forwards={i: 5e-4 for i in range(len(steps))})
+    log = types.SimpleNamespace(forwards=forwards, steps=steps, before_forwards={i: 5e-4 for i in range(len(steps))},
+                                gaps=[2e-4] * (len(steps) - 1))
     f = vs.fit(cfg, deploy, times, [log])
     assert (f["flops"], f["bandwidth"]) == pytest.approx((1e10, 1e10))
     assert f["forward_latency_s"] == pytest.approx(4e-3, rel=1e-6)
-    assert (f["step_overhead_s"], f["host_overlap_s"]) == pytest.approx((5e-4, 1.5e-3), rel=1e-6)
+    # the simulator's host part before dispatch is the step's own and the serving loop's gap before it
+    assert (f["step_before_forward_s"], f["step_gap_s"]) == pytest.approx((5e-4, 2e-4), rel=1e-6)
+    assert (f["step_overhead_s"], f["host_overlap_s"]) == pytest.approx((7e-4, 1.5e-3), rel=1e-6)
     assert f["forward_abs_rel_error_mean"] < 1e-6 and f["shapes"] == len(shapes)
 
 
