@@ -356,11 +356,13 @@ def run_one(model, cfg: ConfigDict, kv_policy: str, concurrency: int, *, exporte
 def step_mix(timeline, window: tuple[float, float] | None = None) -> dict:
     """An engine's steps split by what they carry: "decode_only" (every row one token and its drafts) and
     "with_prefill" (some row a prompt chunk), each {"steps", "mean_s", "time_s"}, with_prefill also
-    "prefill_tokens_mean"; over the steps starting inside `window` (engine clock s; None: every step).
-    Why: a step's mean hides its mix; a fixed per-step cost lengthens each decode-only step by itself,
-    while prefill-carrying steps may merge (fewer, each with more prompt tokens)."""
+    "prefill_tokens_mean"; "span_s", from the first step's start to the last one's end (span_s minus the
+    steps' time is what ran between steps: a serving loop's own work); over the steps starting inside
+    `window` (engine clock s; None: every step). Why: a step's mean hides its mix; a fixed per-step cost
+    lengthens each decode-only step by itself, while prefill-carrying steps may merge (fewer, each with
+    more prompt tokens)."""
     rows = [r for r in timeline if window is None or window[0] <= r[0] < window[1]]
-    out = {}
+    out = {"span_s": rows[-1][4] - rows[0][0] if rows else 0.0}
     for kind, rows_k in (("decode_only", [r for r in rows if not r[5]]), ("with_prefill", [r for r in rows if r[5]])):
         time_s = sum(r[4] - r[0] for r in rows_k)
         out[kind] = {"steps": len(rows_k), "mean_s": time_s / len(rows_k) if rows_k else None, "time_s": time_s}

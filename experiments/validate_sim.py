@@ -446,7 +446,7 @@ def _with_sim(point: dict, cfg, fit: dict) -> dict:
     counts_sim = {k: s.get(k) for k in COUNTS}
     return {**point, "sim": {k: s[k] for k in METRICS},
             "rel_error": {k: rel_error(s[k], point["real"][k]) for k in METRICS}, "counts_sim": counts_sim,
-            "counts_equal": point["counts_real"] == counts_sim}
+            "counts_equal": point["counts_real"] == counts_sim, "step_mix_sim": s["step_mix"]}
 
 
 def reprice(res: dict) -> dict:
@@ -907,6 +907,7 @@ def main(argv=None) -> dict:
         res_points.append(_with_sim({
             "config": name, "kv_policy": policy, "concurrency": conc, "role": role, "bound": _bound(log.steps),
             "real": {k: m[k] for k in METRICS}, "counts_real": counts_real, "real_wall_s": m["wall_s"],
+            "step_mix_real": m["step_mix"],
             "overrides": list(extra)}, cfg, f))
         print(f"[validate_sim] {name} {policy} c={conc}: " + ", ".join(
             f"{k} {res_points[-1]['rel_error'][k]:+.1%}" for k in METRICS)

@@ -106,7 +106,8 @@ def test_the_paper_config_runs_in_the_simulator_and_repeats_exactly(tmp_path):
     # and so does each step of either kind (step_mix: the same steps, here over the whole run)
     mix, mix0 = c[0]["step_mix"], base["step_mix"]
     assert mix0["decode_only"]["steps"] > 0 and mix0["with_prefill"]["steps"] > 0
-    assert sum(k["steps"] for k in mix0.values()) == base["engine_steps"]
+    assert mix0["decode_only"]["steps"] + mix0["with_prefill"]["steps"] == base["engine_steps"]
+    assert mix0["span_s"] == pytest.approx(mix0["decode_only"]["time_s"] + mix0["with_prefill"]["time_s"])  # no gaps
     for kind in ("decode_only", "with_prefill"):
         assert mix[kind]["steps"] == mix0[kind]["steps"]
         assert mix[kind]["mean_s"] - mix0[kind]["mean_s"] == pytest.approx(0.01, rel=1e-6)
@@ -215,7 +216,7 @@ def test_step_mix_splits_the_steps_of_a_window_by_what_they_carry():
     timeline = [(0.0, 2, 0, 9, 0.5, 0), (0.5, 2, 1, 9, 1.5, 100), (1.5, 2, 0, 9, 2.0, 0), (2.0, 3, 0, 8, 4.0, 50),
                 (4.0, 3, 0, 8, 4.25, 0)]
     assert serve.step_mix(timeline, (0.4, 2.5)) == {
-        "decode_only": {"steps": 1, "mean_s": 0.5, "time_s": 0.5},
+        "span_s": 3.5, "decode_only": {"steps": 1, "mean_s": 0.5, "time_s": 0.5},
         "with_prefill": {"steps": 2, "mean_s": 1.5, "time_s": 3.0, "prefill_tokens_mean": 75.0}}
     whole = serve.step_mix(timeline)
     assert whole["decode_only"] == {"steps": 3, "mean_s": 1.25 / 3, "time_s": 1.25}
