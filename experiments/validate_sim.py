@@ -237,18 +237,23 @@ def _real(cfg, model, policy: str, conc: int, forwards: bool = False) -> tuple[d
     return m, logs[0]
 
 
-def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dict | None = None) -> tuple:
+def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dict | None = None,
+                replicas: int | None = None) -> tuple:
     """(spec, step overhead s, host overlap s) of one of `devices` simulated CPU devices that share this
-    host: every rate divided by `devices` and every fixed time multiplied by it. The real engine runs
-    them on the same cores (DP replicas one after another, a mesh's device programs side by side on one
-    thread pool), so a step that keeps each of N devices busy takes N times the host's time for one;
-    the simulator prices devices that run in parallel. Exact when the devices carry equal work.
+    host: every rate divided by `devices` and the fixed time per forward multiplied by it, the host parts
+    multiplied by `replicas` (default `devices`). The real engine runs the devices on the same cores (DP
+    replicas one after another, a mesh's device programs side by side on one thread pool), so a step that
+    keeps each of N devices busy takes N times the host's time for one; the simulator prices devices that
+    run in parallel. Exact when the devices carry equal work. The host parts are each replica's own loop
+    (scheduling, the tokens' bookkeeping): DP replicas run theirs one after another, while a replica
+    spread over a mesh (PCP x DCP) runs one loop for all its devices.
 
     `lockstep` (the lock-step fit, `calibrate` on TRAIN_LOCKSTEP, for a DP x EP layout of its `devices`
     ranks): its rates, fixed time per program and host parts instead, each timed on that layout (programs
     that run every rank's rows at once over the ranks' devices, and steps that schedule every rank but
     sample once), where one device's rates / N and host parts x N misprice it; the host link still / N
     (the ranks' copies share this DRAM)."""
+    replicas = devices if replicas is None else replicas
     if devices == 1:
         return hw, overhead, overlap
     if lockstep is not None:
@@ -261,7 +266,7 @@ def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dic
     return (dataclasses.replace(
         hw, bf16_flops=hw.bf16_flops / devices, fp8_flops=hw.fp8_flops / devices,
         hbm_bandwidth=hw.hbm_bandwidth / devices, host_link_bandwidth=hw.host_link_bandwidth / devices,
-        forward_latency_s=hw.forward_latency_s * devices), overhead * devices, overlap * devices)
+        forward_latency_s=hw.forward_latency_s * devices), overhead * replicas, overlap * replicas)
 
 
 def host_specs(fit: dict):
@@ -283,7 +288,8 @@ def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0,
         d = serve._deploy(c, kv_policy, tier_root or "unused")  # a simulated filesystem tier writes nothing
         d = dataclasses.replace(d, kv_cache_dtype="float32" if d.kv_cache_dtype == "auto" else d.kv_cache_dtype)
         ls = lockstep if d.experts_across_ranks else None
-        spec, before, after = shared_host(hw, overhead, overlap, d.data_parallel_size * d.devices_per_replica, ls)
+        spec, before, after = shared_host(hw, overhead, overlap, d.data_parallel_size * d.devices_per_replica, ls,
+                                          replicas=d.data_parallel_size)
         return sim.build_engine(model, d, spec, step_overhead_s=before, weight_bytes=WEIGHT_BYTES,
                                 hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True,
                                 host_overlap_s=after, tier_storage=serve._tier_storage(c))

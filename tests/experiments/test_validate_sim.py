@@ -47,6 +47,9 @@ def test_devices_that_share_the_host_take_its_time_times_their_number():
     for shape in ((1, 1, 64), (4, 1, 512), (1, 64, 512), (4, 16, 256)):  # compute- and memory-bound shapes
         assert sim.forward_cost(cfg, one, dep, *shape).time_s() == pytest.approx(
             8 * sim.forward_cost(cfg, host, dep, *shape).time_s())
+    # one replica over a mesh of 8 devices (PCP x DCP): its devices share the cores, its one loop does not
+    mesh, before, after = vs.shared_host(host, 5e-4, 2e-3, 8, replicas=1)
+    assert mesh == one and (before, after) == (5e-4, 2e-3)
 
 
 def test_a_dp_ep_layout_is_priced_on_the_lock_step_fit():
@@ -167,7 +170,7 @@ def test_the_committed_validation_is_complete_within_25_percent_with_equal_count
 
 
 @pytest.mark.parametrize("run, problems", [("rerun_78ba069", ["mape tpot_mean_s"]), ("rerun_a6a02ec", []),
-                                          ("rerun_01182cc", [])])
+                                          ("rerun_01182cc", []), ("rerun_28c4202", ["mape tpot_mean_s"])])
 def test_each_committed_rerun_is_recorded_as_it_came_out(run, problems):
     """results/validate_sim/rerun_*: the same command rerun at later commits on the same machine, kept
     beside the first run whether or not they pass. `check` says what docs/simulator.md says of each: its
@@ -178,7 +181,7 @@ def test_each_committed_rerun_is_recorded_as_it_came_out(run, problems):
     assert [c.split(" = ")[0] for c in vs.check(res)] == problems
 
 
-@pytest.mark.parametrize("run", ["", "rerun_78ba069", "rerun_a6a02ec", "rerun_01182cc"])
+@pytest.mark.parametrize("run", ["", "rerun_78ba069", "rerun_a6a02ec", "rerun_01182cc", "rerun_28c4202"])
 def test_each_committed_runs_simulated_side_is_what_the_simulator_prices_now(run):
     """Every point of each committed validation run, priced again on its run's own fit by the simulator as
     it is now (`reprice`), gives its committed simulated figures and counts: no committed run is stale
