@@ -29,8 +29,6 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-
 from experiments.common import load_config
 
 DRIFT_SHAPES = ((1, 1, 1024), (1, 16, 1024), (1, 128, 1024), (4, 16, 1024))  # (rows, width, window)
@@ -40,7 +38,7 @@ PREFILL_SHAPE = (1, 1024, 8192)  # the grid's largest forward
 def _config(name: str, concurrency: int):
     from experiments import serve, validate_sim as vs
 
-    paths = {"serve_default": (None, ()), **{h[0]: (h[1], h[2]) for h in vs.HELD_OUT}}
+    paths = {name: (path, overrides) for name, path, overrides in (vs.TRAIN, *vs.HELD_OUT)}
     path, overrides = paths[name]
     return load_config(path, [*overrides, f"--config.sweep.concurrency=({concurrency},)"], default=serve.default_config)
 
@@ -118,14 +116,6 @@ def split_point(name: str, policy: str, concurrency: int) -> dict:
     return out
 
 
-def _grid_args(runner, rows: int, width: int, window: int) -> tuple:
-    """A grid forward's arguments, as validate_sim.time_forward_grid builds them."""
-    pages = [list(range(window // runner.deploy.tokens_per_block))] * rows
-    index = [list(range(-(-window // runner.deploy.index_tokens_per_block)))] * rows
-    return (np.zeros((rows, width), np.int32), np.tile(np.arange(window - width, window, dtype=np.int32), (rows, 1)),
-            runner._table("mla", rows, pages, window), runner._table("indexer", rows, index, window), window)
-
-
 def drift(seconds: float) -> dict:
     """The four DRIFT_SHAPES forward programs of the serve default timed in passes for `seconds` ->
     {"pass_t_s": [...], "common_factor": [...], "per_shape_ms": {shape: [...]}}."""
@@ -134,7 +124,7 @@ def drift(seconds: float) -> dict:
     import jax
 
     import glm53
-    from experiments import serve
+    from experiments import serve, validate_sim as vs
 
     cfg = _config("serve_default", 1)
     model, _ = serve._model(cfg.model)
@@ -142,7 +132,7 @@ def drift(seconds: float) -> dict:
     deploy = dataclasses.replace(d0, max_model_len=8192, max_num_batched_tokens=1024, max_num_seqs=4,
                                  num_gpu_blocks=2 * 8192 // d0.block_size)
     runner = glm53.Engine(model, deploy).replicas[0].runner
-    args = {shape: _grid_args(runner, *shape) for shape in DRIFT_SHAPES}
+    args = {shape: vs.grid_args(runner, *shape) for shape in DRIFT_SHAPES}
 
     def run(shape) -> float:
         t0 = time.perf_counter()
@@ -166,7 +156,7 @@ def drift(seconds: float) -> dict:
     after = {"itself": statistics.median(run(decode) for _ in range(30))}
     for shape in DRIFT_SHAPES[1:] + (PREFILL_SHAPE,):
         if shape not in args:
-            args[shape] = _grid_args(runner, *shape)
+            args[shape] = vs.grid_args(runner, *shape)
             run(shape)
         pairs = []
         for _ in range(15):

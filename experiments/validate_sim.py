@@ -92,6 +92,7 @@ TRAIN_LOCKSTEP = ("serve_default_dp8_ep8", None, ("--config.deploy.data_parallel
                                                   "--config.deploy.enable_expert_parallel=True",
                                                   "--config.sweep.concurrency=(4,)"))
 MAPE_BOUND = 0.25  # the largest committed MAPE of each metric the test accepts
+GAP_NOTE = " (the serving loop's gap between steps included)"  # table text for fits that carry step_gap_s
 _MTP3 = "configs/ablations/hisparse_vs_offload_mtp3.py"
 
 
@@ -159,7 +160,7 @@ class StepLog:
         self.forwards: list[tuple] = []  # (step index, rows (per rank under DP x EP), width, window, s)
         self.before_forwards: dict[int, float] = {}  # step index -> host seconds before its first forward
         # host seconds between one engine step's return and the next one's call (the serving loop's own work:
-        # outputs handed back, requests added), every pair of consecutive engine steps
+        # outputs handed back, requests added), for each two consecutive engine steps that both ran plans
         self.gaps: list[float] = []
         step = eng.step
         last: dict = {"plans": [], "res": []}
@@ -186,13 +187,14 @@ class StepLog:
         def timed_step():
             last["plans"], last["res"] = [], []
             t0 = last["t0"] = time.perf_counter()
-            if "t1" in last:
-                self.gaps.append(t0 - last["t1"])
             out = step()
             if forwards:
                 jax.block_until_ready([r.cache for r in runners])
-            last["t1"] = time.perf_counter()
-            dt = last["t1"] - t0
+            t1 = time.perf_counter()
+            dt = t1 - t0
+            if last["plans"] and last.get("t1") is not None:
+                self.gaps.append(t0 - last["t1"])
+            last["t1"] = t1 if last["plans"] else None
             if last["plans"]:
                 self.steps.append((tuple(last["plans"]), sum(r.d2h_bytes for r in last["res"]),
                                    sum(r.h2d_bytes for r in last["res"]),
@@ -238,7 +240,7 @@ def _real(cfg, model, policy: str, conc: int, forwards: bool = False) -> tuple[d
 
 
 def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dict | None = None,
-                replicas: int | None = None) -> tuple:
+                replicas: int | None = None, gap: float = 0.0) -> tuple:
     """(spec, step overhead s, host overlap s) of one of `devices` simulated CPU devices that share this
     host: every rate divided by `devices` and the fixed time per forward multiplied by it, the host parts
     multiplied by `replicas` (default `devices`). The real engine runs the devices on the same cores (DP
@@ -246,7 +248,8 @@ def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dic
     keeps each of N devices busy takes N times the host's time for one; the simulator prices devices that
     run in parallel. Exact when the devices carry equal work. The host parts are each replica's own loop
     (scheduling, the tokens' bookkeeping): DP replicas run theirs one after another, while a replica
-    spread over a mesh (PCP x DCP) runs one loop for all its devices.
+    spread over a mesh (PCP x DCP) runs one loop for all its devices. `gap`, the serving loop's time
+    between engine steps (part of `overhead`), comes once per engine step whatever the replicas.
 
     `lockstep` (the lock-step fit, `calibrate` on TRAIN_LOCKSTEP, for a DP x EP layout of its `devices`
     ranks): its rates, fixed time per program and host parts instead, each timed on that layout (programs
@@ -266,7 +269,7 @@ def shared_host(hw, overhead: float, overlap: float, devices: int, lockstep: dic
     return (dataclasses.replace(
         hw, bf16_flops=hw.bf16_flops / devices, fp8_flops=hw.fp8_flops / devices,
         hbm_bandwidth=hw.hbm_bandwidth / devices, host_link_bandwidth=hw.host_link_bandwidth / devices,
-        forward_latency_s=hw.forward_latency_s * devices), overhead * replicas, overlap * replicas)
+        forward_latency_s=hw.forward_latency_s * devices), (overhead - gap) * replicas + gap, overlap * replicas)
 
 
 def host_specs(fit: dict):
@@ -276,7 +279,8 @@ def host_specs(fit: dict):
                              fit["step_overhead_s"], fit["host_overlap_s"])
 
 
-def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0, lockstep: dict | None = None) -> dict:
+def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0, lockstep: dict | None = None,
+         gap: float = 0.0) -> dict:
     """The simulated twin of a real point; `lockstep`: the lock-step fit, which prices DP x EP layouts of
     its ranks (`shared_host`)."""
     from glm53.engine import sim
@@ -289,7 +293,7 @@ def _sim(cfg, policy: str, conc: int, hw, overhead: float, overlap: float = 0.0,
         d = dataclasses.replace(d, kv_cache_dtype="float32" if d.kv_cache_dtype == "auto" else d.kv_cache_dtype)
         ls = lockstep if d.experts_across_ranks else None
         spec, before, after = shared_host(hw, overhead, overlap, d.data_parallel_size * d.devices_per_replica, ls,
-                                          replicas=d.data_parallel_size)
+                                          replicas=d.data_parallel_size, gap=gap)
         return sim.build_engine(model, d, spec, step_overhead_s=before, weight_bytes=WEIGHT_BYTES,
                                 hisparse_miss_fraction=0.0, pad_like_runner=True, async_dispatch=True,
                                 host_overlap_s=after, tier_storage=serve._tier_storage(c))
@@ -318,6 +322,15 @@ GRID_WINDOWS = (64, 512, 2048, 8192)
 GRID_REPEATS = 9
 
 
+def grid_args(runner, rows: int, width: int, window: int) -> tuple:
+    """`runner._forward`'s arguments for a grid shape: `rows` rows of `width` tokens ending at position
+    `window`, every row on the same pages (a forward's time does not depend on what they hold)."""
+    tpb, itpb = runner.deploy.tokens_per_block, runner.deploy.index_tokens_per_block
+    return (np.zeros((rows, width), np.int32), np.tile(np.arange(window - width, window, dtype=np.int32), (rows, 1)),
+            runner._table("mla", rows, [list(range(window // tpb))] * rows, window),
+            runner._table("indexer", rows, [list(range(-(-window // itpb)))] * rows, window), window)
+
+
 def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS, widths=GRID_WIDTHS,
                       windows=GRID_WINDOWS, in_rounds: bool = True) -> dict[tuple[int, int, int], float]:
     """Median seconds of each grid forward (rows, width, window) on a model runner of `deploy` widened to
@@ -330,7 +343,6 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
     spread over rounds, the drift is common to every shape, which the fit's rates absorb. `in_rounds=False`
     times each shape's runs back to back instead (the calibration before rounds; `grid_spread` compares)."""
     import jax
-    import numpy as np
 
     import glm53
 
@@ -338,19 +350,8 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
                             max_num_seqs=max(rows), num_gpu_blocks=2 * max(windows) // deploy.block_size)
     runner = glm53.Engine(model, d).replicas[0].runner
     ranks = runner.fwd.ranks
-    args = {}
-    for r in rows:
-        n = r * ranks
-        for width in widths:
-            for window in windows:
-                if width > window:
-                    continue
-                tok = np.zeros((n, width), np.int32)
-                pos = np.tile(np.arange(window - width, window, dtype=np.int32), (n, 1))
-                mla = runner._table("mla", n, [list(range(window // runner.deploy.tokens_per_block))] * n, window)
-                idx = runner._table("indexer", n, [list(range(-(-window // runner.deploy.index_tokens_per_block)))] * n,
-                                    window)
-                args[(r, width, window)] = (tok, pos, mla, idx, window)
+    args = {(r, width, window): grid_args(runner, r * ranks, width, window)
+            for r in rows for width in widths for window in windows if width <= window}
 
     def seconds(shape) -> float:
         t0 = time.perf_counter()
@@ -406,8 +407,9 @@ LOCKSTEP_GRID = dict(rows=(1, 2), widths=(1, 16, 64, 256), windows=(64, 256, 102
 def fit(cfg_model, deploy, times: dict[tuple[int, int, int], float], logs=()) -> dict:
     """Grid fit of (FLOP/s, B/s) with the forward latency as the median residual over the timed forward
     shapes `times` ({(rows, width, window): seconds}); from the steps of `logs` (StepLogs with forwards
-    timed), the step overhead as the median host time before a step's first forward and the host
-    overlap as the median of the rest of its non-forward time (see module docstring)."""
+    timed), the step overhead as the median host time before a step's first forward plus the median
+    gap between steps (`step_before_forward_s` + `step_gap_s`) and the host overlap as the median of the
+    rest of its non-forward time (see module docstring)."""
     from glm53.engine.sim import step_layout
 
     dep = step_layout(deploy, "float32", WEIGHT_BYTES)
@@ -448,7 +450,7 @@ def _with_sim(point: dict, cfg, fit: dict) -> dict:
     """`point` (its config, policy, concurrency, real metrics and counts) with its simulated side priced on
     the CPU spec `fit` (cpu_spec_fit): "sim", "rel_error", "counts_sim", "counts_equal"."""
     s = _sim(cfg, point["kv_policy"], point["concurrency"], fitted_spec(fit), fit["step_overhead_s"],
-             fit["host_overlap_s"], fit.get("lockstep"))
+             fit["host_overlap_s"], fit.get("lockstep"), fit.get("step_gap_s", 0.0))
     counts_sim = {k: s.get(k) for k in COUNTS}
     return {**point, "sim": {k: s[k] for k in METRICS},
             "rel_error": {k: rel_error(s[k], point["real"][k]) for k in METRICS}, "counts_sim": counts_sim,
@@ -643,7 +645,9 @@ def table(res: dict) -> str:
              "`python -m experiments.validate_sim`. CPU spec fitted on timed forwards (a grid of shapes and the serve "
              f"default's own; {f['shapes']} shapes) and the serve default's {f['steps']} steps: {f['flops'] / 1e9:.1f} GFLOP/s, "
              f"{f['bandwidth'] / 1e9:.1f} GB/s, forward latency {f['forward_latency_s'] * 1e3:.2f} ms, host time per step "
-             f"{f['step_overhead_s'] * 1e3:.2f} ms before its forwards (the loop's gap between steps included) and {f['host_overlap_s'] * 1e3:.2f} ms after the forwards they sample from; "
+             f"{f['step_overhead_s'] * 1e3:.2f} ms before its forwards"
+             f"{GAP_NOTE if 'step_gap_s' in f else ''} and {f['host_overlap_s'] * 1e3:.2f} ms after the forwards "
+             "they sample from; "
              f"per-shape |error| mean {f['forward_abs_rel_error_mean']:.1%}"
              + (f" (the spec of the run in {res['fit_from']})" if res.get("fit_from") else "")
              + "".join(f"; points of {m['from']} ({m['date']}, {m['git_revision']}) merged" for m in res.get("merged", []))

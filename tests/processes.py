@@ -23,9 +23,11 @@ def pause(proc, timeout: float = 10.0) -> None:
     kill(2) returns before the stop takes effect: one thread is woken to start the group stop, and the
     others run on until it does. On a loaded machine a peer paused by a bare SIGSTOP was seen to answer a
     request sent after the signal; a test of "nobody answers" must wait for the stop."""
+    if proc.poll() is not None:
+        raise AssertionError(f"process {proc.pid} exited ({proc.returncode}) before it could be paused")
     proc.send_signal(signal.SIGSTOP)
     end = time.monotonic() + timeout
-    while not all(s == "T" for s in _states(proc.pid)):
+    while not all(s in "TZX" for s in _states(proc.pid)):  # stopped, or a thread already exiting
         assert time.monotonic() < end, f"process {proc.pid} did not stop within {timeout} s"
         time.sleep(0.001)
 

@@ -194,8 +194,9 @@ class SimRunner(SyntheticRunner):
         queue behind them in order, and the rest of its host part (host_overlap_s) starts once the last
         forward it samples from has finished (sampling reads that forward's result and the update reads
         the tokens; the host waits for them), the step returning when it is done. A forward whose rows
-        sample nothing is not waited for: the next step waits behind it, and a step that samples nothing
-        returns host_overlap_s after its dispatch. Needs `clock` (the engine's VirtualClock;
+        sample nothing is not waited for: the next step waits behind it, and a step with rows that samples
+        nothing returns host_overlap_s after its dispatch (a step without rows, host_overlap_s after its
+        transfers). Needs `clock` (the engine's VirtualClock;
         build_engine passes it). Off (the default), a step is its host parts plus its priced work.
     dp_pacing: how DP x EP ranks (`execute_ranks`) are priced: "lockstep" (the default), as this project's
         engine runs them (one forward per width bucket present on any rank, every rank at the padded rows,

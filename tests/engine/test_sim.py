@@ -354,6 +354,12 @@ def test_async_dispatch_overlaps_host_work_with_queued_forwards():
         eng.step()  # one decode forward
         forward = eng.runner.busy_s - busy - overhead - overlap
         assert eng.clock.now() - before == pytest.approx(overhead + forward + overlap)
+    # ... and a prefill chunk that samples nothing still returns after its host parts alone
+    eng = sim.build_engine(TINY, DeployConfig(**BASE, num_gpu_blocks=64), hw, step_overhead_s=overhead,
+                           pad_like_runner=True, async_dispatch=True, host_overlap_s=2e-3)
+    eng.add_request(np.arange(200) % TINY.vocab_size, SamplingParams(max_new_tokens=3))
+    eng.step()
+    assert eng.clock.now() == pytest.approx(overhead + 2e-3)
 
 
 def test_a_priced_runner_needs_a_virtual_clock():

@@ -50,6 +50,9 @@ def test_devices_that_share_the_host_take_its_time_times_their_number():
     # one replica over a mesh of 8 devices (PCP x DCP): its devices share the cores, its one loop does not
     mesh, before, after = vs.shared_host(host, 5e-4, 2e-3, 8, replicas=1)
     assert mesh == one and (before, after) == (5e-4, 2e-3)
+    # the serving loop's gap between engine steps (part of the overhead) comes once per step, DP or not
+    _, before, _ = vs.shared_host(host, 5e-4, 2e-3, 8, gap=1e-4)
+    assert before == pytest.approx(8 * 4e-4 + 1e-4)
 
 
 def test_a_dp_ep_layout_is_priced_on_the_lock_step_fit():
