@@ -358,9 +358,9 @@ def step_mix(timeline, window: tuple[float, float] | None = None) -> dict:
     "with_prefill" (some row a prompt chunk), each {"steps", "mean_s", "time_s"}, with_prefill also
     "prefill_tokens_mean"; "span_s", from the first step's start to the last one's end (span_s minus the
     steps' time is what ran between steps: a serving loop's own work); over the steps starting inside
-    `window` [t0, t1] (engine clock s, as the metrics' window; None: every step). Why: a step's mean hides its mix; a fixed per-step cost
-    lengthens each decode-only step by itself, while prefill-carrying steps may merge (fewer, each with
-    more prompt tokens)."""
+    `window` [t0, t1] (engine clock s, as the metrics' window; None: every step). Why: a step's mean
+    hides its mix; a fixed per-step cost lengthens each decode-only step by itself, while
+    prefill-carrying steps may merge (fewer, each with more prompt tokens)."""
     rows = [r for r in timeline if window is None or window[0] <= r[0] <= window[1]]
     out = {"span_s": rows[-1][4] - rows[0][0] if rows else 0.0}
     for kind, rows_k in (("decode_only", [r for r in rows if not r[5]]), ("with_prefill", [r for r in rows if r[5]])):

@@ -196,8 +196,8 @@ class SimRunner(SyntheticRunner):
         the tokens; the host waits for them), the step returning when it is done. A forward whose rows
         sample nothing is not waited for: the next step waits behind it, and a step with rows that samples
         nothing returns host_overlap_s after its dispatch (a step without rows, host_overlap_s after its
-        transfers). Needs `clock` (the engine's VirtualClock;
-        build_engine passes it). Off (the default), a step is its host parts plus its priced work.
+        transfers). Needs `clock` (the engine's VirtualClock; build_engine passes it). Off (the
+        default), a step is its host parts plus its priced work.
     dp_pacing: how DP x EP ranks (`execute_ranks`) are priced: "lockstep" (the default), as this project's
         engine runs them (one forward per width bucket present on any rank, every rank at the padded rows,
         the experts on the padded rows); "vllm", as vLLM 0.34 runs them on Hopper (each rank one forward
