@@ -363,10 +363,10 @@ def step_mix(timeline, window: tuple[float, float] | None = None) -> dict:
     prefill-carrying steps may merge (fewer, each with more prompt tokens)."""
     rows = [r for r in timeline if window is None or window[0] <= r[0] <= window[1]]
     out = {"span_s": rows[-1][4] - rows[0][0] if rows else 0.0}
-    for kind, rows_k in (("decode_only", [r for r in rows if not r[5]]), ("with_prefill", [r for r in rows if r[5]])):
+    prefill = [r for r in rows if r[5]]
+    for kind, rows_k in (("decode_only", [r for r in rows if not r[5]]), ("with_prefill", prefill)):
         time_s = sum(r[4] - r[0] for r in rows_k)
         out[kind] = {"steps": len(rows_k), "mean_s": time_s / len(rows_k) if rows_k else None, "time_s": time_s}
-    prefill = [r for r in rows if r[5]]
     out["with_prefill"]["prefill_tokens_mean"] = sum(r[5] for r in prefill) / len(prefill) if prefill else None
     return out
 

@@ -429,6 +429,7 @@ class Engine(PdQueries):
         failures: dict[str, BaseException] = {}
         errors: list[BaseException] = []
         counts = [0, 0, 0]  # running, waiting, free blocks: after scheduling, summed over replicas
+        prefill = 0  # tokens of the step's rows that are not decode rows, summed over replicas
         start, priced = self.clock.now(), []  # priced: the durations of simulated steps
         plans = [None] * len(self.replicas)
         for r, rep in enumerate(self.replicas):
@@ -449,6 +450,8 @@ class Engine(PdQueries):
                     req = sch.requests[row.req_id]
                     if req.scheduled_s is None:
                         req.scheduled_s = t
+                    if row.num_tokens != 1 + row.num_draft_tokens:  # a prompt chunk (timeline's prefill tokens)
+                        prefill += row.num_tokens
             for i, c in enumerate((len(sch.running), len(sch.waiting), sch.kv.num_free_blocks)):
                 counts[i] += c
         if counted:
@@ -490,8 +493,6 @@ class Engine(PdQueries):
             advance(max(priced))
         if counted:
             self._steps += 1
-            prefill = sum(row.num_tokens for p in plans if p is not None for row in p.rows
-                          if row.num_tokens != 1 + row.num_draft_tokens)
             self.timeline.append((t, *counts, self.clock.now(), prefill))
         self.last_finished = tuple(r.req_id for r in finished_all)
         self._forget_history()

@@ -310,3 +310,29 @@ def test_pd_http_counts_in_the_mape_only_when_each_point_was_priced_on_its_own_f
     assert "are not its points'" in vs.check(run)[0]  # its mape was summarized without P/D
     run.update(vs.summary(run["points"], run["pd_http"]))
     assert [c.split(" = ")[0] for c in vs.check(run)] == [f"mape {k}" for k in vs.MAPE_METRICS]
+
+
+def test_steplog_gaps_are_between_steps_that_both_ran_plans():
+    """StepLog.gaps (the fit's step_gap_s): the host time from one step's return to the next one's call,
+    only where both steps ran a plan; a step without one (nothing to run) breaks the chain."""
+    import time
+
+    class Runner:
+        def execute(self, plan):
+            return types.SimpleNamespace(d2h_bytes=0, h2d_bytes=0)
+
+    runner = Runner()
+    plans = iter([object(), object(), None, object(), object()])
+
+    def step():
+        plan = next(plans)
+        if plan is not None:
+            runner.execute(types.SimpleNamespace(transfers=()))
+
+    eng = types.SimpleNamespace(replicas=[types.SimpleNamespace(runner=runner)], _lockstep=False, step=step)
+    log = vs.StepLog(eng)
+    for _ in range(5):
+        eng.step()
+        time.sleep(0.01)
+    assert len(log.steps) == 4 and len(log.gaps) == 2  # steps 0-1 and 3-4; none across the empty step 2
+    assert all(0.009 < g < 1.0 for g in log.gaps)
