@@ -28,7 +28,9 @@ GiB = 1 << 30
 LIMITS = (142_000, 1_048_576)  # BRIEF §8's two context limits ("142K" as vLLM's 142k, and 1M)
 # BRIEF §8's KV format, and the page layout of this project's engine for it: 64-token MLA pages and
 # 1,024-token indexer pages (21 layers x 1,024 x 132 B = 2.84 MB, about an MLA page's 78 x 64 x 656 B =
-# 3.27 MB, so a block, priced at the larger page, is seldom half idle)
+# 3.27 MB, so a block, priced at the larger page, is seldom half idle). vLLM's indexer pages are 64 tokens,
+# so its prefix hits end on 64-token boundaries where these end on 1,024 (docs/simulator.md, "Page layout:
+# vLLM's and this engine's"; configs/ablations/part2_vllm_pages.py emulates its layout)
 LAYOUT = dict(kv_cache_dtype="fp8_ds_mla", block_size=64, index_block_size=1024, enable_prefix_caching=True)
 PART1_LIMITS = dict(max_num_batched_tokens=32_768, max_num_seqs=256)  # BRIEF §8, Part 1
 # Part 2's token budget per step: the brief gives no Part 2 batch limits; vLLM's API server defaults to
@@ -192,3 +194,23 @@ def part2_pd_deployments(max_model_len: int, max_num_batched_tokens: int = PART2
         out[pair] = dict(prefill=side(pre, max_num_seqs=PD_PREFILL_SEQS, **pages), decode=side(dec),
                          prefill_name=pre, decode_name=dec)
     return out
+
+
+def vllm_pages(side: dict, base, cfg) -> dict:
+    """DeployConfig fields `side` (over the DeployConfig fields `base` for what it leaves out) with vLLM's
+    page layout emulated (configs/ablations/*_vllm_pages.py): indexer pages of the MLA pages' span, so
+    prefix hits end where vLLM's do (docs/simulator.md, "Page layout: vLLM's and this engine's"), and the
+    device KV budget times 2 x MLA page / (MLA page + indexer page). This engine prices a block at the
+    larger page and gives the groups separate blocks, so a token whose pages are all on the device then
+    costs what it costs in vLLM's one group (both pages under one block id): the pool holds the tokens
+    vLLM's holds. Exact at full residency only: under HiSparse, which keeps the indexer pages and
+    releases MLA pages, each indexer page would cost an MLA page."""
+    from kvcache.layout import page_bytes
+
+    block = side.get("block_size", base.block_size)
+    spec = side.get("speculative_config", base.get("speculative_config")) or {}
+    pages = page_bytes(cfg, side.get("kv_cache_dtype", base.kv_cache_dtype), block, block,
+                       include_mtp=spec.get("num_speculative_tokens", 0) > 0)
+    scale = 2 * pages["mla"] / (pages["mla"] + pages["indexer"])
+    budget = side.get("kv_cache_memory_bytes", base.kv_cache_memory_bytes)
+    return dict(side, index_block_size=block, kv_cache_memory_bytes=int(budget * scale))

@@ -280,6 +280,17 @@ MANIFEST: tuple[Entry, ...] = (
           note="with every layer's indexer keys a 1,024-token indexer page (78 x 1,024 x 132 B = 10.5 MB) would be "
                "3x an MLA page, so this run uses 256-token indexer pages (2.6 MB; a block is the larger page, "
                "3.27 MB): a 142K request takes 2,774 of the 7,726 blocks"),
+    Entry("ablation_vllm_pages_part1", "vLLM's page layout emulated: Part 1's offload baseline with 64-token indexer "
+          "pages (prefix hits on 64-token boundaries, the pool holding the tokens vLLM's holds)", "sim",
+          "vLLM 0.34 source (docs/simulator.md)", (), "serve", "configs/ablations/part1_vllm_pages.py",
+          quick=PART1_QUICK, committed="results/paper/part1_vllm_pages", doc="docs/simulator.md", compare=SERVE_KEYS,
+          note="configs/paper page indexer keys at 1,024 tokens, vLLM at 64; emulated only without HiSparse "
+               "(experiments.deployments.vllm_pages)"),
+    Entry("ablation_vllm_pages_part2", "vLLM's page layout emulated: Part 2's pcp_dcp+offload pair with 64-token "
+          "indexer pages on both engines, c8-c64", "sim", "vLLM 0.34 source (docs/simulator.md)", (), "serve",
+          "configs/ablations/part2_vllm_pages.py", quick=PART2_QUICK, committed="results/paper/part2_vllm_pages",
+          doc="docs/simulator.md", compare=PD_KEYS,
+          note="as ablation_vllm_pages_part1, for the P/D pair whose decode runs without HiSparse; " + PART2_NOTE),
     # ------------------------------------------------------------------ P/D (issue 23), simulated
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "sim", "BRIEF §8 Part 2",

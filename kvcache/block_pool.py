@@ -508,7 +508,8 @@ class KVCacheManager:
     DCP rank. A group may use larger pages (`group_tokens_per_block`, a multiple of tokens_per_block):
     the indexer keys are ~5% of a token's KV bytes, so an indexer page of r x tokens_per_block tokens
     costs one block like an MLA page of tokens_per_block, which keeps the pool's block count close to
-    bytes (vLLM's hybrid allocator equalises page bytes the same way). All groups of a request cover
+    bytes (vLLM keeps every group at the same tokens per page and evens the bytes out by other means:
+    docs/simulator.md, "Page layout: vLLM's and this engine's"). All groups of a request cover
     the same tokens: with n tokens it holds ceil(n / group tokens per block) blocks in each group.
     Prefix hashes are per `tokens_per_block` chunk; a group page is identified by the hash of its last
     chunk, and a prefix hit ends on a page boundary of every group.

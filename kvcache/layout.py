@@ -70,9 +70,10 @@ def page_bytes(cfg, kv_cache_dtype: str, block_size: int, index_block_size: int 
 def block_bytes(pages: dict[str, int]) -> int:
     """Bytes one block id of the device pool reserves: the largest page of any cache group. A block id is
     one page of one group (a request takes separate ids for its MLA and indexer pages, so HiSparse can
-    release one without the other), and the groups share one byte budget, as vLLM's hybrid allocator
-    lays them out; `DeployConfig.index_block_size` makes the indexer page about as large as an MLA page,
-    so little of a block is idle. This is the design's price, which the simulator and the memory plan
+    release one without the other), and the groups share one byte budget;
+    `DeployConfig.index_block_size` makes the indexer page about as large as an MLA page, so little of a
+    block is idle (vLLM instead keeps 64-token pages in every group: docs/simulator.md, "Page layout:
+    vLLM's and this engine's"). This is the design's price, which the simulator and the memory plan
     use; the model runner's arrays still hold num_blocks pages of every group (`runner_block_bytes`)
     until the shared buffer exists (docs/memory.md)."""
     return max(pages.values())

@@ -193,3 +193,35 @@ def test_published_deployments_are_described_once():
     assert part1.policy_deploy.hisparse.kv_cache_memory_bytes < part1.deploy.kv_cache_memory_bytes
     with pytest.raises(ValueError, match="unknown published deployment"):
         D.fields("tp16")
+
+
+def test_vllm_pages_pool_holds_the_tokens_of_vllms_layout():
+    """The emulation of vLLM's page layout (experiments.deployments.vllm_pages: 64-token indexer pages, the
+    budget scaled) gives each engine a pool that holds, at full residency, the 64-token spans vLLM's one
+    cache group holds in the same bytes (a block id for both groups' pages, their sum): two blocks a span
+    here, priced at the larger page; MTP's layer counted where the engine runs MTP."""
+    import glm53
+    from experiments import serve
+    from experiments.common import load_config
+    from glm53.engine.config import DeployConfig
+    from kvcache.layout import page_bytes
+
+    cfg = glm53.get_preset("glm-5.3")
+
+    def spans(d: DeployConfig, budget: int) -> tuple[int, float]:  # (emulated pool's spans, vLLM's in budget)
+        r = d.resolved(cfg, "bfloat16")
+        pages = page_bytes(cfg, d.kv_cache_dtype, d.block_size, d.block_size, include_mtp=d.num_speculative_tokens > 0)
+        assert r.index_block_size in (None, r.block_size)
+        return r.num_gpu_blocks // 2, budget / (pages["mla"] + pages["indexer"])
+
+    base, emu = (load_config(str(REPO / p)) for p in ("configs/paper/part1.py", "configs/ablations/part1_vllm_pages.py"))
+    got, want = spans(serve._deploy(emu, "offload"), base.deploy.kv_cache_memory_bytes)
+    assert abs(got - want) <= 1 and got > 7000
+    base, emu = (load_config(str(REPO / p)) for p in ("configs/paper/part2.py", "configs/ablations/part2_vllm_pages.py"))
+    (pair,) = emu.pd.deployments
+    for side in ("prefill", "decode"):
+        fields = emu.pd.deployments[pair][side].to_dict()
+        d = dataclasses.replace(serve._deploy(emu, "preempt"), **{**fields, "data_parallel_size": 1})  # one rank
+        assert d.num_speculative_tokens == 3
+        got, want = spans(d, base.pd.deployments[pair][side]["kv_cache_memory_bytes"])
+        assert abs(got - want) <= 1
