@@ -204,13 +204,14 @@ def vllm_pages(side: dict, base, cfg) -> dict:
     larger page and gives the groups separate blocks, so a token whose pages are all on the device then
     costs what it costs in vLLM's one group (both pages under one block id): the pool holds the tokens
     vLLM's holds. Exact at full residency only: under HiSparse, which keeps the indexer pages and
-    releases MLA pages, each indexer page would cost an MLA page."""
+    releases MLA pages, each indexer page would cost an MLA page. The budget returned is already scaled:
+    a later override of `kv_cache_memory_bytes` replaces it unscaled."""
     from kvcache.layout import page_bytes
 
     block = side.get("block_size", base.block_size)
     spec = side.get("speculative_config", base.get("speculative_config")) or {}
-    pages = page_bytes(cfg, side.get("kv_cache_dtype", base.kv_cache_dtype), block, block,
-                       include_mtp=spec.get("num_speculative_tokens", 0) > 0)
+    mtp = spec.get("num_speculative_tokens") or side.get("num_speculative_tokens", base.get("num_speculative_tokens", 0))
+    pages = page_bytes(cfg, side.get("kv_cache_dtype", base.kv_cache_dtype), block, block, include_mtp=mtp > 0)
     scale = 2 * pages["mla"] / (pages["mla"] + pages["indexer"])
     budget = side.get("kv_cache_memory_bytes", base.kv_cache_memory_bytes)
     return dict(side, index_block_size=block, kv_cache_memory_bytes=int(budget * scale))

@@ -508,7 +508,7 @@ class KVCacheManager:
     DCP rank. A group may use larger pages (`group_tokens_per_block`, a multiple of tokens_per_block):
     the indexer keys are ~5% of a token's KV bytes, so an indexer page of r x tokens_per_block tokens
     costs one block like an MLA page of tokens_per_block, which keeps the pool's block count close to
-    bytes (vLLM keeps every group at the same tokens per page and evens the bytes out by other means:
+    bytes (vLLM keeps every group at the same tokens per page, one block id holding both groups' pages:
     docs/simulator.md, "Page layout: vLLM's and this engine's"). All groups of a request cover
     the same tokens: with n tokens it holds ceil(n / group tokens per block) blocks in each group.
     Prefix hashes are per `tokens_per_block` chunk; a group page is identified by the hash of its last
@@ -535,9 +535,10 @@ class KVCacheManager:
         self.ratio = {g: n // tokens_per_block for g, n in tpb.items()}  # hash chunks per page
         self.hit_multiple = math.lcm(*self.ratio.values())  # a prefix hit covers a multiple of this many chunks
         self.groups = tuple(groups)
-        # MTP (speculative decoding): a prefix hit gives back its last page (vLLM drops the last matched
-        # block under EAGLE / MTP): the MTP layer's KV at a page's last position pairs it with the token
-        # after the page, which a request sharing only the page need not have
+        # MTP (speculative decoding): a prefix hit gives back its last page (vLLM 0.34 does so only with
+        # disable_lookahead_block_hashes; by default it hashes a block with the drafter's lookahead tokens):
+        # the MTP layer's KV at a page's last position pairs it with the token after the page, which a
+        # request sharing only the page need not have
         self.drop_last_hit = drop_last_hit
         self.requests: dict[str, RequestBlocks] = {}
         self.leases: dict[str, list[int]] = {}  # per request: blocks held outside its tables (HiSparse hot buffer)

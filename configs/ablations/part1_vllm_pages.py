@@ -2,7 +2,8 @@
 (issue 53; configs/ablations/part2_vllm_pages.py says what is emulated and why only without HiSparse).
 
 configs/paper/part1.py's offload points with 64-token indexer pages and the device KV budget scaled so
-that a token costs its bytes under vLLM's layout (experiments.deployments.vllm_pages).
+that a token costs its bytes under vLLM's layout (experiments.deployments.vllm_pages). The scaled budget
+is written into the config: a `--config.deploy.kv_cache_memory_bytes` override replaces it unscaled.
 
     python -m experiments.serve --config configs/ablations/part1_vllm_pages.py --out results/paper/part1_vllm_pages
 """

@@ -11,7 +11,8 @@ Emulated here (experiments.deployments.vllm_pages): 64-token indexer pages on bo
 on the DCP8 prefill engine: 64 tokens over its 8 ranks), each engine's device KV budget scaled so that a
 token whose pages are all on the device costs its bytes under vLLM's layout. Exact at full residency
 only, so only the offload-decode pair runs (HiSparse keeps the indexer pages and releases MLA pages).
-Everything else is configs/paper/part2.py's.
+Everything else is configs/paper/part2.py's. The scaled budgets are written into `pd.deployments`: an
+override of them replaces them unscaled.
 
     python -m experiments.serve --config configs/ablations/part2_vllm_pages.py --out results/paper/part2_vllm_pages
 """

@@ -111,8 +111,8 @@ class DeployConfig:
         pages of block_size tokens an indexer page costs a whole block for a twentieth of its bytes; a
         larger index_block_size (e.g. 16 x block_size for GLM-5.3) makes the two pages about equal, so
         the pool holds about what its bytes hold. Prefix hits then end on multiples of index_block_size
-        tokens, where vLLM's end on block_size: it keeps both at block_size and evens the bytes out by
-        other means (docs/simulator.md, "Page layout: vLLM's and this engine's").
+        tokens, where vLLM's end on block_size: it keeps both at block_size, one block id holding both
+        groups' pages (docs/simulator.md, "Page layout: vLLM's and this engine's").
     max_model_len: tokens a request may reach (prompt + output). None: the model's
         max_position_embeddings.
     max_num_batched_tokens / max_num_seqs: the scheduler's token budget per step and its limit on

@@ -198,21 +198,21 @@ def test_published_deployments_are_described_once():
 def test_vllm_pages_pool_holds_the_tokens_of_vllms_layout():
     """The emulation of vLLM's page layout (experiments.deployments.vllm_pages: 64-token indexer pages, the
     budget scaled) gives each engine a pool that holds, at full residency, the 64-token spans vLLM's one
-    cache group holds in the same bytes (a block id for both groups' pages, their sum): two blocks a span
-    here, priced at the larger page; MTP's layer counted where the engine runs MTP."""
+    cache group holds in the same bytes (a block id for both groups' pages: 78 x 656 B of MLA rows and
+    21 x 132 B of indexer keys a token, 79 and 22 with the MTP layer): two blocks a span here, priced at
+    the larger page."""
     import glm53
     from experiments import serve
     from experiments.common import load_config
     from glm53.engine.config import DeployConfig
-    from kvcache.layout import page_bytes
 
     cfg = glm53.get_preset("glm-5.3")
+    vllm_bytes_per_token = {False: 78 * 656 + 21 * 132, True: 79 * 656 + 22 * 132}  # with MTP's layer
 
     def spans(d: DeployConfig, budget: int) -> tuple[int, float]:  # (emulated pool's spans, vLLM's in budget)
         r = d.resolved(cfg, "bfloat16")
-        pages = page_bytes(cfg, d.kv_cache_dtype, d.block_size, d.block_size, include_mtp=d.num_speculative_tokens > 0)
-        assert r.index_block_size in (None, r.block_size)
-        return r.num_gpu_blocks // 2, budget / (pages["mla"] + pages["indexer"])
+        assert r.index_block_size in (None, r.block_size) and r.kv_cache_dtype == "fp8_ds_mla"
+        return r.num_gpu_blocks // 2, budget / (r.block_size * vllm_bytes_per_token[r.num_speculative_tokens > 0])
 
     base, emu = (load_config(str(REPO / p)) for p in ("configs/paper/part1.py", "configs/ablations/part1_vllm_pages.py"))
     got, want = spans(serve._deploy(emu, "offload"), base.deploy.kv_cache_memory_bytes)
