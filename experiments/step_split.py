@@ -119,25 +119,15 @@ def split_point(name: str, policy: str, concurrency: int) -> dict:
 def drift(seconds: float) -> dict:
     """The four DRIFT_SHAPES forward programs of the serve default timed in passes for `seconds` ->
     {"pass_t_s": [...], "common_factor": [...], "per_shape_ms": {shape: [...]}}."""
-    import dataclasses
-
-    import jax
-
-    import glm53
     from experiments import serve, validate_sim as vs
 
     cfg = _config("serve_default", 1)
     model, _ = serve._model(cfg.model)
-    d0 = serve._deploy(cfg, "preempt")
-    deploy = dataclasses.replace(d0, max_model_len=8192, max_num_batched_tokens=1024, max_num_seqs=4,
-                                 num_gpu_blocks=2 * 8192 // d0.block_size)
-    runner = glm53.Engine(model, deploy).replicas[0].runner
+    runner = vs.grid_runner(model, serve._deploy(cfg, "preempt"), rows=(4,), widths=(1024,), windows=(8192,))
     args = {shape: vs.grid_args(runner, *shape) for shape in DRIFT_SHAPES}
 
     def run(shape) -> float:
-        t0 = time.perf_counter()
-        jax.block_until_ready(runner._forward(*args[shape]))
-        return time.perf_counter() - t0
+        return vs.time_forward(runner, args[shape])
 
     for shape in args:
         run(shape)  # compiles

@@ -331,6 +331,25 @@ def grid_args(runner, rows: int, width: int, window: int) -> tuple:
             runner._table("indexer", rows, [list(range(-(-window // itpb)))] * rows, window), window)
 
 
+def grid_runner(model, deploy, rows, widths, windows):
+    """A model runner of `deploy` widened to a grid of forward shapes: its widest window as max_model_len,
+    its widest rows and width as the batch limits, a pool of every row's pages (they share them)."""
+    import glm53
+
+    d = dataclasses.replace(deploy, max_model_len=max(windows), max_num_batched_tokens=max(widths),
+                            max_num_seqs=max(rows), num_gpu_blocks=2 * max(windows) // deploy.block_size)
+    return glm53.Engine(model, d).replicas[0].runner
+
+
+def time_forward(runner, args: tuple) -> float:
+    """Seconds of one `runner._forward(*args)` (`grid_args`), its result waited for."""
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(runner._forward(*args))
+    return time.perf_counter() - t0
+
+
 def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS, widths=GRID_WIDTHS,
                       windows=GRID_WINDOWS, in_rounds: bool = True) -> dict[tuple[int, int, int], float]:
     """Median seconds of each grid forward (rows, width, window) on a model runner of `deploy` widened to
@@ -342,21 +361,13 @@ def time_forward_grid(model, deploy, repeats: int = GRID_REPEATS, rows=GRID_ROWS
     over seconds, and a shape timed in one block would carry the drift of its moment as its own cost;
     spread over rounds, the drift is common to every shape, which the fit's rates absorb. `in_rounds=False`
     times each shape's runs back to back instead (the calibration before rounds; `grid_spread` compares)."""
-    import jax
-
-    import glm53
-
-    d = dataclasses.replace(deploy, max_model_len=max(windows), max_num_batched_tokens=max(widths),
-                            max_num_seqs=max(rows), num_gpu_blocks=2 * max(windows) // deploy.block_size)
-    runner = glm53.Engine(model, d).replicas[0].runner
+    runner = grid_runner(model, deploy, rows, widths, windows)
     ranks = runner.fwd.ranks
     args = {(r, width, window): grid_args(runner, r * ranks, width, window)
             for r in rows for width in widths for window in windows if width <= window}
 
     def seconds(shape) -> float:
-        t0 = time.perf_counter()
-        jax.block_until_ready(runner._forward(*args[shape]))
-        return time.perf_counter() - t0
+        return time_forward(runner, args[shape])
 
     for shape in args:  # compiles
         seconds(shape)
