@@ -291,6 +291,13 @@ MANIFEST: tuple[Entry, ...] = (
           "configs/ablations/part2_vllm_pages.py", quick=PART2_QUICK, committed="results/paper/part2_vllm_pages",
           doc="docs/simulator.md", compare=PD_KEYS,
           note="as ablation_vllm_pages_part1, for the P/D pair whose decode runs without HiSparse; " + PART2_NOTE),
+    Entry("ablation_part2_loaded_prompt", "Part 2 with each decode leg's prompt priced as vLLM's NIXL consumer "
+          "serves it (every prompt token but the last loaded), every pair, c8-c64", "sim",
+          "vLLM 0.34 source (docs/simulator.md)", (), "serve", "configs/ablations/part2_loaded_prompt.py",
+          quick=PART2_QUICK, committed="results/paper/part2_loaded_prompt", doc="docs/simulator.md", compare=PD_KEYS,
+          note="a pricing ablation (glm53.engine.pd_sim.PdPair decode_prompt='loaded'): the decode engines schedule "
+               "as in part2_pd_142k, their forwards are priced without the prompt rows below the last token; "
+               + PART2_NOTE),
     # ------------------------------------------------------------------ P/D (issue 23), simulated
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "sim", "BRIEF §8 Part 2",

@@ -81,7 +81,10 @@ def default_config() -> ConfigDict:
     # `deploy`}, "decode": {...}}}; each side's kv_policy is its own ("offload", or "hisparse" on decode)
     # consumer_waits: a decode side waits for host pages to stage its producer's KV rather than compute it
     # (vLLM's behaviour; False computes what it cannot stage, counted as kv_offload.pd.unstaged)
-    c.pd = ConfigDict(dict(deployments={}, consumer_waits=True))
+    # decode_prompt: how a decode leg's prompt is priced, "computed" (this engine: the decode side computes
+    # what it takes from neither its pages nor the producer's full pages) or "loaded" (vLLM's NIXL consumer:
+    # every prompt token but the last loaded; a pricing ablation, glm53.engine.pd_sim.PdPair)
+    c.pd = ConfigDict(dict(deployments={}, consumer_waits=True, decode_prompt="computed"))
     # "model": run the model; "sim": price each step with the performance model on `hardware` (a name in
     # glm53.perfmodel.HARDWARE) on a virtual clock; step_overhead_s and hisparse_miss_fraction are the
     # simulator's assumptions (glm53.engine.sim)
@@ -183,7 +186,8 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
                         hisparse_miss_fraction=r.hisparse_miss_fraction, tier_storage=_tier_storage(cfg),
                         expert_load_imbalance=r.get("expert_load_imbalance", 1.0),
                         host_copy_overlap=r.get("host_copy_overlap", 0.0), dp_pacing=r.get("dp_pacing", "lockstep"),
-                        consumer_waits=cfg.pd.get("consumer_waits", True))
+                        consumer_waits=cfg.pd.get("consumer_waits", True),
+                        decode_prompt=cfg.pd.get("decode_prompt", "computed"))
     if not simulated(cfg):
         return glm53.Engine(model, _deploy(cfg, kv_policy, tier_root))
     from glm53.engine import sim

@@ -93,12 +93,12 @@ def busy_until(engine: Engine) -> float:
 
 
 def build_pd(cfg, prefill: DeployConfig, decode: DeployConfig, hw=None, *, consumer_waits: bool = True,
-             before_step=None, **runner_kw) -> PdPair:
+             before_step=None, decode_prompt: str = "computed", **runner_kw) -> PdPair:
     """A PdPair of simulated engines (glm53.engine.sim.build_engine) for `prefill` and `decode`, each given
     the PdConnector's role; the decode side reads the producer over `runner_kw["tier_storage"]["p2p"]`
     (default glm53.perfmodel.RDMA_CX7). consumer_waits: the decode side waits for host pages to stage
     the producer's KV rather than compute it (DeployConfig.pd_consumer_waits; False computes it).
-    before_step: PdPair's."""
+    before_step, decode_prompt: PdPair's."""
     from glm53.engine.sim import build_engine
 
     kw = {} if hw is None else {"hw": hw}
@@ -107,16 +107,31 @@ def build_pd(cfg, prefill: DeployConfig, decode: DeployConfig, hw=None, *, consu
                        **kw, **runner_kw)
     dec = build_engine(cfg, pd_deploy(decode, "kv_consumer", consumer_waits=consumer_waits), tier_storage=storage,
                        **kw, **runner_kw)
-    return PdPair(pre, dec, before_step=before_step)
+    return PdPair(pre, dec, before_step=before_step, decode_prompt=decode_prompt)
+
+
+DECODE_PROMPTS = ("computed", "loaded")  # PdPair.decode_prompt
 
 
 class PdPair:
     """A prefill and a decode engine as one (see the module docstring). Request ids are the client's in
     both engines. before_step(engine, other): called before each step of either engine, at its clock,
     with the other engine (which may still be busy then: `busy_until`); it may change how the step is
-    priced (`SimRunner.set_host`), never what it schedules."""
+    priced (`SimRunner.set_host`), never what it schedules.
 
-    def __init__(self, prefill: Engine, decode: Engine, *, before_step=None):
+    decode_prompt: how a decode leg's prompt is priced. "computed" (the default): as this engine serves
+    it, the decode engine computing what it takes from neither its own pages nor the producer's full
+    pages (at least its last partial page; under MTP the page its hit gives back too). "loaded": as
+    vLLM's NIXL consumer serves it (docs/simulator.md "Page layout"), every prompt token the producer
+    holds is loaded and only the prompt's last one computed: the decode engine schedules as before,
+    its runners leave the rows below the prompt's last token out of the forwards' price
+    (`SimRunner.loaded_prompt`), and the producer's rows past the full pages it hands (the partial
+    pages' tokens below the last) are read over the "pd" tier's channel with its last chunk. A pricing
+    ablation: the decode engine's pages, tokens and counts are what it computes."""
+
+    def __init__(self, prefill: Engine, decode: Engine, *, before_step=None, decode_prompt: str = "computed"):
+        if decode_prompt not in DECODE_PROMPTS:
+            raise ValueError(f"PdPair: decode_prompt must be one of {DECODE_PROMPTS}, got {decode_prompt!r}")
         for name, eng, roles in (("prefill", prefill, ("kv_producer", "kv_both")),
                                  ("decode", decode, ("kv_consumer", "kv_both"))):
             if eng.deploy.kv_role not in roles:
@@ -141,6 +156,12 @@ class PdPair:
         self._req: dict[str, tuple] = {}  # req_id -> (prompt, params, salt, arrival)
         self.handed_tokens = 0  # prompt tokens whose chunks the producer held at hand-off
         self.handoff_s: list[float] = []  # per request: hand-off time - client arrival
+        self.decode_prompt = decode_prompt
+        self._loaded: dict[str, int] | None = None  # decode_prompt="loaded": SimRunner.loaded_prompt, shared
+        if decode_prompt == "loaded":
+            self._loaded = {}
+            for run in sim_runners(decode):
+                run.loaded_prompt = self._loaded
 
     @property
     def finished(self) -> dict:
@@ -229,9 +250,11 @@ class PdPair:
         first = next(itertools.compress(itertools.count(), missing), None)
         held = blocks if first is None else blocks[:bisect.bisect_right(list(itertools.accumulate(map(len, blocks))), first)]
         handed = len(held) * tpb
+        whole = len(held) == len(blocks)  # every full page below the prompt's last token
         if self.remote is not None:  # past its full pages, the tail chunks of its last partial pages
             upto, tails = self.prefill.prompt_tail_keys(rid)
-            handed = upto if len(held) == len(blocks) and all(k in has for _, k in tails) else handed
+            whole = whole and all(k in has for _, k in tails)
+            handed = upto if whole else handed
         self._catch_up(self.decode, t)
         self.decode.add_request(prompt, params, req_id=rid, salt=salt, kv_peer="producer")
         self.decode.requests[rid].arrival_s = arrival
@@ -239,11 +262,27 @@ class PdPair:
         if self.remote is None:
             pages = self.decode.sizes.page_bytes
             pairs = list(itertools.chain.from_iterable(held))
-            tier.put(zip(map(_KEY, pairs), map(pages.__getitem__, map(_GROUP, pairs))))
+            chunks = list(zip(map(_KEY, pairs), map(pages.__getitem__, map(_GROUP, pairs))))
         else:
-            tier.put(self._relaid(rid, handed))
+            chunks = self._relaid(rid, handed)
+        if self._loaded is not None:
+            # vLLM's consumer loads every prompt token but the last the producer holds: the rows of the
+            # decode engine's partial pages below it ride with the last chunk read
+            loaded = len(prompt) - 1 if whole else handed
+            if chunks:
+                key, size = chunks[-1]
+                chunks[-1] = (key, size + self._partial_bytes(loaded))
+            self._loaded[rid] = loaded
+            handed = loaded
+        tier.put(chunks)
         self.handed_tokens += handed
         self.handoff_s.append(t - arrival)
+
+    def _partial_bytes(self, num_tokens: int) -> int:
+        """Bytes of the decode engine's pages that the first `num_tokens` tokens of a prompt fill in part:
+        per cache group, the rows past its last full page, at its bytes a token."""
+        own, pages = self.decode.page_spans(), self.decode.sizes.page_bytes
+        return sum(num_tokens % own.tokens(g) * (pages[g] // own.tokens(g)) for g, _ in own.page_tokens)
 
     def _relaid(self, rid: str, held_tokens: int) -> list[tuple[bytes, int]]:
         """The decode engine's chunks of finished prefill `rid` that the producer's first `held_tokens`
@@ -278,6 +317,9 @@ class PdPair:
         m.update(pd_handed_tokens=self.handed_tokens, pd_received_tokens=self.received_tokens(),
                  pd_handoff_s_median=sorted(self.handoff_s)[len(self.handoff_s) // 2] if self.handoff_s else math.nan,
                  num_devices=self.num_devices)
+        if self._loaded is not None:  # over the whole run, as the runners count them
+            m.update(pd_decode_prompt="loaded",
+                     pd_loaded_prompt_tokens=sum(r.loaded_tokens for r in sim_runners(self.decode)))
         return m
 
     def received_tokens(self) -> int:

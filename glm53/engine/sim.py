@@ -212,8 +212,11 @@ class SimRunner(SyntheticRunner):
     tier_storage: per secondary-tier type, the medium its simulated tier runs on (glm53.perfmodel.STORAGE
         by default: "fs" on one NVMe SSD); a type without one cannot be simulated. Tier jobs follow the
         engine's `clock` (without one, the runner's own sum of step times).
+    loaded_prompt: per request, a position below which its rows are priced as KV loaded rather than
+        computed (left out of the forward; `_as_priced`): what a P/D consumer priced as vLLM's NIXL consumer
+        is (glm53.engine.pd_sim.PdPair, decode_prompt="loaded"); empty by default.
     After each step: `busy_s` (priced seconds so far), `time_by_op` (seconds per cost name, summed),
-    `steps`.
+    `steps`, `loaded_tokens` (prompt tokens left out of the forwards through `loaded_prompt`).
     """
 
     def __init__(self, cfg: ModelConfig, deploy: DeployConfig, sizes: KVSizes, hw: HardwareSpec = H200_CALIBRATED, *,
@@ -281,6 +284,45 @@ class SimRunner(SyntheticRunner):
         self._priced: dict[tuple, typing.Any] = {}
         self._priced_on: dict[HardwareSpec, dict] = {}  # set_host: each spec's kept prices
         self._weight_bytes = weight_bytes
+        # a P/D consumer's prompt tokens priced as loaded, not computed (glm53.engine.pd_sim.PdPair with
+        # decode_prompt="loaded" fills it, one dict shared by the decode engine's runners): per request, the
+        # position below which its rows are not priced; `loaded_tokens` counts the tokens so left out
+        self.loaded_prompt: dict[str, int] = {}
+        self.loaded_tokens = 0
+
+    def _as_priced(self, plan: StepPlan) -> StepPlan:
+        """`plan` as this runner prices it: without `loaded_prompt` entries, `plan` itself; else each row of
+        a request listed there cut to its positions at and past the listed one (a row wholly below it is
+        left out, with its block tables and policy row), the entry dropped once a row reaches past it.
+        Tokens, transfers and tier jobs always come from the plan the engine made; only the forward's
+        price reads the cut rows."""
+        loaded = self.loaded_prompt
+        if not loaded or not plan.rows:
+            return plan
+        rows, keep, cut = [], [], 0
+        for i, row in enumerate(plan.rows):
+            upto = loaded.get(row.req_id)
+            if upto is None or row.start >= upto:
+                rows.append(row)
+                keep.append(i)
+                continue
+            end = row.start + row.num_tokens
+            cut += min(end, upto) - row.start
+            if end > upto:
+                rows.append(dataclasses.replace(row, start=upto, token_ids=row.token_ids[upto - row.start:]))
+                keep.append(i)
+                del loaded[row.req_id]
+        if not cut:
+            return plan
+        self.loaded_tokens += cut
+        if len(keep) == len(plan.rows):
+            return dataclasses.replace(plan, rows=tuple(rows))
+        def along(seq):  # a per-row field, at the rows kept
+            return tuple(seq[i] for i in keep)
+
+        return dataclasses.replace(plan, rows=tuple(rows),
+                                   block_tables={g: along(t) for g, t in plan.block_tables.items()},
+                                   policy_rows=None if plan.policy_rows is None else along(plan.policy_rows))
 
     def _verify(self, row: PlanRow) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """SyntheticRunner._verify with the default tokens under the synthetic acceptance rule: the
@@ -312,6 +354,7 @@ class SimRunner(SyntheticRunner):
         if self.clock is not None:
             self._t = max(self._t, self.clock.now())  # this step starts now: its tier jobs are submitted now
         res = self._run(plan)
+        made, plan = plan, self._as_priced(plan)
         misses = self._miss_rows(plan)
         staged = self._stage_rows(plan)
         # host <-> storage operations do not use the device link
@@ -341,7 +384,7 @@ class SimRunner(SyntheticRunner):
         seconds = self._timed(self._segment_times(segments), bool(plan.rows))
         self.hot_miss_rows += misses
         self.staged_rows += staged
-        seconds, loads = self._end_step(plan, seconds)  # an idle step waits for its tiers
+        seconds, loads = self._end_step(made, seconds)  # an idle step waits for its tiers
         return dataclasses.replace(res, duration_s=seconds, tier_loads=loads)
 
     def _book(self, segments, by_name=None) -> None:
@@ -491,6 +534,7 @@ class SimRunner(SyntheticRunner):
                 if cost.parts:  # (a rank that moved nothing books nothing)
                     run._book([(cost, False)])
                 transfers.append(cost)
+        made, plans = plans, [None if p is None else ranks[r]._as_priced(p) for r, p in enumerate(plans)]
         segments = [(max(transfers, key=StepCost.time_s, default=StepCost(())), False)]
         has_rows = False
         if self.dp_pacing == "vllm":
@@ -530,7 +574,7 @@ class SimRunner(SyntheticRunner):
             run._book(segments[1:], by_name)
         seconds = [run._timed(times, has_rows) for run in ranks][0]  # the same work on every rank
         out: list[StepResult | None] = []
-        for r, (plan, res) in enumerate(zip(plans, results)):
+        for r, (plan, res) in enumerate(zip(made, results)):
             if plan is None:
                 out.append(None)
                 continue

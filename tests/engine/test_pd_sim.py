@@ -10,7 +10,7 @@ import pytest
 import glm53
 from experiments import workloads
 from glm53 import DeployConfig, SamplingParams
-from glm53.engine.pd_sim import PdPair, build_pd, pd_deploy
+from glm53.engine.pd_sim import PdPair, build_pd, pd_deploy, sim_runners
 from glm53.engine import sim
 from glm53.engine.sim import build_engine
 
@@ -225,3 +225,53 @@ def test_before_step_prices_each_step_of_either_engine_on_the_spec_it_sets():
         runner.set_host(dataclasses.replace(slow, platform="cpu"), 0.0, 0.0)
     with pytest.raises(ValueError, match=">= 0"):
         runner.set_host(slow, -1.0, 0.0)
+
+
+@pytest.mark.parametrize("decode, mtp", [("offload", False), ("hisparse", False), ("offload", True)])
+def test_a_decode_leg_priced_as_loaded_leaves_out_all_but_the_prompts_last_token(decode, mtp):
+    """PdPair(decode_prompt="loaded") prices a decode leg as vLLM's NIXL consumer serves it: the decode
+    engine schedules exactly what it schedules under "computed" (the same tokens, the same pages taken
+    from the producer), but its DP x EP ranks' forwards leave out every prompt row below the prompt's last
+    token (each request's rows from its hit to that token, counted), the producer's rows of the decode
+    pages the prompt fills in part are read over the "pd" tier with the last chunk, and the decode
+    engine's priced time is shorter. Under MTP the decode engine's hit gives back its last page, which it
+    computes again: that page is left out of the price too."""
+    import dataclasses
+
+    import numpy as np
+
+    extra = dict(hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24) if decode == "hisparse" else \
+        dict(cpu_offload_bytes=1 << 26)
+    dec = DeployConfig(**COMMON, block_size=PAGE, data_parallel_size=2, enable_expert_parallel=True,
+                       kv_policy=decode, **extra)
+    pre = PREFILL
+    if mtp:
+        spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+                "synthetic_acceptance_length": 2.99}
+        dec, pre = (dataclasses.replace(d, speculative_config=spec) for d in (dec, PREFILL))
+    rng = np.random.default_rng(53)
+    prompts = [rng.integers(0, CFG.vocab_size, n) for n in (45, 70, 130, 33)]
+    runs = {}
+    for mode in ("computed", "loaded"):
+        pair = build_pd(CFG, pre, dec, decode_prompt=mode)
+        ids = [pair.add_request(p, SamplingParams(max_new_tokens=3)) for p in prompts]
+        while pair.has_unfinished():
+            pair.step()
+        fin = [pair.decode.finished[r] for r in ids]
+        runs[mode] = dict(out=[list(f.output_ids) for f in fin], cached=[f.num_cached_tokens for f in fin],
+                          loads=sum(pair.decode.pd_tier(i).stats.load_bytes for i in range(2)),
+                          busy=sum(r.busy_s for r in sim_runners(pair.decode)),
+                          metrics=pair.metrics(ids))
+        pair.shutdown()
+    c, ld = runs["computed"], runs["loaded"]
+    assert ld["out"] == c["out"] and ld["cached"] == c["cached"]
+    # it computes its last partial page, under MTP the full page before it too
+    assert c["cached"] == [max((p.size - 1) // PAGE - mtp, 0) * PAGE for p in prompts]
+    assert ld["metrics"]["pd_loaded_prompt_tokens"] == sum(p.size - 1 - k for p, k in zip(prompts, ld["cached"]))
+    assert "pd_loaded_prompt_tokens" not in c["metrics"] and ld["metrics"]["pd_decode_prompt"] == "loaded"
+    per_token = sum(b // PAGE for b in pair.decode.sizes.page_bytes.values())
+    assert ld["loads"] - c["loads"] == sum((p.size - 1) % PAGE for p in prompts) * per_token
+    assert ld["metrics"]["pd_handed_tokens"] == sum(p.size - 1 for p in prompts)
+    assert ld["busy"] < c["busy"]
+    with pytest.raises(ValueError, match="decode_prompt must be one of"):
+        build_pd(CFG, PREFILL, dec, decode_prompt="free")

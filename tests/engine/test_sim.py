@@ -681,3 +681,30 @@ def test_fewer_collections_sets_the_thresholds_inside_and_restores_them_after_an
             assert gc.get_threshold() == SIM_GC_THRESHOLDS != before
             raise KeyError("x")
     assert gc.get_threshold() == before
+
+
+def test_rows_priced_as_loaded_are_cut_with_their_tables_and_policy_rows():
+    """SimRunner.loaded_prompt (a P/D consumer priced as vLLM's, glm53.engine.pd_sim): a row wholly below its
+    request's listed position leaves the priced plan with its block tables and policy row, a row across
+    it keeps the positions from there (the entry then dropped), other rows stay as they are, and the
+    engine's plan is not changed."""
+    eng = sim.build_engine(glm53.get_preset("glm-5.3"), GLM53_TP8)
+    run = eng.replicas[0].runner
+    p = SamplingParams(max_new_tokens=4)
+
+    def row(rid, start, n, sample):
+        return PlanRow(rid, start, np.arange(n, dtype=np.int32), sample, p, 0)
+
+    rows = (row("a", 0, 300, False), row("b", 40, 1, True), row("c", 1000, 700, True), row("d", 64, 100, True))
+    tables = {"mla": ((1,), (2,), (3,), (4,)), "indexer": ((5,), (6,), (7,), (8,))}
+    plan = StepPlan(0, rows, tables, ("A", "B", "C", "D"), ())
+    run.loaded_prompt.update(a=1699, c=1699, d=163)
+    priced = run._as_priced(plan)
+    assert [(r.req_id, r.start, r.num_tokens) for r in priced.rows] == [("b", 40, 1), ("c", 1699, 1), ("d", 163, 1)]
+    assert priced.block_tables == {"mla": ((2,), (3,), (4,)), "indexer": ((6,), (7,), (8,))}
+    assert priced.policy_rows == ("B", "C", "D")
+    assert run.loaded_prompt == {"a": 1699} and run.loaded_tokens == 300 + 699 + 99
+    assert plan.rows == rows  # the engine's plan as it was
+    run.loaded_prompt.clear()
+    assert run._as_priced(plan) is plan
+    eng.shutdown()
