@@ -125,9 +125,10 @@ class PdPair:
     vLLM's NIXL consumer serves it (docs/simulator.md "Page layout"), every prompt token the producer
     holds is loaded and only the prompt's last one computed: the decode engine schedules as before,
     its runners leave the rows below the prompt's last token out of the forwards' price
-    (`SimRunner.loaded_prompt`), and the producer's rows past the full pages it hands (the partial
-    pages' tokens below the last) are read over the "pd" tier's channel with its last chunk. A pricing
-    ablation: the decode engine's pages, tokens and counts are what it computes."""
+    (`SimRunner.loaded_prompt`), and the rows of the decode pages the prompt fills in part (below its
+    last token) are read over the "pd" tier's channel with the last chunk (under a relayout, the
+    producer pages they need, whole). A pricing ablation: the decode engine's pages, tokens and counts
+    are what it computes; `handed_tokens` counts every prompt token the producer held below the last."""
 
     def __init__(self, prefill: Engine, decode: Engine, *, before_step=None, decode_prompt: str = "computed"):
         if decode_prompt not in DECODE_PROMPTS:
@@ -154,7 +155,7 @@ class PdPair:
         # hand-offs at one time are delivered in this order, which must not depend on string hashing)
         self._parking: dict[str, None] = {}
         self._req: dict[str, tuple] = {}  # req_id -> (prompt, params, salt, arrival)
-        self.handed_tokens = 0  # prompt tokens whose chunks the producer held at hand-off
+        self.handed_tokens = 0  # prompt tokens whose chunks the producer held at hand-off ("loaded": all of them)
         self.handoff_s: list[float] = []  # per request: hand-off time - client arrival
         self.decode_prompt = decode_prompt
         self._loaded: dict[str, int] | None = None  # decode_prompt="loaded": SimRunner.loaded_prompt, shared
@@ -259,21 +260,20 @@ class PdPair:
         self.decode.add_request(prompt, params, req_id=rid, salt=salt, kv_peer="producer")
         self.decode.requests[rid].arrival_s = arrival
         tier = self.decode.pd_tier(self.decode.replica_of(rid))
+        # decode_prompt="loaded": vLLM's consumer loads every prompt token but the last that the producer
+        # holds; the rows of the decode engine's pages it fills in part ride with the last chunk read (a
+        # prompt shorter than one page has none: its rows are not priced as read)
+        loaded = self._loaded is not None and whole
         if self.remote is None:
             pages = self.decode.sizes.page_bytes
             pairs = list(itertools.chain.from_iterable(held))
             chunks = list(zip(map(_KEY, pairs), map(pages.__getitem__, map(_GROUP, pairs))))
+            if loaded and chunks:
+                chunks[-1] = (chunks[-1][0], chunks[-1][1] + self._partial_bytes(len(prompt) - 1))
         else:
-            chunks = self._relaid(rid, handed)
+            chunks = self._relaid(rid, handed, partial=loaded)
         if self._loaded is not None:
-            # vLLM's consumer loads every prompt token but the last the producer holds: the rows of the
-            # decode engine's partial pages below it ride with the last chunk read
-            loaded = len(prompt) - 1 if whole else handed
-            if chunks:
-                key, size = chunks[-1]
-                chunks[-1] = (key, size + self._partial_bytes(loaded))
-            self._loaded[rid] = loaded
-            handed = loaded
+            handed = self._loaded[rid] = len(prompt) - 1 if whole else handed
         tier.put(chunks)
         self.handed_tokens += handed
         self.handoff_s.append(t - arrival)
@@ -284,9 +284,11 @@ class PdPair:
         own, pages = self.decode.page_spans(), self.decode.sizes.page_bytes
         return sum(num_tokens % own.tokens(g) * (pages[g] // own.tokens(g)) for g, _ in own.page_tokens)
 
-    def _relaid(self, rid: str, held_tokens: int) -> list[tuple[bytes, int]]:
+    def _relaid(self, rid: str, held_tokens: int, partial: bool = False) -> list[tuple[bytes, int]]:
         """The decode engine's chunks of finished prefill `rid` that the producer's first `held_tokens`
-        tokens make, each as (its key, the bytes of the producer pages read first for it)."""
+        tokens make, each as (its key, the bytes of the producer pages read first for it). partial: the
+        rows of the decode pages those tokens fill in part are read too (decode_prompt="loaded"): the
+        producer pages they need that no chunk read, whole, with the last chunk."""
         src, req = self.remote, self.prefill.finished[rid]
         own = self.decode.page_spans()
         tpb, blocks = self.decode.chunk_keys(req.prompt_ids, req.extra_keys, upto=held_tokens)
@@ -299,6 +301,14 @@ class PdPair:
                 new = {j for j, _, _ in page_parts(tc, tp, page)} - {j for gg, j in read if gg == g}
                 read |= {(g, j) for j in new}
                 out.append((key, len(new) * tp * per_token[g]))
+        if partial and out:
+            extra = 0
+            for g, _ in own.page_tokens:
+                tp, lo = src.tokens(g), held_tokens // own.tokens(g) * own.tokens(g)
+                if lo < held_tokens:
+                    new = set(range(lo // tp, (held_tokens - 1) // tp + 1)) - {j for gg, j in read if gg == g}
+                    extra += len(new) * tp * per_token[g]
+            out[-1] = (out[-1][0], out[-1][1] + extra)
         return out
 
     def metrics(self, req_ids=None, window: tuple[float, float] | None = None) -> dict:

@@ -293,25 +293,27 @@ class SimRunner(SyntheticRunner):
     def _as_priced(self, plan: StepPlan) -> StepPlan:
         """`plan` as this runner prices it: without `loaded_prompt` entries, `plan` itself; else each row of
         a request listed there cut to its positions at and past the listed one (a row wholly below it is
-        left out, with its block tables and policy row), the entry dropped once a row reaches past it.
-        Tokens, transfers and tier jobs always come from the plan the engine made; only the forward's
-        price reads the cut rows."""
+        left out, with its block tables and policy row), the entry dropped at the first row that reaches
+        past it. Tokens, transfers and tier jobs always come from the plan the engine made; only the
+        forward's price reads the cut rows (a cut row of one prompt token over host-only pages stages
+        as a prefill chunk does: HiSparseSpec.sim_stage_rows)."""
         loaded = self.loaded_prompt
         if not loaded or not plan.rows:
             return plan
         rows, keep, cut = [], [], 0
         for i, row in enumerate(plan.rows):
             upto = loaded.get(row.req_id)
-            if upto is None or row.start >= upto:
-                rows.append(row)
-                keep.append(i)
-                continue
-            end = row.start + row.num_tokens
-            cut += min(end, upto) - row.start
-            if end > upto:
-                rows.append(dataclasses.replace(row, start=upto, token_ids=row.token_ids[upto - row.start:]))
-                keep.append(i)
-                del loaded[row.req_id]
+            if upto is not None:
+                end = row.start + row.num_tokens
+                if end > upto:  # past it: later rows (a recompute after a preemption) are priced in full
+                    del loaded[row.req_id]
+                if row.start < upto:
+                    cut += min(end, upto) - row.start
+                    if end <= upto:
+                        continue
+                    row = dataclasses.replace(row, start=upto, token_ids=row.token_ids[upto - row.start:])
+            rows.append(row)
+            keep.append(i)
         if not cut:
             return plan
         self.loaded_tokens += cut
@@ -381,7 +383,7 @@ class SimRunner(SyntheticRunner):
             if drafting and self.verify_width:
                 segments.append((mtp_draft_cost(self.cfg, self.hw, self.dep, drafting, self.verify_width - 2), True))
         self._book(segments)
-        seconds = self._timed(self._segment_times(segments), bool(plan.rows))
+        seconds = self._timed(self._segment_times(segments), bool(made.rows))
         self.hot_miss_rows += misses
         self.staged_rows += staged
         seconds, loads = self._end_step(made, seconds)  # an idle step waits for its tiers
@@ -572,6 +574,7 @@ class SimRunner(SyntheticRunner):
         by_name = _by_name(segments[1:])
         for run in ranks:  # every rank's GPU runs the step's forwards (its transfers are booked above)
             run._book(segments[1:], by_name)
+        has_rows = has_rows or any(p is not None and p.rows for p in made)  # rows all priced as loaded
         seconds = [run._timed(times, has_rows) for run in ranks][0]  # the same work on every rank
         out: list[StepResult | None] = []
         for r, (plan, res) in enumerate(zip(made, results)):

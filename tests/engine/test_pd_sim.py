@@ -227,51 +227,83 @@ def test_before_step_prices_each_step_of_either_engine_on_the_spec_it_sets():
         runner.set_host(slow, -1.0, 0.0)
 
 
-@pytest.mark.parametrize("decode, mtp", [("offload", False), ("hisparse", False), ("offload", True)])
-def test_a_decode_leg_priced_as_loaded_leaves_out_all_but_the_prompts_last_token(decode, mtp):
+@pytest.mark.parametrize("decode, mtp, index_pages", [("offload", False, 1), ("hisparse", False, 1),
+                                                      ("offload", True, 1), ("offload", False, 2)])
+def test_a_decode_leg_priced_as_loaded_leaves_out_all_but_the_prompts_last_token(decode, mtp, index_pages):
     """PdPair(decode_prompt="loaded") prices a decode leg as vLLM's NIXL consumer serves it: the decode
     engine schedules exactly what it schedules under "computed" (the same tokens, the same pages taken
     from the producer), but its DP x EP ranks' forwards leave out every prompt row below the prompt's last
-    token (each request's rows from its hit to that token, counted), the producer's rows of the decode
-    pages the prompt fills in part are read over the "pd" tier with the last chunk, and the decode
-    engine's priced time is shorter. Under MTP the decode engine's hit gives back its last page, which it
-    computes again: that page is left out of the price too."""
+    token (each request's rows from its hit to that token, counted, every request's entry used up), the
+    rows of the decode pages the prompt fills in part are read over the "pd" tier with the last chunk
+    (each cache group's own: indexer pages of `index_pages` MLA pages), and the decode engine's priced
+    time is shorter. Under MTP the decode engine's hit gives back its last page, which it computes again:
+    that page is left out of the price too."""
     import dataclasses
 
     import numpy as np
 
     extra = dict(hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24) if decode == "hisparse" else \
         dict(cpu_offload_bytes=1 << 26)
-    dec = DeployConfig(**COMMON, block_size=PAGE, data_parallel_size=2, enable_expert_parallel=True,
-                       kv_policy=decode, **extra)
-    pre = PREFILL
+    hit = PAGE * index_pages  # a hit ends on a page of every group
+    dec = DeployConfig(**COMMON, block_size=PAGE, index_block_size=hit, data_parallel_size=2,
+                       enable_expert_parallel=True, kv_policy=decode, **extra)
+    pre = dataclasses.replace(PREFILL, index_block_size=8 * index_pages)  # DCP2: the same spans
     if mtp:
         spec = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
                 "synthetic_acceptance_length": 2.99}
-        dec, pre = (dataclasses.replace(d, speculative_config=spec) for d in (dec, PREFILL))
+        dec, pre = (dataclasses.replace(d, speculative_config=spec) for d in (dec, pre))
     rng = np.random.default_rng(53)
     prompts = [rng.integers(0, CFG.vocab_size, n) for n in (45, 70, 130, 33)]
     runs = {}
     for mode in ("computed", "loaded"):
         pair = build_pd(CFG, pre, dec, decode_prompt=mode)
+        assert pair.remote is None
         ids = [pair.add_request(p, SamplingParams(max_new_tokens=3)) for p in prompts]
         while pair.has_unfinished():
             pair.step()
         fin = [pair.decode.finished[r] for r in ids]
         runs[mode] = dict(out=[list(f.output_ids) for f in fin], cached=[f.num_cached_tokens for f in fin],
                           loads=sum(pair.decode.pd_tier(i).stats.load_bytes for i in range(2)),
-                          busy=sum(r.busy_s for r in sim_runners(pair.decode)),
-                          metrics=pair.metrics(ids))
+                          busy=sum(r.busy_s for r in sim_runners(pair.decode)), metrics=pair.metrics(ids),
+                          left=pair._loaded)
         pair.shutdown()
     c, ld = runs["computed"], runs["loaded"]
     assert ld["out"] == c["out"] and ld["cached"] == c["cached"]
     # it computes its last partial page, under MTP the full page before it too
-    assert c["cached"] == [max((p.size - 1) // PAGE - mtp, 0) * PAGE for p in prompts]
+    assert c["cached"] == [max((p.size - 1) // hit - mtp, 0) * hit for p in prompts]
     assert ld["metrics"]["pd_loaded_prompt_tokens"] == sum(p.size - 1 - k for p, k in zip(prompts, ld["cached"]))
+    assert ld["left"] == {} and c["left"] is None
     assert "pd_loaded_prompt_tokens" not in c["metrics"] and ld["metrics"]["pd_decode_prompt"] == "loaded"
-    per_token = sum(b // PAGE for b in pair.decode.sizes.page_bytes.values())
-    assert ld["loads"] - c["loads"] == sum((p.size - 1) % PAGE for p in prompts) * per_token
+    per_token = {g: b // dec.group_tokens_per_block(("mla", "indexer"))[g]
+                 for g, b in pair.decode.sizes.page_bytes.items()}
+    partial = sum((p.size - 1) % PAGE * per_token["mla"] + (p.size - 1) % hit * per_token["indexer"] for p in prompts)
+    assert ld["loads"] - c["loads"] == partial
     assert ld["metrics"]["pd_handed_tokens"] == sum(p.size - 1 for p in prompts)
     assert ld["busy"] < c["busy"]
     with pytest.raises(ValueError, match="decode_prompt must be one of"):
         build_pd(CFG, PREFILL, dec, decode_prompt="free")
+
+
+def test_a_relaid_decode_leg_priced_as_loaded_reads_the_producer_pages_its_partial_pages_need():
+    """Decode pages of 12 tokens behind the producer's 16 (test_pd_pair_takes_pages_of_another_span...):
+    under decode_prompt="loaded" the rows of each prompt's partial decode page below its last token are
+    read as the producer pages they need that no full decode page read, whole: none for the 45-token
+    prompt (its rows 36-43 are in the producer's page 2, read for the decode page 24-35), producer page 4
+    for the 70-token one (rows 60-68; pages 0-3 read), nothing for the 9-token one (no full decode page:
+    no chunk to read them with)."""
+    import numpy as np
+
+    dec = DeployConfig(**COMMON, block_size=12, kv_policy="offload", cpu_offload_bytes=1 << 26)
+    rng = np.random.default_rng(48)
+    prompts = [rng.integers(0, CFG.vocab_size, n) for n in (45, 70, 9)]
+    loads = {}
+    for mode in ("computed", "loaded"):
+        pair = build_pd(CFG, PREFILL, dec, decode_prompt=mode)
+        ids = [pair.add_request(p, SamplingParams(max_new_tokens=2)) for p in prompts]
+        while pair.has_unfinished():
+            pair.step()
+        assert [pair.decode.finished[r].num_cached_tokens for r in ids] == [36, 60, 0]
+        loads[mode] = pair.decode.pd_tier(0).stats.load_bytes
+        pair.shutdown()
+    per_token = sum(pair.prefill.sizes.page_bytes[g] // PAGE for g in ("mla", "indexer"))
+    assert loads["computed"] == (48 + 64) * per_token and loads["loaded"] - loads["computed"] == PAGE * per_token

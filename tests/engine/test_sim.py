@@ -383,8 +383,10 @@ def test_a_model_config_needs_a_runner():
 
 def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_rows():
     """Under MTP a verify row (its last token and drafts) over host-only pages is a decode row: it is priced
-    as hot-buffer misses, not as a prefill chunk staging rows; a chunk over host-only pages stages. (The
-    committed part1_mtp3_1m sweep first ran with verify rows priced as chunks: 1.1e9 staged rows.)"""
+    as hot-buffer misses, not as a prefill chunk staging rows; a chunk over host-only pages stages, one
+    of a single token too (a prompt's last token: no hot-buffer lease), where a one-token row with a lease
+    reads through the hot buffer. (The committed part1_mtp3_1m sweep first ran with verify rows priced as
+    chunks: 1.1e9 staged rows.)"""
     from kvcache.policies.hisparse import HiSparseRow
 
     mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
@@ -393,15 +395,18 @@ def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_ro
     runner = sim.build_engine(TINY, deploy, pad_like_runner=True).runner
     table = (-1,) * 8 + (5, 6)  # 64 host-only positions, then two device pages
 
-    def plan(row):
+    def plan(row, lease=0):
         return StepPlan(0, (row,), {"mla": (table,), "indexer": ((1, 2, 3, 4, 5),)},
-                        (HiSparseRow(tuple(range(10)), lease=0),), ())
+                        (HiSparseRow(tuple(range(10)), lease=lease),), ())
 
     params = SamplingParams(max_new_tokens=8)
     verify = plan(PlanRow("a", 79, np.zeros(4, np.int32), True, params, 3, num_draft_tokens=3))
     chunk = plan(PlanRow("a", 70, np.zeros(4, np.int32), True, params, 0))
     assert runner._stage_rows(verify) == 0 and runner._miss_rows(verify) > 0
     assert runner._stage_rows(chunk) == min(4 * TINY.index_topk, 64) and runner._miss_rows(chunk) == 0
+    last = PlanRow("a", 73, np.zeros(1, np.int32), True, params, 0)
+    assert runner._stage_rows(plan(last, lease=-1)) == min(TINY.index_topk, 64)
+    assert runner._stage_rows(plan(last, lease=0)) == 0
     before = runner.staged_rows
     runner.execute(verify)
     assert runner.staged_rows == before and runner.hot_miss_rows > 0

@@ -203,14 +203,17 @@ class HiSparseSpec(Policy):
     @classmethod
     def sim_stage_rows(cls, plan, deploy, topk: int, rows=None) -> float:
         """Each host-only row a prefill chunk could select, once (glm53.engine.sim's module docstring). An
-        MTP verify row (its drafts) is a decode row: it reads through the hot buffer (`sim_miss_rows`)."""
+        MTP verify row (its drafts) is a decode row: it reads through the hot buffer (`sim_miss_rows`). A
+        row of one token over host-only pages stages too when it has no hot-buffer lease (a decode row
+        that selects from host-only pages holds one: HiSparseRow), i.e. when it is a prompt's last token."""
         if plan.policy_rows is None or not cls.stages_rows(deploy):
             return 0.0
         tpb = deploy.tokens_per_block
         total = 0.0
         for i in range(len(plan.rows)) if rows is None else rows:
             row, table = plan.rows[i], plan.block_tables["mla"][i]
-            if row.num_tokens > 1 and not row.num_draft_tokens and -1 in table:
+            if ((row.num_tokens > 1 or plan.policy_rows[i].lease < 0) and not row.num_draft_tokens
+                    and -1 in table):
                 total += min(row.num_tokens * topk, table.count(-1) * tpb)
         return total
 
