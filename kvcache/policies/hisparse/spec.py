@@ -204,8 +204,10 @@ class HiSparseSpec(Policy):
     def sim_stage_rows(cls, plan, deploy, topk: int, rows=None) -> float:
         """Each host-only row a prefill chunk could select, once (glm53.engine.sim's module docstring). An
         MTP verify row (its drafts) is a decode row: it reads through the hot buffer (`sim_miss_rows`). A
-        row of one token over host-only pages stages too when it has no hot-buffer lease (a decode row
-        that selects from host-only pages holds one: HiSparseRow), i.e. when it is a prompt's last token."""
+        row of one token over host-only pages without a hot-buffer lease stages too: the planner leases
+        one to every such row it plans (HiSparsePlanner.prepare), so only the simulator's cut of a longer
+        chunk has none (SimRunner.loaded_prompt: a P/D decode leg's last prompt token, whose selections
+        would find a cold buffer)."""
         if plan.policy_rows is None or not cls.stages_rows(deploy):
             return 0.0
         tpb = deploy.tokens_per_block
