@@ -345,6 +345,7 @@ class Engine(PdQueries):
                                               "penalty changes with every draft token, which the accept rule does "
                                               "not follow (temperature, min_p, top_k, top_p and logit_bias it does)")
         ids = as_token_array(prompt_ids)
+        ids.flags.writeable = False  # a request's prompt never changes: whoever reads it may share it
         cfg = self.cfg
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise RequestError("prompt_ids", f"token ids must lie in [0, {cfg.vocab_size})")

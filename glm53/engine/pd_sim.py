@@ -43,6 +43,7 @@ from glm53.engine.config import DeployConfig
 from glm53.engine.engine import Engine
 from glm53.engine.metrics import summarize
 from glm53.engine.request import SamplingParams
+from glm53.model import as_token_array
 from glm53.perfmodel.hardware import STORAGE, StorageSpec
 from kvcache.relayout import page_parts
 
@@ -175,7 +176,9 @@ class PdPair:
 
     def add_request(self, prompt_ids, params: SamplingParams, *, salt: str = "") -> str:
         rid = f"pd-{next(self._ids)}"
-        self._req[rid] = (prompt_ids, params, salt, self.clock.now())
+        prompt = as_token_array(prompt_ids)
+        prompt.flags.writeable = False  # one array for both legs: each engine keeps it without a copy
+        self._req[rid] = (prompt, params, salt, self.clock.now())
         heapq.heappush(self._to_prefill, (self.clock.now(), next(self._seq), rid))
         return rid
 

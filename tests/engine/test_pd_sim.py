@@ -5,6 +5,7 @@ engine takes from the producer exactly the prompt pages it does not hold itself,
 than the last page's tokens of any prompt; a decode engine of other page spans takes what the
 producer's full pages cover, and engines whose chunks cannot be each other's are refused."""
 
+import numpy as np
 import pytest
 
 import glm53
@@ -38,7 +39,16 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
         assert len(p.output_ids) == 1 and len(d.output_ids) == d.params.max_new_tokens
         full = (d.prompt_ids.size - 1) // PAGE * PAGE
         assert d.num_cached_tokens == full  # the decode engine computes only the prompt's last partial page
+        # both legs hold one read-only prompt (an hour at Part 2's c64 otherwise keeps ~7 GB of copies)
+        assert d.prompt_ids is p.prompt_ids and not d.prompt_ids.flags.writeable
         local += full
+    # a caller's own array stays its own: the pair keeps a copy it cannot write
+    mine = np.arange(1, 9, dtype=np.int32)
+    rid = pair.add_request(mine, SamplingParams(max_new_tokens=2))
+    mine[:] = 0
+    while pair.has_unfinished():
+        pair.step()
+    assert pair.decode.finished[rid].prompt_ids.tolist() == list(range(1, 9))
     m = pair.metrics(res.request_ids)
     # what the decode engine did not hold itself came from the producer, and nothing else did
     assert 0 < m["pd_received_tokens"] <= m["pd_handed_tokens"]
@@ -53,8 +63,6 @@ def test_pd_pair_takes_pages_of_another_span_and_prices_what_it_reads():
     tail chunk of its last partial page), the decode engine computes the rest, and its "pd" tier reads
     every producer page those touch, whole: more bytes than it keeps where a producer page is used in
     part."""
-    import numpy as np
-
     dec = DeployConfig(**COMMON, block_size=12, kv_policy="offload", cpu_offload_bytes=1 << 26)
     pair = build_pd(CFG, PREFILL, dec)
     assert pair.remote is not None and pair.remote.tokens("mla") == PAGE
@@ -112,8 +120,6 @@ def test_chunk_keys_taken_from_the_salts_last_prompt_equal_keys_computed_afresh(
     """`chunk_keys` reuses the keys of the blocks a prompt shares with the last prompt of its salt: a
     longer prompt, a shorter one, one that diverges, another salt all get, per full hash block, the key of
     each group's page ending there (kvcache.tiers.chunk_key of the block's hash)."""
-    import numpy as np
-
     from glm53.engine import pd
     from kvcache.block_pool import block_hashes
     from kvcache.tiers import chunk_key
@@ -240,8 +246,6 @@ def test_a_decode_leg_priced_as_loaded_leaves_out_all_but_the_prompts_last_token
     that page is left out of the price too."""
     import dataclasses
 
-    import numpy as np
-
     extra = dict(hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24) if decode == "hisparse" else \
         dict(cpu_offload_bytes=1 << 26)
     hit = PAGE * index_pages  # a hit ends on a page of every group
@@ -291,8 +295,6 @@ def test_a_relaid_decode_leg_priced_as_loaded_reads_the_producer_pages_its_parti
     prompt (its rows 36-43 are in the producer's page 2, read for the decode page 24-35), producer page 4
     for the 70-token one (rows 60-68; pages 0-3 read), nothing for the 9-token one (no full decode page:
     no chunk to read them with)."""
-    import numpy as np
-
     dec = DeployConfig(**COMMON, block_size=12, kv_policy="offload", cpu_offload_bytes=1 << 26)
     rng = np.random.default_rng(48)
     prompts = [rng.integers(0, CFG.vocab_size, n) for n in (45, 70, 9)]
