@@ -9,7 +9,10 @@ priced without the prompt rows below the last token (glm53.engine.pd_sim.PdPair,
 and the producer's rows of the decode pages the prompt fills in part are read over the RDMA link. A
 pricing ablation that reaches every pair, HiSparse's included; the prefill engines keep 1,024-token
 indexer pages (their prefix hits end on 1,024-token boundaries, as in configs/paper, for every pair
-alike). Everything else is configs/paper/part2.py's.
+alike). Everything else is configs/paper/part2.py's, but for a trace of three times its sessions: the
+decode node runs so much faster here that at c64 part2.py's 512 top-level sessions ran out 3,479 s into
+the 4,200 s a point needs. A point takes sessions in trace order and the trace is drawn in that order, so
+a point that never reaches past part2.py's 512 runs the same with the longer trace.
 
     python -m experiments.serve --config configs/ablations/part2_loaded_prompt.py --out results/paper/part2_loaded_prompt
 """
@@ -23,4 +26,5 @@ def get_config():
     c = load_config(str(Path(__file__).parents[1] / "paper" / "part2.py"))
     c.name = "part2_loaded_prompt"
     c.pd.decode_prompt = "loaded"
+    c.workload.sessions = 3 * c.workload.sessions
     return c
