@@ -212,7 +212,7 @@ MANIFEST: tuple[Entry, ...] = (
     Entry("part1_1m_growing", "Ablation: Part 1 at a 1M limit with conversations that grow toward 1M tokens "
           "(80,960 new tokens a turn instead of 753; HiSparse)", "sim", "BRIEF §8 (not a published workload)", (),
           "serve", "configs/paper/part1_1m_growing.py", quick=("--config.sweep.concurrency=(1, 8)",),
-          doc="docs/simulator.md", compare=SERVE_KEYS,
+          committed="results/paper/part1_1m_growing", doc="docs/simulator.md", compare=SERVE_KEYS,
           note=NO_MTP + " Not the published Part 1 workload (that is part1_1m): the last of 13 turns reaches "
                "1,048,540 tokens"),
     Entry("part1_mtp3", "Part 1 with MTP3 (synthetic acceptance length 2.99), 142K limit", "sim", "BRIEF §8",
@@ -320,8 +320,9 @@ MANIFEST: tuple[Entry, ...] = (
     measured_entry(),
     *(Entry(f"sensitivity_{knob}", f"Sensitivity of Part 1 (c32, 142K and 1M) and Part 2 (c64) to {knob}", "sim",
             "issue 53 item 2", (), "sensitivity", doc="docs/simulator.md", compare=SENSITIVITY_KEYS,
-            note="each point over a window of simulated time (experiments.sensitivity); --quick: Part 1 at 142K, "
-                 "the default and one other value, a 60 s window")
+            note="each point over a window of simulated time (experiments.sensitivity); --quick: the default and "
+                 "one other value over a 60 s window, Part 1 at 142K (expert_skew, which Part 1's TP8 does not "
+                 "feel: Part 2 at c8)")
       for knob in ("hisparse_miss_fraction", "step_overhead_s", "kv_budget", "expert_skew", "host_copy_overlap")),
     # ------------------------------------------------------------------ not built yet
     Entry("ablation_mtp_topk_reuse", "MTP layer reusing the target's top-k (54,596 B/token) vs its own indexer",
