@@ -302,7 +302,9 @@ MANIFEST: tuple[Entry, ...] = (
     Entry("part2_pd_142k", "Part 2: P/D disaggregated, PCP8 x DCP8 prefill + DP8 HiSparse decode vs DP8 prefill "
           "and offload decode, 142K, c8-c64", "sim", "BRIEF §8 Part 2",
           PART2_PUBLISHED, "serve", PART2, quick=PART2_QUICK, committed="results/paper/part2", doc="docs/simulator.md",
-          compare=PD_KEYS, note=PART2_NOTE),
+          compare=PD_KEYS, note=PART2_NOTE + ". --quick's c32 point (sessions of 20K tokens, 120 s) shows the prefill "
+          "comparison (TTFT) but not the decode one, which needs full contexts over the hour: results/paper/part2 "
+          "and, with each decode prompt priced as vLLM's consumer serves it, results/paper/part2_loaded_prompt"),
     Entry("part2_pd_laptop", "Part 2 at laptop scale over HTTP: PCP2 x DCP2 prefill + HiSparse decode vs DP prefill "
           "+ offload decode, router + prefill + decode processes, c1-c4", "real_heavy", "BRIEF §8 Part 2",
           PART2_PUBLISHED, "pd_http", committed="results/paper/part2_laptop", doc="docs/engine.md", compare=PD_HTTP_KEYS,
