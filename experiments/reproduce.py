@@ -464,6 +464,7 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    revision = git_revision()  # the code this run runs, before its entries write their results into the tree
     done, cache = [], {}
     for e in MANIFEST:
         if ids and e.id not in ids:
@@ -477,7 +478,7 @@ def main(argv=None) -> dict:
             print(r["traceback"], flush=True)
         r["wall_s"] = time.perf_counter() - t
         done.append((e, r))
-    meta = {"date": time.strftime("%Y-%m-%d"), "git_revision": git_revision(), "quick": args.quick,
+    meta = {"date": time.strftime("%Y-%m-%d"), "git_revision": revision, "quick": args.quick,
             "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "wall_s": time.perf_counter() - t0}
     for d in cache.values():
         shutil.rmtree(d, ignore_errors=True)
