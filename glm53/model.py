@@ -243,10 +243,10 @@ def compiled(model: GLM53) -> Compiled:
 
 
 def as_token_array(token_ids) -> np.ndarray:
-    """token_ids as a 1-D int32 array that the caller's later writes cannot reach: a copy, except for an
-    int32 array that owns its data and is read-only (one made here and frozen by its holder, such as the
-    prompt a P/D pair hands to both its engines), which is returned as it is. Raises ValueError for an empty
-    or non-integer sequence and for ids outside [0, 2**31)."""
+    """token_ids as a 1-D int32 array: a copy, so that the caller's later writes to its own array do not
+    reach it, except for an int32 array that owns its data and is read-only (one made here and frozen by
+    its holder, such as the prompt a P/D pair hands to both its engines), which is returned as it is and
+    shared. Raises ValueError for an empty or non-integer sequence and for ids outside [0, 2**31)."""
     ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {ids.shape}")

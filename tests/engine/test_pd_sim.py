@@ -42,6 +42,11 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
         # both legs hold one read-only prompt (an hour at Part 2's c64 otherwise keeps ~7 GB of copies)
         assert d.prompt_ids is p.prompt_ids and not d.prompt_ids.flags.writeable
         local += full
+    m = pair.metrics(res.request_ids)
+    # what the decode engine did not hold itself came from the producer, and nothing else did
+    assert 0 < m["pd_received_tokens"] <= m["pd_handed_tokens"]
+    assert m["ttft_median_s"] >= m["pd_handoff_s_median"] > 0
+    assert m["num_devices"] == 4 and m["requests"] == 24
     # a caller's own array stays its own: the pair keeps a copy it cannot write
     mine = np.arange(1, 9, dtype=np.int32)
     rid = pair.add_request(mine, SamplingParams(max_new_tokens=2))
@@ -49,11 +54,6 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
     while pair.has_unfinished():
         pair.step()
     assert pair.decode.finished[rid].prompt_ids.tolist() == list(range(1, 9))
-    m = pair.metrics(res.request_ids)
-    # what the decode engine did not hold itself came from the producer, and nothing else did
-    assert 0 < m["pd_received_tokens"] <= m["pd_handed_tokens"]
-    assert m["ttft_median_s"] >= m["pd_handoff_s_median"] > 0
-    assert m["num_devices"] == 4 and m["requests"] == 24
     pair.shutdown()
 
 

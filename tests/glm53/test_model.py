@@ -10,10 +10,29 @@ import pytest
 
 import glm53
 from glm53.layers import grouped_experts
-from glm53.model import attention_form, compiled
+from glm53.model import as_token_array, attention_form, compiled
 from kvcache.contiguous import ContiguousKVCache
 
 T = 48  # > tiny's index_topk (16): sparse selection matters
+
+
+def test_as_token_array_copies_unless_handed_a_frozen_int32_array():
+    """A writable array, another dtype or a read-only view is copied (the caller's writes stay its own);
+    a read-only int32 array that owns its data comes back as it is (a P/D pair's two legs share one)."""
+    mine = np.arange(1, 5, dtype=np.int32)
+    got = as_token_array(mine)
+    mine[:] = 0
+    assert got.tolist() == [1, 2, 3, 4] and got.dtype == np.int32
+    assert as_token_array([1, 2]).dtype == np.int32 and as_token_array(np.arange(3, dtype=np.int64)).dtype == np.int32
+    frozen = as_token_array([5, 6, 7])
+    frozen.flags.writeable = False
+    assert as_token_array(frozen) is frozen
+    base = np.arange(4, dtype=np.int32)
+    view = base[1:]
+    view.flags.writeable = False
+    assert as_token_array(view) is not view  # its owner can still write through `base`
+    with pytest.raises(ValueError):
+        as_token_array(np.array([-1], np.int32))
 
 
 @pytest.fixture(scope="module")
