@@ -70,8 +70,22 @@ def bound_memory_maps(limit: int = MAX_MAPS) -> bool:
     return True
 
 
+_PINNED_REVISION: str | None = None
+
+
+def pin_revision(rev: str | None) -> None:
+    """Make `git_revision` answer `rev` in this process until pinned again (None: ask git again).
+    experiments.reproduce pins the revision its run started from: its entries write their results into
+    the tree, so each later entry's own question would read "+dirty" for the outputs of the ones before."""
+    global _PINNED_REVISION
+    _PINNED_REVISION = rev
+
+
 def git_revision() -> str:
-    """HEAD of the repository the benchmark ran from, with "+dirty" when tracked files differ from it."""
+    """HEAD of the repository the benchmark ran from, with "+dirty" when tracked files differ from it (or
+    what `pin_revision` pinned)."""
+    if _PINNED_REVISION is not None:
+        return _PINNED_REVISION
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,

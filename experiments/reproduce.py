@@ -32,7 +32,7 @@ import time
 import traceback
 from pathlib import Path
 
-from experiments.common import REPO, cpu_name, git_revision
+from experiments.common import REPO, cpu_name, git_revision, pin_revision
 from experiments.deployments import part1_kv_budgets
 from glm53.config import get_preset
 
@@ -465,19 +465,23 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     revision = git_revision()  # the code this run runs, before its entries write their results into the tree
+    pin_revision(revision)  # and what every entry records
     done, cache = [], {}
-    for e in MANIFEST:
-        if ids and e.id not in ids:
-            continue
-        t = time.perf_counter()
-        print(f"[reproduce] {e.id} ({e.kind})", flush=True)
-        try:
-            r = _run_entry(e, out / e.id, args.quick, cache)
-        except Exception as exc:  # one broken entry is reported, the others still run
-            r = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            print(r["traceback"], flush=True)
-        r["wall_s"] = time.perf_counter() - t
-        done.append((e, r))
+    try:
+        for e in MANIFEST:
+            if ids and e.id not in ids:
+                continue
+            t = time.perf_counter()
+            print(f"[reproduce] {e.id} ({e.kind})", flush=True)
+            try:
+                r = _run_entry(e, out / e.id, args.quick, cache)
+            except Exception as exc:  # one broken entry is reported, the others still run
+                r = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+                print(r["traceback"], flush=True)
+            r["wall_s"] = time.perf_counter() - t
+            done.append((e, r))
+    finally:
+        pin_revision(None)
     meta = {"date": time.strftime("%Y-%m-%d"), "git_revision": revision, "quick": args.quick,
             "machine": {"cpu": cpu_name(), "cpu_count": os.cpu_count()}, "wall_s": time.perf_counter() - t0}
     for d in cache.values():

@@ -263,7 +263,7 @@ def plot(res: dict, out: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=7)
         fig.suptitle(f"{knob}: dotted = default, dashed = cited; windows: {windows_text(res)}\n"
-                     f"{res.get('date', '?')}, commit {str(res.get('git_revision', '?'))[:12]}, "
+                     f"{res.get('date', '?')}, commit {short_revision(res.get('git_revision'))}, "
                      f"{machine_text(res.get('machine'))}", fontsize=9)
         fig.tight_layout()
         path = out / f"{knob}.png"
@@ -277,6 +277,12 @@ def windows_text(res: dict) -> str:
     """The figures' windows of a results.json, e.g. "part1 0-300 s, part2 600-4200 s" (simulated)."""
     windows = res.get("windows") or {"every figure": [0.0, res["window_s"]]}  # a run before per-figure windows
     return ", ".join(f"{f} {a:.0f}-{b:.0f} s" for f, (a, b) in windows.items())
+
+
+def short_revision(rev: str | None) -> str:
+    """A results.json `git_revision` cut to 12 hex digits, keeping "+dirty"."""
+    rev = rev or "?"
+    return rev[:12] + ("+dirty" if rev.endswith("+dirty") else "")
 
 
 def machine_text(machine: dict | None) -> str:

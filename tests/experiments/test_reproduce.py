@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import reproduce, serve
-from experiments.common import load_config
+from experiments import common, reproduce, serve
+from experiments.common import git_revision, load_config
 from glm53 import perfmodel as pm
 from glm53.config import get_preset
 from tests.experiments.figures import assert_drawn
@@ -81,6 +81,10 @@ def test_a_quick_run_reports_every_entry_it_was_given(tmp_path):
     sim = json.loads((tmp_path / "ablation_dcp_backend_a2a" / "results.json").read_text())
     assert sim["runs"][0]["runner"] == "sim" and sim["runs"][0]["deployment"] == "DP1 TP8 PCP1 DCP8"
     assert sim["workload"]["sessions"] == 8 and sim["config"]["deploy"]["dcp_comm_backend"] == "a2a"
+    # every entry records the revision the run started from (pinned: experiments.common.pin_revision), and
+    # the pin ends with the run
+    assert sim["git_revision"] == sim["runs"][0]["git_revision"] == res["git_revision"]
+    assert common._PINNED_REVISION is None and res["git_revision"].startswith(git_revision()[:40])
     report = (tmp_path / "report.md").read_text()
     for i in only:
         assert f"## {i}" in report
