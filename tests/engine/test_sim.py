@@ -385,8 +385,8 @@ def test_hisparse_prices_verify_rows_as_hot_buffer_reads_and_chunks_as_staged_ro
     """Under MTP a verify row (its last token and drafts) over host-only pages is a decode row: it is priced
     as hot-buffer misses, not as a prefill chunk staging rows; a chunk over host-only pages stages, one
     of a single token without a hot-buffer lease too (the simulator's cut of a P/D decode leg's prompt to
-    its last token), where a one-token row with a lease reads through the hot buffer. (The committed part1_mtp3_1m sweep first ran with verify rows priced as
-    chunks: 1.1e9 staged rows.)"""
+    its last token), where a one-token row with a lease reads through the hot buffer. (The committed
+    part1_mtp3_1m sweep first ran with verify rows priced as chunks: 1.1e9 staged rows.)"""
     from kvcache.policies.hisparse import HiSparseRow
 
     mtp = {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
