@@ -12,7 +12,10 @@ clock, coupled as the PdConnector couples a prefill server and a decode server (
   its original arrival time (so TTFT and end-to-end rates cover both legs and the hand-off);
 - the decode engine's admission finds its own device and host hits first, then loads the rest from the
   "pd" tier on that tier's read channel (the network: glm53.perfmodel.RDMA_CX7 by default) into its
-  host tier or HiSparse's host pool, and computes what is left.
+  host tier or HiSparse's host pool, and computes what is left;
+- the chunks put for a request are held for it until its first admission (`SimTier.put`'s holder), as
+  the producer leases them until its consumer reads them: a later admission (after a preemption) or
+  another request finds them only where it was handed them itself.
 Each engine runs at its own pace. The events (a step of an engine with work, starting at its clock; a
 request delivered to an engine at its time) are processed in time order, deliveries first on a tie. An
 idle engine's clock jumps to the time of the work it is given. The producer's "pd" tier costs nothing
@@ -42,7 +45,7 @@ import operator
 from glm53.engine.config import DeployConfig
 from glm53.engine.engine import Engine
 from glm53.engine.metrics import summarize
-from glm53.engine.request import SamplingParams
+from glm53.engine.request import SamplingParams, Status
 from glm53.model import as_token_array
 from glm53.perfmodel.hardware import STORAGE, StorageSpec
 from kvcache.relayout import page_parts
@@ -158,6 +161,7 @@ class PdPair:
         self._req: dict[str, tuple] = {}  # req_id -> (prompt, params, salt, arrival)
         self.handed_tokens = 0  # prompt tokens whose chunks the producer held at hand-off ("loaded": all of them)
         self.handoff_s: list[float] = []  # per request: hand-off time - client arrival
+        self._holding: dict[str, object] = {}  # decode request not admitted yet -> the "pd" tier holding its chunks
         self.decode_prompt = decode_prompt
         self._loaded: dict[str, int] | None = None  # decode_prompt="loaded": SimRunner.loaded_prompt, shared
         if decode_prompt == "loaded":
@@ -223,6 +227,7 @@ class PdPair:
                     self.before_step(self.decode, self.prefill)
                 out = self.decode.step()
                 self.clock.t = self.decode.clock.now()
+                self._release_admitted()
                 return out
 
     def _catch_up(self, eng: Engine, t: float) -> None:
@@ -242,6 +247,14 @@ class PdPair:
         for rid in [r for r in self._parking if self.prefill.parked(r)]:
             del self._parking[rid]
             heapq.heappush(self._to_decode, (now, next(self._seq), rid))
+
+    def _release_admitted(self) -> None:
+        """Release the chunks put for each decode request its engine has admitted since (running, finished,
+        or preempted within the step that admitted it)."""
+        reqs = self.decode.requests
+        for rid in [r for r in self._holding
+                    if r not in reqs or reqs[r].status is not Status.WAITING or reqs[r].num_preemptions]:
+            self._holding.pop(rid).release(rid)
 
     def _deliver_decode(self, t: float, _seq: int, rid: str) -> None:
         prompt, params, salt, arrival = self._req.pop(rid)
@@ -277,7 +290,8 @@ class PdPair:
             chunks = self._relaid(rid, handed, partial=loaded)
         if self._loaded is not None:
             handed = self._loaded[rid] = len(prompt) - 1 if whole else handed
-        tier.put(chunks)
+        tier.put(chunks, holder=rid)
+        self._holding[rid] = tier
         self.handed_tokens += handed
         self.handoff_s.append(t - arrival)
 

@@ -18,7 +18,13 @@ Semantics (the filesystem tier's, kvcache.tiers.fs, less the bytes):
   "ok" if the tier still holds it then (it becomes the most recently used), else "miss" (evicted
   meanwhile). A chunk it does not hold costs nothing and is a "miss".
 - Capacity: past `max_bytes` (None: unbounded) the least recently used chunks are dropped as a store
-  lands, never the one that just landed (fs: LRU over the files it knows).
+  lands, never the one that just landed nor one a holder holds (fs: LRU over the files it knows).
+- put(chunks, holder): chunks someone else wrote (a P/D producer's, which the consumer's peer tier reads)
+  become HITs at once. With a holder (the request they were handed over for) they are held until
+  `release(holder)` and then dropped, unless another holder still holds them or this tier's own store
+  (or a put without a holder) wrote them too: what a producer leases for a request is there until that
+  request takes it, not for every later request (the real consumer's peer tier asks its producer, whose
+  store evicts; vLLM's producer frees a request's blocks once its consumer has read them).
 - get_finished_jobs(): the jobs finished by clock(), in completion order.
 
 The cost model: one write channel and one read channel (the filesystem tier's separate writer and
@@ -108,6 +114,9 @@ class SimTier:
         self.reads = _Channel(costs.read_bytes_per_s, costs.read_latency_s)
         self._held: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> bytes, LRU first
         self._bytes = 0
+        self._holds: dict[object, list[bytes]] = {}  # holder -> the keys put for it (`put`), until released
+        self._pinned: collections.Counter[bytes] = collections.Counter()  # key -> holders holding it
+        self._kept: set[bytes] = set()  # keys held whatever the holders: stored here, or put with no holder
         self._inflight: collections.Counter[bytes] = collections.Counter()  # keys being written
         # (time, seq, kind, data): chunk landings ("land": (key, size)) and job completions ("store" /
         # "load": (job, submitted at, sizes)), processed in time order as the clock passes them
@@ -132,6 +141,7 @@ class SimTier:
         for key, payload in zip(job.keys, job.payloads):
             if key in self._held and not self._inflight[key]:  # held: not written again (the fs tier's check)
                 self._held.move_to_end(key)
+                self._kept.add(key)  # but now its own, whatever a holder releases
                 continue
             size = _size(payload)
             lands = self.writes.schedule(now, size)
@@ -192,28 +202,56 @@ class SimTier:
         n = self._held.pop(key, None)
         if n is None:
             return False
+        self._kept.discard(key)
         self._bytes -= n
         self._version += 1
         return True
 
-    def put(self, chunks) -> None:
+    def put(self, chunks, holder=None) -> None:
         """Hold `chunks` ((key, bytes) pairs) now, written by someone else: a P/D producer's chunks, which
         this tier (the consumer's peer tier) then reads on its read channel. Each becomes a HIT at once,
-        the most recently used; capacity as for a landing store."""
+        the most recently used; capacity as for a landing store. holder: hold them only until
+        `release(holder)` (the module docstring); None: for good."""
         self._advance()
         held, added = self._held, 0
+        chunks = list(chunks)
         for key, size in chunks:
             if key in held:
                 held.move_to_end(key)
             else:  # (a new key is the most recent already)
                 held[key] = size
                 added += size
+        if holder is None:
+            self._kept.update(key for key, _ in chunks)
+        else:
+            keys = [key for key, _ in chunks]
+            self._holds.setdefault(holder, []).extend(keys)
+            self._pinned.update(keys)
         self._bytes += added
         self._version += 1
-        while self.max_bytes is not None and self._bytes > self.max_bytes and len(self._held) > 1:
-            _, n = self._held.popitem(last=False)
-            self._bytes -= n
-            self.stats.evicted_chunks += 1
+        self._evict()
+
+    def release(self, holder) -> int:
+        """`holder` no longer needs what was put for it: each of those chunks no other holder holds and
+        nothing else wrote is dropped now -> the chunks dropped."""
+        self._advance()
+        dropped = 0
+        for key in self._holds.pop(holder, ()):
+            self._pinned[key] -= 1
+            if self._pinned[key]:
+                continue
+            del self._pinned[key]
+            if key not in self._kept and (n := self._held.pop(key, None)) is not None:
+                self._bytes -= n
+                dropped += 1
+        if dropped:
+            self._version += 1
+        return dropped
+
+    @property
+    def holders(self) -> int:
+        """Holders whose chunks are held (`put` with a holder, not yet released)."""
+        return len(self._holds)
 
     def keys(self) -> list[bytes]:
         self._advance()
@@ -235,6 +273,24 @@ class SimTier:
         return self._held.keys()
 
     # ---------------------------------------------------------------------------------------- inside
+    def _evict(self) -> None:
+        """Past max_bytes, drop the least recently used chunks that no holder holds, never the most recent."""
+        if self.max_bytes is None or self._bytes <= self.max_bytes:
+            return
+        held, pinned = self._held, self._pinned
+        victims = []
+        over = self._bytes - self.max_bytes
+        for key in itertools.islice(held, len(held) - 1):  # LRU first, the most recent spared
+            if over <= 0:
+                break
+            if not pinned[key]:
+                victims.append(key)
+                over -= held[key]
+        for key in victims:
+            self._bytes -= held.pop(key)
+            self._kept.discard(key)
+            self.stats.evicted_chunks += 1
+
     def _push(self, t: float, kind: str, data) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, data))
 
@@ -256,10 +312,8 @@ class SimTier:
                     self.stats.stored_chunks += 1
                     self.stats.store_bytes += size
                 self._held.move_to_end(key)
-                while self.max_bytes is not None and self._bytes > self.max_bytes and len(self._held) > 1:
-                    _, n = self._held.popitem(last=False)
-                    self._bytes -= n
-                    self.stats.evicted_chunks += 1
+                self._kept.add(key)
+                self._evict()
             elif kind == "store":
                 job_id, submitted, n = data
                 self.stats.store_latency.observe(t - submitted)

@@ -26,7 +26,9 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
     extra = dict(hisparse_host_pool_bytes=1 << 26, cpu_offload_bytes=1 << 24) if decode == "hisparse" else \
         dict(cpu_offload_bytes=1 << 26)
     dec = DeployConfig(**COMMON, block_size=PAGE, data_parallel_size=2, kv_policy=decode, **extra)
-    pair = build_pd(CFG, PREFILL, dec)
+    held = []  # before each step: the requests whose hand-off chunks the decode ranks' "pd" tiers hold
+    pair = build_pd(CFG, PREFILL, dec, before_step=lambda *_: held.append(sum(
+        pair.decode.pd_tier(i).holders for i in range(2))))
     sessions = workloads.openhands_sessions(6, scale=1 / 128, turns=4)
     client = workloads.ClosedLoopClient(pair, sessions, 3, vocab_size=CFG.vocab_size, salt_prefix="user:",
                                         make_params=lambda n: SamplingParams(max_new_tokens=n), max_model_len=1024)
@@ -42,6 +44,11 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
         # both legs hold one read-only prompt (an hour at Part 2's c64 otherwise keeps ~7 GB of copies)
         assert d.prompt_ids is p.prompt_ids and not d.prompt_ids.flags.writeable
         local += full
+    # each request's chunks were held for it until its admission (its producer's lease), then let go
+    for i in range(2):
+        tier = pair.decode.pd_tier(i)
+        assert tier.holders == 0 and all(k in tier._kept for k in tier.keys())
+    assert max(held) > 0
     m = pair.metrics(res.request_ids)
     # what the decode engine did not hold itself came from the producer, and nothing else did
     assert 0 < m["pd_received_tokens"] <= m["pd_handed_tokens"]

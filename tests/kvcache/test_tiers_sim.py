@@ -98,6 +98,28 @@ def test_capacity_evicts_least_recently_used_but_never_the_chunk_that_just_lande
     assert tier.stats.evicted_chunks == 4
 
 
+def test_chunks_put_for_a_holder_stay_until_it_releases_them_unless_something_else_keeps_them():
+    """A P/D producer's chunks put for a request are HITs until that request releases them; a chunk
+    another holder still holds, or that the tier's own store or a put without a holder wrote, stays; a
+    held chunk is never evicted, and once released it is evictable like any other."""
+    clock = Clock()
+    tier = _tier(clock, max_bytes=300)
+    tier.put([(_key(0), 100), (_key(1), 100)], holder="a")
+    tier.put([(_key(1), 100), (_key(2), 100)], holder="b")
+    tier.submit_store(StoreJob(1, (_key(2),), (100,)))  # lands at once (INSTANT): the tier's own too
+    assert tier.holders == 2 and tier.held_bytes == 300
+    assert tier.release("a") == 1  # key 0 goes; key 1 is b's too
+    assert tier.lookup(_key(0)) is Lookup.MISS and tier.lookup(_key(1)) is Lookup.HIT and tier.holders == 1
+    # over capacity, only what no holder holds is evicted: key 3 (kept, unheld) goes before held key 1
+    tier.put([(_key(3), 100)])
+    tier.put([(_key(4), 100)])
+    assert tier.lookup(_key(1)) is Lookup.HIT and tier.lookup(_key(3)) is Lookup.MISS
+    assert tier.stats.evicted_chunks == 1
+    assert tier.release("b") == 1  # key 1 goes; key 2 stays (its own store wrote it)
+    assert sorted(tier.keys()) == [_key(2), _key(4)] and tier.held_bytes == 200 and tier.holders == 0
+    assert tier.release("b") == 0  # nothing twice
+
+
 def test_shutdown_finishes_pending_stores_or_drops_them():
     clock = Clock()
     slow = _tier(clock, write_bytes_per_s=1.0)
