@@ -25,8 +25,10 @@ def cpu_name() -> str:
 # XLA:CPU maps memory regions for every loaded executable (about 3 per compiled kernel) and keeps them
 # while JAX's caches hold it; a long-lived process (an xdist worker, a long sweep) compiles thousands of
 # programs and crosses the kernel's vm.max_map_count (65,530 here), after which XLA segfaults or aborts inside a compile
-# ("LLVM compilation error: Cannot allocate memory"; docs/testing.md).
+# ("LLVM compilation error: Cannot allocate memory"; docs/testing.md). A sweep drops them between points
+# past MAX_MAPS, or past MAPS_SHARE of a higher limit (`sweep_map_budget`).
 MAX_MAPS = 20_000
+MAPS_SHARE = 0.3
 
 # XLA:CPU with LLVM at -O0 and without its expensive passes: compiles about a quarter faster (more under
 # 16 simulated devices) and runs tiny programs about as fast; the test suite and the tests' subprocesses
@@ -51,6 +53,15 @@ def compile_flags(xla_flags: str) -> str:
     """`xla_flags` (an XLA_FLAGS value) without the simulated device count: the flags that decide how
     programs compile (a CPU spec fitted under them prices programs compiled under them)."""
     return " ".join(f for f in xla_flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+
+
+def sweep_map_budget() -> int:
+    """The mappings a sweep process may hold before it drops JAX's caches between points: MAX_MAPS, or
+    MAPS_SHARE of vm.max_map_count where that is more (a machine whose limit was raised keeps a sweep's
+    warmed programs; a point compiles at most some tens of thousands more)."""
+    from glm53.engine.runner.compilation import max_map_count  # imports JAX: not before the caller's XLA_FLAGS
+
+    return max(MAX_MAPS, int(MAPS_SHARE * (max_map_count() or 0)))
 
 
 def bound_memory_maps(limit: int = MAX_MAPS) -> bool:

@@ -42,7 +42,7 @@ from ml_collections import ConfigDict
 from tqdm import tqdm
 
 from experiments import workloads
-from experiments.common import REPO, bound_memory_maps, cpu_name, git_revision, load_config
+from experiments.common import REPO, bound_memory_maps, cpu_name, git_revision, load_config, sweep_map_budget
 from kvcache.layout import block_bytes, runner_block_bytes
 
 
@@ -545,7 +545,12 @@ def main(argv=None) -> dict:
         if (policy, conc) in done:
             continue
         # a long sweep compiles thousands of programs: past vm.max_map_count XLA:CPU aborts a compile
-        bound_memory_maps()
+        if bound_memory_maps(sweep_map_budget()) and cfg.warmup == "buckets" and not simulated(cfg):
+            # the programs the warm-up compiled went with the caches: compile them again (from the disk
+            # cache when it has them), so that the measured run compiles nothing
+            print(f"  dropped JAX's caches before {policy} c={conc} (past {sweep_map_budget():,} memory "
+                  "mappings): warming the bucket shapes up again", flush=True)
+            warmup_s += warm_up(model, cfg)
         if cfg.warmup == "replay" and not simulated(cfg):  # a simulated run compiles nothing
             t0 = time.perf_counter()
             run_one(model, cfg, policy, conc, progress=False)

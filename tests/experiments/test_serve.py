@@ -210,6 +210,36 @@ def test_resume_takes_a_file_from_before_a_knob_added_at_its_default(tmp_path):
     assert [r["kv_policy"] for r in serve._resumed(path, cfg)] == ["preempt"]
 
 
+def test_a_sweep_that_drops_jaxs_caches_warms_its_buckets_up_again(tmp_path, monkeypatch):
+    """warmup="buckets" compiles every program before the first point; a point before which the sweep drops
+    JAX's caches (past its memory-map budget) finds none of them, so the sweep warms up again first, and
+    the time counts as warm-up. A budget of a third of a raised vm.max_map_count keeps them longer."""
+    from experiments import common, serve
+
+    calls = []
+    monkeypatch.setattr(serve, "warm_up", lambda model, cfg: calls.append("warm_up") or 2.0)
+    dropped = iter([False, True, False])  # the caches go before the second point only
+    monkeypatch.setattr(serve, "bound_memory_maps", lambda limit: calls.append(("bound", limit)) or next(dropped))
+
+    def run_one(model, cfg, policy, conc, **kw):
+        calls.append((policy, conc))
+        return dict(kv_policy=policy, concurrency=conc, throughput_tok_s_per_device=1.0, interactivity_tok_s_user=1.0,
+                    ttft_median_s=0.0, running_requests_mean=1.0, preemptions=0, prefix_hit_rate=0.0)
+
+    monkeypatch.setattr(serve, "run_one", run_one)
+    res = serve.main(["--out", str(tmp_path), "--no-progress", "--compile-cache", "", "--config.model.layers=1",
+                      "--config.warmup=buckets", "--config.sweep.kv_policy=('preempt', 'swap', 'offload')",
+                      "--config.sweep.concurrency=(1,)"])
+    budget = common.sweep_map_budget()
+    assert calls == ["warm_up", ("bound", budget), ("preempt", 1), ("bound", budget), "warm_up", ("swap", 1),
+                     ("bound", budget), ("offload", 1)]
+    assert res["warmup_s"] == 4.0
+    monkeypatch.setattr("glm53.engine.runner.compilation.max_map_count", lambda: 262_144)
+    assert common.sweep_map_budget() == 78_643
+    monkeypatch.setattr("glm53.engine.runner.compilation.max_map_count", lambda: 65_530)
+    assert common.sweep_map_budget() == common.MAX_MAPS == 20_000
+
+
 def test_step_mix_splits_the_steps_of_a_window_by_what_they_carry():
     """step_mix on a hand-built timeline (start, running, waiting, free blocks, end, prefill tokens): the
     steps starting inside the window, decode-only (0 prefill tokens) apart from prefill-carrying ones."""
