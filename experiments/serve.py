@@ -89,14 +89,15 @@ def default_config() -> ConfigDict:
     # glm53.perfmodel.HARDWARE) on a virtual clock; step_overhead_s and hisparse_miss_fraction are the
     # simulator's assumptions (glm53.engine.sim)
     # tier_bandwidth_scale: multiplies the read and write bandwidth of every simulated secondary tier's medium
-    # (glm53.perfmodel.STORAGE; "fs": one NVMe SSD), for asking how fast the storage must be
+    # (glm53.perfmodel.STORAGE; "fs": one NVMe SSD), for asking how fast the storage must be; tier_latency_scale
+    # its fixed time per chunk (0: none; the P/D connector's 20 us a chunk on "p2p" is assumed)
     # expert_load_imbalance: the busiest EP rank's routed tokens over the mean (1.0: balanced; glm53.engine.sim)
     # host_copy_overlap: the fraction of a step's host <-> device KV copies hidden behind its forward (0: serial)
     # dp_pacing: how DP x EP ranks are priced, "lockstep" (this project's engine: one forward per width on
     # every rank's padded rows) or "vllm" (vLLM on Hopper: each rank its own forward, experts on real tokens)
     c.runner = ConfigDict(dict(kind="model", hardware="h200", step_overhead_s=0.0, hisparse_miss_fraction=0.1,
-                               tier_bandwidth_scale=1.0, expert_load_imbalance=1.0, host_copy_overlap=0.0,
-                               dp_pacing="lockstep"))
+                               tier_bandwidth_scale=1.0, tier_latency_scale=1.0, expert_load_imbalance=1.0,
+                               host_copy_overlap=0.0, dp_pacing="lockstep"))
     # "replay": serve each sweep point once untimed first (the schedule is deterministic without think
     # time, so the measured run reuses its programs); "buckets": compile every bucket shape up front
     # (exact, slower: rows x widths x windows programs); "none": compile as they go
@@ -202,14 +203,18 @@ def _engine(model, cfg: ConfigDict, kv_policy: str, tier_root: str = ""):
 
 def _tier_storage(cfg: ConfigDict) -> dict:
     """The media of the simulated secondary tiers: glm53.perfmodel.STORAGE, bandwidths times
-    runner.tier_bandwidth_scale."""
+    runner.tier_bandwidth_scale and fixed times per chunk times runner.tier_latency_scale."""
     from glm53.perfmodel import STORAGE
 
     scale = cfg.runner.get("tier_bandwidth_scale", 1.0)
     if not scale > 0:
         raise ValueError(f"runner.tier_bandwidth_scale must be > 0, got {scale!r}")
-    return {kind: dataclasses.replace(m, read_bandwidth=m.read_bandwidth * scale,
-                                      write_bandwidth=m.write_bandwidth * scale) for kind, m in STORAGE.items()}
+    late = cfg.runner.get("tier_latency_scale", 1.0)
+    if not late >= 0:
+        raise ValueError(f"runner.tier_latency_scale must be >= 0, got {late!r}")
+    return {kind: dataclasses.replace(m, read_bandwidth=m.read_bandwidth * scale, write_bandwidth=m.write_bandwidth * scale,
+                                      read_latency_s=m.read_latency_s * late, write_latency_s=m.write_latency_s * late)
+            for kind, m in STORAGE.items()}
 
 
 def _deploy(cfg: ConfigDict, kv_policy: str, tier_root: str = "", own: dict | None = None):

@@ -252,3 +252,25 @@ def test_step_mix_splits_the_steps_of_a_window_by_what_they_carry():
     assert whole["decode_only"] == {"steps": 3, "mean_s": 1.25 / 3, "time_s": 1.25}
     assert serve.step_mix(timeline, (5.0, 6.0))["with_prefill"] == {"steps": 0, "mean_s": None, "time_s": 0,
                                                                    "prefill_tokens_mean": None}
+
+
+def test_the_tiers_media_scale_their_bandwidth_and_fixed_time_per_chunk():
+    """runner.tier_bandwidth_scale multiplies every simulated tier medium's bandwidths, tier_latency_scale its
+    fixed times per chunk (0: none): the P/D connector's assumed 20 us a chunk is swept this way."""
+    from experiments import serve
+    from glm53.perfmodel import STORAGE
+
+    cfg = serve.default_config()
+    cfg.runner.tier_bandwidth_scale, cfg.runner.tier_latency_scale = 0.5, 10.0
+    media = serve._tier_storage(cfg)
+    assert set(media) == set(STORAGE)
+    for kind, m in media.items():
+        assert m.read_bandwidth == STORAGE[kind].read_bandwidth * 0.5
+        assert m.read_latency_s == pytest.approx(STORAGE[kind].read_latency_s * 10)
+        assert m.write_latency_s == pytest.approx(STORAGE[kind].write_latency_s * 10)
+    assert media["p2p"].read_latency_s == pytest.approx(200e-6)
+    cfg.runner.tier_latency_scale = 0.0
+    assert serve._tier_storage(cfg)["p2p"].read_latency_s == 0.0
+    cfg.runner.tier_latency_scale = -1.0
+    with pytest.raises(ValueError, match="tier_latency_scale must be >= 0"):
+        serve._tier_storage(cfg)
