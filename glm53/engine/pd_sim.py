@@ -14,8 +14,9 @@ clock, coupled as the PdConnector couples a prefill server and a decode server (
   "pd" tier on that tier's read channel (the network: glm53.perfmodel.RDMA_CX7 by default) into its
   host tier or HiSparse's host pool, and computes what is left;
 - the chunks put for a request are held for it until its first admission (`SimTier.put`'s holder), as
-  the producer leases them until its consumer reads them: a later admission (after a preemption) or
-  another request finds them only where it was handed them itself.
+  the producer leases them until its consumer reads them; another request on the replica may load them
+  meanwhile, but after that admission (a re-admission after a preemption included) only what was
+  handed over again, or what the replica stored itself, is there.
 Each engine runs at its own pace. The events (a step of an engine with work, starting at its clock; a
 request delivered to an engine at its time) are processed in time order, deliveries first on a tie. An
 idle engine's clock jumps to the time of the work it is given. The producer's "pd" tier costs nothing
@@ -225,9 +226,11 @@ class PdPair:
             else:
                 if self.before_step is not None:
                     self.before_step(self.decode, self.prefill)
-                out = self.decode.step()
+                try:
+                    out = self.decode.step()
+                finally:  # a step that failed its requests finished them: their holds go too
+                    self._release_admitted()
                 self.clock.t = self.decode.clock.now()
-                self._release_admitted()
                 return out
 
     def _catch_up(self, eng: Engine, t: float) -> None:

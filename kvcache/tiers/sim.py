@@ -22,9 +22,9 @@ Semantics (the filesystem tier's, kvcache.tiers.fs, less the bytes):
 - put(chunks, holder): chunks someone else wrote (a P/D producer's, which the consumer's peer tier reads)
   become HITs at once. With a holder (the request they were handed over for) they are held until
   `release(holder)` and then dropped, unless another holder still holds them or this tier's own store
-  (or a put without a holder) wrote them too: what a producer leases for a request is there until that
-  request takes it, not for every later request (the real consumer's peer tier asks its producer, whose
-  store evicts; vLLM's producer frees a request's blocks once its consumer has read them).
+  (or a put without a holder) wrote them too: what a producer leases for a request stays until that
+  request takes it, and any lookup may hit it meanwhile (as the real producer answers any lookup), but
+  not after (vLLM's producer frees a request's blocks once its consumer has read them).
 - get_finished_jobs(): the jobs finished by clock(), in completion order.
 
 The cost model: one write channel and one read channel (the filesystem tier's separate writer and
@@ -246,6 +246,7 @@ class SimTier:
                 dropped += 1
         if dropped:
             self._version += 1
+        self._evict()  # what the holder kept from eviction may now go
         return dropped
 
     @property

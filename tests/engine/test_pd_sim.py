@@ -27,8 +27,18 @@ def test_pd_pair_serves_a_closed_loop_with_the_prompts_kv_from_the_producer(deco
         dict(cpu_offload_bytes=1 << 26)
     dec = DeployConfig(**COMMON, block_size=PAGE, data_parallel_size=2, kv_policy=decode, **extra)
     held = []  # before each step: the requests whose hand-off chunks the decode ranks' "pd" tiers hold
-    pair = build_pd(CFG, PREFILL, dec, before_step=lambda *_: held.append(sum(
-        pair.decode.pd_tier(i).holders for i in range(2))))
+
+    def holds_only_the_unadmitted(*_):
+        # a request's chunks are held from its hand-off until the decode engine admits it, never after
+        reqs = pair.decode.requests
+        holders = {h for i in range(2) for h in pair.decode.pd_tier(i)._holds}
+        assert holders == set(pair._holding)
+        assert all(reqs[r].status.name == "WAITING" and not reqs[r].num_preemptions for r in holders)
+        assert not holders & {r for r, q in reqs.items() if q.status.name != "WAITING"}
+        assert not holders & set(pair.decode.finished)
+        held.append(len(holders))
+
+    pair = build_pd(CFG, PREFILL, dec, before_step=holds_only_the_unadmitted)
     sessions = workloads.openhands_sessions(6, scale=1 / 128, turns=4)
     client = workloads.ClosedLoopClient(pair, sessions, 3, vocab_size=CFG.vocab_size, salt_prefix="user:",
                                         make_params=lambda n: SamplingParams(max_new_tokens=n), max_model_len=1024)

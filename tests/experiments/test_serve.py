@@ -227,6 +227,7 @@ def test_a_sweep_that_drops_jaxs_caches_warms_its_buckets_up_again(tmp_path, mon
                     ttft_median_s=0.0, running_requests_mean=1.0, preemptions=0, prefix_hit_rate=0.0)
 
     monkeypatch.setattr(serve, "run_one", run_one)
+    monkeypatch.setattr(serve, "_model", lambda model_cfg, weights=True: (None, "no model: run_one is replaced"))
     res = serve.main(["--out", str(tmp_path), "--no-progress", "--compile-cache", "", "--config.model.layers=1",
                       "--config.warmup=buckets", "--config.sweep.kv_policy=('preempt', 'swap', 'offload')",
                       "--config.sweep.concurrency=(1,)"])

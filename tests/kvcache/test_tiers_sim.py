@@ -118,6 +118,12 @@ def test_chunks_put_for_a_holder_stay_until_it_releases_them_unless_something_el
     assert tier.release("b") == 1  # key 1 goes; key 2 stays (its own store wrote it)
     assert sorted(tier.keys()) == [_key(2), _key(4)] and tier.held_bytes == 200 and tier.holders == 0
     assert tier.release("b") == 0  # nothing twice
+    # a put without a holder keeps a chunk a holder had; a chunk discarded meanwhile is not dropped twice
+    tier.put([(_key(5), 100)], holder="c")
+    tier.put([(_key(5), 100), (_key(6), 100)], holder="d")
+    tier.put([(_key(5), 100)])
+    assert tier.discard(_key(6)) and tier.release("c") == 0 and tier.release("d") == 0
+    assert _key(5) in tier and _key(6) not in tier and tier.held_bytes == 100 * len(tier.keys())
 
 
 def test_shutdown_finishes_pending_stores_or_drops_them():
