@@ -546,14 +546,15 @@ def main(argv=None) -> dict:
 
     runs = _resumed(out / "results.json", cfg) if args.resume else []
     done = {(r["kv_policy"], r["concurrency"]) for r in runs}
+    map_budget = sweep_map_budget()
     for policy, conc in planned:
         if (policy, conc) in done:
             continue
         # a long sweep compiles thousands of programs: past vm.max_map_count XLA:CPU aborts a compile
-        if bound_memory_maps(sweep_map_budget()) and cfg.warmup == "buckets" and not simulated(cfg):
+        if bound_memory_maps(map_budget) and cfg.warmup == "buckets" and not simulated(cfg):
             # the programs the warm-up compiled went with the caches: compile them again (from the disk
             # cache when it has them), so that the measured run compiles nothing
-            print(f"  dropped JAX's caches before {policy} c={conc} (past {sweep_map_budget():,} memory "
+            print(f"  dropped JAX's caches before {policy} c={conc} (past {map_budget:,} memory "
                   "mappings): warming the bucket shapes up again", flush=True)
             warmup_s += warm_up(model, cfg)
         if cfg.warmup == "replay" and not simulated(cfg):  # a simulated run compiles nothing

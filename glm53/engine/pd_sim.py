@@ -252,11 +252,10 @@ class PdPair:
             heapq.heappush(self._to_decode, (now, next(self._seq), rid))
 
     def _release_admitted(self) -> None:
-        """Release the chunks put for each decode request its engine has admitted since (running, finished,
-        or preempted within the step that admitted it)."""
+        """Release the chunks put for each decode request its engine has admitted since (running or
+        finished; the scheduler preempts nothing in a step that admits)."""
         reqs = self.decode.requests
-        for rid in [r for r in self._holding
-                    if r not in reqs or reqs[r].status is not Status.WAITING or reqs[r].num_preemptions]:
+        for rid in [r for r in self._holding if r not in reqs or reqs[r].status is not Status.WAITING]:
             self._holding.pop(rid).release(rid)
 
     def _deliver_decode(self, t: float, _seq: int, rid: str) -> None:
